@@ -1,0 +1,61 @@
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "hpmoe/config.hpp"
+#include "hpmoe/routing.hpp"
+#include "hpmoe/tensors.hpp"
+
+namespace hpmoe {
+
+struct ExecutorOptions {
+  int workers_per_rank = 1;  // W
+  bool backward = false;
+  bool pin = true;
+};
+
+// Wall time of one bulk-synchronous operator (all ranks, all workers).
+struct OperatorTime {
+  std::string name;
+  double seconds = 0;
+};
+
+struct StepResult {
+  Matrix out;                      // [P T, H]
+  LayerGradients grads;            // filled when backward
+  RouterOutput<float> routing;     // what the fast path routed
+  std::vector<OperatorTime> forward_ops;
+  std::vector<OperatorTime> backward_ops;
+  double router_seconds = 0;       // router GEMM and top-k: before dispatch
+  double dispatch_to_combine_seconds = 0;  // forward, dispatch through combine
+  double backward_seconds = 0;
+};
+
+// The layer the way frameworks run it today: one operator at a time (permute,
+// all-to-all, grouped GEMM, SwiGLU, grouped GEMM, all-to-all, un-permute +
+// weighted sum), each a bulk-synchronous step across the P x W workers. Ranks
+// own their experts, tokens and buffers and exchange data only in the
+// all-to-all operators. Each output tile is computed whole by one worker, so
+// results do not depend on W and repeat bit for bit.
+class SerializedExecutor {
+ public:
+  // Packs the weights once (bf16 VNNI, transposes for backward).
+  SerializedExecutor(const LayerConfig&, const LayerWeights&, ExecutorOptions);
+  ~SerializedExecutor();
+  SerializedExecutor(const SerializedExecutor&) = delete;
+  SerializedExecutor& operator=(const SerializedExecutor&) = delete;
+
+  // One training step (forward, and backward when asked). `forced` replaces
+  // the router's expert choice (synthetic or trace routing); empty: router.
+  StepResult step(const LayerInputs&, std::span<const std::int32_t> forced = {});
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace hpmoe

@@ -1,0 +1,92 @@
+#pragma once
+#include <cstdint>
+#include <nlohmann/json_fwd.hpp>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace hpmoe {
+
+enum class Scoring { softmax, sigmoid };
+enum class DType { fp32, bf16 };           // bf16: bf16 storage, fp32 accumulation
+enum class DropPolicy { probs, position };  // which tokens a full expert drops (Megatron-Core)
+
+std::string to_string(Scoring);
+std::string to_string(DType);
+std::string to_string(DropPolicy);
+
+// One expert-parallel MoE FFN layer and how it is run: sizes, router, balancing
+// terms and the expert-parallel layout. A plain value; validate() says whether
+// it describes a layer that can exist.
+struct LayerConfig {
+  std::string name = "custom";
+
+  // Sizes.
+  std::int64_t hidden = 0;              // H
+  std::int64_t expert_inter = 0;        // I, per routed expert
+  std::int64_t routed_experts = 0;      // E
+  std::int64_t shared_experts = 0;      // fused into one MLP of shared_experts * shared_inter
+  std::int64_t shared_inter = 0;        // per shared expert; 0 means expert_inter
+  std::int64_t top_k = 0;               // K
+
+  // Router.
+  Scoring scoring = Scoring::softmax;
+  std::int64_t groups = 1;              // group-limited routing: expert groups ...
+  std::int64_t groups_kept = 1;         // ... and how many a token may use
+  bool normalize_topk = false;          // divide the K weights by their sum
+  double route_scale = 1.0;             // multiply the K weights
+
+  // Capacity: 0 means dropless. Otherwise each expert takes at most
+  // ceil(factor * T * K / E) of a rank's assignments, dropping the rest.
+  double capacity_factor = 0.0;
+  DropPolicy drop_policy = DropPolicy::probs;
+
+  // Training-time balancing.
+  double aux_loss_coef = 0.0;           // Switch/GShard load-balancing loss
+  double z_loss_coef = 0.0;             // router z-loss
+  bool expert_bias = false;             // DeepSeek-V3 aux-loss-free bias (selection only)
+  double bias_update_rate = 0.001;      // bias += rate * sign(mean load - load)
+
+  // Expert-parallel run layout.
+  std::int64_t tokens_per_rank = 0;     // T
+  std::int64_t ranks = 1;               // P (expert-parallel degree)
+  DType dtype = DType::fp32;
+
+  std::int64_t local_experts() const { return routed_experts / ranks; }
+  std::int64_t shared_inter_total() const {
+    return shared_experts * (shared_inter > 0 ? shared_inter : expert_inter);
+  }
+  std::int64_t total_tokens() const { return tokens_per_rank * ranks; }
+  // Capacity per (rank, expert); -1 when dropless.
+  std::int64_t expert_capacity() const;
+
+  // Throws Error naming the first field that makes the layer impossible.
+  void validate() const;
+
+  // Sets one field from text, as `--set field=value` does. Throws Error on an
+  // unknown field or a value that does not parse.
+  void set(std::string_view field, std::string_view value);
+
+  // FLOPs of one forward pass of routed + shared experts and router, whole layer.
+  double forward_flops() const;
+};
+
+// Every field name set() understands, for help texts.
+std::vector<std::string> config_fields();
+
+nlohmann::json to_json(const LayerConfig&);
+// hpmoe's own format (the output of to_json); unknown keys are errors.
+LayerConfig config_from_json(const nlohmann::json&);
+
+std::vector<std::string> preset_names();
+LayerConfig preset(std::string_view name);  // Error lists the presets
+
+// Reads a layer description from a file: hpmoe's own JSON, a Hugging Face
+// style config.json (hidden_size, moe_intermediate_size, ...), or a DeepSeek
+// inference config (dim, moe_inter_dim, ...). The format is detected from the
+// keys. tokens_per_rank and ranks keep the defaults of `base`.
+LayerConfig load_config_file(const std::string& path, const LayerConfig& base);
+LayerConfig config_from_model_json(const nlohmann::json&, const LayerConfig& base,
+                                   const std::string& source);
+
+}  // namespace hpmoe

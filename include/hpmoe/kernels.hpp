@@ -1,0 +1,81 @@
+#pragma once
+#include <cstdint>
+
+#include "hpmoe/bf16.hpp"
+
+// Tile kernels shared by every executor, so that comparisons between
+// executors measure scheduling, not kernels.
+namespace hpmoe::kernels {
+
+// Tile sizes of the expert GEMMs: output tiles of kTileRows x kTileCols,
+// with K consumed in blocks of kBlockK by libxsmm's batch-reduce kernel
+// (libxsmm does not block over K itself).
+inline constexpr std::int64_t kTileRows = 64;
+inline constexpr std::int64_t kTileCols = 64;
+inline constexpr std::int64_t kBlockK = 128;
+
+// Initialises libxsmm once per process; cheap to call again.
+void init();
+
+// The right-hand operand of a tile GEMM, laid out as the kernel reads it:
+//   float: row-major [K, N], leading dimension ld;
+//   bf16:  VNNI pairs: element (k, n) at ((k / 2) * ld + n) * 2 + k % 2.
+template <class T>
+struct RhsView {
+  const T* data = nullptr;
+  std::int64_t ld = 0;
+};
+
+// C[m, n] (=, or += when accumulate) A[m, k] * B[k, col0 : col0 + n].
+// A is row-major with leading dimension lda; C is fp32 row-major. For bf16, k
+// must be even (operands are zero-padded to an even K).
+template <class T>
+void gemm_tile(const T* a, std::int64_t lda, RhsView<T> b, std::int64_t col0, float* c, std::int64_t ldc,
+               std::int64_t m, std::int64_t n, std::int64_t k, bool accumulate);
+
+// K rounded up to what the layout of T needs (even for bf16).
+template <class T>
+constexpr std::int64_t padded_k(std::int64_t k) {
+  if constexpr (sizeof(T) == 2) return (k + 1) & ~std::int64_t{1};
+  return k;
+}
+
+// Packs rows [row_begin, row_end) of row-major src [K, N] (leading dimension
+// ld_src) into the RhsView layout with ld = n. Rows past K up to padded_k are
+// zero when row_end reaches K.
+template <class S, class T>
+void pack_rhs(const S* src, std::int64_t ld_src, std::int64_t k, std::int64_t n, T* dst, std::int64_t row_begin,
+              std::int64_t row_end);
+
+// Packs the transpose of row-major src [N, K] (so the operand is src^T) into
+// the RhsView layout with ld = n, for output columns [col_begin, col_end).
+template <class S, class T>
+void pack_rhs_transposed(const S* src, std::int64_t ld_src, std::int64_t k, std::int64_t n, T* dst,
+                         std::int64_t col_begin, std::int64_t col_end);
+
+// dst[j, i] = src[i, j] for i in [0, rows), j in [col_begin, col_end);
+// columns rows..ld_dst of dst are zeroed (K padding).
+template <class T>
+void transpose(const T* src, std::int64_t ld_src, std::int64_t rows, T* dst, std::int64_t ld_dst,
+               std::int64_t col_begin, std::int64_t col_end);
+
+// Vector kernels (fp32 arithmetic, T storage).
+template <class T>
+void store(const float* src, T* dst, std::int64_t n);
+template <class T>
+void load(const T* src, float* dst, std::int64_t n);
+template <class T>
+void scale_store(float w, const float* src, T* dst, std::int64_t n);  // dst = w * src
+template <class T>
+void axpy(float w, const T* x, float* acc, std::int64_t n);           // acc += w * x
+template <class T>
+float dot(const float* a, const T* b, std::int64_t n);
+
+// a = silu(h[:, :I]) * h[:, I:], one row.
+template <class T>
+void swiglu_forward(const float* h, std::int64_t inter, T* a);
+// dh from da and the saved h, one row.
+template <class T>
+void swiglu_backward(const float* h, const float* da, std::int64_t inter, T* dh);
+
+}  // namespace hpmoe::kernels

@@ -1,0 +1,42 @@
+#pragma once
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "hpmoe/config.hpp"
+#include "hpmoe/routing.hpp"
+#include "hpmoe/tensors.hpp"
+
+namespace hpmoe {
+
+// The fp64 oracle: the whole layer, forward and backward, in plain loops with
+// double accumulation. Every fast path is checked against it.
+struct OracleOptions {
+  // Expert choices and capacity decisions to use instead of the oracle's own
+  // (a fast path's, so that near-ties in fp32 cannot flip a choice). Empty:
+  // the oracle routes by itself.
+  std::span<const std::int32_t> forced_ids;
+  std::span<const std::uint8_t> forced_kept;
+  // Tokens to compute outputs (and dx) for; empty means all. Weight
+  // gradients need all tokens.
+  std::vector<std::int64_t> tokens;
+  bool backward = false;
+};
+
+struct OracleResult {
+  RouterOutput<double> routing;
+  std::vector<std::int64_t> tokens;  // the rows of out and dx
+  std::vector<double> out;           // [tokens, H]
+  std::vector<double> dx;            // [tokens, H]
+  // With all tokens and backward only:
+  std::vector<double> d_router;                 // [H, E]
+  std::vector<std::vector<double>> d_w1, d_w2;  // per expert, [H, 2I] and [I, H]
+  std::vector<double> d_shared_w1, d_shared_w2;
+  // sum over computed tokens of <d_out, out>, plus the balancing losses: the
+  // scalar whose gradient backward computes.
+  double loss = 0;
+};
+
+OracleResult reference_layer(const LayerConfig&, const LayerWeights&, const LayerInputs&, const OracleOptions& = {});
+
+}  // namespace hpmoe

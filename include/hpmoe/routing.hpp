@@ -1,0 +1,88 @@
+#pragma once
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "hpmoe/config.hpp"
+
+namespace hpmoe {
+
+// Where the expert choices of a step come from. `router` is the real
+// top-k; the others replace only the choice of experts (the gate weights still
+// come from the router's scores, so backward stays meaningful).
+enum class RoutingSource { router, uniform, zipf, hot, trace };
+
+struct RoutingSpec {
+  RoutingSource source = RoutingSource::router;
+  double zipf_exponent = 1.2;
+  double hot_share = 0.25;         // share of all assignments that go to hot_expert
+  std::int64_t hot_expert = 0;
+  std::string trace_path;
+  std::string trace_layer = "0";
+  std::uint64_t seed = 1;
+
+  std::string describe() const;
+};
+
+// Parses "router", "uniform", "zipf[:S]", "hot[:SHARE]", "trace:FILE[:LAYER]".
+RoutingSpec parse_routing_spec(const std::string& text, std::uint64_t seed);
+
+// Expert ids [N * K] for a non-router source, or empty for the router.
+// Trace tokens are used in order and wrap around when N exceeds the trace.
+std::vector<std::int32_t> forced_selection(const LayerConfig&, const RoutingSpec&);
+
+// Reads one layer of a recorded routing trace ({"layer": [[e0, e1, ...], ...]}).
+// Rejects a trace whose width differs from top_k or whose ids do not fit E.
+std::vector<std::int32_t> load_trace(const std::string& path, const std::string& layer, std::int64_t top_k,
+                                     std::int64_t experts, std::int64_t* trace_tokens = nullptr);
+
+// The routing of one step for all ranks' tokens (rank r owns tokens
+// [r T, (r+1) T)). Real is double in the oracle and float in the fast path;
+// both run this same code.
+template <class Real>
+struct RouterOutput {
+  std::int64_t tokens = 0, experts = 0, top_k = 0;
+  std::vector<Real> scores;           // [N, E] softmax or sigmoid of the logits
+  std::vector<Real> lse;              // [N] log-sum-exp of the logits (z-loss)
+  std::vector<std::int32_t> expert;   // [N, K] chosen experts, best first
+  std::vector<Real> weight;           // [N, K] gate weights; 0 where dropped
+  std::vector<std::uint8_t> kept;     // [N, K] 0 where capacity dropped it
+  std::vector<std::int64_t> selected; // [P, E] choices per rank before dropping (aux loss)
+  std::int64_t dropped = 0;
+  double aux_loss = 0;                // summed over ranks, coefficient applied
+  double z_loss = 0;
+};
+
+// Scores, selection (group-limited top-k with bias, or `forced` ids),
+// weights, capacity and balancing losses. `forced_kept`, when given, replaces
+// the capacity decision (the oracle uses the fast path's to avoid near-tie
+// flips). logits: [N, E].
+template <class Real>
+RouterOutput<Real> route(const LayerConfig&, std::span<const Real> logits, std::span<const float> expert_bias,
+                         std::span<const std::int32_t> forced = {}, std::span<const std::uint8_t> forced_kept = {});
+
+// Gradient of the loss with respect to token t's logits, given the gradient
+// with respect to its K gate weights (zero where dropped); adds the aux-loss
+// and z-loss terms. d_logits: [E].
+template <class Real>
+void router_backward_token(const LayerConfig&, const RouterOutput<Real>&, std::span<const Real> logits_row,
+                           std::int64_t t, std::span<const Real> d_weight_row, std::span<Real> d_logits_row);
+
+// DeepSeek-V3's aux-loss-free update: bias += rate * sign(mean load - load).
+void update_expert_bias(std::span<float> bias, std::span<const std::int64_t> load, double rate);
+
+struct RoutingStats {
+  std::vector<std::int64_t> tokens_per_expert;  // kept assignments, all ranks
+  std::vector<std::int64_t> tokens_per_rank;    // rows each rank's experts receive
+  double expert_max_over_mean = 0;
+  double rank_max_over_mean = 0;
+  double expert_gini = 0;
+  std::int64_t dropped = 0;
+  std::int64_t assignments = 0;
+};
+
+template <class Real>
+RoutingStats routing_stats(const LayerConfig&, const RouterOutput<Real>&);
+
+}  // namespace hpmoe

@@ -1,0 +1,79 @@
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <nlohmann/json_fwd.hpp>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "hpmoe/baseline.hpp"
+#include "hpmoe/config.hpp"
+#include "hpmoe/routing.hpp"
+
+namespace hpmoe {
+
+enum class VerifyMode { automatic, full, sample, off };
+VerifyMode parse_verify_mode(const std::string&);
+
+struct RunRequest {
+  LayerConfig config;
+  RoutingSpec routing;
+  int workers_per_rank = 1;
+  bool backward = false;
+  int iterations = 3;
+  int warmup = 1;
+  VerifyMode verify = VerifyMode::automatic;
+  int sample_tokens = 16;
+  std::uint64_t seed = 1;
+  std::string load_dir;  // weights.safetensors + inputs.safetensors instead of random ones
+  std::string save_dir;  // write the run's tensors here
+  bool pin = true;
+};
+
+// One tensor of a fast path compared against the oracle.
+struct Comparison {
+  std::string tensor;
+  double rel_l2 = 0, max_abs = 0, ref_max = 0;
+  bool pass = false;
+};
+
+struct Verification {
+  std::string mode;  // full, sample or off
+  std::int64_t sample_tokens = 0;
+  std::int64_t selection_mismatches = 0;  // tokens the oracle's own router would route differently
+  std::vector<Comparison> checks;
+  bool pass = true;
+};
+
+struct Summary {
+  double median = 0, min = 0, max = 0;
+};
+Summary summarize(std::vector<double> samples);
+
+struct RunReport {
+  LayerConfig config;
+  std::string routing;
+  int workers_per_rank = 1;
+  int iterations = 0;
+  bool backward = false;
+  RoutingStats stats;
+  double aux_loss = 0, z_loss = 0;
+  std::vector<std::pair<std::string, Summary>> forward_ops, backward_ops;  // per operator, over iterations
+  Summary router, dispatch_to_combine, backward_time;
+  double forward_flops = 0, backward_flops = 0;  // expert + shared (+ router in backward), this routing
+  double bias_update_max = 0;                    // largest |delta| of the aux-loss-free bias update
+  Verification verification;
+};
+
+// Compares a fast result with the oracle under the tolerances for the dtype
+// (fp32: rel L2 <= 1e-5; bf16: rel L2 <= 1e-2 and max-abs <= 2% of max |ref|).
+Comparison compare(const std::string& tensor, std::span<const float> fast, std::span<const double> ref, DType);
+
+// Runs the serialized baseline, verifies it and measures it. `progress`
+// receives short status lines.
+RunReport run_layer(const RunRequest&, const std::function<void(const std::string&)>& progress = {});
+
+nlohmann::json to_json(const RunReport&);
+std::string format_report(const RunReport&);
+
+}  // namespace hpmoe

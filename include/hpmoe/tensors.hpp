@@ -1,0 +1,85 @@
+#pragma once
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "hpmoe/config.hpp"
+
+namespace hpmoe {
+
+// A dense row-major fp32 matrix that owns its storage.
+struct Matrix {
+  std::int64_t rows = 0;
+  std::int64_t cols = 0;
+  std::vector<float> data;
+
+  Matrix() = default;
+  Matrix(std::int64_t r, std::int64_t c) : rows(r), cols(c), data(static_cast<std::size_t>(r * c), 0.0f) {}
+
+  float* row(std::int64_t i) { return data.data() + i * cols; }
+  const float* row(std::int64_t i) const { return data.data() + i * cols; }
+  float& at(std::int64_t i, std::int64_t j) { return data[static_cast<std::size_t>(i * cols + j)]; }
+  float at(std::int64_t i, std::int64_t j) const { return data[static_cast<std::size_t>(i * cols + j)]; }
+};
+
+// Parameters of the whole layer (all ranks' experts). Layouts are the math
+// layouts of DESIGN section 1 (x W); the safetensors I/O converts to and from
+// the Hugging Face [out, in] layout.
+struct LayerWeights {
+  Matrix router;                    // [H, E]
+  std::vector<float> expert_bias;   // [E], selection only
+  std::vector<Matrix> w1;           // E x [H, 2I]: columns [0, I) gate, [I, 2I) up
+  std::vector<Matrix> w2;           // E x [I, H]
+  Matrix shared_w1;                 // [H, 2 Is], same split (empty when no shared experts)
+  Matrix shared_w2;                 // [Is, H]
+};
+
+// Tokens of all ranks: rank r owns rows [r T, (r+1) T).
+struct LayerInputs {
+  Matrix x;      // [P T, H]
+  Matrix d_out;  // [P T, H], the upstream gradient used by backward
+};
+
+struct LayerGradients {
+  Matrix x;
+  Matrix router;
+  std::vector<Matrix> w1;
+  std::vector<Matrix> w2;
+  Matrix shared_w1;
+  Matrix shared_w2;
+};
+
+// Deterministic initialisation (seeded); scaled like a trained layer
+// (1/sqrt(fan-in)). In bf16 mode every value is rounded to bf16 so that all
+// paths see the same numbers.
+LayerWeights random_weights(const LayerConfig&, std::uint64_t seed);
+LayerInputs random_inputs(const LayerConfig&, std::uint64_t seed);
+LayerGradients zero_gradients(const LayerConfig&);
+
+// Throws Error naming the first tensor whose shape does not fit the layer.
+void check_shapes(const LayerConfig&, const LayerWeights&, const LayerInputs&);
+
+// Rounds every value to bf16 in place (used when dtype is bf16).
+void round_to_bf16(LayerWeights&);
+void round_to_bf16(LayerInputs&);
+
+// A small deterministic generator whose output does not depend on the
+// standard library's distribution implementations.
+class Rng {
+ public:
+  explicit Rng(std::uint64_t seed) : state_(seed * 0x9E3779B97F4A7C15ull + 0x632BE59BD9B4E019ull) {}
+  std::uint64_t next() {  // splitmix64
+    std::uint64_t z = (state_ += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+  }
+  double uniform() { return double(next() >> 11) * 0x1.0p-53; }  // [0, 1)
+  std::int64_t below(std::int64_t n) { return static_cast<std::int64_t>(uniform() * double(n)); }
+  double normal();
+
+ private:
+  std::uint64_t state_;
+};
+
+}  // namespace hpmoe

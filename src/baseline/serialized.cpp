@@ -1,0 +1,702 @@
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <type_traits>
+
+#include "hpmoe/baseline.hpp"
+#include "hpmoe/error.hpp"
+#include "hpmoe/kernels.hpp"
+#include "hpmoe/worker_pool.hpp"
+
+namespace hpmoe {
+
+struct SerializedExecutor::Impl {
+  virtual ~Impl() = default;
+  virtual StepResult step(const LayerInputs&, std::span<const std::int32_t> forced) = 0;
+};
+
+namespace {
+
+using kernels::kTileCols;
+using kernels::kTileRows;
+using kernels::padded_k;
+using kernels::RhsView;
+using Clock = std::chrono::steady_clock;
+
+// A right-hand GEMM operand in the kernel's layout: either packed here or,
+// for fp32 operands that need no change, a view of the caller's matrix.
+template <class T>
+struct Operand {
+  std::vector<T> storage;
+  const T* data = nullptr;
+  std::int64_t ld = 0;
+  RhsView<T> view() const { return {data, ld}; }
+};
+
+template <class T>
+Operand<T> operand_of(const Matrix& m) {  // the operand is m itself, [rows, cols]
+  Operand<T> op;
+  op.ld = m.cols;
+  if constexpr (std::is_same_v<T, float>) {
+    op.data = m.data.data();
+  } else {
+    op.storage.resize(static_cast<std::size_t>(padded_k<T>(m.rows) * m.cols));
+    kernels::pack_rhs<float, T>(m.data.data(), m.cols, m.rows, m.cols, op.storage.data(), 0, m.rows);
+    op.data = op.storage.data();
+  }
+  return op;
+}
+
+template <class T>
+Operand<T> transposed_operand_of(const Matrix& m) {  // the operand is m^T, [cols, rows]
+  Operand<T> op;
+  op.ld = m.rows;
+  op.storage.resize(static_cast<std::size_t>(padded_k<T>(m.cols) * m.rows));
+  kernels::pack_rhs_transposed<float, T>(m.data.data(), m.cols, m.cols, m.rows, op.storage.data(), 0, m.rows);
+  op.data = op.storage.data();
+  return op;
+}
+
+// One output tile of one GEMM. The result goes to `c` (fp32) or, when `out`
+// is set, is rounded to T into `out`.
+template <class T>
+struct GemmTile {
+  const T* a;
+  std::int64_t lda;
+  RhsView<T> b;
+  std::int64_t col0;
+  float* c;
+  T* out;
+  std::int64_t ldc;
+  std::int64_t m, n, k;
+  bool accumulate;
+};
+
+// The exchange layout of one step, derived from the routing. Rows a source
+// rank sends are ordered by expert, then token, then k; rows a destination
+// receives are ordered by local expert, then source rank, then the same.
+struct Plan {
+  std::int64_t ranks = 0, experts = 0, local = 0;
+  std::vector<std::int64_t> count;         // [source * E + e] kept assignments
+  std::vector<std::int64_t> send_offset;   // [source * (E + 1) + e]
+  std::vector<std::int64_t> expert_begin;  // [dest * (L + 1) + le]
+  std::vector<std::int64_t> recv_offset;   // [(dest * L + le) * P + source]
+  std::vector<std::int64_t> kpad_begin;    // [dest * (L + 1) + le], K-padded rows (weight gradients)
+  std::vector<std::int64_t> slot;          // [t * K + k] row in the source's send buffer, -1 if dropped
+
+  std::int64_t send_rows(std::int64_t s) const { return send_offset[s * (experts + 1) + experts]; }
+  std::int64_t recv_rows(std::int64_t d) const { return expert_begin[d * (local + 1) + local]; }
+  std::int64_t expert_rows(std::int64_t d, std::int64_t le) const {
+    return expert_begin[d * (local + 1) + le + 1] - expert_begin[d * (local + 1) + le];
+  }
+};
+
+template <class T>
+Plan make_plan(const LayerConfig& c, const RouterOutput<float>& r) {
+  Plan p;
+  const std::int64_t P = c.ranks, E = c.routed_experts, L = c.local_experts(), K = c.top_k, T_ = c.tokens_per_rank;
+  p.ranks = P;
+  p.experts = E;
+  p.local = L;
+  p.count.assign(static_cast<std::size_t>(P * E), 0);
+  for (std::int64_t a = 0; a < P * T_ * K; ++a)
+    if (r.kept[a]) ++p.count[(a / (T_ * K)) * E + r.expert[a]];
+  p.send_offset.assign(static_cast<std::size_t>(P * (E + 1)), 0);
+  for (std::int64_t s = 0; s < P; ++s)
+    for (std::int64_t e = 0; e < E; ++e)
+      p.send_offset[s * (E + 1) + e + 1] = p.send_offset[s * (E + 1) + e] + p.count[s * E + e];
+  p.slot.assign(static_cast<std::size_t>(P * T_ * K), -1);
+  std::vector<std::int64_t> next(static_cast<std::size_t>(E));
+  for (std::int64_t s = 0; s < P; ++s) {
+    for (std::int64_t e = 0; e < E; ++e) next[e] = p.send_offset[s * (E + 1) + e];
+    for (std::int64_t a = s * T_ * K; a < (s + 1) * T_ * K; ++a)
+      if (r.kept[a]) p.slot[a] = next[r.expert[a]]++;
+  }
+  p.expert_begin.assign(static_cast<std::size_t>(P * (L + 1)), 0);
+  p.kpad_begin.assign(static_cast<std::size_t>(P * (L + 1)), 0);
+  p.recv_offset.assign(static_cast<std::size_t>(P * L * P), 0);
+  for (std::int64_t d = 0; d < P; ++d) {
+    for (std::int64_t le = 0; le < L; ++le) {
+      const std::int64_t e = d * L + le;
+      std::int64_t rows = 0;
+      for (std::int64_t s = 0; s < P; ++s) {
+        p.recv_offset[(d * L + le) * P + s] = p.expert_begin[d * (L + 1) + le] + rows;
+        rows += p.count[s * E + e];
+      }
+      p.expert_begin[d * (L + 1) + le + 1] = p.expert_begin[d * (L + 1) + le] + rows;
+      p.kpad_begin[d * (L + 1) + le + 1] = p.kpad_begin[d * (L + 1) + le] + padded_k<T>(rows);
+    }
+  }
+  return p;
+}
+
+// Rows [begin, end) of n split evenly over W workers.
+std::pair<std::int64_t, std::int64_t> share(std::int64_t n, int worker, int workers) {
+  return {n * worker / workers, n * (worker + 1) / workers};
+}
+
+template <class T>
+struct RankBuffers {
+  // forward
+  std::vector<T> x;                // [T, H] tokens as T (bf16 only; fp32 reads the input)
+  std::vector<T> send, comb;       // [send_rows, H]
+  std::vector<T> recv, y;          // [recv_rows, H]
+  std::vector<float> h;            // [recv_rows, 2I]
+  std::vector<T> a;                // [recv_rows, I]
+  std::vector<float> shared_h;     // [T, 2Is]
+  std::vector<T> shared_a;         // [T, Is]
+  std::vector<float> shared_y;     // [T, H]
+  // backward
+  std::vector<T> gsend, grecv, dx_expert, dcomb;
+  std::vector<float> da;           // [recv_rows, I]
+  std::vector<T> dh;               // [recv_rows, 2I]
+  std::vector<T> a_t, x_t;         // per expert [I | H, padded rows]
+  std::vector<T> dy_packed, dh_packed;  // bf16 only: VNNI of dY and dH per expert
+  std::vector<float> d_weight;     // [T, K]
+  std::vector<float> d_logits;     // [T, E]
+  std::vector<float> x_t_float;    // [H, T] for the router weight gradient
+  std::vector<float> d_router;     // [H, E] this rank's share
+  std::vector<T> shared_dy, shared_dy_packed, shared_dh, shared_dh_packed, shared_a_t, shared_x_t;
+  std::vector<float> shared_da;
+  std::vector<float> d_shared_w1, d_shared_w2;  // this rank's share
+};
+
+template <class T>
+void resize(std::vector<T>& v, std::int64_t n) {
+  v.resize(static_cast<std::size_t>(n));
+}
+
+template <class T>
+class Serialized final : public SerializedExecutor::Impl {
+ public:
+  Serialized(const LayerConfig& c, const LayerWeights& w, ExecutorOptions opt)
+      : c_(c), w_(w), opt_(opt), pool_(static_cast<int>(c.ranks), opt.workers_per_rank, opt.pin) {
+    kernels::init();
+    const std::int64_t E = c.routed_experts;
+    for (std::int64_t e = 0; e < E; ++e) {
+      w1_.push_back(operand_of<T>(w.w1[e]));
+      w2_.push_back(operand_of<T>(w.w2[e]));
+      if (opt.backward) {
+        w1_t_.push_back(transposed_operand_of<T>(w.w1[e]));
+        w2_t_.push_back(transposed_operand_of<T>(w.w2[e]));
+      }
+    }
+    router_ = operand_of<float>(w.router);
+    if (opt.backward) router_t_ = transposed_operand_of<float>(w.router);
+    if (c.shared_experts > 0) {
+      sw1_ = operand_of<T>(w.shared_w1);
+      sw2_ = operand_of<T>(w.shared_w2);
+      if (opt.backward) {
+        sw1_t_ = transposed_operand_of<T>(w.shared_w1);
+        sw2_t_ = transposed_operand_of<T>(w.shared_w2);
+      }
+    }
+    ranks_.resize(static_cast<std::size_t>(c.ranks));
+  }
+
+  StepResult step(const LayerInputs& in, std::span<const std::int32_t> forced) override {
+    check_shapes(c_, w_, in);
+    StepResult res;
+    const auto t0 = Clock::now();
+    route_tokens(in, forced, res);
+    const auto t1 = Clock::now();
+    res.router_seconds = seconds(t0, t1);
+    forward(in, res);
+    res.dispatch_to_combine_seconds = seconds(t1, Clock::now());
+    if (opt_.backward) {
+      const auto t2 = Clock::now();
+      backward(in, res);
+      res.backward_seconds = seconds(t2, Clock::now());
+    }
+    return res;
+  }
+
+ private:
+  static double seconds(Clock::time_point a, Clock::time_point b) {
+    return std::chrono::duration<double>(b - a).count();
+  }
+
+  int W() const { return opt_.workers_per_rank; }
+  std::int64_t tokens() const { return c_.tokens_per_rank; }
+
+  template <class Fn>
+  void timed(const char* name, std::vector<OperatorTime>& times, Fn&& fn) {
+    const auto start = Clock::now();
+    pool_.run(fn);
+    times.push_back({name, seconds(start, Clock::now())});
+  }
+
+  // Adds the tiles of C[M, N] = A[M, K] B[K, N] to a rank's list.
+  static void add_gemm(std::vector<GemmTile<T>>& tiles, const T* a, std::int64_t lda, RhsView<T> b, float* c,
+                       T* out, std::int64_t ldc, std::int64_t M, std::int64_t N, std::int64_t K, bool accumulate) {
+    for (std::int64_t i = 0; i < M; i += kTileRows)
+      for (std::int64_t j = 0; j < N; j += kTileCols)
+        tiles.push_back({a + i * lda, lda, b, j, c ? c + i * ldc + j : nullptr, out ? out + i * ldc + j : nullptr, ldc,
+                         std::min(kTileRows, M - i), std::min(kTileCols, N - j), K, accumulate});
+  }
+
+  template <class U>
+  void gemm_op(const char* name, std::vector<OperatorTime>& times, std::vector<std::vector<GemmTile<U>>>& tiles) {
+    timed(name, times, [&](int r, int w) {
+      float scratch[kTileRows * kTileCols];
+      const auto& list = tiles[r];
+      for (std::size_t i = static_cast<std::size_t>(w); i < list.size(); i += static_cast<std::size_t>(W())) {
+        const auto& t = list[i];
+        if (t.out == nullptr) {
+          kernels::gemm_tile<U>(t.a, t.lda, t.b, t.col0, t.c, t.ldc, t.m, t.n, t.k, t.accumulate);
+        } else {
+          kernels::gemm_tile<U>(t.a, t.lda, t.b, t.col0, scratch, kTileCols, t.m, t.n, t.k, false);
+          for (std::int64_t row = 0; row < t.m; ++row)
+            kernels::store<U>(scratch + row * kTileCols, t.out + row * t.ldc, t.n);
+        }
+      }
+    });
+  }
+
+  template <class U = T>
+  std::vector<std::vector<GemmTile<U>>> tile_lists() const {
+    return std::vector<std::vector<GemmTile<U>>>(static_cast<std::size_t>(c_.ranks));
+  }
+
+  // The tokens of rank r as the GEMMs read them.
+  const T* x_of(const LayerInputs& in, std::int64_t r) const {
+    if constexpr (std::is_same_v<T, float>) return in.x.row(r * tokens());
+    else return ranks_[r].x.data();
+  }
+
+  void route_tokens(const LayerInputs& in, std::span<const std::int32_t> forced, StepResult& res) {
+    const std::int64_t E = c_.routed_experts, H = c_.hidden;
+    logits_.assign(static_cast<std::size_t>(c_.total_tokens() * E), 0.0f);
+    auto tiles = tile_lists<float>();
+    for (std::int64_t r = 0; r < c_.ranks; ++r)
+      for (std::int64_t i = 0; i < tokens(); i += kTileRows)
+        for (std::int64_t j = 0; j < E; j += kTileCols)
+          tiles[r].push_back({in.x.row(r * tokens() + i), H, router_.view(), j, logits_.data() + (r * tokens() + i) * E + j,
+                              nullptr, E, std::min(kTileRows, tokens() - i), std::min(kTileCols, E - j), H, false});
+    gemm_op<float>("router_gemm", res.forward_ops, tiles);
+    const auto start = Clock::now();
+    res.routing = route<float>(c_, logits_, w_.expert_bias, forced);
+    plan_ = make_plan<T>(c_, res.routing);
+    res.forward_ops.push_back({"topk_and_plan", seconds(start, Clock::now())});
+  }
+
+  void forward(const LayerInputs& in, StepResult& res) {
+    const std::int64_t H = c_.hidden, I = c_.expert_inter, L = c_.local_experts(), P = c_.ranks, K = c_.top_k,
+                       T_ = tokens(), Is = c_.shared_inter_total(), E = c_.routed_experts;
+    auto& ops = res.forward_ops;
+    for (std::int64_t r = 0; r < P; ++r) {
+      auto& b = ranks_[r];
+      if constexpr (!std::is_same_v<T, float>) resize(b.x, T_ * H);
+      resize(b.send, plan_.send_rows(r) * H);
+      resize(b.comb, plan_.send_rows(r) * H);
+      resize(b.recv, plan_.recv_rows(r) * H);
+      resize(b.y, plan_.recv_rows(r) * H);
+      resize(b.h, plan_.recv_rows(r) * 2 * I);
+      resize(b.a, plan_.recv_rows(r) * I);
+      if (c_.shared_experts > 0) {
+        resize(b.shared_h, T_ * 2 * Is);
+        resize(b.shared_a, T_ * Is);
+        resize(b.shared_y, T_ * H);
+      }
+    }
+
+    timed("permute", ops, [&](int r, int w) {
+      auto& b = ranks_[r];
+      auto [begin, end] = share(T_, w, W());
+      for (std::int64_t t = begin; t < end; ++t) {
+        const float* x = in.x.row(r * T_ + t);
+        const T* xt = x_of(in, r) + t * H;
+        if constexpr (!std::is_same_v<T, float>) {
+          kernels::store<T>(x, b.x.data() + t * H, H);
+        }
+        for (std::int64_t k = 0; k < K; ++k) {
+          const std::int64_t slot = plan_.slot[(r * T_ + t) * K + k];
+          if (slot >= 0) std::memcpy(b.send.data() + slot * H, xt, static_cast<std::size_t>(H) * sizeof(T));
+        }
+      }
+    });
+
+    all_to_all("dispatch_a2a", ops, &RankBuffers<T>::send, &RankBuffers<T>::recv, true);
+
+    auto tiles = tile_lists();
+    for (std::int64_t d = 0; d < P; ++d)
+      for (std::int64_t le = 0; le < L; ++le) {
+        const std::int64_t row0 = plan_.expert_begin[d * (L + 1) + le], n = plan_.expert_rows(d, le);
+        add_gemm(tiles[d], ranks_[d].recv.data() + row0 * H, H, w1_[d * L + le].view(),
+                 ranks_[d].h.data() + row0 * 2 * I, nullptr, 2 * I, n, 2 * I, H, false);
+      }
+    gemm_op<T>("gemm1_gate_up", ops, tiles);
+
+    timed("swiglu", ops, [&](int r, int w) {
+      auto& b = ranks_[r];
+      auto [begin, end] = share(plan_.recv_rows(r), w, W());
+      for (std::int64_t row = begin; row < end; ++row)
+        kernels::swiglu_forward<T>(b.h.data() + row * 2 * I, I, b.a.data() + row * I);
+    });
+
+    tiles = tile_lists();
+    for (std::int64_t d = 0; d < P; ++d)
+      for (std::int64_t le = 0; le < L; ++le) {
+        const std::int64_t row0 = plan_.expert_begin[d * (L + 1) + le], n = plan_.expert_rows(d, le);
+        add_gemm(tiles[d], ranks_[d].a.data() + row0 * I, I, w2_[d * L + le].view(), nullptr,
+                 ranks_[d].y.data() + row0 * H, H, n, H, I, false);
+      }
+    gemm_op<T>("gemm2_down", ops, tiles);
+
+    if (c_.shared_experts > 0) {
+      tiles = tile_lists();
+      for (std::int64_t r = 0; r < P; ++r)
+        add_gemm(tiles[r], x_of(in, r), H, sw1_.view(), ranks_[r].shared_h.data(), nullptr, 2 * Is, T_, 2 * Is, H, false);
+      gemm_op<T>("shared_gemm1", ops, tiles);
+      timed("shared_swiglu", ops, [&](int r, int w) {
+        auto& b = ranks_[r];
+        auto [begin, end] = share(T_, w, W());
+        for (std::int64_t t = begin; t < end; ++t)
+          kernels::swiglu_forward<T>(b.shared_h.data() + t * 2 * Is, Is, b.shared_a.data() + t * Is);
+      });
+      tiles = tile_lists();
+      for (std::int64_t r = 0; r < P; ++r)
+        add_gemm(tiles[r], ranks_[r].shared_a.data(), Is, sw2_.view(), ranks_[r].shared_y.data(), nullptr, H, T_, H, Is,
+                 false);
+      gemm_op<T>("shared_gemm2", ops, tiles);
+    }
+
+    all_to_all("combine_a2a", ops, &RankBuffers<T>::y, &RankBuffers<T>::comb, false);
+
+    res.out = Matrix(c_.total_tokens(), H);
+    timed("unpermute_combine", ops, [&](int r, int w) {
+      auto& b = ranks_[r];
+      auto [begin, end] = share(T_, w, W());
+      for (std::int64_t t = begin; t < end; ++t) {
+        float* out = res.out.row(r * T_ + t);
+        for (std::int64_t k = 0; k < K; ++k) {
+          const std::int64_t a = (r * T_ + t) * K + k, slot = plan_.slot[a];
+          if (slot >= 0) kernels::axpy<T>(res.routing.weight[a], b.comb.data() + slot * H, out, H);
+        }
+        if (c_.shared_experts > 0) kernels::axpy<float>(1.0f, b.shared_y.data() + t * H, out, H);
+      }
+    });
+    (void)E;
+  }
+
+  // dispatch: each destination pulls its rows from every source's `from`
+  // (send layout) into its `to` (receive layout); combine: the reverse.
+  void all_to_all(const char* name, std::vector<OperatorTime>& ops, std::vector<T> RankBuffers<T>::*send_side,
+                  std::vector<T> RankBuffers<T>::*recv_side, bool dispatch) {
+    const std::int64_t H = c_.hidden, L = c_.local_experts(), P = c_.ranks, E = c_.routed_experts;
+    timed(name, ops, [&](int r, int w) {
+      // Rank r moves the chunks that land in its own buffer.
+      for (std::int64_t item = w; item < L * P; item += W()) {
+        const std::int64_t other = item % P, le = item / P;
+        if (dispatch) {  // r is the destination, `other` the source
+          const std::int64_t e = r * L + le, n = plan_.count[other * E + e];
+          const T* src = (ranks_[other].*send_side).data() + plan_.send_offset[other * (E + 1) + e] * H;
+          T* dst = (ranks_[r].*recv_side).data() + plan_.recv_offset[(r * L + le) * P + other] * H;
+          std::memcpy(dst, src, static_cast<std::size_t>(n * H) * sizeof(T));
+        } else {  // r is the source that gets its rows back from expert rank `other`
+          const std::int64_t e = other * L + le, n = plan_.count[r * E + e];
+          const T* src = (ranks_[other].*send_side).data() + plan_.recv_offset[(other * L + le) * P + r] * H;
+          T* dst = (ranks_[r].*recv_side).data() + plan_.send_offset[r * (E + 1) + e] * H;
+          std::memcpy(dst, src, static_cast<std::size_t>(n * H) * sizeof(T));
+        }
+      }
+    });
+  }
+
+  void backward(const LayerInputs& in, StepResult& res) {
+    const std::int64_t H = c_.hidden, I = c_.expert_inter, L = c_.local_experts(), P = c_.ranks, K = c_.top_k,
+                       T_ = tokens(), Is = c_.shared_inter_total(), E = c_.routed_experts;
+    auto& ops = res.backward_ops;
+    res.grads = zero_gradients(c_);
+    for (std::int64_t r = 0; r < P; ++r) {
+      auto& b = ranks_[r];
+      const std::int64_t rows = plan_.recv_rows(r), kpad = plan_.kpad_begin[r * (L + 1) + L];
+      resize(b.gsend, plan_.send_rows(r) * H);
+      resize(b.dcomb, plan_.send_rows(r) * H);
+      resize(b.grecv, rows * H);
+      resize(b.dx_expert, rows * H);
+      resize(b.da, rows * I);
+      resize(b.dh, rows * 2 * I);
+      resize(b.a_t, I * kpad);
+      resize(b.x_t, H * kpad);
+      if constexpr (!std::is_same_v<T, float>) {
+        resize(b.dy_packed, kpad * H);
+        resize(b.dh_packed, kpad * 2 * I);
+      }
+      resize(b.d_weight, T_ * K);
+      resize(b.d_logits, T_ * E);
+      resize(b.x_t_float, H * T_);
+      resize(b.d_router, H * E);
+      if (c_.shared_experts > 0) {
+        const std::int64_t tpad = padded_k<T>(T_);
+        resize(b.shared_dy, T_ * H);
+        resize(b.shared_da, T_ * Is);
+        resize(b.shared_dh, T_ * 2 * Is);
+        resize(b.shared_a_t, Is * tpad);
+        resize(b.shared_x_t, H * tpad);
+        if constexpr (!std::is_same_v<T, float>) {
+          resize(b.shared_dy_packed, tpad * H);
+          resize(b.shared_dh_packed, tpad * 2 * Is);
+        }
+        resize(b.d_shared_w1, H * 2 * Is);
+        resize(b.d_shared_w2, Is * H);
+      }
+    }
+
+    timed("grad_permute", ops, [&](int r, int w) {
+      auto& b = ranks_[r];
+      auto [begin, end] = share(T_, w, W());
+      for (std::int64_t t = begin; t < end; ++t) {
+        const float* dout = in.d_out.row(r * T_ + t);
+        for (std::int64_t k = 0; k < K; ++k) {
+          const std::int64_t a = (r * T_ + t) * K + k, slot = plan_.slot[a];
+          float dw = 0;
+          if (slot >= 0) {
+            dw = kernels::dot<T>(dout, b.comb.data() + slot * H, H);
+            kernels::scale_store<T>(res.routing.weight[a], dout, b.gsend.data() + slot * H, H);
+          }
+          b.d_weight[t * K + k] = dw;
+        }
+      }
+    });
+
+    all_to_all("grad_dispatch_a2a", ops, &RankBuffers<T>::gsend, &RankBuffers<T>::grecv, true);
+
+    // Operands of the weight-gradient GEMMs: A^T and X^T per expert (and, in
+    // bf16, dY in the kernel's pair layout).
+    timed("pack_down_grad", ops, [&](int r, int w) {
+      auto& b = ranks_[r];
+      for (std::int64_t le = 0; le < L; ++le) {
+        const std::int64_t row0 = plan_.expert_begin[r * (L + 1) + le], n = plan_.expert_rows(r, le);
+        const std::int64_t kp0 = plan_.kpad_begin[r * (L + 1) + le], ld = padded_k<T>(n);
+        auto [c0, c1] = share(I, w, W());
+        kernels::transpose<T>(b.a.data() + row0 * I, I, n, b.a_t.data() + kp0 * I, ld, c0, c1);
+        auto [x0, x1] = share(H, w, W());
+        kernels::transpose<T>(b.recv.data() + row0 * H, H, n, b.x_t.data() + kp0 * H, ld, x0, x1);
+        if constexpr (!std::is_same_v<T, float>) {
+          auto [r0, r1] = share(n, w, W());  // rows write disjoint elements; the last share pads
+          kernels::pack_rhs<T, T>(b.grecv.data() + row0 * H, H, n, H, b.dy_packed.data() + kp0 * H, r0, r1);
+        }
+      }
+    });
+
+    auto dy_view = [&](std::int64_t d, std::int64_t le) -> RhsView<T> {
+      if constexpr (std::is_same_v<T, float>)
+        return {ranks_[d].grecv.data() + plan_.expert_begin[d * (L + 1) + le] * H, H};
+      else
+        return {ranks_[d].dy_packed.data() + plan_.kpad_begin[d * (L + 1) + le] * H, H};
+    };
+    auto dh_view = [&](std::int64_t d, std::int64_t le) -> RhsView<T> {
+      if constexpr (std::is_same_v<T, float>)
+        return {ranks_[d].dh.data() + plan_.expert_begin[d * (L + 1) + le] * 2 * I, 2 * I};
+      else
+        return {ranks_[d].dh_packed.data() + plan_.kpad_begin[d * (L + 1) + le] * 2 * I, 2 * I};
+    };
+
+    auto tiles = tile_lists();
+    for (std::int64_t d = 0; d < P; ++d)
+      for (std::int64_t le = 0; le < L; ++le) {
+        const std::int64_t row0 = plan_.expert_begin[d * (L + 1) + le], n = plan_.expert_rows(d, le);
+        add_gemm(tiles[d], ranks_[d].grecv.data() + row0 * H, H, w2_t_[d * L + le].view(), ranks_[d].da.data() + row0 * I,
+                 nullptr, I, n, I, H, false);
+      }
+    gemm_op<T>("gemm2_dgrad", ops, tiles);
+
+    tiles = tile_lists();
+    for (std::int64_t d = 0; d < P; ++d)
+      for (std::int64_t le = 0; le < L; ++le) {
+        const std::int64_t kp0 = plan_.kpad_begin[d * (L + 1) + le], ld = padded_k<T>(plan_.expert_rows(d, le));
+        add_gemm(tiles[d], ranks_[d].a_t.data() + kp0 * I, ld, dy_view(d, le), res.grads.w2[d * L + le].data.data(),
+                 nullptr, H, I, H, ld, false);
+      }
+    gemm_op<T>("gemm2_wgrad", ops, tiles);
+
+    timed("swiglu_bwd", ops, [&](int r, int w) {
+      auto& b = ranks_[r];
+      auto [begin, end] = share(plan_.recv_rows(r), w, W());
+      for (std::int64_t row = begin; row < end; ++row)
+        kernels::swiglu_backward<T>(b.h.data() + row * 2 * I, b.da.data() + row * I, I, b.dh.data() + row * 2 * I);
+    });
+
+    if constexpr (!std::is_same_v<T, float>) {
+      timed("pack_gate_up_grad", ops, [&](int r, int w) {
+        auto& b = ranks_[r];
+        for (std::int64_t le = 0; le < L; ++le) {
+          const std::int64_t row0 = plan_.expert_begin[r * (L + 1) + le], n = plan_.expert_rows(r, le);
+          const std::int64_t kp0 = plan_.kpad_begin[r * (L + 1) + le];
+          auto [p0, p1] = share(n, w, W());
+          kernels::pack_rhs<T, T>(b.dh.data() + row0 * 2 * I, 2 * I, n, 2 * I, b.dh_packed.data() + kp0 * 2 * I, p0, p1);
+        }
+      });
+    }
+
+    tiles = tile_lists();
+    for (std::int64_t d = 0; d < P; ++d)
+      for (std::int64_t le = 0; le < L; ++le) {
+        const std::int64_t row0 = plan_.expert_begin[d * (L + 1) + le], n = plan_.expert_rows(d, le);
+        add_gemm(tiles[d], ranks_[d].dh.data() + row0 * 2 * I, 2 * I, w1_t_[d * L + le].view(), nullptr,
+                 ranks_[d].dx_expert.data() + row0 * H, H, n, H, 2 * I, false);
+      }
+    gemm_op<T>("gemm1_dgrad", ops, tiles);
+
+    tiles = tile_lists();
+    for (std::int64_t d = 0; d < P; ++d)
+      for (std::int64_t le = 0; le < L; ++le) {
+        const std::int64_t kp0 = plan_.kpad_begin[d * (L + 1) + le], ld = padded_k<T>(plan_.expert_rows(d, le));
+        add_gemm(tiles[d], ranks_[d].x_t.data() + kp0 * H, ld, dh_view(d, le), res.grads.w1[d * L + le].data.data(),
+                 nullptr, 2 * I, H, 2 * I, ld, false);
+      }
+    gemm_op<T>("gemm1_wgrad", ops, tiles);
+
+    all_to_all("grad_combine_a2a", ops, &RankBuffers<T>::dx_expert, &RankBuffers<T>::dcomb, false);
+
+    timed("grad_unpermute", ops, [&](int r, int w) {
+      auto& b = ranks_[r];
+      auto [begin, end] = share(T_, w, W());
+      for (std::int64_t t = begin; t < end; ++t) {
+        float* dx = res.grads.x.row(r * T_ + t);
+        for (std::int64_t k = 0; k < K; ++k) {
+          const std::int64_t slot = plan_.slot[(r * T_ + t) * K + k];
+          if (slot >= 0) kernels::axpy<T>(1.0f, b.dcomb.data() + slot * H, dx, H);
+        }
+      }
+    });
+
+    // Router: d logits per token, then dx += dlogits Wg^T and dWg = x^T dlogits.
+    timed("router_bwd", ops, [&](int r, int w) {
+      auto& b = ranks_[r];
+      auto [begin, end] = share(T_, w, W());
+      for (std::int64_t t = begin; t < end; ++t) {
+        const std::int64_t g = r * T_ + t;
+        router_backward_token<float>(c_, res.routing, std::span<const float>(logits_.data() + g * E, E), g,
+                                     std::span<const float>(b.d_weight.data() + t * K, K),
+                                     std::span<float>(b.d_logits.data() + t * E, E));
+      }
+      auto [h0, h1] = share(H, w, W());
+      kernels::transpose<float>(in.x.row(r * T_), H, T_, b.x_t_float.data(), T_, h0, h1);
+    });
+    auto ftiles = tile_lists<float>();
+    for (std::int64_t r = 0; r < P; ++r) {
+      auto& b = ranks_[r];
+      for (std::int64_t i = 0; i < T_; i += kTileRows)
+        for (std::int64_t j = 0; j < H; j += kTileCols)
+          ftiles[r].push_back({b.d_logits.data() + i * E, E, router_t_.view(), j, res.grads.x.row(r * T_ + i) + j,
+                               nullptr, H, std::min(kTileRows, T_ - i), std::min(kTileCols, H - j), E, true});
+      for (std::int64_t i = 0; i < H; i += kTileRows)
+        for (std::int64_t j = 0; j < E; j += kTileCols)
+          ftiles[r].push_back({b.x_t_float.data() + i * T_, T_, RhsView<float>{b.d_logits.data(), E}, j,
+                               b.d_router.data() + i * E + j, nullptr, E, std::min(kTileRows, H - i),
+                               std::min(kTileCols, E - j), T_, false});
+    }
+    gemm_op<float>("router_grad_gemm", ops, ftiles);
+
+    if (c_.shared_experts > 0) shared_backward(in, res);
+
+    // Data-parallel reduction of the replicated weights' gradients, in rank order.
+    timed("reduce_replicated_grads", ops, [&](int r, int w) {
+      const int workers = static_cast<int>(P) * W(), me = static_cast<int>(r) * W() + w;
+      auto reduce = [&](std::vector<float>& dst, std::vector<float> RankBuffers<T>::*part) {
+        auto [begin, end] = share(static_cast<std::int64_t>(dst.size()), me, workers);
+        for (std::int64_t i = begin; i < end; ++i) {
+          float sum = 0;
+          for (std::int64_t q = 0; q < P; ++q) sum += (ranks_[q].*part)[i];
+          dst[i] = sum;
+        }
+      };
+      reduce(res.grads.router.data, &RankBuffers<T>::d_router);
+      if (c_.shared_experts > 0) {
+        reduce(res.grads.shared_w1.data, &RankBuffers<T>::d_shared_w1);
+        reduce(res.grads.shared_w2.data, &RankBuffers<T>::d_shared_w2);
+      }
+    });
+  }
+
+  void shared_backward(const LayerInputs& in, StepResult& res) {
+    const std::int64_t H = c_.hidden, P = c_.ranks, T_ = tokens(), Is = c_.shared_inter_total();
+    const std::int64_t tpad = padded_k<T>(T_);
+    auto& ops = res.backward_ops;
+    timed("shared_grad_prepare", ops, [&](int r, int w) {
+      auto& b = ranks_[r];
+      auto [begin, end] = share(T_, w, W());
+      for (std::int64_t t = begin; t < end; ++t) kernels::store<T>(in.d_out.row(r * T_ + t), b.shared_dy.data() + t * H, H);
+      auto [c0, c1] = share(Is, w, W());
+      kernels::transpose<T>(b.shared_a.data(), Is, T_, b.shared_a_t.data(), tpad, c0, c1);
+      auto [x0, x1] = share(H, w, W());
+      kernels::transpose<T>(x_of(in, r), H, T_, b.shared_x_t.data(), tpad, x0, x1);
+    });
+    auto shared_dy_view = [&](std::int64_t r) -> RhsView<T> {
+      if constexpr (std::is_same_v<T, float>) return {ranks_[r].shared_dy.data(), H};
+      else return {ranks_[r].shared_dy_packed.data(), H};
+    };
+    auto shared_dh_view = [&](std::int64_t r) -> RhsView<T> {
+      if constexpr (std::is_same_v<T, float>) return {ranks_[r].shared_dh.data(), 2 * Is};
+      else return {ranks_[r].shared_dh_packed.data(), 2 * Is};
+    };
+    if constexpr (!std::is_same_v<T, float>) {
+      timed("shared_pack_dy", ops, [&](int r, int w) {
+        auto& b = ranks_[r];
+        auto [p0, p1] = share(T_, w, W());
+        kernels::pack_rhs<T, T>(b.shared_dy.data(), H, T_, H, b.shared_dy_packed.data(), p0, p1);
+      });
+    }
+    auto tiles = tile_lists();
+    for (std::int64_t r = 0; r < P; ++r) {
+      add_gemm(tiles[r], ranks_[r].shared_dy.data(), H, sw2_t_.view(), ranks_[r].shared_da.data(), nullptr, Is, T_, Is,
+               H, false);
+      add_gemm(tiles[r], ranks_[r].shared_a_t.data(), tpad, shared_dy_view(r), ranks_[r].d_shared_w2.data(), nullptr, H,
+               Is, H, tpad, false);
+    }
+    gemm_op<T>("shared_gemm2_grads", ops, tiles);
+    timed("shared_swiglu_bwd", ops, [&](int r, int w) {
+      auto& b = ranks_[r];
+      auto [begin, end] = share(T_, w, W());
+      for (std::int64_t t = begin; t < end; ++t)
+        kernels::swiglu_backward<T>(b.shared_h.data() + t * 2 * Is, b.shared_da.data() + t * Is, Is,
+                                    b.shared_dh.data() + t * 2 * Is);
+    });
+    if constexpr (!std::is_same_v<T, float>) {
+      timed("shared_pack_dh", ops, [&](int r, int w) {
+        auto& b = ranks_[r];
+        auto [p0, p1] = share(T_, w, W());
+        kernels::pack_rhs<T, T>(b.shared_dh.data(), 2 * Is, T_, 2 * Is, b.shared_dh_packed.data(), p0, p1);
+      });
+    }
+    tiles = tile_lists();
+    for (std::int64_t r = 0; r < P; ++r) {
+      add_gemm(tiles[r], ranks_[r].shared_dh.data(), 2 * Is, sw1_t_.view(), res.grads.x.row(r * T_), nullptr, H, T_, H,
+               2 * Is, true);
+      add_gemm(tiles[r], ranks_[r].shared_x_t.data(), tpad, shared_dh_view(r), ranks_[r].d_shared_w1.data(), nullptr,
+               2 * Is, H, 2 * Is, tpad, false);
+    }
+    gemm_op<T>("shared_gemm1_grads", ops, tiles);
+  }
+
+  LayerConfig c_;
+  const LayerWeights& w_;
+  ExecutorOptions opt_;
+  WorkerPool pool_;
+  std::vector<Operand<T>> w1_, w2_, w1_t_, w2_t_;
+  Operand<float> router_, router_t_;
+  Operand<T> sw1_, sw2_, sw1_t_, sw2_t_;
+  std::vector<RankBuffers<T>> ranks_;
+  std::vector<float> logits_;
+  Plan plan_;
+};
+
+}  // namespace
+
+SerializedExecutor::SerializedExecutor(const LayerConfig& c, const LayerWeights& w, ExecutorOptions opt) {
+  c.validate();
+  if (opt.workers_per_rank < 1 || opt.workers_per_rank > 256)
+    throw Error("workers per rank must be between 1 and 256 (got " + std::to_string(opt.workers_per_rank) + ")");
+  if (c.dtype == DType::fp32) impl_ = std::make_unique<Serialized<float>>(c, w, opt);
+  else impl_ = std::make_unique<Serialized<bf16>>(c, w, opt);
+}
+
+SerializedExecutor::~SerializedExecutor() = default;
+
+StepResult SerializedExecutor::step(const LayerInputs& in, std::span<const std::int32_t> forced) {
+  return impl_->step(in, forced);
+}
+
+}  // namespace hpmoe

@@ -1,0 +1,70 @@
+#include "hpmoe/worker_pool.hpp"
+
+#include <pthread.h>
+#include <sched.h>
+
+#include "hpmoe/error.hpp"
+
+namespace hpmoe {
+
+WorkerPool::WorkerPool(int ranks, int workers_per_rank, bool pin) : ranks_(ranks), workers_(workers_per_rank) {
+  if (ranks < 1 || workers_per_rank < 1) throw Error("a worker pool needs at least one rank and one worker");
+  const int total = ranks * workers_per_rank;
+  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  for (int i = 0; i < total; ++i) {
+    threads_.emplace_back([this, i] { loop(i); });
+    if (pin) {
+      cpu_set_t set;
+      CPU_ZERO(&set);
+      CPU_SET(static_cast<unsigned>(i) % cores, &set);
+      pthread_setaffinity_np(threads_.back().native_handle(), sizeof(set), &set);  // best effort
+    }
+  }
+}
+
+WorkerPool::~WorkerPool() {
+  {
+    std::lock_guard lock(mutex_);
+    stop_ = true;
+  }
+  start_.notify_all();
+  for (auto& t : threads_) t.join();
+}
+
+void WorkerPool::run(const std::function<void(int, int)>& fn) {
+  std::unique_lock lock(mutex_);
+  job_ = &fn;
+  error_ = nullptr;
+  running_ = static_cast<int>(threads_.size());
+  ++generation_;
+  start_.notify_all();
+  done_.wait(lock, [this] { return running_ == 0; });
+  job_ = nullptr;
+  if (error_) std::rethrow_exception(error_);
+}
+
+void WorkerPool::loop(int index) {
+  const int rank = index / workers_, worker = index % workers_;
+  unsigned long seen = 0;
+  for (;;) {
+    const std::function<void(int, int)>* job = nullptr;
+    {
+      std::unique_lock lock(mutex_);
+      start_.wait(lock, [&] { return stop_ || generation_ != seen; });
+      if (stop_) return;
+      seen = generation_;
+      job = job_;
+    }
+    std::exception_ptr failure;
+    try {
+      (*job)(rank, worker);
+    } catch (...) {
+      failure = std::current_exception();
+    }
+    std::lock_guard lock(mutex_);
+    if (failure && !error_) error_ = failure;
+    if (--running_ == 0) done_.notify_one();
+  }
+}
+
+}  // namespace hpmoe

@@ -1,0 +1,289 @@
+#include "hpmoe/safetensors.hpp"
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "hpmoe/bf16.hpp"
+#include "hpmoe/error.hpp"
+
+namespace hpmoe {
+
+namespace {
+
+std::string shape_text(const std::vector<std::int64_t>& shape) {
+  std::string s = "[";
+  for (std::size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+template <class V>
+std::vector<char> raw_bytes(std::span<const V> values) {
+  std::vector<char> bytes(values.size_bytes());
+  if (!values.empty()) std::memcpy(bytes.data(), values.data(), bytes.size());
+  return bytes;
+}
+
+std::int64_t elements(const std::vector<std::int64_t>& shape) {
+  std::int64_t n = 1;
+  for (auto d : shape) n *= d;
+  return n;
+}
+
+}  // namespace
+
+void SafetensorsWriter::add(const std::string& name, std::vector<std::int64_t> shape, std::span<const float> v) {
+  if (elements(shape) != static_cast<std::int64_t>(v.size())) throw Error("tensor " + name + ": shape/size mismatch");
+  entries_[name] = Entry{"F32", std::move(shape), raw_bytes(v)};
+}
+void SafetensorsWriter::add(const std::string& name, std::vector<std::int64_t> shape, std::span<const std::int32_t> v) {
+  if (elements(shape) != static_cast<std::int64_t>(v.size())) throw Error("tensor " + name + ": shape/size mismatch");
+  entries_[name] = Entry{"I32", std::move(shape), raw_bytes(v)};
+}
+void SafetensorsWriter::add(const std::string& name, std::vector<std::int64_t> shape, std::span<const std::uint8_t> v) {
+  if (elements(shape) != static_cast<std::int64_t>(v.size())) throw Error("tensor " + name + ": shape/size mismatch");
+  entries_[name] = Entry{"U8", std::move(shape), raw_bytes(v)};
+}
+
+void SafetensorsWriter::write(const std::string& path) const {
+  nlohmann::json header = nlohmann::json::object();
+  header["__metadata__"] = {{"format", "pt"}, {"producer", "hpmoe"}};
+  std::size_t offset = 0;
+  for (const auto& [name, e] : entries_) {
+    header[name] = {{"dtype", e.dtype}, {"shape", e.shape}, {"data_offsets", {offset, offset + e.bytes.size()}}};
+    offset += e.bytes.size();
+  }
+  std::string text = header.dump();
+  while (text.size() % 8) text += ' ';  // keeps the data aligned
+  std::ofstream out(path, std::ios::binary);
+  if (!out) throw Error("cannot write '" + path + "'");
+  const std::uint64_t size = text.size();
+  out.write(reinterpret_cast<const char*>(&size), 8);
+  out.write(text.data(), static_cast<std::streamsize>(text.size()));
+  for (const auto& [name, e] : entries_) out.write(e.bytes.data(), static_cast<std::streamsize>(e.bytes.size()));
+  if (!out) throw Error("failed writing '" + path + "' (disk full?)");
+}
+
+SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
+  std::ifstream in(path, std::ios::binary | std::ios::ate);
+  if (!in) throw Error("cannot open '" + path + "'");
+  const auto size = static_cast<std::uint64_t>(in.tellg());
+  in.seekg(0);
+  std::uint64_t header_size = 0;
+  if (size < 8 || !in.read(reinterpret_cast<char*>(&header_size), 8))
+    throw Error("'" + path + "' is not a safetensors file (too short)");
+  if (header_size > size - 8 || header_size > (std::uint64_t{100} << 20))
+    throw Error("'" + path + "' is not a safetensors file (header size " + std::to_string(header_size) +
+                " does not fit the file)");
+  std::string text(header_size, '\0');
+  in.read(text.data(), static_cast<std::streamsize>(header_size));
+  nlohmann::json header;
+  try {
+    header = nlohmann::json::parse(text);
+  } catch (const nlohmann::json::parse_error& e) {
+    throw Error("'" + path + "' has a malformed safetensors header: " + e.what());
+  }
+  if (!header.is_object()) throw Error("'" + path + "' has a malformed safetensors header (not an object)");
+  data_.resize(size - 8 - header_size);
+  in.read(data_.data(), static_cast<std::streamsize>(data_.size()));
+  if (!in) throw Error("'" + path + "' is truncated");
+  for (const auto& [name, v] : header.items()) {
+    if (name == "__metadata__") continue;
+    try {
+      Entry e;
+      e.dtype = v.at("dtype").get<std::string>();
+      e.shape = v.at("shape").get<std::vector<std::int64_t>>();
+      const auto offsets = v.at("data_offsets").get<std::vector<std::uint64_t>>();
+      if (offsets.size() != 2 || offsets[0] > offsets[1] || offsets[1] > data_.size())
+        throw Error("data offsets outside the file");
+      e.begin = offsets[0];
+      e.end = offsets[1];
+      for (auto d : e.shape)
+        if (d < 0) throw Error("negative dimension");
+      entries_[name] = e;
+    } catch (const Error& err) {
+      throw Error("'" + path + "' tensor '" + name + "': " + err.what());
+    } catch (const nlohmann::json::exception& err) {
+      throw Error("'" + path + "' tensor '" + name + "' has a malformed header entry: " + err.what());
+    }
+  }
+}
+
+const SafetensorsFile::Entry& SafetensorsFile::entry(const std::string& name,
+                                                     const std::vector<std::int64_t>& shape) const {
+  auto it = entries_.find(name);
+  if (it == entries_.end()) throw Error("'" + path_ + "' has no tensor '" + name + "'");
+  if (it->second.shape != shape)
+    throw Error("'" + path_ + "' tensor '" + name + "' has shape " + shape_text(it->second.shape) + ", expected " +
+                shape_text(shape));
+  return it->second;
+}
+
+std::vector<float> SafetensorsFile::floats(const std::string& name, const std::vector<std::int64_t>& shape) const {
+  const Entry& e = entry(name, shape);
+  const auto n = static_cast<std::size_t>(elements(shape));
+  std::vector<float> out(n);
+  const char* p = data_.data() + e.begin;
+  const std::size_t bytes = e.end - e.begin;
+  auto need = [&](std::size_t width) {
+    if (bytes != n * width)
+      throw Error("'" + path_ + "' tensor '" + name + "' holds " + std::to_string(bytes) + " bytes, expected " +
+                  std::to_string(n * width));
+  };
+  if (e.dtype == "F32") {
+    need(4);
+    if (n) std::memcpy(out.data(), p, n * 4);
+  } else if (e.dtype == "F64") {
+    need(8);
+    for (std::size_t i = 0; i < n; ++i) {
+      double d;
+      std::memcpy(&d, p + i * 8, 8);
+      out[i] = static_cast<float>(d);
+    }
+  } else if (e.dtype == "BF16") {
+    need(2);
+    for (std::size_t i = 0; i < n; ++i) {
+      bf16 b;
+      std::memcpy(&b.bits, p + i * 2, 2);
+      out[i] = b.to_float();
+    }
+  } else {
+    throw Error("'" + path_ + "' tensor '" + name + "' has dtype " + e.dtype + " (expected F32, F64 or BF16)");
+  }
+  return out;
+}
+
+std::vector<std::int32_t> SafetensorsFile::ints(const std::string& name, const std::vector<std::int64_t>& shape) const {
+  const Entry& e = entry(name, shape);
+  const auto n = static_cast<std::size_t>(elements(shape));
+  std::vector<std::int32_t> out(n);
+  const std::size_t bytes = e.end - e.begin;
+  if (e.dtype == "I32" && bytes == n * 4) {
+    if (n) std::memcpy(out.data(), data_.data() + e.begin, n * 4);
+  } else if (e.dtype == "I64" && bytes == n * 8) {
+    for (std::size_t i = 0; i < n; ++i) {
+      std::int64_t v;
+      std::memcpy(&v, data_.data() + e.begin + i * 8, 8);
+      out[i] = static_cast<std::int32_t>(v);
+    }
+  } else {
+    throw Error("'" + path_ + "' tensor '" + name + "' must be I32 or I64 of shape " + shape_text(shape));
+  }
+  return out;
+}
+
+namespace {
+
+std::string file_in(const std::string& dir, const char* name) { return (std::filesystem::path(dir) / name).string(); }
+
+void ensure_dir(const std::string& dir) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec) throw Error("cannot create directory '" + dir + "': " + ec.message());
+}
+
+// HF stores Linear weights as [out, in]; hpmoe computes x W with W [in, out].
+std::vector<float> columns_as_rows(const Matrix& m, std::int64_t col0, std::int64_t cols) {
+  std::vector<float> out(static_cast<std::size_t>(cols * m.rows));
+  for (std::int64_t j = 0; j < cols; ++j)
+    for (std::int64_t i = 0; i < m.rows; ++i) out[j * m.rows + i] = m.at(i, col0 + j);
+  return out;
+}
+void rows_into_columns(const std::vector<float>& src, Matrix& m, std::int64_t col0, std::int64_t cols) {
+  for (std::int64_t j = 0; j < cols; ++j)
+    for (std::int64_t i = 0; i < m.rows; ++i) m.at(i, col0 + j) = src[j * m.rows + i];
+}
+
+void add_mlp(SafetensorsWriter& w, const std::string& prefix, const Matrix& w1, const Matrix& w2) {
+  const std::int64_t h = w1.rows, inter = w2.rows;
+  w.add(prefix + ".gate_proj.weight", {inter, h}, columns_as_rows(w1, 0, inter));
+  w.add(prefix + ".up_proj.weight", {inter, h}, columns_as_rows(w1, inter, inter));
+  w.add(prefix + ".down_proj.weight", {h, inter}, columns_as_rows(w2, 0, h));
+}
+
+void load_mlp(const SafetensorsFile& f, const std::string& prefix, std::int64_t h, std::int64_t inter, Matrix& w1,
+              Matrix& w2) {
+  w1 = Matrix(h, 2 * inter);
+  w2 = Matrix(inter, h);
+  rows_into_columns(f.floats(prefix + ".gate_proj.weight", {inter, h}), w1, 0, inter);
+  rows_into_columns(f.floats(prefix + ".up_proj.weight", {inter, h}), w1, inter, inter);
+  rows_into_columns(f.floats(prefix + ".down_proj.weight", {h, inter}), w2, 0, h);
+}
+
+void add_weights(SafetensorsWriter& w, const std::string& prefix, const LayerConfig& c, const Matrix& router,
+                 const std::vector<Matrix>& w1, const std::vector<Matrix>& w2, const Matrix& sw1, const Matrix& sw2) {
+  w.add(prefix + "mlp.gate.weight", {c.routed_experts, c.hidden}, columns_as_rows(router, 0, c.routed_experts));
+  for (std::int64_t e = 0; e < c.routed_experts; ++e)
+    add_mlp(w, prefix + "mlp.experts." + std::to_string(e), w1[e], w2[e]);
+  if (c.shared_experts > 0) add_mlp(w, prefix + "mlp.shared_experts", sw1, sw2);
+}
+
+}  // namespace
+
+void save_weights(const std::string& dir, const LayerConfig& c, const LayerWeights& lw) {
+  ensure_dir(dir);
+  SafetensorsWriter w;
+  add_weights(w, "", c, lw.router, lw.w1, lw.w2, lw.shared_w1, lw.shared_w2);
+  w.add("mlp.gate.e_score_correction_bias", {c.routed_experts}, lw.expert_bias);
+  w.write(file_in(dir, "weights.safetensors"));
+}
+
+void save_inputs(const std::string& dir, const LayerInputs& in) {
+  ensure_dir(dir);
+  SafetensorsWriter w;
+  w.add("x", {in.x.rows, in.x.cols}, in.x.data);
+  w.add("d_out", {in.d_out.rows, in.d_out.cols}, in.d_out.data);
+  w.write(file_in(dir, "inputs.safetensors"));
+}
+
+void save_routing(const std::string& dir, const LayerConfig& c, const RouterOutput<float>& r) {
+  ensure_dir(dir);
+  SafetensorsWriter w;
+  w.add("expert_ids", {c.total_tokens(), c.top_k}, r.expert);
+  w.add("gate_weights", {c.total_tokens(), c.top_k}, r.weight);
+  w.add("kept", {c.total_tokens(), c.top_k}, r.kept);
+  w.write(file_in(dir, "routing.safetensors"));
+}
+
+void save_outputs(const std::string& dir, const LayerConfig& c, const Matrix& out, const LayerGradients* g) {
+  ensure_dir(dir);
+  SafetensorsWriter w;
+  w.add("out", {out.rows, out.cols}, out.data);
+  if (g) {
+    w.add("grad.x", {g->x.rows, g->x.cols}, g->x.data);
+    add_weights(w, "grad.", c, g->router, g->w1, g->w2, g->shared_w1, g->shared_w2);
+  }
+  w.write(file_in(dir, "outputs.safetensors"));
+}
+
+LayerWeights load_weights(const std::string& dir, const LayerConfig& c) {
+  SafetensorsFile f(file_in(dir, "weights.safetensors"));
+  LayerWeights w;
+  w.router = Matrix(c.hidden, c.routed_experts);
+  rows_into_columns(f.floats("mlp.gate.weight", {c.routed_experts, c.hidden}), w.router, 0, c.routed_experts);
+  w.expert_bias = f.has("mlp.gate.e_score_correction_bias")
+                      ? f.floats("mlp.gate.e_score_correction_bias", {c.routed_experts})
+                      : std::vector<float>(static_cast<std::size_t>(c.routed_experts), 0.0f);
+  w.w1.resize(static_cast<std::size_t>(c.routed_experts));
+  w.w2.resize(static_cast<std::size_t>(c.routed_experts));
+  for (std::int64_t e = 0; e < c.routed_experts; ++e)
+    load_mlp(f, "mlp.experts." + std::to_string(e), c.hidden, c.expert_inter, w.w1[e], w.w2[e]);
+  if (c.shared_experts > 0) load_mlp(f, "mlp.shared_experts", c.hidden, c.shared_inter_total(), w.shared_w1, w.shared_w2);
+  if (c.dtype == DType::bf16) round_to_bf16(w);
+  return w;
+}
+
+LayerInputs load_inputs(const std::string& dir, const LayerConfig& c) {
+  SafetensorsFile f(file_in(dir, "inputs.safetensors"));
+  LayerInputs in;
+  in.x = Matrix(c.total_tokens(), c.hidden);
+  in.x.data = f.floats("x", {c.total_tokens(), c.hidden});
+  in.d_out = Matrix(c.total_tokens(), c.hidden);
+  in.d_out.data = f.has("d_out") ? f.floats("d_out", {c.total_tokens(), c.hidden})
+                                 : std::vector<float>(in.d_out.data.size(), 0.0f);
+  if (c.dtype == DType::bf16) round_to_bf16(in);
+  return in;
+}
+
+}  // namespace hpmoe

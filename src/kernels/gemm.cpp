@@ -1,0 +1,141 @@
+#include <libxsmm.h>
+
+#include <cstring>
+#include <mutex>
+#include <string>
+
+#include "hpmoe/error.hpp"
+#include "hpmoe/kernels.hpp"
+
+namespace hpmoe::kernels {
+
+void init() {
+  static std::once_flag once;
+  std::call_once(once, [] { libxsmm_init(); });
+}
+
+namespace {
+
+// libxsmm is column-major: the row-major product C = A B is the column-major
+// product C^T = B^T A^T, so B is libxsmm's "A" and A is its "B".
+template <class T>
+void batch_reduce(const T* a, std::int64_t lda, const T* b, std::int64_t ldb, float* c, std::int64_t ldc,
+                  std::int64_t m, std::int64_t n, std::int64_t kb, std::int64_t blocks, bool accumulate) {
+  const libxsmm_blasint xm = n, xn = m, xk = kb, xlda = ldb, xldb = lda, xldc = ldc;
+  const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
+  const libxsmm_blasint stride_rhs = static_cast<libxsmm_blasint>(kb * ldb * std::int64_t(sizeof(T)));
+  const libxsmm_blasint stride_lhs = static_cast<libxsmm_blasint>(kb * std::int64_t(sizeof(T)));
+  unsigned long long count = static_cast<unsigned long long>(blocks);
+  if constexpr (sizeof(T) == 4) {
+    const int flags = LIBXSMM_GEMM_FLAG_NONE;
+    auto kernel = libxsmm_smmdispatch_reducebatch_strd(xm, xn, xk, stride_rhs, stride_lhs, &xlda, &xldb, &xldc,
+                                                       &alpha, &beta, &flags, nullptr);
+    if (!kernel) throw Error("libxsmm could not generate an fp32 GEMM kernel for " + std::to_string(m) + "x" +
+                             std::to_string(n) + "x" + std::to_string(kb));
+    kernel(reinterpret_cast<const float*>(b), reinterpret_cast<const float*>(a), c, &count);
+  } else {
+    const int flags = LIBXSMM_GEMM_FLAG_VNNI_A;
+    auto kernel = libxsmm_bsmmdispatch_reducebatch_strd(xm, xn, xk, stride_rhs, stride_lhs, &xlda, &xldb, &xldc,
+                                                        &alpha, &beta, &flags, nullptr);
+    if (!kernel) throw Error("libxsmm could not generate a bf16 GEMM kernel for " + std::to_string(m) + "x" +
+                             std::to_string(n) + "x" + std::to_string(kb) + " (needs AVX-512)");
+    kernel(reinterpret_cast<const libxsmm_bfloat16*>(b), reinterpret_cast<const libxsmm_bfloat16*>(a), c, &count);
+  }
+}
+
+}  // namespace
+
+template <class T>
+void gemm_tile(const T* a, std::int64_t lda, RhsView<T> b, std::int64_t col0, float* c, std::int64_t ldc,
+               std::int64_t m, std::int64_t n, std::int64_t k, bool accumulate) {
+  if (m <= 0 || n <= 0) return;
+  if (k <= 0) {
+    if (!accumulate)
+      for (std::int64_t i = 0; i < m; ++i) std::memset(c + i * ldc, 0, static_cast<std::size_t>(n) * sizeof(float));
+    return;
+  }
+  const std::int64_t col_offset = sizeof(T) == 2 ? col0 * 2 : col0;  // VNNI keeps pairs per column
+  const T* rhs = b.data + col_offset;
+  const std::int64_t blocks = k / kBlockK, rest = k % kBlockK;
+  if (blocks > 0) batch_reduce<T>(a, lda, rhs, b.ld, c, ldc, m, n, kBlockK, blocks, accumulate);
+  if (rest > 0)
+    batch_reduce<T>(a + blocks * kBlockK, lda, rhs + blocks * kBlockK * b.ld, b.ld, c, ldc, m, n, rest, 1,
+                    accumulate || blocks > 0);
+}
+
+namespace {
+template <class T, class S>
+T convert(S v) {
+  if constexpr (std::is_same_v<T, bf16>) {
+    if constexpr (std::is_same_v<S, bf16>) return v;
+    else return bf16::from_float(static_cast<float>(v));
+  } else {
+    if constexpr (std::is_same_v<S, bf16>) return v.to_float();
+    else return static_cast<T>(v);
+  }
+}
+}  // namespace
+
+template <class S, class T>
+void pack_rhs(const S* src, std::int64_t ld_src, std::int64_t k, std::int64_t n, T* dst, std::int64_t row_begin,
+              std::int64_t row_end) {
+  if constexpr (sizeof(T) == 4) {
+    for (std::int64_t r = row_begin; r < row_end; ++r)
+      for (std::int64_t j = 0; j < n; ++j) dst[r * n + j] = convert<T>(src[r * ld_src + j]);
+  } else {
+    const std::int64_t end = row_end >= k ? padded_k<T>(k) : row_end;
+    for (std::int64_t r = row_begin; r < end; ++r) {
+      T* out = dst + (r / 2) * n * 2 + (r % 2);
+      if (r < k)
+        for (std::int64_t j = 0; j < n; ++j) out[j * 2] = convert<T>(src[r * ld_src + j]);
+      else
+        for (std::int64_t j = 0; j < n; ++j) out[j * 2] = T{};
+    }
+  }
+}
+
+template <class S, class T>
+void pack_rhs_transposed(const S* src, std::int64_t ld_src, std::int64_t k, std::int64_t n, T* dst,
+                         std::int64_t col_begin, std::int64_t col_end) {
+  // Operand element (r, j) = src[j, r].
+  for (std::int64_t j = col_begin; j < col_end; ++j) {
+    const S* row = src + j * ld_src;
+    if constexpr (sizeof(T) == 4) {
+      for (std::int64_t r = 0; r < k; ++r) dst[r * n + j] = convert<T>(row[r]);
+    } else {
+      for (std::int64_t r = 0; r < padded_k<T>(k); ++r)
+        dst[(r / 2) * n * 2 + j * 2 + (r % 2)] = r < k ? convert<T>(row[r]) : T{};
+    }
+  }
+}
+
+template <class T>
+void transpose(const T* src, std::int64_t ld_src, std::int64_t rows, T* dst, std::int64_t ld_dst,
+               std::int64_t col_begin, std::int64_t col_end) {
+  for (std::int64_t j = col_begin; j < col_end; ++j) {
+    T* out = dst + j * ld_dst;
+    for (std::int64_t i = 0; i < rows; ++i) out[i] = src[i * ld_src + j];
+    for (std::int64_t i = rows; i < ld_dst; ++i) out[i] = T{};
+  }
+}
+
+template void gemm_tile<float>(const float*, std::int64_t, RhsView<float>, std::int64_t, float*, std::int64_t,
+                               std::int64_t, std::int64_t, std::int64_t, bool);
+template void gemm_tile<bf16>(const bf16*, std::int64_t, RhsView<bf16>, std::int64_t, float*, std::int64_t,
+                              std::int64_t, std::int64_t, std::int64_t, bool);
+template void pack_rhs<float, float>(const float*, std::int64_t, std::int64_t, std::int64_t, float*, std::int64_t,
+                                     std::int64_t);
+template void pack_rhs<float, bf16>(const float*, std::int64_t, std::int64_t, std::int64_t, bf16*, std::int64_t,
+                                    std::int64_t);
+template void pack_rhs<bf16, bf16>(const bf16*, std::int64_t, std::int64_t, std::int64_t, bf16*, std::int64_t,
+                                   std::int64_t);
+template void pack_rhs_transposed<float, float>(const float*, std::int64_t, std::int64_t, std::int64_t, float*,
+                                                std::int64_t, std::int64_t);
+template void pack_rhs_transposed<float, bf16>(const float*, std::int64_t, std::int64_t, std::int64_t, bf16*,
+                                               std::int64_t, std::int64_t);
+template void transpose<float>(const float*, std::int64_t, std::int64_t, float*, std::int64_t, std::int64_t,
+                               std::int64_t);
+template void transpose<bf16>(const bf16*, std::int64_t, std::int64_t, bf16*, std::int64_t, std::int64_t,
+                              std::int64_t);
+
+}  // namespace hpmoe::kernels

@@ -1,0 +1,83 @@
+#include <cmath>
+
+#include "hpmoe/kernels.hpp"
+
+// Plain loops written so that GCC vectorises them (-O3 -march=native,
+// -fno-math-errno for expf); the reduction order of dot() is fixed by the
+// compiled code, so results repeat run to run.
+namespace hpmoe::kernels {
+
+namespace {
+inline float to_f(float v) { return v; }
+inline float to_f(bf16 v) { return v.to_float(); }
+template <class T>
+inline T from_f(float v) {
+  if constexpr (sizeof(T) == 2) return bf16::from_float(v);
+  else return v;
+}
+}  // namespace
+
+template <class T>
+void store(const float* src, T* dst, std::int64_t n) {
+  for (std::int64_t i = 0; i < n; ++i) dst[i] = from_f<T>(src[i]);
+}
+
+template <class T>
+void load(const T* src, float* dst, std::int64_t n) {
+  for (std::int64_t i = 0; i < n; ++i) dst[i] = to_f(src[i]);
+}
+
+template <class T>
+void scale_store(float w, const float* src, T* dst, std::int64_t n) {
+  for (std::int64_t i = 0; i < n; ++i) dst[i] = from_f<T>(w * src[i]);
+}
+
+template <class T>
+void axpy(float w, const T* x, float* acc, std::int64_t n) {
+  for (std::int64_t i = 0; i < n; ++i) acc[i] += w * to_f(x[i]);
+}
+
+template <class T>
+float dot(const float* a, const T* b, std::int64_t n) {
+  // Sixteen partial sums in a fixed order: vectorisable and deterministic.
+  float part[16] = {};
+  std::int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int l = 0; l < 16; ++l) part[l] += a[i + l] * to_f(b[i + l]);
+  float total = 0;
+  for (int l = 0; l < 16; ++l) total += part[l];
+  for (; i < n; ++i) total += a[i] * to_f(b[i]);
+  return total;
+}
+
+template <class T>
+void swiglu_forward(const float* h, std::int64_t inter, T* a) {
+  for (std::int64_t j = 0; j < inter; ++j) {
+    const float g = h[j];
+    a[j] = from_f<T>(g / (1.0f + std::exp(-g)) * h[inter + j]);
+  }
+}
+
+template <class T>
+void swiglu_backward(const float* h, const float* da, std::int64_t inter, T* dh) {
+  for (std::int64_t j = 0; j < inter; ++j) {
+    const float g = h[j], u = h[inter + j];
+    const float s = 1.0f / (1.0f + std::exp(-g));
+    dh[j] = from_f<T>(da[j] * u * s * (1.0f + g * (1.0f - s)));
+    dh[inter + j] = from_f<T>(da[j] * g * s);
+  }
+}
+
+#define HPMOE_VECTOR_KERNELS(T)                                                 \
+  template void store<T>(const float*, T*, std::int64_t);                       \
+  template void load<T>(const T*, float*, std::int64_t);                        \
+  template void scale_store<T>(float, const float*, T*, std::int64_t);          \
+  template void axpy<T>(float, const T*, float*, std::int64_t);                 \
+  template float dot<T>(const float*, const T*, std::int64_t);                  \
+  template void swiglu_forward<T>(const float*, std::int64_t, T*);              \
+  template void swiglu_backward<T>(const float*, const float*, std::int64_t, T*);
+HPMOE_VECTOR_KERNELS(float)
+HPMOE_VECTOR_KERNELS(bf16)
+#undef HPMOE_VECTOR_KERNELS
+
+}  // namespace hpmoe::kernels

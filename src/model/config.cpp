@@ -1,0 +1,392 @@
+#include "hpmoe/config.hpp"
+
+#include <charconv>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "hpmoe/error.hpp"
+
+namespace hpmoe {
+
+std::string to_string(Scoring s) { return s == Scoring::softmax ? "softmax" : "sigmoid"; }
+std::string to_string(DType d) { return d == DType::fp32 ? "fp32" : "bf16"; }
+std::string to_string(DropPolicy d) { return d == DropPolicy::probs ? "probs" : "position"; }
+
+namespace {
+
+constexpr std::int64_t kMaxDim = std::int64_t{1} << 22;  // keeps every index product in 64 bits
+
+std::int64_t parse_int(std::string_view field, std::string_view text) {
+  std::int64_t v = 0;
+  auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+  if (ec != std::errc{} || end != text.data() + text.size()) {
+    throw Error("config field '" + std::string(field) + "': '" + std::string(text) +
+                "' is not an integer");
+  }
+  return v;
+}
+
+double parse_double(std::string_view field, std::string_view text) {
+  std::string s(text);
+  std::size_t used = 0;
+  double v = 0;
+  try {
+    v = std::stod(s, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (s.empty() || used != s.size() || !std::isfinite(v)) {
+    throw Error("config field '" + std::string(field) + "': '" + s + "' is not a finite number");
+  }
+  return v;
+}
+
+bool parse_bool(std::string_view field, std::string_view text) {
+  if (text == "true" || text == "1" || text == "yes" || text == "on") return true;
+  if (text == "false" || text == "0" || text == "no" || text == "off") return false;
+  throw Error("config field '" + std::string(field) + "': '" + std::string(text) +
+              "' is not a boolean (use true or false)");
+}
+
+using Setter = std::function<void(LayerConfig&, std::string_view field, std::string_view value)>;
+
+const std::map<std::string, Setter, std::less<>>& setters() {
+  static const std::map<std::string, Setter, std::less<>> table = [] {
+    std::map<std::string, Setter, std::less<>> t;
+    auto integer = [](std::int64_t LayerConfig::*member) {
+      return [member](LayerConfig& c, std::string_view f, std::string_view v) { c.*member = parse_int(f, v); };
+    };
+    auto real = [](double LayerConfig::*member) {
+      return [member](LayerConfig& c, std::string_view f, std::string_view v) { c.*member = parse_double(f, v); };
+    };
+    auto boolean = [](bool LayerConfig::*member) {
+      return [member](LayerConfig& c, std::string_view f, std::string_view v) { c.*member = parse_bool(f, v); };
+    };
+    t["name"] = [](LayerConfig& c, std::string_view, std::string_view v) { c.name = std::string(v); };
+    t["hidden"] = integer(&LayerConfig::hidden);
+    t["expert_inter"] = integer(&LayerConfig::expert_inter);
+    t["routed_experts"] = integer(&LayerConfig::routed_experts);
+    t["shared_experts"] = integer(&LayerConfig::shared_experts);
+    t["shared_inter"] = integer(&LayerConfig::shared_inter);
+    t["top_k"] = integer(&LayerConfig::top_k);
+    t["scoring"] = [](LayerConfig& c, std::string_view f, std::string_view v) {
+      if (v == "softmax") c.scoring = Scoring::softmax;
+      else if (v == "sigmoid") c.scoring = Scoring::sigmoid;
+      else throw Error("config field '" + std::string(f) + "': '" + std::string(v) + "' is not softmax or sigmoid");
+    };
+    t["groups"] = integer(&LayerConfig::groups);
+    t["groups_kept"] = integer(&LayerConfig::groups_kept);
+    t["normalize_topk"] = boolean(&LayerConfig::normalize_topk);
+    t["route_scale"] = real(&LayerConfig::route_scale);
+    t["capacity_factor"] = real(&LayerConfig::capacity_factor);
+    t["drop_policy"] = [](LayerConfig& c, std::string_view f, std::string_view v) {
+      if (v == "probs") c.drop_policy = DropPolicy::probs;
+      else if (v == "position") c.drop_policy = DropPolicy::position;
+      else throw Error("config field '" + std::string(f) + "': '" + std::string(v) + "' is not probs or position");
+    };
+    t["aux_loss_coef"] = real(&LayerConfig::aux_loss_coef);
+    t["z_loss_coef"] = real(&LayerConfig::z_loss_coef);
+    t["expert_bias"] = boolean(&LayerConfig::expert_bias);
+    t["bias_update_rate"] = real(&LayerConfig::bias_update_rate);
+    t["tokens_per_rank"] = integer(&LayerConfig::tokens_per_rank);
+    t["ranks"] = integer(&LayerConfig::ranks);
+    t["dtype"] = [](LayerConfig& c, std::string_view f, std::string_view v) {
+      if (v == "fp32") c.dtype = DType::fp32;
+      else if (v == "bf16") c.dtype = DType::bf16;
+      else throw Error("config field '" + std::string(f) + "': '" + std::string(v) + "' is not fp32 or bf16");
+    };
+    return t;
+  }();
+  return table;
+}
+
+// "(value)" built without the literal + to_string pattern that trips GCC 12's -Wrestrict.
+std::string quoted(std::int64_t v) {
+  std::string s = std::to_string(v);
+  s.insert(s.begin(), '(');
+  s.push_back(')');
+  return s;
+}
+
+void require(bool ok, const std::string& field, const std::string& why) {
+  if (!ok) throw Error("invalid layer: " + field + " " + why);
+}
+
+}  // namespace
+
+std::vector<std::string> config_fields() {
+  std::vector<std::string> names;
+  for (const auto& [k, v] : setters()) names.push_back(k);
+  return names;
+}
+
+void LayerConfig::set(std::string_view field, std::string_view value) {
+  auto it = setters().find(field);
+  if (it == setters().end()) {
+    std::string known;
+    for (const auto& f : config_fields()) known += (known.empty() ? "" : ", ") + f;
+    throw Error("unknown config field '" + std::string(field) + "' (known: " + known + ")");
+  }
+  it->second(*this, field, value);
+}
+
+std::int64_t LayerConfig::expert_capacity() const {
+  if (capacity_factor <= 0) return -1;
+  return static_cast<std::int64_t>(
+      std::ceil(capacity_factor * double(tokens_per_rank) * double(top_k) / double(routed_experts)));
+}
+
+void LayerConfig::validate() const {
+  auto positive = [](std::int64_t v, const char* field) {
+    require(v > 0, field, "must be positive (got " + std::to_string(v) + ")");
+    require(v <= kMaxDim, field, "is too large (got " + std::to_string(v) + ", limit " + std::to_string(kMaxDim) + ")");
+  };
+  positive(hidden, "hidden");
+  positive(expert_inter, "expert_inter");
+  positive(routed_experts, "routed_experts");
+  positive(top_k, "top_k");
+  positive(tokens_per_rank, "tokens_per_rank");
+  positive(ranks, "ranks");
+  positive(groups, "groups");
+  positive(groups_kept, "groups_kept");
+  require(shared_experts >= 0 && shared_experts <= 64, "shared_experts", "must be between 0 and 64");
+  require(shared_inter >= 0 && shared_inter <= kMaxDim, "shared_inter", "must be between 0 and " + std::to_string(kMaxDim));
+  require(top_k <= routed_experts, "top_k",
+          quoted(top_k) + " must not exceed routed_experts (" + std::to_string(routed_experts) + ")");
+  require(routed_experts % ranks == 0, "routed_experts",
+          quoted(routed_experts) + " must be divisible by ranks (" + std::to_string(ranks) + ")");
+  require(routed_experts % groups == 0, "groups",
+          quoted(groups) + " must divide routed_experts (" + std::to_string(routed_experts) + ")");
+  require(groups_kept <= groups, "groups_kept",
+          quoted(groups_kept) + " must not exceed groups (" + std::to_string(groups) + ")");
+  require(top_k <= groups_kept * (routed_experts / groups), "top_k",
+          quoted(top_k) + " must not exceed the experts in the kept groups (" +
+              std::to_string(groups_kept * (routed_experts / groups)) + ")");
+  require(std::isfinite(route_scale) && route_scale > 0, "route_scale", "must be a positive number");
+  require(std::isfinite(capacity_factor) && capacity_factor >= 0, "capacity_factor",
+          "must be 0 (dropless) or positive");
+  require(std::isfinite(aux_loss_coef) && aux_loss_coef >= 0, "aux_loss_coef", "must be >= 0");
+  require(std::isfinite(z_loss_coef) && z_loss_coef >= 0, "z_loss_coef", "must be >= 0");
+  require(std::isfinite(bias_update_rate) && bias_update_rate >= 0, "bias_update_rate", "must be >= 0");
+  require(tokens_per_rank * top_k <= (std::int64_t{1} << 31), "tokens_per_rank",
+          "times top_k must stay below 2^31 assignments per rank");
+  if (dtype == DType::bf16) {
+    require(hidden % 2 == 0, "hidden", "must be even for bf16 (the bf16 GEMM packs K in pairs)");
+    require(expert_inter % 2 == 0, "expert_inter", "must be even for bf16 (the bf16 GEMM packs K in pairs)");
+    require(shared_inter_total() % 2 == 0, "shared_inter", "must be even for bf16 (the bf16 GEMM packs K in pairs)");
+  }
+}
+
+double LayerConfig::forward_flops() const {
+  const double n = double(total_tokens());
+  return n * double(top_k) * 6.0 * double(hidden) * double(expert_inter) +
+         n * 6.0 * double(hidden) * double(shared_inter_total()) + n * 2.0 * double(hidden) * double(routed_experts);
+}
+
+nlohmann::json to_json(const LayerConfig& c) {
+  return nlohmann::json{{"name", c.name},
+                        {"hidden", c.hidden},
+                        {"expert_inter", c.expert_inter},
+                        {"routed_experts", c.routed_experts},
+                        {"shared_experts", c.shared_experts},
+                        {"shared_inter", c.shared_inter},
+                        {"top_k", c.top_k},
+                        {"scoring", to_string(c.scoring)},
+                        {"groups", c.groups},
+                        {"groups_kept", c.groups_kept},
+                        {"normalize_topk", c.normalize_topk},
+                        {"route_scale", c.route_scale},
+                        {"capacity_factor", c.capacity_factor},
+                        {"drop_policy", to_string(c.drop_policy)},
+                        {"aux_loss_coef", c.aux_loss_coef},
+                        {"z_loss_coef", c.z_loss_coef},
+                        {"expert_bias", c.expert_bias},
+                        {"bias_update_rate", c.bias_update_rate},
+                        {"tokens_per_rank", c.tokens_per_rank},
+                        {"ranks", c.ranks},
+                        {"dtype", to_string(c.dtype)}};
+}
+
+namespace {
+std::string scalar_text(const std::string& key, const nlohmann::json& v) {
+  if (v.is_string()) return v.get<std::string>();
+  if (v.is_boolean()) return v.get<bool>() ? "true" : "false";
+  if (v.is_number_integer() || v.is_number_unsigned()) return std::to_string(v.get<std::int64_t>());
+  if (v.is_number_float()) {
+    std::ostringstream s;
+    s.precision(17);
+    s << v.get<double>();
+    return s.str();
+  }
+  throw Error("config key '" + key + "' must be a number, string or boolean, not " + v.dump());
+}
+}  // namespace
+
+LayerConfig config_from_json(const nlohmann::json& j) {
+  if (!j.is_object()) throw Error("a layer config must be a JSON object");
+  LayerConfig c;
+  for (const auto& [key, value] : j.items()) c.set(key, scalar_text(key, value));
+  return c;
+}
+
+std::vector<std::string> preset_names() {
+  return {"tiny", "deepseek-v2-lite", "deepseek-v2", "deepseek-v3", "qwen3-30b-a3b", "qwen3-235b-a22b", "mixtral-8x7b"};
+}
+
+LayerConfig preset(std::string_view name) {
+  LayerConfig c;
+  c.name = std::string(name);
+  c.tokens_per_rank = 4096;
+  c.ranks = 1;
+  if (name == "tiny") {
+    c.hidden = 32; c.expert_inter = 16; c.routed_experts = 8; c.shared_experts = 1; c.top_k = 2;
+    c.normalize_topk = true; c.tokens_per_rank = 24; c.ranks = 2; c.aux_loss_coef = 0.01; c.z_loss_coef = 0.001;
+  } else if (name == "deepseek-v2-lite") {
+    c.hidden = 2048; c.expert_inter = 1408; c.routed_experts = 64; c.shared_experts = 2; c.top_k = 6;
+    c.aux_loss_coef = 0.001;
+  } else if (name == "deepseek-v2") {
+    c.hidden = 5120; c.expert_inter = 1536; c.routed_experts = 160; c.shared_experts = 2; c.top_k = 6;
+    c.groups = 8; c.groups_kept = 3; c.route_scale = 16.0; c.aux_loss_coef = 0.003;
+  } else if (name == "deepseek-v3") {
+    c.hidden = 7168; c.expert_inter = 2048; c.routed_experts = 256; c.shared_experts = 1; c.top_k = 8;
+    c.groups = 8; c.groups_kept = 4; c.scoring = Scoring::sigmoid; c.normalize_topk = true; c.route_scale = 2.5;
+    c.expert_bias = true; c.aux_loss_coef = 0.0001;
+  } else if (name == "qwen3-30b-a3b") {
+    c.hidden = 2048; c.expert_inter = 768; c.routed_experts = 128; c.top_k = 8; c.normalize_topk = true;
+    c.aux_loss_coef = 0.001;
+  } else if (name == "qwen3-235b-a22b") {
+    c.hidden = 4096; c.expert_inter = 1536; c.routed_experts = 128; c.top_k = 8; c.normalize_topk = true;
+    c.aux_loss_coef = 0.001;
+  } else if (name == "mixtral-8x7b") {
+    c.hidden = 4096; c.expert_inter = 14336; c.routed_experts = 8; c.top_k = 2; c.normalize_topk = true;
+    c.aux_loss_coef = 0.02;
+  } else {
+    std::string known;
+    for (const auto& p : preset_names()) known += (known.empty() ? "" : ", ") + p;
+    throw Error("unknown preset '" + std::string(name) + "' (presets: " + known + ")");
+  }
+  return c;
+}
+
+namespace {
+
+struct ModelJson {
+  const nlohmann::json& j;
+  const std::string& source;
+
+  bool has(const char* key) const { return j.contains(key) && !j.at(key).is_null(); }
+  std::int64_t integer(const char* key) const {
+    const auto& v = j.at(key);
+    if (!v.is_number_integer() && !v.is_number_unsigned())
+      throw Error(source + ": '" + key + "' must be an integer, not " + v.dump());
+    return v.get<std::int64_t>();
+  }
+  double real(const char* key) const {
+    const auto& v = j.at(key);
+    if (!v.is_number()) throw Error(source + ": '" + key + "' must be a number, not " + v.dump());
+    return v.get<double>();
+  }
+  bool boolean(const char* key) const {
+    const auto& v = j.at(key);
+    if (!v.is_boolean()) throw Error(source + ": '" + key + "' must be true or false, not " + v.dump());
+    return v.get<bool>();
+  }
+  std::string text(const char* key) const {
+    const auto& v = j.at(key);
+    if (!v.is_string()) throw Error(source + ": '" + key + "' must be a string, not " + v.dump());
+    return v.get<std::string>();
+  }
+  std::int64_t required_int(std::initializer_list<const char*> keys) const {
+    for (const char* k : keys)
+      if (has(k)) return integer(k);
+    std::string names;
+    for (const char* k : keys) names += std::string(names.empty() ? "" : " or ") + "'" + k + "'";
+    throw Error(source + ": missing " + names);
+  }
+};
+
+Scoring scoring_from(const ModelJson& m, const char* key) {
+  const std::string s = m.text(key);
+  if (s == "softmax") return Scoring::softmax;
+  if (s == "sigmoid") return Scoring::sigmoid;
+  throw Error(m.source + ": '" + key + "' is '" + s + "', expected softmax or sigmoid");
+}
+
+}  // namespace
+
+LayerConfig config_from_model_json(const nlohmann::json& j, const LayerConfig& base, const std::string& source) {
+  if (!j.is_object()) throw Error(source + ": expected a JSON object");
+  LayerConfig c = base;
+  ModelJson m{j, source};
+  if (j.contains("hidden")) {  // hpmoe's own format
+    LayerConfig own = config_from_json(j);
+    if (!j.contains("tokens_per_rank")) own.tokens_per_rank = base.tokens_per_rank;
+    if (!j.contains("ranks")) own.ranks = base.ranks;
+    if (!j.contains("dtype")) own.dtype = base.dtype;
+    return own;
+  }
+  if (j.contains("dim") && j.contains("moe_inter_dim")) {  // DeepSeek inference config
+    c.hidden = m.integer("dim");
+    c.expert_inter = m.integer("moe_inter_dim");
+    c.routed_experts = m.required_int({"n_routed_experts"});
+    c.shared_experts = m.has("n_shared_experts") ? m.integer("n_shared_experts") : 0;
+    c.shared_inter = 0;
+    c.top_k = m.required_int({"n_activated_experts"});
+    c.groups = m.has("n_expert_groups") ? m.integer("n_expert_groups") : 1;
+    c.groups_kept = m.has("n_limited_groups") ? m.integer("n_limited_groups") : 1;
+    c.route_scale = m.has("route_scale") ? m.real("route_scale") : 1.0;
+    c.scoring = m.has("score_func") ? scoring_from(m, "score_func") : Scoring::softmax;
+    // DeepSeek's reference model normalises the K weights and carries the
+    // selection bias exactly when it scores with sigmoid (V3).
+    c.normalize_topk = c.scoring == Scoring::sigmoid;
+    c.expert_bias = c.scoring == Scoring::sigmoid;
+    return c;
+  }
+  if (j.contains("hidden_size")) {  // Hugging Face config.json
+    c.hidden = m.integer("hidden_size");
+    c.expert_inter = m.required_int({"moe_intermediate_size", "intermediate_size"});
+    c.routed_experts = m.required_int({"n_routed_experts", "num_experts", "num_local_experts"});
+    c.top_k = m.required_int({"num_experts_per_tok"});
+    c.shared_experts = m.has("n_shared_experts") ? m.integer("n_shared_experts") : 0;
+    c.shared_inter = 0;
+    if (m.has("shared_expert_intermediate_size") && m.integer("shared_expert_intermediate_size") > 0) {
+      c.shared_experts = 1;  // Qwen2-MoE style: one shared expert of its own size
+      c.shared_inter = m.integer("shared_expert_intermediate_size");
+    }
+    c.scoring = m.has("scoring_func") ? scoring_from(m, "scoring_func") : Scoring::softmax;
+    c.groups = m.has("n_group") ? m.integer("n_group") : 1;
+    c.groups_kept = m.has("topk_group") ? m.integer("topk_group") : 1;
+    const bool mixtral = m.has("model_type") && m.text("model_type") == "mixtral";
+    c.normalize_topk = m.has("norm_topk_prob") ? m.boolean("norm_topk_prob") : mixtral;
+    c.route_scale = m.has("routed_scaling_factor") ? m.real("routed_scaling_factor") : 1.0;
+    c.aux_loss_coef = m.has("router_aux_loss_coef") ? m.real("router_aux_loss_coef")
+                      : m.has("aux_loss_alpha")     ? m.real("aux_loss_alpha")
+                                                    : 0.0;
+    c.z_loss_coef = m.has("router_z_loss_coef") ? m.real("router_z_loss_coef") : 0.0;
+    c.expert_bias = m.has("topk_method") && m.text("topk_method") == "noaux_tc";
+    return c;
+  }
+  throw Error(source + ": unrecognised config format (expected hpmoe keys such as 'hidden', Hugging Face keys such "
+                       "as 'hidden_size', or DeepSeek inference keys such as 'dim' and 'moe_inter_dim')");
+}
+
+LayerConfig load_config_file(const std::string& path, const LayerConfig& base) {
+  std::ifstream in(path);
+  if (!in) throw Error("cannot open config file '" + path + "'");
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(in);
+  } catch (const nlohmann::json::parse_error& e) {
+    throw Error("config file '" + path + "' is not valid JSON: " + e.what());
+  }
+  LayerConfig c = config_from_model_json(j, base, "config file '" + path + "'");
+  if (!j.contains("hidden") && !j.contains("name")) c.name = std::filesystem::path(path).stem().string();
+  return c;
+}
+
+}  // namespace hpmoe

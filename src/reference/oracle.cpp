@@ -1,0 +1,151 @@
+#include "hpmoe/reference.hpp"
+
+#include <cmath>
+#include <numeric>
+
+#include "hpmoe/error.hpp"
+
+namespace hpmoe {
+
+namespace {
+
+double sigmoid(double v) { return 1.0 / (1.0 + std::exp(-v)); }
+
+// One SwiGLU MLP applied to one token, with what backward needs kept.
+struct MlpToken {
+  std::vector<double> h;  // [2I]
+  std::vector<double> a;  // [I]
+  std::vector<double> y;  // [H]
+};
+
+MlpToken mlp_forward(const float* x, const Matrix& w1, const Matrix& w2) {
+  const std::int64_t hidden = w1.rows, inter = w2.rows;
+  MlpToken m{std::vector<double>(static_cast<std::size_t>(2 * inter), 0.0),
+             std::vector<double>(static_cast<std::size_t>(inter), 0.0),
+             std::vector<double>(static_cast<std::size_t>(hidden), 0.0)};
+  for (std::int64_t i = 0; i < hidden; ++i)
+    for (std::int64_t j = 0; j < 2 * inter; ++j) m.h[j] += double(x[i]) * double(w1.at(i, j));
+  for (std::int64_t j = 0; j < inter; ++j) {
+    const double g = m.h[j];
+    m.a[j] = g * sigmoid(g) * m.h[inter + j];
+  }
+  for (std::int64_t j = 0; j < inter; ++j)
+    for (std::int64_t o = 0; o < hidden; ++o) m.y[o] += m.a[j] * double(w2.at(j, o));
+  return m;
+}
+
+// Given dL/dy for one token, adds dL/dx into dx and, when dw1/dw2 are
+// non-null, the weight gradients.
+void mlp_backward(const float* x, const Matrix& w1, const Matrix& w2, const MlpToken& m, const std::vector<double>& dy,
+                  double* dx, double* dw1, double* dw2) {
+  const std::int64_t hidden = w1.rows, inter = w2.rows;
+  std::vector<double> da(static_cast<std::size_t>(inter), 0.0), dh(static_cast<std::size_t>(2 * inter), 0.0);
+  for (std::int64_t j = 0; j < inter; ++j)
+    for (std::int64_t o = 0; o < hidden; ++o) da[j] += dy[o] * double(w2.at(j, o));
+  for (std::int64_t j = 0; j < inter; ++j) {
+    const double g = m.h[j], u = m.h[inter + j], s = sigmoid(g);
+    dh[j] = da[j] * u * s * (1.0 + g * (1.0 - s));
+    dh[inter + j] = da[j] * g * s;
+  }
+  for (std::int64_t i = 0; i < hidden; ++i)
+    for (std::int64_t j = 0; j < 2 * inter; ++j) dx[i] += dh[j] * double(w1.at(i, j));
+  if (dw2)
+    for (std::int64_t j = 0; j < inter; ++j)
+      for (std::int64_t o = 0; o < hidden; ++o) dw2[j * hidden + o] += m.a[j] * dy[o];
+  if (dw1)
+    for (std::int64_t i = 0; i < hidden; ++i)
+      for (std::int64_t j = 0; j < 2 * inter; ++j) dw1[i * 2 * inter + j] += double(x[i]) * dh[j];
+}
+
+}  // namespace
+
+OracleResult reference_layer(const LayerConfig& c, const LayerWeights& w, const LayerInputs& in,
+                             const OracleOptions& opt) {
+  c.validate();
+  check_shapes(c, w, in);
+  const std::int64_t n = c.total_tokens(), hidden = c.hidden, e = c.routed_experts, k = c.top_k;
+  OracleResult r;
+
+  std::vector<double> logits(static_cast<std::size_t>(n * e), 0.0);
+  for (std::int64_t t = 0; t < n; ++t)
+    for (std::int64_t i = 0; i < hidden; ++i)
+      for (std::int64_t j = 0; j < e; ++j) logits[t * e + j] += double(in.x.at(t, i)) * double(w.router.at(i, j));
+  r.routing = route<double>(c, logits, w.expert_bias, opt.forced_ids, opt.forced_kept);
+
+  r.tokens = opt.tokens;
+  const bool all_tokens = r.tokens.empty();
+  if (all_tokens) {
+    r.tokens.resize(static_cast<std::size_t>(n));
+    std::iota(r.tokens.begin(), r.tokens.end(), 0);
+  }
+  for (auto t : r.tokens)
+    if (t < 0 || t >= n) throw Error("oracle token " + std::to_string(t) + " is out of range");
+  const bool weight_grads = opt.backward && all_tokens;
+  if (weight_grads) {
+    r.d_router.assign(static_cast<std::size_t>(hidden * e), 0.0);
+    r.d_w1.assign(static_cast<std::size_t>(e), std::vector<double>(static_cast<std::size_t>(hidden * 2 * c.expert_inter)));
+    r.d_w2.assign(static_cast<std::size_t>(e), std::vector<double>(static_cast<std::size_t>(c.expert_inter * hidden)));
+    if (c.shared_experts > 0) {
+      r.d_shared_w1.assign(static_cast<std::size_t>(hidden * 2 * c.shared_inter_total()), 0.0);
+      r.d_shared_w2.assign(static_cast<std::size_t>(c.shared_inter_total() * hidden), 0.0);
+    }
+  }
+  r.out.assign(r.tokens.size() * static_cast<std::size_t>(hidden), 0.0);
+  if (opt.backward) r.dx.assign(r.tokens.size() * static_cast<std::size_t>(hidden), 0.0);
+
+  for (std::size_t row = 0; row < r.tokens.size(); ++row) {
+    const std::int64_t t = r.tokens[row];
+    const float* x = in.x.row(t);
+    const float* dout = in.d_out.row(t);
+    double* out = r.out.data() + row * hidden;
+    std::vector<MlpToken> expert_act;
+    for (std::int64_t j = 0; j < k; ++j) {
+      const auto a = static_cast<std::size_t>(t * k + j);
+      if (!r.routing.kept[a]) {
+        expert_act.emplace_back();
+        continue;
+      }
+      const auto ex = r.routing.expert[a];
+      expert_act.push_back(mlp_forward(x, w.w1[ex], w.w2[ex]));
+      for (std::int64_t o = 0; o < hidden; ++o) out[o] += r.routing.weight[a] * expert_act.back().y[o];
+    }
+    MlpToken shared;
+    if (c.shared_experts > 0) {
+      shared = mlp_forward(x, w.shared_w1, w.shared_w2);
+      for (std::int64_t o = 0; o < hidden; ++o) out[o] += shared.y[o];
+    }
+    for (std::int64_t o = 0; o < hidden; ++o) r.loss += double(dout[o]) * out[o];
+    if (!opt.backward) continue;
+
+    double* dx = r.dx.data() + row * hidden;
+    std::vector<double> dy(static_cast<std::size_t>(hidden)), d_weight(static_cast<std::size_t>(k), 0.0);
+    for (std::int64_t j = 0; j < k; ++j) {
+      const auto a = static_cast<std::size_t>(t * k + j);
+      if (!r.routing.kept[a]) continue;
+      const auto ex = r.routing.expert[a];
+      for (std::int64_t o = 0; o < hidden; ++o) {
+        d_weight[j] += double(dout[o]) * expert_act[j].y[o];
+        dy[o] = r.routing.weight[a] * double(dout[o]);
+      }
+      mlp_backward(x, w.w1[ex], w.w2[ex], expert_act[j], dy, dx, weight_grads ? r.d_w1[ex].data() : nullptr,
+                   weight_grads ? r.d_w2[ex].data() : nullptr);
+    }
+    if (c.shared_experts > 0) {
+      for (std::int64_t o = 0; o < hidden; ++o) dy[o] = dout[o];
+      mlp_backward(x, w.shared_w1, w.shared_w2, shared, dy, dx, weight_grads ? r.d_shared_w1.data() : nullptr,
+                   weight_grads ? r.d_shared_w2.data() : nullptr);
+    }
+    std::vector<double> d_logits(static_cast<std::size_t>(e));
+    router_backward_token<double>(c, r.routing, std::span<const double>(logits.data() + t * e, e), t, d_weight,
+                                  d_logits);
+    for (std::int64_t i = 0; i < hidden; ++i)
+      for (std::int64_t j = 0; j < e; ++j) {
+        dx[i] += d_logits[j] * double(w.router.at(i, j));
+        if (weight_grads) r.d_router[i * e + j] += double(x[i]) * d_logits[j];
+      }
+  }
+  if (all_tokens) r.loss += r.routing.aux_loss + r.routing.z_loss;
+  return r;
+}
+
+}  // namespace hpmoe

@@ -1,0 +1,157 @@
+// hpmoe: the command-line front end. Every failure is one line on stderr and
+// exit code 2; a run whose verification fails exits with 1.
+#include <CLI/CLI.hpp>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <optional>
+
+#include "hpmoe/config.hpp"
+#include "hpmoe/error.hpp"
+#include "hpmoe/run.hpp"
+
+namespace {
+
+using namespace hpmoe;
+
+// Options shared by every command that describes a layer.
+struct LayerOptions {
+  std::string preset_name;
+  std::string config_file;
+  std::vector<std::string> sets;
+  std::optional<std::int64_t> ranks, tokens;
+  std::optional<std::string> dtype;
+
+  void add_to(CLI::App& app) {
+    app.add_option("--preset", preset_name, "model preset (see `hpmoe presets`)");
+    app.add_option("--config", config_file,
+                   "layer from a file: hpmoe JSON, Hugging Face config.json, or DeepSeek inference config");
+    app.add_option("--set", sets, "override a field: --set top_k=4 (repeatable; `hpmoe config --fields` lists them)");
+    app.add_option("--ranks,-P", ranks, "expert-parallel degree");
+    app.add_option("--tokens,-T", tokens, "tokens per rank");
+    app.add_option("--dtype", dtype, "fp32 or bf16");
+  }
+
+  LayerConfig resolve() const {
+    if (!preset_name.empty() && !config_file.empty()) throw Error("give either --preset or --config, not both");
+    LayerConfig base = preset(preset_name.empty() ? "tiny" : preset_name);
+    LayerConfig c = config_file.empty() ? base : load_config_file(config_file, base);
+    for (const auto& s : sets) {
+      const auto eq = s.find('=');
+      if (eq == std::string::npos || eq == 0) throw Error("--set expects field=value, got '" + s + "'");
+      c.set(s.substr(0, eq), s.substr(eq + 1));
+    }
+    if (ranks) c.set("ranks", std::to_string(*ranks));
+    if (tokens) c.set("tokens_per_rank", std::to_string(*tokens));
+    if (dtype) c.set("dtype", *dtype);
+    c.validate();
+    return c;
+  }
+};
+
+void write_json(const std::string& path, const nlohmann::json& j) {
+  std::ofstream out(path);
+  if (!out) throw Error("cannot write JSON results to '" + path + "'");
+  out << j.dump(2) << "\n";
+}
+
+int run_main(int argc, char** argv) {
+  CLI::App app{"hpmoe: tile-level scheduling for expert-parallel MoE training (CPU runtime, oracle, baseline)"};
+  app.require_subcommand(1);
+  app.set_version_flag("--version", HPMOE_VERSION);
+
+  // hpmoe run
+  auto* run = app.add_subcommand("run", "run a layer step on this machine, verified against the fp64 oracle");
+  LayerOptions run_layer_opts;
+  run_layer_opts.add_to(*run);
+  RunRequest req;
+  std::string routing = "router", verify = "auto", json_file;
+  bool no_pin = false;
+  run->add_option("--workers,-W", req.workers_per_rank, "worker threads per rank")->check(CLI::Range(1, 256));
+  run->add_option("--routing", routing, "router | uniform | zipf[:S] | hot[:SHARE] | trace:FILE[:LAYER]");
+  run->add_option("--seed", req.seed, "seed of weights, inputs and synthetic routing");
+  run->add_flag("--backward", req.backward, "run backward too (dx, dW1, dW2, router and shared gradients)");
+  run->add_option("--iters", req.iterations, "measured iterations")->check(CLI::Range(1, 100000));
+  run->add_option("--warmup", req.warmup, "warm-up iterations")->check(CLI::Range(0, 100000));
+  run->add_option("--verify", verify, "auto | full | sample | off (auto: full oracle for small layers)");
+  run->add_option("--sample", req.sample_tokens, "tokens recomputed in fp64 by --verify sample")->check(CLI::Range(1, 1 << 20));
+  run->add_option("--json", json_file, "write the results as JSON");
+  run->add_option("--save", req.save_dir, "write the run's tensors (safetensors) to this directory");
+  run->add_option("--load", req.load_dir, "run on weights.safetensors and inputs.safetensors from this directory");
+  run->add_flag("--no-pin", no_pin, "do not pin worker threads to cores");
+
+  // hpmoe config
+  auto* config = app.add_subcommand("config", "print a layer config (preset, imported file, overrides) as JSON");
+  LayerOptions config_opts;
+  config_opts.add_to(*config);
+  bool list_fields = false;
+  config->add_flag("--fields", list_fields, "list the field names --set accepts");
+
+  auto* presets = app.add_subcommand("presets", "list the model presets");
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp&) {
+    std::cout << app.help();
+    return 0;
+  } catch (const CLI::CallForAllHelp&) {
+    std::cout << app.help("", CLI::AppFormatMode::All);
+    return 0;
+  } catch (const CLI::CallForVersion&) {
+    std::cout << HPMOE_VERSION << "\n";
+    return 0;
+  } catch (const CLI::ParseError& e) {
+    std::string msg = e.what();
+    if (msg.empty()) msg = "invalid command line";
+    std::cerr << "error: " << msg << " (see hpmoe --help)\n";
+    return 2;
+  }
+
+  if (presets->parsed()) {
+    for (const auto& name : preset_names()) {
+      const LayerConfig c = preset(name);
+      std::cout << name << ": hidden " << c.hidden << ", expert inter " << c.expert_inter << ", experts "
+                << c.routed_experts << "/" << c.shared_experts << ", top-" << c.top_k << "\n";
+    }
+    return 0;
+  }
+  if (config->parsed()) {
+    if (list_fields) {
+      for (const auto& f : config_fields()) std::cout << f << "\n";
+      return 0;
+    }
+    std::cout << to_json(config_opts.resolve()).dump(2) << "\n";
+    return 0;
+  }
+
+  req.config = run_layer_opts.resolve();
+  req.routing = parse_routing_spec(routing, req.seed);
+  req.verify = parse_verify_mode(verify);
+  req.pin = !no_pin;
+  const auto start = std::chrono::steady_clock::now();
+  auto progress = [&](const std::string& what) {
+    const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (elapsed >= 2.0) std::fprintf(stderr, "hpmoe: %s (%.1f s)\n", what.c_str(), elapsed);
+  };
+  const RunReport report = run_layer(req, progress);
+  std::cout << format_report(report);
+  if (!json_file.empty()) write_json(json_file, to_json(report));
+  return report.verification.pass ? 0 : 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return run_main(argc, argv);
+  } catch (const hpmoe::Error& e) {
+    std::cerr << "error: " << e.what() << "\n";
+  } catch (const std::bad_alloc&) {
+    std::cerr << "error: out of memory: the layer does not fit this machine; use fewer tokens or ranks\n";
+  } catch (const std::exception& e) {
+    std::cerr << "error: " << e.what() << "\n";
+  }
+  return 2;
+}
