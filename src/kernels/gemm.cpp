@@ -54,6 +54,9 @@ void gemm_tile(const T* a, std::int64_t lda, RhsView<T> b, std::int64_t col0, fl
       for (std::int64_t i = 0; i < m; ++i) std::memset(c + i * ldc, 0, static_cast<std::size_t>(n) * sizeof(float));
     return;
   }
+  if (sizeof(T) == 2 && ((lda | k) & 1))
+    throw Error("bf16 tile GEMM needs an even K and an even leading dimension of A (got lda " +
+                std::to_string(lda) + ", k " + std::to_string(k) + ")");
   const std::int64_t col_offset = sizeof(T) == 2 ? col0 * 2 : col0;  // VNNI keeps pairs per column
   const T* rhs = b.data + col_offset;
   const std::int64_t blocks = k / kBlockK, rest = k % kBlockK;

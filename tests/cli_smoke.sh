@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# End-to-end runs of the CLI: presets, config import, fp32/bf16 forward and
+# backward with JSON results, trace routing, save/load round trip.
+set -euo pipefail
+: "${HPMOE:?}" "${HPMOE_SOURCE_DIR:?}"
+tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
+"$HPMOE" presets | grep -q "deepseek-v3: hidden 7168"
+"$HPMOE" config --config "$HPMOE_SOURCE_DIR/data/model-configs/deepseek-config_671B.json" | grep -q '"routed_experts": 256'
+"$HPMOE" config --preset qwen3-30b-a3b --set top_k=4 | grep -q '"top_k": 4'
+for dtype in fp32 bf16; do
+  "$HPMOE" run --dtype $dtype --backward --iters 2 --json "$tmp/$dtype.json" > "$tmp/$dtype.txt"
+  grep -q "verify   PASS" "$tmp/$dtype.txt"
+  grep -q '"pass": true' "$tmp/$dtype.json"
+  grep -q '"dispatch_to_combine"' "$tmp/$dtype.json"
+done
+"$HPMOE" run -P 4 -W 2 --routing "trace:$HPMOE_SOURCE_DIR/data/routing/mixtral-8x7b/writing.json:12" --backward \
+  | grep -q "verify   PASS"
+"$HPMOE" run --routing zipf:1.2 --set capacity_factor=1.0 --backward | grep -q "verify   PASS"
+"$HPMOE" run --seed 5 --backward --save "$tmp/run" > "$tmp/a.txt"
+test -s "$tmp/run/weights.safetensors" && test -s "$tmp/run/outputs.safetensors" && test -s "$tmp/run/routing.safetensors"
+"$HPMOE" run --seed 99 --backward --load "$tmp/run" --save "$tmp/again" > "$tmp/b.txt"
+cmp "$tmp/run/outputs.safetensors" "$tmp/again/outputs.safetensors"
+echo "cli smoke: all passed"

@@ -1,0 +1,126 @@
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "hpmoe/error.hpp"
+#include "hpmoe/kernels.hpp"
+#include "hpmoe/tensors.hpp"
+
+using namespace hpmoe;
+using namespace hpmoe::kernels;
+
+namespace {
+
+template <class T>
+T to(float v) {
+  if constexpr (sizeof(T) == 2) return bf16::from_float(v);
+  else return v;
+}
+template <class T>
+double from(T v) {
+  if constexpr (sizeof(T) == 2) return v.to_float();
+  else return v;
+}
+
+// C = A B (+ C) for a tile inside larger matrices, against a double loop.
+template <class T>
+void check_gemm(std::int64_t m, std::int64_t n, std::int64_t k, bool accumulate) {
+  init();
+  const std::int64_t lda = padded_k<T>(k) + 4, ldb_cols = n + 5, ldc = n + 2, col0 = 2;
+  Rng rng(m * 1000 + n * 10 + k);
+  std::vector<T> a(static_cast<std::size_t>(m * lda));
+  for (auto& v : a) v = to<T>(float(rng.normal()));
+  std::vector<float> b(static_cast<std::size_t>(k * ldb_cols));
+  for (auto& v : b) v = sizeof(T) == 2 ? round_to_bf16(float(rng.normal())) : float(rng.normal());
+  std::vector<T> packed(static_cast<std::size_t>(padded_k<T>(k) * ldb_cols));
+  pack_rhs<float, T>(b.data(), ldb_cols, k, ldb_cols, packed.data(), 0, k);
+  std::vector<float> c(static_cast<std::size_t>(m * ldc), 0.5f);
+  gemm_tile<T>(a.data(), lda, RhsView<T>{packed.data(), ldb_cols}, col0, c.data(), ldc, m, n, padded_k<T>(k), accumulate);
+  // fp32 accumulation error grows like sqrt(k) * eps * sum |a b|.
+  double worst = 0;
+  for (std::int64_t i = 0; i < m; ++i)
+    for (std::int64_t j = 0; j < n; ++j) {
+      double ref = accumulate ? 0.5 : 0.0, magnitude = 1.0;
+      for (std::int64_t p = 0; p < k; ++p) {
+        ref += from(a[i * lda + p]) * double(b[p * ldb_cols + col0 + j]);
+        magnitude += std::abs(from(a[i * lda + p]) * double(b[p * ldb_cols + col0 + j]));
+      }
+      worst = std::max(worst, std::abs(ref - double(c[i * ldc + j])) / (magnitude * std::sqrt(double(k))));
+    }
+  EXPECT_LT(worst, 4 * 6e-8) << m << "x" << n << "x" << k;
+  // Untouched outside the tile.
+  if (ldc > n) {
+    EXPECT_EQ(c[n], 0.5f);
+  }
+}
+
+}  // namespace
+
+TEST(TileGemm, Fp32MatchesDoubleLoops) {
+  for (auto [m, n, k] : std::vector<std::tuple<int, int, int>>{{1, 1, 1}, {64, 64, 128}, {37, 50, 300}, {64, 17, 1024}, {5, 64, 129}})
+    for (bool acc : {false, true}) check_gemm<float>(m, n, k, acc);
+}
+
+TEST(TileGemm, Bf16MatchesDoubleLoops) {
+  // For bf16 the inputs are exact bf16 values and accumulation is fp32, so
+  // the same tolerance holds; odd K exercises the zero pair padding.
+  for (auto [m, n, k] : std::vector<std::tuple<int, int, int>>{{1, 1, 2}, {64, 64, 128}, {37, 50, 301}, {64, 17, 1024}, {3, 64, 7}})
+    for (bool acc : {false, true}) check_gemm<bf16>(m, n, k, acc);
+}
+
+TEST(TileGemm, Bf16RejectsOddLeadingDimension) {
+  std::vector<bf16> a(64), b(64);
+  std::vector<float> c(16);
+  EXPECT_THROW(gemm_tile<bf16>(a.data(), 3, RhsView<bf16>{b.data(), 4}, 0, c.data(), 4, 2, 4, 2, false), Error);
+}
+
+TEST(TileGemm, ZeroKClearsOrKeeps) {
+  std::vector<float> c(4, 3.0f), b(4, 1.0f), a(4, 1.0f);
+  gemm_tile<float>(a.data(), 2, RhsView<float>{b.data(), 2}, 0, c.data(), 2, 2, 2, 0, true);
+  EXPECT_EQ(c[0], 3.0f);
+  gemm_tile<float>(a.data(), 2, RhsView<float>{b.data(), 2}, 0, c.data(), 2, 2, 2, 0, false);
+  EXPECT_EQ(c[3], 0.0f);
+}
+
+TEST(Pack, TransposedPackingEqualsPackingTheTranspose) {
+  const std::int64_t rows = 5, cols = 7;  // src [rows, cols]; operand src^T [cols, rows]
+  std::vector<float> src(rows * cols), srcT(cols * rows);
+  for (std::int64_t i = 0; i < rows * cols; ++i) src[i] = round_to_bf16(float(i) * 0.25f);
+  for (std::int64_t i = 0; i < rows; ++i)
+    for (std::int64_t j = 0; j < cols; ++j) srcT[j * rows + i] = src[i * cols + j];
+  std::vector<bf16> a(padded_k<bf16>(cols) * rows), b(padded_k<bf16>(cols) * rows);
+  pack_rhs_transposed<float, bf16>(src.data(), cols, cols, rows, a.data(), 0, rows);
+  pack_rhs<float, bf16>(srcT.data(), rows, cols, rows, b.data(), 0, cols);
+  for (std::size_t i = 0; i < a.size(); ++i) EXPECT_EQ(a[i].bits, b[i].bits) << i;
+}
+
+TEST(Bf16, RoundsToNearestEvenAndKeepsSpecials) {
+  EXPECT_EQ(bf16::from_float(1.0f).bits, 0x3f80);
+  EXPECT_EQ(bf16::from_float(1.0f + 1.0f / 256).bits, 0x3f80);      // tie -> even
+  EXPECT_EQ(bf16::from_float(1.0f + 3.0f / 256).bits, 0x3f82);      // tie -> even (up)
+  EXPECT_TRUE(std::isnan(bf16::from_float(std::numeric_limits<float>::quiet_NaN()).to_float()));
+  EXPECT_TRUE(std::isinf(bf16::from_float(std::numeric_limits<float>::infinity()).to_float()));
+}
+
+TEST(VectorKernels, SwigluForwardAndBackward) {
+  const std::int64_t inter = 37;
+  std::vector<float> h(2 * inter), da(inter);
+  for (std::int64_t j = 0; j < 2 * inter; ++j) h[j] = float(std::sin(0.7 * j) * 3);
+  for (std::int64_t j = 0; j < inter; ++j) da[j] = float(std::cos(0.3 * j));
+  std::vector<float> a(inter), dh(2 * inter);
+  swiglu_forward<float>(h.data(), inter, a.data());
+  swiglu_backward<float>(h.data(), da.data(), inter, dh.data());
+  for (std::int64_t j = 0; j < inter; ++j) {
+    const double g = h[j], u = h[inter + j], s = 1 / (1 + std::exp(-g));
+    EXPECT_NEAR(a[j], g * s * u, 1e-5 * (1 + std::abs(g * s * u)));
+    EXPECT_NEAR(dh[j], da[j] * u * s * (1 + g * (1 - s)), 1e-5 * (1 + std::abs(dh[j])));
+    EXPECT_NEAR(dh[inter + j], da[j] * g * s, 1e-5 * (1 + std::abs(dh[inter + j])));
+  }
+  std::vector<float> x(100);
+  for (int i = 0; i < 100; ++i) x[i] = float(i % 7) - 3;
+  double ref = 0;
+  for (int i = 0; i < 100; ++i) ref += double(x[i]) * x[i];
+  EXPECT_FLOAT_EQ(dot<float>(x.data(), x.data(), 100), float(ref));
+}
