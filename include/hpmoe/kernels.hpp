@@ -20,10 +20,17 @@ void init();
 // The right-hand operand of a tile GEMM, laid out as the kernel reads it:
 //   float: row-major [K, N], leading dimension ld;
 //   bf16:  VNNI pairs: element (k, n) at ((k / 2) * ld + n) * 2 + k % 2.
+// When panel_stride > 0 the operand is panel-blocked: columns come in panels
+// of kTileCols, each panel a contiguous [K, kTileCols] operand of the layout
+// above (ld = kTileCols), panel p starting at data + p * panel_stride. A tile
+// then reads one contiguous block instead of K rows a whole row apart, which
+// keeps the TLB and the prefetchers happy for long K. Tiles must not cross a
+// panel boundary.
 template <class T>
 struct RhsView {
   const T* data = nullptr;
   std::int64_t ld = 0;
+  std::int64_t panel_stride = 0;
 };
 
 // C[m, n] (=, or += when accumulate) A[m, k] * B[k, col0 : col0 + n].
@@ -46,6 +53,23 @@ constexpr std::int64_t padded_k(std::int64_t k) {
 template <class S, class T>
 void pack_rhs(const S* src, std::int64_t ld_src, std::int64_t k, std::int64_t n, T* dst, std::int64_t row_begin,
               std::int64_t row_end);
+
+// Elements of a panel-blocked operand of [K, N].
+template <class T>
+constexpr std::int64_t panel_blocked_size(std::int64_t k, std::int64_t n) {
+  return padded_k<T>(k) * ((n + kTileCols - 1) / kTileCols) * kTileCols;
+}
+
+// Packs row-major src [K, N] (or, when transposed, src [N, K] read as its
+// transpose) into the panel-blocked layout, panels [panel_begin, panel_end).
+// Columns past N in the last panel and rows past K are zero.
+template <class S, class T>
+void pack_rhs_panels(const S* src, std::int64_t ld_src, std::int64_t k, std::int64_t n, bool transposed, T* dst,
+                     std::int64_t panel_begin, std::int64_t panel_end);
+template <class T>
+RhsView<T> panel_view(const T* data, std::int64_t k) {
+  return {data, kTileCols, padded_k<T>(k) * kTileCols};
+}
 
 // Packs the transpose of row-major src [N, K] (so the operand is src^T) into
 // the RhsView layout with ld = n, for output columns [col_begin, col_end).

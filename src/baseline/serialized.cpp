@@ -23,38 +23,33 @@ using kernels::padded_k;
 using kernels::RhsView;
 using Clock = std::chrono::steady_clock;
 
-// A right-hand GEMM operand in the kernel's layout: either packed here or,
-// for fp32 operands that need no change, a view of the caller's matrix.
+// A weight as the right-hand GEMM operand, packed once into the kernel's
+// panel-blocked layout (so the per-step cost is zero).
 template <class T>
 struct Operand {
   std::vector<T> storage;
-  const T* data = nullptr;
-  std::int64_t ld = 0;
-  RhsView<T> view() const { return {data, ld}; }
+  RhsView<T> view_;
+  RhsView<T> view() const { return view_; }
 };
 
+// The operand is m itself ([rows, cols]) or, when transposed, m^T.
 template <class T>
-Operand<T> operand_of(const Matrix& m) {  // the operand is m itself, [rows, cols]
+Operand<T> packed_operand(const Matrix& m, bool transposed) {
+  const std::int64_t k = transposed ? m.cols : m.rows, n = transposed ? m.rows : m.cols;
   Operand<T> op;
-  op.ld = m.cols;
-  if constexpr (std::is_same_v<T, float>) {
-    op.data = m.data.data();
-  } else {
-    op.storage.resize(static_cast<std::size_t>(padded_k<T>(m.rows) * m.cols));
-    kernels::pack_rhs<float, T>(m.data.data(), m.cols, m.rows, m.cols, op.storage.data(), 0, m.rows);
-    op.data = op.storage.data();
-  }
+  op.storage.resize(static_cast<std::size_t>(kernels::panel_blocked_size<T>(k, n)));
+  kernels::pack_rhs_panels<float, T>(m.data.data(), m.cols, k, n, transposed, op.storage.data(), 0,
+                                     (n + kTileCols - 1) / kTileCols);
+  op.view_ = kernels::panel_view<T>(op.storage.data(), k);
   return op;
 }
-
 template <class T>
-Operand<T> transposed_operand_of(const Matrix& m) {  // the operand is m^T, [cols, rows]
-  Operand<T> op;
-  op.ld = m.rows;
-  op.storage.resize(static_cast<std::size_t>(padded_k<T>(m.cols) * m.rows));
-  kernels::pack_rhs_transposed<float, T>(m.data.data(), m.cols, m.cols, m.rows, op.storage.data(), 0, m.rows);
-  op.data = op.storage.data();
-  return op;
+Operand<T> operand_of(const Matrix& m) {
+  return packed_operand<T>(m, false);
+}
+template <class T>
+Operand<T> transposed_operand_of(const Matrix& m) {
+  return packed_operand<T>(m, true);
 }
 
 // One output tile of one GEMM. The result goes to `c` (fp32) or, when `out`

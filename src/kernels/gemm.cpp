@@ -57,8 +57,12 @@ void gemm_tile(const T* a, std::int64_t lda, RhsView<T> b, std::int64_t col0, fl
   if (sizeof(T) == 2 && ((lda | k) & 1))
     throw Error("bf16 tile GEMM needs an even K and an even leading dimension of A (got lda " +
                 std::to_string(lda) + ", k " + std::to_string(k) + ")");
-  const std::int64_t col_offset = sizeof(T) == 2 ? col0 * 2 : col0;  // VNNI keeps pairs per column
-  const T* rhs = b.data + col_offset;
+  const std::int64_t pair = sizeof(T) == 2 ? 2 : 1;  // VNNI keeps K pairs per column
+  const T* rhs = b.data + col0 * pair;
+  if (b.panel_stride > 0) {
+    if (col0 % kTileCols + n > kTileCols) throw Error("a tile GEMM must not cross a panel of the operand");
+    rhs = b.data + (col0 / kTileCols) * b.panel_stride + (col0 % kTileCols) * pair;
+  }
   const std::int64_t blocks = k / kBlockK, rest = k % kBlockK;
   if (blocks > 0) batch_reduce<T>(a, lda, rhs, b.ld, c, ldc, m, n, kBlockK, blocks, accumulate);
   if (rest > 0)
@@ -112,6 +116,24 @@ void pack_rhs_transposed(const S* src, std::int64_t ld_src, std::int64_t k, std:
   }
 }
 
+template <class S, class T>
+void pack_rhs_panels(const S* src, std::int64_t ld_src, std::int64_t k, std::int64_t n, bool transposed, T* dst,
+                     std::int64_t panel_begin, std::int64_t panel_end) {
+  const std::int64_t kp = padded_k<T>(k);
+  for (std::int64_t p = panel_begin; p < panel_end; ++p) {
+    T* panel = dst + p * kp * kTileCols;
+    for (std::int64_t r = 0; r < kp; ++r) {
+      for (std::int64_t j = 0; j < kTileCols; ++j) {
+        const std::int64_t col = p * kTileCols + j;
+        T v{};
+        if (r < k && col < n) v = convert<T>(transposed ? src[col * ld_src + r] : src[r * ld_src + col]);
+        if constexpr (sizeof(T) == 2) panel[(r / 2) * kTileCols * 2 + j * 2 + (r % 2)] = v;
+        else panel[r * kTileCols + j] = v;
+      }
+    }
+  }
+}
+
 template <class T>
 void transpose(const T* src, std::int64_t ld_src, std::int64_t rows, T* dst, std::int64_t ld_dst,
                std::int64_t col_begin, std::int64_t col_end) {
@@ -136,6 +158,12 @@ template void pack_rhs_transposed<float, float>(const float*, std::int64_t, std:
                                                 std::int64_t, std::int64_t);
 template void pack_rhs_transposed<float, bf16>(const float*, std::int64_t, std::int64_t, std::int64_t, bf16*,
                                                std::int64_t, std::int64_t);
+template void pack_rhs_panels<float, float>(const float*, std::int64_t, std::int64_t, std::int64_t, bool, float*,
+                                            std::int64_t, std::int64_t);
+template void pack_rhs_panels<float, bf16>(const float*, std::int64_t, std::int64_t, std::int64_t, bool, bf16*,
+                                           std::int64_t, std::int64_t);
+template void pack_rhs_panels<bf16, bf16>(const bf16*, std::int64_t, std::int64_t, std::int64_t, bool, bf16*,
+                                          std::int64_t, std::int64_t);
 template void transpose<float>(const float*, std::int64_t, std::int64_t, float*, std::int64_t, std::int64_t,
                                std::int64_t);
 template void transpose<bf16>(const bf16*, std::int64_t, std::int64_t, bf16*, std::int64_t, std::int64_t,

@@ -1,0 +1,171 @@
+// Tile GEMM throughput over the tile shapes the MoE layer uses, next to a
+// large single-thread GEMM measured in the same process.
+//
+//   build/bench/bench_kernels --benchmark_repetitions=5 --benchmark_report_aggregates_only=true
+//
+// Counters: GFLOP/s of the benchmark, and pct_of_large: its GFLOP/s as a
+// percentage of the large 2048^3 single-thread GEMM of the same dtype driven
+// through the same libxsmm kernels (measured once, first thing). For fp32 the
+// large GEMM of OpenBLAS (one thread) is reported too, as an outside check.
+#include <benchmark/benchmark.h>
+
+#include <chrono>
+#include <map>
+#include <vector>
+
+#include "hpmoe/kernels.hpp"
+#include "hpmoe/tensors.hpp"
+
+#ifdef HPMOE_HAVE_CBLAS
+#include <cblas.h>
+extern "C" void openblas_set_num_threads(int);
+#endif
+
+using namespace hpmoe;
+using namespace hpmoe::kernels;
+
+namespace {
+
+template <class T>
+struct Operands {
+  std::vector<T> a;       // [m, k] row-major
+  std::vector<T> b;       // [k, n] in the kernel's panel-blocked layout
+  std::vector<float> c;   // [m, n]
+  Operands(std::int64_t m, std::int64_t n, std::int64_t k) {
+    Rng rng(42);
+    a.resize(static_cast<std::size_t>(m * k));
+    for (auto& v : a) v = from_float(float(rng.normal()));
+    std::vector<float> raw(static_cast<std::size_t>(k * n));
+    for (auto& v : raw) v = float(rng.normal());
+    b.resize(static_cast<std::size_t>(panel_blocked_size<T>(k, n)));
+    pack_rhs_panels<float, T>(raw.data(), n, k, n, false, b.data(), 0, (n + kTileCols - 1) / kTileCols);
+    c.resize(static_cast<std::size_t>(m * n));
+  }
+  static T from_float(float v) {
+    if constexpr (sizeof(T) == 2) return bf16::from_float(v);
+    else return v;
+  }
+};
+
+// C[m, n] = A B as the executors do it: every 64 x 64 output tile with the
+// whole K in one batch-reduce call.
+template <class T>
+void tiled_gemm(Operands<T>& o, std::int64_t m, std::int64_t n, std::int64_t k) {
+  for (std::int64_t i = 0; i < m; i += kTileRows)
+    for (std::int64_t j = 0; j < n; j += kTileCols)
+      gemm_tile<T>(o.a.data() + i * k, k, panel_view<T>(o.b.data(), k), j, o.c.data() + i * n + j, n,
+                   std::min(kTileRows, m - i), std::min(kTileCols, n - j), k, false);
+}
+
+template <class T>
+double large_gemm_gflops() {
+  static const double value = [] {
+    init();
+    const std::int64_t s = 2048;
+    Operands<T> o(s, s, s);
+    tiled_gemm<T>(o, s, s, s);  // warm
+    double best = 0;
+    for (int rep = 0; rep < 3; ++rep) {
+      const auto t0 = std::chrono::steady_clock::now();
+      tiled_gemm<T>(o, s, s, s);
+      const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      best = std::max(best, 2.0 * s * s * s / sec / 1e9);
+    }
+    return best;
+  }();
+  return value;
+}
+
+// Times each iteration by hand so the ratio to the large GEMM can be reported
+// as a counter of its own.
+template <class Fn>
+void measure(benchmark::State& state, double flops_per_iter, double large, Fn&& body) {
+  double total = 0;
+  for (auto _ : state) {
+    const auto t0 = std::chrono::steady_clock::now();
+    body();
+    const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    state.SetIterationTime(sec);
+    total += sec;
+  }
+  const double gflops = flops_per_iter * double(state.iterations()) / total / 1e9;
+  state.counters["GFLOP/s"] = gflops;
+  state.counters["large_GFLOP/s"] = large;
+  state.counters["pct_of_large"] = 100.0 * gflops / large;
+}
+
+// One output tile of the layer, hot in cache: the kernel itself.
+template <class T>
+void BM_Tile(benchmark::State& state) {
+  init();
+  const std::int64_t m = state.range(0), n = state.range(1), k = state.range(2);
+  const double large = large_gemm_gflops<T>();
+  Operands<T> o(m, n, k);
+  measure(state, 2.0 * m * n * k, large, [&] {
+    gemm_tile<T>(o.a.data(), k, panel_view<T>(o.b.data(), k), 0, o.c.data(), n, m, n, k, false);
+    benchmark::DoNotOptimize(o.c.data());
+  });
+}
+
+// One expert's GEMM as the baseline runs it (all its tiles, real sizes).
+template <class T>
+void BM_ExpertGemm(benchmark::State& state) {
+  init();
+  const std::int64_t m = state.range(0), n = state.range(1), k = state.range(2);
+  const double large = large_gemm_gflops<T>();
+  Operands<T> o(m, n, k);
+  measure(state, 2.0 * m * n * k, large, [&] {
+    tiled_gemm<T>(o, m, n, k);
+    benchmark::DoNotOptimize(o.c.data());
+  });
+}
+
+template <class T>
+void BM_LargeGemm(benchmark::State& state) {
+  const std::int64_t s = 2048;
+  Operands<T> o(s, s, s);
+  init();
+  measure(state, 2.0 * s * s * s, large_gemm_gflops<T>(), [&] {
+    tiled_gemm<T>(o, s, s, s);
+    benchmark::DoNotOptimize(o.c.data());
+  });
+}
+
+#ifdef HPMOE_HAVE_CBLAS
+void BM_LargeGemm_OpenBLAS_fp32(benchmark::State& state) {
+  openblas_set_num_threads(1);
+  const int s = 2048;
+  Operands<float> o(s, s, s);
+  std::vector<float> b(static_cast<std::size_t>(s) * s, 0.5f);  // OpenBLAS takes plain row-major B
+  measure(state, 2.0 * s * s * s, large_gemm_gflops<float>(), [&] {
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, s, s, s, 1.0f, o.a.data(), s, b.data(), s, 0.0f,
+                o.c.data(), s);
+    benchmark::DoNotOptimize(o.c.data());
+  });
+}
+BENCHMARK(BM_LargeGemm_OpenBLAS_fp32)->Unit(benchmark::kMillisecond)->UseManualTime();
+#endif
+
+// Tile shapes: full 64 x 64 tiles with K = deepseek-v2-lite's H (gate/up),
+// I (down), 2I (gate/up data gradient), deepseek-v3's H, and a ragged
+// 17-row tile (the tail of an expert's rows).
+void tile_shapes(benchmark::internal::Benchmark* b) {
+  for (std::int64_t k : {1408, 2048, 2816, 7168}) b->Args({64, 64, k});
+  b->Args({17, 64, 2048});
+}
+// deepseek-v2-lite expert GEMMs with 384 rows (its mean load at EP2, 2048 tokens/rank).
+void expert_shapes(benchmark::internal::Benchmark* b) {
+  b->Args({384, 2816, 2048});  // gate+up
+  b->Args({384, 2048, 1408});  // down
+}
+
+}  // namespace
+
+BENCHMARK(BM_LargeGemm<float>)->Name("BM_LargeGemm_fp32")->Unit(benchmark::kMillisecond)->UseManualTime();
+BENCHMARK(BM_LargeGemm<bf16>)->Name("BM_LargeGemm_bf16")->Unit(benchmark::kMillisecond)->UseManualTime();
+BENCHMARK(BM_Tile<float>)->Name("BM_Tile_fp32")->Apply(tile_shapes)->UseManualTime();
+BENCHMARK(BM_Tile<bf16>)->Name("BM_Tile_bf16")->Apply(tile_shapes)->UseManualTime();
+BENCHMARK(BM_ExpertGemm<float>)->Name("BM_ExpertGemm_fp32")->Apply(expert_shapes)->Unit(benchmark::kMillisecond)->UseManualTime();
+BENCHMARK(BM_ExpertGemm<bf16>)->Name("BM_ExpertGemm_bf16")->Apply(expert_shapes)->Unit(benchmark::kMillisecond)->UseManualTime();
+
+BENCHMARK_MAIN();
