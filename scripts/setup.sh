@@ -2,7 +2,7 @@
 # Installs the Debian packages hpmoe builds against. Idempotent: when every
 # package is already present it neither updates the package lists nor installs.
 set -euo pipefail
-packages=(cmake ninja-build g++ pkg-config libxsmm-dev nlohmann-json3-dev libcli11-dev
+packages=(cmake ninja-build g++ pkg-config libxsmm-dev nlohmann-json3-dev libcli11-dev libopenblas-dev
           libgtest-dev libgmock-dev libbenchmark-dev)
 missing=()
 for p in "${packages[@]}"; do

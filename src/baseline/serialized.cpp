@@ -125,6 +125,12 @@ Plan make_plan(const LayerConfig& c, const RouterOutput<float>& r) {
   return p;
 }
 
+// memcpy of n elements that is defined for n == 0 (empty buffers have no data).
+template <class T>
+void copy_elements(T* dst, const T* src, std::int64_t n) {
+  if (n > 0) std::memcpy(dst, src, static_cast<std::size_t>(n) * sizeof(T));
+}
+
 // Rows [begin, end) of n split evenly over W workers.
 std::pair<std::int64_t, std::int64_t> share(std::int64_t n, int worker, int workers) {
   return {n * worker / workers, n * (worker + 1) / workers};
@@ -306,7 +312,7 @@ class Serialized final : public SerializedExecutor::Impl {
         }
         for (std::int64_t k = 0; k < K; ++k) {
           const std::int64_t slot = plan_.slot[(r * T_ + t) * K + k];
-          if (slot >= 0) std::memcpy(b.send.data() + slot * H, xt, static_cast<std::size_t>(H) * sizeof(T));
+          if (slot >= 0) copy_elements(b.send.data() + slot * H, xt, H);
         }
       }
     });
@@ -387,12 +393,12 @@ class Serialized final : public SerializedExecutor::Impl {
           const std::int64_t e = r * L + le, n = plan_.count[other * E + e];
           const T* src = (ranks_[other].*send_side).data() + plan_.send_offset[other * (E + 1) + e] * H;
           T* dst = (ranks_[r].*recv_side).data() + plan_.recv_offset[(r * L + le) * P + other] * H;
-          std::memcpy(dst, src, static_cast<std::size_t>(n * H) * sizeof(T));
+          copy_elements(dst, src, n * H);
         } else {  // r is the source that gets its rows back from expert rank `other`
           const std::int64_t e = other * L + le, n = plan_.count[r * E + e];
           const T* src = (ranks_[other].*send_side).data() + plan_.recv_offset[(other * L + le) * P + r] * H;
           T* dst = (ranks_[r].*recv_side).data() + plan_.send_offset[r * (E + 1) + e] * H;
-          std::memcpy(dst, src, static_cast<std::size_t>(n * H) * sizeof(T));
+          copy_elements(dst, src, n * H);
         }
       }
     });

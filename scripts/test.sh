@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Sets up, builds and runs the whole test suite: the release build, then the
+# same suite under AddressSanitizer + UndefinedBehaviorSanitizer.
+#   scripts/test.sh            both builds
+#   HPMOE_SKIP_SANITIZERS=1 scripts/test.sh   release build only
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh
+jobs=$(nproc)
+
+echo "== release build"
+cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release > /dev/null
+cmake --build build -j "$jobs"
+ctest --test-dir build -j "$jobs" --output-on-failure
+
+if [ "${HPMOE_SKIP_SANITIZERS:-0}" != 1 ]; then
+  echo "== AddressSanitizer + UndefinedBehaviorSanitizer build"
+  cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DHPMOE_SANITIZE=ON -DHPMOE_BUILD_BENCH=OFF > /dev/null
+  cmake --build build-asan -j "$jobs"
+  ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+    ctest --test-dir build-asan -j "$jobs" --output-on-failure
+fi
