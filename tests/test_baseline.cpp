@@ -31,6 +31,24 @@ bool bit_identical(const LayerGradients& a, const LayerGradients& b) {
   return same;
 }
 
+// One verified forward+backward step, no timing iterations.
+RunRequest request(const LayerConfig& c, const std::string& routing, int workers) {
+  RunRequest req;
+  req.config = c;
+  req.routing = parse_routing_spec(routing, 11);
+  req.workers_per_rank = workers;
+  req.backward = true;
+  req.iterations = 1;
+  req.warmup = 0;
+  req.verify = VerifyMode::full;
+  req.pin = false;
+  return req;
+}
+
+RunReport run_variant(const LayerConfig& c, const std::string& routing = "router", int workers = 1) {
+  return run_layer(request(c, routing, workers));
+}
+
 }  // namespace
 
 // The baseline against the full fp64 oracle: dtype x P x W x routing, forward and backward.
@@ -38,19 +56,11 @@ class BaselineSweep : public ::testing::TestWithParam<std::tuple<DType, int, int
 
 TEST_P(BaselineSweep, MatchesOracleForwardAndBackward) {
   const auto [dtype, ranks, workers, routing] = GetParam();
-  RunRequest req;
-  req.config = preset("tiny");
-  req.config.dtype = dtype;
-  req.config.ranks = ranks;
-  req.config.tokens_per_rank = 48 / ranks + 1;  // odd counts exercise the bf16 K padding
-  req.routing = parse_routing_spec(routing == "trace" ? trace_spec() : routing, 11);
-  req.workers_per_rank = workers;
-  req.backward = true;
-  req.iterations = 1;
-  req.warmup = 0;
-  req.verify = VerifyMode::full;
-  req.pin = false;
-  expect_verified(run_layer(req));
+  LayerConfig c = preset("tiny");
+  c.dtype = dtype;
+  c.ranks = ranks;
+  c.tokens_per_rank = 48 / ranks + 1;  // odd counts exercise the bf16 K padding
+  expect_verified(run_variant(c, routing == "trace" ? trace_spec() : routing, workers));
 }
 
 INSTANTIATE_TEST_SUITE_P(All, BaselineSweep,
@@ -63,21 +73,6 @@ INSTANTIATE_TEST_SUITE_P(All, BaselineSweep,
                            return to_string(std::get<0>(info.param)) + "_P" + std::to_string(std::get<1>(info.param)) +
                                   "_W" + std::to_string(std::get<2>(info.param)) + "_" + r;
                          });
-
-namespace {
-RunReport run_variant(LayerConfig c, const std::string& routing = "router", int workers = 1) {
-  RunRequest req;
-  req.config = c;
-  req.routing = parse_routing_spec(routing, 3);
-  req.workers_per_rank = workers;
-  req.backward = true;
-  req.iterations = 1;
-  req.warmup = 0;
-  req.verify = VerifyMode::full;
-  req.pin = false;
-  return run_layer(req);
-}
-}  // namespace
 
 TEST(Baseline, DeepSeekV3StyleRouting) {
   LayerConfig c = preset("tiny");
@@ -133,15 +128,7 @@ TEST(Baseline, MultiTileLayerWithSampledVerification) {
   c.tokens_per_rank = 150;
   for (auto dtype : {DType::fp32, DType::bf16}) {
     c.dtype = dtype;
-    RunRequest req;
-    req.config = c;
-    req.routing = parse_routing_spec("router", 1);
-    req.workers_per_rank = 2;
-    req.backward = true;
-    req.iterations = 1;
-    req.warmup = 0;
-    req.verify = VerifyMode::full;
-    req.pin = false;
+    RunRequest req = request(c, "router", 2);
     expect_verified(run_layer(req));
     req.verify = VerifyMode::sample;
     req.sample_tokens = 7;
@@ -169,6 +156,13 @@ TEST(Baseline, DeterministicAcrossRunsAndWorkerCounts) {
     EXPECT_TRUE(bit_identical(r1.grads, r2.grads));
     EXPECT_TRUE(bit_identical(r1.out, r3.out)) << "W changed the forward result";
     EXPECT_TRUE(bit_identical(r1.grads, r3.grads)) << "W changed a gradient";
+    // Reusing a result whose buffers hold another routing's step changes nothing.
+    StepResult reused;
+    const auto uniform = forced_selection(c, parse_routing_spec("zipf:2", 1));
+    a.step(in, uniform, reused);
+    a.step(in, {}, reused);
+    EXPECT_TRUE(bit_identical(r1.out, reused.out));
+    EXPECT_TRUE(bit_identical(r1.grads, reused.grads));
   }
 }
 

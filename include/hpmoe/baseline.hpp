@@ -51,6 +51,9 @@ class SerializedExecutor {
   // One training step (forward, and backward when asked). `forced` replaces
   // the router's expert choice (synthetic or trace routing); empty: router.
   StepResult step(const LayerInputs&, std::span<const std::int32_t> forced = {});
+  // The same, reusing `result`'s buffers (outputs and gradients of a large
+  // layer are gigabytes; every element is overwritten).
+  void step(const LayerInputs&, std::span<const std::int32_t> forced, StepResult& result);
 
   struct Impl;
 

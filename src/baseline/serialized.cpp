@@ -12,7 +12,7 @@ namespace hpmoe {
 
 struct SerializedExecutor::Impl {
   virtual ~Impl() = default;
-  virtual StepResult step(const LayerInputs&, std::span<const std::int32_t> forced) = 0;
+  virtual void step(const LayerInputs&, std::span<const std::int32_t> forced, StepResult& result) = 0;
 };
 
 namespace {
@@ -131,6 +131,10 @@ void copy_elements(T* dst, const T* src, std::int64_t n) {
   if (n > 0) std::memcpy(dst, src, static_cast<std::size_t>(n) * sizeof(T));
 }
 
+// Column panels of an operand n wide, and n rounded up to whole panels.
+std::int64_t panels(std::int64_t n) { return (n + kTileCols - 1) / kTileCols; }
+std::int64_t round_up(std::int64_t n) { return panels(n) * kTileCols; }
+
 // Rows [begin, end) of n split evenly over W workers.
 std::pair<std::int64_t, std::int64_t> share(std::int64_t n, int worker, int workers) {
   return {n * worker / workers, n * (worker + 1) / workers};
@@ -152,7 +156,7 @@ struct RankBuffers {
   std::vector<float> da;           // [recv_rows, I]
   std::vector<T> dh;               // [recv_rows, 2I]
   std::vector<T> a_t, x_t;         // per expert [I | H, padded rows]
-  std::vector<T> dy_packed, dh_packed;  // bf16 only: VNNI of dY and dH per expert
+  std::vector<T> dy_packed, dh_packed;  // dY and dH per expert, panel-blocked (weight-gradient operands)
   std::vector<float> d_weight;     // [T, K]
   std::vector<float> d_logits;     // [T, E]
   std::vector<float> x_t_float;    // [H, T] for the router weight gradient
@@ -195,9 +199,13 @@ class Serialized final : public SerializedExecutor::Impl {
     ranks_.resize(static_cast<std::size_t>(c.ranks));
   }
 
-  StepResult step(const LayerInputs& in, std::span<const std::int32_t> forced) override {
+  void step(const LayerInputs& in, std::span<const std::int32_t> forced, StepResult& res) override {
     check_shapes(c_, w_, in);
-    StepResult res;
+    res.forward_ops.clear();
+    res.backward_ops.clear();
+    if (res.out.rows != c_.total_tokens() || res.out.cols != c_.hidden) res.out = Matrix(c_.total_tokens(), c_.hidden);
+    if (opt_.backward && res.grads.w1.size() != static_cast<std::size_t>(c_.routed_experts))
+      res.grads = zero_gradients(c_);
     const auto t0 = Clock::now();
     route_tokens(in, forced, res);
     const auto t1 = Clock::now();
@@ -209,7 +217,6 @@ class Serialized final : public SerializedExecutor::Impl {
       backward(in, res);
       res.backward_seconds = seconds(t2, Clock::now());
     }
-    return res;
   }
 
  private:
@@ -364,12 +371,12 @@ class Serialized final : public SerializedExecutor::Impl {
 
     all_to_all("combine_a2a", ops, &RankBuffers<T>::y, &RankBuffers<T>::comb, false);
 
-    res.out = Matrix(c_.total_tokens(), H);
     timed("unpermute_combine", ops, [&](int r, int w) {
       auto& b = ranks_[r];
       auto [begin, end] = share(T_, w, W());
       for (std::int64_t t = begin; t < end; ++t) {
         float* out = res.out.row(r * T_ + t);
+        std::fill(out, out + H, 0.0f);
         for (std::int64_t k = 0; k < K; ++k) {
           const std::int64_t a = (r * T_ + t) * K + k, slot = plan_.slot[a];
           if (slot >= 0) kernels::axpy<T>(res.routing.weight[a], b.comb.data() + slot * H, out, H);
@@ -408,7 +415,6 @@ class Serialized final : public SerializedExecutor::Impl {
     const std::int64_t H = c_.hidden, I = c_.expert_inter, L = c_.local_experts(), P = c_.ranks, K = c_.top_k,
                        T_ = tokens(), Is = c_.shared_inter_total(), E = c_.routed_experts;
     auto& ops = res.backward_ops;
-    res.grads = zero_gradients(c_);
     for (std::int64_t r = 0; r < P; ++r) {
       auto& b = ranks_[r];
       const std::int64_t rows = plan_.recv_rows(r), kpad = plan_.kpad_begin[r * (L + 1) + L];
@@ -420,10 +426,8 @@ class Serialized final : public SerializedExecutor::Impl {
       resize(b.dh, rows * 2 * I);
       resize(b.a_t, I * kpad);
       resize(b.x_t, H * kpad);
-      if constexpr (!std::is_same_v<T, float>) {
-        resize(b.dy_packed, kpad * H);
-        resize(b.dh_packed, kpad * 2 * I);
-      }
+      resize(b.dy_packed, kpad * round_up(H));
+      resize(b.dh_packed, kpad * round_up(2 * I));
       resize(b.d_weight, T_ * K);
       resize(b.d_logits, T_ * E);
       resize(b.x_t_float, H * T_);
@@ -435,10 +439,8 @@ class Serialized final : public SerializedExecutor::Impl {
         resize(b.shared_dh, T_ * 2 * Is);
         resize(b.shared_a_t, Is * tpad);
         resize(b.shared_x_t, H * tpad);
-        if constexpr (!std::is_same_v<T, float>) {
-          resize(b.shared_dy_packed, tpad * H);
-          resize(b.shared_dh_packed, tpad * 2 * Is);
-        }
+        resize(b.shared_dy_packed, tpad * round_up(H));
+        resize(b.shared_dh_packed, tpad * round_up(2 * Is));
         resize(b.d_shared_w1, H * 2 * Is);
         resize(b.d_shared_w2, Is * H);
       }
@@ -474,24 +476,19 @@ class Serialized final : public SerializedExecutor::Impl {
         kernels::transpose<T>(b.a.data() + row0 * I, I, n, b.a_t.data() + kp0 * I, ld, c0, c1);
         auto [x0, x1] = share(H, w, W());
         kernels::transpose<T>(b.recv.data() + row0 * H, H, n, b.x_t.data() + kp0 * H, ld, x0, x1);
-        if constexpr (!std::is_same_v<T, float>) {
-          auto [r0, r1] = share(n, w, W());  // rows write disjoint elements; the last share pads
-          kernels::pack_rhs<T, T>(b.grecv.data() + row0 * H, H, n, H, b.dy_packed.data() + kp0 * H, r0, r1);
-        }
+        auto [p0, p1] = share(panels(H), w, W());
+        kernels::pack_rhs_panels<T, T>(b.grecv.data() + row0 * H, H, n, H, false, b.dy_packed.data() + kp0 * round_up(H),
+                                       p0, p1);
       }
     });
 
-    auto dy_view = [&](std::int64_t d, std::int64_t le) -> RhsView<T> {
-      if constexpr (std::is_same_v<T, float>)
-        return {ranks_[d].grecv.data() + plan_.expert_begin[d * (L + 1) + le] * H, H};
-      else
-        return {ranks_[d].dy_packed.data() + plan_.kpad_begin[d * (L + 1) + le] * H, H};
+    auto dy_view = [&](std::int64_t d, std::int64_t le) {
+      return kernels::panel_view<T>(ranks_[d].dy_packed.data() + plan_.kpad_begin[d * (L + 1) + le] * round_up(H),
+                                    plan_.expert_rows(d, le));
     };
-    auto dh_view = [&](std::int64_t d, std::int64_t le) -> RhsView<T> {
-      if constexpr (std::is_same_v<T, float>)
-        return {ranks_[d].dh.data() + plan_.expert_begin[d * (L + 1) + le] * 2 * I, 2 * I};
-      else
-        return {ranks_[d].dh_packed.data() + plan_.kpad_begin[d * (L + 1) + le] * 2 * I, 2 * I};
+    auto dh_view = [&](std::int64_t d, std::int64_t le) {
+      return kernels::panel_view<T>(ranks_[d].dh_packed.data() + plan_.kpad_begin[d * (L + 1) + le] * round_up(2 * I),
+                                    plan_.expert_rows(d, le));
     };
 
     auto tiles = tile_lists();
@@ -519,17 +516,16 @@ class Serialized final : public SerializedExecutor::Impl {
         kernels::swiglu_backward<T>(b.h.data() + row * 2 * I, b.da.data() + row * I, I, b.dh.data() + row * 2 * I);
     });
 
-    if constexpr (!std::is_same_v<T, float>) {
-      timed("pack_gate_up_grad", ops, [&](int r, int w) {
-        auto& b = ranks_[r];
-        for (std::int64_t le = 0; le < L; ++le) {
-          const std::int64_t row0 = plan_.expert_begin[r * (L + 1) + le], n = plan_.expert_rows(r, le);
-          const std::int64_t kp0 = plan_.kpad_begin[r * (L + 1) + le];
-          auto [p0, p1] = share(n, w, W());
-          kernels::pack_rhs<T, T>(b.dh.data() + row0 * 2 * I, 2 * I, n, 2 * I, b.dh_packed.data() + kp0 * 2 * I, p0, p1);
-        }
-      });
-    }
+    timed("pack_gate_up_grad", ops, [&](int r, int w) {
+      auto& b = ranks_[r];
+      for (std::int64_t le = 0; le < L; ++le) {
+        const std::int64_t row0 = plan_.expert_begin[r * (L + 1) + le], n = plan_.expert_rows(r, le);
+        const std::int64_t kp0 = plan_.kpad_begin[r * (L + 1) + le];
+        auto [p0, p1] = share(panels(2 * I), w, W());
+        kernels::pack_rhs_panels<T, T>(b.dh.data() + row0 * 2 * I, 2 * I, n, 2 * I, false,
+                                       b.dh_packed.data() + kp0 * round_up(2 * I), p0, p1);
+      }
+    });
 
     tiles = tile_lists();
     for (std::int64_t d = 0; d < P; ++d)
@@ -556,6 +552,7 @@ class Serialized final : public SerializedExecutor::Impl {
       auto [begin, end] = share(T_, w, W());
       for (std::int64_t t = begin; t < end; ++t) {
         float* dx = res.grads.x.row(r * T_ + t);
+        std::fill(dx, dx + H, 0.0f);
         for (std::int64_t k = 0; k < K; ++k) {
           const std::int64_t slot = plan_.slot[(r * T_ + t) * K + k];
           if (slot >= 0) kernels::axpy<T>(1.0f, b.dcomb.data() + slot * H, dx, H);
@@ -625,21 +622,13 @@ class Serialized final : public SerializedExecutor::Impl {
       auto [x0, x1] = share(H, w, W());
       kernels::transpose<T>(x_of(in, r), H, T_, b.shared_x_t.data(), tpad, x0, x1);
     });
-    auto shared_dy_view = [&](std::int64_t r) -> RhsView<T> {
-      if constexpr (std::is_same_v<T, float>) return {ranks_[r].shared_dy.data(), H};
-      else return {ranks_[r].shared_dy_packed.data(), H};
-    };
-    auto shared_dh_view = [&](std::int64_t r) -> RhsView<T> {
-      if constexpr (std::is_same_v<T, float>) return {ranks_[r].shared_dh.data(), 2 * Is};
-      else return {ranks_[r].shared_dh_packed.data(), 2 * Is};
-    };
-    if constexpr (!std::is_same_v<T, float>) {
-      timed("shared_pack_dy", ops, [&](int r, int w) {
-        auto& b = ranks_[r];
-        auto [p0, p1] = share(T_, w, W());
-        kernels::pack_rhs<T, T>(b.shared_dy.data(), H, T_, H, b.shared_dy_packed.data(), p0, p1);
-      });
-    }
+    auto shared_dy_view = [&](std::int64_t r) { return kernels::panel_view<T>(ranks_[r].shared_dy_packed.data(), T_); };
+    auto shared_dh_view = [&](std::int64_t r) { return kernels::panel_view<T>(ranks_[r].shared_dh_packed.data(), T_); };
+    timed("shared_pack_dy", ops, [&](int r, int w) {
+      auto& b = ranks_[r];
+      auto [p0, p1] = share(panels(H), w, W());
+      kernels::pack_rhs_panels<T, T>(b.shared_dy.data(), H, T_, H, false, b.shared_dy_packed.data(), p0, p1);
+    });
     auto tiles = tile_lists();
     for (std::int64_t r = 0; r < P; ++r) {
       add_gemm(tiles[r], ranks_[r].shared_dy.data(), H, sw2_t_.view(), ranks_[r].shared_da.data(), nullptr, Is, T_, Is,
@@ -655,13 +644,11 @@ class Serialized final : public SerializedExecutor::Impl {
         kernels::swiglu_backward<T>(b.shared_h.data() + t * 2 * Is, b.shared_da.data() + t * Is, Is,
                                     b.shared_dh.data() + t * 2 * Is);
     });
-    if constexpr (!std::is_same_v<T, float>) {
-      timed("shared_pack_dh", ops, [&](int r, int w) {
-        auto& b = ranks_[r];
-        auto [p0, p1] = share(T_, w, W());
-        kernels::pack_rhs<T, T>(b.shared_dh.data(), 2 * Is, T_, 2 * Is, b.shared_dh_packed.data(), p0, p1);
-      });
-    }
+    timed("shared_pack_dh", ops, [&](int r, int w) {
+      auto& b = ranks_[r];
+      auto [p0, p1] = share(panels(2 * Is), w, W());
+      kernels::pack_rhs_panels<T, T>(b.shared_dh.data(), 2 * Is, T_, 2 * Is, false, b.shared_dh_packed.data(), p0, p1);
+    });
     tiles = tile_lists();
     for (std::int64_t r = 0; r < P; ++r) {
       add_gemm(tiles[r], ranks_[r].shared_dh.data(), 2 * Is, sw1_t_.view(), res.grads.x.row(r * T_), nullptr, H, T_, H,
@@ -697,7 +684,13 @@ SerializedExecutor::SerializedExecutor(const LayerConfig& c, const LayerWeights&
 SerializedExecutor::~SerializedExecutor() = default;
 
 StepResult SerializedExecutor::step(const LayerInputs& in, std::span<const std::int32_t> forced) {
-  return impl_->step(in, forced);
+  StepResult result;
+  impl_->step(in, forced, result);
+  return result;
+}
+
+void SerializedExecutor::step(const LayerInputs& in, std::span<const std::int32_t> forced, StepResult& result) {
+  impl_->step(in, forced, result);
 }
 
 }  // namespace hpmoe

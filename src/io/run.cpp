@@ -162,7 +162,8 @@ RunReport run_layer(const RunRequest& req, const std::function<void(const std::s
   const int total = req.warmup + req.iterations;
   for (int it = 0; it < total; ++it) {
     say("step " + std::to_string(it + 1) + "/" + std::to_string(total) + (it < req.warmup ? " (warm-up)" : ""));
-    StepResult res = exec.step(in, forced);
+    exec.step(in, forced, last);
+    const StepResult& res = last;
     if (it >= req.warmup) {
       router.push_back(res.router_seconds);
       d2c.push_back(res.dispatch_to_combine_seconds);
@@ -176,7 +177,6 @@ RunReport run_layer(const RunRequest& req, const std::function<void(const std::s
       for (std::size_t i = 0; i < res.forward_ops.size(); ++i) fwd_ops[i].push_back(res.forward_ops[i].seconds);
       for (std::size_t i = 0; i < res.backward_ops.size(); ++i) bwd_ops[i].push_back(res.backward_ops[i].seconds);
     }
-    last = std::move(res);
   }
   for (std::size_t i = 0; i < fwd_ops.size(); ++i) rep.forward_ops[i].second = summarize(fwd_ops[i]);
   for (std::size_t i = 0; i < bwd_ops.size(); ++i) rep.backward_ops[i].second = summarize(bwd_ops[i]);
