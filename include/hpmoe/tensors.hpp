@@ -80,6 +80,8 @@ class Rng {
 
  private:
   std::uint64_t state_;
+  double spare_ = 0;  // Box-Muller makes normals in pairs
+  bool has_spare_ = false;
 };
 
 }  // namespace hpmoe

@@ -138,11 +138,12 @@ RunReport run_layer(const RunRequest& req, const std::function<void(const std::s
   if (req.iterations < 1 || req.iterations > 100000) throw Error("iterations must be between 1 and 100000");
   if (req.warmup < 0 || req.warmup > 100000) throw Error("warm-up iterations must be between 0 and 100000");
 
-  say("preparing weights and inputs");
+  say(req.load_dir.empty() ? "generating weights and inputs" : "loading weights and inputs from " + req.load_dir);
   LayerWeights w = req.load_dir.empty() ? random_weights(c, req.seed) : load_weights(req.load_dir, c);
   LayerInputs in = req.load_dir.empty() ? random_inputs(c, req.seed) : load_inputs(req.load_dir, c);
   check_shapes(c, w, in);
   const auto forced = forced_selection(c, req.routing);
+  say("packing weights for the tile kernels");
 
   ExecutorOptions opt;
   opt.workers_per_rank = req.workers_per_rank;

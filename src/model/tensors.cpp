@@ -9,10 +9,17 @@
 namespace hpmoe {
 
 double Rng::normal() {
+  if (has_spare_) {
+    has_spare_ = false;
+    return spare_;
+  }
   // Box-Muller; uniform() < 1 so 1 - u > 0.
   const double u1 = 1.0 - uniform();
   const double u2 = uniform();
-  return std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2);
+  const double radius = std::sqrt(-2.0 * std::log(u1));
+  spare_ = radius * std::sin(6.283185307179586 * u2);
+  has_spare_ = true;
+  return radius * std::cos(6.283185307179586 * u2);
 }
 
 namespace {

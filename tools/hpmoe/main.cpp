@@ -130,10 +130,13 @@ int run_main(int argc, char** argv) {
   req.routing = parse_routing_spec(routing, req.seed);
   req.verify = parse_verify_mode(verify);
   req.pin = !no_pin;
+  // Progress on stderr for anything that takes more than a couple of
+  // seconds: always for large layers, otherwise once two seconds have passed.
   const auto start = std::chrono::steady_clock::now();
+  const bool large = req.config.forward_flops() * (req.backward ? 3.0 : 1.0) > 2e10;
   auto progress = [&](const std::string& what) {
     const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    if (elapsed >= 2.0) std::fprintf(stderr, "hpmoe: %s (%.1f s)\n", what.c_str(), elapsed);
+    if (large || elapsed >= 2.0) std::fprintf(stderr, "hpmoe: %s (%.1f s)\n", what.c_str(), elapsed);
   };
   const RunReport report = run_layer(req, progress);
   std::cout << format_report(report);
