@@ -156,3 +156,18 @@ TEST(Oracle, SampledTokensMatchFullRun) {
   }
   EXPECT_TRUE(part.d_w1.empty());
 }
+
+TEST(Oracle, CountsTokensItsOwnRouterWouldRouteDifferently) {
+  LayerConfig c = preset("tiny");
+  const auto w = random_weights(c, 3);
+  const auto in = random_inputs(c, 3);
+  const auto own = reference_layer(c, w, in);
+  OracleOptions same;
+  same.forced_ids = own.routing.expert;
+  same.count_own_choice_differences = true;
+  EXPECT_EQ(reference_layer(c, w, in, same).own_choice_differences, 0);
+  const auto uniform = forced_selection(c, parse_routing_spec("uniform", 1));
+  OracleOptions other = same;
+  other.forced_ids = uniform;
+  EXPECT_GT(reference_layer(c, w, in, other).own_choice_differences, c.total_tokens() / 2);
+}

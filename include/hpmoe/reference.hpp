@@ -21,6 +21,9 @@ struct OracleOptions {
   // gradients need all tokens.
   std::vector<std::int64_t> tokens;
   bool backward = false;
+  // With forced_ids: also route by itself and count the tokens whose choice
+  // differs (near-ties between fp32 and fp64 scores).
+  bool count_own_choice_differences = false;
 };
 
 struct OracleResult {
@@ -35,6 +38,7 @@ struct OracleResult {
   // sum over computed tokens of <d_out, out>, plus the balancing losses: the
   // scalar whose gradient backward computes.
   double loss = 0;
+  std::int64_t own_choice_differences = 0;
 };
 
 OracleResult reference_layer(const LayerConfig&, const LayerWeights&, const LayerInputs&, const OracleOptions& = {});

@@ -1,5 +1,6 @@
 #include "hpmoe/reference.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <numeric>
 
@@ -71,6 +72,12 @@ OracleResult reference_layer(const LayerConfig& c, const LayerWeights& w, const 
     for (std::int64_t i = 0; i < hidden; ++i)
       for (std::int64_t j = 0; j < e; ++j) logits[t * e + j] += double(in.x.at(t, i)) * double(w.router.at(i, j));
   r.routing = route<double>(c, logits, w.expert_bias, opt.forced_ids, opt.forced_kept);
+  if (opt.count_own_choice_differences && !opt.forced_ids.empty()) {
+    const auto own = route<double>(c, logits, w.expert_bias);
+    for (std::int64_t t = 0; t < n; ++t)
+      if (!std::equal(own.expert.begin() + t * k, own.expert.begin() + (t + 1) * k, r.routing.expert.begin() + t * k))
+        ++r.own_choice_differences;
+  }
 
   r.tokens = opt.tokens;
   const bool all_tokens = r.tokens.empty();
