@@ -1,0 +1,191 @@
+#pragma once
+#include <cstdint>
+#include <nlohmann/json_fwd.hpp>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "hpmoe/config.hpp"
+#include "hpmoe/routing.hpp"
+
+// The taskflow compiler: one layer step (layer, routing counts, machine) ->
+// per-rank programs of tile tasks on worker queues tied by event counters
+// (DESIGN section 2), and a verifier that proves a program safe before launch.
+namespace hpmoe::taskflow {
+
+inline constexpr int kFormatVersion = 1;
+
+enum class QueueClass : std::uint8_t { matrix, vector };
+
+enum class TaskKind : std::uint8_t {
+  // forward
+  dispatch_put,      // gather row tile of x by slot, put into the owner's RECV, signal
+  gemm_gate_up,      // H1[rows, cols] = RECV[rows] W1_e
+  swiglu,            // A[rows] = swiglu(H1[rows])
+  gemm_down,         // Y[rows, cols] = A[rows] W2_e
+  combine_put,       // put Y rows back into the source's COMB, signal
+  combine_reduce,    // OUT[tokens] = sum_k w COMB[slot] (+ SH_Y), fixed k order
+  shared_gate_up,    // SH_H[tokens, cols] = X W1s
+  shared_swiglu,     // SH_A[tokens] = swiglu(SH_H[tokens])
+  shared_down,       // SH_Y[tokens, cols] = SH_A Ws2
+  // backward
+  gate_grad,            // GW[tokens] = <DOUT, COMB[slot]> per (t, k)
+  router_bwd,           // DLOGITS[tokens] from GW (+ aux, z-loss); XTF columns = x^T
+  router_dgrad,         // RDX[tokens, cols] = DLOGITS Wg^T
+  router_wgrad,         // DWG tile = XTF DLOGITS over the rank's tokens
+  grad_dispatch_put,    // put w * DOUT rows into the owner's DY, signal
+  gemm_down_dgrad,      // DA[rows, cols] = DY[rows] W2_e^T
+  pack_down_grad,       // DY row tile -> DYP panels, A row tile -> AT columns
+  gemm_down_wgrad,      // DW2_e tile = AT_e DYP_e over all rows of e
+  swiglu_bwd,           // DH[rows] from H1, DA
+  gemm_gate_up_dgrad,   // DXE[rows, cols] = DH[rows] W1_e^T
+  pack_gate_up_grad,    // DH row tile -> DHP panels, RECV row tile -> XT columns
+  gemm_gate_up_wgrad,   // DW1_e tile = XT_e DHP_e over all rows of e
+  grad_combine_put,     // put DXE rows back into the source's DCOMB, signal
+  shared_down_dgrad,    // SH_DA[tokens, cols] = DOUT Ws2^T
+  pack_shared_down_grad,// DOUT -> SH_DOUTP panels, SH_A -> SH_AT
+  shared_down_wgrad,    // DWS2 tile = SH_AT SH_DOUTP
+  shared_swiglu_bwd,    // SH_DH[tokens] from SH_H, SH_DA
+  shared_gate_up_dgrad, // SDX[tokens, cols] = SH_DH Ws1^T
+  pack_shared_gate_up_grad, // SH_DH -> SH_DHP panels, x -> SH_XT
+  shared_gate_up_wgrad, // DWS1 tile = SH_XT SH_DHP
+  grad_reduce,          // DX[tokens] = sum_k DCOMB[slot] + RDX + SDX, fixed order
+  count
+};
+
+// Symmetric buffers: every rank has each with the same size, so a put can
+// address a peer's buffer by offset.
+enum class BufferId : std::uint8_t {
+  none,
+  // forward (the backward pass reads them as saved activations)
+  x, recv, h1, a, y, comb, out, sh_h, sh_a, sh_y,
+  // backward
+  dout, gw, dlogits, xtf, rdx, dwg, dy, da, dyp, at, dw2, dh, dxe, dhp, xt, dw1, dcomb,
+  sh_da, sh_doutp, sh_at, sh_xt, dws2, sh_dh, sdx, sh_dhp, dws1, dx,
+  count
+};
+
+const char* name(TaskKind);
+const char* name(BufferId);
+const char* name(QueueClass);
+QueueClass queue_class(TaskKind);
+
+// One tile of work: 44 bytes, no pointers, no allocation.
+struct Task {
+  TaskKind kind;
+  QueueClass queue;
+  BufferId src;           // main operand read
+  BufferId dst;           // written
+  std::int32_t expert;    // global expert id, -1 if none
+  std::int32_t peer;      // rank whose dst buffer (and trigger event) a put targets; own rank otherwise
+  std::int32_t row_begin; // output rows [row_begin, row_begin + rows) in dst (for puts: in the peer's buffer)
+  std::int32_t rows;
+  std::int32_t col_begin; // output columns
+  std::int32_t cols;
+  std::int32_t src_row;   // first row read in src (puts, gathers)
+  std::int32_t wait_event;     // -1: none
+  std::int32_t wait_count;     // counter value the wait needs
+  std::int32_t trigger_event;  // on rank `peer` for puts, own rank otherwise; -1: none
+};
+static_assert(sizeof(Task) <= 48 && std::is_trivially_copyable_v<Task>, "Task must stay a small POD");
+
+// What an event counts, for messages that name it.
+struct Event {
+  std::int32_t required;  // triggers that complete it
+  TaskKind consumer;      // the kind of task that waits on it
+  std::int32_t expert;    // -1 if none
+  std::int32_t tile;      // row tile (or -1)
+};
+
+struct BufferLayout {
+  BufferId id;
+  std::int64_t rows, cols, elem_bytes;
+  std::int64_t offset_bytes;  // in the rank's symmetric region
+};
+
+// Workers of one rank: matrix-only, vector-only and unified (take both).
+struct Machine {
+  std::string name = "cpu";
+  int matrix_workers = 0;
+  int vector_workers = 0;
+  int unified_workers = 1;
+  std::int64_t tile_rows = 64, tile_cols = 64;
+  // Cost model: seconds = flops / matrix_flops (GEMM) or bytes / vector_bytes_per_s, + overhead.
+  double matrix_flops = 100e9, vector_bytes_per_s = 20e9, put_bytes_per_s = 20e9, task_overhead_s = 0.2e-6;
+
+  int workers() const { return matrix_workers + vector_workers + unified_workers; }
+  bool takes(int worker, QueueClass c) const;  // workers: matrix..., vector..., unified...
+};
+// "cpu:W" (W unified workers), or "accel:M:V" (M matrix + V vector workers).
+Machine parse_machine(const std::string& spec);
+
+enum class Pass { forward, backward };
+enum class Policy { fill, rank_rotated, critical_path, interleave_wgrad };
+Policy parse_policy(const std::string&);
+const char* name(Policy);
+
+// Layer sizes a program's tasks refer to.
+struct Dims {
+  std::int64_t hidden = 0, inter = 0, shared_inter = 0, experts = 0, local_experts = 0, top_k = 0, tokens = 0;
+};
+
+// A rank's program for one pass of one step.
+struct Program {
+  int version = kFormatVersion;
+  Pass pass = Pass::forward;
+  std::int32_t rank = 0, ranks = 1;
+  Machine machine;
+  Dims dims;
+  std::vector<std::int64_t> expert_begin;   // [L + 1] rows of each local expert in RECV
+  std::int64_t send_rows = 0;               // rows this rank's tokens send (COMB rows)
+  std::vector<Task> tasks;
+  std::vector<float> cost;                // seconds per task (cost model)
+  std::vector<std::int32_t> queue_begin;  // [workers + 1] into queue_tasks
+  std::vector<std::int32_t> queue_tasks;  // task ids, per worker in execution order
+  std::vector<Event> events;
+  std::vector<BufferLayout> buffers;
+};
+
+// Rows each (source rank, expert) pair exchanges: counts[s * E + e].
+struct RoutingCounts {
+  std::int64_t ranks = 0, experts = 0;
+  std::vector<std::int64_t> counts;
+  std::int64_t at(std::int64_t s, std::int64_t e) const { return counts[s * experts + e]; }
+};
+
+// Kept rows per (source rank, expert) of a routed step.
+template <class Real>
+RoutingCounts routing_counts(const LayerConfig&, const RouterOutput<Real>&);
+
+// Compiles every rank's program (tasks, events, buffers) and schedules them.
+std::vector<Program> compile(const LayerConfig&, const RoutingCounts&, const Machine&, Pass, Policy);
+// Generation alone (tasks in generation order, unscheduled), and scheduling.
+Program generate(const LayerConfig&, const RoutingCounts&, const Machine&, Pass, std::int64_t rank);
+void schedule(Program&, Policy);
+
+struct VerifyReport {
+  bool ok = true;
+  std::string error;  // first problem, naming rank, worker, task and event
+};
+// Proves a set of programs (one per rank) safe: event consistency, no
+// deadlock under any timing, every read produced by what it waits for,
+// no conflicting writes.
+VerifyReport verify(std::span<const Program>);
+
+// Estimated critical path (seconds) through the event graph and per-worker
+// load, from the cost model.
+struct ProgramStats {
+  std::vector<std::int64_t> tasks_by_kind;   // [TaskKind::count]
+  std::int64_t matrix_tasks = 0, vector_tasks = 0, events = 0;
+  double critical_path_s = 0;  // unlimited workers
+  double makespan_s = 0;       // these queues, all ranks
+  std::vector<double> worker_load_s;
+};
+ProgramStats stats(std::span<const Program>, std::int64_t rank);
+
+nlohmann::json to_json(const Program&);
+Program program_from_json(const nlohmann::json&);  // Error on anything malformed
+std::string listing(const Program&, std::size_t max_tasks = 200);
+
+}  // namespace hpmoe::taskflow

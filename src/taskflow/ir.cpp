@@ -1,0 +1,257 @@
+#include <algorithm>
+#include <array>
+#include <charconv>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "hpmoe/error.hpp"
+#include "hpmoe/taskflow.hpp"
+
+namespace hpmoe::taskflow {
+
+namespace {
+constexpr std::array<const char*, static_cast<std::size_t>(TaskKind::count)> kTaskNames = {
+    "dispatch_put", "gemm_gate_up", "swiglu", "gemm_down", "combine_put", "combine_reduce", "shared_gate_up",
+    "shared_swiglu", "shared_down", "gate_grad", "router_bwd", "router_dgrad", "router_wgrad", "grad_dispatch_put",
+    "gemm_down_dgrad", "pack_down_grad", "gemm_down_wgrad", "swiglu_bwd", "gemm_gate_up_dgrad", "pack_gate_up_grad",
+    "gemm_gate_up_wgrad", "grad_combine_put", "shared_down_dgrad", "pack_shared_down_grad", "shared_down_wgrad",
+    "shared_swiglu_bwd", "shared_gate_up_dgrad", "pack_shared_gate_up_grad", "shared_gate_up_wgrad", "grad_reduce"};
+constexpr std::array<const char*, static_cast<std::size_t>(BufferId::count)> kBufferNames = {
+    "none", "x", "recv", "h1", "a", "y", "comb", "out", "sh_h", "sh_a", "sh_y", "dout", "gw", "dlogits", "xtf", "rdx",
+    "dwg", "dy", "da", "dyp", "at", "dw2", "dh", "dxe", "dhp", "xt", "dw1", "dcomb", "sh_da", "sh_doutp", "sh_at",
+    "sh_xt", "dws2", "sh_dh", "sdx", "sh_dhp", "dws1", "dx"};
+
+template <class Enum, std::size_t N>
+Enum enum_from(const std::array<const char*, N>& names, const std::string& s, const char* what) {
+  for (std::size_t i = 0; i < N; ++i)
+    if (s == names[i]) return static_cast<Enum>(i);
+  throw Error(std::string("program dump: unknown ") + what + " '" + s + "'");
+}
+}  // namespace
+
+const char* name(TaskKind k) { return kTaskNames.at(static_cast<std::size_t>(k)); }
+const char* name(BufferId b) { return kBufferNames.at(static_cast<std::size_t>(b)); }
+const char* name(QueueClass c) { return c == QueueClass::matrix ? "matrix" : "vector"; }
+
+QueueClass queue_class(TaskKind k) {
+  switch (k) {
+    case TaskKind::gemm_gate_up: case TaskKind::gemm_down: case TaskKind::shared_gate_up: case TaskKind::shared_down:
+    case TaskKind::router_dgrad: case TaskKind::router_wgrad: case TaskKind::gemm_down_dgrad:
+    case TaskKind::gemm_down_wgrad: case TaskKind::gemm_gate_up_dgrad: case TaskKind::gemm_gate_up_wgrad:
+    case TaskKind::shared_down_dgrad: case TaskKind::shared_down_wgrad: case TaskKind::shared_gate_up_dgrad:
+    case TaskKind::shared_gate_up_wgrad:
+      return QueueClass::matrix;
+    default:
+      return QueueClass::vector;
+  }
+}
+
+bool Machine::takes(int worker, QueueClass c) const {
+  if (worker < matrix_workers) return c == QueueClass::matrix;
+  if (worker < matrix_workers + vector_workers) return c == QueueClass::vector;
+  return worker < workers();
+}
+
+namespace {
+int parse_count(const std::string& spec, const std::string& text, int lo, int hi) {
+  int v = 0;
+  auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+  if (ec != std::errc{} || end != text.data() + text.size() || v < lo || v > hi)
+    throw Error("machine '" + spec + "': '" + text + "' must be an integer between " + std::to_string(lo) + " and " +
+                std::to_string(hi));
+  return v;
+}
+}  // namespace
+
+Machine parse_machine(const std::string& spec) {
+  std::vector<std::string> parts;
+  std::stringstream in(spec);
+  for (std::string part; std::getline(in, part, ':');) parts.push_back(part);
+  Machine m;
+  auto tile = [&](const std::string& text) {
+    const auto x = text.find('x');
+    if (x == std::string::npos) throw Error("machine '" + spec + "': tile '" + text + "' must be ROWSxCOLS, e.g. 64x64");
+    m.tile_rows = parse_count(spec, text.substr(0, x), 1, 1 << 16);
+    m.tile_cols = parse_count(spec, text.substr(x + 1), 1, 1 << 16);
+    if (m.tile_cols % 64 != 0 && m.tile_cols != 64)
+      throw Error("machine '" + spec + "': tile columns must be a multiple of 64 (the kernels' operand panels)");
+  };
+  if (!parts.empty() && parts[0] == "cpu" && (parts.size() == 2 || parts.size() == 3)) {
+    m.name = "cpu";
+    m.unified_workers = parse_count(spec, parts[1], 1, 256);
+    if (parts.size() == 3) tile(parts[2]);
+  } else if (!parts.empty() && parts[0] == "accel" && (parts.size() == 3 || parts.size() == 4)) {
+    m.name = "accel";
+    m.unified_workers = 0;
+    m.matrix_workers = parse_count(spec, parts[1], 1, 1024);
+    m.vector_workers = parse_count(spec, parts[2], 1, 1024);
+    if (parts.size() == 4) tile(parts[3]);
+  } else {
+    throw Error("unknown machine '" + spec + "' (use cpu:W[:RxC] or accel:MATRIX:VECTOR[:RxC])");
+  }
+  return m;
+}
+
+Policy parse_policy(const std::string& s) {
+  if (s == "fill") return Policy::fill;
+  if (s == "rank-rotated") return Policy::rank_rotated;
+  if (s == "critical-path") return Policy::critical_path;
+  if (s == "interleave-wgrad") return Policy::interleave_wgrad;
+  throw Error("unknown schedule '" + s + "' (use fill, rank-rotated, critical-path or interleave-wgrad)");
+}
+
+const char* name(Policy p) {
+  switch (p) {
+    case Policy::fill: return "fill";
+    case Policy::rank_rotated: return "rank-rotated";
+    case Policy::critical_path: return "critical-path";
+    case Policy::interleave_wgrad: return "interleave-wgrad";
+  }
+  return "?";
+}
+
+nlohmann::json to_json(const Program& p) {
+  nlohmann::json j;
+  j["format"] = "hpmoe-taskflow-program";
+  j["version"] = p.version;
+  j["pass"] = p.pass == Pass::forward ? "forward" : "backward";
+  j["rank"] = p.rank;
+  j["ranks"] = p.ranks;
+  j["machine"] = {{"name", p.machine.name}, {"matrix_workers", p.machine.matrix_workers},
+                  {"vector_workers", p.machine.vector_workers}, {"unified_workers", p.machine.unified_workers},
+                  {"tile_rows", p.machine.tile_rows}, {"tile_cols", p.machine.tile_cols}};
+  j["dims"] = {{"hidden", p.dims.hidden}, {"inter", p.dims.inter}, {"shared_inter", p.dims.shared_inter},
+               {"experts", p.dims.experts}, {"local_experts", p.dims.local_experts}, {"top_k", p.dims.top_k},
+               {"tokens", p.dims.tokens}};
+  j["expert_begin"] = p.expert_begin;
+  j["send_rows"] = p.send_rows;
+  auto& buffers = j["buffers"] = nlohmann::json::array();
+  for (const auto& b : p.buffers)
+    buffers.push_back({{"id", name(b.id)}, {"rows", b.rows}, {"cols", b.cols}, {"elem_bytes", b.elem_bytes},
+                       {"offset_bytes", b.offset_bytes}});
+  auto& events = j["events"] = nlohmann::json::array();
+  for (const auto& e : p.events) events.push_back({e.required, name(e.consumer), e.expert, e.tile});
+  j["task_fields"] = {"kind", "src", "dst", "expert", "peer", "row_begin", "rows", "col_begin", "cols", "src_row",
+                      "wait_event", "wait_count", "trigger_event", "cost_s"};
+  auto& tasks = j["tasks"] = nlohmann::json::array();
+  for (std::size_t i = 0; i < p.tasks.size(); ++i) {
+    const Task& t = p.tasks[i];
+    tasks.push_back({name(t.kind), name(t.src), name(t.dst), t.expert, t.peer, t.row_begin, t.rows, t.col_begin, t.cols,
+                     t.src_row, t.wait_event, t.wait_count, t.trigger_event, i < p.cost.size() ? p.cost[i] : 0.0f});
+  }
+  auto& queues = j["queues"] = nlohmann::json::array();
+  for (std::size_t w = 0; w + 1 < p.queue_begin.size(); ++w)
+    queues.push_back(std::vector<std::int32_t>(p.queue_tasks.begin() + p.queue_begin[w],
+                                               p.queue_tasks.begin() + p.queue_begin[w + 1]));
+  return j;
+}
+
+Program program_from_json(const nlohmann::json& j) {
+  try {
+    if (!j.is_object() || j.value("format", "") != "hpmoe-taskflow-program")
+      throw Error("program dump: not an hpmoe taskflow program (missing \"format\": \"hpmoe-taskflow-program\")");
+    Program p;
+    p.version = j.at("version").get<int>();
+    if (p.version != kFormatVersion)
+      throw Error("program dump: format version " + std::to_string(p.version) + ", this hpmoe reads version " +
+                  std::to_string(kFormatVersion));
+    const std::string pass = j.at("pass").get<std::string>();
+    if (pass != "forward" && pass != "backward") throw Error("program dump: pass must be forward or backward");
+    p.pass = pass == "forward" ? Pass::forward : Pass::backward;
+    p.rank = j.at("rank").get<std::int32_t>();
+    p.ranks = j.at("ranks").get<std::int32_t>();
+    if (p.ranks < 1 || p.rank < 0 || p.rank >= p.ranks) throw Error("program dump: rank outside 0..ranks-1");
+    const auto& m = j.at("machine");
+    p.machine.name = m.at("name").get<std::string>();
+    p.machine.matrix_workers = m.at("matrix_workers").get<int>();
+    p.machine.vector_workers = m.at("vector_workers").get<int>();
+    p.machine.unified_workers = m.at("unified_workers").get<int>();
+    p.machine.tile_rows = m.at("tile_rows").get<std::int64_t>();
+    p.machine.tile_cols = m.at("tile_cols").get<std::int64_t>();
+    if (p.machine.matrix_workers < 0 || p.machine.vector_workers < 0 || p.machine.unified_workers < 0 ||
+        p.machine.workers() < 1 || p.machine.workers() > 4096)
+      throw Error("program dump: impossible worker counts");
+    const auto& d = j.at("dims");
+    p.dims = Dims{d.at("hidden").get<std::int64_t>(), d.at("inter").get<std::int64_t>(),
+                  d.at("shared_inter").get<std::int64_t>(), d.at("experts").get<std::int64_t>(),
+                  d.at("local_experts").get<std::int64_t>(), d.at("top_k").get<std::int64_t>(),
+                  d.at("tokens").get<std::int64_t>()};
+    p.expert_begin = j.at("expert_begin").get<std::vector<std::int64_t>>();
+    if (static_cast<std::int64_t>(p.expert_begin.size()) != p.dims.local_experts + 1)
+      throw Error("program dump: expert_begin must have local_experts + 1 entries");
+    p.send_rows = j.at("send_rows").get<std::int64_t>();
+    for (const auto& b : j.at("buffers"))
+      p.buffers.push_back(BufferLayout{enum_from<BufferId>(kBufferNames, b.at("id").get<std::string>(), "buffer"),
+                                       b.at("rows").get<std::int64_t>(), b.at("cols").get<std::int64_t>(),
+                                       b.at("elem_bytes").get<std::int64_t>(), b.at("offset_bytes").get<std::int64_t>()});
+    for (const auto& e : j.at("events")) {
+      if (!e.is_array() || e.size() != 4) throw Error("program dump: an event must be [required, consumer, expert, tile]");
+      p.events.push_back(Event{e[0].get<std::int32_t>(), enum_from<TaskKind>(kTaskNames, e[1].get<std::string>(), "task kind"),
+                               e[2].get<std::int32_t>(), e[3].get<std::int32_t>()});
+      if (p.events.back().required < 0) throw Error("program dump: negative required count");
+    }
+    for (const auto& t : j.at("tasks")) {
+      if (!t.is_array() || t.size() != 14) throw Error("program dump: a task must have 14 fields (see task_fields)");
+      const TaskKind kind = enum_from<TaskKind>(kTaskNames, t[0].get<std::string>(), "task kind");
+      Task task{kind, queue_class(kind), enum_from<BufferId>(kBufferNames, t[1].get<std::string>(), "buffer"),
+                enum_from<BufferId>(kBufferNames, t[2].get<std::string>(), "buffer"), t[3].get<std::int32_t>(),
+                t[4].get<std::int32_t>(), t[5].get<std::int32_t>(), t[6].get<std::int32_t>(), t[7].get<std::int32_t>(),
+                t[8].get<std::int32_t>(), t[9].get<std::int32_t>(), t[10].get<std::int32_t>(), t[11].get<std::int32_t>(),
+                t[12].get<std::int32_t>()};
+      p.tasks.push_back(task);
+      p.cost.push_back(t[13].get<float>());
+    }
+    p.queue_begin.push_back(0);
+    for (const auto& q : j.at("queues")) {
+      for (const auto& id : q) {
+        const auto v = id.get<std::int32_t>();
+        if (v < 0 || v >= static_cast<std::int32_t>(p.tasks.size())) throw Error("program dump: queue names task " + std::to_string(v) + " which does not exist");
+        p.queue_tasks.push_back(v);
+      }
+      p.queue_begin.push_back(static_cast<std::int32_t>(p.queue_tasks.size()));
+    }
+    if (static_cast<int>(p.queue_begin.size()) - 1 != p.machine.workers())
+      throw Error("program dump: " + std::to_string(p.queue_begin.size() - 1) + " queues for " +
+                  std::to_string(p.machine.workers()) + " workers");
+    return p;
+  } catch (const nlohmann::json::exception& e) {
+    throw Error(std::string("program dump is malformed: ") + e.what());
+  }
+}
+
+std::string listing(const Program& p, std::size_t max_tasks) {
+  std::ostringstream o;
+  o << "program rank " << p.rank << "/" << p.ranks << " " << (p.pass == Pass::forward ? "forward" : "backward") << ": "
+    << p.tasks.size() << " tasks, " << p.events.size() << " events, " << p.machine.workers() << " workers\n";
+  o << "buffers:";
+  for (const auto& b : p.buffers) o << " " << name(b.id) << "[" << b.rows << "x" << b.cols << "]";
+  o << "\n";
+  std::size_t shown = 0;
+  for (std::size_t w = 0; w + 1 < p.queue_begin.size(); ++w) {
+    o << "worker " << w << " (" << (p.machine.takes(static_cast<int>(w), QueueClass::matrix) ? "matrix" : "")
+      << (p.machine.takes(static_cast<int>(w), QueueClass::vector) ? "vector" : "") << "), "
+      << (p.queue_begin[w + 1] - p.queue_begin[w]) << " tasks\n";
+    for (auto i = p.queue_begin[w]; i < p.queue_begin[w + 1]; ++i) {
+      if (shown++ >= max_tasks) {
+        o << "  ... (--dump writes all)\n";
+        return o.str();
+      }
+      const Task& t = p.tasks[p.queue_tasks[i]];
+      o << "  #" << p.queue_tasks[i] << " " << name(t.kind);
+      if (t.expert >= 0) o << " e" << t.expert;
+      o << " " << name(t.src) << "->" << name(t.dst);
+      if (t.peer != p.rank) o << "@" << t.peer;
+      o << " rows[" << t.row_begin << "," << t.row_begin + t.rows << ") cols[" << t.col_begin << ","
+        << t.col_begin + t.cols << ")";
+      if (t.wait_event >= 0) o << " wait ev" << t.wait_event << ">=" << t.wait_count;
+      if (t.trigger_event >= 0) {
+        o << " -> ev" << t.trigger_event;
+        if (t.peer != p.rank) o << "@" << t.peer;
+      }
+      o << "\n";
+    }
+  }
+  return o.str();
+}
+
+}  // namespace hpmoe::taskflow

@@ -1,0 +1,483 @@
+#include <algorithm>
+#include <sstream>
+
+#include "hpmoe/error.hpp"
+#include "hpmoe/taskflow.hpp"
+
+namespace hpmoe::taskflow {
+
+namespace {
+
+struct Rect {
+  BufferId buf = BufferId::none;
+  std::int64_t r0 = 0, r1 = 0, c0 = 0, c1 = 0;
+  std::int64_t area() const { return (r1 - r0) * (c1 - c0); }
+};
+
+std::string describe(const Program& p, std::int32_t id) {
+  const Task& t = p.tasks[static_cast<std::size_t>(id)];
+  std::ostringstream o;
+  o << "rank " << p.rank << " task #" << id << " (" << name(t.kind);
+  if (t.expert >= 0) o << " expert " << t.expert;
+  o << " rows [" << t.row_begin << ", " << t.row_begin + t.rows << ") cols [" << t.col_begin << ", "
+    << t.col_begin + t.cols << "))";
+  return o.str();
+}
+
+std::string describe_event(const Program& p, std::int32_t ev) {
+  const Event& e = p.events[static_cast<std::size_t>(ev)];
+  std::ostringstream o;
+  o << "event " << ev << " on rank " << p.rank << " (for " << name(e.consumer);
+  if (e.expert >= 0) o << ", expert " << e.expert;
+  if (e.tile >= 0) o << ", tile " << e.tile;
+  o << ")";
+  return o.str();
+}
+
+bool is_input(Pass pass, BufferId b) {
+  if (b == BufferId::x) return true;
+  if (pass == Pass::forward) return false;
+  switch (b) {
+    case BufferId::recv: case BufferId::h1: case BufferId::a: case BufferId::comb: case BufferId::sh_h:
+    case BufferId::sh_a: case BufferId::dout:
+      return true;
+    default:
+      return false;
+  }
+}
+
+// Rows [r0, r1) of the expert region of task t (weight gradients read all of it).
+std::pair<std::int64_t, std::int64_t> expert_rows(const Program& p, const Task& t) {
+  const std::int64_t le = t.expert - std::int64_t(p.rank) * p.dims.local_experts;
+  return {p.expert_begin[static_cast<std::size_t>(le)], p.expert_begin[static_cast<std::size_t>(le + 1)]};
+}
+
+// What a task reads (beyond weights), as rectangles of its rank's buffers.
+int reads(const Program& p, const Task& t, Rect* out) {
+  const auto& d = p.dims;
+  const std::int64_t r0 = t.row_begin, r1 = t.row_begin + t.rows;
+  int n = 0;
+  auto add = [&](BufferId b, std::int64_t a0, std::int64_t a1, std::int64_t b0, std::int64_t b1) {
+    out[n++] = Rect{b, a0, a1, b0, b1};
+  };
+  switch (t.kind) {
+    case TaskKind::gemm_gate_up: add(BufferId::recv, r0, r1, 0, d.hidden); break;
+    case TaskKind::swiglu: add(BufferId::h1, r0, r1, 0, 2 * d.inter); break;
+    case TaskKind::gemm_down: add(BufferId::a, r0, r1, 0, d.inter); break;
+    case TaskKind::combine_put: add(BufferId::y, t.src_row, t.src_row + t.rows, 0, d.hidden); break;
+    case TaskKind::combine_reduce:
+      add(BufferId::comb, 0, p.send_rows, 0, d.hidden);
+      if (d.shared_inter > 0) add(BufferId::sh_y, r0, r1, 0, d.hidden);
+      break;
+    case TaskKind::shared_swiglu: add(BufferId::sh_h, r0, r1, 0, 2 * d.shared_inter); break;
+    case TaskKind::shared_down: add(BufferId::sh_a, r0, r1, 0, d.shared_inter); break;
+    case TaskKind::router_bwd: add(BufferId::gw, r0, r1, 0, d.top_k); break;
+    case TaskKind::router_dgrad: add(BufferId::dlogits, r0, r1, 0, d.experts); break;
+    case TaskKind::router_wgrad:
+      add(BufferId::xtf, r0, r1, 0, d.tokens);
+      add(BufferId::dlogits, 0, d.tokens, t.col_begin, t.col_begin + t.cols);
+      break;
+    case TaskKind::gemm_down_dgrad: case TaskKind::pack_down_grad: add(BufferId::dy, r0, r1, 0, d.hidden); break;
+    case TaskKind::gemm_down_wgrad: {
+      const auto [e0, e1] = expert_rows(p, t);
+      const std::int64_t le = t.expert - std::int64_t(p.rank) * d.local_experts, i0 = r0 - le * d.inter;
+      add(BufferId::at, i0, i0 + t.rows, e0, e1);
+      add(BufferId::dyp, e0, e1, t.col_begin, t.col_begin + t.cols);
+      break;
+    }
+    case TaskKind::swiglu_bwd: add(BufferId::da, r0, r1, 0, d.inter); break;
+    case TaskKind::gemm_gate_up_dgrad: case TaskKind::pack_gate_up_grad: add(BufferId::dh, r0, r1, 0, 2 * d.inter); break;
+    case TaskKind::gemm_gate_up_wgrad: {
+      const auto [e0, e1] = expert_rows(p, t);
+      const std::int64_t le = t.expert - std::int64_t(p.rank) * d.local_experts, i0 = r0 - le * d.hidden;
+      add(BufferId::xt, i0, i0 + t.rows, e0, e1);
+      add(BufferId::dhp, e0, e1, t.col_begin, t.col_begin + t.cols);
+      break;
+    }
+    case TaskKind::grad_combine_put: add(BufferId::dxe, t.src_row, t.src_row + t.rows, 0, d.hidden); break;
+    case TaskKind::shared_down_wgrad:
+      add(BufferId::sh_at, r0, r1, 0, d.tokens);
+      add(BufferId::sh_doutp, 0, d.tokens, t.col_begin, t.col_begin + t.cols);
+      break;
+    case TaskKind::shared_swiglu_bwd: add(BufferId::sh_da, r0, r1, 0, d.shared_inter); break;
+    case TaskKind::shared_gate_up_dgrad: case TaskKind::pack_shared_gate_up_grad:
+      add(BufferId::sh_dh, r0, r1, 0, 2 * d.shared_inter);
+      break;
+    case TaskKind::shared_gate_up_wgrad:
+      add(BufferId::sh_xt, r0, r1, 0, d.tokens);
+      add(BufferId::sh_dhp, 0, d.tokens, t.col_begin, t.col_begin + t.cols);
+      break;
+    case TaskKind::grad_reduce:
+      add(BufferId::dcomb, 0, p.send_rows, 0, d.hidden);
+      add(BufferId::rdx, r0, r1, 0, d.hidden);
+      if (d.shared_inter > 0) add(BufferId::sdx, r0, r1, 0, d.hidden);
+      break;
+    default: break;  // reads only inputs of the pass
+  }
+  return n;
+}
+
+// What a task writes, on rank t.peer (puts) or its own.
+int writes(const Program& p, const Task& t, Rect* out) {
+  const auto& d = p.dims;
+  const std::int64_t r0 = t.row_begin, r1 = t.row_begin + t.rows;
+  int n = 0;
+  out[n++] = Rect{t.dst, r0, r1, t.col_begin, t.col_begin + t.cols};
+  switch (t.kind) {  // tasks that also fill a second (transposed or packed) operand
+    case TaskKind::router_bwd: out[n++] = Rect{BufferId::xtf, 0, d.hidden, r0, r1}; break;
+    case TaskKind::pack_down_grad: out[n++] = Rect{BufferId::at, 0, d.inter, r0, r1}; break;
+    case TaskKind::pack_gate_up_grad: out[n++] = Rect{BufferId::xt, 0, d.hidden, r0, r1}; break;
+    case TaskKind::pack_shared_down_grad: out[n++] = Rect{BufferId::sh_at, 0, d.shared_inter, r0, r1}; break;
+    case TaskKind::pack_shared_gate_up_grad: out[n++] = Rect{BufferId::sh_xt, 0, d.hidden, r0, r1}; break;
+    default: break;
+  }
+  return n;
+}
+
+struct Write {
+  std::int64_t r0, r1, c0, c1;
+  std::int32_t rank, task;
+};
+
+class Checker {
+ public:
+  explicit Checker(std::span<const Program> programs) : p_(programs) {
+    for (const auto& p : p_) {
+      task_base_.push_back(total_tasks_);
+      event_base_.push_back(total_events_);
+      total_tasks_ += static_cast<std::int64_t>(p.tasks.size());
+      total_events_ += static_cast<std::int64_t>(p.events.size());
+    }
+  }
+
+  void structure() {
+    const std::int32_t P = static_cast<std::int32_t>(p_.size());
+    for (std::int32_t r = 0; r < P; ++r) {
+      const Program& p = p_[r];
+      if (p.rank != r || p.ranks != P)
+        fail("program " + std::to_string(r) + " says it is rank " + std::to_string(p.rank) + " of " +
+             std::to_string(p.ranks) + ", expected " + std::to_string(r) + " of " + std::to_string(P));
+      if (p.pass != p_[0].pass) fail("rank " + std::to_string(r) + " runs a different pass from rank 0");
+      const int W = p.machine.workers();
+      if (static_cast<int>(p.queue_begin.size()) != W + 1 || p.queue_begin.front() != 0 ||
+          p.queue_begin.back() != static_cast<std::int32_t>(p.queue_tasks.size()))
+        fail("rank " + std::to_string(r) + " has malformed queues for " + std::to_string(W) + " workers");
+      if (p.cost.size() != p.tasks.size()) fail("rank " + std::to_string(r) + " lacks task costs");
+      if (static_cast<std::int64_t>(p.expert_begin.size()) != p.dims.local_experts + 1)
+        fail("rank " + std::to_string(r) + " has a malformed expert layout");
+      std::vector<std::uint8_t> seen(p.tasks.size(), 0);
+      for (int w = 0; w < W; ++w)
+        for (auto i = p.queue_begin[w]; i < p.queue_begin[w + 1]; ++i) {
+          const auto id = p.queue_tasks[i];
+          if (id < 0 || id >= static_cast<std::int32_t>(p.tasks.size()))
+            fail("rank " + std::to_string(r) + " worker " + std::to_string(w) + " queues task " + std::to_string(id) +
+                 " which does not exist");
+          if (seen[id]++) fail(describe(p, id) + " is queued twice");
+          if (!p.machine.takes(w, p.tasks[id].queue))
+            fail(describe(p, id) + " is a " + name(p.tasks[id].queue) + " task on worker " + std::to_string(w) +
+                 " which does not take that class");
+        }
+      for (std::size_t i = 0; i < seen.size(); ++i)
+        if (!seen[i]) fail(describe(p, static_cast<std::int32_t>(i)) + " is on no worker's queue");
+      // Buffers: inside the symmetric region, not overlapping each other.
+      for (std::size_t a = 0; a < p.buffers.size(); ++a)
+        for (std::size_t b = a + 1; b < p.buffers.size(); ++b) {
+          const auto& x = p.buffers[a];
+          const auto& y = p.buffers[b];
+          const std::int64_t xe = x.offset_bytes + x.rows * x.cols * x.elem_bytes;
+          const std::int64_t ye = y.offset_bytes + y.rows * y.cols * y.elem_bytes;
+          if (x.offset_bytes < ye && y.offset_bytes < xe && x.rows * x.cols > 0 && y.rows * y.cols > 0)
+            fail(std::string("rank ") + std::to_string(r) + " buffers " + name(x.id) + " and " + name(y.id) + " overlap");
+        }
+      for (std::size_t i = 0; i < p.tasks.size(); ++i) {
+        const Task& t = p.tasks[i];
+        const auto id = static_cast<std::int32_t>(i);
+        if (t.peer < 0 || t.peer >= P) fail(describe(p, id) + " targets rank " + std::to_string(t.peer) + " which does not exist");
+        if (t.wait_event < -1 || t.wait_event >= static_cast<std::int32_t>(p.events.size()))
+          fail(describe(p, id) + " waits on event " + std::to_string(t.wait_event) + " which does not exist");
+        if (t.trigger_event < -1 || t.trigger_event >= static_cast<std::int32_t>(p_[t.peer].events.size()))
+          fail(describe(p, id) + " triggers event " + std::to_string(t.trigger_event) + " on rank " +
+               std::to_string(t.peer) + " which does not exist");
+        if (t.wait_event >= 0 && t.wait_count != p.events[t.wait_event].required)
+          fail(describe(p, id) + " waits for " + describe_event(p, t.wait_event) + " to reach " +
+               std::to_string(t.wait_count) + " but it completes at " + std::to_string(p.events[t.wait_event].required));
+        if (t.rows < 0 || t.cols < 0) fail(describe(p, id) + " has a negative tile size");
+        Rect w[4];
+        const int nw = writes(p, t, w);
+        for (int k = 0; k < nw; ++k) check_bounds(p_[t.peer], w[k], p, id, "writes");
+        Rect rd[4];
+        const int nr = reads(p, t, rd);
+        for (int k = 0; k < nr; ++k) check_bounds(p, rd[k], p, id, "reads");
+      }
+    }
+    // Every event is triggered exactly as often as it requires.
+    std::vector<std::int32_t> triggers(static_cast<std::size_t>(total_events_), 0);
+    for (const auto& p : p_)
+      for (const auto& t : p.tasks)
+        if (t.trigger_event >= 0) ++triggers[event_base_[t.peer] + t.trigger_event];
+    for (std::int32_t r = 0; r < P; ++r)
+      for (std::size_t e = 0; e < p_[r].events.size(); ++e)
+        if (triggers[event_base_[r] + static_cast<std::int64_t>(e)] != p_[r].events[e].required)
+          fail(describe_event(p_[r], static_cast<std::int32_t>(e)) + " requires " +
+               std::to_string(p_[r].events[e].required) + " triggers but is triggered by " +
+               std::to_string(triggers[event_base_[r] + static_cast<std::int64_t>(e)]) + " tasks");
+  }
+
+  // Runs every rank's queues against the counters in any order that respects
+  // the waits; also yields the cost model's critical path and makespan.
+  void execute() {
+    std::vector<std::int32_t> count(static_cast<std::size_t>(total_events_), 0);
+    std::vector<double> done(static_cast<std::size_t>(total_events_), 0.0), cp_done(done);
+    std::vector<std::int32_t> first_blocked(static_cast<std::size_t>(total_events_), -1);
+    struct Worker {
+      std::int32_t rank, w, head, end, next_blocked;
+      double time;
+    };
+    std::vector<Worker> workers;
+    for (std::int32_t r = 0; r < static_cast<std::int32_t>(p_.size()); ++r)
+      for (int w = 0; w < p_[r].machine.workers(); ++w)
+        workers.push_back(Worker{r, w, p_[r].queue_begin[w], p_[r].queue_begin[w + 1], -1, 0.0});
+    loads_.assign(workers.size(), 0.0);
+    std::vector<std::int32_t> work(workers.size());
+    for (std::size_t i = 0; i < work.size(); ++i) work[i] = static_cast<std::int32_t>(work.size() - 1 - i);
+    while (!work.empty()) {
+      const auto wi = work.back();
+      work.pop_back();
+      Worker& wk = workers[wi];
+      const Program& p = p_[wk.rank];
+      while (wk.head < wk.end) {
+        const auto id = p.queue_tasks[wk.head];
+        const Task& t = p.tasks[id];
+        double start = wk.time, cp_start = 0;
+        if (t.wait_event >= 0) {
+          const auto ev = event_base_[wk.rank] + t.wait_event;
+          if (count[ev] < t.wait_count) {
+            wk.next_blocked = first_blocked[ev];
+            first_blocked[ev] = wi;
+            break;
+          }
+          start = std::max(start, done[ev]);
+          cp_start = cp_done[ev];
+        }
+        const double cost = double(p.cost[id]);
+        wk.time = start + cost;
+        loads_[wi] += cost;
+        makespan_ = std::max(makespan_, wk.time);
+        critical_ = std::max(critical_, cp_start + cost);
+        if (t.trigger_event >= 0) {
+          const auto ev = event_base_[t.peer] + t.trigger_event;
+          ++count[ev];
+          done[ev] = std::max(done[ev], wk.time);
+          cp_done[ev] = std::max(cp_done[ev], cp_start + cost);
+          for (auto b = first_blocked[ev]; b >= 0; b = workers[b].next_blocked) work.push_back(b);
+          first_blocked[ev] = -1;
+        }
+        ++wk.head;
+      }
+    }
+    for (const auto& wk : workers) {
+      if (wk.head >= wk.end) continue;
+      const Program& p = p_[wk.rank];
+      const Task& t = p.tasks[p.queue_tasks[wk.head]];
+      fail("deadlock: " + describe(p, p.queue_tasks[wk.head]) + " on worker " + std::to_string(wk.w) + " waits for " +
+           describe_event(p, t.wait_event) + ", which reached " +
+           std::to_string(count[event_base_[wk.rank] + t.wait_event]) + " of " + std::to_string(t.wait_count));
+    }
+  }
+
+  // No two tasks write the same element of a buffer; every element a task
+  // reads is written by tasks it (transitively) waits for.
+  void coverage() {
+    const std::int32_t P = static_cast<std::int32_t>(p_.size());
+    const std::size_t B = static_cast<std::size_t>(BufferId::count);
+    std::vector<std::vector<Write>> index(static_cast<std::size_t>(P) * B);
+    for (std::int32_t r = 0; r < P; ++r)
+      for (std::size_t i = 0; i < p_[r].tasks.size(); ++i) {
+        const Task& t = p_[r].tasks[i];
+        Rect w[4];
+        const int n = writes(p_[r], t, w);
+        for (int k = 0; k < n; ++k)
+          if (w[k].area() > 0)
+            index[static_cast<std::size_t>(t.peer) * B + static_cast<std::size_t>(w[k].buf)].push_back(
+                Write{w[k].r0, w[k].r1, w[k].c0, w[k].c1, r, static_cast<std::int32_t>(i)});
+      }
+    std::vector<std::int64_t> max_height(index.size(), 0);
+    for (std::size_t k = 0; k < index.size(); ++k) {
+      auto& list = index[k];
+      std::sort(list.begin(), list.end(), [](const Write& a, const Write& b) {
+        return a.r0 != b.r0 ? a.r0 < b.r0 : (a.r1 != b.r1 ? a.r1 < b.r1 : a.c0 < b.c0);
+      });
+      for (std::size_t i = 0; i < list.size(); ++i) {
+        max_height[k] = std::max(max_height[k], list[i].r1 - list[i].r0);
+        // Later writes starting within this one's rows must not share columns.
+        for (std::size_t j = i + 1; j < list.size() && list[j].r0 < list[i].r1; ++j) {
+          if (list[j].c0 < list[i].c1 && list[i].c0 < list[j].c1) {
+            const auto& a = list[i];
+            const auto& b = list[j];
+            fail("write conflict in buffer " + std::string(name(static_cast<BufferId>(k % B))) + " of rank " +
+                 std::to_string(k / B) + ": " + describe(p_[a.rank], a.task) + " and " + describe(p_[b.rank], b.task));
+          }
+          if (list[j].r0 == list[i].r0 && list[j].r1 == list[i].r1) break;  // same band, sorted by column
+        }
+      }
+    }
+    visit_stamp_.assign(static_cast<std::size_t>(total_events_), 0);
+    build_trigger_index();
+    for (std::int32_t r = 0; r < P; ++r) {
+      const Program& p = p_[r];
+      for (std::size_t i = 0; i < p.tasks.size(); ++i) {
+        const Task& t = p.tasks[i];
+        Rect rd[4];
+        const int n = reads(p, t, rd);
+        for (int k = 0; k < n; ++k) {
+          const Rect& R = rd[k];
+          if (R.area() == 0 || is_input(p.pass, R.buf)) continue;
+          const std::size_t slot = static_cast<std::size_t>(r) * B + static_cast<std::size_t>(R.buf);
+          const auto& list = index[slot];
+          const std::int64_t from = R.r0 - max_height[slot] + 1;
+          auto it = std::lower_bound(list.begin(), list.end(), from, [](const Write& w, std::int64_t v) { return w.r0 < v; });
+          std::int64_t covered = 0;
+          for (; it != list.end() && it->r0 < R.r1; ++it) {
+            const std::int64_t rows = std::min(R.r1, it->r1) - std::max(R.r0, it->r0);
+            const std::int64_t cols = std::min(R.c1, it->c1) - std::max(R.c0, it->c0);
+            if (rows <= 0 || cols <= 0) continue;
+            if (!happens_before(it->rank, it->task, r, static_cast<std::int32_t>(i)))
+              fail("race: " + describe(p, static_cast<std::int32_t>(i)) + " reads " + name(R.buf) + " written by " +
+                   describe(p_[it->rank], it->task) + ", which it does not wait for");
+            covered += rows * cols;
+          }
+          if (covered != R.area())
+            fail("coverage: " + describe(p, static_cast<std::int32_t>(i)) + " reads " + name(R.buf) + " rows [" +
+                 std::to_string(R.r0) + ", " + std::to_string(R.r1) + ") cols [" + std::to_string(R.c0) + ", " +
+                 std::to_string(R.c1) + ") but only " + std::to_string(covered) + " of " + std::to_string(R.area()) +
+                 " elements are written in this pass");
+        }
+      }
+    }
+  }
+
+  const std::string& error() const { return error_; }
+  double critical() const { return critical_; }
+  double makespan() const { return makespan_; }
+  const std::vector<double>& loads() const { return loads_; }
+
+ private:
+  [[noreturn]] void fail(const std::string& message) {
+    error_ = message;
+    throw Error(message);
+  }
+
+  void check_bounds(const Program& owner, const Rect& R, const Program& p, std::int32_t id, const char* verb) {
+    if (R.area() == 0) return;
+    for (const auto& l : owner.buffers)
+      if (l.id == R.buf) {
+        if (R.r0 < 0 || R.c0 < 0 || R.r1 > l.rows || R.c1 > l.cols)
+          fail(describe(p, id) + " " + verb + " " + name(R.buf) + " rows [" + std::to_string(R.r0) + ", " +
+               std::to_string(R.r1) + ") cols [" + std::to_string(R.c0) + ", " + std::to_string(R.c1) +
+               ") outside the buffer [" + std::to_string(l.rows) + " x " + std::to_string(l.cols) + "]");
+        return;
+      }
+    fail(describe(p, id) + " " + verb + " buffer " + name(R.buf) + ", which rank " + std::to_string(owner.rank) +
+         " does not have");
+  }
+
+  void build_trigger_index() {
+    trig_begin_.assign(static_cast<std::size_t>(total_events_ + 1), 0);
+    for (const auto& p : p_)
+      for (const auto& t : p.tasks)
+        if (t.trigger_event >= 0) ++trig_begin_[event_base_[t.peer] + t.trigger_event + 1];
+    for (std::size_t i = 1; i < trig_begin_.size(); ++i) trig_begin_[i] += trig_begin_[i - 1];
+    trig_.assign(static_cast<std::size_t>(trig_begin_.back()), {});
+    std::vector<std::int64_t> fill(trig_begin_.begin(), trig_begin_.end() - 1);
+    for (std::int32_t r = 0; r < static_cast<std::int32_t>(p_.size()); ++r)
+      for (std::size_t i = 0; i < p_[r].tasks.size(); ++i) {
+        const Task& t = p_[r].tasks[i];
+        if (t.trigger_event >= 0) trig_[fill[event_base_[t.peer] + t.trigger_event]++] = {r, static_cast<std::int32_t>(i)};
+      }
+  }
+
+  // Does (pr, pt) finish before (cr, ct) starts, through the chain of waits?
+  bool happens_before(std::int32_t pr, std::int32_t pt, std::int32_t cr, std::int32_t ct) {
+    const Task& producer = p_[pr].tasks[pt];
+    const Task& consumer = p_[cr].tasks[ct];
+    if (consumer.wait_event < 0 || producer.trigger_event < 0) return false;
+    const std::int64_t target = event_base_[producer.peer] + producer.trigger_event;
+    const std::int64_t start = event_base_[cr] + consumer.wait_event;
+    if (target == start) return true;
+    ++stamp_;
+    stack_.assign(1, start);
+    visit_stamp_[start] = stamp_;
+    while (!stack_.empty()) {
+      const auto ev = stack_.back();
+      stack_.pop_back();
+      for (auto k = trig_begin_[ev]; k < trig_begin_[ev + 1]; ++k) {
+        const auto [r, id] = trig_[k];
+        const Task& t = p_[r].tasks[id];
+        if (t.wait_event < 0) continue;
+        const std::int64_t up = event_base_[r] + t.wait_event;
+        if (up == target) return true;
+        if (visit_stamp_[up] != stamp_) {
+          visit_stamp_[up] = stamp_;
+          stack_.push_back(up);
+        }
+      }
+    }
+    return false;
+  }
+
+  std::span<const Program> p_;
+  std::vector<std::int64_t> task_base_, event_base_;
+  std::int64_t total_tasks_ = 0, total_events_ = 0;
+  std::string error_;
+  double critical_ = 0, makespan_ = 0;
+  std::vector<double> loads_;
+  std::vector<std::int64_t> trig_begin_;
+  std::vector<std::pair<std::int32_t, std::int32_t>> trig_;
+  std::vector<std::uint32_t> visit_stamp_;
+  std::uint32_t stamp_ = 0;
+  std::vector<std::int64_t> stack_;
+};
+
+}  // namespace
+
+VerifyReport verify(std::span<const Program> programs) {
+  VerifyReport report;
+  if (programs.empty()) return {false, "no programs to verify"};
+  Checker check(programs);
+  try {
+    check.structure();
+    check.execute();
+    check.coverage();
+  } catch (const Error& e) {
+    report.ok = false;
+    report.error = e.what();
+  }
+  return report;
+}
+
+ProgramStats stats(std::span<const Program> programs, std::int64_t rank) {
+  if (rank < 0 || rank >= static_cast<std::int64_t>(programs.size())) throw Error("no program for rank " + std::to_string(rank));
+  ProgramStats s;
+  const Program& p = programs[static_cast<std::size_t>(rank)];
+  s.tasks_by_kind.assign(static_cast<std::size_t>(TaskKind::count), 0);
+  for (const auto& t : p.tasks) {
+    ++s.tasks_by_kind[static_cast<std::size_t>(t.kind)];
+    (t.queue == QueueClass::matrix ? s.matrix_tasks : s.vector_tasks)++;
+  }
+  s.events = static_cast<std::int64_t>(p.events.size());
+  Checker check(programs);
+  try {
+    check.structure();
+    check.execute();
+  } catch (const Error&) {
+    return s;  // not executable: no timing figures
+  }
+  s.critical_path_s = check.critical();
+  s.makespan_s = check.makespan();
+  std::int64_t first = 0;
+  for (std::int64_t r = 0; r < rank; ++r) first += programs[static_cast<std::size_t>(r)].machine.workers();
+  s.worker_load_s.assign(check.loads().begin() + first, check.loads().begin() + first + p.machine.workers());
+  return s;
+}
+
+}  // namespace hpmoe::taskflow
