@@ -60,3 +60,206 @@ INSTANTIATE_TEST_SUITE_P(
       return std::string(std::get<0>(info.param) == Pass::forward ? "fwd" : "bwd") + "_" + p + "_P" +
              std::to_string(std::get<2>(info.param)) + "_" + m;
     });
+
+namespace {
+std::vector<Program> tiny_programs(Pass pass, std::int64_t ranks = 2, const char* machine = "cpu:1") {
+  const LayerConfig c = small(ranks, 150);
+  return compile(c, counts_for(c, "uniform"), parse_machine(machine), pass, Policy::fill);
+}
+
+std::string verify_error(const std::vector<Program>& programs) {
+  const auto r = verify(programs);
+  EXPECT_FALSE(r.ok) << "the corrupted program was accepted";
+  return r.error;
+}
+
+std::int32_t first_task(const Program& p, TaskKind kind) {
+  for (std::size_t i = 0; i < p.tasks.size(); ++i)
+    if (p.tasks[i].kind == kind) return static_cast<std::int32_t>(i);
+  ADD_FAILURE() << "no " << name(kind) << " task";
+  return 0;
+}
+
+bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+}  // namespace
+
+TEST(Verifier, RejectsARemovedTrigger) {
+  for (auto pass : {Pass::forward, Pass::backward}) {
+    auto programs = tiny_programs(pass);
+    auto& t = programs[1].tasks[first_task(programs[1], pass == Pass::forward ? TaskKind::swiglu : TaskKind::swiglu_bwd)];
+    const auto ev = t.trigger_event;
+    t.trigger_event = -1;
+    const auto error = verify_error(programs);
+    EXPECT_TRUE(contains(error, "event " + std::to_string(ev) + " on rank 1")) << error;
+    EXPECT_TRUE(contains(error, "triggered by 0 tasks")) << error;
+  }
+}
+
+TEST(Verifier, RejectsACountOffByOne) {
+  auto programs = tiny_programs(Pass::forward);
+  const auto id = first_task(programs[0], TaskKind::combine_reduce);
+  programs[0].tasks[id].wait_count += 1;
+  auto error = verify_error(programs);
+  EXPECT_TRUE(contains(error, "combine_reduce")) << error;
+  EXPECT_TRUE(contains(error, "to reach")) << error;
+  // The event's own count off by one: its waiters and triggers disagree with it.
+  programs = tiny_programs(Pass::forward);
+  const auto ev = programs[0].tasks[id].wait_event;
+  programs[0].events[ev].required -= 1;
+  error = verify_error(programs);
+  EXPECT_TRUE(contains(error, "but it completes at " + std::to_string(programs[0].events[ev].required))) << error;
+  // An event nobody waits on, triggered once too often.
+  programs = tiny_programs(Pass::backward);
+  const auto wg = first_task(programs[0], TaskKind::router_wgrad);
+  programs[0].tasks[wg].trigger_event = programs[0].tasks[wg].wait_event;
+  error = verify_error(programs);
+  EXPECT_TRUE(contains(error, "but is triggered by")) << error;
+}
+
+TEST(Verifier, FindsACycleAcrossRanks) {
+  // Each rank reduces its combine before it dispatches its own tokens: the
+  // reduce waits for the peer's expert outputs, which wait for this rank's
+  // dispatch, which sits behind the reduce. Only abstract execution sees it.
+  auto programs = tiny_programs(Pass::forward, 2, "cpu:1");
+  for (auto& p : programs) {
+    auto& q = p.queue_tasks;
+    const auto reduce = std::find_if(q.begin(), q.end(), [&](std::int32_t id) { return p.tasks[id].kind == TaskKind::combine_reduce; });
+    std::rotate(q.begin(), reduce, reduce + 1);  // move the first reduce to the front
+  }
+  const auto error = verify_error(programs);
+  EXPECT_TRUE(contains(error, "deadlock: rank 0")) << error;
+  EXPECT_TRUE(contains(error, "combine_reduce")) << error;
+  EXPECT_TRUE(contains(error, "which reached 0 of")) << error;
+}
+
+TEST(Verifier, RejectsAShrunkTile) {
+  auto programs = tiny_programs(Pass::forward);
+  auto& t = programs[0].tasks[first_task(programs[0], TaskKind::gemm_gate_up)];
+  t.rows -= 1;
+  const auto error = verify_error(programs);
+  EXPECT_TRUE(contains(error, "coverage")) << error;
+  EXPECT_TRUE(contains(error, "swiglu")) << error;
+  EXPECT_TRUE(contains(error, "h1")) << error;
+}
+
+TEST(Verifier, RejectsRacesConflictsAndBadQueues) {
+  auto programs = tiny_programs(Pass::forward);
+  // A GEMM2 tile that no longer waits for its SwiGLU row: a race.
+  auto& down = programs[0].tasks[first_task(programs[0], TaskKind::gemm_down)];
+  down.wait_event = -1;
+  down.wait_count = 0;
+  EXPECT_TRUE(contains(verify_error(programs), "race")) << verify(programs).error;
+  // Two tiles writing the same elements.
+  programs = tiny_programs(Pass::forward);
+  const auto g = first_task(programs[0], TaskKind::gemm_gate_up);
+  programs[0].tasks[g + 1].col_begin = programs[0].tasks[g].col_begin;
+  EXPECT_TRUE(contains(verify_error(programs), "write conflict")) << verify(programs).error;
+  // A matrix task queued on a vector worker, and a task on no queue.
+  programs = compile(small(2, 150), counts_for(small(2, 150), "uniform"), parse_machine("accel:1:1"), Pass::forward,
+                     Policy::fill);
+  std::swap(programs[0].queue_tasks.front(), programs[0].queue_tasks.back());
+  EXPECT_TRUE(contains(verify_error(programs), "does not take that class")) << verify(programs).error;
+  programs = tiny_programs(Pass::forward);
+  programs[0].queue_tasks.pop_back();
+  programs[0].queue_begin.back() -= 1;
+  EXPECT_TRUE(contains(verify_error(programs), "is on no worker's queue")) << verify(programs).error;
+}
+
+TEST(Taskflow, EdgeCases) {
+  // P = 1 (puts stay local), no shared experts, empty experts, single-token tiles.
+  for (auto pass : {Pass::forward, Pass::backward}) {
+    LayerConfig c = small(1, 37);
+    c.shared_experts = 0;
+    expect_ok(compile(c, counts_for(c, "zipf:4"), parse_machine("cpu:2"), pass, Policy::critical_path));
+    c = small(4, 1);  // one token per rank
+    const auto counts = counts_for(c, "uniform");
+    std::int64_t empty = 0;
+    for (auto n : counts.counts) empty += n == 0;
+    EXPECT_GT(empty, 0);
+    expect_ok(compile(c, counts, parse_machine("cpu:2:1x64"), pass, Policy::critical_path));
+    c = small(2, 130);
+    expect_ok(compile(c, counts_for(c, "hot:0.45"), parse_machine("cpu:2:1x64"), pass, Policy::interleave_wgrad));
+  }
+}
+
+TEST(Taskflow, LargeLayerCountsAndDependencies) {
+  LayerConfig c = preset("deepseek-v2-lite");
+  c.ranks = 4;
+  c.tokens_per_rank = 1024;
+  const auto counts = counts_for(c, "zipf:1.2");
+  const auto programs = compile(c, counts, parse_machine("cpu:2"), Pass::forward, Policy::critical_path);
+  expect_ok(programs);
+  const auto s = stats(programs, 1);
+  // Every gate/up tile of rank 1: ceil(rows / 64) row tiles x 2816 / 64 column tiles per expert.
+  std::int64_t expected = 0;
+  for (std::int64_t le = 0; le < c.local_experts(); ++le) {
+    std::int64_t rows = 0;
+    for (std::int64_t src = 0; src < c.ranks; ++src) rows += counts.at(src, 1 * c.local_experts() + le);
+    expected += (rows + 63) / 64 * (2 * c.expert_inter / 64);
+  }
+  EXPECT_EQ(s.tasks_by_kind[static_cast<std::size_t>(TaskKind::gemm_gate_up)], expected);
+  EXPECT_GT(s.critical_path_s, 0);
+  EXPECT_GE(s.makespan_s, s.critical_path_s);
+  double load = 0;
+  for (double l : s.worker_load_s) load += l;
+  EXPECT_GE(s.makespan_s * 2 * 1.0001, load);  // two workers cannot beat their total load
+  expect_ok(compile(c, counts, parse_machine("cpu:2"), Pass::backward, Policy::interleave_wgrad));
+}
+
+TEST(Taskflow, RankRotatedPutsStartWithTheNextRank) {
+  const LayerConfig c = small(4, 150);
+  const auto programs = compile(c, counts_for(c, "uniform"), parse_machine("cpu:1"), Pass::forward, Policy::rank_rotated);
+  const auto& p = programs[2];
+  EXPECT_EQ(p.tasks[p.queue_tasks[0]].kind, TaskKind::dispatch_put);
+  EXPECT_EQ(p.tasks[p.queue_tasks[0]].peer, 2);  // (0 + r) mod P: itself first
+  std::int32_t last = 0;
+  for (auto id : p.queue_tasks) {
+    if (p.tasks[id].kind != TaskKind::dispatch_put) break;
+    const std::int32_t key = (p.tasks[id].peer - 2 + 4) % 4;
+    EXPECT_GE(key, last);
+    last = key;
+  }
+}
+
+TEST(Taskflow, JsonRoundTripAndMalformedDumps) {
+  const auto programs = tiny_programs(Pass::backward);
+  std::vector<Program> back;
+  for (const auto& p : programs) back.push_back(program_from_json(nlohmann::json::parse(to_json(p).dump())));
+  expect_ok(back);
+  EXPECT_EQ(to_json(back[1]), to_json(programs[1]));
+  EXPECT_FALSE(listing(programs[0]).empty());
+  auto j = to_json(programs[0]);
+  EXPECT_THROW(program_from_json(nlohmann::json::parse("[1, 2]")), Error);
+  auto bad = j;
+  bad["version"] = 99;
+  EXPECT_THROW(program_from_json(bad), Error);
+  bad = j;
+  bad["tasks"][0][0] = "teleport";
+  EXPECT_THROW(program_from_json(bad), Error);
+  bad = j;
+  bad["tasks"][3] = {1, 2};
+  EXPECT_THROW(program_from_json(bad), Error);
+  bad = j;
+  bad["queues"][0][0] = 999999;
+  EXPECT_THROW(program_from_json(bad), Error);
+  bad = j;
+  bad.erase("events");
+  EXPECT_THROW(program_from_json(bad), Error);
+  bad = j;
+  bad["rank"] = "zero";
+  EXPECT_THROW(program_from_json(bad), Error);
+}
+
+TEST(Taskflow, RejectsImpossibleInputs) {
+  const LayerConfig c = small(2, 150);
+  auto counts = counts_for(c, "uniform");
+  counts.counts[3] = 10000;  // more rows than the rank has tokens
+  EXPECT_THROW(compile(c, counts, parse_machine("cpu:1"), Pass::forward, Policy::fill), Error);
+  counts.counts.pop_back();
+  EXPECT_THROW(compile(c, counts, parse_machine("cpu:1"), Pass::forward, Policy::fill), Error);
+  EXPECT_THROW(parse_machine("gpu:4"), Error);
+  EXPECT_THROW(parse_machine("cpu:0"), Error);
+  EXPECT_THROW(parse_machine("cpu:2:64"), Error);
+  EXPECT_THROW(parse_machine("accel:1"), Error);
+  EXPECT_THROW(parse_policy("random"), Error);
+}
