@@ -1,5 +1,6 @@
 #pragma once
 #include <cstdint>
+#include <memory>
 #include <nlohmann/json_fwd.hpp>
 #include <span>
 #include <string>
@@ -162,6 +163,17 @@ RoutingCounts routing_counts(const LayerConfig&, const RouterOutput<Real>&);
 std::vector<Program> compile(const LayerConfig&, const RoutingCounts&, const Machine&, Pass, Policy);
 // Generation alone (tasks in generation order, unscheduled), and scheduling.
 Program generate(const LayerConfig&, const RoutingCounts&, const Machine&, Pass, std::int64_t rank);
+// The same into an existing program, reusing its storage (the per-step path:
+// a rank recompiles every step and allocates nothing once warm).
+void generate_into(Program&, const LayerConfig&, const RoutingCounts&, const Machine&, Pass, std::int64_t rank);
+// Scratch space of the scheduler, kept between steps.
+struct ScheduleScratch {
+  std::vector<std::int32_t> order;
+  std::vector<std::uint64_t> keys, keys_tmp;
+  std::vector<double> free_at, event_done;
+  std::vector<std::vector<std::int32_t>> queues;
+};
+void schedule(Program&, Policy, ScheduleScratch&);
 void schedule(Program&, Policy);
 
 struct VerifyReport {
@@ -172,6 +184,20 @@ struct VerifyReport {
 // deadlock under any timing, every read produced by what it waits for,
 // no conflicting writes.
 VerifyReport verify(std::span<const Program>);
+
+// The same, keeping its working storage between calls (the per-step path).
+struct VerifierScratch;
+class Verifier {
+ public:
+  Verifier();
+  ~Verifier();
+  Verifier(const Verifier&) = delete;
+  Verifier& operator=(const Verifier&) = delete;
+  VerifyReport verify(std::span<const Program>);
+
+ private:
+  std::unique_ptr<VerifierScratch> scratch_;
+};
 
 // Estimated critical path (seconds) through the event graph and per-worker
 // load, from the cost model.

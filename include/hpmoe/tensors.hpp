@@ -54,6 +54,9 @@ struct LayerGradients {
 // paths see the same numbers.
 LayerWeights random_weights(const LayerConfig&, std::uint64_t seed);
 LayerInputs random_inputs(const LayerConfig&, std::uint64_t seed);
+// Only the router weight and bias of random_weights(c, seed), bit for bit
+// (tools that route without running the experts need no more).
+LayerWeights random_router(const LayerConfig&, std::uint64_t seed);
 LayerGradients zero_gradients(const LayerConfig&);
 
 // Throws Error naming the first tensor whose shape does not fit the layer.

@@ -119,23 +119,35 @@ std::vector<std::int32_t> load_trace(const std::string& path, const std::string&
 
 namespace {
 
-// Draws K distinct experts with probability proportional to `weights`
-// (successive draws without replacement).
-void draw_distinct(Rng& rng, std::span<const double> weights, std::int64_t k, std::int32_t* out) {
-  std::vector<double> w(weights.begin(), weights.end());
-  for (std::int64_t i = 0; i < k; ++i) {
-    const double total = std::accumulate(w.begin(), w.end(), 0.0);
-    double u = rng.uniform() * total;
-    std::size_t pick = 0;
-    for (; pick + 1 < w.size(); ++pick) {
-      if (w[pick] > 0 && u < w[pick]) break;
-      u -= w[pick];
+// Draws experts with probability proportional to their weights (binary
+// search in the cumulative weights), K distinct ones by rejection.
+class ExpertSampler {
+ public:
+  explicit ExpertSampler(std::span<const double> weights) : cdf_(weights.size()) {
+    double total = 0;
+    for (std::size_t i = 0; i < weights.size(); ++i) {
+      total += weights[i];
+      cdf_[i] = total;
+      if (weights[i] > 0) ++nonzero_;
     }
-    while (w[pick] == 0) pick = (pick + w.size() - 1) % w.size();  // rounding at the top end
-    out[i] = static_cast<std::int32_t>(pick);
-    w[pick] = 0;
   }
-}
+  void draw_distinct(Rng& rng, std::int64_t k, std::int32_t* out) const {
+    if (k > nonzero_) throw Error("cannot draw " + std::to_string(k) + " distinct experts from " + std::to_string(nonzero_));
+    for (std::int64_t i = 0; i < k; ++i) {
+      std::int32_t pick;
+      do {
+        const double u = rng.uniform() * cdf_.back();
+        pick = static_cast<std::int32_t>(std::upper_bound(cdf_.begin(), cdf_.end(), u) - cdf_.begin());
+        if (pick >= static_cast<std::int32_t>(cdf_.size())) pick = static_cast<std::int32_t>(cdf_.size()) - 1;
+      } while (std::find(out, out + i, pick) != out + i || (pick > 0 ? cdf_[pick] == cdf_[pick - 1] : cdf_[0] == 0));
+      out[i] = pick;
+    }
+  }
+
+ private:
+  std::vector<double> cdf_;
+  std::int64_t nonzero_ = 0;
+};
 
 }  // namespace
 
@@ -171,18 +183,14 @@ std::vector<std::int32_t> forced_selection(const LayerConfig& c, const RoutingSp
     if (k == e) throw Error("hot routing needs top_k below routed_experts");
     weights[s.hot_expert] = 0;
   }
+  const ExpertSampler sampler(weights);
   for (std::int64_t t = 0; t < n; ++t) {
     std::int32_t* row = ids.data() + t * k;
-    if (s.source == RoutingSource::hot) {
-      const bool with_hot = rng.uniform() < s.hot_share * double(k);
-      if (with_hot) {
-        row[0] = static_cast<std::int32_t>(s.hot_expert);
-        draw_distinct(rng, weights, k - 1, row + 1);
-      } else {
-        draw_distinct(rng, weights, k, row);
-      }
+    if (s.source == RoutingSource::hot && rng.uniform() < s.hot_share * double(k)) {
+      row[0] = static_cast<std::int32_t>(s.hot_expert);
+      sampler.draw_distinct(rng, k - 1, row + 1);
     } else {
-      draw_distinct(rng, weights, k, row);
+      sampler.draw_distinct(rng, k, row);
     }
   }
   return ids;

@@ -36,16 +36,33 @@ void round_all(Matrix& m) {
 
 }  // namespace
 
-LayerWeights random_weights(const LayerConfig& c, std::uint64_t seed) {
-  c.validate();
-  Rng rng(seed);
+namespace {
+// The router part of the weights, drawn first from the generator.
+LayerWeights router_part(const LayerConfig& c, Rng& rng) {
   LayerWeights w;
-  const double in_h = 1.0 / std::sqrt(double(c.hidden));
-  w.router = random_matrix(c.hidden, c.routed_experts, in_h, rng);
+  w.router = random_matrix(c.hidden, c.routed_experts, 1.0 / std::sqrt(double(c.hidden)), rng);
   w.expert_bias.assign(static_cast<std::size_t>(c.routed_experts), 0.0f);
   if (c.expert_bias) {
     for (auto& b : w.expert_bias) b = static_cast<float>(0.01 * rng.normal());
   }
+  return w;
+}
+}  // namespace
+
+LayerWeights random_router(const LayerConfig& c, std::uint64_t seed) {
+  c.validate();
+  Rng rng(seed);
+  LayerWeights w = router_part(c, rng);
+  if (c.dtype == DType::bf16)
+    for (auto& v : w.router.data) v = round_to_bf16(v);
+  return w;
+}
+
+LayerWeights random_weights(const LayerConfig& c, std::uint64_t seed) {
+  c.validate();
+  Rng rng(seed);
+  LayerWeights w = router_part(c, rng);
+  const double in_h = 1.0 / std::sqrt(double(c.hidden));
   for (std::int64_t e = 0; e < c.routed_experts; ++e) {
     w.w1.push_back(random_matrix(c.hidden, 2 * c.expert_inter, in_h, rng));
     w.w2.push_back(random_matrix(c.expert_inter, c.hidden, 1.0 / std::sqrt(double(c.expert_inter)), rng));

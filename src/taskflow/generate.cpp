@@ -155,17 +155,29 @@ void add_buffer(Program& p, BufferId id, std::int64_t rows, std::int64_t cols, s
 }  // namespace
 
 Program generate(const LayerConfig& c, const RoutingCounts& counts, const Machine& m, Pass pass, std::int64_t rank) {
-  c.validate();
-  if (rank < 0 || rank >= c.ranks) throw Error("rank " + std::to_string(rank) + " is outside 0.." + std::to_string(c.ranks - 1));
-  return generate(c, Exchange(c, counts, m.tile_rows), m, pass, rank);
+  Program p;
+  generate_into(p, c, counts, m, pass, rank);
+  return p;
 }
 
-Program generate(const LayerConfig& c, const Exchange& ex, const Machine& m, Pass pass, std::int64_t rank) {
+void generate_into(Program& p, const LayerConfig& c, const RoutingCounts& counts, const Machine& m, Pass pass,
+                   std::int64_t rank) {
+  c.validate();
+  if (rank < 0 || rank >= c.ranks) throw Error("rank " + std::to_string(rank) + " is outside 0.." + std::to_string(c.ranks - 1));
+  generate(p, c, Exchange(c, counts, m.tile_rows), m, pass, rank);
+}
+
+void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machine& m, Pass pass, std::int64_t rank) {
   const std::int64_t H = c.hidden, I = c.expert_inter, Is = c.shared_inter_total(), L = c.local_experts(),
                      T = c.tokens_per_rank, P = c.ranks, E = c.routed_experts, TR = m.tile_rows, TC = m.tile_cols;
   const std::int64_t elem = c.dtype == DType::bf16 ? 2 : 4;
   const bool shared = c.shared_experts > 0;
-  Program p;
+  // Reuse the vectors' storage: a rank recompiles every step.
+  p.tasks.clear();
+  p.cost.clear();
+  p.events.clear();
+  p.buffers.clear();
+  p.expert_begin.clear();
   p.pass = pass;
   p.rank = static_cast<std::int32_t>(rank);
   p.ranks = static_cast<std::int32_t>(P);
@@ -178,7 +190,6 @@ Program generate(const LayerConfig& c, const Exchange& ex, const Machine& m, Pas
   const EventBases ev(pass, row_tiles, L, token_tiles);
   p.events.assign(static_cast<std::size_t>(ev.total), Event{0, TaskKind::count, -1, -1});
   Builder b(p, m);
-  p.tasks.reserve(static_cast<std::size_t>(row_tiles * (ceil_div(2 * I, TC) + ceil_div(H, TC) + 4) + 2 * E + 64));
   const std::int64_t n_gate_up = ceil_div(2 * I, TC), n_down = ceil_div(H, TC), n_inter = ceil_div(I, TC);
 
   // Symmetric buffers: the receive side is sized for the busiest rank.
@@ -301,7 +312,7 @@ Program generate(const LayerConfig& c, const Exchange& ex, const Machine& m, Pas
       b.task(TaskKind::combine_reduce, BufferId::comb, BufferId::out, -1, rank, t * TR, rows, 0, H, t * TR, ev.comb_done,
              p.events[ev.comb_done].required, -1, b.vector_cost(rows * c.top_k * H * elem + rows * H * 4));
     }
-    return p;
+    return;
   }
 
   // ---- backward ----
@@ -447,7 +458,6 @@ Program generate(const LayerConfig& c, const Exchange& ex, const Machine& m, Pas
     b.task(TaskKind::grad_reduce, BufferId::dcomb, BufferId::dx, -1, rank, t * TR, rows, 0, H, t * TR, ev.dx_ready,
            p.events[ev.dx_ready].required, -1, b.vector_cost(rows * (c.top_k * H * elem + 3 * H * 4)));
   }
-  return p;
 }
 
 }  // namespace hpmoe::taskflow

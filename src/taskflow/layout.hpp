@@ -49,6 +49,6 @@ struct EventBases {
   std::int64_t total = 0;
 };
 
-Program generate(const LayerConfig&, const Exchange&, const Machine&, Pass, std::int64_t rank);
+void generate(Program& out, const LayerConfig&, const Exchange&, const Machine&, Pass, std::int64_t rank);
 
 }  // namespace hpmoe::taskflow

@@ -1,4 +1,5 @@
 #include <algorithm>
+#include <bit>
 #include <numeric>
 #include <queue>
 
@@ -102,18 +103,51 @@ std::vector<std::int32_t> interleave_weight_gradients(const Program& p) {
   return order;
 }
 
+// LSD radix sort of 64-bit keys, 16 bits a pass (stable, linear time).
+void radix_sort(std::vector<std::uint64_t>& keys, std::vector<std::uint64_t>& tmp) {
+  tmp.resize(keys.size());
+  std::vector<std::uint32_t> count(1u << 16);
+  for (int shift = 0; shift < 64; shift += 16) {
+    std::fill(count.begin(), count.end(), 0u);
+    for (auto k : keys) ++count[(k >> shift) & 0xffffu];
+    std::uint32_t sum = 0;
+    for (auto& c : count) {
+      const std::uint32_t n = c;
+      c = sum;
+      sum += n;
+    }
+    for (auto k : keys) tmp[count[(k >> shift) & 0xffffu]++] = k;
+    keys.swap(tmp);
+  }
+}
+
 }  // namespace
 
 void schedule(Program& p, Policy policy) {
+  ScheduleScratch scratch;
+  schedule(p, policy, scratch);
+}
+
+void schedule(Program& p, Policy policy, ScheduleScratch& scratch) {
   const int W = p.machine.workers();
   if (W < 1) throw Error("a machine needs at least one worker");
   if (p.cost.size() != p.tasks.size()) throw Error("program has no cost for some tasks");
-  std::vector<std::int32_t> order(p.tasks.size());
+  auto& order = scratch.order;
+  order.resize(p.tasks.size());
   std::iota(order.begin(), order.end(), 0);
   if (policy == Policy::rank_rotated || policy == Policy::critical_path) rotate_puts(p, order);
   if (policy == Policy::critical_path) {
+    // Descending bottom level, ties in the current order: sort packed keys
+    // (inverted float bits of the level, position) with a radix sort.
     const auto bl = bottom_levels(p);
-    std::stable_sort(order.begin(), order.end(), [&](std::int32_t a, std::int32_t b) { return bl[a] > bl[b]; });
+    auto& keys = scratch.keys;
+    keys.resize(order.size());
+    for (std::size_t i = 0; i < order.size(); ++i) {
+      const auto bits = std::bit_cast<std::uint32_t>(static_cast<float>(bl[order[i]]));  // levels are >= 0
+      keys[i] = (std::uint64_t{~bits} << 32) | static_cast<std::uint32_t>(order[i]);
+    }
+    radix_sort(keys, scratch.keys_tmp);
+    for (std::size_t i = 0; i < order.size(); ++i) order[i] = static_cast<std::int32_t>(keys[i] & 0xffffffffu);
   }
   if (policy == Policy::interleave_wgrad) {
     if (p.pass == Pass::backward) order = interleave_weight_gradients(p);
@@ -124,7 +158,9 @@ void schedule(Program& p, Policy policy) {
   // Otherwise list scheduling on the cost model: each task, in order, goes to
   // the worker of its class that is free first. Queues keep the global order,
   // which is topological, so the schedule cannot deadlock.
-  std::vector<std::vector<std::int32_t>> queues(static_cast<std::size_t>(W));
+  auto& queues = scratch.queues;
+  queues.resize(static_cast<std::size_t>(W));
+  for (auto& q : queues) q.clear();
   std::vector<int> classes[2];
   for (int w = 0; w < W; ++w) {
     if (p.machine.takes(w, QueueClass::matrix)) classes[0].push_back(w);
@@ -139,7 +175,10 @@ void schedule(Program& p, Policy policy) {
       queues[classes[c][next[c]++ % classes[c].size()]].push_back(id);
     }
   } else {
-    std::vector<double> free_at(static_cast<std::size_t>(W), 0.0), event_done(p.events.size(), 0.0);
+    auto& free_at = scratch.free_at;
+    auto& event_done = scratch.event_done;
+    free_at.assign(static_cast<std::size_t>(W), 0.0);
+    event_done.assign(p.events.size(), 0.0);
     for (auto id : order) {
       const Task& t = p.tasks[id];
       const int c = t.queue == QueueClass::matrix ? 0 : 1;
@@ -166,11 +205,11 @@ std::vector<Program> compile(const LayerConfig& c, const RoutingCounts& counts, 
                              Policy policy) {
   c.validate();
   const Exchange ex(c, counts, m.tile_rows);
-  std::vector<Program> programs;
-  programs.reserve(static_cast<std::size_t>(c.ranks));
+  std::vector<Program> programs(static_cast<std::size_t>(c.ranks));
+  ScheduleScratch scratch;
   for (std::int64_t r = 0; r < c.ranks; ++r) {
-    programs.push_back(generate(c, ex, m, pass, r));
-    schedule(programs.back(), policy);
+    generate(programs[static_cast<std::size_t>(r)], c, ex, m, pass, r);
+    schedule(programs[static_cast<std::size_t>(r)], policy, scratch);
   }
   return programs;
 }

@@ -14,6 +14,13 @@ struct Rect {
   std::int64_t area() const { return (r1 - r0) * (c1 - c0); }
 };
 
+// Operands read by column tiles: all rows, the output tile's columns. The
+// buffers are exactly as wide as the matrix.
+bool read_by_column_tiles(BufferId b) {
+  return b == BufferId::dyp || b == BufferId::dhp || b == BufferId::sh_doutp || b == BufferId::sh_dhp ||
+         b == BufferId::dlogits;
+}
+
 std::string describe(const Program& p, std::int32_t id) {
   const Task& t = p.tasks[static_cast<std::size_t>(id)];
   std::ostringstream o;
@@ -135,13 +142,64 @@ int writes(const Program& p, const Task& t, Rect* out) {
 }
 
 struct Write {
-  std::int64_t r0, r1, c0, c1;
+  std::int32_t r0, r1, c0, c1;
   std::int32_t rank, task;
 };
 
+// What an event's triggers write into one buffer of the waiting rank: the
+// bounding box, and whether their writes fill it.
+struct Box {
+  BufferId buf;
+  std::int64_t r0, r1, c0, c1, area;
+  bool full() const { return area == (r1 - r0) * (c1 - c0); }
+};
+
+// Up to four buffers that an event's triggers write; more disables the fast path.
+struct EventBoxes {
+  Box box[4];
+  std::uint8_t n = 0;
+  bool overflow = false;
+  void add(const Box& b) {
+    for (std::uint8_t i = 0; i < n; ++i)
+      if (box[i].buf == b.buf) {
+        box[i].r0 = std::min(box[i].r0, b.r0);
+        box[i].r1 = std::max(box[i].r1, b.r1);
+        box[i].c0 = std::min(box[i].c0, b.c0);
+        box[i].c1 = std::max(box[i].c1, b.c1);
+        box[i].area += b.area;
+        return;
+      }
+    if (n == 4) overflow = true;
+    else box[n++] = b;
+  }
+};
+
+struct SlottedWrite {
+  std::uint32_t slot;
+  Write write;
+};
+
+
+}  // namespace
+
+// Storage the checker reuses from one verification to the next.
+struct VerifierScratch {
+  std::vector<std::int32_t> buffer_slot, triggers, count, first_blocked, work;
+  std::vector<std::uint8_t> seen;
+  std::vector<double> done, cp_done, loads;
+  std::vector<std::int64_t> trig_begin, trig_fill, write_begin, write_fill, max_height, stack;
+  std::vector<std::pair<std::int32_t, std::int32_t>> trig;
+  std::vector<std::uint32_t> visit_stamp;
+  std::vector<Write> writes;
+  std::vector<SlottedWrite> flat_writes;
+  std::vector<EventBoxes> event_boxes;  // [event]
+};
+
+namespace {
+
 class Checker {
  public:
-  explicit Checker(std::span<const Program> programs) : p_(programs) {
+  Checker(std::span<const Program> programs, VerifierScratch& scratch) : p_(programs), s_(scratch) {
     for (const auto& p : p_) {
       task_base_.push_back(total_tasks_);
       event_base_.push_back(total_events_);
@@ -152,6 +210,15 @@ class Checker {
 
   void structure() {
     const std::int32_t P = static_cast<std::int32_t>(p_.size());
+    s_.buffer_slot.assign(static_cast<std::size_t>(P) * kBuffers, -1);
+    for (std::int32_t r = 0; r < P; ++r)
+      for (std::size_t b = 0; b < p_[r].buffers.size(); ++b) {
+        const auto id = static_cast<std::size_t>(p_[r].buffers[b].id);
+        if (id == 0 || id >= kBuffers) fail("rank " + std::to_string(r) + " has a buffer with an invalid id");
+        if (s_.buffer_slot[static_cast<std::size_t>(r) * kBuffers + id] >= 0)
+          fail(std::string("rank ") + std::to_string(r) + " lists buffer " + name(p_[r].buffers[b].id) + " twice");
+        s_.buffer_slot[static_cast<std::size_t>(r) * kBuffers + id] = static_cast<std::int32_t>(b);
+      }
     for (std::int32_t r = 0; r < P; ++r) {
       const Program& p = p_[r];
       if (p.rank != r || p.ranks != P)
@@ -165,7 +232,8 @@ class Checker {
       if (p.cost.size() != p.tasks.size()) fail("rank " + std::to_string(r) + " lacks task costs");
       if (static_cast<std::int64_t>(p.expert_begin.size()) != p.dims.local_experts + 1)
         fail("rank " + std::to_string(r) + " has a malformed expert layout");
-      std::vector<std::uint8_t> seen(p.tasks.size(), 0);
+      auto& seen = s_.seen;
+      seen.assign(p.tasks.size(), 0);
       for (int w = 0; w < W; ++w)
         for (auto i = p.queue_begin[w]; i < p.queue_begin[w + 1]; ++i) {
           const auto id = p.queue_tasks[i];
@@ -202,16 +270,15 @@ class Checker {
           fail(describe(p, id) + " waits for " + describe_event(p, t.wait_event) + " to reach " +
                std::to_string(t.wait_count) + " but it completes at " + std::to_string(p.events[t.wait_event].required));
         if (t.rows < 0 || t.cols < 0) fail(describe(p, id) + " has a negative tile size");
-        Rect w[4];
-        const int nw = writes(p, t, w);
-        for (int k = 0; k < nw; ++k) check_bounds(p_[t.peer], w[k], p, id, "writes");
-        Rect rd[4];
-        const int nr = reads(p, t, rd);
-        for (int k = 0; k < nr; ++k) check_bounds(p, rd[k], p, id, "reads");
       }
     }
+  }
+
+  void check_trigger_counts() {
+    const std::int32_t P = static_cast<std::int32_t>(p_.size());
     // Every event is triggered exactly as often as it requires.
-    std::vector<std::int32_t> triggers(static_cast<std::size_t>(total_events_), 0);
+    auto& triggers = s_.triggers;
+    triggers.assign(static_cast<std::size_t>(total_events_), 0);
     for (const auto& p : p_)
       for (const auto& t : p.tasks)
         if (t.trigger_event >= 0) ++triggers[event_base_[t.peer] + t.trigger_event];
@@ -225,10 +292,18 @@ class Checker {
 
   // Runs every rank's queues against the counters in any order that respects
   // the waits; also yields the cost model's critical path and makespan.
+  template <bool kTiming>
   void execute() {
-    std::vector<std::int32_t> count(static_cast<std::size_t>(total_events_), 0);
-    std::vector<double> done(static_cast<std::size_t>(total_events_), 0.0), cp_done(done);
-    std::vector<std::int32_t> first_blocked(static_cast<std::size_t>(total_events_), -1);
+    auto& count = s_.count;
+    auto& done = s_.done;
+    auto& cp_done = s_.cp_done;
+    auto& first_blocked = s_.first_blocked;
+    count.assign(static_cast<std::size_t>(total_events_), 0);
+    if constexpr (kTiming) {
+      done.assign(static_cast<std::size_t>(total_events_), 0.0);
+      cp_done.assign(static_cast<std::size_t>(total_events_), 0.0);
+    }
+    first_blocked.assign(static_cast<std::size_t>(total_events_), -1);
     struct Worker {
       std::int32_t rank, w, head, end, next_blocked;
       double time;
@@ -238,7 +313,8 @@ class Checker {
       for (int w = 0; w < p_[r].machine.workers(); ++w)
         workers.push_back(Worker{r, w, p_[r].queue_begin[w], p_[r].queue_begin[w + 1], -1, 0.0});
     loads_.assign(workers.size(), 0.0);
-    std::vector<std::int32_t> work(workers.size());
+    auto& work = s_.work;
+    work.resize(workers.size());
     for (std::size_t i = 0; i < work.size(); ++i) work[i] = static_cast<std::int32_t>(work.size() - 1 - i);
     while (!work.empty()) {
       const auto wi = work.back();
@@ -256,25 +332,40 @@ class Checker {
             first_blocked[ev] = wi;
             break;
           }
-          start = std::max(start, done[ev]);
-          cp_start = cp_done[ev];
+          if constexpr (kTiming) {
+            start = std::max(start, done[ev]);
+            cp_start = cp_done[ev];
+          }
         }
-        const double cost = double(p.cost[id]);
-        wk.time = start + cost;
-        loads_[wi] += cost;
-        makespan_ = std::max(makespan_, wk.time);
-        critical_ = std::max(critical_, cp_start + cost);
+        if constexpr (kTiming) {
+          const double cost = double(p.cost[id]);
+          wk.time = start + cost;
+          loads_[wi] += cost;
+          makespan_ = std::max(makespan_, wk.time);
+          critical_ = std::max(critical_, cp_start + cost);
+        }
         if (t.trigger_event >= 0) {
           const auto ev = event_base_[t.peer] + t.trigger_event;
           ++count[ev];
-          done[ev] = std::max(done[ev], wk.time);
-          cp_done[ev] = std::max(cp_done[ev], cp_start + cost);
+          if constexpr (kTiming) {
+            done[ev] = std::max(done[ev], wk.time);
+            cp_done[ev] = std::max(cp_done[ev], cp_start + double(p.cost[id]));
+          }
           for (auto b = first_blocked[ev]; b >= 0; b = workers[b].next_blocked) work.push_back(b);
           first_blocked[ev] = -1;
         }
         ++wk.head;
       }
     }
+    bool stuck = false;
+    for (const auto& wk : workers) stuck = stuck || wk.head < wk.end;
+    // Every task ran exactly once, so each counter now holds its event's
+    // trigger count; a mismatch (or, on a deadlock, a missing trigger) is
+    // reported as the more precise cause.
+    if (stuck) check_trigger_counts();
+    for (std::int32_t r = 0; r < static_cast<std::int32_t>(p_.size()); ++r)
+      for (std::size_t e = 0; e < p_[r].events.size(); ++e)
+        if (count[event_base_[r] + static_cast<std::int64_t>(e)] != p_[r].events[e].required) check_trigger_counts();
     for (const auto& wk : workers) {
       if (wk.head >= wk.end) continue;
       const Program& p = p_[wk.rank];
@@ -289,68 +380,48 @@ class Checker {
   // reads is written by tasks it (transitively) waits for.
   void coverage() {
     const std::int32_t P = static_cast<std::int32_t>(p_.size());
-    const std::size_t B = static_cast<std::size_t>(BufferId::count);
-    std::vector<std::vector<Write>> index(static_cast<std::size_t>(P) * B);
-    for (std::int32_t r = 0; r < P; ++r)
-      for (std::size_t i = 0; i < p_[r].tasks.size(); ++i) {
-        const Task& t = p_[r].tasks[i];
-        Rect w[4];
-        const int n = writes(p_[r], t, w);
-        for (int k = 0; k < n; ++k)
-          if (w[k].area() > 0)
-            index[static_cast<std::size_t>(t.peer) * B + static_cast<std::size_t>(w[k].buf)].push_back(
-                Write{w[k].r0, w[k].r1, w[k].c0, w[k].c1, r, static_cast<std::int32_t>(i)});
-      }
-    std::vector<std::int64_t> max_height(index.size(), 0);
-    for (std::size_t k = 0; k < index.size(); ++k) {
-      auto& list = index[k];
-      std::sort(list.begin(), list.end(), [](const Write& a, const Write& b) {
-        return a.r0 != b.r0 ? a.r0 < b.r0 : (a.r1 != b.r1 ? a.r1 < b.r1 : a.c0 < b.c0);
-      });
-      for (std::size_t i = 0; i < list.size(); ++i) {
-        max_height[k] = std::max(max_height[k], list[i].r1 - list[i].r0);
-        // Later writes starting within this one's rows must not share columns.
-        for (std::size_t j = i + 1; j < list.size() && list[j].r0 < list[i].r1; ++j) {
-          if (list[j].c0 < list[i].c1 && list[i].c0 < list[j].c1) {
-            const auto& a = list[i];
-            const auto& b = list[j];
-            fail("write conflict in buffer " + std::string(name(static_cast<BufferId>(k % B))) + " of rank " +
-                 std::to_string(k / B) + ": " + describe(p_[a.rank], a.task) + " and " + describe(p_[b.rank], b.task));
-          }
-          if (list[j].r0 == list[i].r0 && list[j].r1 == list[i].r1) break;  // same band, sorted by column
-        }
-      }
-    }
-    visit_stamp_.assign(static_cast<std::size_t>(total_events_), 0);
-    build_trigger_index();
+    build_write_index();
+    trigger_index_built_ = false;
+    // Tiles of one row band read the same rectangle with the same wait:
+    // check it once. Column-tile reads of panel operands are widened to the
+    // full width, which covers every tile of the band.
+    struct Checked {
+      std::int64_t r0 = -1, r1 = -1, c0 = -1, c1 = -1;
+      std::int32_t wait = -2;
+    };
+    std::vector<Checked> last(kBuffers);
     for (std::int32_t r = 0; r < P; ++r) {
       const Program& p = p_[r];
+      std::fill(last.begin(), last.end(), Checked{});
+      const Task* previous = nullptr;
       for (std::size_t i = 0; i < p.tasks.size(); ++i) {
         const Task& t = p.tasks[i];
+        // The next column tile of the same row band reads what the previous
+        // one read (column-tile reads are widened below): already checked.
+        const bool same_band = previous && previous->kind == t.kind && previous->row_begin == t.row_begin &&
+                               previous->rows == t.rows && previous->wait_event == t.wait_event &&
+                               previous->src_row == t.src_row && previous->expert == t.expert &&
+                               queue_class(t.kind) == QueueClass::matrix;
+        previous = &t;
+        if (same_band) continue;
         Rect rd[4];
         const int n = reads(p, t, rd);
         for (int k = 0; k < n; ++k) {
-          const Rect& R = rd[k];
-          if (R.area() == 0 || is_input(p.pass, R.buf)) continue;
-          const std::size_t slot = static_cast<std::size_t>(r) * B + static_cast<std::size_t>(R.buf);
-          const auto& list = index[slot];
-          const std::int64_t from = R.r0 - max_height[slot] + 1;
-          auto it = std::lower_bound(list.begin(), list.end(), from, [](const Write& w, std::int64_t v) { return w.r0 < v; });
-          std::int64_t covered = 0;
-          for (; it != list.end() && it->r0 < R.r1; ++it) {
-            const std::int64_t rows = std::min(R.r1, it->r1) - std::max(R.r0, it->r0);
-            const std::int64_t cols = std::min(R.c1, it->c1) - std::max(R.c0, it->c0);
-            if (rows <= 0 || cols <= 0) continue;
-            if (!happens_before(it->rank, it->task, r, static_cast<std::int32_t>(i)))
-              fail("race: " + describe(p, static_cast<std::int32_t>(i)) + " reads " + name(R.buf) + " written by " +
-                   describe(p_[it->rank], it->task) + ", which it does not wait for");
-            covered += rows * cols;
+          Rect R = rd[k];
+          if (R.area() == 0) continue;
+          if (is_input(p.pass, R.buf)) {
+            check_bounds(p, R, p, static_cast<std::int32_t>(i), "reads");
+            continue;
           }
-          if (covered != R.area())
-            fail("coverage: " + describe(p, static_cast<std::int32_t>(i)) + " reads " + name(R.buf) + " rows [" +
-                 std::to_string(R.r0) + ", " + std::to_string(R.r1) + ") cols [" + std::to_string(R.c0) + ", " +
-                 std::to_string(R.c1) + ") but only " + std::to_string(covered) + " of " + std::to_string(R.area()) +
-                 " elements are written in this pass");
+          if (read_by_column_tiles(R.buf)) {
+            R.c0 = 0;
+            R.c1 = p.buffers[static_cast<std::size_t>(s_.buffer_slot[slot(r, R.buf)])].cols;
+          }
+          Checked& seen = last[static_cast<std::size_t>(R.buf)];
+          if (seen.r0 == R.r0 && seen.r1 == R.r1 && seen.c0 == R.c0 && seen.c1 == R.c1 && seen.wait == t.wait_event) continue;
+          seen = Checked{R.r0, R.r1, R.c0, R.c1, t.wait_event};
+          check_bounds(p, R, p, static_cast<std::int32_t>(i), "reads");
+          if (!inside_filled_box(r, t.wait_event, R)) check_read(r, static_cast<std::int32_t>(i), R);
         }
       }
     }
@@ -362,6 +433,102 @@ class Checker {
   const std::vector<double>& loads() const { return loads_; }
 
  private:
+  static std::size_t slot(std::int32_t rank, BufferId b) {
+    return static_cast<std::size_t>(rank) * kBuffers + static_cast<std::size_t>(b);
+  }
+
+  // Writes of every task, grouped by (rank, buffer) with a counting sort, each
+  // group ordered by rows; overlapping writes are conflicts.
+  void build_write_index() {
+    const std::int32_t P = static_cast<std::int32_t>(p_.size());
+    s_.write_begin.assign(static_cast<std::size_t>(P) * kBuffers + 1, 0);
+    s_.event_boxes.assign(static_cast<std::size_t>(total_events_), EventBoxes{});
+    auto& flat = s_.flat_writes;  // one pass over the tasks, then a counting sort
+    flat.clear();
+    for (std::int32_t r = 0; r < P; ++r)
+      for (std::size_t i = 0; i < p_[r].tasks.size(); ++i) {
+        const Task& t = p_[r].tasks[i];
+        Rect w[4];
+        const int n = writes(p_[r], t, w);
+        for (int k = 0; k < n; ++k) {
+          check_bounds(p_[t.peer], w[k], p_[r], static_cast<std::int32_t>(i), "writes");
+          if (w[k].area() == 0) continue;
+          const auto where = slot(t.peer, w[k].buf);
+          ++s_.write_begin[where + 1];
+          if (t.trigger_event >= 0)
+            s_.event_boxes[static_cast<std::size_t>(event_base_[t.peer] + t.trigger_event)].add(
+                Box{w[k].buf, w[k].r0, w[k].r1, w[k].c0, w[k].c1, w[k].area()});
+          flat.push_back(SlottedWrite{static_cast<std::uint32_t>(where),
+                                      Write{static_cast<std::int32_t>(w[k].r0), static_cast<std::int32_t>(w[k].r1),
+                                            static_cast<std::int32_t>(w[k].c0), static_cast<std::int32_t>(w[k].c1), r,
+                                            static_cast<std::int32_t>(i)}});
+        }
+      }
+    for (std::size_t i = 1; i < s_.write_begin.size(); ++i) s_.write_begin[i] += s_.write_begin[i - 1];
+    s_.writes.resize(flat.size());
+    auto& fill = s_.write_fill;
+    fill.assign(s_.write_begin.begin(), s_.write_begin.end() - 1);
+    for (const auto& sw : flat) s_.writes[static_cast<std::size_t>(fill[sw.slot]++)] = sw.write;
+    s_.max_height.assign(static_cast<std::size_t>(P) * kBuffers, 0);
+    const auto before = [](const Write& a, const Write& b) {
+      return a.r0 != b.r0 ? a.r0 < b.r0 : (a.r1 != b.r1 ? a.r1 < b.r1 : a.c0 < b.c0);
+    };
+    for (std::size_t k = 0; k + 1 < s_.write_begin.size(); ++k) {
+      const auto first = s_.writes.begin() + s_.write_begin[k], last = s_.writes.begin() + s_.write_begin[k + 1];
+      if (!std::is_sorted(first, last, before)) std::sort(first, last, before);
+      for (auto a = first; a != last; ++a) {
+        s_.max_height[k] = std::max<std::int64_t>(s_.max_height[k], a->r1 - a->r0);
+        // Later writes starting within this one's rows must not share columns.
+        for (auto b = a + 1; b != last && b->r0 < a->r1; ++b) {
+          if (b->c0 < a->c1 && a->c0 < b->c1)
+            fail("write conflict in buffer " + std::string(name(static_cast<BufferId>(k % kBuffers))) + " of rank " +
+                 std::to_string(k / kBuffers) + ": " + describe(p_[a->rank], a->task) + " and " +
+                 describe(p_[b->rank], b->task));
+          if (b->r0 == a->r0 && b->r1 == a->r1) break;  // same band, sorted by column
+        }
+      }
+    }
+  }
+
+  // Fast path: R lies inside what the reader's own wait event's triggers
+  // write, and they fill it. With no conflicting writes nothing else writes
+  // there, so R is covered and race-free. Boxes are computed once per event.
+  bool inside_filled_box(std::int32_t r, std::int32_t wait, const Rect& R) const {
+    if (wait < 0) return false;
+    const EventBoxes& boxes = s_.event_boxes[static_cast<std::size_t>(event_base_[r] + wait)];
+    if (boxes.overflow) return false;
+    for (std::uint8_t b = 0; b < boxes.n; ++b) {
+      const Box& box = boxes.box[b];
+      if (box.buf == R.buf)
+        return box.full() && box.r0 <= R.r0 && R.r1 <= box.r1 && box.c0 <= R.c0 && R.c1 <= box.c1;
+    }
+    return false;
+  }
+
+  // Every write overlapping R must happen before the reader, and together
+  // they must cover R.
+  void check_read(std::int32_t r, std::int32_t id, const Rect& R) {
+    const Program& p = p_[r];
+    const std::size_t k = slot(r, R.buf);
+    const auto first = s_.writes.begin() + s_.write_begin[k], last = s_.writes.begin() + s_.write_begin[k + 1];
+    auto it = std::lower_bound(first, last, R.r0 - s_.max_height[k] + 1, [](const Write& w, std::int64_t v) { return w.r0 < v; });
+    std::int64_t covered = 0;
+    for (; it != last && it->r0 < R.r1; ++it) {
+      const std::int64_t rows = std::min<std::int64_t>(R.r1, it->r1) - std::max<std::int64_t>(R.r0, it->r0);
+      const std::int64_t cols = std::min<std::int64_t>(R.c1, it->c1) - std::max<std::int64_t>(R.c0, it->c0);
+      if (rows <= 0 || cols <= 0) continue;
+      if (!happens_before(it->rank, it->task, r, id))
+        fail("race: " + describe(p, id) + " reads " + name(R.buf) + " written by " + describe(p_[it->rank], it->task) +
+             ", which it does not wait for");
+      covered += rows * cols;
+    }
+    if (covered != R.area())
+      fail("coverage: " + describe(p, id) + " reads " + name(R.buf) + " rows [" + std::to_string(R.r0) + ", " +
+           std::to_string(R.r1) + ") cols [" + std::to_string(R.c0) + ", " + std::to_string(R.c1) + ") but only " +
+           std::to_string(covered) + " of " + std::to_string(R.area()) + " elements are written in this pass");
+  }
+
+
   [[noreturn]] void fail(const std::string& message) {
     error_ = message;
     throw Error(message);
@@ -369,30 +536,33 @@ class Checker {
 
   void check_bounds(const Program& owner, const Rect& R, const Program& p, std::int32_t id, const char* verb) {
     if (R.area() == 0) return;
-    for (const auto& l : owner.buffers)
-      if (l.id == R.buf) {
-        if (R.r0 < 0 || R.c0 < 0 || R.r1 > l.rows || R.c1 > l.cols)
-          fail(describe(p, id) + " " + verb + " " + name(R.buf) + " rows [" + std::to_string(R.r0) + ", " +
-               std::to_string(R.r1) + ") cols [" + std::to_string(R.c0) + ", " + std::to_string(R.c1) +
-               ") outside the buffer [" + std::to_string(l.rows) + " x " + std::to_string(l.cols) + "]");
-        return;
-      }
-    fail(describe(p, id) + " " + verb + " buffer " + name(R.buf) + ", which rank " + std::to_string(owner.rank) +
-         " does not have");
+    const auto slot = s_.buffer_slot[static_cast<std::size_t>(owner.rank) * kBuffers + static_cast<std::size_t>(R.buf)];
+    if (slot < 0)
+      fail(describe(p, id) + " " + verb + " buffer " + name(R.buf) + ", which rank " + std::to_string(owner.rank) +
+           " does not have");
+    const auto& l = owner.buffers[static_cast<std::size_t>(slot)];
+    if (R.r0 < 0 || R.c0 < 0 || R.r1 > l.rows || R.c1 > l.cols)
+      fail(describe(p, id) + " " + verb + " " + name(R.buf) + " rows [" + std::to_string(R.r0) + ", " +
+           std::to_string(R.r1) + ") cols [" + std::to_string(R.c0) + ", " + std::to_string(R.c1) +
+           ") outside the buffer [" + std::to_string(l.rows) + " x " + std::to_string(l.cols) + "]");
   }
 
+  static constexpr std::size_t kBuffers = static_cast<std::size_t>(BufferId::count);
+  std::vector<std::int32_t> buffer_slot_;  // [rank * kBuffers + id] -> index in buffers, -1 if absent
+
   void build_trigger_index() {
-    trig_begin_.assign(static_cast<std::size_t>(total_events_ + 1), 0);
+    s_.trig_begin.assign(static_cast<std::size_t>(total_events_ + 1), 0);
     for (const auto& p : p_)
       for (const auto& t : p.tasks)
-        if (t.trigger_event >= 0) ++trig_begin_[event_base_[t.peer] + t.trigger_event + 1];
-    for (std::size_t i = 1; i < trig_begin_.size(); ++i) trig_begin_[i] += trig_begin_[i - 1];
-    trig_.assign(static_cast<std::size_t>(trig_begin_.back()), {});
-    std::vector<std::int64_t> fill(trig_begin_.begin(), trig_begin_.end() - 1);
+        if (t.trigger_event >= 0) ++s_.trig_begin[event_base_[t.peer] + t.trigger_event + 1];
+    for (std::size_t i = 1; i < s_.trig_begin.size(); ++i) s_.trig_begin[i] += s_.trig_begin[i - 1];
+    s_.trig.assign(static_cast<std::size_t>(s_.trig_begin.back()), {});
+    auto& fill = s_.trig_fill;
+    fill.assign(s_.trig_begin.begin(), s_.trig_begin.end() - 1);
     for (std::int32_t r = 0; r < static_cast<std::int32_t>(p_.size()); ++r)
       for (std::size_t i = 0; i < p_[r].tasks.size(); ++i) {
         const Task& t = p_[r].tasks[i];
-        if (t.trigger_event >= 0) trig_[fill[event_base_[t.peer] + t.trigger_event]++] = {r, static_cast<std::int32_t>(i)};
+        if (t.trigger_event >= 0) s_.trig[fill[event_base_[t.peer] + t.trigger_event]++] = {r, static_cast<std::int32_t>(i)};
       }
   }
 
@@ -404,21 +574,26 @@ class Checker {
     const std::int64_t target = event_base_[producer.peer] + producer.trigger_event;
     const std::int64_t start = event_base_[cr] + consumer.wait_event;
     if (target == start) return true;
+    if (!trigger_index_built_) {  // only reads not covered by their own wait's producers get here
+      build_trigger_index();
+      s_.visit_stamp.assign(static_cast<std::size_t>(total_events_), 0);
+      trigger_index_built_ = true;
+    }
     ++stamp_;
-    stack_.assign(1, start);
-    visit_stamp_[start] = stamp_;
-    while (!stack_.empty()) {
-      const auto ev = stack_.back();
-      stack_.pop_back();
-      for (auto k = trig_begin_[ev]; k < trig_begin_[ev + 1]; ++k) {
-        const auto [r, id] = trig_[k];
+    s_.stack.assign(1, start);
+    s_.visit_stamp[start] = stamp_;
+    while (!s_.stack.empty()) {
+      const auto ev = s_.stack.back();
+      s_.stack.pop_back();
+      for (auto k = s_.trig_begin[ev]; k < s_.trig_begin[ev + 1]; ++k) {
+        const auto [r, id] = s_.trig[k];
         const Task& t = p_[r].tasks[id];
         if (t.wait_event < 0) continue;
         const std::int64_t up = event_base_[r] + t.wait_event;
         if (up == target) return true;
-        if (visit_stamp_[up] != stamp_) {
-          visit_stamp_[up] = stamp_;
-          stack_.push_back(up);
+        if (s_.visit_stamp[up] != stamp_) {
+          s_.visit_stamp[up] = stamp_;
+          s_.stack.push_back(up);
         }
       }
     }
@@ -431,22 +606,28 @@ class Checker {
   std::string error_;
   double critical_ = 0, makespan_ = 0;
   std::vector<double> loads_;
-  std::vector<std::int64_t> trig_begin_;
-  std::vector<std::pair<std::int32_t, std::int32_t>> trig_;
-  std::vector<std::uint32_t> visit_stamp_;
+  VerifierScratch& s_;
   std::uint32_t stamp_ = 0;
-  std::vector<std::int64_t> stack_;
+  bool trigger_index_built_ = false;
 };
 
 }  // namespace
 
+Verifier::Verifier() : scratch_(std::make_unique<VerifierScratch>()) {}
+Verifier::~Verifier() = default;
+
 VerifyReport verify(std::span<const Program> programs) {
+  Verifier v;
+  return v.verify(programs);
+}
+
+VerifyReport Verifier::verify(std::span<const Program> programs) {
   VerifyReport report;
   if (programs.empty()) return {false, "no programs to verify"};
-  Checker check(programs);
+  Checker check(programs, *scratch_);
   try {
     check.structure();
-    check.execute();
+    check.execute<false>();
     check.coverage();
   } catch (const Error& e) {
     report.ok = false;
@@ -465,10 +646,11 @@ ProgramStats stats(std::span<const Program> programs, std::int64_t rank) {
     (t.queue == QueueClass::matrix ? s.matrix_tasks : s.vector_tasks)++;
   }
   s.events = static_cast<std::int64_t>(p.events.size());
-  Checker check(programs);
+  VerifierScratch scratch;
+  Checker check(programs, scratch);
   try {
     check.structure();
-    check.execute();
+    check.execute<true>();
   } catch (const Error&) {
     return s;  // not executable: no timing figures
   }

@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 
+#include "hpmoe/compile_driver.hpp"
 #include "hpmoe/config.hpp"
 #include "hpmoe/error.hpp"
 #include "hpmoe/run.hpp"
@@ -91,6 +92,29 @@ int run_main(int argc, char** argv) {
 
   auto* presets = app.add_subcommand("presets", "list the model presets");
 
+  // hpmoe compile
+  auto* compile = app.add_subcommand("compile", "compile a layer step into verified per-rank tile-task programs");
+  LayerOptions compile_layer_opts;
+  compile_layer_opts.add_to(*compile);
+  CompileRequest creq;
+  std::string compile_routing = "router", schedule = "critical-path", pass = "forward", compile_json, dump_file;
+  std::uint64_t compile_seed = 1;
+  compile->add_option("--routing", compile_routing, "router | uniform | zipf[:S] | hot[:SHARE] | trace:FILE[:LAYER]");
+  compile->add_option("--seed", compile_seed, "seed of the router's weights and inputs, and of synthetic routing");
+  compile->add_option("--machine", creq.machine, "cpu:W[:RxC] (W unified workers per rank) or accel:MATRIX:VECTOR[:RxC]");
+  compile->add_option("--schedule", schedule, "fill | rank-rotated | critical-path | interleave-wgrad");
+  compile->add_option("--pass", pass, "forward | backward | both");
+  compile->add_option("--rank", creq.rank, "rank whose program the figures describe");
+  compile->add_option("--dump", dump_file, "write every rank's program (JSON; with --pass both, FILE.forward.json and FILE.backward.json)");
+  compile->add_option("--json", compile_json, "write the figures as JSON");
+
+  // hpmoe verify
+  auto* verify_cmd = app.add_subcommand("verify", "verify a program dump written by `hpmoe compile --dump`");
+  std::string verify_file;
+  verify_cmd->add_option("FILE", verify_file, "program dump")->required();
+  bool verify_listing = false;
+  verify_cmd->add_flag("--list", verify_listing, "print a readable listing of rank 0's program");
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp&) {
@@ -116,6 +140,42 @@ int run_main(int argc, char** argv) {
                 << c.routed_experts << "/" << c.shared_experts << ", top-" << c.top_k << "\n";
     }
     return 0;
+  }
+  if (compile->parsed()) {
+    creq.config = compile_layer_opts.resolve();
+    creq.routing = parse_routing_spec(compile_routing, compile_seed);
+    creq.seed = compile_seed;
+    creq.policy = taskflow::parse_policy(schedule);
+    if (pass != "forward" && pass != "backward" && pass != "both")
+      throw Error("--pass must be forward, backward or both, not '" + pass + "'");
+    creq.forward = pass != "backward";
+    creq.backward = pass != "forward";
+    const CompileReport report = compile_layer(creq);
+    std::cout << format_report(report);
+    if (!compile_json.empty()) write_json(compile_json, to_json(report));
+    if (!dump_file.empty())
+      for (const auto& p : report.passes) {
+        const std::string file = report.passes.size() == 1
+                                     ? dump_file
+                                     : dump_file + (p.pass == taskflow::Pass::forward ? ".forward.json" : ".backward.json");
+        std::ofstream out(file);
+        if (!out) throw Error("cannot write the program dump '" + file + "'");
+        out << dump_programs(p.programs).dump() << "\n";
+      }
+    bool ok = true;
+    for (const auto& p : report.passes) ok = ok && p.verification.ok;
+    return ok ? 0 : 1;
+  }
+  if (verify_cmd->parsed()) {
+    const auto programs = load_programs(verify_file);
+    const auto report = taskflow::verify(programs);
+    if (verify_listing) std::cout << taskflow::listing(programs.front());
+    std::cout << programs.size() << " programs ("
+              << (programs.front().pass == taskflow::Pass::forward ? "forward" : "backward") << "): "
+              << (report.ok ? "PASS: no deadlock, events consistent, every read covered, no write conflicts"
+                            : "FAIL: " + report.error)
+              << "\n";
+    return report.ok ? 0 : 1;
   }
   if (config->parsed()) {
     if (list_fields) {

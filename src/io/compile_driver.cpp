@@ -1,0 +1,170 @@
+#include "hpmoe/compile_driver.hpp"
+
+#include <chrono>
+#include <fstream>
+#include <iomanip>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "hpmoe/error.hpp"
+#include "hpmoe/tensors.hpp"
+
+namespace hpmoe {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+RouterOutput<float> route_step(const LayerConfig& c, const RoutingSpec& spec, std::uint64_t seed) {
+  const auto forced = forced_selection(c, spec);
+  std::vector<float> logits(static_cast<std::size_t>(c.total_tokens() * c.routed_experts), 0.0f);
+  const LayerWeights w = random_router(c, seed);
+  if (spec.source == RoutingSource::router) {
+    const double bytes = double(c.total_tokens()) * double(c.hidden) * 4.0;
+    if (bytes > 4e9)
+      throw Error("router routing needs the layer's inputs (" + std::to_string(static_cast<long long>(bytes / 1e9)) +
+                  " GB here); compile with --routing uniform, zipf, hot or trace at this size");
+    const LayerInputs in = random_inputs(c, seed);
+    for (std::int64_t t = 0; t < c.total_tokens(); ++t) {
+      float* row = logits.data() + t * c.routed_experts;
+      for (std::int64_t i = 0; i < c.hidden; ++i) {
+        const float xv = in.x.at(t, i);
+        const float* wr = w.router.row(i);
+        for (std::int64_t e = 0; e < c.routed_experts; ++e) row[e] += xv * wr[e];
+      }
+    }
+  }
+  return route<float>(c, logits, w.expert_bias, forced);
+}
+
+}  // namespace
+
+CompileReport compile_layer(const CompileRequest& req) {
+  const LayerConfig& c = req.config;
+  c.validate();
+  if (req.rank < 0 || req.rank >= c.ranks)
+    throw Error("--rank " + std::to_string(req.rank) + " is outside 0.." + std::to_string(c.ranks - 1));
+  const taskflow::Machine machine = taskflow::parse_machine(req.machine);
+  CompileReport rep;
+  rep.config = c;
+  rep.routing = req.routing.describe();
+  rep.machine = req.machine;
+  rep.policy = taskflow::name(req.policy);
+  rep.rank = req.rank;
+  const auto routing = route_step(c, req.routing, req.seed);
+  rep.routing_stats = routing_stats(c, routing);
+  const auto counts = taskflow::routing_counts(c, routing);
+  for (auto pass : {taskflow::Pass::forward, taskflow::Pass::backward}) {
+    if ((pass == taskflow::Pass::forward && !req.forward) || (pass == taskflow::Pass::backward && !req.backward)) continue;
+    CompiledPass cp;
+    cp.pass = pass;
+    auto t0 = Clock::now();
+    cp.programs = taskflow::compile(c, counts, machine, pass, req.policy);
+    cp.generate_seconds = since(t0);
+    t0 = Clock::now();
+    cp.verification = taskflow::verify(cp.programs);
+    cp.verify_seconds = since(t0);
+    cp.stats = taskflow::stats(cp.programs, req.rank);
+    rep.passes.push_back(std::move(cp));
+  }
+  return rep;
+}
+
+nlohmann::json to_json(const CompileReport& r) {
+  nlohmann::json j;
+  j["layer"] = to_json(r.config);
+  j["routing"] = {{"source", r.routing},
+                  {"tokens_per_rank", r.routing_stats.tokens_per_rank},
+                  {"rank_max_over_mean", r.routing_stats.rank_max_over_mean},
+                  {"expert_max_over_mean", r.routing_stats.expert_max_over_mean}};
+  j["machine"] = r.machine;
+  j["schedule"] = r.policy;
+  j["rank"] = r.rank;
+  auto& passes = j["passes"] = nlohmann::json::array();
+  for (const auto& p : r.passes) {
+    nlohmann::json kinds = nlohmann::json::object();
+    for (std::size_t k = 0; k < p.stats.tasks_by_kind.size(); ++k)
+      if (p.stats.tasks_by_kind[k] > 0) kinds[taskflow::name(static_cast<taskflow::TaskKind>(k))] = p.stats.tasks_by_kind[k];
+    passes.push_back({{"pass", p.pass == taskflow::Pass::forward ? "forward" : "backward"},
+                      {"tasks_by_kind", kinds},
+                      {"matrix_tasks", p.stats.matrix_tasks},
+                      {"vector_tasks", p.stats.vector_tasks},
+                      {"events", p.stats.events},
+                      {"critical_path_s", p.stats.critical_path_s},
+                      {"makespan_s", p.stats.makespan_s},
+                      {"worker_load_s", p.stats.worker_load_s},
+                      {"generate_and_schedule_s", p.generate_seconds},
+                      {"generate_and_schedule_per_rank_s", p.generate_seconds / double(r.config.ranks)},
+                      {"verify_s", p.verify_seconds},
+                      {"verify_per_rank_s", p.verify_seconds / double(r.config.ranks)},
+                      {"verified", p.verification.ok},
+                      {"verify_error", p.verification.error}});
+  }
+  return j;
+}
+
+std::string format_report(const CompileReport& r) {
+  const auto& c = r.config;
+  std::ostringstream o;
+  o << "layer    " << c.name << ": hidden " << c.hidden << ", expert inter " << c.expert_inter << ", experts "
+    << c.routed_experts << " routed / " << c.shared_experts << " shared, top-" << c.top_k << ", EP " << c.ranks << ", "
+    << c.tokens_per_rank << " tokens/rank, " << to_string(c.dtype) << "\n";
+  o << std::setprecision(4);
+  o << "routing  " << r.routing << ": rank max/mean " << r.routing_stats.rank_max_over_mean << ", expert max/mean "
+    << r.routing_stats.expert_max_over_mean << "\n";
+  o << "compile  machine " << r.machine << ", schedule " << r.policy << "; figures for rank " << r.rank << "\n";
+  for (const auto& p : r.passes) {
+    const auto& s = p.stats;
+    o << (p.pass == taskflow::Pass::forward ? "forward " : "backward") << " " << s.matrix_tasks + s.vector_tasks
+      << " tasks (" << s.matrix_tasks << " matrix, " << s.vector_tasks << " vector), " << s.events << " events\n";
+    o << "        ";
+    int shown = 0;
+    for (std::size_t k = 0; k < s.tasks_by_kind.size(); ++k)
+      if (s.tasks_by_kind[k] > 0) {
+        o << (shown++ % 5 == 0 && shown > 1 ? "\n         " : " ") << taskflow::name(static_cast<taskflow::TaskKind>(k))
+          << " " << s.tasks_by_kind[k];
+      }
+    o << "\n";
+    o << std::fixed << std::setprecision(3);
+    o << "         cost model: critical path " << s.critical_path_s * 1e3 << " ms, makespan " << s.makespan_s * 1e3
+      << " ms, worker load";
+    for (double l : s.worker_load_s) o << " " << l * 1e3;
+    o << " ms\n";
+    o << "         generation + scheduling " << p.generate_seconds * 1e3 / double(c.ranks) << " ms per rank ("
+      << p.generate_seconds * 1e3 << " ms for " << c.ranks << " ranks), verification " << p.verify_seconds * 1e3 << " ms\n";
+    o.unsetf(std::ios::fixed);
+    o << "verify   " << (p.verification.ok ? "PASS: no deadlock, events consistent, every read covered, no write conflicts"
+                                           : "FAIL: " + p.verification.error)
+      << "\n";
+  }
+  return o.str();
+}
+
+nlohmann::json dump_programs(const std::vector<taskflow::Program>& programs) {
+  nlohmann::json j;
+  j["format"] = "hpmoe-taskflow-dump";
+  j["version"] = taskflow::kFormatVersion;
+  auto& list = j["programs"] = nlohmann::json::array();
+  for (const auto& p : programs) list.push_back(taskflow::to_json(p));
+  return j;
+}
+
+std::vector<taskflow::Program> load_programs(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) throw Error("cannot open program dump '" + path + "'");
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(in);
+  } catch (const nlohmann::json::parse_error& e) {
+    throw Error("program dump '" + path + "' is not valid JSON: " + e.what());
+  }
+  if (!j.is_object() || j.value("format", "") != "hpmoe-taskflow-dump" || !j.contains("programs") ||
+      !j["programs"].is_array() || j["programs"].empty())
+    throw Error("'" + path + "' is not an hpmoe program dump (expected \"format\": \"hpmoe-taskflow-dump\" and programs)");
+  std::vector<taskflow::Program> programs;
+  for (const auto& p : j["programs"]) programs.push_back(taskflow::program_from_json(p));
+  return programs;
+}
+
+}  // namespace hpmoe
