@@ -20,4 +20,20 @@ done
 test -s "$tmp/run/weights.safetensors" && test -s "$tmp/run/outputs.safetensors" && test -s "$tmp/run/routing.safetensors"
 "$HPMOE" run --seed 99 --backward --load "$tmp/run" --save "$tmp/again" > "$tmp/b.txt"
 cmp "$tmp/run/outputs.safetensors" "$tmp/again/outputs.safetensors"
+# The taskflow compiler: both passes, dumps that `hpmoe verify` accepts, and a
+# dump made inconsistent on purpose that it rejects (exit 1).
+"$HPMOE" compile -P 4 --pass both --routing zipf:1.2 --machine cpu:2 --schedule interleave-wgrad \
+  --dump "$tmp/prog" --json "$tmp/compile.json" > "$tmp/compile.txt"
+test "$(grep -c 'verify   PASS' "$tmp/compile.txt")" -eq 2
+grep -q '"generate_and_schedule_per_rank_s"' "$tmp/compile.json"
+"$HPMOE" verify "$tmp/prog.forward.json" | grep -q "PASS"
+"$HPMOE" verify --list "$tmp/prog.backward.json" | grep -q "gemm_gate_up_wgrad"
+"$HPMOE" compile --preset deepseek-v2-lite -P 2 -T 256 --routing "trace:$HPMOE_SOURCE_DIR/data/routing/mixtral-8x7b/coding.json:4" \
+  --set routed_experts=8 --set top_k=2 --set shared_experts=0 --machine accel:2:4:128x128 | grep -q "verify   PASS"
+sed 's/"ranks":4/"ranks":5/' "$tmp/prog.forward.json" > "$tmp/broken.json"
+set +e
+"$HPMOE" verify "$tmp/broken.json" > "$tmp/broken.txt"
+rc=$?
+set -e
+test "$rc" -eq 1 && grep -q "FAIL" "$tmp/broken.txt"
 echo "cli smoke: all passed"

@@ -168,10 +168,9 @@ Program generate(const LayerConfig&, const RoutingCounts&, const Machine&, Pass,
 void generate_into(Program&, const LayerConfig&, const RoutingCounts&, const Machine&, Pass, std::int64_t rank);
 // Scratch space of the scheduler, kept between steps.
 struct ScheduleScratch {
-  std::vector<std::int32_t> order;
+  std::vector<std::int32_t> order, worker_of, fill;
   std::vector<std::uint64_t> keys, keys_tmp;
   std::vector<double> free_at, event_done;
-  std::vector<std::vector<std::int32_t>> queues;
 };
 void schedule(Program&, Policy, ScheduleScratch&);
 void schedule(Program&, Policy);

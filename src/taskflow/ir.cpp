@@ -33,7 +33,8 @@ const char* name(TaskKind k) { return kTaskNames.at(static_cast<std::size_t>(k))
 const char* name(BufferId b) { return kBufferNames.at(static_cast<std::size_t>(b)); }
 const char* name(QueueClass c) { return c == QueueClass::matrix ? "matrix" : "vector"; }
 
-QueueClass queue_class(TaskKind k) {
+namespace {
+constexpr QueueClass queue_class_of(TaskKind k) {
   switch (k) {
     case TaskKind::gemm_gate_up: case TaskKind::gemm_down: case TaskKind::shared_gate_up: case TaskKind::shared_down:
     case TaskKind::router_dgrad: case TaskKind::router_wgrad: case TaskKind::gemm_down_dgrad:
@@ -44,6 +45,16 @@ QueueClass queue_class(TaskKind k) {
     default:
       return QueueClass::vector;
   }
+}
+}  // namespace
+
+QueueClass queue_class(TaskKind k) {
+  static constexpr auto table = [] {
+    std::array<QueueClass, static_cast<std::size_t>(TaskKind::count)> t{};
+    for (std::size_t i = 0; i < t.size(); ++i) t[i] = queue_class_of(static_cast<TaskKind>(i));
+    return t;
+  }();
+  return table[static_cast<std::size_t>(k)];
 }
 
 bool Machine::takes(int worker, QueueClass c) const {

@@ -158,9 +158,6 @@ void schedule(Program& p, Policy policy, ScheduleScratch& scratch) {
   // Otherwise list scheduling on the cost model: each task, in order, goes to
   // the worker of its class that is free first. Queues keep the global order,
   // which is topological, so the schedule cannot deadlock.
-  auto& queues = scratch.queues;
-  queues.resize(static_cast<std::size_t>(W));
-  for (auto& q : queues) q.clear();
   std::vector<int> classes[2];
   for (int w = 0; w < W; ++w) {
     if (p.machine.takes(w, QueueClass::matrix)) classes[0].push_back(w);
@@ -168,18 +165,22 @@ void schedule(Program& p, Policy policy, ScheduleScratch& scratch) {
   }
   for (auto& c : classes)
     if (c.empty()) throw Error("machine '" + p.machine.name + "' has no worker for a class of tasks");
+  auto& worker_of = scratch.worker_of;  // per position in `order`
+  worker_of.resize(order.size());
   if (policy == Policy::fill) {
     std::size_t next[2] = {0, 0};
-    for (auto id : order) {
-      const int c = p.tasks[id].queue == QueueClass::matrix ? 0 : 1;
-      queues[classes[c][next[c]++ % classes[c].size()]].push_back(id);
+    for (std::size_t i = 0; i < order.size(); ++i) {
+      const int c = p.tasks[order[i]].queue == QueueClass::matrix ? 0 : 1;
+      worker_of[i] = classes[c][next[c]];
+      if (++next[c] == classes[c].size()) next[c] = 0;
     }
   } else {
     auto& free_at = scratch.free_at;
     auto& event_done = scratch.event_done;
     free_at.assign(static_cast<std::size_t>(W), 0.0);
     event_done.assign(p.events.size(), 0.0);
-    for (auto id : order) {
+    for (std::size_t i = 0; i < order.size(); ++i) {
+      const auto id = order[i];
       const Task& t = p.tasks[id];
       const int c = t.queue == QueueClass::matrix ? 0 : 1;
       int best = classes[c][0];
@@ -189,16 +190,17 @@ void schedule(Program& p, Policy policy, ScheduleScratch& scratch) {
       free_at[best] = std::max(free_at[best], ready) + double(p.cost[id]);
       if (t.trigger_event >= 0 && t.peer == p.rank)
         event_done[t.trigger_event] = std::max(event_done[t.trigger_event], free_at[best]);
-      queues[best].push_back(id);
+      worker_of[i] = best;
     }
   }
-  p.queue_begin.assign(1, 0);
-  p.queue_tasks.clear();
-  p.queue_tasks.reserve(p.tasks.size());
-  for (const auto& q : queues) {
-    p.queue_tasks.insert(p.queue_tasks.end(), q.begin(), q.end());
-    p.queue_begin.push_back(static_cast<std::int32_t>(p.queue_tasks.size()));
-  }
+  // Counting placement straight into the per-worker CSR queues.
+  p.queue_begin.assign(static_cast<std::size_t>(W) + 1, 0);
+  for (auto w : worker_of) ++p.queue_begin[static_cast<std::size_t>(w) + 1];
+  for (int w = 0; w < W; ++w) p.queue_begin[w + 1] += p.queue_begin[w];
+  auto& fill = scratch.fill;
+  fill.assign(p.queue_begin.begin(), p.queue_begin.end() - 1);
+  p.queue_tasks.resize(order.size());
+  for (std::size_t i = 0; i < order.size(); ++i) p.queue_tasks[static_cast<std::size_t>(fill[worker_of[i]]++)] = order[i];
 }
 
 std::vector<Program> compile(const LayerConfig& c, const RoutingCounts& counts, const Machine& m, Pass pass,
