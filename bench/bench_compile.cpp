@@ -27,20 +27,8 @@ LayerConfig v3() {
 }
 
 const RoutingCounts& counts(int skew) {
-  static const RoutingCounts uniform = [] {
-    const LayerConfig c = v3();
-    const auto ids = forced_selection(c, parse_routing_spec("uniform", 1));
-    RoutingCounts rc{c.ranks, c.routed_experts, std::vector<std::int64_t>(static_cast<std::size_t>(c.ranks * c.routed_experts))};
-    for (std::size_t a = 0; a < ids.size(); ++a) ++rc.counts[(a / (c.tokens_per_rank * c.top_k)) * c.routed_experts + ids[a]];
-    return rc;
-  }();
-  static const RoutingCounts zipf = [] {
-    const LayerConfig c = v3();
-    const auto ids = forced_selection(c, parse_routing_spec("zipf:1.2", 1));
-    RoutingCounts rc{c.ranks, c.routed_experts, std::vector<std::int64_t>(static_cast<std::size_t>(c.ranks * c.routed_experts))};
-    for (std::size_t a = 0; a < ids.size(); ++a) ++rc.counts[(a / (c.tokens_per_rank * c.top_k)) * c.routed_experts + ids[a]];
-    return rc;
-  }();
+  static const RoutingCounts uniform = routing_counts(v3(), forced_selection(v3(), parse_routing_spec("uniform", 1)));
+  static const RoutingCounts zipf = routing_counts(v3(), forced_selection(v3(), parse_routing_spec("zipf:1.2", 1)));
   return skew ? zipf : uniform;
 }
 

@@ -158,6 +158,8 @@ struct RoutingCounts {
 // Kept rows per (source rank, expert) of a routed step.
 template <class Real>
 RoutingCounts routing_counts(const LayerConfig&, const RouterOutput<Real>&);
+// Of expert choices with nothing dropped ([tokens, K], e.g. forced_selection).
+RoutingCounts routing_counts(const LayerConfig&, std::span<const std::int32_t> expert_ids);
 
 // Compiles every rank's program (tasks, events, buffers) and schedules them.
 std::vector<Program> compile(const LayerConfig&, const RoutingCounts&, const Machine&, Pass, Policy);

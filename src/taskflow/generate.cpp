@@ -47,6 +47,15 @@ std::int64_t Exchange::pieces(std::int64_t s, std::int64_t e) const {
   return (end - 1) / tile_rows - begin / tile_rows + 1;
 }
 
+std::int32_t Exchange::arrivals(std::int64_t e, std::int64_t tile) const {
+  std::int32_t n = 0;
+  for (std::int64_t s = 0; s < ranks; ++s) {
+    const std::int64_t first = source_offset(s, e), rows = count(s, e);
+    if (rows > 0 && first < (tile + 1) * tile_rows && first + rows > tile * tile_rows) ++n;
+  }
+  return n;
+}
+
 std::int64_t Exchange::pieces_into(std::int64_t s) const {
   std::int64_t n = 0;
   for (std::int64_t e = 0; e < experts; ++e) n += pieces(s, e);
@@ -61,6 +70,20 @@ RoutingCounts routing_counts(const LayerConfig& c, const RouterOutput<Real>& r) 
     if (r.kept[a]) ++rc.counts[(static_cast<std::int64_t>(a) / per_rank) * c.routed_experts + r.expert[a]];
   return rc;
 }
+RoutingCounts routing_counts(const LayerConfig& c, std::span<const std::int32_t> expert_ids) {
+  if (static_cast<std::int64_t>(expert_ids.size()) != c.total_tokens() * c.top_k)
+    throw Error("expert choices for " + std::to_string(expert_ids.size()) + " assignments, the step has " +
+                std::to_string(c.total_tokens() * c.top_k));
+  RoutingCounts rc{c.ranks, c.routed_experts, std::vector<std::int64_t>(static_cast<std::size_t>(c.ranks * c.routed_experts), 0)};
+  const std::int64_t per_rank = c.tokens_per_rank * c.top_k;
+  for (std::size_t a = 0; a < expert_ids.size(); ++a) {
+    const auto e = expert_ids[a];
+    if (e < 0 || e >= c.routed_experts) throw Error("expert id " + std::to_string(e) + " is out of range");
+    ++rc.counts[(static_cast<std::int64_t>(a) / per_rank) * c.routed_experts + e];
+  }
+  return rc;
+}
+
 template RoutingCounts routing_counts<float>(const LayerConfig&, const RouterOutput<float>&);
 template RoutingCounts routing_counts<double>(const LayerConfig&, const RouterOutput<double>&);
 
@@ -252,13 +275,7 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
     for (std::int64_t le = 0; le < L; ++le) {
       const std::int64_t e = rank * L + le, tiles = ex.tiles_of(rank, le), tb = ex.tile_base[rank * (L + 1) + le];
       for (std::int64_t i = 0; i < tiles; ++i) {
-        // Pieces landing in row tile i: one per source chunk overlapping it.
-        std::int32_t pieces = 0;
-        for (std::int64_t s = 0; s < P; ++s) {
-          const std::int64_t first = ex.source_offset(s, e), n = ex.count(s, e);
-          if (n > 0 && first < (i + 1) * TR && first + n > i * TR) ++pieces;
-        }
-        b.event(ev.recv + tb + i, pieces, TaskKind::gemm_gate_up, e, i);
+        b.event(ev.recv + tb + i, ex.arrivals(e, i), TaskKind::gemm_gate_up, e, i);
         b.event(ev.h + tb + i, static_cast<std::int32_t>(n_gate_up), TaskKind::swiglu, e, i);
         b.event(ev.a + tb + i, 1, TaskKind::gemm_down, e, i);
         b.event(ev.y + tb + i, static_cast<std::int32_t>(n_down), TaskKind::combine_put, e, i);
@@ -307,6 +324,9 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
       }
     }
     puts_to_sources(TaskKind::combine_put, BufferId::y, BufferId::comb, ev.y, n_down, true);
+    // A reduce tile reads its tokens' rows by slot, scattered over every
+    // expert's returned rows; counts alone do not say which pieces hold them,
+    // so each reduce tile waits for all pieces (and the shared expert).
     for (std::int64_t t = 0; t < token_tiles; ++t) {
       const std::int64_t rows = std::min(TR, T - t * TR);
       b.task(TaskKind::combine_reduce, BufferId::comb, BufferId::out, -1, rank, t * TR, rows, 0, H, t * TR, ev.comb_done,
@@ -351,12 +371,7 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
   for (std::int64_t le = 0; le < L; ++le) {
     const std::int64_t e = rank * L + le, tiles = ex.tiles_of(rank, le), tb = ex.tile_base[rank * (L + 1) + le];
     for (std::int64_t i = 0; i < tiles; ++i) {
-      std::int32_t pieces = 0;
-      for (std::int64_t s = 0; s < P; ++s) {
-        const std::int64_t first = ex.source_offset(s, e), n = ex.count(s, e);
-        if (n > 0 && first < (i + 1) * TR && first + n > i * TR) ++pieces;
-      }
-      b.event(ev.dy + tb + i, pieces, TaskKind::gemm_down_dgrad, e, i);
+      b.event(ev.dy + tb + i, ex.arrivals(e, i), TaskKind::gemm_down_dgrad, e, i);
       b.event(ev.da + tb + i, static_cast<std::int32_t>(n_inter), TaskKind::swiglu_bwd, e, i);
       b.event(ev.dh + tb + i, 1, TaskKind::gemm_gate_up_dgrad, e, i);
       b.event(ev.dxe + tb + i, static_cast<std::int32_t>(n_down), TaskKind::grad_combine_put, e, i);

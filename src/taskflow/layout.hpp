@@ -36,6 +36,8 @@ struct Exchange {
   // Put pieces of (s, e): its rows split at the owner's row tiles.
   std::int64_t pieces(std::int64_t s, std::int64_t e) const;
   std::int64_t pieces_into(std::int64_t s) const;  // over all experts: what s receives in the combine
+  // Put pieces landing in row tile `tile` of expert e: one per source chunk overlapping it.
+  std::int32_t arrivals(std::int64_t e, std::int64_t tile) const;
 };
 
 // Event ids of one rank's program, by role.
