@@ -7,6 +7,7 @@
 #include "hpmoe/error.hpp"
 #include "hpmoe/kernels.hpp"
 #include "hpmoe/worker_pool.hpp"
+#include "common/executor_parts.hpp"
 
 namespace hpmoe {
 
@@ -17,128 +18,12 @@ struct SerializedExecutor::Impl {
 
 namespace {
 
+using namespace detail;
 using kernels::kTileCols;
 using kernels::kTileRows;
 using kernels::padded_k;
 using kernels::RhsView;
 using Clock = std::chrono::steady_clock;
-
-// A weight as the right-hand GEMM operand, packed once into the kernel's
-// panel-blocked layout (so the per-step cost is zero).
-template <class T>
-struct Operand {
-  std::vector<T> storage;
-  RhsView<T> view_;
-  RhsView<T> view() const { return view_; }
-};
-
-// The operand is m itself ([rows, cols]) or, when transposed, m^T.
-template <class T>
-Operand<T> packed_operand(const Matrix& m, bool transposed) {
-  const std::int64_t k = transposed ? m.cols : m.rows, n = transposed ? m.rows : m.cols;
-  Operand<T> op;
-  op.storage.resize(static_cast<std::size_t>(kernels::panel_blocked_size<T>(k, n)));
-  kernels::pack_rhs_panels<float, T>(m.data.data(), m.cols, k, n, transposed, op.storage.data(), 0,
-                                     (n + kTileCols - 1) / kTileCols);
-  op.view_ = kernels::panel_view<T>(op.storage.data(), k);
-  return op;
-}
-template <class T>
-Operand<T> operand_of(const Matrix& m) {
-  return packed_operand<T>(m, false);
-}
-template <class T>
-Operand<T> transposed_operand_of(const Matrix& m) {
-  return packed_operand<T>(m, true);
-}
-
-// One output tile of one GEMM. The result goes to `c` (fp32) or, when `out`
-// is set, is rounded to T into `out`.
-template <class T>
-struct GemmTile {
-  const T* a;
-  std::int64_t lda;
-  RhsView<T> b;
-  std::int64_t col0;
-  float* c;
-  T* out;
-  std::int64_t ldc;
-  std::int64_t m, n, k;
-  bool accumulate;
-};
-
-// The exchange layout of one step, derived from the routing. Rows a source
-// rank sends are ordered by expert, then token, then k; rows a destination
-// receives are ordered by local expert, then source rank, then the same.
-struct Plan {
-  std::int64_t ranks = 0, experts = 0, local = 0;
-  std::vector<std::int64_t> count;         // [source * E + e] kept assignments
-  std::vector<std::int64_t> send_offset;   // [source * (E + 1) + e]
-  std::vector<std::int64_t> expert_begin;  // [dest * (L + 1) + le]
-  std::vector<std::int64_t> recv_offset;   // [(dest * L + le) * P + source]
-  std::vector<std::int64_t> kpad_begin;    // [dest * (L + 1) + le], K-padded rows (weight gradients)
-  std::vector<std::int64_t> slot;          // [t * K + k] row in the source's send buffer, -1 if dropped
-
-  std::int64_t send_rows(std::int64_t s) const { return send_offset[s * (experts + 1) + experts]; }
-  std::int64_t recv_rows(std::int64_t d) const { return expert_begin[d * (local + 1) + local]; }
-  std::int64_t expert_rows(std::int64_t d, std::int64_t le) const {
-    return expert_begin[d * (local + 1) + le + 1] - expert_begin[d * (local + 1) + le];
-  }
-};
-
-template <class T>
-Plan make_plan(const LayerConfig& c, const RouterOutput<float>& r) {
-  Plan p;
-  const std::int64_t P = c.ranks, E = c.routed_experts, L = c.local_experts(), K = c.top_k, T_ = c.tokens_per_rank;
-  p.ranks = P;
-  p.experts = E;
-  p.local = L;
-  p.count.assign(static_cast<std::size_t>(P * E), 0);
-  for (std::int64_t a = 0; a < P * T_ * K; ++a)
-    if (r.kept[a]) ++p.count[(a / (T_ * K)) * E + r.expert[a]];
-  p.send_offset.assign(static_cast<std::size_t>(P * (E + 1)), 0);
-  for (std::int64_t s = 0; s < P; ++s)
-    for (std::int64_t e = 0; e < E; ++e)
-      p.send_offset[s * (E + 1) + e + 1] = p.send_offset[s * (E + 1) + e] + p.count[s * E + e];
-  p.slot.assign(static_cast<std::size_t>(P * T_ * K), -1);
-  std::vector<std::int64_t> next(static_cast<std::size_t>(E));
-  for (std::int64_t s = 0; s < P; ++s) {
-    for (std::int64_t e = 0; e < E; ++e) next[e] = p.send_offset[s * (E + 1) + e];
-    for (std::int64_t a = s * T_ * K; a < (s + 1) * T_ * K; ++a)
-      if (r.kept[a]) p.slot[a] = next[r.expert[a]]++;
-  }
-  p.expert_begin.assign(static_cast<std::size_t>(P * (L + 1)), 0);
-  p.kpad_begin.assign(static_cast<std::size_t>(P * (L + 1)), 0);
-  p.recv_offset.assign(static_cast<std::size_t>(P * L * P), 0);
-  for (std::int64_t d = 0; d < P; ++d) {
-    for (std::int64_t le = 0; le < L; ++le) {
-      const std::int64_t e = d * L + le;
-      std::int64_t rows = 0;
-      for (std::int64_t s = 0; s < P; ++s) {
-        p.recv_offset[(d * L + le) * P + s] = p.expert_begin[d * (L + 1) + le] + rows;
-        rows += p.count[s * E + e];
-      }
-      p.expert_begin[d * (L + 1) + le + 1] = p.expert_begin[d * (L + 1) + le] + rows;
-      p.kpad_begin[d * (L + 1) + le + 1] = p.kpad_begin[d * (L + 1) + le] + padded_k<T>(rows);
-    }
-  }
-  return p;
-}
-
-// memcpy of n elements that is defined for n == 0 (empty buffers have no data).
-template <class T>
-void copy_elements(T* dst, const T* src, std::int64_t n) {
-  if (n > 0) std::memcpy(dst, src, static_cast<std::size_t>(n) * sizeof(T));
-}
-
-// Column panels of an operand n wide, and n rounded up to whole panels.
-std::int64_t panels(std::int64_t n) { return (n + kTileCols - 1) / kTileCols; }
-std::int64_t round_up(std::int64_t n) { return panels(n) * kTileCols; }
-
-// Rows [begin, end) of n split evenly over W workers.
-std::pair<std::int64_t, std::int64_t> share(std::int64_t n, int worker, int workers) {
-  return {n * worker / workers, n * (worker + 1) / workers};
-}
 
 template <class T>
 struct RankBuffers {
@@ -245,20 +130,7 @@ class Serialized final : public SerializedExecutor::Impl {
 
   template <class U>
   void gemm_op(const char* name, std::vector<OperatorTime>& times, std::vector<std::vector<GemmTile<U>>>& tiles) {
-    timed(name, times, [&](int r, int w) {
-      float scratch[kTileRows * kTileCols];
-      const auto& list = tiles[r];
-      for (std::size_t i = static_cast<std::size_t>(w); i < list.size(); i += static_cast<std::size_t>(W())) {
-        const auto& t = list[i];
-        if (t.out == nullptr) {
-          kernels::gemm_tile<U>(t.a, t.lda, t.b, t.col0, t.c, t.ldc, t.m, t.n, t.k, t.accumulate);
-        } else {
-          kernels::gemm_tile<U>(t.a, t.lda, t.b, t.col0, scratch, kTileCols, t.m, t.n, t.k, false);
-          for (std::int64_t row = 0; row < t.m; ++row)
-            kernels::store<U>(scratch + row * kTileCols, t.out + row * t.ldc, t.n);
-        }
-      }
-    });
+    timed(name, times, [&](int r, int w) { run_tiles<U>(tiles[r], w, W()); });
   }
 
   template <class U = T>
@@ -273,19 +145,12 @@ class Serialized final : public SerializedExecutor::Impl {
   }
 
   void route_tokens(const LayerInputs& in, std::span<const std::int32_t> forced, StepResult& res) {
-    const std::int64_t E = c_.routed_experts, H = c_.hidden;
-    logits_.assign(static_cast<std::size_t>(c_.total_tokens() * E), 0.0f);
-    auto tiles = tile_lists<float>();
-    for (std::int64_t r = 0; r < c_.ranks; ++r)
-      for (std::int64_t i = 0; i < tokens(); i += kTileRows)
-        for (std::int64_t j = 0; j < E; j += kTileCols)
-          tiles[r].push_back({in.x.row(r * tokens() + i), H, router_.view(), j, logits_.data() + (r * tokens() + i) * E + j,
-                              nullptr, E, std::min(kTileRows, tokens() - i), std::min(kTileCols, E - j), H, false});
-    gemm_op<float>("router_gemm", res.forward_ops, tiles);
     const auto start = Clock::now();
-    res.routing = route<float>(c_, logits_, w_.expert_bias, forced);
+    res.routing = run_router(pool_, c_, router_.view(), in, w_.expert_bias, forced, logits_);
+    res.forward_ops.push_back({"router", seconds(start, Clock::now())});
+    const auto plan_start = Clock::now();
     plan_ = make_plan<T>(c_, res.routing);
-    res.forward_ops.push_back({"topk_and_plan", seconds(start, Clock::now())});
+    res.forward_ops.push_back({"plan", seconds(plan_start, Clock::now())});
   }
 
   void forward(const LayerInputs& in, StepResult& res) {

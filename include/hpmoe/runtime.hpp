@@ -1,0 +1,50 @@
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+
+#include "hpmoe/baseline.hpp"
+#include "hpmoe/config.hpp"
+#include "hpmoe/taskflow.hpp"
+#include "hpmoe/tensors.hpp"
+
+namespace hpmoe {
+
+struct RuntimeOptions {
+  int workers_per_rank = 1;
+  taskflow::Policy policy = taskflow::Policy::critical_path;
+  bool pin = true;
+  bool verify_programs = true;     // run the verifier before every launch
+  double watchdog_seconds = 10.0;  // a wait longer than this stops the launch with an error
+  // Fault injection (tests, tools): called with the step's programs after
+  // compilation and before verification and launch.
+  std::function<void(std::vector<taskflow::Program>&)> after_compile;
+};
+
+// The interleaved single-launch runtime, in process: every step compiles the
+// routing into per-rank tile programs (same tiles, operands and kernels as
+// the serialized baseline), verifies them, and runs them in one launch in
+// which all P x W workers walk their queues concurrently, waiting on event
+// counters and moving rows with put + signal. Forward pass only so far.
+class InterleavedExecutor {
+ public:
+  InterleavedExecutor(const LayerConfig&, const LayerWeights&, RuntimeOptions);
+  ~InterleavedExecutor();
+  InterleavedExecutor(const InterleavedExecutor&) = delete;
+  InterleavedExecutor& operator=(const InterleavedExecutor&) = delete;
+
+  // One forward step. result.dispatch_to_combine_seconds is the launch
+  // (cast of the tokens included); routing, compile and verification are
+  // reported as operators before it.
+  void step(const LayerInputs&, std::span<const std::int32_t> forced, StepResult& result);
+  // The programs of the last step (one per rank).
+  const std::vector<taskflow::Program>& programs() const;
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace hpmoe

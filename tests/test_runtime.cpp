@@ -1,0 +1,171 @@
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstring>
+
+#include "hpmoe/baseline.hpp"
+#include "hpmoe/error.hpp"
+#include "hpmoe/runtime.hpp"
+
+using namespace hpmoe;
+
+namespace {
+
+std::string trace_spec() { return "trace:" + std::string(HPMOE_SOURCE_DIR) + "/data/routing/mixtral-8x7b/humanities.json:20"; }
+
+bool bit_identical(const Matrix& a, const Matrix& b) {
+  return a.data.size() == b.data.size() && std::memcmp(a.data.data(), b.data.data(), a.data.size() * sizeof(float)) == 0;
+}
+
+}  // namespace
+
+// Interleaved and serialized on the same inputs: forward outputs bit for bit.
+class InterleavedForward
+    : public ::testing::TestWithParam<std::tuple<DType, int, int, std::string, taskflow::Policy>> {};
+
+TEST_P(InterleavedForward, IsBitIdenticalToSerialized) {
+  const auto [dtype, ranks, workers, routing, policy] = GetParam();
+  LayerConfig c = preset("tiny");
+  c.hidden = 160;       // ragged column tiles
+  c.expert_inter = 96;
+  c.dtype = dtype;
+  c.ranks = ranks;
+  c.tokens_per_rank = 200 / ranks + 3;
+  const auto w = random_weights(c, 21);
+  const auto in = random_inputs(c, 21);
+  const auto forced = forced_selection(c, parse_routing_spec(routing == "trace" ? trace_spec() : routing, 5));
+  SerializedExecutor serial(c, w, ExecutorOptions{workers, false, false});
+  RuntimeOptions opt;
+  opt.workers_per_rank = workers;
+  opt.policy = policy;
+  opt.pin = false;
+  InterleavedExecutor inter(c, w, opt);
+  StepResult a, b;
+  serial.step(in, forced, a);
+  inter.step(in, forced, b);
+  EXPECT_EQ(a.routing.expert, b.routing.expert);
+  EXPECT_TRUE(bit_identical(a.out, b.out));
+  inter.step(in, forced, b);  // counters re-armed by offset, buffers reused
+  EXPECT_TRUE(bit_identical(a.out, b.out));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    All, InterleavedForward,
+    ::testing::Combine(::testing::Values(DType::fp32, DType::bf16), ::testing::Values(1, 2, 4), ::testing::Values(1, 2),
+                       ::testing::Values("router", "uniform", "zipf:1.2", "trace"),
+                       ::testing::Values(taskflow::Policy::fill, taskflow::Policy::rank_rotated,
+                                         taskflow::Policy::critical_path)),
+    [](const auto& info) {
+      std::string r = std::get<3>(info.param);
+      r = r.substr(0, r.find(':'));
+      std::string p = taskflow::name(std::get<4>(info.param));
+      for (auto& ch : p)
+        if (ch == '-') ch = '_';
+      return to_string(std::get<0>(info.param)) + "_P" + std::to_string(std::get<1>(info.param)) + "_W" +
+             std::to_string(std::get<2>(info.param)) + "_" + r + "_" + p;
+    });
+
+TEST(Interleaved, CapacityDropsNoSharedExpertsSingleTokens) {
+  for (auto dtype : {DType::fp32, DType::bf16}) {
+    LayerConfig c = preset("tiny");
+    c.dtype = dtype;
+    c.capacity_factor = 1.0;
+    c.shared_experts = 0;
+    c.ranks = 4;
+    c.tokens_per_rank = 1;
+    const auto w = random_weights(c, 3);
+    const auto in = random_inputs(c, 3);
+    SerializedExecutor serial(c, w, ExecutorOptions{2, false, false});
+    RuntimeOptions opt;
+    opt.workers_per_rank = 2;
+    opt.pin = false;
+    InterleavedExecutor inter(c, w, opt);
+    StepResult a, b;
+    serial.step(in, {}, a);
+    inter.step(in, {}, b);
+    EXPECT_TRUE(bit_identical(a.out, b.out));
+  }
+}
+
+TEST(Interleaved, OversubscribedWorkersStillFinish) {
+  LayerConfig c = preset("tiny");
+  c.ranks = 4;
+  c.tokens_per_rank = 64;
+  const auto w = random_weights(c, 8);
+  const auto in = random_inputs(c, 8);
+  RuntimeOptions opt;
+  opt.workers_per_rank = 3;  // 12 spinning workers on a 2-core machine
+  opt.pin = false;
+  InterleavedExecutor inter(c, w, opt);
+  SerializedExecutor serial(c, w, ExecutorOptions{1, false, false});
+  StepResult a, b;
+  serial.step(in, {}, a);
+  for (int i = 0; i < 3; ++i) inter.step(in, {}, b);
+  EXPECT_TRUE(bit_identical(a.out, b.out));
+}
+
+TEST(Interleaved, RejectsBadOptions) {
+  const LayerConfig c = preset("tiny");
+  const auto w = random_weights(c, 1);
+  RuntimeOptions opt;
+  opt.workers_per_rank = 0;
+  EXPECT_THROW(InterleavedExecutor(c, w, opt), Error);
+  opt.workers_per_rank = 1;
+  opt.watchdog_seconds = 0;
+  EXPECT_THROW(InterleavedExecutor(c, w, opt), Error);
+}
+
+TEST(Interleaved, VerifierRejectsACorruptedProgramBeforeLaunch) {
+  const LayerConfig c = preset("tiny");
+  const auto w = random_weights(c, 4);
+  const auto in = random_inputs(c, 4);
+  RuntimeOptions opt;
+  opt.pin = false;
+  opt.after_compile = [](std::vector<taskflow::Program>& programs) {
+    for (auto& t : programs[1].tasks)
+      if (t.kind == taskflow::TaskKind::swiglu) {
+        t.trigger_event = -1;
+        break;
+      }
+  };
+  InterleavedExecutor inter(c, w, opt);
+  StepResult r;
+  try {
+    inter.step(in, {}, r);
+    FAIL() << "a corrupted program was launched";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("failed verification"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Interleaved, WatchdogNamesTheWaitingTaskAndEvent) {
+  const LayerConfig c = preset("tiny");
+  const auto w = random_weights(c, 4);
+  const auto in = random_inputs(c, 4);
+  RuntimeOptions opt;
+  opt.pin = false;
+  opt.workers_per_rank = 2;
+  opt.verify_programs = false;  // let the broken program run
+  opt.watchdog_seconds = 0.3;
+  opt.after_compile = [](std::vector<taskflow::Program>& programs) {
+    for (auto& t : programs[1].tasks)
+      if (t.kind == taskflow::TaskKind::swiglu) {
+        t.trigger_event = -1;  // its GEMM2 tiles now wait forever
+        break;
+      }
+  };
+  InterleavedExecutor inter(c, w, opt);
+  StepResult r;
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    inter.step(in, {}, r);
+    FAIL() << "the hang was not detected";
+  } catch (const Error& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("watchdog"), std::string::npos) << m;
+    EXPECT_NE(m.find("rank 1"), std::string::npos) << m;
+    EXPECT_NE(m.find("gemm_down"), std::string::npos) << m;
+    EXPECT_NE(m.find("at 0 of 1"), std::string::npos) << m;
+  }
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 5.0);
+}
