@@ -3,6 +3,8 @@
 # same suite under AddressSanitizer + UndefinedBehaviorSanitizer.
 #   scripts/test.sh            both builds
 #   HPMOE_SKIP_SANITIZERS=1 scripts/test.sh   release build only
+# The concurrent parts (worker pool, interleaved runtime, executors) also run
+# under ThreadSanitizer.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
@@ -19,4 +21,12 @@ if [ "${HPMOE_SKIP_SANITIZERS:-0}" != 1 ]; then
   cmake --build build-asan -j "$jobs"
   ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
     ctest --test-dir build-asan -j "$jobs" --output-on-failure
+fi
+
+if [ "${HPMOE_SKIP_SANITIZERS:-0}" != 1 ]; then
+  echo "== ThreadSanitizer build (runtime and executor tests)"
+  cmake -S . -B build-tsan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DHPMOE_TSAN=ON -DHPMOE_BUILD_BENCH=OFF > /dev/null
+  cmake --build build-tsan -j "$jobs" --target hpmoe_tests
+  TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
+    ctest --test-dir build-tsan -j "$jobs" --output-on-failure -R 'Interleaved|Baseline|WorkerPool'
 fi

@@ -1,4 +1,6 @@
 #include <atomic>
+#include <exception>
+#include <mutex>
 #include <chrono>
 #include <thread>
 #include <type_traits>
@@ -63,6 +65,9 @@ class Interleaved final : public InterleavedExecutor::Impl {
     }
     programs.resize(static_cast<std::size_t>(c.ranks));
     ranks_.resize(static_cast<std::size_t>(c.ranks));
+    const auto workers = static_cast<std::size_t>(c.ranks * opt.workers_per_rank);
+    waiting_ = std::make_unique<std::atomic<std::int32_t>[]>(workers);
+    for (std::size_t i = 0; i < workers; ++i) waiting_[i].store(-1);
   }
 
   void step(const LayerInputs& in, std::span<const std::int32_t> forced, StepResult& res) override {
@@ -95,7 +100,9 @@ class Interleaved final : public InterleavedExecutor::Impl {
 
     const auto launch = Clock::now();
     abort_.store(false, std::memory_order_relaxed);
+    failure_ = nullptr;
     pool_.run([&](int r, int w) { run_worker(in, res, r, w); });
+    if (failure_) std::rethrow_exception(failure_);
     const double d2c = seconds(launch, Clock::now());
     res.forward_ops.push_back({"launch", d2c});
     res.dispatch_to_combine_seconds = d2c;
@@ -157,6 +164,12 @@ class Interleaved final : public InterleavedExecutor::Impl {
     const std::atomic<std::int64_t>& counter = s.counters[t.wait_event].value;
     if (counter.load(std::memory_order_acquire) >= target) return;
     const auto start = Clock::now();
+    std::atomic<std::int32_t>& status = waiting_[static_cast<std::size_t>(r * opt_.workers_per_rank + w)];
+    status.store(id, std::memory_order_relaxed);
+    struct Clear {
+      std::atomic<std::int32_t>& s;
+      ~Clear() { s.store(-1, std::memory_order_relaxed); }
+    } clear{status};
     for (std::uint64_t spins = 0;; ++spins) {
       if (counter.load(std::memory_order_acquire) >= target) return;
       if (spins < 256) {
@@ -165,22 +178,40 @@ class Interleaved final : public InterleavedExecutor::Impl {
       }
       std::this_thread::yield();
       if ((spins & 255) == 0) {
-        if (abort_.load(std::memory_order_relaxed)) throw Error("launch aborted: another worker failed");
+        if (abort_.load(std::memory_order_relaxed)) throw Aborted{};
         const double waited = seconds(start, Clock::now());
         if (waited > opt_.watchdog_seconds) {
-          abort_.store(true, std::memory_order_relaxed);
-          const auto& ev = programs[r].events[t.wait_event];
-          throw Error("watchdog: no progress for " + std::to_string(waited).substr(0, 5) + " s: rank " +
-                      std::to_string(r) + " worker " + std::to_string(w) + " task #" + std::to_string(id) + " (" +
-                      taskflow::name(t.kind) + ") waits for event " + std::to_string(t.wait_event) + " (for " +
-                      taskflow::name(ev.consumer) + (ev.expert >= 0 ? ", expert " + std::to_string(ev.expert) : "") +
-                      ") at " + std::to_string(counter.load() - s.base[t.wait_event]) + " of " +
-                      std::to_string(t.wait_count));
+          throw Error("watchdog: no progress for " + std::to_string(waited).substr(0, 5) + " s; waiting: " +
+                      describe_waiters());
         }
       }
     }
   }
 
+  // Every worker that is waiting now, with what it waits for.
+  std::string describe_waiters() const {
+    std::string text;
+    for (std::int64_t r = 0; r < c_.ranks; ++r)
+      for (int w = 0; w < opt_.workers_per_rank; ++w) {
+        const std::int32_t id = waiting_[static_cast<std::size_t>(r * opt_.workers_per_rank + w)].load();
+        if (id < 0) continue;
+        const Task& t = programs[r].tasks[id];
+        const auto& ev = programs[r].events[t.wait_event];
+        const std::int64_t reached = ranks_[r].counters[t.wait_event].value.load() - ranks_[r].base[t.wait_event];
+        text += (text.empty() ? "" : "; ") + std::string("rank ") + std::to_string(r) + " worker " + std::to_string(w) +
+                " task #" + std::to_string(id) + " (" + taskflow::name(t.kind) + ") on event " +
+                std::to_string(t.wait_event) + " (for " + taskflow::name(ev.consumer) +
+                (ev.expert >= 0 ? ", expert " + std::to_string(ev.expert) : "") + ") at " + std::to_string(reached) +
+                " of " + std::to_string(t.wait_count);
+      }
+    return text;
+  }
+
+  // A worker that stops because another failed: not an error of its own.
+  struct Aborted {};
+
+  // The first failure of a launch is kept; workers that stop because of it
+  // leave quietly, so the error reported is the cause, not a consequence.
   void run_worker(const LayerInputs& in, StepResult& res, int r, int w) {
     const auto& p = programs[r];
     try {
@@ -191,9 +222,13 @@ class Interleaved final : public InterleavedExecutor::Impl {
         execute(in, res, r, t);
         if (t.trigger_event >= 0) ranks_[t.peer].counters[t.trigger_event].value.fetch_add(1, std::memory_order_release);
       }
+    } catch (const Aborted&) {
+      return;
     } catch (...) {
-      abort_.store(true, std::memory_order_relaxed);
-      throw;
+      if (!abort_.exchange(true)) {
+        std::lock_guard lock(failure_mutex_);
+        failure_ = std::current_exception();
+      }
     }
   }
 
@@ -279,6 +314,9 @@ class Interleaved final : public InterleavedExecutor::Impl {
   taskflow::Verifier verifier_;
   std::vector<RankState> ranks_;
   std::atomic<bool> abort_{false};
+  std::mutex failure_mutex_;
+  std::exception_ptr failure_;
+  std::unique_ptr<std::atomic<std::int32_t>[]> waiting_;  // per worker: the task it waits in, -1 if none
 };
 
 }  // namespace
