@@ -9,11 +9,16 @@
 #include "hpmoe/baseline.hpp"
 #include "hpmoe/config.hpp"
 #include "hpmoe/routing.hpp"
+#include "hpmoe/taskflow.hpp"
 
 namespace hpmoe {
 
 enum class VerifyMode { automatic, full, sample, off };
 VerifyMode parse_verify_mode(const std::string&);
+
+// Which executors a run uses (auto = both).
+enum class RunMode { automatic, serialized, interleaved, both };
+RunMode parse_run_mode(const std::string&);
 
 struct RunRequest {
   LayerConfig config;
@@ -28,6 +33,8 @@ struct RunRequest {
   std::string load_dir;  // weights.safetensors + inputs.safetensors instead of random ones
   std::string save_dir;  // write the run's tensors here
   bool pin = true;
+  RunMode mode = RunMode::automatic;
+  taskflow::Policy policy = taskflow::Policy::critical_path;
 };
 
 // One tensor of a fast path compared against the oracle.
@@ -60,6 +67,10 @@ struct RunReport {
   double aux_loss = 0, z_loss = 0;
   std::vector<std::pair<std::string, Summary>> forward_ops, backward_ops;  // per operator, over iterations
   Summary router, dispatch_to_combine, backward_time;
+  bool serialized = true, interleaved = false;  // which executors ran
+  std::string policy;
+  std::vector<std::pair<std::string, Summary>> interleaved_ops;
+  Summary interleaved_d2c, interleaved_backward;
   double forward_flops = 0, backward_flops = 0;  // expert + shared (+ router in backward), this routing
   double bias_update_max = 0;                    // largest |delta| of the aux-loss-free bias update
   Verification verification;

@@ -13,6 +13,7 @@ namespace hpmoe {
 
 struct RuntimeOptions {
   int workers_per_rank = 1;
+  bool backward = false;           // also run the backward program (a second launch)
   taskflow::Policy policy = taskflow::Policy::critical_path;
   bool pin = true;
   bool verify_programs = true;     // run the verifier before every launch
@@ -26,7 +27,9 @@ struct RuntimeOptions {
 // routing into per-rank tile programs (same tiles, operands and kernels as
 // the serialized baseline), verifies them, and runs them in one launch in
 // which all P x W workers walk their queues concurrently, waiting on event
-// counters and moving rows with put + signal. Forward pass only so far.
+// counters and moving rows with put + signal. With backward, a second launch
+// runs the backward program; the replicated weights' gradients (router,
+// shared experts) are then summed over ranks in rank order.
 class InterleavedExecutor {
  public:
   InterleavedExecutor(const LayerConfig&, const LayerWeights&, RuntimeOptions);
@@ -34,12 +37,12 @@ class InterleavedExecutor {
   InterleavedExecutor(const InterleavedExecutor&) = delete;
   InterleavedExecutor& operator=(const InterleavedExecutor&) = delete;
 
-  // One forward step. result.dispatch_to_combine_seconds is the launch
-  // (cast of the tokens included); routing, compile and verification are
-  // reported as operators before it.
+  // One step. result.dispatch_to_combine_seconds is the forward launch and
+  // result.backward_seconds the backward one; routing, compile and
+  // verification are reported as host-side operators.
   void step(const LayerInputs&, std::span<const std::int32_t> forced, StepResult& result);
   // The programs of the last step (one per rank).
-  const std::vector<taskflow::Program>& programs() const;
+  const std::vector<taskflow::Program>& programs(taskflow::Pass = taskflow::Pass::forward) const;
 
   struct Impl;
 

@@ -46,6 +46,7 @@ struct RankBuffers {
   std::vector<float> d_logits;     // [T, E]
   std::vector<float> x_t_float;    // [H, T] for the router weight gradient
   std::vector<float> d_router;     // [H, E] this rank's share
+  std::vector<float> rdx, sdx;     // [T, H] the router's and shared experts' parts of dx
   std::vector<T> shared_dy, shared_dy_packed, shared_dh, shared_dh_packed, shared_a_t, shared_x_t;
   std::vector<float> shared_da;
   std::vector<float> d_shared_w1, d_shared_w2;  // this rank's share
@@ -297,6 +298,8 @@ class Serialized final : public SerializedExecutor::Impl {
       resize(b.d_logits, T_ * E);
       resize(b.x_t_float, H * T_);
       resize(b.d_router, H * E);
+      resize(b.rdx, T_ * H);
+      if (c_.shared_experts > 0) resize(b.sdx, T_ * H);
       if (c_.shared_experts > 0) {
         const std::int64_t tpad = padded_k<T>(T_);
         resize(b.shared_dy, T_ * H);
@@ -412,20 +415,7 @@ class Serialized final : public SerializedExecutor::Impl {
 
     all_to_all("grad_combine_a2a", ops, &RankBuffers<T>::dx_expert, &RankBuffers<T>::dcomb, false);
 
-    timed("grad_unpermute", ops, [&](int r, int w) {
-      auto& b = ranks_[r];
-      auto [begin, end] = share(T_, w, W());
-      for (std::int64_t t = begin; t < end; ++t) {
-        float* dx = res.grads.x.row(r * T_ + t);
-        std::fill(dx, dx + H, 0.0f);
-        for (std::int64_t k = 0; k < K; ++k) {
-          const std::int64_t slot = plan_.slot[(r * T_ + t) * K + k];
-          if (slot >= 0) kernels::axpy<T>(1.0f, b.dcomb.data() + slot * H, dx, H);
-        }
-      }
-    });
-
-    // Router: d logits per token, then dx += dlogits Wg^T and dWg = x^T dlogits.
+    // Router: d logits per token, then its dx part (RDX = dlogits Wg^T) and dWg = x^T dlogits.
     timed("router_bwd", ops, [&](int r, int w) {
       auto& b = ranks_[r];
       auto [begin, end] = share(T_, w, W());
@@ -443,8 +433,8 @@ class Serialized final : public SerializedExecutor::Impl {
       auto& b = ranks_[r];
       for (std::int64_t i = 0; i < T_; i += kTileRows)
         for (std::int64_t j = 0; j < H; j += kTileCols)
-          ftiles[r].push_back({b.d_logits.data() + i * E, E, router_t_.view(), j, res.grads.x.row(r * T_ + i) + j,
-                               nullptr, H, std::min(kTileRows, T_ - i), std::min(kTileCols, H - j), E, true});
+          ftiles[r].push_back({b.d_logits.data() + i * E, E, router_t_.view(), j, b.rdx.data() + i * H + j, nullptr, H,
+                               std::min(kTileRows, T_ - i), std::min(kTileCols, H - j), E, false});
       for (std::int64_t i = 0; i < H; i += kTileRows)
         for (std::int64_t j = 0; j < E; j += kTileCols)
           ftiles[r].push_back({b.x_t_float.data() + i * T_, T_, RhsView<float>{b.d_logits.data(), E}, j,
@@ -454,6 +444,23 @@ class Serialized final : public SerializedExecutor::Impl {
     gemm_op<float>("router_grad_gemm", ops, ftiles);
 
     if (c_.shared_experts > 0) shared_backward(in, res);
+
+    // dx in a fixed order: routed rows over k, then the router's part, then
+    // the shared experts' (the interleaved runtime's grad_reduce does the same).
+    timed("grad_reduce", ops, [&](int r, int w) {
+      auto& b = ranks_[r];
+      auto [begin, end] = share(T_, w, W());
+      for (std::int64_t t = begin; t < end; ++t) {
+        float* dx = res.grads.x.row(r * T_ + t);
+        std::fill(dx, dx + H, 0.0f);
+        for (std::int64_t k = 0; k < K; ++k) {
+          const std::int64_t slot = plan_.slot[(r * T_ + t) * K + k];
+          if (slot >= 0) kernels::axpy<T>(1.0f, b.dcomb.data() + slot * H, dx, H);
+        }
+        kernels::axpy<float>(1.0f, b.rdx.data() + t * H, dx, H);
+        if (c_.shared_experts > 0) kernels::axpy<float>(1.0f, b.sdx.data() + t * H, dx, H);
+      }
+    });
 
     // Data-parallel reduction of the replicated weights' gradients, in rank order.
     timed("reduce_replicated_grads", ops, [&](int r, int w) {
@@ -516,8 +523,8 @@ class Serialized final : public SerializedExecutor::Impl {
     });
     tiles = tile_lists();
     for (std::int64_t r = 0; r < P; ++r) {
-      add_gemm(tiles[r], ranks_[r].shared_dh.data(), 2 * Is, sw1_t_.view(), res.grads.x.row(r * T_), nullptr, H, T_, H,
-               2 * Is, true);
+      add_gemm(tiles[r], ranks_[r].shared_dh.data(), 2 * Is, sw1_t_.view(), ranks_[r].sdx.data(), nullptr, H, T_, H,
+               2 * Is, false);
       add_gemm(tiles[r], ranks_[r].shared_x_t.data(), tpad, shared_dh_view(r), ranks_[r].d_shared_w1.data(), nullptr,
                2 * Is, H, 2 * Is, tpad, false);
     }

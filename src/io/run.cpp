@@ -1,6 +1,7 @@
 #include "hpmoe/run.hpp"
 
 #include <algorithm>
+#include <cstring>
 #include <cmath>
 #include <iomanip>
 #include <nlohmann/json.hpp>
@@ -8,6 +9,7 @@
 
 #include "hpmoe/error.hpp"
 #include "hpmoe/reference.hpp"
+#include "hpmoe/runtime.hpp"
 #include "hpmoe/safetensors.hpp"
 
 namespace hpmoe {
@@ -18,6 +20,14 @@ VerifyMode parse_verify_mode(const std::string& s) {
   if (s == "sample") return VerifyMode::sample;
   if (s == "off") return VerifyMode::off;
   throw Error("unknown verification mode '" + s + "' (use auto, full, sample or off)");
+}
+
+RunMode parse_run_mode(const std::string& s) {
+  if (s == "auto") return RunMode::automatic;
+  if (s == "serialized") return RunMode::serialized;
+  if (s == "interleaved") return RunMode::interleaved;
+  if (s == "both") return RunMode::both;
+  throw Error("unknown mode '" + s + "' (use auto, serialized, interleaved or both)");
 }
 
 Summary summarize(std::vector<double> v) {
@@ -133,25 +143,56 @@ RunReport run_layer(const RunRequest& req, const std::function<void(const std::s
   const auto forced = forced_selection(c, req.routing);
   say("packing weights for the tile kernels");
 
+  const RunMode mode = req.mode == RunMode::automatic ? RunMode::both : req.mode;
+  const bool use_serialized = mode != RunMode::interleaved, use_interleaved = mode != RunMode::serialized;
+
   ExecutorOptions opt;
   opt.workers_per_rank = req.workers_per_rank;
   opt.backward = req.backward;
   opt.pin = req.pin;
-  SerializedExecutor exec(c, w, opt);
+  std::unique_ptr<SerializedExecutor> serial;
+  std::unique_ptr<InterleavedExecutor> inter;
+  if (use_serialized) serial = std::make_unique<SerializedExecutor>(c, w, opt);
+  if (use_interleaved) {
+    RuntimeOptions ropt;
+    ropt.workers_per_rank = req.workers_per_rank;
+    ropt.policy = req.policy;
+    ropt.backward = req.backward;
+    ropt.pin = false;  // the serialized executor's pool holds the pinned cores
+    if (!use_serialized) ropt.pin = req.pin;
+    inter = std::make_unique<InterleavedExecutor>(c, w, ropt);
+  }
 
   RunReport rep;
+  rep.serialized = use_serialized;
+  rep.interleaved = use_interleaved;
+  rep.policy = taskflow::name(req.policy);
   rep.config = c;
   rep.routing = req.routing.describe();
   rep.workers_per_rank = req.workers_per_rank;
   rep.iterations = req.iterations;
   rep.backward = req.backward;
-  std::vector<double> router, d2c, bwd;
-  std::vector<std::vector<double>> fwd_ops, bwd_ops;
-  StepResult last;
+  std::vector<double> router, d2c, bwd, inter_d2c, inter_bwd;
+  std::vector<std::vector<double>> fwd_ops, bwd_ops, inter_ops;
+  StepResult last, inter_last;
   const int total = req.warmup + req.iterations;
   for (int it = 0; it < total; ++it) {
     say("step " + std::to_string(it + 1) + "/" + std::to_string(total) + (it < req.warmup ? " (warm-up)" : ""));
-    exec.step(in, forced, last);
+    // Side by side: the two executors alternate on the same inputs.
+    if (inter) {
+      inter->step(in, forced, inter_last);
+      if (it >= req.warmup) {
+        inter_d2c.push_back(inter_last.dispatch_to_combine_seconds);
+        inter_bwd.push_back(inter_last.backward_seconds);
+        if (inter_ops.empty()) {
+          for (const auto& op : inter_last.forward_ops) rep.interleaved_ops.push_back({op.name, {}});
+          inter_ops.resize(inter_last.forward_ops.size());
+        }
+        for (std::size_t i = 0; i < inter_last.forward_ops.size(); ++i) inter_ops[i].push_back(inter_last.forward_ops[i].seconds);
+      }
+    }
+    if (!serial) continue;
+    serial->step(in, forced, last);
     const StepResult& res = last;
     if (it >= req.warmup) {
       router.push_back(res.router_seconds);
@@ -169,6 +210,10 @@ RunReport run_layer(const RunRequest& req, const std::function<void(const std::s
   }
   for (std::size_t i = 0; i < fwd_ops.size(); ++i) rep.forward_ops[i].second = summarize(fwd_ops[i]);
   for (std::size_t i = 0; i < bwd_ops.size(); ++i) rep.backward_ops[i].second = summarize(bwd_ops[i]);
+  for (std::size_t i = 0; i < inter_ops.size(); ++i) rep.interleaved_ops[i].second = summarize(inter_ops[i]);
+  rep.interleaved_d2c = summarize(inter_d2c);
+  rep.interleaved_backward = summarize(inter_bwd);
+  if (!serial) last = std::move(inter_last);  // interleaved only: verify and report its step
   rep.router = summarize(router);
   rep.dispatch_to_combine = summarize(d2c);
   rep.backward_time = summarize(bwd);
@@ -189,7 +234,35 @@ RunReport run_layer(const RunRequest& req, const std::function<void(const std::s
 
   if (req.verify != VerifyMode::off) say("verifying against the fp64 oracle");
   rep.verification = verify(req, w, in, last);
-
+  if (serial && inter) {
+    // The interleaved runtime must reproduce the serialized result bit for bit.
+    auto bitwise = [&](const std::string& name, const Matrix& a, const Matrix& b) {
+      Comparison ch;
+      ch.tensor = name;
+      ch.pass = a.data.size() == b.data.size() &&
+                std::memcmp(a.data.data(), b.data.data(), a.data.size() * sizeof(float)) == 0;
+      for (std::size_t i = 0; i < std::min(a.data.size(), b.data.size()); ++i)
+        ch.max_abs = std::max(ch.max_abs, double(std::abs(a.data[i] - b.data[i])));
+      rep.verification.checks.push_back(ch);
+      rep.verification.pass = rep.verification.pass && ch.pass;
+      return ch.pass;
+    };
+    bitwise("interleaved out", last.out, inter_last.out);
+    if (req.backward) {
+      bool same = bitwise("interleaved dx", last.grads.x, inter_last.grads.x);
+      same = bitwise("interleaved router", last.grads.router, inter_last.grads.router) && same;
+      bool experts = true;
+      for (std::size_t e = 0; e < last.grads.w1.size(); ++e)
+        experts = experts && last.grads.w1[e].data == inter_last.grads.w1[e].data &&
+                  last.grads.w2[e].data == inter_last.grads.w2[e].data;
+      Comparison ch;
+      ch.tensor = "interleaved dW";
+      ch.pass = experts && last.grads.shared_w1.data == inter_last.grads.shared_w1.data &&
+                last.grads.shared_w2.data == inter_last.grads.shared_w2.data;
+      rep.verification.checks.push_back(ch);
+      rep.verification.pass = rep.verification.pass && ch.pass && same;
+    }
+  }
   if (!req.save_dir.empty()) {
     say("saving tensors to " + req.save_dir);
     save_weights(req.save_dir, c, w);
@@ -225,7 +298,21 @@ nlohmann::json to_json(const RunReport& r) {
   for (const auto& [name, s] : r.forward_ops) ops.push_back({{"name", name}, {"pass", "forward"}, {"time", summary_json(s)}});
   for (const auto& [name, s] : r.backward_ops) ops.push_back({{"name", name}, {"pass", "backward"}, {"time", summary_json(s)}});
   j["operators"] = ops;
-  j["serialized"] = {{"router", summary_json(r.router)},
+  if (r.interleaved) {
+    nlohmann::json host = nlohmann::json::object();
+    for (const auto& [name, s] : r.interleaved_ops) host[name] = summary_json(s);
+    j["interleaved"] = {{"schedule", r.policy},
+                        {"dispatch_to_combine", summary_json(r.interleaved_d2c)},
+                        {"forward_gflops", r.forward_flops / r.interleaved_d2c.median / 1e9},
+                        {"steps", host}};
+    if (r.serialized) j["interleaved"]["speedup"] = r.dispatch_to_combine.median / r.interleaved_d2c.median;
+    if (r.backward) {
+      j["interleaved"]["backward"] = summary_json(r.interleaved_backward);
+      j["interleaved"]["backward_gflops"] = r.backward_flops / r.interleaved_backward.median / 1e9;
+      if (r.serialized) j["interleaved"]["backward_speedup"] = r.backward_time.median / r.interleaved_backward.median;
+    }
+  }
+  if (r.serialized) j["serialized"] = {{"router", summary_json(r.router)},
                      {"dispatch_to_combine", summary_json(r.dispatch_to_combine)},
                      {"forward_gflops", r.forward_flops / r.dispatch_to_combine.median / 1e9}};
   if (r.backward) {
@@ -287,9 +374,28 @@ std::string format_report(const RunReport& r) {
   table("forward", r.forward_ops);
   table("backward", r.backward_ops);
   o << std::setprecision(1) << std::fixed;
-  o << "serialized router " << ms(r.router.median) << " ms; dispatch-to-combine " << ms(r.dispatch_to_combine.median)
-    << " ms (min " << ms(r.dispatch_to_combine.min) << ", max " << ms(r.dispatch_to_combine.max) << "), "
-    << r.forward_flops / r.dispatch_to_combine.median / 1e9 << " GFLOP/s\n";
+  if (r.serialized)
+    o << "serialized router " << ms(r.router.median) << " ms; dispatch-to-combine " << ms(r.dispatch_to_combine.median)
+      << " ms (min " << ms(r.dispatch_to_combine.min) << ", max " << ms(r.dispatch_to_combine.max) << "), "
+      << r.forward_flops / r.dispatch_to_combine.median / 1e9 << " GFLOP/s\n";
+  if (r.interleaved) {
+    o << "interleaved (" << r.policy << ") dispatch-to-combine " << ms(r.interleaved_d2c.median) << " ms (min "
+      << ms(r.interleaved_d2c.min) << ", max " << ms(r.interleaved_d2c.max) << "), "
+      << r.forward_flops / r.interleaved_d2c.median / 1e9 << " GFLOP/s";
+    if (r.serialized) o << "; speedup " << std::setprecision(3) << r.dispatch_to_combine.median / r.interleaved_d2c.median << "x" << std::setprecision(1);
+    if (r.backward) {
+      o << "\ninterleaved backward " << ms(r.interleaved_backward.median) << " ms (min " << ms(r.interleaved_backward.min)
+        << ", max " << ms(r.interleaved_backward.max) << "), " << r.backward_flops / r.interleaved_backward.median / 1e9
+        << " GFLOP/s";
+      if (r.serialized)
+        o << "; speedup " << std::setprecision(3) << r.backward_time.median / r.interleaved_backward.median << "x"
+          << std::setprecision(1);
+    }
+    o << "\n  host side per step:";
+    for (const auto& [name, s] : r.interleaved_ops)
+      if (name != "launch") o << " " << name << " " << ms(s.median) << " ms";
+    o << "\n";
+  }
   if (r.backward)
     o << "serialized backward " << ms(r.backward_time.median) << " ms (min " << ms(r.backward_time.min) << ", max "
       << ms(r.backward_time.max) << "), " << r.backward_flops / r.backward_time.median / 1e9 << " GFLOP/s\n";

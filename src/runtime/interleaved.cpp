@@ -25,7 +25,7 @@ using Clock = std::chrono::steady_clock;
 struct InterleavedExecutor::Impl {
   virtual ~Impl() = default;
   virtual void step(const LayerInputs&, std::span<const std::int32_t>, StepResult&) = 0;
-  std::vector<taskflow::Program> programs;
+  std::vector<taskflow::Program> programs, backward_programs;
 };
 
 namespace {
@@ -57,13 +57,23 @@ class Interleaved final : public InterleavedExecutor::Impl {
     for (std::int64_t e = 0; e < c.routed_experts; ++e) {
       w1_.push_back(operand_of<T>(w.w1[e]));
       w2_.push_back(operand_of<T>(w.w2[e]));
+      if (opt.backward) {
+        w1_t_.push_back(transposed_operand_of<T>(w.w1[e]));
+        w2_t_.push_back(transposed_operand_of<T>(w.w2[e]));
+      }
     }
     router_ = operand_of<float>(w.router);
+    if (opt.backward) router_t_ = transposed_operand_of<float>(w.router);
     if (c.shared_experts > 0) {
       sw1_ = operand_of<T>(w.shared_w1);
       sw2_ = operand_of<T>(w.shared_w2);
+      if (opt.backward) {
+        sw1_t_ = transposed_operand_of<T>(w.shared_w1);
+        sw2_t_ = transposed_operand_of<T>(w.shared_w2);
+      }
     }
     programs.resize(static_cast<std::size_t>(c.ranks));
+    backward_programs.resize(static_cast<std::size_t>(c.ranks));
     ranks_.resize(static_cast<std::size_t>(c.ranks));
     const auto workers = static_cast<std::size_t>(c.ranks * opt.workers_per_rank);
     waiting_ = std::make_unique<std::atomic<std::int32_t>[]>(workers);
@@ -97,26 +107,122 @@ class Interleaved final : public InterleavedExecutor::Impl {
     res.forward_ops.push_back({"verify", seconds(t2, t3)});
     prepare_buffers(in);
     res.forward_ops.push_back({"prepare", seconds(t3, Clock::now())});
+    res.dispatch_to_combine_seconds = launch(programs, in, res);
+    res.forward_ops.push_back({"launch", res.dispatch_to_combine_seconds});
+    if (!opt_.backward) return;
 
-    const auto launch = Clock::now();
+    auto b0 = Clock::now();
+    for (std::int64_t r = 0; r < c_.ranks; ++r) {
+      taskflow::generate_into(backward_programs[r], c_, counts, machine_, taskflow::Pass::backward, r);
+      taskflow::schedule(backward_programs[r], opt_.policy, schedule_scratch_);
+    }
+    auto b1 = Clock::now();
+    res.backward_ops.push_back({"compile", seconds(b0, b1)});
+    if (opt_.verify_programs) {
+      const auto report = verifier_.verify(backward_programs);
+      if (!report.ok) throw Error("the compiled backward program failed verification: " + report.error);
+    }
+    auto b2 = Clock::now();
+    res.backward_ops.push_back({"verify", seconds(b1, b2)});
+    if (res.grads.w1.size() != static_cast<std::size_t>(c_.routed_experts)) res.grads = zero_gradients(c_);
+    prepare_backward(in);
+    res.backward_ops.push_back({"prepare", seconds(b2, Clock::now())});
+    res.backward_seconds = launch(backward_programs, in, res);
+    res.backward_ops.push_back({"launch", res.backward_seconds});
+    const auto r0 = Clock::now();
+    reduce_replicated(res);
+    res.backward_ops.push_back({"reduce_replicated_grads", seconds(r0, Clock::now())});
+  }
+
+ private:
+  // One launch: all workers of all ranks run their queues of `set` at once.
+  double launch(std::vector<taskflow::Program>& set, const LayerInputs& in, StepResult& res) {
+    current_ = &set;
+    for (std::int64_t r = 0; r < c_.ranks; ++r) {
+      RankState& s = ranks_[r];
+      const auto& p = set[r];
+      if (s.capacity < p.events.size()) {  // quiescent between launches: a fresh array is safe
+        s.capacity = p.events.size() * 2;
+        s.counters = std::make_unique<Counter[]>(s.capacity);
+      }
+      s.base.resize(p.events.size());
+      for (std::size_t e = 0; e < p.events.size(); ++e) s.base[e] = s.counters[e].value.load(std::memory_order_relaxed);
+    }
+    const auto start = Clock::now();
     abort_.store(false, std::memory_order_relaxed);
     failure_ = nullptr;
     pool_.run([&](int r, int w) { run_worker(in, res, r, w); });
     if (failure_) std::rethrow_exception(failure_);
-    const double d2c = seconds(launch, Clock::now());
-    res.forward_ops.push_back({"launch", d2c});
-    res.dispatch_to_combine_seconds = d2c;
+    return seconds(start, Clock::now());
   }
 
- private:
+  // Sum over ranks, in rank order, of the replicated weights' gradients.
+  void reduce_replicated(StepResult& res) {
+    auto reduce = [&](std::vector<float>& dst, std::vector<float> RankState::*part) {
+      for (std::size_t i = 0; i < dst.size(); ++i) {
+        float sum = 0;
+        for (std::int64_t q = 0; q < c_.ranks; ++q) sum += (ranks_[q].*part)[i];
+        dst[i] = sum;
+      }
+    };
+    reduce(res.grads.router.data, &RankState::d_router);
+    if (c_.shared_experts > 0) {
+      reduce(res.grads.shared_w1.data, &RankState::d_shared_w1);
+      reduce(res.grads.shared_w2.data, &RankState::d_shared_w2);
+    }
+  }
+
   struct RankState {
-    std::vector<std::uint64_t> region;           // the symmetric buffers, 8-byte aligned
+    std::vector<std::uint64_t> region;           // the forward program's symmetric buffers, 8-byte aligned
     std::array<std::byte*, static_cast<std::size_t>(BufferId::count)> buffer{};
     std::unique_ptr<Counter[]> counters;
     std::size_t capacity = 0;
-    std::vector<std::int64_t> base;              // counter values when the step began
+    std::vector<std::int64_t> base;              // counter values when the launch began
     std::vector<std::int32_t> send_token;        // send row -> local token
+    std::vector<std::int64_t> send_assign;       // send row -> assignment t * K + k (global)
+    // Backward, laid out as the serialized baseline lays them out (padded K,
+    // panel-packed operands) so that the arithmetic is the same.
+    std::vector<float> d_weight, d_logits, x_t_float, d_router, rdx, sdx, da, shared_da, d_shared_w1, d_shared_w2;
+    std::vector<T> dy, dh, dx_expert, dcomb, a_t, x_t, dy_packed, dh_packed;
+    std::vector<T> shared_dy, shared_dy_packed, shared_dh, shared_dh_packed, shared_a_t, shared_x_t;
   };
+
+  void prepare_backward(const LayerInputs& in) {
+    const std::int64_t H = c_.hidden, I = c_.expert_inter, L = c_.local_experts(), K = c_.top_k, E = c_.routed_experts,
+                       T_ = c_.tokens_per_rank, Is = c_.shared_inter_total(), tpad = padded_k<T>(T_);
+    for (std::int64_t r = 0; r < c_.ranks; ++r) {
+      RankState& b = ranks_[r];
+      const std::int64_t rows = plan_.recv_rows(r), kpad = plan_.kpad_begin[r * (L + 1) + L];
+      auto size = [](auto& v, std::int64_t n) { v.resize(static_cast<std::size_t>(n)); };
+      size(b.d_weight, T_ * K);
+      size(b.d_logits, T_ * E);
+      size(b.x_t_float, H * T_);
+      size(b.d_router, H * E);
+      size(b.rdx, T_ * H);
+      size(b.dy, rows * H);
+      size(b.da, rows * I);
+      size(b.dh, rows * 2 * I);
+      size(b.dx_expert, rows * H);
+      size(b.dcomb, plan_.send_rows(r) * H);
+      size(b.a_t, I * kpad);
+      size(b.x_t, H * kpad);
+      size(b.dy_packed, kpad * round_up(H));
+      size(b.dh_packed, kpad * round_up(2 * I));
+      if (c_.shared_experts > 0) {
+        size(b.sdx, T_ * H);
+        size(b.shared_da, T_ * Is);
+        size(b.shared_dy, T_ * H);
+        size(b.shared_dy_packed, tpad * round_up(H));
+        size(b.shared_dh, T_ * 2 * Is);
+        size(b.shared_dh_packed, tpad * round_up(2 * Is));
+        size(b.shared_a_t, Is * tpad);
+        size(b.shared_x_t, H * tpad);
+        size(b.d_shared_w1, H * 2 * Is);
+        size(b.d_shared_w2, Is * H);
+        for (std::int64_t t = 0; t < T_; ++t) kernels::store<T>(in.d_out.row(r * T_ + t), b.shared_dy.data() + t * H, H);
+      }
+    }
+  }
 
   void prepare_buffers(const LayerInputs& in) {
     const std::int64_t K = c_.top_k, T_ = c_.tokens_per_rank;
@@ -129,15 +235,13 @@ class Interleaved final : public InterleavedExecutor::Impl {
       s.buffer.fill(nullptr);
       for (const auto& b : p.buffers)
         s.buffer[static_cast<std::size_t>(b.id)] = reinterpret_cast<std::byte*>(s.region.data()) + b.offset_bytes;
-      if (s.capacity < p.events.size()) {  // quiescent between launches: a fresh array is safe
-        s.capacity = p.events.size() * 2;
-        s.counters = std::make_unique<Counter[]>(s.capacity);
-      }
-      s.base.resize(p.events.size());
-      for (std::size_t e = 0; e < p.events.size(); ++e) s.base[e] = s.counters[e].value.load(std::memory_order_relaxed);
       s.send_token.assign(static_cast<std::size_t>(plan_.send_rows(r)), -1);
+      s.send_assign.assign(static_cast<std::size_t>(plan_.send_rows(r)), -1);
       for (std::int64_t a = r * T_ * K; a < (r + 1) * T_ * K; ++a)
-        if (plan_.slot[a] >= 0) s.send_token[static_cast<std::size_t>(plan_.slot[a])] = static_cast<std::int32_t>(a / K - r * T_);
+        if (plan_.slot[a] >= 0) {
+          s.send_token[static_cast<std::size_t>(plan_.slot[a])] = static_cast<std::int32_t>(a / K - r * T_);
+          s.send_assign[static_cast<std::size_t>(plan_.slot[a])] = a;
+        }
       if constexpr (!std::is_same_v<T, float>)
         for (std::int64_t t = 0; t < T_; ++t) kernels::store<T>(in.x.row(r * T_ + t), buf<T>(r, BufferId::x) + t * c_.hidden, c_.hidden);
     }
@@ -195,8 +299,8 @@ class Interleaved final : public InterleavedExecutor::Impl {
       for (int w = 0; w < opt_.workers_per_rank; ++w) {
         const std::int32_t id = waiting_[static_cast<std::size_t>(r * opt_.workers_per_rank + w)].load();
         if (id < 0) continue;
-        const Task& t = programs[r].tasks[id];
-        const auto& ev = programs[r].events[t.wait_event];
+        const Task& t = (*current_)[r].tasks[id];
+        const auto& ev = (*current_)[r].events[t.wait_event];
         const std::int64_t reached = ranks_[r].counters[t.wait_event].value.load() - ranks_[r].base[t.wait_event];
         text += (text.empty() ? "" : "; ") + std::string("rank ") + std::to_string(r) + " worker " + std::to_string(w) +
                 " task #" + std::to_string(id) + " (" + taskflow::name(t.kind) + ") on event " +
@@ -213,7 +317,7 @@ class Interleaved final : public InterleavedExecutor::Impl {
   // The first failure of a launch is kept; workers that stop because of it
   // leave quietly, so the error reported is the cause, not a consequence.
   void run_worker(const LayerInputs& in, StepResult& res, int r, int w) {
-    const auto& p = programs[r];
+    const auto& p = (*current_)[r];
     try {
       for (auto q = p.queue_begin[w]; q < p.queue_begin[w + 1]; ++q) {
         const std::int32_t id = p.queue_tasks[q];
@@ -286,8 +390,174 @@ class Interleaved final : public InterleavedExecutor::Impl {
                               buf<float>(r, BufferId::sh_y) + r0 * H + t.col_begin, H, rows, t.cols, Is, false);
         break;
       default:
-        throw Error(std::string("the interleaved runtime cannot run a ") + taskflow::name(t.kind) +
-                    " task: it runs forward programs only so far");
+        execute_backward(in, res, r, t);
+    }
+  }
+
+  // The backward tasks, each the same arithmetic as the serialized
+  // baseline's operator over the same rows (see serialized.cpp).
+  void execute_backward(const LayerInputs& in, StepResult& res, int r, const Task& t) {
+    const std::int64_t H = c_.hidden, I = c_.expert_inter, Is = c_.shared_inter_total(), K = c_.top_k,
+                       E = c_.routed_experts, L = c_.local_experts(), T_ = c_.tokens_per_rank, tpad = padded_k<T>(T_);
+    const std::int64_t r0 = t.row_begin, rows = t.rows;
+    RankState& b = ranks_[r];
+    // Expert-relative layout of task t's expert on this rank.
+    const std::int64_t le = t.expert >= 0 ? t.expert - r * L : 0;
+    const std::int64_t start = plan_.expert_begin[r * (L + 1) + le], n_e = plan_.expert_rows(r, le);
+    const std::int64_t kp0 = plan_.kpad_begin[r * (L + 1) + le], ld = padded_k<T>(n_e);
+    switch (t.kind) {
+      case TaskKind::gate_grad:
+        for (std::int64_t tok = r0; tok < r0 + rows; ++tok) {
+          const float* dout = in.d_out.row(r * T_ + tok);
+          for (std::int64_t k = 0; k < K; ++k) {
+            const std::int64_t slot = plan_.slot[(r * T_ + tok) * K + k];
+            b.d_weight[tok * K + k] = slot >= 0 ? kernels::dot<T>(dout, buf<T>(r, BufferId::comb) + slot * H, H) : 0.0f;
+          }
+        }
+        break;
+      case TaskKind::router_bwd:
+        for (std::int64_t tok = r0; tok < r0 + rows; ++tok) {
+          const std::int64_t g = r * T_ + tok;
+          router_backward_token<float>(c_, res.routing, std::span<const float>(logits_.data() + g * E, E), g,
+                                       std::span<const float>(b.d_weight.data() + tok * K, K),
+                                       std::span<float>(b.d_logits.data() + tok * E, E));
+        }
+        transpose_rows<float>(in.x.row(r * T_ + r0), H, rows, H, b.x_t_float.data() + r0, T_);
+        break;
+      case TaskKind::router_dgrad:
+        kernels::gemm_tile<float>(b.d_logits.data() + r0 * E, E, router_t_.view(), t.col_begin,
+                                  b.rdx.data() + r0 * H + t.col_begin, H, rows, t.cols, E, false);
+        break;
+      case TaskKind::router_wgrad:
+        kernels::gemm_tile<float>(b.x_t_float.data() + r0 * T_, T_, RhsView<float>{b.d_logits.data(), E}, t.col_begin,
+                                  b.d_router.data() + r0 * E + t.col_begin, E, rows, t.cols, T_, false);
+        break;
+      case TaskKind::grad_dispatch_put: {
+        T* dst = ranks_[t.peer].dy.data() + r0 * H;
+        for (std::int64_t j = 0; j < rows; ++j) {
+          const std::int64_t a = b.send_assign[static_cast<std::size_t>(t.src_row + j)];
+          kernels::scale_store<T>(res.routing.weight[a], in.d_out.row(a / K), dst + j * H, H);
+        }
+        break;
+      }
+      case TaskKind::gemm_down_dgrad:
+        kernels::gemm_tile<T>(b.dy.data() + r0 * H, H, w2_t_[t.expert].view(), t.col_begin,
+                              b.da.data() + r0 * I + t.col_begin, I, rows, t.cols, H, false);
+        break;
+      case TaskKind::pack_down_grad: {
+        const std::int64_t rel = r0 - start;
+        transpose_rows<T>(buf<T>(r, BufferId::a) + r0 * I, I, rows, I, b.a_t.data() + kp0 * I + rel, ld);
+        pack_panel_rows<T>(b.dy.data() + start * H, H, n_e, H, b.dy_packed.data() + kp0 * round_up(H), rel, rel + rows);
+        if (rel + rows == n_e && ld > n_e)  // the K padding column of the bf16 pairs
+          for (std::int64_t j = 0; j < I; ++j) b.a_t[static_cast<std::size_t>(kp0 * I + j * ld + n_e)] = T{};
+        break;
+      }
+      case TaskKind::gemm_down_wgrad:
+        kernels::gemm_tile<T>(b.a_t.data() + kp0 * I + (r0 - le * I) * ld, ld,
+                              kernels::panel_view<T>(b.dy_packed.data() + kp0 * round_up(H), n_e), t.col_begin,
+                              res.grads.w2[t.expert].row(r0 - le * I) + t.col_begin, H, rows, t.cols, ld, false);
+        break;
+      case TaskKind::swiglu_bwd:
+        for (std::int64_t row = r0; row < r0 + rows; ++row)
+          kernels::swiglu_backward<T>(buf<float>(r, BufferId::h1) + row * 2 * I, b.da.data() + row * I, I,
+                                      b.dh.data() + row * 2 * I);
+        break;
+      case TaskKind::gemm_gate_up_dgrad:
+        tile_to<T>(b.dh.data() + r0 * 2 * I, 2 * I, w1_t_[t.expert].view(), t.col_begin,
+                   b.dx_expert.data() + r0 * H + t.col_begin, H, rows, t.cols, 2 * I);
+        break;
+      case TaskKind::pack_gate_up_grad: {
+        const std::int64_t rel = r0 - start;
+        transpose_rows<T>(buf<T>(r, BufferId::recv) + r0 * H, H, rows, H, b.x_t.data() + kp0 * H + rel, ld);
+        pack_panel_rows<T>(b.dh.data() + start * 2 * I, 2 * I, n_e, 2 * I, b.dh_packed.data() + kp0 * round_up(2 * I),
+                           rel, rel + rows);
+        if (rel + rows == n_e && ld > n_e)
+          for (std::int64_t j = 0; j < H; ++j) b.x_t[static_cast<std::size_t>(kp0 * H + j * ld + n_e)] = T{};
+        break;
+      }
+      case TaskKind::gemm_gate_up_wgrad:
+        kernels::gemm_tile<T>(b.x_t.data() + kp0 * H + (r0 - le * H) * ld, ld,
+                              kernels::panel_view<T>(b.dh_packed.data() + kp0 * round_up(2 * I), n_e), t.col_begin,
+                              res.grads.w1[t.expert].row(r0 - le * H) + t.col_begin, 2 * I, rows, t.cols, ld, false);
+        break;
+      case TaskKind::grad_combine_put:
+        copy_elements(ranks_[t.peer].dcomb.data() + r0 * H, b.dx_expert.data() + t.src_row * H, rows * H);
+        break;
+      case TaskKind::shared_down_dgrad:
+        kernels::gemm_tile<T>(b.shared_dy.data() + r0 * H, H, sw2_t_.view(), t.col_begin,
+                              b.shared_da.data() + r0 * Is + t.col_begin, Is, rows, t.cols, H, false);
+        break;
+      case TaskKind::pack_shared_down_grad:
+        pack_panel_rows<T>(b.shared_dy.data(), H, T_, H, b.shared_dy_packed.data(), r0, r0 + rows);
+        transpose_rows<T>(buf<T>(r, BufferId::sh_a) + r0 * Is, Is, rows, Is, b.shared_a_t.data() + r0, tpad);
+        if (r0 + rows == T_ && tpad > T_)
+          for (std::int64_t j = 0; j < Is; ++j) b.shared_a_t[static_cast<std::size_t>(j * tpad + T_)] = T{};
+        break;
+      case TaskKind::shared_down_wgrad:
+        kernels::gemm_tile<T>(b.shared_a_t.data() + r0 * tpad, tpad, kernels::panel_view<T>(b.shared_dy_packed.data(), T_),
+                              t.col_begin, b.d_shared_w2.data() + r0 * H + t.col_begin, H, rows, t.cols, tpad, false);
+        break;
+      case TaskKind::shared_swiglu_bwd:
+        for (std::int64_t row = r0; row < r0 + rows; ++row)
+          kernels::swiglu_backward<T>(buf<float>(r, BufferId::sh_h) + row * 2 * Is, b.shared_da.data() + row * Is, Is,
+                                      b.shared_dh.data() + row * 2 * Is);
+        break;
+      case TaskKind::shared_gate_up_dgrad:
+        kernels::gemm_tile<T>(b.shared_dh.data() + r0 * 2 * Is, 2 * Is, sw1_t_.view(), t.col_begin,
+                              b.sdx.data() + r0 * H + t.col_begin, H, rows, t.cols, 2 * Is, false);
+        break;
+      case TaskKind::pack_shared_gate_up_grad:
+        pack_panel_rows<T>(b.shared_dh.data(), 2 * Is, T_, 2 * Is, b.shared_dh_packed.data(), r0, r0 + rows);
+        transpose_rows<T>(tokens_of(in, r) + r0 * H, H, rows, H, b.shared_x_t.data() + r0, tpad);
+        if (r0 + rows == T_ && tpad > T_)
+          for (std::int64_t j = 0; j < H; ++j) b.shared_x_t[static_cast<std::size_t>(j * tpad + T_)] = T{};
+        break;
+      case TaskKind::shared_gate_up_wgrad:
+        kernels::gemm_tile<T>(b.shared_x_t.data() + r0 * tpad, tpad, kernels::panel_view<T>(b.shared_dh_packed.data(), T_),
+                              t.col_begin, b.d_shared_w1.data() + r0 * 2 * Is + t.col_begin, 2 * Is, rows, t.cols, tpad,
+                              false);
+        break;
+      case TaskKind::grad_reduce:
+        for (std::int64_t tok = r0; tok < r0 + rows; ++tok) {
+          float* dx = res.grads.x.row(r * T_ + tok);
+          std::fill(dx, dx + H, 0.0f);
+          for (std::int64_t k = 0; k < K; ++k) {
+            const std::int64_t slot = plan_.slot[(r * T_ + tok) * K + k];
+            if (slot >= 0) kernels::axpy<T>(1.0f, b.dcomb.data() + slot * H, dx, H);
+          }
+          kernels::axpy<float>(1.0f, b.rdx.data() + tok * H, dx, H);
+          if (c_.shared_experts > 0) kernels::axpy<float>(1.0f, b.sdx.data() + tok * H, dx, H);
+        }
+        break;
+      default:
+        throw Error(std::string("the interleaved runtime has no implementation of task kind ") + taskflow::name(t.kind));
+    }
+  }
+
+  // dst[j * ld_dst + i] = src[i * ld_src + j] for rows i < rows, columns j < cols.
+  template <class U>
+  static void transpose_rows(const U* src, std::int64_t ld_src, std::int64_t rows, std::int64_t cols, U* dst,
+                             std::int64_t ld_dst) {
+    for (std::int64_t j = 0; j < cols; ++j)
+      for (std::int64_t i = 0; i < rows; ++i) dst[j * ld_dst + i] = src[i * ld_src + j];
+  }
+
+  // Rows [row_begin, row_end) of row-major src [k, n] into the panel-blocked
+  // operand layout (kernels::pack_rhs_panels writes the same bytes, panel by
+  // panel); the last rows also write the zero padding.
+  template <class U>
+  static void pack_panel_rows(const U* src, std::int64_t ld_src, std::int64_t k, std::int64_t n, U* dst,
+                              std::int64_t row_begin, std::int64_t row_end) {
+    const std::int64_t kp = padded_k<U>(k), end = row_end >= k ? kp : row_end;
+    for (std::int64_t p = 0; p < panels(n); ++p) {
+      U* panel = dst + p * kp * kTileCols;
+      for (std::int64_t rr = row_begin; rr < end; ++rr)
+        for (std::int64_t j = 0; j < kTileCols; ++j) {
+          const std::int64_t col = p * kTileCols + j;
+          const U v = rr < k && col < n ? src[rr * ld_src + col] : U{};
+          if constexpr (sizeof(U) == 2) panel[(rr / 2) * kTileCols * 2 + j * 2 + (rr % 2)] = v;
+          else panel[rr * kTileCols + j] = v;
+        }
     }
   }
 
@@ -305,9 +575,10 @@ class Interleaved final : public InterleavedExecutor::Impl {
   RuntimeOptions opt_;
   WorkerPool pool_;
   taskflow::Machine machine_;
-  std::vector<Operand<T>> w1_, w2_;
-  Operand<float> router_;
-  Operand<T> sw1_, sw2_;
+  std::vector<Operand<T>> w1_, w2_, w1_t_, w2_t_;
+  Operand<float> router_, router_t_;
+  Operand<T> sw1_, sw2_, sw1_t_, sw2_t_;
+  std::vector<taskflow::Program>* current_ = nullptr;  // the program set being launched
   std::vector<float> logits_;
   Plan plan_;
   taskflow::ScheduleScratch schedule_scratch_;
@@ -336,6 +607,8 @@ void InterleavedExecutor::step(const LayerInputs& in, std::span<const std::int32
   impl_->step(in, forced, result);
 }
 
-const std::vector<taskflow::Program>& InterleavedExecutor::programs() const { return impl_->programs; }
+const std::vector<taskflow::Program>& InterleavedExecutor::programs(taskflow::Pass pass) const {
+  return pass == taskflow::Pass::forward ? impl_->programs : impl_->backward_programs;
+}
 
 }  // namespace hpmoe

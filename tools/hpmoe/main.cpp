@@ -82,6 +82,9 @@ int run_main(int argc, char** argv) {
   run->add_option("--save", req.save_dir, "write the run's tensors (safetensors) to this directory");
   run->add_option("--load", req.load_dir, "run on weights.safetensors and inputs.safetensors from this directory");
   run->add_flag("--no-pin", no_pin, "do not pin worker threads to cores");
+  std::string run_mode = "auto", run_schedule = "critical-path";
+  run->add_option("--mode", run_mode, "auto | serialized | interleaved | both (auto: both, side by side, checked bit-identical)");
+  run->add_option("--schedule", run_schedule, "scheduler policy of the interleaved runtime: fill | rank-rotated | critical-path | interleave-wgrad");
 
   // hpmoe config
   auto* config = app.add_subcommand("config", "print a layer config (preset, imported file, overrides) as JSON");
@@ -189,6 +192,8 @@ int run_main(int argc, char** argv) {
   req.config = run_layer_opts.resolve();
   req.routing = parse_routing_spec(routing, req.seed);
   req.verify = parse_verify_mode(verify);
+  req.mode = parse_run_mode(run_mode);
+  req.policy = taskflow::parse_policy(run_schedule);
   req.pin = !no_pin;
   // Progress on stderr for anything that takes more than a couple of
   // seconds: always for large layers, otherwise once two seconds have passed.
