@@ -263,3 +263,15 @@ TEST(Taskflow, RejectsImpossibleInputs) {
   EXPECT_THROW(parse_machine("accel:1"), Error);
   EXPECT_THROW(parse_policy("random"), Error);
 }
+
+TEST(Taskflow, RanksWithoutRoutedRowsStillVerify) {
+  // Steep Zipf: some ranks' experts receive nothing. Their own dispatch puts
+  // must still precede their combine, under every policy.
+  for (auto pass : {Pass::forward, Pass::backward})
+    for (auto policy : {Policy::fill, Policy::rank_rotated, Policy::critical_path, Policy::interleave_wgrad}) {
+      LayerConfig c = small(4, 9);
+      c.shared_experts = 0;
+      const auto counts = counts_for(c, "zipf:4", 3);
+      expect_ok(compile(c, counts, parse_machine("cpu:1"), pass, policy));
+    }
+}

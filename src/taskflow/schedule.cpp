@@ -51,7 +51,7 @@ void rotate_puts(const Program& p, std::vector<std::int32_t>& order) {
 
 // Longest cost path from each task to the end of the step (bottom level).
 // Generation order is topological, so one backward pass suffices; a put's
-// remote consumers are estimated by the longest local task of the same kind.
+// remote consumers are estimated by the longest local task of their kind.
 std::vector<double> bottom_levels(const Program& p) {
   std::vector<double> bl(p.tasks.size(), 0.0), event_bl(p.events.size(), 0.0);
   std::vector<double> kind_bl(static_cast<std::size_t>(TaskKind::count), 0.0);
@@ -63,6 +63,11 @@ std::vector<double> bottom_levels(const Program& p) {
       else below = kind_bl[static_cast<std::size_t>(remote_consumer(t.kind))];
     }
     bl[i] = double(p.cost[i]) + below;
+    // Puts that wait for nothing start every other rank's pipeline, and this
+    // rank's own tail depends on them through those ranks: they go first.
+    // (Estimating them from local tasks of the consumer's kind fails when this
+    // rank has no such tasks, e.g. no rows routed to its experts.)
+    if (is_put(t.kind) && t.wait_event < 0) bl[i] = 1e30;
     if (t.wait_event >= 0) event_bl[static_cast<std::size_t>(t.wait_event)] = std::max(event_bl[t.wait_event], bl[i]);
     kind_bl[static_cast<std::size_t>(t.kind)] = std::max(kind_bl[static_cast<std::size_t>(t.kind)], bl[i]);
   }
