@@ -158,8 +158,8 @@ TEST(Baseline, DeterministicAcrossRunsAndWorkerCounts) {
     c.tokens_per_rank = 70;
     const auto w = random_weights(c, 9);
     const auto in = random_inputs(c, 9);
-    ExecutorOptions one{1, true, false};
-    ExecutorOptions two{2, true, false};
+    ExecutorOptions one{1, true, false, {}};
+    ExecutorOptions two{2, true, false, {}};
     SerializedExecutor a(c, w, one), b(c, w, two);
     const auto r1 = a.step(in), r2 = a.step(in), r3 = b.step(in);
     EXPECT_TRUE(bit_identical(r1.out, r2.out));
@@ -179,8 +179,8 @@ TEST(Baseline, DeterministicAcrossRunsAndWorkerCounts) {
 TEST(Baseline, RejectsWorkerCountsAndShapes) {
   const LayerConfig c = preset("tiny");
   const auto w = random_weights(c, 1);
-  EXPECT_THROW(SerializedExecutor(c, w, ExecutorOptions{0, false, false}), Error);
-  SerializedExecutor ok(c, w, ExecutorOptions{1, false, false});
+  EXPECT_THROW(SerializedExecutor(c, w, ExecutorOptions{0, false, false, {}}), Error);
+  SerializedExecutor ok(c, w, ExecutorOptions{1, false, false, {}});
   LayerInputs bad = random_inputs(c, 1);
   bad.x = Matrix(3, c.hidden);
   EXPECT_THROW(ok.step(bad), Error);

@@ -42,7 +42,7 @@ TEST_P(InterleavedBackward, GradientsAreBitIdenticalToSerialized) {
   const auto w = random_weights(c, 31);
   const auto in = random_inputs(c, 31);
   const auto forced = forced_selection(c, parse_routing_spec(routing == "trace" ? trace_spec() : routing, 6));
-  SerializedExecutor serial(c, w, ExecutorOptions{workers, true, false});
+  SerializedExecutor serial(c, w, ExecutorOptions{workers, true, false, {}});
   RuntimeOptions opt;
   opt.workers_per_rank = workers;
   opt.policy = policy;
@@ -91,7 +91,7 @@ TEST_P(InterleavedForward, IsBitIdenticalToSerialized) {
   const auto w = random_weights(c, 21);
   const auto in = random_inputs(c, 21);
   const auto forced = forced_selection(c, parse_routing_spec(routing == "trace" ? trace_spec() : routing, 5));
-  SerializedExecutor serial(c, w, ExecutorOptions{workers, false, false});
+  SerializedExecutor serial(c, w, ExecutorOptions{workers, false, false, {}});
   RuntimeOptions opt;
   opt.workers_per_rank = workers;
   opt.policy = policy;
@@ -132,7 +132,7 @@ TEST(Interleaved, CapacityDropsNoSharedExpertsSingleTokens) {
     c.tokens_per_rank = 1;
     const auto w = random_weights(c, 3);
     const auto in = random_inputs(c, 3);
-    SerializedExecutor serial(c, w, ExecutorOptions{2, false, false});
+    SerializedExecutor serial(c, w, ExecutorOptions{2, false, false, {}});
     RuntimeOptions opt;
     opt.workers_per_rank = 2;
     opt.pin = false;
@@ -154,7 +154,7 @@ TEST(Interleaved, OversubscribedWorkersStillFinish) {
   opt.workers_per_rank = 3;  // 12 spinning workers on a 2-core machine
   opt.pin = false;
   InterleavedExecutor inter(c, w, opt);
-  SerializedExecutor serial(c, w, ExecutorOptions{1, false, false});
+  SerializedExecutor serial(c, w, ExecutorOptions{1, false, false, {}});
   StepResult a, b;
   serial.step(in, {}, a);
   for (int i = 0; i < 3; ++i) inter.step(in, {}, b);
@@ -225,4 +225,31 @@ TEST(Interleaved, WatchdogNamesTheWaitingTaskAndEvent) {
     EXPECT_NE(m.find("at 0 of 1"), std::string::npos) << m;
   }
   EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 5.0);
+}
+
+TEST(PackedWeights, SharedBetweenExecutorsAndCheckedForMisuse) {
+  LayerConfig c = preset("tiny");
+  const auto w = random_weights(c, 12);
+  const auto in = random_inputs(c, 12);
+  const auto packed = pack_weights(c, w, true);
+  SerializedExecutor own(c, w, ExecutorOptions{1, true, false, {}});
+  SerializedExecutor shared(c, w, ExecutorOptions{1, true, false, packed});
+  RuntimeOptions opt;
+  opt.backward = true;
+  opt.pin = false;
+  opt.packed = packed;
+  InterleavedExecutor inter(c, w, opt);
+  StepResult a, b, d;
+  own.step(in, {}, a);
+  shared.step(in, {}, b);
+  inter.step(in, {}, d);
+  EXPECT_TRUE(bit_identical(a.grads, b.grads));
+  EXPECT_TRUE(bit_identical(a.grads, d.grads));
+  const auto other = random_weights(c, 13);
+  EXPECT_THROW(SerializedExecutor(c, other, ExecutorOptions{1, false, false, packed}), Error);  // other weights
+  const auto forward_only = pack_weights(c, w, false);
+  EXPECT_THROW(SerializedExecutor(c, w, ExecutorOptions{1, true, false, forward_only}), Error);  // no transposes
+  LayerConfig b16 = c;
+  b16.dtype = DType::bf16;
+  EXPECT_THROW(SerializedExecutor(b16, w, ExecutorOptions{1, false, false, packed}), Error);  // dtype
 }

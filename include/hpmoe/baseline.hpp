@@ -11,10 +11,17 @@
 
 namespace hpmoe {
 
+// A layer's weights packed for the tile kernels, to share between executors
+// of the same weights (the packing is as large as the weights, twice with
+// the transposes backward needs). The weights must outlive it.
+struct PackedWeights;
+std::shared_ptr<const PackedWeights> pack_weights(const LayerConfig&, const LayerWeights&, bool backward);
+
 struct ExecutorOptions {
   int workers_per_rank = 1;  // W
   bool backward = false;
   bool pin = true;
+  std::shared_ptr<const PackedWeights> packed;  // optional, see pack_weights
 };
 
 // Wall time of one bulk-synchronous operator (all ranks, all workers).

@@ -21,6 +21,7 @@ struct RuntimeOptions {
   // Fault injection (tests, tools): called with the step's programs after
   // compilation and before verification and launch.
   std::function<void(std::vector<taskflow::Program>&)> after_compile;
+  std::shared_ptr<const PackedWeights> packed;  // optional, see pack_weights
 };
 
 // The interleaved single-launch runtime, in process: every step compiles the

@@ -3,13 +3,17 @@
 // the interleaved runtime compute with the same operands, the same exchange
 // layout and the same router, and their results can be bit-identical.
 #include <algorithm>
+#include <memory>
+#include <string>
 #include <cstdint>
 #include <cstring>
 #include <span>
 #include <utility>
 #include <vector>
 
+#include "hpmoe/baseline.hpp"
 #include "hpmoe/config.hpp"
+#include "hpmoe/error.hpp"
 #include "hpmoe/kernels.hpp"
 #include "hpmoe/routing.hpp"
 #include "hpmoe/tensors.hpp"
@@ -49,6 +53,67 @@ Operand<T> operand_of(const Matrix& m) {
 template <class T>
 Operand<T> transposed_operand_of(const Matrix& m) {
   return packed_operand<T>(m, true);
+}
+
+// Every weight of the layer packed for the tile kernels (transposes too,
+// for backward).
+template <class T>
+struct PackedLayer {
+  std::vector<Operand<T>> w1, w2, w1_t, w2_t;
+  Operand<float> router, router_t;
+  Operand<T> sw1, sw2, sw1_t, sw2_t;
+};
+
+template <class T>
+std::shared_ptr<const PackedLayer<T>> pack_layer(const LayerConfig& c, const LayerWeights& w, bool backward) {
+  auto p = std::make_shared<PackedLayer<T>>();
+  for (std::int64_t e = 0; e < c.routed_experts; ++e) {
+    p->w1.push_back(operand_of<T>(w.w1[e]));
+    p->w2.push_back(operand_of<T>(w.w2[e]));
+    if (backward) {
+      p->w1_t.push_back(transposed_operand_of<T>(w.w1[e]));
+      p->w2_t.push_back(transposed_operand_of<T>(w.w2[e]));
+    }
+  }
+  p->router = operand_of<float>(w.router);
+  if (backward) p->router_t = transposed_operand_of<float>(w.router);
+  if (c.shared_experts > 0) {
+    p->sw1 = operand_of<T>(w.shared_w1);
+    p->sw2 = operand_of<T>(w.shared_w2);
+    if (backward) {
+      p->sw1_t = transposed_operand_of<T>(w.shared_w1);
+      p->sw2_t = transposed_operand_of<T>(w.shared_w2);
+    }
+  }
+  return p;
+}
+
+}  // namespace hpmoe::detail
+
+namespace hpmoe {
+struct PackedWeights {
+  const LayerWeights* weights = nullptr;  // what was packed (identity, not ownership)
+  DType dtype = DType::fp32;
+  bool backward = false;
+  std::shared_ptr<const detail::PackedLayer<float>> fp32;
+  std::shared_ptr<const detail::PackedLayer<bf16>> bf16_;
+};
+}  // namespace hpmoe
+
+namespace hpmoe::detail {
+
+// The packing an executor uses: the shared one when given (it must be of
+// these weights, this dtype, and have the transposes if backward needs them),
+// else its own.
+template <class T>
+std::shared_ptr<const PackedLayer<T>> resolve_packing(const LayerConfig& c, const LayerWeights& w,
+                                                      const std::shared_ptr<const PackedWeights>& shared, bool backward) {
+  if (!shared) return pack_layer<T>(c, w, backward);
+  if (shared->weights != &w) throw Error("the shared packed weights were packed from other weights");
+  if (shared->dtype != c.dtype) throw Error("the shared packed weights are " + to_string(shared->dtype) + ", the layer is " + to_string(c.dtype));
+  if (backward && !shared->backward) throw Error("the shared packed weights lack the transposes backward needs");
+  if constexpr (std::is_same_v<T, float>) return shared->fp32;
+  else return shared->bf16_;
 }
 
 // One output tile of one GEMM. The result goes to `c` (fp32) or, when `out`

@@ -141,15 +141,17 @@ RunReport run_layer(const RunRequest& req, const std::function<void(const std::s
   LayerInputs in = req.load_dir.empty() ? random_inputs(c, req.seed) : load_inputs(req.load_dir, c);
   check_shapes(c, w, in);
   const auto forced = forced_selection(c, req.routing);
-  say("packing weights for the tile kernels");
 
   const RunMode mode = req.mode == RunMode::automatic ? RunMode::both : req.mode;
   const bool use_serialized = mode != RunMode::interleaved, use_interleaved = mode != RunMode::serialized;
 
+  say("packing weights for the tile kernels");
+  const auto packed = pack_weights(c, w, req.backward);  // one packing for both executors
   ExecutorOptions opt;
   opt.workers_per_rank = req.workers_per_rank;
   opt.backward = req.backward;
   opt.pin = req.pin;
+  opt.packed = packed;
   std::unique_ptr<SerializedExecutor> serial;
   std::unique_ptr<InterleavedExecutor> inter;
   if (use_serialized) serial = std::make_unique<SerializedExecutor>(c, w, opt);
@@ -158,6 +160,7 @@ RunReport run_layer(const RunRequest& req, const std::function<void(const std::s
     ropt.workers_per_rank = req.workers_per_rank;
     ropt.policy = req.policy;
     ropt.backward = req.backward;
+    ropt.packed = packed;
     ropt.pin = false;  // the serialized executor's pool holds the pinned cores
     if (!use_serialized) ropt.pin = req.pin;
     inter = std::make_unique<InterleavedExecutor>(c, w, ropt);

@@ -49,29 +49,14 @@ template <class T>
 class Interleaved final : public InterleavedExecutor::Impl {
  public:
   Interleaved(const LayerConfig& c, const LayerWeights& w, RuntimeOptions opt)
-      : c_(c), w_(w), opt_(opt), pool_(static_cast<int>(c.ranks), opt.workers_per_rank, opt.pin) {
-    kernels::init();
+      : c_(c),
+        w_(w),
+        opt_(opt),
+        pool_(static_cast<int>(c.ranks), opt.workers_per_rank, opt.pin),
+        packed_((kernels::init(), resolve_packing<T>(c, w, opt.packed, opt.backward))) {
     machine_ = taskflow::parse_machine("cpu:" + std::to_string(opt.workers_per_rank));
     machine_.tile_rows = kTileRows;
     machine_.tile_cols = kTileCols;
-    for (std::int64_t e = 0; e < c.routed_experts; ++e) {
-      w1_.push_back(operand_of<T>(w.w1[e]));
-      w2_.push_back(operand_of<T>(w.w2[e]));
-      if (opt.backward) {
-        w1_t_.push_back(transposed_operand_of<T>(w.w1[e]));
-        w2_t_.push_back(transposed_operand_of<T>(w.w2[e]));
-      }
-    }
-    router_ = operand_of<float>(w.router);
-    if (opt.backward) router_t_ = transposed_operand_of<float>(w.router);
-    if (c.shared_experts > 0) {
-      sw1_ = operand_of<T>(w.shared_w1);
-      sw2_ = operand_of<T>(w.shared_w2);
-      if (opt.backward) {
-        sw1_t_ = transposed_operand_of<T>(w.shared_w1);
-        sw2_t_ = transposed_operand_of<T>(w.shared_w2);
-      }
-    }
     programs.resize(static_cast<std::size_t>(c.ranks));
     backward_programs.resize(static_cast<std::size_t>(c.ranks));
     ranks_.resize(static_cast<std::size_t>(c.ranks));
@@ -575,9 +560,17 @@ class Interleaved final : public InterleavedExecutor::Impl {
   RuntimeOptions opt_;
   WorkerPool pool_;
   taskflow::Machine machine_;
-  std::vector<Operand<T>> w1_, w2_, w1_t_, w2_t_;
-  Operand<float> router_, router_t_;
-  Operand<T> sw1_, sw2_, sw1_t_, sw2_t_;
+  std::shared_ptr<const PackedLayer<T>> packed_;
+  const std::vector<Operand<T>>& w1_ = packed_->w1;
+  const std::vector<Operand<T>>& w2_ = packed_->w2;
+  const std::vector<Operand<T>>& w1_t_ = packed_->w1_t;
+  const std::vector<Operand<T>>& w2_t_ = packed_->w2_t;
+  const Operand<float>& router_ = packed_->router;
+  const Operand<float>& router_t_ = packed_->router_t;
+  const Operand<T>& sw1_ = packed_->sw1;
+  const Operand<T>& sw2_ = packed_->sw2;
+  const Operand<T>& sw1_t_ = packed_->sw1_t;
+  const Operand<T>& sw2_t_ = packed_->sw2_t;
   std::vector<taskflow::Program>* current_ = nullptr;  // the program set being launched
   std::vector<float> logits_;
   Plan plan_;
