@@ -131,7 +131,7 @@ class Serialized final : public SerializedExecutor::Impl {
 
   void route_tokens(const LayerInputs& in, std::span<const std::int32_t> forced, StepResult& res) {
     const auto start = Clock::now();
-    res.routing = run_router(pool_, c_, router_.view(), in, w_.expert_bias, forced, logits_);
+    res.routing = run_router(pool_, c_, packed_->router.view(), in, w_.expert_bias, forced, logits_);
     res.forward_ops.push_back({"router", seconds(start, Clock::now())});
     const auto plan_start = Clock::now();
     plan_ = make_plan<T>(c_, res.routing);
@@ -180,7 +180,7 @@ class Serialized final : public SerializedExecutor::Impl {
     for (std::int64_t d = 0; d < P; ++d)
       for (std::int64_t le = 0; le < L; ++le) {
         const std::int64_t row0 = plan_.expert_begin[d * (L + 1) + le], n = plan_.expert_rows(d, le);
-        add_gemm(tiles[d], ranks_[d].recv.data() + row0 * H, H, w1_[d * L + le].view(),
+        add_gemm(tiles[d], ranks_[d].recv.data() + row0 * H, H, packed_->w1[d * L + le].view(),
                  ranks_[d].h.data() + row0 * 2 * I, nullptr, 2 * I, n, 2 * I, H, false);
       }
     gemm_op<T>("gemm1_gate_up", ops, tiles);
@@ -196,7 +196,7 @@ class Serialized final : public SerializedExecutor::Impl {
     for (std::int64_t d = 0; d < P; ++d)
       for (std::int64_t le = 0; le < L; ++le) {
         const std::int64_t row0 = plan_.expert_begin[d * (L + 1) + le], n = plan_.expert_rows(d, le);
-        add_gemm(tiles[d], ranks_[d].a.data() + row0 * I, I, w2_[d * L + le].view(), nullptr,
+        add_gemm(tiles[d], ranks_[d].a.data() + row0 * I, I, packed_->w2[d * L + le].view(), nullptr,
                  ranks_[d].y.data() + row0 * H, H, n, H, I, false);
       }
     gemm_op<T>("gemm2_down", ops, tiles);
@@ -204,7 +204,7 @@ class Serialized final : public SerializedExecutor::Impl {
     if (c_.shared_experts > 0) {
       tiles = tile_lists();
       for (std::int64_t r = 0; r < P; ++r)
-        add_gemm(tiles[r], x_of(in, r), H, sw1_.view(), ranks_[r].shared_h.data(), nullptr, 2 * Is, T_, 2 * Is, H, false);
+        add_gemm(tiles[r], x_of(in, r), H, packed_->sw1.view(), ranks_[r].shared_h.data(), nullptr, 2 * Is, T_, 2 * Is, H, false);
       gemm_op<T>("shared_gemm1", ops, tiles);
       timed("shared_swiglu", ops, [&](int r, int w) {
         auto& b = ranks_[r];
@@ -214,7 +214,7 @@ class Serialized final : public SerializedExecutor::Impl {
       });
       tiles = tile_lists();
       for (std::int64_t r = 0; r < P; ++r)
-        add_gemm(tiles[r], ranks_[r].shared_a.data(), Is, sw2_.view(), ranks_[r].shared_y.data(), nullptr, H, T_, H, Is,
+        add_gemm(tiles[r], ranks_[r].shared_a.data(), Is, packed_->sw2.view(), ranks_[r].shared_y.data(), nullptr, H, T_, H, Is,
                  false);
       gemm_op<T>("shared_gemm2", ops, tiles);
     }
@@ -347,7 +347,7 @@ class Serialized final : public SerializedExecutor::Impl {
     for (std::int64_t d = 0; d < P; ++d)
       for (std::int64_t le = 0; le < L; ++le) {
         const std::int64_t row0 = plan_.expert_begin[d * (L + 1) + le], n = plan_.expert_rows(d, le);
-        add_gemm(tiles[d], ranks_[d].grecv.data() + row0 * H, H, w2_t_[d * L + le].view(), ranks_[d].da.data() + row0 * I,
+        add_gemm(tiles[d], ranks_[d].grecv.data() + row0 * H, H, packed_->w2_t[d * L + le].view(), ranks_[d].da.data() + row0 * I,
                  nullptr, I, n, I, H, false);
       }
     gemm_op<T>("gemm2_dgrad", ops, tiles);
@@ -383,7 +383,7 @@ class Serialized final : public SerializedExecutor::Impl {
     for (std::int64_t d = 0; d < P; ++d)
       for (std::int64_t le = 0; le < L; ++le) {
         const std::int64_t row0 = plan_.expert_begin[d * (L + 1) + le], n = plan_.expert_rows(d, le);
-        add_gemm(tiles[d], ranks_[d].dh.data() + row0 * 2 * I, 2 * I, w1_t_[d * L + le].view(), nullptr,
+        add_gemm(tiles[d], ranks_[d].dh.data() + row0 * 2 * I, 2 * I, packed_->w1_t[d * L + le].view(), nullptr,
                  ranks_[d].dx_expert.data() + row0 * H, H, n, H, 2 * I, false);
       }
     gemm_op<T>("gemm1_dgrad", ops, tiles);
@@ -417,7 +417,7 @@ class Serialized final : public SerializedExecutor::Impl {
       auto& b = ranks_[r];
       for (std::int64_t i = 0; i < T_; i += kTileRows)
         for (std::int64_t j = 0; j < H; j += kTileCols)
-          ftiles[r].push_back({b.d_logits.data() + i * E, E, router_t_.view(), j, b.rdx.data() + i * H + j, nullptr, H,
+          ftiles[r].push_back({b.d_logits.data() + i * E, E, packed_->router_t.view(), j, b.rdx.data() + i * H + j, nullptr, H,
                                std::min(kTileRows, T_ - i), std::min(kTileCols, H - j), E, false});
       for (std::int64_t i = 0; i < H; i += kTileRows)
         for (std::int64_t j = 0; j < E; j += kTileCols)
@@ -487,7 +487,7 @@ class Serialized final : public SerializedExecutor::Impl {
     });
     auto tiles = tile_lists();
     for (std::int64_t r = 0; r < P; ++r) {
-      add_gemm(tiles[r], ranks_[r].shared_dy.data(), H, sw2_t_.view(), ranks_[r].shared_da.data(), nullptr, Is, T_, Is,
+      add_gemm(tiles[r], ranks_[r].shared_dy.data(), H, packed_->sw2_t.view(), ranks_[r].shared_da.data(), nullptr, Is, T_, Is,
                H, false);
       add_gemm(tiles[r], ranks_[r].shared_a_t.data(), tpad, shared_dy_view(r), ranks_[r].d_shared_w2.data(), nullptr, H,
                Is, H, tpad, false);
@@ -507,7 +507,7 @@ class Serialized final : public SerializedExecutor::Impl {
     });
     tiles = tile_lists();
     for (std::int64_t r = 0; r < P; ++r) {
-      add_gemm(tiles[r], ranks_[r].shared_dh.data(), 2 * Is, sw1_t_.view(), ranks_[r].sdx.data(), nullptr, H, T_, H,
+      add_gemm(tiles[r], ranks_[r].shared_dh.data(), 2 * Is, packed_->sw1_t.view(), ranks_[r].sdx.data(), nullptr, H, T_, H,
                2 * Is, false);
       add_gemm(tiles[r], ranks_[r].shared_x_t.data(), tpad, shared_dh_view(r), ranks_[r].d_shared_w1.data(), nullptr,
                2 * Is, H, 2 * Is, tpad, false);
@@ -520,16 +520,6 @@ class Serialized final : public SerializedExecutor::Impl {
   ExecutorOptions opt_;
   WorkerPool pool_;
   std::shared_ptr<const PackedLayer<T>> packed_;
-  const std::vector<Operand<T>>& w1_ = packed_->w1;
-  const std::vector<Operand<T>>& w2_ = packed_->w2;
-  const std::vector<Operand<T>>& w1_t_ = packed_->w1_t;
-  const std::vector<Operand<T>>& w2_t_ = packed_->w2_t;
-  const Operand<float>& router_ = packed_->router;
-  const Operand<float>& router_t_ = packed_->router_t;
-  const Operand<T>& sw1_ = packed_->sw1;
-  const Operand<T>& sw2_ = packed_->sw2;
-  const Operand<T>& sw1_t_ = packed_->sw1_t;
-  const Operand<T>& sw2_t_ = packed_->sw2_t;
   std::vector<RankBuffers<T>> ranks_;
   std::vector<float> logits_;
   Plan plan_;

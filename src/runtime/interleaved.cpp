@@ -71,7 +71,7 @@ class Interleaved final : public InterleavedExecutor::Impl {
     res.backward_ops.clear();
     if (res.out.rows != c_.total_tokens() || res.out.cols != c_.hidden) res.out = Matrix(c_.total_tokens(), c_.hidden);
     auto t0 = Clock::now();
-    res.routing = run_router(pool_, c_, router_.view(), in, w_.expert_bias, forced, logits_);
+    res.routing = run_router(pool_, c_, packed_->router.view(), in, w_.expert_bias, forced, logits_);
     auto t1 = Clock::now();
     res.forward_ops.push_back({"router", seconds(t0, t1)});
     res.router_seconds = seconds(t0, t1);
@@ -335,7 +335,7 @@ class Interleaved final : public InterleavedExecutor::Impl {
         break;
       }
       case TaskKind::gemm_gate_up:
-        kernels::gemm_tile<T>(buf<T>(r, BufferId::recv) + r0 * H, H, w1_[t.expert].view(), t.col_begin,
+        kernels::gemm_tile<T>(buf<T>(r, BufferId::recv) + r0 * H, H, packed_->w1[t.expert].view(), t.col_begin,
                               buf<float>(r, BufferId::h1) + r0 * 2 * I + t.col_begin, 2 * I, rows, t.cols, H, false);
         break;
       case TaskKind::swiglu:
@@ -343,7 +343,7 @@ class Interleaved final : public InterleavedExecutor::Impl {
           kernels::swiglu_forward<T>(buf<float>(r, BufferId::h1) + row * 2 * I, I, buf<T>(r, BufferId::a) + row * I);
         break;
       case TaskKind::gemm_down:
-        tile_to<T>(buf<T>(r, BufferId::a) + r0 * I, I, w2_[t.expert].view(), t.col_begin,
+        tile_to<T>(buf<T>(r, BufferId::a) + r0 * I, I, packed_->w2[t.expert].view(), t.col_begin,
                    buf<T>(r, BufferId::y) + r0 * H + t.col_begin, H, rows, t.cols, I);
         break;
       case TaskKind::combine_put:
@@ -363,7 +363,7 @@ class Interleaved final : public InterleavedExecutor::Impl {
         break;
       }
       case TaskKind::shared_gate_up:
-        kernels::gemm_tile<T>(tokens_of(in, r) + r0 * H, H, sw1_.view(), t.col_begin,
+        kernels::gemm_tile<T>(tokens_of(in, r) + r0 * H, H, packed_->sw1.view(), t.col_begin,
                               buf<float>(r, BufferId::sh_h) + r0 * 2 * Is + t.col_begin, 2 * Is, rows, t.cols, H, false);
         break;
       case TaskKind::shared_swiglu:
@@ -371,7 +371,7 @@ class Interleaved final : public InterleavedExecutor::Impl {
           kernels::swiglu_forward<T>(buf<float>(r, BufferId::sh_h) + row * 2 * Is, Is, buf<T>(r, BufferId::sh_a) + row * Is);
         break;
       case TaskKind::shared_down:
-        kernels::gemm_tile<T>(buf<T>(r, BufferId::sh_a) + r0 * Is, Is, sw2_.view(), t.col_begin,
+        kernels::gemm_tile<T>(buf<T>(r, BufferId::sh_a) + r0 * Is, Is, packed_->sw2.view(), t.col_begin,
                               buf<float>(r, BufferId::sh_y) + r0 * H + t.col_begin, H, rows, t.cols, Is, false);
         break;
       default:
@@ -410,7 +410,7 @@ class Interleaved final : public InterleavedExecutor::Impl {
         transpose_rows<float>(in.x.row(r * T_ + r0), H, rows, H, b.x_t_float.data() + r0, T_);
         break;
       case TaskKind::router_dgrad:
-        kernels::gemm_tile<float>(b.d_logits.data() + r0 * E, E, router_t_.view(), t.col_begin,
+        kernels::gemm_tile<float>(b.d_logits.data() + r0 * E, E, packed_->router_t.view(), t.col_begin,
                                   b.rdx.data() + r0 * H + t.col_begin, H, rows, t.cols, E, false);
         break;
       case TaskKind::router_wgrad:
@@ -426,7 +426,7 @@ class Interleaved final : public InterleavedExecutor::Impl {
         break;
       }
       case TaskKind::gemm_down_dgrad:
-        kernels::gemm_tile<T>(b.dy.data() + r0 * H, H, w2_t_[t.expert].view(), t.col_begin,
+        kernels::gemm_tile<T>(b.dy.data() + r0 * H, H, packed_->w2_t[t.expert].view(), t.col_begin,
                               b.da.data() + r0 * I + t.col_begin, I, rows, t.cols, H, false);
         break;
       case TaskKind::pack_down_grad: {
@@ -448,7 +448,7 @@ class Interleaved final : public InterleavedExecutor::Impl {
                                       b.dh.data() + row * 2 * I);
         break;
       case TaskKind::gemm_gate_up_dgrad:
-        tile_to<T>(b.dh.data() + r0 * 2 * I, 2 * I, w1_t_[t.expert].view(), t.col_begin,
+        tile_to<T>(b.dh.data() + r0 * 2 * I, 2 * I, packed_->w1_t[t.expert].view(), t.col_begin,
                    b.dx_expert.data() + r0 * H + t.col_begin, H, rows, t.cols, 2 * I);
         break;
       case TaskKind::pack_gate_up_grad: {
@@ -469,7 +469,7 @@ class Interleaved final : public InterleavedExecutor::Impl {
         copy_elements(ranks_[t.peer].dcomb.data() + r0 * H, b.dx_expert.data() + t.src_row * H, rows * H);
         break;
       case TaskKind::shared_down_dgrad:
-        kernels::gemm_tile<T>(b.shared_dy.data() + r0 * H, H, sw2_t_.view(), t.col_begin,
+        kernels::gemm_tile<T>(b.shared_dy.data() + r0 * H, H, packed_->sw2_t.view(), t.col_begin,
                               b.shared_da.data() + r0 * Is + t.col_begin, Is, rows, t.cols, H, false);
         break;
       case TaskKind::pack_shared_down_grad:
@@ -488,7 +488,7 @@ class Interleaved final : public InterleavedExecutor::Impl {
                                       b.shared_dh.data() + row * 2 * Is);
         break;
       case TaskKind::shared_gate_up_dgrad:
-        kernels::gemm_tile<T>(b.shared_dh.data() + r0 * 2 * Is, 2 * Is, sw1_t_.view(), t.col_begin,
+        kernels::gemm_tile<T>(b.shared_dh.data() + r0 * 2 * Is, 2 * Is, packed_->sw1_t.view(), t.col_begin,
                               b.sdx.data() + r0 * H + t.col_begin, H, rows, t.cols, 2 * Is, false);
         break;
       case TaskKind::pack_shared_gate_up_grad:
@@ -561,16 +561,6 @@ class Interleaved final : public InterleavedExecutor::Impl {
   WorkerPool pool_;
   taskflow::Machine machine_;
   std::shared_ptr<const PackedLayer<T>> packed_;
-  const std::vector<Operand<T>>& w1_ = packed_->w1;
-  const std::vector<Operand<T>>& w2_ = packed_->w2;
-  const std::vector<Operand<T>>& w1_t_ = packed_->w1_t;
-  const std::vector<Operand<T>>& w2_t_ = packed_->w2_t;
-  const Operand<float>& router_ = packed_->router;
-  const Operand<float>& router_t_ = packed_->router_t;
-  const Operand<T>& sw1_ = packed_->sw1;
-  const Operand<T>& sw2_ = packed_->sw2;
-  const Operand<T>& sw1_t_ = packed_->sw1_t;
-  const Operand<T>& sw2_t_ = packed_->sw2_t;
   std::vector<taskflow::Program>* current_ = nullptr;  // the program set being launched
   std::vector<float> logits_;
   Plan plan_;
