@@ -225,13 +225,9 @@ class Serialized final : public SerializedExecutor::Impl {
       auto& b = ranks_[r];
       auto [begin, end] = share(T_, w, W());
       for (std::int64_t t = begin; t < end; ++t) {
-        float* out = res.out.row(r * T_ + t);
-        std::fill(out, out + H, 0.0f);
-        for (std::int64_t k = 0; k < K; ++k) {
-          const std::int64_t a = (r * T_ + t) * K + k, slot = plan_.slot[a];
-          if (slot >= 0) kernels::axpy<T>(res.routing.weight[a], b.comb.data() + slot * H, out, H);
-        }
-        if (c_.shared_experts > 0) kernels::axpy<float>(1.0f, b.shared_y.data() + t * H, out, H);
+        const std::int64_t a = (r * T_ + t) * K;
+        combine_row<T>(res.out.row(r * T_ + t), H, K, plan_.slot.data() + a, res.routing.weight.data() + a, b.comb.data(),
+                       c_.shared_experts > 0 ? b.shared_y.data() + t * H : nullptr);
       }
     });
     (void)E;
@@ -434,16 +430,9 @@ class Serialized final : public SerializedExecutor::Impl {
     timed("grad_reduce", ops, [&](int r, int w) {
       auto& b = ranks_[r];
       auto [begin, end] = share(T_, w, W());
-      for (std::int64_t t = begin; t < end; ++t) {
-        float* dx = res.grads.x.row(r * T_ + t);
-        std::fill(dx, dx + H, 0.0f);
-        for (std::int64_t k = 0; k < K; ++k) {
-          const std::int64_t slot = plan_.slot[(r * T_ + t) * K + k];
-          if (slot >= 0) kernels::axpy<T>(1.0f, b.dcomb.data() + slot * H, dx, H);
-        }
-        kernels::axpy<float>(1.0f, b.rdx.data() + t * H, dx, H);
-        if (c_.shared_experts > 0) kernels::axpy<float>(1.0f, b.sdx.data() + t * H, dx, H);
-      }
+      for (std::int64_t t = begin; t < end; ++t)
+        assemble_dx_row<T>(res.grads.x.row(r * T_ + t), H, K, plan_.slot.data() + (r * T_ + t) * K, b.dcomb.data(),
+                           b.rdx.data() + t * H, c_.shared_experts > 0 ? b.sdx.data() + t * H : nullptr);
     });
 
     // Data-parallel reduction of the replicated weights' gradients, in rank order.

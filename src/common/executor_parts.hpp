@@ -204,6 +204,29 @@ inline std::pair<std::int64_t, std::int64_t> share(std::int64_t n, int worker, i
   return {n * worker / workers, n * (worker + 1) / workers};
 }
 
+// One token's output: its K expert rows weighted in k order, then the shared
+// experts' row (null when none). slots[k] < 0: dropped.
+template <class T>
+void combine_row(float* out, std::int64_t H, std::int64_t K, const std::int64_t* slots, const float* weights,
+                 const T* comb, const float* shared_row) {
+  std::fill(out, out + H, 0.0f);
+  for (std::int64_t k = 0; k < K; ++k)
+    if (slots[k] >= 0) kernels::axpy<T>(weights[k], comb + slots[k] * H, out, H);
+  if (shared_row) kernels::axpy<float>(1.0f, shared_row, out, H);
+}
+
+// One token's dx: its K returned rows in k order, then the router's part,
+// then the shared experts' (null when none).
+template <class T>
+void assemble_dx_row(float* dx, std::int64_t H, std::int64_t K, const std::int64_t* slots, const T* dcomb,
+                     const float* router_row, const float* shared_row) {
+  std::fill(dx, dx + H, 0.0f);
+  for (std::int64_t k = 0; k < K; ++k)
+    if (slots[k] >= 0) kernels::axpy<T>(1.0f, dcomb + slots[k] * H, dx, H);
+  kernels::axpy<float>(1.0f, router_row, dx, H);
+  if (shared_row) kernels::axpy<float>(1.0f, shared_row, dx, H);
+}
+
 // Runs a rank's tile list on worker w of W (tile i goes to worker i mod W).
 template <class U>
 void run_tiles(const std::vector<GemmTile<U>>& list, int w, int W) {

@@ -349,19 +349,14 @@ class Interleaved final : public InterleavedExecutor::Impl {
       case TaskKind::combine_put:
         copy_elements(buf<T>(t.peer, BufferId::comb) + r0 * H, buf<T>(r, BufferId::y) + t.src_row * H, rows * H);
         break;
-      case TaskKind::combine_reduce: {
-        const T* comb = buf<T>(r, BufferId::comb);
+      case TaskKind::combine_reduce:
         for (std::int64_t tok = r0; tok < r0 + rows; ++tok) {
-          float* out = res.out.row(r * T_ + tok);
-          std::fill(out, out + H, 0.0f);
-          for (std::int64_t k = 0; k < K; ++k) {
-            const std::int64_t a = (r * T_ + tok) * K + k, slot = plan_.slot[a];
-            if (slot >= 0) kernels::axpy<T>(res.routing.weight[a], comb + slot * H, out, H);
-          }
-          if (c_.shared_experts > 0) kernels::axpy<float>(1.0f, buf<float>(r, BufferId::sh_y) + tok * H, out, H);
+          const std::int64_t a = (r * T_ + tok) * K;
+          combine_row<T>(res.out.row(r * T_ + tok), H, K, plan_.slot.data() + a, res.routing.weight.data() + a,
+                         buf<T>(r, BufferId::comb),
+                         c_.shared_experts > 0 ? buf<float>(r, BufferId::sh_y) + tok * H : nullptr);
         }
         break;
-      }
       case TaskKind::shared_gate_up:
         kernels::gemm_tile<T>(tokens_of(in, r) + r0 * H, H, packed_->sw1.view(), t.col_begin,
                               buf<float>(r, BufferId::sh_h) + r0 * 2 * Is + t.col_begin, 2 * Is, rows, t.cols, H, false);
@@ -503,16 +498,10 @@ class Interleaved final : public InterleavedExecutor::Impl {
                               false);
         break;
       case TaskKind::grad_reduce:
-        for (std::int64_t tok = r0; tok < r0 + rows; ++tok) {
-          float* dx = res.grads.x.row(r * T_ + tok);
-          std::fill(dx, dx + H, 0.0f);
-          for (std::int64_t k = 0; k < K; ++k) {
-            const std::int64_t slot = plan_.slot[(r * T_ + tok) * K + k];
-            if (slot >= 0) kernels::axpy<T>(1.0f, b.dcomb.data() + slot * H, dx, H);
-          }
-          kernels::axpy<float>(1.0f, b.rdx.data() + tok * H, dx, H);
-          if (c_.shared_experts > 0) kernels::axpy<float>(1.0f, b.sdx.data() + tok * H, dx, H);
-        }
+        for (std::int64_t tok = r0; tok < r0 + rows; ++tok)
+          assemble_dx_row<T>(res.grads.x.row(r * T_ + tok), H, K, plan_.slot.data() + (r * T_ + tok) * K,
+                             b.dcomb.data(), b.rdx.data() + tok * H,
+                             c_.shared_experts > 0 ? b.sdx.data() + tok * H : nullptr);
         break;
       default:
         throw Error(std::string("the interleaved runtime has no implementation of task kind ") + taskflow::name(t.kind));
