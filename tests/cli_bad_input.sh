@@ -57,6 +57,8 @@ cases=(
   "run --load $tmp/saved --set hidden=64"
   "run --load $tmp/badst"
   "run --json /nonexistent/dir/out.json"
+  "run --trace /nonexistent/dir/trace.json"
+  "run --timeline /nonexistent/dir/timeline.svg"
   "compile --machine gpu:4"
   "compile --machine cpu:0"
   "compile --machine cpu:2:64"

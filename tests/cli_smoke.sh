@@ -36,4 +36,9 @@ set +e
 rc=$?
 set -e
 test "$rc" -eq 1 && grep -q "FAIL" "$tmp/broken.txt"
+# Timelines of a real run: a Chrome/Perfetto trace and an SVG, both executors.
+"$HPMOE" run -P 2 -W 2 --backward --trace "$tmp/trace.json" --timeline "$tmp/timeline.svg" > /dev/null
+grep -q '"traceEvents"' "$tmp/trace.json" && grep -q '"serialized"' "$tmp/trace.json"
+grep -q 'gemm_gate_up_wgrad' "$tmp/trace.json"
+grep -q '<svg' "$tmp/timeline.svg" && grep -q 'interleaved' "$tmp/timeline.svg"
 echo "cli smoke: all passed"

@@ -22,6 +22,16 @@ struct ExecutorOptions {
   bool backward = false;
   bool pin = true;
   std::shared_ptr<const PackedWeights> packed;  // optional, see pack_weights
+  bool trace = false;                           // record StepResult::trace
+};
+
+// What one worker did over one span of a step, for timelines: seconds from
+// the step's start.
+struct TraceSlice {
+  std::int32_t rank = 0, worker = 0;
+  double start = 0, end = 0;
+  std::string name;    // operator or task kind
+  std::string detail;  // expert and tile, when a task
 };
 
 // Wall time of one bulk-synchronous operator (all ranks, all workers).
@@ -39,6 +49,7 @@ struct StepResult {
   double router_seconds = 0;       // router GEMM and top-k: before dispatch
   double dispatch_to_combine_seconds = 0;  // forward, dispatch through combine
   double backward_seconds = 0;
+  std::vector<TraceSlice> trace;   // when tracing
 };
 
 // The layer the way frameworks run it today: one operator at a time (permute,

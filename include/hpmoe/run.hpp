@@ -34,6 +34,8 @@ struct RunRequest {
   std::string save_dir;  // write the run's tensors here
   bool pin = true;
   RunMode mode = RunMode::automatic;
+  std::string trace_file;     // Chrome/Perfetto trace of the last step of each executor
+  std::string timeline_file;  // the same as an SVG Gantt chart
   taskflow::Policy policy = taskflow::Policy::critical_path;
 };
 

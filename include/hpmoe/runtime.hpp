@@ -22,6 +22,7 @@ struct RuntimeOptions {
   // compilation and before verification and launch.
   std::function<void(std::vector<taskflow::Program>&)> after_compile;
   std::shared_ptr<const PackedWeights> packed;  // optional, see pack_weights
+  bool trace = false;                           // record StepResult::trace (a slice per task)
 };
 
 // The interleaved single-launch runtime, in process: every step compiles the

@@ -73,6 +73,10 @@ class Serialized final : public SerializedExecutor::Impl {
     check_shapes(c_, w_, in);
     res.forward_ops.clear();
     res.backward_ops.clear();
+    res.trace.clear();
+    step_start_ = Clock::now();
+    trace_ = &res.trace;
+    trace_result_ = &res;
     if (res.out.rows != c_.total_tokens() || res.out.cols != c_.hidden) res.out = Matrix(c_.total_tokens(), c_.hidden);
     if (opt_.backward && res.grads.w1.size() != static_cast<std::size_t>(c_.routed_experts))
       res.grads = zero_gradients(c_);
@@ -100,7 +104,20 @@ class Serialized final : public SerializedExecutor::Impl {
   template <class Fn>
   void timed(const char* name, std::vector<OperatorTime>& times, Fn&& fn) {
     const auto start = Clock::now();
-    pool_.run(fn);
+    if (!opt_.trace) {
+      pool_.run(fn);
+    } else {  // each worker's own span within the operator: the barrier's idle time shows
+      std::vector<std::pair<double, double>> spans(static_cast<std::size_t>(c_.ranks * W()));
+      pool_.run([&](int r, int w) {
+        const double t0 = seconds(step_start_, Clock::now());
+        fn(r, w);
+        spans[static_cast<std::size_t>(r * W() + w)] = {t0, seconds(step_start_, Clock::now())};
+      });
+      for (std::size_t i = 0; i < spans.size(); ++i)
+        trace_->push_back(TraceSlice{static_cast<std::int32_t>(i / static_cast<std::size_t>(W())),
+                                     static_cast<std::int32_t>(i % static_cast<std::size_t>(W())), spans[i].first,
+                                     spans[i].second, name, &times == &trace_result_->backward_ops ? "backward" : "forward"});
+    }
     times.push_back({name, seconds(start, Clock::now())});
   }
 
@@ -511,6 +528,9 @@ class Serialized final : public SerializedExecutor::Impl {
   std::shared_ptr<const PackedLayer<T>> packed_;
   std::vector<RankBuffers<T>> ranks_;
   std::vector<float> logits_;
+  Clock::time_point step_start_;
+  std::vector<TraceSlice>* trace_ = nullptr;
+  const StepResult* trace_result_ = nullptr;
   Plan plan_;
 };
 

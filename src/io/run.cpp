@@ -10,6 +10,7 @@
 #include "hpmoe/error.hpp"
 #include "hpmoe/reference.hpp"
 #include "hpmoe/runtime.hpp"
+#include "hpmoe/trace.hpp"
 #include "hpmoe/safetensors.hpp"
 
 namespace hpmoe {
@@ -152,6 +153,7 @@ RunReport run_layer(const RunRequest& req, const std::function<void(const std::s
   opt.backward = req.backward;
   opt.pin = req.pin;
   opt.packed = packed;
+  opt.trace = !req.trace_file.empty() || !req.timeline_file.empty();
   std::unique_ptr<SerializedExecutor> serial;
   std::unique_ptr<InterleavedExecutor> inter;
   if (use_serialized) serial = std::make_unique<SerializedExecutor>(c, w, opt);
@@ -161,6 +163,7 @@ RunReport run_layer(const RunRequest& req, const std::function<void(const std::s
     ropt.policy = req.policy;
     ropt.backward = req.backward;
     ropt.packed = packed;
+    ropt.trace = opt.trace;
     ropt.pin = false;  // the serialized executor's pool holds the pinned cores
     if (!use_serialized) ropt.pin = req.pin;
     inter = std::make_unique<InterleavedExecutor>(c, w, ropt);
@@ -265,6 +268,13 @@ RunReport run_layer(const RunRequest& req, const std::function<void(const std::s
       rep.verification.checks.push_back(ch);
       rep.verification.pass = rep.verification.pass && ch.pass && same;
     }
+  }
+  if (opt.trace) {
+    std::vector<TracedRun> runs;
+    if (serial) runs.push_back({"serialized", &last});
+    if (inter) runs.push_back({"interleaved (" + std::string(taskflow::name(req.policy)) + ")", serial ? &inter_last : &last});
+    if (!req.trace_file.empty()) write_chrome_trace(req.trace_file, runs);
+    if (!req.timeline_file.empty()) write_timeline_svg(req.timeline_file, runs);
   }
   if (!req.save_dir.empty()) {
     say("saving tensors to " + req.save_dir);

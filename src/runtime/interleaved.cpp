@@ -69,6 +69,8 @@ class Interleaved final : public InterleavedExecutor::Impl {
     check_shapes(c_, w_, in);
     res.forward_ops.clear();
     res.backward_ops.clear();
+    res.trace.clear();
+    step_start_ = Clock::now();
     if (res.out.rows != c_.total_tokens() || res.out.cols != c_.hidden) res.out = Matrix(c_.total_tokens(), c_.hidden);
     auto t0 = Clock::now();
     res.routing = run_router(pool_, c_, packed_->router.view(), in, w_.expert_bias, forced, logits_);
@@ -133,12 +135,36 @@ class Interleaved final : public InterleavedExecutor::Impl {
       s.base.resize(p.events.size());
       for (std::size_t e = 0; e < p.events.size(); ++e) s.base[e] = s.counters[e].value.load(std::memory_order_relaxed);
     }
+    if (opt_.trace) {  // storage before the launch: recording allocates nothing
+      spans_.resize(static_cast<std::size_t>(c_.ranks * opt_.workers_per_rank));
+      for (std::int64_t r = 0; r < c_.ranks; ++r)
+        for (int w = 0; w < opt_.workers_per_rank; ++w) {
+          auto& v = spans_[static_cast<std::size_t>(r * opt_.workers_per_rank + w)];
+          v.clear();
+          v.reserve(static_cast<std::size_t>(set[r].queue_begin[w + 1] - set[r].queue_begin[w]));
+        }
+    }
     const auto start = Clock::now();
     abort_.store(false, std::memory_order_relaxed);
     failure_ = nullptr;
     pool_.run([&](int r, int w) { run_worker(in, res, r, w); });
     if (failure_) std::rethrow_exception(failure_);
-    return seconds(start, Clock::now());
+    const double elapsed = seconds(start, Clock::now());
+    if (opt_.trace) {
+      const char* pass = set[0].pass == taskflow::Pass::forward ? "forward" : "backward";
+      for (std::int64_t r = 0; r < c_.ranks; ++r)
+        for (int w = 0; w < opt_.workers_per_rank; ++w)
+          for (const auto& span : spans_[static_cast<std::size_t>(r * opt_.workers_per_rank + w)]) {
+            const Task& t = set[r].tasks[span.task];
+            std::string detail = std::string(pass) + (t.expert >= 0 ? " expert " + std::to_string(t.expert) : "") +
+                                 " rows [" + std::to_string(t.row_begin) + ", " + std::to_string(t.row_begin + t.rows) +
+                                 ") cols [" + std::to_string(t.col_begin) + ", " + std::to_string(t.col_begin + t.cols) +
+                                 ")" + (t.peer != r ? " to rank " + std::to_string(t.peer) : "");
+            res.trace.push_back(TraceSlice{static_cast<std::int32_t>(r), w, span.start, span.end, taskflow::name(t.kind),
+                                           std::move(detail)});
+          }
+    }
+    return elapsed;
   }
 
   // Sum over ranks, in rank order, of the replicated weights' gradients.
@@ -308,7 +334,11 @@ class Interleaved final : public InterleavedExecutor::Impl {
         const std::int32_t id = p.queue_tasks[q];
         const Task& t = p.tasks[id];
         if (t.wait_event >= 0) wait(r, w, id, t);
+        const auto begin = opt_.trace ? Clock::now() : Clock::time_point{};
         execute(in, res, r, t);
+        if (opt_.trace)
+          spans_[static_cast<std::size_t>(r * opt_.workers_per_rank + w)].push_back(
+              Span{id, seconds(step_start_, begin), seconds(step_start_, Clock::now())});
         if (t.trigger_event >= 0) ranks_[t.peer].counters[t.trigger_event].value.fetch_add(1, std::memory_order_release);
       }
     } catch (const Aborted&) {
@@ -551,6 +581,12 @@ class Interleaved final : public InterleavedExecutor::Impl {
   taskflow::Machine machine_;
   std::shared_ptr<const PackedLayer<T>> packed_;
   std::vector<taskflow::Program>* current_ = nullptr;  // the program set being launched
+  struct Span {
+    std::int32_t task;
+    double start, end;
+  };
+  std::vector<std::vector<Span>> spans_;  // per worker, when tracing
+  Clock::time_point step_start_;
   std::vector<float> logits_;
   Plan plan_;
   taskflow::ScheduleScratch schedule_scratch_;

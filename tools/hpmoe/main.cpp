@@ -84,6 +84,8 @@ int run_main(int argc, char** argv) {
   run->add_flag("--no-pin", no_pin, "do not pin worker threads to cores");
   std::string run_mode = "auto", run_schedule = "critical-path";
   run->add_option("--mode", run_mode, "auto | serialized | interleaved | both (auto: both, side by side, checked bit-identical)");
+  run->add_option("--trace", req.trace_file, "write a Chrome/Perfetto trace (JSON) of the last step of each executor");
+  run->add_option("--timeline", req.timeline_file, "write the same as an SVG Gantt chart (serialized above interleaved)");
   run->add_option("--schedule", run_schedule, "scheduler policy of the interleaved runtime: fill | rank-rotated | critical-path | interleave-wgrad");
 
   // hpmoe config
