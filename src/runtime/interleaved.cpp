@@ -6,13 +6,11 @@
 #include <type_traits>
 
 #include "common/executor_parts.hpp"
+#include "runtime/event_wait.hpp"
 #include "hpmoe/error.hpp"
 #include "hpmoe/runtime.hpp"
 #include "hpmoe/worker_pool.hpp"
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
 
 namespace hpmoe {
 
@@ -32,18 +30,9 @@ namespace {
 
 double seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
 
-// One event counter per cache line. Counters only grow: a step waits for
-// base + count, base being the value when the step began (re-armed by an
-// offset, never reset).
-struct alignas(64) Counter {
-  std::atomic<std::int64_t> value{0};
-};
-
-inline void cpu_relax() {
-#if defined(__x86_64__)
-  _mm_pause();
-#endif
-}
+// Counters only grow: a launch waits for base + count, base being the value
+// when the launch began (re-armed by an offset, never reset).
+using Counter = EventCounter;
 
 template <class T>
 class Interleaved final : public InterleavedExecutor::Impl {
@@ -285,22 +274,13 @@ class Interleaved final : public InterleavedExecutor::Impl {
       std::atomic<std::int32_t>& s;
       ~Clear() { s.store(-1, std::memory_order_relaxed); }
     } clear{status};
-    for (std::uint64_t spins = 0;; ++spins) {
-      if (counter.load(std::memory_order_acquire) >= target) return;
-      if (spins < 256) {
-        cpu_relax();
-        continue;
-      }
-      std::this_thread::yield();
-      if ((spins & 255) == 0) {
-        if (abort_.load(std::memory_order_relaxed)) throw Aborted{};
-        const double waited = seconds(start, Clock::now());
-        if (waited > opt_.watchdog_seconds) {
-          throw Error("watchdog: no progress for " + std::to_string(waited).substr(0, 5) + " s; waiting: " +
-                      describe_waiters());
-        }
-      }
-    }
+    wait_until(s.counters[t.wait_event], target, [&] {
+      if (abort_.load(std::memory_order_relaxed)) throw Aborted{};
+      const double waited = seconds(start, Clock::now());
+      if (waited > opt_.watchdog_seconds)
+        throw Error("watchdog: no progress for " + std::to_string(waited).substr(0, 5) + " s; waiting: " +
+                    describe_waiters());
+    });
   }
 
   // Every worker that is waiting now, with what it waits for.
@@ -339,7 +319,7 @@ class Interleaved final : public InterleavedExecutor::Impl {
         if (opt_.trace)
           spans_[static_cast<std::size_t>(r * opt_.workers_per_rank + w)].push_back(
               Span{id, seconds(step_start_, begin), seconds(step_start_, Clock::now())});
-        if (t.trigger_event >= 0) ranks_[t.peer].counters[t.trigger_event].value.fetch_add(1, std::memory_order_release);
+        if (t.trigger_event >= 0) signal(ranks_[t.peer].counters[t.trigger_event]);
       }
     } catch (const Aborted&) {
       return;

@@ -1,0 +1,113 @@
+// Costs of the runtime's synchronisation, measured on the runtime's own code:
+//   - signal-to-wake latency of an event counter between two workers
+//     (ping-pong, one way = half a round trip), on two cores and, when both
+//     share one core (oversubscribed), through the yield path;
+//   - per-task cost of a launch whose tiles do almost nothing (a layer of
+//     hidden 2, inter 2), next to the serialized baseline's time for the
+//     same layer (its operators and barriers).
+//
+//   build/bench/bench_runtime --benchmark_repetitions=5 --benchmark_report_aggregates_only=true
+#include <benchmark/benchmark.h>
+#include <pthread.h>
+
+#include <chrono>
+#include <thread>
+
+#include "hpmoe/runtime.hpp"
+#include "runtime/event_wait.hpp"
+
+using namespace hpmoe;
+using namespace hpmoe::detail;
+
+namespace {
+
+void pin(unsigned core) {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  CPU_SET(core % std::max(1u, std::thread::hardware_concurrency()), &set);
+  pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
+}
+
+void BM_SignalToWake(benchmark::State& state) {
+  const bool same_core = state.range(0) != 0;
+  EventCounter ping, pong;
+  std::atomic<bool> stop{false};
+  std::int64_t rounds = 0;
+  struct Stopped {};
+  std::thread partner([&] {
+    pin(same_core ? 0 : 1);
+    try {
+      for (std::int64_t i = 1;; ++i) {
+        wait_until(ping, i, [&] {
+          if (stop.load()) throw Stopped{};
+        });
+        if (stop.load()) return;
+        signal(pong);
+      }
+    } catch (const Stopped&) {
+    }
+  });
+  pin(0);
+  const auto start = std::chrono::steady_clock::now();
+  for (auto _ : state) {
+    ++rounds;
+    signal(ping);
+    wait_until(pong, rounds, [] {});
+  }
+  const double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  stop.store(true);
+  signal(ping);
+  partner.join();
+  state.counters["one_way_ns"] = total / double(state.iterations()) / 2 * 1e9;
+}
+
+LayerConfig small_tiles(std::int64_t ranks) {
+  LayerConfig c = preset("tiny");
+  c.hidden = 2;  // tiles that do next to nothing: what remains is overhead
+  c.expert_inter = 2;
+  c.routed_experts = 8;
+  c.shared_experts = 0;
+  c.top_k = 2;
+  c.ranks = ranks;
+  c.tokens_per_rank = 4096 / ranks;
+  c.validate();
+  return c;
+}
+
+void BM_PerTaskCost(benchmark::State& state) {
+  const std::int64_t ranks = state.range(0);
+  const LayerConfig c = small_tiles(ranks);
+  const auto w = random_weights(c, 1);
+  const auto in = random_inputs(c, 1);
+  RuntimeOptions opt;
+  opt.workers_per_rank = 1;
+  opt.pin = true;
+  InterleavedExecutor inter(c, w, opt);
+  SerializedExecutor serial(c, w, ExecutorOptions{1, false, true, {}});
+  StepResult a, b;
+  inter.step(in, {}, a);
+  serial.step(in, {}, b);
+  double launch = 0, d2c = 0;
+  for (auto _ : state) {
+    inter.step(in, {}, a);
+    serial.step(in, {}, b);
+    launch += a.dispatch_to_combine_seconds;
+    d2c += b.dispatch_to_combine_seconds;
+    state.SetIterationTime(a.dispatch_to_combine_seconds);
+  }
+  std::int64_t tasks = 0;
+  for (const auto& p : inter.programs()) tasks += static_cast<std::int64_t>(p.tasks.size());
+  const double n = double(state.iterations());
+  state.counters["tasks_per_rank"] = double(tasks) / double(ranks);
+  state.counters["ns_per_task"] = launch / n / (double(tasks) / double(ranks)) * 1e9;
+  // Serialized: forward operators after routing (plan, permute, a2a, GEMMs, ...).
+  state.counters["serialized_us"] = d2c / n * 1e6;
+  state.counters["interleaved_us"] = launch / n * 1e6;
+}
+
+}  // namespace
+
+BENCHMARK(BM_SignalToWake)->ArgNames({"same_core"})->Arg(0)->Arg(1)->Unit(benchmark::kNanosecond)->MinTime(0.5);
+BENCHMARK(BM_PerTaskCost)->ArgNames({"ranks"})->Arg(1)->Arg(2)->UseManualTime()->Unit(benchmark::kMicrosecond);
+
+BENCHMARK_MAIN();
