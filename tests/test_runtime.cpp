@@ -13,6 +13,15 @@ namespace {
 
 std::string trace_spec() { return "trace:" + std::string(HPMOE_SOURCE_DIR) + "/data/routing/mixtral-8x7b/humanities.json:20"; }
 
+RuntimeOptions runtime_options(int workers, taskflow::Policy policy, bool backward) {
+  RuntimeOptions opt;
+  opt.workers_per_rank = workers;
+  opt.policy = policy;
+  opt.backward = backward;
+  opt.pin = false;
+  return opt;
+}
+
 bool bit_identical(const Matrix& a, const Matrix& b) {
   return a.data.size() == b.data.size() && std::memcmp(a.data.data(), b.data.data(), a.data.size() * sizeof(float)) == 0;
 }
@@ -43,12 +52,7 @@ TEST_P(InterleavedBackward, GradientsAreBitIdenticalToSerialized) {
   const auto in = random_inputs(c, 31);
   const auto forced = forced_selection(c, parse_routing_spec(routing == "trace" ? trace_spec() : routing, 6));
   SerializedExecutor serial(c, w, ExecutorOptions{workers, true, false, {}});
-  RuntimeOptions opt;
-  opt.workers_per_rank = workers;
-  opt.policy = policy;
-  opt.backward = true;
-  opt.pin = false;
-  InterleavedExecutor inter(c, w, opt);
+  InterleavedExecutor inter(c, w, runtime_options(workers, policy, true));
   StepResult a, b;
   serial.step(in, forced, a);
   inter.step(in, forced, b);
@@ -92,11 +96,7 @@ TEST_P(InterleavedForward, IsBitIdenticalToSerialized) {
   const auto in = random_inputs(c, 21);
   const auto forced = forced_selection(c, parse_routing_spec(routing == "trace" ? trace_spec() : routing, 5));
   SerializedExecutor serial(c, w, ExecutorOptions{workers, false, false, {}});
-  RuntimeOptions opt;
-  opt.workers_per_rank = workers;
-  opt.policy = policy;
-  opt.pin = false;
-  InterleavedExecutor inter(c, w, opt);
+  InterleavedExecutor inter(c, w, runtime_options(workers, policy, false));
   StepResult a, b;
   serial.step(in, forced, a);
   inter.step(in, forced, b);
@@ -133,10 +133,7 @@ TEST(Interleaved, CapacityDropsNoSharedExpertsSingleTokens) {
     const auto w = random_weights(c, 3);
     const auto in = random_inputs(c, 3);
     SerializedExecutor serial(c, w, ExecutorOptions{2, false, false, {}});
-    RuntimeOptions opt;
-    opt.workers_per_rank = 2;
-    opt.pin = false;
-    InterleavedExecutor inter(c, w, opt);
+    InterleavedExecutor inter(c, w, runtime_options(2, taskflow::Policy::critical_path, false));
     StepResult a, b;
     serial.step(in, {}, a);
     inter.step(in, {}, b);
@@ -150,10 +147,8 @@ TEST(Interleaved, OversubscribedWorkersStillFinish) {
   c.tokens_per_rank = 64;
   const auto w = random_weights(c, 8);
   const auto in = random_inputs(c, 8);
-  RuntimeOptions opt;
-  opt.workers_per_rank = 3;  // 12 spinning workers on a 2-core machine
-  opt.pin = false;
-  InterleavedExecutor inter(c, w, opt);
+  // 12 spinning workers on a 2-core machine
+  InterleavedExecutor inter(c, w, runtime_options(3, taskflow::Policy::critical_path, false));
   SerializedExecutor serial(c, w, ExecutorOptions{1, false, false, {}});
   StepResult a, b;
   serial.step(in, {}, a);
