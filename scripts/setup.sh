@@ -3,6 +3,7 @@
 # package is already present it neither updates the package lists nor installs.
 set -euo pipefail
 packages=(cmake ninja-build g++ pkg-config libxsmm-dev nlohmann-json3-dev libcli11-dev libopenblas-dev
+  libopenmpi-dev openmpi-bin
           libgtest-dev libgmock-dev libbenchmark-dev)
 missing=()
 for p in "${packages[@]}"; do

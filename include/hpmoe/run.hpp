@@ -9,6 +9,7 @@
 #include "hpmoe/baseline.hpp"
 #include "hpmoe/config.hpp"
 #include "hpmoe/routing.hpp"
+#include "hpmoe/runtime.hpp"
 #include "hpmoe/taskflow.hpp"
 
 namespace hpmoe {
@@ -37,6 +38,12 @@ struct RunRequest {
   std::string trace_file;     // Chrome/Perfetto trace of the last step of each executor
   std::string timeline_file;  // the same as an SVG Gantt chart
   taskflow::Policy policy = taskflow::Policy::critical_path;
+  // The interleaved runtime's transport (null: in-process). With MPI, every
+  // process calls run_layer; the root also runs the serialized baseline (in
+  // process, as the reference) and verifies; only its report is complete.
+  std::shared_ptr<Transport> transport;
+  double watchdog_seconds = 10.0;
+  RuntimeFault fault;
 };
 
 // One tensor of a fast path compared against the oracle.
@@ -70,6 +77,7 @@ struct RunReport {
   std::vector<std::pair<std::string, Summary>> forward_ops, backward_ops;  // per operator, over iterations
   Summary router, dispatch_to_combine, backward_time;
   bool serialized = true, interleaved = false;  // which executors ran
+  std::string transport = "in-process";
   std::string policy;
   std::vector<std::pair<std::string, Summary>> interleaved_ops;
   Summary interleaved_d2c, interleaved_backward;

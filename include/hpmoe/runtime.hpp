@@ -8,8 +8,18 @@
 #include "hpmoe/config.hpp"
 #include "hpmoe/taskflow.hpp"
 #include "hpmoe/tensors.hpp"
+#include "hpmoe/transport.hpp"
 
 namespace hpmoe {
+
+// Faults injected on purpose (tests of the watchdog and of peer failure).
+struct RuntimeFault {
+  enum Kind { none, exit_process, freeze_process, stall } kind = none;
+  // exit_process: the process hosting this rank dies at its first launch;
+  // freeze_process: it stops (SIGSTOP: alive but silent, like a host whose
+  // link went down); stall: this rank's worker 0 waits before its first task
+  int rank = 0;
+};
 
 struct RuntimeOptions {
   int workers_per_rank = 1;
@@ -23,6 +33,11 @@ struct RuntimeOptions {
   std::function<void(std::vector<taskflow::Program>&)> after_compile;
   std::shared_ptr<const PackedWeights> packed;  // optional, see pack_weights
   bool trace = false;                           // record StepResult::trace (a slice per task)
+  // Where the ranks run and how rows reach peers; null: all ranks in this
+  // process. With an MPI transport each process runs its own rank, and the
+  // root process's StepResult holds every rank's outputs and gradients.
+  std::shared_ptr<Transport> transport;
+  RuntimeFault fault;
 };
 
 // The interleaved single-launch runtime, in process: every step compiles the

@@ -14,7 +14,8 @@ namespace hpmoe {
 // boundary). A worker's exception is rethrown by run().
 class WorkerPool {
  public:
-  WorkerPool(int ranks, int workers_per_rank, bool pin);
+  // Worker i is pinned to core (first_core + i) mod cores.
+  WorkerPool(int ranks, int workers_per_rank, bool pin, int first_core = 0);
   ~WorkerPool();
   WorkerPool(const WorkerPool&) = delete;
   WorkerPool& operator=(const WorkerPool&) = delete;

@@ -7,7 +7,7 @@
 
 namespace hpmoe {
 
-WorkerPool::WorkerPool(int ranks, int workers_per_rank, bool pin) : ranks_(ranks), workers_(workers_per_rank) {
+WorkerPool::WorkerPool(int ranks, int workers_per_rank, bool pin, int first_core) : ranks_(ranks), workers_(workers_per_rank) {
   if (ranks < 1 || workers_per_rank < 1) throw Error("a worker pool needs at least one rank and one worker");
   const int total = ranks * workers_per_rank;
   const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
@@ -16,7 +16,7 @@ WorkerPool::WorkerPool(int ranks, int workers_per_rank, bool pin) : ranks_(ranks
     if (pin) {
       cpu_set_t set;
       CPU_ZERO(&set);
-      CPU_SET(static_cast<unsigned>(i) % cores, &set);
+      CPU_SET(static_cast<unsigned>(first_core + i) % cores, &set);
       pthread_setaffinity_np(threads_.back().native_handle(), sizeof(set), &set);  // best effort
     }
   }

@@ -255,7 +255,12 @@ inline RouterOutput<float> run_router(WorkerPool& pool, const LayerConfig& c, Rh
       for (std::int64_t j = 0; j < E; j += kTileCols)
         tiles[r].push_back({in.x.row(r * T + i), H, router, j, logits.data() + (r * T + i) * E + j, nullptr, E,
                             std::min(kTileRows, T - i), std::min(kTileCols, E - j), H, false});
-  pool.run([&](int r, int w) { run_tiles<float>(tiles[r], w, pool.workers_per_rank()); });
+  // A pool that runs fewer ranks than the layer has (one MPI process per
+  // rank) routes every rank's tokens with what it has: every process needs
+  // the whole routing to lay out the exchange.
+  pool.run([&](int pr, int w) {
+    for (std::int64_t r = pr; r < c.ranks; r += pool.ranks()) run_tiles<float>(tiles[r], w, pool.workers_per_rank());
+  });
   return route<float>(c, logits, bias, forced);
 }
 

@@ -144,7 +144,13 @@ RunReport run_layer(const RunRequest& req, const std::function<void(const std::s
   const auto forced = forced_selection(c, req.routing);
 
   const RunMode mode = req.mode == RunMode::automatic ? RunMode::both : req.mode;
-  const bool use_serialized = mode != RunMode::interleaved, use_interleaved = mode != RunMode::serialized;
+  const bool root = !req.transport || req.transport->is_root();
+  bool distributed = false;
+  if (req.transport)
+    for (int r = 0; r < c.ranks; ++r) distributed = distributed || !req.transport->hosts(r);
+  if (distributed && mode == RunMode::serialized)
+    throw Error("--mode serialized runs in one process; with --transport mpi use --mode interleaved or both");
+  const bool use_serialized = mode != RunMode::interleaved && root, use_interleaved = mode != RunMode::serialized;
 
   say("packing weights for the tile kernels");
   const auto packed = pack_weights(c, w, req.backward);  // one packing for both executors
@@ -164,14 +170,18 @@ RunReport run_layer(const RunRequest& req, const std::function<void(const std::s
     ropt.backward = req.backward;
     ropt.packed = packed;
     ropt.trace = opt.trace;
+    ropt.transport = req.transport;
+    ropt.watchdog_seconds = req.watchdog_seconds;
+    ropt.fault = req.fault;
     ropt.pin = false;  // the serialized executor's pool holds the pinned cores
-    if (!use_serialized) ropt.pin = req.pin;
+    if (!use_serialized || distributed) ropt.pin = req.pin;
     inter = std::make_unique<InterleavedExecutor>(c, w, ropt);
   }
 
   RunReport rep;
   rep.serialized = use_serialized;
   rep.interleaved = use_interleaved;
+  if (req.transport) rep.transport = req.transport->describe();
   rep.policy = taskflow::name(req.policy);
   rep.config = c;
   rep.routing = req.routing.describe();
@@ -238,6 +248,7 @@ RunReport run_layer(const RunRequest& req, const std::function<void(const std::s
       rep.bias_update_max = std::max(rep.bias_update_max, double(std::abs(bias[i] - w.expert_bias[i])));
   }
 
+  if (!root) return rep;  // the root process verifies and reports
   if (req.verify != VerifyMode::off) say("verifying against the fp64 oracle");
   rep.verification = verify(req, w, in, last);
   if (serial && inter) {
@@ -305,6 +316,7 @@ nlohmann::json to_json(const RunReport& r) {
                   {"z_loss", r.z_loss},
                   {"bias_update_max", r.bias_update_max}};
   j["workers_per_rank"] = r.workers_per_rank;
+  j["transport"] = r.transport;
   j["iterations"] = r.iterations;
   j["backward"] = r.backward;
   nlohmann::json ops = nlohmann::json::array();
@@ -365,7 +377,9 @@ std::string format_report(const RunReport& r) {
   o << "\n";
   o << "run      EP " << c.ranks << " x " << r.workers_per_rank << " workers, " << c.tokens_per_rank
     << " tokens/rank, " << to_string(c.dtype) << ", " << (r.backward ? "forward+backward" : "forward") << ", "
-    << r.iterations << " iterations\n";
+    << r.iterations << " iterations";
+  if (r.interleaved) o << ", interleaved over " << r.transport;
+  o << "\n";
   const auto& st = r.stats;
   o << "routing  " << r.routing << ": expert max/mean " << st.expert_max_over_mean << ", rank max/mean "
     << st.rank_max_over_mean << ", Gini " << st.expert_gini << ", dropped " << st.dropped << "/" << st.assignments;

@@ -7,15 +7,15 @@
 #include <cstdint>
 #include <thread>
 
+#include "hpmoe/transport.hpp"
+
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
 
 namespace hpmoe::detail {
 
-struct alignas(64) EventCounter {
-  std::atomic<std::int64_t> value{0};
-};
+using hpmoe::EventCounter;
 
 inline void cpu_relax() {
 #if defined(__x86_64__)

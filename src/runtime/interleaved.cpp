@@ -1,4 +1,5 @@
 #include <atomic>
+#include <csignal>
 #include <exception>
 #include <mutex>
 #include <chrono>
@@ -41,7 +42,9 @@ class Interleaved final : public InterleavedExecutor::Impl {
       : c_(c),
         w_(w),
         opt_(opt),
-        pool_(static_cast<int>(c.ranks), opt.workers_per_rank, opt.pin),
+        tr_(opt.transport ? opt.transport : make_inprocess_transport(static_cast<int>(c.ranks))),
+        local_(hosted_ranks(*tr_, c.ranks)),
+        pool_(static_cast<int>(local_.size()), opt.workers_per_rank, opt.pin, tr_->node_index() * opt.workers_per_rank),
         packed_((kernels::init(), resolve_packing<T>(c, w, opt.packed, opt.backward))) {
     machine_ = taskflow::parse_machine("cpu:" + std::to_string(opt.workers_per_rank));
     machine_.tile_rows = kTileRows;
@@ -49,9 +52,21 @@ class Interleaved final : public InterleavedExecutor::Impl {
     programs.resize(static_cast<std::size_t>(c.ranks));
     backward_programs.resize(static_cast<std::size_t>(c.ranks));
     ranks_.resize(static_cast<std::size_t>(c.ranks));
-    const auto workers = static_cast<std::size_t>(c.ranks * opt.workers_per_rank);
+    const auto workers = local_.size() * static_cast<std::size_t>(opt.workers_per_rank);
     waiting_ = std::make_unique<std::atomic<std::int32_t>[]>(workers);
     for (std::size_t i = 0; i < workers; ++i) waiting_[i].store(-1);
+    staging_.resize(workers);
+  }
+
+  static std::vector<int> hosted_ranks(const Transport& tr, std::int64_t ranks) {
+    if (tr.ranks() != ranks)
+      throw Error("the transport connects " + std::to_string(tr.ranks()) + " ranks but the layer has " +
+                  std::to_string(ranks));
+    std::vector<int> out;
+    for (int r = 0; r < ranks; ++r)
+      if (tr.hosts(r)) out.push_back(r);
+    if (out.empty()) throw Error("the transport hosts no rank in this process");
+    return out;
   }
 
   void step(const LayerInputs& in, std::span<const std::int32_t> forced, StepResult& res) override {
@@ -85,6 +100,7 @@ class Interleaved final : public InterleavedExecutor::Impl {
     res.forward_ops.push_back({"prepare", seconds(t3, Clock::now())});
     res.dispatch_to_combine_seconds = launch(programs, in, res);
     res.forward_ops.push_back({"launch", res.dispatch_to_combine_seconds});
+    gather_rows(res.out);
     if (!opt_.backward) return;
 
     auto b0 = Clock::now();
@@ -106,6 +122,11 @@ class Interleaved final : public InterleavedExecutor::Impl {
     res.backward_seconds = launch(backward_programs, in, res);
     res.backward_ops.push_back({"launch", res.backward_seconds});
     const auto r0 = Clock::now();
+    gather_rows(res.grads.x);
+    for (std::int64_t e = 0; e < c_.routed_experts; ++e) {
+      tr_->gather(res.grads.w1[e].data, static_cast<int>(e / c_.local_experts()));
+      tr_->gather(res.grads.w2[e].data, static_cast<int>(e / c_.local_experts()));
+    }
     reduce_replicated(res);
     res.backward_ops.push_back({"reduce_replicated_grads", seconds(r0, Clock::now())});
   }
@@ -114,36 +135,42 @@ class Interleaved final : public InterleavedExecutor::Impl {
   // One launch: all workers of all ranks run their queues of `set` at once.
   double launch(std::vector<taskflow::Program>& set, const LayerInputs& in, StepResult& res) {
     current_ = &set;
-    for (std::int64_t r = 0; r < c_.ranks; ++r) {
+    std::vector<std::int64_t> events(static_cast<std::size_t>(c_.ranks));
+    for (std::int64_t r = 0; r < c_.ranks; ++r) events[r] = static_cast<std::int64_t>(set[r].events.size());
+    tr_->reserve_events(events);
+    for (int r : local_) {
       RankState& s = ranks_[r];
       const auto& p = set[r];
-      if (s.capacity < p.events.size()) {  // quiescent between launches: a fresh array is safe
-        s.capacity = p.events.size() * 2;
-        s.counters = std::make_unique<Counter[]>(s.capacity);
-      }
+      Counter* counters = tr_->counters(r);
       s.base.resize(p.events.size());
-      for (std::size_t e = 0; e < p.events.size(); ++e) s.base[e] = s.counters[e].value.load(std::memory_order_relaxed);
+      for (std::size_t e = 0; e < p.events.size(); ++e) s.base[e] = counters[e].value.load(std::memory_order_relaxed);
     }
+    for (std::int64_t r = 0; r < c_.ranks; ++r) ranks_[r].counters = tr_->counters(static_cast<int>(r));
     if (opt_.trace) {  // storage before the launch: recording allocates nothing
-      spans_.resize(static_cast<std::size_t>(c_.ranks * opt_.workers_per_rank));
-      for (std::int64_t r = 0; r < c_.ranks; ++r)
+      spans_.resize(local_.size() * static_cast<std::size_t>(opt_.workers_per_rank));
+      for (std::size_t i = 0; i < local_.size(); ++i)
         for (int w = 0; w < opt_.workers_per_rank; ++w) {
-          auto& v = spans_[static_cast<std::size_t>(r * opt_.workers_per_rank + w)];
+          auto& v = spans_[i * static_cast<std::size_t>(opt_.workers_per_rank) + static_cast<std::size_t>(w)];
           v.clear();
-          v.reserve(static_cast<std::size_t>(set[r].queue_begin[w + 1] - set[r].queue_begin[w]));
+          v.reserve(static_cast<std::size_t>(set[local_[i]].queue_begin[w + 1] - set[local_[i]].queue_begin[w]));
         }
     }
-    const auto start = Clock::now();
     abort_.store(false, std::memory_order_relaxed);
     failure_ = nullptr;
-    pool_.run([&](int r, int w) { run_worker(in, res, r, w); });
+    if (opt_.fault.kind == RuntimeFault::exit_process && tr_->hosts(opt_.fault.rank)) std::_Exit(9);
+    tr_->launch_begin();  // every process has armed its counters
+    if (opt_.fault.kind == RuntimeFault::freeze_process && tr_->hosts(opt_.fault.rank)) std::raise(SIGSTOP);
+    const auto start = Clock::now();
+    pool_.run([&](int index, int w) { run_worker(in, res, index, w); });
+    if (!failure_) tr_->launch_end();
     if (failure_) std::rethrow_exception(failure_);
     const double elapsed = seconds(start, Clock::now());
     if (opt_.trace) {
       const char* pass = set[0].pass == taskflow::Pass::forward ? "forward" : "backward";
-      for (std::int64_t r = 0; r < c_.ranks; ++r)
+      for (std::size_t i = 0; i < local_.size(); ++i)
         for (int w = 0; w < opt_.workers_per_rank; ++w)
-          for (const auto& span : spans_[static_cast<std::size_t>(r * opt_.workers_per_rank + w)]) {
+          for (const auto& span : spans_[i * static_cast<std::size_t>(opt_.workers_per_rank) + static_cast<std::size_t>(w)]) {
+            const int r = local_[i];
             const Task& t = set[r].tasks[span.task];
             std::string detail = std::string(pass) + (t.expert >= 0 ? " expert " + std::to_string(t.expert) : "") +
                                  " rows [" + std::to_string(t.row_begin) + ", " + std::to_string(t.row_begin + t.rows) +
@@ -156,12 +183,33 @@ class Interleaved final : public InterleavedExecutor::Impl {
     return elapsed;
   }
 
-  // Sum over ranks, in rank order, of the replicated weights' gradients.
+  // Every rank's token rows of m onto the root process.
+  void gather_rows(Matrix& m) {
+    const std::int64_t n = c_.tokens_per_rank * m.cols;
+    for (int q = 0; q < c_.ranks; ++q)
+      tr_->gather(std::span<float>(m.data).subspan(static_cast<std::size_t>(q * n), static_cast<std::size_t>(n)), q);
+  }
+
+  // Sum over ranks, in rank order, of the replicated weights' gradients (on
+  // the root process, which gathers the other ranks' parts).
   void reduce_replicated(StepResult& res) {
     auto reduce = [&](std::vector<float>& dst, std::vector<float> RankState::*part) {
+      std::vector<std::vector<float>> received(static_cast<std::size_t>(c_.ranks));
+      std::vector<const float*> parts(static_cast<std::size_t>(c_.ranks));
+      for (int q = 0; q < c_.ranks; ++q) {
+        if (tr_->hosts(q)) {
+          parts[q] = (ranks_[q].*part).data();
+          if (tr_->is_root()) continue;
+        } else if (tr_->is_root()) {
+          received[q].resize(dst.size());
+          parts[q] = received[q].data();
+        }
+        tr_->gather(tr_->hosts(q) ? std::span<float>(ranks_[q].*part) : std::span<float>(received[q]), q);
+      }
+      if (!tr_->is_root()) return;
       for (std::size_t i = 0; i < dst.size(); ++i) {
         float sum = 0;
-        for (std::int64_t q = 0; q < c_.ranks; ++q) sum += (ranks_[q].*part)[i];
+        for (std::int64_t q = 0; q < c_.ranks; ++q) sum += parts[q][i];
         dst[i] = sum;
       }
     };
@@ -173,24 +221,26 @@ class Interleaved final : public InterleavedExecutor::Impl {
   }
 
   struct RankState {
-    std::vector<std::uint64_t> region;           // the forward program's symmetric buffers, 8-byte aligned
-    std::array<std::byte*, static_cast<std::size_t>(BufferId::count)> buffer{};
-    std::unique_ptr<Counter[]> counters;
-    std::size_t capacity = 0;
-    std::vector<std::int64_t> base;              // counter values when the launch began
+    // The rank's symmetric segment: the forward program's buffers, then the
+    // backward's put targets dy and dcomb. Offsets are known for every rank;
+    // `segment` and `counters` only where this process can address them.
+    std::array<std::int64_t, static_cast<std::size_t>(BufferId::count)> offset{};
+    std::byte* segment = nullptr;
+    Counter* counters = nullptr;
+    std::vector<std::int64_t> base;              // counter values when the launch began (hosted ranks)
     std::vector<std::int32_t> send_token;        // send row -> local token
     std::vector<std::int64_t> send_assign;       // send row -> assignment t * K + k (global)
     // Backward, laid out as the serialized baseline lays them out (padded K,
     // panel-packed operands) so that the arithmetic is the same.
     std::vector<float> d_weight, d_logits, x_t_float, d_router, rdx, sdx, da, shared_da, d_shared_w1, d_shared_w2;
-    std::vector<T> dy, dh, dx_expert, dcomb, a_t, x_t, dy_packed, dh_packed;
+    std::vector<T> dh, dx_expert, a_t, x_t, dy_packed, dh_packed;
     std::vector<T> shared_dy, shared_dy_packed, shared_dh, shared_dh_packed, shared_a_t, shared_x_t;
   };
 
   void prepare_backward(const LayerInputs& in) {
     const std::int64_t H = c_.hidden, I = c_.expert_inter, L = c_.local_experts(), K = c_.top_k, E = c_.routed_experts,
                        T_ = c_.tokens_per_rank, Is = c_.shared_inter_total(), tpad = padded_k<T>(T_);
-    for (std::int64_t r = 0; r < c_.ranks; ++r) {
+    for (const int r : local_) {
       RankState& b = ranks_[r];
       const std::int64_t rows = plan_.recv_rows(r), kpad = plan_.kpad_begin[r * (L + 1) + L];
       auto size = [](auto& v, std::int64_t n) { v.resize(static_cast<std::size_t>(n)); };
@@ -199,11 +249,9 @@ class Interleaved final : public InterleavedExecutor::Impl {
       size(b.x_t_float, H * T_);
       size(b.d_router, H * E);
       size(b.rdx, T_ * H);
-      size(b.dy, rows * H);
       size(b.da, rows * I);
       size(b.dh, rows * 2 * I);
       size(b.dx_expert, rows * H);
-      size(b.dcomb, plan_.send_rows(r) * H);
       size(b.a_t, I * kpad);
       size(b.x_t, H * kpad);
       size(b.dy_packed, kpad * round_up(H));
@@ -224,17 +272,32 @@ class Interleaved final : public InterleavedExecutor::Impl {
     }
   }
 
+  // Lays out every rank's segment (the same on every process), reserves
+  // them, and fills the hosted ranks' send maps.
   void prepare_buffers(const LayerInputs& in) {
-    const std::int64_t K = c_.top_k, T_ = c_.tokens_per_rank;
+    const std::int64_t K = c_.top_k, T_ = c_.tokens_per_rank, H = c_.hidden;
+    std::vector<std::int64_t> bytes(static_cast<std::size_t>(c_.ranks));
+    auto align = [](std::int64_t n) { return (n + 63) / 64 * 64; };
     for (std::int64_t r = 0; r < c_.ranks; ++r) {
       RankState& s = ranks_[r];
-      const auto& p = programs[r];
-      std::int64_t bytes = 0;
-      for (const auto& b : p.buffers) bytes = std::max(bytes, b.offset_bytes + b.rows * b.cols * b.elem_bytes);
-      s.region.resize(static_cast<std::size_t>((bytes + 7) / 8));
-      s.buffer.fill(nullptr);
-      for (const auto& b : p.buffers)
-        s.buffer[static_cast<std::size_t>(b.id)] = reinterpret_cast<std::byte*>(s.region.data()) + b.offset_bytes;
+      s.offset.fill(-1);
+      std::int64_t end = 0;
+      for (const auto& b : programs[r].buffers) {
+        s.offset[static_cast<std::size_t>(b.id)] = b.offset_bytes;
+        end = std::max(end, b.offset_bytes + b.rows * b.cols * b.elem_bytes);
+      }
+      if (opt_.backward) {  // the backward's put targets, in rows of T
+        s.offset[static_cast<std::size_t>(BufferId::dy)] = end = align(end);
+        end += plan_.recv_rows(r) * H * std::int64_t{sizeof(T)};
+        s.offset[static_cast<std::size_t>(BufferId::dcomb)] = end = align(end);
+        end += plan_.send_rows(r) * H * std::int64_t{sizeof(T)};
+      }
+      bytes[r] = end;
+    }
+    tr_->reserve_segments(bytes);
+    for (std::int64_t r = 0; r < c_.ranks; ++r) ranks_[r].segment = tr_->segment(static_cast<int>(r));
+    for (const int r : local_) {
+      RankState& s = ranks_[r];
       s.send_token.assign(static_cast<std::size_t>(plan_.send_rows(r)), -1);
       s.send_assign.assign(static_cast<std::size_t>(plan_.send_rows(r)), -1);
       for (std::int64_t a = r * T_ * K; a < (r + 1) * T_ * K; ++a)
@@ -256,19 +319,39 @@ class Interleaved final : public InterleavedExecutor::Impl {
 
   template <class U>
   U* buf(std::int64_t rank, BufferId id) const {
-    return reinterpret_cast<U*>(ranks_[rank].buffer[static_cast<std::size_t>(id)]);
+    return reinterpret_cast<U*>(ranks_[rank].segment + ranks_[rank].offset[static_cast<std::size_t>(id)]);
+  }
+
+  // Where a put of `elems` values at row offset `at` of the peer's buffer
+  // `id` is written: straight into the peer's segment when this process can
+  // address it, else into the worker's staging buffer, which send_put hands
+  // to the transport.
+  T* put_target(const Task& t, BufferId id, std::int64_t at, std::int64_t elems, std::size_t worker) {
+    if (ranks_[t.peer].segment) return buf<T>(t.peer, id) + at;
+    auto& stage = staging_[worker];
+    stage.resize(static_cast<std::size_t>(elems));
+    return stage.data();
+  }
+  // True if the put went through the transport, which also signals.
+  bool send_put(const Task& t, BufferId id, std::int64_t at, std::int64_t elems, std::size_t worker) {
+    if (ranks_[t.peer].segment) return false;
+    const std::int64_t offset = ranks_[t.peer].offset[static_cast<std::size_t>(id)] + at * std::int64_t{sizeof(T)};
+    tr_->put_signal(t.peer, offset,
+                    std::as_bytes(std::span<const T>(staging_[worker].data(), static_cast<std::size_t>(elems))),
+                    t.trigger_event);
+    return true;
   }
 
   // Waits until the event reaches base + count: spins, then yields so that
   // an oversubscribed machine still makes progress; a watchdog turns a hang
   // into an error naming what waits for what.
-  void wait(int r, int w, std::int32_t id, const Task& t) {
+  void wait(int r, std::size_t slot, std::int32_t id, const Task& t) {
     const RankState& s = ranks_[r];
     const std::int64_t target = s.base[t.wait_event] + t.wait_count;
     const std::atomic<std::int64_t>& counter = s.counters[t.wait_event].value;
     if (counter.load(std::memory_order_acquire) >= target) return;
     const auto start = Clock::now();
-    std::atomic<std::int32_t>& status = waiting_[static_cast<std::size_t>(r * opt_.workers_per_rank + w)];
+    std::atomic<std::int32_t>& status = waiting_[slot];
     status.store(id, std::memory_order_relaxed);
     struct Clear {
       std::atomic<std::int32_t>& s;
@@ -279,16 +362,21 @@ class Interleaved final : public InterleavedExecutor::Impl {
       const double waited = seconds(start, Clock::now());
       if (waited > opt_.watchdog_seconds)
         throw Error("watchdog: no progress for " + std::to_string(waited).substr(0, 5) + " s; waiting: " +
-                    describe_waiters());
+                    describe_waiters() + peer_report());
+      if (waited > 0.5 && local_.size() < static_cast<std::size_t>(c_.ranks)) {
+        const std::string failed = tr_->failed_peers();
+        if (!failed.empty()) throw Error("a peer failed: " + failed + "; waiting: " + describe_waiters());
+      }
     });
   }
 
   // Every worker that is waiting now, with what it waits for.
   std::string describe_waiters() const {
     std::string text;
-    for (std::int64_t r = 0; r < c_.ranks; ++r)
+    for (std::size_t i = 0; i < local_.size(); ++i)
       for (int w = 0; w < opt_.workers_per_rank; ++w) {
-        const std::int32_t id = waiting_[static_cast<std::size_t>(r * opt_.workers_per_rank + w)].load();
+        const int r = local_[i];
+        const std::int32_t id = waiting_[i * static_cast<std::size_t>(opt_.workers_per_rank) + static_cast<std::size_t>(w)].load();
         if (id < 0) continue;
         const Task& t = (*current_)[r].tasks[id];
         const auto& ev = (*current_)[r].events[t.wait_event];
@@ -302,24 +390,37 @@ class Interleaved final : public InterleavedExecutor::Impl {
     return text;
   }
 
+  std::string peer_report() const {
+    const std::string failed = tr_->failed_peers();
+    return failed.empty() ? std::string() : "; peers: " + failed;
+  }
+
   // A worker that stops because another failed: not an error of its own.
   struct Aborted {};
 
   // The first failure of a launch is kept; workers that stop because of it
   // leave quietly, so the error reported is the cause, not a consequence.
-  void run_worker(const LayerInputs& in, StepResult& res, int r, int w) {
+  void run_worker(const LayerInputs& in, StepResult& res, int index, int w) {
+    const int r = local_[static_cast<std::size_t>(index)];
+    const std::size_t slot = static_cast<std::size_t>(index * opt_.workers_per_rank + w);
     const auto& p = (*current_)[r];
     try {
+      if (opt_.fault.kind == RuntimeFault::stall && opt_.fault.rank == r && w == 0)
+        while (!abort_.load(std::memory_order_relaxed)) std::this_thread::sleep_for(std::chrono::milliseconds(10));
       for (auto q = p.queue_begin[w]; q < p.queue_begin[w + 1]; ++q) {
         const std::int32_t id = p.queue_tasks[q];
         const Task& t = p.tasks[id];
-        if (t.wait_event >= 0) wait(r, w, id, t);
+        if (t.wait_event >= 0) wait(r, slot, id, t);
         const auto begin = opt_.trace ? Clock::now() : Clock::time_point{};
-        execute(in, res, r, t);
+        const bool signalled = execute(in, res, r, slot, t);
         if (opt_.trace)
-          spans_[static_cast<std::size_t>(r * opt_.workers_per_rank + w)].push_back(
-              Span{id, seconds(step_start_, begin), seconds(step_start_, Clock::now())});
-        if (t.trigger_event >= 0) signal(ranks_[t.peer].counters[t.trigger_event]);
+          spans_[slot].push_back(Span{id, seconds(step_start_, begin), seconds(step_start_, Clock::now())});
+        if (t.trigger_event >= 0 && !signalled) {
+          if (!ranks_[t.peer].counters)
+            throw Error("task #" + std::to_string(id) + " (" + taskflow::name(t.kind) + ") signals rank " +
+                        std::to_string(t.peer) + ", which this process cannot address, without a put");
+          signal(ranks_[t.peer].counters[t.trigger_event]);
+        }
       }
     } catch (const Aborted&) {
       return;
@@ -331,18 +432,19 @@ class Interleaved final : public InterleavedExecutor::Impl {
     }
   }
 
-  void execute(const LayerInputs& in, StepResult& res, int r, const Task& t) {
+  // Runs one task; true if the transport already signalled its event.
+  bool execute(const LayerInputs& in, StepResult& res, int r, std::size_t slot, const Task& t) {
     const std::int64_t H = c_.hidden, I = c_.expert_inter, Is = c_.shared_inter_total(), K = c_.top_k,
                        T_ = c_.tokens_per_rank;
     const std::int64_t r0 = t.row_begin, rows = t.rows;
     switch (t.kind) {
       case TaskKind::dispatch_put: {  // gather by slot, put into the owner's receive rows
-        T* dst = buf<T>(t.peer, BufferId::recv) + r0 * H;
+        T* dst = put_target(t, BufferId::recv, r0 * H, rows * H, slot);
         const T* x = tokens_of(in, r);
         const auto& tokens = ranks_[r].send_token;
         for (std::int64_t j = 0; j < rows; ++j)
           copy_elements(dst + j * H, x + std::int64_t{tokens[static_cast<std::size_t>(t.src_row + j)]} * H, H);
-        break;
+        return send_put(t, BufferId::recv, r0 * H, rows * H, slot);
       }
       case TaskKind::gemm_gate_up:
         kernels::gemm_tile<T>(buf<T>(r, BufferId::recv) + r0 * H, H, packed_->w1[t.expert].view(), t.col_begin,
@@ -357,8 +459,9 @@ class Interleaved final : public InterleavedExecutor::Impl {
                    buf<T>(r, BufferId::y) + r0 * H + t.col_begin, H, rows, t.cols, I);
         break;
       case TaskKind::combine_put:
-        copy_elements(buf<T>(t.peer, BufferId::comb) + r0 * H, buf<T>(r, BufferId::y) + t.src_row * H, rows * H);
-        break;
+        copy_elements(put_target(t, BufferId::comb, r0 * H, rows * H, slot), buf<T>(r, BufferId::y) + t.src_row * H,
+                      rows * H);
+        return send_put(t, BufferId::comb, r0 * H, rows * H, slot);
       case TaskKind::combine_reduce:
         for (std::int64_t tok = r0; tok < r0 + rows; ++tok) {
           const std::int64_t a = (r * T_ + tok) * K;
@@ -380,13 +483,14 @@ class Interleaved final : public InterleavedExecutor::Impl {
                               buf<float>(r, BufferId::sh_y) + r0 * H + t.col_begin, H, rows, t.cols, Is, false);
         break;
       default:
-        execute_backward(in, res, r, t);
+        return execute_backward(in, res, r, slot, t);
     }
+    return false;
   }
 
   // The backward tasks, each the same arithmetic as the serialized
   // baseline's operator over the same rows (see serialized.cpp).
-  void execute_backward(const LayerInputs& in, StepResult& res, int r, const Task& t) {
+  bool execute_backward(const LayerInputs& in, StepResult& res, int r, std::size_t slot, const Task& t) {
     const std::int64_t H = c_.hidden, I = c_.expert_inter, Is = c_.shared_inter_total(), K = c_.top_k,
                        E = c_.routed_experts, L = c_.local_experts(), T_ = c_.tokens_per_rank, tpad = padded_k<T>(T_);
     const std::int64_t r0 = t.row_begin, rows = t.rows;
@@ -423,21 +527,21 @@ class Interleaved final : public InterleavedExecutor::Impl {
                                   b.d_router.data() + r0 * E + t.col_begin, E, rows, t.cols, T_, false);
         break;
       case TaskKind::grad_dispatch_put: {
-        T* dst = ranks_[t.peer].dy.data() + r0 * H;
+        T* dst = put_target(t, BufferId::dy, r0 * H, rows * H, slot);
         for (std::int64_t j = 0; j < rows; ++j) {
           const std::int64_t a = b.send_assign[static_cast<std::size_t>(t.src_row + j)];
           kernels::scale_store<T>(res.routing.weight[a], in.d_out.row(a / K), dst + j * H, H);
         }
-        break;
+        return send_put(t, BufferId::dy, r0 * H, rows * H, slot);
       }
       case TaskKind::gemm_down_dgrad:
-        kernels::gemm_tile<T>(b.dy.data() + r0 * H, H, packed_->w2_t[t.expert].view(), t.col_begin,
+        kernels::gemm_tile<T>(buf<T>(r, BufferId::dy) + r0 * H, H, packed_->w2_t[t.expert].view(), t.col_begin,
                               b.da.data() + r0 * I + t.col_begin, I, rows, t.cols, H, false);
         break;
       case TaskKind::pack_down_grad: {
         const std::int64_t rel = r0 - start;
         transpose_rows<T>(buf<T>(r, BufferId::a) + r0 * I, I, rows, I, b.a_t.data() + kp0 * I + rel, ld);
-        pack_panel_rows<T>(b.dy.data() + start * H, H, n_e, H, b.dy_packed.data() + kp0 * round_up(H), rel, rel + rows);
+        pack_panel_rows<T>(buf<T>(r, BufferId::dy) + start * H, H, n_e, H, b.dy_packed.data() + kp0 * round_up(H), rel, rel + rows);
         if (rel + rows == n_e && ld > n_e)  // the K padding column of the bf16 pairs
           for (std::int64_t j = 0; j < I; ++j) b.a_t[static_cast<std::size_t>(kp0 * I + j * ld + n_e)] = T{};
         break;
@@ -471,8 +575,9 @@ class Interleaved final : public InterleavedExecutor::Impl {
                               res.grads.w1[t.expert].row(r0 - le * H) + t.col_begin, 2 * I, rows, t.cols, ld, false);
         break;
       case TaskKind::grad_combine_put:
-        copy_elements(ranks_[t.peer].dcomb.data() + r0 * H, b.dx_expert.data() + t.src_row * H, rows * H);
-        break;
+        copy_elements(put_target(t, BufferId::dcomb, r0 * H, rows * H, slot), b.dx_expert.data() + t.src_row * H,
+                      rows * H);
+        return send_put(t, BufferId::dcomb, r0 * H, rows * H, slot);
       case TaskKind::shared_down_dgrad:
         kernels::gemm_tile<T>(b.shared_dy.data() + r0 * H, H, packed_->sw2_t.view(), t.col_begin,
                               b.shared_da.data() + r0 * Is + t.col_begin, Is, rows, t.cols, H, false);
@@ -510,12 +615,13 @@ class Interleaved final : public InterleavedExecutor::Impl {
       case TaskKind::grad_reduce:
         for (std::int64_t tok = r0; tok < r0 + rows; ++tok)
           assemble_dx_row<T>(res.grads.x.row(r * T_ + tok), H, K, plan_.slot.data() + (r * T_ + tok) * K,
-                             b.dcomb.data(), b.rdx.data() + tok * H,
+                             buf<T>(r, BufferId::dcomb), b.rdx.data() + tok * H,
                              c_.shared_experts > 0 ? b.sdx.data() + tok * H : nullptr);
         break;
       default:
         throw Error(std::string("the interleaved runtime has no implementation of task kind ") + taskflow::name(t.kind));
     }
+    return false;
   }
 
   // dst[j * ld_dst + i] = src[i * ld_src + j] for rows i < rows, columns j < cols.
@@ -557,7 +663,10 @@ class Interleaved final : public InterleavedExecutor::Impl {
   LayerConfig c_;
   const LayerWeights& w_;
   RuntimeOptions opt_;
+  std::shared_ptr<Transport> tr_;
+  std::vector<int> local_;  // the ranks this process runs, in order; pool rank i is local_[i]
   WorkerPool pool_;
+  std::vector<std::vector<T>> staging_;  // per worker: rows of a put to a peer not addressable here
   taskflow::Machine machine_;
   std::shared_ptr<const PackedLayer<T>> packed_;
   std::vector<taskflow::Program>* current_ = nullptr;  // the program set being launched

@@ -12,6 +12,7 @@
 #include "hpmoe/config.hpp"
 #include "hpmoe/error.hpp"
 #include "hpmoe/run.hpp"
+#include "hpmoe/transport.hpp"
 
 namespace {
 
@@ -58,6 +59,46 @@ void write_json(const std::string& path, const nlohmann::json& j) {
   out << j.dump(2) << "\n";
 }
 
+int parse_rank(const std::string& text, std::int64_t ranks) {
+  std::size_t used = 0;
+  int rank = -1;
+  try {
+    rank = std::stoi(text, &used);
+  } catch (const std::exception&) {
+  }
+  if (used != text.size() || rank < 0 || rank >= ranks)
+    throw Error("'" + text + "' is not a rank of this layer (0.." + std::to_string(ranks - 1) + ")");
+  return rank;
+}
+
+// One rank per MPI process. Errors end the process at once (exit code 2)
+// rather than unwinding into collectives that a failed peer never joins;
+// mpirun then stops the others.
+int run_mpi(int argc, char** argv, RunRequest req, MpiPath path, double peer_timeout, const std::string& json_file) {
+  MpiSession mpi(&argc, &argv);
+  try {
+    req.transport = make_mpi_transport(mpi, static_cast<int>(req.config.ranks), path, peer_timeout);
+    const bool root = req.transport->is_root();
+    const auto start = std::chrono::steady_clock::now();
+    auto progress = [&](const std::string& what) {
+      const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      if (root && elapsed >= 2.0) std::fprintf(stderr, "hpmoe: %s (%.1f s)\n", what.c_str(), elapsed);
+    };
+    const RunReport report = run_layer(req, progress);
+    int status = 0;
+    if (root) {
+      std::cout << format_report(report) << std::flush;
+      if (!json_file.empty()) write_json(json_file, to_json(report));
+      status = report.verification.pass ? 0 : 1;
+    }
+    req.transport.reset();  // its last barrier, before MPI_Finalize
+    return status;
+  } catch (const std::exception& e) {
+    std::cerr << "error: rank " << mpi.rank() << ": " << e.what() << "\n" << std::flush;
+    std::_Exit(2);
+  }
+}
+
 int run_main(int argc, char** argv) {
   CLI::App app{"hpmoe: tile-level scheduling for expert-parallel MoE training (CPU runtime, oracle, baseline)"};
   app.require_subcommand(1);
@@ -70,6 +111,7 @@ int run_main(int argc, char** argv) {
   RunRequest req;
   std::string routing = "router", verify = "auto", json_file;
   bool no_pin = false;
+  double peer_timeout = 5.0;
   run->add_option("--workers,-W", req.workers_per_rank, "worker threads per rank")->check(CLI::Range(1, 256));
   run->add_option("--routing", routing, "router | uniform | zipf[:S] | hot[:SHARE] | trace:FILE[:LAYER]");
   run->add_option("--seed", req.seed, "seed of weights, inputs and synthetic routing");
@@ -87,6 +129,17 @@ int run_main(int argc, char** argv) {
   run->add_option("--trace", req.trace_file, "write a Chrome/Perfetto trace (JSON) of the last step of each executor");
   run->add_option("--timeline", req.timeline_file, "write the same as an SVG Gantt chart (serialized above interleaved)");
   run->add_option("--schedule", run_schedule, "scheduler policy of the interleaved runtime: fill | rank-rotated | critical-path | interleave-wgrad");
+  std::string transport = "inprocess", mpi_path = "auto", inject_fault;
+  run->add_option("--transport", transport,
+                  "inprocess | mpi (mpi: one rank per process, `mpirun -np P hpmoe run --transport mpi ...`)");
+  run->add_option("--mpi-path", mpi_path,
+                  "auto | shared | network: shared-memory windows on one machine, or put+signal messages (TCP)");
+  run->add_option("--watchdog", req.watchdog_seconds, "seconds without progress before a launch stops with an error")
+      ->check(CLI::Range(0.01, 86400.0));
+  run->add_option("--peer-timeout", peer_timeout, "mpi: seconds of silence after which a peer counts as failed")
+      ->check(CLI::Range(0.1, 86400.0));
+  run->add_option("--inject-fault", inject_fault, "testing: exit:RANK (that process dies at its first launch), freeze:RANK (it stops) or stall:RANK (a worker waits)")
+      ->group("");
 
   // hpmoe config
   auto* config = app.add_subcommand("config", "print a layer config (preset, imported file, overrides) as JSON");
@@ -197,6 +250,20 @@ int run_main(int argc, char** argv) {
   req.mode = parse_run_mode(run_mode);
   req.policy = taskflow::parse_policy(run_schedule);
   req.pin = !no_pin;
+  if (!inject_fault.empty()) {
+    const auto colon = inject_fault.find(':');
+    const std::string kind = inject_fault.substr(0, colon);
+    if ((kind != "exit" && kind != "freeze" && kind != "stall") || colon == std::string::npos)
+      throw Error("--inject-fault takes exit:RANK, freeze:RANK or stall:RANK, not '" + inject_fault + "'");
+    req.fault.kind = kind == "exit"     ? RuntimeFault::exit_process
+                     : kind == "freeze" ? RuntimeFault::freeze_process
+                                        : RuntimeFault::stall;
+    req.fault.rank = parse_rank(inject_fault.substr(colon + 1), req.config.ranks);
+  }
+  if (transport != "inprocess" && transport != "mpi")
+    throw Error("--transport must be inprocess or mpi, not '" + transport + "'");
+  if (transport == "inprocess" && mpi_path != "auto") throw Error("--mpi-path needs --transport mpi");
+  if (transport == "mpi") return run_mpi(argc, argv, req, parse_mpi_path(mpi_path), peer_timeout, json_file);
   // Progress on stderr for anything that takes more than a couple of
   // seconds: always for large layers, otherwise once two seconds have passed.
   const auto start = std::chrono::steady_clock::now();

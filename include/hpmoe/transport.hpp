@@ -1,0 +1,93 @@
+#pragma once
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+
+namespace hpmoe {
+
+// An event counter of the runtime: one per cache line. Counters only grow;
+// a launch waits for (value at launch start) + count.
+struct alignas(64) EventCounter {
+  std::atomic<std::int64_t> value{0};
+};
+
+// Where the P ranks of a layer live and how rows reach a peer. Every rank
+// owns a symmetric segment (the buffers peers put rows into) and an array of
+// event counters. A process hosts some ranks; it can address the segments of
+// some others directly (same process, or a shared-memory window), and reaches
+// the rest with put_signal.
+//
+// Collective calls (reserve*, launch_begin/end, gather) must be made by every
+// process in the same order with the same arguments; the runtime derives them
+// from the routing, which every process computes identically.
+class Transport {
+ public:
+  virtual ~Transport() = default;
+  virtual std::string describe() const = 0;
+  virtual int ranks() const = 0;
+  virtual bool hosts(int rank) const = 0;
+  // Index of this process among those on its machine: where its workers are pinned.
+  virtual int node_index() const { return 0; }
+  // Root process: the one that receives gather().
+  virtual bool is_root() const { return true; }
+
+  // Collective: rank r's segment holds at least bytes[r] bytes (64-byte
+  // aligned) and its counter array at least events[r] counters. Growing
+  // may move memory and lose contents; counters restart from zero.
+  virtual void reserve_segments(std::span<const std::int64_t> bytes) = 0;
+  virtual void reserve_events(std::span<const std::int64_t> events) = 0;
+  // nullptr where rank's memory is not addressable from this process.
+  virtual std::byte* segment(int rank) = 0;
+  virtual EventCounter* counters(int rank) = 0;
+
+  // For a rank whose memory is not addressable: copies `data` into its
+  // segment at `offset`, then adds one to its counter `event`, in that order
+  // as seen by the receiving rank's workers. Thread-safe; returns at once.
+  virtual void put_signal(int to, std::int64_t offset, std::span<const std::byte> data, std::int32_t event) = 0;
+
+  // Collective: every process has armed its counters before any signals a
+  // peer (begin); every put has been delivered and every process is done (end).
+  virtual void launch_begin() {}
+  virtual void launch_end() {}
+  // Collective: `owner`'s `data` is copied into the root's `data`.
+  virtual void gather(std::span<float> data, int owner) { (void)data, (void)owner; }
+  // A description of peers that stopped responding (empty if none): the
+  // watchdog adds it to its error, and a waiting worker gives up early.
+  virtual std::string failed_peers() const { return {}; }
+};
+
+// All ranks in this process (the default): segments are plain memory.
+std::shared_ptr<Transport> make_inprocess_transport(int ranks);
+
+// MPI: one rank per process. `path` is how rows reach a peer:
+//   auto    shared memory if all processes are on one machine, else network
+//   shared  MPI-3 shared-memory windows: workers store into the peer's
+//           segment and add to its counters directly
+//   network put+signal as one message, sent and applied by a progress
+//           thread per process that makes all MPI calls (works over TCP)
+enum class MpiPath { automatic, shared, network };
+MpiPath parse_mpi_path(const std::string&);
+
+// MPI_Init_thread / MPI_Finalize for the process's lifetime.
+class MpiSession {
+ public:
+  MpiSession(int* argc, char*** argv);
+  ~MpiSession();
+  MpiSession(const MpiSession&) = delete;
+  MpiSession& operator=(const MpiSession&) = delete;
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  static bool available();  // built with MPI
+
+ private:
+  int rank_ = 0, size_ = 1;
+};
+
+// `peer_timeout_seconds`: a peer silent this long (no heartbeat) is reported
+// by failed_peers().
+std::shared_ptr<Transport> make_mpi_transport(const MpiSession&, int ranks, MpiPath, double peer_timeout_seconds = 5.0);
+
+}  // namespace hpmoe

@@ -1,0 +1,487 @@
+// MPI transport: one rank per process.
+//
+// Shared path: each process's segment and counters live in MPI-3
+// shared-memory windows (one passive-target lock_all epoch for their whole
+// life), so workers store rows straight into a peer's segment and add to its
+// counters with release atomics, exactly as in-process ranks do.
+//
+// Network path: a put with signal is one message (offset, event, rows). The
+// receiving process's progress thread copies the rows into its segment and
+// then adds to the counter (release), so a worker that sees the count sees
+// the rows. This is MPI_Put + flush + MPI_Accumulate folded into one message;
+// it works over plain TCP, where Open MPI's osc/rdma cannot create a window
+// and osc/pt2pt refuses MPI_THREAD_MULTIPLE.
+//
+// Both paths: a progress thread per process makes every MPI call (MPI is
+// initialised MPI_THREAD_SERIALIZED), so workers never enter MPI; collectives
+// are nonblocking and polled, so a process waiting in one neither burns a core
+// another process needs nor stops applying incoming puts; heartbeats to every
+// peer let a waiting rank name a peer that died or became unreachable.
+#include "hpmoe/transport.hpp"
+
+#include <unistd.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "hpmoe/error.hpp"
+
+#ifdef HPMOE_HAVE_MPI
+#include <mpi.h>
+#endif
+
+namespace hpmoe {
+
+#ifndef HPMOE_HAVE_MPI
+
+MpiSession::MpiSession(int*, char***) {
+  throw Error("this hpmoe was built without MPI; install libopenmpi-dev and rebuild, or use --transport inprocess");
+}
+MpiSession::~MpiSession() = default;
+bool MpiSession::available() { return false; }
+std::shared_ptr<Transport> make_mpi_transport(const MpiSession&, int, MpiPath, double) {
+  throw Error("this hpmoe was built without MPI");
+}
+
+#else
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+void check_mpi(int code, const char* what) {
+  if (code == MPI_SUCCESS) return;
+  char text[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  MPI_Error_string(code, text, &len);
+  throw Error(std::string("MPI ") + what + " failed: " + std::string(text, static_cast<std::size_t>(len)));
+}
+
+enum Tag : int { kPut = 101, kBeat = 102, kGather = 103 };
+
+struct PutHeader {
+  std::int64_t offset;
+  std::int32_t event;
+  std::int32_t pad;
+};
+
+class Mpi final : public Transport {
+ public:
+  Mpi(int ranks, MpiPath path, double peer_timeout) : peer_timeout_(peer_timeout) {
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank_);
+    MPI_Comm_size(MPI_COMM_WORLD, &size_);
+    if (ranks != size_)
+      throw Error("--transport mpi runs one rank per process: the layer has " + std::to_string(ranks) +
+                  " ranks but there are " + std::to_string(size_) + " MPI processes (launch with mpirun -np " +
+                  std::to_string(ranks) + ")");
+    check_mpi(MPI_Comm_dup(MPI_COMM_WORLD, &comm_), "Comm_dup");
+    MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
+    check_mpi(MPI_Comm_split_type(comm_, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, &node_), "Comm_split_type");
+    int node_size = 0;
+    MPI_Comm_rank(node_, &node_index_);
+    MPI_Comm_size(node_, &node_size);
+    const bool one_node = node_size == size_;
+    if (path == MpiPath::shared && !one_node)
+      throw Error("--mpi-path shared needs every process on one machine; these " + std::to_string(size_) +
+                  " processes span several (use --mpi-path network or auto)");
+    shared_ = path == MpiPath::shared || (path == MpiPath::automatic && one_node);
+    segments_.assign(static_cast<std::size_t>(size_), nullptr);
+    counters_.assign(static_cast<std::size_t>(size_), nullptr);
+    seg_bytes_.assign(static_cast<std::size_t>(size_), 0);
+    event_capacity_.assign(static_cast<std::size_t>(size_), 0);
+    last_heard_.assign(static_cast<std::size_t>(size_), Clock::now());
+    progress_ = std::thread([this] { progress_loop(); });
+  }
+
+  ~Mpi() override {
+    try {
+      if (!failed_) run([this](bool first) { return barrier_step(first); });
+    } catch (...) {
+    }
+    {
+      std::lock_guard lock(mutex_);
+      stop_ = true;
+    }
+    progress_.join();
+    // Only this thread is left to call MPI. Heartbeats still in flight to a
+    // peer are given a moment, then let go.
+    const auto give_up = Clock::now() + std::chrono::seconds(1);
+    for (auto& s : sends_) {
+      int done = 0;
+      while (!done && Clock::now() < give_up && MPI_Test(&s.request, &done, MPI_STATUS_IGNORE) == MPI_SUCCESS) {
+      }
+      if (!done) MPI_Request_free(&s.request);
+    }
+    free_windows();
+    MPI_Comm_free(&node_);
+    MPI_Comm_free(&comm_);
+  }
+
+  std::string describe() const override {
+    return std::string("mpi ") + (shared_ ? "shared-memory windows" : "network messages") + ", " +
+           std::to_string(size_) + " processes";
+  }
+  int ranks() const override { return size_; }
+  bool hosts(int rank) const override { return rank == rank_; }
+  int node_index() const override { return node_index_; }
+  bool is_root() const override { return rank_ == 0; }
+
+  void reserve_segments(std::span<const std::int64_t> bytes) override {
+    check_size(bytes.size());
+    bool grow = false;
+    for (int r = 0; r < size_; ++r) grow = grow || seg_bytes_[r] < bytes[r];
+    if (!grow) return;  // every process reaches the same decision: no message needed
+    for (int r = 0; r < size_; ++r) seg_bytes_[r] = std::max(seg_bytes_[r], round64(bytes[r] + bytes[r] / 2));
+    if (shared_) {
+      run_once([this] { allocate_shared(data_win_, seg_bytes_, segments_); });
+    } else {
+      std::lock_guard lock(apply_mutex_);
+      local_.assign(static_cast<std::size_t>(seg_bytes_[rank_] / 64), Line{});
+      segments_[rank_] = reinterpret_cast<std::byte*>(local_.data());
+      local_bytes_ = seg_bytes_[rank_];
+    }
+  }
+
+  void reserve_events(std::span<const std::int64_t> events) override {
+    check_size(events.size());
+    bool grow = false;
+    for (int r = 0; r < size_; ++r) grow = grow || event_capacity_[r] < events[r];
+    if (!grow) return;
+    for (int r = 0; r < size_; ++r) event_capacity_[r] = std::max(event_capacity_[r], events[r] * 2);
+    if (shared_) {
+      std::vector<std::int64_t> bytes(event_capacity_.size());
+      for (std::size_t r = 0; r < bytes.size(); ++r) bytes[r] = event_capacity_[r] * std::int64_t{sizeof(EventCounter)};
+      std::vector<std::byte*> bases(bytes.size());
+      run_once([&] { allocate_shared(event_win_, bytes, bases); });
+      for (std::size_t r = 0; r < bases.size(); ++r) counters_[r] = reinterpret_cast<EventCounter*>(bases[r]);
+    } else {
+      // A fresh array while the progress thread may touch the old one: swap under the lock.
+      auto fresh = std::make_unique<EventCounter[]>(static_cast<std::size_t>(event_capacity_[rank_]));
+      std::lock_guard lock(apply_mutex_);
+      local_counters_ = std::move(fresh);
+      counters_[rank_] = local_counters_.get();
+      local_events_ = event_capacity_[rank_];
+    }
+    run([this](bool first) { return barrier_step(first); });  // nobody signals into a counter not yet there
+  }
+
+  std::byte* segment(int rank) override { return segments_.at(static_cast<std::size_t>(rank)); }
+  EventCounter* counters(int rank) override { return counters_.at(static_cast<std::size_t>(rank)); }
+
+  void put_signal(int to, std::int64_t offset, std::span<const std::byte> data, std::int32_t event) override {
+    std::vector<std::byte> message(sizeof(PutHeader) + data.size());
+    const PutHeader h{offset, event, 0};
+    std::memcpy(message.data(), &h, sizeof h);
+    if (!data.empty()) std::memcpy(message.data() + sizeof h, data.data(), data.size());
+    std::lock_guard lock(mutex_);
+    if (failed_) std::rethrow_exception(failure_);
+    outbox_.push_back({to, kPut, std::move(message)});
+    launch_active_ = true;
+  }
+
+  void launch_begin() override {
+    run([this](bool first) { return barrier_step(first); });
+    std::lock_guard lock(mutex_);
+    launch_active_ = true;
+  }
+
+  void launch_end() override {
+    // Sends drain before the barrier completes: a peer still waiting for
+    // our rows keeps its progress thread receiving them meanwhile.
+    bool barrier_started = false;
+    run([&](bool) {
+      if (!barrier_started) {
+        if (!outbox_.empty() || has_pending_puts()) return false;
+        barrier_started = true;
+        return barrier_step(true);
+      }
+      return barrier_step(false);
+    });
+    std::lock_guard lock(mutex_);
+    launch_active_ = false;
+  }
+
+  void gather(std::span<float> data, int owner) override {
+    if (owner == 0 || (rank_ != 0 && rank_ != owner)) return;
+    if (data.size() > static_cast<std::size_t>(INT32_MAX)) throw Error("gather: more than 2^31 values in one piece");
+    MPI_Request req = MPI_REQUEST_NULL;
+    run([&](bool first) {
+      if (first) {
+        if (rank_ == 0)
+          check_mpi(MPI_Irecv(data.data(), static_cast<int>(data.size()), MPI_FLOAT, owner, kGather, comm_, &req), "Irecv");
+        else
+          check_mpi(MPI_Isend(data.data(), static_cast<int>(data.size()), MPI_FLOAT, 0, kGather, comm_, &req), "Isend");
+      }
+      int done = 0;
+      check_mpi(MPI_Test(&req, &done, MPI_STATUS_IGNORE), "Test");
+      return done != 0;
+    });
+  }
+
+  std::string failed_peers() const override {
+    std::lock_guard lock(mutex_);
+    std::string text;
+    const auto now = Clock::now();
+    for (int r = 0; r < size_; ++r) {
+      if (r == rank_) continue;
+      const double silent = std::chrono::duration<double>(now - last_heard_[r]).count();
+      if (silent > peer_timeout_)
+        text += (text.empty() ? "" : "; ") + std::string("rank ") + std::to_string(r) + " has not been heard from for " +
+                std::to_string(silent).substr(0, 4) + " s (dead, or its link is down)";
+    }
+    if (failed_ && text.empty()) text = "this process's MPI progress thread failed";
+    return text;
+  }
+
+ private:
+  struct alignas(64) Line {
+    std::byte bytes[64];
+  };
+  struct Outgoing {
+    int to, tag;
+    std::vector<std::byte> bytes;
+  };
+  struct InFlight {
+    MPI_Request request;
+    int tag;
+    std::vector<std::byte> bytes;
+  };
+
+  static std::int64_t round64(std::int64_t n) { return (n + 63) / 64 * 64; }
+  void check_size(std::size_t n) const {
+    if (n != static_cast<std::size_t>(size_)) throw Error("transport: sizes given for " + std::to_string(n) + " ranks");
+  }
+
+  // Runs `step(first)` on the progress thread until it returns true; the
+  // thread keeps applying puts and heartbeats in between.
+  void run(std::function<bool(bool)> step) {
+    std::unique_lock lock(mutex_);
+    if (failed_) std::rethrow_exception(failure_);
+    job_ = std::move(step);
+    job_first_ = true;
+    job_done_ = false;
+    // A peer that died or went silent never joins the collective: give up
+    // with its name instead of waiting forever.
+    while (!job_cv_.wait_for(lock, std::chrono::milliseconds(50), [this] { return job_done_ || failed_; })) {
+      lock.unlock();
+      const std::string failed = failed_peers();
+      lock.lock();
+      if (!failed.empty()) {
+        failed_ = true;  // the collective can no longer complete
+        failure_ = std::make_exception_ptr(Error("a peer failed while this rank waited in a collective: " + failed));
+      }
+    }
+    job_ = nullptr;
+    if (failed_) std::rethrow_exception(failure_);
+  }
+  void run_once(const std::function<void()>& fn) {
+    run([&](bool) {
+      fn();
+      return true;
+    });
+  }
+
+  bool has_pending_puts() const {
+    for (const auto& s : sends_)
+      if (s.tag == kPut) return true;
+    return false;
+  }
+
+  bool barrier_step(bool first) {
+    if (first) check_mpi(MPI_Ibarrier(comm_, &barrier_), "Ibarrier");
+    int done = 0;
+    check_mpi(MPI_Test(&barrier_, &done, MPI_STATUS_IGNORE), "Test");
+    return done != 0;
+  }
+
+  // Progress thread, collective over the node: a fresh shared window whose
+  // rank r part holds bytes[r]; bases[r] is where this process sees it.
+  void allocate_shared(MPI_Win& win, std::span<const std::int64_t> bytes, std::span<std::byte*> bases) {
+    if (win != MPI_WIN_NULL) {
+      MPI_Win_unlock_all(win);
+      MPI_Win_free(&win);
+    }
+    MPI_Info info;
+    MPI_Info_create(&info);
+    MPI_Info_set(info, "alloc_shared_noncontig", "true");
+    void* mine = nullptr;
+    check_mpi(MPI_Win_allocate_shared(static_cast<MPI_Aint>(bytes[rank_]), 64, info, node_, &mine, &win),
+              "Win_allocate_shared (is /dev/shm large enough?)");
+    MPI_Info_free(&info);
+    check_mpi(MPI_Win_lock_all(MPI_MODE_NOCHECK, win), "Win_lock_all");
+    std::memset(mine, 0, static_cast<std::size_t>(bytes[rank_]));
+    for (int r = 0; r < size_; ++r) {
+      MPI_Aint size = 0;
+      int unit = 0;
+      void* base = nullptr;
+      check_mpi(MPI_Win_shared_query(win, r, &size, &unit, &base), "Win_shared_query");
+      bases[r] = static_cast<std::byte*>(base);
+    }
+    MPI_Barrier(node_);  // every part zeroed before anyone signals into it
+  }
+
+  void free_windows() {
+    for (MPI_Win* w : {&data_win_, &event_win_})
+      if (*w != MPI_WIN_NULL) {
+        MPI_Win_unlock_all(*w);
+        MPI_Win_free(w);
+      }
+  }
+
+  void progress_loop() {
+    std::vector<std::byte> scratch;
+    auto last_beat = Clock::now() - std::chrono::seconds(1);
+    int idle = 0;
+    for (;;) {
+      bool busy = false;
+      try {
+        std::unique_lock lock(mutex_);
+        if (stop_) return;
+        if (job_ && !job_done_) {
+          const bool first = job_first_;
+          job_first_ = false;
+          if (job_(first)) {
+            job_done_ = true;
+            job_cv_.notify_all();
+          }
+          busy = true;
+        }
+        while (!outbox_.empty()) {
+          Outgoing m = std::move(outbox_.front());
+          outbox_.pop_front();
+          start_send(m.to, m.tag, std::move(m.bytes));
+          busy = true;
+        }
+        const bool active = launch_active_;
+        lock.unlock();
+
+        for (std::size_t i = 0; i < sends_.size();) {
+          int done = 0;
+          check_mpi(MPI_Test(&sends_[i].request, &done, MPI_STATUS_IGNORE), "Test (a send to a peer)");
+          if (done) {
+            sends_[i] = std::move(sends_.back());
+            sends_.pop_back();
+          } else {
+            ++i;
+          }
+        }
+        busy = receive(scratch) || busy;
+        const auto now = Clock::now();
+        if (now - last_beat > std::chrono::milliseconds(100)) {
+          last_beat = now;
+          for (int r = 0; r < size_; ++r)
+            if (r != rank_) start_send(r, kBeat, {});
+        }
+        if (busy) {
+          idle = 0;
+        } else if (++idle > 64) {
+          // Yield the core: a busy poll collapses when ranks outnumber cores.
+          std::this_thread::sleep_for(std::chrono::microseconds(active ? 5 : 200));
+        }
+      } catch (...) {
+        std::lock_guard lock(mutex_);
+        failed_ = true;
+        failure_ = std::current_exception();
+        job_cv_.notify_all();
+        return;
+      }
+    }
+  }
+
+  void start_send(int to, int tag, std::vector<std::byte> bytes) {
+    if (bytes.size() > static_cast<std::size_t>(INT32_MAX)) throw Error("a put of more than 2 GiB");
+    InFlight f{MPI_REQUEST_NULL, tag, std::move(bytes)};
+    const int code = MPI_Isend(f.bytes.data(), static_cast<int>(f.bytes.size()), MPI_BYTE, to, tag, comm_, &f.request);
+    if (code != MPI_SUCCESS) check_mpi(code, ("Isend to rank " + std::to_string(to)).c_str());
+    sends_.push_back(std::move(f));
+  }
+
+  // Applies every message that has arrived; true if there was any.
+  bool receive(std::vector<std::byte>& scratch) {
+    bool any = false;
+    for (;;) {
+      int flag = 0;
+      MPI_Status st;
+      check_mpi(MPI_Iprobe(MPI_ANY_SOURCE, kPut, comm_, &flag, &st), "Iprobe");
+      if (!flag) check_mpi(MPI_Iprobe(MPI_ANY_SOURCE, kBeat, comm_, &flag, &st), "Iprobe");
+      if (!flag) return any;
+      any = true;
+      int count = 0;
+      MPI_Get_count(&st, MPI_BYTE, &count);
+      scratch.resize(static_cast<std::size_t>(std::max(count, 1)));
+      check_mpi(MPI_Recv(scratch.data(), count, MPI_BYTE, st.MPI_SOURCE, st.MPI_TAG, comm_, MPI_STATUS_IGNORE), "Recv");
+      {
+        std::lock_guard lock(mutex_);
+        last_heard_[st.MPI_SOURCE] = Clock::now();
+      }
+      if (st.MPI_TAG == kBeat) continue;
+      PutHeader h;
+      if (static_cast<std::size_t>(count) < sizeof h) throw Error("a malformed put message from rank " + std::to_string(st.MPI_SOURCE));
+      std::memcpy(&h, scratch.data(), sizeof h);
+      const std::int64_t n = count - static_cast<std::int64_t>(sizeof h);
+      std::lock_guard lock(apply_mutex_);
+      if (h.offset < 0 || h.offset + n > local_bytes_ || h.event < 0 || h.event >= local_events_)
+        throw Error("a put from rank " + std::to_string(st.MPI_SOURCE) + " outside this rank's segment or events");
+      if (n > 0) std::memcpy(segments_[rank_] + h.offset, scratch.data() + sizeof h, static_cast<std::size_t>(n));
+      counters_[rank_][h.event].value.fetch_add(1, std::memory_order_release);
+    }
+  }
+
+  int rank_ = 0, size_ = 1, node_index_ = 0;
+  bool shared_ = true;
+  double peer_timeout_;
+  MPI_Comm comm_ = MPI_COMM_NULL, node_ = MPI_COMM_NULL;
+  MPI_Win data_win_ = MPI_WIN_NULL, event_win_ = MPI_WIN_NULL;
+  MPI_Request barrier_ = MPI_REQUEST_NULL;
+  std::vector<std::byte*> segments_;
+  std::vector<EventCounter*> counters_;
+  std::vector<std::int64_t> seg_bytes_, event_capacity_;
+  std::vector<Line> local_;  // network path: this rank's segment
+  std::unique_ptr<EventCounter[]> local_counters_;
+  std::int64_t local_bytes_ = 0, local_events_ = 0;
+  std::mutex apply_mutex_;  // network path: counters swapped while puts are applied
+
+  std::thread progress_;
+  mutable std::mutex mutex_;
+  std::condition_variable job_cv_;
+  std::function<bool(bool)> job_;
+  bool job_first_ = false, job_done_ = false, stop_ = false, launch_active_ = false;
+  bool failed_ = false;
+  std::exception_ptr failure_;
+  std::deque<Outgoing> outbox_;
+  std::vector<InFlight> sends_;  // progress thread only
+  std::vector<Clock::time_point> last_heard_;
+};
+
+}  // namespace
+
+MpiSession::MpiSession(int* argc, char*** argv) {
+  int provided = 0;
+  check_mpi(MPI_Init_thread(argc, argv, MPI_THREAD_SERIALIZED, &provided), "Init_thread");
+  if (provided < MPI_THREAD_SERIALIZED) {
+    MPI_Finalize();
+    throw Error("this MPI library does not provide MPI_THREAD_SERIALIZED, which the progress thread needs");
+  }
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank_);
+  MPI_Comm_size(MPI_COMM_WORLD, &size_);
+}
+
+MpiSession::~MpiSession() { MPI_Finalize(); }
+
+bool MpiSession::available() { return true; }
+
+std::shared_ptr<Transport> make_mpi_transport(const MpiSession&, int ranks, MpiPath path, double peer_timeout_seconds) {
+  if (!(peer_timeout_seconds > 0)) throw Error("the peer timeout must be positive");
+  return std::make_shared<Mpi>(ranks, path, peer_timeout_seconds);
+}
+
+#endif
+
+}  // namespace hpmoe

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The MPI transport end to end: 2 and 4 processes, shared-memory windows and
+# the network path (forced onto TCP), fp32/bf16, forward+backward, every
+# scheduler policy; each run checks the interleaved result bit-identical to
+# the serialized baseline and against the oracle (exit 0 only if all pass).
+# Then faults on purpose: a rank that dies, one that freezes, one that stalls
+# must end the job with an error within seconds, never hang.
+set -euo pipefail
+: "${HPMOE:?}" "${HPMOE_SOURCE_DIR:?}" "${MPIRUN:?}"
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+export ASAN_OPTIONS="${ASAN_OPTIONS:-}:detect_leaks=0"  # Open MPI's own allocations at exit
+tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
+trace="trace:$HPMOE_SOURCE_DIR/data/routing/mixtral-8x7b/coding.json:8"
+
+mpi() {  # mpi NP PATH ARGS...
+  local np=$1 path=$2; shift 2
+  local btl=()
+  [ "$path" = network ] && btl=(--mca btl self,tcp)  # no shared memory at all between the processes
+  timeout 120 "$MPIRUN" -np "$np" --oversubscribe "${btl[@]}" "$HPMOE" run -P "$np" --transport mpi --mpi-path "$path" "$@"
+}
+
+check() {  # check NP PATH ARGS...: passes, and the bit-identity checks ran
+  mpi "$@" > "$tmp/out.txt" 2>&1 || { cat "$tmp/out.txt"; echo "FAILED: $*"; exit 1; }
+  grep -q "verify   PASS" "$tmp/out.txt"
+  grep -q "interleaved out  rel L2 0.00e+00" "$tmp/out.txt"
+  grep -q "interleaved over mpi" "$tmp/out.txt"
+}
+
+for path in shared network; do
+  check 2 $path -T 96 --backward --routing zipf:1.2
+  check 4 $path -T 64 --backward --dtype bf16 --routing "$trace"
+done
+for policy in fill rank-rotated critical-path interleave-wgrad; do
+  check 2 network -T 80 -W 2 --backward --routing uniform --schedule $policy --iters 1 --warmup 0
+done
+check 4 shared --preset qwen3-30b-a3b --set hidden=256 --set expert_inter=64 --set routed_experts=16 \
+  -T 64 --backward --dtype bf16 --routing zipf:1.2 --iters 1
+grep -q "interleaved dW   rel L2 0.00e+00" "$tmp/out.txt"
+
+# One rank per process: the process count must match P.
+if "$MPIRUN" -np 2 --oversubscribe "$HPMOE" run -P 4 --transport mpi > "$tmp/np.txt" 2>&1; then exit 1; fi
+grep -q "launch with mpirun -np 4" "$tmp/np.txt"
+
+fault() {  # fault PATH KIND EXPECTED: the job ends with an error within 30 s
+  local start=$SECONDS
+  if mpi 2 "$1" -T 64 --iters 1 --warmup 0 --watchdog 3 --peer-timeout 1 --inject-fault "$2:1" > "$tmp/f.txt" 2>&1; then
+    echo "fault $2 did not fail the run"; exit 1
+  fi
+  [ $((SECONDS - start)) -lt 30 ] || { echo "fault $2 took $((SECONDS - start)) s"; exit 1; }
+  grep -q "$3" "$tmp/f.txt" || { cat "$tmp/f.txt"; echo "fault $2: no '$3'"; exit 1; }
+}
+for path in shared network; do
+  fault $path exit "exited"
+  fault $path freeze "rank 1 has not been heard from"
+  fault $path stall "watchdog: no progress"
+done
+echo "mpi: all passed"
