@@ -49,6 +49,10 @@ struct StepResult {
   double router_seconds = 0;       // router GEMM and top-k: before dispatch
   double dispatch_to_combine_seconds = 0;  // forward, dispatch through combine
   double backward_seconds = 0;
+  // Worker-seconds spent running tasks or operator work (not waiting at an
+  // event or a barrier) in the forward dispatch-to-combine and the backward:
+  // divided by workers x time, the workers' busy share.
+  double forward_busy_seconds = 0, backward_busy_seconds = 0;
   std::vector<TraceSlice> trace;   // when tracing
 };
 

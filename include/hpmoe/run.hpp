@@ -81,6 +81,9 @@ struct RunReport {
   std::string policy;
   std::vector<std::pair<std::string, Summary>> interleaved_ops;
   Summary interleaved_d2c, interleaved_backward;
+  // Workers' busy share (time in tasks or operator work over workers x time);
+  // the rest is waiting at events or barriers.
+  Summary serialized_busy, serialized_backward_busy, interleaved_busy, interleaved_backward_busy;
   double forward_flops = 0, backward_flops = 0;  // expert + shared (+ router in backward), this routing
   double bias_update_max = 0;                    // largest |delta| of the aux-loss-free bias update
   Verification verification;

@@ -77,6 +77,7 @@ class Serialized final : public SerializedExecutor::Impl {
     step_start_ = Clock::now();
     trace_ = &res.trace;
     trace_result_ = &res;
+    res.forward_busy_seconds = res.backward_busy_seconds = 0;
     if (res.out.rows != c_.total_tokens() || res.out.cols != c_.hidden) res.out = Matrix(c_.total_tokens(), c_.hidden);
     if (opt_.backward && res.grads.w1.size() != static_cast<std::size_t>(c_.routed_experts))
       res.grads = zero_gradients(c_);
@@ -104,19 +105,22 @@ class Serialized final : public SerializedExecutor::Impl {
   template <class Fn>
   void timed(const char* name, std::vector<OperatorTime>& times, Fn&& fn) {
     const auto start = Clock::now();
-    if (!opt_.trace) {
-      pool_.run(fn);
-    } else {  // each worker's own span within the operator: the barrier's idle time shows
-      std::vector<std::pair<double, double>> spans(static_cast<std::size_t>(c_.ranks * W()));
-      pool_.run([&](int r, int w) {
-        const double t0 = seconds(step_start_, Clock::now());
-        fn(r, w);
-        spans[static_cast<std::size_t>(r * W() + w)] = {t0, seconds(step_start_, Clock::now())};
-      });
+    // Each worker's own span within the operator: the rest until the
+    // barrier is idle time (busy share; in a trace, the gaps).
+    spans_.resize(static_cast<std::size_t>(c_.ranks * W()));
+    pool_.run([&](int r, int w) {
+      const double t0 = seconds(step_start_, Clock::now());
+      fn(r, w);
+      spans_[static_cast<std::size_t>(r * W() + w)] = {t0, seconds(step_start_, Clock::now())};
+    });
+    const bool backward = &times == &trace_result_->backward_ops;
+    for (const auto& [t0, t1] : spans_) (backward ? trace_result_->backward_busy_seconds : trace_result_->forward_busy_seconds) += t1 - t0;
+    if (opt_.trace) {
+      const auto& spans = spans_;
       for (std::size_t i = 0; i < spans.size(); ++i)
         trace_->push_back(TraceSlice{static_cast<std::int32_t>(i / static_cast<std::size_t>(W())),
                                      static_cast<std::int32_t>(i % static_cast<std::size_t>(W())), spans[i].first,
-                                     spans[i].second, name, &times == &trace_result_->backward_ops ? "backward" : "forward"});
+                                     spans[i].second, name, backward ? "backward" : "forward"});
     }
     times.push_back({name, seconds(start, Clock::now())});
   }
@@ -530,7 +534,8 @@ class Serialized final : public SerializedExecutor::Impl {
   std::vector<float> logits_;
   Clock::time_point step_start_;
   std::vector<TraceSlice>* trace_ = nullptr;
-  const StepResult* trace_result_ = nullptr;
+  StepResult* trace_result_ = nullptr;
+  std::vector<std::pair<double, double>> spans_;  // per worker, the last operator
   Plan plan_;
 };
 

@@ -188,7 +188,9 @@ RunReport run_layer(const RunRequest& req, const std::function<void(const std::s
   rep.workers_per_rank = req.workers_per_rank;
   rep.iterations = req.iterations;
   rep.backward = req.backward;
-  std::vector<double> router, d2c, bwd, inter_d2c, inter_bwd;
+  std::vector<double> router, d2c, bwd, inter_d2c, inter_bwd, busy, bwd_busy, inter_busy, inter_bwd_busy;
+  const double workers = double(c.ranks * req.workers_per_rank);
+  auto share = [&](double busy_seconds, double seconds) { return seconds > 0 ? busy_seconds / (workers * seconds) : 0.0; };
   std::vector<std::vector<double>> fwd_ops, bwd_ops, inter_ops;
   StepResult last, inter_last;
   const int total = req.warmup + req.iterations;
@@ -200,6 +202,8 @@ RunReport run_layer(const RunRequest& req, const std::function<void(const std::s
       if (it >= req.warmup) {
         inter_d2c.push_back(inter_last.dispatch_to_combine_seconds);
         inter_bwd.push_back(inter_last.backward_seconds);
+        inter_busy.push_back(share(inter_last.forward_busy_seconds, inter_last.dispatch_to_combine_seconds));
+        inter_bwd_busy.push_back(share(inter_last.backward_busy_seconds, inter_last.backward_seconds));
         if (inter_ops.empty()) {
           for (const auto& op : inter_last.forward_ops) rep.interleaved_ops.push_back({op.name, {}});
           inter_ops.resize(inter_last.forward_ops.size());
@@ -214,6 +218,8 @@ RunReport run_layer(const RunRequest& req, const std::function<void(const std::s
       router.push_back(res.router_seconds);
       d2c.push_back(res.dispatch_to_combine_seconds);
       bwd.push_back(res.backward_seconds);
+      busy.push_back(share(res.forward_busy_seconds, res.dispatch_to_combine_seconds));
+      bwd_busy.push_back(share(res.backward_busy_seconds, res.backward_seconds));
       if (fwd_ops.empty()) {
         for (const auto& op : res.forward_ops) rep.forward_ops.push_back({op.name, {}});
         for (const auto& op : res.backward_ops) rep.backward_ops.push_back({op.name, {}});
@@ -229,6 +235,10 @@ RunReport run_layer(const RunRequest& req, const std::function<void(const std::s
   for (std::size_t i = 0; i < inter_ops.size(); ++i) rep.interleaved_ops[i].second = summarize(inter_ops[i]);
   rep.interleaved_d2c = summarize(inter_d2c);
   rep.interleaved_backward = summarize(inter_bwd);
+  rep.serialized_busy = summarize(busy);
+  rep.serialized_backward_busy = summarize(bwd_busy);
+  rep.interleaved_busy = summarize(inter_busy);
+  rep.interleaved_backward_busy = summarize(inter_bwd_busy);
   if (!serial) last = std::move(inter_last);  // interleaved only: verify and report its step
   rep.router = summarize(router);
   rep.dispatch_to_combine = summarize(d2c);
@@ -329,20 +339,24 @@ nlohmann::json to_json(const RunReport& r) {
     j["interleaved"] = {{"schedule", r.policy},
                         {"dispatch_to_combine", summary_json(r.interleaved_d2c)},
                         {"forward_gflops", r.forward_flops / r.interleaved_d2c.median / 1e9},
+                        {"busy_share", r.interleaved_busy.median},
                         {"steps", host}};
     if (r.serialized) j["interleaved"]["speedup"] = r.dispatch_to_combine.median / r.interleaved_d2c.median;
     if (r.backward) {
       j["interleaved"]["backward"] = summary_json(r.interleaved_backward);
       j["interleaved"]["backward_gflops"] = r.backward_flops / r.interleaved_backward.median / 1e9;
+      j["interleaved"]["backward_busy_share"] = r.interleaved_backward_busy.median;
       if (r.serialized) j["interleaved"]["backward_speedup"] = r.backward_time.median / r.interleaved_backward.median;
     }
   }
   if (r.serialized) j["serialized"] = {{"router", summary_json(r.router)},
                      {"dispatch_to_combine", summary_json(r.dispatch_to_combine)},
-                     {"forward_gflops", r.forward_flops / r.dispatch_to_combine.median / 1e9}};
+                     {"forward_gflops", r.forward_flops / r.dispatch_to_combine.median / 1e9},
+                     {"busy_share", r.serialized_busy.median}};
   if (r.backward) {
     j["serialized"]["backward"] = summary_json(r.backward_time);
     j["serialized"]["backward_gflops"] = r.backward_flops / r.backward_time.median / 1e9;
+    j["serialized"]["backward_busy_share"] = r.serialized_backward_busy.median;
   }
   nlohmann::json checks = nlohmann::json::array();
   for (const auto& c : r.verification.checks)
@@ -356,6 +370,12 @@ nlohmann::json to_json(const RunReport& r) {
 }
 
 namespace {
+// ", workers busy 88% / idle 12%"
+std::string busy_idle(const Summary& s) {
+  const int busy = static_cast<int>(std::lround(s.median * 100));
+  return ", workers busy " + std::to_string(busy) + "% / idle " + std::to_string(100 - busy) + "%";
+}
+
 std::string ms(double s) {
   std::ostringstream o;
   o << std::fixed << std::setprecision(3) << s * 1e3;
@@ -404,16 +424,16 @@ std::string format_report(const RunReport& r) {
   if (r.serialized)
     o << "serialized router " << ms(r.router.median) << " ms; dispatch-to-combine " << ms(r.dispatch_to_combine.median)
       << " ms (min " << ms(r.dispatch_to_combine.min) << ", max " << ms(r.dispatch_to_combine.max) << "), "
-      << r.forward_flops / r.dispatch_to_combine.median / 1e9 << " GFLOP/s\n";
+      << r.forward_flops / r.dispatch_to_combine.median / 1e9 << " GFLOP/s" << busy_idle(r.serialized_busy) << "\n";
   if (r.interleaved) {
     o << "interleaved (" << r.policy << ") dispatch-to-combine " << ms(r.interleaved_d2c.median) << " ms (min "
       << ms(r.interleaved_d2c.min) << ", max " << ms(r.interleaved_d2c.max) << "), "
-      << r.forward_flops / r.interleaved_d2c.median / 1e9 << " GFLOP/s";
+      << r.forward_flops / r.interleaved_d2c.median / 1e9 << " GFLOP/s" << busy_idle(r.interleaved_busy);
     if (r.serialized) o << "; speedup " << std::setprecision(3) << r.dispatch_to_combine.median / r.interleaved_d2c.median << "x" << std::setprecision(1);
     if (r.backward) {
       o << "\ninterleaved backward " << ms(r.interleaved_backward.median) << " ms (min " << ms(r.interleaved_backward.min)
         << ", max " << ms(r.interleaved_backward.max) << "), " << r.backward_flops / r.interleaved_backward.median / 1e9
-        << " GFLOP/s";
+        << " GFLOP/s" << busy_idle(r.interleaved_backward_busy);
       if (r.serialized)
         o << "; speedup " << std::setprecision(3) << r.backward_time.median / r.interleaved_backward.median << "x"
           << std::setprecision(1);
@@ -425,7 +445,8 @@ std::string format_report(const RunReport& r) {
   }
   if (r.backward)
     o << "serialized backward " << ms(r.backward_time.median) << " ms (min " << ms(r.backward_time.min) << ", max "
-      << ms(r.backward_time.max) << "), " << r.backward_flops / r.backward_time.median / 1e9 << " GFLOP/s\n";
+      << ms(r.backward_time.max) << "), " << r.backward_flops / r.backward_time.median / 1e9 << " GFLOP/s"
+      << busy_idle(r.serialized_backward_busy) << "\n";
   const auto& v = r.verification;
   o << std::scientific << std::setprecision(2);
   if (v.mode == "off") {

@@ -157,6 +157,7 @@ class Interleaved final : public InterleavedExecutor::Impl {
     }
     abort_.store(false, std::memory_order_relaxed);
     failure_ = nullptr;
+    busy_.assign(local_.size() * static_cast<std::size_t>(opt_.workers_per_rank), 0.0);
     if (opt_.fault.kind == RuntimeFault::exit_process && tr_->hosts(opt_.fault.rank)) std::_Exit(9);
     tr_->launch_begin();  // every process has armed its counters
     if (opt_.fault.kind == RuntimeFault::freeze_process && tr_->hosts(opt_.fault.rank)) std::raise(SIGSTOP);
@@ -165,6 +166,14 @@ class Interleaved final : public InterleavedExecutor::Impl {
     if (!failure_) tr_->launch_end();
     if (failure_) std::rethrow_exception(failure_);
     const double elapsed = seconds(start, Clock::now());
+    // Busy worker-seconds of every rank, summed on the root.
+    std::vector<float> busy(static_cast<std::size_t>(c_.ranks), 0.0f);
+    for (std::size_t i = 0; i < busy_.size(); ++i)
+      busy[static_cast<std::size_t>(local_[i / static_cast<std::size_t>(opt_.workers_per_rank)])] += static_cast<float>(busy_[i]);
+    for (int q = 0; q < c_.ranks; ++q) tr_->gather(std::span<float>(busy).subspan(static_cast<std::size_t>(q), 1), q);
+    double& total = set[0].pass == taskflow::Pass::forward ? res.forward_busy_seconds : res.backward_busy_seconds;
+    total = 0;
+    for (float b : busy) total += b;
     if (opt_.trace) {
       const char* pass = set[0].pass == taskflow::Pass::forward ? "forward" : "backward";
       for (std::size_t i = 0; i < local_.size(); ++i)
@@ -411,10 +420,11 @@ class Interleaved final : public InterleavedExecutor::Impl {
         const std::int32_t id = p.queue_tasks[q];
         const Task& t = p.tasks[id];
         if (t.wait_event >= 0) wait(r, slot, id, t);
-        const auto begin = opt_.trace ? Clock::now() : Clock::time_point{};
+        const auto begin = Clock::now();
         const bool signalled = execute(in, res, r, slot, t);
-        if (opt_.trace)
-          spans_[slot].push_back(Span{id, seconds(step_start_, begin), seconds(step_start_, Clock::now())});
+        const auto end = Clock::now();
+        busy_[slot] += seconds(begin, end);
+        if (opt_.trace) spans_[slot].push_back(Span{id, seconds(step_start_, begin), seconds(step_start_, end)});
         if (t.trigger_event >= 0 && !signalled) {
           if (!ranks_[t.peer].counters)
             throw Error("task #" + std::to_string(id) + " (" + taskflow::name(t.kind) + ") signals rank " +
@@ -675,6 +685,7 @@ class Interleaved final : public InterleavedExecutor::Impl {
     double start, end;
   };
   std::vector<std::vector<Span>> spans_;  // per worker, when tracing
+  std::vector<double> busy_;              // per worker: seconds in tasks this launch
   Clock::time_point step_start_;
   std::vector<float> logits_;
   Plan plan_;
