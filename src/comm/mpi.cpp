@@ -383,7 +383,8 @@ class Mpi final : public Transport {
           idle = 0;
         } else if (++idle > 64) {
           // Yield the core: a busy poll collapses when ranks outnumber cores.
-          std::this_thread::sleep_for(std::chrono::microseconds(active ? 5 : 200));
+          if (active) std::this_thread::yield();
+          else std::this_thread::sleep_for(std::chrono::microseconds(200));
         }
       } catch (...) {
         std::lock_guard lock(mutex_);

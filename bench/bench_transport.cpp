@@ -1,0 +1,127 @@
+// The MPI transport's costs, measured on the transport and runtime code
+// itself (run under mpirun with 2 processes, one per core):
+//   - signal-to-wake: a ping-pong of event signals between the two ranks'
+//     workers (one way = half a round trip): a store to the peer's counter
+//     in the shared-memory window, or a put+signal message through both
+//     progress threads on the network path;
+//   - put bandwidth: 64-row puts (hidden 2048, fp32: 512 KiB) with signal;
+//   - per-task cost of a launch whose tiles do almost nothing.
+//
+//   mpirun -np 2 build/bench/bench_transport --mpi-path shared
+//   mpirun -np 2 --mca btl self,tcp build/bench/bench_transport --mpi-path network
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "hpmoe/error.hpp"
+#include "hpmoe/runtime.hpp"
+#include "hpmoe/transport.hpp"
+#include "runtime/event_wait.hpp"
+
+using namespace hpmoe;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// Rank `me` sends to the other rank: directly when its memory is
+// addressable, else through the transport.
+void send(Transport& tr, int me, std::int32_t event, std::span<const std::byte> rows) {
+  const int peer = 1 - me;
+  if (std::byte* seg = tr.segment(peer)) {
+    if (!rows.empty()) std::memcpy(seg, rows.data(), rows.size());
+    detail::signal(tr.counters(peer)[event]);
+  } else {
+    tr.put_signal(peer, 0, rows, event);
+  }
+}
+
+// One-way time of `rounds` ping-pongs carrying `bytes` each way.
+double ping_pong(Transport& tr, int me, std::int64_t& armed, int rounds, std::size_t bytes) {
+  std::vector<std::byte> rows(bytes, std::byte{1});
+  EventCounter& mine = tr.counters(me)[0];
+  tr.launch_begin();
+  const auto start = Clock::now();
+  for (int i = 1; i <= rounds; ++i) {
+    if (me == 0) {
+      send(tr, me, 0, rows);
+      detail::wait_until(mine, armed + i, [] {});
+    } else {
+      detail::wait_until(mine, armed + i, [] {});
+      send(tr, me, 0, rows);
+    }
+  }
+  const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  armed += rounds;
+  tr.launch_end();
+  return seconds / rounds / 2;
+}
+
+LayerConfig small_tiles() {
+  LayerConfig c = preset("tiny");
+  c.hidden = 2;  // tiles that do next to nothing: what remains is overhead
+  c.expert_inter = 2;
+  c.routed_experts = 8;
+  c.shared_experts = 0;
+  c.top_k = 2;
+  c.ranks = 2;
+  c.tokens_per_rank = 2048;
+  c.validate();
+  return c;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string path = "auto";
+  for (int i = 1; i + 1 < argc; ++i)
+    if (std::string(argv[i]) == "--mpi-path") path = argv[i + 1];
+  MpiSession mpi(&argc, &argv);
+  try {
+    if (mpi.size() != 2) throw Error("run with mpirun -np 2");
+    auto tr = make_mpi_transport(mpi, 2, parse_mpi_path(path));
+    const int me = mpi.rank();
+    const std::int64_t seg = 1 << 20;
+    tr->reserve_segments(std::vector<std::int64_t>{seg, seg});
+    tr->reserve_events(std::vector<std::int64_t>{1, 1});
+    std::int64_t armed = 0;
+    ping_pong(*tr, me, armed, 200, 0);  // warm-up
+    std::vector<double> wake, put;
+    for (int rep = 0; rep < 7; ++rep) wake.push_back(ping_pong(*tr, me, armed, 2000, 0));
+    const std::size_t bytes = 64 * 2048 * 4;
+    for (int rep = 0; rep < 7; ++rep) put.push_back(ping_pong(*tr, me, armed, 100, bytes));
+
+    const LayerConfig c = small_tiles();
+    const auto w = random_weights(c, 1);
+    const auto in = random_inputs(c, 1);
+    RuntimeOptions opt;
+    opt.transport = tr;
+    InterleavedExecutor inter(c, w, opt);
+    StepResult res;
+    std::vector<double> launch;
+    for (int i = 0; i < 21; ++i) {
+      inter.step(in, {}, res);
+      if (i > 0) launch.push_back(res.dispatch_to_combine_seconds);
+    }
+    const double tasks = double(inter.programs()[static_cast<std::size_t>(me)].tasks.size());
+    if (me == 0) {
+      std::printf("transport: %s\n", tr->describe().c_str());
+      std::printf("signal-to-wake one way: %.2f us (median of 7 x 2000 round trips)\n", median(wake) * 1e6);
+      std::printf("put 512 KiB + signal one way: %.1f us, %.2f GB/s\n", median(put) * 1e6, double(bytes) / median(put) / 1e9);
+      std::printf("per-task cost (hidden 2, 2048 tokens/rank, %.0f tasks/rank): %.0f ns (launch %.0f us, median of 20)\n",
+                  tasks, median(launch) / tasks * 1e9, median(launch) * 1e6);
+    }
+    tr.reset();
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error: rank %d: %s\n", mpi.rank(), e.what());
+    std::_Exit(2);
+  }
+}
