@@ -16,6 +16,8 @@ namespace {
 using Clock = std::chrono::steady_clock;
 double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
+}  // namespace
+
 RouterOutput<float> route_step(const LayerConfig& c, const RoutingSpec& spec, std::uint64_t seed) {
   const auto forced = forced_selection(c, spec);
   std::vector<float> logits(static_cast<std::size_t>(c.total_tokens() * c.routed_experts), 0.0f);
@@ -37,8 +39,6 @@ RouterOutput<float> route_step(const LayerConfig& c, const RoutingSpec& spec, st
   }
   return route<float>(c, logits, w.expert_bias, forced);
 }
-
-}  // namespace
 
 CompileReport compile_layer(const CompileRequest& req) {
   const LayerConfig& c = req.config;

@@ -12,6 +12,8 @@
 #include "hpmoe/config.hpp"
 #include "hpmoe/error.hpp"
 #include "hpmoe/run.hpp"
+#include "hpmoe/sim.hpp"
+#include "hpmoe/trace.hpp"
 #include "hpmoe/transport.hpp"
 
 namespace {
@@ -141,6 +143,30 @@ int run_main(int argc, char** argv) {
   run->add_option("--inject-fault", inject_fault, "testing: exit:RANK (that process dies at its first launch), freeze:RANK (it stops) or stall:RANK (a worker waits)")
       ->group("");
 
+  // hpmoe simulate
+  auto* simulate = app.add_subcommand("simulate", "predict a layer step on a machine model (serialized vs interleaved)");
+  LayerOptions sim_layer_opts;
+  sim_layer_opts.add_to(*simulate);
+  sim::SimRequest sreq;
+  std::string sim_machine, sim_routing = "uniform", sim_schedule = "critical-path", sim_json, sim_trace, sim_timeline;
+  simulate->add_option("--machine", sim_machine, "machine model: a file, or a name in machines/ (cpu-local, ascend-a3, h800, h200, nmp-mesh)")
+      ->required();
+  simulate->add_option("--routing", sim_routing, "uniform | zipf[:S] | hot[:SHARE] | trace:FILE[:LAYER] | router");
+  simulate->add_option("--seed", sreq.seed, "seed of synthetic routing");
+  simulate->add_flag("--backward", sreq.backward, "simulate the backward pass too");
+  simulate->add_option("--schedule", sim_schedule, "fill | rank-rotated | critical-path | interleave-wgrad");
+  simulate->add_option("--json", sim_json, "write the prediction as JSON");
+  simulate->add_option("--trace", sim_trace, "write the simulated timelines as a Chrome/Perfetto trace");
+  simulate->add_option("--timeline", sim_timeline, "write the simulated timelines as an SVG Gantt chart");
+
+  // hpmoe calibrate
+  auto* calibrate = app.add_subcommand("calibrate", "measure this machine and write the cpu-local machine model");
+  sim::CalibrateOptions copt;
+  std::string calibrate_out = "machines/cpu-local.json";
+  calibrate->add_option("--workers,-W", copt.workers, "workers per rank the model describes")->check(CLI::Range(1, 256));
+  calibrate->add_option("--out", calibrate_out, "where to write the model");
+  calibrate->add_flag("--quick", copt.quick, "one repetition per measurement (for tests)");
+
   // hpmoe config
   auto* config = app.add_subcommand("config", "print a layer config (preset, imported file, overrides) as JSON");
   LayerOptions config_opts;
@@ -234,6 +260,33 @@ int run_main(int argc, char** argv) {
                             : "FAIL: " + report.error)
               << "\n";
     return report.ok ? 0 : 1;
+  }
+  if (simulate->parsed()) {
+    const sim::MachineModel model = sim::load_machine(sim_machine);
+    sreq.config = sim_layer_opts.resolve();
+    sreq.routing = parse_routing_spec(sim_routing, sreq.seed);
+    sreq.policy = taskflow::parse_policy(sim_schedule);
+    sreq.trace = !sim_trace.empty() || !sim_timeline.empty();
+    const sim::SimReport report = sim::simulate(model, sreq);
+    std::cout << sim::format_report(report);
+    if (!sim_json.empty()) write_json(sim_json, sim::to_json(report));
+    if (sreq.trace) {
+      StepResult serialized, interleaved;
+      serialized.trace = report.serialized_trace;
+      interleaved.trace = report.interleaved_trace;
+      const std::vector<TracedRun> runs{{"serialized (simulated on " + model.name + ")", &serialized},
+                                        {"interleaved (simulated on " + model.name + ")", &interleaved}};
+      if (!sim_trace.empty()) write_chrome_trace(sim_trace, runs);
+      if (!sim_timeline.empty()) write_timeline_svg(sim_timeline, runs);
+    }
+    return 0;
+  }
+  if (calibrate->parsed()) {
+    const auto model = sim::calibrate(copt, [](const std::string& what) { std::fprintf(stderr, "hpmoe: calibrate: %s\n", what.c_str()); });
+    sim::machine_from_json(model);  // what we write must load
+    write_json(calibrate_out, model);
+    std::cout << "wrote " << calibrate_out << "\n";
+    return 0;
   }
   if (config->parsed()) {
     if (list_fields) {

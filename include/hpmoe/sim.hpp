@@ -1,0 +1,112 @@
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <nlohmann/json_fwd.hpp>
+#include <string>
+#include <vector>
+
+#include "hpmoe/baseline.hpp"
+#include "hpmoe/config.hpp"
+#include "hpmoe/routing.hpp"
+#include "hpmoe/taskflow.hpp"
+
+// The discrete-event simulator (DESIGN section 4): the programs the compiler
+// emits, and the serialized baseline's operator sequence over the same
+// tiles, executed on a machine model.
+namespace hpmoe::sim {
+
+// GEMM tile throughput of one matrix unit at one shape (measured or cited).
+struct TileRate {
+  std::int64_t m = 64, k = 2048;
+  double fp32_flops = 0, bf16_flops = 0;  // per second, one unit
+};
+
+// A machine, as a file in machines/ (every figure with its source).
+struct MachineModel {
+  std::string name, description;
+  bool accelerator = false;       // false: unified CPU workers
+  int matrix_units = 0, vector_units = 0, workers = 1;  // per rank
+  std::int64_t tile_rows = 64, tile_cols = 64;
+  std::vector<TileRate> tile_rates;  // nearest shape wins
+  double vector_bytes_per_s = 0;     // per vector (or unified) unit
+  double task_overhead_s = 0;        // per task, on its unit
+  double signal_latency_s = 0;       // trigger to the waiter's start
+  double put_issue_s = 0;            // sender unit per put
+  double put_copy_bytes_per_s = 0;   // sender unit per byte (0: a DMA engine moves the bytes)
+  // Links: each rank has one port per level; a transfer uses the sender's
+  // and receiver's ports and gets min(capacity / sharers) of both.
+  int ranks_per_node = 1;
+  double intra_bytes_per_s = 0, intra_latency_s = 0;  // 0 bandwidth: no link cost
+  double inter_bytes_per_s = 0, inter_latency_s = 0;
+  // Optional 2D mesh (near-memory processing): rank r at (r % cols, r / cols),
+  // XY routing, every mesh link with this bandwidth and per-hop latency.
+  int mesh_cols = 0;
+  double mesh_link_bytes_per_s = 0, mesh_hop_latency_s = 0;
+  // The serialized baseline: per operator and per all-to-all.
+  double operator_launch_s = 0, collective_sync_s = 0;
+
+  taskflow::Machine compiler_machine() const;  // what the compiler schedules for
+  double gemm_seconds(std::int64_t m, std::int64_t n, std::int64_t k, DType) const;
+};
+
+MachineModel machine_from_json(const nlohmann::json&);  // Error naming what is missing or wrong
+MachineModel load_machine(const std::string& path_or_name);  // a file, or a name in machines/
+nlohmann::json to_json(const MachineModel&);
+
+struct SimRequest {
+  LayerConfig config;
+  RoutingSpec routing;
+  std::uint64_t seed = 1;
+  bool backward = false;
+  taskflow::Policy policy = taskflow::Policy::critical_path;
+  bool trace = false;  // fill SimReport::trace
+};
+
+struct PassResult {
+  double serialized_s = 0, interleaved_s = 0;
+  // Busy share of the units of each class (time busy / (units x makespan)).
+  double serialized_matrix_busy = 0, serialized_vector_busy = 0;
+  double interleaved_matrix_busy = 0, interleaved_vector_busy = 0;
+  // Share of the makespan, averaged over ranks, in which the rank has data in
+  // flight on a link or in a put and no matrix work running.
+  double serialized_exposed_comm = 0, interleaved_exposed_comm = 0;
+  std::int64_t tasks = 0;
+};
+
+struct SimReport {
+  LayerConfig config;
+  MachineModel machine;
+  std::string routing, policy;
+  RoutingStats stats;
+  PassResult forward, backward;
+  bool has_backward = false;
+  double simulate_seconds = 0;  // host time spent simulating
+  double compile_seconds = 0;
+  std::int64_t simulated_tasks = 0;
+  std::vector<TraceSlice> serialized_trace, interleaved_trace;
+};
+
+SimReport simulate(const MachineModel&, const SimRequest&);
+std::string format_report(const SimReport&);
+nlohmann::json to_json(const SimReport&);
+
+// The core, on compiled programs (one per rank, scheduled). Durations come
+// from the model; `work` per task: FLOPs of a GEMM tile, bytes otherwise.
+struct Timeline {
+  double makespan = 0;
+  double matrix_busy = 0, vector_busy = 0, exposed_comm = 0;
+  std::vector<TraceSlice> trace;
+};
+Timeline simulate_interleaved(const MachineModel&, const std::vector<taskflow::Program>&,
+                              const std::vector<std::vector<double>>& work, DType, bool trace);
+Timeline simulate_serialized(const MachineModel&, const std::vector<taskflow::Program>&,
+                             const std::vector<std::vector<double>>& work, DType, bool trace);
+
+// Microbenchmarks of this machine -> the cpu-local model.
+struct CalibrateOptions {
+  int workers = 2;
+  bool quick = false;  // fewer repetitions (tests)
+};
+nlohmann::json calibrate(const CalibrateOptions&, const std::function<void(const std::string&)>& progress = {});
+
+}  // namespace hpmoe::sim

@@ -1,0 +1,216 @@
+// `hpmoe calibrate`: microbenchmarks of this machine, run the way the
+// runtime runs (W pinned workers at once, the runtime's own kernels and
+// event code), written as the cpu-local machine model.
+#include <pthread.h>
+
+#include <algorithm>
+#include <atomic>
+#include <barrier>
+#include <chrono>
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <thread>
+
+#include "hpmoe/bf16.hpp"
+#include "hpmoe/kernels.hpp"
+#include "hpmoe/runtime.hpp"
+#include "hpmoe/sim.hpp"
+#include "hpmoe/worker_pool.hpp"
+#include "runtime/event_wait.hpp"
+
+namespace hpmoe::sim {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using nlohmann::json;
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+void pin(int core) {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  CPU_SET(static_cast<unsigned>(core) % std::max(1u, std::thread::hardware_concurrency()), &set);
+  pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
+}
+
+// Runs body(worker, rounds) on `workers` pinned threads at once, `reps`
+// times; returns the median seconds per round of the slowest worker.
+double concurrent(int workers, int reps, int rounds, const std::function<void(int, int)>& body) {
+  std::vector<double> samples;
+  for (int rep = 0; rep < reps; ++rep) {
+    std::vector<double> seconds(static_cast<std::size_t>(workers));
+    std::barrier sync(workers);
+    std::vector<std::thread> threads;
+    for (int w = 0; w < workers; ++w)
+      threads.emplace_back([&, w] {
+        pin(w);
+        body(w, 1);  // warm
+        sync.arrive_and_wait();
+        const auto t0 = Clock::now();
+        body(w, rounds);
+        seconds[static_cast<std::size_t>(w)] = std::chrono::duration<double>(Clock::now() - t0).count();
+      });
+    for (auto& t : threads) t.join();
+    samples.push_back(*std::max_element(seconds.begin(), seconds.end()) / rounds);
+  }
+  return median(samples);
+}
+
+// FLOP/s of one unit for an m x 64 x k tile, every worker streaming its own
+// weight panels (as experts' weights stream from memory).
+template <class T>
+double tile_rate(int workers, std::int64_t m, std::int64_t k, int reps) {
+  const std::int64_t n = 2048, kp = kernels::padded_k<T>(k);
+  std::mt19937 gen(7);
+  std::uniform_real_distribution<float> dist(-1, 1);
+  struct Buffers {
+    std::vector<T> a, b;
+    std::vector<float> c;
+  };
+  std::vector<Buffers> bufs(static_cast<std::size_t>(workers));
+  for (auto& b : bufs) {
+    std::vector<float> src(static_cast<std::size_t>(k * n));
+    for (auto& v : src) v = dist(gen);
+    b.b.resize(static_cast<std::size_t>(kernels::panel_blocked_size<T>(k, n)));
+    kernels::pack_rhs_panels<float, T>(src.data(), n, k, n, false, b.b.data(), 0, n / kernels::kTileCols);
+    b.a.resize(static_cast<std::size_t>(m * kp));
+    for (auto& v : b.a) v = T(dist(gen));
+    b.c.resize(static_cast<std::size_t>(m * kernels::kTileCols));
+  }
+  const int panels = static_cast<int>(n / kernels::kTileCols);
+  const double s = concurrent(workers, reps, panels, [&](int w, int rounds) {
+    auto& b = bufs[static_cast<std::size_t>(w)];
+    const auto view = kernels::panel_view<T>(b.b.data(), k);
+    for (int i = 0; i < rounds; ++i)
+      kernels::gemm_tile<T>(b.a.data(), kp, view, (i % panels) * kernels::kTileCols, b.c.data(), kernels::kTileCols, m,
+                            kernels::kTileCols, kp, false);
+  });
+  return 2.0 * double(m) * double(kernels::kTileCols) * double(k) / s;
+}
+
+}  // namespace
+
+json calibrate(const CalibrateOptions& opt, const std::function<void(const std::string&)>& progress) {
+  auto say = [&](const std::string& s) {
+    if (progress) progress(s);
+  };
+  kernels::init();
+  const int W = opt.workers, reps = opt.quick ? 1 : 5;
+  json rates = json::array();
+  say("tile GEMM rates");
+  for (std::int64_t m : {64, 32, 8})
+    for (std::int64_t k : {256, 768, 1408, 2048, 2816, 4096})
+      rates.push_back({{"m", m}, {"k", k}, {"fp32_flops", tile_rate<float>(W, m, k, reps)},
+                       {"bf16_flops", tile_rate<bf16>(W, m, k, reps)}});
+
+  say("vector and copy bandwidth");
+  const std::int64_t rows = 64, inter = 1408, hidden = 2048;
+  std::vector<std::vector<float>> h(static_cast<std::size_t>(W), std::vector<float>(static_cast<std::size_t>(rows * 2 * inter), 0.5f));
+  std::vector<std::vector<float>> a(static_cast<std::size_t>(W), std::vector<float>(static_cast<std::size_t>(rows * inter)));
+  const double swiglu_s = concurrent(W, reps, 20, [&](int w, int rounds) {
+    for (int i = 0; i < rounds; ++i)
+      for (std::int64_t r = 0; r < rows; ++r)
+        kernels::swiglu_forward<float>(h[w].data() + r * 2 * inter, inter, a[w].data() + r * inter);
+  });
+  const double vector_bytes = double(rows) * inter * (2 * 4 + 4);
+  // A put's copy: rows of a token matrix into a peer's buffer (larger than cache, as in a layer).
+  const std::int64_t copy_rows = 4096;
+  std::vector<std::vector<float>> src(static_cast<std::size_t>(W), std::vector<float>(static_cast<std::size_t>(copy_rows * hidden), 1.0f));
+  std::vector<std::vector<float>> dst(src);
+  const double copy_s = concurrent(W, reps, 1, [&](int w, int rounds) {
+    for (int i = 0; i < rounds; ++i)
+      for (std::int64_t r = 0; r < copy_rows; r += 64)
+        std::copy_n(src[w].data() + r * hidden, 64 * hidden, dst[w].data() + ((r * 7) % copy_rows) * hidden);
+  });
+  const double copy_bytes = double(copy_rows) * hidden * 4;
+
+  say("event signal-to-wake latency");
+  double wake = 0;
+  {
+    detail::EventCounter ping, pong;
+    const int rounds = opt.quick ? 2000 : 20000;
+    std::thread partner([&] {
+      pin(1);
+      for (int i = 1; i <= rounds; ++i) {
+        detail::wait_until(ping, i, [] {});
+        detail::signal(pong);
+      }
+    });
+    pin(0);
+    const auto t0 = Clock::now();
+    for (int i = 1; i <= rounds; ++i) {
+      detail::signal(ping);
+      detail::wait_until(pong, i, [] {});
+    }
+    wake = std::chrono::duration<double>(Clock::now() - t0).count() / rounds / 2;
+    partner.join();
+  }
+
+  say("operator barrier and per-task overhead");
+  double barrier = 0;
+  {
+    WorkerPool pool(1, W, true);
+    std::vector<double> v;
+    for (int i = 0; i < (opt.quick ? 50 : 500); ++i) {
+      const auto t0 = Clock::now();
+      pool.run([](int, int) {});
+      v.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+    }
+    barrier = median(v);
+  }
+  double per_task = 0;
+  {
+    LayerConfig c = preset("tiny");
+    c.hidden = 2;  // tiles that do next to nothing: what remains is overhead
+    c.expert_inter = 2;
+    c.shared_experts = 0;
+    c.ranks = 1;
+    c.tokens_per_rank = 4096;
+    c.validate();
+    const auto w = random_weights(c, 1);
+    const auto in = random_inputs(c, 1);
+    RuntimeOptions ropt;
+    ropt.workers_per_rank = W;
+    InterleavedExecutor inter(c, w, ropt);
+    StepResult res;
+    std::vector<double> v;
+    for (int i = 0; i < (opt.quick ? 3 : 15); ++i) {
+      inter.step(in, {}, res);
+      v.push_back(res.dispatch_to_combine_seconds);
+    }
+    per_task = median(v) * W / double(inter.programs()[0].tasks.size());
+  }
+
+  const std::string when = std::to_string(std::chrono::system_clock::to_time_t(std::chrono::system_clock::now()));
+  json model = {
+      {"name", "cpu-local"},
+      {"description", "this machine, " + std::to_string(W) + " workers per rank, in-process ranks (hpmoe calibrate)"},
+      {"kind", "cpu"},
+      {"units", {{"workers", W}}},
+      {"tile", {{"rows", 64}, {"cols", 64}}},
+      {"matrix", {{"tile_rates", rates}}},
+      {"vector", {{"bytes_per_s", vector_bytes / swiglu_s}}},
+      {"task_overhead_s", per_task},
+      {"signal_latency_s", wake},
+      {"put", {{"issue_s", 0.0}, {"copy_bytes_per_s", copy_bytes / copy_s}}},
+      {"links", {{"ranks_per_node", 1 << 20}, {"intra", {{"bytes_per_s", 0.0}, {"latency_s", wake}}},
+                 {"inter", {{"bytes_per_s", 0.0}, {"latency_s", wake}}}}},
+      {"serialized", {{"operator_launch_s", barrier}, {"collective_sync_s", 0.0}}},
+      {"sources",
+       {{"matrix.tile_rates", "m x 64 x k tile GEMMs (libxsmm, the runtime's kernel), all workers at once, each streaming its own 2048-column weight panels"},
+        {"vector.bytes_per_s", "swiglu_forward over 64 x 1408 rows (bytes read + written), all workers at once"},
+        {"put.copy_bytes_per_s", "64-row copies of hidden 2048 fp32 rows out of a 32 MiB matrix, all workers at once; in process a put is the worker's copy"},
+        {"signal_latency_s", "event counter ping-pong between two pinned threads (one way)"},
+        {"task_overhead_s", "a launch of a layer with hidden 2 (tiles that do next to nothing): launch time x workers / tasks"},
+        {"serialized.operator_launch_s", "an empty bulk-synchronous step of the worker pool (the baseline's barrier per operator)"},
+        {"links", "in process there is no link: the sender's copy moves the bytes; latency is the signal's"},
+        {"calibrated_at_unix", when}}}};
+  return model;
+}
+
+}  // namespace hpmoe::sim

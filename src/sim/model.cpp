@@ -1,0 +1,186 @@
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <nlohmann/json.hpp>
+
+#include "hpmoe/error.hpp"
+#include "hpmoe/sim.hpp"
+
+namespace hpmoe::sim {
+
+namespace {
+
+using nlohmann::json;
+
+// The value at a dotted path, or an error naming the path.
+const json& at(const json& j, const std::string& path) {
+  const json* cur = &j;
+  std::size_t begin = 0;
+  while (begin <= path.size()) {
+    const auto dot = path.find('.', begin);
+    const std::string key = path.substr(begin, dot == std::string::npos ? std::string::npos : dot - begin);
+    if (!cur->is_object() || !cur->contains(key)) throw Error("machine model: missing field '" + path + "'");
+    cur = &(*cur)[key];
+    if (dot == std::string::npos) break;
+    begin = dot + 1;
+  }
+  return *cur;
+}
+
+double number(const json& j, const std::string& path, double min, bool optional = false) {
+  if (optional) {
+    try {
+      at(j, path);
+    } catch (const Error&) {
+      return 0;
+    }
+  }
+  const json& v = at(j, path);
+  if (!v.is_number()) throw Error("machine model: field '" + path + "' must be a number");
+  const double x = v.get<double>();
+  if (!std::isfinite(x) || x < min)
+    throw Error("machine model: field '" + path + "' must be at least " + std::to_string(min) + " (got " + v.dump() + ")");
+  return x;
+}
+
+int count(const json& j, const std::string& path, int min, bool optional = false) {
+  const double x = number(j, path, min, optional);
+  if (x != std::floor(x) || x > 1e6) throw Error("machine model: field '" + path + "' must be a whole number");
+  return static_cast<int>(x);
+}
+
+}  // namespace
+
+taskflow::Machine MachineModel::compiler_machine() const {
+  taskflow::Machine m = taskflow::parse_machine(accelerator ? "accel:" + std::to_string(matrix_units) + ":" +
+                                                                  std::to_string(vector_units)
+                                                            : "cpu:" + std::to_string(workers));
+  m.tile_rows = tile_rows;
+  m.tile_cols = tile_cols;
+  if (accelerator) {  // the scheduler's cost estimates from the model (CPU: as the runtime schedules)
+    m.matrix_flops = tile_rates.front().bf16_flops;
+    m.vector_bytes_per_s = vector_bytes_per_s;
+    m.put_bytes_per_s = intra_bytes_per_s > 0 ? intra_bytes_per_s : vector_bytes_per_s;
+    m.task_overhead_s = task_overhead_s;
+  }
+  return m;
+}
+
+double MachineModel::gemm_seconds(std::int64_t m, std::int64_t n, std::int64_t k, DType dtype) const {
+  // Nearest measured shape (rows first, then K on a log scale).
+  const TileRate* best = &tile_rates.front();
+  double best_d = std::numeric_limits<double>::infinity();
+  for (const auto& r : tile_rates) {
+    const double d = std::abs(double(r.m - m)) * 1e3 + std::abs(std::log(double(r.k) / double(std::max<std::int64_t>(k, 1))));
+    if (d < best_d) best_d = d, best = &r;
+  }
+  const double rate = dtype == DType::fp32 ? best->fp32_flops : best->bf16_flops;
+  return 2.0 * double(m) * double(n) * double(k) / rate;
+}
+
+MachineModel machine_from_json(const json& j) {
+  if (!j.is_object()) throw Error("machine model: expected a JSON object");
+  MachineModel m;
+  const json& name = at(j, "name");
+  if (!name.is_string() || name.get<std::string>().empty()) throw Error("machine model: 'name' must be a non-empty string");
+  m.name = name.get<std::string>();
+  if (j.contains("description") && j["description"].is_string()) m.description = j["description"].get<std::string>();
+  const json& kind = at(j, "kind");
+  if (kind != "cpu" && kind != "accelerator") throw Error("machine model: 'kind' must be \"cpu\" or \"accelerator\"");
+  m.accelerator = kind == "accelerator";
+  if (m.accelerator) {
+    m.matrix_units = count(j, "units.matrix", 1);
+    m.vector_units = count(j, "units.vector", 1);
+    m.workers = 0;
+  } else {
+    m.workers = count(j, "units.workers", 1);
+  }
+  m.tile_rows = count(j, "tile.rows", 1);
+  m.tile_cols = count(j, "tile.cols", 1);
+  const json& rates = at(j, "matrix.tile_rates");
+  if (!rates.is_array() || rates.empty()) throw Error("machine model: 'matrix.tile_rates' must be a non-empty array");
+  for (std::size_t i = 0; i < rates.size(); ++i) {
+    const std::string p = "matrix.tile_rates." + std::to_string(i);
+    json wrapped = {{"matrix", {{"tile_rates", {{std::to_string(i), rates[i]}}}}}};
+    TileRate r;
+    r.m = count(wrapped, p + ".m", 1);
+    r.k = count(wrapped, p + ".k", 1);
+    r.fp32_flops = number(wrapped, p + ".fp32_flops", 1);
+    r.bf16_flops = number(wrapped, p + ".bf16_flops", 1);
+    m.tile_rates.push_back(r);
+  }
+  m.vector_bytes_per_s = number(j, "vector.bytes_per_s", 1);
+  m.task_overhead_s = number(j, "task_overhead_s", 0);
+  m.signal_latency_s = number(j, "signal_latency_s", 0);
+  m.put_issue_s = number(j, "put.issue_s", 0);
+  m.put_copy_bytes_per_s = number(j, "put.copy_bytes_per_s", 0);
+  m.ranks_per_node = count(j, "links.ranks_per_node", 1);
+  m.intra_bytes_per_s = number(j, "links.intra.bytes_per_s", 0);
+  m.intra_latency_s = number(j, "links.intra.latency_s", 0);
+  m.inter_bytes_per_s = number(j, "links.inter.bytes_per_s", 0);
+  m.inter_latency_s = number(j, "links.inter.latency_s", 0);
+  if (j.contains("mesh")) {
+    m.mesh_cols = count(j, "mesh.cols", 1);
+    m.mesh_link_bytes_per_s = number(j, "mesh.link_bytes_per_s", 1);
+    m.mesh_hop_latency_s = number(j, "mesh.hop_latency_s", 0);
+  }
+  m.operator_launch_s = number(j, "serialized.operator_launch_s", 0);
+  m.collective_sync_s = number(j, "serialized.collective_sync_s", 0);
+  const json& sources = at(j, "sources");
+  if (!sources.is_object() || sources.empty())
+    throw Error("machine model: 'sources' must say where the figures come from (an object of field: source)");
+  return m;
+}
+
+MachineModel load_machine(const std::string& spec) {
+  namespace fs = std::filesystem;
+  std::string path = spec;
+  if (!fs::exists(path)) {
+    // A bare name: machines/NAME.json next to the working directory or the source tree.
+    for (const std::string& dir : {std::string("machines"), std::string(HPMOE_SOURCE_DIR) + "/machines"})
+      if (fs::exists(dir + "/" + spec + ".json")) {
+        path = dir + "/" + spec + ".json";
+        break;
+      }
+  }
+  std::ifstream in(path);
+  if (!in) throw Error("cannot open the machine model '" + spec + "' (a file, or a name in machines/: cpu-local, ascend-a3, h800, h200, nmp-mesh)");
+  json j;
+  try {
+    j = json::parse(in);
+  } catch (const json::exception& e) {
+    throw Error("machine model '" + path + "' is not valid JSON: " + e.what());
+  }
+  try {
+    return machine_from_json(j);
+  } catch (const Error& e) {
+    throw Error(std::string(e.what()) + " (in " + path + ")");
+  }
+}
+
+json to_json(const MachineModel& m) {
+  json rates = json::array();
+  for (const auto& r : m.tile_rates) rates.push_back({{"m", r.m}, {"k", r.k}, {"fp32_flops", r.fp32_flops}, {"bf16_flops", r.bf16_flops}});
+  json j = {{"name", m.name},
+            {"description", m.description},
+            {"kind", m.accelerator ? "accelerator" : "cpu"},
+            {"tile", {{"rows", m.tile_rows}, {"cols", m.tile_cols}}},
+            {"matrix", {{"tile_rates", rates}}},
+            {"vector", {{"bytes_per_s", m.vector_bytes_per_s}}},
+            {"task_overhead_s", m.task_overhead_s},
+            {"signal_latency_s", m.signal_latency_s},
+            {"put", {{"issue_s", m.put_issue_s}, {"copy_bytes_per_s", m.put_copy_bytes_per_s}}},
+            {"links",
+             {{"ranks_per_node", m.ranks_per_node},
+              {"intra", {{"bytes_per_s", m.intra_bytes_per_s}, {"latency_s", m.intra_latency_s}}},
+              {"inter", {{"bytes_per_s", m.inter_bytes_per_s}, {"latency_s", m.inter_latency_s}}}}},
+            {"serialized", {{"operator_launch_s", m.operator_launch_s}, {"collective_sync_s", m.collective_sync_s}}}};
+  if (m.accelerator) j["units"] = {{"matrix", m.matrix_units}, {"vector", m.vector_units}};
+  else j["units"] = {{"workers", m.workers}};
+  if (m.mesh_cols > 0)
+    j["mesh"] = {{"cols", m.mesh_cols}, {"link_bytes_per_s", m.mesh_link_bytes_per_s}, {"hop_latency_s", m.mesh_hop_latency_s}};
+  return j;
+}
+
+}  // namespace hpmoe::sim

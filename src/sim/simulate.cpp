@@ -1,0 +1,430 @@
+// Discrete-event simulation of compiled programs on a machine model.
+//
+// Interleaved: every queue of every rank walks its tasks in order; a task
+// starts when its unit is free and its event has the count it waits for;
+// a put occupies its unit for the issue (and, on a CPU, the copy), then its
+// bytes cross the links, and the event fires on the receiver when they land.
+// Serialized: the same tiles, one operator at a time: each operator's tasks
+// are list-scheduled on the units of each rank, the operator ends when every
+// rank's tasks and transfers are done, then the next pays a launch (and, after
+// an all-to-all, a collective synchronisation).
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <limits>
+#include <queue>
+
+#include "hpmoe/error.hpp"
+#include "hpmoe/sim.hpp"
+
+namespace hpmoe::sim {
+
+namespace {
+
+using taskflow::Program;
+using taskflow::QueueClass;
+using taskflow::Task;
+using taskflow::TaskKind;
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+bool is_put(TaskKind k) {
+  return k == TaskKind::dispatch_put || k == TaskKind::combine_put || k == TaskKind::grad_dispatch_put ||
+         k == TaskKind::grad_combine_put;
+}
+
+// Seconds a task occupies its unit.
+double duration(const MachineModel& m, const Task& t, double work, DType dtype) {
+  if (t.queue == QueueClass::matrix) {
+    const std::int64_t k = std::max<std::int64_t>(1, std::llround(work / (2.0 * t.rows * t.cols)));
+    return m.gemm_seconds(t.rows, t.cols, k, dtype) + m.task_overhead_s;
+  }
+  if (is_put(t.kind))
+    return m.put_issue_s + (m.put_copy_bytes_per_s > 0 ? work / m.put_copy_bytes_per_s : 0.0) + m.task_overhead_s;
+  return work / m.vector_bytes_per_s + m.task_overhead_s;
+}
+
+// Links as fluids: a transfer's rate is the least fair share (capacity over
+// active transfers) of the ports or mesh links it crosses, recomputed for
+// the transfers that share a resource whenever one starts or ends.
+class Links {
+ public:
+  Links(const MachineModel& m, int ranks) : m_(m), ranks_(ranks) {
+    if (m.mesh_cols > 0) {
+      capacity_.assign(static_cast<std::size_t>(ranks) * 4, m.mesh_link_bytes_per_s);
+    } else {
+      capacity_.resize(static_cast<std::size_t>(ranks) * 4);
+      for (int r = 0; r < ranks; ++r) {
+        capacity_[static_cast<std::size_t>(4 * r)] = capacity_[static_cast<std::size_t>(4 * r + 1)] = m.intra_bytes_per_s;
+        capacity_[static_cast<std::size_t>(4 * r + 2)] = capacity_[static_cast<std::size_t>(4 * r + 3)] = m.inter_bytes_per_s;
+      }
+    }
+    active_.resize(capacity_.size());
+  }
+
+  // Latency and bandwidth between two ranks (bandwidth 0: no link cost).
+  std::pair<double, double> path(int s, int d, std::vector<int>& resources) const {
+    resources.clear();
+    if (m_.mesh_cols > 0) {
+      int x = s % m_.mesh_cols, y = s / m_.mesh_cols;
+      const int dx = d % m_.mesh_cols, dy = d / m_.mesh_cols;
+      int hops = 0;
+      while (x != dx) {  // X first, then Y
+        const int dir = x < dx ? 0 : 1;
+        resources.push_back((y * m_.mesh_cols + x) * 4 + dir);
+        x += x < dx ? 1 : -1;
+        ++hops;
+      }
+      while (y != dy) {
+        const int dir = y < dy ? 2 : 3;
+        resources.push_back((y * m_.mesh_cols + x) * 4 + dir);
+        y += y < dy ? 1 : -1;
+        ++hops;
+      }
+      return {hops * m_.mesh_hop_latency_s, m_.mesh_link_bytes_per_s};
+    }
+    const bool same_node = s / m_.ranks_per_node == d / m_.ranks_per_node;
+    const double bw = same_node ? m_.intra_bytes_per_s : m_.inter_bytes_per_s;
+    if (bw > 0) {
+      resources.push_back(4 * s + (same_node ? 0 : 2));      // sender's out port
+      resources.push_back(4 * d + (same_node ? 1 : 3));      // receiver's in port
+    }
+    return {same_node ? m_.intra_latency_s : m_.inter_latency_s, bw};
+  }
+
+  // Starts a transfer; `tag` comes back from pop() when its bytes are through.
+  void start(double t, double bytes, const std::vector<int>& resources, std::int64_t tag) {
+    const int id = static_cast<int>(transfers_.size());
+    transfers_.push_back(Transfer{bytes, 0, t, tag, resources, 0, true});
+    for (int r : resources) active_[static_cast<std::size_t>(r)].push_back(id);
+    reshare(t, resources);
+  }
+
+  double next_time() {
+    while (!heap_.empty()) {
+      const auto& top = heap_.top();
+      const Transfer& tr = transfers_[static_cast<std::size_t>(top.id)];
+      if (tr.active && tr.version == top.version) return top.time;
+      heap_.pop();
+    }
+    return kInf;
+  }
+
+  // The earliest finished transfer: (time, tag).
+  std::pair<double, std::int64_t> pop() {
+    next_time();
+    const Entry e = heap_.top();
+    heap_.pop();
+    Transfer& tr = transfers_[static_cast<std::size_t>(e.id)];
+    tr.active = false;
+    for (int r : tr.resources) {
+      auto& v = active_[static_cast<std::size_t>(r)];
+      v.erase(std::find(v.begin(), v.end(), e.id));
+    }
+    reshare(e.time, tr.resources);
+    return {e.time, tr.tag};
+  }
+
+ private:
+  struct Transfer {
+    double remaining, rate, updated;
+    std::int64_t tag;
+    std::vector<int> resources;
+    std::uint64_t version;
+    bool active;
+  };
+  struct Entry {
+    double time;
+    int id;
+    std::uint64_t version;
+    bool operator>(const Entry& o) const { return time != o.time ? time > o.time : id > o.id; }
+  };
+
+  void reshare(double t, const std::vector<int>& touched) {
+    for (int r : touched)
+      for (int id : active_[static_cast<std::size_t>(r)]) {
+        Transfer& tr = transfers_[static_cast<std::size_t>(id)];
+        tr.remaining = std::max(0.0, tr.remaining - tr.rate * (t - tr.updated));
+        tr.updated = t;
+        double rate = kInf;
+        for (int q : tr.resources)
+          rate = std::min(rate, capacity_[static_cast<std::size_t>(q)] / double(active_[static_cast<std::size_t>(q)].size()));
+        if (rate == tr.rate && tr.version > 0) continue;
+        tr.rate = rate;
+        ++tr.version;
+        heap_.push(Entry{t + tr.remaining / rate, id, tr.version});
+      }
+  }
+
+  const MachineModel& m_;
+  int ranks_;
+  std::vector<double> capacity_;
+  std::vector<std::vector<int>> active_;
+  std::vector<Transfer> transfers_;
+  std::priority_queue<Entry, std::vector<Entry>, std::greater<>> heap_;
+};
+
+// Per rank: time with data in flight from it and no matrix task running.
+class Exposure {
+ public:
+  explicit Exposure(int ranks) : comm_(static_cast<std::size_t>(ranks)), matrix_(comm_.size()), since_(comm_.size()),
+                                 exposed_(comm_.size()) {}
+  void change(int r, double t, int d_comm, int d_matrix) {
+    const auto i = static_cast<std::size_t>(r);
+    if (comm_[i] > 0 && matrix_[i] == 0) exposed_[i] += t - since_[i];
+    since_[i] = t;
+    comm_[i] += d_comm;
+    matrix_[i] += d_matrix;
+  }
+  double share(double makespan) const {
+    if (makespan <= 0) return 0;
+    double sum = 0;
+    for (double e : exposed_) sum += e;
+    return sum / (makespan * double(exposed_.size()));
+  }
+
+ private:
+  std::vector<int> comm_, matrix_;
+  std::vector<double> since_, exposed_;
+};
+
+TraceSlice slice(int rank, int unit, double start, double end, const Task& t) {
+  std::string detail = t.expert >= 0 ? "expert " + std::to_string(t.expert) + " " : std::string();
+  detail += "rows " + std::to_string(t.row_begin) + "+" + std::to_string(t.rows);
+  if (is_put(t.kind)) detail += " to rank " + std::to_string(t.peer);
+  return TraceSlice{rank, unit, start, end, taskflow::name(t.kind), std::move(detail)};
+}
+
+void check_programs(const std::vector<Program>& programs, const std::vector<std::vector<double>>& work) {
+  if (programs.empty()) throw Error("simulate: no programs");
+  if (work.size() != programs.size()) throw Error("simulate: work given for a different number of ranks");
+  for (std::size_t r = 0; r < programs.size(); ++r)
+    if (work[r].size() != programs[r].tasks.size()) throw Error("simulate: work and tasks differ on rank " + std::to_string(r));
+}
+
+}  // namespace
+
+Timeline simulate_interleaved(const MachineModel& m, const std::vector<Program>& programs,
+                              const std::vector<std::vector<double>>& work, DType dtype, bool trace) {
+  check_programs(programs, work);
+  const int P = static_cast<int>(programs.size());
+  const int Q = programs[0].machine.workers();
+  struct Queue {
+    std::int32_t pos = 0, end = 0;
+    bool busy = false;
+  };
+  std::vector<Queue> queues(static_cast<std::size_t>(P * Q));
+  std::vector<std::vector<std::int32_t>> count(static_cast<std::size_t>(P));
+  std::vector<std::vector<std::vector<std::int32_t>>> waiters(static_cast<std::size_t>(P));  // [rank][event] -> queues
+  for (int r = 0; r < P; ++r) {
+    const auto& p = programs[static_cast<std::size_t>(r)];
+    if (p.machine.workers() != Q) throw Error("simulate: ranks have different worker counts");
+    count[r].assign(p.events.size(), 0);
+    waiters[r].resize(p.events.size());
+    for (int w = 0; w < Q; ++w) queues[static_cast<std::size_t>(r * Q + w)] = Queue{p.queue_begin[w], p.queue_begin[w + 1], false};
+  }
+  enum Type : int { task_done, wake, arrive };
+  struct Ev {
+    double time;
+    std::uint64_t seq;
+    int type, rank, a;
+    bool operator>(const Ev& o) const { return time != o.time ? time > o.time : seq > o.seq; }
+  };
+  std::priority_queue<Ev, std::vector<Ev>, std::greater<>> heap;
+  std::uint64_t seq = 0;
+  Links links(m, P);
+  Exposure exposure(P);
+  Timeline out;
+  std::vector<int> resources;
+
+  auto try_start = [&](int r, int w, double t) {
+    Queue& q = queues[static_cast<std::size_t>(r * Q + w)];
+    if (q.busy || q.pos >= q.end) return;
+    const auto& p = programs[static_cast<std::size_t>(r)];
+    const std::int32_t id = p.queue_tasks[static_cast<std::size_t>(q.pos)];
+    const Task& task = p.tasks[static_cast<std::size_t>(id)];
+    if (task.wait_event >= 0 && count[r][static_cast<std::size_t>(task.wait_event)] < task.wait_count) {
+      waiters[r][static_cast<std::size_t>(task.wait_event)].push_back(w);
+      return;
+    }
+    const double d = duration(m, task, work[static_cast<std::size_t>(r)][static_cast<std::size_t>(id)], dtype);
+    q.busy = true;
+    (task.queue == QueueClass::matrix ? out.matrix_busy : out.vector_busy) += d;
+    exposure.change(r, t, is_put(task.kind) ? 1 : 0, task.queue == QueueClass::matrix ? 1 : 0);
+    if (trace) out.trace.push_back(slice(r, w, t, t + d, task));
+    heap.push(Ev{t + d, seq++, task_done, r, w});
+  };
+  auto fire = [&](int r, std::int32_t event, double t) {
+    auto& c = count[r][static_cast<std::size_t>(event)];
+    ++c;
+    auto& list = waiters[r][static_cast<std::size_t>(event)];
+    const auto& p = programs[static_cast<std::size_t>(r)];
+    for (std::size_t i = 0; i < list.size();) {
+      const Queue& q = queues[static_cast<std::size_t>(r * Q + list[i])];
+      const Task& task = p.tasks[static_cast<std::size_t>(p.queue_tasks[static_cast<std::size_t>(q.pos)])];
+      if (c >= task.wait_count) {
+        heap.push(Ev{t + m.signal_latency_s, seq++, wake, r, list[i]});
+        list[i] = list.back();
+        list.pop_back();
+      } else {
+        ++i;
+      }
+    }
+  };
+
+  for (int r = 0; r < P; ++r)
+    for (int w = 0; w < Q; ++w) try_start(r, w, 0.0);
+  for (;;) {
+    const double link_t = links.next_time();
+    if (heap.empty() && link_t == kInf) break;
+    if (link_t < kInf && (heap.empty() || link_t < heap.top().time)) {
+      const auto [t, tag] = links.pop();  // bytes through: they land after the path's latency
+      const int sender = static_cast<int>(tag >> 40), peer = static_cast<int>((tag >> 20) & 0xFFFFF);
+      const auto latency = links.path(sender, peer, resources).first;
+      exposure.change(sender, t, -1, 0);
+      heap.push(Ev{t + latency, seq++, arrive, peer, static_cast<int>(tag & 0xFFFFF)});
+      continue;
+    }
+    const Ev e = heap.top();
+    heap.pop();
+    out.makespan = std::max(out.makespan, e.time);
+    if (e.type == wake) {
+      try_start(e.rank, e.a, e.time);
+    } else if (e.type == arrive) {
+      fire(e.rank, e.a, e.time);
+    } else {
+      Queue& q = queues[static_cast<std::size_t>(e.rank * Q + e.a)];
+      const auto& p = programs[static_cast<std::size_t>(e.rank)];
+      const std::int32_t id = p.queue_tasks[static_cast<std::size_t>(q.pos)];
+      const Task& task = p.tasks[static_cast<std::size_t>(id)];
+      q.busy = false;
+      ++q.pos;
+      exposure.change(e.rank, e.time, 0, task.queue == QueueClass::matrix ? -1 : 0);
+      if (task.trigger_event >= 0) {
+        if (task.trigger_event >= (1 << 20) || task.peer >= (1 << 20))
+          throw Error("simulate: more than 2^20 events or ranks");
+        if (is_put(task.kind) && task.peer != e.rank) {
+          const auto [latency, bw] = links.path(e.rank, task.peer, resources);
+          const double bytes = work[static_cast<std::size_t>(e.rank)][static_cast<std::size_t>(id)];
+          if (bw > 0) {  // still in flight: counts as this rank's communication until it lands
+            exposure.change(e.rank, e.time, 1, 0);
+            links.start(e.time, bytes, resources,
+                        (std::int64_t{e.rank} << 40) | (std::int64_t{task.peer} << 20) | task.trigger_event);
+          } else {
+            heap.push(Ev{e.time + latency, seq++, arrive, task.peer, task.trigger_event});
+          }
+          exposure.change(e.rank, e.time, -1, 0);
+        } else {
+          if (is_put(task.kind)) exposure.change(e.rank, e.time, -1, 0);
+          fire(task.peer, task.trigger_event, e.time);
+        }
+      } else if (is_put(task.kind)) {
+        exposure.change(e.rank, e.time, -1, 0);
+      }
+      try_start(e.rank, e.a, e.time);
+    }
+  }
+  for (int r = 0; r < P; ++r)
+    for (int w = 0; w < Q; ++w) {
+      const Queue& q = queues[static_cast<std::size_t>(r * Q + w)];
+      if (q.pos < q.end) {
+        const auto& p = programs[static_cast<std::size_t>(r)];
+        const Task& t = p.tasks[static_cast<std::size_t>(p.queue_tasks[static_cast<std::size_t>(q.pos)])];
+        throw Error("simulate: deadlock: rank " + std::to_string(r) + " worker " + std::to_string(w) + " waits on event " +
+                    std::to_string(t.wait_event) + " for ever");
+      }
+    }
+  out.exposed_comm = exposure.share(out.makespan);
+  return out;
+}
+
+namespace {
+
+// The serialized baseline's operators, in its order, as sets of task kinds.
+struct Operator {
+  std::vector<TaskKind> kinds;
+  bool all_to_all = false;
+  bool permute_first = false;  // a gather of the rows into a send buffer before the exchange
+};
+
+std::vector<Operator> operators(taskflow::Pass pass) {
+  using K = TaskKind;
+  if (pass == taskflow::Pass::forward)
+    return {{{K::dispatch_put}, true, true}, {{K::gemm_gate_up}}, {{K::swiglu}}, {{K::gemm_down}},
+            {{K::shared_gate_up}}, {{K::shared_swiglu}}, {{K::shared_down}},
+            {{K::combine_put}, true, false}, {{K::combine_reduce}}};
+  return {{{K::gate_grad}}, {{K::router_bwd}}, {{K::router_dgrad}}, {{K::router_wgrad}},
+          {{K::grad_dispatch_put}, true, true}, {{K::gemm_down_dgrad}}, {{K::pack_down_grad}}, {{K::gemm_down_wgrad}},
+          {{K::swiglu_bwd}}, {{K::gemm_gate_up_dgrad}}, {{K::pack_gate_up_grad}}, {{K::gemm_gate_up_wgrad}},
+          {{K::shared_down_dgrad}}, {{K::pack_shared_down_grad}}, {{K::shared_down_wgrad}}, {{K::shared_swiglu_bwd}},
+          {{K::shared_gate_up_dgrad}}, {{K::pack_shared_gate_up_grad}}, {{K::shared_gate_up_wgrad}},
+          {{K::grad_combine_put}, true, false}, {{K::grad_reduce}}};
+}
+
+}  // namespace
+
+Timeline simulate_serialized(const MachineModel& m, const std::vector<Program>& programs,
+                             const std::vector<std::vector<double>>& work, DType dtype, bool trace) {
+  check_programs(programs, work);
+  const int P = static_cast<int>(programs.size());
+  const taskflow::Machine& machine = programs[0].machine;
+  const int Q = machine.workers();
+  Timeline out;
+  double exposed = 0;
+  std::vector<int> resources;
+  std::vector<double> free_at(static_cast<std::size_t>(Q));
+  double now = 0;
+  bool first = true;
+  for (const Operator& op : operators(programs[0].pass)) {
+    bool any = false;
+    for (const auto& p : programs)
+      for (const Task& t : p.tasks) any = any || std::find(op.kinds.begin(), op.kinds.end(), t.kind) != op.kinds.end();
+    if (!any) continue;
+    for (int pass = op.permute_first ? 0 : 1; pass < 2; ++pass) {  // 0: the permute before an exchange
+      if (!first) now += m.operator_launch_s;
+      first = false;
+      Links links(m, P);
+      double end = now;
+      for (int r = 0; r < P; ++r) {
+        const auto& p = programs[static_cast<std::size_t>(r)];
+        std::fill(free_at.begin(), free_at.end(), now);
+        for (std::size_t id = 0; id < p.tasks.size(); ++id) {
+          const Task& t = p.tasks[id];
+          if (std::find(op.kinds.begin(), op.kinds.end(), t.kind) == op.kinds.end()) continue;
+          int unit = -1;  // earliest free unit of the task's class
+          for (int w = 0; w < Q; ++w)
+            if (machine.takes(w, t.queue) && (unit < 0 || free_at[static_cast<std::size_t>(w)] < free_at[static_cast<std::size_t>(unit)]))
+              unit = w;
+          const double bytes = work[static_cast<std::size_t>(r)][id];
+          const double d = pass == 0 ? bytes / m.vector_bytes_per_s + m.task_overhead_s : duration(m, t, bytes, dtype);
+          const double start = free_at[static_cast<std::size_t>(unit)];
+          free_at[static_cast<std::size_t>(unit)] = start + d;
+          (t.queue == QueueClass::matrix ? out.matrix_busy : out.vector_busy) += d;
+          const bool exchange = pass == 1 && is_put(t.kind);
+          if (trace) {
+            out.trace.push_back(slice(r, unit, start, start + d, t));
+            if (pass == 0) out.trace.back().name = "permute";
+          }
+          end = std::max(end, start + d);
+          if (exchange && t.peer != r) {
+            const auto [latency, bw] = links.path(r, t.peer, resources);
+            if (bw > 0) links.start(start + d, bytes, resources, (std::int64_t{r} << 32) | t.peer);
+            else end = std::max(end, start + d + latency);
+          }
+        }
+      }
+      while (links.next_time() < kInf) {
+        const auto [t, tag] = links.pop();
+        end = std::max(end, t + links.path(static_cast<int>(tag >> 32), static_cast<int>(tag & 0xFFFFFFFF), resources).first);
+      }
+      const double op_end = end + (pass == 1 && op.all_to_all ? m.collective_sync_s : 0.0);
+      // Nothing overlaps an exchange in a serialized step: all of it is exposed.
+      if (pass == 1 && op.all_to_all) exposed += op_end - now;
+      now = op_end;
+    }
+  }
+  out.makespan = now;
+  out.exposed_comm = now > 0 ? exposed / now : 0;
+  return out;
+}
+
+}  // namespace hpmoe::sim
