@@ -43,22 +43,24 @@ double duration(const MachineModel& m, const Task& t, double work, DType dtype) 
   return work / m.vector_bytes_per_s + m.task_overhead_s;
 }
 
-// Links as fluids: a transfer's rate is the least fair share (capacity over
-// active transfers) of the ports or mesh links it crosses, recomputed for
-// the transfers that share a resource whenever one starts or ends.
+// Links as processor-sharing servers: every port (or mesh link) shares its
+// capacity equally among the transfers crossing it, and a transfer is through
+// when every resource on its path has carried its bytes. Each resource keeps
+// a virtual clock (bytes served per active transfer), so a start or a finish
+// costs O(log n) however many transfers share the port.
 class Links {
  public:
-  Links(const MachineModel& m, int ranks) : m_(m), ranks_(ranks) {
+  Links(const MachineModel& m, int ranks) : m_(m) {
     if (m.mesh_cols > 0) {
-      capacity_.assign(static_cast<std::size_t>(ranks) * 4, m.mesh_link_bytes_per_s);
+      ports_.resize(static_cast<std::size_t>(ranks) * 4);
+      for (auto& p : ports_) p.capacity = m.mesh_link_bytes_per_s;
     } else {
-      capacity_.resize(static_cast<std::size_t>(ranks) * 4);
+      ports_.resize(static_cast<std::size_t>(ranks) * 4);
       for (int r = 0; r < ranks; ++r) {
-        capacity_[static_cast<std::size_t>(4 * r)] = capacity_[static_cast<std::size_t>(4 * r + 1)] = m.intra_bytes_per_s;
-        capacity_[static_cast<std::size_t>(4 * r + 2)] = capacity_[static_cast<std::size_t>(4 * r + 3)] = m.inter_bytes_per_s;
+        ports_[static_cast<std::size_t>(4 * r)].capacity = ports_[static_cast<std::size_t>(4 * r + 1)].capacity = m.intra_bytes_per_s;
+        ports_[static_cast<std::size_t>(4 * r + 2)].capacity = ports_[static_cast<std::size_t>(4 * r + 3)].capacity = m.inter_bytes_per_s;
       }
     }
-    active_.resize(capacity_.size());
   }
 
   // Latency and bandwidth between two ranks (bandwidth 0: no link cost).
@@ -69,14 +71,12 @@ class Links {
       const int dx = d % m_.mesh_cols, dy = d / m_.mesh_cols;
       int hops = 0;
       while (x != dx) {  // X first, then Y
-        const int dir = x < dx ? 0 : 1;
-        resources.push_back((y * m_.mesh_cols + x) * 4 + dir);
+        resources.push_back((y * m_.mesh_cols + x) * 4 + (x < dx ? 0 : 1));
         x += x < dx ? 1 : -1;
         ++hops;
       }
       while (y != dy) {
-        const int dir = y < dy ? 2 : 3;
-        resources.push_back((y * m_.mesh_cols + x) * 4 + dir);
+        resources.push_back((y * m_.mesh_cols + x) * 4 + (y < dy ? 2 : 3));
         y += y < dy ? 1 : -1;
         ++hops;
       }
@@ -85,82 +85,85 @@ class Links {
     const bool same_node = s / m_.ranks_per_node == d / m_.ranks_per_node;
     const double bw = same_node ? m_.intra_bytes_per_s : m_.inter_bytes_per_s;
     if (bw > 0) {
-      resources.push_back(4 * s + (same_node ? 0 : 2));      // sender's out port
-      resources.push_back(4 * d + (same_node ? 1 : 3));      // receiver's in port
+      resources.push_back(4 * s + (same_node ? 0 : 2));  // sender's out port
+      resources.push_back(4 * d + (same_node ? 1 : 3));  // receiver's in port
     }
     return {same_node ? m_.intra_latency_s : m_.inter_latency_s, bw};
   }
 
   // Starts a transfer; `tag` comes back from pop() when its bytes are through.
   void start(double t, double bytes, const std::vector<int>& resources, std::int64_t tag) {
-    const int id = static_cast<int>(transfers_.size());
-    transfers_.push_back(Transfer{bytes, 0, t, tag, resources, 0, true});
-    for (int r : resources) active_[static_cast<std::size_t>(r)].push_back(id);
-    reshare(t, resources);
+    const int id = static_cast<int>(pending_.size());
+    pending_.push_back(static_cast<int>(resources.size()));
+    tags_.push_back(tag);
+    for (int r : resources) {
+      Port& p = ports_[static_cast<std::size_t>(r)];
+      advance(p, t);
+      p.queue.push(Entry{p.virtual_time + bytes, id});
+      ++p.active;
+      reschedule(r);
+    }
   }
 
   double next_time() {
-    while (!heap_.empty()) {
-      const auto& top = heap_.top();
-      const Transfer& tr = transfers_[static_cast<std::size_t>(top.id)];
-      if (tr.active && tr.version == top.version) return top.time;
-      heap_.pop();
-    }
-    return kInf;
+    drop_stale();
+    return events_.empty() ? kInf : events_.top().time;
   }
 
   // The earliest finished transfer: (time, tag).
   std::pair<double, std::int64_t> pop() {
-    next_time();
-    const Entry e = heap_.top();
-    heap_.pop();
-    Transfer& tr = transfers_[static_cast<std::size_t>(e.id)];
-    tr.active = false;
-    for (int r : tr.resources) {
-      auto& v = active_[static_cast<std::size_t>(r)];
-      v.erase(std::find(v.begin(), v.end(), e.id));
+    for (;;) {
+      drop_stale();
+      const Next e = events_.top();
+      events_.pop();
+      Port& p = ports_[static_cast<std::size_t>(e.port)];
+      advance(p, e.time);
+      const int id = p.queue.top().id;
+      p.queue.pop();
+      --p.active;
+      reschedule(e.port);
+      if (--pending_[static_cast<std::size_t>(id)] == 0) return {e.time, tags_[static_cast<std::size_t>(id)]};
     }
-    reshare(e.time, tr.resources);
-    return {e.time, tr.tag};
   }
 
  private:
-  struct Transfer {
-    double remaining, rate, updated;
-    std::int64_t tag;
-    std::vector<int> resources;
-    std::uint64_t version;
-    bool active;
-  };
   struct Entry {
-    double time;
+    double finish;  // on the port's virtual clock
     int id;
+    bool operator>(const Entry& o) const { return finish != o.finish ? finish > o.finish : id > o.id; }
+  };
+  struct Port {
+    double capacity = 0, virtual_time = 0, updated = 0;
+    int active = 0;
+    std::uint64_t version = 0;
+    std::priority_queue<Entry, std::vector<Entry>, std::greater<>> queue;
+  };
+  struct Next {
+    double time;
+    int port;
     std::uint64_t version;
-    bool operator>(const Entry& o) const { return time != o.time ? time > o.time : id > o.id; }
+    bool operator>(const Next& o) const { return time != o.time ? time > o.time : port > o.port; }
   };
 
-  void reshare(double t, const std::vector<int>& touched) {
-    for (int r : touched)
-      for (int id : active_[static_cast<std::size_t>(r)]) {
-        Transfer& tr = transfers_[static_cast<std::size_t>(id)];
-        tr.remaining = std::max(0.0, tr.remaining - tr.rate * (t - tr.updated));
-        tr.updated = t;
-        double rate = kInf;
-        for (int q : tr.resources)
-          rate = std::min(rate, capacity_[static_cast<std::size_t>(q)] / double(active_[static_cast<std::size_t>(q)].size()));
-        if (rate == tr.rate && tr.version > 0) continue;
-        tr.rate = rate;
-        ++tr.version;
-        heap_.push(Entry{t + tr.remaining / rate, id, tr.version});
-      }
+  static void advance(Port& p, double t) {
+    if (p.active > 0) p.virtual_time += (t - p.updated) * p.capacity / p.active;
+    p.updated = t;
+  }
+  void reschedule(int r) {
+    Port& p = ports_[static_cast<std::size_t>(r)];
+    ++p.version;
+    if (p.queue.empty()) return;
+    events_.push(Next{p.updated + (p.queue.top().finish - p.virtual_time) * p.active / p.capacity, r, p.version});
+  }
+  void drop_stale() {
+    while (!events_.empty() && events_.top().version != ports_[static_cast<std::size_t>(events_.top().port)].version) events_.pop();
   }
 
   const MachineModel& m_;
-  int ranks_;
-  std::vector<double> capacity_;
-  std::vector<std::vector<int>> active_;
-  std::vector<Transfer> transfers_;
-  std::priority_queue<Entry, std::vector<Entry>, std::greater<>> heap_;
+  std::vector<Port> ports_;
+  std::vector<int> pending_;  // per transfer: resources still carrying it
+  std::vector<std::int64_t> tags_;
+  std::priority_queue<Next, std::vector<Next>, std::greater<>> events_;
 };
 
 // Per rank: time with data in flight from it and no matrix task running.
@@ -371,13 +374,20 @@ Timeline simulate_serialized(const MachineModel& m, const std::vector<Program>& 
   Timeline out;
   double exposed = 0;
   std::vector<int> resources;
-  std::vector<double> free_at(static_cast<std::size_t>(Q));
+  // Task ids of each kind, per rank, in generation order.
+  constexpr auto kinds = static_cast<std::size_t>(TaskKind::count);
+  std::vector<std::vector<std::int32_t>> by_kind(static_cast<std::size_t>(P) * kinds);
+  for (int r = 0; r < P; ++r) {
+    const auto& p = programs[static_cast<std::size_t>(r)];
+    for (std::size_t id = 0; id < p.tasks.size(); ++id)
+      by_kind[static_cast<std::size_t>(r) * kinds + static_cast<std::size_t>(p.tasks[id].kind)].push_back(static_cast<std::int32_t>(id));
+  }
   double now = 0;
   bool first = true;
   for (const Operator& op : operators(programs[0].pass)) {
     bool any = false;
-    for (const auto& p : programs)
-      for (const Task& t : p.tasks) any = any || std::find(op.kinds.begin(), op.kinds.end(), t.kind) != op.kinds.end();
+    for (int r = 0; r < P; ++r)
+      for (TaskKind k : op.kinds) any = any || !by_kind[static_cast<std::size_t>(r) * kinds + static_cast<std::size_t>(k)].empty();
     if (!any) continue;
     for (int pass = op.permute_first ? 0 : 1; pass < 2; ++pass) {  // 0: the permute before an exchange
       if (!first) now += m.operator_launch_s;
@@ -386,18 +396,19 @@ Timeline simulate_serialized(const MachineModel& m, const std::vector<Program>& 
       double end = now;
       for (int r = 0; r < P; ++r) {
         const auto& p = programs[static_cast<std::size_t>(r)];
-        std::fill(free_at.begin(), free_at.end(), now);
-        for (std::size_t id = 0; id < p.tasks.size(); ++id) {
-          const Task& t = p.tasks[id];
-          if (std::find(op.kinds.begin(), op.kinds.end(), t.kind) == op.kinds.end()) continue;
-          int unit = -1;  // earliest free unit of the task's class
+        for (TaskKind kind : op.kinds) {
+          // The units of the operator's class, earliest free first (ties: lowest unit).
+          std::priority_queue<std::pair<double, int>, std::vector<std::pair<double, int>>, std::greater<>> units;
           for (int w = 0; w < Q; ++w)
-            if (machine.takes(w, t.queue) && (unit < 0 || free_at[static_cast<std::size_t>(w)] < free_at[static_cast<std::size_t>(unit)]))
-              unit = w;
+            if (machine.takes(w, taskflow::queue_class(kind))) units.push({now, w});
+          for (const std::int32_t task_id : by_kind[static_cast<std::size_t>(r) * kinds + static_cast<std::size_t>(kind)]) {
+          const auto id = static_cast<std::size_t>(task_id);
+          const Task& t = p.tasks[id];
+          const auto [start, unit] = units.top();
+          units.pop();
           const double bytes = work[static_cast<std::size_t>(r)][id];
           const double d = pass == 0 ? bytes / m.vector_bytes_per_s + m.task_overhead_s : duration(m, t, bytes, dtype);
-          const double start = free_at[static_cast<std::size_t>(unit)];
-          free_at[static_cast<std::size_t>(unit)] = start + d;
+          units.push({start + d, unit});
           (t.queue == QueueClass::matrix ? out.matrix_busy : out.vector_busy) += d;
           const bool exchange = pass == 1 && is_put(t.kind);
           if (trace) {
@@ -409,6 +420,7 @@ Timeline simulate_serialized(const MachineModel& m, const std::vector<Program>& 
             const auto [latency, bw] = links.path(r, t.peer, resources);
             if (bw > 0) links.start(start + d, bytes, resources, (std::int64_t{r} << 32) | t.peer);
             else end = std::max(end, start + d + latency);
+          }
           }
         }
       }
