@@ -61,22 +61,9 @@ void BM_SignalToWake(benchmark::State& state) {
   state.counters["one_way_ns"] = total / double(state.iterations()) / 2 * 1e9;
 }
 
-LayerConfig small_tiles(std::int64_t ranks) {
-  LayerConfig c = preset("tiny");
-  c.hidden = 2;  // tiles that do next to nothing: what remains is overhead
-  c.expert_inter = 2;
-  c.routed_experts = 8;
-  c.shared_experts = 0;
-  c.top_k = 2;
-  c.ranks = ranks;
-  c.tokens_per_rank = 4096 / ranks;
-  c.validate();
-  return c;
-}
-
 void BM_PerTaskCost(benchmark::State& state) {
   const std::int64_t ranks = state.range(0);
-  const LayerConfig c = small_tiles(ranks);
+  const LayerConfig c = empty_tiles_layer(ranks, 4096 / ranks);
   const auto w = random_weights(c, 1);
   const auto in = random_inputs(c, 1);
   RuntimeOptions opt;

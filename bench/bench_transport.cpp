@@ -64,19 +64,6 @@ double ping_pong(Transport& tr, int me, std::int64_t& armed, int rounds, std::si
   return seconds / rounds / 2;
 }
 
-LayerConfig small_tiles() {
-  LayerConfig c = preset("tiny");
-  c.hidden = 2;  // tiles that do next to nothing: what remains is overhead
-  c.expert_inter = 2;
-  c.routed_experts = 8;
-  c.shared_experts = 0;
-  c.top_k = 2;
-  c.ranks = 2;
-  c.tokens_per_rank = 2048;
-  c.validate();
-  return c;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -98,7 +85,7 @@ int main(int argc, char** argv) {
     const std::size_t bytes = 64 * 2048 * 4;
     for (int rep = 0; rep < 7; ++rep) put.push_back(ping_pong(*tr, me, armed, 100, bytes));
 
-    const LayerConfig c = small_tiles();
+    const LayerConfig c = empty_tiles_layer(2, 2048);
     const auto w = random_weights(c, 1);
     const auto in = random_inputs(c, 1);
     RuntimeOptions opt;

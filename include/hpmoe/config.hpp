@@ -80,6 +80,9 @@ LayerConfig config_from_json(const nlohmann::json&);
 
 std::vector<std::string> preset_names();
 LayerConfig preset(std::string_view name);  // Error lists the presets
+// A layer whose tiles do next to nothing (hidden 2, inter 2, 8 experts,
+// top-2): what a step of it costs is the runtime's overhead.
+LayerConfig empty_tiles_layer(std::int64_t ranks, std::int64_t tokens_per_rank);
 
 // Reads a layer description from a file: hpmoe's own JSON, a Hugging Face
 // style config.json (hidden_size, moe_intermediate_size, ...), or a DeepSeek

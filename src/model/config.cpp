@@ -238,6 +238,20 @@ std::vector<std::string> preset_names() {
   return {"tiny", "deepseek-v2-lite", "deepseek-v2", "deepseek-v3", "qwen3-30b-a3b", "qwen3-235b-a22b", "mixtral-8x7b"};
 }
 
+LayerConfig empty_tiles_layer(std::int64_t ranks, std::int64_t tokens_per_rank) {
+  LayerConfig c = preset("tiny");
+  c.name = "empty-tiles";
+  c.hidden = 2;
+  c.expert_inter = 2;
+  c.routed_experts = 8;
+  c.shared_experts = 0;
+  c.top_k = 2;
+  c.ranks = ranks;
+  c.tokens_per_rank = tokens_per_rank;
+  c.validate();
+  return c;
+}
+
 LayerConfig preset(std::string_view name) {
   LayerConfig c;
   c.name = std::string(name);

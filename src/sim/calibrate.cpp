@@ -165,13 +165,7 @@ json calibrate(const CalibrateOptions& opt, const std::function<void(const std::
   }
   double per_task = 0;
   {
-    LayerConfig c = preset("tiny");
-    c.hidden = 2;  // tiles that do next to nothing: what remains is overhead
-    c.expert_inter = 2;
-    c.shared_experts = 0;
-    c.ranks = 1;
-    c.tokens_per_rank = 4096;
-    c.validate();
+    const LayerConfig c = empty_tiles_layer(1, 4096);
     const auto w = random_weights(c, 1);
     const auto in = random_inputs(c, 1);
     RuntimeOptions ropt;
