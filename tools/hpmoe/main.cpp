@@ -156,6 +156,8 @@ int run_main(int argc, char** argv) {
   simulate->add_flag("--backward", sreq.backward, "simulate the backward pass too");
   simulate->add_option("--schedule", sim_schedule, "fill | rank-rotated | critical-path | interleave-wgrad");
   simulate->add_option("--json", sim_json, "write the prediction as JSON");
+  int sim_workers = 0;
+  simulate->add_option("--workers,-W", sim_workers, "cpu models: workers per rank (default: the model's)")->check(CLI::Range(1, 256));
   simulate->add_option("--trace", sim_trace, "write the simulated timelines as a Chrome/Perfetto trace");
   simulate->add_option("--timeline", sim_timeline, "write the simulated timelines as an SVG Gantt chart");
 
@@ -262,7 +264,11 @@ int run_main(int argc, char** argv) {
     return report.ok ? 0 : 1;
   }
   if (simulate->parsed()) {
-    const sim::MachineModel model = sim::load_machine(sim_machine);
+    sim::MachineModel model = sim::load_machine(sim_machine);
+    if (sim_workers > 0) {
+      if (model.accelerator) throw Error("--workers applies to cpu models; " + model.name + " has matrix and vector units");
+      model.workers = sim_workers;
+    }
     sreq.config = sim_layer_opts.resolve();
     sreq.routing = parse_routing_spec(sim_routing, sreq.seed);
     sreq.policy = taskflow::parse_policy(sim_schedule);

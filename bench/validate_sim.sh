@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# The simulator against this machine: `hpmoe simulate --machine cpu-local`
+# predicts what `hpmoe run` measures, over the runtime issue's sweep at 256
+# and 1024 tokens per rank (serialized and interleaved, forward and backward).
+# Prints a markdown report: one row per configuration, then the errors
+# against the targets (median |error| <= 10%, worst <= 25%, predicted speedup
+# on the same side of 1.0 as the measured one).
+#   hpmoe calibrate --out machines/cpu-local.json   # first, on an idle machine
+#   bench/validate_sim.sh [build/hpmoe] [machines/cpu-local.json] > docs/simulation.md
+set -euo pipefail
+cd "$(dirname "$0")/.."
+hpmoe=${1:-build/hpmoe}
+model=${2:-machines/cpu-local.json}
+iters=${ITERS:-3}
+tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
+trace=data/routing/mixtral-8x7b/coding.json
+
+echo "# The simulator against this machine"
+echo
+echo "Machine: $(lscpu | sed -n 's/^Model name: *//p'), $(nproc) cores; $(date -u +%F). Model: \`$model\`."
+echo "Command: \`bench/validate_sim.sh $hpmoe $model\` (measured: median of $iters iterations after a warm-up, fp32)."
+echo
+echo "| layer | P x W | tokens | routing | pass | serialized meas. ms | pred. ms | err | interleaved meas. ms | pred. ms | err | speedup meas. | pred. |"
+echo "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+one() {  # layer-args label P W T routing
+  "$hpmoe" run $1 -P "$3" -W "$4" -T "$5" --routing "$6" --backward --iters "$iters" --warmup 1 --verify off \
+    --json "$tmp/run.json" > /dev/null 2>&1 || { echo "| $2 | $3 x $4 | $5 | $6 | run failed |||||||||"; return; }
+  "$hpmoe" simulate --machine "$model" $1 -P "$3" -W "$4" -T "$5" --routing "$6" --backward \
+    --json "$tmp/sim.json" > /dev/null
+  python3 - "$tmp/run.json" "$tmp/sim.json" "$2" "$3" "$4" "$5" "$6" "$tmp/rows.jsonl" <<'PY'
+import json, sys
+run, sim = json.load(open(sys.argv[1])), json.load(open(sys.argv[2]))
+label, P, W, T, routing, rows = sys.argv[3:]
+for pas, mkey, skey in (("forward", "dispatch_to_combine", "forward"), ("backward", "backward", "backward")):
+    ms, mi = run["serialized"][mkey]["median_s"], run["interleaved"][mkey]["median_s"]
+    ps, pi = sim[skey]["serialized_s"], sim[skey]["interleaved_s"]
+    es, ei = ps / ms - 1, pi / mi - 1
+    print(f"| {label} | {P} x {W} | {T} | {routing} | {pas} | {ms*1e3:.1f} | {ps*1e3:.1f} | {es*100:+.1f}% | "
+          f"{mi*1e3:.1f} | {pi*1e3:.1f} | {ei*100:+.1f}% | {ms/mi:.3f} | {ps/pi:.3f} |")
+    with open(rows, "a") as f:
+        f.write(json.dumps({"errors": [es, ei], "measured_speedup": ms / mi, "predicted_speedup": ps / pi}) + "\n")
+PY
+}
+for T in ${TOKENS:-256 1024}; do
+  for pw in "1 2" "2 1"; do
+    set -- $pw
+    for routing in uniform zipf:1.2; do
+      one "--preset deepseek-v2-lite" deepseek-v2-lite "$1" "$2" "$T" "$routing"
+      one "--preset qwen3-30b-a3b" qwen3-30b-a3b "$1" "$2" "$T" "$routing"
+    done
+    for routing in uniform "trace:$trace:15"; do
+      one "--preset mixtral-8x7b --set expert_inter=1792" "mixtral-8x7b (inter 1792)" "$1" "$2" "$T" "$routing"
+    done
+  done
+done
+echo
+python3 - "$tmp/rows.jsonl" <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+errs = sorted(abs(e) for r in rows for e in r["errors"])
+med = errs[len(errs) // 2] if len(errs) % 2 else (errs[len(errs)//2 - 1] + errs[len(errs)//2]) / 2
+def side(x, eps=0.01):  # within 1% of 1.0 counts as a tie, on neither side
+    return 0 if abs(x - 1) <= eps else (1 if x > 1 else -1)
+agree = sum(1 for r in rows if side(r["measured_speedup"]) == side(r["predicted_speedup"]) or side(r["measured_speedup"]) == 0)
+print("## Summary")
+print()
+print(f"- {len(errs)} predicted latencies (serialized and interleaved, forward and backward).")
+print(f"- Median |error| {med*100:.1f}% (target <= 10%), worst {errs[-1]*100:.1f}% (target <= 25%).")
+print(f"- Predicted speedup on the same side of 1.0 as the measured one in {agree} of {len(rows)} cases "
+      "(a measured speedup within 1% of 1.0 counts as agreeing with either side).")
+PY
