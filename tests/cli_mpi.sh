@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The MPI transport end to end: 2 and 4 processes, shared-memory windows and
+# The MPI transport end to end (the serialized baseline runs operator by
+# operator over the same transport): 2 and 4 processes, shared-memory windows and
 # the network path (forced onto TCP), fp32/bf16, forward+backward, every
 # scheduler policy; each run checks the interleaved result bit-identical to
 # the serialized baseline and against the oracle (exit 0 only if all pass).
@@ -24,6 +25,8 @@ check() {  # check NP PATH ARGS...: passes, and the bit-identity checks ran
   grep -q "verify   PASS" "$tmp/out.txt"
   grep -q "interleaved out  rel L2 0.00e+00" "$tmp/out.txt"
   grep -q "interleaved over mpi" "$tmp/out.txt"
+  # The serialized baseline ran phased over the same transport, and both match the in-process executor.
+  test "$(grep -c "= in-process, all tensors rel L2 0.00e+00" "$tmp/out.txt")" -eq 2
 }
 
 for path in shared network; do

@@ -78,6 +78,7 @@ struct RunReport {
   Summary router, dispatch_to_combine, backward_time;
   bool serialized = true, interleaved = false;  // which executors ran
   std::string transport = "in-process";
+  std::string serialized_over;  // over MPI: the serialized baseline runs phased on this transport
   std::string policy;
   std::vector<std::pair<std::string, Summary>> interleaved_ops;
   Summary interleaved_d2c, interleaved_backward;

@@ -38,6 +38,12 @@ struct RuntimeOptions {
   // root process's StepResult holds every rank's outputs and gradients.
   std::shared_ptr<Transport> transport;
   RuntimeFault fault;
+  // Run the same tiles as the serialized baseline does: one operator at a
+  // time (taskflow::operator_order), each rank's tasks of the operator
+  // shared round-robin by its workers, and a barrier across all workers of
+  // all ranks after every operator. Over MPI this is the serialized
+  // baseline on the same transport and links.
+  bool phased = false;
 };
 
 // The interleaved single-launch runtime, in process: every step compiles the

@@ -71,6 +71,9 @@ const char* name(TaskKind);
 const char* name(BufferId);
 const char* name(QueueClass);
 QueueClass queue_class(TaskKind);
+// A put to a peer (dispatch, combine and their gradients): an all-to-all in
+// the serialized operator sequence.
+bool is_put(TaskKind);
 
 // One tile of work: 44 bytes, no pointers, no allocation.
 struct Task {
@@ -122,6 +125,9 @@ struct Machine {
 Machine parse_machine(const std::string& spec);
 
 enum class Pass { forward, backward };
+// The serialized baseline's operator sequence over the same tiles: one task
+// kind per operator, in the order a framework runs them.
+const std::vector<TaskKind>& operator_order(Pass);
 enum class Policy { fill, rank_rotated, critical_path, interleave_wgrad };
 Policy parse_policy(const std::string&);
 const char* name(Policy);

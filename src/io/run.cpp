@@ -148,9 +148,10 @@ RunReport run_layer(const RunRequest& req, const std::function<void(const std::s
   bool distributed = false;
   if (req.transport)
     for (int r = 0; r < c.ranks; ++r) distributed = distributed || !req.transport->hosts(r);
-  if (distributed && mode == RunMode::serialized)
-    throw Error("--mode serialized runs in one process; with --transport mpi use --mode interleaved or both");
-  const bool use_serialized = mode != RunMode::interleaved && root, use_interleaved = mode != RunMode::serialized;
+  // Over MPI the serialized baseline is the runtime's phased mode (operator
+  // by operator on the same transport); the root also runs the in-process
+  // serialized executor once, as the bit-for-bit reference.
+  const bool use_serialized = mode != RunMode::interleaved, use_interleaved = mode != RunMode::serialized;
 
   say("packing weights for the tile kernels");
   const auto packed = pack_weights(c, w, req.backward);  // one packing for both executors
@@ -161,9 +162,10 @@ RunReport run_layer(const RunRequest& req, const std::function<void(const std::s
   opt.packed = packed;
   opt.trace = !req.trace_file.empty() || !req.timeline_file.empty();
   std::unique_ptr<SerializedExecutor> serial;
-  std::unique_ptr<InterleavedExecutor> inter;
-  if (use_serialized) serial = std::make_unique<SerializedExecutor>(c, w, opt);
-  if (use_interleaved) {
+  std::unique_ptr<InterleavedExecutor> inter, phased;
+  if ((use_serialized && !distributed) || (distributed && root && req.verify != VerifyMode::off))
+    serial = std::make_unique<SerializedExecutor>(c, w, opt);
+  auto runtime_options = [&] {
     RuntimeOptions ropt;
     ropt.workers_per_rank = req.workers_per_rank;
     ropt.policy = req.policy;
@@ -175,13 +177,21 @@ RunReport run_layer(const RunRequest& req, const std::function<void(const std::s
     ropt.fault = req.fault;
     ropt.pin = false;  // the serialized executor's pool holds the pinned cores
     if (!use_serialized || distributed) ropt.pin = req.pin;
-    inter = std::make_unique<InterleavedExecutor>(c, w, ropt);
+    return ropt;
+  };
+  if (use_interleaved) inter = std::make_unique<InterleavedExecutor>(c, w, runtime_options());
+  if (use_serialized && distributed) {
+    RuntimeOptions ropt = runtime_options();
+    ropt.phased = true;
+    ropt.fault = {};
+    phased = std::make_unique<InterleavedExecutor>(c, w, ropt);
   }
 
   RunReport rep;
   rep.serialized = use_serialized;
   rep.interleaved = use_interleaved;
   if (req.transport) rep.transport = req.transport->describe();
+  if (distributed) rep.serialized_over = rep.transport;
   rep.policy = taskflow::name(req.policy);
   rep.config = c;
   rep.routing = req.routing.describe();
@@ -211,8 +221,9 @@ RunReport run_layer(const RunRequest& req, const std::function<void(const std::s
         for (std::size_t i = 0; i < inter_last.forward_ops.size(); ++i) inter_ops[i].push_back(inter_last.forward_ops[i].seconds);
       }
     }
-    if (!serial) continue;
-    serial->step(in, forced, last);
+    if (!use_serialized) continue;
+    if (phased) phased->step(in, forced, last);
+    else serial->step(in, forced, last);
     const StepResult& res = last;
     if (it >= req.warmup) {
       router.push_back(res.router_seconds);
@@ -239,7 +250,7 @@ RunReport run_layer(const RunRequest& req, const std::function<void(const std::s
   rep.serialized_backward_busy = summarize(bwd_busy);
   rep.interleaved_busy = summarize(inter_busy);
   rep.interleaved_backward_busy = summarize(inter_bwd_busy);
-  if (!serial) last = std::move(inter_last);  // interleaved only: verify and report its step
+  if (!use_serialized) last = std::move(inter_last);  // interleaved only: verify and report its step
   rep.router = summarize(router);
   rep.dispatch_to_combine = summarize(d2c);
   rep.backward_time = summarize(bwd);
@@ -259,9 +270,32 @@ RunReport run_layer(const RunRequest& req, const std::function<void(const std::s
   }
 
   if (!root) return rep;  // the root process verifies and reports
+  StepResult reference;  // over MPI: the in-process serialized executor's step
+  if (distributed && serial) {
+    say("running the serialized executor in process as the reference");
+    serial->step(in, forced, reference);
+  }
   if (req.verify != VerifyMode::off) say("verifying against the fp64 oracle");
   rep.verification = verify(req, w, in, last);
-  if (serial && inter) {
+  if (distributed && serial) {
+    // Every executor over MPI must reproduce the in-process serialized result bit for bit.
+    auto against_reference = [&](const std::string& name, const StepResult& s) {
+      Comparison ch;
+      ch.tensor = name;
+      ch.pass = s.out.data == reference.out.data;
+      if (req.backward) {
+        ch.pass = ch.pass && s.grads.x.data == reference.grads.x.data && s.grads.router.data == reference.grads.router.data &&
+                  s.grads.shared_w1.data == reference.grads.shared_w1.data && s.grads.shared_w2.data == reference.grads.shared_w2.data;
+        for (std::size_t e = 0; e < s.grads.w1.size(); ++e)
+          ch.pass = ch.pass && s.grads.w1[e].data == reference.grads.w1[e].data && s.grads.w2[e].data == reference.grads.w2[e].data;
+      }
+      rep.verification.checks.push_back(ch);
+      rep.verification.pass = rep.verification.pass && ch.pass;
+    };
+    if (use_serialized) against_reference("phased (mpi) = in-process, all tensors", last);
+    if (use_interleaved) against_reference("interleaved (mpi) = in-process, all tensors", use_serialized ? inter_last : last);
+  }
+  if (use_serialized && inter) {
     // The interleaved runtime must reproduce the serialized result bit for bit.
     auto bitwise = [&](const std::string& name, const Matrix& a, const Matrix& b) {
       Comparison ch;
@@ -292,8 +326,10 @@ RunReport run_layer(const RunRequest& req, const std::function<void(const std::s
   }
   if (opt.trace) {
     std::vector<TracedRun> runs;
-    if (serial) runs.push_back({"serialized", &last});
-    if (inter) runs.push_back({"interleaved (" + std::string(taskflow::name(req.policy)) + ")", serial ? &inter_last : &last});
+    if (use_serialized) runs.push_back({distributed ? "serialized (phased, rank 0's workers)" : "serialized", &last});
+    if (inter)
+      runs.push_back({"interleaved (" + std::string(taskflow::name(req.policy)) + ")" + (distributed ? ", rank 0's workers" : ""),
+                      use_serialized ? &inter_last : &last});
     if (!req.trace_file.empty()) write_chrome_trace(req.trace_file, runs);
     if (!req.timeline_file.empty()) write_timeline_svg(req.timeline_file, runs);
   }
@@ -399,6 +435,7 @@ std::string format_report(const RunReport& r) {
     << " tokens/rank, " << to_string(c.dtype) << ", " << (r.backward ? "forward+backward" : "forward") << ", "
     << r.iterations << " iterations";
   if (r.interleaved) o << ", interleaved over " << r.transport;
+  if (!r.serialized_over.empty()) o << "; serialized operator by operator over the same";
   o << "\n";
   const auto& st = r.stats;
   o << "routing  " << r.routing << ": expert max/mean " << st.expert_max_over_mean << ", rank max/mean "

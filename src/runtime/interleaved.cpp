@@ -135,15 +135,29 @@ class Interleaved final : public InterleavedExecutor::Impl {
   // One launch: all workers of all ranks run their queues of `set` at once.
   double launch(std::vector<taskflow::Program>& set, const LayerInputs& in, StepResult& res) {
     current_ = &set;
+    // Phased: one barrier counter per operator after the program's events.
+    const auto& order = taskflow::operator_order(set[0].pass);
+    const std::size_t barriers = opt_.phased ? order.size() : 0;
     std::vector<std::int64_t> events(static_cast<std::size_t>(c_.ranks));
-    for (std::int64_t r = 0; r < c_.ranks; ++r) events[r] = static_cast<std::int64_t>(set[r].events.size());
+    for (std::int64_t r = 0; r < c_.ranks; ++r) events[r] = static_cast<std::int64_t>(set[r].events.size() + barriers);
     tr_->reserve_events(events);
     for (int r : local_) {
       RankState& s = ranks_[r];
       const auto& p = set[r];
       Counter* counters = tr_->counters(r);
-      s.base.resize(p.events.size());
-      for (std::size_t e = 0; e < p.events.size(); ++e) s.base[e] = counters[e].value.load(std::memory_order_relaxed);
+      s.base.resize(p.events.size() + barriers);
+      for (std::size_t e = 0; e < s.base.size(); ++e) s.base[e] = counters[e].value.load(std::memory_order_relaxed);
+      if (opt_.phased) {  // the rank's tasks by operator, in generation order
+        s.phase_begin.assign(order.size() + 1, 0);
+        s.phase_tasks.clear();
+        for (std::size_t k = 0; k < order.size(); ++k) {
+          for (std::size_t id = 0; id < p.tasks.size(); ++id)
+            if (p.tasks[id].kind == order[k]) s.phase_tasks.push_back(static_cast<std::int32_t>(id));
+          s.phase_begin[k + 1] = static_cast<std::int32_t>(s.phase_tasks.size());
+        }
+        if (s.phase_tasks.size() != p.tasks.size())
+          throw Error("phased execution: rank " + std::to_string(r) + " has tasks of a kind outside the operator order");
+      }
     }
     for (std::int64_t r = 0; r < c_.ranks; ++r) ranks_[r].counters = tr_->counters(static_cast<int>(r));
     if (opt_.trace) {  // storage before the launch: recording allocates nothing
@@ -237,6 +251,7 @@ class Interleaved final : public InterleavedExecutor::Impl {
     std::byte* segment = nullptr;
     Counter* counters = nullptr;
     std::vector<std::int64_t> base;              // counter values when the launch began (hosted ranks)
+    std::vector<std::int32_t> phase_begin, phase_tasks;  // phased: task ids by operator
     std::vector<std::int32_t> send_token;        // send row -> local token
     std::vector<std::int64_t> send_assign;       // send row -> assignment t * K + k (global)
     // Backward, laid out as the serialized baseline lays them out (padded K,
@@ -386,7 +401,16 @@ class Interleaved final : public InterleavedExecutor::Impl {
       for (int w = 0; w < opt_.workers_per_rank; ++w) {
         const int r = local_[i];
         const std::int32_t id = waiting_[i * static_cast<std::size_t>(opt_.workers_per_rank) + static_cast<std::size_t>(w)].load();
-        if (id < 0) continue;
+        if (id == -1) continue;
+        if (id <= -2) {  // phased: an operator's barrier
+          const auto& p = (*current_)[r];
+          const std::size_t k = static_cast<std::size_t>(-2 - id), e = p.events.size() + k;
+          text += (text.empty() ? "" : "; ") + std::string("rank ") + std::to_string(r) + " worker " + std::to_string(w) +
+                  " at the barrier after operator " + taskflow::name(taskflow::operator_order(p.pass)[k]) + " at " +
+                  std::to_string(ranks_[r].counters[e].value.load() - ranks_[r].base[e]) + " of " +
+                  std::to_string(c_.ranks * opt_.workers_per_rank);
+          continue;
+        }
         const Task& t = (*current_)[r].tasks[id];
         const auto& ev = (*current_)[r].events[t.wait_event];
         const std::int64_t reached = ranks_[r].counters[t.wait_event].value.load() - ranks_[r].base[t.wait_event];
@@ -416,22 +440,11 @@ class Interleaved final : public InterleavedExecutor::Impl {
     try {
       if (opt_.fault.kind == RuntimeFault::stall && opt_.fault.rank == r && w == 0)
         while (!abort_.load(std::memory_order_relaxed)) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-      for (auto q = p.queue_begin[w]; q < p.queue_begin[w + 1]; ++q) {
-        const std::int32_t id = p.queue_tasks[q];
-        const Task& t = p.tasks[id];
-        if (t.wait_event >= 0) wait(r, slot, id, t);
-        const auto begin = Clock::now();
-        const bool signalled = execute(in, res, r, slot, t);
-        const auto end = Clock::now();
-        busy_[slot] += seconds(begin, end);
-        if (opt_.trace) spans_[slot].push_back(Span{id, seconds(step_start_, begin), seconds(step_start_, end)});
-        if (t.trigger_event >= 0 && !signalled) {
-          if (!ranks_[t.peer].counters)
-            throw Error("task #" + std::to_string(id) + " (" + taskflow::name(t.kind) + ") signals rank " +
-                        std::to_string(t.peer) + ", which this process cannot address, without a put");
-          signal(ranks_[t.peer].counters[t.trigger_event]);
-        }
+      if (opt_.phased) {
+        run_phased(in, res, r, w, slot);
+        return;
       }
+      for (auto q = p.queue_begin[w]; q < p.queue_begin[w + 1]; ++q) run_task(in, res, r, slot, p.queue_tasks[q]);
     } catch (const Aborted&) {
       return;
     } catch (...) {
@@ -439,6 +452,53 @@ class Interleaved final : public InterleavedExecutor::Impl {
         std::lock_guard lock(failure_mutex_);
         failure_ = std::current_exception();
       }
+    }
+  }
+
+  // Waits for a task's event, runs it, signals what it triggers.
+  void run_task(const LayerInputs& in, StepResult& res, int r, std::size_t slot, std::int32_t id) {
+    const Task& t = (*current_)[r].tasks[id];
+    if (t.wait_event >= 0) wait(r, slot, id, t);
+    const auto begin = Clock::now();
+    const bool signalled = execute(in, res, r, slot, t);
+    const auto end = Clock::now();
+    busy_[slot] += seconds(begin, end);
+    if (opt_.trace) spans_[slot].push_back(Span{id, seconds(step_start_, begin), seconds(step_start_, end)});
+    if (t.trigger_event >= 0 && !signalled) signal_rank(t.peer, t.trigger_event, id);
+  }
+
+  // Adds one to a counter of any rank: a store when its memory is
+  // addressable here, an empty put with signal otherwise.
+  void signal_rank(int rank, std::int32_t event, std::int32_t task) {
+    if (Counter* c = ranks_[rank].counters) {
+      signal(c[event]);
+    } else if (task < 0) {
+      tr_->put_signal(rank, 0, {}, event);
+    } else {
+      const Task& t = (*current_)[local_.front()].tasks[task];
+      throw Error("task #" + std::to_string(task) + " (" + taskflow::name(t.kind) + ") signals rank " +
+                  std::to_string(rank) + ", which this process cannot address, without a put");
+    }
+  }
+
+  // The serialized operator sequence: a worker runs every W-th task of the
+  // operator on its rank, then all workers of all ranks meet at the
+  // operator's barrier counter before the next operator starts.
+  void run_phased(const LayerInputs& in, StepResult& res, int r, int w, std::size_t slot) {
+    const auto& p = (*current_)[r];
+    const RankState& s = ranks_[r];
+    const std::int64_t W = opt_.workers_per_rank;
+    const std::size_t phases = s.phase_begin.size() - 1;
+    for (std::size_t k = 0; k < phases; ++k) {
+      for (std::int64_t i = s.phase_begin[k] + w; i < s.phase_begin[k + 1]; i += W) run_task(in, res, r, slot, s.phase_tasks[i]);
+      // Rank q's barrier counters follow its own program's events.
+      for (int q = 0; q < c_.ranks; ++q) signal_rank(q, static_cast<std::int32_t>((*current_)[q].events.size() + k), -1);
+      const auto barrier = static_cast<std::int32_t>(p.events.size() + k);
+      Task wait_all{};
+      wait_all.kind = taskflow::operator_order(p.pass)[k];
+      wait_all.wait_event = barrier;
+      wait_all.wait_count = static_cast<std::int32_t>(c_.ranks * W);
+      wait(r, slot, -2 - static_cast<std::int32_t>(k), wait_all);  // -2 - k: the barrier after operator k
     }
   }
 

@@ -27,10 +27,7 @@ using taskflow::Task;
 using taskflow::TaskKind;
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
-bool is_put(TaskKind k) {
-  return k == TaskKind::dispatch_put || k == TaskKind::combine_put || k == TaskKind::grad_dispatch_put ||
-         k == TaskKind::grad_combine_put;
-}
+using taskflow::is_put;
 
 // Seconds a task occupies its unit.
 double duration(const MachineModel& m, const Task& t, double work, DType dtype) {
@@ -342,25 +339,21 @@ Timeline simulate_interleaved(const MachineModel& m, const std::vector<Program>&
 
 namespace {
 
-// The serialized baseline's operators, in its order, as sets of task kinds.
+// The serialized baseline's operators: one task kind each; an exchange is
+// preceded by a permute (the gather of the rows into a send buffer).
 struct Operator {
   std::vector<TaskKind> kinds;
   bool all_to_all = false;
-  bool permute_first = false;  // a gather of the rows into a send buffer before the exchange
+  bool permute_first = false;
 };
 
 std::vector<Operator> operators(taskflow::Pass pass) {
-  using K = TaskKind;
-  if (pass == taskflow::Pass::forward)
-    return {{{K::dispatch_put}, true, true}, {{K::gemm_gate_up}}, {{K::swiglu}}, {{K::gemm_down}},
-            {{K::shared_gate_up}}, {{K::shared_swiglu}}, {{K::shared_down}},
-            {{K::combine_put}, true, false}, {{K::combine_reduce}}};
-  return {{{K::gate_grad}}, {{K::router_bwd}}, {{K::router_dgrad}}, {{K::router_wgrad}},
-          {{K::grad_dispatch_put}, true, true}, {{K::gemm_down_dgrad}}, {{K::pack_down_grad}}, {{K::gemm_down_wgrad}},
-          {{K::swiglu_bwd}}, {{K::gemm_gate_up_dgrad}}, {{K::pack_gate_up_grad}}, {{K::gemm_gate_up_wgrad}},
-          {{K::shared_down_dgrad}}, {{K::pack_shared_down_grad}}, {{K::shared_down_wgrad}}, {{K::shared_swiglu_bwd}},
-          {{K::shared_gate_up_dgrad}}, {{K::pack_shared_gate_up_grad}}, {{K::shared_gate_up_wgrad}},
-          {{K::grad_combine_put}, true, false}, {{K::grad_reduce}}};
+  std::vector<Operator> ops;
+  for (TaskKind k : taskflow::operator_order(pass)) {
+    const bool exchange = is_put(k);
+    ops.push_back({{k}, exchange, exchange && (k == TaskKind::dispatch_put || k == TaskKind::grad_dispatch_put)});
+  }
+  return ops;
 }
 
 }  // namespace

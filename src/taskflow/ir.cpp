@@ -48,6 +48,26 @@ constexpr QueueClass queue_class_of(TaskKind k) {
 }
 }  // namespace
 
+bool is_put(TaskKind k) {
+  return k == TaskKind::dispatch_put || k == TaskKind::combine_put || k == TaskKind::grad_dispatch_put ||
+         k == TaskKind::grad_combine_put;
+}
+
+const std::vector<TaskKind>& operator_order(Pass pass) {
+  using K = TaskKind;
+  static const std::vector<TaskKind> forward{K::dispatch_put,   K::gemm_gate_up,  K::swiglu,
+                                             K::gemm_down,      K::shared_gate_up, K::shared_swiglu,
+                                             K::shared_down,    K::combine_put,    K::combine_reduce};
+  static const std::vector<TaskKind> backward{
+      K::gate_grad,          K::router_bwd,         K::router_dgrad,          K::router_wgrad,
+      K::grad_dispatch_put,  K::gemm_down_dgrad,    K::pack_down_grad,        K::gemm_down_wgrad,
+      K::swiglu_bwd,         K::gemm_gate_up_dgrad, K::pack_gate_up_grad,     K::gemm_gate_up_wgrad,
+      K::shared_down_dgrad,  K::pack_shared_down_grad, K::shared_down_wgrad,  K::shared_swiglu_bwd,
+      K::shared_gate_up_dgrad, K::pack_shared_gate_up_grad, K::shared_gate_up_wgrad,
+      K::grad_combine_put,   K::grad_reduce};
+  return pass == Pass::forward ? forward : backward;
+}
+
 QueueClass queue_class(TaskKind k) {
   static constexpr auto table = [] {
     std::array<QueueClass, static_cast<std::size_t>(TaskKind::count)> t{};

@@ -11,11 +11,6 @@ namespace hpmoe::taskflow {
 
 namespace {
 
-bool is_put(TaskKind k) {
-  return k == TaskKind::dispatch_put || k == TaskKind::combine_put || k == TaskKind::grad_dispatch_put ||
-         k == TaskKind::grad_combine_put;
-}
-
 bool is_wgrad(TaskKind k) { return k == TaskKind::gemm_down_wgrad || k == TaskKind::gemm_gate_up_wgrad; }
 
 bool is_expert_chain(TaskKind k) {
