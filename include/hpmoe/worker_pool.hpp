@@ -14,7 +14,8 @@ namespace hpmoe {
 // boundary). A worker's exception is rethrown by run().
 class WorkerPool {
  public:
-  // Worker i is pinned to core (first_core + i) mod cores.
+  // Worker i is pinned to the (first_core + i)-th core, modulo the cores
+  // this process may run on (its affinity mask).
   WorkerPool(int ranks, int workers_per_rank, bool pin, int first_core = 0);
   ~WorkerPool();
   WorkerPool(const WorkerPool&) = delete;

@@ -10,13 +10,20 @@ namespace hpmoe {
 WorkerPool::WorkerPool(int ranks, int workers_per_rank, bool pin, int first_core) : ranks_(ranks), workers_(workers_per_rank) {
   if (ranks < 1 || workers_per_rank < 1) throw Error("a worker pool needs at least one rank and one worker");
   const int total = ranks * workers_per_rank;
-  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  // The cores this process may use (taskset, a cluster host's share), in order.
+  std::vector<int> cores;
+  cpu_set_t allowed;
+  CPU_ZERO(&allowed);
+  if (sched_getaffinity(0, sizeof(allowed), &allowed) == 0)
+    for (int c = 0; c < CPU_SETSIZE; ++c)
+      if (CPU_ISSET(c, &allowed)) cores.push_back(c);
+  if (cores.empty()) cores.push_back(0);
   for (int i = 0; i < total; ++i) {
     threads_.emplace_back([this, i] { loop(i); });
     if (pin) {
       cpu_set_t set;
       CPU_ZERO(&set);
-      CPU_SET(static_cast<unsigned>(first_core + i) % cores, &set);
+      CPU_SET(cores[static_cast<std::size_t>(first_core + i) % cores.size()], &set);
       pthread_setaffinity_np(threads_.back().native_handle(), sizeof(set), &set);  // best effort
     }
   }
