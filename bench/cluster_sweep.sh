@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# Serialized vs interleaved across 2 hosts (network namespaces, shaped TCP
+# links; scripts/cluster.sh), from compute-bound to communication-bound, and
+# what the simulator predicts for the same runs. Prints markdown.
+#   bench/cluster_sweep.sh [iterations] > docs/cluster-results.md      (root)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+iters=${1:-3}
+tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
+trace=data/routing/mixtral-8x7b/coding.json
+
+# FLOP per byte of a target cluster's link: its rank's matrix rate over the link.
+ratio() {  # ratio MODEL LINK(intra|inter)
+  python3 - "$1" "$2" <<'PY'
+import json, sys
+m = json.load(open(f"machines/{sys.argv[1]}.json"))
+flops = m["units"]["matrix"] * max(t["bf16_flops"] for t in m["matrix"]["tile_rates"])
+print(round(flops / m["links"][sys.argv[2]]["bytes_per_s"]))
+PY
+}
+h800=$(ratio h800 inter)
+a3=$(ratio ascend-a3 intra)
+core_flops=$(python3 -c "import json; m=json.load(open('machines/cpu-local.json')); print([t for t in m['matrix']['tile_rates'] if t['m']==64 and t['k']==2048][0]['fp32_flops'])")
+
+echo "# A cluster on one machine: 2 hosts over shaped links"
+echo
+echo "Machine: $(lscpu | sed -n 's/^Model name: *//p'), $(nproc) cores; $(date -u +%F). Each host is a network namespace"
+echo "with one core; ranks talk MPI over TCP through veth links shaped with tc (token bucket). Command:"
+echo "\`bench/cluster_sweep.sh $iters\` (median of $iters iterations after a warm-up; fp32; forward+backward)."
+echo "FLOP per byte: H800 cluster RDMA link $h800 (machines/h800.json: matrix rate / NIC), Ascend A3 fabric $a3"
+echo "(machines/ascend-a3.json); the link rate here = one core's fp32 tile rate ($(python3 -c "print(f'{$core_flops/1e9:.0f}')") GFLOP/s) / FLOP per byte."
+echo
+echo "| link | layer | routing | fwd ser ms | fwd int ms | fwd speedup | bwd ser ms | bwd int ms | bwd speedup | idle ser/int (fwd) | predicted fwd ser / int ms | predicted speedup fwd / bwd | bit-identical |"
+echo "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+
+run() {  # label shaping-args gbit layer-args layer-label routing
+  local label=$1 shaping=$2 gbit=$3 layer=$4 llabel=$5 routing=$6
+  # shellcheck disable=SC2086
+  if ! scripts/cluster.sh $shaping -- $layer -T 256 --routing "$routing" --backward --iters "$iters" --warmup 1 \
+      --verify sample --json "$tmp/run.json" > "$tmp/out.txt" 2> "$tmp/err.txt"; then
+    echo "| $label | $llabel | $routing | failed: $(grep -m1 error "$tmp/err.txt" "$tmp/out.txt" | head -1) |||||||||||"
+    return
+  fi
+  # The simulator on this cluster: the calibrated core, one worker, links at the shaped rate.
+  python3 - "$gbit" > "$tmp/model.json" <<'PY'
+import json, sys
+m = json.load(open("machines/cpu-local.json"))
+m["name"] = "cluster-2-hosts"
+m["units"] = {"workers": 1}
+gbit = float(sys.argv[1])
+bw = gbit * 1e9 / 8 if gbit > 0 else 1.0e9  # unshaped veth over TCP: about 1 GB/s measured by bench_transport
+m["links"] = {"ranks_per_node": 1, "intra": {"bytes_per_s": bw, "latency_s": 1.2e-4},
+              "inter": {"bytes_per_s": bw, "latency_s": 1.2e-4}}
+m["put"] = {"issue_s": 2e-6, "copy_bytes_per_s": m["put"]["copy_bytes_per_s"]}
+m["serialized"]["collective_sync_s"] = 2.4e-4  # a barrier over TCP: a round trip
+m["sources"]["links"] = "the tc token-bucket rate of the cluster's links; TCP one-way latency from bench_transport"
+json.dump(m, sys.stdout)
+PY
+  # shellcheck disable=SC2086
+  build/hpmoe simulate --machine "$tmp/model.json" $layer -P 2 -W 1 -T 256 --routing "$routing" --backward \
+    --json "$tmp/sim.json" > /dev/null
+  python3 - "$tmp/run.json" "$tmp/sim.json" "$label" "$llabel" "$routing" <<'PY'
+import json, sys
+r, s = json.load(open(sys.argv[1])), json.load(open(sys.argv[2]))
+label, llabel, routing = sys.argv[3:]
+fs, fi = r["serialized"]["dispatch_to_combine"]["median_s"], r["interleaved"]["dispatch_to_combine"]["median_s"]
+bs, bi = r["serialized"]["backward"]["median_s"], r["interleaved"]["backward"]["median_s"]
+same = all(c["pass"] for c in r["verification"]["checks"] if "in-process" in c["tensor"] or c["tensor"].startswith("interleaved"))
+print(f"| {label} | {llabel} | {routing} | {fs*1e3:.0f} | {fi*1e3:.0f} | {fs/fi:.2f}x | {bs*1e3:.0f} | {bi*1e3:.0f} | {bs/bi:.2f}x | "
+      f"{(1-r['serialized']['busy_share'])*100:.0f}% / {(1-r['interleaved']['busy_share'])*100:.0f}% | "
+      f"{s['forward']['serialized_s']*1e3:.0f} / {s['forward']['interleaved_s']*1e3:.0f} | "
+      f"{s['forward']['speedup']:.2f}x / {s['backward']['speedup']:.2f}x | {'yes' if same else 'NO'} |")
+PY
+}
+gbit_for() { python3 -c "print(f'{$core_flops / $1 * 8 / 1e9:.6f}')"; }
+g_h800=$(gbit_for "$h800")
+g_a3=$(gbit_for "$a3")
+for shape in "unshaped||0" "A3 fabric ($a3 FLOP/B, $(printf %.0f "$(python3 -c "print($g_a3*1000)")") Mbit/s)|--flop-per-byte $a3|$g_a3" \
+             "H800 RDMA ($h800 FLOP/B, $(printf %.0f "$(python3 -c "print($g_h800*1000)")") Mbit/s)|--flop-per-byte $h800|$g_h800"; do
+  IFS='|' read -r label shaping gbit <<< "$shape"
+  run "$label" "$shaping" "$gbit" "--preset deepseek-v2-lite" "deepseek-v2-lite" uniform
+  run "$label" "$shaping" "$gbit" "--preset mixtral-8x7b --set expert_inter=1792" "mixtral-8x7b (inter 1792)" "trace:$trace:15"
+done
