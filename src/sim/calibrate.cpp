@@ -83,7 +83,7 @@ double tile_rate(int workers, std::int64_t m, std::int64_t k, int reps) {
     b.c.resize(static_cast<std::size_t>(m * kernels::kTileCols));
   }
   const int panels = static_cast<int>(n / kernels::kTileCols);
-  const double s = concurrent(workers, reps, panels, [&](int w, int rounds) {
+  const double s = concurrent(workers, reps, 8 * panels, [&](int w, int rounds) {
     auto& b = bufs[static_cast<std::size_t>(w)];
     const auto view = kernels::panel_view<T>(b.b.data(), k);
     for (int i = 0; i < rounds; ++i)
@@ -192,7 +192,7 @@ json calibrate(const CalibrateOptions& opt, const std::function<void(const std::
       {"task_overhead_s", per_task},
       {"signal_latency_s", wake},
       {"put", {{"issue_s", 0.0}, {"copy_bytes_per_s", copy_bytes / copy_s}}},
-      {"links", {{"ranks_per_node", 1 << 20}, {"intra", {{"bytes_per_s", 0.0}, {"latency_s", wake}}},
+      {"links", {{"ranks_per_node", 1000000}, {"intra", {{"bytes_per_s", 0.0}, {"latency_s", wake}}},
                  {"inter", {{"bytes_per_s", 0.0}, {"latency_s", wake}}}}},
       {"serialized", {{"operator_launch_s", barrier}, {"collective_sync_s", 0.0}}},
       {"sources",
