@@ -62,7 +62,8 @@ double concurrent(int workers, int reps, int rounds, const std::function<void(in
 }
 
 // FLOP/s of one unit for an m x 64 x k tile, every worker streaming its own
-// weight panels (as experts' weights stream from memory).
+// weight panels (as experts' weights stream from memory) and writing its
+// output tiles to fresh memory (as a layer's activations and gradients are).
 template <class T>
 double tile_rate(int workers, std::int64_t m, std::int64_t k, int reps) {
   const std::int64_t n = 2048, kp = kernels::padded_k<T>(k);
@@ -80,15 +81,18 @@ double tile_rate(int workers, std::int64_t m, std::int64_t k, int reps) {
     kernels::pack_rhs_panels<float, T>(src.data(), n, k, n, false, b.b.data(), 0, n / kernels::kTileCols);
     b.a.resize(static_cast<std::size_t>(m * kp));
     for (auto& v : b.a) v = T(dist(gen));
-    b.c.resize(static_cast<std::size_t>(m * kernels::kTileCols));
+    b.c.resize(std::size_t{1} << 24);  // 64 MiB: output tiles stream to memory, as a layer's outputs do
   }
   const int panels = static_cast<int>(n / kernels::kTileCols);
   const double s = concurrent(workers, reps, 8 * panels, [&](int w, int rounds) {
     auto& b = bufs[static_cast<std::size_t>(w)];
     const auto view = kernels::panel_view<T>(b.b.data(), k);
     for (int i = 0; i < rounds; ++i)
-      kernels::gemm_tile<T>(b.a.data(), kp, view, (i % panels) * kernels::kTileCols, b.c.data(), kernels::kTileCols, m,
-                            kernels::kTileCols, kp, false);
+      // C is a [8192, n] matrix (n = 2048, like hidden): a tile writes m rows
+      // of 64 columns a whole row apart, walking the matrix row block by row block.
+      kernels::gemm_tile<T>(b.a.data(), kp, view, (i % panels) * kernels::kTileCols,
+                            b.c.data() + std::size_t((i / panels) * m % (8192 - 64)) * n + std::size_t(i % panels) * kernels::kTileCols,
+                            n, m, kernels::kTileCols, kp, false);
   });
   return 2.0 * double(m) * double(kernels::kTileCols) * double(k) / s;
 }
@@ -103,8 +107,10 @@ json calibrate(const CalibrateOptions& opt, const std::function<void(const std::
   const int W = opt.workers, reps = opt.quick ? 1 : 5;
   json rates = json::array();
   say("tile GEMM rates");
-  for (std::int64_t m : {64, 32, 8})
-    for (std::int64_t k : {256, 768, 1408, 2048, 2816, 4096})
+  // Shapes the layers' tiles have: full and partial row tiles; K from the
+  // weight gradients' few rows per expert to hidden and 2 x inter.
+  for (std::int64_t m : {64, 48, 32, 16, 8})
+    for (std::int64_t k : {16, 32, 64, 128, 256, 768, 1408, 2048, 2816, 4096})
       rates.push_back({{"m", m}, {"k", k}, {"fp32_flops", tile_rate<float>(W, m, k, reps)},
                        {"bf16_flops", tile_rate<bf16>(W, m, k, reps)}});
 
