@@ -15,10 +15,13 @@
 // tiles, executed on a machine model.
 namespace hpmoe::sim {
 
-// GEMM tile throughput of one matrix unit at one shape (measured or cited).
+// GEMM tile throughput of one matrix unit at one shape (measured or cited):
+// with the weight panel already near the unit (reused by the tile before),
+// and streamed from memory (its first use). 0 streamed: same as reused.
 struct TileRate {
   std::int64_t m = 64, k = 2048;
   double fp32_flops = 0, bf16_flops = 0;  // per second, one unit
+  double fp32_streamed_flops = 0, bf16_streamed_flops = 0;
 };
 
 // A machine, as a file in machines/ (every figure with its source).
@@ -46,7 +49,9 @@ struct MachineModel {
   double operator_launch_s = 0, collective_sync_s = 0;
 
   taskflow::Machine compiler_machine() const;  // what the compiler schedules for
-  double gemm_seconds(std::int64_t m, std::int64_t n, std::int64_t k, DType) const;
+  // A tile whose right-hand panel serves `reuse` row tiles in a row: its
+  // time moves from the streamed rate (reuse 1) to the reused rate.
+  double gemm_seconds(std::int64_t m, std::int64_t n, std::int64_t k, DType, double reuse = 1e9) const;
 };
 
 MachineModel machine_from_json(const nlohmann::json&);  // Error naming what is missing or wrong

@@ -61,38 +61,37 @@ double concurrent(int workers, int reps, int rounds, const std::function<void(in
   return median(samples);
 }
 
-// FLOP/s of one unit for an m x 64 x k tile, every worker streaming its own
-// weight panels (as experts' weights stream from memory) and writing its
-// output tiles to fresh memory (as a layer's activations and gradients are).
+// FLOP/s of one unit for an m x 64 x k tile as a layer runs it: every
+// worker cycles through its own weight panels, and writes its output tiles a
+// row apart into a large matrix (as activations and gradients are written).
+// `streamed`: 96 MiB of panels, beyond the caches, as an expert's weights are
+// at their first row tile (for few rows per tile this bounds the rate);
+// otherwise 32 panels, as the next row tiles of the same expert find them.
 template <class T>
-double tile_rate(int workers, std::int64_t m, std::int64_t k, int reps) {
-  const std::int64_t n = 2048, kp = kernels::padded_k<T>(k);
-  std::mt19937 gen(7);
-  std::uniform_real_distribution<float> dist(-1, 1);
+double tile_rate(int workers, std::int64_t m, std::int64_t k, int reps, bool streamed) {
+  const std::int64_t kp = kernels::padded_k<T>(k), ldc = 2048, c_rows = 8192;
+  const std::int64_t panel = kp * kernels::kTileCols;  // elements of one K x 64 panel
+  const std::int64_t panels =
+      streamed ? std::max<std::int64_t>(32, (std::int64_t{96} << 20) / (panel * std::int64_t{sizeof(T)})) : 32;
+  const int rounds = static_cast<int>(std::max<std::int64_t>(panels, 8 * 32));
   struct Buffers {
     std::vector<T> a, b;
     std::vector<float> c;
   };
   std::vector<Buffers> bufs(static_cast<std::size_t>(workers));
-  for (auto& b : bufs) {
-    std::vector<float> src(static_cast<std::size_t>(k * n));
-    for (auto& v : src) v = dist(gen);
-    b.b.resize(static_cast<std::size_t>(kernels::panel_blocked_size<T>(k, n)));
-    kernels::pack_rhs_panels<float, T>(src.data(), n, k, n, false, b.b.data(), 0, n / kernels::kTileCols);
-    b.a.resize(static_cast<std::size_t>(m * kp));
-    for (auto& v : b.a) v = T(dist(gen));
-    b.c.resize(std::size_t{1} << 24);  // 64 MiB: output tiles stream to memory, as a layer's outputs do
+  for (auto& b : bufs) {  // the values do not matter to the speed (no denormals)
+    b.b.assign(static_cast<std::size_t>(panels * panel), T(0.5f));
+    b.a.assign(static_cast<std::size_t>(m * kp), T(0.25f));
+    b.c.assign(static_cast<std::size_t>(c_rows * ldc), 0.0f);
   }
-  const int panels = static_cast<int>(n / kernels::kTileCols);
-  const double s = concurrent(workers, reps, 8 * panels, [&](int w, int rounds) {
+  const double s = concurrent(workers, reps, rounds, [&](int w, int rounds) {
     auto& b = bufs[static_cast<std::size_t>(w)];
-    const auto view = kernels::panel_view<T>(b.b.data(), k);
-    for (int i = 0; i < rounds; ++i)
-      // C is a [8192, n] matrix (n = 2048, like hidden): a tile writes m rows
-      // of 64 columns a whole row apart, walking the matrix row block by row block.
-      kernels::gemm_tile<T>(b.a.data(), kp, view, (i % panels) * kernels::kTileCols,
-                            b.c.data() + std::size_t((i / panels) * m % (8192 - 64)) * n + std::size_t(i % panels) * kernels::kTileCols,
-                            n, m, kernels::kTileCols, kp, false);
+    for (int i = 0; i < rounds; ++i) {
+      const auto p = static_cast<std::size_t>(i % panels);
+      const auto view = kernels::panel_view<T>(b.b.data() + p * static_cast<std::size_t>(panel), k);
+      float* c = b.c.data() + static_cast<std::size_t>((i / (ldc / 64) * m) % (c_rows - 64) * ldc + (i % (ldc / 64)) * 64);
+      kernels::gemm_tile<T>(b.a.data(), kp, view, 0, c, ldc, m, kernels::kTileCols, kp, false);
+    }
   });
   return 2.0 * double(m) * double(kernels::kTileCols) * double(k) / s;
 }
@@ -111,8 +110,10 @@ json calibrate(const CalibrateOptions& opt, const std::function<void(const std::
   // weight gradients' few rows per expert to hidden and 2 x inter.
   for (std::int64_t m : {64, 48, 32, 16, 8})
     for (std::int64_t k : {16, 32, 64, 128, 256, 768, 1408, 2048, 2816, 4096})
-      rates.push_back({{"m", m}, {"k", k}, {"fp32_flops", tile_rate<float>(W, m, k, reps)},
-                       {"bf16_flops", tile_rate<bf16>(W, m, k, reps)}});
+      rates.push_back({{"m", m}, {"k", k}, {"fp32_flops", tile_rate<float>(W, m, k, reps, false)},
+                       {"bf16_flops", tile_rate<bf16>(W, m, k, reps, false)},
+                       {"fp32_streamed_flops", tile_rate<float>(W, m, k, reps, true)},
+                       {"bf16_streamed_flops", tile_rate<bf16>(W, m, k, reps, true)}});
 
   say("vector and copy bandwidth");
   const std::int64_t rows = 64, inter = 1408, hidden = 2048;
@@ -202,7 +203,7 @@ json calibrate(const CalibrateOptions& opt, const std::function<void(const std::
                  {"inter", {{"bytes_per_s", 0.0}, {"latency_s", wake}}}}},
       {"serialized", {{"operator_launch_s", barrier}, {"collective_sync_s", 0.0}}},
       {"sources",
-       {{"matrix.tile_rates", "m x 64 x k tile GEMMs (libxsmm, the runtime's kernel), all workers at once, each streaming its own 2048-column weight panels"},
+       {{"matrix.tile_rates", "m x 64 x k tile GEMMs (libxsmm, the runtime's kernel), all workers at once, output tiles written a row apart into a 64 MiB matrix; *_flops: cycling through 32 weight panels (reused, as by an expert's next row tiles), *_streamed_flops: through 96 MiB of them (from memory, as at an expert's first row tile)"},
         {"vector.bytes_per_s", "swiglu_forward over 64 x 1408 rows (bytes read + written), all workers at once"},
         {"put.copy_bytes_per_s", "64-row copies of hidden 2048 fp32 rows out of a 32 MiB matrix, all workers at once; in process a put is the worker's copy"},
         {"signal_latency_s", "event counter ping-pong between two pinned threads (one way)"},

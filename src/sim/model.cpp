@@ -67,7 +67,7 @@ taskflow::Machine MachineModel::compiler_machine() const {
   return m;
 }
 
-double MachineModel::gemm_seconds(std::int64_t m, std::int64_t n, std::int64_t k, DType dtype) const {
+double MachineModel::gemm_seconds(std::int64_t m, std::int64_t n, std::int64_t k, DType dtype, double reuse) const {
   // Nearest measured shape (rows first, then K on a log scale).
   const TileRate* best = &tile_rates.front();
   double best_d = std::numeric_limits<double>::infinity();
@@ -75,8 +75,11 @@ double MachineModel::gemm_seconds(std::int64_t m, std::int64_t n, std::int64_t k
     const double d = std::abs(double(r.m - m)) * 1e3 + std::abs(std::log(double(r.k) / double(std::max<std::int64_t>(k, 1))));
     if (d < best_d) best_d = d, best = &r;
   }
-  const double rate = dtype == DType::fp32 ? best->fp32_flops : best->bf16_flops;
-  return 2.0 * double(m) * double(n) * double(k) / rate;
+  const double flops = 2.0 * double(m) * double(n) * double(k);
+  const double hot = flops / (dtype == DType::fp32 ? best->fp32_flops : best->bf16_flops);
+  const double streamed_rate = dtype == DType::fp32 ? best->fp32_streamed_flops : best->bf16_streamed_flops;
+  if (streamed_rate <= 0) return hot;
+  return hot + (flops / streamed_rate - hot) / std::max(reuse, 1.0);
 }
 
 MachineModel machine_from_json(const json& j) {
@@ -108,6 +111,8 @@ MachineModel machine_from_json(const json& j) {
     r.k = count(wrapped, p + ".k", 1);
     r.fp32_flops = number(wrapped, p + ".fp32_flops", 1);
     r.bf16_flops = number(wrapped, p + ".bf16_flops", 1);
+    r.fp32_streamed_flops = number(wrapped, p + ".fp32_streamed_flops", 0, true);
+    r.bf16_streamed_flops = number(wrapped, p + ".bf16_streamed_flops", 0, true);
     m.tile_rates.push_back(r);
   }
   m.vector_bytes_per_s = number(j, "vector.bytes_per_s", 1);
@@ -161,7 +166,9 @@ MachineModel load_machine(const std::string& spec) {
 
 json to_json(const MachineModel& m) {
   json rates = json::array();
-  for (const auto& r : m.tile_rates) rates.push_back({{"m", r.m}, {"k", r.k}, {"fp32_flops", r.fp32_flops}, {"bf16_flops", r.bf16_flops}});
+  for (const auto& r : m.tile_rates)
+    rates.push_back({{"m", r.m}, {"k", r.k}, {"fp32_flops", r.fp32_flops}, {"bf16_flops", r.bf16_flops},
+                     {"fp32_streamed_flops", r.fp32_streamed_flops}, {"bf16_streamed_flops", r.bf16_streamed_flops}});
   json j = {{"name", m.name},
             {"description", m.description},
             {"kind", m.accelerator ? "accelerator" : "cpu"},

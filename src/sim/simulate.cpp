@@ -29,11 +29,36 @@ constexpr double kInf = std::numeric_limits<double>::infinity();
 
 using taskflow::is_put;
 
+// Row tiles in a row that use the same weight panel as this GEMM tile: an
+// expert's rows on its rank, or the rank's tokens for the shared experts.
+// Other GEMMs (weight gradients, router) reuse their small operand widely.
+double weight_reuse(const Program& p, const Task& t) {
+  const std::int64_t tile = p.machine.tile_rows;
+  switch (t.kind) {
+    case TaskKind::gemm_gate_up:
+    case TaskKind::gemm_down:
+    case TaskKind::gemm_down_dgrad:
+    case TaskKind::gemm_gate_up_dgrad: {
+      const std::int64_t le = t.expert - p.rank * p.dims.local_experts;
+      if (le < 0 || le + 1 >= static_cast<std::int64_t>(p.expert_begin.size())) return 1;
+      const std::int64_t rows = p.expert_begin[static_cast<std::size_t>(le + 1)] - p.expert_begin[static_cast<std::size_t>(le)];
+      return double(std::max<std::int64_t>(1, (rows + tile - 1) / tile));
+    }
+    case TaskKind::shared_gate_up:
+    case TaskKind::shared_down:
+    case TaskKind::shared_down_dgrad:
+    case TaskKind::shared_gate_up_dgrad:
+      return double(std::max<std::int64_t>(1, (p.dims.tokens + tile - 1) / tile));
+    default:
+      return 1e9;
+  }
+}
+
 // Seconds a task occupies its unit.
-double duration(const MachineModel& m, const Task& t, double work, DType dtype) {
+double duration(const MachineModel& m, const Program& p, const Task& t, double work, DType dtype) {
   if (t.queue == QueueClass::matrix) {
     const std::int64_t k = std::max<std::int64_t>(1, std::llround(work / (2.0 * t.rows * t.cols)));
-    return m.gemm_seconds(t.rows, t.cols, k, dtype) + m.task_overhead_s;
+    return m.gemm_seconds(t.rows, t.cols, k, dtype, weight_reuse(p, t)) + m.task_overhead_s;
   }
   if (is_put(t.kind))
     return m.put_issue_s + (m.put_copy_bytes_per_s > 0 ? work / m.put_copy_bytes_per_s : 0.0) + m.task_overhead_s;
@@ -246,7 +271,7 @@ Timeline simulate_interleaved(const MachineModel& m, const std::vector<Program>&
       waiters[r][static_cast<std::size_t>(task.wait_event)].push_back(w);
       return;
     }
-    const double d = duration(m, task, work[static_cast<std::size_t>(r)][static_cast<std::size_t>(id)], dtype);
+    const double d = duration(m, p, task, work[static_cast<std::size_t>(r)][static_cast<std::size_t>(id)], dtype);
     q.busy = true;
     (task.queue == QueueClass::matrix ? out.matrix_busy : out.vector_busy) += d;
     exposure.change(r, t, is_put(task.kind) ? 1 : 0, task.queue == QueueClass::matrix ? 1 : 0);
@@ -400,7 +425,7 @@ Timeline simulate_serialized(const MachineModel& m, const std::vector<Program>& 
           const auto [start, unit] = units.top();
           units.pop();
           const double bytes = work[static_cast<std::size_t>(r)][id];
-          const double d = pass == 0 ? bytes / m.vector_bytes_per_s + m.task_overhead_s : duration(m, t, bytes, dtype);
+          const double d = pass == 0 ? bytes / m.vector_bytes_per_s + m.task_overhead_s : duration(m, p, t, bytes, dtype);
           units.push({start + d, unit});
           (t.queue == QueueClass::matrix ? out.matrix_busy : out.vector_busy) += d;
           const bool exchange = pass == 1 && is_put(t.kind);

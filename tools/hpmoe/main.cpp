@@ -288,6 +288,7 @@ int run_main(int argc, char** argv) {
     return 0;
   }
   if (calibrate->parsed()) {
+    if (!std::ofstream(calibrate_out, std::ios::app)) throw Error("cannot write the machine model to '" + calibrate_out + "'");
     const auto model = sim::calibrate(copt, [](const std::string& what) { std::fprintf(stderr, "hpmoe: calibrate: %s\n", what.c_str()); });
     sim::machine_from_json(model);  // what we write must load
     write_json(calibrate_out, model);
