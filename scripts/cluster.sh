@@ -120,7 +120,8 @@ chmod +x "$tmp/agent"
 
 echo "cluster: $hosts hosts, link ${rate_gbit:-unshaped}${rate_gbit:+ Gbit/s}${fpb:+ (FLOP per byte $fpb)}, delay ${delay_us} us${slow:+, slow host $slow}" >&2
 mpirun_args=(--hostfile "$tmp/hostfile" -np "$hosts" --mca plm_rsh_agent "$tmp/agent"
-  --mca btl self,tcp --mca btl_tcp_if_include 198.18.0.0/15 --mca oob_tcp_if_include 198.18.0.0/15)
+  --mca btl self,tcp --mca btl_tcp_if_include 198.18.0.0/15 --mca oob_tcp_if_include 198.18.0.0/15
+  --mca rtc ^hwloc)  # orted segfaults in hwloc_shmem_topology_write on some starts; pinning is taskset's
 set +e
 timeout -k 5 "$time_limit" mpirun "${mpirun_args[@]}" "$(realpath "$hpmoe")" run -P "$hosts" --transport mpi --mpi-path network "$@" &
 run=$!
