@@ -337,7 +337,7 @@ class Mpi final : public Transport {
 
   void progress_loop() {
     std::vector<std::byte> scratch;
-    auto last_beat = Clock::now() - std::chrono::seconds(1);
+    auto last_beat = Clock::now() - std::chrono::seconds(1), last_busy = Clock::now();
     int idle = 0;
     for (;;) {
       bool busy = false;
@@ -379,12 +379,17 @@ class Mpi final : public Transport {
           for (int r = 0; r < size_; ++r)
             if (r != rank_) start_send(r, kBeat, {});
         }
+        // Back off when quiet: a busy poll collapses when ranks outnumber
+        // cores, and a progress thread sharing its core with a worker must
+        // not take half of it while the worker computes. Right after
+        // traffic it yields (low latency for the next message); after 50 us
+        // of quiet it sleeps in short naps.
         if (busy) {
           idle = 0;
+          last_busy = now;
         } else if (++idle > 64) {
-          // Yield the core: a busy poll collapses when ranks outnumber cores.
-          if (active) std::this_thread::yield();
-          else std::this_thread::sleep_for(std::chrono::microseconds(200));
+          if (active && now - last_busy < std::chrono::microseconds(50)) std::this_thread::yield();
+          else std::this_thread::sleep_for(std::chrono::microseconds(active ? 20 : 200));
         }
       } catch (...) {
         std::lock_guard lock(mutex_);
