@@ -78,6 +78,7 @@ g_a3=$(gbit_for "$a3")
 for shape in "unshaped||0" "A3 fabric ($a3 FLOP/B, $(printf %.0f "$(python3 -c "print($g_a3*1000)")") Mbit/s)|--flop-per-byte $a3|$g_a3" \
              "H800 RDMA ($h800 FLOP/B, $(printf %.0f "$(python3 -c "print($g_h800*1000)")") Mbit/s)|--flop-per-byte $h800|$g_h800"; do
   IFS='|' read -r label shaping gbit <<< "$shape"
-  run "$label" "$shaping" "$gbit" "--preset deepseek-v2-lite" "deepseek-v2-lite" uniform
+  # 16 of the 64 experts: every host holds all weights, two hosts must fit in 24 GiB
+  run "$label" "$shaping" "$gbit" "--preset deepseek-v2-lite --set routed_experts=16" "deepseek-v2-lite (16 experts)" uniform
   run "$label" "$shaping" "$gbit" "--preset mixtral-8x7b --set expert_inter=1792" "mixtral-8x7b (inter 1792)" "trace:$trace:15"
 done

@@ -57,6 +57,19 @@ class Transport {
   // A description of peers that stopped responding (empty if none): the
   // watchdog adds it to its error, and a waiting worker gives up early.
   virtual std::string failed_peers() const { return {}; }
+
+  // What this process's workers are doing, for a progress thread that
+  // shares their cores: while every worker of the launch runs a task, none
+  // waits for a message, so polling can back off and leave them the CPU.
+  void set_launch_workers(int workers) { launch_workers_.store(workers, std::memory_order_relaxed); }
+  std::atomic<int>& workers_in_tasks() { return in_tasks_; }
+  bool all_workers_busy() const {
+    const int w = launch_workers_.load(std::memory_order_relaxed);
+    return w > 0 && in_tasks_.load(std::memory_order_relaxed) >= w;
+  }
+
+ private:
+  std::atomic<int> launch_workers_{0}, in_tasks_{0};
 };
 
 // All ranks in this process (the default): segments are plain memory.

@@ -380,16 +380,18 @@ class Mpi final : public Transport {
             if (r != rank_) start_send(r, kBeat, {});
         }
         // Back off when quiet: a busy poll collapses when ranks outnumber
-        // cores, and a progress thread sharing its core with a worker must
-        // not take half of it while the worker computes. Right after
-        // traffic it yields (low latency for the next message); after 50 us
-        // of quiet it sleeps in short naps.
+        // cores. During a launch it yields while some worker waits (a
+        // message may be what it waits for); while every worker runs a task
+        // it naps after 50 us of quiet, so that a progress thread sharing a
+        // core with a worker does not take half of it.
         if (busy) {
           idle = 0;
           last_busy = now;
         } else if (++idle > 64) {
-          if (active && now - last_busy < std::chrono::microseconds(50)) std::this_thread::yield();
-          else std::this_thread::sleep_for(std::chrono::microseconds(active ? 20 : 200));
+          if (active && (!all_workers_busy() || now - last_busy < std::chrono::microseconds(50)))
+            std::this_thread::yield();
+          else
+            std::this_thread::sleep_for(std::chrono::microseconds(200));
         }
       } catch (...) {
         std::lock_guard lock(mutex_);

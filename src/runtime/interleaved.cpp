@@ -173,6 +173,7 @@ class Interleaved final : public InterleavedExecutor::Impl {
     failure_ = nullptr;
     busy_.assign(local_.size() * static_cast<std::size_t>(opt_.workers_per_rank), 0.0);
     if (opt_.fault.kind == RuntimeFault::exit_process && tr_->hosts(opt_.fault.rank)) std::_Exit(9);
+    tr_->set_launch_workers(static_cast<int>(local_.size()) * opt_.workers_per_rank);
     tr_->launch_begin();  // every process has armed its counters
     if (opt_.fault.kind == RuntimeFault::freeze_process && tr_->hosts(opt_.fault.rank)) std::raise(SIGSTOP);
     const auto start = Clock::now();
@@ -460,6 +461,11 @@ class Interleaved final : public InterleavedExecutor::Impl {
     const Task& t = (*current_)[r].tasks[id];
     if (t.wait_event >= 0) wait(r, slot, id, t);
     const auto begin = Clock::now();
+    tr_->workers_in_tasks().fetch_add(1, std::memory_order_relaxed);
+    struct Leave {
+      std::atomic<int>& n;
+      ~Leave() { n.fetch_sub(1, std::memory_order_relaxed); }
+    } leave{tr_->workers_in_tasks()};
     const bool signalled = execute(in, res, r, slot, t);
     const auto end = Clock::now();
     busy_[slot] += seconds(begin, end);
