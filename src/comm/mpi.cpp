@@ -23,6 +23,7 @@
 
 #include <chrono>
 #include <condition_variable>
+#include <cstdint>
 #include <cstring>
 #include <deque>
 #include <exception>
@@ -312,17 +313,20 @@ class Mpi final : public Transport {
     MPI_Info_create(&info);
     MPI_Info_set(info, "alloc_shared_noncontig", "true");
     void* mine = nullptr;
-    check_mpi(MPI_Win_allocate_shared(static_cast<MPI_Aint>(bytes[rank_]), 64, info, node_, &mine, &win),
+    // 64 bytes spare: each part is aligned up to a cache line (a part's
+    // offset within its page is the same in every process's mapping).
+    check_mpi(MPI_Win_allocate_shared(static_cast<MPI_Aint>(bytes[rank_] + 64), 1, info, node_, &mine, &win),
               "Win_allocate_shared (is /dev/shm large enough?)");
     MPI_Info_free(&info);
     check_mpi(MPI_Win_lock_all(MPI_MODE_NOCHECK, win), "Win_lock_all");
-    std::memset(mine, 0, static_cast<std::size_t>(bytes[rank_]));
+    std::memset(mine, 0, static_cast<std::size_t>(bytes[rank_] + 64));
     for (int r = 0; r < size_; ++r) {
       MPI_Aint size = 0;
       int unit = 0;
       void* base = nullptr;
       check_mpi(MPI_Win_shared_query(win, r, &size, &unit, &base), "Win_shared_query");
-      bases[r] = static_cast<std::byte*>(base);
+      const auto address = reinterpret_cast<std::uintptr_t>(base);
+      bases[r] = static_cast<std::byte*>(base) + ((64 - address % 64) % 64);
     }
     MPI_Barrier(node_);  // every part zeroed before anyone signals into it
   }
