@@ -43,6 +43,12 @@ while [ $# -gt 0 ]; do
   esac
 done
 [[ "$hosts" =~ ^[0-9]+$ ]] && [ "$hosts" -ge 1 ] && [ "$hosts" -le 64 ] || { echo "error: --hosts must be 1..64" >&2; exit 2; }
+if [ -n "$fault" ] && ! [[ "$fault" =~ ^(kill|linkdown):[0-9]+:[0-9.]+$ && ${fault#*:} =~ ^([0-9]+): && ${BASH_REMATCH[1]} -lt $hosts ]]; then
+  echo "error: --fault takes kill:HOST:SECONDS or linkdown:HOST:SECONDS with HOST < $hosts (got '$fault')" >&2; exit 2
+fi
+if [ -n "$slow" ] && ! [[ "$slow" =~ ^([0-9]+):[0-9.]+$ && ${BASH_REMATCH[1]} -lt $hosts ]]; then
+  echo "error: --slow-host takes HOST:GBIT with HOST < $hosts (got '$slow')" >&2; exit 2
+fi
 hpmoe=${HPMOE:-build/hpmoe}
 prefix=hpmoe-c$$  # unique per invocation: parallel clusters do not collide
 bridge=${prefix}br

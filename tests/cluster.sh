@@ -15,6 +15,16 @@ fi
 ip netns del hpmoe-probe-$$
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
 
+# Bad options: one line starting with "error:", exit 2, before anything is made.
+for bad in "--bogus" "--hosts 0" "--hosts x" "--fault explode:1:1" "--fault kill:9:1" "--slow-host 7:1"; do
+  # shellcheck disable=SC2086
+  rc=0
+  scripts/cluster.sh $bad -- -T 8 > "$tmp/bad.out" 2> "$tmp/bad.err" || rc=$?
+  if [ $rc -ne 2 ] || [ "$(wc -l < "$tmp/bad.err")" -ne 1 ] || ! grep -q '^error: ' "$tmp/bad.err"; then
+    echo "cluster.sh $bad: exit $rc, stderr:"; cat "$tmp/bad.err"; exit 1
+  fi
+done
+
 left_behind() {  # nothing of any cluster may remain
   if ip netns list | grep -q '^hpmoe-c' || ip link show | grep -q 'hpmoe-c'; then
     echo "the cluster left namespaces or interfaces behind:"; ip netns list; ip link show | grep hpmoe-c; exit 1

@@ -34,6 +34,19 @@ bool bit_identical(const LayerGradients& a, const LayerGradients& b) {
   return same;
 }
 
+// A test-name fragment: every character that is not a letter or digit becomes '_'.
+std::string identifier(std::string s) {
+  for (auto& ch : s)
+    if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
+  return s;
+}
+
+// "fp32_P2_W1_zipf": the parameters of a bit-identity case (routing without its argument).
+std::string case_name(DType dtype, int ranks, int workers, const std::string& routing) {
+  return to_string(dtype) + "_P" + std::to_string(ranks) + "_W" + std::to_string(workers) + "_" +
+         identifier(routing.substr(0, routing.find(':')));
+}
+
 }  // namespace
 
 // Forward and backward: outputs and every gradient bit for bit.
@@ -72,13 +85,8 @@ INSTANTIATE_TEST_SUITE_P(
                        ::testing::Values(taskflow::Policy::fill, taskflow::Policy::critical_path,
                                          taskflow::Policy::interleave_wgrad)),
     [](const auto& info) {
-      std::string r = std::get<3>(info.param);
-      r = r.substr(0, r.find(':'));
-      std::string p = taskflow::name(std::get<4>(info.param));
-      for (auto& ch : p)
-        if (ch == '-') ch = '_';
-      return to_string(std::get<0>(info.param)) + "_P" + std::to_string(std::get<1>(info.param)) + "_W" +
-             std::to_string(std::get<2>(info.param)) + "_" + r + "_" + p;
+      return case_name(std::get<0>(info.param), std::get<1>(info.param), std::get<2>(info.param), std::get<3>(info.param)) +
+             "_" + identifier(taskflow::name(std::get<4>(info.param)));
     });
 
 // Interleaved and serialized on the same inputs: forward outputs bit for bit.
@@ -114,13 +122,8 @@ INSTANTIATE_TEST_SUITE_P(
                        ::testing::Values(taskflow::Policy::fill, taskflow::Policy::rank_rotated,
                                          taskflow::Policy::critical_path)),
     [](const auto& info) {
-      std::string r = std::get<3>(info.param);
-      r = r.substr(0, r.find(':'));
-      std::string p = taskflow::name(std::get<4>(info.param));
-      for (auto& ch : p)
-        if (ch == '-') ch = '_';
-      return to_string(std::get<0>(info.param)) + "_P" + std::to_string(std::get<1>(info.param)) + "_W" +
-             std::to_string(std::get<2>(info.param)) + "_" + r + "_" + p;
+      return case_name(std::get<0>(info.param), std::get<1>(info.param), std::get<2>(info.param), std::get<3>(info.param)) +
+             "_" + identifier(taskflow::name(std::get<4>(info.param)));
     });
 
 TEST(Interleaved, CapacityDropsNoSharedExpertsSingleTokens) {
@@ -281,11 +284,7 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Combine(::testing::Values(DType::fp32, DType::bf16), ::testing::Values(1, 2, 4), ::testing::Values(1, 2),
                        ::testing::Values("uniform", "zipf:1.2", "trace")),
     [](const auto& info) {
-      std::string r = std::get<3>(info.param);
-      for (auto& ch : r)
-        if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
-      return std::string(std::get<0>(info.param) == DType::fp32 ? "fp32" : "bf16") + "_P" +
-             std::to_string(std::get<1>(info.param)) + "_W" + std::to_string(std::get<2>(info.param)) + "_" + r;
+      return case_name(std::get<0>(info.param), std::get<1>(info.param), std::get<2>(info.param), std::get<3>(info.param));
     });
 
 TEST(Interleaved, PhasedWatchdogNamesTheBarrier) {

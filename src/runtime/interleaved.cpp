@@ -1,3 +1,4 @@
+#include <array>
 #include <atomic>
 #include <csignal>
 #include <exception>
@@ -148,15 +149,25 @@ class Interleaved final : public InterleavedExecutor::Impl {
       s.base.resize(p.events.size() + barriers);
       for (std::size_t e = 0; e < s.base.size(); ++e) s.base[e] = counters[e].value.load(std::memory_order_relaxed);
       if (opt_.phased) {  // the rank's tasks by operator, in generation order
+        // One counting pass: operator of each kind, tasks per operator, then placement.
+        std::array<int, static_cast<std::size_t>(taskflow::TaskKind::count)> phase_of;
+        phase_of.fill(-1);
+        for (std::size_t k = 0; k < order.size(); ++k) phase_of[static_cast<std::size_t>(order[k])] = static_cast<int>(k);
         s.phase_begin.assign(order.size() + 1, 0);
-        s.phase_tasks.clear();
-        for (std::size_t k = 0; k < order.size(); ++k) {
-          for (std::size_t id = 0; id < p.tasks.size(); ++id)
-            if (p.tasks[id].kind == order[k]) s.phase_tasks.push_back(static_cast<std::int32_t>(id));
-          s.phase_begin[k + 1] = static_cast<std::int32_t>(s.phase_tasks.size());
+        for (const Task& t : p.tasks) {
+          const int k = phase_of[static_cast<std::size_t>(t.kind)];
+          if (k < 0)
+            throw Error("phased execution: rank " + std::to_string(r) + " has a " + taskflow::name(t.kind) +
+                        " task, outside the operator order");
+          ++s.phase_begin[static_cast<std::size_t>(k) + 1];
         }
-        if (s.phase_tasks.size() != p.tasks.size())
-          throw Error("phased execution: rank " + std::to_string(r) + " has tasks of a kind outside the operator order");
+        for (std::size_t k = 0; k < order.size(); ++k) s.phase_begin[k + 1] += s.phase_begin[k];
+        s.phase_tasks.resize(p.tasks.size());
+        std::vector<std::int32_t>& fill = phase_fill_;
+        fill.assign(s.phase_begin.begin(), s.phase_begin.end() - 1);
+        for (std::size_t id = 0; id < p.tasks.size(); ++id)
+          s.phase_tasks[static_cast<std::size_t>(fill[static_cast<std::size_t>(phase_of[static_cast<std::size_t>(p.tasks[id].kind)])]++)] =
+              static_cast<std::int32_t>(id);
       }
     }
     for (std::int64_t r = 0; r < c_.ranks; ++r) ranks_[r].counters = tr_->counters(static_cast<int>(r));
@@ -752,6 +763,7 @@ class Interleaved final : public InterleavedExecutor::Impl {
   };
   std::vector<std::vector<Span>> spans_;  // per worker, when tracing
   std::vector<double> busy_;              // per worker: seconds in tasks this launch
+  std::vector<std::int32_t> phase_fill_;  // phased: scratch of the per-operator placement
   Clock::time_point step_start_;
   std::vector<float> logits_;
   Plan plan_;
