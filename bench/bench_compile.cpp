@@ -26,6 +26,11 @@ LayerConfig v3() {
   return c;
 }
 
+const ExpertPlacement& placement() {
+  static const ExpertPlacement contiguous = ExpertPlacement::contiguous(v3().routed_experts, v3().ranks);
+  return contiguous;
+}
+
 const RoutingCounts& counts(int skew) {
   static const RoutingCounts uniform = routing_counts(v3(), forced_selection(v3(), parse_routing_spec("uniform", 1)));
   static const RoutingCounts zipf = routing_counts(v3(), forced_selection(v3(), parse_routing_spec("zipf:1.2", 1)));
@@ -39,7 +44,7 @@ std::int64_t busiest(const RoutingCounts& rc, const LayerConfig& c) {
   for (std::int64_t d = 0; d < c.ranks; ++d) {
     std::int64_t rows = 0;
     for (std::int64_t s = 0; s < c.ranks; ++s)
-      for (std::int64_t le = 0; le < c.local_experts(); ++le) rows += rc.at(s, d * c.local_experts() + le);
+      for (const std::int64_t e : placement().experts_of(d)) rows += rc.at(s, e);
     if (rows > most) most = rows, best = d;
   }
   return best;
@@ -60,7 +65,7 @@ void BM_GenerateAndSchedule(benchmark::State& state) {
   Program p;
   ScheduleScratch scratch;
   for (auto _ : state) {
-    generate_into(p, c, rc, m, pass, rank);
+    generate_into(p, c, placement(), rc, m, pass, rank);
     schedule(p, policy, scratch);
     benchmark::DoNotOptimize(p.queue_tasks.data());
   }
@@ -72,7 +77,7 @@ void BM_VerifyAllRanks(benchmark::State& state) {
   const LayerConfig c = v3();
   const auto& rc = counts(static_cast<int>(state.range(0)));
   const Pass pass = state.range(1) ? Pass::backward : Pass::forward;
-  const auto programs = compile(c, rc, machine(state.range(2)), pass, Policy::critical_path);
+  const auto programs = compile(c, placement(), rc, machine(state.range(2)), pass, Policy::critical_path);
   std::int64_t tasks = 0;
   for (const auto& p : programs) tasks += static_cast<std::int64_t>(p.tasks.size());
   double total = 0;

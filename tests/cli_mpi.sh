@@ -39,6 +39,9 @@ done
 check 4 shared --preset qwen3-30b-a3b --set hidden=256 --set expert_inter=64 --set routed_experts=16 \
   -T 64 --backward --dtype bf16 --routing zipf:1.2 --iters 1
 grep -q "interleaved dW   rel L2 0.00e+00" "$tmp/out.txt"
+# Placement as data over MPI: 8 experts on 3 processes (2, 3, 3), and a random permutation.
+check 3 shared --set routed_experts=8 -T 40 --backward --routing "$trace" --placement round-robin --iters 1
+check 3 network --set routed_experts=8 -T 40 --backward --dtype bf16 --placement random:5 --iters 1
 
 # One rank per process: the process count must match P.
 if "$MPIRUN" -np 2 --oversubscribe "$HPMOE" run -P 4 --transport mpi > "$tmp/np.txt" 2>&1; then exit 1; fi

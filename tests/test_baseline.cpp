@@ -1,5 +1,7 @@
 #include <gtest/gtest.h>
 
+#include "bit_identity.hpp"
+
 #include <cstring>
 
 #include "hpmoe/baseline.hpp"
@@ -8,6 +10,7 @@
 #include "hpmoe/run.hpp"
 
 using namespace hpmoe;
+using hpmoe::testing::bit_identical;
 
 namespace {
 
@@ -17,18 +20,6 @@ void expect_verified(const RunReport& r) {
   EXPECT_TRUE(r.verification.pass);
   for (const auto& c : r.verification.checks)
     EXPECT_TRUE(c.pass) << c.tensor << " rel L2 " << c.rel_l2 << " max abs " << c.max_abs << " ref max " << c.ref_max;
-}
-
-bool bit_identical(const Matrix& a, const Matrix& b) {
-  return a.data.size() == b.data.size() &&
-         std::memcmp(a.data.data(), b.data.data(), a.data.size() * sizeof(float)) == 0;
-}
-
-bool bit_identical(const LayerGradients& a, const LayerGradients& b) {
-  bool same = bit_identical(a.x, b.x) && bit_identical(a.router, b.router) && bit_identical(a.shared_w1, b.shared_w1) &&
-              bit_identical(a.shared_w2, b.shared_w2);
-  for (std::size_t e = 0; e < a.w1.size(); ++e) same = same && bit_identical(a.w1[e], b.w1[e]) && bit_identical(a.w2[e], b.w2[e]);
-  return same;
 }
 
 // One verified forward+backward step, no timing iterations.
@@ -158,8 +149,8 @@ TEST(Baseline, DeterministicAcrossRunsAndWorkerCounts) {
     c.tokens_per_rank = 70;
     const auto w = random_weights(c, 9);
     const auto in = random_inputs(c, 9);
-    ExecutorOptions one{1, true, false, {}};
-    ExecutorOptions two{2, true, false, {}};
+    ExecutorOptions one{.workers_per_rank = 1, .backward = true, .pin = false};
+    ExecutorOptions two{.workers_per_rank = 2, .backward = true, .pin = false};
     SerializedExecutor a(c, w, one), b(c, w, two);
     const auto r1 = a.step(in), r2 = a.step(in), r3 = b.step(in);
     EXPECT_TRUE(bit_identical(r1.out, r2.out));
@@ -179,8 +170,8 @@ TEST(Baseline, DeterministicAcrossRunsAndWorkerCounts) {
 TEST(Baseline, RejectsWorkerCountsAndShapes) {
   const LayerConfig c = preset("tiny");
   const auto w = random_weights(c, 1);
-  EXPECT_THROW(SerializedExecutor(c, w, ExecutorOptions{0, false, false, {}}), Error);
-  SerializedExecutor ok(c, w, ExecutorOptions{1, false, false, {}});
+  EXPECT_THROW(SerializedExecutor(c, w, ExecutorOptions{.workers_per_rank = 0, .backward = false, .pin = false}), Error);
+  SerializedExecutor ok(c, w, ExecutorOptions{.workers_per_rank = 1, .backward = false, .pin = false});
   LayerInputs bad = random_inputs(c, 1);
   bad.x = Matrix(3, c.hidden);
   EXPECT_THROW(ok.step(bad), Error);

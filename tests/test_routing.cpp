@@ -170,7 +170,7 @@ TEST(SyntheticRouting, UniformZipfHotAreDistinctAndSkewed) {
       EXPECT_EQ(s.size(), 4u) << spec << " token " << t;
     }
     std::vector<double> logits(static_cast<std::size_t>(c.total_tokens() * 16), 0.0);
-    return routing_stats(c, route<double>(c, logits, std::vector<float>(16, 0.0f), ids));
+    return routing_stats(c, ExpertPlacement::contiguous(c.routed_experts, c.ranks), route<double>(c, logits, std::vector<float>(16, 0.0f), ids));
   };
   const auto u = stats_of("uniform");
   const auto z = stats_of("zipf:1.2");
@@ -208,10 +208,10 @@ TEST(RoutingStats, GiniAndMaxOverMean) {
   auto c = small(4, 1, 4);
   std::vector<double> logits(16, 0.0);
   const std::vector<std::int32_t> balanced = {0, 1, 2, 3}, skewed = {0, 0, 0, 0};
-  const auto b = routing_stats(c, route<double>(c, logits, std::vector<float>(4, 0.0f), balanced));
+  const auto b = routing_stats(c, ExpertPlacement::contiguous(c.routed_experts, c.ranks), route<double>(c, logits, std::vector<float>(4, 0.0f), balanced));
   EXPECT_DOUBLE_EQ(b.expert_gini, 0.0);
   EXPECT_DOUBLE_EQ(b.expert_max_over_mean, 1.0);
-  const auto s = routing_stats(c, route<double>(c, logits, std::vector<float>(4, 0.0f), skewed));
+  const auto s = routing_stats(c, ExpertPlacement::contiguous(c.routed_experts, c.ranks), route<double>(c, logits, std::vector<float>(4, 0.0f), skewed));
   EXPECT_DOUBLE_EQ(s.expert_gini, 0.75);
   EXPECT_DOUBLE_EQ(s.expert_max_over_mean, 4.0);
 }

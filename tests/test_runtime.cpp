@@ -1,5 +1,7 @@
 #include <gtest/gtest.h>
 
+#include "bit_identity.hpp"
+
 #include <cctype>
 #include <chrono>
 #include <cstring>
@@ -9,6 +11,7 @@
 #include "hpmoe/runtime.hpp"
 
 using namespace hpmoe;
+using hpmoe::testing::bit_identical;
 
 namespace {
 
@@ -21,17 +24,6 @@ RuntimeOptions runtime_options(int workers, taskflow::Policy policy, bool backwa
   opt.backward = backward;
   opt.pin = false;
   return opt;
-}
-
-bool bit_identical(const Matrix& a, const Matrix& b) {
-  return a.data.size() == b.data.size() && std::memcmp(a.data.data(), b.data.data(), a.data.size() * sizeof(float)) == 0;
-}
-
-bool bit_identical(const LayerGradients& a, const LayerGradients& b) {
-  bool same = bit_identical(a.x, b.x) && bit_identical(a.router, b.router) && bit_identical(a.shared_w1, b.shared_w1) &&
-              bit_identical(a.shared_w2, b.shared_w2);
-  for (std::size_t e = 0; e < a.w1.size(); ++e) same = same && bit_identical(a.w1[e], b.w1[e]) && bit_identical(a.w2[e], b.w2[e]);
-  return same;
 }
 
 // A test-name fragment: every character that is not a letter or digit becomes '_'.
@@ -65,7 +57,7 @@ TEST_P(InterleavedBackward, GradientsAreBitIdenticalToSerialized) {
   const auto w = random_weights(c, 31);
   const auto in = random_inputs(c, 31);
   const auto forced = forced_selection(c, parse_routing_spec(routing == "trace" ? trace_spec() : routing, 6));
-  SerializedExecutor serial(c, w, ExecutorOptions{workers, true, false, {}});
+  SerializedExecutor serial(c, w, ExecutorOptions{.workers_per_rank = workers, .backward = true, .pin = false});
   InterleavedExecutor inter(c, w, runtime_options(workers, policy, true));
   StepResult a, b;
   serial.step(in, forced, a);
@@ -104,7 +96,7 @@ TEST_P(InterleavedForward, IsBitIdenticalToSerialized) {
   const auto w = random_weights(c, 21);
   const auto in = random_inputs(c, 21);
   const auto forced = forced_selection(c, parse_routing_spec(routing == "trace" ? trace_spec() : routing, 5));
-  SerializedExecutor serial(c, w, ExecutorOptions{workers, false, false, {}});
+  SerializedExecutor serial(c, w, ExecutorOptions{.workers_per_rank = workers, .backward = false, .pin = false});
   InterleavedExecutor inter(c, w, runtime_options(workers, policy, false));
   StepResult a, b;
   serial.step(in, forced, a);
@@ -136,7 +128,7 @@ TEST(Interleaved, CapacityDropsNoSharedExpertsSingleTokens) {
     c.tokens_per_rank = 1;
     const auto w = random_weights(c, 3);
     const auto in = random_inputs(c, 3);
-    SerializedExecutor serial(c, w, ExecutorOptions{2, false, false, {}});
+    SerializedExecutor serial(c, w, ExecutorOptions{.workers_per_rank = 2, .backward = false, .pin = false});
     InterleavedExecutor inter(c, w, runtime_options(2, taskflow::Policy::critical_path, false));
     StepResult a, b;
     serial.step(in, {}, a);
@@ -153,7 +145,7 @@ TEST(Interleaved, OversubscribedWorkersStillFinish) {
   const auto in = random_inputs(c, 8);
   // 12 spinning workers on a 2-core machine
   InterleavedExecutor inter(c, w, runtime_options(3, taskflow::Policy::critical_path, false));
-  SerializedExecutor serial(c, w, ExecutorOptions{1, false, false, {}});
+  SerializedExecutor serial(c, w, ExecutorOptions{.workers_per_rank = 1, .backward = false, .pin = false});
   StepResult a, b;
   serial.step(in, {}, a);
   for (int i = 0; i < 3; ++i) inter.step(in, {}, b);
@@ -231,8 +223,8 @@ TEST(PackedWeights, SharedBetweenExecutorsAndCheckedForMisuse) {
   const auto w = random_weights(c, 12);
   const auto in = random_inputs(c, 12);
   const auto packed = pack_weights(c, w, true);
-  SerializedExecutor own(c, w, ExecutorOptions{1, true, false, {}});
-  SerializedExecutor shared(c, w, ExecutorOptions{1, true, false, packed});
+  SerializedExecutor own(c, w, ExecutorOptions{.workers_per_rank = 1, .backward = true, .pin = false});
+  SerializedExecutor shared(c, w, ExecutorOptions{.workers_per_rank = 1, .backward = true, .pin = false, .packed = packed});
   RuntimeOptions opt;
   opt.backward = true;
   opt.pin = false;
@@ -245,12 +237,12 @@ TEST(PackedWeights, SharedBetweenExecutorsAndCheckedForMisuse) {
   EXPECT_TRUE(bit_identical(a.grads, b.grads));
   EXPECT_TRUE(bit_identical(a.grads, d.grads));
   const auto other = random_weights(c, 13);
-  EXPECT_THROW(SerializedExecutor(c, other, ExecutorOptions{1, false, false, packed}), Error);  // other weights
+  EXPECT_THROW(SerializedExecutor(c, other, ExecutorOptions{.workers_per_rank = 1, .backward = false, .pin = false, .packed = packed}), Error);  // other weights
   const auto forward_only = pack_weights(c, w, false);
-  EXPECT_THROW(SerializedExecutor(c, w, ExecutorOptions{1, true, false, forward_only}), Error);  // no transposes
+  EXPECT_THROW(SerializedExecutor(c, w, ExecutorOptions{.workers_per_rank = 1, .backward = true, .pin = false, .packed = forward_only}), Error);  // no transposes
   LayerConfig b16 = c;
   b16.dtype = DType::bf16;
-  EXPECT_THROW(SerializedExecutor(b16, w, ExecutorOptions{1, false, false, packed}), Error);  // dtype
+  EXPECT_THROW(SerializedExecutor(b16, w, ExecutorOptions{.workers_per_rank = 1, .backward = false, .pin = false, .packed = packed}), Error);  // dtype
 }
 
 // The serialized operator sequence on the runtime (what the MPI transport
@@ -268,7 +260,7 @@ TEST_P(InterleavedPhased, MatchesTheSerializedExecutorBitForBit) {
   const auto w = random_weights(c, 32);
   const auto in = random_inputs(c, 32);
   const auto forced = forced_selection(c, parse_routing_spec(routing == "trace" ? trace_spec() : routing, 7));
-  SerializedExecutor serial(c, w, ExecutorOptions{workers, true, false, {}});
+  SerializedExecutor serial(c, w, ExecutorOptions{.workers_per_rank = workers, .backward = true, .pin = false});
   RuntimeOptions opt = runtime_options(workers, taskflow::Policy::fill, true);
   opt.phased = true;
   InterleavedExecutor phased(c, w, opt);

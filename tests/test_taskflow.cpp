@@ -26,6 +26,8 @@ LayerConfig small(std::int64_t ranks, std::int64_t tokens) {
   return c;
 }
 
+ExpertPlacement contiguous(const LayerConfig& c) { return ExpertPlacement::contiguous(c.routed_experts, c.ranks); }
+
 void expect_ok(const std::vector<Program>& programs) {
   const auto report = verify(programs);
   EXPECT_TRUE(report.ok) << report.error;
@@ -39,7 +41,7 @@ TEST_P(CompileAll, VerifiesForEveryPolicyPassAndLayout) {
   const auto [pass, policy, ranks, machine] = GetParam();
   for (const char* routing : {"uniform", "zipf:2.5"}) {
     const LayerConfig c = small(ranks, 150);
-    const auto programs = compile(c, counts_for(c, routing), parse_machine(machine), pass, policy);
+    const auto programs = compile(c, contiguous(c), counts_for(c, routing), parse_machine(machine), pass, policy);
     ASSERT_EQ(programs.size(), static_cast<std::size_t>(ranks));
     expect_ok(programs);
   }
@@ -64,7 +66,7 @@ INSTANTIATE_TEST_SUITE_P(
 namespace {
 std::vector<Program> tiny_programs(Pass pass, std::int64_t ranks = 2, const char* machine = "cpu:1") {
   const LayerConfig c = small(ranks, 150);
-  return compile(c, counts_for(c, "uniform"), parse_machine(machine), pass, Policy::fill);
+  return compile(c, contiguous(c), counts_for(c, "uniform"), parse_machine(machine), pass, Policy::fill);
 }
 
 std::string verify_error(const std::vector<Program>& programs) {
@@ -155,7 +157,7 @@ TEST(Verifier, RejectsRacesConflictsAndBadQueues) {
   programs[0].tasks[g + 1].col_begin = programs[0].tasks[g].col_begin;
   EXPECT_TRUE(contains(verify_error(programs), "write conflict")) << verify(programs).error;
   // A matrix task queued on a vector worker, and a task on no queue.
-  programs = compile(small(2, 150), counts_for(small(2, 150), "uniform"), parse_machine("accel:1:1"), Pass::forward,
+  programs = compile(small(2, 150), contiguous(small(2, 150)), counts_for(small(2, 150), "uniform"), parse_machine("accel:1:1"), Pass::forward,
                      Policy::fill);
   std::swap(programs[0].queue_tasks.front(), programs[0].queue_tasks.back());
   EXPECT_TRUE(contains(verify_error(programs), "does not take that class")) << verify(programs).error;
@@ -165,20 +167,75 @@ TEST(Verifier, RejectsRacesConflictsAndBadQueues) {
   EXPECT_TRUE(contains(verify_error(programs), "is on no worker's queue")) << verify(programs).error;
 }
 
+// Placement mutations: tasks naming experts that are not where they need
+// them, slot tables that disagree, expert ids out of range.
+TEST(Verifier, RejectsExpertsAwayFromTheirHome) {
+  for (auto pass : {Pass::forward, Pass::backward}) {
+    auto programs = tiny_programs(pass);
+    // An expert task on rank 0 naming rank 1's expert.
+    auto& gemm = programs[0].tasks[first_task(programs[0], pass == Pass::forward ? TaskKind::gemm_gate_up
+                                                                                    : TaskKind::gemm_down_wgrad)];
+    gemm.expert = programs[1].local_experts.front();
+    auto error = verify_error(programs);
+    EXPECT_TRUE(contains(error, "which does not hold it")) << error;
+    // A dispatch put to a rank that does not own the expert.
+    programs = tiny_programs(pass);
+    auto& put = programs[0].tasks[first_task(programs[0], pass == Pass::forward ? TaskKind::dispatch_put
+                                                                                   : TaskKind::grad_dispatch_put)];
+    put.expert = programs[put.peer == 0 ? 1 : 0].local_experts.front();
+    error = verify_error(programs);
+    EXPECT_TRUE(contains(error, "which does not hold it")) << error;
+    // An expert id past the layer's (issue 15's crash in verify).
+    programs = tiny_programs(pass);
+    programs[1].tasks[first_task(programs[1], pass == Pass::forward ? TaskKind::swiglu : TaskKind::gemm_gate_up_wgrad)]
+        .expert = 5000;
+    error = verify_error(programs);
+    EXPECT_TRUE(contains(error, "names expert 5000, which does not exist")) << error;
+    // A slot table that disagrees with the expert list.
+    programs = tiny_programs(pass);
+    std::swap(programs[0].expert_slot[static_cast<std::size_t>(programs[0].local_experts[0])],
+              programs[0].expert_slot[static_cast<std::size_t>(programs[0].local_experts[1])]);
+    error = verify_error(programs);
+    EXPECT_TRUE(contains(error, "slot table disagrees")) << error;
+    // An expert on a task kind that has none.
+    programs = tiny_programs(pass);
+    programs[0].tasks[first_task(programs[0], pass == Pass::forward ? TaskKind::combine_reduce : TaskKind::grad_reduce)]
+        .expert = 0;
+    error = verify_error(programs);
+    EXPECT_TRUE(contains(error, "names an expert")) << error;
+  }
+}
+
+// Programs compiled for an uneven and a permuted placement verify.
+TEST(Taskflow, UnevenAndPermutedPlacementsVerify) {
+  LayerConfig c = small(3, 97);
+  c.routed_experts = 8;
+  for (const auto& placement : {ExpertPlacement::contiguous(8, 3), ExpertPlacement::round_robin(8, 3),
+                                ExpertPlacement::random(8, 3, 9)})
+    for (auto pass : {Pass::forward, Pass::backward}) {
+      const auto programs = compile(c, placement, counts_for(c, "zipf:1.3"), parse_machine("cpu:2"), pass,
+                                    Policy::critical_path);
+      expect_ok(programs);
+      for (std::int64_t r = 0; r < 3; ++r)
+        EXPECT_EQ(static_cast<std::int64_t>(programs[static_cast<std::size_t>(r)].local_experts.size()),
+                  placement.local_count(r));
+    }
+}
+
 TEST(Taskflow, EdgeCases) {
   // P = 1 (puts stay local), no shared experts, empty experts, single-token tiles.
   for (auto pass : {Pass::forward, Pass::backward}) {
     LayerConfig c = small(1, 37);
     c.shared_experts = 0;
-    expect_ok(compile(c, counts_for(c, "zipf:4"), parse_machine("cpu:2"), pass, Policy::critical_path));
+    expect_ok(compile(c, contiguous(c), counts_for(c, "zipf:4"), parse_machine("cpu:2"), pass, Policy::critical_path));
     c = small(4, 1);  // one token per rank
     const auto counts = counts_for(c, "uniform");
     std::int64_t empty = 0;
     for (auto n : counts.counts) empty += n == 0;
     EXPECT_GT(empty, 0);
-    expect_ok(compile(c, counts, parse_machine("cpu:2:1x64"), pass, Policy::critical_path));
+    expect_ok(compile(c, contiguous(c), counts, parse_machine("cpu:2:1x64"), pass, Policy::critical_path));
     c = small(2, 130);
-    expect_ok(compile(c, counts_for(c, "hot:0.45"), parse_machine("cpu:2:1x64"), pass, Policy::interleave_wgrad));
+    expect_ok(compile(c, contiguous(c), counts_for(c, "hot:0.45"), parse_machine("cpu:2:1x64"), pass, Policy::interleave_wgrad));
   }
 }
 
@@ -187,14 +244,14 @@ TEST(Taskflow, LargeLayerCountsAndDependencies) {
   c.ranks = 4;
   c.tokens_per_rank = 1024;
   const auto counts = counts_for(c, "zipf:1.2");
-  const auto programs = compile(c, counts, parse_machine("cpu:2"), Pass::forward, Policy::critical_path);
+  const auto programs = compile(c, contiguous(c), counts, parse_machine("cpu:2"), Pass::forward, Policy::critical_path);
   expect_ok(programs);
   const auto s = stats(programs, 1);
   // Every gate/up tile of rank 1: ceil(rows / 64) row tiles x 2816 / 64 column tiles per expert.
   std::int64_t expected = 0;
-  for (std::int64_t le = 0; le < c.local_experts(); ++le) {
+  for (const std::int64_t e : contiguous(c).experts_of(1)) {
     std::int64_t rows = 0;
-    for (std::int64_t src = 0; src < c.ranks; ++src) rows += counts.at(src, 1 * c.local_experts() + le);
+    for (std::int64_t src = 0; src < c.ranks; ++src) rows += counts.at(src, e);
     expected += (rows + 63) / 64 * (2 * c.expert_inter / 64);
   }
   EXPECT_EQ(s.tasks_by_kind[static_cast<std::size_t>(TaskKind::gemm_gate_up)], expected);
@@ -203,12 +260,12 @@ TEST(Taskflow, LargeLayerCountsAndDependencies) {
   double load = 0;
   for (double l : s.worker_load_s) load += l;
   EXPECT_GE(s.makespan_s * 2 * 1.0001, load);  // two workers cannot beat their total load
-  expect_ok(compile(c, counts, parse_machine("cpu:2"), Pass::backward, Policy::interleave_wgrad));
+  expect_ok(compile(c, contiguous(c), counts, parse_machine("cpu:2"), Pass::backward, Policy::interleave_wgrad));
 }
 
 TEST(Taskflow, RankRotatedPutsStartWithTheNextRank) {
   const LayerConfig c = small(4, 150);
-  const auto programs = compile(c, counts_for(c, "uniform"), parse_machine("cpu:1"), Pass::forward, Policy::rank_rotated);
+  const auto programs = compile(c, contiguous(c), counts_for(c, "uniform"), parse_machine("cpu:1"), Pass::forward, Policy::rank_rotated);
   const auto& p = programs[2];
   EXPECT_EQ(p.tasks[p.queue_tasks[0]].kind, TaskKind::dispatch_put);
   EXPECT_EQ(p.tasks[p.queue_tasks[0]].peer, 2);  // (0 + r) mod P: itself first
@@ -254,9 +311,9 @@ TEST(Taskflow, RejectsImpossibleInputs) {
   const LayerConfig c = small(2, 150);
   auto counts = counts_for(c, "uniform");
   counts.counts[3] = 10000;  // more rows than the rank has tokens
-  EXPECT_THROW(compile(c, counts, parse_machine("cpu:1"), Pass::forward, Policy::fill), Error);
+  EXPECT_THROW(compile(c, contiguous(c), counts, parse_machine("cpu:1"), Pass::forward, Policy::fill), Error);
   counts.counts.pop_back();
-  EXPECT_THROW(compile(c, counts, parse_machine("cpu:1"), Pass::forward, Policy::fill), Error);
+  EXPECT_THROW(compile(c, contiguous(c), counts, parse_machine("cpu:1"), Pass::forward, Policy::fill), Error);
   EXPECT_THROW(parse_machine("gpu:4"), Error);
   EXPECT_THROW(parse_machine("cpu:0"), Error);
   EXPECT_THROW(parse_machine("cpu:2:64"), Error);
@@ -275,6 +332,6 @@ TEST(Taskflow, RanksWithoutRoutedRowsStillVerify) {
         c.tokens_per_rank = 9;
         c.shared_experts = 0;
         const auto counts = counts_for(c, "zipf:4", seed);
-        expect_ok(compile(c, counts, parse_machine("cpu:1"), pass, policy));
+        expect_ok(compile(c, contiguous(c), counts, parse_machine("cpu:1"), pass, policy));
       }
 }

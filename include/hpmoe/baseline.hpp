@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "hpmoe/config.hpp"
+#include "hpmoe/placement.hpp"
 #include "hpmoe/routing.hpp"
 #include "hpmoe/tensors.hpp"
 
@@ -21,8 +22,9 @@ struct ExecutorOptions {
   int workers_per_rank = 1;  // W
   bool backward = false;
   bool pin = true;
-  std::shared_ptr<const PackedWeights> packed;  // optional, see pack_weights
-  bool trace = false;                           // record StepResult::trace
+  std::shared_ptr<const PackedWeights> packed{};  // optional, see pack_weights
+  bool trace = false;                             // record StepResult::trace
+  ExpertPlacement placement{};                    // where the experts live; empty: contiguous
 };
 
 // What one worker did over one span of a step, for timelines: seconds from

@@ -13,6 +13,7 @@ namespace hpmoe {
 struct CompileRequest {
   LayerConfig config;
   RoutingSpec routing;
+  ExpertPlacement placement;  // where the experts live; empty: contiguous
   std::string machine = "cpu:1";
   taskflow::Policy policy = taskflow::Policy::critical_path;
   bool forward = true, backward = false;

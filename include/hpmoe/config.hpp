@@ -52,7 +52,6 @@ struct LayerConfig {
   std::int64_t ranks = 1;               // P (expert-parallel degree)
   DType dtype = DType::fp32;
 
-  std::int64_t local_experts() const { return routed_experts / ranks; }
   std::int64_t shared_inter_total() const {
     return shared_experts * (shared_inter > 0 ? shared_inter : expert_inter);
   }

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "hpmoe/config.hpp"
+#include "hpmoe/placement.hpp"
 
 namespace hpmoe {
 
@@ -82,7 +83,8 @@ struct RoutingStats {
   std::int64_t assignments = 0;
 };
 
+// tokens_per_rank counts rows by the rank that owns each expert.
 template <class Real>
-RoutingStats routing_stats(const LayerConfig&, const RouterOutput<Real>&);
+RoutingStats routing_stats(const LayerConfig&, const ExpertPlacement&, const RouterOutput<Real>&);
 
 }  // namespace hpmoe

@@ -24,6 +24,7 @@ RunMode parse_run_mode(const std::string&);
 struct RunRequest {
   LayerConfig config;
   RoutingSpec routing;
+  ExpertPlacement placement;  // where the experts live; empty: contiguous
   int workers_per_rank = 1;
   bool backward = false;
   int iterations = 3;

@@ -44,6 +44,7 @@ struct RuntimeOptions {
   // all ranks after every operator. Over MPI this is the serialized
   // baseline on the same transport and links.
   bool phased = false;
+  ExpertPlacement placement;  // where the experts live; empty: contiguous
 };
 
 // The interleaved single-launch runtime, in process: every step compiles the

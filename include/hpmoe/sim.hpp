@@ -61,6 +61,7 @@ nlohmann::json to_json(const MachineModel&);
 struct SimRequest {
   LayerConfig config;
   RoutingSpec routing;
+  ExpertPlacement placement;  // where the experts live; empty: contiguous
   std::uint64_t seed = 1;
   bool backward = false;
   taskflow::Policy policy = taskflow::Policy::critical_path;

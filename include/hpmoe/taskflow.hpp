@@ -8,14 +8,17 @@
 #include <vector>
 
 #include "hpmoe/config.hpp"
+#include "hpmoe/placement.hpp"
 #include "hpmoe/routing.hpp"
 
-// The taskflow compiler: one layer step (layer, routing counts, machine) ->
-// per-rank programs of tile tasks on worker queues tied by event counters
-// (DESIGN section 2), and a verifier that proves a program safe before launch.
+// The taskflow compiler: one layer step (layer, expert placement, routing
+// counts, machine) -> per-rank programs of tile tasks on worker queues. A
+// task waits for one event counter to reach a count, runs, and adds one to
+// one counter (on a peer rank for a put); nothing else orders tasks. The
+// verifier proves a set of programs safe before launch.
 namespace hpmoe::taskflow {
 
-inline constexpr int kFormatVersion = 1;
+inline constexpr int kFormatVersion = 2;
 
 enum class QueueClass : std::uint8_t { matrix, vector };
 
@@ -74,6 +77,11 @@ QueueClass queue_class(TaskKind);
 // A put to a peer (dispatch, combine and their gradients): an all-to-all in
 // the serialized operator sequence.
 bool is_put(TaskKind);
+// Where the expert a task names must live: nowhere (the task has none), on
+// the task's rank (expert compute, puts of expert outputs), or on the peer
+// it puts to (dispatch).
+enum class ExpertHome : std::uint8_t { none, own_rank, peer };
+ExpertHome expert_home(TaskKind);
 
 // One tile of work: 44 bytes, no pointers, no allocation.
 struct Task {
@@ -134,7 +142,7 @@ const char* name(Policy);
 
 // Layer sizes a program's tasks refer to.
 struct Dims {
-  std::int64_t hidden = 0, inter = 0, shared_inter = 0, experts = 0, local_experts = 0, top_k = 0, tokens = 0;
+  std::int64_t hidden = 0, inter = 0, shared_inter = 0, experts = 0, top_k = 0, tokens = 0;
 };
 
 // A rank's program for one pass of one step.
@@ -144,7 +152,9 @@ struct Program {
   std::int32_t rank = 0, ranks = 1;
   Machine machine;
   Dims dims;
-  std::vector<std::int64_t> expert_begin;   // [L + 1] rows of each local expert in RECV
+  std::vector<std::int32_t> local_experts;  // [L] this rank's experts (global ids) in slot order
+  std::vector<std::int32_t> expert_slot;    // [E] slot of each expert on this rank, -1 if it lives elsewhere
+  std::vector<std::int64_t> expert_begin;   // [L + 1] rows of each local slot in RECV
   std::int64_t send_rows = 0;               // rows this rank's tokens send (COMB rows)
   std::vector<Task> tasks;
   std::vector<float> cost;                // seconds per task (cost model)
@@ -152,6 +162,12 @@ struct Program {
   std::vector<std::int32_t> queue_tasks;  // task ids, per worker in execution order
   std::vector<Event> events;
   std::vector<BufferLayout> buffers;
+
+  // Slot of `expert` on this rank; -1 if it is not here (or not an expert).
+  std::int64_t slot_of(std::int64_t expert) const {
+    return expert >= 0 && expert < static_cast<std::int64_t>(expert_slot.size()) ? expert_slot[static_cast<std::size_t>(expert)]
+                                                                                  : -1;
+  }
 };
 
 // Rows each (source rank, expert) pair exchanges: counts[s * E + e].
@@ -168,12 +184,15 @@ RoutingCounts routing_counts(const LayerConfig&, const RouterOutput<Real>&);
 RoutingCounts routing_counts(const LayerConfig&, std::span<const std::int32_t> expert_ids);
 
 // Compiles every rank's program (tasks, events, buffers) and schedules them.
-std::vector<Program> compile(const LayerConfig&, const RoutingCounts&, const Machine&, Pass, Policy);
+std::vector<Program> compile(const LayerConfig&, const ExpertPlacement&, const RoutingCounts&, const Machine&, Pass,
+                             Policy);
 // Generation alone (tasks in generation order, unscheduled), and scheduling.
-Program generate(const LayerConfig&, const RoutingCounts&, const Machine&, Pass, std::int64_t rank);
+Program generate(const LayerConfig&, const ExpertPlacement&, const RoutingCounts&, const Machine&, Pass,
+                 std::int64_t rank);
 // The same into an existing program, reusing its storage (the per-step path:
 // a rank recompiles every step and allocates nothing once warm).
-void generate_into(Program&, const LayerConfig&, const RoutingCounts&, const Machine&, Pass, std::int64_t rank);
+void generate_into(Program&, const LayerConfig&, const ExpertPlacement&, const RoutingCounts&, const Machine&, Pass,
+                   std::int64_t rank);
 // Scratch space of the scheduler, kept between steps.
 struct ScheduleScratch {
   std::vector<std::int32_t> order, worker_of, fill;

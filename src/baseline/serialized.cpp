@@ -1,6 +1,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <optional>
 #include <type_traits>
 
 #include "hpmoe/baseline.hpp"
@@ -8,6 +9,7 @@
 #include "hpmoe/kernels.hpp"
 #include "hpmoe/worker_pool.hpp"
 #include "common/executor_parts.hpp"
+#include "taskflow/layout.hpp"
 
 namespace hpmoe {
 
@@ -64,6 +66,7 @@ class Serialized final : public SerializedExecutor::Impl {
       : c_(c),
         w_(w),
         opt_(opt),
+        placement_(placement_or_contiguous(opt.placement, c.routed_experts, c.ranks)),
         pool_(static_cast<int>(c.ranks), opt.workers_per_rank, opt.pin),
         packed_((kernels::init(), resolve_packing<T>(c, w, opt.packed, opt.backward))) {
     ranks_.resize(static_cast<std::size_t>(c.ranks));
@@ -155,23 +158,24 @@ class Serialized final : public SerializedExecutor::Impl {
     res.routing = run_router(pool_, c_, packed_->router.view(), in, w_.expert_bias, forced, logits_);
     res.forward_ops.push_back({"router", seconds(start, Clock::now())});
     const auto plan_start = Clock::now();
-    plan_ = make_plan<T>(c_, res.routing);
+    ex_.emplace(c_, placement_, taskflow::routing_counts(c_, res.routing), kTileRows);
+    slot_ = taskflow::send_slots(c_, *ex_, res.routing);
     res.forward_ops.push_back({"plan", seconds(plan_start, Clock::now())});
   }
 
   void forward(const LayerInputs& in, StepResult& res) {
-    const std::int64_t H = c_.hidden, I = c_.expert_inter, L = c_.local_experts(), P = c_.ranks, K = c_.top_k,
-                       T_ = tokens(), Is = c_.shared_inter_total(), E = c_.routed_experts;
+    const std::int64_t H = c_.hidden, I = c_.expert_inter, P = c_.ranks, K = c_.top_k,
+                       T_ = tokens(), Is = c_.shared_inter_total();
     auto& ops = res.forward_ops;
     for (std::int64_t r = 0; r < P; ++r) {
       auto& b = ranks_[r];
       if constexpr (!std::is_same_v<T, float>) resize(b.x, T_ * H);
-      resize(b.send, plan_.send_rows(r) * H);
-      resize(b.comb, plan_.send_rows(r) * H);
-      resize(b.recv, plan_.recv_rows(r) * H);
-      resize(b.y, plan_.recv_rows(r) * H);
-      resize(b.h, plan_.recv_rows(r) * 2 * I);
-      resize(b.a, plan_.recv_rows(r) * I);
+      resize(b.send, ex_->send_rows(r) * H);
+      resize(b.comb, ex_->send_rows(r) * H);
+      resize(b.recv, ex_->recv_rows(r) * H);
+      resize(b.y, ex_->recv_rows(r) * H);
+      resize(b.h, ex_->recv_rows(r) * 2 * I);
+      resize(b.a, ex_->recv_rows(r) * I);
       if (c_.shared_experts > 0) {
         resize(b.shared_h, T_ * 2 * Is);
         resize(b.shared_a, T_ * Is);
@@ -189,7 +193,7 @@ class Serialized final : public SerializedExecutor::Impl {
           kernels::store<T>(x, b.x.data() + t * H, H);
         }
         for (std::int64_t k = 0; k < K; ++k) {
-          const std::int64_t slot = plan_.slot[(r * T_ + t) * K + k];
+          const std::int64_t slot = slot_[(r * T_ + t) * K + k];
           if (slot >= 0) copy_elements(b.send.data() + slot * H, xt, H);
         }
       }
@@ -199,25 +203,25 @@ class Serialized final : public SerializedExecutor::Impl {
 
     auto tiles = tile_lists();
     for (std::int64_t d = 0; d < P; ++d)
-      for (std::int64_t le = 0; le < L; ++le) {
-        const std::int64_t row0 = plan_.expert_begin[d * (L + 1) + le], n = plan_.expert_rows(d, le);
-        add_gemm(tiles[d], ranks_[d].recv.data() + row0 * H, H, packed_->w1[d * L + le].view(),
+      for (const std::int64_t e : ex_->placement().experts_of(d)) {
+        const std::int64_t row0 = ex_->expert_start(e), n = ex_->expert_rows(e);
+        add_gemm(tiles[d], ranks_[d].recv.data() + row0 * H, H, packed_->w1[e].view(),
                  ranks_[d].h.data() + row0 * 2 * I, nullptr, 2 * I, n, 2 * I, H, false);
       }
     gemm_op<T>("gemm1_gate_up", ops, tiles);
 
     timed("swiglu", ops, [&](int r, int w) {
       auto& b = ranks_[r];
-      auto [begin, end] = share(plan_.recv_rows(r), w, W());
+      auto [begin, end] = share(ex_->recv_rows(r), w, W());
       for (std::int64_t row = begin; row < end; ++row)
         kernels::swiglu_forward<T>(b.h.data() + row * 2 * I, I, b.a.data() + row * I);
     });
 
     tiles = tile_lists();
     for (std::int64_t d = 0; d < P; ++d)
-      for (std::int64_t le = 0; le < L; ++le) {
-        const std::int64_t row0 = plan_.expert_begin[d * (L + 1) + le], n = plan_.expert_rows(d, le);
-        add_gemm(tiles[d], ranks_[d].a.data() + row0 * I, I, packed_->w2[d * L + le].view(), nullptr,
+      for (const std::int64_t e : ex_->placement().experts_of(d)) {
+        const std::int64_t row0 = ex_->expert_start(e), n = ex_->expert_rows(e);
+        add_gemm(tiles[d], ranks_[d].a.data() + row0 * I, I, packed_->w2[e].view(), nullptr,
                  ranks_[d].y.data() + row0 * H, H, n, H, I, false);
       }
     gemm_op<T>("gemm2_down", ops, tiles);
@@ -247,46 +251,47 @@ class Serialized final : public SerializedExecutor::Impl {
       auto [begin, end] = share(T_, w, W());
       for (std::int64_t t = begin; t < end; ++t) {
         const std::int64_t a = (r * T_ + t) * K;
-        combine_row<T>(res.out.row(r * T_ + t), H, K, plan_.slot.data() + a, res.routing.weight.data() + a, b.comb.data(),
+        combine_row<T>(res.out.row(r * T_ + t), H, K, slot_.data() + a, res.routing.weight.data() + a, b.comb.data(),
                        c_.shared_experts > 0 ? b.shared_y.data() + t * H : nullptr);
       }
     });
-    (void)E;
   }
 
   // dispatch: each destination pulls its rows from every source's `from`
   // (send layout) into its `to` (receive layout); combine: the reverse.
   void all_to_all(const char* name, std::vector<OperatorTime>& ops, std::vector<T> RankBuffers<T>::*send_side,
                   std::vector<T> RankBuffers<T>::*recv_side, bool dispatch) {
-    const std::int64_t H = c_.hidden, L = c_.local_experts(), P = c_.ranks, E = c_.routed_experts;
+    const std::int64_t H = c_.hidden, P = c_.ranks, E = c_.routed_experts;
+    const ExpertPlacement& placement = ex_->placement();
     timed(name, ops, [&](int r, int w) {
       // Rank r moves the chunks that land in its own buffer.
-      for (std::int64_t item = w; item < L * P; item += W()) {
-        const std::int64_t other = item % P, le = item / P;
-        if (dispatch) {  // r is the destination, `other` the source
-          const std::int64_t e = r * L + le, n = plan_.count[other * E + e];
-          const T* src = (ranks_[other].*send_side).data() + plan_.send_offset[other * (E + 1) + e] * H;
-          T* dst = (ranks_[r].*recv_side).data() + plan_.recv_offset[(r * L + le) * P + other] * H;
-          copy_elements(dst, src, n * H);
-        } else {  // r is the source that gets its rows back from expert rank `other`
-          const std::int64_t e = other * L + le, n = plan_.count[r * E + e];
-          const T* src = (ranks_[other].*send_side).data() + plan_.recv_offset[(other * L + le) * P + r] * H;
-          T* dst = (ranks_[r].*recv_side).data() + plan_.send_offset[r * (E + 1) + e] * H;
-          copy_elements(dst, src, n * H);
+      if (dispatch) {  // r is the destination: (its expert, source) pairs
+        const auto mine = placement.experts_of(r);
+        for (std::int64_t item = w; item < static_cast<std::int64_t>(mine.size()) * P; item += W()) {
+          const std::int64_t source = item % P, e = mine[static_cast<std::size_t>(item / P)];
+          const T* src = (ranks_[source].*send_side).data() + ex_->send_offset(source, e) * H;
+          T* dst = (ranks_[r].*recv_side).data() + ex_->recv_offset(source, e) * H;
+          copy_elements(dst, src, ex_->count(source, e) * H);
+        }
+      } else {  // r is the source that gets its rows back from every expert's owner
+        for (std::int64_t e = w; e < E; e += W()) {
+          const T* src = (ranks_[placement.owner(e)].*send_side).data() + ex_->recv_offset(r, e) * H;
+          T* dst = (ranks_[r].*recv_side).data() + ex_->send_offset(r, e) * H;
+          copy_elements(dst, src, ex_->count(r, e) * H);
         }
       }
     });
   }
 
   void backward(const LayerInputs& in, StepResult& res) {
-    const std::int64_t H = c_.hidden, I = c_.expert_inter, L = c_.local_experts(), P = c_.ranks, K = c_.top_k,
+    const std::int64_t H = c_.hidden, I = c_.expert_inter, P = c_.ranks, K = c_.top_k,
                        T_ = tokens(), Is = c_.shared_inter_total(), E = c_.routed_experts;
     auto& ops = res.backward_ops;
     for (std::int64_t r = 0; r < P; ++r) {
       auto& b = ranks_[r];
-      const std::int64_t rows = plan_.recv_rows(r), kpad = plan_.kpad_begin[r * (L + 1) + L];
-      resize(b.gsend, plan_.send_rows(r) * H);
-      resize(b.dcomb, plan_.send_rows(r) * H);
+      const std::int64_t rows = ex_->recv_rows(r), kpad = ex_->kpad_rows(r);
+      resize(b.gsend, ex_->send_rows(r) * H);
+      resize(b.dcomb, ex_->send_rows(r) * H);
       resize(b.grecv, rows * H);
       resize(b.dx_expert, rows * H);
       resize(b.da, rows * I);
@@ -321,7 +326,7 @@ class Serialized final : public SerializedExecutor::Impl {
       for (std::int64_t t = begin; t < end; ++t) {
         const float* dout = in.d_out.row(r * T_ + t);
         for (std::int64_t k = 0; k < K; ++k) {
-          const std::int64_t a = (r * T_ + t) * K + k, slot = plan_.slot[a];
+          const std::int64_t a = (r * T_ + t) * K + k, slot = slot_[a];
           float dw = 0;
           if (slot >= 0) {
             dw = kernels::dot<T>(dout, b.comb.data() + slot * H, H);
@@ -338,9 +343,9 @@ class Serialized final : public SerializedExecutor::Impl {
     // bf16, dY in the kernel's pair layout).
     timed("pack_down_grad", ops, [&](int r, int w) {
       auto& b = ranks_[r];
-      for (std::int64_t le = 0; le < L; ++le) {
-        const std::int64_t row0 = plan_.expert_begin[r * (L + 1) + le], n = plan_.expert_rows(r, le);
-        const std::int64_t kp0 = plan_.kpad_begin[r * (L + 1) + le], ld = padded_k<T>(n);
+      for (const std::int64_t e : ex_->placement().experts_of(r)) {
+        const std::int64_t row0 = ex_->expert_start(e), n = ex_->expert_rows(e);
+        const std::int64_t kp0 = ex_->kpad_start(e), ld = padded_k<T>(n);
         auto [c0, c1] = share(I, w, W());
         kernels::transpose<T>(b.a.data() + row0 * I, I, n, b.a_t.data() + kp0 * I, ld, c0, c1);
         auto [x0, x1] = share(H, w, W());
@@ -351,45 +356,45 @@ class Serialized final : public SerializedExecutor::Impl {
       }
     });
 
-    auto dy_view = [&](std::int64_t d, std::int64_t le) {
-      return kernels::panel_view<T>(ranks_[d].dy_packed.data() + plan_.kpad_begin[d * (L + 1) + le] * round_up(H),
-                                    plan_.expert_rows(d, le));
+    auto dy_view = [&](std::int64_t e) {
+      return kernels::panel_view<T>(ranks_[ex_->placement().owner(e)].dy_packed.data() + ex_->kpad_start(e) * round_up(H),
+                                    ex_->expert_rows(e));
     };
-    auto dh_view = [&](std::int64_t d, std::int64_t le) {
-      return kernels::panel_view<T>(ranks_[d].dh_packed.data() + plan_.kpad_begin[d * (L + 1) + le] * round_up(2 * I),
-                                    plan_.expert_rows(d, le));
+    auto dh_view = [&](std::int64_t e) {
+      return kernels::panel_view<T>(ranks_[ex_->placement().owner(e)].dh_packed.data() + ex_->kpad_start(e) * round_up(2 * I),
+                                    ex_->expert_rows(e));
     };
 
     auto tiles = tile_lists();
     for (std::int64_t d = 0; d < P; ++d)
-      for (std::int64_t le = 0; le < L; ++le) {
-        const std::int64_t row0 = plan_.expert_begin[d * (L + 1) + le], n = plan_.expert_rows(d, le);
-        add_gemm(tiles[d], ranks_[d].grecv.data() + row0 * H, H, packed_->w2_t[d * L + le].view(), ranks_[d].da.data() + row0 * I,
+      for (const std::int64_t e : ex_->placement().experts_of(d)) {
+        const std::int64_t row0 = ex_->expert_start(e), n = ex_->expert_rows(e);
+        add_gemm(tiles[d], ranks_[d].grecv.data() + row0 * H, H, packed_->w2_t[e].view(), ranks_[d].da.data() + row0 * I,
                  nullptr, I, n, I, H, false);
       }
     gemm_op<T>("gemm2_dgrad", ops, tiles);
 
     tiles = tile_lists();
     for (std::int64_t d = 0; d < P; ++d)
-      for (std::int64_t le = 0; le < L; ++le) {
-        const std::int64_t kp0 = plan_.kpad_begin[d * (L + 1) + le], ld = padded_k<T>(plan_.expert_rows(d, le));
-        add_gemm(tiles[d], ranks_[d].a_t.data() + kp0 * I, ld, dy_view(d, le), res.grads.w2[d * L + le].data.data(),
+      for (const std::int64_t e : ex_->placement().experts_of(d)) {
+        const std::int64_t kp0 = ex_->kpad_start(e), ld = padded_k<T>(ex_->expert_rows(e));
+        add_gemm(tiles[d], ranks_[d].a_t.data() + kp0 * I, ld, dy_view(e), res.grads.w2[e].data.data(),
                  nullptr, H, I, H, ld, false);
       }
     gemm_op<T>("gemm2_wgrad", ops, tiles);
 
     timed("swiglu_bwd", ops, [&](int r, int w) {
       auto& b = ranks_[r];
-      auto [begin, end] = share(plan_.recv_rows(r), w, W());
+      auto [begin, end] = share(ex_->recv_rows(r), w, W());
       for (std::int64_t row = begin; row < end; ++row)
         kernels::swiglu_backward<T>(b.h.data() + row * 2 * I, b.da.data() + row * I, I, b.dh.data() + row * 2 * I);
     });
 
     timed("pack_gate_up_grad", ops, [&](int r, int w) {
       auto& b = ranks_[r];
-      for (std::int64_t le = 0; le < L; ++le) {
-        const std::int64_t row0 = plan_.expert_begin[r * (L + 1) + le], n = plan_.expert_rows(r, le);
-        const std::int64_t kp0 = plan_.kpad_begin[r * (L + 1) + le];
+      for (const std::int64_t e : ex_->placement().experts_of(r)) {
+        const std::int64_t row0 = ex_->expert_start(e), n = ex_->expert_rows(e);
+        const std::int64_t kp0 = ex_->kpad_start(e);
         auto [p0, p1] = share(panels(2 * I), w, W());
         kernels::pack_rhs_panels<T, T>(b.dh.data() + row0 * 2 * I, 2 * I, n, 2 * I, false,
                                        b.dh_packed.data() + kp0 * round_up(2 * I), p0, p1);
@@ -398,18 +403,18 @@ class Serialized final : public SerializedExecutor::Impl {
 
     tiles = tile_lists();
     for (std::int64_t d = 0; d < P; ++d)
-      for (std::int64_t le = 0; le < L; ++le) {
-        const std::int64_t row0 = plan_.expert_begin[d * (L + 1) + le], n = plan_.expert_rows(d, le);
-        add_gemm(tiles[d], ranks_[d].dh.data() + row0 * 2 * I, 2 * I, packed_->w1_t[d * L + le].view(), nullptr,
+      for (const std::int64_t e : ex_->placement().experts_of(d)) {
+        const std::int64_t row0 = ex_->expert_start(e), n = ex_->expert_rows(e);
+        add_gemm(tiles[d], ranks_[d].dh.data() + row0 * 2 * I, 2 * I, packed_->w1_t[e].view(), nullptr,
                  ranks_[d].dx_expert.data() + row0 * H, H, n, H, 2 * I, false);
       }
     gemm_op<T>("gemm1_dgrad", ops, tiles);
 
     tiles = tile_lists();
     for (std::int64_t d = 0; d < P; ++d)
-      for (std::int64_t le = 0; le < L; ++le) {
-        const std::int64_t kp0 = plan_.kpad_begin[d * (L + 1) + le], ld = padded_k<T>(plan_.expert_rows(d, le));
-        add_gemm(tiles[d], ranks_[d].x_t.data() + kp0 * H, ld, dh_view(d, le), res.grads.w1[d * L + le].data.data(),
+      for (const std::int64_t e : ex_->placement().experts_of(d)) {
+        const std::int64_t kp0 = ex_->kpad_start(e), ld = padded_k<T>(ex_->expert_rows(e));
+        add_gemm(tiles[d], ranks_[d].x_t.data() + kp0 * H, ld, dh_view(e), res.grads.w1[e].data.data(),
                  nullptr, 2 * I, H, 2 * I, ld, false);
       }
     gemm_op<T>("gemm1_wgrad", ops, tiles);
@@ -452,7 +457,7 @@ class Serialized final : public SerializedExecutor::Impl {
       auto& b = ranks_[r];
       auto [begin, end] = share(T_, w, W());
       for (std::int64_t t = begin; t < end; ++t)
-        assemble_dx_row<T>(res.grads.x.row(r * T_ + t), H, K, plan_.slot.data() + (r * T_ + t) * K, b.dcomb.data(),
+        assemble_dx_row<T>(res.grads.x.row(r * T_ + t), H, K, slot_.data() + (r * T_ + t) * K, b.dcomb.data(),
                            b.rdx.data() + t * H, c_.shared_experts > 0 ? b.sdx.data() + t * H : nullptr);
     });
 
@@ -528,6 +533,7 @@ class Serialized final : public SerializedExecutor::Impl {
   LayerConfig c_;
   const LayerWeights& w_;
   ExecutorOptions opt_;
+  ExpertPlacement placement_;
   WorkerPool pool_;
   std::shared_ptr<const PackedLayer<T>> packed_;
   std::vector<RankBuffers<T>> ranks_;
@@ -536,7 +542,8 @@ class Serialized final : public SerializedExecutor::Impl {
   std::vector<TraceSlice>* trace_ = nullptr;
   StepResult* trace_result_ = nullptr;
   std::vector<std::pair<double, double>> spans_;  // per worker, the last operator
-  Plan plan_;
+  std::optional<taskflow::Exchange> ex_;  // this step's exchange layout
+  std::vector<std::int64_t> slot_;        // this step's send row of every assignment
 };
 
 }  // namespace

@@ -131,64 +131,6 @@ struct GemmTile {
   bool accumulate;
 };
 
-// The exchange layout of one step, derived from the routing. Rows a source
-// rank sends are ordered by expert, then token, then k; rows a destination
-// receives are ordered by local expert, then source rank, then the same.
-struct Plan {
-  std::int64_t ranks = 0, experts = 0, local = 0;
-  std::vector<std::int64_t> count;         // [source * E + e] kept assignments
-  std::vector<std::int64_t> send_offset;   // [source * (E + 1) + e]
-  std::vector<std::int64_t> expert_begin;  // [dest * (L + 1) + le]
-  std::vector<std::int64_t> recv_offset;   // [(dest * L + le) * P + source]
-  std::vector<std::int64_t> kpad_begin;    // [dest * (L + 1) + le], K-padded rows (weight gradients)
-  std::vector<std::int64_t> slot;          // [t * K + k] row in the source's send buffer, -1 if dropped
-
-  std::int64_t send_rows(std::int64_t s) const { return send_offset[s * (experts + 1) + experts]; }
-  std::int64_t recv_rows(std::int64_t d) const { return expert_begin[d * (local + 1) + local]; }
-  std::int64_t expert_rows(std::int64_t d, std::int64_t le) const {
-    return expert_begin[d * (local + 1) + le + 1] - expert_begin[d * (local + 1) + le];
-  }
-};
-
-template <class T>
-Plan make_plan(const LayerConfig& c, const RouterOutput<float>& r) {
-  Plan p;
-  const std::int64_t P = c.ranks, E = c.routed_experts, L = c.local_experts(), K = c.top_k, T_ = c.tokens_per_rank;
-  p.ranks = P;
-  p.experts = E;
-  p.local = L;
-  p.count.assign(static_cast<std::size_t>(P * E), 0);
-  for (std::int64_t a = 0; a < P * T_ * K; ++a)
-    if (r.kept[a]) ++p.count[(a / (T_ * K)) * E + r.expert[a]];
-  p.send_offset.assign(static_cast<std::size_t>(P * (E + 1)), 0);
-  for (std::int64_t s = 0; s < P; ++s)
-    for (std::int64_t e = 0; e < E; ++e)
-      p.send_offset[s * (E + 1) + e + 1] = p.send_offset[s * (E + 1) + e] + p.count[s * E + e];
-  p.slot.assign(static_cast<std::size_t>(P * T_ * K), -1);
-  std::vector<std::int64_t> next(static_cast<std::size_t>(E));
-  for (std::int64_t s = 0; s < P; ++s) {
-    for (std::int64_t e = 0; e < E; ++e) next[e] = p.send_offset[s * (E + 1) + e];
-    for (std::int64_t a = s * T_ * K; a < (s + 1) * T_ * K; ++a)
-      if (r.kept[a]) p.slot[a] = next[r.expert[a]]++;
-  }
-  p.expert_begin.assign(static_cast<std::size_t>(P * (L + 1)), 0);
-  p.kpad_begin.assign(static_cast<std::size_t>(P * (L + 1)), 0);
-  p.recv_offset.assign(static_cast<std::size_t>(P * L * P), 0);
-  for (std::int64_t d = 0; d < P; ++d) {
-    for (std::int64_t le = 0; le < L; ++le) {
-      const std::int64_t e = d * L + le;
-      std::int64_t rows = 0;
-      for (std::int64_t s = 0; s < P; ++s) {
-        p.recv_offset[(d * L + le) * P + s] = p.expert_begin[d * (L + 1) + le] + rows;
-        rows += p.count[s * E + e];
-      }
-      p.expert_begin[d * (L + 1) + le + 1] = p.expert_begin[d * (L + 1) + le] + rows;
-      p.kpad_begin[d * (L + 1) + le + 1] = p.kpad_begin[d * (L + 1) + le] + padded_k<T>(rows);
-    }
-  }
-  return p;
-}
-
 // memcpy of n elements that is defined for n == 0 (empty buffers have no data).
 template <class T>
 void copy_elements(T* dst, const T* src, std::int64_t n) {

@@ -52,15 +52,16 @@ CompileReport compile_layer(const CompileRequest& req) {
   rep.machine = req.machine;
   rep.policy = taskflow::name(req.policy);
   rep.rank = req.rank;
+  const ExpertPlacement placement = placement_or_contiguous(req.placement, c.routed_experts, c.ranks);
   const auto routing = route_step(c, req.routing, req.seed);
-  rep.routing_stats = routing_stats(c, routing);
+  rep.routing_stats = routing_stats(c, placement, routing);
   const auto counts = taskflow::routing_counts(c, routing);
   for (auto pass : {taskflow::Pass::forward, taskflow::Pass::backward}) {
     if ((pass == taskflow::Pass::forward && !req.forward) || (pass == taskflow::Pass::backward && !req.backward)) continue;
     CompiledPass cp;
     cp.pass = pass;
     auto t0 = Clock::now();
-    cp.programs = taskflow::compile(c, counts, machine, pass, req.policy);
+    cp.programs = taskflow::compile(c, placement, counts, machine, pass, req.policy);
     cp.generate_seconds = since(t0);
     t0 = Clock::now();
     cp.verification = taskflow::verify(cp.programs);

@@ -153,6 +153,7 @@ RunReport run_layer(const RunRequest& req, const std::function<void(const std::s
   // serialized executor once, as the bit-for-bit reference.
   const bool use_serialized = mode != RunMode::interleaved, use_interleaved = mode != RunMode::serialized;
 
+  const ExpertPlacement placement = placement_or_contiguous(req.placement, c.routed_experts, c.ranks);
   say("packing weights for the tile kernels");
   const auto packed = pack_weights(c, w, req.backward);  // one packing for both executors
   ExecutorOptions opt;
@@ -161,6 +162,7 @@ RunReport run_layer(const RunRequest& req, const std::function<void(const std::s
   opt.pin = req.pin;
   opt.packed = packed;
   opt.trace = !req.trace_file.empty() || !req.timeline_file.empty();
+  opt.placement = placement;
   std::unique_ptr<SerializedExecutor> serial;
   std::unique_ptr<InterleavedExecutor> inter, phased;
   if ((use_serialized && !distributed) || (distributed && root && req.verify != VerifyMode::off))
@@ -175,6 +177,7 @@ RunReport run_layer(const RunRequest& req, const std::function<void(const std::s
     ropt.transport = req.transport;
     ropt.watchdog_seconds = req.watchdog_seconds;
     ropt.fault = req.fault;
+    ropt.placement = placement;
     ropt.pin = false;  // the serialized executor's pool holds the pinned cores
     if (!use_serialized || distributed) ropt.pin = req.pin;
     return ropt;
@@ -254,7 +257,7 @@ RunReport run_layer(const RunRequest& req, const std::function<void(const std::s
   rep.router = summarize(router);
   rep.dispatch_to_combine = summarize(d2c);
   rep.backward_time = summarize(bwd);
-  rep.stats = routing_stats(c, last.routing);
+  rep.stats = routing_stats(c, placement, last.routing);
   rep.aux_loss = last.routing.aux_loss;
   rep.z_loss = last.routing.z_loss;
   const double kept = double(rep.stats.assignments - rep.stats.dropped);

@@ -158,8 +158,6 @@ void LayerConfig::validate() const {
   require(shared_inter >= 0 && shared_inter <= kMaxDim, "shared_inter", "must be between 0 and " + std::to_string(kMaxDim));
   require(top_k <= routed_experts, "top_k",
           quoted(top_k) + " must not exceed routed_experts (" + std::to_string(routed_experts) + ")");
-  require(routed_experts % ranks == 0, "routed_experts",
-          quoted(routed_experts) + " must be divisible by ranks (" + std::to_string(ranks) + ")");
   require(routed_experts % groups == 0, "groups",
           quoted(groups) + " must divide routed_experts (" + std::to_string(routed_experts) + ")");
   require(groups_kept <= groups, "groups_kept",

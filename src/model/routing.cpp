@@ -366,14 +366,15 @@ void update_expert_bias(std::span<float> bias, std::span<const std::int64_t> loa
 }
 
 template <class Real>
-RoutingStats routing_stats(const LayerConfig& c, const RouterOutput<Real>& r) {
+RoutingStats routing_stats(const LayerConfig& c, const ExpertPlacement& placement, const RouterOutput<Real>& r) {
+  placement.check_fits(c.routed_experts, c.ranks);
   RoutingStats st;
   st.tokens_per_expert.assign(static_cast<std::size_t>(c.routed_experts), 0);
   st.tokens_per_rank.assign(static_cast<std::size_t>(c.ranks), 0);
   for (std::size_t a = 0; a < r.expert.size(); ++a)
     if (r.kept[a]) ++st.tokens_per_expert[r.expert[a]];
   for (std::int64_t i = 0; i < c.routed_experts; ++i)
-    st.tokens_per_rank[i / c.local_experts()] += st.tokens_per_expert[i];
+    st.tokens_per_rank[static_cast<std::size_t>(placement.owner(i))] += st.tokens_per_expert[i];
   st.dropped = r.dropped;
   st.assignments = static_cast<std::int64_t>(r.expert.size());
   auto max_over_mean = [](const std::vector<std::int64_t>& v) {
@@ -403,7 +404,7 @@ template void router_backward_token<float>(const LayerConfig&, const RouterOutpu
                                            std::int64_t, std::span<const float>, std::span<float>);
 template void router_backward_token<double>(const LayerConfig&, const RouterOutput<double>&, std::span<const double>,
                                             std::int64_t, std::span<const double>, std::span<double>);
-template RoutingStats routing_stats<float>(const LayerConfig&, const RouterOutput<float>&);
-template RoutingStats routing_stats<double>(const LayerConfig&, const RouterOutput<double>&);
+template RoutingStats routing_stats<float>(const LayerConfig&, const ExpertPlacement&, const RouterOutput<float>&);
+template RoutingStats routing_stats<double>(const LayerConfig&, const ExpertPlacement&, const RouterOutput<double>&);
 
 }  // namespace hpmoe

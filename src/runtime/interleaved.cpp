@@ -3,11 +3,13 @@
 #include <csignal>
 #include <exception>
 #include <mutex>
+#include <optional>
 #include <chrono>
 #include <thread>
 #include <type_traits>
 
 #include "common/executor_parts.hpp"
+#include "taskflow/layout.hpp"
 #include "runtime/event_wait.hpp"
 #include "hpmoe/error.hpp"
 #include "hpmoe/runtime.hpp"
@@ -43,6 +45,7 @@ class Interleaved final : public InterleavedExecutor::Impl {
       : c_(c),
         w_(w),
         opt_(opt),
+        placement_(placement_or_contiguous(opt.placement, c.routed_experts, c.ranks)),
         tr_(opt.transport ? opt.transport : make_inprocess_transport(static_cast<int>(c.ranks))),
         local_(hosted_ranks(*tr_, c.ranks)),
         pool_(static_cast<int>(local_.size()), opt.workers_per_rank, opt.pin, tr_->node_index() * opt.workers_per_rank),
@@ -82,10 +85,11 @@ class Interleaved final : public InterleavedExecutor::Impl {
     auto t1 = Clock::now();
     res.forward_ops.push_back({"router", seconds(t0, t1)});
     res.router_seconds = seconds(t0, t1);
-    plan_ = make_plan<T>(c_, res.routing);
     const auto counts = taskflow::routing_counts(c_, res.routing);
+    ex_.emplace(c_, placement_, counts, machine_.tile_rows);
+    slot_ = taskflow::send_slots(c_, *ex_, res.routing);
     for (std::int64_t r = 0; r < c_.ranks; ++r) {
-      taskflow::generate_into(programs[r], c_, counts, machine_, taskflow::Pass::forward, r);
+      taskflow::generate(programs[r], c_, *ex_, machine_, taskflow::Pass::forward, r);
       taskflow::schedule(programs[r], opt_.policy, schedule_scratch_);
     }
     if (opt_.after_compile) opt_.after_compile(programs);
@@ -106,7 +110,7 @@ class Interleaved final : public InterleavedExecutor::Impl {
 
     auto b0 = Clock::now();
     for (std::int64_t r = 0; r < c_.ranks; ++r) {
-      taskflow::generate_into(backward_programs[r], c_, counts, machine_, taskflow::Pass::backward, r);
+      taskflow::generate(backward_programs[r], c_, *ex_, machine_, taskflow::Pass::backward, r);
       taskflow::schedule(backward_programs[r], opt_.policy, schedule_scratch_);
     }
     auto b1 = Clock::now();
@@ -125,8 +129,8 @@ class Interleaved final : public InterleavedExecutor::Impl {
     const auto r0 = Clock::now();
     gather_rows(res.grads.x);
     for (std::int64_t e = 0; e < c_.routed_experts; ++e) {
-      tr_->gather(res.grads.w1[e].data, static_cast<int>(e / c_.local_experts()));
-      tr_->gather(res.grads.w2[e].data, static_cast<int>(e / c_.local_experts()));
+      tr_->gather(res.grads.w1[e].data, placement_.owner(e));
+      tr_->gather(res.grads.w2[e].data, placement_.owner(e));
     }
     reduce_replicated(res);
     res.backward_ops.push_back({"reduce_replicated_grads", seconds(r0, Clock::now())});
@@ -274,11 +278,11 @@ class Interleaved final : public InterleavedExecutor::Impl {
   };
 
   void prepare_backward(const LayerInputs& in) {
-    const std::int64_t H = c_.hidden, I = c_.expert_inter, L = c_.local_experts(), K = c_.top_k, E = c_.routed_experts,
+    const std::int64_t H = c_.hidden, I = c_.expert_inter, K = c_.top_k, E = c_.routed_experts,
                        T_ = c_.tokens_per_rank, Is = c_.shared_inter_total(), tpad = padded_k<T>(T_);
     for (const int r : local_) {
       RankState& b = ranks_[r];
-      const std::int64_t rows = plan_.recv_rows(r), kpad = plan_.kpad_begin[r * (L + 1) + L];
+      const std::int64_t rows = ex_->recv_rows(r), kpad = ex_->kpad_rows(r);
       auto size = [](auto& v, std::int64_t n) { v.resize(static_cast<std::size_t>(n)); };
       size(b.d_weight, T_ * K);
       size(b.d_logits, T_ * E);
@@ -324,9 +328,9 @@ class Interleaved final : public InterleavedExecutor::Impl {
       }
       if (opt_.backward) {  // the backward's put targets, in rows of T
         s.offset[static_cast<std::size_t>(BufferId::dy)] = end = align(end);
-        end += plan_.recv_rows(r) * H * std::int64_t{sizeof(T)};
+        end += ex_->recv_rows(r) * H * std::int64_t{sizeof(T)};
         s.offset[static_cast<std::size_t>(BufferId::dcomb)] = end = align(end);
-        end += plan_.send_rows(r) * H * std::int64_t{sizeof(T)};
+        end += ex_->send_rows(r) * H * std::int64_t{sizeof(T)};
       }
       bytes[r] = end;
     }
@@ -334,12 +338,12 @@ class Interleaved final : public InterleavedExecutor::Impl {
     for (std::int64_t r = 0; r < c_.ranks; ++r) ranks_[r].segment = tr_->segment(static_cast<int>(r));
     for (const int r : local_) {
       RankState& s = ranks_[r];
-      s.send_token.assign(static_cast<std::size_t>(plan_.send_rows(r)), -1);
-      s.send_assign.assign(static_cast<std::size_t>(plan_.send_rows(r)), -1);
+      s.send_token.assign(static_cast<std::size_t>(ex_->send_rows(r)), -1);
+      s.send_assign.assign(static_cast<std::size_t>(ex_->send_rows(r)), -1);
       for (std::int64_t a = r * T_ * K; a < (r + 1) * T_ * K; ++a)
-        if (plan_.slot[a] >= 0) {
-          s.send_token[static_cast<std::size_t>(plan_.slot[a])] = static_cast<std::int32_t>(a / K - r * T_);
-          s.send_assign[static_cast<std::size_t>(plan_.slot[a])] = a;
+        if (slot_[a] >= 0) {
+          s.send_token[static_cast<std::size_t>(slot_[a])] = static_cast<std::int32_t>(a / K - r * T_);
+          s.send_assign[static_cast<std::size_t>(slot_[a])] = a;
         }
       if constexpr (!std::is_same_v<T, float>)
         for (std::int64_t t = 0; t < T_; ++t) kernels::store<T>(in.x.row(r * T_ + t), buf<T>(r, BufferId::x) + t * c_.hidden, c_.hidden);
@@ -552,7 +556,7 @@ class Interleaved final : public InterleavedExecutor::Impl {
       case TaskKind::combine_reduce:
         for (std::int64_t tok = r0; tok < r0 + rows; ++tok) {
           const std::int64_t a = (r * T_ + tok) * K;
-          combine_row<T>(res.out.row(r * T_ + tok), H, K, plan_.slot.data() + a, res.routing.weight.data() + a,
+          combine_row<T>(res.out.row(r * T_ + tok), H, K, slot_.data() + a, res.routing.weight.data() + a,
                          buf<T>(r, BufferId::comb),
                          c_.shared_experts > 0 ? buf<float>(r, BufferId::sh_y) + tok * H : nullptr);
         }
@@ -579,19 +583,19 @@ class Interleaved final : public InterleavedExecutor::Impl {
   // baseline's operator over the same rows (see serialized.cpp).
   bool execute_backward(const LayerInputs& in, StepResult& res, int r, std::size_t slot, const Task& t) {
     const std::int64_t H = c_.hidden, I = c_.expert_inter, Is = c_.shared_inter_total(), K = c_.top_k,
-                       E = c_.routed_experts, L = c_.local_experts(), T_ = c_.tokens_per_rank, tpad = padded_k<T>(T_);
+                       E = c_.routed_experts, T_ = c_.tokens_per_rank, tpad = padded_k<T>(T_);
     const std::int64_t r0 = t.row_begin, rows = t.rows;
     RankState& b = ranks_[r];
     // Expert-relative layout of task t's expert on this rank.
-    const std::int64_t le = t.expert >= 0 ? t.expert - r * L : 0;
-    const std::int64_t start = plan_.expert_begin[r * (L + 1) + le], n_e = plan_.expert_rows(r, le);
-    const std::int64_t kp0 = plan_.kpad_begin[r * (L + 1) + le], ld = padded_k<T>(n_e);
+    const std::int64_t e = std::max<std::int64_t>(t.expert, 0), le = (*current_)[r].slot_of(e);
+    const std::int64_t start = ex_->expert_start(e), n_e = ex_->expert_rows(e);
+    const std::int64_t kp0 = ex_->kpad_start(e), ld = padded_k<T>(n_e);
     switch (t.kind) {
       case TaskKind::gate_grad:
         for (std::int64_t tok = r0; tok < r0 + rows; ++tok) {
           const float* dout = in.d_out.row(r * T_ + tok);
           for (std::int64_t k = 0; k < K; ++k) {
-            const std::int64_t slot = plan_.slot[(r * T_ + tok) * K + k];
+            const std::int64_t slot = slot_[(r * T_ + tok) * K + k];
             b.d_weight[tok * K + k] = slot >= 0 ? kernels::dot<T>(dout, buf<T>(r, BufferId::comb) + slot * H, H) : 0.0f;
           }
         }
@@ -701,7 +705,7 @@ class Interleaved final : public InterleavedExecutor::Impl {
         break;
       case TaskKind::grad_reduce:
         for (std::int64_t tok = r0; tok < r0 + rows; ++tok)
-          assemble_dx_row<T>(res.grads.x.row(r * T_ + tok), H, K, plan_.slot.data() + (r * T_ + tok) * K,
+          assemble_dx_row<T>(res.grads.x.row(r * T_ + tok), H, K, slot_.data() + (r * T_ + tok) * K,
                              buf<T>(r, BufferId::dcomb), b.rdx.data() + tok * H,
                              c_.shared_experts > 0 ? b.sdx.data() + tok * H : nullptr);
         break;
@@ -750,6 +754,7 @@ class Interleaved final : public InterleavedExecutor::Impl {
   LayerConfig c_;
   const LayerWeights& w_;
   RuntimeOptions opt_;
+  ExpertPlacement placement_;
   std::shared_ptr<Transport> tr_;
   std::vector<int> local_;  // the ranks this process runs, in order; pool rank i is local_[i]
   WorkerPool pool_;
@@ -766,7 +771,8 @@ class Interleaved final : public InterleavedExecutor::Impl {
   std::vector<std::int32_t> phase_fill_;  // phased: scratch of the per-operator placement
   Clock::time_point step_start_;
   std::vector<float> logits_;
-  Plan plan_;
+  std::optional<taskflow::Exchange> ex_;  // this step's exchange layout
+  std::vector<std::int64_t> slot_;        // this step's send row of every assignment
   taskflow::ScheduleScratch schedule_scratch_;
   taskflow::Verifier verifier_;
   std::vector<RankState> ranks_;

@@ -25,8 +25,9 @@ SimReport simulate(const MachineModel& m, const SimRequest& req) {
   rep.routing = req.routing.describe();
   rep.policy = taskflow::name(req.policy);
   rep.has_backward = req.backward;
+  const ExpertPlacement placement = placement_or_contiguous(req.placement, c.routed_experts, c.ranks);
   const auto routing = route_step(c, req.routing, req.seed);
-  rep.stats = routing_stats(c, routing);
+  rep.stats = routing_stats(c, placement, routing);
   const auto counts = taskflow::routing_counts(c, routing);
   const taskflow::Machine machine = m.compiler_machine();
   taskflow::Machine unit = machine;  // costs in work units: FLOPs of a GEMM tile, bytes otherwise
@@ -41,9 +42,9 @@ SimReport simulate(const MachineModel& m, const SimRequest& req) {
     std::vector<taskflow::Program> programs(static_cast<std::size_t>(c.ranks));
     std::vector<std::vector<double>> work(programs.size());
     for (std::int64_t r = 0; r < c.ranks; ++r) {
-      taskflow::Program units = taskflow::generate(c, counts, unit, pass, r);
+      taskflow::Program units = taskflow::generate(c, placement, counts, unit, pass, r);
       work[r].assign(units.cost.begin(), units.cost.end());
-      programs[r] = taskflow::generate(c, counts, machine, pass, r);
+      programs[r] = taskflow::generate(c, placement, counts, machine, pass, r);
       taskflow::schedule(programs[r], req.policy, scratch);
     }
     rep.compile_seconds += since(c0);

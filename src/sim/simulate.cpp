@@ -39,7 +39,7 @@ double weight_reuse(const Program& p, const Task& t) {
     case TaskKind::gemm_down:
     case TaskKind::gemm_down_dgrad:
     case TaskKind::gemm_gate_up_dgrad: {
-      const std::int64_t le = t.expert - p.rank * p.dims.local_experts;
+      const std::int64_t le = p.slot_of(t.expert);
       if (le < 0 || le + 1 >= static_cast<std::int64_t>(p.expert_begin.size())) return 1;
       const std::int64_t rows = p.expert_begin[static_cast<std::size_t>(le + 1)] - p.expert_begin[static_cast<std::size_t>(le)];
       return double(std::max<std::int64_t>(1, (rows + tile - 1) / tile));

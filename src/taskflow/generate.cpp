@@ -6,60 +6,96 @@
 
 namespace hpmoe::taskflow {
 
-Exchange::Exchange(const LayerConfig& c, const RoutingCounts& counts, std::int64_t tile_rows)
-    : ranks(c.ranks), experts(c.routed_experts), local(c.local_experts()), tile_rows(tile_rows) {
-  if (counts.ranks != ranks || counts.experts != experts ||
-      counts.counts.size() != static_cast<std::size_t>(ranks * experts))
+Exchange::Exchange(const LayerConfig& c, const ExpertPlacement& placement, const RoutingCounts& counts,
+                   std::int64_t tile_rows)
+    : placement_(placement),
+      ranks_(c.ranks),
+      experts_(c.routed_experts),
+      tile_rows_(tile_rows),
+      pad_pairs_(c.dtype == DType::bf16) {
+  placement_.check_fits(experts_, ranks_);
+  if (counts.ranks != ranks_ || counts.experts != experts_ ||
+      counts.counts.size() != static_cast<std::size_t>(ranks_ * experts_))
     throw Error("routing counts are for " + std::to_string(counts.ranks) + " ranks x " +
-                std::to_string(counts.experts) + " experts, the layer has " + std::to_string(ranks) + " x " +
-                std::to_string(experts));
-  source_prefix.assign(static_cast<std::size_t>((ranks + 1) * experts), 0);
-  for (std::int64_t s = 0; s < ranks; ++s)
-    for (std::int64_t e = 0; e < experts; ++e) {
+                std::to_string(counts.experts) + " experts, the layer has " + std::to_string(ranks_) + " x " +
+                std::to_string(experts_));
+  if (tile_rows_ < 1) throw Error("the tile height must be positive (got " + std::to_string(tile_rows_) + ")");
+  const auto E = static_cast<std::size_t>(experts_);
+  source_prefix_.assign(static_cast<std::size_t>(ranks_ + 1) * E, 0);
+  send_offset_.assign(static_cast<std::size_t>(ranks_) * (E + 1), 0);
+  for (std::int64_t s = 0; s < ranks_; ++s) {
+    std::int64_t sent = 0;
+    for (std::int64_t e = 0; e < experts_; ++e) {
       const std::int64_t n = counts.at(s, e);
       if (n < 0 || n > c.tokens_per_rank)
         throw Error("routing count " + std::to_string(n) + " for rank " + std::to_string(s) + ", expert " +
                     std::to_string(e) + " is impossible with " + std::to_string(c.tokens_per_rank) + " tokens per rank");
-      source_prefix[(s + 1) * experts + e] = source_prefix[s * experts + e] + n;
+      source_prefix_[static_cast<std::size_t>((s + 1) * experts_ + e)] = source_offset(s, e) + n;
+      send_offset_[static_cast<std::size_t>(s * (experts_ + 1) + e)] = sent;
+      sent += n;
     }
-  send_offset.assign(static_cast<std::size_t>(ranks * (experts + 1)), 0);
-  for (std::int64_t s = 0; s < ranks; ++s) {
-    std::int64_t total = 0;
-    for (std::int64_t e = 0; e < experts; ++e) {
-      send_offset[s * (experts + 1) + e] = total;
-      total += counts.at(s, e);
-    }
-    send_offset[s * (experts + 1) + experts] = total;
+    send_offset_[static_cast<std::size_t>(s * (experts_ + 1) + experts_)] = sent;
   }
-  expert_begin.assign(static_cast<std::size_t>(ranks * (local + 1)), 0);
-  tile_base.assign(static_cast<std::size_t>(ranks * (local + 1)), 0);
-  for (std::int64_t d = 0; d < ranks; ++d)
-    for (std::int64_t le = 0; le < local; ++le) {
-      const std::int64_t n = expert_rows(d * local + le);
-      expert_begin[d * (local + 1) + le + 1] = expert_begin[d * (local + 1) + le] + n;
-      tile_base[d * (local + 1) + le + 1] = tile_base[d * (local + 1) + le] + (n + tile_rows - 1) / tile_rows;
+  expert_start_.assign(E, 0);
+  tile_start_.assign(E, 0);
+  kpad_start_.assign(E, 0);
+  recv_rows_.assign(static_cast<std::size_t>(ranks_), 0);
+  row_tiles_.assign(static_cast<std::size_t>(ranks_), 0);
+  kpad_rows_.assign(static_cast<std::size_t>(ranks_), 0);
+  for (std::int64_t d = 0; d < ranks_; ++d) {
+    std::int64_t rows = 0, tiles = 0, kpad = 0;
+    for (const std::int32_t e : placement_.experts_of(d)) {
+      expert_start_[static_cast<std::size_t>(e)] = rows;
+      tile_start_[static_cast<std::size_t>(e)] = tiles;
+      kpad_start_[static_cast<std::size_t>(e)] = kpad;
+      rows += expert_rows(e);
+      tiles += tiles_of(e);
+      kpad += padded(expert_rows(e));
     }
+    recv_rows_[static_cast<std::size_t>(d)] = rows;
+    row_tiles_[static_cast<std::size_t>(d)] = tiles;
+    kpad_rows_[static_cast<std::size_t>(d)] = kpad;
+  }
+}
+
+std::int64_t Exchange::max_recv_rows() const { return *std::max_element(recv_rows_.begin(), recv_rows_.end()); }
+std::int64_t Exchange::max_send_rows() const {
+  std::int64_t most = 0;
+  for (std::int64_t s = 0; s < ranks_; ++s) most = std::max(most, send_rows(s));
+  return most;
 }
 
 std::int64_t Exchange::pieces(std::int64_t s, std::int64_t e) const {
   const std::int64_t begin = source_offset(s, e), end = begin + count(s, e);
   if (end == begin) return 0;
-  return (end - 1) / tile_rows - begin / tile_rows + 1;
+  return (end - 1) / tile_rows_ - begin / tile_rows_ + 1;
 }
 
 std::int32_t Exchange::arrivals(std::int64_t e, std::int64_t tile) const {
   std::int32_t n = 0;
-  for (std::int64_t s = 0; s < ranks; ++s) {
+  for (std::int64_t s = 0; s < ranks_; ++s) {
     const std::int64_t first = source_offset(s, e), rows = count(s, e);
-    if (rows > 0 && first < (tile + 1) * tile_rows && first + rows > tile * tile_rows) ++n;
+    if (rows > 0 && first < (tile + 1) * tile_rows_ && first + rows > tile * tile_rows_) ++n;
   }
   return n;
 }
 
 std::int64_t Exchange::pieces_into(std::int64_t s) const {
   std::int64_t n = 0;
-  for (std::int64_t e = 0; e < experts; ++e) n += pieces(s, e);
+  for (std::int64_t e = 0; e < experts_; ++e) n += pieces(s, e);
   return n;
+}
+
+std::vector<std::int64_t> send_slots(const LayerConfig& c, const Exchange& ex, const RouterOutput<float>& r) {
+  const std::int64_t P = c.ranks, E = c.routed_experts, K = c.top_k, T = c.tokens_per_rank;
+  std::vector<std::int64_t> slot(static_cast<std::size_t>(P * T * K), -1);
+  std::vector<std::int64_t> next(static_cast<std::size_t>(E));
+  for (std::int64_t s = 0; s < P; ++s) {
+    for (std::int64_t e = 0; e < E; ++e) next[static_cast<std::size_t>(e)] = ex.send_offset(s, e);
+    for (std::int64_t a = s * T * K; a < (s + 1) * T * K; ++a)
+      if (r.kept[static_cast<std::size_t>(a)]) slot[static_cast<std::size_t>(a)] = next[static_cast<std::size_t>(r.expert[static_cast<std::size_t>(a)])]++;
+  }
+  return slot;
 }
 
 template <class Real>
@@ -124,6 +160,17 @@ namespace {
 
 std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
 
+// A task as the generator writes it: named fields, 64-bit arithmetic, and
+// defaults for what most tasks do not use.
+struct TaskSpec {
+  TaskKind kind = TaskKind::count;
+  BufferId src = BufferId::none, dst = BufferId::none;
+  std::int64_t expert = -1;
+  std::int64_t peer = -1;  // -1: the generating rank
+  std::int64_t row_begin = 0, rows = 0, col_begin = 0, cols = 0, src_row = 0;
+  std::int64_t wait_event = -1, wait_count = 0, trigger_event = -1;
+};
+
 class Builder {
  public:
   Builder(Program& p, const Machine& m) : p_(p), m_(m) {}
@@ -134,15 +181,11 @@ class Builder {
     return static_cast<std::int32_t>(id);
   }
 
-  void task(TaskKind kind, BufferId src, BufferId dst, std::int64_t expert, std::int64_t peer, std::int64_t row_begin,
-            std::int64_t rows, std::int64_t col_begin, std::int64_t cols, std::int64_t src_row, std::int64_t wait_event,
-            std::int64_t wait_count, std::int64_t trigger_event, double cost) {
-    p_.tasks.push_back(Task{kind, queue_class(kind), src, dst, static_cast<std::int32_t>(expert),
-                            static_cast<std::int32_t>(peer), static_cast<std::int32_t>(row_begin),
-                            static_cast<std::int32_t>(rows), static_cast<std::int32_t>(col_begin),
-                            static_cast<std::int32_t>(cols), static_cast<std::int32_t>(src_row),
-                            static_cast<std::int32_t>(wait_event), static_cast<std::int32_t>(wait_count),
-                            static_cast<std::int32_t>(trigger_event)});
+  void task(const TaskSpec& s, double cost) {
+    auto i32 = [](std::int64_t v) { return static_cast<std::int32_t>(v); };
+    p_.tasks.push_back(Task{s.kind, queue_class(s.kind), s.src, s.dst, i32(s.expert), i32(s.peer < 0 ? p_.rank : s.peer),
+                            i32(s.row_begin), i32(s.rows), i32(s.col_begin), i32(s.cols), i32(s.src_row),
+                            i32(s.wait_event), i32(s.wait_count), i32(s.trigger_event)});
     p_.cost.push_back(static_cast<float>(cost + m_.task_overhead_s));
   }
 
@@ -152,7 +195,7 @@ class Builder {
   double vector_cost(std::int64_t bytes) const { return double(bytes) / m_.vector_bytes_per_s; }
   double put_cost(std::int64_t bytes) const { return double(bytes) / m_.put_bytes_per_s; }
 
-  // GEMM output tiles of [M, N], each triggering `trigger`.
+  // GEMM output tiles of [M, N].
   template <class Fn>
   void gemm_tiles(std::int64_t M, std::int64_t N, std::int64_t K, Fn&& add) {
     for (std::int64_t i = 0; i < M; i += m_.tile_rows)
@@ -177,22 +220,26 @@ void add_buffer(Program& p, BufferId id, std::int64_t rows, std::int64_t cols, s
 
 }  // namespace
 
-Program generate(const LayerConfig& c, const RoutingCounts& counts, const Machine& m, Pass pass, std::int64_t rank) {
+Program generate(const LayerConfig& c, const ExpertPlacement& placement, const RoutingCounts& counts, const Machine& m,
+                 Pass pass, std::int64_t rank) {
   Program p;
-  generate_into(p, c, counts, m, pass, rank);
+  generate_into(p, c, placement, counts, m, pass, rank);
   return p;
 }
 
-void generate_into(Program& p, const LayerConfig& c, const RoutingCounts& counts, const Machine& m, Pass pass,
-                   std::int64_t rank) {
+void generate_into(Program& p, const LayerConfig& c, const ExpertPlacement& placement, const RoutingCounts& counts,
+                   const Machine& m, Pass pass, std::int64_t rank) {
   c.validate();
   if (rank < 0 || rank >= c.ranks) throw Error("rank " + std::to_string(rank) + " is outside 0.." + std::to_string(c.ranks - 1));
-  generate(p, c, Exchange(c, counts, m.tile_rows), m, pass, rank);
+  generate(p, c, Exchange(c, placement, counts, m.tile_rows), m, pass, rank);
 }
 
 void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machine& m, Pass pass, std::int64_t rank) {
-  const std::int64_t H = c.hidden, I = c.expert_inter, Is = c.shared_inter_total(), L = c.local_experts(),
-                     T = c.tokens_per_rank, P = c.ranks, E = c.routed_experts, TR = m.tile_rows, TC = m.tile_cols;
+  const ExpertPlacement& placement = ex.placement();
+  const auto mine = placement.experts_of(rank);  // this rank's experts, in slot order
+  const std::int64_t H = c.hidden, I = c.expert_inter, Is = c.shared_inter_total(),
+                     L = static_cast<std::int64_t>(mine.size()), T = c.tokens_per_rank, P = c.ranks,
+                     E = c.routed_experts, TR = m.tile_rows, TC = m.tile_cols;
   const std::int64_t elem = c.dtype == DType::bf16 ? 2 : 4;
   const bool shared = c.shared_experts > 0;
   // Reuse the vectors' storage: a rank recompiles every step.
@@ -201,12 +248,16 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
   p.events.clear();
   p.buffers.clear();
   p.expert_begin.clear();
+  p.local_experts.assign(mine.begin(), mine.end());
+  p.expert_slot.assign(static_cast<std::size_t>(E), -1);
+  for (std::int64_t le = 0; le < L; ++le) p.expert_slot[static_cast<std::size_t>(mine[static_cast<std::size_t>(le)])] = static_cast<std::int32_t>(le);
   p.pass = pass;
   p.rank = static_cast<std::int32_t>(rank);
   p.ranks = static_cast<std::int32_t>(P);
   p.machine = m;
-  p.dims = Dims{H, I, Is, E, L, c.top_k, T};
-  for (std::int64_t le = 0; le <= L; ++le) p.expert_begin.push_back(ex.expert_begin[rank * (L + 1) + le]);
+  p.dims = Dims{H, I, Is, E, c.top_k, T};
+  for (const std::int32_t e : mine) p.expert_begin.push_back(ex.expert_start(e));
+  p.expert_begin.push_back(ex.recv_rows(rank));
   p.send_rows = ex.send_rows(rank);
 
   const std::int64_t row_tiles = ex.row_tiles(rank), token_tiles = ceil_div(T, TR);
@@ -216,22 +267,20 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
   const std::int64_t n_gate_up = ceil_div(2 * I, TC), n_down = ceil_div(H, TC), n_inter = ceil_div(I, TC);
 
   // Symmetric buffers: the receive side is sized for the busiest rank.
-  std::int64_t max_recv = 0, max_send = 0;
-  for (std::int64_t d = 0; d < P; ++d) {
-    max_recv = std::max(max_recv, ex.recv_rows(d));
-    max_send = std::max(max_send, ex.send_rows(d));
-  }
+  const std::int64_t max_recv = ex.max_recv_rows(), max_send = ex.max_send_rows();
 
   // Puts from this rank's tokens (or gradients) to every expert, split at the
   // receiver's row tiles so that each piece signals exactly the tile it fills.
   auto puts_to_experts = [&](TaskKind kind, BufferId src, BufferId dst, std::int64_t remote_base) {
     for (std::int64_t e = 0; e < E; ++e) {
-      const std::int64_t d = e / L, le = e % L, n = ex.count(rank, e);
+      const std::int64_t d = placement.owner(e), n = ex.count(rank, e);
       const std::int64_t first = ex.source_offset(rank, e);
       for (std::int64_t r = first; r < first + n;) {
         const std::int64_t tile = r / TR, end = std::min(first + n, (tile + 1) * TR);
-        b.task(kind, src, dst, e, d, ex.expert_start(d, le) + r, end - r, 0, H, ex.send_offset[rank * (E + 1) + e] + (r - first),
-               -1, 0, remote_base + ex.tile_base[d * (L + 1) + le] + tile, b.put_cost((end - r) * H * elem));
+        b.task({.kind = kind, .src = src, .dst = dst, .expert = e, .peer = d, .row_begin = ex.expert_start(e) + r,
+                .rows = end - r, .col_begin = 0, .cols = H, .src_row = ex.send_offset(rank, e) + (r - first),
+                .trigger_event = remote_base + ex.tile_start(e) + tile},
+               b.put_cost((end - r) * H * elem));
         r = end;
       }
     }
@@ -240,17 +289,18 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
   // rank's row tiles (each piece waits for the one tile it reads).
   auto puts_to_sources = [&](TaskKind kind, BufferId src, BufferId dst, std::int64_t wait_base, std::int64_t wait_count,
                              bool forward) {
-    for (std::int64_t le = 0; le < L; ++le) {
-      const std::int64_t e = rank * L + le;
+    for (const std::int64_t e : mine) {
       for (std::int64_t s = 0; s < P; ++s) {
         const std::int64_t n = ex.count(s, e), first = ex.source_offset(s, e);
-        const std::int64_t source_tiles = ceil_div(T, TR);
-        const EventBases source_events(forward ? Pass::forward : Pass::backward, ex.row_tiles(s), L, source_tiles);
+        const EventBases source_events(forward ? Pass::forward : Pass::backward, ex.row_tiles(s),
+                                       placement.local_count(s), ceil_div(T, TR));
         const std::int64_t target = forward ? source_events.comb_done : source_events.dx_ready;
         for (std::int64_t r = first; r < first + n;) {
           const std::int64_t tile = r / TR, end = std::min(first + n, (tile + 1) * TR);
-          b.task(kind, src, dst, e, s, ex.send_offset[s * (E + 1) + e] + (r - first), end - r, 0, H,
-                 ex.expert_start(rank, le) + r, wait_base + ex.tile_base[rank * (L + 1) + le] + tile, wait_count, target,
+          b.task({.kind = kind, .src = src, .dst = dst, .expert = e, .peer = s,
+                  .row_begin = ex.send_offset(s, e) + (r - first), .rows = end - r, .col_begin = 0, .cols = H,
+                  .src_row = ex.expert_start(e) + r, .wait_event = wait_base + ex.tile_start(e) + tile,
+                  .wait_count = wait_count, .trigger_event = target},
                  b.put_cost((end - r) * H * elem));
           r = end;
         }
@@ -272,8 +322,8 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
       add_buffer(p, BufferId::sh_y, T, H, 4);
     }
     // Events of this rank.
-    for (std::int64_t le = 0; le < L; ++le) {
-      const std::int64_t e = rank * L + le, tiles = ex.tiles_of(rank, le), tb = ex.tile_base[rank * (L + 1) + le];
+    for (const std::int64_t e : mine) {
+      const std::int64_t tiles = ex.tiles_of(e), tb = ex.tile_start(e);
       for (std::int64_t i = 0; i < tiles; ++i) {
         b.event(ev.recv + tb + i, ex.arrivals(e, i), TaskKind::gemm_gate_up, e, i);
         b.event(ev.h + tb + i, static_cast<std::int32_t>(n_gate_up), TaskKind::swiglu, e, i);
@@ -295,31 +345,25 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
       for (std::int64_t t = 0; t < token_tiles; ++t) {
         const std::int64_t rows = std::min(TR, T - t * TR);
         b.gemm_tiles(rows, 2 * Is, H, [&](std::int64_t, std::int64_t, std::int64_t j, std::int64_t n, double cost) {
-          b.task(TaskKind::shared_gate_up, BufferId::x, BufferId::sh_h, -1, rank, t * TR, rows, j, n, t * TR, -1, 0,
-                 ev.sh_h + t, cost);
+          b.task({.kind = TaskKind::shared_gate_up, .src = BufferId::x, .dst = BufferId::sh_h, .row_begin = t * TR, .rows = rows, .col_begin = j, .cols = n, .src_row = t * TR, .trigger_event = ev.sh_h + t}, cost);
         });
-        b.task(TaskKind::shared_swiglu, BufferId::sh_h, BufferId::sh_a, -1, rank, t * TR, rows, 0, Is, t * TR,
-               ev.sh_h + t, ceil_div(2 * Is, TC), ev.sh_a + t, b.vector_cost(rows * 3 * Is * 4));
+        b.task({.kind = TaskKind::shared_swiglu, .src = BufferId::sh_h, .dst = BufferId::sh_a, .row_begin = t * TR, .rows = rows, .col_begin = 0, .cols = Is, .src_row = t * TR, .wait_event = ev.sh_h + t, .wait_count = ceil_div(2 * Is, TC), .trigger_event = ev.sh_a + t}, b.vector_cost(rows * 3 * Is * 4));
         b.gemm_tiles(rows, H, Is, [&](std::int64_t, std::int64_t, std::int64_t j, std::int64_t n, double cost) {
-          b.task(TaskKind::shared_down, BufferId::sh_a, BufferId::sh_y, -1, rank, t * TR, rows, j, n, t * TR,
-                 ev.sh_a + t, 1, ev.comb_done, cost);
+          b.task({.kind = TaskKind::shared_down, .src = BufferId::sh_a, .dst = BufferId::sh_y, .row_begin = t * TR, .rows = rows, .col_begin = j, .cols = n, .src_row = t * TR, .wait_event = ev.sh_a + t, .wait_count = 1, .trigger_event = ev.comb_done}, cost);
         });
       }
     }
     for (std::int64_t le = 0; le < L; ++le) {
-      const std::int64_t e = rank * L + le, n_e = ex.rows_of(rank, le), start = ex.expert_start(rank, le);
-      const std::int64_t tb = ex.tile_base[rank * (L + 1) + le];
+      const std::int64_t e = mine[static_cast<std::size_t>(le)], n_e = ex.expert_rows(e), start = ex.expert_start(e);
+      const std::int64_t tb = ex.tile_start(e);
       for (std::int64_t i = 0; i * TR < n_e; ++i) {
         const std::int64_t rows = std::min(TR, n_e - i * TR), row0 = start + i * TR;
         b.gemm_tiles(rows, 2 * I, H, [&](std::int64_t, std::int64_t, std::int64_t j, std::int64_t n, double cost) {
-          b.task(TaskKind::gemm_gate_up, BufferId::recv, BufferId::h1, e, rank, row0, rows, j, n, row0, ev.recv + tb + i,
-                 p.events[ev.recv + tb + i].required, ev.h + tb + i, cost);
+          b.task({.kind = TaskKind::gemm_gate_up, .src = BufferId::recv, .dst = BufferId::h1, .expert = e, .row_begin = row0, .rows = rows, .col_begin = j, .cols = n, .src_row = row0, .wait_event = ev.recv + tb + i, .wait_count = p.events[ev.recv + tb + i].required, .trigger_event = ev.h + tb + i}, cost);
         });
-        b.task(TaskKind::swiglu, BufferId::h1, BufferId::a, e, rank, row0, rows, 0, I, row0, ev.h + tb + i, n_gate_up,
-               ev.a + tb + i, b.vector_cost(rows * (2 * I * 4 + I * elem)));
+        b.task({.kind = TaskKind::swiglu, .src = BufferId::h1, .dst = BufferId::a, .expert = e, .row_begin = row0, .rows = rows, .col_begin = 0, .cols = I, .src_row = row0, .wait_event = ev.h + tb + i, .wait_count = n_gate_up, .trigger_event = ev.a + tb + i}, b.vector_cost(rows * (2 * I * 4 + I * elem)));
         b.gemm_tiles(rows, H, I, [&](std::int64_t, std::int64_t, std::int64_t j, std::int64_t n, double cost) {
-          b.task(TaskKind::gemm_down, BufferId::a, BufferId::y, e, rank, row0, rows, j, n, row0, ev.a + tb + i, 1,
-                 ev.y + tb + i, cost);
+          b.task({.kind = TaskKind::gemm_down, .src = BufferId::a, .dst = BufferId::y, .expert = e, .row_begin = row0, .rows = rows, .col_begin = j, .cols = n, .src_row = row0, .wait_event = ev.a + tb + i, .wait_count = 1, .trigger_event = ev.y + tb + i}, cost);
         });
       }
     }
@@ -329,8 +373,7 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
     // so each reduce tile waits for all pieces (and the shared expert).
     for (std::int64_t t = 0; t < token_tiles; ++t) {
       const std::int64_t rows = std::min(TR, T - t * TR);
-      b.task(TaskKind::combine_reduce, BufferId::comb, BufferId::out, -1, rank, t * TR, rows, 0, H, t * TR, ev.comb_done,
-             p.events[ev.comb_done].required, -1, b.vector_cost(rows * c.top_k * H * elem + rows * H * 4));
+      b.task({.kind = TaskKind::combine_reduce, .src = BufferId::comb, .dst = BufferId::out, .row_begin = t * TR, .rows = rows, .col_begin = 0, .cols = H, .src_row = t * TR, .wait_event = ev.comb_done, .wait_count = p.events[ev.comb_done].required}, b.vector_cost(rows * c.top_k * H * elem + rows * H * 4));
     }
     return;
   }
@@ -369,7 +412,7 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
   const std::int64_t n_router_dgrad = token_tiles * n_down;
   const std::int64_t n_shared_dgrad = shared ? token_tiles * n_down : 0;
   for (std::int64_t le = 0; le < L; ++le) {
-    const std::int64_t e = rank * L + le, tiles = ex.tiles_of(rank, le), tb = ex.tile_base[rank * (L + 1) + le];
+    const std::int64_t e = mine[static_cast<std::size_t>(le)], tiles = ex.tiles_of(e), tb = ex.tile_start(e);
     for (std::int64_t i = 0; i < tiles; ++i) {
       b.event(ev.dy + tb + i, ex.arrivals(e, i), TaskKind::gemm_down_dgrad, e, i);
       b.event(ev.da + tb + i, static_cast<std::int32_t>(n_inter), TaskKind::swiglu_bwd, e, i);
@@ -396,82 +439,63 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
   // Router: gate-weight gradients, logits gradients, then its GEMMs.
   for (std::int64_t t = 0; t < token_tiles; ++t) {
     const std::int64_t rows = std::min(TR, T - t * TR);
-    b.task(TaskKind::gate_grad, BufferId::comb, BufferId::gw, -1, rank, t * TR, rows, 0, c.top_k, t * TR, -1, 0, ev.gw + t,
-           b.vector_cost(rows * c.top_k * H * (elem + 4)));
-    b.task(TaskKind::router_bwd, BufferId::gw, BufferId::dlogits, -1, rank, t * TR, rows, 0, E, t * TR, ev.gw + t, 1,
-           ev.dl_all, b.vector_cost(rows * (E * 8 + H * 8)));
+    b.task({.kind = TaskKind::gate_grad, .src = BufferId::comb, .dst = BufferId::gw, .row_begin = t * TR, .rows = rows, .col_begin = 0, .cols = c.top_k, .src_row = t * TR, .trigger_event = ev.gw + t}, b.vector_cost(rows * c.top_k * H * (elem + 4)));
+    b.task({.kind = TaskKind::router_bwd, .src = BufferId::gw, .dst = BufferId::dlogits, .row_begin = t * TR, .rows = rows, .col_begin = 0, .cols = E, .src_row = t * TR, .wait_event = ev.gw + t, .wait_count = 1, .trigger_event = ev.dl_all}, b.vector_cost(rows * (E * 8 + H * 8)));
   }
   b.gemm_tiles(T, H, E, [&](std::int64_t i, std::int64_t rows, std::int64_t j, std::int64_t n, double cost) {
-    b.task(TaskKind::router_dgrad, BufferId::dlogits, BufferId::rdx, -1, rank, i, rows, j, n, i, ev.dl_all, token_tiles,
-           ev.dx_ready, cost);
+    b.task({.kind = TaskKind::router_dgrad, .src = BufferId::dlogits, .dst = BufferId::rdx, .row_begin = i, .rows = rows, .col_begin = j, .cols = n, .src_row = i, .wait_event = ev.dl_all, .wait_count = token_tiles, .trigger_event = ev.dx_ready}, cost);
   });
   b.gemm_tiles(H, E, T, [&](std::int64_t i, std::int64_t rows, std::int64_t j, std::int64_t n, double cost) {
-    b.task(TaskKind::router_wgrad, BufferId::xtf, BufferId::dwg, -1, rank, i, rows, j, n, 0, ev.dl_all, token_tiles, -1,
-           cost);
+    b.task({.kind = TaskKind::router_wgrad, .src = BufferId::xtf, .dst = BufferId::dwg, .row_begin = i, .rows = rows, .col_begin = j, .cols = n, .src_row = 0, .wait_event = ev.dl_all, .wait_count = token_tiles}, cost);
   });
   if (shared) {
     for (std::int64_t t = 0; t < token_tiles; ++t) {
       const std::int64_t rows = std::min(TR, T - t * TR);
       b.gemm_tiles(rows, Is, H, [&](std::int64_t, std::int64_t, std::int64_t j, std::int64_t n, double cost) {
-        b.task(TaskKind::shared_down_dgrad, BufferId::dout, BufferId::sh_da, -1, rank, t * TR, rows, j, n, t * TR, -1, 0,
-               ev.sh_da + t, cost);
+        b.task({.kind = TaskKind::shared_down_dgrad, .src = BufferId::dout, .dst = BufferId::sh_da, .row_begin = t * TR, .rows = rows, .col_begin = j, .cols = n, .src_row = t * TR, .trigger_event = ev.sh_da + t}, cost);
       });
-      b.task(TaskKind::pack_shared_down_grad, BufferId::dout, BufferId::sh_doutp, -1, rank, t * TR, rows, 0, H, t * TR,
-             -1, 0, ev.sh_dout_packed, b.vector_cost(rows * (H + Is + H) * elem * 2));
-      b.task(TaskKind::shared_swiglu_bwd, BufferId::sh_da, BufferId::sh_dh, -1, rank, t * TR, rows, 0, 2 * Is, t * TR,
-             ev.sh_da + t, ceil_div(Is, TC), ev.sh_dh + t, b.vector_cost(rows * Is * 16));
+      b.task({.kind = TaskKind::pack_shared_down_grad, .src = BufferId::dout, .dst = BufferId::sh_doutp, .row_begin = t * TR, .rows = rows, .col_begin = 0, .cols = H, .src_row = t * TR, .trigger_event = ev.sh_dout_packed}, b.vector_cost(rows * (H + Is + H) * elem * 2));
+      b.task({.kind = TaskKind::shared_swiglu_bwd, .src = BufferId::sh_da, .dst = BufferId::sh_dh, .row_begin = t * TR, .rows = rows, .col_begin = 0, .cols = 2 * Is, .src_row = t * TR, .wait_event = ev.sh_da + t, .wait_count = ceil_div(Is, TC), .trigger_event = ev.sh_dh + t}, b.vector_cost(rows * Is * 16));
       b.gemm_tiles(rows, H, 2 * Is, [&](std::int64_t, std::int64_t, std::int64_t j, std::int64_t n, double cost) {
-        b.task(TaskKind::shared_gate_up_dgrad, BufferId::sh_dh, BufferId::sdx, -1, rank, t * TR, rows, j, n, t * TR,
-               ev.sh_dh + t, 1, ev.dx_ready, cost);
+        b.task({.kind = TaskKind::shared_gate_up_dgrad, .src = BufferId::sh_dh, .dst = BufferId::sdx, .row_begin = t * TR, .rows = rows, .col_begin = j, .cols = n, .src_row = t * TR, .wait_event = ev.sh_dh + t, .wait_count = 1, .trigger_event = ev.dx_ready}, cost);
       });
-      b.task(TaskKind::pack_shared_gate_up_grad, BufferId::sh_dh, BufferId::sh_dhp, -1, rank, t * TR, rows, 0, 2 * Is,
-             t * TR, ev.sh_dh + t, 1, ev.sh_dh_packed, b.vector_cost(rows * 2 * Is * elem * 2));
+      b.task({.kind = TaskKind::pack_shared_gate_up_grad, .src = BufferId::sh_dh, .dst = BufferId::sh_dhp, .row_begin = t * TR, .rows = rows, .col_begin = 0, .cols = 2 * Is, .src_row = t * TR, .wait_event = ev.sh_dh + t, .wait_count = 1, .trigger_event = ev.sh_dh_packed}, b.vector_cost(rows * 2 * Is * elem * 2));
     }
     b.gemm_tiles(Is, H, T, [&](std::int64_t i, std::int64_t rows, std::int64_t j, std::int64_t n, double cost) {
-      b.task(TaskKind::shared_down_wgrad, BufferId::sh_at, BufferId::dws2, -1, rank, i, rows, j, n, 0, ev.sh_dout_packed,
-             token_tiles, -1, cost);
+      b.task({.kind = TaskKind::shared_down_wgrad, .src = BufferId::sh_at, .dst = BufferId::dws2, .row_begin = i, .rows = rows, .col_begin = j, .cols = n, .src_row = 0, .wait_event = ev.sh_dout_packed, .wait_count = token_tiles}, cost);
     });
     b.gemm_tiles(H, 2 * Is, T, [&](std::int64_t i, std::int64_t rows, std::int64_t j, std::int64_t n, double cost) {
-      b.task(TaskKind::shared_gate_up_wgrad, BufferId::sh_xt, BufferId::dws1, -1, rank, i, rows, j, n, 0,
-             ev.sh_dh_packed, token_tiles, -1, cost);
+      b.task({.kind = TaskKind::shared_gate_up_wgrad, .src = BufferId::sh_xt, .dst = BufferId::dws1, .row_begin = i, .rows = rows, .col_begin = j, .cols = n, .src_row = 0, .wait_event = ev.sh_dh_packed, .wait_count = token_tiles}, cost);
     });
   }
   for (std::int64_t le = 0; le < L; ++le) {
-    const std::int64_t e = rank * L + le, n_e = ex.rows_of(rank, le), start = ex.expert_start(rank, le);
-    const std::int64_t tb = ex.tile_base[rank * (L + 1) + le], tiles = ex.tiles_of(rank, le);
+    const std::int64_t e = mine[static_cast<std::size_t>(le)], n_e = ex.expert_rows(e), start = ex.expert_start(e);
+    const std::int64_t tb = ex.tile_start(e), tiles = ex.tiles_of(e);
     for (std::int64_t i = 0; i < tiles; ++i) {
       const std::int64_t rows = std::min(TR, n_e - i * TR), row0 = start + i * TR;
       const std::int32_t arrivals = p.events[ev.dy + tb + i].required;
       b.gemm_tiles(rows, I, H, [&](std::int64_t, std::int64_t, std::int64_t j, std::int64_t n, double cost) {
-        b.task(TaskKind::gemm_down_dgrad, BufferId::dy, BufferId::da, e, rank, row0, rows, j, n, row0, ev.dy + tb + i,
-               arrivals, ev.da + tb + i, cost);
+        b.task({.kind = TaskKind::gemm_down_dgrad, .src = BufferId::dy, .dst = BufferId::da, .expert = e, .row_begin = row0, .rows = rows, .col_begin = j, .cols = n, .src_row = row0, .wait_event = ev.dy + tb + i, .wait_count = arrivals, .trigger_event = ev.da + tb + i}, cost);
       });
-      b.task(TaskKind::pack_down_grad, BufferId::dy, BufferId::dyp, e, rank, row0, rows, 0, H, row0, ev.dy + tb + i,
-             arrivals, ev.dy_packed + le, b.vector_cost(rows * (H + I) * elem * 2));
-      b.task(TaskKind::swiglu_bwd, BufferId::da, BufferId::dh, e, rank, row0, rows, 0, 2 * I, row0, ev.da + tb + i,
-             n_inter, ev.dh + tb + i, b.vector_cost(rows * I * 16));
+      b.task({.kind = TaskKind::pack_down_grad, .src = BufferId::dy, .dst = BufferId::dyp, .expert = e, .row_begin = row0, .rows = rows, .col_begin = 0, .cols = H, .src_row = row0, .wait_event = ev.dy + tb + i, .wait_count = arrivals, .trigger_event = ev.dy_packed + le}, b.vector_cost(rows * (H + I) * elem * 2));
+      b.task({.kind = TaskKind::swiglu_bwd, .src = BufferId::da, .dst = BufferId::dh, .expert = e, .row_begin = row0, .rows = rows, .col_begin = 0, .cols = 2 * I, .src_row = row0, .wait_event = ev.da + tb + i, .wait_count = n_inter, .trigger_event = ev.dh + tb + i}, b.vector_cost(rows * I * 16));
       b.gemm_tiles(rows, H, 2 * I, [&](std::int64_t, std::int64_t, std::int64_t j, std::int64_t n, double cost) {
-        b.task(TaskKind::gemm_gate_up_dgrad, BufferId::dh, BufferId::dxe, e, rank, row0, rows, j, n, row0,
-               ev.dh + tb + i, 1, ev.dxe + tb + i, cost);
+        b.task({.kind = TaskKind::gemm_gate_up_dgrad, .src = BufferId::dh, .dst = BufferId::dxe, .expert = e, .row_begin = row0, .rows = rows, .col_begin = j, .cols = n, .src_row = row0, .wait_event = ev.dh + tb + i, .wait_count = 1, .trigger_event = ev.dxe + tb + i}, cost);
       });
-      b.task(TaskKind::pack_gate_up_grad, BufferId::dh, BufferId::dhp, e, rank, row0, rows, 0, 2 * I, row0,
-             ev.dh + tb + i, 1, ev.dh_packed + le, b.vector_cost(rows * (2 * I + H) * elem * 2));
+      b.task({.kind = TaskKind::pack_gate_up_grad, .src = BufferId::dh, .dst = BufferId::dhp, .expert = e, .row_begin = row0, .rows = rows, .col_begin = 0, .cols = 2 * I, .src_row = row0, .wait_event = ev.dh + tb + i, .wait_count = 1, .trigger_event = ev.dh_packed + le}, b.vector_cost(rows * (2 * I + H) * elem * 2));
     }
     // Weight gradients of expert e: one task per output tile, K = all its rows.
     b.gemm_tiles(I, H, n_e, [&](std::int64_t i, std::int64_t rows, std::int64_t j, std::int64_t n, double cost) {
-      b.task(TaskKind::gemm_down_wgrad, BufferId::at, BufferId::dw2, e, rank, le * I + i, rows, j, n, start,
-             ev.dy_packed + le, tiles, -1, cost);
+      b.task({.kind = TaskKind::gemm_down_wgrad, .src = BufferId::at, .dst = BufferId::dw2, .expert = e, .row_begin = le * I + i, .rows = rows, .col_begin = j, .cols = n, .src_row = start, .wait_event = ev.dy_packed + le, .wait_count = tiles}, cost);
     });
     b.gemm_tiles(H, 2 * I, n_e, [&](std::int64_t i, std::int64_t rows, std::int64_t j, std::int64_t n, double cost) {
-      b.task(TaskKind::gemm_gate_up_wgrad, BufferId::xt, BufferId::dw1, e, rank, le * H + i, rows, j, n, start,
-             ev.dh_packed + le, tiles, -1, cost);
+      b.task({.kind = TaskKind::gemm_gate_up_wgrad, .src = BufferId::xt, .dst = BufferId::dw1, .expert = e, .row_begin = le * H + i, .rows = rows, .col_begin = j, .cols = n, .src_row = start, .wait_event = ev.dh_packed + le, .wait_count = tiles}, cost);
     });
   }
   puts_to_sources(TaskKind::grad_combine_put, BufferId::dxe, BufferId::dcomb, ev.dxe, n_down, false);
   for (std::int64_t t = 0; t < token_tiles; ++t) {
     const std::int64_t rows = std::min(TR, T - t * TR);
-    b.task(TaskKind::grad_reduce, BufferId::dcomb, BufferId::dx, -1, rank, t * TR, rows, 0, H, t * TR, ev.dx_ready,
-           p.events[ev.dx_ready].required, -1, b.vector_cost(rows * (c.top_k * H * elem + 3 * H * 4)));
+    b.task({.kind = TaskKind::grad_reduce, .src = BufferId::dcomb, .dst = BufferId::dx, .row_begin = t * TR, .rows = rows, .col_begin = 0, .cols = H, .src_row = t * TR, .wait_event = ev.dx_ready, .wait_count = p.events[ev.dx_ready].required}, b.vector_cost(rows * (c.top_k * H * elem + 3 * H * 4)));
   }
 }
 

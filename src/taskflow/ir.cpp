@@ -53,6 +53,20 @@ bool is_put(TaskKind k) {
          k == TaskKind::grad_combine_put;
 }
 
+ExpertHome expert_home(TaskKind k) {
+  switch (k) {
+    case TaskKind::dispatch_put: case TaskKind::grad_dispatch_put:
+      return ExpertHome::peer;
+    case TaskKind::gemm_gate_up: case TaskKind::swiglu: case TaskKind::gemm_down: case TaskKind::combine_put:
+    case TaskKind::gemm_down_dgrad: case TaskKind::pack_down_grad: case TaskKind::gemm_down_wgrad:
+    case TaskKind::swiglu_bwd: case TaskKind::gemm_gate_up_dgrad: case TaskKind::pack_gate_up_grad:
+    case TaskKind::gemm_gate_up_wgrad: case TaskKind::grad_combine_put:
+      return ExpertHome::own_rank;
+    default:
+      return ExpertHome::none;
+  }
+}
+
 const std::vector<TaskKind>& operator_order(Pass pass) {
   using K = TaskKind;
   static const std::vector<TaskKind> forward{K::dispatch_put,   K::gemm_gate_up,  K::swiglu,
@@ -152,8 +166,8 @@ nlohmann::json to_json(const Program& p) {
                   {"vector_workers", p.machine.vector_workers}, {"unified_workers", p.machine.unified_workers},
                   {"tile_rows", p.machine.tile_rows}, {"tile_cols", p.machine.tile_cols}};
   j["dims"] = {{"hidden", p.dims.hidden}, {"inter", p.dims.inter}, {"shared_inter", p.dims.shared_inter},
-               {"experts", p.dims.experts}, {"local_experts", p.dims.local_experts}, {"top_k", p.dims.top_k},
-               {"tokens", p.dims.tokens}};
+               {"experts", p.dims.experts}, {"top_k", p.dims.top_k}, {"tokens", p.dims.tokens}};
+  j["local_experts"] = p.local_experts;
   j["expert_begin"] = p.expert_begin;
   j["send_rows"] = p.send_rows;
   auto& buffers = j["buffers"] = nlohmann::json::array();
@@ -205,11 +219,23 @@ Program program_from_json(const nlohmann::json& j) {
     const auto& d = j.at("dims");
     p.dims = Dims{d.at("hidden").get<std::int64_t>(), d.at("inter").get<std::int64_t>(),
                   d.at("shared_inter").get<std::int64_t>(), d.at("experts").get<std::int64_t>(),
-                  d.at("local_experts").get<std::int64_t>(), d.at("top_k").get<std::int64_t>(),
-                  d.at("tokens").get<std::int64_t>()};
+                  d.at("top_k").get<std::int64_t>(), d.at("tokens").get<std::int64_t>()};
+    if (p.dims.experts < 1 || p.dims.experts > (1 << 20))
+      throw Error("program dump: dims.experts must be between 1 and 1048576");
+    p.local_experts = j.at("local_experts").get<std::vector<std::int32_t>>();
+    p.expert_slot.assign(static_cast<std::size_t>(p.dims.experts), -1);
+    for (std::size_t le = 0; le < p.local_experts.size(); ++le) {
+      const std::int32_t e = p.local_experts[le];
+      if (e < 0 || e >= p.dims.experts)
+        throw Error("program dump: local_experts names expert " + std::to_string(e) + ", outside 0.." +
+                    std::to_string(p.dims.experts - 1));
+      if (p.expert_slot[static_cast<std::size_t>(e)] >= 0)
+        throw Error("program dump: local_experts lists expert " + std::to_string(e) + " twice");
+      p.expert_slot[static_cast<std::size_t>(e)] = static_cast<std::int32_t>(le);
+    }
     p.expert_begin = j.at("expert_begin").get<std::vector<std::int64_t>>();
-    if (static_cast<std::int64_t>(p.expert_begin.size()) != p.dims.local_experts + 1)
-      throw Error("program dump: expert_begin must have local_experts + 1 entries");
+    if (p.expert_begin.size() != p.local_experts.size() + 1)
+      throw Error("program dump: expert_begin must have one entry more than local_experts");
     p.send_rows = j.at("send_rows").get<std::int64_t>();
     for (const auto& b : j.at("buffers"))
       p.buffers.push_back(BufferLayout{enum_from<BufferId>(kBufferNames, b.at("id").get<std::string>(), "buffer"),

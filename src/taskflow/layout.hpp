@@ -1,44 +1,83 @@
 #pragma once
 // Internal: the exchange layout of one step, derived from the routing counts
-// alone, and the event numbering of a rank's program. Every rank computes
-// the same layout, so a source knows the receiver's row offsets and event ids
-// without asking.
+// and the expert placement alone, and the event numbering of a rank's
+// program. Every rank computes the same layout, so a source knows the
+// receiver's row offsets and event ids without asking. Both executors and
+// the compiler use this one layout.
 #include <cstdint>
+#include <span>
 #include <vector>
 
+#include "hpmoe/placement.hpp"
 #include "hpmoe/taskflow.hpp"
 
 namespace hpmoe::taskflow {
 
-struct Exchange {
-  Exchange(const LayerConfig&, const RoutingCounts&, std::int64_t tile_rows);
+// Rows a source sends are ordered by expert id, then token, then k. Rows a
+// rank receives are ordered by its experts' slots, then source rank, then
+// the same. Each expert's region starts a new row tile.
+class Exchange {
+ public:
+  Exchange(const LayerConfig&, const ExpertPlacement&, const RoutingCounts&, std::int64_t tile_rows);
 
-  std::int64_t ranks, experts, local, tile_rows;
-  std::vector<std::int64_t> source_prefix;  // [(s) * E + e]: rows of expert e from sources < s
-  std::vector<std::int64_t> send_offset;    // [s * (E + 1) + e]: row of (s, e) in s's send order
-  std::vector<std::int64_t> expert_begin;   // [d * (L + 1) + le]: rows of local expert le in d's RECV
-  std::vector<std::int64_t> tile_base;      // [d * (L + 1) + le]: first row tile of le on d
+  const ExpertPlacement& placement() const { return placement_; }
+  std::int64_t ranks() const { return ranks_; }
+  std::int64_t experts() const { return experts_; }
+  std::int64_t tile_rows() const { return tile_rows_; }
 
+  // Rows source s sends to expert e.
   std::int64_t count(std::int64_t s, std::int64_t e) const {
-    return source_prefix[(s + 1) * experts + e] - source_prefix[s * experts + e];
+    return source_prefix_[static_cast<std::size_t>((s + 1) * experts_ + e)] -
+           source_prefix_[static_cast<std::size_t>(s * experts_ + e)];
   }
   // Row of (s, e)'s first row within expert e's region on its owner.
-  std::int64_t source_offset(std::int64_t s, std::int64_t e) const { return source_prefix[s * experts + e]; }
-  std::int64_t expert_rows(std::int64_t e) const { return source_prefix[ranks * experts + e]; }
-  std::int64_t expert_start(std::int64_t d, std::int64_t le) const { return expert_begin[d * (local + 1) + le]; }
-  std::int64_t rows_of(std::int64_t d, std::int64_t le) const { return expert_rows(d * local + le); }
-  std::int64_t tiles_of(std::int64_t d, std::int64_t le) const {
-    return tile_base[d * (local + 1) + le + 1] - tile_base[d * (local + 1) + le];
+  std::int64_t source_offset(std::int64_t s, std::int64_t e) const {
+    return source_prefix_[static_cast<std::size_t>(s * experts_ + e)];
   }
-  std::int64_t row_tiles(std::int64_t d) const { return tile_base[d * (local + 1) + local]; }
-  std::int64_t recv_rows(std::int64_t d) const { return expert_begin[d * (local + 1) + local]; }
-  std::int64_t send_rows(std::int64_t s) const { return send_offset[s * (experts + 1) + experts]; }
+  // Row of (s, e)'s first row in s's send order (and in its COMB rows).
+  std::int64_t send_offset(std::int64_t s, std::int64_t e) const {
+    return send_offset_[static_cast<std::size_t>(s * (experts_ + 1) + e)];
+  }
+  std::int64_t send_rows(std::int64_t s) const { return send_offset(s, experts_); }
+  // Rows of expert e, from all sources.
+  std::int64_t expert_rows(std::int64_t e) const { return source_offset(ranks_, e); }
+  // Row of expert e's region in its owner's receive buffer.
+  std::int64_t expert_start(std::int64_t e) const { return expert_start_[static_cast<std::size_t>(e)]; }
+  // Row of (s, e)'s first row in e's owner's receive buffer.
+  std::int64_t recv_offset(std::int64_t s, std::int64_t e) const { return expert_start(e) + source_offset(s, e); }
+  // First row tile of expert e on its owner, and its number of row tiles.
+  std::int64_t tile_start(std::int64_t e) const { return tile_start_[static_cast<std::size_t>(e)]; }
+  std::int64_t tiles_of(std::int64_t e) const { return (expert_rows(e) + tile_rows_ - 1) / tile_rows_; }
+  // First row of expert e in its owner's K-padded weight-gradient operands
+  // (bf16 pads each expert's rows to an even count).
+  std::int64_t kpad_start(std::int64_t e) const { return kpad_start_[static_cast<std::size_t>(e)]; }
+  std::int64_t padded(std::int64_t rows) const { return pad_pairs_ ? (rows + 1) & ~std::int64_t{1} : rows; }
+  // Per destination rank: received rows, row tiles, K-padded rows.
+  std::int64_t recv_rows(std::int64_t d) const { return recv_rows_[static_cast<std::size_t>(d)]; }
+  std::int64_t row_tiles(std::int64_t d) const { return row_tiles_[static_cast<std::size_t>(d)]; }
+  std::int64_t kpad_rows(std::int64_t d) const { return kpad_rows_[static_cast<std::size_t>(d)]; }
+  std::int64_t max_recv_rows() const;
+  std::int64_t max_send_rows() const;
+
   // Put pieces of (s, e): its rows split at the owner's row tiles.
   std::int64_t pieces(std::int64_t s, std::int64_t e) const;
   std::int64_t pieces_into(std::int64_t s) const;  // over all experts: what s receives in the combine
   // Put pieces landing in row tile `tile` of expert e: one per source chunk overlapping it.
   std::int32_t arrivals(std::int64_t e, std::int64_t tile) const;
+
+ private:
+  ExpertPlacement placement_;
+  std::int64_t ranks_, experts_, tile_rows_;
+  bool pad_pairs_;
+  std::vector<std::int64_t> source_prefix_;  // [s * E + e]: rows of expert e from sources < s (s = 0..P)
+  std::vector<std::int64_t> send_offset_;    // [s * (E + 1) + e]
+  std::vector<std::int64_t> expert_start_, tile_start_, kpad_start_;  // [e]
+  std::vector<std::int64_t> recv_rows_, row_tiles_, kpad_rows_;       // [d]
 };
+
+// Row in the source's send order of every kept assignment (token t of rank
+// s, choice k: index (s T + t) K + k); -1 for a dropped one.
+std::vector<std::int64_t> send_slots(const LayerConfig&, const Exchange&, const RouterOutput<float>&);
 
 // Event ids of one rank's program, by role.
 struct EventBases {

@@ -72,13 +72,13 @@ std::vector<double> bottom_levels(const Program& p) {
 // Backward: each expert's data-gradient chain, then its dX puts at once;
 // its weight-gradient tiles are spread between the next expert's chain tasks.
 std::vector<std::int32_t> interleave_weight_gradients(const Program& p) {
-  const std::int64_t L = p.dims.local_experts;
+  const auto L = static_cast<std::int64_t>(p.local_experts.size());
   std::vector<std::vector<std::int32_t>> chain(static_cast<std::size_t>(L)), wgrad(static_cast<std::size_t>(L)),
       puts(static_cast<std::size_t>(L));
   std::vector<std::int32_t> head, tail;
   for (std::int32_t i = 0; i < static_cast<std::int32_t>(p.tasks.size()); ++i) {
     const Task& t = p.tasks[i];
-    const std::int64_t le = t.expert - p.rank * L;
+    const std::int64_t le = p.slot_of(t.expert);
     if (is_expert_chain(t.kind)) chain[le].push_back(i);
     else if (is_wgrad(t.kind)) wgrad[le].push_back(i);
     else if (t.kind == TaskKind::grad_combine_put) puts[le].push_back(i);
@@ -203,10 +203,10 @@ void schedule(Program& p, Policy policy, ScheduleScratch& scratch) {
   for (std::size_t i = 0; i < order.size(); ++i) p.queue_tasks[static_cast<std::size_t>(fill[worker_of[i]]++)] = order[i];
 }
 
-std::vector<Program> compile(const LayerConfig& c, const RoutingCounts& counts, const Machine& m, Pass pass,
-                             Policy policy) {
+std::vector<Program> compile(const LayerConfig& c, const ExpertPlacement& placement, const RoutingCounts& counts,
+                             const Machine& m, Pass pass, Policy policy) {
   c.validate();
-  const Exchange ex(c, counts, m.tile_rows);
+  const Exchange ex(c, placement, counts, m.tile_rows);
   std::vector<Program> programs(static_cast<std::size_t>(c.ranks));
   ScheduleScratch scratch;
   for (std::int64_t r = 0; r < c.ranks; ++r) {

@@ -55,7 +55,7 @@ bool is_input(Pass pass, BufferId b) {
 
 // Rows [r0, r1) of the expert region of task t (weight gradients read all of it).
 std::pair<std::int64_t, std::int64_t> expert_rows(const Program& p, const Task& t) {
-  const std::int64_t le = t.expert - std::int64_t(p.rank) * p.dims.local_experts;
+  const std::int64_t le = p.slot_of(t.expert);
   return {p.expert_begin[static_cast<std::size_t>(le)], p.expert_begin[static_cast<std::size_t>(le + 1)]};
 }
 
@@ -87,7 +87,7 @@ int reads(const Program& p, const Task& t, Rect* out) {
     case TaskKind::gemm_down_dgrad: case TaskKind::pack_down_grad: add(BufferId::dy, r0, r1, 0, d.hidden); break;
     case TaskKind::gemm_down_wgrad: {
       const auto [e0, e1] = expert_rows(p, t);
-      const std::int64_t le = t.expert - std::int64_t(p.rank) * d.local_experts, i0 = r0 - le * d.inter;
+      const std::int64_t le = p.slot_of(t.expert), i0 = r0 - le * d.inter;
       add(BufferId::at, i0, i0 + t.rows, e0, e1);
       add(BufferId::dyp, e0, e1, t.col_begin, t.col_begin + t.cols);
       break;
@@ -96,7 +96,7 @@ int reads(const Program& p, const Task& t, Rect* out) {
     case TaskKind::gemm_gate_up_dgrad: case TaskKind::pack_gate_up_grad: add(BufferId::dh, r0, r1, 0, 2 * d.inter); break;
     case TaskKind::gemm_gate_up_wgrad: {
       const auto [e0, e1] = expert_rows(p, t);
-      const std::int64_t le = t.expert - std::int64_t(p.rank) * d.local_experts, i0 = r0 - le * d.hidden;
+      const std::int64_t le = p.slot_of(t.expert), i0 = r0 - le * d.hidden;
       add(BufferId::xt, i0, i0 + t.rows, e0, e1);
       add(BufferId::dhp, e0, e1, t.col_begin, t.col_begin + t.cols);
       break;
@@ -230,8 +230,16 @@ class Checker {
           p.queue_begin.back() != static_cast<std::int32_t>(p.queue_tasks.size()))
         fail("rank " + std::to_string(r) + " has malformed queues for " + std::to_string(W) + " workers");
       if (p.cost.size() != p.tasks.size()) fail("rank " + std::to_string(r) + " lacks task costs");
-      if (static_cast<std::int64_t>(p.expert_begin.size()) != p.dims.local_experts + 1)
+      if (p.expert_begin.size() != p.local_experts.size() + 1 ||
+          p.expert_slot.size() != static_cast<std::size_t>(p.dims.experts))
         fail("rank " + std::to_string(r) + " has a malformed expert layout");
+      for (std::size_t le = 0; le < p.local_experts.size(); ++le)
+        if (p.slot_of(p.local_experts[le]) != static_cast<std::int64_t>(le))
+          fail("rank " + std::to_string(r) + " lists expert " + std::to_string(p.local_experts[le]) + " in slot " +
+               std::to_string(le) + " but its slot table disagrees");
+      for (std::size_t le = 0; le + 1 < p.expert_begin.size(); ++le)
+        if (p.expert_begin[le] < 0 || p.expert_begin[le + 1] < p.expert_begin[le])
+          fail("rank " + std::to_string(r) + " has expert regions out of order");
       auto& seen = s_.seen;
       seen.assign(p.tasks.size(), 0);
       for (int w = 0; w < W; ++w)
@@ -270,6 +278,27 @@ class Checker {
           fail(describe(p, id) + " waits for " + describe_event(p, t.wait_event) + " to reach " +
                std::to_string(t.wait_count) + " but it completes at " + std::to_string(p.events[t.wait_event].required));
         if (t.rows < 0 || t.cols < 0) fail(describe(p, id) + " has a negative tile size");
+      }
+    }
+    // Every expert a task names lives where the task needs it (this reads
+    // the peers' slot tables, checked above).
+    for (std::int32_t r = 0; r < P; ++r) {
+      const Program& p = p_[r];
+      for (std::size_t i = 0; i < p.tasks.size(); ++i) {
+        const Task& t = p.tasks[i];
+        const auto id = static_cast<std::int32_t>(i);
+        const ExpertHome home = expert_home(t.kind);
+        if (home == ExpertHome::none) {
+          if (t.expert != -1) fail(describe(p, id) + " names an expert, which a " + name(t.kind) + " task has none of");
+          continue;
+        }
+        if (t.expert < 0 || t.expert >= p.dims.experts)
+          fail(describe(p, id) + " names expert " + std::to_string(t.expert) + ", which does not exist (the layer has " +
+               std::to_string(p.dims.experts) + ")");
+        const std::int32_t where = home == ExpertHome::own_rank ? r : t.peer;
+        if (p_[where].slot_of(t.expert) < 0)
+          fail(describe(p, id) + " needs expert " + std::to_string(t.expert) + " on rank " + std::to_string(where) +
+               ", which does not hold it");
       }
     }
   }

@@ -27,8 +27,9 @@ struct LayerOptions {
   std::vector<std::string> sets;
   std::optional<std::int64_t> ranks, tokens;
   std::optional<std::string> dtype;
+  std::string placement = "contiguous";
 
-  void add_to(CLI::App& app) {
+  void add_to(CLI::App& app, bool with_placement = true) {
     app.add_option("--preset", preset_name, "model preset (see `hpmoe presets`)");
     app.add_option("--config", config_file,
                    "layer from a file: hpmoe JSON, Hugging Face config.json, or DeepSeek inference config");
@@ -36,6 +37,14 @@ struct LayerOptions {
     app.add_option("--ranks,-P", ranks, "expert-parallel degree");
     app.add_option("--tokens,-T", tokens, "tokens per rank");
     app.add_option("--dtype", dtype, "fp32 or bf16");
+    if (with_placement)
+      app.add_option("--placement", placement,
+                   "where the experts live: contiguous | round-robin | random[:SEED] | FILE.json "
+                   "({\"experts_of_rank\": [[...], ...]} or {\"owner\": [...]})");
+  }
+
+  ExpertPlacement resolve_placement(const LayerConfig& c) const {
+    return parse_placement(placement, c.routed_experts, c.ranks);
   }
 
   LayerConfig resolve() const {
@@ -172,7 +181,7 @@ int run_main(int argc, char** argv) {
   // hpmoe config
   auto* config = app.add_subcommand("config", "print a layer config (preset, imported file, overrides) as JSON");
   LayerOptions config_opts;
-  config_opts.add_to(*config);
+  config_opts.add_to(*config, false);
   bool list_fields = false;
   config->add_flag("--fields", list_fields, "list the field names --set accepts");
 
@@ -229,6 +238,7 @@ int run_main(int argc, char** argv) {
   }
   if (compile->parsed()) {
     creq.config = compile_layer_opts.resolve();
+    creq.placement = compile_layer_opts.resolve_placement(creq.config);
     creq.routing = parse_routing_spec(compile_routing, compile_seed);
     creq.seed = compile_seed;
     creq.policy = taskflow::parse_policy(schedule);
@@ -270,6 +280,7 @@ int run_main(int argc, char** argv) {
       model.workers = sim_workers;
     }
     sreq.config = sim_layer_opts.resolve();
+    sreq.placement = sim_layer_opts.resolve_placement(sreq.config);
     sreq.routing = parse_routing_spec(sim_routing, sreq.seed);
     sreq.policy = taskflow::parse_policy(sim_schedule);
     sreq.trace = !sim_trace.empty() || !sim_timeline.empty();
@@ -305,6 +316,7 @@ int run_main(int argc, char** argv) {
   }
 
   req.config = run_layer_opts.resolve();
+  req.placement = run_layer_opts.resolve_placement(req.config);
   req.routing = parse_routing_spec(routing, req.seed);
   req.verify = parse_verify_mode(verify);
   req.mode = parse_run_mode(run_mode);

@@ -1,0 +1,86 @@
+#pragma once
+#include <cstdint>
+#include <nlohmann/json_fwd.hpp>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace hpmoe {
+
+// Where each routed expert lives: the rank that owns it and its slot among
+// that rank's experts. The compiler, both executors, the verifier and the
+// simulator take the placement as data; nothing assumes that expert e lives
+// on rank e / L. A rank's experts are laid out in its receive buffer in slot
+// order, and the experts' arithmetic does not depend on where they live, so
+// any placement gives bit-identical results.
+//
+// Each expert has exactly one home here. Replicas and tensor-parallel splits
+// of hot experts would add homes per expert; the accessors below are the
+// only way the rest of hpmoe reads a placement, so that is where they go.
+class ExpertPlacement {
+ public:
+  ExpertPlacement() = default;
+
+  // Rank r owns [r E / P, (r + 1) E / P): e / (E / P) when P divides E,
+  // otherwise the first ranks get one expert fewer.
+  static ExpertPlacement contiguous(std::int64_t experts, std::int64_t ranks);
+  // Expert e on rank e mod P.
+  static ExpertPlacement round_robin(std::int64_t experts, std::int64_t ranks);
+  // A random permutation of the contiguous placement (same count per rank).
+  static ExpertPlacement random(std::int64_t experts, std::int64_t ranks, std::uint64_t seed);
+  // owner[e] is expert e's rank; a rank's slots are in increasing expert id.
+  // `source` starts error messages (a file name, a flag).
+  static ExpertPlacement from_owners(std::int64_t ranks, std::span<const std::int64_t> owner,
+                                     bool allow_empty_ranks = false, const std::string& source = "placement");
+  // experts_of_rank[r] lists rank r's experts in slot order. Every expert of
+  // 0..E-1 must appear exactly once.
+  static ExpertPlacement from_rank_lists(std::int64_t experts, const std::vector<std::vector<std::int64_t>>& experts_of_rank,
+                                         bool allow_empty_ranks = false, const std::string& source = "placement");
+
+  std::int64_t ranks() const { return ranks_; }
+  std::int64_t experts() const { return static_cast<std::int64_t>(owner_.size()); }
+  bool empty() const { return owner_.empty(); }
+  std::int32_t owner(std::int64_t expert) const { return owner_[static_cast<std::size_t>(expert)]; }
+  std::int32_t slot(std::int64_t expert) const { return slot_[static_cast<std::size_t>(expert)]; }
+  std::int64_t local_count(std::int64_t rank) const {
+    return local_begin_[static_cast<std::size_t>(rank + 1)] - local_begin_[static_cast<std::size_t>(rank)];
+  }
+  // Rank r's experts in slot order.
+  std::span<const std::int32_t> experts_of(std::int64_t rank) const {
+    return std::span<const std::int32_t>(local_).subspan(static_cast<std::size_t>(local_begin_[static_cast<std::size_t>(rank)]),
+                                                        static_cast<std::size_t>(local_count(rank)));
+  }
+  std::int64_t max_local_count() const;
+  bool allows_empty_ranks() const { return allow_empty_ranks_; }
+
+  // Throws Error unless this placement fits a layer of `experts` experts on
+  // `ranks` ranks.
+  void check_fits(std::int64_t experts, std::int64_t ranks) const;
+
+  friend bool operator==(const ExpertPlacement& a, const ExpertPlacement& b) {
+    return a.ranks_ == b.ranks_ && a.local_begin_ == b.local_begin_ && a.local_ == b.local_;
+  }
+
+ private:
+  static ExpertPlacement build(std::int64_t experts, const std::vector<std::vector<std::int64_t>>& experts_of_rank,
+                               bool allow_empty_ranks, const std::string& source);
+  std::int64_t ranks_ = 0;
+  bool allow_empty_ranks_ = false;
+  std::vector<std::int32_t> owner_, slot_;  // [E]
+  std::vector<std::int64_t> local_begin_;   // [P + 1] into local_
+  std::vector<std::int32_t> local_;         // [E] experts by rank, slot order
+};
+
+// `p` checked against the layer's sizes, or the contiguous placement when p
+// is empty (what an option left unset means).
+ExpertPlacement placement_or_contiguous(const ExpertPlacement& p, std::int64_t experts, std::int64_t ranks);
+
+// {"experts_of_rank": [[0, 3], [1, 2]]} or {"owner": [0, 1, 1, 0]}, with an
+// optional "allow_empty_ranks": true. Errors name the field and the expert.
+nlohmann::json to_json(const ExpertPlacement&);
+ExpertPlacement placement_from_json(const nlohmann::json&, std::int64_t experts, std::int64_t ranks,
+                                    const std::string& source);
+// "contiguous", "round-robin", "random[:SEED]", or a JSON file as above.
+ExpertPlacement parse_placement(const std::string& spec, std::int64_t experts, std::int64_t ranks);
+
+}  // namespace hpmoe

@@ -1,0 +1,215 @@
+#include "hpmoe/placement.hpp"
+
+#include <algorithm>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <numeric>
+#include <random>
+
+#include "hpmoe/error.hpp"
+
+namespace hpmoe {
+
+namespace {
+
+std::string text(std::int64_t v) { return std::to_string(v); }
+
+void check_sizes(std::int64_t experts, std::int64_t ranks, const std::string& source) {
+  if (experts < 1) throw Error(source + ": a placement needs at least one expert (got " + text(experts) + ")");
+  if (ranks < 1) throw Error(source + ": a placement needs at least one rank (got " + text(ranks) + ")");
+}
+
+// The built-in placements give every rank an expert; fewer experts than
+// ranks must be asked for with a placement file.
+void check_every_rank_has_one(std::int64_t experts, std::int64_t ranks, const std::string& source) {
+  check_sizes(experts, ranks, source);
+  if (experts < ranks)
+    throw Error(source + " of " + text(experts) + " experts on " + text(ranks) +
+                " ranks leaves ranks without experts; use at most " + text(experts) +
+                " ranks, or a --placement file that sets \"allow_empty_ranks\": true");
+}
+
+}  // namespace
+
+ExpertPlacement ExpertPlacement::build(std::int64_t experts, const std::vector<std::vector<std::int64_t>>& lists,
+                                       bool allow_empty_ranks, const std::string& source) {
+  const auto ranks = static_cast<std::int64_t>(lists.size());
+  check_sizes(experts, ranks, source);
+  ExpertPlacement p;
+  p.ranks_ = ranks;
+  p.allow_empty_ranks_ = allow_empty_ranks;
+  p.owner_.assign(static_cast<std::size_t>(experts), -1);
+  p.slot_.assign(static_cast<std::size_t>(experts), -1);
+  p.local_begin_.assign(static_cast<std::size_t>(ranks + 1), 0);
+  for (std::int64_t r = 0; r < ranks; ++r) {
+    const auto& list = lists[static_cast<std::size_t>(r)];
+    if (list.empty() && !allow_empty_ranks)
+      throw Error(source + ": rank " + text(r) + " has no experts; give it one, or set \"allow_empty_ranks\": true " +
+                  "if a rank without experts is what you want");
+    for (std::size_t s = 0; s < list.size(); ++s) {
+      const std::int64_t e = list[s];
+      if (e < 0 || e >= experts)
+        throw Error(source + ": rank " + text(r) + " lists expert " + text(e) + ", which does not exist (the layer has " +
+                    text(experts) + " experts, 0.." + text(experts - 1) + ")");
+      if (p.owner_[static_cast<std::size_t>(e)] >= 0)
+        throw Error(source + ": expert " + text(e) + " is placed twice (on rank " +
+                    text(p.owner_[static_cast<std::size_t>(e)]) + " and on rank " + text(r) + ")");
+      p.owner_[static_cast<std::size_t>(e)] = static_cast<std::int32_t>(r);
+      p.slot_[static_cast<std::size_t>(e)] = static_cast<std::int32_t>(s);
+      p.local_.push_back(static_cast<std::int32_t>(e));
+    }
+    p.local_begin_[static_cast<std::size_t>(r + 1)] = static_cast<std::int64_t>(p.local_.size());
+  }
+  for (std::int64_t e = 0; e < experts; ++e)
+    if (p.owner_[static_cast<std::size_t>(e)] < 0)
+      throw Error(source + ": expert " + text(e) + " is placed on no rank; every expert needs a home");
+  return p;
+}
+
+ExpertPlacement ExpertPlacement::contiguous(std::int64_t experts, std::int64_t ranks) {
+  check_every_rank_has_one(experts, ranks, "contiguous placement");
+  std::vector<std::vector<std::int64_t>> lists(static_cast<std::size_t>(ranks));
+  for (std::int64_t r = 0; r < ranks; ++r)
+    for (std::int64_t e = r * experts / ranks; e < (r + 1) * experts / ranks; ++e) lists[static_cast<std::size_t>(r)].push_back(e);
+  return build(experts, lists, false, "contiguous placement");
+}
+
+ExpertPlacement ExpertPlacement::round_robin(std::int64_t experts, std::int64_t ranks) {
+  check_every_rank_has_one(experts, ranks, "round-robin placement");
+  std::vector<std::vector<std::int64_t>> lists(static_cast<std::size_t>(ranks));
+  for (std::int64_t e = 0; e < experts; ++e) lists[static_cast<std::size_t>(e % ranks)].push_back(e);
+  return build(experts, lists, false, "round-robin placement");
+}
+
+ExpertPlacement ExpertPlacement::random(std::int64_t experts, std::int64_t ranks, std::uint64_t seed) {
+  check_every_rank_has_one(experts, ranks, "random placement");
+  std::vector<std::int64_t> perm(static_cast<std::size_t>(experts));
+  std::iota(perm.begin(), perm.end(), 0);
+  std::mt19937_64 rng(seed);
+  for (std::size_t i = perm.size(); i > 1; --i) std::swap(perm[i - 1], perm[static_cast<std::size_t>(rng() % i)]);
+  std::vector<std::vector<std::int64_t>> lists(static_cast<std::size_t>(ranks));
+  for (std::int64_t r = 0; r < ranks; ++r)
+    for (std::int64_t i = r * experts / ranks; i < (r + 1) * experts / ranks; ++i)
+      lists[static_cast<std::size_t>(r)].push_back(perm[static_cast<std::size_t>(i)]);
+  return build(experts, lists, false, "random placement");
+}
+
+ExpertPlacement ExpertPlacement::from_owners(std::int64_t ranks, std::span<const std::int64_t> owner,
+                                             bool allow_empty_ranks, const std::string& source) {
+  check_sizes(static_cast<std::int64_t>(owner.size()), ranks, source);
+  std::vector<std::vector<std::int64_t>> lists(static_cast<std::size_t>(ranks));
+  for (std::size_t e = 0; e < owner.size(); ++e) {
+    if (owner[e] < 0 || owner[e] >= ranks)
+      throw Error(source + ": expert " + text(static_cast<std::int64_t>(e)) + " is placed on rank " + text(owner[e]) +
+                  ", which does not exist (the layer has " + text(ranks) + " ranks, 0.." + text(ranks - 1) + ")");
+    lists[static_cast<std::size_t>(owner[e])].push_back(static_cast<std::int64_t>(e));
+  }
+  return build(static_cast<std::int64_t>(owner.size()), lists, allow_empty_ranks, source);
+}
+
+ExpertPlacement ExpertPlacement::from_rank_lists(std::int64_t experts, const std::vector<std::vector<std::int64_t>>& lists,
+                                                 bool allow_empty_ranks, const std::string& source) {
+  return build(experts, lists, allow_empty_ranks, source);
+}
+
+std::int64_t ExpertPlacement::max_local_count() const {
+  std::int64_t most = 0;
+  for (std::int64_t r = 0; r < ranks_; ++r) most = std::max(most, local_count(r));
+  return most;
+}
+
+void ExpertPlacement::check_fits(std::int64_t experts, std::int64_t ranks) const {
+  if (this->experts() != experts || ranks_ != ranks)
+    throw Error("the expert placement is for " + text(this->experts()) + " experts on " + text(ranks_) +
+                " ranks, the layer has " + text(experts) + " experts on " + text(ranks) + " ranks");
+}
+
+ExpertPlacement placement_or_contiguous(const ExpertPlacement& p, std::int64_t experts, std::int64_t ranks) {
+  if (p.empty()) return ExpertPlacement::contiguous(experts, ranks);
+  p.check_fits(experts, ranks);
+  return p;
+}
+
+nlohmann::json to_json(const ExpertPlacement& p) {
+  nlohmann::json lists = nlohmann::json::array();
+  for (std::int64_t r = 0; r < p.ranks(); ++r) {
+    const auto experts = p.experts_of(r);
+    lists.push_back(std::vector<std::int32_t>(experts.begin(), experts.end()));
+  }
+  nlohmann::json j{{"experts_of_rank", lists}};
+  if (p.allows_empty_ranks()) j["allow_empty_ranks"] = true;
+  return j;
+}
+
+ExpertPlacement placement_from_json(const nlohmann::json& j, std::int64_t experts, std::int64_t ranks,
+                                    const std::string& source) {
+  if (!j.is_object()) throw Error(source + ": a placement must be a JSON object with \"experts_of_rank\" or \"owner\"");
+  for (const auto& [key, value] : j.items())
+    if (key != "experts_of_rank" && key != "owner" && key != "allow_empty_ranks")
+      throw Error(source + ": unknown key '" + key + "' (expected experts_of_rank, owner, allow_empty_ranks)");
+  if (j.contains("experts_of_rank") == j.contains("owner"))
+    throw Error(source + ": give exactly one of \"experts_of_rank\" (a list per rank) and \"owner\" (a rank per expert)");
+  bool allow_empty = false;
+  if (j.contains("allow_empty_ranks")) {
+    if (!j["allow_empty_ranks"].is_boolean()) throw Error(source + ": \"allow_empty_ranks\" must be true or false");
+    allow_empty = j["allow_empty_ranks"].get<bool>();
+  }
+  auto integer = [&](const nlohmann::json& v, const std::string& where) {
+    if (!v.is_number_integer()) throw Error(source + ": " + where + " must be an integer");
+    return v.get<std::int64_t>();
+  };
+  ExpertPlacement p;
+  if (j.contains("owner")) {
+    const auto& list = j["owner"];
+    if (!list.is_array()) throw Error(source + ": \"owner\" must be a list with one rank per expert");
+    if (static_cast<std::int64_t>(list.size()) != experts)
+      throw Error(source + ": \"owner\" lists " + text(static_cast<std::int64_t>(list.size())) +
+                  " experts, the layer has " + text(experts));
+    std::vector<std::int64_t> owner;
+    for (std::size_t e = 0; e < list.size(); ++e) owner.push_back(integer(list[e], "owner[" + text(static_cast<std::int64_t>(e)) + "]"));
+    p = ExpertPlacement::from_owners(ranks, owner, allow_empty, source);
+  } else {
+    const auto& lists = j["experts_of_rank"];
+    if (!lists.is_array()) throw Error(source + ": \"experts_of_rank\" must be a list of lists of expert ids");
+    if (static_cast<std::int64_t>(lists.size()) != ranks)
+      throw Error(source + ": \"experts_of_rank\" has " + text(static_cast<std::int64_t>(lists.size())) +
+                  " lists, but the layer has " + text(ranks) + " ranks" +
+                  (static_cast<std::int64_t>(lists.size()) > ranks ? " (it places experts on ranks that do not exist)" : ""));
+    std::vector<std::vector<std::int64_t>> parsed(lists.size());
+    for (std::size_t r = 0; r < lists.size(); ++r) {
+      const std::string where = "experts_of_rank[" + text(static_cast<std::int64_t>(r)) + "]";
+      if (!lists[r].is_array()) throw Error(source + ": " + where + " must be a list of expert ids");
+      for (std::size_t i = 0; i < lists[r].size(); ++i)
+        parsed[r].push_back(integer(lists[r][i], where + "[" + text(static_cast<std::int64_t>(i)) + "]"));
+    }
+    p = ExpertPlacement::from_rank_lists(experts, parsed, allow_empty, source);
+  }
+  return p;
+}
+
+ExpertPlacement parse_placement(const std::string& spec, std::int64_t experts, std::int64_t ranks) {
+  if (spec == "contiguous") return ExpertPlacement::contiguous(experts, ranks);
+  if (spec == "round-robin") return ExpertPlacement::round_robin(experts, ranks);
+  if (spec == "random" || spec.rfind("random:", 0) == 0) {
+    std::uint64_t seed = 1;
+    if (spec.size() > 7) {
+      const std::string digits = spec.substr(7);
+      if (digits.empty() || digits.size() > 19 || digits.find_first_not_of("0123456789") != std::string::npos)
+        throw Error("--placement random:SEED needs a non-negative integer seed (got '" + digits + "')");
+      seed = std::stoull(digits);
+    }
+    return ExpertPlacement::random(experts, ranks, seed);
+  }
+  std::ifstream in(spec);
+  if (!in)
+    throw Error("--placement '" + spec + "' is neither contiguous, round-robin, random[:SEED] nor a readable JSON file");
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(in, nullptr, true, false);
+  } catch (const nlohmann::json::exception& e) {
+    throw Error("placement file '" + spec + "' is not valid JSON: " + e.what());
+  }
+  return placement_from_json(j, experts, ranks, "placement file '" + spec + "'");
+}
+
+}  // namespace hpmoe
