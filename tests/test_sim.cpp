@@ -40,7 +40,7 @@ MachineModel round_machine(int matrix = 1, int vector = 2) {
 // added to queues by hand.
 struct Builder {
   std::vector<Program> programs;
-  std::vector<std::vector<double>> work;
+  std::vector<std::vector<taskflow::TaskWork>> work;
   std::vector<std::vector<std::vector<std::int32_t>>> queues;  // [rank][worker] -> task ids
 
   Builder(int ranks, const MachineModel& m) : programs(static_cast<std::size_t>(ranks)), work(programs.size()), queues(programs.size()) {
@@ -67,7 +67,10 @@ struct Builder {
     auto& p = programs[r];
     p.tasks.push_back(t);
     p.cost.push_back(0);
-    work[r].push_back(units);
+    // `units`: FLOPs of a GEMM tile, bytes otherwise.
+    work[r].push_back(t.queue == taskflow::QueueClass::matrix
+                          ? taskflow::TaskWork{units, 0, std::llround(units / (2.0 * rows * cols))}
+                          : taskflow::TaskWork{0, units, 0});
     const auto id = static_cast<std::int32_t>(p.tasks.size() - 1);
     queues[r][static_cast<std::size_t>(w)].push_back(id);
     return id;

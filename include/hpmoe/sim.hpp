@@ -8,6 +8,7 @@
 #include "hpmoe/baseline.hpp"
 #include "hpmoe/config.hpp"
 #include "hpmoe/routing.hpp"
+#include "hpmoe/access.hpp"
 #include "hpmoe/taskflow.hpp"
 
 // The discrete-event simulator (DESIGN section 4): the programs the compiler
@@ -97,16 +98,19 @@ std::string format_report(const SimReport&);
 nlohmann::json to_json(const SimReport&);
 
 // The core, on compiled programs (one per rank, scheduled). Durations come
-// from the model; `work` per task: FLOPs of a GEMM tile, bytes otherwise.
+// from the model; `work` per task (the access table's, see task_work): a
+// GEMM tile's shape and reduction length, or the bytes a task moves.
 struct Timeline {
   double makespan = 0;
   double matrix_busy = 0, vector_busy = 0, exposed_comm = 0;
   std::vector<TraceSlice> trace;
 };
 Timeline simulate_interleaved(const MachineModel&, const std::vector<taskflow::Program>&,
-                              const std::vector<std::vector<double>>& work, DType, bool trace);
+                              const std::vector<std::vector<taskflow::TaskWork>>& work, DType, bool trace);
 Timeline simulate_serialized(const MachineModel&, const std::vector<taskflow::Program>&,
-                             const std::vector<std::vector<double>>& work, DType, bool trace);
+                             const std::vector<std::vector<taskflow::TaskWork>>& work, DType, bool trace);
+// The work of every task of every program, from the access table.
+std::vector<std::vector<taskflow::TaskWork>> task_work(const std::vector<taskflow::Program>&);
 
 // Microbenchmarks of this machine -> the cpu-local model.
 struct CalibrateOptions {

@@ -129,7 +129,10 @@ struct Machine {
   int workers() const { return matrix_workers + vector_workers + unified_workers; }
   bool takes(int worker, QueueClass c) const;  // workers: matrix..., vector..., unified...
 };
-// "cpu:W" (W unified workers), or "accel:M:V" (M matrix + V vector workers).
+// W unified workers per rank; M matrix + V vector workers per rank.
+Machine cpu_machine(int workers);
+Machine accel_machine(int matrix_workers, int vector_workers);
+// "cpu:W[:RxC]" or "accel:M:V[:RxC]" (the CLI's --machine).
 Machine parse_machine(const std::string& spec);
 
 enum class Pass { forward, backward };
@@ -143,6 +146,7 @@ const char* name(Policy);
 // Layer sizes a program's tasks refer to.
 struct Dims {
   std::int64_t hidden = 0, inter = 0, shared_inter = 0, experts = 0, top_k = 0, tokens = 0;
+  std::int64_t elem_bytes = 4;  // of the layer's dtype (activations, weights)
 };
 
 // A rank's program for one pass of one step.
@@ -213,9 +217,13 @@ VerifyReport verify(std::span<const Program>);
 
 // The same, keeping its working storage between calls (the per-step path).
 struct VerifierScratch;
+class AccessTable;
 class Verifier {
  public:
+  // Checks programs against `table` (the standard one unless a test
+  // perturbs it); the table must outlive the verifier.
   Verifier();
+  explicit Verifier(const AccessTable& table);
   ~Verifier();
   Verifier(const Verifier&) = delete;
   Verifier& operator=(const Verifier&) = delete;
@@ -223,6 +231,7 @@ class Verifier {
 
  private:
   std::unique_ptr<VerifierScratch> scratch_;
+  const AccessTable* table_;
 };
 
 // Estimated critical path (seconds) through the event graph and per-worker

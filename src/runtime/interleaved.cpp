@@ -50,7 +50,7 @@ class Interleaved final : public InterleavedExecutor::Impl {
         local_(hosted_ranks(*tr_, c.ranks)),
         pool_(static_cast<int>(local_.size()), opt.workers_per_rank, opt.pin, tr_->node_index() * opt.workers_per_rank),
         packed_((kernels::init(), resolve_packing<T>(c, w, opt.packed, opt.backward))) {
-    machine_ = taskflow::parse_machine("cpu:" + std::to_string(opt.workers_per_rank));
+    machine_ = taskflow::cpu_machine(opt.workers_per_rank);
     machine_.tile_rows = kTileRows;
     machine_.tile_cols = kTileCols;
     programs.resize(static_cast<std::size_t>(c.ranks));

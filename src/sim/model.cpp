@@ -53,9 +53,7 @@ int count(const json& j, const std::string& path, int min, bool optional = false
 }  // namespace
 
 taskflow::Machine MachineModel::compiler_machine() const {
-  taskflow::Machine m = taskflow::parse_machine(accelerator ? "accel:" + std::to_string(matrix_units) + ":" +
-                                                                  std::to_string(vector_units)
-                                                            : "cpu:" + std::to_string(workers));
+  taskflow::Machine m = accelerator ? taskflow::accel_machine(matrix_units, vector_units) : taskflow::cpu_machine(workers);
   m.tile_rows = tile_rows;
   m.tile_cols = tile_cols;
   if (accelerator) {  // the scheduler's cost estimates from the model (CPU: as the runtime schedules)

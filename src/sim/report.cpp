@@ -30,9 +30,6 @@ SimReport simulate(const MachineModel& m, const SimRequest& req) {
   rep.stats = routing_stats(c, placement, routing);
   const auto counts = taskflow::routing_counts(c, routing);
   const taskflow::Machine machine = m.compiler_machine();
-  taskflow::Machine unit = machine;  // costs in work units: FLOPs of a GEMM tile, bytes otherwise
-  unit.matrix_flops = unit.vector_bytes_per_s = unit.put_bytes_per_s = 1;
-  unit.task_overhead_s = 0;
   const double matrix_units = double(c.ranks) * (m.accelerator ? m.matrix_units : m.workers);
   const double vector_units = double(c.ranks) * (m.accelerator ? m.vector_units : m.workers);
   taskflow::ScheduleScratch scratch;
@@ -40,13 +37,11 @@ SimReport simulate(const MachineModel& m, const SimRequest& req) {
     if (pass == taskflow::Pass::backward && !req.backward) break;
     const auto c0 = Clock::now();
     std::vector<taskflow::Program> programs(static_cast<std::size_t>(c.ranks));
-    std::vector<std::vector<double>> work(programs.size());
     for (std::int64_t r = 0; r < c.ranks; ++r) {
-      taskflow::Program units = taskflow::generate(c, placement, counts, unit, pass, r);
-      work[r].assign(units.cost.begin(), units.cost.end());
       programs[r] = taskflow::generate(c, placement, counts, machine, pass, r);
       taskflow::schedule(programs[r], req.policy, scratch);
     }
+    const auto work = task_work(programs);
     rep.compile_seconds += since(c0);
     const auto s0 = Clock::now();
     const Timeline ser = simulate_serialized(m, programs, work, c.dtype, req.trace);

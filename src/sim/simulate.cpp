@@ -25,6 +25,7 @@ using taskflow::Program;
 using taskflow::QueueClass;
 using taskflow::Task;
 using taskflow::TaskKind;
+using taskflow::TaskWork;
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
 using taskflow::is_put;
@@ -55,14 +56,12 @@ double weight_reuse(const Program& p, const Task& t) {
 }
 
 // Seconds a task occupies its unit.
-double duration(const MachineModel& m, const Program& p, const Task& t, double work, DType dtype) {
-  if (t.queue == QueueClass::matrix) {
-    const std::int64_t k = std::max<std::int64_t>(1, std::llround(work / (2.0 * t.rows * t.cols)));
-    return m.gemm_seconds(t.rows, t.cols, k, dtype, weight_reuse(p, t)) + m.task_overhead_s;
-  }
+double duration(const MachineModel& m, const Program& p, const Task& t, const TaskWork& work, DType dtype) {
+  if (t.queue == QueueClass::matrix)
+    return m.gemm_seconds(t.rows, t.cols, std::max<std::int64_t>(1, work.k), dtype, weight_reuse(p, t)) + m.task_overhead_s;
   if (is_put(t.kind))
-    return m.put_issue_s + (m.put_copy_bytes_per_s > 0 ? work / m.put_copy_bytes_per_s : 0.0) + m.task_overhead_s;
-  return work / m.vector_bytes_per_s + m.task_overhead_s;
+    return m.put_issue_s + (m.put_copy_bytes_per_s > 0 ? work.bytes / m.put_copy_bytes_per_s : 0.0) + m.task_overhead_s;
+  return work.bytes / m.vector_bytes_per_s + m.task_overhead_s;
 }
 
 // Links as processor-sharing servers: every port (or mesh link) shares its
@@ -219,7 +218,7 @@ TraceSlice slice(int rank, int unit, double start, double end, const Task& t) {
   return TraceSlice{rank, unit, start, end, taskflow::name(t.kind), std::move(detail)};
 }
 
-void check_programs(const std::vector<Program>& programs, const std::vector<std::vector<double>>& work) {
+void check_programs(const std::vector<Program>& programs, const std::vector<std::vector<TaskWork>>& work) {
   if (programs.empty()) throw Error("simulate: no programs");
   if (work.size() != programs.size()) throw Error("simulate: work given for a different number of ranks");
   for (std::size_t r = 0; r < programs.size(); ++r)
@@ -229,7 +228,7 @@ void check_programs(const std::vector<Program>& programs, const std::vector<std:
 }  // namespace
 
 Timeline simulate_interleaved(const MachineModel& m, const std::vector<Program>& programs,
-                              const std::vector<std::vector<double>>& work, DType dtype, bool trace) {
+                              const std::vector<std::vector<TaskWork>>& work, DType dtype, bool trace) {
   check_programs(programs, work);
   const int P = static_cast<int>(programs.size());
   const int Q = programs[0].machine.workers();
@@ -329,7 +328,7 @@ Timeline simulate_interleaved(const MachineModel& m, const std::vector<Program>&
           throw Error("simulate: more than 2^20 events or ranks");
         if (is_put(task.kind) && task.peer != e.rank) {
           const auto [latency, bw] = links.path(e.rank, task.peer, resources);
-          const double bytes = work[static_cast<std::size_t>(e.rank)][static_cast<std::size_t>(id)];
+          const double bytes = work[static_cast<std::size_t>(e.rank)][static_cast<std::size_t>(id)].bytes;
           if (bw > 0) {  // still in flight: counts as this rank's communication until it lands
             exposure.change(e.rank, e.time, 1, 0);
             links.start(e.time, bytes, resources,
@@ -384,7 +383,7 @@ std::vector<Operator> operators(taskflow::Pass pass) {
 }  // namespace
 
 Timeline simulate_serialized(const MachineModel& m, const std::vector<Program>& programs,
-                             const std::vector<std::vector<double>>& work, DType dtype, bool trace) {
+                             const std::vector<std::vector<TaskWork>>& work, DType dtype, bool trace) {
   check_programs(programs, work);
   const int P = static_cast<int>(programs.size());
   const taskflow::Machine& machine = programs[0].machine;
@@ -424,8 +423,9 @@ Timeline simulate_serialized(const MachineModel& m, const std::vector<Program>& 
           const Task& t = p.tasks[id];
           const auto [start, unit] = units.top();
           units.pop();
-          const double bytes = work[static_cast<std::size_t>(r)][id];
-          const double d = pass == 0 ? bytes / m.vector_bytes_per_s + m.task_overhead_s : duration(m, p, t, bytes, dtype);
+          const TaskWork& w = work[static_cast<std::size_t>(r)][id];
+          const double bytes = w.bytes;
+          const double d = pass == 0 ? bytes / m.vector_bytes_per_s + m.task_overhead_s : duration(m, p, t, w, dtype);
           units.push({start + d, unit});
           (t.queue == QueueClass::matrix ? out.matrix_busy : out.vector_busy) += d;
           const bool exchange = pass == 1 && is_put(t.kind);
@@ -455,6 +455,16 @@ Timeline simulate_serialized(const MachineModel& m, const std::vector<Program>& 
   out.makespan = now;
   out.exposed_comm = now > 0 ? exposed / now : 0;
   return out;
+}
+
+std::vector<std::vector<TaskWork>> task_work(const std::vector<Program>& programs) {
+  const auto& table = taskflow::AccessTable::standard();
+  std::vector<std::vector<TaskWork>> work(programs.size());
+  for (std::size_t r = 0; r < programs.size(); ++r) {
+    work[r].reserve(programs[r].tasks.size());
+    for (const Task& t : programs[r].tasks) work[r].push_back(table.work(programs[r], t));
+  }
+  return work;
 }
 
 }  // namespace hpmoe::sim

@@ -1,5 +1,6 @@
 #include <algorithm>
 
+#include "hpmoe/access.hpp"
 #include "hpmoe/error.hpp"
 #include "hpmoe/taskflow.hpp"
 #include "taskflow/layout.hpp"
@@ -173,7 +174,7 @@ struct TaskSpec {
 
 class Builder {
  public:
-  Builder(Program& p, const Machine& m) : p_(p), m_(m) {}
+  Builder(Program& p, const Machine& m) : p_(p), m_(m), table_(AccessTable::standard()) {}
 
   std::int32_t event(std::int64_t id, std::int32_t required, TaskKind consumer, std::int64_t expert, std::int64_t tile) {
     p_.events[static_cast<std::size_t>(id)] = Event{required, consumer, static_cast<std::int32_t>(expert),
@@ -181,32 +182,32 @@ class Builder {
     return static_cast<std::int32_t>(id);
   }
 
-  void task(const TaskSpec& s, double cost) {
+  // Appends a task; its cost comes from the access table's work and the
+  // machine's rates (the scheduler's cost model).
+  void task(const TaskSpec& s) {
     auto i32 = [](std::int64_t v) { return static_cast<std::int32_t>(v); };
-    p_.tasks.push_back(Task{s.kind, queue_class(s.kind), s.src, s.dst, i32(s.expert), i32(s.peer < 0 ? p_.rank : s.peer),
+    const KindAccess& access = table_[s.kind];
+    p_.tasks.push_back(Task{s.kind, access.queue, s.src, s.dst, i32(s.expert), i32(s.peer < 0 ? p_.rank : s.peer),
                             i32(s.row_begin), i32(s.rows), i32(s.col_begin), i32(s.cols), i32(s.src_row),
                             i32(s.wait_event), i32(s.wait_count), i32(s.trigger_event)});
-    p_.cost.push_back(static_cast<float>(cost + m_.task_overhead_s));
+    const TaskWork w = table_.work(p_, p_.tasks.back());
+    const double seconds = access.queue == QueueClass::matrix ? w.flops / m_.matrix_flops
+                           : access.put                       ? w.bytes / m_.put_bytes_per_s
+                                                              : w.bytes / m_.vector_bytes_per_s;
+    p_.cost.push_back(static_cast<float>(seconds + m_.task_overhead_s));
   }
 
-  double gemm_cost(std::int64_t m, std::int64_t n, std::int64_t k) const {
-    return 2.0 * double(m) * double(n) * double(k) / m_.matrix_flops;
-  }
-  double vector_cost(std::int64_t bytes) const { return double(bytes) / m_.vector_bytes_per_s; }
-  double put_cost(std::int64_t bytes) const { return double(bytes) / m_.put_bytes_per_s; }
-
-  // GEMM output tiles of [M, N].
+  // GEMM output tiles of [M, N]: add(row, rows, col, cols).
   template <class Fn>
-  void gemm_tiles(std::int64_t M, std::int64_t N, std::int64_t K, Fn&& add) {
+  void gemm_tiles(std::int64_t M, std::int64_t N, Fn&& add) {
     for (std::int64_t i = 0; i < M; i += m_.tile_rows)
-      for (std::int64_t j = 0; j < N; j += m_.tile_cols)
-        add(i, std::min(m_.tile_rows, M - i), j, std::min(m_.tile_cols, N - j), gemm_cost(std::min(m_.tile_rows, M - i),
-                                                                                         std::min(m_.tile_cols, N - j), K));
+      for (std::int64_t j = 0; j < N; j += m_.tile_cols) add(i, std::min(m_.tile_rows, M - i), j, std::min(m_.tile_cols, N - j));
   }
 
  private:
   Program& p_;
   const Machine& m_;
+  const AccessTable& table_;
 };
 
 void add_buffer(Program& p, BufferId id, std::int64_t rows, std::int64_t cols, std::int64_t elem) {
@@ -255,7 +256,7 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
   p.rank = static_cast<std::int32_t>(rank);
   p.ranks = static_cast<std::int32_t>(P);
   p.machine = m;
-  p.dims = Dims{H, I, Is, E, c.top_k, T};
+  p.dims = Dims{H, I, Is, E, c.top_k, T, elem};
   for (const std::int32_t e : mine) p.expert_begin.push_back(ex.expert_start(e));
   p.expert_begin.push_back(ex.recv_rows(rank));
   p.send_rows = ex.send_rows(rank);
@@ -279,8 +280,7 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
         const std::int64_t tile = r / TR, end = std::min(first + n, (tile + 1) * TR);
         b.task({.kind = kind, .src = src, .dst = dst, .expert = e, .peer = d, .row_begin = ex.expert_start(e) + r,
                 .rows = end - r, .col_begin = 0, .cols = H, .src_row = ex.send_offset(rank, e) + (r - first),
-                .trigger_event = remote_base + ex.tile_start(e) + tile},
-               b.put_cost((end - r) * H * elem));
+                .trigger_event = remote_base + ex.tile_start(e) + tile});
         r = end;
       }
     }
@@ -300,27 +300,29 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
           b.task({.kind = kind, .src = src, .dst = dst, .expert = e, .peer = s,
                   .row_begin = ex.send_offset(s, e) + (r - first), .rows = end - r, .col_begin = 0, .cols = H,
                   .src_row = ex.expert_start(e) + r, .wait_event = wait_base + ex.tile_start(e) + tile,
-                  .wait_count = wait_count, .trigger_event = target},
-                 b.put_cost((end - r) * H * elem));
+                  .wait_count = wait_count, .trigger_event = target});
           r = end;
         }
       }
     }
   };
 
+  // The forward's buffers. The backward program declares them too, at the
+  // same offsets, and reads them as the saved activations.
+  add_buffer(p, BufferId::x, T, H, elem);
+  add_buffer(p, BufferId::recv, max_recv, H, elem);
+  add_buffer(p, BufferId::h1, max_recv, 2 * I, 4);
+  add_buffer(p, BufferId::a, max_recv, I, elem);
+  add_buffer(p, BufferId::y, max_recv, H, elem);
+  add_buffer(p, BufferId::comb, max_send, H, elem);
+  add_buffer(p, BufferId::out, T, H, 4);
+  if (shared) {
+    add_buffer(p, BufferId::sh_h, T, 2 * Is, 4);
+    add_buffer(p, BufferId::sh_a, T, Is, elem);
+    add_buffer(p, BufferId::sh_y, T, H, 4);
+  }
+
   if (pass == Pass::forward) {
-    add_buffer(p, BufferId::x, T, H, elem);
-    add_buffer(p, BufferId::recv, max_recv, H, elem);
-    add_buffer(p, BufferId::h1, max_recv, 2 * I, 4);
-    add_buffer(p, BufferId::a, max_recv, I, elem);
-    add_buffer(p, BufferId::y, max_recv, H, elem);
-    add_buffer(p, BufferId::comb, max_send, H, elem);
-    add_buffer(p, BufferId::out, T, H, 4);
-    if (shared) {
-      add_buffer(p, BufferId::sh_h, T, 2 * Is, 4);
-      add_buffer(p, BufferId::sh_a, T, Is, elem);
-      add_buffer(p, BufferId::sh_y, T, H, 4);
-    }
     // Events of this rank.
     for (const std::int64_t e : mine) {
       const std::int64_t tiles = ex.tiles_of(e), tb = ex.tile_start(e);
@@ -344,12 +346,12 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
     if (shared) {
       for (std::int64_t t = 0; t < token_tiles; ++t) {
         const std::int64_t rows = std::min(TR, T - t * TR);
-        b.gemm_tiles(rows, 2 * Is, H, [&](std::int64_t, std::int64_t, std::int64_t j, std::int64_t n, double cost) {
-          b.task({.kind = TaskKind::shared_gate_up, .src = BufferId::x, .dst = BufferId::sh_h, .row_begin = t * TR, .rows = rows, .col_begin = j, .cols = n, .src_row = t * TR, .trigger_event = ev.sh_h + t}, cost);
+        b.gemm_tiles(rows, 2 * Is, [&](std::int64_t, std::int64_t, std::int64_t j, std::int64_t n) {
+          b.task({.kind = TaskKind::shared_gate_up, .src = BufferId::x, .dst = BufferId::sh_h, .row_begin = t * TR, .rows = rows, .col_begin = j, .cols = n, .src_row = t * TR, .trigger_event = ev.sh_h + t});
         });
-        b.task({.kind = TaskKind::shared_swiglu, .src = BufferId::sh_h, .dst = BufferId::sh_a, .row_begin = t * TR, .rows = rows, .col_begin = 0, .cols = Is, .src_row = t * TR, .wait_event = ev.sh_h + t, .wait_count = ceil_div(2 * Is, TC), .trigger_event = ev.sh_a + t}, b.vector_cost(rows * 3 * Is * 4));
-        b.gemm_tiles(rows, H, Is, [&](std::int64_t, std::int64_t, std::int64_t j, std::int64_t n, double cost) {
-          b.task({.kind = TaskKind::shared_down, .src = BufferId::sh_a, .dst = BufferId::sh_y, .row_begin = t * TR, .rows = rows, .col_begin = j, .cols = n, .src_row = t * TR, .wait_event = ev.sh_a + t, .wait_count = 1, .trigger_event = ev.comb_done}, cost);
+        b.task({.kind = TaskKind::shared_swiglu, .src = BufferId::sh_h, .dst = BufferId::sh_a, .row_begin = t * TR, .rows = rows, .col_begin = 0, .cols = Is, .src_row = t * TR, .wait_event = ev.sh_h + t, .wait_count = ceil_div(2 * Is, TC), .trigger_event = ev.sh_a + t});
+        b.gemm_tiles(rows, H, [&](std::int64_t, std::int64_t, std::int64_t j, std::int64_t n) {
+          b.task({.kind = TaskKind::shared_down, .src = BufferId::sh_a, .dst = BufferId::sh_y, .row_begin = t * TR, .rows = rows, .col_begin = j, .cols = n, .src_row = t * TR, .wait_event = ev.sh_a + t, .wait_count = 1, .trigger_event = ev.comb_done});
         });
       }
     }
@@ -358,12 +360,12 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
       const std::int64_t tb = ex.tile_start(e);
       for (std::int64_t i = 0; i * TR < n_e; ++i) {
         const std::int64_t rows = std::min(TR, n_e - i * TR), row0 = start + i * TR;
-        b.gemm_tiles(rows, 2 * I, H, [&](std::int64_t, std::int64_t, std::int64_t j, std::int64_t n, double cost) {
-          b.task({.kind = TaskKind::gemm_gate_up, .src = BufferId::recv, .dst = BufferId::h1, .expert = e, .row_begin = row0, .rows = rows, .col_begin = j, .cols = n, .src_row = row0, .wait_event = ev.recv + tb + i, .wait_count = p.events[ev.recv + tb + i].required, .trigger_event = ev.h + tb + i}, cost);
+        b.gemm_tiles(rows, 2 * I, [&](std::int64_t, std::int64_t, std::int64_t j, std::int64_t n) {
+          b.task({.kind = TaskKind::gemm_gate_up, .src = BufferId::recv, .dst = BufferId::h1, .expert = e, .row_begin = row0, .rows = rows, .col_begin = j, .cols = n, .src_row = row0, .wait_event = ev.recv + tb + i, .wait_count = p.events[ev.recv + tb + i].required, .trigger_event = ev.h + tb + i});
         });
-        b.task({.kind = TaskKind::swiglu, .src = BufferId::h1, .dst = BufferId::a, .expert = e, .row_begin = row0, .rows = rows, .col_begin = 0, .cols = I, .src_row = row0, .wait_event = ev.h + tb + i, .wait_count = n_gate_up, .trigger_event = ev.a + tb + i}, b.vector_cost(rows * (2 * I * 4 + I * elem)));
-        b.gemm_tiles(rows, H, I, [&](std::int64_t, std::int64_t, std::int64_t j, std::int64_t n, double cost) {
-          b.task({.kind = TaskKind::gemm_down, .src = BufferId::a, .dst = BufferId::y, .expert = e, .row_begin = row0, .rows = rows, .col_begin = j, .cols = n, .src_row = row0, .wait_event = ev.a + tb + i, .wait_count = 1, .trigger_event = ev.y + tb + i}, cost);
+        b.task({.kind = TaskKind::swiglu, .src = BufferId::h1, .dst = BufferId::a, .expert = e, .row_begin = row0, .rows = rows, .col_begin = 0, .cols = I, .src_row = row0, .wait_event = ev.h + tb + i, .wait_count = n_gate_up, .trigger_event = ev.a + tb + i});
+        b.gemm_tiles(rows, H, [&](std::int64_t, std::int64_t, std::int64_t j, std::int64_t n) {
+          b.task({.kind = TaskKind::gemm_down, .src = BufferId::a, .dst = BufferId::y, .expert = e, .row_begin = row0, .rows = rows, .col_begin = j, .cols = n, .src_row = row0, .wait_event = ev.a + tb + i, .wait_count = 1, .trigger_event = ev.y + tb + i});
         });
       }
     }
@@ -373,7 +375,7 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
     // so each reduce tile waits for all pieces (and the shared expert).
     for (std::int64_t t = 0; t < token_tiles; ++t) {
       const std::int64_t rows = std::min(TR, T - t * TR);
-      b.task({.kind = TaskKind::combine_reduce, .src = BufferId::comb, .dst = BufferId::out, .row_begin = t * TR, .rows = rows, .col_begin = 0, .cols = H, .src_row = t * TR, .wait_event = ev.comb_done, .wait_count = p.events[ev.comb_done].required}, b.vector_cost(rows * c.top_k * H * elem + rows * H * 4));
+      b.task({.kind = TaskKind::combine_reduce, .src = BufferId::comb, .dst = BufferId::out, .row_begin = t * TR, .rows = rows, .col_begin = 0, .cols = H, .src_row = t * TR, .wait_event = ev.comb_done, .wait_count = p.events[ev.comb_done].required});
     }
     return;
   }
@@ -439,33 +441,33 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
   // Router: gate-weight gradients, logits gradients, then its GEMMs.
   for (std::int64_t t = 0; t < token_tiles; ++t) {
     const std::int64_t rows = std::min(TR, T - t * TR);
-    b.task({.kind = TaskKind::gate_grad, .src = BufferId::comb, .dst = BufferId::gw, .row_begin = t * TR, .rows = rows, .col_begin = 0, .cols = c.top_k, .src_row = t * TR, .trigger_event = ev.gw + t}, b.vector_cost(rows * c.top_k * H * (elem + 4)));
-    b.task({.kind = TaskKind::router_bwd, .src = BufferId::gw, .dst = BufferId::dlogits, .row_begin = t * TR, .rows = rows, .col_begin = 0, .cols = E, .src_row = t * TR, .wait_event = ev.gw + t, .wait_count = 1, .trigger_event = ev.dl_all}, b.vector_cost(rows * (E * 8 + H * 8)));
+    b.task({.kind = TaskKind::gate_grad, .src = BufferId::comb, .dst = BufferId::gw, .row_begin = t * TR, .rows = rows, .col_begin = 0, .cols = c.top_k, .src_row = t * TR, .trigger_event = ev.gw + t});
+    b.task({.kind = TaskKind::router_bwd, .src = BufferId::gw, .dst = BufferId::dlogits, .row_begin = t * TR, .rows = rows, .col_begin = 0, .cols = E, .src_row = t * TR, .wait_event = ev.gw + t, .wait_count = 1, .trigger_event = ev.dl_all});
   }
-  b.gemm_tiles(T, H, E, [&](std::int64_t i, std::int64_t rows, std::int64_t j, std::int64_t n, double cost) {
-    b.task({.kind = TaskKind::router_dgrad, .src = BufferId::dlogits, .dst = BufferId::rdx, .row_begin = i, .rows = rows, .col_begin = j, .cols = n, .src_row = i, .wait_event = ev.dl_all, .wait_count = token_tiles, .trigger_event = ev.dx_ready}, cost);
+  b.gemm_tiles(T, H, [&](std::int64_t i, std::int64_t rows, std::int64_t j, std::int64_t n) {
+    b.task({.kind = TaskKind::router_dgrad, .src = BufferId::dlogits, .dst = BufferId::rdx, .row_begin = i, .rows = rows, .col_begin = j, .cols = n, .src_row = i, .wait_event = ev.dl_all, .wait_count = token_tiles, .trigger_event = ev.dx_ready});
   });
-  b.gemm_tiles(H, E, T, [&](std::int64_t i, std::int64_t rows, std::int64_t j, std::int64_t n, double cost) {
-    b.task({.kind = TaskKind::router_wgrad, .src = BufferId::xtf, .dst = BufferId::dwg, .row_begin = i, .rows = rows, .col_begin = j, .cols = n, .src_row = 0, .wait_event = ev.dl_all, .wait_count = token_tiles}, cost);
+  b.gemm_tiles(H, E, [&](std::int64_t i, std::int64_t rows, std::int64_t j, std::int64_t n) {
+    b.task({.kind = TaskKind::router_wgrad, .src = BufferId::xtf, .dst = BufferId::dwg, .row_begin = i, .rows = rows, .col_begin = j, .cols = n, .src_row = 0, .wait_event = ev.dl_all, .wait_count = token_tiles});
   });
   if (shared) {
     for (std::int64_t t = 0; t < token_tiles; ++t) {
       const std::int64_t rows = std::min(TR, T - t * TR);
-      b.gemm_tiles(rows, Is, H, [&](std::int64_t, std::int64_t, std::int64_t j, std::int64_t n, double cost) {
-        b.task({.kind = TaskKind::shared_down_dgrad, .src = BufferId::dout, .dst = BufferId::sh_da, .row_begin = t * TR, .rows = rows, .col_begin = j, .cols = n, .src_row = t * TR, .trigger_event = ev.sh_da + t}, cost);
+      b.gemm_tiles(rows, Is, [&](std::int64_t, std::int64_t, std::int64_t j, std::int64_t n) {
+        b.task({.kind = TaskKind::shared_down_dgrad, .src = BufferId::dout, .dst = BufferId::sh_da, .row_begin = t * TR, .rows = rows, .col_begin = j, .cols = n, .src_row = t * TR, .trigger_event = ev.sh_da + t});
       });
-      b.task({.kind = TaskKind::pack_shared_down_grad, .src = BufferId::dout, .dst = BufferId::sh_doutp, .row_begin = t * TR, .rows = rows, .col_begin = 0, .cols = H, .src_row = t * TR, .trigger_event = ev.sh_dout_packed}, b.vector_cost(rows * (H + Is + H) * elem * 2));
-      b.task({.kind = TaskKind::shared_swiglu_bwd, .src = BufferId::sh_da, .dst = BufferId::sh_dh, .row_begin = t * TR, .rows = rows, .col_begin = 0, .cols = 2 * Is, .src_row = t * TR, .wait_event = ev.sh_da + t, .wait_count = ceil_div(Is, TC), .trigger_event = ev.sh_dh + t}, b.vector_cost(rows * Is * 16));
-      b.gemm_tiles(rows, H, 2 * Is, [&](std::int64_t, std::int64_t, std::int64_t j, std::int64_t n, double cost) {
-        b.task({.kind = TaskKind::shared_gate_up_dgrad, .src = BufferId::sh_dh, .dst = BufferId::sdx, .row_begin = t * TR, .rows = rows, .col_begin = j, .cols = n, .src_row = t * TR, .wait_event = ev.sh_dh + t, .wait_count = 1, .trigger_event = ev.dx_ready}, cost);
+      b.task({.kind = TaskKind::pack_shared_down_grad, .src = BufferId::dout, .dst = BufferId::sh_doutp, .row_begin = t * TR, .rows = rows, .col_begin = 0, .cols = H, .src_row = t * TR, .trigger_event = ev.sh_dout_packed});
+      b.task({.kind = TaskKind::shared_swiglu_bwd, .src = BufferId::sh_da, .dst = BufferId::sh_dh, .row_begin = t * TR, .rows = rows, .col_begin = 0, .cols = 2 * Is, .src_row = t * TR, .wait_event = ev.sh_da + t, .wait_count = ceil_div(Is, TC), .trigger_event = ev.sh_dh + t});
+      b.gemm_tiles(rows, H, [&](std::int64_t, std::int64_t, std::int64_t j, std::int64_t n) {
+        b.task({.kind = TaskKind::shared_gate_up_dgrad, .src = BufferId::sh_dh, .dst = BufferId::sdx, .row_begin = t * TR, .rows = rows, .col_begin = j, .cols = n, .src_row = t * TR, .wait_event = ev.sh_dh + t, .wait_count = 1, .trigger_event = ev.dx_ready});
       });
-      b.task({.kind = TaskKind::pack_shared_gate_up_grad, .src = BufferId::sh_dh, .dst = BufferId::sh_dhp, .row_begin = t * TR, .rows = rows, .col_begin = 0, .cols = 2 * Is, .src_row = t * TR, .wait_event = ev.sh_dh + t, .wait_count = 1, .trigger_event = ev.sh_dh_packed}, b.vector_cost(rows * 2 * Is * elem * 2));
+      b.task({.kind = TaskKind::pack_shared_gate_up_grad, .src = BufferId::sh_dh, .dst = BufferId::sh_dhp, .row_begin = t * TR, .rows = rows, .col_begin = 0, .cols = 2 * Is, .src_row = t * TR, .wait_event = ev.sh_dh + t, .wait_count = 1, .trigger_event = ev.sh_dh_packed});
     }
-    b.gemm_tiles(Is, H, T, [&](std::int64_t i, std::int64_t rows, std::int64_t j, std::int64_t n, double cost) {
-      b.task({.kind = TaskKind::shared_down_wgrad, .src = BufferId::sh_at, .dst = BufferId::dws2, .row_begin = i, .rows = rows, .col_begin = j, .cols = n, .src_row = 0, .wait_event = ev.sh_dout_packed, .wait_count = token_tiles}, cost);
+    b.gemm_tiles(Is, H, [&](std::int64_t i, std::int64_t rows, std::int64_t j, std::int64_t n) {
+      b.task({.kind = TaskKind::shared_down_wgrad, .src = BufferId::sh_at, .dst = BufferId::dws2, .row_begin = i, .rows = rows, .col_begin = j, .cols = n, .src_row = 0, .wait_event = ev.sh_dout_packed, .wait_count = token_tiles});
     });
-    b.gemm_tiles(H, 2 * Is, T, [&](std::int64_t i, std::int64_t rows, std::int64_t j, std::int64_t n, double cost) {
-      b.task({.kind = TaskKind::shared_gate_up_wgrad, .src = BufferId::sh_xt, .dst = BufferId::dws1, .row_begin = i, .rows = rows, .col_begin = j, .cols = n, .src_row = 0, .wait_event = ev.sh_dh_packed, .wait_count = token_tiles}, cost);
+    b.gemm_tiles(H, 2 * Is, [&](std::int64_t i, std::int64_t rows, std::int64_t j, std::int64_t n) {
+      b.task({.kind = TaskKind::shared_gate_up_wgrad, .src = BufferId::sh_xt, .dst = BufferId::dws1, .row_begin = i, .rows = rows, .col_begin = j, .cols = n, .src_row = 0, .wait_event = ev.sh_dh_packed, .wait_count = token_tiles});
     });
   }
   for (std::int64_t le = 0; le < L; ++le) {
@@ -474,28 +476,28 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
     for (std::int64_t i = 0; i < tiles; ++i) {
       const std::int64_t rows = std::min(TR, n_e - i * TR), row0 = start + i * TR;
       const std::int32_t arrivals = p.events[ev.dy + tb + i].required;
-      b.gemm_tiles(rows, I, H, [&](std::int64_t, std::int64_t, std::int64_t j, std::int64_t n, double cost) {
-        b.task({.kind = TaskKind::gemm_down_dgrad, .src = BufferId::dy, .dst = BufferId::da, .expert = e, .row_begin = row0, .rows = rows, .col_begin = j, .cols = n, .src_row = row0, .wait_event = ev.dy + tb + i, .wait_count = arrivals, .trigger_event = ev.da + tb + i}, cost);
+      b.gemm_tiles(rows, I, [&](std::int64_t, std::int64_t, std::int64_t j, std::int64_t n) {
+        b.task({.kind = TaskKind::gemm_down_dgrad, .src = BufferId::dy, .dst = BufferId::da, .expert = e, .row_begin = row0, .rows = rows, .col_begin = j, .cols = n, .src_row = row0, .wait_event = ev.dy + tb + i, .wait_count = arrivals, .trigger_event = ev.da + tb + i});
       });
-      b.task({.kind = TaskKind::pack_down_grad, .src = BufferId::dy, .dst = BufferId::dyp, .expert = e, .row_begin = row0, .rows = rows, .col_begin = 0, .cols = H, .src_row = row0, .wait_event = ev.dy + tb + i, .wait_count = arrivals, .trigger_event = ev.dy_packed + le}, b.vector_cost(rows * (H + I) * elem * 2));
-      b.task({.kind = TaskKind::swiglu_bwd, .src = BufferId::da, .dst = BufferId::dh, .expert = e, .row_begin = row0, .rows = rows, .col_begin = 0, .cols = 2 * I, .src_row = row0, .wait_event = ev.da + tb + i, .wait_count = n_inter, .trigger_event = ev.dh + tb + i}, b.vector_cost(rows * I * 16));
-      b.gemm_tiles(rows, H, 2 * I, [&](std::int64_t, std::int64_t, std::int64_t j, std::int64_t n, double cost) {
-        b.task({.kind = TaskKind::gemm_gate_up_dgrad, .src = BufferId::dh, .dst = BufferId::dxe, .expert = e, .row_begin = row0, .rows = rows, .col_begin = j, .cols = n, .src_row = row0, .wait_event = ev.dh + tb + i, .wait_count = 1, .trigger_event = ev.dxe + tb + i}, cost);
+      b.task({.kind = TaskKind::pack_down_grad, .src = BufferId::dy, .dst = BufferId::dyp, .expert = e, .row_begin = row0, .rows = rows, .col_begin = 0, .cols = H, .src_row = row0, .wait_event = ev.dy + tb + i, .wait_count = arrivals, .trigger_event = ev.dy_packed + le});
+      b.task({.kind = TaskKind::swiglu_bwd, .src = BufferId::da, .dst = BufferId::dh, .expert = e, .row_begin = row0, .rows = rows, .col_begin = 0, .cols = 2 * I, .src_row = row0, .wait_event = ev.da + tb + i, .wait_count = n_inter, .trigger_event = ev.dh + tb + i});
+      b.gemm_tiles(rows, H, [&](std::int64_t, std::int64_t, std::int64_t j, std::int64_t n) {
+        b.task({.kind = TaskKind::gemm_gate_up_dgrad, .src = BufferId::dh, .dst = BufferId::dxe, .expert = e, .row_begin = row0, .rows = rows, .col_begin = j, .cols = n, .src_row = row0, .wait_event = ev.dh + tb + i, .wait_count = 1, .trigger_event = ev.dxe + tb + i});
       });
-      b.task({.kind = TaskKind::pack_gate_up_grad, .src = BufferId::dh, .dst = BufferId::dhp, .expert = e, .row_begin = row0, .rows = rows, .col_begin = 0, .cols = 2 * I, .src_row = row0, .wait_event = ev.dh + tb + i, .wait_count = 1, .trigger_event = ev.dh_packed + le}, b.vector_cost(rows * (2 * I + H) * elem * 2));
+      b.task({.kind = TaskKind::pack_gate_up_grad, .src = BufferId::dh, .dst = BufferId::dhp, .expert = e, .row_begin = row0, .rows = rows, .col_begin = 0, .cols = 2 * I, .src_row = row0, .wait_event = ev.dh + tb + i, .wait_count = 1, .trigger_event = ev.dh_packed + le});
     }
     // Weight gradients of expert e: one task per output tile, K = all its rows.
-    b.gemm_tiles(I, H, n_e, [&](std::int64_t i, std::int64_t rows, std::int64_t j, std::int64_t n, double cost) {
-      b.task({.kind = TaskKind::gemm_down_wgrad, .src = BufferId::at, .dst = BufferId::dw2, .expert = e, .row_begin = le * I + i, .rows = rows, .col_begin = j, .cols = n, .src_row = start, .wait_event = ev.dy_packed + le, .wait_count = tiles}, cost);
+    b.gemm_tiles(I, H, [&](std::int64_t i, std::int64_t rows, std::int64_t j, std::int64_t n) {
+      b.task({.kind = TaskKind::gemm_down_wgrad, .src = BufferId::at, .dst = BufferId::dw2, .expert = e, .row_begin = le * I + i, .rows = rows, .col_begin = j, .cols = n, .src_row = start, .wait_event = ev.dy_packed + le, .wait_count = tiles});
     });
-    b.gemm_tiles(H, 2 * I, n_e, [&](std::int64_t i, std::int64_t rows, std::int64_t j, std::int64_t n, double cost) {
-      b.task({.kind = TaskKind::gemm_gate_up_wgrad, .src = BufferId::xt, .dst = BufferId::dw1, .expert = e, .row_begin = le * H + i, .rows = rows, .col_begin = j, .cols = n, .src_row = start, .wait_event = ev.dh_packed + le, .wait_count = tiles}, cost);
+    b.gemm_tiles(H, 2 * I, [&](std::int64_t i, std::int64_t rows, std::int64_t j, std::int64_t n) {
+      b.task({.kind = TaskKind::gemm_gate_up_wgrad, .src = BufferId::xt, .dst = BufferId::dw1, .expert = e, .row_begin = le * H + i, .rows = rows, .col_begin = j, .cols = n, .src_row = start, .wait_event = ev.dh_packed + le, .wait_count = tiles});
     });
   }
   puts_to_sources(TaskKind::grad_combine_put, BufferId::dxe, BufferId::dcomb, ev.dxe, n_down, false);
   for (std::int64_t t = 0; t < token_tiles; ++t) {
     const std::int64_t rows = std::min(TR, T - t * TR);
-    b.task({.kind = TaskKind::grad_reduce, .src = BufferId::dcomb, .dst = BufferId::dx, .row_begin = t * TR, .rows = rows, .col_begin = 0, .cols = H, .src_row = t * TR, .wait_event = ev.dx_ready, .wait_count = p.events[ev.dx_ready].required}, b.vector_cost(rows * (c.top_k * H * elem + 3 * H * 4)));
+    b.task({.kind = TaskKind::grad_reduce, .src = BufferId::dcomb, .dst = BufferId::dx, .row_begin = t * TR, .rows = rows, .col_begin = 0, .cols = H, .src_row = t * TR, .wait_event = ev.dx_ready, .wait_count = p.events[ev.dx_ready].required});
   }
 }
 

@@ -4,6 +4,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "hpmoe/access.hpp"
 #include "hpmoe/error.hpp"
 #include "hpmoe/taskflow.hpp"
 
@@ -33,39 +34,11 @@ const char* name(TaskKind k) { return kTaskNames.at(static_cast<std::size_t>(k))
 const char* name(BufferId b) { return kBufferNames.at(static_cast<std::size_t>(b)); }
 const char* name(QueueClass c) { return c == QueueClass::matrix ? "matrix" : "vector"; }
 
-namespace {
-constexpr QueueClass queue_class_of(TaskKind k) {
-  switch (k) {
-    case TaskKind::gemm_gate_up: case TaskKind::gemm_down: case TaskKind::shared_gate_up: case TaskKind::shared_down:
-    case TaskKind::router_dgrad: case TaskKind::router_wgrad: case TaskKind::gemm_down_dgrad:
-    case TaskKind::gemm_down_wgrad: case TaskKind::gemm_gate_up_dgrad: case TaskKind::gemm_gate_up_wgrad:
-    case TaskKind::shared_down_dgrad: case TaskKind::shared_down_wgrad: case TaskKind::shared_gate_up_dgrad:
-    case TaskKind::shared_gate_up_wgrad:
-      return QueueClass::matrix;
-    default:
-      return QueueClass::vector;
-  }
-}
-}  // namespace
 
-bool is_put(TaskKind k) {
-  return k == TaskKind::dispatch_put || k == TaskKind::combine_put || k == TaskKind::grad_dispatch_put ||
-         k == TaskKind::grad_combine_put;
-}
 
-ExpertHome expert_home(TaskKind k) {
-  switch (k) {
-    case TaskKind::dispatch_put: case TaskKind::grad_dispatch_put:
-      return ExpertHome::peer;
-    case TaskKind::gemm_gate_up: case TaskKind::swiglu: case TaskKind::gemm_down: case TaskKind::combine_put:
-    case TaskKind::gemm_down_dgrad: case TaskKind::pack_down_grad: case TaskKind::gemm_down_wgrad:
-    case TaskKind::swiglu_bwd: case TaskKind::gemm_gate_up_dgrad: case TaskKind::pack_gate_up_grad:
-    case TaskKind::gemm_gate_up_wgrad: case TaskKind::grad_combine_put:
-      return ExpertHome::own_rank;
-    default:
-      return ExpertHome::none;
-  }
-}
+bool is_put(TaskKind k) { return AccessTable::standard()[k].put; }
+
+ExpertHome expert_home(TaskKind k) { return AccessTable::standard()[k].expert_home; }
 
 const std::vector<TaskKind>& operator_order(Pass pass) {
   using K = TaskKind;
@@ -82,14 +55,7 @@ const std::vector<TaskKind>& operator_order(Pass pass) {
   return pass == Pass::forward ? forward : backward;
 }
 
-QueueClass queue_class(TaskKind k) {
-  static constexpr auto table = [] {
-    std::array<QueueClass, static_cast<std::size_t>(TaskKind::count)> t{};
-    for (std::size_t i = 0; i < t.size(); ++i) t[i] = queue_class_of(static_cast<TaskKind>(i));
-    return t;
-  }();
-  return table[static_cast<std::size_t>(k)];
-}
+QueueClass queue_class(TaskKind k) { return AccessTable::standard()[k].queue; }
 
 bool Machine::takes(int worker, QueueClass c) const {
   if (worker < matrix_workers) return c == QueueClass::matrix;
@@ -108,6 +74,26 @@ int parse_count(const std::string& spec, const std::string& text, int lo, int hi
 }
 }  // namespace
 
+Machine cpu_machine(int workers) {
+  if (workers < 1 || workers > 256) throw Error("a cpu machine needs 1 to 256 workers per rank (got " + std::to_string(workers) + ")");
+  Machine m;
+  m.name = "cpu";
+  m.unified_workers = workers;
+  return m;
+}
+
+Machine accel_machine(int matrix_workers, int vector_workers) {
+  if (matrix_workers < 1 || matrix_workers > 1024 || vector_workers < 1 || vector_workers > 1024)
+    throw Error("an accelerator needs 1 to 1024 matrix and vector workers per rank (got " + std::to_string(matrix_workers) +
+                " and " + std::to_string(vector_workers) + ")");
+  Machine m;
+  m.name = "accel";
+  m.unified_workers = 0;
+  m.matrix_workers = matrix_workers;
+  m.vector_workers = vector_workers;
+  return m;
+}
+
 Machine parse_machine(const std::string& spec) {
   std::vector<std::string> parts;
   std::stringstream in(spec);
@@ -122,14 +108,11 @@ Machine parse_machine(const std::string& spec) {
       throw Error("machine '" + spec + "': tile columns must be a multiple of 64 (the kernels' operand panels)");
   };
   if (!parts.empty() && parts[0] == "cpu" && (parts.size() == 2 || parts.size() == 3)) {
-    m.name = "cpu";
-    m.unified_workers = parse_count(spec, parts[1], 1, 256);
+    m = cpu_machine(static_cast<int>(parse_count(spec, parts[1], 1, 256)));
     if (parts.size() == 3) tile(parts[2]);
   } else if (!parts.empty() && parts[0] == "accel" && (parts.size() == 3 || parts.size() == 4)) {
-    m.name = "accel";
-    m.unified_workers = 0;
-    m.matrix_workers = parse_count(spec, parts[1], 1, 1024);
-    m.vector_workers = parse_count(spec, parts[2], 1, 1024);
+    m = accel_machine(static_cast<int>(parse_count(spec, parts[1], 1, 1024)),
+                      static_cast<int>(parse_count(spec, parts[2], 1, 1024)));
     if (parts.size() == 4) tile(parts[3]);
   } else {
     throw Error("unknown machine '" + spec + "' (use cpu:W[:RxC] or accel:MATRIX:VECTOR[:RxC])");
@@ -166,7 +149,8 @@ nlohmann::json to_json(const Program& p) {
                   {"vector_workers", p.machine.vector_workers}, {"unified_workers", p.machine.unified_workers},
                   {"tile_rows", p.machine.tile_rows}, {"tile_cols", p.machine.tile_cols}};
   j["dims"] = {{"hidden", p.dims.hidden}, {"inter", p.dims.inter}, {"shared_inter", p.dims.shared_inter},
-               {"experts", p.dims.experts}, {"top_k", p.dims.top_k}, {"tokens", p.dims.tokens}};
+               {"experts", p.dims.experts}, {"top_k", p.dims.top_k}, {"tokens", p.dims.tokens},
+               {"elem_bytes", p.dims.elem_bytes}};
   j["local_experts"] = p.local_experts;
   j["expert_begin"] = p.expert_begin;
   j["send_rows"] = p.send_rows;
@@ -219,7 +203,9 @@ Program program_from_json(const nlohmann::json& j) {
     const auto& d = j.at("dims");
     p.dims = Dims{d.at("hidden").get<std::int64_t>(), d.at("inter").get<std::int64_t>(),
                   d.at("shared_inter").get<std::int64_t>(), d.at("experts").get<std::int64_t>(),
-                  d.at("top_k").get<std::int64_t>(), d.at("tokens").get<std::int64_t>()};
+                  d.at("top_k").get<std::int64_t>(), d.at("tokens").get<std::int64_t>(),
+                  d.at("elem_bytes").get<std::int64_t>()};
+    if (p.dims.elem_bytes != 2 && p.dims.elem_bytes != 4) throw Error("program dump: dims.elem_bytes must be 2 or 4");
     if (p.dims.experts < 1 || p.dims.experts > (1 << 20))
       throw Error("program dump: dims.experts must be between 1 and 1048576");
     p.local_experts = j.at("local_experts").get<std::vector<std::int32_t>>();

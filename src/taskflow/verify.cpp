@@ -1,25 +1,13 @@
 #include <algorithm>
 #include <sstream>
 
+#include "hpmoe/access.hpp"
 #include "hpmoe/error.hpp"
 #include "hpmoe/taskflow.hpp"
 
 namespace hpmoe::taskflow {
 
 namespace {
-
-struct Rect {
-  BufferId buf = BufferId::none;
-  std::int64_t r0 = 0, r1 = 0, c0 = 0, c1 = 0;
-  std::int64_t area() const { return (r1 - r0) * (c1 - c0); }
-};
-
-// Operands read by column tiles: all rows, the output tile's columns. The
-// buffers are exactly as wide as the matrix.
-bool read_by_column_tiles(BufferId b) {
-  return b == BufferId::dyp || b == BufferId::dhp || b == BufferId::sh_doutp || b == BufferId::sh_dhp ||
-         b == BufferId::dlogits;
-}
 
 std::string describe(const Program& p, std::int32_t id) {
   const Task& t = p.tasks[static_cast<std::size_t>(id)];
@@ -41,104 +29,18 @@ std::string describe_event(const Program& p, std::int32_t ev) {
   return o.str();
 }
 
+// What a pass starts from: the tokens, and in the backward the forward's
+// buffers (saved activations) and the output gradient.
 bool is_input(Pass pass, BufferId b) {
   if (b == BufferId::x) return true;
   if (pass == Pass::forward) return false;
   switch (b) {
-    case BufferId::recv: case BufferId::h1: case BufferId::a: case BufferId::comb: case BufferId::sh_h:
-    case BufferId::sh_a: case BufferId::dout:
+    case BufferId::recv: case BufferId::h1: case BufferId::a: case BufferId::y: case BufferId::comb:
+    case BufferId::out: case BufferId::sh_h: case BufferId::sh_a: case BufferId::sh_y: case BufferId::dout:
       return true;
     default:
       return false;
   }
-}
-
-// Rows [r0, r1) of the expert region of task t (weight gradients read all of it).
-std::pair<std::int64_t, std::int64_t> expert_rows(const Program& p, const Task& t) {
-  const std::int64_t le = p.slot_of(t.expert);
-  return {p.expert_begin[static_cast<std::size_t>(le)], p.expert_begin[static_cast<std::size_t>(le + 1)]};
-}
-
-// What a task reads (beyond weights), as rectangles of its rank's buffers.
-int reads(const Program& p, const Task& t, Rect* out) {
-  const auto& d = p.dims;
-  const std::int64_t r0 = t.row_begin, r1 = t.row_begin + t.rows;
-  int n = 0;
-  auto add = [&](BufferId b, std::int64_t a0, std::int64_t a1, std::int64_t b0, std::int64_t b1) {
-    out[n++] = Rect{b, a0, a1, b0, b1};
-  };
-  switch (t.kind) {
-    case TaskKind::gemm_gate_up: add(BufferId::recv, r0, r1, 0, d.hidden); break;
-    case TaskKind::swiglu: add(BufferId::h1, r0, r1, 0, 2 * d.inter); break;
-    case TaskKind::gemm_down: add(BufferId::a, r0, r1, 0, d.inter); break;
-    case TaskKind::combine_put: add(BufferId::y, t.src_row, t.src_row + t.rows, 0, d.hidden); break;
-    case TaskKind::combine_reduce:
-      add(BufferId::comb, 0, p.send_rows, 0, d.hidden);
-      if (d.shared_inter > 0) add(BufferId::sh_y, r0, r1, 0, d.hidden);
-      break;
-    case TaskKind::shared_swiglu: add(BufferId::sh_h, r0, r1, 0, 2 * d.shared_inter); break;
-    case TaskKind::shared_down: add(BufferId::sh_a, r0, r1, 0, d.shared_inter); break;
-    case TaskKind::router_bwd: add(BufferId::gw, r0, r1, 0, d.top_k); break;
-    case TaskKind::router_dgrad: add(BufferId::dlogits, r0, r1, 0, d.experts); break;
-    case TaskKind::router_wgrad:
-      add(BufferId::xtf, r0, r1, 0, d.tokens);
-      add(BufferId::dlogits, 0, d.tokens, t.col_begin, t.col_begin + t.cols);
-      break;
-    case TaskKind::gemm_down_dgrad: case TaskKind::pack_down_grad: add(BufferId::dy, r0, r1, 0, d.hidden); break;
-    case TaskKind::gemm_down_wgrad: {
-      const auto [e0, e1] = expert_rows(p, t);
-      const std::int64_t le = p.slot_of(t.expert), i0 = r0 - le * d.inter;
-      add(BufferId::at, i0, i0 + t.rows, e0, e1);
-      add(BufferId::dyp, e0, e1, t.col_begin, t.col_begin + t.cols);
-      break;
-    }
-    case TaskKind::swiglu_bwd: add(BufferId::da, r0, r1, 0, d.inter); break;
-    case TaskKind::gemm_gate_up_dgrad: case TaskKind::pack_gate_up_grad: add(BufferId::dh, r0, r1, 0, 2 * d.inter); break;
-    case TaskKind::gemm_gate_up_wgrad: {
-      const auto [e0, e1] = expert_rows(p, t);
-      const std::int64_t le = p.slot_of(t.expert), i0 = r0 - le * d.hidden;
-      add(BufferId::xt, i0, i0 + t.rows, e0, e1);
-      add(BufferId::dhp, e0, e1, t.col_begin, t.col_begin + t.cols);
-      break;
-    }
-    case TaskKind::grad_combine_put: add(BufferId::dxe, t.src_row, t.src_row + t.rows, 0, d.hidden); break;
-    case TaskKind::shared_down_wgrad:
-      add(BufferId::sh_at, r0, r1, 0, d.tokens);
-      add(BufferId::sh_doutp, 0, d.tokens, t.col_begin, t.col_begin + t.cols);
-      break;
-    case TaskKind::shared_swiglu_bwd: add(BufferId::sh_da, r0, r1, 0, d.shared_inter); break;
-    case TaskKind::shared_gate_up_dgrad: case TaskKind::pack_shared_gate_up_grad:
-      add(BufferId::sh_dh, r0, r1, 0, 2 * d.shared_inter);
-      break;
-    case TaskKind::shared_gate_up_wgrad:
-      add(BufferId::sh_xt, r0, r1, 0, d.tokens);
-      add(BufferId::sh_dhp, 0, d.tokens, t.col_begin, t.col_begin + t.cols);
-      break;
-    case TaskKind::grad_reduce:
-      add(BufferId::dcomb, 0, p.send_rows, 0, d.hidden);
-      add(BufferId::rdx, r0, r1, 0, d.hidden);
-      if (d.shared_inter > 0) add(BufferId::sdx, r0, r1, 0, d.hidden);
-      break;
-    default: break;  // reads only inputs of the pass
-  }
-  return n;
-}
-
-// What a task writes, on rank t.peer (puts) or its own.
-int writes(const Program& p, const Task& t, Rect* out) {
-  const auto& d = p.dims;
-  const std::int64_t r0 = t.row_begin, r1 = t.row_begin + t.rows;
-  int n = 0;
-  out[n++] = Rect{t.dst, r0, r1, t.col_begin, t.col_begin + t.cols};
-  switch (t.kind) {  // tasks that also fill a second (transposed or packed) operand
-    case TaskKind::router_bwd: out[n++] = Rect{BufferId::xtf, 0, d.hidden, r0, r1}; break;
-    case TaskKind::pack_down_grad: out[n++] = Rect{BufferId::at, 0, d.inter, r0, r1}; break;
-    case TaskKind::pack_gate_up_grad: out[n++] = Rect{BufferId::xt, 0, d.hidden, r0, r1}; break;
-    case TaskKind::pack_shared_down_grad: out[n++] = Rect{BufferId::sh_at, 0, d.shared_inter, r0, r1}; break;
-    case TaskKind::pack_shared_gate_up_grad: out[n++] = Rect{BufferId::sh_xt, 0, d.hidden, r0, r1}; break;
-    default: break;
-  }
-  return n;
 }
 
 struct Write {
@@ -199,11 +101,10 @@ namespace {
 
 class Checker {
  public:
-  Checker(std::span<const Program> programs, VerifierScratch& scratch) : p_(programs), s_(scratch) {
+  Checker(std::span<const Program> programs, VerifierScratch& scratch, const AccessTable& table)
+      : p_(programs), s_(scratch), table_(table) {
     for (const auto& p : p_) {
-      task_base_.push_back(total_tasks_);
       event_base_.push_back(total_events_);
-      total_tasks_ += static_cast<std::int64_t>(p.tasks.size());
       total_events_ += static_cast<std::int64_t>(p.events.size());
     }
   }
@@ -433,20 +334,20 @@ class Checker {
                                queue_class(t.kind) == QueueClass::matrix;
         previous = &t;
         if (same_band) continue;
-        Rect rd[4];
-        const int n = reads(p, t, rd);
-        for (int k = 0; k < n; ++k) {
-          Rect R = rd[k];
+        for (const Operand& o : table_.operands(p, t)) {
+          if (o.use != Use::read) continue;
+          Rect R = o.rect;
           if (R.area() == 0) continue;
-          if (is_input(p.pass, R.buf)) {
+          if (is_input(p.pass, R.buffer)) {
             check_bounds(p, R, p, static_cast<std::int32_t>(i), "reads");
             continue;
           }
-          if (read_by_column_tiles(R.buf)) {
+          if (o.by_column_tiles) {
+            check_bounds(p, R, p, static_cast<std::int32_t>(i), "reads");
             R.c0 = 0;
-            R.c1 = p.buffers[static_cast<std::size_t>(s_.buffer_slot[slot(r, R.buf)])].cols;
+            R.c1 = p.buffers[static_cast<std::size_t>(s_.buffer_slot[slot(r, R.buffer)])].cols;
           }
-          Checked& seen = last[static_cast<std::size_t>(R.buf)];
+          Checked& seen = last[static_cast<std::size_t>(R.buffer)];
           if (seen.r0 == R.r0 && seen.r1 == R.r1 && seen.c0 == R.c0 && seen.c1 == R.c1 && seen.wait == t.wait_event) continue;
           seen = Checked{R.r0, R.r1, R.c0, R.c1, t.wait_event};
           check_bounds(p, R, p, static_cast<std::int32_t>(i), "reads");
@@ -477,19 +378,19 @@ class Checker {
     for (std::int32_t r = 0; r < P; ++r)
       for (std::size_t i = 0; i < p_[r].tasks.size(); ++i) {
         const Task& t = p_[r].tasks[i];
-        Rect w[4];
-        const int n = writes(p_[r], t, w);
-        for (int k = 0; k < n; ++k) {
-          check_bounds(p_[t.peer], w[k], p_[r], static_cast<std::int32_t>(i), "writes");
-          if (w[k].area() == 0) continue;
-          const auto where = slot(t.peer, w[k].buf);
+        for (const Operand& o : table_.operands(p_[r], t)) {
+          if (o.use != Use::write) continue;
+          const Rect& w = o.rect;
+          check_bounds(p_[o.rank], w, p_[r], static_cast<std::int32_t>(i), "writes");
+          if (w.area() == 0) continue;
+          const auto where = slot(o.rank, w.buffer);
           ++s_.write_begin[where + 1];
           if (t.trigger_event >= 0)
             s_.event_boxes[static_cast<std::size_t>(event_base_[t.peer] + t.trigger_event)].add(
-                Box{w[k].buf, w[k].r0, w[k].r1, w[k].c0, w[k].c1, w[k].area()});
+                Box{w.buffer, w.r0, w.r1, w.c0, w.c1, w.area()});
           flat.push_back(SlottedWrite{static_cast<std::uint32_t>(where),
-                                      Write{static_cast<std::int32_t>(w[k].r0), static_cast<std::int32_t>(w[k].r1),
-                                            static_cast<std::int32_t>(w[k].c0), static_cast<std::int32_t>(w[k].c1), r,
+                                      Write{static_cast<std::int32_t>(w.r0), static_cast<std::int32_t>(w.r1),
+                                            static_cast<std::int32_t>(w.c0), static_cast<std::int32_t>(w.c1), r,
                                             static_cast<std::int32_t>(i)}});
         }
       }
@@ -528,7 +429,7 @@ class Checker {
     if (boxes.overflow) return false;
     for (std::uint8_t b = 0; b < boxes.n; ++b) {
       const Box& box = boxes.box[b];
-      if (box.buf == R.buf)
+      if (box.buf == R.buffer)
         return box.full() && box.r0 <= R.r0 && R.r1 <= box.r1 && box.c0 <= R.c0 && R.c1 <= box.c1;
     }
     return false;
@@ -538,7 +439,7 @@ class Checker {
   // they must cover R.
   void check_read(std::int32_t r, std::int32_t id, const Rect& R) {
     const Program& p = p_[r];
-    const std::size_t k = slot(r, R.buf);
+    const std::size_t k = slot(r, R.buffer);
     const auto first = s_.writes.begin() + s_.write_begin[k], last = s_.writes.begin() + s_.write_begin[k + 1];
     auto it = std::lower_bound(first, last, R.r0 - s_.max_height[k] + 1, [](const Write& w, std::int64_t v) { return w.r0 < v; });
     std::int64_t covered = 0;
@@ -547,12 +448,12 @@ class Checker {
       const std::int64_t cols = std::min<std::int64_t>(R.c1, it->c1) - std::max<std::int64_t>(R.c0, it->c0);
       if (rows <= 0 || cols <= 0) continue;
       if (!happens_before(it->rank, it->task, r, id))
-        fail("race: " + describe(p, id) + " reads " + name(R.buf) + " written by " + describe(p_[it->rank], it->task) +
+        fail("race: " + describe(p, id) + " reads " + name(R.buffer) + " written by " + describe(p_[it->rank], it->task) +
              ", which it does not wait for");
       covered += rows * cols;
     }
     if (covered != R.area())
-      fail("coverage: " + describe(p, id) + " reads " + name(R.buf) + " rows [" + std::to_string(R.r0) + ", " +
+      fail("coverage: " + describe(p, id) + " reads " + name(R.buffer) + " rows [" + std::to_string(R.r0) + ", " +
            std::to_string(R.r1) + ") cols [" + std::to_string(R.c0) + ", " + std::to_string(R.c1) + ") but only " +
            std::to_string(covered) + " of " + std::to_string(R.area()) + " elements are written in this pass");
   }
@@ -565,19 +466,18 @@ class Checker {
 
   void check_bounds(const Program& owner, const Rect& R, const Program& p, std::int32_t id, const char* verb) {
     if (R.area() == 0) return;
-    const auto slot = s_.buffer_slot[static_cast<std::size_t>(owner.rank) * kBuffers + static_cast<std::size_t>(R.buf)];
+    const auto slot = s_.buffer_slot[static_cast<std::size_t>(owner.rank) * kBuffers + static_cast<std::size_t>(R.buffer)];
     if (slot < 0)
-      fail(describe(p, id) + " " + verb + " buffer " + name(R.buf) + ", which rank " + std::to_string(owner.rank) +
+      fail(describe(p, id) + " " + verb + " buffer " + name(R.buffer) + ", which rank " + std::to_string(owner.rank) +
            " does not have");
     const auto& l = owner.buffers[static_cast<std::size_t>(slot)];
     if (R.r0 < 0 || R.c0 < 0 || R.r1 > l.rows || R.c1 > l.cols)
-      fail(describe(p, id) + " " + verb + " " + name(R.buf) + " rows [" + std::to_string(R.r0) + ", " +
+      fail(describe(p, id) + " " + verb + " " + name(R.buffer) + " rows [" + std::to_string(R.r0) + ", " +
            std::to_string(R.r1) + ") cols [" + std::to_string(R.c0) + ", " + std::to_string(R.c1) +
            ") outside the buffer [" + std::to_string(l.rows) + " x " + std::to_string(l.cols) + "]");
   }
 
   static constexpr std::size_t kBuffers = static_cast<std::size_t>(BufferId::count);
-  std::vector<std::int32_t> buffer_slot_;  // [rank * kBuffers + id] -> index in buffers, -1 if absent
 
   void build_trigger_index() {
     s_.trig_begin.assign(static_cast<std::size_t>(total_events_ + 1), 0);
@@ -630,19 +530,21 @@ class Checker {
   }
 
   std::span<const Program> p_;
-  std::vector<std::int64_t> task_base_, event_base_;
-  std::int64_t total_tasks_ = 0, total_events_ = 0;
+  std::vector<std::int64_t> event_base_;
+  std::int64_t total_events_ = 0;
   std::string error_;
   double critical_ = 0, makespan_ = 0;
   std::vector<double> loads_;
   VerifierScratch& s_;
+  const AccessTable& table_;
   std::uint32_t stamp_ = 0;
   bool trigger_index_built_ = false;
 };
 
 }  // namespace
 
-Verifier::Verifier() : scratch_(std::make_unique<VerifierScratch>()) {}
+Verifier::Verifier() : Verifier(AccessTable::standard()) {}
+Verifier::Verifier(const AccessTable& table) : scratch_(std::make_unique<VerifierScratch>()), table_(&table) {}
 Verifier::~Verifier() = default;
 
 VerifyReport verify(std::span<const Program> programs) {
@@ -653,7 +555,7 @@ VerifyReport verify(std::span<const Program> programs) {
 VerifyReport Verifier::verify(std::span<const Program> programs) {
   VerifyReport report;
   if (programs.empty()) return {false, "no programs to verify"};
-  Checker check(programs, *scratch_);
+  Checker check(programs, *scratch_, *table_);
   try {
     check.structure();
     check.execute<false>();
@@ -676,7 +578,7 @@ ProgramStats stats(std::span<const Program> programs, std::int64_t rank) {
   }
   s.events = static_cast<std::int64_t>(p.events.size());
   VerifierScratch scratch;
-  Checker check(programs, scratch);
+  Checker check(programs, scratch, AccessTable::standard());
   try {
     check.structure();
     check.execute<true>();

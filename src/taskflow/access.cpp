@@ -1,0 +1,237 @@
+#include "hpmoe/access.hpp"
+
+#include <string>
+
+#include "hpmoe/error.hpp"
+
+namespace hpmoe::taskflow {
+
+namespace {
+
+using B = BufferId;
+using K = TaskKind;
+using X = Extent;
+constexpr Use R = Use::read, W = Use::write;
+
+// Rules read as: buffer, use, side, rows (span, extent), columns (span, extent).
+constexpr OperandRule op(B b, Use u, Span rows, X row_extent, Span cols, X col_extent, Side side = Side::own,
+                         bool only_with_shared = false) {
+  return OperandRule{b, u, side, rows, row_extent, cols, col_extent, only_with_shared};
+}
+// The common cases: a task's row band of a buffer, all its columns; the
+// task's own output rectangle.
+constexpr OperandRule band(B b, X width, Use u = R) { return op(b, u, Span::task_rows, X::none, Span::whole, width); }
+constexpr OperandRule tile(B b, Side side = Side::own) {
+  return op(b, W, Span::task_rows, X::none, Span::task_cols, X::none, side);
+}
+// A transposed operand filled by a pack task: all of `height` rows, the task's rows as columns.
+constexpr OperandRule transposed(B b, X height) { return op(b, W, Span::whole, height, Span::task_rows, X::none); }
+
+struct Entry {
+  TaskKind kind;
+  KindAccess access;
+};
+
+constexpr KindAccess vector_kind(std::initializer_list<OperandRule> ops, std::initializer_list<ByteTerm> traffic,
+                                 ExpertHome home = ExpertHome::none) {
+  KindAccess a;
+  a.queue = QueueClass::vector;
+  a.expert_home = home;
+  for (const auto& o : ops) a.operands[a.operand_count++] = o;
+  for (const auto& t : traffic) a.traffic[a.traffic_terms++] = t;
+  return a;
+}
+constexpr KindAccess put_kind(std::initializer_list<OperandRule> ops, ExpertHome home) {
+  KindAccess a = vector_kind(ops, {ByteTerm{X::hidden, 1, 0, X::none}}, home);
+  a.put = true;
+  return a;
+}
+constexpr KindAccess gemm_kind(std::initializer_list<OperandRule> ops, X k, ExpertHome home = ExpertHome::none) {
+  KindAccess a = vector_kind(ops, {}, home);
+  a.queue = QueueClass::matrix;
+  a.gemm_k = k;
+  return a;
+}
+
+constexpr ExpertHome kOwn = ExpertHome::own_rank, kPeer = ExpertHome::peer;
+constexpr std::uint8_t kElem = 0;  // the layer's dtype
+
+// What every task kind does. Reads of a pass's inputs (x; in the backward,
+// the forward's saved activations and dout) are listed too: the verifier
+// checks their bounds and the executor takes their addresses from here.
+constexpr Entry kEntries[] = {
+    // ---- forward
+    {K::dispatch_put, put_kind({op(B::x, R, Span::whole, X::tokens, Span::whole, X::hidden), tile(B::recv, Side::peer)}, kPeer)},
+    {K::gemm_gate_up, gemm_kind({band(B::recv, X::hidden), tile(B::h1)}, X::hidden, kOwn)},
+    {K::swiglu, vector_kind({band(B::h1, X::inter2), tile(B::a)}, {{X::inter2, 1, 4, X::none}, {X::inter, 1, kElem, X::none}}, kOwn)},
+    {K::gemm_down, gemm_kind({band(B::a, X::inter), tile(B::y)}, X::inter, kOwn)},
+    {K::combine_put,
+     put_kind({op(B::y, R, Span::source_rows, X::none, Span::whole, X::hidden), tile(B::comb, Side::peer)}, kOwn)},
+    {K::combine_reduce,
+     vector_kind({op(B::comb, R, Span::sent_rows, X::none, Span::whole, X::hidden),
+                  op(B::sh_y, R, Span::task_rows, X::none, Span::whole, X::hidden, Side::own, true), tile(B::out)},
+                 {{X::hidden, 1, kElem, X::top_k}, {X::hidden, 1, 4, X::none}})},
+    {K::shared_gate_up, gemm_kind({band(B::x, X::hidden), tile(B::sh_h)}, X::hidden)},
+    {K::shared_swiglu, vector_kind({band(B::sh_h, X::shared_inter2), tile(B::sh_a)}, {{X::shared_inter, 3, 4, X::none}})},
+    {K::shared_down, gemm_kind({band(B::sh_a, X::shared_inter), tile(B::sh_y)}, X::shared_inter)},
+    // ---- backward
+    {K::gate_grad,
+     vector_kind({op(B::comb, R, Span::sent_rows, X::none, Span::whole, X::hidden), band(B::dout, X::hidden), tile(B::gw)},
+                 {{X::hidden, 1, kElem, X::top_k}, {X::hidden, 1, 4, X::top_k}})},
+    {K::router_bwd,
+     vector_kind({band(B::gw, X::top_k), band(B::x, X::hidden), tile(B::dlogits), transposed(B::xtf, X::hidden)},
+                 {{X::experts, 1, 8, X::none}, {X::hidden, 1, 8, X::none}})},
+    {K::router_dgrad, gemm_kind({band(B::dlogits, X::experts), tile(B::rdx)}, X::experts)},
+    {K::router_wgrad,
+     gemm_kind({band(B::xtf, X::tokens), op(B::dlogits, R, Span::whole, X::tokens, Span::task_cols, X::none), tile(B::dwg)},
+               X::tokens)},
+    {K::grad_dispatch_put,
+     put_kind({op(B::dout, R, Span::whole, X::tokens, Span::whole, X::hidden), tile(B::dy, Side::peer)}, kPeer)},
+    {K::gemm_down_dgrad, gemm_kind({band(B::dy, X::hidden), tile(B::da)}, X::hidden, kOwn)},
+    {K::pack_down_grad,
+     vector_kind({band(B::dy, X::hidden), band(B::a, X::inter), tile(B::dyp), transposed(B::at, X::inter)},
+                 {{X::hidden, 2, kElem, X::none}, {X::inter, 2, kElem, X::none}}, kOwn)},
+    {K::gemm_down_wgrad,
+     gemm_kind({op(B::at, R, Span::expert_block, X::inter, Span::expert_rows, X::none),
+                op(B::dyp, R, Span::expert_rows, X::none, Span::task_cols, X::none), tile(B::dw2)},
+               X::expert_rows, kOwn)},
+    {K::swiglu_bwd, vector_kind({band(B::da, X::inter), band(B::h1, X::inter2), tile(B::dh)}, {{X::inter, 1, 16, X::none}}, kOwn)},
+    {K::gemm_gate_up_dgrad, gemm_kind({band(B::dh, X::inter2), tile(B::dxe)}, X::inter2, kOwn)},
+    {K::pack_gate_up_grad,
+     vector_kind({band(B::dh, X::inter2), band(B::recv, X::hidden), tile(B::dhp), transposed(B::xt, X::hidden)},
+                 {{X::inter2, 2, kElem, X::none}, {X::hidden, 2, kElem, X::none}}, kOwn)},
+    {K::gemm_gate_up_wgrad,
+     gemm_kind({op(B::xt, R, Span::expert_block, X::hidden, Span::expert_rows, X::none),
+                op(B::dhp, R, Span::expert_rows, X::none, Span::task_cols, X::none), tile(B::dw1)},
+               X::expert_rows, kOwn)},
+    {K::grad_combine_put,
+     put_kind({op(B::dxe, R, Span::source_rows, X::none, Span::whole, X::hidden), tile(B::dcomb, Side::peer)}, kOwn)},
+    {K::shared_down_dgrad, gemm_kind({band(B::dout, X::hidden), tile(B::sh_da)}, X::hidden)},
+    {K::pack_shared_down_grad,
+     vector_kind({band(B::dout, X::hidden), band(B::sh_a, X::shared_inter), tile(B::sh_doutp),
+                  transposed(B::sh_at, X::shared_inter)},
+                 {{X::hidden, 4, kElem, X::none}, {X::shared_inter, 2, kElem, X::none}})},
+    {K::shared_down_wgrad,
+     gemm_kind({band(B::sh_at, X::tokens), op(B::sh_doutp, R, Span::whole, X::tokens, Span::task_cols, X::none),
+                tile(B::dws2)},
+               X::tokens)},
+    {K::shared_swiglu_bwd,
+     vector_kind({band(B::sh_da, X::shared_inter), band(B::sh_h, X::shared_inter2), tile(B::sh_dh)},
+                 {{X::shared_inter, 1, 16, X::none}})},
+    {K::shared_gate_up_dgrad, gemm_kind({band(B::sh_dh, X::shared_inter2), tile(B::sdx)}, X::shared_inter2)},
+    {K::pack_shared_gate_up_grad,
+     vector_kind({band(B::sh_dh, X::shared_inter2), band(B::x, X::hidden), tile(B::sh_dhp), transposed(B::sh_xt, X::hidden)},
+                 {{X::shared_inter2, 2, kElem, X::none}})},
+    {K::shared_gate_up_wgrad,
+     gemm_kind({band(B::sh_xt, X::tokens), op(B::sh_dhp, R, Span::whole, X::tokens, Span::task_cols, X::none),
+                tile(B::dws1)},
+               X::tokens)},
+    {K::grad_reduce,
+     vector_kind({op(B::dcomb, R, Span::sent_rows, X::none, Span::whole, X::hidden), band(B::rdx, X::hidden),
+                  op(B::sdx, R, Span::task_rows, X::none, Span::whole, X::hidden, Side::own, true), tile(B::dx)},
+                 {{X::hidden, 1, kElem, X::top_k}, {X::hidden, 3, 4, X::none}})},
+};
+static_assert(std::size(kEntries) == static_cast<std::size_t>(TaskKind::count), "every task kind needs an entry");
+
+AccessTable make_standard() {
+  AccessTable t;
+  for (const auto& e : kEntries) t.edit(e.kind) = e.access;
+  return t;
+}
+
+}  // namespace
+
+const AccessTable& AccessTable::standard() {
+  static const AccessTable table = make_standard();
+  return table;
+}
+
+std::int64_t AccessTable::extent(const Program& p, const Task& t, Extent e) const {
+  const Dims& d = p.dims;
+  switch (e) {
+    case Extent::none: return 1;
+    case Extent::hidden: return d.hidden;
+    case Extent::inter: return d.inter;
+    case Extent::inter2: return 2 * d.inter;
+    case Extent::shared_inter: return d.shared_inter;
+    case Extent::shared_inter2: return 2 * d.shared_inter;
+    case Extent::top_k: return d.top_k;
+    case Extent::experts: return d.experts;
+    case Extent::tokens: return d.tokens;
+    case Extent::expert_rows: {
+      const std::int64_t slot = p.slot_of(t.expert);
+      if (slot < 0) return 0;
+      return p.expert_begin[static_cast<std::size_t>(slot + 1)] - p.expert_begin[static_cast<std::size_t>(slot)];
+    }
+  }
+  return 0;
+}
+
+namespace {
+
+// [begin, end) of one side of an operand's rectangle.
+std::pair<std::int64_t, std::int64_t> span_of(const AccessTable& table, const Program& p, const Task& t, Span s, Extent e,
+                                              bool rows) {
+  switch (s) {
+    case Span::task_rows: return {t.row_begin, std::int64_t{t.row_begin} + t.rows};
+    case Span::task_cols: return {t.col_begin, std::int64_t{t.col_begin} + t.cols};
+    case Span::source_rows: return {t.src_row, std::int64_t{t.src_row} + t.rows};
+    case Span::whole: return {0, table.extent(p, t, e)};
+    case Span::sent_rows: return {0, p.send_rows};
+    case Span::expert_rows:
+    case Span::expert_block: {
+      const std::int64_t slot = p.slot_of(t.expert);
+      if (slot < 0)
+        throw Error("rank " + std::to_string(p.rank) + " task " + name(t.kind) + " names expert " +
+                    std::to_string(t.expert) + ", which this rank does not hold");
+      if (s == Span::expert_rows)
+        return {p.expert_begin[static_cast<std::size_t>(slot)], p.expert_begin[static_cast<std::size_t>(slot + 1)]};
+      const std::int64_t first = std::int64_t{t.row_begin} - slot * table.extent(p, t, e);
+      return {first, first + (rows ? t.rows : t.cols)};
+    }
+  }
+  return {0, 0};
+}
+
+}  // namespace
+
+Operands AccessTable::operands(const Program& p, const Task& t) const {
+  const KindAccess& a = (*this)[t.kind];
+  Operands out;
+  for (int i = 0; i < a.operand_count; ++i) {
+    const OperandRule& rule = a.operands[static_cast<std::size_t>(i)];
+    if (rule.only_with_shared_experts && p.dims.shared_inter == 0) continue;
+    const auto [r0, r1] = span_of(*this, p, t, rule.rows, rule.row_extent, true);
+    const auto [c0, c1] = span_of(*this, p, t, rule.cols, rule.col_extent, false);
+    out.list[static_cast<std::size_t>(out.count++)] =
+        Operand{Rect{rule.buffer, r0, r1, c0, c1}, rule.use, rule.side == Side::peer ? t.peer : p.rank,
+                rule.use == Use::read && rule.cols == Span::task_cols};
+  }
+  return out;
+}
+
+Rect AccessTable::operand(const Program& p, const Task& t, BufferId buffer, Use use) const {
+  for (const Operand& o : operands(p, t))
+    if (o.rect.buffer == buffer && o.use == use) return o.rect;
+  throw Error(std::string("the access table gives a ") + name(t.kind) + " task no " +
+              (use == Use::read ? "read of " : "write of ") + name(buffer));
+}
+
+TaskWork AccessTable::work(const Program& p, const Task& t) const {
+  const KindAccess& a = (*this)[t.kind];
+  TaskWork w;
+  if (a.queue == QueueClass::matrix) {
+    w.k = extent(p, t, a.gemm_k);
+    w.flops = 2.0 * double(t.rows) * double(t.cols) * double(w.k);
+    return w;
+  }
+  for (int i = 0; i < a.traffic_terms; ++i) {
+    const ByteTerm& term = a.traffic[static_cast<std::size_t>(i)];
+    const double element = term.bytes == 0 ? double(p.dims.elem_bytes) : double(term.bytes);
+    w.bytes += double(t.rows) * term.per_row_multiple * double(extent(p, t, term.extent)) *
+               double(extent(p, t, term.times)) * element;
+  }
+  return w;
+}
+
+}  // namespace hpmoe::taskflow
