@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cstring>
 
+#include "hpmoe/access.hpp"
 #include "hpmoe/baseline.hpp"
 #include "hpmoe/error.hpp"
 #include "hpmoe/runtime.hpp"
@@ -297,5 +298,40 @@ TEST(Interleaved, PhasedWatchdogNamesTheBarrier) {
     const std::string m = e.what();
     EXPECT_NE(m.find("watchdog"), std::string::npos) << m;
     EXPECT_NE(m.find("barrier after operator dispatch_put"), std::string::npos) << m;
+  }
+}
+
+// The executor takes every address from the access table and checks it
+// against the declared buffers: widen a write past its buffer in a copy of
+// the table, skip the verifier, and the launch stops with a bounds error
+// naming the task instead of writing out of bounds.
+TEST(Interleaved, BoundsChecksFollowThePerturbedAccessTable) {
+  for (const auto& [kind, buffer, backward] :
+       {std::tuple{taskflow::TaskKind::gemm_gate_up, taskflow::BufferId::h1, false},
+        std::tuple{taskflow::TaskKind::combine_put, taskflow::BufferId::comb, false},
+        std::tuple{taskflow::TaskKind::gemm_down_wgrad, taskflow::BufferId::dw2, true}}) {
+    LayerConfig c = preset("tiny");
+    const auto w = random_weights(c, 3);
+    const auto in = random_inputs(c, 3);
+    taskflow::AccessTable widened = taskflow::AccessTable::standard();
+    for (auto& rule : widened.edit(kind).operands)
+      if (rule.buffer == buffer && rule.use == taskflow::Use::write) rule.grow_rows = 1 << 20;
+    RuntimeOptions opt = runtime_options(1, taskflow::Policy::fill, backward);
+    opt.access_table = &widened;
+    opt.verify_programs = false;
+    InterleavedExecutor exec(c, w, opt);
+    StepResult res;
+    try {
+      exec.step(in, {}, res);
+      ADD_FAILURE() << taskflow::name(kind) << ": the widened write ran";
+    } catch (const Error& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find("bounds:"), std::string::npos) << what;
+      EXPECT_NE(what.find(taskflow::name(kind)), std::string::npos) << what;
+    }
+    // The verifier, run with the same table, rejects the program first.
+    opt.verify_programs = true;
+    InterleavedExecutor checked(c, w, opt);
+    EXPECT_THROW(checked.step(in, {}, res), Error);
   }
 }

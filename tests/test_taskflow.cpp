@@ -2,6 +2,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "hpmoe/access.hpp"
 #include "hpmoe/error.hpp"
 #include "hpmoe/taskflow.hpp"
 
@@ -203,6 +204,55 @@ TEST(Verifier, RejectsExpertsAwayFromTheirHome) {
         .expert = 0;
     error = verify_error(programs);
     EXPECT_TRUE(contains(error, "names an expert")) << error;
+  }
+}
+
+// The table is what the verifier checks: widen one kind's write rectangle in
+// a copy of it and programs that the standard table accepts are rejected.
+TEST(Verifier, FollowsThePerturbedAccessTable) {
+  for (auto [pass, kind, buffer] : {std::tuple{Pass::forward, TaskKind::gemm_gate_up, BufferId::h1},
+                                    std::tuple{Pass::forward, TaskKind::swiglu, BufferId::a},
+                                    std::tuple{Pass::backward, TaskKind::pack_down_grad, BufferId::dyp},
+                                    std::tuple{Pass::backward, TaskKind::gemm_gate_up_wgrad, BufferId::dw1}}) {
+    const auto programs = tiny_programs(pass);
+    EXPECT_TRUE(verify(programs).ok);
+    AccessTable widened = AccessTable::standard();
+    bool found = false;
+    for (auto& rule : widened.edit(kind).operands)
+      if (rule.buffer == buffer && rule.use == Use::write) {
+        rule.grow_rows = 1;
+        found = true;
+      }
+    ASSERT_TRUE(found) << name(kind);
+    Verifier verifier(widened);
+    const auto report = verifier.verify(programs);
+    EXPECT_FALSE(report.ok) << name(kind) << " widened by a row was accepted";
+    EXPECT_TRUE(contains(report.error, "write conflict") || contains(report.error, "outside the buffer")) << report.error;
+    EXPECT_TRUE(contains(report.error, name(kind))) << report.error;
+  }
+}
+
+// The table's work is what the cost model and simulator see.
+TEST(AccessTable, WorkAndOperandsOfAGemmTile) {
+  const auto programs = tiny_programs(Pass::forward);
+  const Program& p = programs[0];
+  const Task& t = p.tasks[static_cast<std::size_t>(first_task(p, TaskKind::gemm_gate_up))];
+  const auto& table = AccessTable::standard();
+  const TaskWork w = table.work(p, t);
+  EXPECT_EQ(w.k, p.dims.hidden);
+  EXPECT_DOUBLE_EQ(w.flops, 2.0 * t.rows * t.cols * p.dims.hidden);
+  const Rect a = table.operand(p, t, BufferId::recv, Use::read);
+  EXPECT_EQ(a.r0, t.row_begin);
+  EXPECT_EQ(a.rows(), t.rows);
+  EXPECT_EQ(a.cols(), p.dims.hidden);
+  const Rect out = table.operand(p, t, BufferId::h1, Use::write);
+  EXPECT_EQ(out.c0, t.col_begin);
+  EXPECT_EQ(out.cols(), t.cols);
+  EXPECT_THROW(table.operand(p, t, BufferId::y, Use::write), Error);
+  for (std::size_t k = 0; k < static_cast<std::size_t>(TaskKind::count); ++k) {
+    const auto kind = static_cast<TaskKind>(k);
+    EXPECT_GT(table[kind].operand_count, 1) << name(kind);
+    EXPECT_EQ(table[kind].queue == QueueClass::matrix, table[kind].gemm_k != Extent::none) << name(kind);
   }
 }
 

@@ -26,11 +26,17 @@ enum class Span : std::uint8_t {
   expert_rows,   // the task's expert's rows in the receive order: [expert_begin[slot], expert_begin[slot + 1])
   expert_block,  // task rows within the expert's block of a per-slot stack: [row_begin - slot extent, ... + rows)
   sent_rows,     // [0, send_rows): every row this rank's tokens sent
+  expert_kpad,   // the task's expert's rows in the weight-gradient operands: [kpad_begin[slot], kpad_begin[slot + 1])
+  kpad_task_rows,     // the task's rows there; the expert's last tile also covers its K padding row
+  task_rows_padded,   // the task's token rows; the last tile also covers the tokens' K padding row
 };
 
 // Layer sizes an operand rule or a GEMM can name.
 enum class Extent : std::uint8_t {
-  none, hidden, inter, inter2, shared_inter, shared_inter2, top_k, experts, tokens, expert_rows
+  none, one, hidden, inter, inter2, shared_inter, shared_inter2, top_k, experts, tokens, expert_rows,
+  expert_kpad,    // the expert's rows, K-padded (bf16: even)
+  tokens_padded,  // the rank's tokens, K-padded
+  hidden_panels, inter2_panels, shared_inter2_panels,  // widths rounded up to whole kPanelCols panels
 };
 
 struct OperandRule {
@@ -42,6 +48,9 @@ struct OperandRule {
   Span cols = Span::task_cols;
   Extent col_extent = Extent::none;
   bool only_with_shared_experts = false;
+  // Rows added at the rectangle's end: zero in the standard table; the
+  // perturbation tests widen a rule with it.
+  std::int32_t grow_rows = 0;
 };
 
 // Bytes a vector task or a put moves, besides what its rectangles say:
@@ -95,6 +104,9 @@ struct TaskWork {
   double bytes = 0;
   std::int64_t k = 0;
 };
+
+// Rows of a GEMM's K operand as the kernels need them: even for bf16.
+std::int64_t padded_rows(const Program& p, std::int64_t rows);
 
 class AccessTable {
  public:

@@ -11,6 +11,9 @@
 #include "hpmoe/transport.hpp"
 
 namespace hpmoe {
+namespace taskflow {
+class AccessTable;
+}
 
 // Faults injected on purpose (tests of the watchdog and of peer failure).
 struct RuntimeFault {
@@ -45,6 +48,9 @@ struct RuntimeOptions {
   // baseline on the same transport and links.
   bool phased = false;
   ExpertPlacement placement;  // where the experts live; empty: contiguous
+  // Where every task's operands come from (tests perturb a copy); null: the
+  // standard table. It must outlive the executor.
+  const taskflow::AccessTable* access_table = nullptr;
 };
 
 // The interleaved single-launch runtime, in process: every step compiles the

@@ -58,8 +58,9 @@ enum class TaskKind : std::uint8_t {
   count
 };
 
-// Symmetric buffers: every rank has each with the same size, so a put can
-// address a peer's buffer by offset.
+// Every buffer a task touches. A program declares each one it uses (see
+// BufferLayout); the access table says which rectangle of which a task reads
+// and writes.
 enum class BufferId : std::uint8_t {
   none,
   // forward (the backward pass reads them as saved activations)
@@ -67,6 +68,13 @@ enum class BufferId : std::uint8_t {
   // backward
   dout, gw, dlogits, xtf, rdx, dwg, dy, da, dyp, at, dw2, dh, dxe, dhp, xt, dw1, dcomb,
   sh_da, sh_doutp, sh_at, sh_xt, dws2, sh_dh, sdx, sh_dhp, dws1, dx,
+  // the caller's fp32 tokens; the step's routing, written by the host before
+  // a launch: the send row of each (token, k) or -1 (int64), its gate
+  // weight, the token of each send row (int32) and its assignment t K + k
+  // (int64); the router's logits
+  xf, slot, gate, send_token, send_assign, logits,
+  // dout in the layer's dtype (the shared experts' GEMM operand)
+  sh_dout,
   count
 };
 
@@ -110,11 +118,27 @@ struct Event {
   std::int32_t tile;      // row tile (or -1)
 };
 
+// Where a buffer lives. Symmetric: in the rank's segment, at the same
+// offset on every rank, so a put can address a peer's copy. Local: in memory
+// only the rank itself touches. Bound: memory the caller owns (inputs,
+// outputs, gradients), which the executor binds at launch.
+enum class Region : std::uint8_t { symmetric, local, bound };
+// Row-major with a leading dimension of `cols`; or panel-blocked, the
+// kernels' right-hand-operand layout: column panels of kPanelCols, each
+// rows x kPanelCols (bf16 in row pairs), panel p at p x rows x kPanelCols.
+enum class Layout : std::uint8_t { row_major, panels };
+inline constexpr std::int64_t kPanelCols = 64;
+
 struct BufferLayout {
   BufferId id;
   std::int64_t rows, cols, elem_bytes;
-  std::int64_t offset_bytes;  // in the rank's symmetric region
+  std::int64_t offset_bytes;  // in its region (none for bound buffers)
+  Region region = Region::symmetric;
+  Layout layout = Layout::row_major;
+  std::int64_t bytes() const { return rows * cols * elem_bytes; }
 };
+const char* name(Region);
+const char* name(Layout);
 
 // Workers of one rank: matrix-only, vector-only and unified (take both).
 struct Machine {
@@ -159,6 +183,7 @@ struct Program {
   std::vector<std::int32_t> local_experts;  // [L] this rank's experts (global ids) in slot order
   std::vector<std::int32_t> expert_slot;    // [E] slot of each expert on this rank, -1 if it lives elsewhere
   std::vector<std::int64_t> expert_begin;   // [L + 1] rows of each local slot in RECV
+  std::vector<std::int64_t> kpad_begin;     // [L + 1] the same in the weight-gradient operands (bf16: even counts)
   std::int64_t send_rows = 0;               // rows this rank's tokens send (COMB rows)
   std::vector<Task> tasks;
   std::vector<float> cost;                // seconds per task (cost model)
@@ -166,6 +191,15 @@ struct Program {
   std::vector<std::int32_t> queue_tasks;  // task ids, per worker in execution order
   std::vector<Event> events;
   std::vector<BufferLayout> buffers;
+
+  // The declared buffer `id`, or null.
+  const BufferLayout* buffer(BufferId id) const {
+    for (const auto& b : buffers)
+      if (b.id == id) return &b;
+    return nullptr;
+  }
+  // Bytes of a region this program's buffers span.
+  std::int64_t region_bytes(Region) const;
 
   // Slot of `expert` on this rank; -1 if it is not here (or not an expert).
   std::int64_t slot_of(std::int64_t expert) const {

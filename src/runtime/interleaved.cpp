@@ -3,6 +3,8 @@
 #include <csignal>
 #include <exception>
 #include <mutex>
+#include <new>
+#include <cstring>
 #include <optional>
 #include <chrono>
 #include <thread>
@@ -11,6 +13,7 @@
 #include "common/executor_parts.hpp"
 #include "taskflow/layout.hpp"
 #include "runtime/event_wait.hpp"
+#include "hpmoe/access.hpp"
 #include "hpmoe/error.hpp"
 #include "hpmoe/runtime.hpp"
 #include "hpmoe/worker_pool.hpp"
@@ -46,6 +49,7 @@ class Interleaved final : public InterleavedExecutor::Impl {
         w_(w),
         opt_(opt),
         placement_(placement_or_contiguous(opt.placement, c.routed_experts, c.ranks)),
+        table_(opt.access_table ? opt.access_table : &taskflow::AccessTable::standard()),
         tr_(opt.transport ? opt.transport : make_inprocess_transport(static_cast<int>(c.ranks))),
         local_(hosted_ranks(*tr_, c.ranks)),
         pool_(static_cast<int>(local_.size()), opt.workers_per_rank, opt.pin, tr_->node_index() * opt.workers_per_rank),
@@ -101,9 +105,10 @@ class Interleaved final : public InterleavedExecutor::Impl {
     }
     auto t3 = Clock::now();
     res.forward_ops.push_back({"verify", seconds(t2, t3)});
-    prepare_buffers(in);
+    res_ = &res;
+    prepare_forward(in, res);
     res.forward_ops.push_back({"prepare", seconds(t3, Clock::now())});
-    res.dispatch_to_combine_seconds = launch(programs, in, res);
+    res.dispatch_to_combine_seconds = launch(programs, res);
     res.forward_ops.push_back({"launch", res.dispatch_to_combine_seconds});
     gather_rows(res.out);
     if (!opt_.backward) return;
@@ -122,9 +127,9 @@ class Interleaved final : public InterleavedExecutor::Impl {
     auto b2 = Clock::now();
     res.backward_ops.push_back({"verify", seconds(b1, b2)});
     if (res.grads.w1.size() != static_cast<std::size_t>(c_.routed_experts)) res.grads = zero_gradients(c_);
-    prepare_backward(in);
+    prepare_backward(in, res);
     res.backward_ops.push_back({"prepare", seconds(b2, Clock::now())});
-    res.backward_seconds = launch(backward_programs, in, res);
+    res.backward_seconds = launch(backward_programs, res);
     res.backward_ops.push_back({"launch", res.backward_seconds});
     const auto r0 = Clock::now();
     gather_rows(res.grads.x);
@@ -138,7 +143,7 @@ class Interleaved final : public InterleavedExecutor::Impl {
 
  private:
   // One launch: all workers of all ranks run their queues of `set` at once.
-  double launch(std::vector<taskflow::Program>& set, const LayerInputs& in, StepResult& res) {
+  double launch(std::vector<taskflow::Program>& set, StepResult& res) {
     current_ = &set;
     // Phased: one barrier counter per operator after the program's events.
     const auto& order = taskflow::operator_order(set[0].pass);
@@ -150,8 +155,8 @@ class Interleaved final : public InterleavedExecutor::Impl {
       RankState& s = ranks_[r];
       const auto& p = set[r];
       Counter* counters = tr_->counters(r);
-      s.base.resize(p.events.size() + barriers);
-      for (std::size_t e = 0; e < s.base.size(); ++e) s.base[e] = counters[e].value.load(std::memory_order_relaxed);
+      s.base_count.resize(p.events.size() + barriers);
+      for (std::size_t e = 0; e < s.base_count.size(); ++e) s.base_count[e] = counters[e].value.load(std::memory_order_relaxed);
       if (opt_.phased) {  // the rank's tasks by operator, in generation order
         // One counting pass: operator of each kind, tasks per operator, then placement.
         std::array<int, static_cast<std::size_t>(taskflow::TaskKind::count)> phase_of;
@@ -192,7 +197,7 @@ class Interleaved final : public InterleavedExecutor::Impl {
     tr_->launch_begin();  // every process has armed its counters
     if (opt_.fault.kind == RuntimeFault::freeze_process && tr_->hosts(opt_.fault.rank)) std::raise(SIGSTOP);
     const auto start = Clock::now();
-    pool_.run([&](int index, int w) { run_worker(in, res, index, w); });
+    pool_.run([&](int index, int w) { run_worker(index, w); });
     if (!failure_) tr_->launch_end();
     if (failure_) std::rethrow_exception(failure_);
     const double elapsed = seconds(start, Clock::now());
@@ -230,154 +235,254 @@ class Interleaved final : public InterleavedExecutor::Impl {
   }
 
   // Sum over ranks, in rank order, of the replicated weights' gradients (on
-  // the root process, which gathers the other ranks' parts).
+  // the root process, which gathers the other ranks' parts). Each rank's
+  // part is its backward program's local buffer.
   void reduce_replicated(StepResult& res) {
-    auto reduce = [&](std::vector<float>& dst, std::vector<float> RankState::*part) {
+    auto reduce = [&](std::vector<float>& dst, BufferId part) {
       std::vector<std::vector<float>> received(static_cast<std::size_t>(c_.ranks));
       std::vector<const float*> parts(static_cast<std::size_t>(c_.ranks));
+      const auto n = dst.size();
       for (int q = 0; q < c_.ranks; ++q) {
+        std::span<float> mine;
         if (tr_->hosts(q)) {
-          parts[q] = (ranks_[q].*part).data();
+          mine = std::span<float>(base<float>(q, part), n);
+          parts[q] = mine.data();
           if (tr_->is_root()) continue;
         } else if (tr_->is_root()) {
-          received[q].resize(dst.size());
+          received[q].resize(n);
           parts[q] = received[q].data();
         }
-        tr_->gather(tr_->hosts(q) ? std::span<float>(ranks_[q].*part) : std::span<float>(received[q]), q);
+        tr_->gather(tr_->hosts(q) ? mine : std::span<float>(received[q]), q);
       }
       if (!tr_->is_root()) return;
-      for (std::size_t i = 0; i < dst.size(); ++i) {
+      for (std::size_t i = 0; i < n; ++i) {
         float sum = 0;
         for (std::int64_t q = 0; q < c_.ranks; ++q) sum += parts[q][i];
         dst[i] = sum;
       }
     };
-    reduce(res.grads.router.data, &RankState::d_router);
+    reduce(res.grads.router.data, BufferId::dwg);
     if (c_.shared_experts > 0) {
-      reduce(res.grads.shared_w1.data, &RankState::d_shared_w1);
-      reduce(res.grads.shared_w2.data, &RankState::d_shared_w2);
+      reduce(res.grads.shared_w1.data, BufferId::dws1);
+      reduce(res.grads.shared_w2.data, BufferId::dws2);
     }
   }
 
-  struct RankState {
-    // The rank's symmetric segment: the forward program's buffers, then the
-    // backward's put targets dy and dcomb. Offsets are known for every rank;
-    // `segment` and `counters` only where this process can address them.
-    std::array<std::int64_t, static_cast<std::size_t>(BufferId::count)> offset{};
-    std::byte* segment = nullptr;
-    Counter* counters = nullptr;
-    std::vector<std::int64_t> base;              // counter values when the launch began (hosted ranks)
-    std::vector<std::int32_t> phase_begin, phase_tasks;  // phased: task ids by operator
-    std::vector<std::int32_t> send_token;        // send row -> local token
-    std::vector<std::int64_t> send_assign;       // send row -> assignment t * K + k (global)
-    // Backward, laid out as the serialized baseline lays them out (padded K,
-    // panel-packed operands) so that the arithmetic is the same.
-    std::vector<float> d_weight, d_logits, x_t_float, d_router, rdx, sdx, da, shared_da, d_shared_w1, d_shared_w2;
-    std::vector<T> dh, dx_expert, a_t, x_t, dy_packed, dh_packed;
-    std::vector<T> shared_dy, shared_dy_packed, shared_dh, shared_dh_packed, shared_a_t, shared_x_t;
+  // 64-byte aligned bytes that keep their contents when grown.
+  struct AlignedBytes {
+    struct Free {
+      void operator()(std::byte* p) const { ::operator delete[](p, std::align_val_t{64}); }
+    };
+    std::unique_ptr<std::byte[], Free> data;
+    std::int64_t size = 0;
+    void reserve(std::int64_t n) {
+      if (n <= size) return;
+      std::unique_ptr<std::byte[], Free> grown(new (std::align_val_t{64}) std::byte[static_cast<std::size_t>(n)]());
+      if (size > 0) std::memcpy(grown.get(), data.get(), static_cast<std::size_t>(size));
+      data = std::move(grown);
+      size = n;
+    }
   };
 
-  void prepare_backward(const LayerInputs& in) {
-    const std::int64_t H = c_.hidden, I = c_.expert_inter, K = c_.top_k, E = c_.routed_experts,
-                       T_ = c_.tokens_per_rank, Is = c_.shared_inter_total(), tpad = padded_k<T>(T_);
-    for (const int r : local_) {
-      RankState& b = ranks_[r];
-      const std::int64_t rows = ex_->recv_rows(r), kpad = ex_->kpad_rows(r);
-      auto size = [](auto& v, std::int64_t n) { v.resize(static_cast<std::size_t>(n)); };
-      size(b.d_weight, T_ * K);
-      size(b.d_logits, T_ * E);
-      size(b.x_t_float, H * T_);
-      size(b.d_router, H * E);
-      size(b.rdx, T_ * H);
-      size(b.da, rows * I);
-      size(b.dh, rows * 2 * I);
-      size(b.dx_expert, rows * H);
-      size(b.a_t, I * kpad);
-      size(b.x_t, H * kpad);
-      size(b.dy_packed, kpad * round_up(H));
-      size(b.dh_packed, kpad * round_up(2 * I));
-      if (c_.shared_experts > 0) {
-        size(b.sdx, T_ * H);
-        size(b.shared_da, T_ * Is);
-        size(b.shared_dy, T_ * H);
-        size(b.shared_dy_packed, tpad * round_up(H));
-        size(b.shared_dh, T_ * 2 * Is);
-        size(b.shared_dh_packed, tpad * round_up(2 * Is));
-        size(b.shared_a_t, Is * tpad);
-        size(b.shared_x_t, H * tpad);
-        size(b.d_shared_w1, H * 2 * Is);
-        size(b.d_shared_w2, Is * H);
-        for (std::int64_t t = 0; t < T_; ++t) kernels::store<T>(in.d_out.row(r * T_ + t), b.shared_dy.data() + t * H, H);
-      }
-    }
-  }
+  struct RankState {
+    // The rank's symmetric segment (where this process can address it), its
+    // local region and its event counters.
+    std::byte* segment = nullptr;
+    AlignedBytes local;
+    Counter* counters = nullptr;
+    // Hosted ranks: the first byte of every buffer the current launch's
+    // program declares (bound ones point into the caller's tensors), and for
+    // the per-slot weight gradients each slot's expert's gradient.
+    std::array<std::byte*, static_cast<std::size_t>(BufferId::count)> base{};
+    std::array<const taskflow::BufferLayout*, static_cast<std::size_t>(BufferId::count)> layout{};
+    std::vector<std::byte*> dw1_slots, dw2_slots;
+    std::vector<std::int64_t> base_count;                // counter values when the launch began (hosted ranks)
+    std::vector<std::int32_t> phase_begin, phase_tasks;  // phased: task ids by operator
+  };
 
-  // Lays out every rank's segment (the same on every process), reserves
-  // them, and fills the hosted ranks' send maps.
-  void prepare_buffers(const LayerInputs& in) {
-    const std::int64_t K = c_.top_k, T_ = c_.tokens_per_rank, H = c_.hidden;
+  // Reserves every rank's symmetric segment (the same on every process) and
+  // each hosted rank's local region for this step's programs, forward and,
+  // when it runs, backward (whose layout extends the forward's).
+  void reserve_memory() {
     std::vector<std::int64_t> bytes(static_cast<std::size_t>(c_.ranks));
-    auto align = [](std::int64_t n) { return (n + 63) / 64 * 64; };
     for (std::int64_t r = 0; r < c_.ranks; ++r) {
-      RankState& s = ranks_[r];
-      s.offset.fill(-1);
-      std::int64_t end = 0;
-      for (const auto& b : programs[r].buffers) {
-        s.offset[static_cast<std::size_t>(b.id)] = b.offset_bytes;
-        end = std::max(end, b.offset_bytes + b.rows * b.cols * b.elem_bytes);
+      const taskflow::Program& forward = programs[r];
+      std::int64_t symmetric = forward.region_bytes(taskflow::Region::symmetric);
+      std::int64_t local = forward.region_bytes(taskflow::Region::local);
+      if (opt_.backward) {
+        taskflow::declare_buffers(layout_scratch_, c_, *ex_, taskflow::Pass::backward, r);
+        symmetric = std::max(symmetric, layout_scratch_.region_bytes(taskflow::Region::symmetric));
+        local = std::max(local, layout_scratch_.region_bytes(taskflow::Region::local));
       }
-      if (opt_.backward) {  // the backward's put targets, in rows of T
-        s.offset[static_cast<std::size_t>(BufferId::dy)] = end = align(end);
-        end += ex_->recv_rows(r) * H * std::int64_t{sizeof(T)};
-        s.offset[static_cast<std::size_t>(BufferId::dcomb)] = end = align(end);
-        end += ex_->send_rows(r) * H * std::int64_t{sizeof(T)};
-      }
-      bytes[r] = end;
+      bytes[static_cast<std::size_t>(r)] = symmetric;
+      if (tr_->hosts(static_cast<int>(r))) ranks_[r].local.reserve(local);
     }
     tr_->reserve_segments(bytes);
     for (std::int64_t r = 0; r < c_.ranks; ++r) ranks_[r].segment = tr_->segment(static_cast<int>(r));
-    for (const int r : local_) {
-      RankState& s = ranks_[r];
-      s.send_token.assign(static_cast<std::size_t>(ex_->send_rows(r)), -1);
-      s.send_assign.assign(static_cast<std::size_t>(ex_->send_rows(r)), -1);
-      for (std::int64_t a = r * T_ * K; a < (r + 1) * T_ * K; ++a)
-        if (slot_[a] >= 0) {
-          s.send_token[static_cast<std::size_t>(slot_[a])] = static_cast<std::int32_t>(a / K - r * T_);
-          s.send_assign[static_cast<std::size_t>(slot_[a])] = a;
-        }
-      if constexpr (!std::is_same_v<T, float>)
-        for (std::int64_t t = 0; t < T_; ++t) kernels::store<T>(in.x.row(r * T_ + t), buf<T>(r, BufferId::x) + t * c_.hidden, c_.hidden);
+  }
+
+  // Points every buffer of hosted rank r's program at its memory.
+  void bind(const taskflow::Program& p, int r, const LayerInputs& in, StepResult& res) {
+    RankState& s = ranks_[r];
+    const std::int64_t T_ = c_.tokens_per_rank;
+    s.base.fill(nullptr);
+    s.layout.fill(nullptr);
+    for (const auto& b : p.buffers) s.layout[static_cast<std::size_t>(b.id)] = &b;
+    auto bytes_of = [](const float* f) { return reinterpret_cast<std::byte*>(const_cast<float*>(f)); };
+    for (const auto& b : p.buffers) {
+      std::byte*& at = s.base[static_cast<std::size_t>(b.id)];
+      switch (b.region) {
+        case taskflow::Region::symmetric: at = s.segment + b.offset_bytes; break;
+        case taskflow::Region::local: at = s.local.data.get() + b.offset_bytes; break;
+        case taskflow::Region::bound:
+          switch (b.id) {
+            case BufferId::xf: case BufferId::x: at = bytes_of(in.x.row(r * T_)); break;
+            case BufferId::out: at = bytes_of(res.out.row(r * T_)); break;
+            case BufferId::logits: at = bytes_of(logits_.data() + r * T_ * c_.routed_experts); break;
+            case BufferId::dout: at = bytes_of(in.d_out.row(r * T_)); break;
+            case BufferId::dx: at = bytes_of(res.grads.x.row(r * T_)); break;
+            case BufferId::dw1: case BufferId::dw2: {
+              auto& slots = b.id == BufferId::dw1 ? s.dw1_slots : s.dw2_slots;
+              slots.clear();
+              for (const std::int32_t e : p.local_experts)
+                slots.push_back(bytes_of((b.id == BufferId::dw1 ? res.grads.w1 : res.grads.w2)[e].data.data()));
+              break;
+            }
+            default:
+              throw Error(std::string("the runtime cannot bind buffer ") + taskflow::name(b.id) + " to caller memory");
+          }
+          break;
+      }
     }
   }
 
-  // Rank r's tokens as T: the input itself in fp32; in bf16 the x buffer,
-  // filled once per step (the inputs are bf16 values, so this is exact).
-  const T* tokens_of(const LayerInputs& in, std::int64_t r) const {
-    if constexpr (std::is_same_v<T, float>) return in.x.row(r * c_.tokens_per_rank);
-    else return buf<T>(r, BufferId::x);
+  // The host's part of a forward launch: routing into the ranks' buffers,
+  // and the tokens as T.
+  void prepare_forward(const LayerInputs& in, StepResult& res) {
+    const std::int64_t K = c_.top_k, T_ = c_.tokens_per_rank, H = c_.hidden;
+    reserve_memory();
+    for (const int r : local_) {
+      const taskflow::Program& p = programs[r];
+      bind(p, r, in, res);
+      auto* slot = base<std::int64_t>(r, BufferId::slot);
+      auto* gate = base<float>(r, BufferId::gate);
+      auto* send_token = base<std::int32_t>(r, BufferId::send_token);
+      auto* send_assign = base<std::int64_t>(r, BufferId::send_assign);
+      for (std::int64_t a = 0; a < T_ * K; ++a) {
+        const std::int64_t global = r * T_ * K + a, row = slot_[static_cast<std::size_t>(global)];
+        slot[a] = row;
+        gate[a] = res.routing.weight[static_cast<std::size_t>(global)];
+        if (row >= 0) {
+          send_token[row] = static_cast<std::int32_t>(a / K);
+          send_assign[row] = a;
+        }
+      }
+      if constexpr (!std::is_same_v<T, float>)
+        for (std::int64_t t = 0; t < T_; ++t) kernels::store<T>(in.x.row(r * T_ + t), base<T>(r, BufferId::x) + t * H, H);
+    }
   }
 
+  void prepare_backward(const LayerInputs& in, StepResult& res) {
+    const std::int64_t T_ = c_.tokens_per_rank, H = c_.hidden;
+    for (const int r : local_) {
+      bind(backward_programs[r], r, in, res);
+      if (c_.shared_experts > 0)
+        for (std::int64_t t = 0; t < T_; ++t)
+          kernels::store<T>(in.d_out.row(r * T_ + t), base<T>(r, BufferId::sh_dout) + t * H, H);
+    }
+  }
+
+  // The first element of a hosted rank's buffer.
   template <class U>
-  U* buf(std::int64_t rank, BufferId id) const {
-    return reinterpret_cast<U*>(ranks_[rank].segment + ranks_[rank].offset[static_cast<std::size_t>(id)]);
+  U* base(std::int64_t rank, BufferId id) const {
+    return reinterpret_cast<U*>(ranks_[static_cast<std::size_t>(rank)].base[static_cast<std::size_t>(id)]);
   }
 
-  // Where a put of `elems` values at row offset `at` of the peer's buffer
-  // `id` is written: straight into the peer's segment when this process can
-  // address it, else into the worker's staging buffer, which send_put hands
-  // to the transport.
-  T* put_target(const Task& t, BufferId id, std::int64_t at, std::int64_t elems, std::size_t worker) {
-    if (ranks_[t.peer].segment) return buf<T>(t.peer, id) + at;
+  // The operands of one task, from the access table, checked against the
+  // program's declared buffers before any kernel touches them.
+  struct TaskOperands {
+    taskflow::Operands ops;
+    const taskflow::Rect& get(BufferId id, taskflow::Use use) const {
+      for (const auto& o : ops)
+        if (o.rect.buffer == id && o.use == use) return o.rect;
+      throw Error(std::string("the access table gives this task no ") + (use == taskflow::Use::read ? "read of " : "write of ") +
+                  taskflow::name(id));
+    }
+    const taskflow::Rect& in(BufferId id) const { return get(id, taskflow::Use::read); }
+    const taskflow::Rect& out(BufferId id) const { return get(id, taskflow::Use::write); }
+  };
+  TaskOperands operands_of(const taskflow::Program& p, const Task& t) const {
+    TaskOperands o{table_->operands(p, t)};
+    for (const auto& op : o.ops) {
+      const taskflow::BufferLayout* l = ranks_[static_cast<std::size_t>(p.rank)].layout[static_cast<std::size_t>(op.rect.buffer)];
+      const auto& r = op.rect;
+      if (!l || r.r0 < 0 || r.c0 < 0 || r.r1 < r.r0 || r.c1 < r.c0 || r.r1 > l->rows || r.c1 > l->cols)
+        throw Error("bounds: rank " + std::to_string(p.rank) + " task " + taskflow::name(t.kind) + " rows [" +
+                    std::to_string(t.row_begin) + ", " + std::to_string(t.row_begin + t.rows) + ") " +
+                    (op.use == taskflow::Use::read ? "reads " : "writes ") + taskflow::name(r.buffer) + " rows [" +
+                    std::to_string(r.r0) + ", " + std::to_string(r.r1) + ") cols [" + std::to_string(r.c0) + ", " +
+                    std::to_string(r.c1) + ") outside the declared " +
+                    (l ? std::to_string(l->rows) + " x " + std::to_string(l->cols) : std::string("(undeclared)")) + " buffer");
+    }
+    return o;
+  }
+  // A kernel's extent must lie inside the declared rectangle it was given.
+  static void need(const taskflow::Rect& r, std::int64_t rows, std::int64_t cols, const Task& t) {
+    if (rows > r.rows() || cols > r.cols())
+      throw Error(std::string("bounds: a ") + taskflow::name(t.kind) + " kernel touches " + std::to_string(rows) + " x " +
+                  std::to_string(cols) + " of " + taskflow::name(r.buffer) + " but the table declares " +
+                  std::to_string(r.rows()) + " x " + std::to_string(r.cols()));
+  }
+
+  // The declared layout of a buffer of the program being launched on its
+  // (hosted) rank, bound at the launch.
+  const taskflow::BufferLayout* layout_of(const taskflow::Program& p, BufferId id) const {
+    return ranks_[static_cast<std::size_t>(p.rank)].layout[static_cast<std::size_t>(id)];
+  }
+
+  // Element (r0, c0) of a rectangle of hosted rank r's buffer.
+  template <class U>
+  U* at(int r, const taskflow::Program& p, const taskflow::Rect& rect) const {
+    const taskflow::BufferLayout& l = *layout_of(p, rect.buffer);
+    if (rect.buffer == BufferId::dw1 || rect.buffer == BufferId::dw2) {  // per slot: the expert's gradient
+      const std::int64_t height = rect.buffer == BufferId::dw1 ? c_.hidden : c_.expert_inter;
+      const auto& slots = rect.buffer == BufferId::dw1 ? ranks_[r].dw1_slots : ranks_[r].dw2_slots;
+      return reinterpret_cast<U*>(slots[static_cast<std::size_t>(rect.r0 / height)]) + (rect.r0 % height) * l.cols + rect.c0;
+    }
+    U* b = base<U>(r, rect.buffer);
+    if (l.layout == taskflow::Layout::panels)  // rows of a panel are kPanelCols apart (bf16: in pairs)
+      return b + (rect.c0 / kTileCols) * l.rows * kTileCols + rect.r0 * kTileCols + (rect.c0 % kTileCols) * pair<U>();
+    return b + rect.r0 * l.cols + rect.c0;
+  }
+  template <class U>
+  static constexpr std::int64_t pair() {
+    return sizeof(U) == 2 ? 2 : 1;
+  }
+  // A panel-blocked buffer's rows [rect.r0, ...) as a kernel's right-hand operand.
+  template <class U>
+  RhsView<U> panels_from(int r, const taskflow::Program& p, const taskflow::Rect& rect) const {
+    const taskflow::BufferLayout& l = *layout_of(p, rect.buffer);
+    return RhsView<U>{base<U>(r, rect.buffer) + rect.r0 * kTileCols, kTileCols, l.rows * kTileCols};
+  }
+
+  // Where a put's rows go: straight into the peer's segment when this
+  // process can address it, else into the worker's staging buffer, which
+  // send_put hands to the transport.
+  T* put_target(const taskflow::Program& p, const Task& t, const taskflow::Rect& rect, std::size_t worker) {
+    const taskflow::BufferLayout& l = *layout_of(p, rect.buffer);  // symmetric: as on the peer
+    if (std::byte* peer = ranks_[t.peer].segment)
+      return reinterpret_cast<T*>(peer + l.offset_bytes) + rect.r0 * l.cols + rect.c0;
     auto& stage = staging_[worker];
-    stage.resize(static_cast<std::size_t>(elems));
+    stage.resize(static_cast<std::size_t>(rect.area()));
     return stage.data();
   }
   // True if the put went through the transport, which also signals.
-  bool send_put(const Task& t, BufferId id, std::int64_t at, std::int64_t elems, std::size_t worker) {
+  bool send_put(const taskflow::Program& p, const Task& t, const taskflow::Rect& rect, std::size_t worker) {
     if (ranks_[t.peer].segment) return false;
-    const std::int64_t offset = ranks_[t.peer].offset[static_cast<std::size_t>(id)] + at * std::int64_t{sizeof(T)};
+    const taskflow::BufferLayout& l = *layout_of(p, rect.buffer);
+    const std::int64_t offset = l.offset_bytes + (rect.r0 * l.cols + rect.c0) * std::int64_t{sizeof(T)};
     tr_->put_signal(t.peer, offset,
-                    std::as_bytes(std::span<const T>(staging_[worker].data(), static_cast<std::size_t>(elems))),
+                    std::as_bytes(std::span<const T>(staging_[worker].data(), static_cast<std::size_t>(rect.area()))),
                     t.trigger_event);
     return true;
   }
@@ -387,7 +492,7 @@ class Interleaved final : public InterleavedExecutor::Impl {
   // into an error naming what waits for what.
   void wait(int r, std::size_t slot, std::int32_t id, const Task& t) {
     const RankState& s = ranks_[r];
-    const std::int64_t target = s.base[t.wait_event] + t.wait_count;
+    const std::int64_t target = s.base_count[t.wait_event] + t.wait_count;
     const std::atomic<std::int64_t>& counter = s.counters[t.wait_event].value;
     if (counter.load(std::memory_order_acquire) >= target) return;
     const auto start = Clock::now();
@@ -423,13 +528,13 @@ class Interleaved final : public InterleavedExecutor::Impl {
           const std::size_t k = static_cast<std::size_t>(-2 - id), e = p.events.size() + k;
           text += (text.empty() ? "" : "; ") + std::string("rank ") + std::to_string(r) + " worker " + std::to_string(w) +
                   " at the barrier after operator " + taskflow::name(taskflow::operator_order(p.pass)[k]) + " at " +
-                  std::to_string(ranks_[r].counters[e].value.load() - ranks_[r].base[e]) + " of " +
+                  std::to_string(ranks_[r].counters[e].value.load() - ranks_[r].base_count[e]) + " of " +
                   std::to_string(c_.ranks * opt_.workers_per_rank);
           continue;
         }
         const Task& t = (*current_)[r].tasks[id];
         const auto& ev = (*current_)[r].events[t.wait_event];
-        const std::int64_t reached = ranks_[r].counters[t.wait_event].value.load() - ranks_[r].base[t.wait_event];
+        const std::int64_t reached = ranks_[r].counters[t.wait_event].value.load() - ranks_[r].base_count[t.wait_event];
         text += (text.empty() ? "" : "; ") + std::string("rank ") + std::to_string(r) + " worker " + std::to_string(w) +
                 " task #" + std::to_string(id) + " (" + taskflow::name(t.kind) + ") on event " +
                 std::to_string(t.wait_event) + " (for " + taskflow::name(ev.consumer) +
@@ -449,7 +554,7 @@ class Interleaved final : public InterleavedExecutor::Impl {
 
   // The first failure of a launch is kept; workers that stop because of it
   // leave quietly, so the error reported is the cause, not a consequence.
-  void run_worker(const LayerInputs& in, StepResult& res, int index, int w) {
+  void run_worker(int index, int w) {
     const int r = local_[static_cast<std::size_t>(index)];
     const std::size_t slot = static_cast<std::size_t>(index * opt_.workers_per_rank + w);
     const auto& p = (*current_)[r];
@@ -457,10 +562,10 @@ class Interleaved final : public InterleavedExecutor::Impl {
       if (opt_.fault.kind == RuntimeFault::stall && opt_.fault.rank == r && w == 0)
         while (!abort_.load(std::memory_order_relaxed)) std::this_thread::sleep_for(std::chrono::milliseconds(10));
       if (opt_.phased) {
-        run_phased(in, res, r, w, slot);
+        run_phased(r, w, slot);
         return;
       }
-      for (auto q = p.queue_begin[w]; q < p.queue_begin[w + 1]; ++q) run_task(in, res, r, slot, p.queue_tasks[q]);
+      for (auto q = p.queue_begin[w]; q < p.queue_begin[w + 1]; ++q) run_task(r, slot, p.queue_tasks[q]);
     } catch (const Aborted&) {
       return;
     } catch (...) {
@@ -472,7 +577,7 @@ class Interleaved final : public InterleavedExecutor::Impl {
   }
 
   // Waits for a task's event, runs it, signals what it triggers.
-  void run_task(const LayerInputs& in, StepResult& res, int r, std::size_t slot, std::int32_t id) {
+  void run_task(int r, std::size_t slot, std::int32_t id) {
     const Task& t = (*current_)[r].tasks[id];
     if (t.wait_event >= 0) wait(r, slot, id, t);
     const auto begin = Clock::now();
@@ -481,7 +586,7 @@ class Interleaved final : public InterleavedExecutor::Impl {
       std::atomic<int>& n;
       ~Leave() { n.fetch_sub(1, std::memory_order_relaxed); }
     } leave{tr_->workers_in_tasks()};
-    const bool signalled = execute(in, res, r, slot, t);
+    const bool signalled = execute(r, slot, t);
     const auto end = Clock::now();
     busy_[slot] += seconds(begin, end);
     if (opt_.trace) spans_[slot].push_back(Span{id, seconds(step_start_, begin), seconds(step_start_, end)});
@@ -505,13 +610,13 @@ class Interleaved final : public InterleavedExecutor::Impl {
   // The serialized operator sequence: a worker runs every W-th task of the
   // operator on its rank, then all workers of all ranks meet at the
   // operator's barrier counter before the next operator starts.
-  void run_phased(const LayerInputs& in, StepResult& res, int r, int w, std::size_t slot) {
+  void run_phased(int r, int w, std::size_t slot) {
     const auto& p = (*current_)[r];
     const RankState& s = ranks_[r];
     const std::int64_t W = opt_.workers_per_rank;
     const std::size_t phases = s.phase_begin.size() - 1;
     for (std::size_t k = 0; k < phases; ++k) {
-      for (std::int64_t i = s.phase_begin[k] + w; i < s.phase_begin[k + 1]; i += W) run_task(in, res, r, slot, s.phase_tasks[i]);
+      for (std::int64_t i = s.phase_begin[k] + w; i < s.phase_begin[k + 1]; i += W) run_task(r, slot, s.phase_tasks[i]);
       // Rank q's barrier counters follow its own program's events.
       for (int q = 0; q < c_.ranks; ++q) signal_rank(q, static_cast<std::int32_t>((*current_)[q].events.size() + k), -1);
       const auto barrier = static_cast<std::int32_t>(p.events.size() + k);
@@ -523,192 +628,228 @@ class Interleaved final : public InterleavedExecutor::Impl {
     }
   }
 
-  // Runs one task; true if the transport already signalled its event.
-  bool execute(const LayerInputs& in, StepResult& res, int r, std::size_t slot, const Task& t) {
-    const std::int64_t H = c_.hidden, I = c_.expert_inter, Is = c_.shared_inter_total(), K = c_.top_k,
-                       T_ = c_.tokens_per_rank;
-    const std::int64_t r0 = t.row_begin, rows = t.rows;
+  // Runs one task; true if the transport already signalled its event. Every
+  // address comes from the access table's rectangles of the program's
+  // declared buffers; the kernels' extents are checked against them.
+  bool execute(int r, std::size_t slot, const Task& t) {
+    using taskflow::Rect;
+    const taskflow::Program& p = (*current_)[r];
+    const TaskOperands o = operands_of(p, t);
+    const std::int64_t H = c_.hidden, I = c_.expert_inter, Is = c_.shared_inter_total(), K = c_.top_k;
+    const std::int64_t rows = t.rows, cols = t.cols;
+    // A GEMM tile A[rows, k] B -> out, each from its rectangle.
+    auto gemm = [&](const Rect& a, RhsView<T> b, const Rect& out, bool store_as_t) {
+      need(out, rows, cols, t);
+      need(a, rows, 0, t);
+      const std::int64_t k = a.cols(), lda = layout_of(p, a.buffer)->cols, ldo = layout_of(p, out.buffer)->cols;
+      if (store_as_t) tile_to<T>(at<T>(r, p, a), lda, b, t.col_begin, at<T>(r, p, out), ldo, rows, cols, k);
+      else kernels::gemm_tile<T>(at<T>(r, p, a), lda, b, t.col_begin, at<float>(r, p, out), ldo, rows, cols, k, false);
+    };
     switch (t.kind) {
-      case TaskKind::dispatch_put: {  // gather by slot, put into the owner's receive rows
-        T* dst = put_target(t, BufferId::recv, r0 * H, rows * H, slot);
-        const T* x = tokens_of(in, r);
-        const auto& tokens = ranks_[r].send_token;
-        for (std::int64_t j = 0; j < rows; ++j)
-          copy_elements(dst + j * H, x + std::int64_t{tokens[static_cast<std::size_t>(t.src_row + j)]} * H, H);
-        return send_put(t, BufferId::recv, r0 * H, rows * H, slot);
+      case TaskKind::dispatch_put: {  // gather rows of x by slot, put them into the owner's receive rows
+        const Rect& dst = o.out(BufferId::recv);
+        need(dst, rows, H, t);
+        T* to = put_target(p, t, dst, slot);
+        const T* x = base<T>(r, BufferId::x);
+        const std::int32_t* tokens = at<std::int32_t>(r, p, o.in(BufferId::send_token));
+        for (std::int64_t j = 0; j < rows; ++j) copy_elements(to + j * H, x + std::int64_t{tokens[j]} * H, H);
+        return send_put(p, t, dst, slot);
       }
       case TaskKind::gemm_gate_up:
-        kernels::gemm_tile<T>(buf<T>(r, BufferId::recv) + r0 * H, H, packed_->w1[t.expert].view(), t.col_begin,
-                              buf<float>(r, BufferId::h1) + r0 * 2 * I + t.col_begin, 2 * I, rows, t.cols, H, false);
+        gemm(o.in(BufferId::recv), packed_->w1[t.expert].view(), o.out(BufferId::h1), false);
         break;
-      case TaskKind::swiglu:
-        for (std::int64_t row = r0; row < r0 + rows; ++row)
-          kernels::swiglu_forward<T>(buf<float>(r, BufferId::h1) + row * 2 * I, I, buf<T>(r, BufferId::a) + row * I);
+      case TaskKind::swiglu: {
+        const float* h = at<float>(r, p, o.in(BufferId::h1));
+        T* a = at<T>(r, p, o.out(BufferId::a));
+        for (std::int64_t row = 0; row < rows; ++row) kernels::swiglu_forward<T>(h + row * 2 * I, I, a + row * I);
         break;
+      }
       case TaskKind::gemm_down:
-        tile_to<T>(buf<T>(r, BufferId::a) + r0 * I, I, packed_->w2[t.expert].view(), t.col_begin,
-                   buf<T>(r, BufferId::y) + r0 * H + t.col_begin, H, rows, t.cols, I);
+        gemm(o.in(BufferId::a), packed_->w2[t.expert].view(), o.out(BufferId::y), true);
         break;
       case TaskKind::combine_put:
-        copy_elements(put_target(t, BufferId::comb, r0 * H, rows * H, slot), buf<T>(r, BufferId::y) + t.src_row * H,
-                      rows * H);
-        return send_put(t, BufferId::comb, r0 * H, rows * H, slot);
-      case TaskKind::combine_reduce:
-        for (std::int64_t tok = r0; tok < r0 + rows; ++tok) {
-          const std::int64_t a = (r * T_ + tok) * K;
-          combine_row<T>(res.out.row(r * T_ + tok), H, K, slot_.data() + a, res.routing.weight.data() + a,
-                         buf<T>(r, BufferId::comb),
-                         c_.shared_experts > 0 ? buf<float>(r, BufferId::sh_y) + tok * H : nullptr);
-        }
+      case TaskKind::grad_combine_put: {
+        const bool forward = t.kind == TaskKind::combine_put;
+        const Rect& src = o.in(forward ? BufferId::y : BufferId::dxe);
+        const Rect& dst = o.out(forward ? BufferId::comb : BufferId::dcomb);
+        need(src, rows, H, t);
+        need(dst, rows, H, t);
+        copy_elements(put_target(p, t, dst, slot), at<T>(r, p, src), rows * H);
+        return send_put(p, t, dst, slot);
+      }
+      case TaskKind::combine_reduce: {
+        const std::int64_t* slots = at<std::int64_t>(r, p, o.in(BufferId::slot));
+        const float* gates = at<float>(r, p, o.in(BufferId::gate));
+        const T* comb = at<T>(r, p, o.in(BufferId::comb));
+        const float* shared = c_.shared_experts > 0 ? at<float>(r, p, o.in(BufferId::sh_y)) : nullptr;
+        float* out = at<float>(r, p, o.out(BufferId::out));
+        for (std::int64_t j = 0; j < rows; ++j)
+          combine_row<T>(out + j * H, H, K, slots + j * K, gates + j * K, comb, shared ? shared + j * H : nullptr);
         break;
+      }
       case TaskKind::shared_gate_up:
-        kernels::gemm_tile<T>(tokens_of(in, r) + r0 * H, H, packed_->sw1.view(), t.col_begin,
-                              buf<float>(r, BufferId::sh_h) + r0 * 2 * Is + t.col_begin, 2 * Is, rows, t.cols, H, false);
+        gemm(o.in(BufferId::x), packed_->sw1.view(), o.out(BufferId::sh_h), false);
         break;
-      case TaskKind::shared_swiglu:
-        for (std::int64_t row = r0; row < r0 + rows; ++row)
-          kernels::swiglu_forward<T>(buf<float>(r, BufferId::sh_h) + row * 2 * Is, Is, buf<T>(r, BufferId::sh_a) + row * Is);
+      case TaskKind::shared_swiglu: {
+        const float* h = at<float>(r, p, o.in(BufferId::sh_h));
+        T* a = at<T>(r, p, o.out(BufferId::sh_a));
+        for (std::int64_t row = 0; row < rows; ++row) kernels::swiglu_forward<T>(h + row * 2 * Is, Is, a + row * Is);
         break;
+      }
       case TaskKind::shared_down:
-        kernels::gemm_tile<T>(buf<T>(r, BufferId::sh_a) + r0 * Is, Is, packed_->sw2.view(), t.col_begin,
-                              buf<float>(r, BufferId::sh_y) + r0 * H + t.col_begin, H, rows, t.cols, Is, false);
+        gemm(o.in(BufferId::sh_a), packed_->sw2.view(), o.out(BufferId::sh_y), false);
         break;
       default:
-        return execute_backward(in, res, r, slot, t);
+        return execute_backward(r, slot, t, p, o);
     }
     return false;
   }
 
   // The backward tasks, each the same arithmetic as the serialized
   // baseline's operator over the same rows (see serialized.cpp).
-  bool execute_backward(const LayerInputs& in, StepResult& res, int r, std::size_t slot, const Task& t) {
+  bool execute_backward(int r, std::size_t slot, const Task& t, const taskflow::Program& p, const TaskOperands& o) {
+    using taskflow::Rect;
     const std::int64_t H = c_.hidden, I = c_.expert_inter, Is = c_.shared_inter_total(), K = c_.top_k,
-                       E = c_.routed_experts, T_ = c_.tokens_per_rank, tpad = padded_k<T>(T_);
-    const std::int64_t r0 = t.row_begin, rows = t.rows;
-    RankState& b = ranks_[r];
-    // Expert-relative layout of task t's expert on this rank.
-    const std::int64_t e = std::max<std::int64_t>(t.expert, 0), le = (*current_)[r].slot_of(e);
-    const std::int64_t start = ex_->expert_start(e), n_e = ex_->expert_rows(e);
-    const std::int64_t kp0 = ex_->kpad_start(e), ld = padded_k<T>(n_e);
+                       E = c_.routed_experts, T_ = c_.tokens_per_rank;
+    const std::int64_t rows = t.rows, cols = t.cols;
+    // C = A B for a GEMM tile whose A and output are rectangles and whose B
+    // is a packed weight, a row-major buffer or a panel-blocked buffer.
+    auto gemm = [&](const Rect& a, auto b, const Rect& out, bool store_as_t) {
+      need(out, rows, cols, t);
+      need(a, rows, 0, t);
+      const std::int64_t k = a.cols(), lda = layout_of(p, a.buffer)->cols, ldo = layout_of(p, out.buffer)->cols;
+      using U = std::remove_const_t<std::remove_pointer_t<decltype(b.data)>>;
+      if constexpr (std::is_same_v<U, T>) {
+        if (store_as_t) {
+          tile_to<T>(at<T>(r, p, a), lda, b, t.col_begin, at<T>(r, p, out), ldo, rows, cols, k);
+          return;
+        }
+      }
+      kernels::gemm_tile<U>(at<U>(r, p, a), lda, b, t.col_begin, at<float>(r, p, out), ldo, rows, cols, k, false);
+    };
+    // A pack task: rows of `src` into a panel-blocked operand, and rows of
+    // `tsrc` transposed into a row-major one, each with its K padding.
+    auto pack = [&](BufferId src, BufferId panels, BufferId tsrc, BufferId transposed) {
+      const Rect& s = o.in(src);
+      const Rect& pr = o.out(panels);
+      const Rect& ts = o.in(tsrc);
+      const Rect& tr = o.out(transposed);
+      need(pr, rows, 0, t);
+      need(tr, 0, rows, t);
+      const auto& pl = *layout_of(p, panels);
+      pack_rows_into_panels<T>(at<T>(r, p, s), layout_of(p, src)->cols, rows, s.cols(), base<T>(r, panels), pl.rows, pr.r0,
+                               pr.rows() - rows);
+      const std::int64_t width = ts.cols(), ld = layout_of(p, transposed)->cols;
+      T* dst = at<T>(r, p, tr);
+      transpose_rows<T>(at<T>(r, p, ts), layout_of(p, tsrc)->cols, rows, width, dst, ld);
+      for (std::int64_t c = rows; c < tr.cols(); ++c)  // the K padding column
+        for (std::int64_t j = 0; j < width; ++j) dst[j * ld + c] = T{};
+    };
     switch (t.kind) {
-      case TaskKind::gate_grad:
-        for (std::int64_t tok = r0; tok < r0 + rows; ++tok) {
-          const float* dout = in.d_out.row(r * T_ + tok);
+      case TaskKind::gate_grad: {
+        const float* dout = at<float>(r, p, o.in(BufferId::dout));
+        const std::int64_t* slots = at<std::int64_t>(r, p, o.in(BufferId::slot));
+        const T* comb = at<T>(r, p, o.in(BufferId::comb));
+        float* gw = at<float>(r, p, o.out(BufferId::gw));
+        for (std::int64_t j = 0; j < rows; ++j)
           for (std::int64_t k = 0; k < K; ++k) {
-            const std::int64_t slot = slot_[(r * T_ + tok) * K + k];
-            b.d_weight[tok * K + k] = slot >= 0 ? kernels::dot<T>(dout, buf<T>(r, BufferId::comb) + slot * H, H) : 0.0f;
+            const std::int64_t row = slots[j * K + k];
+            gw[j * K + k] = row >= 0 ? kernels::dot<T>(dout + j * H, comb + row * H, H) : 0.0f;
           }
-        }
         break;
-      case TaskKind::router_bwd:
-        for (std::int64_t tok = r0; tok < r0 + rows; ++tok) {
-          const std::int64_t g = r * T_ + tok;
-          router_backward_token<float>(c_, res.routing, std::span<const float>(logits_.data() + g * E, E), g,
-                                       std::span<const float>(b.d_weight.data() + tok * K, K),
-                                       std::span<float>(b.d_logits.data() + tok * E, E));
-        }
-        transpose_rows<float>(in.x.row(r * T_ + r0), H, rows, H, b.x_t_float.data() + r0, T_);
+      }
+      case TaskKind::router_bwd: {
+        const float* logits = at<float>(r, p, o.in(BufferId::logits));
+        const float* gw = at<float>(r, p, o.in(BufferId::gw));
+        float* dlogits = at<float>(r, p, o.out(BufferId::dlogits));
+        for (std::int64_t j = 0; j < rows; ++j)
+          router_backward_token<float>(c_, res_->routing, std::span<const float>(logits + j * E, E),
+                                       r * T_ + t.row_begin + j, std::span<const float>(gw + j * K, K),
+                                       std::span<float>(dlogits + j * E, E));
+        const Rect& xtf = o.out(BufferId::xtf);
+        transpose_rows<float>(at<float>(r, p, o.in(BufferId::xf)), H, rows, H, at<float>(r, p, xtf), layout_of(p, xtf.buffer)->cols);
         break;
+      }
       case TaskKind::router_dgrad:
-        kernels::gemm_tile<float>(b.d_logits.data() + r0 * E, E, packed_->router_t.view(), t.col_begin,
-                                  b.rdx.data() + r0 * H + t.col_begin, H, rows, t.cols, E, false);
+        gemm(o.in(BufferId::dlogits), packed_->router_t.view(), o.out(BufferId::rdx), false);
         break;
-      case TaskKind::router_wgrad:
-        kernels::gemm_tile<float>(b.x_t_float.data() + r0 * T_, T_, RhsView<float>{b.d_logits.data(), E}, t.col_begin,
-                                  b.d_router.data() + r0 * E + t.col_begin, E, rows, t.cols, T_, false);
+      case TaskKind::router_wgrad: {
+        const Rect& b = o.in(BufferId::dlogits);
+        gemm(o.in(BufferId::xtf), RhsView<float>{base<float>(r, BufferId::dlogits) + b.r0 * E, E}, o.out(BufferId::dwg), false);
         break;
+      }
       case TaskKind::grad_dispatch_put: {
-        T* dst = put_target(t, BufferId::dy, r0 * H, rows * H, slot);
-        for (std::int64_t j = 0; j < rows; ++j) {
-          const std::int64_t a = b.send_assign[static_cast<std::size_t>(t.src_row + j)];
-          kernels::scale_store<T>(res.routing.weight[a], in.d_out.row(a / K), dst + j * H, H);
-        }
-        return send_put(t, BufferId::dy, r0 * H, rows * H, slot);
+        const Rect& dst = o.out(BufferId::dy);
+        need(dst, rows, H, t);
+        T* to = put_target(p, t, dst, slot);
+        const std::int64_t* assign = at<std::int64_t>(r, p, o.in(BufferId::send_assign));
+        const float* gates = base<float>(r, BufferId::gate);
+        const float* dout = base<float>(r, BufferId::dout);
+        for (std::int64_t j = 0; j < rows; ++j) kernels::scale_store<T>(gates[assign[j]], dout + (assign[j] / K) * H, to + j * H, H);
+        return send_put(p, t, dst, slot);
       }
       case TaskKind::gemm_down_dgrad:
-        kernels::gemm_tile<T>(buf<T>(r, BufferId::dy) + r0 * H, H, packed_->w2_t[t.expert].view(), t.col_begin,
-                              b.da.data() + r0 * I + t.col_begin, I, rows, t.cols, H, false);
+        gemm(o.in(BufferId::dy), packed_->w2_t[t.expert].view(), o.out(BufferId::da), false);
         break;
-      case TaskKind::pack_down_grad: {
-        const std::int64_t rel = r0 - start;
-        transpose_rows<T>(buf<T>(r, BufferId::a) + r0 * I, I, rows, I, b.a_t.data() + kp0 * I + rel, ld);
-        pack_panel_rows<T>(buf<T>(r, BufferId::dy) + start * H, H, n_e, H, b.dy_packed.data() + kp0 * round_up(H), rel, rel + rows);
-        if (rel + rows == n_e && ld > n_e)  // the K padding column of the bf16 pairs
-          for (std::int64_t j = 0; j < I; ++j) b.a_t[static_cast<std::size_t>(kp0 * I + j * ld + n_e)] = T{};
+      case TaskKind::pack_down_grad:
+        pack(BufferId::dy, BufferId::dyp, BufferId::a, BufferId::at);
         break;
-      }
       case TaskKind::gemm_down_wgrad:
-        kernels::gemm_tile<T>(b.a_t.data() + kp0 * I + (r0 - le * I) * ld, ld,
-                              kernels::panel_view<T>(b.dy_packed.data() + kp0 * round_up(H), n_e), t.col_begin,
-                              res.grads.w2[t.expert].row(r0 - le * I) + t.col_begin, H, rows, t.cols, ld, false);
+        gemm(o.in(BufferId::at), panels_from<T>(r, p, o.in(BufferId::dyp)), o.out(BufferId::dw2), false);
         break;
-      case TaskKind::swiglu_bwd:
-        for (std::int64_t row = r0; row < r0 + rows; ++row)
-          kernels::swiglu_backward<T>(buf<float>(r, BufferId::h1) + row * 2 * I, b.da.data() + row * I, I,
-                                      b.dh.data() + row * 2 * I);
-        break;
-      case TaskKind::gemm_gate_up_dgrad:
-        tile_to<T>(b.dh.data() + r0 * 2 * I, 2 * I, packed_->w1_t[t.expert].view(), t.col_begin,
-                   b.dx_expert.data() + r0 * H + t.col_begin, H, rows, t.cols, 2 * I);
-        break;
-      case TaskKind::pack_gate_up_grad: {
-        const std::int64_t rel = r0 - start;
-        transpose_rows<T>(buf<T>(r, BufferId::recv) + r0 * H, H, rows, H, b.x_t.data() + kp0 * H + rel, ld);
-        pack_panel_rows<T>(b.dh.data() + start * 2 * I, 2 * I, n_e, 2 * I, b.dh_packed.data() + kp0 * round_up(2 * I),
-                           rel, rel + rows);
-        if (rel + rows == n_e && ld > n_e)
-          for (std::int64_t j = 0; j < H; ++j) b.x_t[static_cast<std::size_t>(kp0 * H + j * ld + n_e)] = T{};
+      case TaskKind::swiglu_bwd: {
+        const float* h = at<float>(r, p, o.in(BufferId::h1));
+        const float* da = at<float>(r, p, o.in(BufferId::da));
+        T* dh = at<T>(r, p, o.out(BufferId::dh));
+        for (std::int64_t row = 0; row < rows; ++row)
+          kernels::swiglu_backward<T>(h + row * 2 * I, da + row * I, I, dh + row * 2 * I);
         break;
       }
-      case TaskKind::gemm_gate_up_wgrad:
-        kernels::gemm_tile<T>(b.x_t.data() + kp0 * H + (r0 - le * H) * ld, ld,
-                              kernels::panel_view<T>(b.dh_packed.data() + kp0 * round_up(2 * I), n_e), t.col_begin,
-                              res.grads.w1[t.expert].row(r0 - le * H) + t.col_begin, 2 * I, rows, t.cols, ld, false);
+      case TaskKind::gemm_gate_up_dgrad:
+        gemm(o.in(BufferId::dh), packed_->w1_t[t.expert].view(), o.out(BufferId::dxe), true);
         break;
-      case TaskKind::grad_combine_put:
-        copy_elements(put_target(t, BufferId::dcomb, r0 * H, rows * H, slot), b.dx_expert.data() + t.src_row * H,
-                      rows * H);
-        return send_put(t, BufferId::dcomb, r0 * H, rows * H, slot);
+      case TaskKind::pack_gate_up_grad:
+        pack(BufferId::dh, BufferId::dhp, BufferId::recv, BufferId::xt);
+        break;
+      case TaskKind::gemm_gate_up_wgrad:
+        gemm(o.in(BufferId::xt), panels_from<T>(r, p, o.in(BufferId::dhp)), o.out(BufferId::dw1), false);
+        break;
       case TaskKind::shared_down_dgrad:
-        kernels::gemm_tile<T>(b.shared_dy.data() + r0 * H, H, packed_->sw2_t.view(), t.col_begin,
-                              b.shared_da.data() + r0 * Is + t.col_begin, Is, rows, t.cols, H, false);
+        gemm(o.in(BufferId::sh_dout), packed_->sw2_t.view(), o.out(BufferId::sh_da), false);
         break;
       case TaskKind::pack_shared_down_grad:
-        pack_panel_rows<T>(b.shared_dy.data(), H, T_, H, b.shared_dy_packed.data(), r0, r0 + rows);
-        transpose_rows<T>(buf<T>(r, BufferId::sh_a) + r0 * Is, Is, rows, Is, b.shared_a_t.data() + r0, tpad);
-        if (r0 + rows == T_ && tpad > T_)
-          for (std::int64_t j = 0; j < Is; ++j) b.shared_a_t[static_cast<std::size_t>(j * tpad + T_)] = T{};
+        pack(BufferId::sh_dout, BufferId::sh_doutp, BufferId::sh_a, BufferId::sh_at);
         break;
       case TaskKind::shared_down_wgrad:
-        kernels::gemm_tile<T>(b.shared_a_t.data() + r0 * tpad, tpad, kernels::panel_view<T>(b.shared_dy_packed.data(), T_),
-                              t.col_begin, b.d_shared_w2.data() + r0 * H + t.col_begin, H, rows, t.cols, tpad, false);
+        gemm(o.in(BufferId::sh_at), panels_from<T>(r, p, o.in(BufferId::sh_doutp)), o.out(BufferId::dws2), false);
         break;
-      case TaskKind::shared_swiglu_bwd:
-        for (std::int64_t row = r0; row < r0 + rows; ++row)
-          kernels::swiglu_backward<T>(buf<float>(r, BufferId::sh_h) + row * 2 * Is, b.shared_da.data() + row * Is, Is,
-                                      b.shared_dh.data() + row * 2 * Is);
+      case TaskKind::shared_swiglu_bwd: {
+        const float* h = at<float>(r, p, o.in(BufferId::sh_h));
+        const float* da = at<float>(r, p, o.in(BufferId::sh_da));
+        T* dh = at<T>(r, p, o.out(BufferId::sh_dh));
+        for (std::int64_t row = 0; row < rows; ++row)
+          kernels::swiglu_backward<T>(h + row * 2 * Is, da + row * Is, Is, dh + row * 2 * Is);
         break;
+      }
       case TaskKind::shared_gate_up_dgrad:
-        kernels::gemm_tile<T>(b.shared_dh.data() + r0 * 2 * Is, 2 * Is, packed_->sw1_t.view(), t.col_begin,
-                              b.sdx.data() + r0 * H + t.col_begin, H, rows, t.cols, 2 * Is, false);
+        gemm(o.in(BufferId::sh_dh), packed_->sw1_t.view(), o.out(BufferId::sdx), false);
         break;
       case TaskKind::pack_shared_gate_up_grad:
-        pack_panel_rows<T>(b.shared_dh.data(), 2 * Is, T_, 2 * Is, b.shared_dh_packed.data(), r0, r0 + rows);
-        transpose_rows<T>(tokens_of(in, r) + r0 * H, H, rows, H, b.shared_x_t.data() + r0, tpad);
-        if (r0 + rows == T_ && tpad > T_)
-          for (std::int64_t j = 0; j < H; ++j) b.shared_x_t[static_cast<std::size_t>(j * tpad + T_)] = T{};
+        pack(BufferId::sh_dh, BufferId::sh_dhp, BufferId::x, BufferId::sh_xt);
         break;
       case TaskKind::shared_gate_up_wgrad:
-        kernels::gemm_tile<T>(b.shared_x_t.data() + r0 * tpad, tpad, kernels::panel_view<T>(b.shared_dh_packed.data(), T_),
-                              t.col_begin, b.d_shared_w1.data() + r0 * 2 * Is + t.col_begin, 2 * Is, rows, t.cols, tpad,
-                              false);
+        gemm(o.in(BufferId::sh_xt), panels_from<T>(r, p, o.in(BufferId::sh_dhp)), o.out(BufferId::dws1), false);
         break;
-      case TaskKind::grad_reduce:
-        for (std::int64_t tok = r0; tok < r0 + rows; ++tok)
-          assemble_dx_row<T>(res.grads.x.row(r * T_ + tok), H, K, slot_.data() + (r * T_ + tok) * K,
-                             buf<T>(r, BufferId::dcomb), b.rdx.data() + tok * H,
-                             c_.shared_experts > 0 ? b.sdx.data() + tok * H : nullptr);
+      case TaskKind::grad_reduce: {
+        const std::int64_t* slots = at<std::int64_t>(r, p, o.in(BufferId::slot));
+        const T* dcomb = at<T>(r, p, o.in(BufferId::dcomb));
+        const float* rdx = at<float>(r, p, o.in(BufferId::rdx));
+        const float* sdx = c_.shared_experts > 0 ? at<float>(r, p, o.in(BufferId::sdx)) : nullptr;
+        float* dx = at<float>(r, p, o.out(BufferId::dx));
+        for (std::int64_t j = 0; j < rows; ++j)
+          assemble_dx_row<T>(dx + j * H, H, K, slots + j * K, dcomb, rdx + j * H, sdx ? sdx + j * H : nullptr);
         break;
+      }
       default:
         throw Error(std::string("the interleaved runtime has no implementation of task kind ") + taskflow::name(t.kind));
     }
@@ -723,22 +864,24 @@ class Interleaved final : public InterleavedExecutor::Impl {
       for (std::int64_t i = 0; i < rows; ++i) dst[j * ld_dst + i] = src[i * ld_src + j];
   }
 
-  // Rows [row_begin, row_end) of row-major src [k, n] into the panel-blocked
-  // operand layout (kernels::pack_rhs_panels writes the same bytes, panel by
-  // panel); the last rows also write the zero padding.
+  // `rows` rows of row-major src [., n] into rows [row0, row0 + rows) of a
+  // panel-blocked buffer `height` rows high (kernels::pack_rhs_panels writes
+  // the same bytes), then `zero_rows` rows of zeros (K padding); columns
+  // past n in the last panel are zero.
   template <class U>
-  static void pack_panel_rows(const U* src, std::int64_t ld_src, std::int64_t k, std::int64_t n, U* dst,
-                              std::int64_t row_begin, std::int64_t row_end) {
-    const std::int64_t kp = padded_k<U>(k), end = row_end >= k ? kp : row_end;
+  static void pack_rows_into_panels(const U* src, std::int64_t ld_src, std::int64_t rows, std::int64_t n, U* panels_base,
+                                    std::int64_t height, std::int64_t row0, std::int64_t zero_rows) {
     for (std::int64_t p = 0; p < panels(n); ++p) {
-      U* panel = dst + p * kp * kTileCols;
-      for (std::int64_t rr = row_begin; rr < end; ++rr)
+      U* panel = panels_base + p * height * kTileCols;
+      for (std::int64_t i = 0; i < rows + zero_rows; ++i) {
+        const std::int64_t rr = row0 + i;
         for (std::int64_t j = 0; j < kTileCols; ++j) {
           const std::int64_t col = p * kTileCols + j;
-          const U v = rr < k && col < n ? src[rr * ld_src + col] : U{};
+          const U v = i < rows && col < n ? src[i * ld_src + col] : U{};
           if constexpr (sizeof(U) == 2) panel[(rr / 2) * kTileCols * 2 + j * 2 + (rr % 2)] = v;
           else panel[rr * kTileCols + j] = v;
         }
+      }
     }
   }
 
@@ -755,6 +898,7 @@ class Interleaved final : public InterleavedExecutor::Impl {
   const LayerWeights& w_;
   RuntimeOptions opt_;
   ExpertPlacement placement_;
+  const taskflow::AccessTable* table_;  // where every task's operands come from
   std::shared_ptr<Transport> tr_;
   std::vector<int> local_;  // the ranks this process runs, in order; pool rank i is local_[i]
   WorkerPool pool_;
@@ -776,6 +920,8 @@ class Interleaved final : public InterleavedExecutor::Impl {
   taskflow::ScheduleScratch schedule_scratch_;
   taskflow::Verifier verifier_;
   std::vector<RankState> ranks_;
+  const StepResult* res_ = nullptr;             // the step being run (router backward reads its routing)
+  taskflow::Program layout_scratch_;            // the backward's buffer layout, before its program exists
   std::atomic<bool> abort_{false};
   std::mutex failure_mutex_;
   std::exception_ptr failure_;

@@ -16,7 +16,7 @@ constexpr Use R = Use::read, W = Use::write;
 // Rules read as: buffer, use, side, rows (span, extent), columns (span, extent).
 constexpr OperandRule op(B b, Use u, Span rows, X row_extent, Span cols, X col_extent, Side side = Side::own,
                          bool only_with_shared = false) {
-  return OperandRule{b, u, side, rows, row_extent, cols, col_extent, only_with_shared};
+  return OperandRule{b, u, side, rows, row_extent, cols, col_extent, only_with_shared, 0};
 }
 // The common cases: a task's row band of a buffer, all its columns; the
 // task's own output rectangle.
@@ -61,74 +61,91 @@ constexpr std::uint8_t kElem = 0;  // the layer's dtype
 // checks their bounds and the executor takes their addresses from here.
 constexpr Entry kEntries[] = {
     // ---- forward
-    {K::dispatch_put, put_kind({op(B::x, R, Span::whole, X::tokens, Span::whole, X::hidden), tile(B::recv, Side::peer)}, kPeer)},
+    {K::dispatch_put,
+     put_kind({op(B::send_token, R, Span::source_rows, X::none, Span::whole, X::one),
+               op(B::x, R, Span::whole, X::tokens, Span::whole, X::hidden), tile(B::recv, Side::peer)},
+              kPeer)},
     {K::gemm_gate_up, gemm_kind({band(B::recv, X::hidden), tile(B::h1)}, X::hidden, kOwn)},
     {K::swiglu, vector_kind({band(B::h1, X::inter2), tile(B::a)}, {{X::inter2, 1, 4, X::none}, {X::inter, 1, kElem, X::none}}, kOwn)},
     {K::gemm_down, gemm_kind({band(B::a, X::inter), tile(B::y)}, X::inter, kOwn)},
     {K::combine_put,
      put_kind({op(B::y, R, Span::source_rows, X::none, Span::whole, X::hidden), tile(B::comb, Side::peer)}, kOwn)},
     {K::combine_reduce,
-     vector_kind({op(B::comb, R, Span::sent_rows, X::none, Span::whole, X::hidden),
-                  op(B::sh_y, R, Span::task_rows, X::none, Span::whole, X::hidden, Side::own, true), tile(B::out)},
+     vector_kind({op(B::comb, R, Span::sent_rows, X::none, Span::whole, X::hidden), band(B::slot, X::top_k),
+                  band(B::gate, X::top_k), op(B::sh_y, R, Span::task_rows, X::none, Span::whole, X::hidden, Side::own, true),
+                  tile(B::out)},
                  {{X::hidden, 1, kElem, X::top_k}, {X::hidden, 1, 4, X::none}})},
     {K::shared_gate_up, gemm_kind({band(B::x, X::hidden), tile(B::sh_h)}, X::hidden)},
     {K::shared_swiglu, vector_kind({band(B::sh_h, X::shared_inter2), tile(B::sh_a)}, {{X::shared_inter, 3, 4, X::none}})},
     {K::shared_down, gemm_kind({band(B::sh_a, X::shared_inter), tile(B::sh_y)}, X::shared_inter)},
     // ---- backward
     {K::gate_grad,
-     vector_kind({op(B::comb, R, Span::sent_rows, X::none, Span::whole, X::hidden), band(B::dout, X::hidden), tile(B::gw)},
+     vector_kind({op(B::comb, R, Span::sent_rows, X::none, Span::whole, X::hidden), band(B::dout, X::hidden),
+                  band(B::slot, X::top_k), tile(B::gw)},
                  {{X::hidden, 1, kElem, X::top_k}, {X::hidden, 1, 4, X::top_k}})},
     {K::router_bwd,
-     vector_kind({band(B::gw, X::top_k), band(B::x, X::hidden), tile(B::dlogits), transposed(B::xtf, X::hidden)},
+     vector_kind({band(B::gw, X::top_k), band(B::logits, X::experts), band(B::xf, X::hidden), tile(B::dlogits),
+                  transposed(B::xtf, X::hidden)},
                  {{X::experts, 1, 8, X::none}, {X::hidden, 1, 8, X::none}})},
     {K::router_dgrad, gemm_kind({band(B::dlogits, X::experts), tile(B::rdx)}, X::experts)},
     {K::router_wgrad,
      gemm_kind({band(B::xtf, X::tokens), op(B::dlogits, R, Span::whole, X::tokens, Span::task_cols, X::none), tile(B::dwg)},
                X::tokens)},
     {K::grad_dispatch_put,
-     put_kind({op(B::dout, R, Span::whole, X::tokens, Span::whole, X::hidden), tile(B::dy, Side::peer)}, kPeer)},
+     put_kind({op(B::send_assign, R, Span::source_rows, X::none, Span::whole, X::one),
+               op(B::gate, R, Span::whole, X::tokens, Span::whole, X::top_k),
+               op(B::dout, R, Span::whole, X::tokens, Span::whole, X::hidden), tile(B::dy, Side::peer)},
+              kPeer)},
     {K::gemm_down_dgrad, gemm_kind({band(B::dy, X::hidden), tile(B::da)}, X::hidden, kOwn)},
     {K::pack_down_grad,
-     vector_kind({band(B::dy, X::hidden), band(B::a, X::inter), tile(B::dyp), transposed(B::at, X::inter)},
+     vector_kind({band(B::dy, X::hidden), band(B::a, X::inter),
+                  op(B::dyp, W, Span::kpad_task_rows, X::none, Span::whole, X::hidden_panels),
+                  op(B::at, W, Span::whole, X::inter, Span::kpad_task_rows, X::none)},
                  {{X::hidden, 2, kElem, X::none}, {X::inter, 2, kElem, X::none}}, kOwn)},
     {K::gemm_down_wgrad,
-     gemm_kind({op(B::at, R, Span::expert_block, X::inter, Span::expert_rows, X::none),
-                op(B::dyp, R, Span::expert_rows, X::none, Span::task_cols, X::none), tile(B::dw2)},
-               X::expert_rows, kOwn)},
+     gemm_kind({op(B::at, R, Span::expert_block, X::inter, Span::expert_kpad, X::none),
+                op(B::dyp, R, Span::expert_kpad, X::none, Span::task_cols, X::none), tile(B::dw2)},
+               X::expert_kpad, kOwn)},
     {K::swiglu_bwd, vector_kind({band(B::da, X::inter), band(B::h1, X::inter2), tile(B::dh)}, {{X::inter, 1, 16, X::none}}, kOwn)},
     {K::gemm_gate_up_dgrad, gemm_kind({band(B::dh, X::inter2), tile(B::dxe)}, X::inter2, kOwn)},
     {K::pack_gate_up_grad,
-     vector_kind({band(B::dh, X::inter2), band(B::recv, X::hidden), tile(B::dhp), transposed(B::xt, X::hidden)},
+     vector_kind({band(B::dh, X::inter2), band(B::recv, X::hidden),
+                  op(B::dhp, W, Span::kpad_task_rows, X::none, Span::whole, X::inter2_panels),
+                  op(B::xt, W, Span::whole, X::hidden, Span::kpad_task_rows, X::none)},
                  {{X::inter2, 2, kElem, X::none}, {X::hidden, 2, kElem, X::none}}, kOwn)},
     {K::gemm_gate_up_wgrad,
-     gemm_kind({op(B::xt, R, Span::expert_block, X::hidden, Span::expert_rows, X::none),
-                op(B::dhp, R, Span::expert_rows, X::none, Span::task_cols, X::none), tile(B::dw1)},
-               X::expert_rows, kOwn)},
+     gemm_kind({op(B::xt, R, Span::expert_block, X::hidden, Span::expert_kpad, X::none),
+                op(B::dhp, R, Span::expert_kpad, X::none, Span::task_cols, X::none), tile(B::dw1)},
+               X::expert_kpad, kOwn)},
     {K::grad_combine_put,
      put_kind({op(B::dxe, R, Span::source_rows, X::none, Span::whole, X::hidden), tile(B::dcomb, Side::peer)}, kOwn)},
-    {K::shared_down_dgrad, gemm_kind({band(B::dout, X::hidden), tile(B::sh_da)}, X::hidden)},
+    {K::shared_down_dgrad, gemm_kind({band(B::sh_dout, X::hidden), tile(B::sh_da)}, X::hidden)},
     {K::pack_shared_down_grad,
-     vector_kind({band(B::dout, X::hidden), band(B::sh_a, X::shared_inter), tile(B::sh_doutp),
-                  transposed(B::sh_at, X::shared_inter)},
+     vector_kind({band(B::sh_dout, X::hidden), band(B::sh_a, X::shared_inter),
+                  op(B::sh_doutp, W, Span::task_rows_padded, X::none, Span::whole, X::hidden_panels),
+                  op(B::sh_at, W, Span::whole, X::shared_inter, Span::task_rows_padded, X::none)},
                  {{X::hidden, 4, kElem, X::none}, {X::shared_inter, 2, kElem, X::none}})},
     {K::shared_down_wgrad,
-     gemm_kind({band(B::sh_at, X::tokens), op(B::sh_doutp, R, Span::whole, X::tokens, Span::task_cols, X::none),
-                tile(B::dws2)},
-               X::tokens)},
+     gemm_kind({op(B::sh_at, R, Span::task_rows, X::none, Span::whole, X::tokens_padded),
+                op(B::sh_doutp, R, Span::whole, X::tokens_padded, Span::task_cols, X::none), tile(B::dws2)},
+               X::tokens_padded)},
     {K::shared_swiglu_bwd,
      vector_kind({band(B::sh_da, X::shared_inter), band(B::sh_h, X::shared_inter2), tile(B::sh_dh)},
                  {{X::shared_inter, 1, 16, X::none}})},
     {K::shared_gate_up_dgrad, gemm_kind({band(B::sh_dh, X::shared_inter2), tile(B::sdx)}, X::shared_inter2)},
     {K::pack_shared_gate_up_grad,
-     vector_kind({band(B::sh_dh, X::shared_inter2), band(B::x, X::hidden), tile(B::sh_dhp), transposed(B::sh_xt, X::hidden)},
+     vector_kind({band(B::sh_dh, X::shared_inter2), band(B::x, X::hidden),
+                  op(B::sh_dhp, W, Span::task_rows_padded, X::none, Span::whole, X::shared_inter2_panels),
+                  op(B::sh_xt, W, Span::whole, X::hidden, Span::task_rows_padded, X::none)},
                  {{X::shared_inter2, 2, kElem, X::none}})},
     {K::shared_gate_up_wgrad,
-     gemm_kind({band(B::sh_xt, X::tokens), op(B::sh_dhp, R, Span::whole, X::tokens, Span::task_cols, X::none),
-                tile(B::dws1)},
-               X::tokens)},
+     gemm_kind({op(B::sh_xt, R, Span::task_rows, X::none, Span::whole, X::tokens_padded),
+                op(B::sh_dhp, R, Span::whole, X::tokens_padded, Span::task_cols, X::none), tile(B::dws1)},
+               X::tokens_padded)},
     {K::grad_reduce,
-     vector_kind({op(B::dcomb, R, Span::sent_rows, X::none, Span::whole, X::hidden), band(B::rdx, X::hidden),
-                  op(B::sdx, R, Span::task_rows, X::none, Span::whole, X::hidden, Side::own, true), tile(B::dx)},
+     vector_kind({op(B::dcomb, R, Span::sent_rows, X::none, Span::whole, X::hidden), band(B::slot, X::top_k),
+                  band(B::rdx, X::hidden), op(B::sdx, R, Span::task_rows, X::none, Span::whole, X::hidden, Side::own, true),
+                  tile(B::dx)},
                  {{X::hidden, 1, kElem, X::top_k}, {X::hidden, 3, 4, X::none}})},
 };
 static_assert(std::size(kEntries) == static_cast<std::size_t>(TaskKind::count), "every task kind needs an entry");
@@ -141,6 +158,8 @@ AccessTable make_standard() {
 
 }  // namespace
 
+std::int64_t padded_rows(const Program& p, std::int64_t rows) { return p.dims.elem_bytes == 2 ? (rows + 1) & ~std::int64_t{1} : rows; }
+
 const AccessTable& AccessTable::standard() {
   static const AccessTable table = make_standard();
   return table;
@@ -148,8 +167,19 @@ const AccessTable& AccessTable::standard() {
 
 std::int64_t AccessTable::extent(const Program& p, const Task& t, Extent e) const {
   const Dims& d = p.dims;
+  auto panels = [](std::int64_t n) { return (n + kPanelCols - 1) / kPanelCols * kPanelCols; };
   switch (e) {
     case Extent::none: return 1;
+    case Extent::one: return 1;
+    case Extent::tokens_padded: return padded_rows(p, d.tokens);
+    case Extent::hidden_panels: return panels(d.hidden);
+    case Extent::inter2_panels: return panels(2 * d.inter);
+    case Extent::shared_inter2_panels: return panels(2 * d.shared_inter);
+    case Extent::expert_kpad: {
+      const std::int64_t slot = p.slot_of(t.expert);
+      if (slot < 0) return 0;
+      return p.kpad_begin[static_cast<std::size_t>(slot + 1)] - p.kpad_begin[static_cast<std::size_t>(slot)];
+    }
     case Extent::hidden: return d.hidden;
     case Extent::inter: return d.inter;
     case Extent::inter2: return 2 * d.inter;
@@ -178,14 +208,26 @@ std::pair<std::int64_t, std::int64_t> span_of(const AccessTable& table, const Pr
     case Span::source_rows: return {t.src_row, std::int64_t{t.src_row} + t.rows};
     case Span::whole: return {0, table.extent(p, t, e)};
     case Span::sent_rows: return {0, p.send_rows};
+    case Span::task_rows_padded: {
+      const std::int64_t end = std::int64_t{t.row_begin} + t.rows;
+      return {t.row_begin, end == p.dims.tokens ? padded_rows(p, end) : end};
+    }
+    case Span::expert_kpad:
+    case Span::kpad_task_rows:
     case Span::expert_rows:
     case Span::expert_block: {
       const std::int64_t slot = p.slot_of(t.expert);
       if (slot < 0)
         throw Error("rank " + std::to_string(p.rank) + " task " + name(t.kind) + " names expert " +
                     std::to_string(t.expert) + ", which this rank does not hold");
-      if (s == Span::expert_rows)
-        return {p.expert_begin[static_cast<std::size_t>(slot)], p.expert_begin[static_cast<std::size_t>(slot + 1)]};
+      const auto at = [](const std::vector<std::int64_t>& v, std::int64_t i) { return v[static_cast<std::size_t>(i)]; };
+      if (s == Span::expert_rows) return {at(p.expert_begin, slot), at(p.expert_begin, slot + 1)};
+      if (s == Span::expert_kpad) return {at(p.kpad_begin, slot), at(p.kpad_begin, slot + 1)};
+      if (s == Span::kpad_task_rows) {
+        const std::int64_t first = std::int64_t{t.row_begin} - at(p.expert_begin, slot) + at(p.kpad_begin, slot);
+        const bool last = std::int64_t{t.row_begin} + t.rows == at(p.expert_begin, slot + 1);
+        return {first, last ? at(p.kpad_begin, slot + 1) : first + t.rows};
+      }
       const std::int64_t first = std::int64_t{t.row_begin} - slot * table.extent(p, t, e);
       return {first, first + (rows ? t.rows : t.cols)};
     }
@@ -204,7 +246,7 @@ Operands AccessTable::operands(const Program& p, const Task& t) const {
     const auto [r0, r1] = span_of(*this, p, t, rule.rows, rule.row_extent, true);
     const auto [c0, c1] = span_of(*this, p, t, rule.cols, rule.col_extent, false);
     out.list[static_cast<std::size_t>(out.count++)] =
-        Operand{Rect{rule.buffer, r0, r1, c0, c1}, rule.use, rule.side == Side::peer ? t.peer : p.rank,
+        Operand{Rect{rule.buffer, r0, r1 + rule.grow_rows, c0, c1}, rule.use, rule.side == Side::peer ? t.peer : p.rank,
                 rule.use == Use::read && rule.cols == Span::task_cols};
   }
   return out;

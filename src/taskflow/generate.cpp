@@ -210,16 +210,82 @@ class Builder {
   const AccessTable& table_;
 };
 
-void add_buffer(Program& p, BufferId id, std::int64_t rows, std::int64_t cols, std::int64_t elem) {
+// Appends a buffer after the last one of its region (cache-line aligned).
+void add_buffer(Program& p, BufferId id, std::int64_t rows, std::int64_t cols, std::int64_t elem, Region region,
+                Layout layout = Layout::row_major) {
   std::int64_t offset = 0;
-  if (!p.buffers.empty()) {
-    const auto& last = p.buffers.back();
-    offset = last.offset_bytes + ((last.rows * last.cols * last.elem_bytes + 63) / 64) * 64;
-  }
-  p.buffers.push_back(BufferLayout{id, rows, cols, elem, offset});
+  if (region != Region::bound)
+    for (const auto& b : p.buffers)
+      if (b.region == region) offset = std::max(offset, b.offset_bytes + (b.bytes() + 63) / 64 * 64);
+  p.buffers.push_back(BufferLayout{id, rows, cols, elem, offset, region, layout});
 }
 
+std::int64_t panel_width(std::int64_t n) { return (n + kPanelCols - 1) / kPanelCols * kPanelCols; }
+
 }  // namespace
+
+void declare_buffers(Program& p, const LayerConfig& c, const Exchange& ex, Pass pass, std::int64_t rank) {
+  const std::int64_t H = c.hidden, I = c.expert_inter, Is = c.shared_inter_total(), T = c.tokens_per_rank,
+                     E = c.routed_experts, K = c.top_k, L = ex.placement().local_count(rank);
+  const std::int64_t elem = c.dtype == DType::bf16 ? 2 : 4;
+  const bool shared = c.shared_experts > 0;
+  // Only put targets are symmetric; they are sized for the busiest rank.
+  const std::int64_t max_recv = ex.max_recv_rows(), max_send = ex.max_send_rows(), send = ex.send_rows(rank);
+  const std::int64_t kpad = ex.kpad_rows(rank), tpad = ex.padded(T);
+  constexpr Region sym = Region::symmetric, local = Region::local, bound = Region::bound;
+  p.buffers.clear();
+  // The forward's buffers and the step's routing. The backward program
+  // declares them too, at the same offsets, and reads them as saved.
+  add_buffer(p, BufferId::xf, T, H, 4, bound);
+  add_buffer(p, BufferId::x, T, H, elem, elem == 4 ? bound : local);  // fp32: the caller's tokens themselves
+  add_buffer(p, BufferId::slot, T, K, 8, local);
+  add_buffer(p, BufferId::gate, T, K, 4, local);
+  add_buffer(p, BufferId::send_token, send, 1, 4, local);
+  add_buffer(p, BufferId::send_assign, send, 1, 8, local);
+  add_buffer(p, BufferId::recv, max_recv, H, elem, sym);
+  add_buffer(p, BufferId::h1, max_recv, 2 * I, 4, local);
+  add_buffer(p, BufferId::a, max_recv, I, elem, local);
+  add_buffer(p, BufferId::y, max_recv, H, elem, local);
+  add_buffer(p, BufferId::comb, max_send, H, elem, sym);
+  add_buffer(p, BufferId::out, T, H, 4, bound);
+  if (shared) {
+    add_buffer(p, BufferId::sh_h, T, 2 * Is, 4, local);
+    add_buffer(p, BufferId::sh_a, T, Is, elem, local);
+    add_buffer(p, BufferId::sh_y, T, H, 4, local);
+  }
+  if (pass == Pass::forward) return;
+  add_buffer(p, BufferId::logits, T, E, 4, bound);
+  add_buffer(p, BufferId::dout, T, H, 4, bound);
+  add_buffer(p, BufferId::gw, T, K, 4, local);
+  add_buffer(p, BufferId::dlogits, T, E, 4, local);
+  add_buffer(p, BufferId::xtf, H, T, 4, local);
+  add_buffer(p, BufferId::rdx, T, H, 4, local);
+  add_buffer(p, BufferId::dwg, H, E, 4, local);
+  add_buffer(p, BufferId::dy, max_recv, H, elem, sym);
+  add_buffer(p, BufferId::da, max_recv, I, 4, local);
+  add_buffer(p, BufferId::dyp, kpad, panel_width(H), elem, local, Layout::panels);
+  add_buffer(p, BufferId::at, I, kpad, elem, local);
+  add_buffer(p, BufferId::dw2, L * I, H, 4, bound);  // per slot: the expert's gradient, in the caller's result
+  add_buffer(p, BufferId::dh, max_recv, 2 * I, elem, local);
+  add_buffer(p, BufferId::dxe, max_recv, H, elem, local);
+  add_buffer(p, BufferId::dhp, kpad, panel_width(2 * I), elem, local, Layout::panels);
+  add_buffer(p, BufferId::xt, H, kpad, elem, local);
+  add_buffer(p, BufferId::dw1, L * H, 2 * I, 4, bound);
+  add_buffer(p, BufferId::dcomb, max_send, H, elem, sym);
+  if (shared) {
+    add_buffer(p, BufferId::sh_dout, T, H, elem, local);
+    add_buffer(p, BufferId::sh_da, T, Is, 4, local);
+    add_buffer(p, BufferId::sh_doutp, tpad, panel_width(H), elem, local, Layout::panels);
+    add_buffer(p, BufferId::sh_at, Is, tpad, elem, local);
+    add_buffer(p, BufferId::sh_xt, H, tpad, elem, local);
+    add_buffer(p, BufferId::dws2, Is, H, 4, local);
+    add_buffer(p, BufferId::sh_dh, T, 2 * Is, elem, local);
+    add_buffer(p, BufferId::sdx, T, H, 4, local);
+    add_buffer(p, BufferId::sh_dhp, tpad, panel_width(2 * Is), elem, local, Layout::panels);
+    add_buffer(p, BufferId::dws1, H, 2 * Is, 4, local);
+  }
+  add_buffer(p, BufferId::dx, T, H, 4, bound);
+}
 
 Program generate(const LayerConfig& c, const ExpertPlacement& placement, const RoutingCounts& counts, const Machine& m,
                  Pass pass, std::int64_t rank) {
@@ -257,8 +323,13 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
   p.ranks = static_cast<std::int32_t>(P);
   p.machine = m;
   p.dims = Dims{H, I, Is, E, c.top_k, T, elem};
-  for (const std::int32_t e : mine) p.expert_begin.push_back(ex.expert_start(e));
+  p.kpad_begin.clear();
+  for (const std::int32_t e : mine) {
+    p.expert_begin.push_back(ex.expert_start(e));
+    p.kpad_begin.push_back(ex.kpad_start(e));
+  }
   p.expert_begin.push_back(ex.recv_rows(rank));
+  p.kpad_begin.push_back(ex.kpad_rows(rank));
   p.send_rows = ex.send_rows(rank);
 
   const std::int64_t row_tiles = ex.row_tiles(rank), token_tiles = ceil_div(T, TR);
@@ -266,9 +337,6 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
   p.events.assign(static_cast<std::size_t>(ev.total), Event{0, TaskKind::count, -1, -1});
   Builder b(p, m);
   const std::int64_t n_gate_up = ceil_div(2 * I, TC), n_down = ceil_div(H, TC), n_inter = ceil_div(I, TC);
-
-  // Symmetric buffers: the receive side is sized for the busiest rank.
-  const std::int64_t max_recv = ex.max_recv_rows(), max_send = ex.max_send_rows();
 
   // Puts from this rank's tokens (or gradients) to every expert, split at the
   // receiver's row tiles so that each piece signals exactly the tile it fills.
@@ -307,20 +375,7 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
     }
   };
 
-  // The forward's buffers. The backward program declares them too, at the
-  // same offsets, and reads them as the saved activations.
-  add_buffer(p, BufferId::x, T, H, elem);
-  add_buffer(p, BufferId::recv, max_recv, H, elem);
-  add_buffer(p, BufferId::h1, max_recv, 2 * I, 4);
-  add_buffer(p, BufferId::a, max_recv, I, elem);
-  add_buffer(p, BufferId::y, max_recv, H, elem);
-  add_buffer(p, BufferId::comb, max_send, H, elem);
-  add_buffer(p, BufferId::out, T, H, 4);
-  if (shared) {
-    add_buffer(p, BufferId::sh_h, T, 2 * Is, 4);
-    add_buffer(p, BufferId::sh_a, T, Is, elem);
-    add_buffer(p, BufferId::sh_y, T, H, 4);
-  }
+  declare_buffers(p, c, ex, pass, rank);
 
   if (pass == Pass::forward) {
     // Events of this rank.
@@ -381,35 +436,6 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
   }
 
   // ---- backward ----
-  add_buffer(p, BufferId::dout, T, H, 4);
-  add_buffer(p, BufferId::gw, T, c.top_k, 4);
-  add_buffer(p, BufferId::dlogits, T, E, 4);
-  add_buffer(p, BufferId::xtf, H, T, 4);
-  add_buffer(p, BufferId::rdx, T, H, 4);
-  add_buffer(p, BufferId::dwg, H, E, 4);
-  add_buffer(p, BufferId::dy, max_recv, H, elem);
-  add_buffer(p, BufferId::da, max_recv, I, 4);
-  add_buffer(p, BufferId::dyp, max_recv + L, H, elem);
-  add_buffer(p, BufferId::at, I, max_recv + L, elem);
-  add_buffer(p, BufferId::dw2, L * I, H, 4);
-  add_buffer(p, BufferId::dh, max_recv, 2 * I, elem);
-  add_buffer(p, BufferId::dxe, max_recv, H, elem);
-  add_buffer(p, BufferId::dhp, max_recv + L, 2 * I, elem);
-  add_buffer(p, BufferId::xt, H, max_recv + L, elem);
-  add_buffer(p, BufferId::dw1, L * H, 2 * I, 4);
-  add_buffer(p, BufferId::dcomb, max_send, H, elem);
-  if (shared) {
-    add_buffer(p, BufferId::sh_da, T, Is, 4);
-    add_buffer(p, BufferId::sh_doutp, T + 1, H, elem);
-    add_buffer(p, BufferId::sh_at, Is, T + 1, elem);
-    add_buffer(p, BufferId::sh_xt, H, T + 1, elem);
-    add_buffer(p, BufferId::dws2, Is, H, 4);
-    add_buffer(p, BufferId::sh_dh, T, 2 * Is, elem);
-    add_buffer(p, BufferId::sdx, T, H, 4);
-    add_buffer(p, BufferId::sh_dhp, T + 1, 2 * Is, elem);
-    add_buffer(p, BufferId::dws1, H, 2 * Is, 4);
-  }
-  add_buffer(p, BufferId::dx, T, H, 4);
 
   const std::int64_t n_router_dgrad = token_tiles * n_down;
   const std::int64_t n_shared_dgrad = shared ? token_tiles * n_down : 0;

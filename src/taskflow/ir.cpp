@@ -20,7 +20,10 @@ constexpr std::array<const char*, static_cast<std::size_t>(TaskKind::count)> kTa
 constexpr std::array<const char*, static_cast<std::size_t>(BufferId::count)> kBufferNames = {
     "none", "x", "recv", "h1", "a", "y", "comb", "out", "sh_h", "sh_a", "sh_y", "dout", "gw", "dlogits", "xtf", "rdx",
     "dwg", "dy", "da", "dyp", "at", "dw2", "dh", "dxe", "dhp", "xt", "dw1", "dcomb", "sh_da", "sh_doutp", "sh_at",
-    "sh_xt", "dws2", "sh_dh", "sdx", "sh_dhp", "dws1", "dx"};
+    "sh_xt", "dws2", "sh_dh", "sdx", "sh_dhp", "dws1", "dx", "xf", "slot", "gate", "send_token", "send_assign",
+    "logits", "sh_dout"};
+constexpr std::array<const char*, 3> kRegionNames = {"symmetric", "local", "bound"};
+constexpr std::array<const char*, 2> kLayoutNames = {"row_major", "panels"};
 
 template <class Enum, std::size_t N>
 Enum enum_from(const std::array<const char*, N>& names, const std::string& s, const char* what) {
@@ -32,6 +35,16 @@ Enum enum_from(const std::array<const char*, N>& names, const std::string& s, co
 
 const char* name(TaskKind k) { return kTaskNames.at(static_cast<std::size_t>(k)); }
 const char* name(BufferId b) { return kBufferNames.at(static_cast<std::size_t>(b)); }
+const char* name(Region r) { return kRegionNames.at(static_cast<std::size_t>(r)); }
+const char* name(Layout l) { return kLayoutNames.at(static_cast<std::size_t>(l)); }
+
+std::int64_t Program::region_bytes(Region region) const {
+  std::int64_t end = 0;
+  for (const auto& b : buffers)
+    if (b.region == region) end = std::max(end, b.offset_bytes + b.bytes());
+  return end;
+}
+
 const char* name(QueueClass c) { return c == QueueClass::matrix ? "matrix" : "vector"; }
 
 
@@ -153,11 +166,12 @@ nlohmann::json to_json(const Program& p) {
                {"elem_bytes", p.dims.elem_bytes}};
   j["local_experts"] = p.local_experts;
   j["expert_begin"] = p.expert_begin;
+  j["kpad_begin"] = p.kpad_begin;
   j["send_rows"] = p.send_rows;
   auto& buffers = j["buffers"] = nlohmann::json::array();
   for (const auto& b : p.buffers)
     buffers.push_back({{"id", name(b.id)}, {"rows", b.rows}, {"cols", b.cols}, {"elem_bytes", b.elem_bytes},
-                       {"offset_bytes", b.offset_bytes}});
+                       {"offset_bytes", b.offset_bytes}, {"region", name(b.region)}, {"layout", name(b.layout)}});
   auto& events = j["events"] = nlohmann::json::array();
   for (const auto& e : p.events) events.push_back({e.required, name(e.consumer), e.expert, e.tile});
   j["task_fields"] = {"kind", "src", "dst", "expert", "peer", "row_begin", "rows", "col_begin", "cols", "src_row",
@@ -222,11 +236,16 @@ Program program_from_json(const nlohmann::json& j) {
     p.expert_begin = j.at("expert_begin").get<std::vector<std::int64_t>>();
     if (p.expert_begin.size() != p.local_experts.size() + 1)
       throw Error("program dump: expert_begin must have one entry more than local_experts");
+    p.kpad_begin = j.at("kpad_begin").get<std::vector<std::int64_t>>();
+    if (p.kpad_begin.size() != p.expert_begin.size())
+      throw Error("program dump: kpad_begin must have one entry more than local_experts");
     p.send_rows = j.at("send_rows").get<std::int64_t>();
     for (const auto& b : j.at("buffers"))
       p.buffers.push_back(BufferLayout{enum_from<BufferId>(kBufferNames, b.at("id").get<std::string>(), "buffer"),
                                        b.at("rows").get<std::int64_t>(), b.at("cols").get<std::int64_t>(),
-                                       b.at("elem_bytes").get<std::int64_t>(), b.at("offset_bytes").get<std::int64_t>()});
+                                       b.at("elem_bytes").get<std::int64_t>(), b.at("offset_bytes").get<std::int64_t>(),
+                                       enum_from<Region>(kRegionNames, b.at("region").get<std::string>(), "region"),
+                                       enum_from<Layout>(kLayoutNames, b.at("layout").get<std::string>(), "layout")});
     for (const auto& e : j.at("events")) {
       if (!e.is_array() || e.size() != 4) throw Error("program dump: an event must be [required, consumer, expert, tile]");
       p.events.push_back(Event{e[0].get<std::int32_t>(), enum_from<TaskKind>(kTaskNames, e[1].get<std::string>(), "task kind"),

@@ -90,6 +90,8 @@ struct EventBases {
   std::int64_t total = 0;
 };
 
+// The buffers of a rank's program for a pass (what generate declares).
+void declare_buffers(Program&, const LayerConfig&, const Exchange&, Pass, std::int64_t rank);
 void generate(Program& out, const LayerConfig&, const Exchange&, const Machine&, Pass, std::int64_t rank);
 
 }  // namespace hpmoe::taskflow

@@ -31,13 +31,18 @@ std::string describe_event(const Program& p, std::int32_t ev) {
 
 // What a pass starts from: the tokens, and in the backward the forward's
 // buffers (saved activations) and the output gradient.
+// What a pass starts from, written before the launch: the tokens and the
+// step's routing; in the backward also the forward's buffers (saved
+// activations), the router's logits and the output gradient.
 bool is_input(Pass pass, BufferId b) {
-  if (b == BufferId::x) return true;
-  if (pass == Pass::forward) return false;
   switch (b) {
+    case BufferId::x: case BufferId::xf: case BufferId::slot: case BufferId::gate: case BufferId::send_token:
+    case BufferId::send_assign:
+      return true;
     case BufferId::recv: case BufferId::h1: case BufferId::a: case BufferId::y: case BufferId::comb:
     case BufferId::out: case BufferId::sh_h: case BufferId::sh_a: case BufferId::sh_y: case BufferId::dout:
-      return true;
+    case BufferId::sh_dout: case BufferId::logits:
+      return pass == Pass::backward;
     default:
       return false;
   }
@@ -156,13 +161,25 @@ class Checker {
         }
       for (std::size_t i = 0; i < seen.size(); ++i)
         if (!seen[i]) fail(describe(p, static_cast<std::int32_t>(i)) + " is on no worker's queue");
-      // Buffers: inside the symmetric region, not overlapping each other.
+      // Buffers: sane sizes; symmetric ones laid out as on rank 0 (a put
+      // addresses a peer's copy by its own offsets); none overlapping another
+      // of its region.
+      for (const auto& b : p.buffers) {
+        if (b.rows < 0 || b.cols < 0 || b.offset_bytes < 0 || (b.elem_bytes != 2 && b.elem_bytes != 4 && b.elem_bytes != 8) ||
+            b.rows > (std::int64_t{1} << 31) || b.cols > (std::int64_t{1} << 31))
+          fail("rank " + std::to_string(r) + " declares buffer " + name(b.id) + " with an impossible shape");
+        if (b.region != Region::symmetric) continue;
+        const BufferLayout* first = p_[0].buffer(b.id);
+        if (!first || first->region != Region::symmetric || first->offset_bytes != b.offset_bytes || first->bytes() != b.bytes())
+          fail("rank " + std::to_string(r) + " lays out symmetric buffer " + name(b.id) + " unlike rank 0");
+      }
       for (std::size_t a = 0; a < p.buffers.size(); ++a)
         for (std::size_t b = a + 1; b < p.buffers.size(); ++b) {
           const auto& x = p.buffers[a];
           const auto& y = p.buffers[b];
           const std::int64_t xe = x.offset_bytes + x.rows * x.cols * x.elem_bytes;
           const std::int64_t ye = y.offset_bytes + y.rows * y.cols * y.elem_bytes;
+          if (x.region != y.region || x.region == Region::bound) continue;  // separate memory
           if (x.offset_bytes < ye && y.offset_bytes < xe && x.rows * x.cols > 0 && y.rows * y.cols > 0)
             fail(std::string("rank ") + std::to_string(r) + " buffers " + name(x.id) + " and " + name(y.id) + " overlap");
         }
