@@ -17,7 +17,7 @@ run() {  # layer-args label P W T routing
   s=$(grep -oE '^serialized router .* dispatch-to-combine [0-9.]+' <<<"$out" | grep -oE '[0-9.]+$' || echo "-")
   i=$(grep -oE '^interleaved \([a-z-]+\) dispatch-to-combine [0-9.]+' <<<"$out" | grep -oE '[0-9.]+$' || echo "-")
   sp=$(grep -oE 'speedup [0-9.]+x' <<<"$out" | grep -oE '[0-9.]+x' || echo "-")
-  if grep -qE 'interleaved out .* max abs 0.00e\+00' <<<"$out"; then same=yes; else same=NO; fi
+  if grep -q 'interleaved = serialized: bit-identical' <<<"$out"; then same=yes; else same=NO; fi
   echo "| $2 | $3 x $4 | $5 | $6 | $s | $i | $sp | $same |"
 }
 for T in 256 1024; do

@@ -46,7 +46,7 @@ label, P, W, T, routing = sys.argv[2:]
 s, i = j["serialized"], j["interleaved"]
 fs, fi = s["dispatch_to_combine"]["median_s"], i["dispatch_to_combine"]["median_s"]
 bs, bi = s["backward"]["median_s"], i["backward"]["median_s"]
-same = all(c["pass"] for c in j["verification"]["checks"] if c["tensor"].startswith("interleaved"))
+same = all(c["pass"] for c in j["verification"]["checks"] if c.get("bit_identical") is not None)
 ok = j["verification"]["pass"]
 flops = j["interleaved"]["forward_gflops"] * fi + j["interleaved"]["backward_gflops"] * bi  # GFLOP of one step
 print(f"| {label} | {P} x {W} | {T} | {routing} | {fs*1e3:.1f} | {fi*1e3:.1f} | {fs/fi:.3f} | {(fs+bs)*1e3:.1f} | "

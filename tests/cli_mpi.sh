@@ -23,10 +23,10 @@ mpi() {  # mpi NP PATH ARGS...
 check() {  # check NP PATH ARGS...: passes, and the bit-identity checks ran
   mpi "$@" > "$tmp/out.txt" 2>&1 || { cat "$tmp/out.txt"; echo "FAILED: $*"; exit 1; }
   grep -q "verify   PASS" "$tmp/out.txt"
-  grep -q "interleaved out  rel L2 0.00e+00" "$tmp/out.txt"
+  grep -q "interleaved (mpi) = in-process serialized: bit-identical, all" "$tmp/out.txt"
   grep -q "interleaved over mpi" "$tmp/out.txt"
   # The serialized baseline ran phased over the same transport, and both match the in-process executor.
-  test "$(grep -c "= in-process, all tensors rel L2 0.00e+00" "$tmp/out.txt")" -eq 2
+  test "$(grep -c "= in-process serialized: bit-identical, all" "$tmp/out.txt")" -eq 2
 }
 
 for path in shared network; do
@@ -38,7 +38,7 @@ for policy in fill rank-rotated critical-path interleave-wgrad; do
 done
 check 4 shared --preset qwen3-30b-a3b --set hidden=256 --set expert_inter=64 --set routed_experts=16 \
   -T 64 --backward --dtype bf16 --routing zipf:1.2 --iters 1
-grep -q "interleaved dW   rel L2 0.00e+00" "$tmp/out.txt"
+grep -q "bit-identical, all 35 tensors" "$tmp/out.txt"  # out, dx, router, 16 x (w1, w2); no shared experts
 # Placement as data over MPI: 8 experts on 3 processes (2, 3, 3), and a random permutation.
 check 3 shared --set routed_experts=8 -T 40 --backward --routing "$trace" --placement round-robin --iters 1
 check 3 network --set routed_experts=8 -T 40 --backward --dtype bf16 --placement random:5 --iters 1

@@ -16,6 +16,17 @@ done
 "$HPMOE" run -P 4 -W 2 --routing "trace:$HPMOE_SOURCE_DIR/data/routing/mixtral-8x7b/writing.json:12" --backward \
   | grep -q "verify   PASS"
 "$HPMOE" run --routing zipf:1.2 --set capacity_factor=1.0 --backward | grep -q "verify   PASS"
+# Both executors: one bit-identity line for the whole step (out, dx, router,
+# shared w1/w2, 8 x (w1, w2) of the tiny preset).
+"$HPMOE" run --backward --iters 1 | grep -q "interleaved = serialized: bit-identical, all 21 tensors"
+# The interleaved runtime alone reports no serialized figures (no 0 ms, no inf).
+"$HPMOE" run --mode interleaved --backward --iters 1 --json "$tmp/int.json" > "$tmp/int.txt"
+grep -q "interleaved backward" "$tmp/int.txt"
+if grep -q "serialized\|inf GFLOP" "$tmp/int.txt"; then echo "interleaved-only run printed serialized figures"; exit 1; fi
+python3 -c "import json, sys; j = json.load(open(sys.argv[1])); sys.exit('serialized' in j)" "$tmp/int.json"
+# Placement as data: a placement file, uneven experts per rank, verified.
+echo '{"experts_of_rank": [[7, 0, 3], [5, 1], [2, 6, 4]]}' > "$tmp/placement.json"
+"$HPMOE" run -P 3 --backward --iters 1 --placement "$tmp/placement.json" | grep -q "bit-identical"
 "$HPMOE" run --seed 5 --backward --save "$tmp/run" > "$tmp/a.txt"
 test -s "$tmp/run/weights.safetensors" && test -s "$tmp/run/outputs.safetensors" && test -s "$tmp/run/routing.safetensors"
 "$HPMOE" run --seed 99 --backward --load "$tmp/run" --save "$tmp/again" > "$tmp/b.txt"

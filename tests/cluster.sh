@@ -35,7 +35,7 @@ left_behind() {  # nothing of any cluster may remain
 scripts/cluster.sh --rate-gbit 0.2 --time-limit 120 -- -T 64 --backward --routing zipf:1.2 > "$tmp/ok.txt" 2>&1 ||
   { cat "$tmp/ok.txt"; exit 1; }
 grep -q "verify   PASS" "$tmp/ok.txt"
-test "$(grep -c "= in-process, all tensors rel L2 0.00e+00" "$tmp/ok.txt")" -eq 2
+test "$(grep -c "= in-process serialized: bit-identical, all" "$tmp/ok.txt")" -eq 2
 grep -q "interleaved over mpi network messages" "$tmp/ok.txt"
 left_behind
 
@@ -43,7 +43,7 @@ left_behind
 scripts/cluster.sh --rate-gbit 0.2 --slow-host 1:0.005 --time-limit 120 -- -T 48 --backward --iters 1 --warmup 0 \
   > "$tmp/slow.txt" 2>&1 || { cat "$tmp/slow.txt"; exit 1; }
 grep -q "verify   PASS" "$tmp/slow.txt"
-test "$(grep -c "= in-process, all tensors rel L2 0.00e+00" "$tmp/slow.txt")" -eq 2
+test "$(grep -c "= in-process serialized: bit-identical, all" "$tmp/slow.txt")" -eq 2
 left_behind
 
 fault() {  # fault KIND EXPECTED: the run fails within 40 s naming rank 1

@@ -48,9 +48,5 @@ std::string format_report(const CompileReport&);
 nlohmann::json dump_programs(const std::vector<taskflow::Program>&);
 std::vector<taskflow::Program> load_programs(const std::string& path);
 
-// The routing of one step for compiling or simulating: synthetic and trace
-// routing without the layer's weights; the router itself (random router
-// weights and inputs from `seed`) where the inputs fit in memory.
-RouterOutput<float> route_step(const LayerConfig&, const RoutingSpec&, std::uint64_t seed);
 
 }  // namespace hpmoe

@@ -75,6 +75,9 @@ class ExpertPlacement {
 // is empty (what an option left unset means).
 ExpertPlacement placement_or_contiguous(const ExpertPlacement& p, std::int64_t experts, std::int64_t ranks);
 
+// "contiguous", or each rank's experts ("rank 0: 7 0 3; rank 1: 5 1").
+std::string describe(const ExpertPlacement&);
+
 // {"experts_of_rank": [[0, 3], [1, 2]]} or {"owner": [0, 1, 1, 0]}, with an
 // optional "allow_empty_ranks": true. Errors name the field and the expert.
 nlohmann::json to_json(const ExpertPlacement&);

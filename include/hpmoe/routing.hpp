@@ -87,4 +87,9 @@ struct RoutingStats {
 template <class Real>
 RoutingStats routing_stats(const LayerConfig&, const ExpertPlacement&, const RouterOutput<Real>&);
 
+// The routing of one step for compiling or simulating: synthetic and trace
+// routing without the layer's weights; the router itself (random router
+// weights and inputs from `seed`) where the inputs fit in memory.
+RouterOutput<float> route_step(const LayerConfig&, const RoutingSpec&, std::uint64_t seed);
+
 }  // namespace hpmoe

@@ -48,10 +48,15 @@ struct RunRequest {
 };
 
 // One tensor of a fast path compared against the oracle.
+// One tensor of a fast path compared against the oracle, or (bitwise) a
+// whole step of one executor compared bit for bit against another's.
 struct Comparison {
   std::string tensor;
   double rel_l2 = 0, max_abs = 0, ref_max = 0;
   bool pass = false;
+  bool bitwise = false;          // a bit-identity check of `tensors` tensors
+  std::int64_t tensors = 0;
+  std::string differing;         // bitwise: the first tensor that differs
 };
 
 struct Verification {
@@ -70,6 +75,7 @@ Summary summarize(std::vector<double> samples);
 struct RunReport {
   LayerConfig config;
   std::string routing;
+  std::string placement;  // describe(ExpertPlacement)
   int workers_per_rank = 1;
   int iterations = 0;
   bool backward = false;

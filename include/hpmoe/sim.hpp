@@ -11,9 +11,11 @@
 #include "hpmoe/access.hpp"
 #include "hpmoe/taskflow.hpp"
 
-// The discrete-event simulator (DESIGN section 4): the programs the compiler
-// emits, and the serialized baseline's operator sequence over the same
-// tiles, executed on a machine model.
+// The discrete-event simulator: the programs the compiler emits, and the
+// serialized baseline's operator sequence over the same tiles, executed on a
+// machine model (matrix and vector units, links shared by the transfers
+// crossing them, launch and collective costs). Task costs come from the
+// access table's work.
 namespace hpmoe::sim {
 
 // GEMM tile throughput of one matrix unit at one shape (measured or cited):

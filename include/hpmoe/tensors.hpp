@@ -22,9 +22,9 @@ struct Matrix {
   float at(std::int64_t i, std::int64_t j) const { return data[static_cast<std::size_t>(i * cols + j)]; }
 };
 
-// Parameters of the whole layer (all ranks' experts). Layouts are the math
-// layouts of DESIGN section 1 (x W); the safetensors I/O converts to and from
-// the Hugging Face [out, in] layout.
+// Parameters of the whole layer (all ranks' experts), in the math layout
+// [in, out] (the layer computes x W: h = x W1, y = swiglu(h) W2); the
+// safetensors I/O converts to and from the Hugging Face [out, in] layout.
 struct LayerWeights {
   Matrix router;                    // [H, E]
   std::vector<float> expert_bias;   // [E], selection only

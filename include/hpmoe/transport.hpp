@@ -58,18 +58,27 @@ class Transport {
   // watchdog adds it to its error, and a waiting worker gives up early.
   virtual std::string failed_peers() const { return {}; }
 
-  // What this process's workers are doing, for a progress thread that
-  // shares their cores: while every worker of the launch runs a task, none
-  // waits for a message, so polling can back off and leave them the CPU.
-  void set_launch_workers(int workers) { launch_workers_.store(workers, std::memory_order_relaxed); }
-  std::atomic<int>& workers_in_tasks() { return in_tasks_; }
-  bool all_workers_busy() const {
-    const int w = launch_workers_.load(std::memory_order_relaxed);
+  // The runtime's count of its workers in tasks, for a transport whose
+  // progress thread shares their cores (null: stop watching). It must
+  // outlive the watching.
+  virtual void watch_workers(const class WorkerActivity* activity) { (void)activity; }
+};
+
+// How many of a process's launch workers are inside a task: while all are,
+// none waits for a message, so a progress thread on their cores can back
+// off and leave them the CPU.
+class WorkerActivity {
+ public:
+  void set_workers(int workers) { workers_.store(workers, std::memory_order_relaxed); }
+  void enter() { in_tasks_.fetch_add(1, std::memory_order_relaxed); }
+  void leave() { in_tasks_.fetch_sub(1, std::memory_order_relaxed); }
+  bool all_busy() const {
+    const int w = workers_.load(std::memory_order_relaxed);
     return w > 0 && in_tasks_.load(std::memory_order_relaxed) >= w;
   }
 
  private:
-  std::atomic<int> launch_workers_{0}, in_tasks_{0};
+  std::atomic<int> workers_{0}, in_tasks_{0};
 };
 
 // All ranks in this process (the default): segments are plain memory.

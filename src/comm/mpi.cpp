@@ -241,7 +241,11 @@ class Mpi final : public Transport {
     return text;
   }
 
+ public:
+  void watch_workers(const WorkerActivity* activity) override { activity_.store(activity, std::memory_order_release); }
+
  private:
+  std::atomic<const WorkerActivity*> activity_{nullptr};
   struct alignas(64) Line {
     std::byte bytes[64];
   };
@@ -392,7 +396,8 @@ class Mpi final : public Transport {
           idle = 0;
           last_busy = now;
         } else if (++idle > 64) {
-          if (active && (!all_workers_busy() || now - last_busy < std::chrono::microseconds(50)))
+          const WorkerActivity* workers = activity_.load(std::memory_order_acquire);
+          if (active && (!(workers && workers->all_busy()) || now - last_busy < std::chrono::microseconds(50)))
             std::this_thread::yield();
           else
             std::this_thread::sleep_for(std::chrono::microseconds(200));

@@ -198,6 +198,7 @@ RunReport run_layer(const RunRequest& req, const std::function<void(const std::s
   rep.policy = taskflow::name(req.policy);
   rep.config = c;
   rep.routing = req.routing.describe();
+  rep.placement = describe(placement);
   rep.workers_per_rank = req.workers_per_rank;
   rep.iterations = req.iterations;
   rep.backward = req.backward;
@@ -280,53 +281,39 @@ RunReport run_layer(const RunRequest& req, const std::function<void(const std::s
   }
   if (req.verify != VerifyMode::off) say("verifying against the fp64 oracle");
   rep.verification = verify(req, w, in, last);
-  if (distributed && serial) {
-    // Every executor over MPI must reproduce the in-process serialized result bit for bit.
-    auto against_reference = [&](const std::string& name, const StepResult& s) {
-      Comparison ch;
-      ch.tensor = name;
-      ch.pass = s.out.data == reference.out.data;
-      if (req.backward) {
-        ch.pass = ch.pass && s.grads.x.data == reference.grads.x.data && s.grads.router.data == reference.grads.router.data &&
-                  s.grads.shared_w1.data == reference.grads.shared_w1.data && s.grads.shared_w2.data == reference.grads.shared_w2.data;
-        for (std::size_t e = 0; e < s.grads.w1.size(); ++e)
-          ch.pass = ch.pass && s.grads.w1[e].data == reference.grads.w1[e].data && s.grads.w2[e].data == reference.grads.w2[e].data;
-      }
-      rep.verification.checks.push_back(ch);
-      rep.verification.pass = rep.verification.pass && ch.pass;
+  // Bit identity of whole steps: outputs and, with backward, every gradient.
+  auto bit_identity = [&](const std::string& name, const StepResult& a, const StepResult& b) {
+    Comparison ch;
+    ch.tensor = name;
+    ch.bitwise = true;
+    auto same = [&](const std::string& tensor, const Matrix& x, const Matrix& y) {
+      ++ch.tensors;
+      const bool equal = x.data.size() == y.data.size() &&
+                         (x.data.empty() || std::memcmp(x.data.data(), y.data.data(), x.data.size() * sizeof(float)) == 0);
+      if (!equal && ch.differing.empty()) ch.differing = tensor;
     };
-    if (use_serialized) against_reference("phased (mpi) = in-process, all tensors", last);
-    if (use_interleaved) against_reference("interleaved (mpi) = in-process, all tensors", use_serialized ? inter_last : last);
-  }
-  if (use_serialized && inter) {
-    // The interleaved runtime must reproduce the serialized result bit for bit.
-    auto bitwise = [&](const std::string& name, const Matrix& a, const Matrix& b) {
-      Comparison ch;
-      ch.tensor = name;
-      ch.pass = a.data.size() == b.data.size() &&
-                std::memcmp(a.data.data(), b.data.data(), a.data.size() * sizeof(float)) == 0;
-      for (std::size_t i = 0; i < std::min(a.data.size(), b.data.size()); ++i)
-        ch.max_abs = std::max(ch.max_abs, double(std::abs(a.data[i] - b.data[i])));
-      rep.verification.checks.push_back(ch);
-      rep.verification.pass = rep.verification.pass && ch.pass;
-      return ch.pass;
-    };
-    bitwise("interleaved out", last.out, inter_last.out);
+    same("out", a.out, b.out);
     if (req.backward) {
-      bool same = bitwise("interleaved dx", last.grads.x, inter_last.grads.x);
-      same = bitwise("interleaved router", last.grads.router, inter_last.grads.router) && same;
-      bool experts = true;
-      for (std::size_t e = 0; e < last.grads.w1.size(); ++e)
-        experts = experts && last.grads.w1[e].data == inter_last.grads.w1[e].data &&
-                  last.grads.w2[e].data == inter_last.grads.w2[e].data;
-      Comparison ch;
-      ch.tensor = "interleaved dW";
-      ch.pass = experts && last.grads.shared_w1.data == inter_last.grads.shared_w1.data &&
-                last.grads.shared_w2.data == inter_last.grads.shared_w2.data;
-      rep.verification.checks.push_back(ch);
-      rep.verification.pass = rep.verification.pass && ch.pass && same;
+      same("dx", a.grads.x, b.grads.x);
+      same("router", a.grads.router, b.grads.router);
+      if (c.shared_experts > 0) {
+        same("shared w1", a.grads.shared_w1, b.grads.shared_w1);
+        same("shared w2", a.grads.shared_w2, b.grads.shared_w2);
+      }
+      for (std::size_t e = 0; e < a.grads.w1.size() && e < b.grads.w1.size(); ++e) {
+        same("w1 of expert " + std::to_string(e), a.grads.w1[e], b.grads.w1[e]);
+        same("w2 of expert " + std::to_string(e), a.grads.w2[e], b.grads.w2[e]);
+      }
     }
+    ch.pass = ch.differing.empty();
+    rep.verification.checks.push_back(ch);
+    rep.verification.pass = rep.verification.pass && ch.pass;
+  };
+  if (distributed && serial) {  // every executor over MPI reproduces the in-process serialized step
+    if (use_serialized) bit_identity("phased (mpi) = in-process serialized", last, reference);
+    if (use_interleaved) bit_identity("interleaved (mpi) = in-process serialized", use_serialized ? inter_last : last, reference);
   }
+  if (use_serialized && inter) bit_identity("interleaved = serialized", last, inter_last);
   if (opt.trace) {
     std::vector<TracedRun> runs;
     if (use_serialized) runs.push_back({distributed ? "serialized (phased, rank 0's workers)" : "serialized", &last});
@@ -353,6 +340,7 @@ nlohmann::json summary_json(const Summary& s) { return {{"median_s", s.median}, 
 nlohmann::json to_json(const RunReport& r) {
   nlohmann::json j;
   j["layer"] = to_json(r.config);
+  j["placement"] = r.placement;
   j["routing"] = {{"source", r.routing},
                   {"tokens_per_expert", r.stats.tokens_per_expert},
                   {"tokens_per_rank", r.stats.tokens_per_rank},
@@ -392,14 +380,17 @@ nlohmann::json to_json(const RunReport& r) {
                      {"dispatch_to_combine", summary_json(r.dispatch_to_combine)},
                      {"forward_gflops", r.forward_flops / r.dispatch_to_combine.median / 1e9},
                      {"busy_share", r.serialized_busy.median}};
-  if (r.backward) {
+  if (r.serialized && r.backward) {
     j["serialized"]["backward"] = summary_json(r.backward_time);
     j["serialized"]["backward_gflops"] = r.backward_flops / r.backward_time.median / 1e9;
     j["serialized"]["backward_busy_share"] = r.serialized_backward_busy.median;
   }
   nlohmann::json checks = nlohmann::json::array();
   for (const auto& c : r.verification.checks)
-    checks.push_back({{"tensor", c.tensor}, {"rel_l2", c.rel_l2}, {"max_abs", c.max_abs}, {"ref_max", c.ref_max}, {"pass", c.pass}});
+    checks.push_back(c.bitwise ? nlohmann::json{{"tensor", c.tensor}, {"bit_identical", c.pass}, {"tensors", c.tensors},
+                                                {"differing", c.differing}, {"pass", c.pass}}
+                               : nlohmann::json{{"tensor", c.tensor}, {"rel_l2", c.rel_l2}, {"max_abs", c.max_abs},
+                                                {"ref_max", c.ref_max}, {"pass", c.pass}});
   j["verification"] = {{"mode", r.verification.mode},
                        {"sample_tokens", r.verification.sample_tokens},
                        {"selection_mismatches", r.verification.selection_mismatches},
@@ -441,6 +432,7 @@ std::string format_report(const RunReport& r) {
   if (!r.serialized_over.empty()) o << "; serialized operator by operator over the same";
   o << "\n";
   const auto& st = r.stats;
+  if (r.placement != "contiguous") o << "experts  " << r.placement << "\n";
   o << "routing  " << r.routing << ": expert max/mean " << st.expert_max_over_mean << ", rank max/mean "
     << st.rank_max_over_mean << ", Gini " << st.expert_gini << ", dropped " << st.dropped << "/" << st.assignments;
   if (c.aux_loss_coef > 0) o << ", aux loss " << r.aux_loss;
@@ -483,7 +475,7 @@ std::string format_report(const RunReport& r) {
       if (name != "launch") o << " " << name << " " << ms(s.median) << " ms";
     o << "\n";
   }
-  if (r.backward)
+  if (r.serialized && r.backward)
     o << "serialized backward " << ms(r.backward_time.median) << " ms (min " << ms(r.backward_time.min) << ", max "
       << ms(r.backward_time.max) << "), " << r.backward_flops / r.backward_time.median / 1e9 << " GFLOP/s"
       << busy_idle(r.serialized_backward_busy) << "\n";
@@ -495,9 +487,17 @@ std::string format_report(const RunReport& r) {
     o << "verify   " << (v.pass ? "PASS" : "FAIL") << " against the fp64 oracle ("
       << (v.mode == "full" ? std::string("all tokens") : std::to_string(v.sample_tokens) + " sampled tokens")
       << ", router selection mismatches " << v.selection_mismatches << ")\n";
-    for (const auto& ch : v.checks)
+    for (const auto& ch : v.checks) {
+      if (ch.bitwise) {
+        o << "         " << ch.tensor << ": "
+          << (ch.pass ? "bit-identical, all " + std::to_string(ch.tensors) + " tensors"
+                      : "NOT bit-identical (" + ch.differing + " differs)  FAIL")
+          << "\n";
+        continue;
+      }
       o << "         " << std::left << std::setw(16) << ch.tensor << std::right << " rel L2 " << ch.rel_l2
         << "  max abs " << ch.max_abs << " (ref max " << ch.ref_max << ")" << (ch.pass ? "" : "  FAIL") << "\n";
+    }
   }
   return o.str();
 }

@@ -130,6 +130,21 @@ ExpertPlacement placement_or_contiguous(const ExpertPlacement& p, std::int64_t e
   return p;
 }
 
+std::string describe(const ExpertPlacement& p) {
+  if (p == ExpertPlacement::contiguous(p.experts(), p.ranks())) return "contiguous";
+  std::string text;
+  for (std::int64_t r = 0; r < p.ranks(); ++r) {
+    text += r ? "; rank " : "rank ";
+    text += std::to_string(r);
+    text += ':';
+    for (const auto e : p.experts_of(r)) {
+      text += ' ';
+      text += std::to_string(e);
+    }
+  }
+  return text;
+}
+
 nlohmann::json to_json(const ExpertPlacement& p) {
   nlohmann::json lists = nlohmann::json::array();
   for (std::int64_t r = 0; r < p.ranks(); ++r) {

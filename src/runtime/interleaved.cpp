@@ -64,7 +64,11 @@ class Interleaved final : public InterleavedExecutor::Impl {
     waiting_ = std::make_unique<std::atomic<std::int32_t>[]>(workers);
     for (std::size_t i = 0; i < workers; ++i) waiting_[i].store(-1);
     staging_.resize(workers);
+    tr_->watch_workers(&activity_);
   }
+  ~Interleaved() override { tr_->watch_workers(nullptr); }
+  Interleaved(const Interleaved&) = delete;
+  Interleaved& operator=(const Interleaved&) = delete;
 
   static std::vector<int> hosted_ranks(const Transport& tr, std::int64_t ranks) {
     if (tr.ranks() != ranks)
@@ -133,10 +137,7 @@ class Interleaved final : public InterleavedExecutor::Impl {
     res.backward_ops.push_back({"launch", res.backward_seconds});
     const auto r0 = Clock::now();
     gather_rows(res.grads.x);
-    for (std::int64_t e = 0; e < c_.routed_experts; ++e) {
-      tr_->gather(res.grads.w1[e].data, placement_.owner(e));
-      tr_->gather(res.grads.w2[e].data, placement_.owner(e));
-    }
+    gather_expert_gradients(res.grads);
     reduce_replicated(res);
     res.backward_ops.push_back({"reduce_replicated_grads", seconds(r0, Clock::now())});
   }
@@ -193,7 +194,7 @@ class Interleaved final : public InterleavedExecutor::Impl {
     failure_ = nullptr;
     busy_.assign(local_.size() * static_cast<std::size_t>(opt_.workers_per_rank), 0.0);
     if (opt_.fault.kind == RuntimeFault::exit_process && tr_->hosts(opt_.fault.rank)) std::_Exit(9);
-    tr_->set_launch_workers(static_cast<int>(local_.size()) * opt_.workers_per_rank);
+    activity_.set_workers(static_cast<int>(local_.size()) * opt_.workers_per_rank);
     tr_->launch_begin();  // every process has armed its counters
     if (opt_.fault.kind == RuntimeFault::freeze_process && tr_->hosts(opt_.fault.rank)) std::raise(SIGSTOP);
     const auto start = Clock::now();
@@ -225,6 +226,34 @@ class Interleaved final : public InterleavedExecutor::Impl {
           }
     }
     return elapsed;
+  }
+
+  // Every expert's weight gradients onto the root process: one gather per
+  // owning rank, its experts' gradients packed back to back.
+  void gather_expert_gradients(LayerGradients& g) {
+    std::vector<float> packed;
+    for (int q = 0; q < c_.ranks; ++q) {
+      const auto experts = placement_.experts_of(q);
+      std::size_t total = 0;
+      for (const auto e : experts) total += g.w1[e].data.size() + g.w2[e].data.size();
+      const bool moves = tr_->hosts(q) != tr_->is_root();  // held by one process, needed by the other
+      packed.assign(moves ? total : 0, 0.0f);
+      auto each = [&](auto&& fn) {
+        std::size_t at = 0;
+        for (const auto e : experts)
+          for (Matrix* m : {&g.w1[e], &g.w2[e]}) {
+            fn(*m, at);
+            at += m->data.size();
+          }
+      };
+      if (moves && tr_->hosts(q))
+        each([&](const Matrix& m, std::size_t at) { std::copy(m.data.begin(), m.data.end(), packed.begin() + static_cast<std::ptrdiff_t>(at)); });
+      tr_->gather(packed, q);
+      if (moves && tr_->is_root())
+        each([&](Matrix& m, std::size_t at) {
+          std::copy(packed.begin() + static_cast<std::ptrdiff_t>(at), packed.begin() + static_cast<std::ptrdiff_t>(at + m.data.size()), m.data.begin());
+        });
+    }
   }
 
   // Every rank's token rows of m onto the root process.
@@ -581,11 +610,11 @@ class Interleaved final : public InterleavedExecutor::Impl {
     const Task& t = (*current_)[r].tasks[id];
     if (t.wait_event >= 0) wait(r, slot, id, t);
     const auto begin = Clock::now();
-    tr_->workers_in_tasks().fetch_add(1, std::memory_order_relaxed);
+    activity_.enter();
     struct Leave {
-      std::atomic<int>& n;
-      ~Leave() { n.fetch_sub(1, std::memory_order_relaxed); }
-    } leave{tr_->workers_in_tasks()};
+      WorkerActivity& a;
+      ~Leave() { a.leave(); }
+    } leave{activity_};
     const bool signalled = execute(r, slot, t);
     const auto end = Clock::now();
     busy_[slot] += seconds(begin, end);
@@ -900,6 +929,7 @@ class Interleaved final : public InterleavedExecutor::Impl {
   ExpertPlacement placement_;
   const taskflow::AccessTable* table_;  // where every task's operands come from
   std::shared_ptr<Transport> tr_;
+  WorkerActivity activity_;  // watched by the transport's progress thread
   std::vector<int> local_;  // the ranks this process runs, in order; pool rank i is local_[i]
   WorkerPool pool_;
   std::vector<std::vector<T>> staging_;  // per worker: rows of a put to a peer not addressable here

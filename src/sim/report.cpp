@@ -3,7 +3,6 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
-#include "hpmoe/compile_driver.hpp"
 #include "hpmoe/error.hpp"
 #include "hpmoe/sim.hpp"
 

@@ -366,7 +366,7 @@ namespace {
 // The serialized baseline's operators: one task kind each; an exchange is
 // preceded by a permute (the gather of the rows into a send buffer).
 struct Operator {
-  std::vector<TaskKind> kinds;
+  TaskKind kind;
   bool all_to_all = false;
   bool permute_first = false;
 };
@@ -375,7 +375,7 @@ std::vector<Operator> operators(taskflow::Pass pass) {
   std::vector<Operator> ops;
   for (TaskKind k : taskflow::operator_order(pass)) {
     const bool exchange = is_put(k);
-    ops.push_back({{k}, exchange, exchange && (k == TaskKind::dispatch_put || k == TaskKind::grad_dispatch_put)});
+    ops.push_back({k, exchange, exchange && (k == TaskKind::dispatch_put || k == TaskKind::grad_dispatch_put)});
   }
   return ops;
 }
@@ -403,8 +403,7 @@ Timeline simulate_serialized(const MachineModel& m, const std::vector<Program>& 
   bool first = true;
   for (const Operator& op : operators(programs[0].pass)) {
     bool any = false;
-    for (int r = 0; r < P; ++r)
-      for (TaskKind k : op.kinds) any = any || !by_kind[static_cast<std::size_t>(r) * kinds + static_cast<std::size_t>(k)].empty();
+    for (int r = 0; r < P; ++r) any = any || !by_kind[static_cast<std::size_t>(r) * kinds + static_cast<std::size_t>(op.kind)].empty();
     if (!any) continue;
     for (int pass = op.permute_first ? 0 : 1; pass < 2; ++pass) {  // 0: the permute before an exchange
       if (!first) now += m.operator_launch_s;
@@ -413,7 +412,8 @@ Timeline simulate_serialized(const MachineModel& m, const std::vector<Program>& 
       double end = now;
       for (int r = 0; r < P; ++r) {
         const auto& p = programs[static_cast<std::size_t>(r)];
-        for (TaskKind kind : op.kinds) {
+        {
+          const TaskKind kind = op.kind;
           // The units of the operator's class, earliest free first (ties: lowest unit).
           std::priority_queue<std::pair<double, int>, std::vector<std::pair<double, int>>, std::greater<>> units;
           for (int w = 0; w < Q; ++w)

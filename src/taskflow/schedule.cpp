@@ -1,4 +1,5 @@
 #include <algorithm>
+#include <limits>
 #include <bit>
 #include <numeric>
 #include <queue>
@@ -44,6 +45,9 @@ void rotate_puts(const Program& p, std::vector<std::int32_t>& order) {
   }
 }
 
+// A bottom level above any real one (the keys are floats of levels).
+constexpr double kFirst = std::numeric_limits<float>::max();
+
 // Longest cost path from each task to the end of the step (bottom level).
 // Generation order is topological, so one backward pass suffices; a put's
 // remote consumers are estimated by the longest local task of their kind.
@@ -62,7 +66,7 @@ std::vector<double> bottom_levels(const Program& p) {
     // rank's own tail depends on them through those ranks: they go first.
     // (Estimating them from local tasks of the consumer's kind fails when this
     // rank has no such tasks, e.g. no rows routed to its experts.)
-    if (is_put(t.kind) && t.wait_event < 0) bl[i] = 1e30;
+    if (is_put(t.kind) && t.wait_event < 0) bl[i] = kFirst;
     if (t.wait_event >= 0) event_bl[static_cast<std::size_t>(t.wait_event)] = std::max(event_bl[t.wait_event], bl[i]);
     kind_bl[static_cast<std::size_t>(t.kind)] = std::max(kind_bl[static_cast<std::size_t>(t.kind)], bl[i]);
   }
