@@ -113,7 +113,7 @@ class Interleaved final : public InterleavedExecutor::Impl {
     prepare_forward(in, res);
     res.forward_ops.push_back({"prepare", seconds(t3, Clock::now())});
     res.dispatch_to_combine_seconds = launch(programs, res);
-    res.forward_ops.push_back({"launch", res.dispatch_to_combine_seconds});
+    if (!opt_.phased) res.forward_ops.push_back({"launch", res.dispatch_to_combine_seconds});
     gather_rows(res.out);
     if (!opt_.backward) return;
 
@@ -134,7 +134,7 @@ class Interleaved final : public InterleavedExecutor::Impl {
     prepare_backward(in, res);
     res.backward_ops.push_back({"prepare", seconds(b2, Clock::now())});
     res.backward_seconds = launch(backward_programs, res);
-    res.backward_ops.push_back({"launch", res.backward_seconds});
+    if (!opt_.phased) res.backward_ops.push_back({"launch", res.backward_seconds});
     const auto r0 = Clock::now();
     gather_rows(res.grads.x);
     gather_expert_gradients(res.grads);
@@ -197,11 +197,25 @@ class Interleaved final : public InterleavedExecutor::Impl {
     activity_.set_workers(static_cast<int>(local_.size()) * opt_.workers_per_rank);
     tr_->launch_begin();  // every process has armed its counters
     if (opt_.fault.kind == RuntimeFault::freeze_process && tr_->hosts(opt_.fault.rank)) std::raise(SIGSTOP);
-    const auto start = Clock::now();
+    if (opt_.phased) phase_end_.assign(busy_.size() * order.size(), 0.0);
+    const auto start = launch_start_ = Clock::now();
     pool_.run([&](int index, int w) { run_worker(index, w); });
     if (!failure_) tr_->launch_end();
     if (failure_) std::rethrow_exception(failure_);
     const double elapsed = seconds(start, Clock::now());
+    if (opt_.phased) {  // each operator: from the previous barrier to its own, as this process's workers passed them
+      auto& ops = set[0].pass == taskflow::Pass::forward ? res.forward_ops : res.backward_ops;
+      double previous = 0;
+      for (std::size_t k = 0; k < order.size(); ++k) {
+        double end = 0;
+        for (std::size_t w = 0; w < busy_.size(); ++w) end = std::max(end, phase_end_[w * order.size() + k]);
+        bool any = false;  // operators no rank has tasks of (the shared experts' without them) are not listed
+        for (const auto& p : set)
+          for (const Task& t : p.tasks) any = any || t.kind == order[k];
+        if (any) ops.push_back({taskflow::name(order[k]), end - previous});
+        previous = end;
+      }
+    }
     // Busy worker-seconds of every rank, summed on the root.
     std::vector<float> busy(static_cast<std::size_t>(c_.ranks), 0.0f);
     for (std::size_t i = 0; i < busy_.size(); ++i)
@@ -654,6 +668,7 @@ class Interleaved final : public InterleavedExecutor::Impl {
       wait_all.wait_event = barrier;
       wait_all.wait_count = static_cast<std::int32_t>(c_.ranks * W);
       wait(r, slot, -2 - static_cast<std::int32_t>(k), wait_all);  // -2 - k: the barrier after operator k
+      phase_end_[slot * phases + k] = seconds(launch_start_, Clock::now());
     }
   }
 
@@ -943,6 +958,8 @@ class Interleaved final : public InterleavedExecutor::Impl {
   std::vector<std::vector<Span>> spans_;  // per worker, when tracing
   std::vector<double> busy_;              // per worker: seconds in tasks this launch
   std::vector<std::int32_t> phase_fill_;  // phased: scratch of the per-operator placement
+  std::vector<double> phase_end_;         // phased: [worker][operator] seconds from the launch's start to its barrier
+  Clock::time_point launch_start_;
   Clock::time_point step_start_;
   std::vector<float> logits_;
   std::optional<taskflow::Exchange> ex_;  // this step's exchange layout
