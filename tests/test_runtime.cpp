@@ -345,3 +345,67 @@ TEST(Interleaved, BoundsChecksFollowThePerturbedAccessTable) {
     EXPECT_THROW(checked.step(in, {}, res), Error);
   }
 }
+
+// The layer API a training framework holds: forward(x) now, backward(d_out)
+// later, on views of its own tensors (here rows 3 floats apart wider than H,
+// inside a larger buffer), bit-identical to step() on owned matrices; the
+// weights given in Hugging Face's [out, in] layout give the same bits.
+TEST(Interleaved, ForwardThenBackwardOnBorrowedViewsMatchesStep) {
+  for (auto dtype : {DType::fp32, DType::bf16}) {
+    LayerConfig c = preset("tiny");
+    c.dtype = dtype;
+    c.ranks = 2;
+    const auto w = random_weights(c, 8);
+    const auto in = random_inputs(c, 8);
+    const std::int64_t N = c.total_tokens(), H = c.hidden, ld = H + 3;
+    std::vector<float> x_store(static_cast<std::size_t>(N * ld), -1.0f), dout_store(x_store.size(), -1.0f);
+    for (std::int64_t t = 0; t < N; ++t)
+      for (std::int64_t h = 0; h < H; ++h) {
+        x_store[static_cast<std::size_t>(t * ld + h)] = in.x.at(t, h);
+        dout_store[static_cast<std::size_t>(t * ld + h)] = in.d_out.at(t, h);
+      }
+    const MatrixView x{x_store.data(), N, H, ld}, dout{dout_store.data(), N, H, ld};
+
+    // The same weights as a Hugging Face checkpoint stores them.
+    std::vector<std::vector<float>> kept;
+    auto hf_of = [&](const Matrix& m, std::int64_t col0, std::int64_t cols) {  // columns of m as [out, in] rows
+      kept.emplace_back(static_cast<std::size_t>(cols * m.rows));
+      for (std::int64_t o = 0; o < cols; ++o)
+        for (std::int64_t i = 0; i < m.rows; ++i) kept.back()[static_cast<std::size_t>(o * m.rows + i)] = m.at(i, col0 + o);
+      return MatrixView{kept.back().data(), cols, m.rows, m.rows};
+    };
+    kept.reserve(64);
+    HfMoeBlock hf;
+    hf.gate = hf_of(w.router, 0, c.routed_experts);
+    auto mlp = [&](const Matrix& w1, const Matrix& w2, std::int64_t inter) {
+      return HfMlp{hf_of(w1, 0, inter), hf_of(w1, inter, inter), hf_of(w2, 0, H)};
+    };
+    for (std::int64_t e = 0; e < c.routed_experts; ++e) hf.experts.push_back(mlp(w.w1[e], w.w2[e], c.expert_inter));
+    hf.shared = mlp(w.shared_w1, w.shared_w2, c.shared_inter_total());
+    hf.e_score_correction_bias = w.expert_bias;
+    const LayerWeights from_hf = weights_from_hf(c, hf);
+
+    RuntimeOptions opt = runtime_options(2, taskflow::Policy::critical_path, true);
+    InterleavedExecutor whole(c, w, opt), split(c, from_hf, opt);
+    StepResult a, b;
+    whole.step(in, {}, a);
+    split.forward(x, {}, b);
+    EXPECT_TRUE(bit_identical(a.out, b.out)) << to_string(dtype);
+    split.backward(dout, b);
+    EXPECT_TRUE(bit_identical(a.grads, b.grads)) << to_string(dtype);
+    // The serialized baseline takes the same calls.
+    SerializedExecutor serial(c, from_hf, ExecutorOptions{.workers_per_rank = 1, .backward = true, .pin = false});
+    StepResult s;
+    serial.forward(x, {}, s);
+    serial.backward(dout, s);
+    EXPECT_TRUE(bit_identical(a.out, s.out));
+    EXPECT_TRUE(bit_identical(a.grads, s.grads));
+    // Misuse is an Error, not a crash: backward without its forward, a view too narrow.
+    StepResult other;
+    EXPECT_THROW(split.backward(dout, other), Error);
+    EXPECT_THROW(split.forward(MatrixView{x_store.data(), N, H, H - 1}, {}, other), Error);
+    EXPECT_THROW(split.forward(MatrixView{x_store.data(), N - 1, H, ld}, {}, other), Error);
+    hf.experts[3].down_proj.rows += 1;
+    EXPECT_THROW(weights_from_hf(c, hf), Error);
+  }
+}

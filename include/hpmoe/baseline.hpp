@@ -78,6 +78,9 @@ class SerializedExecutor {
   // The same, reusing `result`'s buffers (outputs and gradients of a large
   // layer are gigabytes; every element is overwritten).
   void step(const LayerInputs&, std::span<const std::int32_t> forced, StepResult& result);
+  // Forward and backward as separate calls (see InterleavedExecutor).
+  void forward(MatrixView x, std::span<const std::int32_t> forced, StepResult& result);
+  void backward(MatrixView d_out, StepResult& result);
 
   struct Impl;
 

@@ -71,6 +71,13 @@ class InterleavedExecutor {
   // result.backward_seconds the backward one; routing, compile and
   // verification are reported as host-side operators.
   void step(const LayerInputs&, std::span<const std::int32_t> forced, StepResult& result);
+  // The same in two calls, as a training framework makes them: forward saves
+  // what backward needs in the executor and in `result`; backward runs later
+  // on the output gradient, with the same result object. x and d_out are
+  // views of the caller's memory ([P T, H], any row stride >= H), read
+  // without copies; x must stay alive and unchanged until backward returns.
+  void forward(MatrixView x, std::span<const std::int32_t> forced, StepResult& result);
+  void backward(MatrixView d_out, StepResult& result);
   // The programs of the last step (one per rank).
   const std::vector<taskflow::Program>& programs(taskflow::Pass = taskflow::Pass::forward) const;
 
@@ -78,6 +85,7 @@ class InterleavedExecutor {
 
  private:
   std::unique_ptr<Impl> impl_;
+  bool backward_ = false;
 };
 
 }  // namespace hpmoe

@@ -22,6 +22,17 @@ struct Matrix {
   float at(std::int64_t i, std::int64_t j) const { return data[static_cast<std::size_t>(i * cols + j)]; }
 };
 
+// A read-only view of a row-major fp32 matrix in memory someone else owns
+// (a framework's tensor): rows x cols, rows `ld` elements apart. Nothing is
+// copied; the memory must outlive the use.
+struct MatrixView {
+  const float* data = nullptr;
+  std::int64_t rows = 0, cols = 0, ld = 0;
+  const float* row(std::int64_t i) const { return data + i * ld; }
+  float at(std::int64_t i, std::int64_t j) const { return data[i * ld + j]; }
+};
+inline MatrixView view(const Matrix& m) { return MatrixView{m.data.data(), m.rows, m.cols, m.cols}; }
+
 // Parameters of the whole layer (all ranks' experts), in the math layout
 // [in, out] (the layer computes x W: h = x W1, y = swiglu(h) W2); the
 // safetensors I/O converts to and from the Hugging Face [out, in] layout.
@@ -61,6 +72,26 @@ LayerGradients zero_gradients(const LayerConfig&);
 
 // Throws Error naming the first tensor whose shape does not fit the layer.
 void check_shapes(const LayerConfig&, const LayerWeights&, const LayerInputs&);
+void check_weight_shapes(const LayerConfig&, const LayerWeights&);
+// A view of tokens (x or d_out) for the whole step: [P T, H], ld >= H.
+void check_token_view(const LayerConfig&, const MatrixView&, const std::string& what);
+
+// A layer's weights as Hugging Face checkpoints store them ([out, in]),
+// as views of the caller's tensors (any row stride).
+struct HfMlp {
+  MatrixView gate_proj;  // [I, H]
+  MatrixView up_proj;    // [I, H]
+  MatrixView down_proj;  // [H, I]
+};
+struct HfMoeBlock {
+  MatrixView gate;                                 // [E, H]: mlp.gate.weight
+  std::vector<HfMlp> experts;                      // E: mlp.experts.{e}.*
+  HfMlp shared;                                    // mlp.shared_experts.* (when the layer has them)
+  std::span<const float> e_score_correction_bias;  // [E], or empty for zeros
+};
+// The same weights in hpmoe's layout (rounded to bf16 for a bf16 layer);
+// Error names the tensor whose shape does not fit.
+LayerWeights weights_from_hf(const LayerConfig&, const HfMoeBlock&);
 
 // Rounds every value to bf16 in place (used when dtype is bf16).
 void round_to_bf16(LayerWeights&);

@@ -68,4 +68,10 @@ void SerializedExecutor::step(const LayerInputs& in, std::span<const std::int32_
   impl_->runtime.step(in, forced, result);
 }
 
+void SerializedExecutor::forward(MatrixView x, std::span<const std::int32_t> forced, StepResult& result) {
+  impl_->runtime.forward(x, forced, result);
+}
+
+void SerializedExecutor::backward(MatrixView d_out, StepResult& result) { impl_->runtime.backward(d_out, result); }
+
 }  // namespace hpmoe

@@ -187,7 +187,7 @@ void run_tiles(const std::vector<GemmTile<U>>& list, int w, int W) {
 // The router before dispatch: fp32 logits by tile GEMM on the pool's workers
 // (rank r's tokens on rank r's workers), then top-k for all tokens.
 inline RouterOutput<float> run_router(WorkerPool& pool, const LayerConfig& c, RhsView<float> router,
-                                      const LayerInputs& in, std::span<const float> bias,
+                                      MatrixView x, std::span<const float> bias,
                                       std::span<const std::int32_t> forced, std::vector<float>& logits) {
   const std::int64_t E = c.routed_experts, H = c.hidden, T = c.tokens_per_rank;
   logits.assign(static_cast<std::size_t>(c.total_tokens() * E), 0.0f);
@@ -195,7 +195,7 @@ inline RouterOutput<float> run_router(WorkerPool& pool, const LayerConfig& c, Rh
   for (std::int64_t r = 0; r < c.ranks; ++r)
     for (std::int64_t i = 0; i < T; i += kTileRows)
       for (std::int64_t j = 0; j < E; j += kTileCols)
-        tiles[r].push_back({in.x.row(r * T + i), H, router, j, logits.data() + (r * T + i) * E + j, nullptr, E,
+        tiles[r].push_back({x.row(r * T + i), x.ld, router, j, logits.data() + (r * T + i) * E + j, nullptr, E,
                             std::min(kTileRows, T - i), std::min(kTileCols, E - j), H, false});
   // A pool that runs fewer ranks than the layer has (one MPI process per
   // rank) routes every rank's tokens with what it has: every process needs

@@ -190,25 +190,12 @@ std::vector<float> columns_as_rows(const Matrix& m, std::int64_t col0, std::int6
     for (std::int64_t i = 0; i < m.rows; ++i) out[j * m.rows + i] = m.at(i, col0 + j);
   return out;
 }
-void rows_into_columns(const std::vector<float>& src, Matrix& m, std::int64_t col0, std::int64_t cols) {
-  for (std::int64_t j = 0; j < cols; ++j)
-    for (std::int64_t i = 0; i < m.rows; ++i) m.at(i, col0 + j) = src[j * m.rows + i];
-}
 
 void add_mlp(SafetensorsWriter& w, const std::string& prefix, const Matrix& w1, const Matrix& w2) {
   const std::int64_t h = w1.rows, inter = w2.rows;
   w.add(prefix + ".gate_proj.weight", {inter, h}, columns_as_rows(w1, 0, inter));
   w.add(prefix + ".up_proj.weight", {inter, h}, columns_as_rows(w1, inter, inter));
   w.add(prefix + ".down_proj.weight", {h, inter}, columns_as_rows(w2, 0, h));
-}
-
-void load_mlp(const SafetensorsFile& f, const std::string& prefix, std::int64_t h, std::int64_t inter, Matrix& w1,
-              Matrix& w2) {
-  w1 = Matrix(h, 2 * inter);
-  w2 = Matrix(inter, h);
-  rows_into_columns(f.floats(prefix + ".gate_proj.weight", {inter, h}), w1, 0, inter);
-  rows_into_columns(f.floats(prefix + ".up_proj.weight", {inter, h}), w1, inter, inter);
-  rows_into_columns(f.floats(prefix + ".down_proj.weight", {h, inter}), w2, 0, h);
 }
 
 void add_weights(SafetensorsWriter& w, const std::string& prefix, const LayerConfig& c, const Matrix& router,
@@ -259,19 +246,28 @@ void save_outputs(const std::string& dir, const LayerConfig& c, const Matrix& ou
 
 LayerWeights load_weights(const std::string& dir, const LayerConfig& c) {
   SafetensorsFile f(file_in(dir, "weights.safetensors"));
-  LayerWeights w;
-  w.router = Matrix(c.hidden, c.routed_experts);
-  rows_into_columns(f.floats("mlp.gate.weight", {c.routed_experts, c.hidden}), w.router, 0, c.routed_experts);
-  w.expert_bias = f.has("mlp.gate.e_score_correction_bias")
-                      ? f.floats("mlp.gate.e_score_correction_bias", {c.routed_experts})
-                      : std::vector<float>(static_cast<std::size_t>(c.routed_experts), 0.0f);
-  w.w1.resize(static_cast<std::size_t>(c.routed_experts));
-  w.w2.resize(static_cast<std::size_t>(c.routed_experts));
-  for (std::int64_t e = 0; e < c.routed_experts; ++e)
-    load_mlp(f, "mlp.experts." + std::to_string(e), c.hidden, c.expert_inter, w.w1[e], w.w2[e]);
-  if (c.shared_experts > 0) load_mlp(f, "mlp.shared_experts", c.hidden, c.shared_inter_total(), w.shared_w1, w.shared_w2);
-  if (c.dtype == DType::bf16) round_to_bf16(w);
-  return w;
+  // The file's tensors, kept while the views of them are converted.
+  std::vector<std::vector<float>> kept;
+  auto tensor = [&](const std::string& name, std::int64_t rows, std::int64_t cols) {
+    kept.push_back(f.floats(name, {rows, cols}));
+    return MatrixView{kept.back().data(), rows, cols, cols};
+  };
+  kept.reserve(static_cast<std::size_t>(3 * c.routed_experts + 8));
+  HfMoeBlock hf;
+  hf.gate = tensor("mlp.gate.weight", c.routed_experts, c.hidden);
+  auto mlp = [&](const std::string& prefix, std::int64_t inter) {
+    HfMlp m;
+    m.gate_proj = tensor(prefix + ".gate_proj.weight", inter, c.hidden);
+    m.up_proj = tensor(prefix + ".up_proj.weight", inter, c.hidden);
+    m.down_proj = tensor(prefix + ".down_proj.weight", c.hidden, inter);
+    return m;
+  };
+  for (std::int64_t e = 0; e < c.routed_experts; ++e) hf.experts.push_back(mlp("mlp.experts." + std::to_string(e), c.expert_inter));
+  if (c.shared_experts > 0) hf.shared = mlp("mlp.shared_experts", c.shared_inter_total());
+  std::vector<float> bias;
+  if (f.has("mlp.gate.e_score_correction_bias")) bias = f.floats("mlp.gate.e_score_correction_bias", {c.routed_experts});
+  hf.e_score_correction_bias = bias;
+  return weights_from_hf(c, hf);
 }
 
 LayerInputs load_inputs(const std::string& dir, const LayerConfig& c) {

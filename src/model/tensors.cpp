@@ -115,6 +115,70 @@ void round_to_bf16(LayerInputs& in) {
 }
 
 void check_shapes(const LayerConfig& c, const LayerWeights& w, const LayerInputs& in) {
+  check_weight_shapes(c, w);
+  check_token_view(c, view(in.x), "input x");
+  check_token_view(c, view(in.d_out), "output gradient d_out");
+  if (in.x.data.size() != static_cast<std::size_t>(in.x.rows * in.x.cols) ||
+      in.d_out.data.size() != static_cast<std::size_t>(in.d_out.rows * in.d_out.cols))
+    throw Error("an input matrix holds a different number of values than its shape says");
+}
+
+void check_token_view(const LayerConfig& c, const MatrixView& v, const std::string& what) {
+  if (v.rows != c.total_tokens() || v.cols != c.hidden)
+    throw Error(what + " has shape [" + std::to_string(v.rows) + ", " + std::to_string(v.cols) + "], expected [" +
+                std::to_string(c.total_tokens()) + ", " + std::to_string(c.hidden) + "] (ranks x tokens per rank, hidden)");
+  if (v.ld < v.cols || (v.rows > 0 && v.data == nullptr))
+    throw Error(what + " has a row stride of " + std::to_string(v.ld) + " elements, less than its " +
+                std::to_string(v.cols) + " columns (or no data)");
+}
+
+LayerWeights weights_from_hf(const LayerConfig& c, const HfMoeBlock& hf) {
+  c.validate();
+  auto expect = [](const MatrixView& v, std::int64_t rows, std::int64_t cols, const std::string& what) {
+    if (v.rows != rows || v.cols != cols || v.ld < cols || (rows * cols > 0 && v.data == nullptr))
+      throw Error(what + " has shape [" + std::to_string(v.rows) + ", " + std::to_string(v.cols) + "] (row stride " +
+                  std::to_string(v.ld) + "), expected [" + std::to_string(rows) + ", " + std::to_string(cols) +
+                  "] as Hugging Face stores it ([out, in])");
+  };
+  // [out, in] views into the [in, out] math layout, at column `col0`.
+  auto transpose_into = [](const MatrixView& v, Matrix& m, std::int64_t col0) {
+    for (std::int64_t o = 0; o < v.rows; ++o)
+      for (std::int64_t i = 0; i < v.cols; ++i) m.at(i, col0 + o) = v.at(o, i);
+  };
+  auto mlp = [&](const HfMlp& p, std::int64_t inter, const std::string& name, Matrix& w1, Matrix& w2) {
+    expect(p.gate_proj, inter, c.hidden, name + ".gate_proj.weight");
+    expect(p.up_proj, inter, c.hidden, name + ".up_proj.weight");
+    expect(p.down_proj, c.hidden, inter, name + ".down_proj.weight");
+    w1 = Matrix(c.hidden, 2 * inter);
+    w2 = Matrix(inter, c.hidden);
+    transpose_into(p.gate_proj, w1, 0);
+    transpose_into(p.up_proj, w1, inter);
+    transpose_into(p.down_proj, w2, 0);
+  };
+  LayerWeights w;
+  expect(hf.gate, c.routed_experts, c.hidden, "mlp.gate.weight");
+  w.router = Matrix(c.hidden, c.routed_experts);
+  transpose_into(hf.gate, w.router, 0);
+  if (!hf.e_score_correction_bias.empty() &&
+      hf.e_score_correction_bias.size() != static_cast<std::size_t>(c.routed_experts))
+    throw Error("mlp.gate.e_score_correction_bias has " + std::to_string(hf.e_score_correction_bias.size()) +
+                " values, expected " + std::to_string(c.routed_experts));
+  w.expert_bias = hf.e_score_correction_bias.empty()
+                      ? std::vector<float>(static_cast<std::size_t>(c.routed_experts), 0.0f)
+                      : std::vector<float>(hf.e_score_correction_bias.begin(), hf.e_score_correction_bias.end());
+  if (hf.experts.size() != static_cast<std::size_t>(c.routed_experts))
+    throw Error("Hugging Face weights for " + std::to_string(hf.experts.size()) + " experts, the layer has " +
+                std::to_string(c.routed_experts));
+  w.w1.resize(hf.experts.size());
+  w.w2.resize(hf.experts.size());
+  for (std::size_t e = 0; e < hf.experts.size(); ++e)
+    mlp(hf.experts[e], c.expert_inter, "mlp.experts." + std::to_string(e), w.w1[e], w.w2[e]);
+  if (c.shared_experts > 0) mlp(hf.shared, c.shared_inter_total(), "mlp.shared_experts", w.shared_w1, w.shared_w2);
+  if (c.dtype == DType::bf16) round_to_bf16(w);
+  return w;
+}
+
+void check_weight_shapes(const LayerConfig& c, const LayerWeights& w) {
   auto expect = [](const Matrix& m, std::int64_t r, std::int64_t cl, const std::string& what) {
     if (m.rows != r || m.cols != cl || m.data.size() != static_cast<std::size_t>(r * cl)) {
       throw Error(what + " has shape [" + std::to_string(m.rows) + ", " + std::to_string(m.cols) + "], expected [" +
@@ -137,8 +201,6 @@ void check_shapes(const LayerConfig& c, const LayerWeights& w, const LayerInputs
     expect(w.shared_w1, c.hidden, 2 * c.shared_inter_total(), "shared expert gate/up weight");
     expect(w.shared_w2, c.shared_inter_total(), c.hidden, "shared expert down weight");
   }
-  expect(in.x, c.total_tokens(), c.hidden, "input x");
-  expect(in.d_out, c.total_tokens(), c.hidden, "output gradient d_out");
 }
 
 }  // namespace hpmoe

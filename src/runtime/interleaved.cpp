@@ -29,7 +29,8 @@ using Clock = std::chrono::steady_clock;
 
 struct InterleavedExecutor::Impl {
   virtual ~Impl() = default;
-  virtual void step(const LayerInputs&, std::span<const std::int32_t>, StepResult&) = 0;
+  virtual void forward(MatrixView x, std::span<const std::int32_t> forced, StepResult&) = 0;
+  virtual void backward(MatrixView d_out, StepResult&) = 0;
   std::vector<taskflow::Program> programs, backward_programs;
 };
 
@@ -81,15 +82,17 @@ class Interleaved final : public InterleavedExecutor::Impl {
     return out;
   }
 
-  void step(const LayerInputs& in, std::span<const std::int32_t> forced, StepResult& res) override {
-    check_shapes(c_, w_, in);
+  void forward(MatrixView x, std::span<const std::int32_t> forced, StepResult& res) override {
+    check_token_view(c_, x, "input x");
+    x_ = x;
+    forward_done_ = nullptr;
     res.forward_ops.clear();
     res.backward_ops.clear();
     res.trace.clear();
     step_start_ = Clock::now();
     if (res.out.rows != c_.total_tokens() || res.out.cols != c_.hidden) res.out = Matrix(c_.total_tokens(), c_.hidden);
     auto t0 = Clock::now();
-    res.routing = run_router(pool_, c_, packed_->router.view(), in, w_.expert_bias, forced, logits_);
+    res.routing = run_router(pool_, c_, packed_->router.view(), x_, w_.expert_bias, forced, logits_);
     auto t1 = Clock::now();
     res.forward_ops.push_back({"router", seconds(t0, t1)});
     res.router_seconds = seconds(t0, t1);
@@ -110,13 +113,22 @@ class Interleaved final : public InterleavedExecutor::Impl {
     auto t3 = Clock::now();
     res.forward_ops.push_back({"verify", seconds(t2, t3)});
     res_ = &res;
-    prepare_forward(in, res);
+    prepare_forward(res);
     res.forward_ops.push_back({"prepare", seconds(t3, Clock::now())});
     res.dispatch_to_combine_seconds = launch(programs, res);
     if (!opt_.phased) res.forward_ops.push_back({"launch", res.dispatch_to_combine_seconds});
     gather_rows(res.out);
-    if (!opt_.backward) return;
+    forward_done_ = &res;
+  }
 
+  void backward(MatrixView d_out, StepResult& res) override {
+    if (!opt_.backward)
+      throw Error("backward: this executor was made for forward only; construct it with the backward option");
+    if (forward_done_ != &res)
+      throw Error("backward: call forward first, with the same result object (it holds the step's routing)");
+    check_token_view(c_, d_out, "output gradient d_out");
+    d_out_ = d_out;
+    res.backward_ops.clear();
     auto b0 = Clock::now();
     for (std::int64_t r = 0; r < c_.ranks; ++r) {
       taskflow::generate(backward_programs[r], c_, *ex_, machine_, taskflow::Pass::backward, r);
@@ -131,7 +143,7 @@ class Interleaved final : public InterleavedExecutor::Impl {
     auto b2 = Clock::now();
     res.backward_ops.push_back({"verify", seconds(b1, b2)});
     if (res.grads.w1.size() != static_cast<std::size_t>(c_.routed_experts)) res.grads = zero_gradients(c_);
-    prepare_backward(in, res);
+    prepare_backward(res);
     res.backward_ops.push_back({"prepare", seconds(b2, Clock::now())});
     res.backward_seconds = launch(backward_programs, res);
     if (!opt_.phased) res.backward_ops.push_back({"launch", res.backward_seconds});
@@ -140,6 +152,7 @@ class Interleaved final : public InterleavedExecutor::Impl {
     gather_expert_gradients(res.grads);
     reduce_replicated(res);
     res.backward_ops.push_back({"reduce_replicated_grads", seconds(r0, Clock::now())});
+    forward_done_ = nullptr;  // one backward per forward
   }
 
  private:
@@ -338,6 +351,7 @@ class Interleaved final : public InterleavedExecutor::Impl {
     // the per-slot weight gradients each slot's expert's gradient.
     std::array<std::byte*, static_cast<std::size_t>(BufferId::count)> base{};
     std::array<const taskflow::BufferLayout*, static_cast<std::size_t>(BufferId::count)> layout{};
+    std::array<std::int64_t, static_cast<std::size_t>(BufferId::count)> ld{};
     std::vector<std::byte*> dw1_slots, dw2_slots;
     std::vector<std::int64_t> base_count;                // counter values when the launch began (hosted ranks)
     std::vector<std::int32_t> phase_begin, phase_tasks;  // phased: task ids by operator
@@ -365,12 +379,15 @@ class Interleaved final : public InterleavedExecutor::Impl {
   }
 
   // Points every buffer of hosted rank r's program at its memory.
-  void bind(const taskflow::Program& p, int r, const LayerInputs& in, StepResult& res) {
+  void bind(const taskflow::Program& p, int r, StepResult& res) {
     RankState& s = ranks_[r];
     const std::int64_t T_ = c_.tokens_per_rank;
     s.base.fill(nullptr);
     s.layout.fill(nullptr);
-    for (const auto& b : p.buffers) s.layout[static_cast<std::size_t>(b.id)] = &b;
+    for (const auto& b : p.buffers) {
+      s.layout[static_cast<std::size_t>(b.id)] = &b;
+      s.ld[static_cast<std::size_t>(b.id)] = b.cols;
+    }
     auto bytes_of = [](const float* f) { return reinterpret_cast<std::byte*>(const_cast<float*>(f)); };
     for (const auto& b : p.buffers) {
       std::byte*& at = s.base[static_cast<std::size_t>(b.id)];
@@ -379,10 +396,16 @@ class Interleaved final : public InterleavedExecutor::Impl {
         case taskflow::Region::local: at = s.local.data.get() + b.offset_bytes; break;
         case taskflow::Region::bound:
           switch (b.id) {
-            case BufferId::xf: case BufferId::x: at = bytes_of(in.x.row(r * T_)); break;
+            case BufferId::xf: case BufferId::x:
+              at = bytes_of(x_.row(r * T_));
+              s.ld[static_cast<std::size_t>(b.id)] = x_.ld;
+              break;
             case BufferId::out: at = bytes_of(res.out.row(r * T_)); break;
             case BufferId::logits: at = bytes_of(logits_.data() + r * T_ * c_.routed_experts); break;
-            case BufferId::dout: at = bytes_of(in.d_out.row(r * T_)); break;
+            case BufferId::dout:
+              at = bytes_of(d_out_.row(r * T_));
+              s.ld[static_cast<std::size_t>(b.id)] = d_out_.ld;
+              break;
             case BufferId::dx: at = bytes_of(res.grads.x.row(r * T_)); break;
             case BufferId::dw1: case BufferId::dw2: {
               auto& slots = b.id == BufferId::dw1 ? s.dw1_slots : s.dw2_slots;
@@ -401,12 +424,12 @@ class Interleaved final : public InterleavedExecutor::Impl {
 
   // The host's part of a forward launch: routing into the ranks' buffers,
   // and the tokens as T.
-  void prepare_forward(const LayerInputs& in, StepResult& res) {
+  void prepare_forward(StepResult& res) {
     const std::int64_t K = c_.top_k, T_ = c_.tokens_per_rank, H = c_.hidden;
     reserve_memory();
     for (const int r : local_) {
       const taskflow::Program& p = programs[r];
-      bind(p, r, in, res);
+      bind(p, r, res);
       auto* slot = base<std::int64_t>(r, BufferId::slot);
       auto* gate = base<float>(r, BufferId::gate);
       auto* send_token = base<std::int32_t>(r, BufferId::send_token);
@@ -421,17 +444,17 @@ class Interleaved final : public InterleavedExecutor::Impl {
         }
       }
       if constexpr (!std::is_same_v<T, float>)
-        for (std::int64_t t = 0; t < T_; ++t) kernels::store<T>(in.x.row(r * T_ + t), base<T>(r, BufferId::x) + t * H, H);
+        for (std::int64_t t = 0; t < T_; ++t) kernels::store<T>(x_.row(r * T_ + t), base<T>(r, BufferId::x) + t * H, H);
     }
   }
 
-  void prepare_backward(const LayerInputs& in, StepResult& res) {
+  void prepare_backward(StepResult& res) {
     const std::int64_t T_ = c_.tokens_per_rank, H = c_.hidden;
     for (const int r : local_) {
-      bind(backward_programs[r], r, in, res);
+      bind(backward_programs[r], r, res);
       if (c_.shared_experts > 0)
         for (std::int64_t t = 0; t < T_; ++t)
-          kernels::store<T>(in.d_out.row(r * T_ + t), base<T>(r, BufferId::sh_dout) + t * H, H);
+          kernels::store<T>(d_out_.row(r * T_ + t), base<T>(r, BufferId::sh_dout) + t * H, H);
     }
   }
 
@@ -495,8 +518,11 @@ class Interleaved final : public InterleavedExecutor::Impl {
     U* b = base<U>(r, rect.buffer);
     if (l.layout == taskflow::Layout::panels)  // rows of a panel are kPanelCols apart (bf16: in pairs)
       return b + (rect.c0 / kTileCols) * l.rows * kTileCols + rect.r0 * kTileCols + (rect.c0 % kTileCols) * pair<U>();
-    return b + rect.r0 * l.cols + rect.c0;
+    return b + rect.r0 * ld_of(r, rect.buffer) + rect.c0;
   }
+  // Elements between rows of a hosted rank's row-major buffer: its declared
+  // width, or a bound view's stride.
+  std::int64_t ld_of(int r, BufferId id) const { return ranks_[static_cast<std::size_t>(r)].ld[static_cast<std::size_t>(id)]; }
   template <class U>
   static constexpr std::int64_t pair() {
     return sizeof(U) == 2 ? 2 : 1;
@@ -685,7 +711,7 @@ class Interleaved final : public InterleavedExecutor::Impl {
     auto gemm = [&](const Rect& a, RhsView<T> b, const Rect& out, bool store_as_t) {
       need(out, rows, cols, t);
       need(a, rows, 0, t);
-      const std::int64_t k = a.cols(), lda = layout_of(p, a.buffer)->cols, ldo = layout_of(p, out.buffer)->cols;
+      const std::int64_t k = a.cols(), lda = ld_of(r, a.buffer), ldo = ld_of(r, out.buffer);
       if (store_as_t) tile_to<T>(at<T>(r, p, a), lda, b, t.col_begin, at<T>(r, p, out), ldo, rows, cols, k);
       else kernels::gemm_tile<T>(at<T>(r, p, a), lda, b, t.col_begin, at<float>(r, p, out), ldo, rows, cols, k, false);
     };
@@ -696,7 +722,8 @@ class Interleaved final : public InterleavedExecutor::Impl {
         T* to = put_target(p, t, dst, slot);
         const T* x = base<T>(r, BufferId::x);
         const std::int32_t* tokens = at<std::int32_t>(r, p, o.in(BufferId::send_token));
-        for (std::int64_t j = 0; j < rows; ++j) copy_elements(to + j * H, x + std::int64_t{tokens[j]} * H, H);
+        const std::int64_t ldx = ld_of(r, BufferId::x);
+        for (std::int64_t j = 0; j < rows; ++j) copy_elements(to + j * H, x + std::int64_t{tokens[j]} * ldx, H);
         return send_put(p, t, dst, slot);
       }
       case TaskKind::gemm_gate_up:
@@ -761,7 +788,7 @@ class Interleaved final : public InterleavedExecutor::Impl {
     auto gemm = [&](const Rect& a, auto b, const Rect& out, bool store_as_t) {
       need(out, rows, cols, t);
       need(a, rows, 0, t);
-      const std::int64_t k = a.cols(), lda = layout_of(p, a.buffer)->cols, ldo = layout_of(p, out.buffer)->cols;
+      const std::int64_t k = a.cols(), lda = ld_of(r, a.buffer), ldo = ld_of(r, out.buffer);
       using U = std::remove_const_t<std::remove_pointer_t<decltype(b.data)>>;
       if constexpr (std::is_same_v<U, T>) {
         if (store_as_t) {
@@ -781,11 +808,11 @@ class Interleaved final : public InterleavedExecutor::Impl {
       need(pr, rows, 0, t);
       need(tr, 0, rows, t);
       const auto& pl = *layout_of(p, panels);
-      pack_rows_into_panels<T>(at<T>(r, p, s), layout_of(p, src)->cols, rows, s.cols(), base<T>(r, panels), pl.rows, pr.r0,
+      pack_rows_into_panels<T>(at<T>(r, p, s), ld_of(r, src), rows, s.cols(), base<T>(r, panels), pl.rows, pr.r0,
                                pr.rows() - rows);
-      const std::int64_t width = ts.cols(), ld = layout_of(p, transposed)->cols;
+      const std::int64_t width = ts.cols(), ld = ld_of(r, transposed);
       T* dst = at<T>(r, p, tr);
-      transpose_rows<T>(at<T>(r, p, ts), layout_of(p, tsrc)->cols, rows, width, dst, ld);
+      transpose_rows<T>(at<T>(r, p, ts), ld_of(r, tsrc), rows, width, dst, ld);
       for (std::int64_t c = rows; c < tr.cols(); ++c)  // the K padding column
         for (std::int64_t j = 0; j < width; ++j) dst[j * ld + c] = T{};
     };
@@ -798,7 +825,7 @@ class Interleaved final : public InterleavedExecutor::Impl {
         for (std::int64_t j = 0; j < rows; ++j)
           for (std::int64_t k = 0; k < K; ++k) {
             const std::int64_t row = slots[j * K + k];
-            gw[j * K + k] = row >= 0 ? kernels::dot<T>(dout + j * H, comb + row * H, H) : 0.0f;
+            gw[j * K + k] = row >= 0 ? kernels::dot<T>(dout + j * ld_of(r, BufferId::dout), comb + row * H, H) : 0.0f;
           }
         break;
       }
@@ -811,7 +838,8 @@ class Interleaved final : public InterleavedExecutor::Impl {
                                        r * T_ + t.row_begin + j, std::span<const float>(gw + j * K, K),
                                        std::span<float>(dlogits + j * E, E));
         const Rect& xtf = o.out(BufferId::xtf);
-        transpose_rows<float>(at<float>(r, p, o.in(BufferId::xf)), H, rows, H, at<float>(r, p, xtf), layout_of(p, xtf.buffer)->cols);
+        transpose_rows<float>(at<float>(r, p, o.in(BufferId::xf)), ld_of(r, BufferId::xf), rows, H, at<float>(r, p, xtf),
+                              ld_of(r, BufferId::xtf));
         break;
       }
       case TaskKind::router_dgrad:
@@ -829,7 +857,9 @@ class Interleaved final : public InterleavedExecutor::Impl {
         const std::int64_t* assign = at<std::int64_t>(r, p, o.in(BufferId::send_assign));
         const float* gates = base<float>(r, BufferId::gate);
         const float* dout = base<float>(r, BufferId::dout);
-        for (std::int64_t j = 0; j < rows; ++j) kernels::scale_store<T>(gates[assign[j]], dout + (assign[j] / K) * H, to + j * H, H);
+        const std::int64_t ld_dout = ld_of(r, BufferId::dout);
+        for (std::int64_t j = 0; j < rows; ++j)
+          kernels::scale_store<T>(gates[assign[j]], dout + (assign[j] / K) * ld_dout, to + j * H, H);
         return send_put(p, t, dst, slot);
       }
       case TaskKind::gemm_down_dgrad:
@@ -967,7 +997,9 @@ class Interleaved final : public InterleavedExecutor::Impl {
   taskflow::ScheduleScratch schedule_scratch_;
   taskflow::Verifier verifier_;
   std::vector<RankState> ranks_;
-  const StepResult* res_ = nullptr;             // the step being run (router backward reads its routing)
+  const StepResult* res_ = nullptr;
+  const StepResult* forward_done_ = nullptr;  // the result of the forward that backward may follow
+  MatrixView x_, d_out_;                      // the caller's tokens and output gradient (borrowed)             // the step being run (router backward reads its routing)
   taskflow::Program layout_scratch_;            // the backward's buffer layout, before its program exists
   std::atomic<bool> abort_{false};
   std::mutex failure_mutex_;
@@ -982,6 +1014,8 @@ InterleavedExecutor::InterleavedExecutor(const LayerConfig& c, const LayerWeight
   if (opt.workers_per_rank < 1 || opt.workers_per_rank > 256)
     throw Error("workers per rank must be between 1 and 256 (got " + std::to_string(opt.workers_per_rank) + ")");
   if (!(opt.watchdog_seconds > 0)) throw Error("the watchdog time must be positive");
+  check_weight_shapes(c, w);
+  backward_ = opt.backward;
   if (c.dtype == DType::fp32) impl_ = std::make_unique<Interleaved<float>>(c, w, opt);
   else impl_ = std::make_unique<Interleaved<bf16>>(c, w, opt);
 }
@@ -989,8 +1023,15 @@ InterleavedExecutor::InterleavedExecutor(const LayerConfig& c, const LayerWeight
 InterleavedExecutor::~InterleavedExecutor() = default;
 
 void InterleavedExecutor::step(const LayerInputs& in, std::span<const std::int32_t> forced, StepResult& result) {
-  impl_->step(in, forced, result);
+  impl_->forward(view(in.x), forced, result);
+  if (backward_) impl_->backward(view(in.d_out), result);
 }
+
+void InterleavedExecutor::forward(MatrixView x, std::span<const std::int32_t> forced, StepResult& result) {
+  impl_->forward(x, forced, result);
+}
+
+void InterleavedExecutor::backward(MatrixView d_out, StepResult& result) { impl_->backward(d_out, result); }
 
 const std::vector<taskflow::Program>& InterleavedExecutor::programs(taskflow::Pass pass) const {
   return pass == taskflow::Pass::forward ? impl_->programs : impl_->backward_programs;
