@@ -318,7 +318,8 @@ TEST(Taskflow, LargeLayerCountsAndDependencies) {
   const auto s = stats(programs, 1);
   // Every gate/up tile of rank 1: ceil(rows / 64) row tiles x 2816 / 64 column tiles per expert.
   std::int64_t expected = 0;
-  for (const std::int64_t e : contiguous(c).experts_of(1)) {
+  const ExpertPlacement placement = contiguous(c);
+  for (const std::int64_t e : placement.experts_of(1)) {
     std::int64_t rows = 0;
     for (std::int64_t src = 0; src < c.ranks; ++src) rows += counts.at(src, e);
     expected += (rows + 63) / 64 * (2 * c.expert_inter / 64);

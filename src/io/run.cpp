@@ -126,6 +126,141 @@ Verification verify(const RunRequest& req, const LayerWeights& w, const LayerInp
   return v;
 }
 
+// Samples of one executor's steps, summarised into the report.
+struct ExecutorSamples {
+  double workers = 1;
+  std::vector<double> router, forward, backward, forward_busy, backward_busy;
+  std::vector<std::vector<double>> forward_ops, backward_ops;
+  std::vector<std::string> forward_names, backward_names;
+
+  double share(double busy_seconds, double seconds) const { return seconds > 0 ? busy_seconds / (workers * seconds) : 0.0; }
+
+  void add(const StepResult& r) {
+    router.push_back(r.router_seconds);
+    forward.push_back(r.dispatch_to_combine_seconds);
+    backward.push_back(r.backward_seconds);
+    forward_busy.push_back(share(r.forward_busy_seconds, r.dispatch_to_combine_seconds));
+    backward_busy.push_back(share(r.backward_busy_seconds, r.backward_seconds));
+    auto record = [](const std::vector<OperatorTime>& ops, std::vector<std::string>& names,
+                     std::vector<std::vector<double>>& samples) {
+      if (samples.empty()) {
+        for (const auto& op : ops) names.push_back(op.name);
+        samples.resize(ops.size());
+      }
+      for (std::size_t i = 0; i < ops.size() && i < samples.size(); ++i) samples[i].push_back(ops[i].seconds);
+    };
+    record(r.forward_ops, forward_names, forward_ops);
+    record(r.backward_ops, backward_names, backward_ops);
+  }
+
+  static std::vector<std::pair<std::string, Summary>> table(const std::vector<std::string>& names,
+                                                            const std::vector<std::vector<double>>& samples) {
+    std::vector<std::pair<std::string, Summary>> out;
+    for (std::size_t i = 0; i < samples.size(); ++i) out.push_back({names[i], summarize(samples[i])});
+    return out;
+  }
+};
+
+// The executors of a run: the serialized baseline (in process; over MPI the
+// runtime's phased mode on the same transport, with the in-process one on
+// the root as the bit-for-bit reference) and the interleaved runtime.
+struct Executors {
+  std::unique_ptr<SerializedExecutor> serial;
+  std::unique_ptr<InterleavedExecutor> inter, phased;
+  bool use_serialized = false, use_interleaved = false, distributed = false, root = true, trace = false;
+};
+
+Executors make_executors(const RunRequest& req, const LayerWeights& w, const ExpertPlacement& placement,
+                         const std::function<void(const std::string&)>& say) {
+  const LayerConfig& c = req.config;
+  Executors x;
+  const RunMode mode = req.mode == RunMode::automatic ? RunMode::both : req.mode;
+  x.root = !req.transport || req.transport->is_root();
+  if (req.transport)
+    for (int r = 0; r < c.ranks; ++r) x.distributed = x.distributed || !req.transport->hosts(r);
+  x.use_serialized = mode != RunMode::interleaved;
+  x.use_interleaved = mode != RunMode::serialized;
+  x.trace = !req.trace_file.empty() || !req.timeline_file.empty();
+  say("packing weights for the tile kernels");
+  const auto packed = pack_weights(c, w, req.backward);  // one packing for every executor
+  ExecutorOptions opt;
+  opt.workers_per_rank = req.workers_per_rank;
+  opt.backward = req.backward;
+  opt.pin = req.pin;
+  opt.packed = packed;
+  opt.trace = x.trace;
+  opt.placement = placement;
+  if ((x.use_serialized && !x.distributed) || (x.distributed && x.root && req.verify != VerifyMode::off))
+    x.serial = std::make_unique<SerializedExecutor>(c, w, opt);
+  RuntimeOptions ropt;
+  ropt.workers_per_rank = req.workers_per_rank;
+  ropt.policy = req.policy;
+  ropt.backward = req.backward;
+  ropt.packed = packed;
+  ropt.trace = x.trace;
+  ropt.transport = req.transport;
+  ropt.watchdog_seconds = req.watchdog_seconds;
+  ropt.fault = req.fault;
+  ropt.placement = placement;
+  ropt.pin = !x.use_serialized || x.distributed ? req.pin : false;  // else the serialized executor's pool holds the pinned cores
+  if (x.use_interleaved) x.inter = std::make_unique<InterleavedExecutor>(c, w, ropt);
+  if (x.use_serialized && x.distributed) {
+    ropt.phased = true;
+    ropt.fault = {};
+    x.phased = std::make_unique<InterleavedExecutor>(c, w, ropt);
+  }
+  return x;
+}
+
+// A whole step of one executor bit for bit against another's: outputs and,
+// with backward, every gradient.
+Comparison bit_identity(const std::string& name, const StepResult& a, const StepResult& b, const LayerConfig& c,
+                        bool backward) {
+  Comparison ch;
+  ch.tensor = name;
+  ch.bitwise = true;
+  auto same = [&](const std::string& tensor, const Matrix& x, const Matrix& y) {
+    ++ch.tensors;
+    const bool equal = x.data.size() == y.data.size() &&
+                       (x.data.empty() || std::memcmp(x.data.data(), y.data.data(), x.data.size() * sizeof(float)) == 0);
+    if (!equal && ch.differing.empty()) ch.differing = tensor;
+  };
+  same("out", a.out, b.out);
+  if (backward) {
+    same("dx", a.grads.x, b.grads.x);
+    same("router", a.grads.router, b.grads.router);
+    if (c.shared_experts > 0) {
+      same("shared w1", a.grads.shared_w1, b.grads.shared_w1);
+      same("shared w2", a.grads.shared_w2, b.grads.shared_w2);
+    }
+    for (std::size_t e = 0; e < a.grads.w1.size() && e < b.grads.w1.size(); ++e) {
+      same("w1 of expert " + std::to_string(e), a.grads.w1[e], b.grads.w1[e]);
+      same("w2 of expert " + std::to_string(e), a.grads.w2[e], b.grads.w2[e]);
+    }
+  }
+  ch.pass = ch.differing.empty();
+  return ch;
+}
+
+// Routing statistics, FLOPs and the balancing terms of the step reported.
+void describe_step(RunReport& rep, const LayerConfig& c, const LayerWeights& w, const ExpertPlacement& placement,
+                   const StepResult& last) {
+  rep.stats = routing_stats(c, placement, last.routing);
+  rep.aux_loss = last.routing.aux_loss;
+  rep.z_loss = last.routing.z_loss;
+  const double kept = double(rep.stats.assignments - rep.stats.dropped);
+  const double n = double(c.total_tokens());
+  rep.forward_flops = kept * 6.0 * double(c.hidden) * double(c.expert_inter) +
+                      n * 6.0 * double(c.hidden) * double(c.shared_inter_total());
+  rep.backward_flops = 2.0 * rep.forward_flops + 4.0 * n * double(c.hidden) * double(c.routed_experts);
+  if (c.expert_bias) {
+    std::vector<float> bias = w.expert_bias;
+    update_expert_bias(bias, rep.stats.tokens_per_expert, c.bias_update_rate);
+    for (std::size_t i = 0; i < bias.size(); ++i)
+      rep.bias_update_max = std::max(rep.bias_update_max, double(std::abs(bias[i] - w.expert_bias[i])));
+  }
+}
+
 }  // namespace
 
 RunReport run_layer(const RunRequest& req, const std::function<void(const std::string&)>& progress) {
@@ -142,59 +277,14 @@ RunReport run_layer(const RunRequest& req, const std::function<void(const std::s
   LayerInputs in = req.load_dir.empty() ? random_inputs(c, req.seed) : load_inputs(req.load_dir, c);
   check_shapes(c, w, in);
   const auto forced = forced_selection(c, req.routing);
-
-  const RunMode mode = req.mode == RunMode::automatic ? RunMode::both : req.mode;
-  const bool root = !req.transport || req.transport->is_root();
-  bool distributed = false;
-  if (req.transport)
-    for (int r = 0; r < c.ranks; ++r) distributed = distributed || !req.transport->hosts(r);
-  // Over MPI the serialized baseline is the runtime's phased mode (operator
-  // by operator on the same transport); the root also runs the in-process
-  // serialized executor once, as the bit-for-bit reference.
-  const bool use_serialized = mode != RunMode::interleaved, use_interleaved = mode != RunMode::serialized;
-
   const ExpertPlacement placement = placement_or_contiguous(req.placement, c.routed_experts, c.ranks);
-  say("packing weights for the tile kernels");
-  const auto packed = pack_weights(c, w, req.backward);  // one packing for both executors
-  ExecutorOptions opt;
-  opt.workers_per_rank = req.workers_per_rank;
-  opt.backward = req.backward;
-  opt.pin = req.pin;
-  opt.packed = packed;
-  opt.trace = !req.trace_file.empty() || !req.timeline_file.empty();
-  opt.placement = placement;
-  std::unique_ptr<SerializedExecutor> serial;
-  std::unique_ptr<InterleavedExecutor> inter, phased;
-  if ((use_serialized && !distributed) || (distributed && root && req.verify != VerifyMode::off))
-    serial = std::make_unique<SerializedExecutor>(c, w, opt);
-  auto runtime_options = [&] {
-    RuntimeOptions ropt;
-    ropt.workers_per_rank = req.workers_per_rank;
-    ropt.policy = req.policy;
-    ropt.backward = req.backward;
-    ropt.packed = packed;
-    ropt.trace = opt.trace;
-    ropt.transport = req.transport;
-    ropt.watchdog_seconds = req.watchdog_seconds;
-    ropt.fault = req.fault;
-    ropt.placement = placement;
-    ropt.pin = false;  // the serialized executor's pool holds the pinned cores
-    if (!use_serialized || distributed) ropt.pin = req.pin;
-    return ropt;
-  };
-  if (use_interleaved) inter = std::make_unique<InterleavedExecutor>(c, w, runtime_options());
-  if (use_serialized && distributed) {
-    RuntimeOptions ropt = runtime_options();
-    ropt.phased = true;
-    ropt.fault = {};
-    phased = std::make_unique<InterleavedExecutor>(c, w, ropt);
-  }
+  Executors x = make_executors(req, w, placement, say);
 
   RunReport rep;
-  rep.serialized = use_serialized;
-  rep.interleaved = use_interleaved;
+  rep.serialized = x.use_serialized;
+  rep.interleaved = x.use_interleaved;
   if (req.transport) rep.transport = req.transport->describe();
-  if (distributed) rep.serialized_over = rep.transport;
+  if (x.distributed) rep.serialized_over = rep.transport;
   rep.policy = taskflow::name(req.policy);
   rep.config = c;
   rep.routing = req.routing.describe();
@@ -202,124 +292,61 @@ RunReport run_layer(const RunRequest& req, const std::function<void(const std::s
   rep.workers_per_rank = req.workers_per_rank;
   rep.iterations = req.iterations;
   rep.backward = req.backward;
-  std::vector<double> router, d2c, bwd, inter_d2c, inter_bwd, busy, bwd_busy, inter_busy, inter_bwd_busy;
-  const double workers = double(c.ranks * req.workers_per_rank);
-  auto share = [&](double busy_seconds, double seconds) { return seconds > 0 ? busy_seconds / (workers * seconds) : 0.0; };
-  std::vector<std::vector<double>> fwd_ops, bwd_ops, inter_ops;
+
+  // Side by side: the executors alternate on the same inputs.
+  ExecutorSamples serialized, interleaved;
+  serialized.workers = interleaved.workers = double(c.ranks * req.workers_per_rank);
   StepResult last, inter_last;
   const int total = req.warmup + req.iterations;
   for (int it = 0; it < total; ++it) {
     say("step " + std::to_string(it + 1) + "/" + std::to_string(total) + (it < req.warmup ? " (warm-up)" : ""));
-    // Side by side: the two executors alternate on the same inputs.
-    if (inter) {
-      inter->step(in, forced, inter_last);
-      if (it >= req.warmup) {
-        inter_d2c.push_back(inter_last.dispatch_to_combine_seconds);
-        inter_bwd.push_back(inter_last.backward_seconds);
-        inter_busy.push_back(share(inter_last.forward_busy_seconds, inter_last.dispatch_to_combine_seconds));
-        inter_bwd_busy.push_back(share(inter_last.backward_busy_seconds, inter_last.backward_seconds));
-        if (inter_ops.empty()) {
-          for (const auto& op : inter_last.forward_ops) rep.interleaved_ops.push_back({op.name, {}});
-          inter_ops.resize(inter_last.forward_ops.size());
-        }
-        for (std::size_t i = 0; i < inter_last.forward_ops.size(); ++i) inter_ops[i].push_back(inter_last.forward_ops[i].seconds);
-      }
+    if (x.inter) {
+      x.inter->step(in, forced, inter_last);
+      if (it >= req.warmup) interleaved.add(inter_last);
     }
-    if (!use_serialized) continue;
-    if (phased) phased->step(in, forced, last);
-    else serial->step(in, forced, last);
-    const StepResult& res = last;
-    if (it >= req.warmup) {
-      router.push_back(res.router_seconds);
-      d2c.push_back(res.dispatch_to_combine_seconds);
-      bwd.push_back(res.backward_seconds);
-      busy.push_back(share(res.forward_busy_seconds, res.dispatch_to_combine_seconds));
-      bwd_busy.push_back(share(res.backward_busy_seconds, res.backward_seconds));
-      if (fwd_ops.empty()) {
-        for (const auto& op : res.forward_ops) rep.forward_ops.push_back({op.name, {}});
-        for (const auto& op : res.backward_ops) rep.backward_ops.push_back({op.name, {}});
-        fwd_ops.resize(res.forward_ops.size());
-        bwd_ops.resize(res.backward_ops.size());
-      }
-      for (std::size_t i = 0; i < res.forward_ops.size(); ++i) fwd_ops[i].push_back(res.forward_ops[i].seconds);
-      for (std::size_t i = 0; i < res.backward_ops.size(); ++i) bwd_ops[i].push_back(res.backward_ops[i].seconds);
-    }
+    if (!x.use_serialized) continue;
+    if (x.phased) x.phased->step(in, forced, last);
+    else x.serial->step(in, forced, last);
+    if (it >= req.warmup) serialized.add(last);
   }
-  for (std::size_t i = 0; i < fwd_ops.size(); ++i) rep.forward_ops[i].second = summarize(fwd_ops[i]);
-  for (std::size_t i = 0; i < bwd_ops.size(); ++i) rep.backward_ops[i].second = summarize(bwd_ops[i]);
-  for (std::size_t i = 0; i < inter_ops.size(); ++i) rep.interleaved_ops[i].second = summarize(inter_ops[i]);
-  rep.interleaved_d2c = summarize(inter_d2c);
-  rep.interleaved_backward = summarize(inter_bwd);
-  rep.serialized_busy = summarize(busy);
-  rep.serialized_backward_busy = summarize(bwd_busy);
-  rep.interleaved_busy = summarize(inter_busy);
-  rep.interleaved_backward_busy = summarize(inter_bwd_busy);
-  if (!use_serialized) last = std::move(inter_last);  // interleaved only: verify and report its step
-  rep.router = summarize(router);
-  rep.dispatch_to_combine = summarize(d2c);
-  rep.backward_time = summarize(bwd);
-  rep.stats = routing_stats(c, placement, last.routing);
-  rep.aux_loss = last.routing.aux_loss;
-  rep.z_loss = last.routing.z_loss;
-  const double kept = double(rep.stats.assignments - rep.stats.dropped);
-  const double n = double(c.total_tokens());
-  rep.forward_flops = kept * 6.0 * double(c.hidden) * double(c.expert_inter) +
-                      n * 6.0 * double(c.hidden) * double(c.shared_inter_total());
-  rep.backward_flops = 2.0 * rep.forward_flops + 4.0 * n * double(c.hidden) * double(c.routed_experts);
-  if (c.expert_bias) {
-    std::vector<float> bias = w.expert_bias;
-    update_expert_bias(bias, rep.stats.tokens_per_expert, c.bias_update_rate);
-    for (std::size_t i = 0; i < bias.size(); ++i)
-      rep.bias_update_max = std::max(rep.bias_update_max, double(std::abs(bias[i] - w.expert_bias[i])));
-  }
+  rep.forward_ops = ExecutorSamples::table(serialized.forward_names, serialized.forward_ops);
+  rep.backward_ops = ExecutorSamples::table(serialized.backward_names, serialized.backward_ops);
+  rep.interleaved_ops = ExecutorSamples::table(interleaved.forward_names, interleaved.forward_ops);
+  rep.interleaved_d2c = summarize(interleaved.forward);
+  rep.interleaved_backward = summarize(interleaved.backward);
+  rep.interleaved_busy = summarize(interleaved.forward_busy);
+  rep.interleaved_backward_busy = summarize(interleaved.backward_busy);
+  rep.router = summarize(serialized.router);
+  rep.dispatch_to_combine = summarize(serialized.forward);
+  rep.backward_time = summarize(serialized.backward);
+  rep.serialized_busy = summarize(serialized.forward_busy);
+  rep.serialized_backward_busy = summarize(serialized.backward_busy);
+  if (!x.use_serialized) last = std::move(inter_last);  // interleaved only: verify and report its step
+  describe_step(rep, c, w, placement, last);
 
-  if (!root) return rep;  // the root process verifies and reports
-  StepResult reference;  // over MPI: the in-process serialized executor's step
-  if (distributed && serial) {
-    say("running the serialized executor in process as the reference");
-    serial->step(in, forced, reference);
-  }
+  if (!x.root) return rep;  // the root process verifies and reports
   if (req.verify != VerifyMode::off) say("verifying against the fp64 oracle");
   rep.verification = verify(req, w, in, last);
-  // Bit identity of whole steps: outputs and, with backward, every gradient.
-  auto bit_identity = [&](const std::string& name, const StepResult& a, const StepResult& b) {
-    Comparison ch;
-    ch.tensor = name;
-    ch.bitwise = true;
-    auto same = [&](const std::string& tensor, const Matrix& x, const Matrix& y) {
-      ++ch.tensors;
-      const bool equal = x.data.size() == y.data.size() &&
-                         (x.data.empty() || std::memcmp(x.data.data(), y.data.data(), x.data.size() * sizeof(float)) == 0);
-      if (!equal && ch.differing.empty()) ch.differing = tensor;
-    };
-    same("out", a.out, b.out);
-    if (req.backward) {
-      same("dx", a.grads.x, b.grads.x);
-      same("router", a.grads.router, b.grads.router);
-      if (c.shared_experts > 0) {
-        same("shared w1", a.grads.shared_w1, b.grads.shared_w1);
-        same("shared w2", a.grads.shared_w2, b.grads.shared_w2);
-      }
-      for (std::size_t e = 0; e < a.grads.w1.size() && e < b.grads.w1.size(); ++e) {
-        same("w1 of expert " + std::to_string(e), a.grads.w1[e], b.grads.w1[e]);
-        same("w2 of expert " + std::to_string(e), a.grads.w2[e], b.grads.w2[e]);
-      }
-    }
-    ch.pass = ch.differing.empty();
+  auto record = [&](const Comparison& ch) {
     rep.verification.checks.push_back(ch);
     rep.verification.pass = rep.verification.pass && ch.pass;
   };
-  if (distributed && serial) {  // every executor over MPI reproduces the in-process serialized step
-    if (use_serialized) bit_identity("phased (mpi) = in-process serialized", last, reference);
-    if (use_interleaved) bit_identity("interleaved (mpi) = in-process serialized", use_serialized ? inter_last : last, reference);
+  if (x.distributed && x.serial) {  // every executor over MPI reproduces the in-process serialized step
+    say("running the serialized executor in process as the reference");
+    StepResult reference;
+    x.serial->step(in, forced, reference);
+    if (x.use_serialized) record(bit_identity("phased (mpi) = in-process serialized", last, reference, c, req.backward));
+    if (x.use_interleaved)
+      record(bit_identity("interleaved (mpi) = in-process serialized", x.use_serialized ? inter_last : last, reference, c,
+                          req.backward));
   }
-  if (use_serialized && inter) bit_identity("interleaved = serialized", last, inter_last);
-  if (opt.trace) {
+  if (x.use_serialized && x.inter) record(bit_identity("interleaved = serialized", last, inter_last, c, req.backward));
+  if (x.trace) {
     std::vector<TracedRun> runs;
-    if (use_serialized) runs.push_back({distributed ? "serialized (phased, rank 0's workers)" : "serialized", &last});
-    if (inter)
-      runs.push_back({"interleaved (" + std::string(taskflow::name(req.policy)) + ")" + (distributed ? ", rank 0's workers" : ""),
-                      use_serialized ? &inter_last : &last});
+    if (x.use_serialized) runs.push_back({x.distributed ? "serialized (phased, rank 0's workers)" : "serialized", &last});
+    if (x.inter)
+      runs.push_back({"interleaved (" + std::string(taskflow::name(req.policy)) + ")" + (x.distributed ? ", rank 0's workers" : ""),
+                      x.use_serialized ? &inter_last : &last});
     if (!req.trace_file.empty()) write_chrome_trace(req.trace_file, runs);
     if (!req.timeline_file.empty()) write_timeline_svg(req.timeline_file, runs);
   }
