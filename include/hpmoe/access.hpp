@@ -7,6 +7,10 @@
 // the simulator's costs and the scheduler's cost model all come from it.
 #include <array>
 #include <cstdint>
+#include <string>
+#include <utility>
+
+#include "hpmoe/error.hpp"
 
 #include "hpmoe/taskflow.hpp"
 
@@ -76,22 +80,23 @@ struct KindAccess {
   std::uint8_t traffic_terms = 0;
 };
 
-// An operand of one task: a rectangle of one rank's buffer.
+// An operand of one task: a rectangle of one rank's buffer. (Plain
+// aggregates without member initializers: the verifier builds millions.)
 struct Rect {
-  BufferId buffer = BufferId::none;
-  std::int64_t r0 = 0, r1 = 0, c0 = 0, c1 = 0;
+  BufferId buffer;
+  std::int64_t r0, r1, c0, c1;
   std::int64_t rows() const { return r1 - r0; }
   std::int64_t cols() const { return c1 - c0; }
   std::int64_t area() const { return rows() * cols(); }
 };
 struct Operand {
   Rect rect;
-  Use use = Use::read;
-  std::int32_t rank = 0;          // whose buffer
-  bool by_column_tiles = false;   // a read whose columns are the task's: the tiles of a row band read it all
+  Use use;
+  std::int32_t rank;      // whose buffer
+  bool by_column_tiles;   // a read whose columns are the task's: the tiles of a row band read it all
 };
 struct Operands {
-  std::array<Operand, kMaxOperands> list{};
+  std::array<Operand, kMaxOperands> list;
   int count = 0;
   const Operand* begin() const { return list.data(); }
   const Operand* end() const { return list.data() + count; }
@@ -106,7 +111,9 @@ struct TaskWork {
 };
 
 // Rows of a GEMM's K operand as the kernels need them: even for bf16.
-std::int64_t padded_rows(const Program& p, std::int64_t rows);
+inline std::int64_t padded_rows(const Program& p, std::int64_t rows) {
+  return p.dims.elem_bytes == 2 ? (rows + 1) & ~std::int64_t{1} : rows;
+}
 
 class AccessTable {
  public:
@@ -120,6 +127,8 @@ class AccessTable {
   // The rectangles a task of program p touches. Throws Error if the task
   // names an expert its rank does not hold where a rule needs one.
   Operands operands(const Program& p, const Task& t) const;
+  // Only its reads, or only its writes.
+  Operands operands(const Program& p, const Task& t, Use only) const;
   // The one rectangle of `buffer` a task uses that way (its address in the
   // executor); Error if the table gives it none.
   Rect operand(const Program& p, const Task& t, BufferId buffer, Use use) const;
@@ -127,7 +136,104 @@ class AccessTable {
   std::int64_t extent(const Program& p, const Task& t, Extent e) const;
 
  private:
+  Operands collect(const Program& p, const Task& t, bool filter, Use only) const;
+  static std::pair<std::int64_t, std::int64_t> span_of(const AccessTable& table, const Program& p, const Task& t, Span s,
+                                                       Extent e, bool rows);
   std::array<KindAccess, static_cast<std::size_t>(TaskKind::count)> kinds_{};
 };
+
+// The hot paths (the verifier asks for every task's operands), inline.
+
+inline std::int64_t AccessTable::extent(const Program& p, const Task& t, Extent e) const {
+  const Dims& d = p.dims;
+  auto panels = [](std::int64_t n) { return (n + kPanelCols - 1) / kPanelCols * kPanelCols; };
+  switch (e) {
+    case Extent::none: return 1;
+    case Extent::one: return 1;
+    case Extent::tokens_padded: return padded_rows(p, d.tokens);
+    case Extent::hidden_panels: return panels(d.hidden);
+    case Extent::inter2_panels: return panels(2 * d.inter);
+    case Extent::shared_inter2_panels: return panels(2 * d.shared_inter);
+    case Extent::expert_kpad: {
+      const std::int64_t slot = p.slot_of(t.expert);
+      if (slot < 0) return 0;
+      return p.kpad_begin[static_cast<std::size_t>(slot + 1)] - p.kpad_begin[static_cast<std::size_t>(slot)];
+    }
+    case Extent::hidden: return d.hidden;
+    case Extent::inter: return d.inter;
+    case Extent::inter2: return 2 * d.inter;
+    case Extent::shared_inter: return d.shared_inter;
+    case Extent::shared_inter2: return 2 * d.shared_inter;
+    case Extent::top_k: return d.top_k;
+    case Extent::experts: return d.experts;
+    case Extent::tokens: return d.tokens;
+    case Extent::expert_rows: {
+      const std::int64_t slot = p.slot_of(t.expert);
+      if (slot < 0) return 0;
+      return p.expert_begin[static_cast<std::size_t>(slot + 1)] - p.expert_begin[static_cast<std::size_t>(slot)];
+    }
+  }
+  return 0;
+}
+
+
+// [begin, end) of one side of an operand's rectangle.
+inline std::pair<std::int64_t, std::int64_t> AccessTable::span_of(const AccessTable& table, const Program& p, const Task& t, Span s, Extent e,
+                                              bool rows) {
+  switch (s) {  // the common spans first
+    case Span::task_rows: return {t.row_begin, std::int64_t{t.row_begin} + t.rows};
+    case Span::task_cols: return {t.col_begin, std::int64_t{t.col_begin} + t.cols};
+    case Span::source_rows: return {t.src_row, std::int64_t{t.src_row} + t.rows};
+    case Span::whole: return {0, table.extent(p, t, e)};
+    case Span::sent_rows: return {0, p.send_rows};
+    case Span::task_rows_padded: {
+      const std::int64_t end = std::int64_t{t.row_begin} + t.rows;
+      return {t.row_begin, end == p.dims.tokens ? padded_rows(p, end) : end};
+    }
+    case Span::expert_kpad:
+    case Span::kpad_task_rows:
+    case Span::expert_rows:
+    case Span::expert_block: {
+      const std::int64_t slot = p.slot_of(t.expert);
+      if (slot < 0)
+        throw Error("rank " + std::to_string(p.rank) + " task " + name(t.kind) + " names expert " +
+                    std::to_string(t.expert) + ", which this rank does not hold");
+      const auto at = [](const std::vector<std::int64_t>& v, std::int64_t i) { return v[static_cast<std::size_t>(i)]; };
+      if (s == Span::expert_rows) return {at(p.expert_begin, slot), at(p.expert_begin, slot + 1)};
+      if (s == Span::expert_kpad) return {at(p.kpad_begin, slot), at(p.kpad_begin, slot + 1)};
+      if (s == Span::kpad_task_rows) {
+        const std::int64_t first = std::int64_t{t.row_begin} - at(p.expert_begin, slot) + at(p.kpad_begin, slot);
+        const bool last = std::int64_t{t.row_begin} + t.rows == at(p.expert_begin, slot + 1);
+        return {first, last ? at(p.kpad_begin, slot + 1) : first + t.rows};
+      }
+      const std::int64_t first = std::int64_t{t.row_begin} - slot * table.extent(p, t, e);
+      return {first, first + (rows ? t.rows : t.cols)};
+    }
+  }
+  return {0, 0};
+}
+
+
+inline Operands AccessTable::operands(const Program& p, const Task& t) const { return collect(p, t, false, Use::read); }
+inline Operands AccessTable::operands(const Program& p, const Task& t, Use only) const { return collect(p, t, true, only); }
+
+inline Operands AccessTable::collect(const Program& p, const Task& t, bool filter, Use only) const {
+  const KindAccess& a = (*this)[t.kind];
+  Operands out;
+  for (int i = 0; i < a.operand_count; ++i) {
+    const OperandRule& rule = a.operands[static_cast<std::size_t>(i)];
+    if ((filter && rule.use != only) || (rule.only_with_shared_experts && p.dims.shared_inter == 0)) continue;
+    // The task's own tile, most operands' span, without the general switch.
+    const auto [r0, r1] = rule.rows == Span::task_rows ? std::pair<std::int64_t, std::int64_t>{t.row_begin, std::int64_t{t.row_begin} + t.rows}
+                                                       : span_of(*this, p, t, rule.rows, rule.row_extent, true);
+    const auto [c0, c1] = rule.cols == Span::task_cols ? std::pair<std::int64_t, std::int64_t>{t.col_begin, std::int64_t{t.col_begin} + t.cols}
+                                                       : span_of(*this, p, t, rule.cols, rule.col_extent, false);
+    out.list[static_cast<std::size_t>(out.count++)] =
+        Operand{Rect{rule.buffer, r0, r1 + rule.grow_rows, c0, c1}, rule.use, rule.side == Side::peer ? t.peer : p.rank,
+                rule.use == Use::read && rule.cols == Span::task_cols};
+  }
+  return out;
+}
+
 
 }  // namespace hpmoe::taskflow

@@ -158,98 +158,10 @@ AccessTable make_standard() {
 
 }  // namespace
 
-std::int64_t padded_rows(const Program& p, std::int64_t rows) { return p.dims.elem_bytes == 2 ? (rows + 1) & ~std::int64_t{1} : rows; }
 
 const AccessTable& AccessTable::standard() {
   static const AccessTable table = make_standard();
   return table;
-}
-
-std::int64_t AccessTable::extent(const Program& p, const Task& t, Extent e) const {
-  const Dims& d = p.dims;
-  auto panels = [](std::int64_t n) { return (n + kPanelCols - 1) / kPanelCols * kPanelCols; };
-  switch (e) {
-    case Extent::none: return 1;
-    case Extent::one: return 1;
-    case Extent::tokens_padded: return padded_rows(p, d.tokens);
-    case Extent::hidden_panels: return panels(d.hidden);
-    case Extent::inter2_panels: return panels(2 * d.inter);
-    case Extent::shared_inter2_panels: return panels(2 * d.shared_inter);
-    case Extent::expert_kpad: {
-      const std::int64_t slot = p.slot_of(t.expert);
-      if (slot < 0) return 0;
-      return p.kpad_begin[static_cast<std::size_t>(slot + 1)] - p.kpad_begin[static_cast<std::size_t>(slot)];
-    }
-    case Extent::hidden: return d.hidden;
-    case Extent::inter: return d.inter;
-    case Extent::inter2: return 2 * d.inter;
-    case Extent::shared_inter: return d.shared_inter;
-    case Extent::shared_inter2: return 2 * d.shared_inter;
-    case Extent::top_k: return d.top_k;
-    case Extent::experts: return d.experts;
-    case Extent::tokens: return d.tokens;
-    case Extent::expert_rows: {
-      const std::int64_t slot = p.slot_of(t.expert);
-      if (slot < 0) return 0;
-      return p.expert_begin[static_cast<std::size_t>(slot + 1)] - p.expert_begin[static_cast<std::size_t>(slot)];
-    }
-  }
-  return 0;
-}
-
-namespace {
-
-// [begin, end) of one side of an operand's rectangle.
-std::pair<std::int64_t, std::int64_t> span_of(const AccessTable& table, const Program& p, const Task& t, Span s, Extent e,
-                                              bool rows) {
-  switch (s) {
-    case Span::task_rows: return {t.row_begin, std::int64_t{t.row_begin} + t.rows};
-    case Span::task_cols: return {t.col_begin, std::int64_t{t.col_begin} + t.cols};
-    case Span::source_rows: return {t.src_row, std::int64_t{t.src_row} + t.rows};
-    case Span::whole: return {0, table.extent(p, t, e)};
-    case Span::sent_rows: return {0, p.send_rows};
-    case Span::task_rows_padded: {
-      const std::int64_t end = std::int64_t{t.row_begin} + t.rows;
-      return {t.row_begin, end == p.dims.tokens ? padded_rows(p, end) : end};
-    }
-    case Span::expert_kpad:
-    case Span::kpad_task_rows:
-    case Span::expert_rows:
-    case Span::expert_block: {
-      const std::int64_t slot = p.slot_of(t.expert);
-      if (slot < 0)
-        throw Error("rank " + std::to_string(p.rank) + " task " + name(t.kind) + " names expert " +
-                    std::to_string(t.expert) + ", which this rank does not hold");
-      const auto at = [](const std::vector<std::int64_t>& v, std::int64_t i) { return v[static_cast<std::size_t>(i)]; };
-      if (s == Span::expert_rows) return {at(p.expert_begin, slot), at(p.expert_begin, slot + 1)};
-      if (s == Span::expert_kpad) return {at(p.kpad_begin, slot), at(p.kpad_begin, slot + 1)};
-      if (s == Span::kpad_task_rows) {
-        const std::int64_t first = std::int64_t{t.row_begin} - at(p.expert_begin, slot) + at(p.kpad_begin, slot);
-        const bool last = std::int64_t{t.row_begin} + t.rows == at(p.expert_begin, slot + 1);
-        return {first, last ? at(p.kpad_begin, slot + 1) : first + t.rows};
-      }
-      const std::int64_t first = std::int64_t{t.row_begin} - slot * table.extent(p, t, e);
-      return {first, first + (rows ? t.rows : t.cols)};
-    }
-  }
-  return {0, 0};
-}
-
-}  // namespace
-
-Operands AccessTable::operands(const Program& p, const Task& t) const {
-  const KindAccess& a = (*this)[t.kind];
-  Operands out;
-  for (int i = 0; i < a.operand_count; ++i) {
-    const OperandRule& rule = a.operands[static_cast<std::size_t>(i)];
-    if (rule.only_with_shared_experts && p.dims.shared_inter == 0) continue;
-    const auto [r0, r1] = span_of(*this, p, t, rule.rows, rule.row_extent, true);
-    const auto [c0, c1] = span_of(*this, p, t, rule.cols, rule.col_extent, false);
-    out.list[static_cast<std::size_t>(out.count++)] =
-        Operand{Rect{rule.buffer, r0, r1 + rule.grow_rows, c0, c1}, rule.use, rule.side == Side::peer ? t.peer : p.rank,
-                rule.use == Use::read && rule.cols == Span::task_cols};
-  }
-  return out;
 }
 
 Rect AccessTable::operand(const Program& p, const Task& t, BufferId buffer, Use use) const {

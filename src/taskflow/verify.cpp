@@ -125,6 +125,21 @@ class Checker {
           fail(std::string("rank ") + std::to_string(r) + " lists buffer " + name(p_[r].buffers[b].id) + " twice");
         s_.buffer_slot[static_cast<std::size_t>(r) * kBuffers + id] = static_cast<std::int32_t>(b);
       }
+    // Expert layouts first: tasks are checked against every rank's.
+    for (std::int32_t r = 0; r < P; ++r) {
+      const Program& p = p_[r];
+      if (p.expert_begin.size() != p.local_experts.size() + 1 || p.kpad_begin.size() != p.expert_begin.size() ||
+          p.expert_slot.size() != static_cast<std::size_t>(p.dims.experts) || p.dims.experts != p_[0].dims.experts)
+        fail("rank " + std::to_string(r) + " has a malformed expert layout");
+      for (std::size_t le = 0; le < p.local_experts.size(); ++le)
+        if (p.slot_of(p.local_experts[le]) != static_cast<std::int64_t>(le))
+          fail("rank " + std::to_string(r) + " lists expert " + std::to_string(p.local_experts[le]) + " in slot " +
+               std::to_string(le) + " but its slot table disagrees");
+      for (std::size_t le = 0; le + 1 < p.expert_begin.size(); ++le)
+        if (p.expert_begin[le] < 0 || p.expert_begin[le + 1] < p.expert_begin[le] || p.kpad_begin[le] < 0 ||
+            p.kpad_begin[le + 1] < p.kpad_begin[le])
+          fail("rank " + std::to_string(r) + " has expert regions out of order");
+    }
     for (std::int32_t r = 0; r < P; ++r) {
       const Program& p = p_[r];
       if (p.rank != r || p.ranks != P)
@@ -136,16 +151,6 @@ class Checker {
           p.queue_begin.back() != static_cast<std::int32_t>(p.queue_tasks.size()))
         fail("rank " + std::to_string(r) + " has malformed queues for " + std::to_string(W) + " workers");
       if (p.cost.size() != p.tasks.size()) fail("rank " + std::to_string(r) + " lacks task costs");
-      if (p.expert_begin.size() != p.local_experts.size() + 1 ||
-          p.expert_slot.size() != static_cast<std::size_t>(p.dims.experts))
-        fail("rank " + std::to_string(r) + " has a malformed expert layout");
-      for (std::size_t le = 0; le < p.local_experts.size(); ++le)
-        if (p.slot_of(p.local_experts[le]) != static_cast<std::int64_t>(le))
-          fail("rank " + std::to_string(r) + " lists expert " + std::to_string(p.local_experts[le]) + " in slot " +
-               std::to_string(le) + " but its slot table disagrees");
-      for (std::size_t le = 0; le + 1 < p.expert_begin.size(); ++le)
-        if (p.expert_begin[le] < 0 || p.expert_begin[le + 1] < p.expert_begin[le])
-          fail("rank " + std::to_string(r) + " has expert regions out of order");
       auto& seen = s_.seen;
       seen.assign(p.tasks.size(), 0);
       for (int w = 0; w < W; ++w)
@@ -196,16 +201,10 @@ class Checker {
           fail(describe(p, id) + " waits for " + describe_event(p, t.wait_event) + " to reach " +
                std::to_string(t.wait_count) + " but it completes at " + std::to_string(p.events[t.wait_event].required));
         if (t.rows < 0 || t.cols < 0) fail(describe(p, id) + " has a negative tile size");
-      }
-    }
-    // Every expert a task names lives where the task needs it (this reads
-    // the peers' slot tables, checked above).
-    for (std::int32_t r = 0; r < P; ++r) {
-      const Program& p = p_[r];
-      for (std::size_t i = 0; i < p.tasks.size(); ++i) {
-        const Task& t = p.tasks[i];
-        const auto id = static_cast<std::int32_t>(i);
-        const ExpertHome home = expert_home(t.kind);
+        if (static_cast<std::size_t>(t.kind) >= static_cast<std::size_t>(TaskKind::count))
+          fail("rank " + std::to_string(r) + " task #" + std::to_string(id) + " has no known kind");
+        // The expert a task names lives where the task needs it.
+        const ExpertHome home = table_[t.kind].expert_home;
         if (home == ExpertHome::none) {
           if (t.expert != -1) fail(describe(p, id) + " names an expert, which a " + name(t.kind) + " task has none of");
           continue;
@@ -214,7 +213,7 @@ class Checker {
           fail(describe(p, id) + " names expert " + std::to_string(t.expert) + ", which does not exist (the layer has " +
                std::to_string(p.dims.experts) + ")");
         const std::int32_t where = home == ExpertHome::own_rank ? r : t.peer;
-        if (p_[where].slot_of(t.expert) < 0)
+        if (p_[where].expert_slot[static_cast<std::size_t>(t.expert)] < 0)
           fail(describe(p, id) + " needs expert " + std::to_string(t.expert) + " on rank " + std::to_string(where) +
                ", which does not hold it");
       }
@@ -351,8 +350,7 @@ class Checker {
                                queue_class(t.kind) == QueueClass::matrix;
         previous = &t;
         if (same_band) continue;
-        for (const Operand& o : table_.operands(p, t)) {
-          if (o.use != Use::read) continue;
+        for (const Operand& o : table_.operands(p, t, Use::read)) {
           Rect R = o.rect;
           if (R.area() == 0) continue;
           if (is_input(p.pass, R.buffer)) {
@@ -395,8 +393,7 @@ class Checker {
     for (std::int32_t r = 0; r < P; ++r)
       for (std::size_t i = 0; i < p_[r].tasks.size(); ++i) {
         const Task& t = p_[r].tasks[i];
-        for (const Operand& o : table_.operands(p_[r], t)) {
-          if (o.use != Use::write) continue;
+        for (const Operand& o : table_.operands(p_[r], t, Use::write)) {
           const Rect& w = o.rect;
           check_bounds(p_[o.rank], w, p_[r], static_cast<std::int32_t>(i), "writes");
           if (w.area() == 0) continue;
