@@ -412,13 +412,11 @@ Timeline simulate_serialized(const MachineModel& m, const std::vector<Program>& 
       double end = now;
       for (int r = 0; r < P; ++r) {
         const auto& p = programs[static_cast<std::size_t>(r)];
-        {
-          const TaskKind kind = op.kind;
-          // The units of the operator's class, earliest free first (ties: lowest unit).
-          std::priority_queue<std::pair<double, int>, std::vector<std::pair<double, int>>, std::greater<>> units;
-          for (int w = 0; w < Q; ++w)
-            if (machine.takes(w, taskflow::queue_class(kind))) units.push({now, w});
-          for (const std::int32_t task_id : by_kind[static_cast<std::size_t>(r) * kinds + static_cast<std::size_t>(kind)]) {
+        // The units of the operator's class, earliest free first (ties: lowest unit).
+        std::priority_queue<std::pair<double, int>, std::vector<std::pair<double, int>>, std::greater<>> units;
+        for (int w = 0; w < Q; ++w)
+          if (machine.takes(w, taskflow::queue_class(op.kind))) units.push({now, w});
+        for (const std::int32_t task_id : by_kind[static_cast<std::size_t>(r) * kinds + static_cast<std::size_t>(op.kind)]) {
           const auto id = static_cast<std::size_t>(task_id);
           const Task& t = p.tasks[id];
           const auto [start, unit] = units.top();
@@ -438,7 +436,6 @@ Timeline simulate_serialized(const MachineModel& m, const std::vector<Program>& 
             const auto [latency, bw] = links.path(r, t.peer, resources);
             if (bw > 0) links.start(start + d, bytes, resources, (std::int64_t{r} << 32) | t.peer);
             else end = std::max(end, start + d + latency);
-          }
           }
         }
       }

@@ -110,105 +110,268 @@ int run_mpi(int argc, char** argv, RunRequest req, MpiPath path, double peer_tim
   }
 }
 
+// One struct per subcommand: its options, and what it does once parsed.
+struct RunCommand {
+  CLI::App* app = nullptr;
+  LayerOptions layer;
+  RunRequest req;
+  std::string routing = "router", verify = "auto", json_file, run_mode = "auto", run_schedule = "critical-path";
+  std::string transport = "inprocess", mpi_path = "auto", inject_fault;
+  bool no_pin = false;
+  double peer_timeout = 5.0;
+
+  void add(CLI::App& parent) {
+    app = parent.add_subcommand("run", "run a layer step on this machine, verified against the fp64 oracle");
+    CLI::App* run = app;
+    layer.add_to(*run);
+    run->add_option("--workers,-W", req.workers_per_rank, "worker threads per rank")->check(CLI::Range(1, 256));
+    run->add_option("--routing", routing, "router | uniform | zipf[:S] | hot[:SHARE] | trace:FILE[:LAYER]");
+    run->add_option("--seed", req.seed, "seed of weights, inputs and synthetic routing");
+    run->add_flag("--backward", req.backward, "run backward too (dx, dW1, dW2, router and shared gradients)");
+    run->add_option("--iters", req.iterations, "measured iterations")->check(CLI::Range(1, 100000));
+    run->add_option("--warmup", req.warmup, "warm-up iterations")->check(CLI::Range(0, 100000));
+    run->add_option("--verify", verify, "auto | full | sample | off (auto: full oracle for small layers)");
+    run->add_option("--sample", req.sample_tokens, "tokens recomputed in fp64 by --verify sample")->check(CLI::Range(1, 1 << 20));
+    run->add_option("--json", json_file, "write the results as JSON");
+    run->add_option("--save", req.save_dir, "write the run's tensors (safetensors) to this directory");
+    run->add_option("--load", req.load_dir, "run on weights.safetensors and inputs.safetensors from this directory");
+    run->add_flag("--no-pin", no_pin, "do not pin worker threads to cores");
+    run->add_option("--mode", run_mode, "auto | serialized | interleaved | both (auto: both, side by side, checked bit-identical)");
+    run->add_option("--trace", req.trace_file, "write a Chrome/Perfetto trace (JSON) of the last step of each executor");
+    run->add_option("--timeline", req.timeline_file, "write the same as an SVG Gantt chart (serialized above interleaved)");
+    run->add_option("--schedule", run_schedule, "scheduler policy of the interleaved runtime: fill | rank-rotated | critical-path | interleave-wgrad");
+    run->add_option("--transport", transport,
+                    "inprocess | mpi (mpi: one rank per process, `mpirun -np P hpmoe run --transport mpi ...`)");
+    run->add_option("--mpi-path", mpi_path,
+                    "auto | shared | network: shared-memory windows on one machine, or put+signal messages (TCP)");
+    run->add_option("--watchdog", req.watchdog_seconds, "seconds without progress before a launch stops with an error")
+        ->check(CLI::Range(0.01, 86400.0));
+    run->add_option("--peer-timeout", peer_timeout, "mpi: seconds of silence after which a peer counts as failed")
+        ->check(CLI::Range(0.1, 86400.0));
+    run->add_option("--inject-fault", inject_fault, "testing: exit:RANK (that process dies at its first launch), freeze:RANK (it stops) or stall:RANK (a worker waits)")
+        ->group("");
+  }
+
+  int execute(int argc, char** argv) {
+    req.config = layer.resolve();
+    req.placement = layer.resolve_placement(req.config);
+    req.routing = parse_routing_spec(routing, req.seed);
+    req.verify = parse_verify_mode(verify);
+    req.mode = parse_run_mode(run_mode);
+    req.policy = taskflow::parse_policy(run_schedule);
+    req.pin = !no_pin;
+    if (!inject_fault.empty()) {
+      const auto colon = inject_fault.find(':');
+      const std::string kind = inject_fault.substr(0, colon);
+      if ((kind != "exit" && kind != "freeze" && kind != "stall") || colon == std::string::npos)
+        throw Error("--inject-fault takes exit:RANK, freeze:RANK or stall:RANK, not '" + inject_fault + "'");
+      req.fault.kind = kind == "exit"     ? RuntimeFault::exit_process
+                       : kind == "freeze" ? RuntimeFault::freeze_process
+                                          : RuntimeFault::stall;
+      req.fault.rank = parse_rank(inject_fault.substr(colon + 1), req.config.ranks);
+    }
+    if (transport != "inprocess" && transport != "mpi")
+      throw Error("--transport must be inprocess or mpi, not '" + transport + "'");
+    if (transport == "inprocess" && mpi_path != "auto") throw Error("--mpi-path needs --transport mpi");
+    if (transport == "mpi") return run_mpi(argc, argv, req, parse_mpi_path(mpi_path), peer_timeout, json_file);
+    // Progress on stderr for anything that takes more than a couple of
+    // seconds: always for large layers, otherwise once two seconds have passed.
+    const auto start = std::chrono::steady_clock::now();
+    const bool large = req.config.forward_flops() * (req.backward ? 3.0 : 1.0) > 2e10;
+    auto progress = [&](const std::string& what) {
+      const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      if (large || elapsed >= 2.0) std::fprintf(stderr, "hpmoe: %s (%.1f s)\n", what.c_str(), elapsed);
+    };
+    const RunReport report = run_layer(req, progress);
+    std::cout << format_report(report);
+    if (!json_file.empty()) write_json(json_file, to_json(report));
+    return report.verification.pass ? 0 : 1;
+  }
+};
+
+struct SimulateCommand {
+  CLI::App* app = nullptr;
+  LayerOptions layer;
+  sim::SimRequest sreq;
+  std::string sim_machine, sim_routing = "uniform", sim_schedule = "critical-path", sim_json, sim_trace, sim_timeline;
+  int sim_workers = 0;
+
+  void add(CLI::App& parent) {
+    app = parent.add_subcommand("simulate", "predict a layer step on a machine model (serialized vs interleaved)");
+    CLI::App* simulate = app;
+    layer.add_to(*simulate);
+    simulate->add_option("--machine", sim_machine, "machine model: a file, or a name in machines/ (cpu-local, ascend-a3, h800, h200, nmp-mesh)")
+        ->required();
+    simulate->add_option("--routing", sim_routing, "uniform | zipf[:S] | hot[:SHARE] | trace:FILE[:LAYER] | router");
+    simulate->add_option("--seed", sreq.seed, "seed of synthetic routing");
+    simulate->add_flag("--backward", sreq.backward, "simulate the backward pass too");
+    simulate->add_option("--schedule", sim_schedule, "fill | rank-rotated | critical-path | interleave-wgrad");
+    simulate->add_option("--json", sim_json, "write the prediction as JSON");
+    simulate->add_option("--workers,-W", sim_workers, "cpu models: workers per rank (default: the model's)")->check(CLI::Range(1, 256));
+    simulate->add_option("--trace", sim_trace, "write the simulated timelines as a Chrome/Perfetto trace");
+    simulate->add_option("--timeline", sim_timeline, "write the simulated timelines as an SVG Gantt chart");
+  }
+
+  int execute() {
+    sim::MachineModel model = sim::load_machine(sim_machine);
+    if (sim_workers > 0) {
+      if (model.accelerator) throw Error("--workers applies to cpu models; " + model.name + " has matrix and vector units");
+      model.workers = sim_workers;
+    }
+    sreq.config = layer.resolve();
+    sreq.placement = layer.resolve_placement(sreq.config);
+    sreq.routing = parse_routing_spec(sim_routing, sreq.seed);
+    sreq.policy = taskflow::parse_policy(sim_schedule);
+    sreq.trace = !sim_trace.empty() || !sim_timeline.empty();
+    const sim::SimReport report = sim::simulate(model, sreq);
+    std::cout << sim::format_report(report);
+    if (!sim_json.empty()) write_json(sim_json, sim::to_json(report));
+    if (sreq.trace) {
+      StepResult serialized, interleaved;
+      serialized.trace = report.serialized_trace;
+      interleaved.trace = report.interleaved_trace;
+      const std::vector<TracedRun> runs{{"serialized (simulated on " + model.name + ")", &serialized},
+                                        {"interleaved (simulated on " + model.name + ")", &interleaved}};
+      if (!sim_trace.empty()) write_chrome_trace(sim_trace, runs);
+      if (!sim_timeline.empty()) write_timeline_svg(sim_timeline, runs);
+    }
+    return 0;
+  }
+};
+
+struct CalibrateCommand {
+  CLI::App* app = nullptr;
+  sim::CalibrateOptions copt;
+  std::string calibrate_out = "machines/cpu-local.json";
+
+  void add(CLI::App& parent) {
+    app = parent.add_subcommand("calibrate", "measure this machine and write the cpu-local machine model");
+    app->add_option("--workers,-W", copt.workers, "workers per rank the model describes")->check(CLI::Range(1, 256));
+    app->add_option("--out", calibrate_out, "where to write the model");
+    app->add_flag("--quick", copt.quick, "one repetition per measurement (for tests)");
+  }
+
+  int execute() {
+    if (!std::ofstream(calibrate_out, std::ios::app)) throw Error("cannot write the machine model to '" + calibrate_out + "'");
+    const auto model = sim::calibrate(copt, [](const std::string& what) { std::fprintf(stderr, "hpmoe: calibrate: %s\n", what.c_str()); });
+    sim::machine_from_json(model);  // what we write must load
+    write_json(calibrate_out, model);
+    std::cout << "wrote " << calibrate_out << "\n";
+    return 0;
+  }
+};
+
+struct ConfigCommand {
+  CLI::App* app = nullptr;
+  LayerOptions layer;
+  bool list_fields = false;
+
+  void add(CLI::App& parent) {
+    app = parent.add_subcommand("config", "print a layer config (preset, imported file, overrides) as JSON");
+    layer.add_to(*app, false);
+    app->add_flag("--fields", list_fields, "list the field names --set accepts");
+  }
+
+  int execute() {
+    if (list_fields) {
+      for (const auto& f : config_fields()) std::cout << f << "\n";
+      return 0;
+    }
+    std::cout << to_json(layer.resolve()).dump(2) << "\n";
+    return 0;
+  }
+};
+
+struct CompileCommand {
+  CLI::App* app = nullptr;
+  LayerOptions layer;
+  CompileRequest creq;
+  std::string compile_routing = "router", schedule = "critical-path", pass = "forward", compile_json, dump_file;
+  std::uint64_t compile_seed = 1;
+
+  void add(CLI::App& parent) {
+    app = parent.add_subcommand("compile", "compile a layer step into verified per-rank tile-task programs");
+    CLI::App* compile = app;
+    layer.add_to(*compile);
+    compile->add_option("--routing", compile_routing, "router | uniform | zipf[:S] | hot[:SHARE] | trace:FILE[:LAYER]");
+    compile->add_option("--seed", compile_seed, "seed of the router's weights and inputs, and of synthetic routing");
+    compile->add_option("--machine", creq.machine, "cpu:W[:RxC] (W unified workers per rank) or accel:MATRIX:VECTOR[:RxC]");
+    compile->add_option("--schedule", schedule, "fill | rank-rotated | critical-path | interleave-wgrad");
+    compile->add_option("--pass", pass, "forward | backward | both");
+    compile->add_option("--rank", creq.rank, "rank whose program the figures describe");
+    compile->add_option("--dump", dump_file, "write every rank's program (JSON; with --pass both, FILE.forward.json and FILE.backward.json)");
+    compile->add_option("--json", compile_json, "write the figures as JSON");
+  }
+
+  int execute() {
+    creq.config = layer.resolve();
+    creq.placement = layer.resolve_placement(creq.config);
+    creq.routing = parse_routing_spec(compile_routing, compile_seed);
+    creq.seed = compile_seed;
+    creq.policy = taskflow::parse_policy(schedule);
+    if (pass != "forward" && pass != "backward" && pass != "both")
+      throw Error("--pass must be forward, backward or both, not '" + pass + "'");
+    creq.forward = pass != "backward";
+    creq.backward = pass != "forward";
+    const CompileReport report = compile_layer(creq);
+    std::cout << format_report(report);
+    if (!compile_json.empty()) write_json(compile_json, to_json(report));
+    if (!dump_file.empty())
+      for (const auto& p : report.passes) {
+        const std::string file = report.passes.size() == 1
+                                     ? dump_file
+                                     : dump_file + (p.pass == taskflow::Pass::forward ? ".forward.json" : ".backward.json");
+        std::ofstream out(file);
+        if (!out) throw Error("cannot write the program dump '" + file + "'");
+        out << dump_programs(p.programs).dump() << "\n";
+      }
+    bool ok = true;
+    for (const auto& p : report.passes) ok = ok && p.verification.ok;
+    return ok ? 0 : 1;
+  }
+};
+
+struct VerifyCommand {
+  CLI::App* app = nullptr;
+  std::string verify_file;
+  bool verify_listing = false;
+
+  void add(CLI::App& parent) {
+    app = parent.add_subcommand("verify", "verify a program dump written by `hpmoe compile --dump`");
+    app->add_option("FILE", verify_file, "program dump")->required();
+    app->add_flag("--list", verify_listing, "print a readable listing of rank 0's program");
+  }
+
+  int execute() {
+    const auto programs = load_programs(verify_file);
+    const auto report = taskflow::verify(programs);
+    if (verify_listing) std::cout << taskflow::listing(programs.front());
+    std::cout << programs.size() << " programs ("
+              << (programs.front().pass == taskflow::Pass::forward ? "forward" : "backward") << "): "
+              << (report.ok ? "PASS: no deadlock, events consistent, every read covered, no write conflicts"
+                            : "FAIL: " + report.error)
+              << "\n";
+    return report.ok ? 0 : 1;
+  }
+};
+
 int run_main(int argc, char** argv) {
   CLI::App app{"hpmoe: tile-level scheduling for expert-parallel MoE training (CPU runtime, oracle, baseline)"};
   app.require_subcommand(1);
   app.set_version_flag("--version", HPMOE_VERSION);
-
-  // hpmoe run
-  auto* run = app.add_subcommand("run", "run a layer step on this machine, verified against the fp64 oracle");
-  LayerOptions run_layer_opts;
-  run_layer_opts.add_to(*run);
-  RunRequest req;
-  std::string routing = "router", verify = "auto", json_file;
-  bool no_pin = false;
-  double peer_timeout = 5.0;
-  run->add_option("--workers,-W", req.workers_per_rank, "worker threads per rank")->check(CLI::Range(1, 256));
-  run->add_option("--routing", routing, "router | uniform | zipf[:S] | hot[:SHARE] | trace:FILE[:LAYER]");
-  run->add_option("--seed", req.seed, "seed of weights, inputs and synthetic routing");
-  run->add_flag("--backward", req.backward, "run backward too (dx, dW1, dW2, router and shared gradients)");
-  run->add_option("--iters", req.iterations, "measured iterations")->check(CLI::Range(1, 100000));
-  run->add_option("--warmup", req.warmup, "warm-up iterations")->check(CLI::Range(0, 100000));
-  run->add_option("--verify", verify, "auto | full | sample | off (auto: full oracle for small layers)");
-  run->add_option("--sample", req.sample_tokens, "tokens recomputed in fp64 by --verify sample")->check(CLI::Range(1, 1 << 20));
-  run->add_option("--json", json_file, "write the results as JSON");
-  run->add_option("--save", req.save_dir, "write the run's tensors (safetensors) to this directory");
-  run->add_option("--load", req.load_dir, "run on weights.safetensors and inputs.safetensors from this directory");
-  run->add_flag("--no-pin", no_pin, "do not pin worker threads to cores");
-  std::string run_mode = "auto", run_schedule = "critical-path";
-  run->add_option("--mode", run_mode, "auto | serialized | interleaved | both (auto: both, side by side, checked bit-identical)");
-  run->add_option("--trace", req.trace_file, "write a Chrome/Perfetto trace (JSON) of the last step of each executor");
-  run->add_option("--timeline", req.timeline_file, "write the same as an SVG Gantt chart (serialized above interleaved)");
-  run->add_option("--schedule", run_schedule, "scheduler policy of the interleaved runtime: fill | rank-rotated | critical-path | interleave-wgrad");
-  std::string transport = "inprocess", mpi_path = "auto", inject_fault;
-  run->add_option("--transport", transport,
-                  "inprocess | mpi (mpi: one rank per process, `mpirun -np P hpmoe run --transport mpi ...`)");
-  run->add_option("--mpi-path", mpi_path,
-                  "auto | shared | network: shared-memory windows on one machine, or put+signal messages (TCP)");
-  run->add_option("--watchdog", req.watchdog_seconds, "seconds without progress before a launch stops with an error")
-      ->check(CLI::Range(0.01, 86400.0));
-  run->add_option("--peer-timeout", peer_timeout, "mpi: seconds of silence after which a peer counts as failed")
-      ->check(CLI::Range(0.1, 86400.0));
-  run->add_option("--inject-fault", inject_fault, "testing: exit:RANK (that process dies at its first launch), freeze:RANK (it stops) or stall:RANK (a worker waits)")
-      ->group("");
-
-  // hpmoe simulate
-  auto* simulate = app.add_subcommand("simulate", "predict a layer step on a machine model (serialized vs interleaved)");
-  LayerOptions sim_layer_opts;
-  sim_layer_opts.add_to(*simulate);
-  sim::SimRequest sreq;
-  std::string sim_machine, sim_routing = "uniform", sim_schedule = "critical-path", sim_json, sim_trace, sim_timeline;
-  simulate->add_option("--machine", sim_machine, "machine model: a file, or a name in machines/ (cpu-local, ascend-a3, h800, h200, nmp-mesh)")
-      ->required();
-  simulate->add_option("--routing", sim_routing, "uniform | zipf[:S] | hot[:SHARE] | trace:FILE[:LAYER] | router");
-  simulate->add_option("--seed", sreq.seed, "seed of synthetic routing");
-  simulate->add_flag("--backward", sreq.backward, "simulate the backward pass too");
-  simulate->add_option("--schedule", sim_schedule, "fill | rank-rotated | critical-path | interleave-wgrad");
-  simulate->add_option("--json", sim_json, "write the prediction as JSON");
-  int sim_workers = 0;
-  simulate->add_option("--workers,-W", sim_workers, "cpu models: workers per rank (default: the model's)")->check(CLI::Range(1, 256));
-  simulate->add_option("--trace", sim_trace, "write the simulated timelines as a Chrome/Perfetto trace");
-  simulate->add_option("--timeline", sim_timeline, "write the simulated timelines as an SVG Gantt chart");
-
-  // hpmoe calibrate
-  auto* calibrate = app.add_subcommand("calibrate", "measure this machine and write the cpu-local machine model");
-  sim::CalibrateOptions copt;
-  std::string calibrate_out = "machines/cpu-local.json";
-  calibrate->add_option("--workers,-W", copt.workers, "workers per rank the model describes")->check(CLI::Range(1, 256));
-  calibrate->add_option("--out", calibrate_out, "where to write the model");
-  calibrate->add_flag("--quick", copt.quick, "one repetition per measurement (for tests)");
-
-  // hpmoe config
-  auto* config = app.add_subcommand("config", "print a layer config (preset, imported file, overrides) as JSON");
-  LayerOptions config_opts;
-  config_opts.add_to(*config, false);
-  bool list_fields = false;
-  config->add_flag("--fields", list_fields, "list the field names --set accepts");
-
+  RunCommand run;
+  SimulateCommand simulate;
+  CalibrateCommand calibrate;
+  ConfigCommand config;
+  CompileCommand compile;
+  VerifyCommand verify;
+  run.add(app);
+  simulate.add(app);
+  calibrate.add(app);
+  config.add(app);
   auto* presets = app.add_subcommand("presets", "list the model presets");
-
-  // hpmoe compile
-  auto* compile = app.add_subcommand("compile", "compile a layer step into verified per-rank tile-task programs");
-  LayerOptions compile_layer_opts;
-  compile_layer_opts.add_to(*compile);
-  CompileRequest creq;
-  std::string compile_routing = "router", schedule = "critical-path", pass = "forward", compile_json, dump_file;
-  std::uint64_t compile_seed = 1;
-  compile->add_option("--routing", compile_routing, "router | uniform | zipf[:S] | hot[:SHARE] | trace:FILE[:LAYER]");
-  compile->add_option("--seed", compile_seed, "seed of the router's weights and inputs, and of synthetic routing");
-  compile->add_option("--machine", creq.machine, "cpu:W[:RxC] (W unified workers per rank) or accel:MATRIX:VECTOR[:RxC]");
-  compile->add_option("--schedule", schedule, "fill | rank-rotated | critical-path | interleave-wgrad");
-  compile->add_option("--pass", pass, "forward | backward | both");
-  compile->add_option("--rank", creq.rank, "rank whose program the figures describe");
-  compile->add_option("--dump", dump_file, "write every rank's program (JSON; with --pass both, FILE.forward.json and FILE.backward.json)");
-  compile->add_option("--json", compile_json, "write the figures as JSON");
-
-  // hpmoe verify
-  auto* verify_cmd = app.add_subcommand("verify", "verify a program dump written by `hpmoe compile --dump`");
-  std::string verify_file;
-  verify_cmd->add_option("FILE", verify_file, "program dump")->required();
-  bool verify_listing = false;
-  verify_cmd->add_flag("--list", verify_listing, "print a readable listing of rank 0's program");
+  compile.add(app);
+  verify.add(app);
 
   try {
     app.parse(argc, argv);
@@ -236,118 +399,12 @@ int run_main(int argc, char** argv) {
     }
     return 0;
   }
-  if (compile->parsed()) {
-    creq.config = compile_layer_opts.resolve();
-    creq.placement = compile_layer_opts.resolve_placement(creq.config);
-    creq.routing = parse_routing_spec(compile_routing, compile_seed);
-    creq.seed = compile_seed;
-    creq.policy = taskflow::parse_policy(schedule);
-    if (pass != "forward" && pass != "backward" && pass != "both")
-      throw Error("--pass must be forward, backward or both, not '" + pass + "'");
-    creq.forward = pass != "backward";
-    creq.backward = pass != "forward";
-    const CompileReport report = compile_layer(creq);
-    std::cout << format_report(report);
-    if (!compile_json.empty()) write_json(compile_json, to_json(report));
-    if (!dump_file.empty())
-      for (const auto& p : report.passes) {
-        const std::string file = report.passes.size() == 1
-                                     ? dump_file
-                                     : dump_file + (p.pass == taskflow::Pass::forward ? ".forward.json" : ".backward.json");
-        std::ofstream out(file);
-        if (!out) throw Error("cannot write the program dump '" + file + "'");
-        out << dump_programs(p.programs).dump() << "\n";
-      }
-    bool ok = true;
-    for (const auto& p : report.passes) ok = ok && p.verification.ok;
-    return ok ? 0 : 1;
-  }
-  if (verify_cmd->parsed()) {
-    const auto programs = load_programs(verify_file);
-    const auto report = taskflow::verify(programs);
-    if (verify_listing) std::cout << taskflow::listing(programs.front());
-    std::cout << programs.size() << " programs ("
-              << (programs.front().pass == taskflow::Pass::forward ? "forward" : "backward") << "): "
-              << (report.ok ? "PASS: no deadlock, events consistent, every read covered, no write conflicts"
-                            : "FAIL: " + report.error)
-              << "\n";
-    return report.ok ? 0 : 1;
-  }
-  if (simulate->parsed()) {
-    sim::MachineModel model = sim::load_machine(sim_machine);
-    if (sim_workers > 0) {
-      if (model.accelerator) throw Error("--workers applies to cpu models; " + model.name + " has matrix and vector units");
-      model.workers = sim_workers;
-    }
-    sreq.config = sim_layer_opts.resolve();
-    sreq.placement = sim_layer_opts.resolve_placement(sreq.config);
-    sreq.routing = parse_routing_spec(sim_routing, sreq.seed);
-    sreq.policy = taskflow::parse_policy(sim_schedule);
-    sreq.trace = !sim_trace.empty() || !sim_timeline.empty();
-    const sim::SimReport report = sim::simulate(model, sreq);
-    std::cout << sim::format_report(report);
-    if (!sim_json.empty()) write_json(sim_json, sim::to_json(report));
-    if (sreq.trace) {
-      StepResult serialized, interleaved;
-      serialized.trace = report.serialized_trace;
-      interleaved.trace = report.interleaved_trace;
-      const std::vector<TracedRun> runs{{"serialized (simulated on " + model.name + ")", &serialized},
-                                        {"interleaved (simulated on " + model.name + ")", &interleaved}};
-      if (!sim_trace.empty()) write_chrome_trace(sim_trace, runs);
-      if (!sim_timeline.empty()) write_timeline_svg(sim_timeline, runs);
-    }
-    return 0;
-  }
-  if (calibrate->parsed()) {
-    if (!std::ofstream(calibrate_out, std::ios::app)) throw Error("cannot write the machine model to '" + calibrate_out + "'");
-    const auto model = sim::calibrate(copt, [](const std::string& what) { std::fprintf(stderr, "hpmoe: calibrate: %s\n", what.c_str()); });
-    sim::machine_from_json(model);  // what we write must load
-    write_json(calibrate_out, model);
-    std::cout << "wrote " << calibrate_out << "\n";
-    return 0;
-  }
-  if (config->parsed()) {
-    if (list_fields) {
-      for (const auto& f : config_fields()) std::cout << f << "\n";
-      return 0;
-    }
-    std::cout << to_json(config_opts.resolve()).dump(2) << "\n";
-    return 0;
-  }
-
-  req.config = run_layer_opts.resolve();
-  req.placement = run_layer_opts.resolve_placement(req.config);
-  req.routing = parse_routing_spec(routing, req.seed);
-  req.verify = parse_verify_mode(verify);
-  req.mode = parse_run_mode(run_mode);
-  req.policy = taskflow::parse_policy(run_schedule);
-  req.pin = !no_pin;
-  if (!inject_fault.empty()) {
-    const auto colon = inject_fault.find(':');
-    const std::string kind = inject_fault.substr(0, colon);
-    if ((kind != "exit" && kind != "freeze" && kind != "stall") || colon == std::string::npos)
-      throw Error("--inject-fault takes exit:RANK, freeze:RANK or stall:RANK, not '" + inject_fault + "'");
-    req.fault.kind = kind == "exit"     ? RuntimeFault::exit_process
-                     : kind == "freeze" ? RuntimeFault::freeze_process
-                                        : RuntimeFault::stall;
-    req.fault.rank = parse_rank(inject_fault.substr(colon + 1), req.config.ranks);
-  }
-  if (transport != "inprocess" && transport != "mpi")
-    throw Error("--transport must be inprocess or mpi, not '" + transport + "'");
-  if (transport == "inprocess" && mpi_path != "auto") throw Error("--mpi-path needs --transport mpi");
-  if (transport == "mpi") return run_mpi(argc, argv, req, parse_mpi_path(mpi_path), peer_timeout, json_file);
-  // Progress on stderr for anything that takes more than a couple of
-  // seconds: always for large layers, otherwise once two seconds have passed.
-  const auto start = std::chrono::steady_clock::now();
-  const bool large = req.config.forward_flops() * (req.backward ? 3.0 : 1.0) > 2e10;
-  auto progress = [&](const std::string& what) {
-    const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    if (large || elapsed >= 2.0) std::fprintf(stderr, "hpmoe: %s (%.1f s)\n", what.c_str(), elapsed);
-  };
-  const RunReport report = run_layer(req, progress);
-  std::cout << format_report(report);
-  if (!json_file.empty()) write_json(json_file, to_json(report));
-  return report.verification.pass ? 0 : 1;
+  if (compile.app->parsed()) return compile.execute();
+  if (verify.app->parsed()) return verify.execute();
+  if (simulate.app->parsed()) return simulate.execute();
+  if (calibrate.app->parsed()) return calibrate.execute();
+  if (config.app->parsed()) return config.execute();
+  return run.execute(argc, argv);
 }
 
 }  // namespace
