@@ -393,6 +393,26 @@ TEST(Interleaved, ForwardThenBackwardOnBorrowedViewsMatchesStep) {
     EXPECT_TRUE(bit_identical(a.out, b.out)) << to_string(dtype);
     split.backward(dout, b);
     EXPECT_TRUE(bit_identical(a.grads, b.grads)) << to_string(dtype);
+    // Outputs written straight into the caller's strided memory.
+    std::vector<float> out_store(x_store.size(), -7.0f), dx_store(x_store.size(), -7.0f);
+    StepResult into;
+    into.out_into = MutableMatrixView{out_store.data(), N, H, ld};
+    into.dx_into = MutableMatrixView{dx_store.data(), N, H, ld};
+    split.forward(x, {}, into);
+    split.backward(dout, into);
+    EXPECT_TRUE(into.out.data.empty() && into.grads.x.data.empty());
+    bool same = true;
+    for (std::int64_t t = 0; t < N; ++t)
+      for (std::int64_t h = 0; h < ld; ++h) {
+        const auto i = static_cast<std::size_t>(t * ld + h);
+        const bool ok = h < H ? out_store[i] == a.out.at(t, h) && dx_store[i] == a.grads.x.at(t, h)
+                              : out_store[i] == -7.0f && dx_store[i] == -7.0f;  // the gap between rows untouched
+        if (!ok && same) ADD_FAILURE() << "token " << t << " column " << h << ": out " << out_store[i] << " dx " << dx_store[i];
+        same = same && ok;
+      }
+    EXPECT_TRUE(same) << to_string(dtype);
+    into.out_into.rows -= 1;
+    EXPECT_THROW(split.forward(x, {}, into), Error);
     // The serialized baseline takes the same calls.
     SerializedExecutor serial(c, from_hf, ExecutorOptions{.workers_per_rank = 1, .backward = true, .pin = false});
     StepResult s;

@@ -43,6 +43,11 @@ struct OperatorTime {
 };
 
 struct StepResult {
+  // Optional, set by the caller before forward / backward: write the output
+  // (and dx) into these views of the caller's memory ([P T, H], any row
+  // stride) instead of `out` (and grads.x), which then stay empty. In-process
+  // executors only.
+  MutableMatrixView out_into, dx_into;
   Matrix out;                      // [P T, H]
   LayerGradients grads;            // filled when backward
   RouterOutput<float> routing;     // what the fast path routed

@@ -32,6 +32,13 @@ struct MatrixView {
   float at(std::int64_t i, std::int64_t j) const { return data[i * ld + j]; }
 };
 inline MatrixView view(const Matrix& m) { return MatrixView{m.data.data(), m.rows, m.cols, m.cols}; }
+// The same for memory written in place (an output tensor of a framework).
+struct MutableMatrixView {
+  float* data = nullptr;
+  std::int64_t rows = 0, cols = 0, ld = 0;
+  float* row(std::int64_t i) const { return data + i * ld; }
+  explicit operator bool() const { return data != nullptr; }
+};
 
 // Parameters of the whole layer (all ranks' experts), in the math layout
 // [in, out] (the layer computes x W: h = x W1, y = swiglu(h) W2); the

@@ -90,7 +90,9 @@ class Interleaved final : public InterleavedExecutor::Impl {
     res.backward_ops.clear();
     res.trace.clear();
     step_start_ = Clock::now();
-    if (res.out.rows != c_.total_tokens() || res.out.cols != c_.hidden) res.out = Matrix(c_.total_tokens(), c_.hidden);
+    check_output_view(res.out_into, "output view");
+    if (res.out_into) res.out = Matrix();
+    else if (res.out.rows != c_.total_tokens() || res.out.cols != c_.hidden) res.out = Matrix(c_.total_tokens(), c_.hidden);
     auto t0 = Clock::now();
     res.routing = run_router(pool_, c_, packed_->router.view(), x_, w_.expert_bias, forced, logits_);
     auto t1 = Clock::now();
@@ -117,7 +119,7 @@ class Interleaved final : public InterleavedExecutor::Impl {
     res.forward_ops.push_back({"prepare", seconds(t3, Clock::now())});
     res.dispatch_to_combine_seconds = launch(programs, res);
     if (!opt_.phased) res.forward_ops.push_back({"launch", res.dispatch_to_combine_seconds});
-    gather_rows(res.out);
+    if (!res.out_into) gather_rows(res.out);
     forward_done_ = &res;
   }
 
@@ -142,13 +144,16 @@ class Interleaved final : public InterleavedExecutor::Impl {
     }
     auto b2 = Clock::now();
     res.backward_ops.push_back({"verify", seconds(b1, b2)});
+    check_output_view(res.dx_into, "dx view");
     if (res.grads.w1.size() != static_cast<std::size_t>(c_.routed_experts)) res.grads = zero_gradients(c_);
+    if (res.dx_into) res.grads.x = Matrix();
+    else if (res.grads.x.rows != c_.total_tokens()) res.grads.x = Matrix(c_.total_tokens(), c_.hidden);
     prepare_backward(res);
     res.backward_ops.push_back({"prepare", seconds(b2, Clock::now())});
     res.backward_seconds = launch(backward_programs, res);
     if (!opt_.phased) res.backward_ops.push_back({"launch", res.backward_seconds});
     const auto r0 = Clock::now();
-    gather_rows(res.grads.x);
+    if (!res.dx_into) gather_rows(res.grads.x);
     gather_expert_gradients(res.grads);
     reduce_replicated(res);
     res.backward_ops.push_back({"reduce_replicated_grads", seconds(r0, Clock::now())});
@@ -253,6 +258,18 @@ class Interleaved final : public InterleavedExecutor::Impl {
           }
     }
     return elapsed;
+  }
+
+  // A caller's output view: the step's shape, and only where this process
+  // runs every rank (over MPI the root gathers into its own matrices).
+  void check_output_view(const MutableMatrixView& v, const char* what) const {
+    if (!v) return;
+    if (local_.size() != static_cast<std::size_t>(c_.ranks))
+      throw Error(std::string(what) + ": output views need every rank in this process (not over MPI)");
+    if (v.rows != c_.total_tokens() || v.cols != c_.hidden || v.ld < v.cols)
+      throw Error(std::string(what) + " has shape [" + std::to_string(v.rows) + ", " + std::to_string(v.cols) + "] (row stride " +
+                  std::to_string(v.ld) + "), expected [" + std::to_string(c_.total_tokens()) + ", " +
+                  std::to_string(c_.hidden) + "]");
   }
 
   // Every expert's weight gradients onto the root process: one gather per
@@ -400,13 +417,27 @@ class Interleaved final : public InterleavedExecutor::Impl {
               at = bytes_of(x_.row(r * T_));
               s.ld[static_cast<std::size_t>(b.id)] = x_.ld;
               break;
-            case BufferId::out: at = bytes_of(res.out.row(r * T_)); break;
+            case BufferId::out:
+              if (res.out_into) {
+                at = bytes_of(res.out_into.row(r * T_));
+                s.ld[static_cast<std::size_t>(b.id)] = res.out_into.ld;
+              } else {
+                at = bytes_of(res.out.row(r * T_));
+              }
+              break;
             case BufferId::logits: at = bytes_of(logits_.data() + r * T_ * c_.routed_experts); break;
             case BufferId::dout:
               at = bytes_of(d_out_.row(r * T_));
               s.ld[static_cast<std::size_t>(b.id)] = d_out_.ld;
               break;
-            case BufferId::dx: at = bytes_of(res.grads.x.row(r * T_)); break;
+            case BufferId::dx:
+              if (res.dx_into) {
+                at = bytes_of(res.dx_into.row(r * T_));
+                s.ld[static_cast<std::size_t>(b.id)] = res.dx_into.ld;
+              } else {
+                at = bytes_of(res.grads.x.row(r * T_));
+              }
+              break;
             case BufferId::dw1: case BufferId::dw2: {
               auto& slots = b.id == BufferId::dw1 ? s.dw1_slots : s.dw2_slots;
               slots.clear();
@@ -755,7 +786,8 @@ class Interleaved final : public InterleavedExecutor::Impl {
         const float* shared = c_.shared_experts > 0 ? at<float>(r, p, o.in(BufferId::sh_y)) : nullptr;
         float* out = at<float>(r, p, o.out(BufferId::out));
         for (std::int64_t j = 0; j < rows; ++j)
-          combine_row<T>(out + j * H, H, K, slots + j * K, gates + j * K, comb, shared ? shared + j * H : nullptr);
+          combine_row<T>(out + j * ld_of(r, BufferId::out), H, K, slots + j * K, gates + j * K, comb,
+                         shared ? shared + j * H : nullptr);
         break;
       }
       case TaskKind::shared_gate_up:
@@ -921,7 +953,8 @@ class Interleaved final : public InterleavedExecutor::Impl {
         const float* sdx = c_.shared_experts > 0 ? at<float>(r, p, o.in(BufferId::sdx)) : nullptr;
         float* dx = at<float>(r, p, o.out(BufferId::dx));
         for (std::int64_t j = 0; j < rows; ++j)
-          assemble_dx_row<T>(dx + j * H, H, K, slots + j * K, dcomb, rdx + j * H, sdx ? sdx + j * H : nullptr);
+          assemble_dx_row<T>(dx + j * ld_of(r, BufferId::dx), H, K, slots + j * K, dcomb, rdx + j * H,
+                             sdx ? sdx + j * H : nullptr);
         break;
       }
       default:
