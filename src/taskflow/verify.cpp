@@ -91,8 +91,7 @@ struct SlottedWrite {
 
 // Storage the checker reuses from one verification to the next.
 struct VerifierScratch {
-  std::vector<std::int32_t> buffer_slot, triggers, count, first_blocked, work;
-  std::vector<std::uint8_t> seen;
+  std::vector<std::int32_t> buffer_slot, triggers, count, first_blocked, work, worker_of;
   std::vector<double> done, cp_done, loads;
   std::vector<std::int64_t> trig_begin, trig_fill, write_begin, write_fill, max_height, stack;
   std::vector<std::pair<std::int32_t, std::int32_t>> trig;
@@ -151,21 +150,26 @@ class Checker {
           p.queue_begin.back() != static_cast<std::int32_t>(p.queue_tasks.size()))
         fail("rank " + std::to_string(r) + " has malformed queues for " + std::to_string(W) + " workers");
       if (p.cost.size() != p.tasks.size()) fail("rank " + std::to_string(r) + " lacks task costs");
-      auto& seen = s_.seen;
-      seen.assign(p.tasks.size(), 0);
+      // Each task's worker, written in queue order into a small array, then
+      // checked in task order: the tasks are read once, front to back.
+      auto& worker_of = s_.worker_of;
+      worker_of.assign(p.tasks.size(), -1);
       for (int w = 0; w < W; ++w)
         for (auto i = p.queue_begin[w]; i < p.queue_begin[w + 1]; ++i) {
           const auto id = p.queue_tasks[i];
           if (id < 0 || id >= static_cast<std::int32_t>(p.tasks.size()))
             fail("rank " + std::to_string(r) + " worker " + std::to_string(w) + " queues task " + std::to_string(id) +
                  " which does not exist");
-          if (seen[id]++) fail(describe(p, id) + " is queued twice");
-          if (!p.machine.takes(w, p.tasks[id].queue))
-            fail(describe(p, id) + " is a " + name(p.tasks[id].queue) + " task on worker " + std::to_string(w) +
-                 " which does not take that class");
+          if (worker_of[id] >= 0) fail(describe(p, id) + " is queued twice");
+          worker_of[id] = w;
         }
-      for (std::size_t i = 0; i < seen.size(); ++i)
-        if (!seen[i]) fail(describe(p, static_cast<std::int32_t>(i)) + " is on no worker's queue");
+      for (std::size_t i = 0; i < worker_of.size(); ++i) {
+        const auto id = static_cast<std::int32_t>(i);
+        if (worker_of[i] < 0) fail(describe(p, id) + " is on no worker's queue");
+        if (!p.machine.takes(worker_of[i], p.tasks[i].queue))
+          fail(describe(p, id) + " is a " + name(p.tasks[i].queue) + " task on worker " + std::to_string(worker_of[i]) +
+               " which does not take that class");
+      }
       // Buffers: sane sizes; symmetric ones laid out as on rank 0 (a put
       // addresses a peer's copy by its own offsets); none overlapping another
       // of its region.
