@@ -129,6 +129,11 @@ class AccessTable {
   Operands operands(const Program& p, const Task& t) const;
   // Only its reads, or only its writes.
   Operands operands(const Program& p, const Task& t, Use only) const;
+  // The same, each handed to fn(const Operand&) as it is computed.
+  template <class Fn>
+  void for_each(const Program& p, const Task& t, Use only, Fn&& fn) const {
+    visit(p, t, true, only, fn);
+  }
   // The one rectangle of `buffer` a task uses that way (its address in the
   // executor); Error if the table gives it none.
   Rect operand(const Program& p, const Task& t, BufferId buffer, Use use) const;
@@ -137,6 +142,8 @@ class AccessTable {
 
  private:
   Operands collect(const Program& p, const Task& t, bool filter, Use only) const;
+  template <class Fn>
+  void visit(const Program& p, const Task& t, bool filter, Use only, Fn&& fn) const;
   static std::pair<std::int64_t, std::int64_t> span_of(const AccessTable& table, const Program& p, const Task& t, Span s,
                                                        Extent e, bool rows);
   std::array<KindAccess, static_cast<std::size_t>(TaskKind::count)> kinds_{};
@@ -217,9 +224,9 @@ inline std::pair<std::int64_t, std::int64_t> AccessTable::span_of(const AccessTa
 inline Operands AccessTable::operands(const Program& p, const Task& t) const { return collect(p, t, false, Use::read); }
 inline Operands AccessTable::operands(const Program& p, const Task& t, Use only) const { return collect(p, t, true, only); }
 
-inline Operands AccessTable::collect(const Program& p, const Task& t, bool filter, Use only) const {
+template <class Fn>
+inline void AccessTable::visit(const Program& p, const Task& t, bool filter, Use only, Fn&& fn) const {
   const KindAccess& a = (*this)[t.kind];
-  Operands out;
   for (int i = 0; i < a.operand_count; ++i) {
     const OperandRule& rule = a.operands[static_cast<std::size_t>(i)];
     if ((filter && rule.use != only) || (rule.only_with_shared_experts && p.dims.shared_inter == 0)) continue;
@@ -228,10 +235,31 @@ inline Operands AccessTable::collect(const Program& p, const Task& t, bool filte
                                                        : span_of(*this, p, t, rule.rows, rule.row_extent, true);
     const auto [c0, c1] = rule.cols == Span::task_cols ? std::pair<std::int64_t, std::int64_t>{t.col_begin, std::int64_t{t.col_begin} + t.cols}
                                                        : span_of(*this, p, t, rule.cols, rule.col_extent, false);
-    out.list[static_cast<std::size_t>(out.count++)] =
-        Operand{Rect{rule.buffer, r0, r1 + rule.grow_rows, c0, c1}, rule.use, rule.side == Side::peer ? t.peer : p.rank,
-                rule.use == Use::read && rule.cols == Span::task_cols};
+    fn(Operand{Rect{rule.buffer, r0, r1 + rule.grow_rows, c0, c1}, rule.use, rule.side == Side::peer ? t.peer : p.rank,
+               rule.use == Use::read && rule.cols == Span::task_cols});
   }
+}
+
+inline TaskWork AccessTable::work(const Program& p, const Task& t) const {
+  const KindAccess& a = (*this)[t.kind];
+  TaskWork w;
+  if (a.queue == QueueClass::matrix) {
+    w.k = extent(p, t, a.gemm_k);
+    w.flops = 2.0 * double(t.rows) * double(t.cols) * double(w.k);
+    return w;
+  }
+  for (int i = 0; i < a.traffic_terms; ++i) {
+    const ByteTerm& term = a.traffic[static_cast<std::size_t>(i)];
+    const double element = term.bytes == 0 ? double(p.dims.elem_bytes) : double(term.bytes);
+    w.bytes += double(t.rows) * term.per_row_multiple * double(extent(p, t, term.extent)) *
+               double(extent(p, t, term.times)) * element;
+  }
+  return w;
+}
+
+inline Operands AccessTable::collect(const Program& p, const Task& t, bool filter, Use only) const {
+  Operands out;
+  visit(p, t, filter, only, [&](const Operand& o) { out.list[static_cast<std::size_t>(out.count++)] = o; });
   return out;
 }
 

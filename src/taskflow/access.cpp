@@ -171,21 +171,5 @@ Rect AccessTable::operand(const Program& p, const Task& t, BufferId buffer, Use 
               (use == Use::read ? "read of " : "write of ") + name(buffer));
 }
 
-TaskWork AccessTable::work(const Program& p, const Task& t) const {
-  const KindAccess& a = (*this)[t.kind];
-  TaskWork w;
-  if (a.queue == QueueClass::matrix) {
-    w.k = extent(p, t, a.gemm_k);
-    w.flops = 2.0 * double(t.rows) * double(t.cols) * double(w.k);
-    return w;
-  }
-  for (int i = 0; i < a.traffic_terms; ++i) {
-    const ByteTerm& term = a.traffic[static_cast<std::size_t>(i)];
-    const double element = term.bytes == 0 ? double(p.dims.elem_bytes) : double(term.bytes);
-    w.bytes += double(t.rows) * term.per_row_multiple * double(extent(p, t, term.extent)) *
-               double(extent(p, t, term.times)) * element;
-  }
-  return w;
-}
 
 }  // namespace hpmoe::taskflow

@@ -354,12 +354,12 @@ class Checker {
                                queue_class(t.kind) == QueueClass::matrix;
         previous = &t;
         if (same_band) continue;
-        for (const Operand& o : table_.operands(p, t, Use::read)) {
+        table_.for_each(p, t, Use::read, [&](const Operand& o) {
           Rect R = o.rect;
-          if (R.area() == 0) continue;
+          if (R.area() == 0) return;
           if (is_input(p.pass, R.buffer)) {
             check_bounds(p, R, p, static_cast<std::int32_t>(i), "reads");
-            continue;
+            return;
           }
           if (o.by_column_tiles) {
             check_bounds(p, R, p, static_cast<std::int32_t>(i), "reads");
@@ -367,11 +367,11 @@ class Checker {
             R.c1 = p.buffers[static_cast<std::size_t>(s_.buffer_slot[slot(r, R.buffer)])].cols;
           }
           Checked& seen = last[static_cast<std::size_t>(R.buffer)];
-          if (seen.r0 == R.r0 && seen.r1 == R.r1 && seen.c0 == R.c0 && seen.c1 == R.c1 && seen.wait == t.wait_event) continue;
+          if (seen.r0 == R.r0 && seen.r1 == R.r1 && seen.c0 == R.c0 && seen.c1 == R.c1 && seen.wait == t.wait_event) return;
           seen = Checked{R.r0, R.r1, R.c0, R.c1, t.wait_event};
           check_bounds(p, R, p, static_cast<std::int32_t>(i), "reads");
           if (!inside_filled_box(r, t.wait_event, R)) check_read(r, static_cast<std::int32_t>(i), R);
-        }
+        });
       }
     }
   }
@@ -397,10 +397,10 @@ class Checker {
     for (std::int32_t r = 0; r < P; ++r)
       for (std::size_t i = 0; i < p_[r].tasks.size(); ++i) {
         const Task& t = p_[r].tasks[i];
-        for (const Operand& o : table_.operands(p_[r], t, Use::write)) {
+        table_.for_each(p_[r], t, Use::write, [&](const Operand& o) {
           const Rect& w = o.rect;
           check_bounds(p_[o.rank], w, p_[r], static_cast<std::int32_t>(i), "writes");
-          if (w.area() == 0) continue;
+          if (w.area() == 0) return;
           const auto where = slot(o.rank, w.buffer);
           ++s_.write_begin[where + 1];
           if (t.trigger_event >= 0)
@@ -410,7 +410,7 @@ class Checker {
                                       Write{static_cast<std::int32_t>(w.r0), static_cast<std::int32_t>(w.r1),
                                             static_cast<std::int32_t>(w.c0), static_cast<std::int32_t>(w.c1), r,
                                             static_cast<std::int32_t>(i)}});
-        }
+        });
       }
     for (std::size_t i = 1; i < s_.write_begin.size(); ++i) s_.write_begin[i] += s_.write_begin[i - 1];
     s_.writes.resize(flat.size());
