@@ -223,14 +223,15 @@ class Interleaved final : public InterleavedExecutor::Impl {
     const double elapsed = seconds(start, Clock::now());
     if (opt_.phased) {  // each operator: from the previous barrier to its own, as this process's workers passed them
       auto& ops = set[0].pass == taskflow::Pass::forward ? res.forward_ops : res.backward_ops;
+      // Operators no rank has tasks of (the shared experts' without them) are not listed.
+      std::array<bool, static_cast<std::size_t>(TaskKind::count)> present{};
+      for (const auto& p : set)
+        for (const Task& t : p.tasks) present[static_cast<std::size_t>(t.kind)] = true;
       double previous = 0;
       for (std::size_t k = 0; k < order.size(); ++k) {
         double end = 0;
         for (std::size_t w = 0; w < busy_.size(); ++w) end = std::max(end, phase_end_[w * order.size() + k]);
-        bool any = false;  // operators no rank has tasks of (the shared experts' without them) are not listed
-        for (const auto& p : set)
-          for (const Task& t : p.tasks) any = any || t.kind == order[k];
-        if (any) ops.push_back({taskflow::name(order[k]), end - previous});
+        if (present[static_cast<std::size_t>(order[k])]) ops.push_back({taskflow::name(order[k]), end - previous});
         previous = end;
       }
     }
@@ -266,10 +267,7 @@ class Interleaved final : public InterleavedExecutor::Impl {
     if (!v) return;
     if (local_.size() != static_cast<std::size_t>(c_.ranks))
       throw Error(std::string(what) + ": output views need every rank in this process (not over MPI)");
-    if (v.rows != c_.total_tokens() || v.cols != c_.hidden || v.ld < v.cols)
-      throw Error(std::string(what) + " has shape [" + std::to_string(v.rows) + ", " + std::to_string(v.cols) + "] (row stride " +
-                  std::to_string(v.ld) + "), expected [" + std::to_string(c_.total_tokens()) + ", " +
-                  std::to_string(c_.hidden) + "]");
+    check_token_view(c_, MatrixView{v.data, v.rows, v.cols, v.ld}, what);
   }
 
   // Every expert's weight gradients onto the root process: one gather per
@@ -406,6 +404,11 @@ class Interleaved final : public InterleavedExecutor::Impl {
       s.ld[static_cast<std::size_t>(b.id)] = b.cols;
     }
     auto bytes_of = [](const float* f) { return reinterpret_cast<std::byte*>(const_cast<float*>(f)); };
+    // Rank r's rows of a caller's [P T, H] tensor, with its row stride.
+    auto rows_of = [&](BufferId id, const float* first_row, std::int64_t ld) {
+      s.ld[static_cast<std::size_t>(id)] = ld;
+      return bytes_of(first_row + r * T_ * ld);
+    };
     for (const auto& b : p.buffers) {
       std::byte*& at = s.base[static_cast<std::size_t>(b.id)];
       switch (b.region) {
@@ -413,31 +416,16 @@ class Interleaved final : public InterleavedExecutor::Impl {
         case taskflow::Region::local: at = s.local.data.get() + b.offset_bytes; break;
         case taskflow::Region::bound:
           switch (b.id) {
-            case BufferId::xf: case BufferId::x:
-              at = bytes_of(x_.row(r * T_));
-              s.ld[static_cast<std::size_t>(b.id)] = x_.ld;
-              break;
+            case BufferId::xf: case BufferId::x: at = rows_of(b.id, x_.data, x_.ld); break;
+            case BufferId::dout: at = rows_of(b.id, d_out_.data, d_out_.ld); break;
             case BufferId::out:
-              if (res.out_into) {
-                at = bytes_of(res.out_into.row(r * T_));
-                s.ld[static_cast<std::size_t>(b.id)] = res.out_into.ld;
-              } else {
-                at = bytes_of(res.out.row(r * T_));
-              }
-              break;
-            case BufferId::logits: at = bytes_of(logits_.data() + r * T_ * c_.routed_experts); break;
-            case BufferId::dout:
-              at = bytes_of(d_out_.row(r * T_));
-              s.ld[static_cast<std::size_t>(b.id)] = d_out_.ld;
+              at = res.out_into ? rows_of(b.id, res.out_into.data, res.out_into.ld) : rows_of(b.id, res.out.data.data(), c_.hidden);
               break;
             case BufferId::dx:
-              if (res.dx_into) {
-                at = bytes_of(res.dx_into.row(r * T_));
-                s.ld[static_cast<std::size_t>(b.id)] = res.dx_into.ld;
-              } else {
-                at = bytes_of(res.grads.x.row(r * T_));
-              }
+              at = res.dx_into ? rows_of(b.id, res.dx_into.data, res.dx_into.ld)
+                               : rows_of(b.id, res.grads.x.data.data(), c_.hidden);
               break;
+            case BufferId::logits: at = rows_of(b.id, logits_.data(), c_.routed_experts); break;
             case BufferId::dw1: case BufferId::dw2: {
               auto& slots = b.id == BufferId::dw1 ? s.dw1_slots : s.dw2_slots;
               slots.clear();
