@@ -3,6 +3,7 @@
 # same suite under AddressSanitizer + UndefinedBehaviorSanitizer.
 #   scripts/test.sh            both builds
 #   HPMOE_SKIP_SANITIZERS=1 scripts/test.sh   release build only
+#   HPMOE_SKIP_FUZZ=1 scripts/test.sh         without the libFuzzer runs
 # The concurrent parts (worker pool, interleaved runtime, executors) also run
 # under ThreadSanitizer.
 set -euo pipefail
@@ -21,6 +22,11 @@ if [ "${HPMOE_SKIP_SANITIZERS:-0}" != 1 ]; then
   cmake --build build-asan -j "$jobs"
   ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
     ctest --test-dir build-asan -j "$jobs" --output-on-failure
+fi
+
+if [ "${HPMOE_SKIP_FUZZ:-0}" != 1 ]; then
+  echo "== libFuzzer: the placement and program-dump parsers and the verifier, 20 s each"
+  scripts/fuzz.sh 20
 fi
 
 if [ "${HPMOE_SKIP_SANITIZERS:-0}" != 1 ]; then

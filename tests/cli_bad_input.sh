@@ -24,6 +24,23 @@ printf 'garbage' > "$tmp/garbage.json"
 python3 -c "import json; m=json.load(open('$HPMOE_SOURCE_DIR/machines/h800.json')); del m['links']; json.dump(m, open('$tmp/nolinks.json', 'w'))"
 python3 -c "import json; m=json.load(open('$HPMOE_SOURCE_DIR/machines/h800.json')); m['units']['matrix'] = -3; json.dump(m, open('$tmp/negunits.json', 'w'))"
 "$HPMOE" run --save "$tmp/saved" > /dev/null
+# Program dumps whose placement or buffer fields are malformed.
+"$HPMOE" compile -P 2 --pass backward --routing uniform --placement round-robin --dump "$tmp/dump.json" > /dev/null
+python3 - "$tmp" <<'PY'
+import json, sys
+tmp = sys.argv[1]
+def mutate(name, fn):
+    j = json.load(open(f"{tmp}/dump.json"))
+    fn(j["programs"][1])
+    json.dump(j, open(f"{tmp}/{name}.json", "w"))
+mutate("dump_expert_range", lambda p: p["local_experts"].__setitem__(0, 99))
+mutate("dump_expert_twice", lambda p: p["local_experts"].__setitem__(1, p["local_experts"][0]))
+mutate("dump_kpad_length", lambda p: p["kpad_begin"].pop())
+mutate("dump_region", lambda p: p["buffers"][0].__setitem__("region", "elsewhere"))
+mutate("dump_layout", lambda p: p["buffers"][0].__setitem__("layout", "diagonal"))
+mutate("dump_elem_bytes", lambda p: p["dims"].__setitem__("elem_bytes", 3))
+mutate("dump_experts", lambda p: p["dims"].__setitem__("experts", 0))
+PY
 mkdir -p "$tmp/badst" && printf '\x10\x00\x00\x00\x00\x00\x00\x00{"x": 1}' > "$tmp/badst/weights.safetensors"
 
 cases=(
@@ -104,6 +121,13 @@ cases=(
   "verify $tmp/unknown_format.json"
   "verify $tmp/truncated.json"
   "verify"
+  "verify $tmp/dump_expert_range.json"
+  "verify $tmp/dump_expert_twice.json"
+  "verify $tmp/dump_kpad_length.json"
+  "verify $tmp/dump_region.json"
+  "verify $tmp/dump_layout.json"
+  "verify $tmp/dump_elem_bytes.json"
+  "verify $tmp/dump_experts.json"
   "simulate"
   "simulate --machine nosuchmachine"
   "simulate --machine $tmp/garbage.json"

@@ -281,6 +281,9 @@ ProgramStats stats(std::span<const Program>, std::int64_t rank);
 
 nlohmann::json to_json(const Program&);
 Program program_from_json(const nlohmann::json&);  // Error on anything malformed
+// Every rank's program from a dump ({"format": "hpmoe-taskflow-dump",
+// "programs": [...]}); `source` names it in errors.
+std::vector<Program> programs_from_dump(const nlohmann::json&, const std::string& source);
 std::string listing(const Program&, std::size_t max_tasks = 200);
 
 }  // namespace hpmoe::taskflow

@@ -139,12 +139,7 @@ std::vector<taskflow::Program> load_programs(const std::string& path) {
   } catch (const nlohmann::json::parse_error& e) {
     throw Error("program dump '" + path + "' is not valid JSON: " + e.what());
   }
-  if (!j.is_object() || j.value("format", "") != "hpmoe-taskflow-dump" || !j.contains("programs") ||
-      !j["programs"].is_array() || j["programs"].empty())
-    throw Error("'" + path + "' is not an hpmoe program dump (expected \"format\": \"hpmoe-taskflow-dump\" and programs)");
-  std::vector<taskflow::Program> programs;
-  for (const auto& p : j["programs"]) programs.push_back(taskflow::program_from_json(p));
-  return programs;
+  return taskflow::programs_from_dump(j, "'" + path + "'");
 }
 
 }  // namespace hpmoe

@@ -189,6 +189,16 @@ nlohmann::json to_json(const Program& p) {
   return j;
 }
 
+std::vector<Program> programs_from_dump(const nlohmann::json& j, const std::string& source) {
+  if (!j.is_object() || !j.contains("format") || !j["format"].is_string() ||
+      j["format"].get<std::string>() != "hpmoe-taskflow-dump" || !j.contains("programs") || !j["programs"].is_array() ||
+      j["programs"].empty())
+    throw Error(source + " is not an hpmoe program dump (expected \"format\": \"hpmoe-taskflow-dump\" and programs)");
+  std::vector<Program> programs;
+  for (const auto& p : j["programs"]) programs.push_back(program_from_json(p));
+  return programs;
+}
+
 Program program_from_json(const nlohmann::json& j) {
   try {
     if (!j.is_object() || j.value("format", "") != "hpmoe-taskflow-program")
