@@ -717,6 +717,25 @@ class Interleaved final : public InterleavedExecutor::Impl {
     }
   }
 
+  // A GEMM task's tile: out = A B, A and out the table's rectangles (lda and
+  // ldo their buffers' strides), B a packed weight or a buffer operand;
+  // stored as T through an fp32 tile, or accumulated-free into fp32.
+  template <class U>
+  void gemm_tile_task(int r, const taskflow::Program& p, const Task& t, const taskflow::Rect& a, RhsView<U> b,
+                      const taskflow::Rect& out, bool store_as_t) const {
+    const std::int64_t rows = t.rows, cols = t.cols;
+    need(out, rows, cols, t);
+    need(a, rows, 0, t);
+    const std::int64_t k = a.cols(), lda = ld_of(r, a.buffer), ldo = ld_of(r, out.buffer);
+    if constexpr (std::is_same_v<U, T>) {
+      if (store_as_t) {
+        tile_to<T>(at<T>(r, p, a), lda, b, t.col_begin, at<T>(r, p, out), ldo, rows, cols, k);
+        return;
+      }
+    }
+    kernels::gemm_tile<U>(at<U>(r, p, a), lda, b, t.col_begin, at<float>(r, p, out), ldo, rows, cols, k, false);
+  }
+
   // Runs one task; true if the transport already signalled its event. Every
   // address comes from the access table's rectangles of the program's
   // declared buffers; the kernels' extents are checked against them.
@@ -725,14 +744,10 @@ class Interleaved final : public InterleavedExecutor::Impl {
     const taskflow::Program& p = (*current_)[r];
     const TaskOperands o = operands_of(p, t);
     const std::int64_t H = c_.hidden, I = c_.expert_inter, Is = c_.shared_inter_total(), K = c_.top_k;
-    const std::int64_t rows = t.rows, cols = t.cols;
+    const std::int64_t rows = t.rows;
     // A GEMM tile A[rows, k] B -> out, each from its rectangle.
     auto gemm = [&](const Rect& a, RhsView<T> b, const Rect& out, bool store_as_t) {
-      need(out, rows, cols, t);
-      need(a, rows, 0, t);
-      const std::int64_t k = a.cols(), lda = ld_of(r, a.buffer), ldo = ld_of(r, out.buffer);
-      if (store_as_t) tile_to<T>(at<T>(r, p, a), lda, b, t.col_begin, at<T>(r, p, out), ldo, rows, cols, k);
-      else kernels::gemm_tile<T>(at<T>(r, p, a), lda, b, t.col_begin, at<float>(r, p, out), ldo, rows, cols, k, false);
+      gemm_tile_task(r, p, t, a, b, out, store_as_t);
     };
     switch (t.kind) {
       case TaskKind::dispatch_put: {  // gather rows of x by slot, put them into the owner's receive rows
@@ -802,21 +817,11 @@ class Interleaved final : public InterleavedExecutor::Impl {
     using taskflow::Rect;
     const std::int64_t H = c_.hidden, I = c_.expert_inter, Is = c_.shared_inter_total(), K = c_.top_k,
                        E = c_.routed_experts, T_ = c_.tokens_per_rank;
-    const std::int64_t rows = t.rows, cols = t.cols;
+    const std::int64_t rows = t.rows;
     // C = A B for a GEMM tile whose A and output are rectangles and whose B
     // is a packed weight, a row-major buffer or a panel-blocked buffer.
     auto gemm = [&](const Rect& a, auto b, const Rect& out, bool store_as_t) {
-      need(out, rows, cols, t);
-      need(a, rows, 0, t);
-      const std::int64_t k = a.cols(), lda = ld_of(r, a.buffer), ldo = ld_of(r, out.buffer);
-      using U = std::remove_const_t<std::remove_pointer_t<decltype(b.data)>>;
-      if constexpr (std::is_same_v<U, T>) {
-        if (store_as_t) {
-          tile_to<T>(at<T>(r, p, a), lda, b, t.col_begin, at<T>(r, p, out), ldo, rows, cols, k);
-          return;
-        }
-      }
-      kernels::gemm_tile<U>(at<U>(r, p, a), lda, b, t.col_begin, at<float>(r, p, out), ldo, rows, cols, k, false);
+      gemm_tile_task(r, p, t, a, b, out, store_as_t);
     };
     // A pack task: rows of `src` into a panel-blocked operand, and rows of
     // `tsrc` transposed into a row-major one, each with its K padding.
