@@ -7,6 +7,8 @@
 #include "hpmoe/baseline.hpp"
 #include "hpmoe/error.hpp"
 #include "hpmoe/safetensors.hpp"
+#include <nlohmann/json.hpp>
+#include <algorithm>
 
 using namespace hpmoe;
 
@@ -75,4 +77,98 @@ TEST(Safetensors, MalformedFilesAreClearErrors) {
   LayerConfig more = c;
   more.routed_experts = 16;
   EXPECT_THROW(load_weights(dir, more), Error);
+}
+
+// Sharded runs: each process draws only its experts and its rank's tokens,
+// and gets exactly the values of the whole layer's draw.
+TEST(Sharding, PerTensorSeedsGiveTheSameValuesWhateverIsDrawn) {
+  const LayerConfig c = preset("tiny");
+  const auto whole = random_weights(c, 9);
+  const std::vector<std::int32_t> some{1, 6};
+  const auto part = random_weights(c, 9, some);
+  EXPECT_EQ(part.router.data, whole.router.data);
+  EXPECT_EQ(part.shared_w2.data, whole.shared_w2.data);
+  EXPECT_EQ(part.w1[6].data, whole.w1[6].data);
+  EXPECT_EQ(part.w2[1].data, whole.w2[1].data);
+  EXPECT_FALSE(holds_expert(part, 0));
+  EXPECT_TRUE(holds_expert(part, 1));
+  EXPECT_NO_THROW(check_weight_shapes(c, part));  // experts held elsewhere fit
+  EXPECT_THROW(require_experts(part, std::vector<std::int32_t>{2}, "rank 1"), Error);
+  const auto inputs = random_inputs(c, 9);
+  const std::vector<int> rank{1};
+  const auto mine = random_inputs(c, 9, rank);
+  ASSERT_EQ(mine.x.rows, c.tokens_per_rank);
+  EXPECT_TRUE(std::equal(mine.x.data.begin(), mine.x.data.end(), inputs.x.row(c.tokens_per_rank)));
+  EXPECT_TRUE(std::equal(mine.d_out.data.begin(), mine.d_out.data.end(), inputs.d_out.row(c.tokens_per_rank)));
+  // The fingerprint follows the replicated weights and the placement.
+  const auto placement = ExpertPlacement::contiguous(c.routed_experts, c.ranks);
+  EXPECT_EQ(layer_fingerprint(c, placement, part), layer_fingerprint(c, placement, whole));
+  EXPECT_NE(layer_fingerprint(c, placement, random_weights(c, 10, some)), layer_fingerprint(c, placement, whole));
+  EXPECT_NE(layer_fingerprint(c, ExpertPlacement::round_robin(c.routed_experts, c.ranks), whole),
+            layer_fingerprint(c, placement, whole));
+}
+
+TEST(Sharding, LoadsOnlyTheRanksExpertsAndRows) {
+  const LayerConfig c = preset("tiny");
+  const auto w = random_weights(c, 4);
+  const auto in = random_inputs(c, 4);
+  const auto dir = temp_dir("shard");
+  save_weights(dir, c, w);
+  save_inputs(dir, in);
+  const std::vector<std::int32_t> some{3, 4};
+  const auto part = load_weights(dir, c, some);
+  EXPECT_EQ(part.w1[3].data, w.w1[3].data);
+  EXPECT_EQ(part.w2[4].data, w.w2[4].data);
+  EXPECT_FALSE(holds_expert(part, 0));
+  EXPECT_EQ(part.router.data, w.router.data);
+  const auto rows = load_inputs(dir, c, 1);
+  EXPECT_TRUE(std::equal(rows.x.data.begin(), rows.x.data.end(), in.x.row(c.tokens_per_rank)));
+}
+
+// Hugging Face's sharded form: an index naming each tensor's file, with a
+// whole model's layer prefix; errors name the tensor and the file.
+TEST(Sharding, ReadsHuggingFaceShardedCheckpoints) {
+  const LayerConfig c = preset("tiny");
+  const auto w = random_weights(c, 5);
+  const auto src = temp_dir("hf_src");
+  save_weights(src, c, w);
+  SafetensorsFile whole(src + "/weights.safetensors");
+  const auto dir = temp_dir("hf_sharded");
+  // Experts < 4 (and the gate) in the first file, the rest in the second,
+  // under "model.layers.1." as a whole model names them.
+  SafetensorsWriter first, second;
+  nlohmann::json map = nlohmann::json::object();
+  for (const auto& name : whole.names()) {
+    const bool later = name.rfind("mlp.experts.", 0) == 0 && std::stoi(name.substr(12)) >= 4;
+    const bool bias = name.find("bias") != std::string::npos;
+    const std::vector<std::int64_t> shape =
+        bias ? std::vector<std::int64_t>{c.routed_experts}
+        : name == "mlp.gate.weight" ? std::vector<std::int64_t>{c.routed_experts, c.hidden}
+        : name.find("down_proj") != std::string::npos
+            ? std::vector<std::int64_t>{c.hidden, name.find("shared") != std::string::npos ? c.shared_inter_total() : c.expert_inter}
+            : std::vector<std::int64_t>{name.find("shared") != std::string::npos ? c.shared_inter_total() : c.expert_inter, c.hidden};
+    const auto values = whole.floats(name, shape);
+    (later ? second : first).add("model.layers.1." + name, shape, values);
+    map["model.layers.1." + name] = later ? "model-00002-of-00002.safetensors" : "model-00001-of-00002.safetensors";
+  }
+  first.write(dir + "/model-00001-of-00002.safetensors");
+  second.write(dir + "/model-00002-of-00002.safetensors");
+  std::ofstream(dir + "/model.safetensors.index.json") << nlohmann::json{{"weight_map", map}}.dump();
+  const std::vector<std::int32_t> some{2, 6};
+  const auto part = load_weights(dir, c, some);
+  EXPECT_EQ(part.w1[2].data, w.w1[2].data);
+  EXPECT_EQ(part.w2[6].data, w.w2[6].data);
+  EXPECT_EQ(part.router.data, w.router.data);
+  EXPECT_EQ(load_weights(dir + ":model.layers.1.", c).w1[7].data, w.w1[7].data);
+  // A missing expert tensor: the error names the tensor and the file.
+  map["model.layers.1.mlp.experts.6.up_proj.weight"] = "model-00001-of-00002.safetensors";
+  std::ofstream(dir + "/model.safetensors.index.json") << nlohmann::json{{"weight_map", map}}.dump();
+  try {
+    load_weights(dir, c, some);
+    FAIL();
+  } catch (const Error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("mlp.experts.6.up_proj.weight"), std::string::npos) << what;
+    EXPECT_NE(what.find("model-00001-of-00002.safetensors"), std::string::npos) << what;
+  }
 }

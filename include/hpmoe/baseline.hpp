@@ -44,13 +44,14 @@ struct OperatorTime {
 
 struct StepResult {
   // Optional, set by the caller before forward / backward: write the output
-  // (and dx) into these views of the caller's memory ([P T, H], any row
-  // stride) instead of `out` (and grads.x), which then stay empty. In-process
-  // executors only.
+  // (and dx) into these views of the caller's memory ([hosted ranks x T, H],
+  // any row stride) instead of `out` (and grads.x), which then stay empty.
   MutableMatrixView out_into, dx_into;
-  Matrix out;                      // [P T, H]
+  Matrix out;                      // [hosted ranks x T, H]: this process's tokens
   LayerGradients grads;            // filled when backward
-  RouterOutput<float> routing;     // what the fast path routed
+  RouterOutput<float> routing;     // what the fast path routed: the hosted ranks' tokens
+                                   // (aux_loss and z_loss: summed over all ranks)
+  std::vector<std::int64_t> expert_counts;  // [P, E] kept rows from each rank to each expert, all ranks
   std::vector<OperatorTime> forward_ops;
   std::vector<OperatorTime> backward_ops;
   double router_seconds = 0;       // router GEMM and top-k: before dispatch

@@ -86,6 +86,9 @@ struct RoutingStats {
 // tokens_per_rank counts rows by the rank that owns each expert.
 template <class Real>
 RoutingStats routing_stats(const LayerConfig&, const ExpertPlacement&, const RouterOutput<Real>&);
+// The same from the P x E kept counts (what ranks exchange) and the total dropped.
+RoutingStats routing_stats(const LayerConfig&, const ExpertPlacement&, std::span<const std::int64_t> counts,
+                           std::int64_t dropped);
 
 // The routing of one step for compiling or simulating: synthetic and trace
 // routing without the layer's weights; the router itself (random router

@@ -45,6 +45,22 @@ struct RunRequest {
   std::shared_ptr<Transport> transport;
   double watchdog_seconds = 10.0;
   RuntimeFault fault;
+  // Over MPI (one rank per process, each holding only its own tokens and
+  // experts): also run the whole layer in process on the root, gather every
+  // rank's outputs and gradients there, and compare bit for bit. Small
+  // layers only: the root then holds the whole layer once more.
+  bool check_inprocess = false;
+};
+
+// One rank's share of a sharded (MPI) run, as the root reports it.
+struct RankSummary {
+  int rank = 0;
+  std::int64_t experts = 0, received_rows = 0;   // experts held; rows received in the last step
+  double interleaved_forward = 0, interleaved_backward = 0;  // median seconds of this rank's launches
+  double serialized_forward = 0, serialized_backward = 0;
+  double host = 0;                               // median seconds of route + count exchange + compile + verify + prepare
+  double peak_rss_bytes = 0;                     // VmHWM of the process
+  double expert_weight_bytes = 0;                // packed expert weights held
 };
 
 // One tensor of a fast path compared against the oracle.
@@ -95,6 +111,10 @@ struct RunReport {
   double forward_flops = 0, backward_flops = 0;  // expert + shared (+ router in backward), this routing
   double bias_update_max = 0;                    // largest |delta| of the aux-loss-free bias update
   Verification verification;
+  // Over MPI: each process held only its rank; times are the maximum over
+  // ranks of each step, and `ranks` has one row per rank.
+  bool sharded = false;
+  std::vector<RankSummary> ranks;
 };
 
 // Compares a fast result with the oracle under the tolerances for the dtype

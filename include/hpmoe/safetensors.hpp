@@ -1,6 +1,7 @@
 #pragma once
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <span>
 #include <string>
 #include <vector>
@@ -36,7 +37,15 @@ class SafetensorsFile {
   bool has(const std::string& name) const { return entries_.count(name) != 0; }
   // F32, F64 or BF16 data, converted to fp32; the shape must match.
   std::vector<float> floats(const std::string& name, const std::vector<std::int64_t>& shape) const;
+  // Rows [row0, row0 + count) of it only (read by seeking to them).
+  std::vector<float> rows(const std::string& name, const std::vector<std::int64_t>& shape, std::int64_t row0,
+                          std::int64_t count) const;
   std::vector<std::int32_t> ints(const std::string& name, const std::vector<std::int64_t>& shape) const;
+  std::vector<std::string> names() const {
+    std::vector<std::string> out;
+    for (const auto& [name, e] : entries_) out.push_back(name);
+    return out;
+  }
 
  private:
   struct Entry {
@@ -45,9 +54,35 @@ class SafetensorsFile {
     std::size_t begin = 0, end = 0;
   };
   const Entry& entry(const std::string& name, const std::vector<std::int64_t>& shape) const;
+  std::vector<char> read(const Entry&, const std::string& name, std::size_t skip, std::size_t count) const;
   std::string path_;
-  std::vector<char> data_;
+  std::uint64_t data_start_ = 0, data_size_ = 0;  // only the header is read up front
   std::map<std::string, Entry> entries_;
+};
+
+// The weights of a checkpoint directory: hpmoe's weights.safetensors, a
+// single model.safetensors, or Hugging Face's sharded form
+// (model.safetensors.index.json naming the file of every tensor). Files
+// are opened (headers only) when a tensor in them is first asked for.
+class Checkpoint {
+ public:
+  explicit Checkpoint(const std::string& dir);
+  ~Checkpoint();
+  bool has(const std::string& name) const;
+  std::vector<float> floats(const std::string& name, const std::vector<std::int64_t>& shape) const;
+  // The prefix of the one tensor named `suffix` or ending in ".suffix"
+  // ("model.layers.3." for a whole model's MoE layer); Error if none or several.
+  std::string find_prefix(const std::string& suffix);
+  void set_prefix(const std::string& prefix);
+  // The file holding prefix + name (Error naming the tensor and the file).
+  const SafetensorsFile& file_with_prefix(const std::string& name) const;
+
+ private:
+  const SafetensorsFile& file(const std::string& name) const;
+  std::string dir_, prefix_;
+  std::map<std::string, std::size_t> file_of_;
+  std::vector<std::string> paths_;
+  mutable std::vector<std::unique_ptr<SafetensorsFile>> files_;
 };
 
 // A run's tensors under Hugging Face style names ([out, in] weight layout):
@@ -61,7 +96,12 @@ void save_weights(const std::string& dir, const LayerConfig&, const LayerWeights
 void save_inputs(const std::string& dir, const LayerInputs&);
 void save_routing(const std::string& dir, const LayerConfig&, const RouterOutput<float>&);
 void save_outputs(const std::string& dir, const LayerConfig&, const Matrix& out, const LayerGradients* grads);
+// `dir` may be DIR:PREFIX to pick one layer of a whole model's checkpoint.
 LayerWeights load_weights(const std::string& dir, const LayerConfig&);
+// The replicated parameters and only `experts` (each read by seeking to it).
+LayerWeights load_weights(const std::string& dir, const LayerConfig&, std::span<const std::int32_t> experts);
 LayerInputs load_inputs(const std::string& dir, const LayerConfig&);
+// Rank `rank`'s tokens only: [T, H].
+LayerInputs load_inputs(const std::string& dir, const LayerConfig&, std::int64_t rank);
 
 }  // namespace hpmoe

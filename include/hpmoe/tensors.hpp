@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "hpmoe/config.hpp"
+#include "hpmoe/placement.hpp"
 
 namespace hpmoe {
 
@@ -40,24 +41,31 @@ struct MutableMatrixView {
   explicit operator bool() const { return data != nullptr; }
 };
 
-// Parameters of the whole layer (all ranks' experts), in the math layout
+// Parameters of a layer, in the math layout
 // [in, out] (the layer computes x W: h = x W1, y = swiglu(h) W2); the
 // safetensors I/O converts to and from the Hugging Face [out, in] layout.
+// A process of an expert-parallel run holds the replicated parameters
+// (router, bias, shared experts) and only its own experts: w1/w2 have E
+// entries, empty (0 x 0) for experts held elsewhere.
 struct LayerWeights {
   Matrix router;                    // [H, E]
   std::vector<float> expert_bias;   // [E], selection only
-  std::vector<Matrix> w1;           // E x [H, 2I]: columns [0, I) gate, [I, 2I) up
-  std::vector<Matrix> w2;           // E x [I, H]
+  std::vector<Matrix> w1;           // E x [H, 2I]: columns [0, I) gate, [I, 2I) up; empty if not held
+  std::vector<Matrix> w2;           // E x [I, H]; empty if not held
   Matrix shared_w1;                 // [H, 2 Is], same split (empty when no shared experts)
   Matrix shared_w2;                 // [Is, H]
 };
 
-// Tokens of all ranks: rank r owns rows [r T, (r+1) T).
+// Tokens of the ranks a process hosts, in rank order (all ranks: rank r
+// owns rows [r T, (r+1) T)).
 struct LayerInputs {
-  Matrix x;      // [P T, H]
-  Matrix d_out;  // [P T, H], the upstream gradient used by backward
+  Matrix x;      // [hosted ranks x T, H]
+  Matrix d_out;  // [hosted ranks x T, H], the upstream gradient used by backward
 };
 
+// Gradients of what a process holds: its tokens' dx, the replicated
+// parameters' (summed over all ranks), its own experts' (w1/w2 empty for
+// experts held elsewhere).
 struct LayerGradients {
   Matrix x;
   Matrix router;
@@ -69,15 +77,31 @@ struct LayerGradients {
 
 // Deterministic initialisation (seeded); scaled like a trained layer
 // (1/sqrt(fan-in)). In bf16 mode every value is rounded to bf16 so that all
-// paths see the same numbers.
+// paths see the same numbers. Every tensor has its own seed (from `seed`,
+// the tensor and its expert or rank), so the values of an expert or of a
+// rank's tokens do not depend on which others are drawn.
 LayerWeights random_weights(const LayerConfig&, std::uint64_t seed);
+// The replicated parameters and only `experts` (the others empty).
+LayerWeights random_weights(const LayerConfig&, std::uint64_t seed, std::span<const std::int32_t> experts);
+// Draws expert e of random_weights(c, seed) into w (sized for E experts).
+void random_expert(const LayerConfig&, std::uint64_t seed, std::int64_t e, LayerWeights& w);
 LayerInputs random_inputs(const LayerConfig&, std::uint64_t seed);
+// The tokens of `ranks` only, in that order: [ranks x T, H].
+LayerInputs random_inputs(const LayerConfig&, std::uint64_t seed, std::span<const int> ranks);
 // Only the router weight and bias of random_weights(c, seed), bit for bit
 // (tools that route without running the experts need no more).
 LayerWeights random_router(const LayerConfig&, std::uint64_t seed);
 LayerGradients zero_gradients(const LayerConfig&);
+// For `experts` only and token_rows rows of dx.
+LayerGradients zero_gradients(const LayerConfig&, std::span<const std::int32_t> experts, std::int64_t token_rows);
 
-// Throws Error naming the first tensor whose shape does not fit the layer.
+// Whether w holds expert e's weights (not held elsewhere).
+bool holds_expert(const LayerWeights&, std::int64_t e);
+// Throws Error naming the first of `experts` that w does not hold.
+void require_experts(const LayerWeights&, std::span<const std::int32_t> experts, const std::string& holder);
+
+// Throws Error naming the first tensor whose shape does not fit the layer
+// (an expert held elsewhere, both matrices empty, fits).
 void check_shapes(const LayerConfig&, const LayerWeights&, const LayerInputs&);
 void check_weight_shapes(const LayerConfig&, const LayerWeights&);
 // A view of tokens (x or d_out) for the whole step: [P T, H], ld >= H.
@@ -92,13 +116,19 @@ struct HfMlp {
 };
 struct HfMoeBlock {
   MatrixView gate;                                 // [E, H]: mlp.gate.weight
-  std::vector<HfMlp> experts;                      // E: mlp.experts.{e}.*
+  std::vector<HfMlp> experts;                      // E: mlp.experts.{e}.*; all views empty: not held here
   HfMlp shared;                                    // mlp.shared_experts.* (when the layer has them)
   std::span<const float> e_score_correction_bias;  // [E], or empty for zeros
 };
 // The same weights in hpmoe's layout (rounded to bf16 for a bf16 layer);
 // Error names the tensor whose shape does not fit.
 LayerWeights weights_from_hf(const LayerConfig&, const HfMoeBlock&);
+
+// A 64-bit fingerprint of what every rank of a run must agree on: the
+// layer's configuration, the expert placement, the program format version,
+// and the replicated parameters (router weight and bias, shared experts).
+// Ranks exchange it with their routing counts every step.
+std::uint64_t layer_fingerprint(const LayerConfig&, const ExpertPlacement&, const LayerWeights&);
 
 // Rounds every value to bf16 in place (used when dtype is bf16).
 void round_to_bf16(LayerWeights&);

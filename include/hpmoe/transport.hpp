@@ -54,6 +54,17 @@ class Transport {
   virtual void launch_end() {}
   // Collective: `owner`'s `data` is copied into the root's `data`.
   virtual void gather(std::span<float> data, int owner) { (void)data, (void)owner; }
+  // Collective, for transports that host one rank per process: `all` holds
+  // one block of `block` bytes per rank in rank order, and each process has
+  // written its own rank's block; on return every process holds every block.
+  virtual void allgather(std::span<std::byte> all, std::size_t block);
+  // Collective, one rank per process: on entry `data` is this rank's part;
+  // on return, on every process, the elementwise sum over ranks in rank
+  // order, (((0 + part 0) + part 1) + ...), the order an in-process sum
+  // takes, so the result is bit-identical to it (no MPI_Allreduce, whose
+  // order is unspecified).
+  virtual void sum_in_rank_order(std::span<float> data);
+  virtual void sum_in_rank_order(std::span<double> data);
   // A description of peers that stopped responding (empty if none): the
   // watchdog adds it to its error, and a waiting worker gives up early.
   virtual std::string failed_peers() const { return {}; }

@@ -54,6 +54,17 @@ class InProcess final : public Transport {
 
 }  // namespace
 
+// A process that hosts every rank already holds every block and every part.
+void Transport::allgather(std::span<std::byte>, std::size_t) {
+  if (ranks() > 1) throw Error(describe() + " transport: allgather is for transports with one rank per process");
+}
+void Transport::sum_in_rank_order(std::span<float>) {
+  if (ranks() > 1) throw Error(describe() + " transport: sum_in_rank_order is for transports with one rank per process");
+}
+void Transport::sum_in_rank_order(std::span<double>) {
+  if (ranks() > 1) throw Error(describe() + " transport: sum_in_rank_order is for transports with one rank per process");
+}
+
 std::shared_ptr<Transport> make_inprocess_transport(int ranks) {
   if (ranks < 1) throw Error("a transport needs at least one rank");
   return std::make_shared<InProcess>(ranks);

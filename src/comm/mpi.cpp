@@ -9,8 +9,10 @@
 // receiving process's progress thread copies the rows into its segment and
 // then adds to the counter (release), so a worker that sees the count sees
 // the rows. This is MPI_Put + flush + MPI_Accumulate folded into one message;
-// it works over plain TCP, where Open MPI's osc/rdma cannot create a window
-// and osc/pt2pt refuses MPI_THREAD_MULTIPLE.
+// it works over plain TCP, where Open MPI's osc/rdma cannot create a window.
+// (osc/pt2pt does work at MPI_THREAD_SERIALIZED, but it is itself built on
+// messages and needs the target to progress, so it would add a layer, not
+// remove the progress thread.)
 //
 // Both paths: a progress thread per process makes every MPI call (MPI is
 // initialised MPI_THREAD_SERIALIZED), so workers never enter MPI; collectives
@@ -65,7 +67,7 @@ void check_mpi(int code, const char* what) {
   throw Error(std::string("MPI ") + what + " failed: " + std::string(text, static_cast<std::size_t>(len)));
 }
 
-enum Tag : int { kPut = 101, kBeat = 102, kGather = 103 };
+enum Tag : int { kPut = 101, kBeat = 102, kGather = 103, kSum = 104 };
 
 struct PutHeader {
   std::int64_t offset;
@@ -226,6 +228,23 @@ class Mpi final : public Transport {
     });
   }
 
+  void allgather(std::span<std::byte> all, std::size_t block) override {
+    if (all.size() != block * static_cast<std::size_t>(size_)) throw Error("allgather: wrong buffer size");
+    if (block > static_cast<std::size_t>(INT32_MAX)) throw Error("allgather: a block of more than 2^31 bytes");
+    MPI_Request req = MPI_REQUEST_NULL;
+    run([&](bool first) {
+      if (first)
+        check_mpi(MPI_Iallgather(MPI_IN_PLACE, 0, MPI_BYTE, all.data(), static_cast<int>(block), MPI_BYTE, comm_, &req),
+                  "Iallgather");
+      int done = 0;
+      check_mpi(MPI_Test(&req, &done, MPI_STATUS_IGNORE), "Test");
+      return done != 0;
+    });
+  }
+
+  void sum_in_rank_order(std::span<float> data) override { chain_sum(data, MPI_FLOAT); }
+  void sum_in_rank_order(std::span<double> data) override { chain_sum(data, MPI_DOUBLE); }
+
   std::string failed_peers() const override {
     std::lock_guard lock(mutex_);
     std::string text;
@@ -290,6 +309,60 @@ class Mpi final : public Transport {
     run([&](bool) {
       fn();
       return true;
+    });
+  }
+
+  // The ordered sum as a chain: rank q receives the sum of ranks < q, adds
+  // its part and passes it on; the last rank's total is broadcast.
+  template <class V>
+  void chain_sum(std::span<V> data, MPI_Datatype type) {
+    if (data.size() > static_cast<std::size_t>(INT32_MAX)) throw Error("sum_in_rank_order: more than 2^31 values");
+    const int n = static_cast<int>(data.size());
+    std::vector<V> partial(rank_ > 0 ? data.size() : 0);
+    enum { receive, add, send, broadcast, done } stage = rank_ > 0 ? receive : add;
+    MPI_Request req = MPI_REQUEST_NULL;
+    bool posted = false;
+    auto finished = [&] {
+      int flag = 0;
+      check_mpi(MPI_Test(&req, &flag, MPI_STATUS_IGNORE), "Test");
+      if (flag) posted = false;
+      return flag != 0;
+    };
+    run([&](bool) {
+      for (;;) {
+        switch (stage) {
+          case receive:
+            if (!posted) {
+              check_mpi(MPI_Irecv(partial.data(), n, type, rank_ - 1, kSum, comm_, &req), "Irecv");
+              posted = true;
+            }
+            if (!finished()) return false;
+            stage = add;
+            break;
+          case add:
+            for (std::size_t i = 0; i < data.size(); ++i) data[i] = (rank_ > 0 ? partial[i] : V(0)) + data[i];
+            stage = rank_ + 1 < size_ ? send : broadcast;
+            break;
+          case send:
+            if (!posted) {
+              check_mpi(MPI_Isend(data.data(), n, type, rank_ + 1, kSum, comm_, &req), "Isend");
+              posted = true;
+            }
+            if (!finished()) return false;
+            stage = broadcast;
+            break;
+          case broadcast:
+            if (!posted) {
+              check_mpi(MPI_Ibcast(data.data(), n, type, size_ - 1, comm_, &req), "Ibcast");
+              posted = true;
+            }
+            if (!finished()) return false;
+            stage = done;
+            break;
+          case done:
+            return true;
+        }
+      }
     });
   }
 

@@ -59,7 +59,8 @@ Operand<T> transposed_operand_of(const Matrix& m) {
 // for backward).
 template <class T>
 struct PackedLayer {
-  std::vector<Operand<T>> w1, w2, w1_t, w2_t;
+  std::vector<Operand<T>> w1, w2, w1_t, w2_t;  // [E]; empty for experts not held
+  bool holds(std::int64_t e) const { return !w1[static_cast<std::size_t>(e)].storage.empty(); }
   Operand<float> router, router_t;
   Operand<T> sw1, sw2, sw1_t, sw2_t;
 };
@@ -67,12 +68,20 @@ struct PackedLayer {
 template <class T>
 std::shared_ptr<const PackedLayer<T>> pack_layer(const LayerConfig& c, const LayerWeights& w, bool backward) {
   auto p = std::make_shared<PackedLayer<T>>();
-  for (std::int64_t e = 0; e < c.routed_experts; ++e) {
-    p->w1.push_back(operand_of<T>(w.w1[e]));
-    p->w2.push_back(operand_of<T>(w.w2[e]));
+  const auto E = static_cast<std::size_t>(c.routed_experts);
+  p->w1.resize(E);
+  p->w2.resize(E);
+  if (backward) {
+    p->w1_t.resize(E);
+    p->w2_t.resize(E);
+  }
+  for (std::size_t e = 0; e < E; ++e) {
+    if (!holds_expert(w, static_cast<std::int64_t>(e))) continue;  // held by another process: not packed here
+    p->w1[e] = operand_of<T>(w.w1[e]);
+    p->w2[e] = operand_of<T>(w.w2[e]);
     if (backward) {
-      p->w1_t.push_back(transposed_operand_of<T>(w.w1[e]));
-      p->w2_t.push_back(transposed_operand_of<T>(w.w2[e]));
+      p->w1_t[e] = transposed_operand_of<T>(w.w1[e]);
+      p->w2_t[e] = transposed_operand_of<T>(w.w2[e]);
     }
   }
   p->router = operand_of<float>(w.router);

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 #include <cmath>
+#include <fstream>
 #include <iomanip>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -81,17 +82,19 @@ std::vector<float> rows_of(const Matrix& m, const std::vector<std::int64_t>& row
   return out;
 }
 
-Verification verify(const RunRequest& req, const LayerWeights& w, const LayerInputs& in, const StepResult& res) {
-  const LayerConfig& c = req.config;
-  Verification v;
+// The oracle's options for checking `res` of layer c: the executor's
+// routing forced, all tokens where the oracle costs at most `full_flops`
+// (or --verify full), else a sample spread over them (`salt` varies it by
+// rank); false when verification is off.
+bool plan_oracle(const RunRequest& req, const LayerConfig& c, const StepResult& res, double full_flops, std::int64_t salt,
+                 Verification& v, OracleOptions& opt) {
   VerifyMode mode = req.verify;
   if (mode == VerifyMode::off) {
     v.mode = "off";
-    return v;
+    return false;
   }
   const double oracle_flops = c.forward_flops() * (req.backward ? 3.0 : 1.0);
-  if (mode == VerifyMode::automatic) mode = oracle_flops <= 4e9 ? VerifyMode::full : VerifyMode::sample;
-  OracleOptions opt;
+  if (mode == VerifyMode::automatic) mode = oracle_flops <= full_flops ? VerifyMode::full : VerifyMode::sample;
   opt.forced_ids = res.routing.expert;
   opt.forced_kept = res.routing.kept;
   opt.backward = req.backward;
@@ -99,20 +102,33 @@ Verification verify(const RunRequest& req, const LayerWeights& w, const LayerInp
   opt.count_own_choice_differences = req.routing.source == RoutingSource::router;
   if (mode == VerifyMode::sample) {
     const std::int64_t n = c.total_tokens(), s = std::min<std::int64_t>(std::max(req.sample_tokens, 1), n);
-    for (std::int64_t i = 0; i < s; ++i) opt.tokens.push_back((i * n) / s + ((i * 7919) % std::max<std::int64_t>(n / s, 1)));
+    for (std::int64_t i = 0; i < s; ++i)
+      opt.tokens.push_back((i * n) / s + (((i + salt) * 7919) % std::max<std::int64_t>(n / s, 1)));
   }
   v.mode = mode == VerifyMode::full ? "full" : "sample";
-  const OracleResult ref = reference_layer(c, w, in, opt);
+  return true;
+}
+
+// The per-token checks: gate weights, out and (backward) dx of the
+// oracle's tokens.
+void check_tokens(Verification& v, const OracleResult& ref, const StepResult& res, DType dtype, bool backward) {
   v.sample_tokens = static_cast<std::int64_t>(ref.tokens.size());
-
   v.selection_mismatches = ref.own_choice_differences;
-
   std::vector<double> weights(ref.routing.weight.begin(), ref.routing.weight.end());
   v.checks.push_back(compare("gate_weights", res.routing.weight, weights, DType::fp32));
-  v.checks.push_back(compare("out", rows_of(res.out, ref.tokens), ref.out, c.dtype));
+  v.checks.push_back(compare("out", rows_of(res.out, ref.tokens), ref.out, dtype));
+  if (backward) v.checks.push_back(compare("grad.x", rows_of(res.grads.x, ref.tokens), ref.dx, dtype));
+}
+
+Verification verify(const RunRequest& req, const LayerWeights& w, const LayerInputs& in, const StepResult& res) {
+  const LayerConfig& c = req.config;
+  Verification v;
+  OracleOptions opt;
+  if (!plan_oracle(req, c, res, 4e9, 0, v, opt)) return v;
+  const OracleResult ref = reference_layer(c, w, in, opt);
+  check_tokens(v, ref, res, c.dtype, req.backward);
   if (req.backward) {
-    v.checks.push_back(compare("grad.x", rows_of(res.grads.x, ref.tokens), ref.dx, c.dtype));
-    if (mode == VerifyMode::full) {
+    if (v.mode == "full") {
       v.checks.push_back(compare("grad.router", res.grads.router.data, ref.d_router, c.dtype));
       v.checks.push_back(compare("grad.w1", concat(res.grads.w1), concat(ref.d_w1), c.dtype));
       v.checks.push_back(compare("grad.w2", concat(res.grads.w2), concat(ref.d_w2), c.dtype));
@@ -161,28 +177,23 @@ struct ExecutorSamples {
   }
 };
 
-// The executors of a run: the serialized baseline (in process; over MPI the
-// runtime's phased mode on the same transport, with the in-process one on
-// the root as the bit-for-bit reference) and the interleaved runtime.
+// The executors of a run: the serialized baseline and the interleaved
+// runtime. In process the baseline is its own executor; over MPI (sharded)
+// it is the runtime's phased mode on the same transport.
 struct Executors {
   std::unique_ptr<SerializedExecutor> serial;
   std::unique_ptr<InterleavedExecutor> inter, phased;
-  bool use_serialized = false, use_interleaved = false, distributed = false, root = true, trace = false;
+  bool use_serialized = false, use_interleaved = false, trace = false;
 };
 
 Executors make_executors(const RunRequest& req, const LayerWeights& w, const ExpertPlacement& placement,
-                         const std::function<void(const std::string&)>& say) {
+                         std::shared_ptr<const PackedWeights> packed, bool sharded) {
   const LayerConfig& c = req.config;
   Executors x;
   const RunMode mode = req.mode == RunMode::automatic ? RunMode::both : req.mode;
-  x.root = !req.transport || req.transport->is_root();
-  if (req.transport)
-    for (int r = 0; r < c.ranks; ++r) x.distributed = x.distributed || !req.transport->hosts(r);
   x.use_serialized = mode != RunMode::interleaved;
   x.use_interleaved = mode != RunMode::serialized;
   x.trace = !req.trace_file.empty() || !req.timeline_file.empty();
-  say("packing weights for the tile kernels");
-  const auto packed = pack_weights(c, w, req.backward);  // one packing for every executor
   ExecutorOptions opt;
   opt.workers_per_rank = req.workers_per_rank;
   opt.backward = req.backward;
@@ -190,8 +201,7 @@ Executors make_executors(const RunRequest& req, const LayerWeights& w, const Exp
   opt.packed = packed;
   opt.trace = x.trace;
   opt.placement = placement;
-  if ((x.use_serialized && !x.distributed) || (x.distributed && x.root && req.verify != VerifyMode::off))
-    x.serial = std::make_unique<SerializedExecutor>(c, w, opt);
+  if (x.use_serialized && !sharded) x.serial = std::make_unique<SerializedExecutor>(c, w, opt);
   RuntimeOptions ropt;
   ropt.workers_per_rank = req.workers_per_rank;
   ropt.policy = req.policy;
@@ -202,9 +212,9 @@ Executors make_executors(const RunRequest& req, const LayerWeights& w, const Exp
   ropt.watchdog_seconds = req.watchdog_seconds;
   ropt.fault = req.fault;
   ropt.placement = placement;
-  ropt.pin = !x.use_serialized || x.distributed ? req.pin : false;  // else the serialized executor's pool holds the pinned cores
+  ropt.pin = !x.use_serialized || sharded ? req.pin : false;  // else the serialized executor's pool holds the pinned cores
   if (x.use_interleaved) x.inter = std::make_unique<InterleavedExecutor>(c, w, ropt);
-  if (x.use_serialized && x.distributed) {
+  if (x.use_serialized && sharded) {
     ropt.phased = true;
     ropt.fault = {};
     x.phased = std::make_unique<InterleavedExecutor>(c, w, ropt);
@@ -242,10 +252,13 @@ Comparison bit_identity(const std::string& name, const StepResult& a, const Step
   return ch;
 }
 
-// Routing statistics, FLOPs and the balancing terms of the step reported.
+// Routing statistics (from the exchanged counts), FLOPs and the balancing
+// terms of the step reported.
 void describe_step(RunReport& rep, const LayerConfig& c, const LayerWeights& w, const ExpertPlacement& placement,
                    const StepResult& last) {
-  rep.stats = routing_stats(c, placement, last.routing);
+  std::int64_t kept_rows = 0;
+  for (const auto n : last.expert_counts) kept_rows += n;
+  rep.stats = routing_stats(c, placement, last.expert_counts, c.total_tokens() * c.top_k - kept_rows);
   rep.aux_loss = last.routing.aux_loss;
   rep.z_loss = last.routing.z_loss;
   const double kept = double(rep.stats.assignments - rep.stats.dropped);
@@ -261,54 +274,57 @@ void describe_step(RunReport& rep, const LayerConfig& c, const LayerWeights& w, 
   }
 }
 
-}  // namespace
 
-RunReport run_layer(const RunRequest& req, const std::function<void(const std::string&)>& progress) {
-  auto say = [&](const std::string& s) {
-    if (progress) progress(s);
-  };
-  const LayerConfig& c = req.config;
-  c.validate();
-  if (req.iterations < 1 || req.iterations > 100000) throw Error("iterations must be between 1 and 100000");
-  if (req.warmup < 0 || req.warmup > 100000) throw Error("warm-up iterations must be between 0 and 100000");
+// The measured steps of a run. Side by side: the executors alternate on
+// the same inputs.
+struct Steps {
+  ExecutorSamples serialized, interleaved;
+  std::vector<double> host;  // interleaved: seconds of the host's work before the launch
+  StepResult last, inter_last;
+};
 
-  say(req.load_dir.empty() ? "generating weights and inputs" : "loading weights and inputs from " + req.load_dir);
-  LayerWeights w = req.load_dir.empty() ? random_weights(c, req.seed) : load_weights(req.load_dir, c);
-  LayerInputs in = req.load_dir.empty() ? random_inputs(c, req.seed) : load_inputs(req.load_dir, c);
-  check_shapes(c, w, in);
-  const auto forced = forced_selection(c, req.routing);
-  const ExpertPlacement placement = placement_or_contiguous(req.placement, c.routed_experts, c.ranks);
-  Executors x = make_executors(req, w, placement, say);
+void run_steps(const RunRequest& req, Executors& x, const LayerInputs& in, std::span<const std::int32_t> forced,
+               Steps& steps, const std::function<void(const std::string&)>& say) {
+  steps.serialized.workers = steps.interleaved.workers = double(req.config.ranks * req.workers_per_rank);
+  const int total = req.warmup + req.iterations;
+  for (int it = 0; it < total; ++it) {
+    say("step " + std::to_string(it + 1) + "/" + std::to_string(total) + (it < req.warmup ? " (warm-up)" : ""));
+    const bool measured = it >= req.warmup;
+    if (x.inter) {
+      x.inter->step(in, forced, steps.inter_last);
+      if (measured) {
+        steps.interleaved.add(steps.inter_last);
+        double h = 0;
+        for (const auto& op : steps.inter_last.forward_ops)
+          if (op.name != "launch") h += op.seconds;
+        steps.host.push_back(h);
+      }
+    }
+    if (!x.use_serialized) continue;
+    if (x.phased) x.phased->step(in, forced, steps.last);
+    else x.serial->step(in, forced, steps.last);
+    if (measured) steps.serialized.add(steps.last);
+  }
+}
 
+// What the report says of the run before any step.
+RunReport report_header(const RunRequest& req, const ExpertPlacement& placement, const Executors& x) {
   RunReport rep;
   rep.serialized = x.use_serialized;
   rep.interleaved = x.use_interleaved;
   if (req.transport) rep.transport = req.transport->describe();
-  if (x.distributed) rep.serialized_over = rep.transport;
   rep.policy = taskflow::name(req.policy);
-  rep.config = c;
+  rep.config = req.config;
   rep.routing = req.routing.describe();
   rep.placement = describe(placement);
   rep.workers_per_rank = req.workers_per_rank;
   rep.iterations = req.iterations;
   rep.backward = req.backward;
+  return rep;
+}
 
-  // Side by side: the executors alternate on the same inputs.
-  ExecutorSamples serialized, interleaved;
-  serialized.workers = interleaved.workers = double(c.ranks * req.workers_per_rank);
-  StepResult last, inter_last;
-  const int total = req.warmup + req.iterations;
-  for (int it = 0; it < total; ++it) {
-    say("step " + std::to_string(it + 1) + "/" + std::to_string(total) + (it < req.warmup ? " (warm-up)" : ""));
-    if (x.inter) {
-      x.inter->step(in, forced, inter_last);
-      if (it >= req.warmup) interleaved.add(inter_last);
-    }
-    if (!x.use_serialized) continue;
-    if (x.phased) x.phased->step(in, forced, last);
-    else x.serial->step(in, forced, last);
-    if (it >= req.warmup) serialized.add(last);
-  }
+// The executors' samples summarised into the report.
+void summarize_into(RunReport& rep, const ExecutorSamples& serialized, const ExecutorSamples& interleaved) {
   rep.forward_ops = ExecutorSamples::table(serialized.forward_names, serialized.forward_ops);
   rep.backward_ops = ExecutorSamples::table(serialized.backward_names, serialized.backward_ops);
   rep.interleaved_ops = ExecutorSamples::table(interleaved.forward_names, interleaved.forward_ops);
@@ -321,32 +337,340 @@ RunReport run_layer(const RunRequest& req, const std::function<void(const std::s
   rep.backward_time = summarize(serialized.backward);
   rep.serialized_busy = summarize(serialized.forward_busy);
   rep.serialized_backward_busy = summarize(serialized.backward_busy);
+}
+
+// A transport whose ranks live in several processes (MPI).
+bool spreads_ranks(const Transport& tr) {
+  for (int r = 0; r < tr.ranks(); ++r)
+    if (!tr.hosts(r)) return true;
+  return false;
+}
+
+// Peak resident memory of this process (VmHWM), in bytes; 0 where unknown.
+double peak_rss_bytes() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line))
+    if (line.rfind("VmHWM:", 0) == 0) return std::stod(line.substr(6)) * 1024.0;
+  return 0;
+}
+
+// Every rank's `mine` (the same length on every rank), in rank order.
+std::vector<std::vector<double>> allgather_doubles(Transport& tr, int me, const std::vector<double>& mine) {
+  const std::size_t n = mine.size();
+  std::vector<double> all(n * static_cast<std::size_t>(tr.ranks()), 0.0);
+  std::copy(mine.begin(), mine.end(), all.begin() + static_cast<std::ptrdiff_t>(n * static_cast<std::size_t>(me)));
+  tr.allgather(std::as_writable_bytes(std::span<double>(all)), n * sizeof(double));
+  std::vector<std::vector<double>> out(static_cast<std::size_t>(tr.ranks()));
+  for (std::size_t q = 0; q < out.size(); ++q)
+    out[q].assign(all.begin() + static_cast<std::ptrdiff_t>(q * n), all.begin() + static_cast<std::ptrdiff_t>((q + 1) * n));
+  return out;
+}
+
+// Each step's time as the slowest rank's: the step ends when every rank has.
+void slowest_rank(Transport& tr, int me, std::vector<double>& samples) {
+  const auto all = allgather_doubles(tr, me, samples);
+  for (const auto& rank : all)
+    for (std::size_t i = 0; i < samples.size(); ++i) samples[i] = std::max(samples[i], rank[i]);
+}
+
+std::vector<std::int32_t> experts_of(const ExpertPlacement& placement, int rank) {
+  const auto span = placement.experts_of(rank);
+  return {span.begin(), span.end()};
+}
+
+// Rank `me`'s tokens checked against the fp64 oracle on this process alone:
+// the oracle runs the layer as if it had one rank (routing, capacity and the
+// balancing terms are per rank, so every per-token value is the same), with
+// the experts the sampled tokens chose drawn again from their seeds (or
+// read from the checkpoint) where another rank owns them.
+Verification verify_own_tokens(const RunRequest& req, const LayerWeights& held, const LayerInputs& in,
+                               const StepResult& res, int me) {
+  LayerConfig lc = req.config;
+  lc.ranks = 1;
+  Verification v;
+  OracleOptions opt;
+  if (!plan_oracle(req, lc, res, 1e9, me, v, opt)) return v;
+  const std::int64_t K = lc.top_k;
+  if (opt.tokens.empty())  // every own token; weight gradients need every rank's tokens
+    for (std::int64_t t = 0; t < lc.tokens_per_rank; ++t) opt.tokens.push_back(t);
+  // The experts the checked tokens use: the replicated parameters are here,
+  // the experts drawn (or read) one by one.
+  LayerWeights w;
+  w.router = held.router;
+  w.expert_bias = held.expert_bias;
+  w.shared_w1 = held.shared_w1;
+  w.shared_w2 = held.shared_w2;
+  w.w1.resize(static_cast<std::size_t>(lc.routed_experts));
+  w.w2.resize(static_cast<std::size_t>(lc.routed_experts));
+  std::vector<bool> needed(static_cast<std::size_t>(lc.routed_experts), false);
+  for (const auto t : opt.tokens)
+    for (std::int64_t k = 0; k < K; ++k)
+      if (res.routing.kept[static_cast<std::size_t>(t * K + k)]) needed[static_cast<std::size_t>(res.routing.expert[static_cast<std::size_t>(t * K + k)])] = true;
+  std::vector<std::int32_t> wanted;
+  for (std::size_t e = 0; e < needed.size(); ++e)
+    if (needed[e]) wanted.push_back(static_cast<std::int32_t>(e));
+  if (req.load_dir.empty()) {
+    for (const auto e : wanted) random_expert(req.config, req.seed, e, w);
+  } else {
+    LayerWeights loaded = load_weights(req.load_dir, req.config, wanted);
+    for (const auto e : wanted) {
+      w.w1[e] = std::move(loaded.w1[e]);
+      w.w2[e] = std::move(loaded.w2[e]);
+    }
+  }
+  // Only the tokens the oracle is asked for are computed, so the sample
+  // costs what it costs in process.
+  const OracleResult ref = reference_layer(lc, w, in, opt);
+  check_tokens(v, ref, res, lc.dtype, req.backward);
+  for (const auto& ch : v.checks) v.pass = v.pass && ch.pass;
+  return v;
+}
+
+// Every rank's verification, summarised on every process: each tensor's
+// worst rank (largest relative L2), passing only if every rank passed.
+Verification merge_verifications(Transport& tr, int me, const Verification& mine) {
+  std::vector<double> block{double(mine.sample_tokens), double(mine.selection_mismatches), mine.pass ? 1.0 : 0.0};
+  for (const auto& ch : mine.checks) block.insert(block.end(), {ch.rel_l2, ch.max_abs, ch.ref_max, ch.pass ? 1.0 : 0.0});
+  const auto all = allgather_doubles(tr, me, block);
+  Verification v = mine;
+  v.sample_tokens = 0;
+  v.selection_mismatches = 0;
+  v.pass = true;
+  for (std::size_t q = 0; q < all.size(); ++q) {
+    v.sample_tokens += static_cast<std::int64_t>(all[q][0]);
+    v.selection_mismatches += static_cast<std::int64_t>(all[q][1]);
+    v.pass = v.pass && all[q][2] != 0;
+  }
+  for (std::size_t i = 0; i < v.checks.size(); ++i) {
+    Comparison& ch = v.checks[i];
+    std::size_t worst = 0;
+    for (std::size_t q = 0; q < all.size(); ++q) {
+      const double* f = all[q].data() + 3 + 4 * i;
+      if (q == 0 || f[0] > all[worst][3 + 4 * i]) worst = q;
+      ch.pass = (q == 0 ? true : ch.pass) && f[3] != 0;
+    }
+    const double* f = all[worst].data() + 3 + 4 * i;
+    ch.rel_l2 = f[0];
+    ch.max_abs = f[1];
+    ch.ref_max = f[2];
+    ch.tensor += " (worst: rank " + std::to_string(worst) + ")";
+  }
+  return v;
+}
+
+// One sharded step gathered onto the root: every rank's token rows and its
+// experts' gradients (the replicated gradients are already on every rank).
+StepResult gather_step(Transport& tr, const LayerConfig& c, const ExpertPlacement& placement, const StepResult& mine,
+                       bool backward) {
+  const int me = [&] {
+    for (int r = 0; r < tr.ranks(); ++r)
+      if (tr.hosts(r)) return r;
+    return 0;
+  }();
+  const bool root = tr.is_root();
+  const std::int64_t T = c.tokens_per_rank, H = c.hidden;
+  StepResult all;
+  if (root) {
+    all.out = Matrix(c.total_tokens(), H);
+    if (backward) {
+      all.grads = zero_gradients(c);
+      all.grads.router = mine.grads.router;
+      all.grads.shared_w1 = mine.grads.shared_w1;
+      all.grads.shared_w2 = mine.grads.shared_w2;
+    }
+  }
+  auto rows = [&](const Matrix& local, Matrix& whole) {
+    for (int q = 0; q < tr.ranks(); ++q) {
+      if (q == me && root) {
+        std::copy(local.data.begin(), local.data.end(), whole.data.begin() + static_cast<std::ptrdiff_t>(q * T * H));
+        continue;
+      }
+      std::vector<float> piece = q == me ? local.data : std::vector<float>(root ? static_cast<std::size_t>(T * H) : 0);
+      tr.gather(piece, q);
+      if (root) std::copy(piece.begin(), piece.end(), whole.data.begin() + static_cast<std::ptrdiff_t>(q * T * H));
+    }
+  };
+  rows(mine.out, all.out);
+  if (!backward) return all;
+  rows(mine.grads.x, all.grads.x);
+  for (int q = 0; q < tr.ranks(); ++q) {
+    const auto experts = experts_of(placement, q);
+    const std::size_t each = static_cast<std::size_t>(H * 2 * c.expert_inter + c.expert_inter * H);
+    std::vector<float> packed(q == me || root ? experts.size() * each : 0);
+    if (q == me)
+      for (std::size_t i = 0; i < experts.size(); ++i) {
+        const auto& g1 = mine.grads.w1[experts[i]].data;
+        const auto& g2 = mine.grads.w2[experts[i]].data;
+        std::copy(g1.begin(), g1.end(), packed.begin() + static_cast<std::ptrdiff_t>(i * each));
+        std::copy(g2.begin(), g2.end(), packed.begin() + static_cast<std::ptrdiff_t>(i * each + g1.size()));
+      }
+    if (!(q == me && root)) tr.gather(packed, q);
+    if (!root) continue;
+    for (std::size_t i = 0; i < experts.size(); ++i) {
+      auto& g1 = all.grads.w1[experts[i]].data;
+      auto& g2 = all.grads.w2[experts[i]].data;
+      std::copy_n(packed.begin() + static_cast<std::ptrdiff_t>(i * each), g1.size(), g1.begin());
+      std::copy_n(packed.begin() + static_cast<std::ptrdiff_t>(i * each + g1.size()), g2.size(), g2.begin());
+    }
+  }
+  return all;
+}
+
+// Over MPI, one rank per process: the process holds its rank's tokens,
+// the replicated parameters and its own experts (raw weights released once
+// packed), routes its own tokens, exchanges counts, compiles and launches
+// its own program. The root prints the table.
+RunReport run_sharded(const RunRequest& req, const std::function<void(const std::string&)>& say) {
+  const LayerConfig& c = req.config;
+  Transport& tr = *req.transport;
+  if (!req.save_dir.empty())
+    throw Error("--save over MPI: each rank holds only its own experts, and writing them per rank is not built yet; "
+                "save from an in-process run (same seed, same tensors)");
+  int me = 0;
+  while (!tr.hosts(me)) ++me;
+  const ExpertPlacement placement = placement_or_contiguous(req.placement, c.routed_experts, c.ranks);
+  const auto owned = experts_of(placement, me);
+  const std::vector<int> mine{me};
+  say(req.load_dir.empty() ? "generating this rank's experts and tokens" : "loading this rank's experts and tokens from " + req.load_dir);
+  LayerWeights w = req.load_dir.empty() ? random_weights(c, req.seed, owned) : load_weights(req.load_dir, c, owned);
+  LayerInputs in = req.load_dir.empty() ? random_inputs(c, req.seed, mine) : load_inputs(req.load_dir, c, me);
+  check_weight_shapes(c, w);
+  std::vector<std::int32_t> forced = forced_selection(c, req.routing);
+  if (!forced.empty()) {
+    const auto per_rank = static_cast<std::ptrdiff_t>(c.tokens_per_rank * c.top_k);
+    forced = std::vector<std::int32_t>(forced.begin() + me * per_rank, forced.begin() + (me + 1) * per_rank);
+  }
+  say("packing this rank's experts for the tile kernels");
+  const auto packed = pack_weights(c, w, req.backward);
+  for (const auto e : owned) {  // only the packed copies are used from here on
+    w.w1[e] = Matrix();
+    w.w2[e] = Matrix();
+  }
+  Executors x = make_executors(req, w, placement, packed, true);
+
+  RunReport rep = report_header(req, placement, x);
+  rep.sharded = true;
+  rep.serialized_over = rep.transport;
+
+  Steps steps;
+  run_steps(req, x, in, forced, steps, say);
+  auto& [serialized, interleaved, host, last, inter_last] = steps;
+  // The table's row of this rank, and every step's time as the slowest rank's.
+  const StepResult& shown = x.inter ? inter_last : last;
+  std::int64_t received = 0;
+  for (std::int64_t s = 0; s < c.ranks; ++s)
+    for (const auto e : owned) received += shown.expert_counts[static_cast<std::size_t>(s * c.routed_experts + e)];
+  const double elem = c.dtype == DType::fp32 ? 4.0 : 2.0;
+  const std::vector<double> row{double(me), double(owned.size()), double(received),
+                                summarize(interleaved.forward).median, summarize(interleaved.backward).median,
+                                summarize(serialized.forward).median, summarize(serialized.backward).median,
+                                summarize(host).median, peak_rss_bytes(),
+                                double(owned.size()) * double(3 * c.hidden * c.expert_inter) * elem * (req.backward ? 2.0 : 1.0)};
+  for (const auto& r : allgather_doubles(tr, me, row))
+    rep.ranks.push_back(RankSummary{static_cast<int>(r[0]), static_cast<std::int64_t>(r[1]), static_cast<std::int64_t>(r[2]),
+                                    r[3], r[4], r[5], r[6], r[7], r[8], r[9]});
+  for (auto* v : {&interleaved.forward, &interleaved.backward, &serialized.forward, &serialized.backward})
+    slowest_rank(tr, me, *v);
+  summarize_into(rep, serialized, interleaved);
+  describe_step(rep, c, w, placement, shown);
+
+  if (req.verify != VerifyMode::off) say("verifying this rank's tokens against the fp64 oracle");
+  rep.verification = merge_verifications(tr, me, verify_own_tokens(req, w, in, shown, me));
+  auto record = [&](const Comparison& ch) {
+    rep.verification.checks.push_back(ch);
+    rep.verification.pass = rep.verification.pass && ch.pass;
+  };
+  if (x.inter && x.phased) {  // on every rank, then whether all ranks agree
+    const Comparison local = bit_identity("interleaved = serialized", last, inter_last, c, req.backward);
+    Comparison ch = local;
+    for (const auto& r : allgather_doubles(tr, me, {local.pass ? 1.0 : 0.0, double(local.tensors)})) {
+      ch.pass = ch.pass && r[0] != 0;
+      if (r[0] == 0 && ch.differing.empty()) ch.differing = "on some rank";
+    }
+    ch.tensor = "interleaved = serialized (every rank, its own tensors)";
+    record(ch);
+  }
+  if (req.check_inprocess) {
+    // The whole layer once more on the root, in process, from the same seeds
+    // (or checkpoint), as the bit-for-bit reference of every MPI executor.
+    std::unique_ptr<SerializedExecutor> serial;
+    LayerWeights whole;
+    LayerInputs whole_in;
+    StepResult reference;
+    if (tr.is_root()) {
+      say("running the whole layer in process on the root as the reference");
+      whole = req.load_dir.empty() ? random_weights(c, req.seed) : load_weights(req.load_dir, c);
+      whole_in = req.load_dir.empty() ? random_inputs(c, req.seed) : load_inputs(req.load_dir, c);
+      ExecutorOptions opt;
+      opt.workers_per_rank = req.workers_per_rank;
+      opt.backward = req.backward;
+      opt.pin = false;
+      opt.placement = placement;
+      serial = std::make_unique<SerializedExecutor>(c, whole, opt);
+      serial->step(whole_in, forced_selection(c, req.routing), reference);
+    }
+    for (const auto& [name, result] : {std::pair<std::string, const StepResult*>{"phased (mpi)", x.phased ? &last : nullptr},
+                                       {"interleaved (mpi)", x.inter ? &inter_last : nullptr}}) {
+      if (!result) continue;
+      const StepResult gathered = gather_step(tr, c, placement, *result, req.backward);
+      if (tr.is_root()) record(bit_identity(name + " = in-process serialized", gathered, reference, c, req.backward));
+    }
+  }
+  if (x.trace && tr.is_root()) {
+    std::vector<TracedRun> runs;
+    if (x.phased) runs.push_back({"serialized (phased, rank 0's workers)", &last});
+    if (x.inter) runs.push_back({"interleaved (" + std::string(taskflow::name(req.policy)) + "), rank 0's workers", &inter_last});
+    if (!req.trace_file.empty()) write_chrome_trace(req.trace_file, runs);
+    if (!req.timeline_file.empty()) write_timeline_svg(req.timeline_file, runs);
+  }
+  return rep;
+}
+
+}  // namespace
+
+RunReport run_layer(const RunRequest& req, const std::function<void(const std::string&)>& progress) {
+  auto say = [&](const std::string& s) {
+    if (progress) progress(s);
+  };
+  const LayerConfig& c = req.config;
+  c.validate();
+  if (req.iterations < 1 || req.iterations > 100000) throw Error("iterations must be between 1 and 100000");
+  if (req.warmup < 0 || req.warmup > 100000) throw Error("warm-up iterations must be between 0 and 100000");
+
+  if (req.transport && spreads_ranks(*req.transport)) return run_sharded(req, say);
+  if (req.check_inprocess) throw Error("--check-inprocess compares an MPI run with the in-process one; use it with --transport mpi");
+
+  say(req.load_dir.empty() ? "generating weights and inputs" : "loading weights and inputs from " + req.load_dir);
+  LayerWeights w = req.load_dir.empty() ? random_weights(c, req.seed) : load_weights(req.load_dir, c);
+  LayerInputs in = req.load_dir.empty() ? random_inputs(c, req.seed) : load_inputs(req.load_dir, c);
+  check_shapes(c, w, in);
+  const auto forced = forced_selection(c, req.routing);
+  const ExpertPlacement placement = placement_or_contiguous(req.placement, c.routed_experts, c.ranks);
+  say("packing weights for the tile kernels");
+  Executors x = make_executors(req, w, placement, pack_weights(c, w, req.backward), false);
+
+  RunReport rep = report_header(req, placement, x);
+
+  Steps steps;
+  run_steps(req, x, in, forced, steps, say);
+  auto& [serialized, interleaved, host, last, inter_last] = steps;
+  summarize_into(rep, serialized, interleaved);
   if (!x.use_serialized) last = std::move(inter_last);  // interleaved only: verify and report its step
   describe_step(rep, c, w, placement, last);
 
-  if (!x.root) return rep;  // the root process verifies and reports
   if (req.verify != VerifyMode::off) say("verifying against the fp64 oracle");
   rep.verification = verify(req, w, in, last);
   auto record = [&](const Comparison& ch) {
     rep.verification.checks.push_back(ch);
     rep.verification.pass = rep.verification.pass && ch.pass;
   };
-  if (x.distributed && x.serial) {  // every executor over MPI reproduces the in-process serialized step
-    say("running the serialized executor in process as the reference");
-    StepResult reference;
-    x.serial->step(in, forced, reference);
-    if (x.use_serialized) record(bit_identity("phased (mpi) = in-process serialized", last, reference, c, req.backward));
-    if (x.use_interleaved)
-      record(bit_identity("interleaved (mpi) = in-process serialized", x.use_serialized ? inter_last : last, reference, c,
-                          req.backward));
-  }
   if (x.use_serialized && x.inter) record(bit_identity("interleaved = serialized", last, inter_last, c, req.backward));
   if (x.trace) {
     std::vector<TracedRun> runs;
-    if (x.use_serialized) runs.push_back({x.distributed ? "serialized (phased, rank 0's workers)" : "serialized", &last});
+    if (x.use_serialized) runs.push_back({"serialized", &last});
     if (x.inter)
-      runs.push_back({"interleaved (" + std::string(taskflow::name(req.policy)) + ")" + (x.distributed ? ", rank 0's workers" : ""),
-                      x.use_serialized ? &inter_last : &last});
+      runs.push_back({"interleaved (" + std::string(taskflow::name(req.policy)) + ")", x.use_serialized ? &inter_last : &last});
     if (!req.trace_file.empty()) write_chrome_trace(req.trace_file, runs);
     if (!req.timeline_file.empty()) write_timeline_svg(req.timeline_file, runs);
   }
@@ -418,6 +742,21 @@ nlohmann::json to_json(const RunReport& r) {
                                                 {"differing", c.differing}, {"pass", c.pass}}
                                : nlohmann::json{{"tensor", c.tensor}, {"rel_l2", c.rel_l2}, {"max_abs", c.max_abs},
                                                 {"ref_max", c.ref_max}, {"pass", c.pass}});
+  if (r.sharded) {
+    nlohmann::json ranks = nlohmann::json::array();
+    for (const auto& k : r.ranks)
+      ranks.push_back({{"rank", k.rank},
+                       {"experts", k.experts},
+                       {"received_rows", k.received_rows},
+                       {"interleaved_forward_s", k.interleaved_forward},
+                       {"interleaved_backward_s", k.interleaved_backward},
+                       {"serialized_forward_s", k.serialized_forward},
+                       {"serialized_backward_s", k.serialized_backward},
+                       {"host_s", k.host},
+                       {"expert_weight_bytes", k.expert_weight_bytes},
+                       {"peak_rss_bytes", k.peak_rss_bytes}});
+    j["ranks"] = ranks;
+  }
   j["verification"] = {{"mode", r.verification.mode},
                        {"sample_tokens", r.verification.sample_tokens},
                        {"selection_mismatches", r.verification.selection_mismatches},
@@ -506,6 +845,17 @@ std::string format_report(const RunReport& r) {
     o << "serialized backward " << ms(r.backward_time.median) << " ms (min " << ms(r.backward_time.min) << ", max "
       << ms(r.backward_time.max) << "), " << r.backward_flops / r.backward_time.median / 1e9 << " GFLOP/s"
       << busy_idle(r.serialized_backward_busy) << "\n";
+  if (r.sharded) {
+    o << "ranks    each process holds its rank's tokens and experts; step times above are the slowest rank's\n"
+      << "         rank  experts  rows in  interleaved fwd/bwd ms  serialized fwd/bwd ms  host ms  expert weights MB  peak RSS MB\n";
+    for (const auto& k : r.ranks) {
+      o << "         " << std::setw(4) << k.rank << std::setw(9) << k.experts << std::setw(9) << k.received_rows
+        << std::setw(13) << ms(k.interleaved_forward) << " / " << std::left << std::setw(8) << ms(k.interleaved_backward)
+        << std::right << std::setw(12) << ms(k.serialized_forward) << " / " << std::left << std::setw(8)
+        << ms(k.serialized_backward) << std::right << std::setw(9) << ms(k.host) << std::setw(19)
+        << k.expert_weight_bytes / 1e6 << std::setw(13) << k.peak_rss_bytes / 1e6 << "\n";
+    }
+  }
   const auto& v = r.verification;
   o << std::scientific << std::setprecision(2);
   if (v.mode == "off") {

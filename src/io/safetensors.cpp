@@ -85,9 +85,10 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
     throw Error("'" + path + "' has a malformed safetensors header: " + e.what());
   }
   if (!header.is_object()) throw Error("'" + path + "' has a malformed safetensors header (not an object)");
-  data_.resize(size - 8 - header_size);
-  in.read(data_.data(), static_cast<std::streamsize>(data_.size()));
-  if (!in) throw Error("'" + path + "' is truncated");
+  // Only the header is read here: a tensor's bytes are read when asked for,
+  // seeking to them, so a rank reads its own experts and nothing else.
+  data_start_ = 8 + header_size;
+  data_size_ = size - 8 - header_size;
   for (const auto& [name, v] : header.items()) {
     if (name == "__metadata__") continue;
     try {
@@ -95,7 +96,7 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
       e.dtype = v.at("dtype").get<std::string>();
       e.shape = v.at("shape").get<std::vector<std::int64_t>>();
       const auto offsets = v.at("data_offsets").get<std::vector<std::uint64_t>>();
-      if (offsets.size() != 2 || offsets[0] > offsets[1] || offsets[1] > data_.size())
+      if (offsets.size() != 2 || offsets[0] > offsets[1] || offsets[1] > data_size_)
         throw Error("data offsets outside the file");
       e.begin = offsets[0];
       e.end = offsets[1];
@@ -120,29 +121,59 @@ const SafetensorsFile::Entry& SafetensorsFile::entry(const std::string& name,
   return it->second;
 }
 
+std::vector<char> SafetensorsFile::read(const Entry& e, const std::string& name, std::size_t skip, std::size_t count) const {
+  std::vector<char> bytes(count);
+  if (count == 0) return bytes;
+  std::ifstream in(path_, std::ios::binary);
+  in.seekg(static_cast<std::streamoff>(data_start_ + e.begin + skip));
+  if (!in || !in.read(bytes.data(), static_cast<std::streamsize>(count)))
+    throw Error("'" + path_ + "' is truncated: tensor '" + name + "' cannot be read");
+  return bytes;
+}
+
 std::vector<float> SafetensorsFile::floats(const std::string& name, const std::vector<std::int64_t>& shape) const {
+  return rows(name, shape, 0, shape.empty() ? 1 : shape[0]);
+}
+
+std::vector<float> SafetensorsFile::rows(const std::string& name, const std::vector<std::int64_t>& shape,
+                                         std::int64_t row0, std::int64_t count) const {
   const Entry& e = entry(name, shape);
-  const auto n = static_cast<std::size_t>(elements(shape));
+  const std::int64_t all_rows = shape.empty() ? 1 : shape[0];
+  if (row0 < 0 || count < 0 || row0 + count > all_rows)
+    throw Error("'" + path_ + "' tensor '" + name + "': rows [" + std::to_string(row0) + ", " +
+                std::to_string(row0 + count) + ") outside its " + std::to_string(all_rows));
+  const auto total = static_cast<std::size_t>(elements(shape));
+  const std::size_t per_row = all_rows > 0 ? total / static_cast<std::size_t>(all_rows) : 0;
+  const std::size_t n = per_row * static_cast<std::size_t>(count);
   std::vector<float> out(n);
-  const char* p = data_.data() + e.begin;
   const std::size_t bytes = e.end - e.begin;
-  auto need = [&](std::size_t width) {
-    if (bytes != n * width)
+  auto need = [](std::size_t) {};
+  auto read_rows = [&](std::size_t width) {
+    need(width);
+    return read(e, name, per_row * static_cast<std::size_t>(row0) * width, n * width);
+  };
+  auto need_total = [&](std::size_t width) {
+    if (bytes != total * width)
       throw Error("'" + path_ + "' tensor '" + name + "' holds " + std::to_string(bytes) + " bytes, expected " +
-                  std::to_string(n * width));
+                  std::to_string(total * width));
   };
   if (e.dtype == "F32") {
-    need(4);
-    if (n) std::memcpy(out.data(), p, n * 4);
+    need_total(4);
+    const auto data = read_rows(4);
+    if (n) std::memcpy(out.data(), data.data(), n * 4);
   } else if (e.dtype == "F64") {
-    need(8);
+    need_total(8);
+    const auto data = read_rows(8);
+    const char* p = data.data();
     for (std::size_t i = 0; i < n; ++i) {
       double d;
       std::memcpy(&d, p + i * 8, 8);
       out[i] = static_cast<float>(d);
     }
   } else if (e.dtype == "BF16") {
-    need(2);
+    need_total(2);
+    const auto data = read_rows(2);
+    const char* p = data.data();
     for (std::size_t i = 0; i < n; ++i) {
       bf16 b;
       std::memcpy(&b.bits, p + i * 2, 2);
@@ -160,11 +191,13 @@ std::vector<std::int32_t> SafetensorsFile::ints(const std::string& name, const s
   std::vector<std::int32_t> out(n);
   const std::size_t bytes = e.end - e.begin;
   if (e.dtype == "I32" && bytes == n * 4) {
-    if (n) std::memcpy(out.data(), data_.data() + e.begin, n * 4);
+    const auto data = read(e, name, 0, bytes);
+    if (n) std::memcpy(out.data(), data.data(), n * 4);
   } else if (e.dtype == "I64" && bytes == n * 8) {
+    const auto data = read(e, name, 0, bytes);
     for (std::size_t i = 0; i < n; ++i) {
       std::int64_t v;
-      std::memcpy(&v, data_.data() + e.begin + i * 8, 8);
+      std::memcpy(&v, data.data() + i * 8, 8);
       out[i] = static_cast<std::int32_t>(v);
     }
   } else {
@@ -244,28 +277,116 @@ void save_outputs(const std::string& dir, const LayerConfig& c, const Matrix& ou
   w.write(file_in(dir, "outputs.safetensors"));
 }
 
+Checkpoint::Checkpoint(const std::string& dir) : dir_(dir) {
+  namespace fs = std::filesystem;
+  const fs::path index = fs::path(dir) / "model.safetensors.index.json";
+  for (const char* single : {"weights.safetensors", "model.safetensors"})
+    if (fs::exists(fs::path(dir) / single)) {
+      files_.push_back(std::make_unique<SafetensorsFile>((fs::path(dir) / single).string()));
+      for (const auto& name : files_.back()->names()) file_of_[name] = 0;
+      return;
+    }
+  if (!fs::exists(index))
+    throw Error("'" + dir + "' holds no checkpoint: expected weights.safetensors, model.safetensors or "
+                "model.safetensors.index.json (with the files it names)");
+  std::ifstream in(index);
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(in);
+  } catch (const nlohmann::json::exception& e) {
+    throw Error("'" + index.string() + "' is not valid JSON: " + e.what());
+  }
+  if (!j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object())
+    throw Error("'" + index.string() + "' has no \"weight_map\" object (tensor name -> file)");
+  std::map<std::string, std::size_t> opened;
+  for (const auto& [name, file] : j["weight_map"].items()) {
+    if (!file.is_string()) throw Error("'" + index.string() + "': weight_map[\"" + name + "\"] is not a file name");
+    const std::string f = file.get<std::string>();
+    if (f.find('/') != std::string::npos || f.find("..") != std::string::npos)
+      throw Error("'" + index.string() + "': weight_map[\"" + name + "\"] names '" + f + "', outside the directory");
+    auto [it, fresh] = opened.emplace(f, files_.size());
+    if (fresh) paths_.push_back((fs::path(dir) / f).string()), files_.emplace_back();
+    file_of_[name] = it->second;
+  }
+}
+
+Checkpoint::~Checkpoint() = default;
+
+bool Checkpoint::has(const std::string& name) const { return file_of_.count(name) != 0; }
+
+const SafetensorsFile& Checkpoint::file(const std::string& name) const {
+  const auto it = file_of_.find(name);
+  if (it == file_of_.end()) throw Error("the checkpoint in '" + dir_ + "' has no tensor '" + name + "'");
+  auto& f = files_[it->second];
+  if (!f) f = std::make_unique<SafetensorsFile>(paths_[it->second]);  // headers only, opened when first needed
+  if (!f->has(name))
+    throw Error("'" + paths_[it->second] + "' has no tensor '" + name + "' (the index says it does)");
+  return *f;
+}
+
+std::vector<float> Checkpoint::floats(const std::string& name, const std::vector<std::int64_t>& shape) const {
+  return file(prefix_ + name).floats(prefix_ + name, shape);
+}
+
+std::string Checkpoint::find_prefix(const std::string& suffix) {
+  std::vector<std::string> found;
+  for (const auto& [name, file] : file_of_)
+    if (name == suffix || (name.size() > suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0 &&
+                           name[name.size() - suffix.size() - 1] == '.'))
+      found.push_back(name.substr(0, name.size() - suffix.size()));
+  if (found.empty()) throw Error("the checkpoint in '" + dir_ + "' has no tensor named '" + suffix + "' (or ending in it)");
+  if (found.size() > 1)
+    throw Error("the checkpoint in '" + dir_ + "' has " + std::to_string(found.size()) + " MoE layers ('" + found[0] +
+                suffix + "', '" + found[1] + suffix + "', ...): name the layer with --load DIR:PREFIX, e.g. --load " +
+                dir_ + ":" + found[1]);
+  return found[0];
+}
+
+void Checkpoint::set_prefix(const std::string& prefix) { prefix_ = prefix; }
+
+const SafetensorsFile& Checkpoint::file_with_prefix(const std::string& name) const { return file(prefix_ + name); }
+
 LayerWeights load_weights(const std::string& dir, const LayerConfig& c) {
-  SafetensorsFile f(file_in(dir, "weights.safetensors"));
+  std::vector<std::int32_t> all(static_cast<std::size_t>(c.routed_experts));
+  for (std::size_t e = 0; e < all.size(); ++e) all[e] = static_cast<std::int32_t>(e);
+  return load_weights(dir, c, all);
+}
+
+LayerWeights load_weights(const std::string& location, const LayerConfig& c, std::span<const std::int32_t> experts) {
+  // DIR or DIR:PREFIX (the layer's tensor names in a whole model's checkpoint).
+  std::string dir = location, prefix;
+  if (const auto colon = location.rfind(':'); colon != std::string::npos && !std::filesystem::exists(location)) {
+    dir = location.substr(0, colon);
+    prefix = location.substr(colon + 1);
+  }
+  Checkpoint ck(dir);
+  if (prefix.empty() && !ck.has("mlp.gate.weight")) prefix = ck.find_prefix("mlp.gate.weight");
+  ck.set_prefix(prefix);
   // The file's tensors, kept while the views of them are converted.
   std::vector<std::vector<float>> kept;
   auto tensor = [&](const std::string& name, std::int64_t rows, std::int64_t cols) {
-    kept.push_back(f.floats(name, {rows, cols}));
+    kept.push_back(ck.file_with_prefix(name).floats(prefix + name, {rows, cols}));
     return MatrixView{kept.back().data(), rows, cols, cols};
   };
-  kept.reserve(static_cast<std::size_t>(3 * c.routed_experts + 8));
+  kept.reserve(static_cast<std::size_t>(3 * experts.size() + 8));
   HfMoeBlock hf;
   hf.gate = tensor("mlp.gate.weight", c.routed_experts, c.hidden);
-  auto mlp = [&](const std::string& prefix, std::int64_t inter) {
+  auto mlp = [&](const std::string& name, std::int64_t inter) {
     HfMlp m;
-    m.gate_proj = tensor(prefix + ".gate_proj.weight", inter, c.hidden);
-    m.up_proj = tensor(prefix + ".up_proj.weight", inter, c.hidden);
-    m.down_proj = tensor(prefix + ".down_proj.weight", c.hidden, inter);
+    m.gate_proj = tensor(name + ".gate_proj.weight", inter, c.hidden);
+    m.up_proj = tensor(name + ".up_proj.weight", inter, c.hidden);
+    m.down_proj = tensor(name + ".down_proj.weight", c.hidden, inter);
     return m;
   };
-  for (std::int64_t e = 0; e < c.routed_experts; ++e) hf.experts.push_back(mlp("mlp.experts." + std::to_string(e), c.expert_inter));
+  hf.experts.resize(static_cast<std::size_t>(c.routed_experts));  // empty views: experts not read here
+  for (const std::int32_t e : experts) {
+    if (e < 0 || e >= c.routed_experts) throw Error("expert " + std::to_string(e) + " is not in the layer");
+    hf.experts[static_cast<std::size_t>(e)] = mlp("mlp.experts." + std::to_string(e), c.expert_inter);
+  }
   if (c.shared_experts > 0) hf.shared = mlp("mlp.shared_experts", c.shared_inter_total());
   std::vector<float> bias;
-  if (f.has("mlp.gate.e_score_correction_bias")) bias = f.floats("mlp.gate.e_score_correction_bias", {c.routed_experts});
+  if (ck.has(prefix + "mlp.gate.e_score_correction_bias"))
+    bias = ck.file_with_prefix("mlp.gate.e_score_correction_bias").floats(prefix + "mlp.gate.e_score_correction_bias", {c.routed_experts});
   hf.e_score_correction_bias = bias;
   return weights_from_hf(c, hf);
 }
@@ -278,6 +399,18 @@ LayerInputs load_inputs(const std::string& dir, const LayerConfig& c) {
   in.d_out = Matrix(c.total_tokens(), c.hidden);
   in.d_out.data = f.has("d_out") ? f.floats("d_out", {c.total_tokens(), c.hidden})
                                  : std::vector<float>(in.d_out.data.size(), 0.0f);
+  if (c.dtype == DType::bf16) round_to_bf16(in);
+  return in;
+}
+
+LayerInputs load_inputs(const std::string& dir, const LayerConfig& c, std::int64_t rank) {
+  SafetensorsFile f(file_in(dir, "inputs.safetensors"));
+  const std::int64_t T = c.tokens_per_rank;
+  LayerInputs in;
+  in.x = Matrix(T, c.hidden);
+  in.x.data = f.rows("x", {c.total_tokens(), c.hidden}, rank * T, T);
+  in.d_out = Matrix(T, c.hidden);
+  if (f.has("d_out")) in.d_out.data = f.rows("d_out", {c.total_tokens(), c.hidden}, rank * T, T);
   if (c.dtype == DType::bf16) round_to_bf16(in);
   return in;
 }

@@ -365,18 +365,21 @@ void update_expert_bias(std::span<float> bias, std::span<const std::int64_t> loa
   }
 }
 
-template <class Real>
-RoutingStats routing_stats(const LayerConfig& c, const ExpertPlacement& placement, const RouterOutput<Real>& r) {
+RoutingStats routing_stats(const LayerConfig& c, const ExpertPlacement& placement, std::span<const std::int64_t> counts,
+                           std::int64_t dropped) {
   placement.check_fits(c.routed_experts, c.ranks);
+  if (counts.size() != static_cast<std::size_t>(c.ranks * c.routed_experts))
+    throw Error("routing counts: " + std::to_string(counts.size()) + " values, expected ranks x experts = " +
+                std::to_string(c.ranks * c.routed_experts));
   RoutingStats st;
   st.tokens_per_expert.assign(static_cast<std::size_t>(c.routed_experts), 0);
   st.tokens_per_rank.assign(static_cast<std::size_t>(c.ranks), 0);
-  for (std::size_t a = 0; a < r.expert.size(); ++a)
-    if (r.kept[a]) ++st.tokens_per_expert[r.expert[a]];
+  for (std::int64_t s = 0; s < c.ranks; ++s)
+    for (std::int64_t e = 0; e < c.routed_experts; ++e) st.tokens_per_expert[e] += counts[s * c.routed_experts + e];
   for (std::int64_t i = 0; i < c.routed_experts; ++i)
     st.tokens_per_rank[static_cast<std::size_t>(placement.owner(i))] += st.tokens_per_expert[i];
-  st.dropped = r.dropped;
-  st.assignments = static_cast<std::int64_t>(r.expert.size());
+  st.dropped = dropped;
+  st.assignments = c.total_tokens() * c.top_k;
   auto max_over_mean = [](const std::vector<std::int64_t>& v) {
     const double total = double(std::accumulate(v.begin(), v.end(), std::int64_t{0}));
     if (total == 0) return 0.0;
@@ -394,6 +397,17 @@ RoutingStats routing_stats(const LayerConfig& c, const ExpertPlacement& placemen
   }
   st.expert_gini = total > 0 ? (2.0 * weighted) / (m * total) - (m + 1.0) / m : 0.0;
   return st;
+}
+
+template <class Real>
+RoutingStats routing_stats(const LayerConfig& c, const ExpertPlacement& placement, const RouterOutput<Real>& r) {
+  if (static_cast<std::int64_t>(r.expert.size()) != c.total_tokens() * c.top_k)
+    throw Error("routing statistics need every rank's routing");
+  std::vector<std::int64_t> counts(static_cast<std::size_t>(c.ranks * c.routed_experts), 0);
+  const std::int64_t per_rank = c.tokens_per_rank * c.top_k;
+  for (std::size_t a = 0; a < r.expert.size(); ++a)
+    if (r.kept[a]) ++counts[static_cast<std::size_t>((static_cast<std::int64_t>(a) / per_rank) * c.routed_experts + r.expert[a])];
+  return routing_stats(c, placement, counts, r.dropped);
 }
 
 template RouterOutput<float> route<float>(const LayerConfig&, std::span<const float>, std::span<const float>,

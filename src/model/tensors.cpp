@@ -1,10 +1,14 @@
 #include "hpmoe/tensors.hpp"
 
 #include <cmath>
+#include <cstring>
+#include <nlohmann/json.hpp>
+#include <span>
 #include <string>
 
 #include "hpmoe/bf16.hpp"
 #include "hpmoe/error.hpp"
+#include "hpmoe/taskflow.hpp"
 
 namespace hpmoe {
 
@@ -37,13 +41,24 @@ void round_all(Matrix& m) {
 }  // namespace
 
 namespace {
-// The router part of the weights, drawn first from the generator.
-LayerWeights router_part(const LayerConfig& c, Rng& rng) {
+// Every tensor has a seed of its own, derived from the run's seed, the
+// tensor's kind and its index (expert or rank): a process that holds only
+// some experts or some ranks' tokens draws exactly the values a process
+// holding everything draws, without communication.
+enum class TensorKind : std::uint64_t { router = 1, expert_bias, w1, w2, shared_w1, shared_w2, x, d_out };
+Rng tensor_rng(std::uint64_t seed, TensorKind kind, std::uint64_t index = 0) {
+  Rng mix(seed ^ (static_cast<std::uint64_t>(kind) << 56) ^ (index * 0xD1B54A32D192ED03ull));
+  return Rng(mix.next());
+}
+
+LayerWeights router_part(const LayerConfig& c, std::uint64_t seed) {
   LayerWeights w;
-  w.router = random_matrix(c.hidden, c.routed_experts, 1.0 / std::sqrt(double(c.hidden)), rng);
+  Rng router_rng = tensor_rng(seed, TensorKind::router);
+  w.router = random_matrix(c.hidden, c.routed_experts, 1.0 / std::sqrt(double(c.hidden)), router_rng);
   w.expert_bias.assign(static_cast<std::size_t>(c.routed_experts), 0.0f);
   if (c.expert_bias) {
-    for (auto& b : w.expert_bias) b = static_cast<float>(0.01 * rng.normal());
+    Rng bias_rng = tensor_rng(seed, TensorKind::expert_bias);
+    for (auto& b : w.expert_bias) b = static_cast<float>(0.01 * bias_rng.normal());
   }
   return w;
 }
@@ -51,54 +66,148 @@ LayerWeights router_part(const LayerConfig& c, Rng& rng) {
 
 LayerWeights random_router(const LayerConfig& c, std::uint64_t seed) {
   c.validate();
-  Rng rng(seed);
-  LayerWeights w = router_part(c, rng);
-  if (c.dtype == DType::bf16)
-    for (auto& v : w.router.data) v = round_to_bf16(v);
+  LayerWeights w = router_part(c, seed);
+  if (c.dtype == DType::bf16) round_all(w.router);
+  return w;
+}
+
+void random_expert(const LayerConfig& c, std::uint64_t seed, std::int64_t e, LayerWeights& w) {
+  if (e < 0 || e >= c.routed_experts)
+    throw Error("expert " + std::to_string(e) + " does not exist (the layer has " + std::to_string(c.routed_experts) + ")");
+  w.w1.resize(static_cast<std::size_t>(c.routed_experts));
+  w.w2.resize(static_cast<std::size_t>(c.routed_experts));
+  Rng r1 = tensor_rng(seed, TensorKind::w1, static_cast<std::uint64_t>(e));
+  Rng r2 = tensor_rng(seed, TensorKind::w2, static_cast<std::uint64_t>(e));
+  w.w1[e] = random_matrix(c.hidden, 2 * c.expert_inter, 1.0 / std::sqrt(double(c.hidden)), r1);
+  w.w2[e] = random_matrix(c.expert_inter, c.hidden, 1.0 / std::sqrt(double(c.expert_inter)), r2);
+  if (c.dtype == DType::bf16) {
+    round_all(w.w1[e]);
+    round_all(w.w2[e]);
+  }
+}
+
+LayerWeights random_weights(const LayerConfig& c, std::uint64_t seed, std::span<const std::int32_t> experts) {
+  LayerWeights w = random_router(c, seed);
+  w.w1.resize(static_cast<std::size_t>(c.routed_experts));
+  w.w2.resize(static_cast<std::size_t>(c.routed_experts));
+  for (const std::int32_t e : experts) random_expert(c, seed, e, w);
+  if (c.shared_experts > 0) {
+    const std::int64_t is = c.shared_inter_total();
+    Rng r1 = tensor_rng(seed, TensorKind::shared_w1), r2 = tensor_rng(seed, TensorKind::shared_w2);
+    w.shared_w1 = random_matrix(c.hidden, 2 * is, 1.0 / std::sqrt(double(c.hidden)), r1);
+    w.shared_w2 = random_matrix(is, c.hidden, 1.0 / std::sqrt(double(is)), r2);
+    if (c.dtype == DType::bf16) {
+      round_all(w.shared_w1);
+      round_all(w.shared_w2);
+    }
+  }
   return w;
 }
 
 LayerWeights random_weights(const LayerConfig& c, std::uint64_t seed) {
   c.validate();
-  Rng rng(seed);
-  LayerWeights w = router_part(c, rng);
-  const double in_h = 1.0 / std::sqrt(double(c.hidden));
-  for (std::int64_t e = 0; e < c.routed_experts; ++e) {
-    w.w1.push_back(random_matrix(c.hidden, 2 * c.expert_inter, in_h, rng));
-    w.w2.push_back(random_matrix(c.expert_inter, c.hidden, 1.0 / std::sqrt(double(c.expert_inter)), rng));
-  }
-  if (c.shared_experts > 0) {
-    const std::int64_t is = c.shared_inter_total();
-    w.shared_w1 = random_matrix(c.hidden, 2 * is, in_h, rng);
-    w.shared_w2 = random_matrix(is, c.hidden, 1.0 / std::sqrt(double(is)), rng);
-  }
-  if (c.dtype == DType::bf16) round_to_bf16(w);
-  return w;
+  std::vector<std::int32_t> all(static_cast<std::size_t>(c.routed_experts));
+  for (std::size_t e = 0; e < all.size(); ++e) all[e] = static_cast<std::int32_t>(e);
+  return random_weights(c, seed, all);
 }
 
-LayerInputs random_inputs(const LayerConfig& c, std::uint64_t seed) {
+LayerInputs random_inputs(const LayerConfig& c, std::uint64_t seed, std::span<const int> ranks) {
   c.validate();
-  Rng rng(seed ^ 0xA5A5A5A5ull);
+  const std::int64_t T = c.tokens_per_rank, H = c.hidden;
   LayerInputs in;
-  in.x = random_matrix(c.total_tokens(), c.hidden, 1.0, rng);
-  in.d_out = random_matrix(c.total_tokens(), c.hidden, 1.0 / std::sqrt(double(c.hidden)), rng);
+  in.x = Matrix(static_cast<std::int64_t>(ranks.size()) * T, H);
+  in.d_out = Matrix(static_cast<std::int64_t>(ranks.size()) * T, H);
+  for (std::size_t i = 0; i < ranks.size(); ++i) {
+    if (ranks[i] < 0 || ranks[i] >= c.ranks)
+      throw Error("rank " + std::to_string(ranks[i]) + " does not exist (the layer has " + std::to_string(c.ranks) + ")");
+    Rng rx = tensor_rng(seed, TensorKind::x, static_cast<std::uint64_t>(ranks[i]));
+    Rng rd = tensor_rng(seed, TensorKind::d_out, static_cast<std::uint64_t>(ranks[i]));
+    const double d_scale = 1.0 / std::sqrt(double(H));
+    for (std::int64_t j = 0; j < T * H; ++j) in.x.data[static_cast<std::size_t>(std::int64_t(i) * T * H + j)] = static_cast<float>(rx.normal());
+    for (std::int64_t j = 0; j < T * H; ++j)
+      in.d_out.data[static_cast<std::size_t>(std::int64_t(i) * T * H + j)] = static_cast<float>(d_scale * rd.normal());
+  }
   if (c.dtype == DType::bf16) round_to_bf16(in);
   return in;
 }
 
-LayerGradients zero_gradients(const LayerConfig& c) {
+LayerInputs random_inputs(const LayerConfig& c, std::uint64_t seed) {
+  std::vector<int> all(static_cast<std::size_t>(c.ranks));
+  for (std::size_t r = 0; r < all.size(); ++r) all[r] = static_cast<int>(r);
+  return random_inputs(c, seed, all);
+}
+
+LayerGradients zero_gradients(const LayerConfig& c, std::span<const std::int32_t> experts, std::int64_t token_rows) {
   LayerGradients g;
-  g.x = Matrix(c.total_tokens(), c.hidden);
+  g.x = Matrix(token_rows, c.hidden);
   g.router = Matrix(c.hidden, c.routed_experts);
-  for (std::int64_t e = 0; e < c.routed_experts; ++e) {
-    g.w1.emplace_back(c.hidden, 2 * c.expert_inter);
-    g.w2.emplace_back(c.expert_inter, c.hidden);
+  g.w1.resize(static_cast<std::size_t>(c.routed_experts));
+  g.w2.resize(static_cast<std::size_t>(c.routed_experts));
+  for (const std::int32_t e : experts) {
+    g.w1[e] = Matrix(c.hidden, 2 * c.expert_inter);
+    g.w2[e] = Matrix(c.expert_inter, c.hidden);
   }
   if (c.shared_experts > 0) {
     g.shared_w1 = Matrix(c.hidden, 2 * c.shared_inter_total());
     g.shared_w2 = Matrix(c.shared_inter_total(), c.hidden);
   }
   return g;
+}
+
+LayerGradients zero_gradients(const LayerConfig& c) {
+  std::vector<std::int32_t> all(static_cast<std::size_t>(c.routed_experts));
+  for (std::size_t e = 0; e < all.size(); ++e) all[e] = static_cast<std::int32_t>(e);
+  return zero_gradients(c, all, c.total_tokens());
+}
+
+namespace {
+// FNV-1a over 8-byte words (and the tail), folded with a final mix: fast
+// enough for the replicated weights, and every rank computes it the same way.
+struct Fingerprint {
+  std::uint64_t h = 0xcbf29ce484222325ull;
+  void bytes(const void* data, std::size_t n) {
+    const auto* p = static_cast<const unsigned char*>(data);
+    std::size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+      std::uint64_t word;
+      std::memcpy(&word, p + i, 8);
+      h = (h ^ word) * 0x100000001b3ull;
+    }
+    for (; i < n; ++i) h = (h ^ p[i]) * 0x100000001b3ull;
+    h ^= n;
+  }
+  void text(const std::string& s) { bytes(s.data(), s.size()); }
+  void floats(const std::vector<float>& v) { bytes(v.data(), v.size() * sizeof(float)); }
+  std::uint64_t value() const {
+    std::uint64_t z = h;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+  }
+};
+}  // namespace
+
+std::uint64_t layer_fingerprint(const LayerConfig& c, const ExpertPlacement& placement, const LayerWeights& w) {
+  Fingerprint f;
+  f.text("hpmoe layer v" + std::to_string(taskflow::kFormatVersion));
+  f.text(to_json(c).dump());
+  f.text(to_json(placement).dump());
+  f.floats(w.router.data);
+  f.floats(w.expert_bias);
+  f.floats(w.shared_w1.data);
+  f.floats(w.shared_w2.data);
+  return f.value();
+}
+
+bool holds_expert(const LayerWeights& w, std::int64_t e) {
+  return e >= 0 && static_cast<std::size_t>(e) < w.w1.size() && static_cast<std::size_t>(e) < w.w2.size() &&
+         w.w1[e].rows > 0 && w.w2[e].rows > 0;
+}
+
+void require_experts(const LayerWeights& w, std::span<const std::int32_t> experts, const std::string& holder) {
+  for (const std::int32_t e : experts)
+    if (!holds_expert(w, e))
+      throw Error(holder + " needs expert " + std::to_string(e) + "'s weights, which were not loaded or generated here");
 }
 
 void round_to_bf16(LayerWeights& w) {
@@ -171,8 +280,13 @@ LayerWeights weights_from_hf(const LayerConfig& c, const HfMoeBlock& hf) {
                 std::to_string(c.routed_experts));
   w.w1.resize(hf.experts.size());
   w.w2.resize(hf.experts.size());
-  for (std::size_t e = 0; e < hf.experts.size(); ++e)
-    mlp(hf.experts[e], c.expert_inter, "mlp.experts." + std::to_string(e), w.w1[e], w.w2[e]);
+  for (std::size_t e = 0; e < hf.experts.size(); ++e) {
+    const HfMlp& p = hf.experts[e];
+    if (!p.gate_proj.data && !p.up_proj.data && !p.down_proj.data && p.gate_proj.rows == 0 && p.up_proj.rows == 0 &&
+        p.down_proj.rows == 0)
+      continue;  // not held by this process (all three views empty)
+    mlp(p, c.expert_inter, "mlp.experts." + std::to_string(e), w.w1[e], w.w2[e]);
+  }
   if (c.shared_experts > 0) mlp(hf.shared, c.shared_inter_total(), "mlp.shared_experts", w.shared_w1, w.shared_w2);
   if (c.dtype == DType::bf16) round_to_bf16(w);
   return w;
@@ -194,6 +308,7 @@ void check_weight_shapes(const LayerConfig& c, const LayerWeights& w) {
     throw Error("expected weights for " + std::to_string(c.routed_experts) + " experts, got " +
                 std::to_string(w.w1.size()));
   for (std::int64_t e = 0; e < c.routed_experts; ++e) {
+    if (!holds_expert(w, e) && w.w1[e].data.empty() && w.w2[e].data.empty()) continue;  // held by another process
     expect(w.w1[e], c.hidden, 2 * c.expert_inter, "expert " + std::to_string(e) + " gate/up weight");
     expect(w.w2[e], c.expert_inter, c.hidden, "expert " + std::to_string(e) + " down weight");
   }

@@ -113,6 +113,9 @@ OracleResult reference_layer(const LayerConfig& c, const LayerWeights& w, const 
         continue;
       }
       const auto ex = r.routing.expert[a];
+      if (!holds_expert(w, ex))
+        throw Error("the oracle needs expert " + std::to_string(ex) + " (token " + std::to_string(t) +
+                    ") but its weights are not held here");
       expert_act.push_back(mlp_forward(x, w.w1[ex], w.w2[ex]));
       for (std::int64_t o = 0; o < hidden; ++o) out[o] += r.routing.weight[a] * expert_act.back().y[o];
     }

@@ -1,4 +1,5 @@
 #include <array>
+#include <cstdio>
 #include <atomic>
 #include <csignal>
 #include <exception>
@@ -53,6 +54,7 @@ class Interleaved final : public InterleavedExecutor::Impl {
         table_(opt.access_table ? opt.access_table : &taskflow::AccessTable::standard()),
         tr_(opt.transport ? opt.transport : make_inprocess_transport(static_cast<int>(c.ranks))),
         local_(hosted_ranks(*tr_, c.ranks)),
+        lc_(hosted_config(c, local_)),
         pool_(static_cast<int>(local_.size()), opt.workers_per_rank, opt.pin, tr_->node_index() * opt.workers_per_rank),
         packed_((kernels::init(), resolve_packing<T>(c, w, opt.packed, opt.backward))) {
     machine_ = taskflow::cpu_machine(opt.workers_per_rank);
@@ -65,6 +67,20 @@ class Interleaved final : public InterleavedExecutor::Impl {
     waiting_ = std::make_unique<std::atomic<std::int32_t>[]>(workers);
     for (std::size_t i = 0; i < workers; ++i) waiting_[i].store(-1);
     staging_.resize(workers);
+    index_of_.assign(static_cast<std::size_t>(c.ranks), -1);
+    for (std::size_t i = 0; i < local_.size(); ++i) {
+      index_of_[static_cast<std::size_t>(local_[i])] = static_cast<int>(i);
+      for (const std::int32_t e : placement_.experts_of(local_[i])) {
+        if (!packed_->holds(e))
+          throw Error("rank " + std::to_string(local_[i]) + " owns expert " + std::to_string(e) +
+                      " but this process holds no weights for it: give every process its own experts' weights");
+        owned_.push_back(e);
+      }
+    }
+    if (sharded() && local_.size() != 1)
+      throw Error("a transport that spreads ranks over processes must host one rank per process (this one hosts " +
+                  std::to_string(local_.size()) + ")");
+    fingerprint_ = layer_fingerprint(c, placement_, w);
     tr_->watch_workers(&activity_);
   }
   ~Interleaved() override { tr_->watch_workers(nullptr); }
@@ -82,8 +98,18 @@ class Interleaved final : public InterleavedExecutor::Impl {
     return out;
   }
 
+  // The layer as this process sees it: only its hosted ranks' tokens.
+  static LayerConfig hosted_config(const LayerConfig& c, const std::vector<int>& local) {
+    LayerConfig lc = c;
+    lc.ranks = static_cast<std::int64_t>(local.size());
+    return lc;
+  }
+  // Ranks spread over processes: this one holds only its own rank's tokens,
+  // routing and experts.
+  bool sharded() const { return local_.size() != static_cast<std::size_t>(c_.ranks); }
+
   void forward(MatrixView x, std::span<const std::int32_t> forced, StepResult& res) override {
-    check_token_view(c_, x, "input x");
+    check_token_view(lc_, x, "input x");
     x_ = x;
     forward_done_ = nullptr;
     res.forward_ops.clear();
@@ -92,16 +118,19 @@ class Interleaved final : public InterleavedExecutor::Impl {
     step_start_ = Clock::now();
     check_output_view(res.out_into, "output view");
     if (res.out_into) res.out = Matrix();
-    else if (res.out.rows != c_.total_tokens() || res.out.cols != c_.hidden) res.out = Matrix(c_.total_tokens(), c_.hidden);
+    else if (res.out.rows != lc_.total_tokens() || res.out.cols != c_.hidden) res.out = Matrix(lc_.total_tokens(), c_.hidden);
     auto t0 = Clock::now();
-    res.routing = run_router(pool_, c_, packed_->router.view(), x_, w_.expert_bias, forced, logits_);
+    res.routing = run_router(pool_, lc_, packed_->router.view(), x_, w_.expert_bias, forced, logits_);
     auto t1 = Clock::now();
     res.forward_ops.push_back({"router", seconds(t0, t1)});
     res.router_seconds = seconds(t0, t1);
-    const auto counts = taskflow::routing_counts(c_, res.routing);
-    ex_.emplace(c_, placement_, counts, machine_.tile_rows);
-    slot_ = taskflow::send_slots(c_, *ex_, res.routing);
-    for (std::int64_t r = 0; r < c_.ranks; ++r) {
+    exchange_counts(res);
+    const auto t1x = Clock::now();
+    if (sharded()) res.forward_ops.push_back({"count_exchange", seconds(t1, t1x)});
+    t1 = t1x;
+    ex_.emplace(c_, placement_, counts_, machine_.tile_rows);
+    slot_ = taskflow::send_slots(c_, *ex_, res.routing, local_);
+    for (const int r : compiled_ranks()) {
       taskflow::generate(programs[r], c_, *ex_, machine_, taskflow::Pass::forward, r);
       taskflow::schedule(programs[r], opt_.policy, schedule_scratch_);
     }
@@ -119,7 +148,6 @@ class Interleaved final : public InterleavedExecutor::Impl {
     res.forward_ops.push_back({"prepare", seconds(t3, Clock::now())});
     res.dispatch_to_combine_seconds = launch(programs, res);
     if (!opt_.phased) res.forward_ops.push_back({"launch", res.dispatch_to_combine_seconds});
-    if (!res.out_into) gather_rows(res.out);
     forward_done_ = &res;
   }
 
@@ -128,11 +156,11 @@ class Interleaved final : public InterleavedExecutor::Impl {
       throw Error("backward: this executor was made for forward only; construct it with the backward option");
     if (forward_done_ != &res)
       throw Error("backward: call forward first, with the same result object (it holds the step's routing)");
-    check_token_view(c_, d_out, "output gradient d_out");
+    check_token_view(lc_, d_out, "output gradient d_out");
     d_out_ = d_out;
     res.backward_ops.clear();
     auto b0 = Clock::now();
-    for (std::int64_t r = 0; r < c_.ranks; ++r) {
+    for (const int r : compiled_ranks()) {
       taskflow::generate(backward_programs[r], c_, *ex_, machine_, taskflow::Pass::backward, r);
       taskflow::schedule(backward_programs[r], opt_.policy, schedule_scratch_);
     }
@@ -145,16 +173,14 @@ class Interleaved final : public InterleavedExecutor::Impl {
     auto b2 = Clock::now();
     res.backward_ops.push_back({"verify", seconds(b1, b2)});
     check_output_view(res.dx_into, "dx view");
-    if (res.grads.w1.size() != static_cast<std::size_t>(c_.routed_experts)) res.grads = zero_gradients(c_);
+    if (!gradients_fit(res.grads)) res.grads = zero_gradients(c_, owned_, lc_.total_tokens());
     if (res.dx_into) res.grads.x = Matrix();
-    else if (res.grads.x.rows != c_.total_tokens()) res.grads.x = Matrix(c_.total_tokens(), c_.hidden);
+    else if (res.grads.x.rows != lc_.total_tokens()) res.grads.x = Matrix(lc_.total_tokens(), c_.hidden);
     prepare_backward(res);
     res.backward_ops.push_back({"prepare", seconds(b2, Clock::now())});
     res.backward_seconds = launch(backward_programs, res);
     if (!opt_.phased) res.backward_ops.push_back({"launch", res.backward_seconds});
     const auto r0 = Clock::now();
-    if (!res.dx_into) gather_rows(res.grads.x);
-    gather_expert_gradients(res.grads);
     reduce_replicated(res);
     res.backward_ops.push_back({"reduce_replicated_grads", seconds(r0, Clock::now())});
     forward_done_ = nullptr;  // one backward per forward
@@ -168,7 +194,7 @@ class Interleaved final : public InterleavedExecutor::Impl {
     const auto& order = taskflow::operator_order(set[0].pass);
     const std::size_t barriers = opt_.phased ? order.size() : 0;
     std::vector<std::int64_t> events(static_cast<std::size_t>(c_.ranks));
-    for (std::int64_t r = 0; r < c_.ranks; ++r) events[r] = static_cast<std::int64_t>(set[r].events.size() + barriers);
+    for (std::int64_t r = 0; r < c_.ranks; ++r) events[r] = event_count(set[0].pass, r) + static_cast<std::int64_t>(barriers);
     tr_->reserve_events(events);
     for (int r : local_) {
       RankState& s = ranks_[r];
@@ -225,8 +251,8 @@ class Interleaved final : public InterleavedExecutor::Impl {
       auto& ops = set[0].pass == taskflow::Pass::forward ? res.forward_ops : res.backward_ops;
       // Operators no rank has tasks of (the shared experts' without them) are not listed.
       std::array<bool, static_cast<std::size_t>(TaskKind::count)> present{};
-      for (const auto& p : set)
-        for (const Task& t : p.tasks) present[static_cast<std::size_t>(t.kind)] = true;
+      for (const int r : local_)
+        for (const Task& t : set[r].tasks) present[static_cast<std::size_t>(t.kind)] = true;
       double previous = 0;
       for (std::size_t k = 0; k < order.size(); ++k) {
         double end = 0;
@@ -261,74 +287,110 @@ class Interleaved final : public InterleavedExecutor::Impl {
     return elapsed;
   }
 
-  // A caller's output view: the step's shape, and only where this process
-  // runs every rank (over MPI the root gathers into its own matrices).
+  // A caller's output view: the hosted ranks' tokens.
   void check_output_view(const MutableMatrixView& v, const char* what) const {
     if (!v) return;
-    if (local_.size() != static_cast<std::size_t>(c_.ranks))
-      throw Error(std::string(what) + ": output views need every rank in this process (not over MPI)");
-    check_token_view(c_, MatrixView{v.data, v.rows, v.cols, v.ld}, what);
+    check_token_view(lc_, MatrixView{v.data, v.rows, v.cols, v.ld}, what);
   }
 
-  // Every expert's weight gradients onto the root process: one gather per
-  // owning rank, its experts' gradients packed back to back.
-  void gather_expert_gradients(LayerGradients& g) {
-    std::vector<float> packed;
-    for (int q = 0; q < c_.ranks; ++q) {
-      const auto experts = placement_.experts_of(q);
-      std::size_t total = 0;
-      for (const auto e : experts) total += g.w1[e].data.size() + g.w2[e].data.size();
-      const bool moves = tr_->hosts(q) != tr_->is_root();  // held by one process, needed by the other
-      packed.assign(moves ? total : 0, 0.0f);
-      auto each = [&](auto&& fn) {
-        std::size_t at = 0;
-        for (const auto e : experts)
-          for (Matrix* m : {&g.w1[e], &g.w2[e]}) {
-            fn(*m, at);
-            at += m->data.size();
-          }
-      };
-      if (moves && tr_->hosts(q))
-        each([&](const Matrix& m, std::size_t at) { std::copy(m.data.begin(), m.data.end(), packed.begin() + static_cast<std::ptrdiff_t>(at)); });
-      tr_->gather(packed, q);
-      if (moves && tr_->is_root())
-        each([&](Matrix& m, std::size_t at) {
-          std::copy(packed.begin() + static_cast<std::ptrdiff_t>(at), packed.begin() + static_cast<std::ptrdiff_t>(at + m.data.size()), m.data.begin());
-        });
+  // The ranks whose programs this step compiles: the hosted ones, and all
+  // of them where the verifier checks the whole set (it needs every program).
+  std::vector<int> compiled_ranks() const {
+    if (!sharded() || opt_.verify_programs) {
+      std::vector<int> all(static_cast<std::size_t>(c_.ranks));
+      for (std::size_t r = 0; r < all.size(); ++r) all[r] = static_cast<int>(r);
+      return all;
     }
+    return local_;
   }
 
-  // Every rank's token rows of m onto the root process.
-  void gather_rows(Matrix& m) {
-    const std::int64_t n = c_.tokens_per_rank * m.cols;
-    for (int q = 0; q < c_.ranks; ++q)
-      tr_->gather(std::span<float>(m.data).subspan(static_cast<std::size_t>(q * n), static_cast<std::size_t>(n)), q);
+  // Events of rank r's program for a pass, from the exchange layout alone
+  // (a peer's program need not be compiled here).
+  std::int64_t event_count(taskflow::Pass pass, std::int64_t r) const {
+    return taskflow::EventBases(pass, ex_->row_tiles(r), placement_.local_count(r),
+                                (c_.tokens_per_rank + machine_.tile_rows - 1) / machine_.tile_rows)
+        .total;
   }
 
-  // Sum over ranks, in rank order, of the replicated weights' gradients (on
-  // the root process, which gathers the other ranks' parts). Each rank's
-  // part is its backward program's local buffer.
+  // Whether res.grads already has this process's shapes (reused across steps).
+  bool gradients_fit(const LayerGradients& g) const {
+    if (g.w1.size() != static_cast<std::size_t>(c_.routed_experts) || g.w2.size() != g.w1.size()) return false;
+    for (const std::int32_t e : owned_)
+      if (g.w1[e].rows != c_.hidden || g.w2[e].rows != c_.expert_inter) return false;
+    return g.router.rows == c_.hidden && g.router.cols == c_.routed_experts;
+  }
+
+  // The P x E counts of the step: this process's rows from its routing, the
+  // others' from every process (with the layer's fingerprint, which must
+  // match everywhere), and the balancing losses summed over ranks in order.
+  void exchange_counts(StepResult& res) {
+    const std::int64_t P = c_.ranks, E = c_.routed_experts;
+    const auto local = taskflow::routing_counts(lc_, res.routing);  // [hosted ranks, E]
+    counts_.ranks = P;
+    counts_.experts = E;
+    if (!sharded()) {
+      counts_.counts = local.counts;
+      res.expert_counts = counts_.counts;
+      return;
+    }
+    // One block per rank: fingerprint, aux-loss term, z-loss term, E counts.
+    const std::int64_t width = 3 + E;
+    const int me = local_.front();
+    count_block_.assign(static_cast<std::size_t>(P * width), 0);
+    std::uint64_t* mine = count_block_.data() + me * width;
+    mine[0] = fingerprint_;
+    std::memcpy(&mine[1], &res.routing.aux_loss, sizeof(double));
+    std::memcpy(&mine[2], &res.routing.z_loss, sizeof(double));
+    for (std::int64_t e = 0; e < E; ++e) mine[3 + e] = static_cast<std::uint64_t>(local.counts[static_cast<std::size_t>(e)]);
+    tr_->allgather(std::as_writable_bytes(std::span<std::uint64_t>(count_block_)), static_cast<std::size_t>(width) * 8);
+    counts_.counts.assign(static_cast<std::size_t>(P * E), 0);
+    double aux = 0, z = 0;
+    const std::int64_t limit = c_.tokens_per_rank * c_.top_k;
+    for (std::int64_t q = 0; q < P; ++q) {
+      const std::uint64_t* block = count_block_.data() + q * width;
+      if (block[0] != fingerprint_)
+        throw Error("rank " + std::to_string(q) + " runs a different layer, placement or checkpoint than rank " +
+                    std::to_string(me) + " (fingerprint " + hex(block[0]) + " vs " + hex(fingerprint_) +
+                    "): start every rank with the same configuration, --placement and --load");
+      double term = 0;
+      std::memcpy(&term, &block[1], sizeof(double));
+      aux += term;
+      std::memcpy(&term, &block[2], sizeof(double));
+      z += term;
+      std::int64_t sum = 0;
+      for (std::int64_t e = 0; e < E; ++e) {
+        const auto n = static_cast<std::int64_t>(block[3 + e]);
+        if (n < 0 || n > limit) throw Error("rank " + std::to_string(q) + " reports " + std::to_string(n) + " rows for expert " + std::to_string(e) + ", more than its " + std::to_string(limit) + " assignments");
+        sum += n;
+        counts_.counts[static_cast<std::size_t>(q * E + e)] = n;
+      }
+      if (sum > limit) throw Error("rank " + std::to_string(q) + " reports " + std::to_string(sum) + " kept assignments, more than its " + std::to_string(limit));
+    }
+    res.routing.aux_loss = aux;
+    res.routing.z_loss = z;
+    res.expert_counts = counts_.counts;
+  }
+
+  static std::string hex(std::uint64_t v) {
+    char text[19];
+    std::snprintf(text, sizeof text, "%016llx", static_cast<unsigned long long>(v));
+    return text;
+  }
+
+  // Sum over ranks, in rank order, of the replicated weights' gradients,
+  // on every process. Each rank's part is its backward program's local
+  // buffer; over MPI the ranks pass the partial sum along in rank order.
   void reduce_replicated(StepResult& res) {
     auto reduce = [&](std::vector<float>& dst, BufferId part) {
-      std::vector<std::vector<float>> received(static_cast<std::size_t>(c_.ranks));
-      std::vector<const float*> parts(static_cast<std::size_t>(c_.ranks));
       const auto n = dst.size();
-      for (int q = 0; q < c_.ranks; ++q) {
-        std::span<float> mine;
-        if (tr_->hosts(q)) {
-          mine = std::span<float>(base<float>(q, part), n);
-          parts[q] = mine.data();
-          if (tr_->is_root()) continue;
-        } else if (tr_->is_root()) {
-          received[q].resize(n);
-          parts[q] = received[q].data();
-        }
-        tr_->gather(tr_->hosts(q) ? mine : std::span<float>(received[q]), q);
+      if (sharded()) {
+        std::copy_n(base<float>(local_.front(), part), n, dst.begin());
+        tr_->sum_in_rank_order(std::span<float>(dst));
+        return;
       }
-      if (!tr_->is_root()) return;
       for (std::size_t i = 0; i < n; ++i) {
         float sum = 0;
-        for (std::int64_t q = 0; q < c_.ranks; ++q) sum += parts[q][i];
+        for (std::int64_t q = 0; q < c_.ranks; ++q) sum += base<float>(q, part)[i];
         dst[i] = sum;
       }
     };
@@ -378,9 +440,9 @@ class Interleaved final : public InterleavedExecutor::Impl {
   void reserve_memory() {
     std::vector<std::int64_t> bytes(static_cast<std::size_t>(c_.ranks));
     for (std::int64_t r = 0; r < c_.ranks; ++r) {
-      const taskflow::Program& forward = programs[r];
-      std::int64_t symmetric = forward.region_bytes(taskflow::Region::symmetric);
-      std::int64_t local = forward.region_bytes(taskflow::Region::local);
+      taskflow::declare_buffers(layout_scratch_, c_, *ex_, taskflow::Pass::forward, r);
+      std::int64_t symmetric = layout_scratch_.region_bytes(taskflow::Region::symmetric);
+      std::int64_t local = layout_scratch_.region_bytes(taskflow::Region::local);
       if (opt_.backward) {
         taskflow::declare_buffers(layout_scratch_, c_, *ex_, taskflow::Pass::backward, r);
         symmetric = std::max(symmetric, layout_scratch_.region_bytes(taskflow::Region::symmetric));
@@ -404,10 +466,11 @@ class Interleaved final : public InterleavedExecutor::Impl {
       s.ld[static_cast<std::size_t>(b.id)] = b.cols;
     }
     auto bytes_of = [](const float* f) { return reinterpret_cast<std::byte*>(const_cast<float*>(f)); };
-    // Rank r's rows of a caller's [P T, H] tensor, with its row stride.
+    // Rank r's rows of a caller's tensor of the hosted ranks' tokens, with its row stride.
+    const std::int64_t i = index_of_[static_cast<std::size_t>(r)];
     auto rows_of = [&](BufferId id, const float* first_row, std::int64_t ld) {
       s.ld[static_cast<std::size_t>(id)] = ld;
-      return bytes_of(first_row + r * T_ * ld);
+      return bytes_of(first_row + i * T_ * ld);
     };
     for (const auto& b : p.buffers) {
       std::byte*& at = s.base[static_cast<std::size_t>(b.id)];
@@ -448,13 +511,14 @@ class Interleaved final : public InterleavedExecutor::Impl {
     reserve_memory();
     for (const int r : local_) {
       const taskflow::Program& p = programs[r];
+      const std::int64_t i = index_of_[static_cast<std::size_t>(r)];
       bind(p, r, res);
       auto* slot = base<std::int64_t>(r, BufferId::slot);
       auto* gate = base<float>(r, BufferId::gate);
       auto* send_token = base<std::int32_t>(r, BufferId::send_token);
       auto* send_assign = base<std::int64_t>(r, BufferId::send_assign);
       for (std::int64_t a = 0; a < T_ * K; ++a) {
-        const std::int64_t global = r * T_ * K + a, row = slot_[static_cast<std::size_t>(global)];
+        const std::int64_t global = i * T_ * K + a, row = slot_[static_cast<std::size_t>(global)];
         slot[a] = row;
         gate[a] = res.routing.weight[static_cast<std::size_t>(global)];
         if (row >= 0) {
@@ -463,17 +527,18 @@ class Interleaved final : public InterleavedExecutor::Impl {
         }
       }
       if constexpr (!std::is_same_v<T, float>)
-        for (std::int64_t t = 0; t < T_; ++t) kernels::store<T>(x_.row(r * T_ + t), base<T>(r, BufferId::x) + t * H, H);
+        for (std::int64_t t = 0; t < T_; ++t) kernels::store<T>(x_.row(i * T_ + t), base<T>(r, BufferId::x) + t * H, H);
     }
   }
 
   void prepare_backward(StepResult& res) {
     const std::int64_t T_ = c_.tokens_per_rank, H = c_.hidden;
     for (const int r : local_) {
+      const std::int64_t i = index_of_[static_cast<std::size_t>(r)];
       bind(backward_programs[r], r, res);
       if (c_.shared_experts > 0)
         for (std::int64_t t = 0; t < T_; ++t)
-          kernels::store<T>(d_out_.row(r * T_ + t), base<T>(r, BufferId::sh_dout) + t * H, H);
+          kernels::store<T>(d_out_.row(i * T_ + t), base<T>(r, BufferId::sh_dout) + t * H, H);
     }
   }
 
@@ -706,7 +771,7 @@ class Interleaved final : public InterleavedExecutor::Impl {
     for (std::size_t k = 0; k < phases; ++k) {
       for (std::int64_t i = s.phase_begin[k] + w; i < s.phase_begin[k + 1]; i += W) run_task(r, slot, s.phase_tasks[i]);
       // Rank q's barrier counters follow its own program's events.
-      for (int q = 0; q < c_.ranks; ++q) signal_rank(q, static_cast<std::int32_t>((*current_)[q].events.size() + k), -1);
+      for (int q = 0; q < c_.ranks; ++q) signal_rank(q, static_cast<std::int32_t>(event_count(p.pass, q) + static_cast<std::int64_t>(k)), -1);
       const auto barrier = static_cast<std::int32_t>(p.events.size() + k);
       Task wait_all{};
       wait_all.kind = taskflow::operator_order(p.pass)[k];
@@ -859,8 +924,8 @@ class Interleaved final : public InterleavedExecutor::Impl {
         const float* gw = at<float>(r, p, o.in(BufferId::gw));
         float* dlogits = at<float>(r, p, o.out(BufferId::dlogits));
         for (std::int64_t j = 0; j < rows; ++j)
-          router_backward_token<float>(c_, res_->routing, std::span<const float>(logits + j * E, E),
-                                       r * T_ + t.row_begin + j, std::span<const float>(gw + j * K, K),
+          router_backward_token<float>(lc_, res_->routing, std::span<const float>(logits + j * E, E),
+                                       index_of_[static_cast<std::size_t>(r)] * T_ + t.row_begin + j, std::span<const float>(gw + j * K, K),
                                        std::span<float>(dlogits + j * E, E));
         const Rect& xtf = o.out(BufferId::xtf);
         transpose_rows<float>(at<float>(r, p, o.in(BufferId::xf)), ld_of(r, BufferId::xf), rows, H, at<float>(r, p, xtf),
@@ -1002,6 +1067,12 @@ class Interleaved final : public InterleavedExecutor::Impl {
   std::shared_ptr<Transport> tr_;
   WorkerActivity activity_;  // watched by the transport's progress thread
   std::vector<int> local_;  // the ranks this process runs, in order; pool rank i is local_[i]
+  LayerConfig lc_;          // the layer with only the hosted ranks (their tokens, in order)
+  std::vector<int> index_of_;          // rank -> its index in local_, or -1
+  std::vector<std::int32_t> owned_;    // experts of the hosted ranks
+  std::uint64_t fingerprint_ = 0;      // of layer, placement, format and replicated weights
+  taskflow::RoutingCounts counts_;     // this step's P x E counts (every rank's)
+  std::vector<std::uint64_t> count_block_;  // the count exchange's blocks
   WorkerPool pool_;
   std::vector<std::vector<T>> staging_;  // per worker: rows of a put to a peer not addressable here
   taskflow::Machine machine_;

@@ -87,13 +87,19 @@ std::int64_t Exchange::pieces_into(std::int64_t s) const {
   return n;
 }
 
-std::vector<std::int64_t> send_slots(const LayerConfig& c, const Exchange& ex, const RouterOutput<float>& r) {
-  const std::int64_t P = c.ranks, E = c.routed_experts, K = c.top_k, T = c.tokens_per_rank;
-  std::vector<std::int64_t> slot(static_cast<std::size_t>(P * T * K), -1);
+std::vector<std::int64_t> send_slots(const LayerConfig& c, const Exchange& ex, const RouterOutput<float>& r,
+                                     std::span<const int> ranks) {
+  const std::int64_t E = c.routed_experts, K = c.top_k, T = c.tokens_per_rank;
+  const auto n = static_cast<std::int64_t>(ranks.size());
+  if (static_cast<std::int64_t>(r.expert.size()) != n * T * K)
+    throw Error("send_slots: the routing covers " + std::to_string(r.expert.size()) + " assignments, expected " +
+                std::to_string(n * T * K) + " for " + std::to_string(n) + " ranks");
+  std::vector<std::int64_t> slot(static_cast<std::size_t>(n * T * K), -1);
   std::vector<std::int64_t> next(static_cast<std::size_t>(E));
-  for (std::int64_t s = 0; s < P; ++s) {
+  for (std::int64_t i = 0; i < n; ++i) {
+    const std::int64_t s = ranks[static_cast<std::size_t>(i)];
     for (std::int64_t e = 0; e < E; ++e) next[static_cast<std::size_t>(e)] = ex.send_offset(s, e);
-    for (std::int64_t a = s * T * K; a < (s + 1) * T * K; ++a)
+    for (std::int64_t a = i * T * K; a < (i + 1) * T * K; ++a)
       if (r.kept[static_cast<std::size_t>(a)]) slot[static_cast<std::size_t>(a)] = next[static_cast<std::size_t>(r.expert[static_cast<std::size_t>(a)])]++;
   }
   return slot;

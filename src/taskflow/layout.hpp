@@ -75,9 +75,11 @@ class Exchange {
   std::vector<std::int64_t> recv_rows_, row_tiles_, kpad_rows_;       // [d]
 };
 
-// Row in the source's send order of every kept assignment (token t of rank
-// s, choice k: index (s T + t) K + k); -1 for a dropped one.
-std::vector<std::int64_t> send_slots(const LayerConfig&, const Exchange&, const RouterOutput<float>&);
+// Row in the source's send order of every kept assignment of `ranks`'
+// tokens (routing covers those ranks in that order: token t of the i-th,
+// choice k, is assignment (i T + t) K + k); -1 for a dropped one.
+std::vector<std::int64_t> send_slots(const LayerConfig&, const Exchange&, const RouterOutput<float>&,
+                                     std::span<const int> ranks);
 
 // Event ids of one rank's program, by role.
 struct EventBases {

@@ -134,7 +134,9 @@ struct RunCommand {
     run->add_option("--sample", req.sample_tokens, "tokens recomputed in fp64 by --verify sample")->check(CLI::Range(1, 1 << 20));
     run->add_option("--json", json_file, "write the results as JSON");
     run->add_option("--save", req.save_dir, "write the run's tensors (safetensors) to this directory");
-    run->add_option("--load", req.load_dir, "run on weights.safetensors and inputs.safetensors from this directory");
+    run->add_option("--load", req.load_dir,
+                    "run on a checkpoint (weights.safetensors, model.safetensors or a sharded model.safetensors.index.json; "
+                    "DIR:PREFIX picks one layer of a whole model) and inputs.safetensors from this directory");
     run->add_flag("--no-pin", no_pin, "do not pin worker threads to cores");
     run->add_option("--mode", run_mode, "auto | serialized | interleaved | both (auto: both, side by side, checked bit-identical)");
     run->add_option("--trace", req.trace_file, "write a Chrome/Perfetto trace (JSON) of the last step of each executor");
@@ -146,6 +148,9 @@ struct RunCommand {
                     "auto | shared | network: shared-memory windows on one machine, or put+signal messages (TCP)");
     run->add_option("--watchdog", req.watchdog_seconds, "seconds without progress before a launch stops with an error")
         ->check(CLI::Range(0.01, 86400.0));
+    run->add_flag("--check-inprocess", req.check_inprocess,
+                  "mpi: also run the whole layer in process on rank 0 and check every rank's outputs and gradients "
+                  "bit for bit against it (small layers)");
     run->add_option("--peer-timeout", peer_timeout, "mpi: seconds of silence after which a peer counts as failed")
         ->check(CLI::Range(0.1, 86400.0));
     run->add_option("--inject-fault", inject_fault, "testing: exit:RANK (that process dies at its first launch), freeze:RANK (it stops) or stall:RANK (a worker waits)")
