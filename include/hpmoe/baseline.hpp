@@ -1,5 +1,6 @@
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -17,6 +18,12 @@ namespace hpmoe {
 // the transposes backward needs). The weights must outlive it.
 struct PackedWeights;
 std::shared_ptr<const PackedWeights> pack_weights(const LayerConfig&, const LayerWeights&, bool backward);
+// The same for a process that holds only `experts`, brought into w one at a
+// time by `fetch` (generated or read from a checkpoint) and released once
+// packed, so that the raw and packed copies of all experts never coexist.
+using ExpertSource = std::function<void(std::int64_t expert, LayerWeights&)>;
+std::shared_ptr<const PackedWeights> pack_weights(const LayerConfig&, LayerWeights&, bool backward,
+                                                  std::span<const std::int32_t> experts, const ExpertSource& fetch);
 
 struct ExecutorOptions {
   int workers_per_rank = 1;  // W

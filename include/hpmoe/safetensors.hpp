@@ -68,6 +68,8 @@ class Checkpoint {
  public:
   explicit Checkpoint(const std::string& dir);
   ~Checkpoint();
+  Checkpoint(Checkpoint&&) noexcept = default;
+  Checkpoint& operator=(Checkpoint&&) noexcept = default;
   bool has(const std::string& name) const;
   std::vector<float> floats(const std::string& name, const std::vector<std::int64_t>& shape) const;
   // The prefix of the one tensor named `suffix` or ending in ".suffix"
@@ -100,6 +102,8 @@ void save_outputs(const std::string& dir, const LayerConfig&, const Matrix& out,
 LayerWeights load_weights(const std::string& dir, const LayerConfig&);
 // The replicated parameters and only `experts` (each read by seeking to it).
 LayerWeights load_weights(const std::string& dir, const LayerConfig&, std::span<const std::int32_t> experts);
+// Expert e alone into w (sized for E experts), read by seeking to it.
+void load_expert(const std::string& dir, const LayerConfig&, std::int64_t e, LayerWeights& w);
 LayerInputs load_inputs(const std::string& dir, const LayerConfig&);
 // Rank `rank`'s tokens only: [T, H].
 LayerInputs load_inputs(const std::string& dir, const LayerConfig&, std::int64_t rank);

@@ -49,6 +49,21 @@ std::shared_ptr<const PackedWeights> pack_weights(const LayerConfig& c, const La
   return p;
 }
 
+std::shared_ptr<const PackedWeights> pack_weights(const LayerConfig& c, LayerWeights& w, bool backward,
+                                                  std::span<const std::int32_t> experts, const ExpertSource& fetch) {
+  c.validate();
+  check_weight_shapes(c, w);
+  if (!fetch) throw Error("pack_weights: no source of the experts' weights");
+  kernels::init();
+  auto p = std::make_shared<PackedWeights>();
+  p->weights = &w;
+  p->dtype = c.dtype;
+  p->backward = backward;
+  if (c.dtype == DType::fp32) p->fp32 = pack_layer<float>(c, w, backward, experts, fetch);
+  else p->bf16_ = pack_layer<bf16>(c, w, backward, experts, fetch);
+  return p;
+}
+
 SerializedExecutor::SerializedExecutor(const LayerConfig& c, const LayerWeights& w, ExecutorOptions opt) {
   c.validate();
   if (opt.workers_per_rank < 1 || opt.workers_per_rank > 256)

@@ -3,6 +3,7 @@
 // the interleaved runtime compute with the same operands, the same exchange
 // layout and the same router, and their results can be bit-identical.
 #include <algorithm>
+#include <functional>
 #include <memory>
 #include <string>
 #include <cstdint>
@@ -65,8 +66,24 @@ struct PackedLayer {
   Operand<T> sw1, sw2, sw1_t, sw2_t;
 };
 
+// Expert e packed into p (and, for backward, its transposes).
 template <class T>
-std::shared_ptr<const PackedLayer<T>> pack_layer(const LayerConfig& c, const LayerWeights& w, bool backward) {
+void pack_expert(PackedLayer<T>& p, const LayerWeights& w, std::size_t e, bool backward) {
+  p.w1[e] = operand_of<T>(w.w1[e]);
+  p.w2[e] = operand_of<T>(w.w2[e]);
+  if (backward) {
+    p.w1_t[e] = transposed_operand_of<T>(w.w1[e]);
+    p.w2_t[e] = transposed_operand_of<T>(w.w2[e]);
+  }
+}
+
+// The replicated parameters, and the experts `w` holds (`fetch`, when
+// given, first brings each of `experts` into w, and the raw copy is
+// released once packed: only one expert's raw weights exist at a time).
+template <class T>
+std::shared_ptr<const PackedLayer<T>> pack_layer(const LayerConfig& c, LayerWeights& w, bool backward,
+                                                 std::span<const std::int32_t> experts,
+                                                 const std::function<void(std::int64_t, LayerWeights&)>& fetch) {
   auto p = std::make_shared<PackedLayer<T>>();
   const auto E = static_cast<std::size_t>(c.routed_experts);
   p->w1.resize(E);
@@ -75,14 +92,19 @@ std::shared_ptr<const PackedLayer<T>> pack_layer(const LayerConfig& c, const Lay
     p->w1_t.resize(E);
     p->w2_t.resize(E);
   }
-  for (std::size_t e = 0; e < E; ++e) {
-    if (!holds_expert(w, static_cast<std::int64_t>(e))) continue;  // held by another process: not packed here
-    p->w1[e] = operand_of<T>(w.w1[e]);
-    p->w2[e] = operand_of<T>(w.w2[e]);
-    if (backward) {
-      p->w1_t[e] = transposed_operand_of<T>(w.w1[e]);
-      p->w2_t[e] = transposed_operand_of<T>(w.w2[e]);
+  if (fetch) {
+    w.w1.resize(E);
+    w.w2.resize(E);
+    for (const std::int32_t e : experts) {
+      fetch(e, w);
+      check_weight_shapes(c, w);
+      pack_expert(*p, w, static_cast<std::size_t>(e), backward);
+      w.w1[e] = Matrix();
+      w.w2[e] = Matrix();
     }
+  } else {
+    for (std::size_t e = 0; e < E; ++e)
+      if (holds_expert(w, static_cast<std::int64_t>(e))) pack_expert(*p, w, e, backward);  // else held by another process
   }
   p->router = operand_of<float>(w.router);
   if (backward) p->router_t = transposed_operand_of<float>(w.router);
@@ -95,6 +117,10 @@ std::shared_ptr<const PackedLayer<T>> pack_layer(const LayerConfig& c, const Lay
     }
   }
   return p;
+}
+template <class T>
+std::shared_ptr<const PackedLayer<T>> pack_layer(const LayerConfig& c, const LayerWeights& w, bool backward) {
+  return pack_layer<T>(c, const_cast<LayerWeights&>(w), backward, {}, {});  // without fetch, w is only read
 }
 
 }  // namespace hpmoe::detail

@@ -339,13 +339,6 @@ void summarize_into(RunReport& rep, const ExecutorSamples& serialized, const Exe
   rep.serialized_backward_busy = summarize(serialized.backward_busy);
 }
 
-// A transport whose ranks live in several processes (MPI).
-bool spreads_ranks(const Transport& tr) {
-  for (int r = 0; r < tr.ranks(); ++r)
-    if (!tr.hosts(r)) return true;
-  return false;
-}
-
 // Peak resident memory of this process (VmHWM), in bytes; 0 where unknown.
 double peak_rss_bytes() {
   std::ifstream status("/proc/self/status");
@@ -410,14 +403,9 @@ Verification verify_own_tokens(const RunRequest& req, const LayerWeights& held, 
   std::vector<std::int32_t> wanted;
   for (std::size_t e = 0; e < needed.size(); ++e)
     if (needed[e]) wanted.push_back(static_cast<std::int32_t>(e));
-  if (req.load_dir.empty()) {
-    for (const auto e : wanted) random_expert(req.config, req.seed, e, w);
-  } else {
-    LayerWeights loaded = load_weights(req.load_dir, req.config, wanted);
-    for (const auto e : wanted) {
-      w.w1[e] = std::move(loaded.w1[e]);
-      w.w2[e] = std::move(loaded.w2[e]);
-    }
+  for (const auto e : wanted) {
+    if (req.load_dir.empty()) random_expert(req.config, req.seed, e, w);
+    else load_expert(req.load_dir, req.config, e, w);
   }
   // Only the tokens the oracle is asked for are computed, so the sample
   // costs what it costs in process.
@@ -533,20 +521,20 @@ RunReport run_sharded(const RunRequest& req, const std::function<void(const std:
   const auto owned = experts_of(placement, me);
   const std::vector<int> mine{me};
   say(req.load_dir.empty() ? "generating this rank's experts and tokens" : "loading this rank's experts and tokens from " + req.load_dir);
-  LayerWeights w = req.load_dir.empty() ? random_weights(c, req.seed, owned) : load_weights(req.load_dir, c, owned);
+  // The replicated parameters now; each own expert generated (or read) and
+  // packed in turn below.
+  LayerWeights w = req.load_dir.empty() ? random_weights(c, req.seed, {}) : load_weights(req.load_dir, c, {});
   LayerInputs in = req.load_dir.empty() ? random_inputs(c, req.seed, mine) : load_inputs(req.load_dir, c, me);
-  check_weight_shapes(c, w);
   std::vector<std::int32_t> forced = forced_selection(c, req.routing);
   if (!forced.empty()) {
     const auto per_rank = static_cast<std::ptrdiff_t>(c.tokens_per_rank * c.top_k);
     forced = std::vector<std::int32_t>(forced.begin() + me * per_rank, forced.begin() + (me + 1) * per_rank);
   }
-  say("packing this rank's experts for the tile kernels");
-  const auto packed = pack_weights(c, w, req.backward);
-  for (const auto e : owned) {  // only the packed copies are used from here on
-    w.w1[e] = Matrix();
-    w.w2[e] = Matrix();
-  }
+  say("generating and packing this rank's experts for the tile kernels");
+  const auto packed = pack_weights(c, w, req.backward, owned, [&](std::int64_t e, LayerWeights& into) {
+    if (req.load_dir.empty()) random_expert(c, req.seed, e, into);
+    else load_expert(req.load_dir, c, e, into);
+  });
   Executors x = make_executors(req, w, placement, packed, true);
 
   RunReport rep = report_header(req, placement, x);
@@ -638,7 +626,7 @@ RunReport run_layer(const RunRequest& req, const std::function<void(const std::s
   if (req.iterations < 1 || req.iterations > 100000) throw Error("iterations must be between 1 and 100000");
   if (req.warmup < 0 || req.warmup > 100000) throw Error("warm-up iterations must be between 0 and 100000");
 
-  if (req.transport && spreads_ranks(*req.transport)) return run_sharded(req, say);
+  if (req.transport) return run_sharded(req, say);  // MPI, one rank per process (P = 1 too)
   if (req.check_inprocess) throw Error("--check-inprocess compares an MPI run with the in-process one; use it with --transport mpi");
 
   say(req.load_dir.empty() ? "generating weights and inputs" : "loading weights and inputs from " + req.load_dir);

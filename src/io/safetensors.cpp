@@ -282,7 +282,8 @@ Checkpoint::Checkpoint(const std::string& dir) : dir_(dir) {
   const fs::path index = fs::path(dir) / "model.safetensors.index.json";
   for (const char* single : {"weights.safetensors", "model.safetensors"})
     if (fs::exists(fs::path(dir) / single)) {
-      files_.push_back(std::make_unique<SafetensorsFile>((fs::path(dir) / single).string()));
+      paths_.push_back((fs::path(dir) / single).string());
+      files_.push_back(std::make_unique<SafetensorsFile>(paths_.back()));
       for (const auto& name : files_.back()->names()) file_of_[name] = 0;
       return;
     }
@@ -346,15 +347,11 @@ void Checkpoint::set_prefix(const std::string& prefix) { prefix_ = prefix; }
 
 const SafetensorsFile& Checkpoint::file_with_prefix(const std::string& name) const { return file(prefix_ + name); }
 
-LayerWeights load_weights(const std::string& dir, const LayerConfig& c) {
-  std::vector<std::int32_t> all(static_cast<std::size_t>(c.routed_experts));
-  for (std::size_t e = 0; e < all.size(); ++e) all[e] = static_cast<std::int32_t>(e);
-  return load_weights(dir, c, all);
-}
-
-LayerWeights load_weights(const std::string& location, const LayerConfig& c, std::span<const std::int32_t> experts) {
-  // DIR or DIR:PREFIX (the layer's tensor names in a whole model's checkpoint).
-  std::string dir = location, prefix;
+namespace {
+// DIR or DIR:PREFIX (the layer's tensor names in a whole model's checkpoint).
+Checkpoint open_checkpoint(const std::string& location, std::string& prefix) {
+  std::string dir = location;
+  prefix.clear();
   if (const auto colon = location.rfind(':'); colon != std::string::npos && !std::filesystem::exists(location)) {
     dir = location.substr(0, colon);
     prefix = location.substr(colon + 1);
@@ -362,6 +359,47 @@ LayerWeights load_weights(const std::string& location, const LayerConfig& c, std
   Checkpoint ck(dir);
   if (prefix.empty() && !ck.has("mlp.gate.weight")) prefix = ck.find_prefix("mlp.gate.weight");
   ck.set_prefix(prefix);
+  return ck;
+}
+}  // namespace
+
+void load_expert(const std::string& location, const LayerConfig& c, std::int64_t e, LayerWeights& w) {
+  if (e < 0 || e >= c.routed_experts) throw Error("expert " + std::to_string(e) + " is not in the layer");
+  std::string prefix;
+  const Checkpoint ck = open_checkpoint(location, prefix);
+  const std::string name = "mlp.experts." + std::to_string(e);
+  auto read = [&](const std::string& tensor, std::int64_t rows, std::int64_t cols) {
+    return ck.file_with_prefix(name + tensor).floats(prefix + name + tensor, {rows, cols});
+  };
+  const auto gate = read(".gate_proj.weight", c.expert_inter, c.hidden);
+  const auto up = read(".up_proj.weight", c.expert_inter, c.hidden);
+  const auto down = read(".down_proj.weight", c.hidden, c.expert_inter);
+  HfMoeBlock one;  // the expert alone, through the one conversion from [out, in]
+  std::vector<float> gate_weight(static_cast<std::size_t>(c.routed_experts * c.hidden), 0.0f);
+  one.gate = MatrixView{gate_weight.data(), c.routed_experts, c.hidden, c.hidden};
+  one.experts.resize(static_cast<std::size_t>(c.routed_experts));
+  one.experts[static_cast<std::size_t>(e)] = HfMlp{MatrixView{gate.data(), c.expert_inter, c.hidden, c.hidden},
+                                                   MatrixView{up.data(), c.expert_inter, c.hidden, c.hidden},
+                                                   MatrixView{down.data(), c.hidden, c.expert_inter, c.expert_inter}};
+  LayerConfig no_shared = c;
+  no_shared.shared_experts = 0;
+  no_shared.shared_inter = 0;
+  LayerWeights converted = weights_from_hf(no_shared, one);
+  w.w1.resize(static_cast<std::size_t>(c.routed_experts));
+  w.w2.resize(static_cast<std::size_t>(c.routed_experts));
+  w.w1[e] = std::move(converted.w1[e]);
+  w.w2[e] = std::move(converted.w2[e]);
+}
+
+LayerWeights load_weights(const std::string& dir, const LayerConfig& c) {
+  std::vector<std::int32_t> all(static_cast<std::size_t>(c.routed_experts));
+  for (std::size_t e = 0; e < all.size(); ++e) all[e] = static_cast<std::int32_t>(e);
+  return load_weights(dir, c, all);
+}
+
+LayerWeights load_weights(const std::string& location, const LayerConfig& c, std::span<const std::int32_t> experts) {
+  std::string prefix;
+  const Checkpoint ck = open_checkpoint(location, prefix);
   // The file's tensors, kept while the views of them are converted.
   std::vector<std::vector<float>> kept;
   auto tensor = [&](const std::string& name, std::int64_t rows, std::int64_t cols) {
