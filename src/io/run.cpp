@@ -388,7 +388,9 @@ Verification verify_own_tokens(const RunRequest& req, const LayerWeights& held, 
   if (opt.tokens.empty())  // every own token; weight gradients need every rank's tokens
     for (std::int64_t t = 0; t < lc.tokens_per_rank; ++t) opt.tokens.push_back(t);
   // The experts the checked tokens use: the replicated parameters are here,
-  // the experts drawn (or read) one by one.
+  // the experts drawn (or read) one by one. Tokens go to the oracle in
+  // batches whose experts fit in about 1 GB, so checking a large layer
+  // never holds more than that of remote experts at once.
   LayerWeights w;
   w.router = held.router;
   w.expert_bias = held.expert_bias;
@@ -396,20 +398,54 @@ Verification verify_own_tokens(const RunRequest& req, const LayerWeights& held, 
   w.shared_w2 = held.shared_w2;
   w.w1.resize(static_cast<std::size_t>(lc.routed_experts));
   w.w2.resize(static_cast<std::size_t>(lc.routed_experts));
-  std::vector<bool> needed(static_cast<std::size_t>(lc.routed_experts), false);
-  for (const auto t : opt.tokens)
-    for (std::int64_t k = 0; k < K; ++k)
-      if (res.routing.kept[static_cast<std::size_t>(t * K + k)]) needed[static_cast<std::size_t>(res.routing.expert[static_cast<std::size_t>(t * K + k)])] = true;
-  std::vector<std::int32_t> wanted;
-  for (std::size_t e = 0; e < needed.size(); ++e)
-    if (needed[e]) wanted.push_back(static_cast<std::int32_t>(e));
-  for (const auto e : wanted) {
-    if (req.load_dir.empty()) random_expert(req.config, req.seed, e, w);
-    else load_expert(req.load_dir, req.config, e, w);
+  const double expert_bytes = 12.0 * double(lc.hidden) * double(lc.expert_inter);
+  const auto budget = static_cast<std::size_t>(std::max<double>(double(K), 1e9 / expert_bytes));
+  std::vector<std::int32_t> present;
+  std::vector<std::int64_t> batch;
+  OracleResult ref;
+  bool first = true;
+  auto flush = [&] {
+    if (batch.empty()) return;
+    OracleOptions part = opt;
+    part.tokens = batch;
+    OracleResult r = reference_layer(lc, w, in, part);
+    if (first) {
+      ref.routing = std::move(r.routing);
+      ref.own_choice_differences = r.own_choice_differences;
+      first = false;
+    }
+    ref.tokens.insert(ref.tokens.end(), r.tokens.begin(), r.tokens.end());
+    ref.out.insert(ref.out.end(), r.out.begin(), r.out.end());
+    ref.dx.insert(ref.dx.end(), r.dx.begin(), r.dx.end());
+    for (const auto e : present) w.w1[e] = Matrix(), w.w2[e] = Matrix();
+    present.clear();
+    batch.clear();
+  };
+  for (const auto t : opt.tokens) {
+    std::vector<std::int32_t> fresh;
+    for (std::int64_t k = 0; k < K; ++k) {
+      const auto a = static_cast<std::size_t>(t * K + k);
+      const std::int32_t e = res.routing.expert[a];
+      if (res.routing.kept[a] && !holds_expert(w, e) && std::find(fresh.begin(), fresh.end(), e) == fresh.end())
+        fresh.push_back(e);
+    }
+    if (present.size() + fresh.size() > budget) {
+      flush();
+      fresh.clear();
+      for (std::int64_t k = 0; k < K; ++k) {
+        const auto a = static_cast<std::size_t>(t * K + k);
+        const std::int32_t e = res.routing.expert[a];
+        if (res.routing.kept[a] && std::find(fresh.begin(), fresh.end(), e) == fresh.end()) fresh.push_back(e);
+      }
+    }
+    for (const auto e : fresh) {
+      if (req.load_dir.empty()) random_expert(req.config, req.seed, e, w);
+      else load_expert(req.load_dir, req.config, e, w);
+      present.push_back(e);
+    }
+    batch.push_back(t);
   }
-  // Only the tokens the oracle is asked for are computed, so the sample
-  // costs what it costs in process.
-  const OracleResult ref = reference_layer(lc, w, in, opt);
+  flush();
   check_tokens(v, ref, res, lc.dtype, req.backward);
   for (const auto& ch : v.checks) v.pass = v.pass && ch.pass;
   return v;
