@@ -59,6 +59,9 @@ struct StepResult {
   RouterOutput<float> routing;     // what the fast path routed: the hosted ranks' tokens
                                    // (aux_loss and z_loss: summed over all ranks)
   std::vector<std::int64_t> expert_counts;  // [P, E] kept rows from each rank to each expert, all ranks
+  // The first hosted rank's memory this step needs: its symmetric segment
+  // (put targets, laid out alike on every rank) and its local region.
+  std::int64_t segment_bytes = 0, local_bytes = 0;
   std::vector<OperatorTime> forward_ops;
   std::vector<OperatorTime> backward_ops;
   double router_seconds = 0;       // router GEMM and top-k: before dispatch

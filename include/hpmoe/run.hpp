@@ -61,6 +61,7 @@ struct RankSummary {
   double host = 0;                               // median seconds of route + count exchange + compile + verify + prepare
   double peak_rss_bytes = 0;                     // VmHWM of the process
   double expert_weight_bytes = 0;                // packed expert weights held
+  double segment_bytes = 0, local_bytes = 0;     // the last step's symmetric segment and local region
 };
 
 // One tensor of a fast path compared against the oracle.

@@ -590,10 +590,11 @@ RunReport run_sharded(const RunRequest& req, const std::function<void(const std:
                                 summarize(interleaved.forward).median, summarize(interleaved.backward).median,
                                 summarize(serialized.forward).median, summarize(serialized.backward).median,
                                 summarize(host).median, peak_rss_bytes(),
-                                double(owned.size()) * double(3 * c.hidden * c.expert_inter) * elem * (req.backward ? 2.0 : 1.0)};
+                                double(owned.size()) * double(3 * c.hidden * c.expert_inter) * elem * (req.backward ? 2.0 : 1.0),
+                                double(shown.segment_bytes), double(shown.local_bytes)};
   for (const auto& r : allgather_doubles(tr, me, row))
     rep.ranks.push_back(RankSummary{static_cast<int>(r[0]), static_cast<std::int64_t>(r[1]), static_cast<std::int64_t>(r[2]),
-                                    r[3], r[4], r[5], r[6], r[7], r[8], r[9]});
+                                    r[3], r[4], r[5], r[6], r[7], r[8], r[9], r[10], r[11]});
   for (auto* v : {&interleaved.forward, &interleaved.backward, &serialized.forward, &serialized.backward})
     slowest_rank(tr, me, *v);
   summarize_into(rep, serialized, interleaved);
@@ -778,6 +779,8 @@ nlohmann::json to_json(const RunReport& r) {
                        {"serialized_backward_s", k.serialized_backward},
                        {"host_s", k.host},
                        {"expert_weight_bytes", k.expert_weight_bytes},
+                       {"segment_bytes", k.segment_bytes},
+                       {"local_bytes", k.local_bytes},
                        {"peak_rss_bytes", k.peak_rss_bytes}});
     j["ranks"] = ranks;
   }
@@ -871,13 +874,15 @@ std::string format_report(const RunReport& r) {
       << busy_idle(r.serialized_backward_busy) << "\n";
   if (r.sharded) {
     o << "ranks    each process holds its rank's tokens and experts; step times above are the slowest rank's\n"
-      << "         rank  experts  rows in  interleaved fwd/bwd ms  serialized fwd/bwd ms  host ms  expert weights MB  peak RSS MB\n";
+      << "         rank  experts  rows in  interleaved fwd/bwd ms  serialized fwd/bwd ms  host ms  expert weights MB  "
+         "segment MB  local MB  peak RSS MB\n";
     for (const auto& k : r.ranks) {
       o << "         " << std::setw(4) << k.rank << std::setw(9) << k.experts << std::setw(9) << k.received_rows
         << std::setw(13) << ms(k.interleaved_forward) << " / " << std::left << std::setw(8) << ms(k.interleaved_backward)
         << std::right << std::setw(12) << ms(k.serialized_forward) << " / " << std::left << std::setw(8)
         << ms(k.serialized_backward) << std::right << std::setw(9) << ms(k.host) << std::setw(19)
-        << k.expert_weight_bytes / 1e6 << std::setw(13) << k.peak_rss_bytes / 1e6 << "\n";
+        << k.expert_weight_bytes / 1e6 << std::setw(12) << k.segment_bytes / 1e6 << std::setw(10) << k.local_bytes / 1e6
+        << std::setw(13) << k.peak_rss_bytes / 1e6 << "\n";
     }
   }
   const auto& v = r.verification;

@@ -437,7 +437,7 @@ class Interleaved final : public InterleavedExecutor::Impl {
   // Reserves every rank's symmetric segment (the same on every process) and
   // each hosted rank's local region for this step's programs, forward and,
   // when it runs, backward (whose layout extends the forward's).
-  void reserve_memory() {
+  void reserve_memory(StepResult& res) {
     std::vector<std::int64_t> bytes(static_cast<std::size_t>(c_.ranks));
     for (std::int64_t r = 0; r < c_.ranks; ++r) {
       taskflow::declare_buffers(layout_scratch_, c_, *ex_, taskflow::Pass::forward, r);
@@ -450,6 +450,10 @@ class Interleaved final : public InterleavedExecutor::Impl {
       }
       bytes[static_cast<std::size_t>(r)] = symmetric;
       if (tr_->hosts(static_cast<int>(r))) ranks_[r].local.reserve(local);
+      if (r == local_.front()) {
+        res.segment_bytes = symmetric;
+        res.local_bytes = local;
+      }
     }
     tr_->reserve_segments(bytes);
     for (std::int64_t r = 0; r < c_.ranks; ++r) ranks_[r].segment = tr_->segment(static_cast<int>(r));
@@ -508,7 +512,7 @@ class Interleaved final : public InterleavedExecutor::Impl {
   // and the tokens as T.
   void prepare_forward(StepResult& res) {
     const std::int64_t K = c_.top_k, T_ = c_.tokens_per_rank, H = c_.hidden;
-    reserve_memory();
+    reserve_memory(res);
     for (const int r : local_) {
       const taskflow::Program& p = programs[r];
       const std::int64_t i = index_of_[static_cast<std::size_t>(r)];
