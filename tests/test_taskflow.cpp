@@ -168,6 +168,26 @@ TEST(Verifier, RejectsRacesConflictsAndBadQueues) {
   EXPECT_TRUE(contains(verify_error(programs), "is on no worker's queue")) << verify(programs).error;
 }
 
+// Buffers are sized for each rank's own rows: a put is checked against the
+// target rank's buffer, so a receiver that declares one row too few rejects
+// the sender's put, and put targets must agree in width across ranks.
+TEST(Verifier, ChecksPutsAgainstTheTargetRanksOwnBuffer) {
+  auto programs = tiny_programs(Pass::forward);
+  const auto put = first_task(programs[0], TaskKind::dispatch_put);
+  const auto peer = programs[0].tasks[put].peer;
+  auto* recv = const_cast<BufferLayout*>(programs[static_cast<std::size_t>(peer)].buffer(BufferId::recv));
+  ASSERT_NE(recv, nullptr);
+  recv->rows -= 1;
+  auto error = verify_error(programs);
+  EXPECT_TRUE(contains(error, "recv")) << error;
+  // Ranks may size put targets differently, never lay them out with another width.
+  programs = tiny_programs(Pass::forward);
+  auto* comb = const_cast<BufferLayout*>(programs[1].buffer(BufferId::comb));
+  comb->cols += 1;
+  error = verify_error(programs);
+  EXPECT_TRUE(contains(error, "declares put target comb unlike rank 0")) << error;
+}
+
 // Placement mutations: tasks naming experts that are not where they need
 // them, slot tables that disagree, expert ids out of range.
 TEST(Verifier, RejectsExpertsAwayFromTheirHome) {

@@ -21,7 +21,10 @@ class InProcess final : public Transport {
     check(bytes.size());
     for (std::size_t r = 0; r < bytes.size(); ++r) {
       const auto lines = static_cast<std::size_t>((bytes[r] + 63) / 64);
-      if (segments_[r].size() < lines) segments_[r].resize(lines + lines / 2);
+      // Grow with headroom; after a spike, give the memory back once the
+      // need falls below a quarter of what is held.
+      if (segments_[r].size() < lines || segments_[r].size() > 4 * (lines + lines / 2) + kKeepLines)
+        segments_[r] = std::vector<Line>(lines + lines / 2);
     }
   }
   void reserve_events(std::span<const std::int64_t> events) override {
@@ -47,6 +50,7 @@ class InProcess final : public Transport {
   struct alignas(64) Line {
     std::byte bytes[64];
   };
+  static constexpr std::size_t kKeepLines = 1 << 14;  // 1 MiB is never worth giving back
   std::vector<std::vector<Line>> segments_;
   std::vector<std::unique_ptr<EventCounter[]>> counters_;
   std::vector<std::size_t> capacity_;

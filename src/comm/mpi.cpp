@@ -138,15 +138,20 @@ class Mpi final : public Transport {
 
   void reserve_segments(std::span<const std::int64_t> bytes) override {
     check_size(bytes.size());
-    bool grow = false;
-    for (int r = 0; r < size_; ++r) grow = grow || seg_bytes_[r] < bytes[r];
-    if (!grow) return;  // every process reaches the same decision: no message needed
-    for (int r = 0; r < size_; ++r) seg_bytes_[r] = std::max(seg_bytes_[r], round64(bytes[r] + bytes[r] / 2));
+    // Grow with headroom when a rank needs more; give memory back when a
+    // rank holds more than four times what it needs (after a spike). Every
+    // process sees the same sizes, so all reach the same decision and
+    // reallocate together (no message needed to agree).
+    bool change = false;
+    for (int r = 0; r < size_; ++r)
+      change = change || seg_bytes_[r] < bytes[r] || seg_bytes_[r] > 4 * round64(bytes[r] + bytes[r] / 2) + kKeepBytes;
+    if (!change) return;
+    for (int r = 0; r < size_; ++r) seg_bytes_[r] = round64(bytes[r] + bytes[r] / 2);
     if (shared_) {
       run_once([this] { allocate_shared(data_win_, seg_bytes_, segments_); });
     } else {
       std::lock_guard lock(apply_mutex_);
-      local_.assign(static_cast<std::size_t>(seg_bytes_[rank_] / 64), Line{});
+      std::vector<Line>(static_cast<std::size_t>(seg_bytes_[rank_] / 64)).swap(local_);  // frees a larger one
       segments_[rank_] = reinterpret_cast<std::byte*>(local_.data());
       local_bytes_ = seg_bytes_[rank_];
     }
@@ -279,6 +284,7 @@ class Mpi final : public Transport {
   };
 
   static std::int64_t round64(std::int64_t n) { return (n + 63) / 64 * 64; }
+  static constexpr std::int64_t kKeepBytes = 1 << 20;  // 1 MiB is never worth giving back
   void check_size(std::size_t n) const {
     if (n != static_cast<std::size_t>(size_)) throw Error("transport: sizes given for " + std::to_string(n) + " ranks");
   }

@@ -437,16 +437,21 @@ class Interleaved final : public InterleavedExecutor::Impl {
   // Reserves every rank's symmetric segment (the same on every process) and
   // each hosted rank's local region for this step's programs, forward and,
   // when it runs, backward (whose layout extends the forward's).
+  // Every rank's buffers are sized for its own rows (a put addresses the
+  // peer's copy by the peer's layout, computed here from the exchange).
   void reserve_memory(StepResult& res) {
     std::vector<std::int64_t> bytes(static_cast<std::size_t>(c_.ranks));
+    for (auto* layouts : {&forward_layouts_, &backward_layouts_}) layouts->resize(static_cast<std::size_t>(c_.ranks));
     for (std::int64_t r = 0; r < c_.ranks; ++r) {
-      taskflow::declare_buffers(layout_scratch_, c_, *ex_, taskflow::Pass::forward, r);
-      std::int64_t symmetric = layout_scratch_.region_bytes(taskflow::Region::symmetric);
-      std::int64_t local = layout_scratch_.region_bytes(taskflow::Region::local);
+      taskflow::Program& forward = forward_layouts_[static_cast<std::size_t>(r)];
+      taskflow::declare_buffers(forward, c_, *ex_, taskflow::Pass::forward, r);
+      std::int64_t symmetric = forward.region_bytes(taskflow::Region::symmetric);
+      std::int64_t local = forward.region_bytes(taskflow::Region::local);
       if (opt_.backward) {
-        taskflow::declare_buffers(layout_scratch_, c_, *ex_, taskflow::Pass::backward, r);
-        symmetric = std::max(symmetric, layout_scratch_.region_bytes(taskflow::Region::symmetric));
-        local = std::max(local, layout_scratch_.region_bytes(taskflow::Region::local));
+        taskflow::Program& backward = backward_layouts_[static_cast<std::size_t>(r)];
+        taskflow::declare_buffers(backward, c_, *ex_, taskflow::Pass::backward, r);
+        symmetric = std::max(symmetric, backward.region_bytes(taskflow::Region::symmetric));
+        local = std::max(local, backward.region_bytes(taskflow::Region::local));
       }
       bytes[static_cast<std::size_t>(r)] = symmetric;
       if (tr_->hosts(static_cast<int>(r))) ranks_[r].local.reserve(local);
@@ -568,7 +573,9 @@ class Interleaved final : public InterleavedExecutor::Impl {
   TaskOperands operands_of(const taskflow::Program& p, const Task& t) const {
     TaskOperands o{table_->operands(p, t)};
     for (const auto& op : o.ops) {
-      const taskflow::BufferLayout* l = ranks_[static_cast<std::size_t>(p.rank)].layout[static_cast<std::size_t>(op.rect.buffer)];
+      const taskflow::BufferLayout* l = op.rank == p.rank
+                                            ? ranks_[static_cast<std::size_t>(p.rank)].layout[static_cast<std::size_t>(op.rect.buffer)]
+                                            : peer_layout(op.rank, op.rect.buffer);
       const auto& r = op.rect;
       if (!l || r.r0 < 0 || r.c0 < 0 || r.r1 < r.r0 || r.c1 < r.c0 || r.r1 > l->rows || r.c1 > l->cols)
         throw Error("bounds: rank " + std::to_string(p.rank) + " task " + taskflow::name(t.kind) + " rows [" +
@@ -592,6 +599,12 @@ class Interleaved final : public InterleavedExecutor::Impl {
   // (hosted) rank, bound at the launch.
   const taskflow::BufferLayout* layout_of(const taskflow::Program& p, BufferId id) const {
     return ranks_[static_cast<std::size_t>(p.rank)].layout[static_cast<std::size_t>(id)];
+  }
+  // The layout of rank q's buffer in the pass being launched, from the
+  // exchange (q's program need not exist here): where a put to q lands.
+  const taskflow::BufferLayout* peer_layout(std::int64_t q, BufferId id) const {
+    const auto& layouts = (*current_)[0].pass == taskflow::Pass::forward ? forward_layouts_ : backward_layouts_;
+    return layouts[static_cast<std::size_t>(q)].buffer(id);
   }
 
   // Element (r0, c0) of a rectangle of hosted rank r's buffer.
@@ -625,8 +638,8 @@ class Interleaved final : public InterleavedExecutor::Impl {
   // Where a put's rows go: straight into the peer's segment when this
   // process can address it, else into the worker's staging buffer, which
   // send_put hands to the transport.
-  T* put_target(const taskflow::Program& p, const Task& t, const taskflow::Rect& rect, std::size_t worker) {
-    const taskflow::BufferLayout& l = *layout_of(p, rect.buffer);  // symmetric: as on the peer
+  T* put_target(const Task& t, const taskflow::Rect& rect, std::size_t worker) {
+    const taskflow::BufferLayout& l = *peer_layout(t.peer, rect.buffer);
     if (std::byte* peer = ranks_[t.peer].segment)
       return reinterpret_cast<T*>(peer + l.offset_bytes) + rect.r0 * l.cols + rect.c0;
     auto& stage = staging_[worker];
@@ -634,9 +647,9 @@ class Interleaved final : public InterleavedExecutor::Impl {
     return stage.data();
   }
   // True if the put went through the transport, which also signals.
-  bool send_put(const taskflow::Program& p, const Task& t, const taskflow::Rect& rect, std::size_t worker) {
+  bool send_put(const Task& t, const taskflow::Rect& rect, std::size_t worker) {
     if (ranks_[t.peer].segment) return false;
-    const taskflow::BufferLayout& l = *layout_of(p, rect.buffer);
+    const taskflow::BufferLayout& l = *peer_layout(t.peer, rect.buffer);
     const std::int64_t offset = l.offset_bytes + (rect.r0 * l.cols + rect.c0) * std::int64_t{sizeof(T)};
     tr_->put_signal(t.peer, offset,
                     std::as_bytes(std::span<const T>(staging_[worker].data(), static_cast<std::size_t>(rect.area()))),
@@ -822,12 +835,12 @@ class Interleaved final : public InterleavedExecutor::Impl {
       case TaskKind::dispatch_put: {  // gather rows of x by slot, put them into the owner's receive rows
         const Rect& dst = o.out(BufferId::recv);
         need(dst, rows, H, t);
-        T* to = put_target(p, t, dst, slot);
+        T* to = put_target(t, dst, slot);
         const T* x = base<T>(r, BufferId::x);
         const std::int32_t* tokens = at<std::int32_t>(r, p, o.in(BufferId::send_token));
         const std::int64_t ldx = ld_of(r, BufferId::x);
         for (std::int64_t j = 0; j < rows; ++j) copy_elements(to + j * H, x + std::int64_t{tokens[j]} * ldx, H);
-        return send_put(p, t, dst, slot);
+        return send_put(t, dst, slot);
       }
       case TaskKind::gemm_gate_up:
         gemm(o.in(BufferId::recv), packed_->w1[t.expert].view(), o.out(BufferId::h1), false);
@@ -848,8 +861,8 @@ class Interleaved final : public InterleavedExecutor::Impl {
         const Rect& dst = o.out(forward ? BufferId::comb : BufferId::dcomb);
         need(src, rows, H, t);
         need(dst, rows, H, t);
-        copy_elements(put_target(p, t, dst, slot), at<T>(r, p, src), rows * H);
-        return send_put(p, t, dst, slot);
+        copy_elements(put_target(t, dst, slot), at<T>(r, p, src), rows * H);
+        return send_put(t, dst, slot);
       }
       case TaskKind::combine_reduce: {
         const std::int64_t* slots = at<std::int64_t>(r, p, o.in(BufferId::slot));
@@ -947,14 +960,14 @@ class Interleaved final : public InterleavedExecutor::Impl {
       case TaskKind::grad_dispatch_put: {
         const Rect& dst = o.out(BufferId::dy);
         need(dst, rows, H, t);
-        T* to = put_target(p, t, dst, slot);
+        T* to = put_target(t, dst, slot);
         const std::int64_t* assign = at<std::int64_t>(r, p, o.in(BufferId::send_assign));
         const float* gates = base<float>(r, BufferId::gate);
         const float* dout = base<float>(r, BufferId::dout);
         const std::int64_t ld_dout = ld_of(r, BufferId::dout);
         for (std::int64_t j = 0; j < rows; ++j)
           kernels::scale_store<T>(gates[assign[j]], dout + (assign[j] / K) * ld_dout, to + j * H, H);
-        return send_put(p, t, dst, slot);
+        return send_put(t, dst, slot);
       }
       case TaskKind::gemm_down_dgrad:
         gemm(o.in(BufferId::dy), packed_->w2_t[t.expert].view(), o.out(BufferId::da), false);
@@ -1101,7 +1114,8 @@ class Interleaved final : public InterleavedExecutor::Impl {
   const StepResult* res_ = nullptr;
   const StepResult* forward_done_ = nullptr;  // the result of the forward that backward may follow
   MatrixView x_, d_out_;                      // the caller's tokens and output gradient (borrowed)             // the step being run (router backward reads its routing)
-  taskflow::Program layout_scratch_;            // the backward's buffer layout, before its program exists
+  // Every rank's buffers this step, per pass (declared from the exchange).
+  std::vector<taskflow::Program> forward_layouts_, backward_layouts_;
   std::atomic<bool> abort_{false};
   std::mutex failure_mutex_;
   std::exception_ptr failure_;

@@ -59,12 +59,6 @@ Exchange::Exchange(const LayerConfig& c, const ExpertPlacement& placement, const
   }
 }
 
-std::int64_t Exchange::max_recv_rows() const { return *std::max_element(recv_rows_.begin(), recv_rows_.end()); }
-std::int64_t Exchange::max_send_rows() const {
-  std::int64_t most = 0;
-  for (std::int64_t s = 0; s < ranks_; ++s) most = std::max(most, send_rows(s));
-  return most;
-}
 
 std::int64_t Exchange::pieces(std::int64_t s, std::int64_t e) const {
   const std::int64_t begin = source_offset(s, e), end = begin + count(s, e);
@@ -235,8 +229,11 @@ void declare_buffers(Program& p, const LayerConfig& c, const Exchange& ex, Pass 
                      E = c.routed_experts, K = c.top_k, L = ex.placement().local_count(rank);
   const std::int64_t elem = c.dtype == DType::bf16 ? 2 : 4;
   const bool shared = c.shared_experts > 0;
-  // Only put targets are symmetric; they are sized for the busiest rank.
-  const std::int64_t max_recv = ex.max_recv_rows(), max_send = ex.max_send_rows(), send = ex.send_rows(rank);
+  // Every buffer is sized for this rank's own rows; put targets are in the
+  // symmetric region (the segment peers write into), and a put addresses the
+  // peer's copy by the peer's layout, which every rank derives from the
+  // exchange.
+  const std::int64_t recv = ex.recv_rows(rank), send = ex.send_rows(rank);
   const std::int64_t kpad = ex.kpad_rows(rank), tpad = ex.padded(T);
   constexpr Region sym = Region::symmetric, local = Region::local, bound = Region::bound;
   p.buffers.clear();
@@ -248,11 +245,11 @@ void declare_buffers(Program& p, const LayerConfig& c, const Exchange& ex, Pass 
   add_buffer(p, BufferId::gate, T, K, 4, local);
   add_buffer(p, BufferId::send_token, send, 1, 4, local);
   add_buffer(p, BufferId::send_assign, send, 1, 8, local);
-  add_buffer(p, BufferId::recv, max_recv, H, elem, sym);
-  add_buffer(p, BufferId::h1, max_recv, 2 * I, 4, local);
-  add_buffer(p, BufferId::a, max_recv, I, elem, local);
-  add_buffer(p, BufferId::y, max_recv, H, elem, local);
-  add_buffer(p, BufferId::comb, max_send, H, elem, sym);
+  add_buffer(p, BufferId::recv, recv, H, elem, sym);
+  add_buffer(p, BufferId::h1, recv, 2 * I, 4, local);
+  add_buffer(p, BufferId::a, recv, I, elem, local);
+  add_buffer(p, BufferId::y, recv, H, elem, local);
+  add_buffer(p, BufferId::comb, send, H, elem, sym);
   add_buffer(p, BufferId::out, T, H, 4, bound);
   if (shared) {
     add_buffer(p, BufferId::sh_h, T, 2 * Is, 4, local);
@@ -267,17 +264,17 @@ void declare_buffers(Program& p, const LayerConfig& c, const Exchange& ex, Pass 
   add_buffer(p, BufferId::xtf, H, T, 4, local);
   add_buffer(p, BufferId::rdx, T, H, 4, local);
   add_buffer(p, BufferId::dwg, H, E, 4, local);
-  add_buffer(p, BufferId::dy, max_recv, H, elem, sym);
-  add_buffer(p, BufferId::da, max_recv, I, 4, local);
+  add_buffer(p, BufferId::dy, recv, H, elem, sym);
+  add_buffer(p, BufferId::da, recv, I, 4, local);
   add_buffer(p, BufferId::dyp, kpad, panel_width(H), elem, local, Layout::panels);
   add_buffer(p, BufferId::at, I, kpad, elem, local);
   add_buffer(p, BufferId::dw2, L * I, H, 4, bound);  // per slot: the expert's gradient, in the caller's result
-  add_buffer(p, BufferId::dh, max_recv, 2 * I, elem, local);
-  add_buffer(p, BufferId::dxe, max_recv, H, elem, local);
+  add_buffer(p, BufferId::dh, recv, 2 * I, elem, local);
+  add_buffer(p, BufferId::dxe, recv, H, elem, local);
   add_buffer(p, BufferId::dhp, kpad, panel_width(2 * I), elem, local, Layout::panels);
   add_buffer(p, BufferId::xt, H, kpad, elem, local);
   add_buffer(p, BufferId::dw1, L * H, 2 * I, 4, bound);
-  add_buffer(p, BufferId::dcomb, max_send, H, elem, sym);
+  add_buffer(p, BufferId::dcomb, send, H, elem, sym);
   if (shared) {
     add_buffer(p, BufferId::sh_dout, T, H, elem, local);
     add_buffer(p, BufferId::sh_da, T, Is, 4, local);

@@ -56,8 +56,6 @@ class Exchange {
   std::int64_t recv_rows(std::int64_t d) const { return recv_rows_[static_cast<std::size_t>(d)]; }
   std::int64_t row_tiles(std::int64_t d) const { return row_tiles_[static_cast<std::size_t>(d)]; }
   std::int64_t kpad_rows(std::int64_t d) const { return kpad_rows_[static_cast<std::size_t>(d)]; }
-  std::int64_t max_recv_rows() const;
-  std::int64_t max_send_rows() const;
 
   // Put pieces of (s, e): its rows split at the owner's row tiles.
   std::int64_t pieces(std::int64_t s, std::int64_t e) const;

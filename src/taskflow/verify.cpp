@@ -170,17 +170,17 @@ class Checker {
           fail(describe(p, id) + " is a " + name(p.tasks[i].queue) + " task on worker " + std::to_string(worker_of[i]) +
                " which does not take that class");
       }
-      // Buffers: sane sizes; symmetric ones laid out as on rank 0 (a put
-      // addresses a peer's copy by its own offsets); none overlapping another
-      // of its region.
+      // Buffers: sane sizes, none overlapping another of its region. Each
+      // rank sizes its buffers for its own rows; a put is checked against
+      // the target rank's declared buffer (check_bounds with its program).
       for (const auto& b : p.buffers) {
         if (b.rows < 0 || b.cols < 0 || b.offset_bytes < 0 || (b.elem_bytes != 2 && b.elem_bytes != 4 && b.elem_bytes != 8) ||
             b.rows > (std::int64_t{1} << 31) || b.cols > (std::int64_t{1} << 31))
           fail("rank " + std::to_string(r) + " declares buffer " + name(b.id) + " with an impossible shape");
         if (b.region != Region::symmetric) continue;
         const BufferLayout* first = p_[0].buffer(b.id);
-        if (!first || first->region != Region::symmetric || first->offset_bytes != b.offset_bytes || first->bytes() != b.bytes())
-          fail("rank " + std::to_string(r) + " lays out symmetric buffer " + name(b.id) + " unlike rank 0");
+        if (!first || first->region != Region::symmetric || first->cols != b.cols || first->elem_bytes != b.elem_bytes)
+          fail("rank " + std::to_string(r) + " declares put target " + name(b.id) + " unlike rank 0 (its width or element type)");
       }
       for (std::size_t a = 0; a < p.buffers.size(); ++a)
         for (std::size_t b = a + 1; b < p.buffers.size(); ++b) {
