@@ -73,7 +73,7 @@ int main(int argc, char** argv) {
   MpiSession mpi(&argc, &argv);
   try {
     if (mpi.size() != 2) throw Error("run with mpirun -np 2");
-    auto tr = make_mpi_transport(mpi, 2, parse_mpi_path(path));
+    auto tr = make_mpi_transport(mpi, 2, MpiOptions{.path = parse_mpi_path(path)});
     const int me = mpi.rank();
     const std::int64_t seg = 1 << 20;
     tr->reserve_segments(std::vector<std::int64_t>{seg, seg});

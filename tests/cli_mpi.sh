@@ -53,6 +53,9 @@ grep -Eq "^ +1 +0 +0 " "$tmp/out.txt"  # rank 1: no experts, no rows in
 check 3 network --set routed_experts=8 -T 40 --backward --dtype bf16 --routing hot:0.45 --iters 1
 check 2 shared -T 64 --backward --routing uniform --iters 1
 
+# Backpressure: an outbox of 4 KiB makes nearly every put wait for room.
+check 3 network -T 96 --backward --routing zipf:1.2 --iters 1 --mpi-outbox 4096
+
 # A checkpoint: each rank reads only its experts and its rows of the inputs.
 "$HPMOE" run -T 48 --backward --iters 1 --warmup 0 --save "$tmp/ckpt" > /dev/null
 check 2 shared -T 48 --backward --iters 1 --load "$tmp/ckpt"

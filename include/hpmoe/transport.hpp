@@ -5,6 +5,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <vector>
 
 namespace hpmoe {
 
@@ -45,8 +46,15 @@ class Transport {
 
   // For a rank whose memory is not addressable: copies `data` into its
   // segment at `offset`, then adds one to its counter `event`, in that order
-  // as seen by the receiving rank's workers. Thread-safe; returns at once.
+  // as seen by the receiving rank's workers. Thread-safe; returns at once
+  // (or, when too many bytes are in flight, once there is room again).
   virtual void put_signal(int to, std::int64_t offset, std::span<const std::byte> data, std::int32_t event) = 0;
+  // The same for rows written in place: `message` holds put_header_bytes()
+  // bytes for the transport, then the rows, and is sent without a copy.
+  virtual std::size_t put_header_bytes() const { return 0; }
+  virtual void send_put(int to, std::int64_t offset, std::vector<std::byte>&& message, std::int32_t event) {
+    put_signal(to, offset, std::span<const std::byte>(message).subspan(put_header_bytes()), event);
+  }
 
   // Collective: every process has armed its counters before any signals a
   // peer (begin); every put has been delivered and every process is done (end).
@@ -119,8 +127,13 @@ class MpiSession {
   int rank_ = 0, size_ = 1;
 };
 
-// `peer_timeout_seconds`: a peer silent this long (no heartbeat) is reported
-// by failed_peers().
-std::shared_ptr<Transport> make_mpi_transport(const MpiSession&, int ranks, MpiPath, double peer_timeout_seconds = 5.0);
+struct MpiOptions {
+  MpiPath path = MpiPath::automatic;
+  double peer_timeout_seconds = 5.0;  // a peer silent this long (no heartbeat) is reported by failed_peers()
+  // Network path: bytes of puts queued or in flight from this process at
+  // most; a worker whose put would exceed it waits for room (backpressure).
+  std::int64_t outbox_bytes = std::int64_t{64} << 20;
+};
+std::shared_ptr<Transport> make_mpi_transport(const MpiSession&, int ranks, const MpiOptions& = {});
 
 }  // namespace hpmoe

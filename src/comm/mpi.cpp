@@ -23,6 +23,7 @@
 
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -49,7 +50,7 @@ MpiSession::MpiSession(int*, char***) {
 }
 MpiSession::~MpiSession() = default;
 bool MpiSession::available() { return false; }
-std::shared_ptr<Transport> make_mpi_transport(const MpiSession&, int, MpiPath, double) {
+std::shared_ptr<Transport> make_mpi_transport(const MpiSession&, int, const MpiOptions&) {
   throw Error("this hpmoe was built without MPI");
 }
 
@@ -77,7 +78,9 @@ struct PutHeader {
 
 class Mpi final : public Transport {
  public:
-  Mpi(int ranks, MpiPath path, double peer_timeout) : peer_timeout_(peer_timeout) {
+  Mpi(int ranks, const MpiOptions& options)
+      : peer_timeout_(options.peer_timeout_seconds), outbox_limit_(options.outbox_bytes) {
+    const MpiPath path = options.path;
     MPI_Comm_rank(MPI_COMM_WORLD, &rank_);
     MPI_Comm_size(MPI_COMM_WORLD, &size_);
     if (ranks != size_)
@@ -185,9 +188,21 @@ class Mpi final : public Transport {
 
   void put_signal(int to, std::int64_t offset, std::span<const std::byte> data, std::int32_t event) override {
     std::vector<std::byte> message(sizeof(PutHeader) + data.size());
+    if (!data.empty()) std::memcpy(message.data() + sizeof(PutHeader), data.data(), data.size());
+    send_put(to, offset, std::move(message), event);
+  }
+
+  std::size_t put_header_bytes() const override { return sizeof(PutHeader); }
+
+  // The rows and the signal are one message, so their order needs nothing;
+  // the header goes in front of rows the worker already wrote in place.
+  void send_put(int to, std::int64_t offset, std::vector<std::byte>&& message, std::int32_t event) override {
+    if (message.size() < sizeof(PutHeader)) throw Error("send_put: the message has no room for its header");
     const PutHeader h{offset, event, 0};
     std::memcpy(message.data(), &h, sizeof h);
-    if (!data.empty()) std::memcpy(message.data() + sizeof h, data.data(), data.size());
+    const auto bytes = static_cast<std::int64_t>(message.size());
+    wait_for_outbox_room(bytes);
+    pending_bytes_.fetch_add(bytes, std::memory_order_relaxed);
     std::lock_guard lock(mutex_);
     if (failed_) std::rethrow_exception(failure_);
     outbox_.push_back({to, kPut, std::move(message)});
@@ -372,6 +387,24 @@ class Mpi final : public Transport {
     });
   }
 
+  // Backpressure: a put that would take the bytes queued or in flight past
+  // the limit waits until sends complete (a single larger put still goes
+  // alone). Receivers' progress threads always receive, so room comes,
+  // unless a peer failed, which is then the error.
+  void wait_for_outbox_room(std::int64_t bytes) {
+    auto since = Clock::now();
+    for (int spins = 0;; ++spins) {
+      const std::int64_t pending = pending_bytes_.load(std::memory_order_acquire);
+      if (pending == 0 || pending + bytes <= outbox_limit_) return;
+      if (spins % 256 == 255 && Clock::now() - since > std::chrono::duration<double>(peer_timeout_)) {
+        const std::string failed = failed_peers();
+        if (!failed.empty()) throw Error("a put waits for room in the outbox and a peer failed: " + failed);
+        since = Clock::now();
+      }
+      std::this_thread::yield();
+    }
+  }
+
   bool has_pending_puts() const {
     for (const auto& s : sends_)
       if (s.tag == kPut) return true;
@@ -453,6 +486,7 @@ class Mpi final : public Transport {
           int done = 0;
           check_mpi(MPI_Test(&sends_[i].request, &done, MPI_STATUS_IGNORE), "Test (a send to a peer)");
           if (done) {
+            if (sends_[i].tag == kPut) pending_bytes_.fetch_sub(static_cast<std::int64_t>(sends_[i].bytes.size()), std::memory_order_release);
             sends_[i] = std::move(sends_.back());
             sends_.pop_back();
           } else {
@@ -533,6 +567,8 @@ class Mpi final : public Transport {
   int rank_ = 0, size_ = 1, node_index_ = 0;
   bool shared_ = true;
   double peer_timeout_;
+  std::int64_t outbox_limit_;
+  std::atomic<std::int64_t> pending_bytes_{0};  // puts queued or in flight
   MPI_Comm comm_ = MPI_COMM_NULL, node_ = MPI_COMM_NULL;
   MPI_Win data_win_ = MPI_WIN_NULL, event_win_ = MPI_WIN_NULL;
   MPI_Request barrier_ = MPI_REQUEST_NULL;
@@ -573,9 +609,10 @@ MpiSession::~MpiSession() { MPI_Finalize(); }
 
 bool MpiSession::available() { return true; }
 
-std::shared_ptr<Transport> make_mpi_transport(const MpiSession&, int ranks, MpiPath path, double peer_timeout_seconds) {
-  if (!(peer_timeout_seconds > 0)) throw Error("the peer timeout must be positive");
-  return std::make_shared<Mpi>(ranks, path, peer_timeout_seconds);
+std::shared_ptr<Transport> make_mpi_transport(const MpiSession&, int ranks, const MpiOptions& options) {
+  if (!(options.peer_timeout_seconds > 0)) throw Error("the peer timeout must be positive");
+  if (options.outbox_bytes < 1) throw Error("the MPI outbox limit must be at least one byte");
+  return std::make_shared<Mpi>(ranks, options);
 }
 
 #endif

@@ -642,18 +642,19 @@ class Interleaved final : public InterleavedExecutor::Impl {
     const taskflow::BufferLayout& l = *peer_layout(t.peer, rect.buffer);
     if (std::byte* peer = ranks_[t.peer].segment)
       return reinterpret_cast<T*>(peer + l.offset_bytes) + rect.r0 * l.cols + rect.c0;
-    auto& stage = staging_[worker];
-    stage.resize(static_cast<std::size_t>(rect.area()));
-    return stage.data();
+    // Rows for a peer reached by messages are written straight into the
+    // message, after the transport's header: no copy before it is sent.
+    auto& message = staging_[worker];
+    message.resize(tr_->put_header_bytes() + static_cast<std::size_t>(rect.area()) * sizeof(T));
+    return reinterpret_cast<T*>(message.data() + tr_->put_header_bytes());
   }
   // True if the put went through the transport, which also signals.
   bool send_put(const Task& t, const taskflow::Rect& rect, std::size_t worker) {
     if (ranks_[t.peer].segment) return false;
     const taskflow::BufferLayout& l = *peer_layout(t.peer, rect.buffer);
     const std::int64_t offset = l.offset_bytes + (rect.r0 * l.cols + rect.c0) * std::int64_t{sizeof(T)};
-    tr_->put_signal(t.peer, offset,
-                    std::as_bytes(std::span<const T>(staging_[worker].data(), static_cast<std::size_t>(rect.area()))),
-                    t.trigger_event);
+    tr_->send_put(t.peer, offset, std::move(staging_[worker]), t.trigger_event);
+    staging_[worker].clear();  // moved from: valid, empty
     return true;
   }
 
@@ -1091,7 +1092,7 @@ class Interleaved final : public InterleavedExecutor::Impl {
   taskflow::RoutingCounts counts_;     // this step's P x E counts (every rank's)
   std::vector<std::uint64_t> count_block_;  // the count exchange's blocks
   WorkerPool pool_;
-  std::vector<std::vector<T>> staging_;  // per worker: rows of a put to a peer not addressable here
+  std::vector<std::vector<std::byte>> staging_;  // per worker: the message of a put to a peer not addressable here
   taskflow::Machine machine_;
   std::shared_ptr<const PackedLayer<T>> packed_;
   std::vector<taskflow::Program>* current_ = nullptr;  // the program set being launched

@@ -85,10 +85,10 @@ int parse_rank(const std::string& text, std::int64_t ranks) {
 // One rank per MPI process. Errors end the process at once (exit code 2)
 // rather than unwinding into collectives that a failed peer never joins;
 // mpirun then stops the others.
-int run_mpi(int argc, char** argv, RunRequest req, MpiPath path, double peer_timeout, const std::string& json_file) {
+int run_mpi(int argc, char** argv, RunRequest req, const MpiOptions& options, const std::string& json_file) {
   MpiSession mpi(&argc, &argv);
   try {
-    req.transport = make_mpi_transport(mpi, static_cast<int>(req.config.ranks), path, peer_timeout);
+    req.transport = make_mpi_transport(mpi, static_cast<int>(req.config.ranks), options);
     const bool root = req.transport->is_root();
     const auto start = std::chrono::steady_clock::now();
     auto progress = [&](const std::string& what) {
@@ -119,6 +119,7 @@ struct RunCommand {
   std::string transport = "inprocess", mpi_path = "auto", inject_fault;
   bool no_pin = false;
   double peer_timeout = 5.0;
+  std::int64_t outbox_bytes = std::int64_t{64} << 20;
 
   void add(CLI::App& parent) {
     app = parent.add_subcommand("run", "run a layer step on this machine, verified against the fp64 oracle");
@@ -148,6 +149,9 @@ struct RunCommand {
                     "auto | shared | network: shared-memory windows on one machine, or put+signal messages (TCP)");
     run->add_option("--watchdog", req.watchdog_seconds, "seconds without progress before a launch stops with an error")
         ->check(CLI::Range(0.01, 86400.0));
+    run->add_option("--mpi-outbox", outbox_bytes,
+                    "mpi network path: bytes of puts queued or in flight per process before workers wait for room")
+        ->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 40));
     run->add_flag("--check-inprocess", req.check_inprocess,
                   "mpi: also run the whole layer in process on rank 0 and check every rank's outputs and gradients "
                   "bit for bit against it (small layers)");
@@ -178,7 +182,10 @@ struct RunCommand {
     if (transport != "inprocess" && transport != "mpi")
       throw Error("--transport must be inprocess or mpi, not '" + transport + "'");
     if (transport == "inprocess" && mpi_path != "auto") throw Error("--mpi-path needs --transport mpi");
-    if (transport == "mpi") return run_mpi(argc, argv, req, parse_mpi_path(mpi_path), peer_timeout, json_file);
+    if (transport == "mpi")
+      return run_mpi(argc, argv, req,
+                     MpiOptions{.path = parse_mpi_path(mpi_path), .peer_timeout_seconds = peer_timeout, .outbox_bytes = outbox_bytes},
+                     json_file);
     // Progress on stderr for anything that takes more than a couple of
     // seconds: always for large layers, otherwise once two seconds have passed.
     const auto start = std::chrono::steady_clock::now();
