@@ -1,5 +1,6 @@
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <span>
@@ -7,6 +8,7 @@
 #include <vector>
 
 #include "hpmoe/config.hpp"
+#include "hpmoe/placement.hpp"
 #include "hpmoe/routing.hpp"
 #include "hpmoe/tensors.hpp"
 
@@ -98,6 +100,26 @@ void save_weights(const std::string& dir, const LayerConfig&, const LayerWeights
 void save_inputs(const std::string& dir, const LayerInputs&);
 void save_routing(const std::string& dir, const LayerConfig&, const RouterOutput<float>&);
 void save_outputs(const std::string& dir, const LayerConfig&, const Matrix& out, const LayerGradients* grads);
+// What one rank of a sharded run writes with save_rank: its experts (drawn
+// or read one at a time by `expert`), its tokens, routing, output and
+// gradients. Files are <kind>-rank<r>-of-<P>.safetensors (weights, inputs,
+// routing, outputs); rank 0 adds the replicated tensors and
+// model.safetensors.index.json, so load_weights reads the set back (at any
+// P, in process too). Every file is written atomically.
+struct RankTensors {
+  LayerConfig config;
+  const ExpertPlacement* placement = nullptr;
+  std::int64_t rank = 0;
+  std::vector<std::int32_t> experts;                          // the rank's own
+  std::function<void(std::int64_t, LayerWeights&)> expert;    // brings expert e into the weights given
+  const LayerWeights* weights = nullptr;                      // the replicated parameters
+  const LayerInputs* inputs = nullptr;                        // the rank's tokens
+  const RouterOutput<float>* routing = nullptr;               // optional: the rank's routing
+  const Matrix* out = nullptr;                                // optional: its output
+  const LayerGradients* grads = nullptr;                      // optional: its gradients
+};
+void save_rank(const std::string& dir, const RankTensors&);
+
 // `dir` may be DIR:PREFIX to pick one layer of a whole model's checkpoint.
 LayerWeights load_weights(const std::string& dir, const LayerConfig&);
 // The replicated parameters and only `experts` (each read by seeking to it).

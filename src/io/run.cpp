@@ -548,9 +548,6 @@ StepResult gather_step(Transport& tr, const LayerConfig& c, const ExpertPlacemen
 RunReport run_sharded(const RunRequest& req, const std::function<void(const std::string&)>& say) {
   const LayerConfig& c = req.config;
   Transport& tr = *req.transport;
-  if (!req.save_dir.empty())
-    throw Error("--save over MPI: each rank holds only its own experts, and writing them per rank is not built yet; "
-                "save from an in-process run (same seed, same tensors)");
   int me = 0;
   while (!tr.hosts(me)) ++me;
   const ExpertPlacement placement = placement_or_contiguous(req.placement, c.routed_experts, c.ranks);
@@ -641,6 +638,24 @@ RunReport run_sharded(const RunRequest& req, const std::function<void(const std:
       const StepResult gathered = gather_step(tr, c, placement, *result, req.backward);
       if (tr.is_root()) record(bit_identity(name + " = in-process serialized", gathered, reference, c, req.backward));
     }
+  }
+  if (!req.save_dir.empty()) {
+    say("saving this rank's tensors to " + req.save_dir);
+    RankTensors t;
+    t.config = c;
+    t.placement = &placement;
+    t.rank = me;
+    t.experts = owned;
+    t.expert = [&](std::int64_t e, LayerWeights& into) {  // released after packing: drawn or read again
+      if (req.load_dir.empty()) random_expert(c, req.seed, e, into);
+      else load_expert(req.load_dir, c, e, into);
+    };
+    t.weights = &w;
+    t.inputs = &in;
+    t.routing = &shown.routing;
+    t.out = &shown.out;
+    t.grads = req.backward ? &shown.grads : nullptr;
+    save_rank(req.save_dir, t);
   }
   if (x.trace && tr.is_root()) {
     std::vector<TracedRun> runs;

@@ -56,13 +56,26 @@ void SafetensorsWriter::write(const std::string& path) const {
   }
   std::string text = header.dump();
   while (text.size() % 8) text += ' ';  // keeps the data aligned
-  std::ofstream out(path, std::ios::binary);
-  if (!out) throw Error("cannot write '" + path + "'");
-  const std::uint64_t size = text.size();
-  out.write(reinterpret_cast<const char*>(&size), 8);
-  out.write(text.data(), static_cast<std::streamsize>(text.size()));
-  for (const auto& [name, e] : entries_) out.write(e.bytes.data(), static_cast<std::streamsize>(e.bytes.size()));
-  if (!out) throw Error("failed writing '" + path + "' (disk full?)");
+  // Written beside the target and renamed over it: a reader never sees a
+  // half-written file, and a failed write leaves the old one.
+  const std::string partial = path + ".partial";
+  {
+    std::ofstream out(partial, std::ios::binary);
+    if (!out) throw Error("cannot write '" + path + "'");
+    const std::uint64_t size = text.size();
+    out.write(reinterpret_cast<const char*>(&size), 8);
+    out.write(text.data(), static_cast<std::streamsize>(text.size()));
+    for (const auto& [name, e] : entries_) out.write(e.bytes.data(), static_cast<std::streamsize>(e.bytes.size()));
+    out.flush();
+    if (!out) {
+      std::error_code ec;
+      std::filesystem::remove(partial, ec);
+      throw Error("failed writing '" + path + "' (disk full?)");
+    }
+  }
+  std::error_code ec;
+  std::filesystem::rename(partial, path, ec);
+  if (ec) throw Error("cannot write '" + path + "': " + ec.message());
 }
 
 SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
@@ -243,6 +256,8 @@ void add_weights(SafetensorsWriter& w, const std::string& prefix, const LayerCon
 
 void save_weights(const std::string& dir, const LayerConfig& c, const LayerWeights& lw) {
   ensure_dir(dir);
+  std::error_code ec;  // a sharded save's index here would shadow this file
+  std::filesystem::remove(std::filesystem::path(dir) / "model.safetensors.index.json", ec);
   SafetensorsWriter w;
   add_weights(w, "", c, lw.router, lw.w1, lw.w2, lw.shared_w1, lw.shared_w2);
   w.add("mlp.gate.e_score_correction_bias", {c.routed_experts}, lw.expert_bias);
@@ -281,7 +296,7 @@ Checkpoint::Checkpoint(const std::string& dir) : dir_(dir) {
   namespace fs = std::filesystem;
   const fs::path index = fs::path(dir) / "model.safetensors.index.json";
   for (const char* single : {"weights.safetensors", "model.safetensors"})
-    if (fs::exists(fs::path(dir) / single)) {
+    if (!fs::exists(index) && fs::exists(fs::path(dir) / single)) {
       paths_.push_back((fs::path(dir) / single).string());
       files_.push_back(std::make_unique<SafetensorsFile>(paths_.back()));
       for (const auto& name : files_.back()->names()) file_of_[name] = 0;
@@ -391,6 +406,77 @@ void load_expert(const std::string& location, const LayerConfig& c, std::int64_t
   w.w2[e] = std::move(converted.w2[e]);
 }
 
+std::string rank_file(const char* kind, std::int64_t rank, std::int64_t ranks) {
+  return std::string(kind) + "-rank" + std::to_string(rank) + "-of-" + std::to_string(ranks) + ".safetensors";
+}
+
+void save_rank(const std::string& dir, const RankTensors& t) {
+  const LayerConfig& c = t.config;
+  const std::int64_t r = t.rank, P = c.ranks;
+  ensure_dir(dir);
+  const auto& owned = t.experts;
+  // Weights: the rank's experts, and on rank 0 the replicated parameters;
+  // rank 0 also writes the index that names every tensor's file.
+  {
+    SafetensorsWriter w;
+    for (const auto e : owned) {
+      LayerWeights one;
+      t.expert(e, one);
+      add_mlp(w, "mlp.experts." + std::to_string(e), one.w1[static_cast<std::size_t>(e)], one.w2[static_cast<std::size_t>(e)]);
+    }
+    if (r == 0) {
+      w.add("mlp.gate.weight", {c.routed_experts, c.hidden}, columns_as_rows(t.weights->router, 0, c.routed_experts));
+      w.add("mlp.gate.e_score_correction_bias", {c.routed_experts}, t.weights->expert_bias);
+      if (c.shared_experts > 0) add_mlp(w, "mlp.shared_experts", t.weights->shared_w1, t.weights->shared_w2);
+    }
+    w.write(file_in(dir, rank_file("weights", r, P).c_str()));
+  }
+  if (r == 0) {
+    nlohmann::json map = nlohmann::json::object();
+    auto mlp_names = [&](const std::string& prefix, const std::string& file) {
+      for (const char* part : {".gate_proj.weight", ".up_proj.weight", ".down_proj.weight"}) map[prefix + part] = file;
+    };
+    for (std::int64_t e = 0; e < c.routed_experts; ++e)
+      mlp_names("mlp.experts." + std::to_string(e), rank_file("weights", t.placement->owner(e), P));
+    map["mlp.gate.weight"] = map["mlp.gate.e_score_correction_bias"] = rank_file("weights", 0, P);
+    if (c.shared_experts > 0) mlp_names("mlp.shared_experts", rank_file("weights", 0, P));
+    const std::string index = file_in(dir, "model.safetensors.index.json");
+    {
+      std::ofstream out(index + ".partial");
+      out << nlohmann::json{{"metadata", {{"producer", "hpmoe"}, {"ranks", P}}}, {"weight_map", map}}.dump(1) << "\n";
+      if (!out) throw Error("cannot write '" + index + "'");
+    }
+    std::filesystem::rename(index + ".partial", index);
+    std::error_code ec;  // an in-process save's single file here would be read instead of the index
+    std::filesystem::remove(std::filesystem::path(dir) / "weights.safetensors", ec);
+  }
+  SafetensorsWriter in;
+  in.add("x", {t.inputs->x.rows, t.inputs->x.cols}, t.inputs->x.data);
+  in.add("d_out", {t.inputs->d_out.rows, t.inputs->d_out.cols}, t.inputs->d_out.data);
+  in.write(file_in(dir, rank_file("inputs", r, P).c_str()));
+  if (t.routing) {
+    SafetensorsWriter w;
+    w.add("expert_ids", {c.tokens_per_rank, c.top_k}, t.routing->expert);
+    w.add("gate_weights", {c.tokens_per_rank, c.top_k}, t.routing->weight);
+    w.add("kept", {c.tokens_per_rank, c.top_k}, t.routing->kept);
+    w.write(file_in(dir, rank_file("routing", r, P).c_str()));
+  }
+  if (t.out) {
+    SafetensorsWriter w;
+    w.add("out", {t.out->rows, t.out->cols}, t.out->data);
+    if (const LayerGradients* g = t.grads) {
+      w.add("grad.x", {g->x.rows, g->x.cols}, g->x.data);
+      for (const auto e : owned)
+        add_mlp(w, "grad.mlp.experts." + std::to_string(e), g->w1[static_cast<std::size_t>(e)], g->w2[static_cast<std::size_t>(e)]);
+      if (r == 0) {
+        w.add("grad.mlp.gate.weight", {c.routed_experts, c.hidden}, columns_as_rows(g->router, 0, c.routed_experts));
+        if (c.shared_experts > 0) add_mlp(w, "grad.mlp.shared_experts", g->shared_w1, g->shared_w2);
+      }
+    }
+    w.write(file_in(dir, rank_file("outputs", r, P).c_str()));
+  }
+}
+
 LayerWeights load_weights(const std::string& dir, const LayerConfig& c) {
   std::vector<std::int32_t> all(static_cast<std::size_t>(c.routed_experts));
   for (std::size_t e = 0; e < all.size(); ++e) all[e] = static_cast<std::int32_t>(e);
@@ -430,6 +516,17 @@ LayerWeights load_weights(const std::string& location, const LayerConfig& c, std
 }
 
 LayerInputs load_inputs(const std::string& dir, const LayerConfig& c) {
+  if (!std::filesystem::exists(file_in(dir, "inputs.safetensors")) &&
+      std::filesystem::exists(file_in(dir, rank_file("inputs", 0, c.ranks).c_str()))) {
+    LayerInputs all{Matrix(c.total_tokens(), c.hidden), Matrix(c.total_tokens(), c.hidden)};
+    const auto n = static_cast<std::ptrdiff_t>(c.tokens_per_rank * c.hidden);
+    for (std::int64_t r = 0; r < c.ranks; ++r) {  // a sharded save's per-rank files
+      const LayerInputs part = load_inputs(dir, c, r);
+      std::copy(part.x.data.begin(), part.x.data.end(), all.x.data.begin() + r * n);
+      std::copy(part.d_out.data.begin(), part.d_out.data.end(), all.d_out.data.begin() + r * n);
+    }
+    return all;
+  }
   SafetensorsFile f(file_in(dir, "inputs.safetensors"));
   LayerInputs in;
   in.x = Matrix(c.total_tokens(), c.hidden);
@@ -442,8 +539,17 @@ LayerInputs load_inputs(const std::string& dir, const LayerConfig& c) {
 }
 
 LayerInputs load_inputs(const std::string& dir, const LayerConfig& c, std::int64_t rank) {
-  SafetensorsFile f(file_in(dir, "inputs.safetensors"));
   const std::int64_t T = c.tokens_per_rank;
+  if (const std::string own = file_in(dir, rank_file("inputs", rank, c.ranks).c_str());
+      !std::filesystem::exists(file_in(dir, "inputs.safetensors")) && std::filesystem::exists(own)) {
+    SafetensorsFile f(own);
+    LayerInputs in{Matrix(T, c.hidden), Matrix(T, c.hidden)};
+    in.x.data = f.floats("x", {T, c.hidden});
+    in.d_out.data = f.floats("d_out", {T, c.hidden});
+    if (c.dtype == DType::bf16) round_to_bf16(in);
+    return in;
+  }
+  SafetensorsFile f(file_in(dir, "inputs.safetensors"));
   LayerInputs in;
   in.x = Matrix(T, c.hidden);
   in.x.data = f.rows("x", {c.total_tokens(), c.hidden}, rank * T, T);
