@@ -53,6 +53,9 @@ grep -Eq "^ +1 +0 +0 " "$tmp/out.txt"  # rank 1: no experts, no rows in
 check 3 network --set routed_experts=8 -T 40 --backward --dtype bf16 --routing hot:0.45 --iters 1
 check 2 shared -T 64 --backward --routing uniform --iters 1
 
+# The count exchange as a collective (the default on shared memory is one-sided stores).
+check 3 shared -T 64 --backward --routing zipf:1.2 --iters 3 --count-exchange collective
+
 # Backpressure: an outbox of 4 KiB makes nearly every put wait for room.
 check 3 network -T 96 --backward --routing zipf:1.2 --iters 1 --mpi-outbox 4096
 

@@ -133,6 +133,11 @@ struct MpiOptions {
   // Network path: bytes of puts queued or in flight from this process at
   // most; a worker whose put would exceed it waits for room (backpressure).
   std::int64_t outbox_bytes = std::int64_t{64} << 20;
+  // allgather (the per-step count exchange) as stores into every peer's
+  // shared-memory control area with an arrival counter, instead of
+  // MPI_Iallgather (measured faster: docs/benchmarks.md); shared-memory path
+  // only (the network path uses the collective).
+  bool one_sided_exchange = true;
 };
 std::shared_ptr<Transport> make_mpi_transport(const MpiSession&, int ranks, const MpiOptions& = {});
 

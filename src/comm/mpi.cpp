@@ -80,6 +80,7 @@ class Mpi final : public Transport {
  public:
   Mpi(int ranks, const MpiOptions& options)
       : peer_timeout_(options.peer_timeout_seconds), outbox_limit_(options.outbox_bytes) {
+    one_sided_exchange_ = options.one_sided_exchange;
     const MpiPath path = options.path;
     MPI_Comm_rank(MPI_COMM_WORLD, &rank_);
     MPI_Comm_size(MPI_COMM_WORLD, &size_);
@@ -100,6 +101,7 @@ class Mpi final : public Transport {
     shared_ = path == MpiPath::shared || (path == MpiPath::automatic && one_node);
     segments_.assign(static_cast<std::size_t>(size_), nullptr);
     counters_.assign(static_cast<std::size_t>(size_), nullptr);
+    control_.assign(static_cast<std::size_t>(size_), nullptr);
     seg_bytes_.assign(static_cast<std::size_t>(size_), 0);
     event_capacity_.assign(static_cast<std::size_t>(size_), 0);
     last_heard_.assign(static_cast<std::size_t>(size_), Clock::now());
@@ -250,6 +252,10 @@ class Mpi final : public Transport {
 
   void allgather(std::span<std::byte> all, std::size_t block) override {
     if (all.size() != block * static_cast<std::size_t>(size_)) throw Error("allgather: wrong buffer size");
+    if (one_sided_exchange_ && shared_) {
+      one_sided_allgather(all, block);
+      return;
+    }
     if (block > static_cast<std::size_t>(INT32_MAX)) throw Error("allgather: a block of more than 2^31 bytes");
     MPI_Request req = MPI_REQUEST_NULL;
     run([&](bool first) {
@@ -405,6 +411,44 @@ class Mpi final : public Transport {
     }
   }
 
+  // The one-sided allgather on shared memory: each rank stores its block
+  // into every peer's control area and adds to the peer's arrival counter
+  // (release); it then waits for P - 1 arrivals of its own (acquire). Two
+  // areas used by turns: a rank can be at most one call ahead of a peer
+  // (finishing a call needs every peer's block of it), so a block never
+  // lands in an area its owner is still reading.
+  void one_sided_allgather(std::span<std::byte> all, std::size_t block) {
+    const auto P = static_cast<std::size_t>(size_);
+    const std::size_t area = ((block * P + 63) / 64) * 64;
+    if (area > control_area_) {  // collective: every rank asks with the same block
+      control_area_ = area;
+      std::vector<std::int64_t> bytes(P, static_cast<std::int64_t>(64 + 2 * area));
+      run_once([&] { allocate_shared(control_win_, bytes, control_); });
+      control_calls_ = 0;
+    }
+    const std::size_t turn = static_cast<std::size_t>(control_calls_ % 2);
+    ++control_calls_;
+    const std::byte* mine = all.data() + static_cast<std::size_t>(rank_) * block;
+    for (std::size_t q = 0; q < P; ++q) {
+      if (static_cast<int>(q) == rank_) continue;
+      std::memcpy(control_[q] + 64 + turn * area + static_cast<std::size_t>(rank_) * block, mine, block);
+      reinterpret_cast<std::atomic<std::int64_t>*>(control_[q])->fetch_add(1, std::memory_order_release);
+    }
+    auto& arrived = *reinterpret_cast<std::atomic<std::int64_t>*>(control_[static_cast<std::size_t>(rank_)]);
+    const std::int64_t expected = control_calls_ * static_cast<std::int64_t>(P - 1);
+    const auto start = Clock::now();
+    for (int spins = 0; arrived.load(std::memory_order_acquire) < expected; ++spins) {
+      if (spins % 1024 == 1023 && Clock::now() - start > std::chrono::duration<double>(peer_timeout_)) {
+        const std::string failed = failed_peers();
+        if (!failed.empty()) throw Error("a peer failed during the count exchange: " + failed);
+      }
+      std::this_thread::yield();
+    }
+    for (std::size_t q = 0; q < P; ++q)
+      if (static_cast<int>(q) != rank_)
+        std::memcpy(all.data() + q * block, control_[static_cast<std::size_t>(rank_)] + 64 + turn * area + q * block, block);
+  }
+
   bool has_pending_puts() const {
     for (const auto& s : sends_)
       if (s.tag == kPut) return true;
@@ -448,7 +492,7 @@ class Mpi final : public Transport {
   }
 
   void free_windows() {
-    for (MPI_Win* w : {&data_win_, &event_win_})
+    for (MPI_Win* w : {&data_win_, &event_win_, &control_win_})
       if (*w != MPI_WIN_NULL) {
         MPI_Win_unlock_all(*w);
         MPI_Win_free(w);
@@ -570,7 +614,11 @@ class Mpi final : public Transport {
   std::int64_t outbox_limit_;
   std::atomic<std::int64_t> pending_bytes_{0};  // puts queued or in flight
   MPI_Comm comm_ = MPI_COMM_NULL, node_ = MPI_COMM_NULL;
-  MPI_Win data_win_ = MPI_WIN_NULL, event_win_ = MPI_WIN_NULL;
+  MPI_Win data_win_ = MPI_WIN_NULL, event_win_ = MPI_WIN_NULL, control_win_ = MPI_WIN_NULL;
+  bool one_sided_exchange_ = false;  // MpiOptions::one_sided_exchange
+  std::vector<std::byte*> control_;  // one-sided allgather: each rank's arrival counter, then two areas
+  std::size_t control_area_ = 0;
+  std::int64_t control_calls_ = 0;
   MPI_Request barrier_ = MPI_REQUEST_NULL;
   std::vector<std::byte*> segments_;
   std::vector<EventCounter*> counters_;
