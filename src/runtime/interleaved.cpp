@@ -68,6 +68,7 @@ class Interleaved final : public InterleavedExecutor::Impl {
     for (std::size_t i = 0; i < workers; ++i) waiting_[i].store(-1);
     staging_.resize(workers);
     index_of_.assign(static_cast<std::size_t>(c.ranks), -1);
+    for (int r = 0; r < c.ranks; ++r) all_ranks_.push_back(r);
     for (std::size_t i = 0; i < local_.size(); ++i) {
       index_of_[static_cast<std::size_t>(local_[i])] = static_cast<int>(i);
       for (const std::int32_t e : placement_.experts_of(local_[i])) {
@@ -194,7 +195,11 @@ class Interleaved final : public InterleavedExecutor::Impl {
     const auto& order = taskflow::operator_order(set[0].pass);
     const std::size_t barriers = opt_.phased ? order.size() : 0;
     std::vector<std::int64_t> events(static_cast<std::size_t>(c_.ranks));
-    for (std::int64_t r = 0; r < c_.ranks; ++r) events[r] = event_count(set[0].pass, r) + static_cast<std::int64_t>(barriers);
+    launch_events_.resize(static_cast<std::size_t>(c_.ranks));
+    for (std::int64_t r = 0; r < c_.ranks; ++r) {
+      launch_events_[static_cast<std::size_t>(r)] = event_count(set[0].pass, r);
+      events[static_cast<std::size_t>(r)] = launch_events_[static_cast<std::size_t>(r)] + static_cast<std::int64_t>(barriers);
+    }
     tr_->reserve_events(events);
     for (int r : local_) {
       RankState& s = ranks_[r];
@@ -295,14 +300,7 @@ class Interleaved final : public InterleavedExecutor::Impl {
 
   // The ranks whose programs this step compiles: the hosted ones, and all
   // of them where the verifier checks the whole set (it needs every program).
-  std::vector<int> compiled_ranks() const {
-    if (!sharded() || opt_.verify_programs) {
-      std::vector<int> all(static_cast<std::size_t>(c_.ranks));
-      for (std::size_t r = 0; r < all.size(); ++r) all[r] = static_cast<int>(r);
-      return all;
-    }
-    return local_;
-  }
+  const std::vector<int>& compiled_ranks() const { return !sharded() || opt_.verify_programs ? all_ranks_ : local_; }
 
   // Events of rank r's program for a pass, from the exchange layout alone
   // (a peer's program need not be compiled here).
@@ -442,14 +440,21 @@ class Interleaved final : public InterleavedExecutor::Impl {
   void reserve_memory(StepResult& res) {
     std::vector<std::int64_t> bytes(static_cast<std::size_t>(c_.ranks));
     for (auto* layouts : {&forward_layouts_, &backward_layouts_}) layouts->resize(static_cast<std::size_t>(c_.ranks));
+    for (auto* index : {&forward_peer_, &backward_peer_}) index->assign(static_cast<std::size_t>(c_.ranks), {});
+    // Each rank's buffers by id, so a put finds its target's layout without a search.
+    auto index_of = [](const taskflow::Program& p, PeerBuffers& by_id) {
+      for (const auto& b : p.buffers) by_id[static_cast<std::size_t>(b.id)] = &b;
+    };
     for (std::int64_t r = 0; r < c_.ranks; ++r) {
       taskflow::Program& forward = forward_layouts_[static_cast<std::size_t>(r)];
       taskflow::declare_buffers(forward, c_, *ex_, taskflow::Pass::forward, r);
       std::int64_t symmetric = forward.region_bytes(taskflow::Region::symmetric);
       std::int64_t local = forward.region_bytes(taskflow::Region::local);
+      index_of(forward, forward_peer_[static_cast<std::size_t>(r)]);
       if (opt_.backward) {
         taskflow::Program& backward = backward_layouts_[static_cast<std::size_t>(r)];
         taskflow::declare_buffers(backward, c_, *ex_, taskflow::Pass::backward, r);
+        index_of(backward, backward_peer_[static_cast<std::size_t>(r)]);
         symmetric = std::max(symmetric, backward.region_bytes(taskflow::Region::symmetric));
         local = std::max(local, backward.region_bytes(taskflow::Region::local));
       }
@@ -603,8 +608,8 @@ class Interleaved final : public InterleavedExecutor::Impl {
   // The layout of rank q's buffer in the pass being launched, from the
   // exchange (q's program need not exist here): where a put to q lands.
   const taskflow::BufferLayout* peer_layout(std::int64_t q, BufferId id) const {
-    const auto& layouts = (*current_)[0].pass == taskflow::Pass::forward ? forward_layouts_ : backward_layouts_;
-    return layouts[static_cast<std::size_t>(q)].buffer(id);
+    const auto& index = (*current_)[0].pass == taskflow::Pass::forward ? forward_peer_ : backward_peer_;
+    return index[static_cast<std::size_t>(q)][static_cast<std::size_t>(id)];
   }
 
   // Element (r0, c0) of a rectangle of hosted rank r's buffer.
@@ -789,7 +794,8 @@ class Interleaved final : public InterleavedExecutor::Impl {
     for (std::size_t k = 0; k < phases; ++k) {
       for (std::int64_t i = s.phase_begin[k] + w; i < s.phase_begin[k + 1]; i += W) run_task(r, slot, s.phase_tasks[i]);
       // Rank q's barrier counters follow its own program's events.
-      for (int q = 0; q < c_.ranks; ++q) signal_rank(q, static_cast<std::int32_t>(event_count(p.pass, q) + static_cast<std::int64_t>(k)), -1);
+      for (int q = 0; q < c_.ranks; ++q)
+        signal_rank(q, static_cast<std::int32_t>(launch_events_[static_cast<std::size_t>(q)] + static_cast<std::int64_t>(k)), -1);
       const auto barrier = static_cast<std::int32_t>(p.events.size() + k);
       Task wait_all{};
       wait_all.kind = taskflow::operator_order(p.pass)[k];
@@ -1117,6 +1123,10 @@ class Interleaved final : public InterleavedExecutor::Impl {
   MatrixView x_, d_out_;                      // the caller's tokens and output gradient (borrowed)             // the step being run (router backward reads its routing)
   // Every rank's buffers this step, per pass (declared from the exchange).
   std::vector<taskflow::Program> forward_layouts_, backward_layouts_;
+  using PeerBuffers = std::array<const taskflow::BufferLayout*, static_cast<std::size_t>(BufferId::count)>;
+  std::vector<PeerBuffers> forward_peer_, backward_peer_;  // [rank][buffer id] into the layouts above
+  std::vector<std::int64_t> launch_events_;  // events of each rank's program in the launch running
+  std::vector<int> all_ranks_;               // 0 .. P-1
   std::atomic<bool> abort_{false};
   std::mutex failure_mutex_;
   std::exception_ptr failure_;
