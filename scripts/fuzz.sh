@@ -9,8 +9,8 @@ cd "$(dirname "$0")/.."
 seconds=${1:-30}
 CC=clang CXX=clang++ cmake -S . -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DHPMOE_FUZZ=ON \
   -DHPMOE_BUILD_TESTS=OFF -DHPMOE_BUILD_BENCH=OFF -DHPMOE_MPI=OFF > /dev/null
-cmake --build build-fuzz -j "$(nproc)" --target fuzz_placement fuzz_program
-for target in placement program; do
+cmake --build build-fuzz -j "$(nproc)" --target fuzz_placement fuzz_program fuzz_checkpoint_index
+for target in placement program checkpoint_index; do
   work=build-fuzz/corpus-$target
   mkdir -p "$work"
   echo "== fuzz_$target for $seconds s"

@@ -41,6 +41,14 @@ mutate("dump_layout", lambda p: p["buffers"][0].__setitem__("layout", "diagonal"
 mutate("dump_elem_bytes", lambda p: p["dims"].__setitem__("elem_bytes", 3))
 mutate("dump_experts", lambda p: p["dims"].__setitem__("experts", 0))
 PY
+# Sharded checkpoints (model.safetensors.index.json) that cannot be read.
+mkdir -p "$tmp/idx_json" "$tmp/idx_nomap" "$tmp/idx_escape" "$tmp/idx_missing" "$tmp/idx_two_layers"
+printf '{"weight_map": ' > "$tmp/idx_json/model.safetensors.index.json"
+echo '{"metadata": {}}' > "$tmp/idx_nomap/model.safetensors.index.json"
+echo '{"weight_map": {"mlp.gate.weight": "../../etc/passwd"}}' > "$tmp/idx_escape/model.safetensors.index.json"
+echo '{"weight_map": {"mlp.gate.weight": "absent.safetensors"}}' > "$tmp/idx_missing/model.safetensors.index.json"
+echo '{"weight_map": {"model.layers.1.mlp.gate.weight": "a.safetensors", "model.layers.2.mlp.gate.weight": "a.safetensors"}}' \
+  > "$tmp/idx_two_layers/model.safetensors.index.json"
 mkdir -p "$tmp/badst" && printf '\x10\x00\x00\x00\x00\x00\x00\x00{"x": 1}' > "$tmp/badst/weights.safetensors"
 
 cases=(
@@ -105,6 +113,16 @@ cases=(
   "run --load /nonexistent/dir"
   "run --load $tmp/saved --set hidden=64"
   "run --load $tmp/badst"
+  "run --load $tmp/idx_json"
+  "run --load $tmp/idx_nomap"
+  "run --load $tmp/idx_escape"
+  "run --load $tmp/idx_missing"
+  "run --load $tmp/idx_two_layers"
+  "run --load $tmp/saved:no.such.prefix."
+  "run --check-inprocess"
+  "run --count-exchange sideways"
+  "run --mpi-outbox 0"
+  "run --mpi-outbox lots"
   "run --json /nonexistent/dir/out.json"
   "run --trace /nonexistent/dir/trace.json"
   "run --timeline /nonexistent/dir/timeline.svg"

@@ -62,27 +62,26 @@ class SafetensorsFile {
   std::map<std::string, Entry> entries_;
 };
 
-// The weights of a checkpoint directory: hpmoe's weights.safetensors, a
-// single model.safetensors, or Hugging Face's sharded form
-// (model.safetensors.index.json naming the file of every tensor). Files
-// are opened (headers only) when a tensor in them is first asked for.
+// The weights of a checkpoint: hpmoe's weights.safetensors, a single
+// model.safetensors, or Hugging Face's sharded form
+// (model.safetensors.index.json naming the file of every tensor), at
+// `location` = DIR or DIR:PREFIX (one layer of a whole model's checkpoint;
+// without a prefix, the one layer with an "mlp.gate.weight"). Files are
+// opened (headers only) when a tensor in them is first asked for, and a
+// tensor is read by seeking to it.
 class Checkpoint {
  public:
-  explicit Checkpoint(const std::string& dir);
+  explicit Checkpoint(const std::string& location);
   ~Checkpoint();
   Checkpoint(Checkpoint&&) noexcept = default;
   Checkpoint& operator=(Checkpoint&&) noexcept = default;
+  // Names are the layer's ("mlp.gate.weight"); the prefix is added here.
   bool has(const std::string& name) const;
+  // Error names the tensor and the file.
   std::vector<float> floats(const std::string& name, const std::vector<std::int64_t>& shape) const;
-  // The prefix of the one tensor named `suffix` or ending in ".suffix"
-  // ("model.layers.3." for a whole model's MoE layer); Error if none or several.
-  std::string find_prefix(const std::string& suffix);
-  void set_prefix(const std::string& prefix);
-  // The file holding prefix + name (Error naming the tensor and the file).
-  const SafetensorsFile& file_with_prefix(const std::string& name) const;
 
  private:
-  const SafetensorsFile& file(const std::string& name) const;
+  std::string find_prefix(const std::string& suffix) const;
   std::string dir_, prefix_;
   std::map<std::string, std::size_t> file_of_;
   std::vector<std::string> paths_;
@@ -125,7 +124,10 @@ LayerWeights load_weights(const std::string& dir, const LayerConfig&);
 // The replicated parameters and only `experts` (each read by seeking to it).
 LayerWeights load_weights(const std::string& dir, const LayerConfig&, std::span<const std::int32_t> experts);
 // Expert e alone into w (sized for E experts), read by seeking to it.
-void load_expert(const std::string& dir, const LayerConfig&, std::int64_t e, LayerWeights& w);
+void load_expert(const Checkpoint&, const LayerConfig&, std::int64_t e, LayerWeights& w);
+// The "weight_map" of a model.safetensors.index.json (tensor name -> file
+// in the same directory); Error naming `source` and the field otherwise.
+std::map<std::string, std::string> parse_weight_map(const std::string& text, const std::string& source);
 LayerInputs load_inputs(const std::string& dir, const LayerConfig&);
 // Rank `rank`'s tokens only: [T, H].
 LayerInputs load_inputs(const std::string& dir, const LayerConfig&, std::int64_t rank);

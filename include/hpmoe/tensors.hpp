@@ -123,6 +123,8 @@ struct HfMoeBlock {
 // The same weights in hpmoe's layout (rounded to bf16 for a bf16 layer);
 // Error names the tensor whose shape does not fit.
 LayerWeights weights_from_hf(const LayerConfig&, const HfMoeBlock&);
+// Expert e alone into w (sized for E experts), from its three projections.
+void expert_from_hf(const LayerConfig&, std::int64_t e, const HfMlp&, LayerWeights& w);
 
 // A 64-bit fingerprint of what every rank of a run must agree on: the
 // layer's configuration, the expert placement, the program format version,

@@ -4,6 +4,7 @@
 #include <cstring>
 #include <cmath>
 #include <fstream>
+#include <optional>
 #include <iomanip>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -378,7 +379,7 @@ std::vector<std::int32_t> experts_of(const ExpertPlacement& placement, int rank)
 // the experts the sampled tokens chose drawn again from their seeds (or
 // read from the checkpoint) where another rank owns them.
 Verification verify_own_tokens(const RunRequest& req, const LayerWeights& held, const LayerInputs& in,
-                               const StepResult& res, int me) {
+                               const StepResult& res, int me, const Checkpoint* checkpoint) {
   LayerConfig lc = req.config;
   lc.ranks = 1;
   Verification v;
@@ -439,8 +440,8 @@ Verification verify_own_tokens(const RunRequest& req, const LayerWeights& held, 
       }
     }
     for (const auto e : fresh) {
-      if (req.load_dir.empty()) random_expert(req.config, req.seed, e, w);
-      else load_expert(req.load_dir, req.config, e, w);
+      if (checkpoint) load_expert(*checkpoint, req.config, e, w);
+      else random_expert(req.config, req.seed, e, w);
       present.push_back(e);
     }
     batch.push_back(t);
@@ -485,13 +486,8 @@ Verification merge_verifications(Transport& tr, int me, const Verification& mine
 
 // One sharded step gathered onto the root: every rank's token rows and its
 // experts' gradients (the replicated gradients are already on every rank).
-StepResult gather_step(Transport& tr, const LayerConfig& c, const ExpertPlacement& placement, const StepResult& mine,
-                       bool backward) {
-  const int me = [&] {
-    for (int r = 0; r < tr.ranks(); ++r)
-      if (tr.hosts(r)) return r;
-    return 0;
-  }();
+StepResult gather_step(Transport& tr, int me, const LayerConfig& c, const ExpertPlacement& placement,
+                       const StepResult& mine, bool backward) {
   const bool root = tr.is_root();
   const std::int64_t T = c.tokens_per_rank, H = c.hidden;
   StepResult all;
@@ -556,6 +552,8 @@ RunReport run_sharded(const RunRequest& req, const std::function<void(const std:
   say(req.load_dir.empty() ? "generating this rank's experts and tokens" : "loading this rank's experts and tokens from " + req.load_dir);
   // The replicated parameters now; each own expert generated (or read) and
   // packed in turn below.
+  std::optional<Checkpoint> checkpoint;  // opened once: each expert is read from it by seeking
+  if (!req.load_dir.empty()) checkpoint.emplace(req.load_dir);
   LayerWeights w = req.load_dir.empty() ? random_weights(c, req.seed, {}) : load_weights(req.load_dir, c, {});
   LayerInputs in = req.load_dir.empty() ? random_inputs(c, req.seed, mine) : load_inputs(req.load_dir, c, me);
   std::vector<std::int32_t> forced = forced_selection(c, req.routing);
@@ -565,8 +563,8 @@ RunReport run_sharded(const RunRequest& req, const std::function<void(const std:
   }
   say("generating and packing this rank's experts for the tile kernels");
   const auto packed = pack_weights(c, w, req.backward, owned, [&](std::int64_t e, LayerWeights& into) {
-    if (req.load_dir.empty()) random_expert(c, req.seed, e, into);
-    else load_expert(req.load_dir, c, e, into);
+    if (checkpoint) load_expert(*checkpoint, c, e, into);
+    else random_expert(c, req.seed, e, into);
   });
   Executors x = make_executors(req, w, placement, packed, true);
 
@@ -598,7 +596,7 @@ RunReport run_sharded(const RunRequest& req, const std::function<void(const std:
   describe_step(rep, c, w, placement, shown);
 
   if (req.verify != VerifyMode::off) say("verifying this rank's tokens against the fp64 oracle");
-  rep.verification = merge_verifications(tr, me, verify_own_tokens(req, w, in, shown, me));
+  rep.verification = merge_verifications(tr, me, verify_own_tokens(req, w, in, shown, me, checkpoint ? &*checkpoint : nullptr));
   auto record = [&](const Comparison& ch) {
     rep.verification.checks.push_back(ch);
     rep.verification.pass = rep.verification.pass && ch.pass;
@@ -635,7 +633,7 @@ RunReport run_sharded(const RunRequest& req, const std::function<void(const std:
     for (const auto& [name, result] : {std::pair<std::string, const StepResult*>{"phased (mpi)", x.phased ? &last : nullptr},
                                        {"interleaved (mpi)", x.inter ? &inter_last : nullptr}}) {
       if (!result) continue;
-      const StepResult gathered = gather_step(tr, c, placement, *result, req.backward);
+      const StepResult gathered = gather_step(tr, me, c, placement, *result, req.backward);
       if (tr.is_root()) record(bit_identity(name + " = in-process serialized", gathered, reference, c, req.backward));
     }
   }
@@ -647,8 +645,8 @@ RunReport run_sharded(const RunRequest& req, const std::function<void(const std:
     t.rank = me;
     t.experts = owned;
     t.expert = [&](std::int64_t e, LayerWeights& into) {  // released after packing: drawn or read again
-      if (req.load_dir.empty()) random_expert(c, req.seed, e, into);
-      else load_expert(req.load_dir, c, e, into);
+      if (checkpoint) load_expert(*checkpoint, c, e, into);
+      else random_expert(c, req.seed, e, into);
     };
     t.weights = &w;
     t.inputs = &in;

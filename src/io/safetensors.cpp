@@ -292,63 +292,60 @@ void save_outputs(const std::string& dir, const LayerConfig& c, const Matrix& ou
   w.write(file_in(dir, "outputs.safetensors"));
 }
 
-Checkpoint::Checkpoint(const std::string& dir) : dir_(dir) {
+Checkpoint::Checkpoint(const std::string& location) {
   namespace fs = std::filesystem;
-  const fs::path index = fs::path(dir) / "model.safetensors.index.json";
-  for (const char* single : {"weights.safetensors", "model.safetensors"})
-    if (!fs::exists(index) && fs::exists(fs::path(dir) / single)) {
-      paths_.push_back((fs::path(dir) / single).string());
+  // DIR or DIR:PREFIX (the layer's tensor names in a whole model's checkpoint).
+  dir_ = location;
+  bool named = false;
+  if (const auto colon = location.rfind(':'); colon != std::string::npos && !fs::exists(location)) {
+    dir_ = location.substr(0, colon);
+    prefix_ = location.substr(colon + 1);
+    named = true;
+  }
+  const fs::path index = fs::path(dir_) / "model.safetensors.index.json";
+  bool single = false;
+  for (const char* name : {"weights.safetensors", "model.safetensors"})
+    if (!single && !fs::exists(index) && fs::exists(fs::path(dir_) / name)) {
+      paths_.push_back((fs::path(dir_) / name).string());
       files_.push_back(std::make_unique<SafetensorsFile>(paths_.back()));
-      for (const auto& name : files_.back()->names()) file_of_[name] = 0;
-      return;
+      for (const auto& tensor : files_.back()->names()) file_of_[tensor] = 0;
+      single = true;
     }
-  if (!fs::exists(index))
-    throw Error("'" + dir + "' holds no checkpoint: expected weights.safetensors, model.safetensors or "
-                "model.safetensors.index.json (with the files it names)");
-  std::ifstream in(index);
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(in);
-  } catch (const nlohmann::json::exception& e) {
-    throw Error("'" + index.string() + "' is not valid JSON: " + e.what());
+  if (!single) {
+    if (!fs::exists(index))
+      throw Error("'" + dir_ + "' holds no checkpoint: expected weights.safetensors, model.safetensors or "
+                  "model.safetensors.index.json (with the files it names)");
+    std::ifstream in(index);
+    const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    std::map<std::string, std::size_t> opened;
+    for (const auto& [tensor, file] : parse_weight_map(text, index.string())) {
+      auto [it, fresh] = opened.emplace(file, files_.size());
+      if (fresh) paths_.push_back((fs::path(dir_) / file).string()), files_.emplace_back();
+      file_of_[tensor] = it->second;
+    }
   }
-  if (!j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object())
-    throw Error("'" + index.string() + "' has no \"weight_map\" object (tensor name -> file)");
-  std::map<std::string, std::size_t> opened;
-  for (const auto& [name, file] : j["weight_map"].items()) {
-    if (!file.is_string()) throw Error("'" + index.string() + "': weight_map[\"" + name + "\"] is not a file name");
-    const std::string f = file.get<std::string>();
-    if (f.find('/') != std::string::npos || f.find("..") != std::string::npos)
-      throw Error("'" + index.string() + "': weight_map[\"" + name + "\"] names '" + f + "', outside the directory");
-    auto [it, fresh] = opened.emplace(f, files_.size());
-    if (fresh) paths_.push_back((fs::path(dir) / f).string()), files_.emplace_back();
-    file_of_[name] = it->second;
-  }
+  if (!named && !file_of_.count("mlp.gate.weight")) prefix_ = find_prefix("mlp.gate.weight");
 }
 
 Checkpoint::~Checkpoint() = default;
 
-bool Checkpoint::has(const std::string& name) const { return file_of_.count(name) != 0; }
-
-const SafetensorsFile& Checkpoint::file(const std::string& name) const {
-  const auto it = file_of_.find(name);
-  if (it == file_of_.end()) throw Error("the checkpoint in '" + dir_ + "' has no tensor '" + name + "'");
-  auto& f = files_[it->second];
-  if (!f) f = std::make_unique<SafetensorsFile>(paths_[it->second]);  // headers only, opened when first needed
-  if (!f->has(name))
-    throw Error("'" + paths_[it->second] + "' has no tensor '" + name + "' (the index says it does)");
-  return *f;
-}
+bool Checkpoint::has(const std::string& name) const { return file_of_.count(prefix_ + name) != 0; }
 
 std::vector<float> Checkpoint::floats(const std::string& name, const std::vector<std::int64_t>& shape) const {
-  return file(prefix_ + name).floats(prefix_ + name, shape);
+  const std::string full = prefix_ + name;
+  const auto it = file_of_.find(full);
+  if (it == file_of_.end()) throw Error("the checkpoint in '" + dir_ + "' has no tensor '" + full + "'");
+  auto& f = files_[it->second];
+  if (!f) f = std::make_unique<SafetensorsFile>(paths_[it->second]);  // headers only, opened when first needed
+  if (!f->has(full)) throw Error("'" + paths_[it->second] + "' has no tensor '" + full + "' (the index says it does)");
+  return f->floats(full, shape);
 }
 
-std::string Checkpoint::find_prefix(const std::string& suffix) {
+std::string Checkpoint::find_prefix(const std::string& suffix) const {
   std::vector<std::string> found;
   for (const auto& [name, file] : file_of_)
-    if (name == suffix || (name.size() > suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0 &&
-                           name[name.size() - suffix.size() - 1] == '.'))
+    if (name.size() > suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0 &&
+        name[name.size() - suffix.size() - 1] == '.')
       found.push_back(name.substr(0, name.size() - suffix.size()));
   if (found.empty()) throw Error("the checkpoint in '" + dir_ + "' has no tensor named '" + suffix + "' (or ending in it)");
   if (found.size() > 1)
@@ -358,52 +355,17 @@ std::string Checkpoint::find_prefix(const std::string& suffix) {
   return found[0];
 }
 
-void Checkpoint::set_prefix(const std::string& prefix) { prefix_ = prefix; }
-
-const SafetensorsFile& Checkpoint::file_with_prefix(const std::string& name) const { return file(prefix_ + name); }
-
-namespace {
-// DIR or DIR:PREFIX (the layer's tensor names in a whole model's checkpoint).
-Checkpoint open_checkpoint(const std::string& location, std::string& prefix) {
-  std::string dir = location;
-  prefix.clear();
-  if (const auto colon = location.rfind(':'); colon != std::string::npos && !std::filesystem::exists(location)) {
-    dir = location.substr(0, colon);
-    prefix = location.substr(colon + 1);
-  }
-  Checkpoint ck(dir);
-  if (prefix.empty() && !ck.has("mlp.gate.weight")) prefix = ck.find_prefix("mlp.gate.weight");
-  ck.set_prefix(prefix);
-  return ck;
-}
-}  // namespace
-
-void load_expert(const std::string& location, const LayerConfig& c, std::int64_t e, LayerWeights& w) {
+void load_expert(const Checkpoint& ck, const LayerConfig& c, std::int64_t e, LayerWeights& w) {
   if (e < 0 || e >= c.routed_experts) throw Error("expert " + std::to_string(e) + " is not in the layer");
-  std::string prefix;
-  const Checkpoint ck = open_checkpoint(location, prefix);
   const std::string name = "mlp.experts." + std::to_string(e);
-  auto read = [&](const std::string& tensor, std::int64_t rows, std::int64_t cols) {
-    return ck.file_with_prefix(name + tensor).floats(prefix + name + tensor, {rows, cols});
-  };
-  const auto gate = read(".gate_proj.weight", c.expert_inter, c.hidden);
-  const auto up = read(".up_proj.weight", c.expert_inter, c.hidden);
-  const auto down = read(".down_proj.weight", c.hidden, c.expert_inter);
-  HfMoeBlock one;  // the expert alone, through the one conversion from [out, in]
-  std::vector<float> gate_weight(static_cast<std::size_t>(c.routed_experts * c.hidden), 0.0f);
-  one.gate = MatrixView{gate_weight.data(), c.routed_experts, c.hidden, c.hidden};
-  one.experts.resize(static_cast<std::size_t>(c.routed_experts));
-  one.experts[static_cast<std::size_t>(e)] = HfMlp{MatrixView{gate.data(), c.expert_inter, c.hidden, c.hidden},
-                                                   MatrixView{up.data(), c.expert_inter, c.hidden, c.hidden},
-                                                   MatrixView{down.data(), c.hidden, c.expert_inter, c.expert_inter}};
-  LayerConfig no_shared = c;
-  no_shared.shared_experts = 0;
-  no_shared.shared_inter = 0;
-  LayerWeights converted = weights_from_hf(no_shared, one);
-  w.w1.resize(static_cast<std::size_t>(c.routed_experts));
-  w.w2.resize(static_cast<std::size_t>(c.routed_experts));
-  w.w1[e] = std::move(converted.w1[e]);
-  w.w2[e] = std::move(converted.w2[e]);
+  const auto gate = ck.floats(name + ".gate_proj.weight", {c.expert_inter, c.hidden});
+  const auto up = ck.floats(name + ".up_proj.weight", {c.expert_inter, c.hidden});
+  const auto down = ck.floats(name + ".down_proj.weight", {c.hidden, c.expert_inter});
+  expert_from_hf(c, e,
+                 HfMlp{MatrixView{gate.data(), c.expert_inter, c.hidden, c.hidden},
+                       MatrixView{up.data(), c.expert_inter, c.hidden, c.hidden},
+                       MatrixView{down.data(), c.hidden, c.expert_inter, c.expert_inter}},
+                 w);
 }
 
 std::string rank_file(const char* kind, std::int64_t rank, std::int64_t ranks) {
@@ -484,35 +446,29 @@ LayerWeights load_weights(const std::string& dir, const LayerConfig& c) {
 }
 
 LayerWeights load_weights(const std::string& location, const LayerConfig& c, std::span<const std::int32_t> experts) {
-  std::string prefix;
-  const Checkpoint ck = open_checkpoint(location, prefix);
+  const Checkpoint ck(location);
   // The file's tensors, kept while the views of them are converted.
   std::vector<std::vector<float>> kept;
   auto tensor = [&](const std::string& name, std::int64_t rows, std::int64_t cols) {
-    kept.push_back(ck.file_with_prefix(name).floats(prefix + name, {rows, cols}));
+    kept.push_back(ck.floats(name, {rows, cols}));
     return MatrixView{kept.back().data(), rows, cols, cols};
   };
-  kept.reserve(static_cast<std::size_t>(3 * experts.size() + 8));
+  kept.reserve(8);
   HfMoeBlock hf;
   hf.gate = tensor("mlp.gate.weight", c.routed_experts, c.hidden);
-  auto mlp = [&](const std::string& name, std::int64_t inter) {
-    HfMlp m;
-    m.gate_proj = tensor(name + ".gate_proj.weight", inter, c.hidden);
-    m.up_proj = tensor(name + ".up_proj.weight", inter, c.hidden);
-    m.down_proj = tensor(name + ".down_proj.weight", c.hidden, inter);
-    return m;
-  };
-  hf.experts.resize(static_cast<std::size_t>(c.routed_experts));  // empty views: experts not read here
-  for (const std::int32_t e : experts) {
-    if (e < 0 || e >= c.routed_experts) throw Error("expert " + std::to_string(e) + " is not in the layer");
-    hf.experts[static_cast<std::size_t>(e)] = mlp("mlp.experts." + std::to_string(e), c.expert_inter);
+  hf.experts.resize(static_cast<std::size_t>(c.routed_experts));  // empty views: experts read below, one at a time
+  if (c.shared_experts > 0) {
+    const std::int64_t is = c.shared_inter_total();
+    hf.shared = HfMlp{tensor("mlp.shared_experts.gate_proj.weight", is, c.hidden),
+                      tensor("mlp.shared_experts.up_proj.weight", is, c.hidden),
+                      tensor("mlp.shared_experts.down_proj.weight", c.hidden, is)};
   }
-  if (c.shared_experts > 0) hf.shared = mlp("mlp.shared_experts", c.shared_inter_total());
   std::vector<float> bias;
-  if (ck.has(prefix + "mlp.gate.e_score_correction_bias"))
-    bias = ck.file_with_prefix("mlp.gate.e_score_correction_bias").floats(prefix + "mlp.gate.e_score_correction_bias", {c.routed_experts});
+  if (ck.has("mlp.gate.e_score_correction_bias")) bias = ck.floats("mlp.gate.e_score_correction_bias", {c.routed_experts});
   hf.e_score_correction_bias = bias;
-  return weights_from_hf(c, hf);
+  LayerWeights w = weights_from_hf(c, hf);
+  for (const std::int32_t e : experts) load_expert(ck, c, e, w);
+  return w;
 }
 
 LayerInputs load_inputs(const std::string& dir, const LayerConfig& c) {

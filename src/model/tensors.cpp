@@ -241,33 +241,49 @@ void check_token_view(const LayerConfig& c, const MatrixView& v, const std::stri
                 std::to_string(v.cols) + " columns (or no data)");
 }
 
+namespace {
+void expect_hf_shape(const MatrixView& v, std::int64_t rows, std::int64_t cols, const std::string& what) {
+  if (v.rows != rows || v.cols != cols || v.ld < cols || (rows * cols > 0 && v.data == nullptr))
+    throw Error(what + " has shape [" + std::to_string(v.rows) + ", " + std::to_string(v.cols) + "] (row stride " +
+                std::to_string(v.ld) + "), expected [" + std::to_string(rows) + ", " + std::to_string(cols) +
+                "] as Hugging Face stores it ([out, in])");
+}
+// [out, in] views into the [in, out] math layout, at column `col0`.
+void transpose_into(const MatrixView& v, Matrix& m, std::int64_t col0) {
+  for (std::int64_t o = 0; o < v.rows; ++o)
+    for (std::int64_t i = 0; i < v.cols; ++i) m.at(i, col0 + o) = v.at(o, i);
+}
+// One SwiGLU MLP from Hugging Face's three [out, in] projections.
+void mlp_from_hf(const LayerConfig& c, const HfMlp& p, std::int64_t inter, const std::string& name, Matrix& w1, Matrix& w2) {
+  expect_hf_shape(p.gate_proj, inter, c.hidden, name + ".gate_proj.weight");
+  expect_hf_shape(p.up_proj, inter, c.hidden, name + ".up_proj.weight");
+  expect_hf_shape(p.down_proj, c.hidden, inter, name + ".down_proj.weight");
+  w1 = Matrix(c.hidden, 2 * inter);
+  w2 = Matrix(inter, c.hidden);
+  transpose_into(p.gate_proj, w1, 0);
+  transpose_into(p.up_proj, w1, inter);
+  transpose_into(p.down_proj, w2, 0);
+  if (c.dtype == DType::bf16) {
+    round_all(w1);
+    round_all(w2);
+  }
+}
+}  // namespace
+
+void expert_from_hf(const LayerConfig& c, std::int64_t e, const HfMlp& mlp, LayerWeights& w) {
+  if (e < 0 || e >= c.routed_experts) throw Error("expert " + std::to_string(e) + " is not in the layer");
+  w.w1.resize(static_cast<std::size_t>(c.routed_experts));
+  w.w2.resize(static_cast<std::size_t>(c.routed_experts));
+  mlp_from_hf(c, mlp, c.expert_inter, "mlp.experts." + std::to_string(e), w.w1[e], w.w2[e]);
+}
+
 LayerWeights weights_from_hf(const LayerConfig& c, const HfMoeBlock& hf) {
   c.validate();
-  auto expect = [](const MatrixView& v, std::int64_t rows, std::int64_t cols, const std::string& what) {
-    if (v.rows != rows || v.cols != cols || v.ld < cols || (rows * cols > 0 && v.data == nullptr))
-      throw Error(what + " has shape [" + std::to_string(v.rows) + ", " + std::to_string(v.cols) + "] (row stride " +
-                  std::to_string(v.ld) + "), expected [" + std::to_string(rows) + ", " + std::to_string(cols) +
-                  "] as Hugging Face stores it ([out, in])");
-  };
-  // [out, in] views into the [in, out] math layout, at column `col0`.
-  auto transpose_into = [](const MatrixView& v, Matrix& m, std::int64_t col0) {
-    for (std::int64_t o = 0; o < v.rows; ++o)
-      for (std::int64_t i = 0; i < v.cols; ++i) m.at(i, col0 + o) = v.at(o, i);
-  };
-  auto mlp = [&](const HfMlp& p, std::int64_t inter, const std::string& name, Matrix& w1, Matrix& w2) {
-    expect(p.gate_proj, inter, c.hidden, name + ".gate_proj.weight");
-    expect(p.up_proj, inter, c.hidden, name + ".up_proj.weight");
-    expect(p.down_proj, c.hidden, inter, name + ".down_proj.weight");
-    w1 = Matrix(c.hidden, 2 * inter);
-    w2 = Matrix(inter, c.hidden);
-    transpose_into(p.gate_proj, w1, 0);
-    transpose_into(p.up_proj, w1, inter);
-    transpose_into(p.down_proj, w2, 0);
-  };
   LayerWeights w;
-  expect(hf.gate, c.routed_experts, c.hidden, "mlp.gate.weight");
+  expect_hf_shape(hf.gate, c.routed_experts, c.hidden, "mlp.gate.weight");
   w.router = Matrix(c.hidden, c.routed_experts);
   transpose_into(hf.gate, w.router, 0);
+  if (c.dtype == DType::bf16) round_all(w.router);
   if (!hf.e_score_correction_bias.empty() &&
       hf.e_score_correction_bias.size() != static_cast<std::size_t>(c.routed_experts))
     throw Error("mlp.gate.e_score_correction_bias has " + std::to_string(hf.e_score_correction_bias.size()) +
@@ -285,10 +301,9 @@ LayerWeights weights_from_hf(const LayerConfig& c, const HfMoeBlock& hf) {
     if (!p.gate_proj.data && !p.up_proj.data && !p.down_proj.data && p.gate_proj.rows == 0 && p.up_proj.rows == 0 &&
         p.down_proj.rows == 0)
       continue;  // not held by this process (all three views empty)
-    mlp(p, c.expert_inter, "mlp.experts." + std::to_string(e), w.w1[e], w.w2[e]);
+    expert_from_hf(c, static_cast<std::int64_t>(e), p, w);
   }
-  if (c.shared_experts > 0) mlp(hf.shared, c.shared_inter_total(), "mlp.shared_experts", w.shared_w1, w.shared_w2);
-  if (c.dtype == DType::bf16) round_to_bf16(w);
+  if (c.shared_experts > 0) mlp_from_hf(c, hf.shared, c.shared_inter_total(), "mlp.shared_experts", w.shared_w1, w.shared_w2);
   return w;
 }
 

@@ -1,0 +1,30 @@
+// The index of a Hugging Face sharded checkpoint: its own file so that the
+// parser's fuzz target builds it alone.
+#include <nlohmann/json.hpp>
+
+#include "hpmoe/error.hpp"
+#include "hpmoe/safetensors.hpp"
+
+namespace hpmoe {
+
+std::map<std::string, std::string> parse_weight_map(const std::string& text, const std::string& source) {
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(text);
+  } catch (const nlohmann::json::exception& e) {
+    throw Error("'" + source + "' is not valid JSON: " + e.what());
+  }
+  if (!j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object())
+    throw Error("'" + source + "' has no \"weight_map\" object (tensor name -> file)");
+  std::map<std::string, std::string> map;
+  for (const auto& [name, file] : j["weight_map"].items()) {
+    if (!file.is_string()) throw Error("'" + source + "': weight_map[\"" + name + "\"] is not a file name");
+    const std::string f = file.get<std::string>();
+    if (f.empty() || f.find('/') != std::string::npos || f.find("..") != std::string::npos)
+      throw Error("'" + source + "': weight_map[\"" + name + "\"] names '" + f + "', not a file in the directory");
+    map[name] = f;
+  }
+  return map;
+}
+
+}  // namespace hpmoe
