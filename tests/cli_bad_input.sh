@@ -120,6 +120,7 @@ cases=(
   "run --load $tmp/idx_two_layers"
   "run --load $tmp/saved:no.such.prefix."
   "run --check-inprocess"
+  "run --verify-all-ranks"
   "run --count-exchange sideways"
   "run --mpi-outbox 0"
   "run --mpi-outbox lots"

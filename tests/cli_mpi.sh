@@ -55,6 +55,8 @@ check 2 shared -T 64 --backward --routing uniform --iters 1
 
 # The count exchange as a collective (the default on shared memory is one-sided stores).
 check 3 shared -T 64 --backward --routing zipf:1.2 --iters 3 --count-exchange collective
+# The audit: every process regenerates and verifies all ranks' programs.
+check 3 network -T 64 --backward --routing zipf:1.2 --iters 2 --verify-all-ranks
 
 # Backpressure: an outbox of 4 KiB makes nearly every put wait for room.
 check 3 network -T 96 --backward --routing zipf:1.2 --iters 1 --mpi-outbox 4096

@@ -34,6 +34,20 @@ void expect_ok(const std::vector<Program>& programs) {
   EXPECT_TRUE(report.ok) << report.error;
 }
 
+// Compiles every rank's program and proves them both ways: the whole set
+// together, and each rank alone against the exchange's interface.
+std::vector<Program> compile_checked(const LayerConfig& c, const ExpertPlacement& placement, const RoutingCounts& counts,
+                                     const Machine& m, Pass pass, Policy policy) {
+  auto programs = compile(c, placement, counts, m, pass, policy);
+  expect_ok(programs);
+  Verifier verifier;
+  for (const auto& p : programs) {
+    const auto report = verifier.verify_rank(p, c, placement, counts, m);
+    EXPECT_TRUE(report.ok) << "rank " << p.rank << " alone: " << report.error;
+  }
+  return programs;
+}
+
 }  // namespace
 
 class CompileAll : public ::testing::TestWithParam<std::tuple<Pass, Policy, int, std::string>> {};
@@ -42,9 +56,8 @@ TEST_P(CompileAll, VerifiesForEveryPolicyPassAndLayout) {
   const auto [pass, policy, ranks, machine] = GetParam();
   for (const char* routing : {"uniform", "zipf:2.5"}) {
     const LayerConfig c = small(ranks, 150);
-    const auto programs = compile(c, contiguous(c), counts_for(c, routing), parse_machine(machine), pass, policy);
+    const auto programs = compile_checked(c, contiguous(c), counts_for(c, routing), parse_machine(machine), pass, policy);
     ASSERT_EQ(programs.size(), static_cast<std::size_t>(ranks));
-    expect_ok(programs);
   }
 }
 
@@ -70,9 +83,24 @@ std::vector<Program> tiny_programs(Pass pass, std::int64_t ranks = 2, const char
   return compile(c, contiguous(c), counts_for(c, "uniform"), parse_machine(machine), pass, Policy::fill);
 }
 
+// The per-rank check of every rank of a corrupted tiny set (tiny_programs'
+// layer and routing): the first rank's error, or "" if every rank passed.
+std::string per_rank_error(const std::vector<Program>& programs) {
+  const LayerConfig c = small(static_cast<std::int64_t>(programs.size()), 150);
+  Verifier verifier;
+  for (const auto& p : programs) {
+    const auto report = verifier.verify_rank(p, c, contiguous(c), counts_for(c, "uniform"), programs[0].machine);
+    if (!report.ok) return report.error;
+  }
+  return "";
+}
+
+// The mutation corpus: a corrupted set must be rejected by the full check and
+// by some rank's own check.
 std::string verify_error(const std::vector<Program>& programs) {
   const auto r = verify(programs);
   EXPECT_FALSE(r.ok) << "the corrupted program was accepted";
+  EXPECT_NE(per_rank_error(programs), "") << "every rank alone accepted the corrupted set (full check: " << r.error << ")";
   return r.error;
 }
 
@@ -302,9 +330,8 @@ TEST(Taskflow, UnevenAndPermutedPlacementsVerify) {
   for (const auto& placement : {ExpertPlacement::contiguous(8, 3), ExpertPlacement::round_robin(8, 3),
                                 ExpertPlacement::random(8, 3, 9)})
     for (auto pass : {Pass::forward, Pass::backward}) {
-      const auto programs = compile(c, placement, counts_for(c, "zipf:1.3"), parse_machine("cpu:2"), pass,
-                                    Policy::critical_path);
-      expect_ok(programs);
+      const auto programs = compile_checked(c, placement, counts_for(c, "zipf:1.3"), parse_machine("cpu:2"), pass,
+                                            Policy::critical_path);
       for (std::int64_t r = 0; r < 3; ++r)
         EXPECT_EQ(static_cast<std::int64_t>(programs[static_cast<std::size_t>(r)].local_experts.size()),
                   placement.local_count(r));
@@ -316,15 +343,15 @@ TEST(Taskflow, EdgeCases) {
   for (auto pass : {Pass::forward, Pass::backward}) {
     LayerConfig c = small(1, 37);
     c.shared_experts = 0;
-    expect_ok(compile(c, contiguous(c), counts_for(c, "zipf:4"), parse_machine("cpu:2"), pass, Policy::critical_path));
+    compile_checked(c, contiguous(c), counts_for(c, "zipf:4"), parse_machine("cpu:2"), pass, Policy::critical_path);
     c = small(4, 1);  // one token per rank
     const auto counts = counts_for(c, "uniform");
     std::int64_t empty = 0;
     for (auto n : counts.counts) empty += n == 0;
     EXPECT_GT(empty, 0);
-    expect_ok(compile(c, contiguous(c), counts, parse_machine("cpu:2:1x64"), pass, Policy::critical_path));
+    compile_checked(c, contiguous(c), counts, parse_machine("cpu:2:1x64"), pass, Policy::critical_path);
     c = small(2, 130);
-    expect_ok(compile(c, contiguous(c), counts_for(c, "hot:0.45"), parse_machine("cpu:2:1x64"), pass, Policy::interleave_wgrad));
+    compile_checked(c, contiguous(c), counts_for(c, "hot:0.45"), parse_machine("cpu:2:1x64"), pass, Policy::interleave_wgrad);
   }
 }
 
@@ -333,8 +360,7 @@ TEST(Taskflow, LargeLayerCountsAndDependencies) {
   c.ranks = 4;
   c.tokens_per_rank = 1024;
   const auto counts = counts_for(c, "zipf:1.2");
-  const auto programs = compile(c, contiguous(c), counts, parse_machine("cpu:2"), Pass::forward, Policy::critical_path);
-  expect_ok(programs);
+  const auto programs = compile_checked(c, contiguous(c), counts, parse_machine("cpu:2"), Pass::forward, Policy::critical_path);
   const auto s = stats(programs, 1);
   // Every gate/up tile of rank 1: ceil(rows / 64) row tiles x 2816 / 64 column tiles per expert.
   std::int64_t expected = 0;
@@ -350,7 +376,7 @@ TEST(Taskflow, LargeLayerCountsAndDependencies) {
   double load = 0;
   for (double l : s.worker_load_s) load += l;
   EXPECT_GE(s.makespan_s * 2 * 1.0001, load);  // two workers cannot beat their total load
-  expect_ok(compile(c, contiguous(c), counts, parse_machine("cpu:2"), Pass::backward, Policy::interleave_wgrad));
+  compile_checked(c, contiguous(c), counts, parse_machine("cpu:2"), Pass::backward, Policy::interleave_wgrad);
 }
 
 TEST(Taskflow, RankRotatedPutsStartWithTheNextRank) {
@@ -422,6 +448,105 @@ TEST(Taskflow, RanksWithoutRoutedRowsStillVerify) {
         c.tokens_per_rank = 9;
         c.shared_experts = 0;
         const auto counts = counts_for(c, "zipf:4", seed);
-        expect_ok(compile(c, contiguous(c), counts, parse_machine("cpu:1"), pass, policy));
+        compile_checked(c, contiguous(c), counts, parse_machine("cpu:1"), pass, policy);
       }
+}
+
+// The per-rank proof (docs/architecture.md): each rank checks its own
+// program against the interface the counts predict, without its peers'.
+namespace {
+Pass flip(Pass p) { return p == Pass::forward ? Pass::backward : Pass::forward; }
+
+// Deletes a task from a program, renumbering the queues.
+void remove_task(Program& p, std::int32_t id) {
+  p.tasks.erase(p.tasks.begin() + id);
+  p.cost.erase(p.cost.begin() + id);
+  const auto at = std::find(p.queue_tasks.begin(), p.queue_tasks.end(), id) - p.queue_tasks.begin();
+  p.queue_tasks.erase(p.queue_tasks.begin() + at);
+  for (auto& q : p.queue_tasks)
+    if (q > id) --q;
+  for (auto& b : p.queue_begin)
+    if (b > at) --b;
+}
+}  // namespace
+
+TEST(PerRankVerifier, RejectsAPutQueuedBehindWhatPeersSend) {
+  for (auto pass : {Pass::forward, Pass::backward}) {
+    // Rank 0's last put to rank 1 moved behind its reduce, which waits for
+    // rank 1's returns, which wait for that put: a cycle across ranks that
+    // rank 0 alone sees as a level-0 put depending on a level-1 event.
+    auto programs = tiny_programs(pass, 2, "cpu:1");
+    auto& p = programs[0];
+    const TaskKind put = pass == Pass::forward ? TaskKind::dispatch_put : TaskKind::grad_dispatch_put;
+    auto& q = p.queue_tasks;
+    auto last_put = std::find_if(q.rbegin(), q.rend(), [&](std::int32_t id) { return p.tasks[id].kind == put && p.tasks[id].peer == 1; });
+    ASSERT_NE(last_put, q.rend());
+    const auto id = *last_put;
+    q.erase(std::next(last_put).base());
+    q.push_back(id);
+    EXPECT_TRUE(contains(verify_error(programs), "deadlock")) << verify(programs).error;
+    const auto error = per_rank_error(programs);
+    EXPECT_TRUE(contains(error, "level: rank 0 task #" + std::to_string(id))) << error;
+    EXPECT_TRUE(contains(error, "feeds a level-0 event of rank 1")) << error;
+    EXPECT_TRUE(contains(error, "level-1 puts feed")) << error;
+  }
+}
+
+// The per-rank condition is sufficient, not necessary: a put queued behind an
+// expert tile that peers feed cannot deadlock here (the peers' pieces for
+// that tile do not depend on it), so the whole set is accepted, but a rank
+// alone cannot know that and refuses. The scheduler never emits this order.
+TEST(PerRankVerifier, IsStricterThanTheWholeSetWhereItMustBe) {
+  auto programs = tiny_programs(Pass::forward, 2, "cpu:1");
+  auto& p = programs[0];
+  auto& q = p.queue_tasks;
+  const auto put = std::find_if(q.begin(), q.end(), [&](std::int32_t id) {
+    return p.tasks[id].kind == TaskKind::dispatch_put && p.tasks[id].peer == 1;
+  });
+  const auto gemm = std::find_if(q.begin(), q.end(), [&](std::int32_t id) { return p.tasks[id].kind == TaskKind::gemm_gate_up; });
+  ASSERT_TRUE(put != q.end() && gemm != q.end());
+  ASSERT_LT(put, gemm);
+  std::rotate(put, put + 1, gemm + 1);  // the put now runs right after the first gate/up tile
+  expect_ok(programs);
+  EXPECT_TRUE(contains(per_rank_error(programs), "level: rank 0")) << per_rank_error(programs);
+}
+
+TEST(PerRankVerifier, NamesPutsTheCountsDoNotPredict) {
+  for (auto pass : {Pass::forward, Pass::backward}) {
+    // A piece shifted by a row in the peer's buffer.
+    auto programs = tiny_programs(pass);
+    const TaskKind kind = pass == Pass::forward ? TaskKind::dispatch_put : TaskKind::grad_dispatch_put;
+    auto& p = programs[1];
+    std::int32_t id = -1;
+    for (std::size_t i = 0; i < p.tasks.size() && id < 0; ++i)
+      if (p.tasks[i].kind == kind && p.tasks[i].peer == 0) id = static_cast<std::int32_t>(i);
+    ASSERT_GE(id, 0);
+    p.tasks[id].row_begin += 1;
+    verify_error(programs);
+    auto error = per_rank_error(programs);
+    EXPECT_TRUE(contains(error, "interface: rank 1 makes a put the routing counts do not predict")) << error;
+    // A piece dropped: the sender lacks it (and rank 0's event misses a trigger).
+    programs = tiny_programs(pass);
+    remove_task(programs[1], id);
+    error = per_rank_error(programs);
+    EXPECT_TRUE(contains(error, "rank 1 lacks a put that the routing counts predict")) << error;
+    // A program of the other pass, or of another rank count, is refused.
+    const auto other = tiny_programs(flip(pass));
+    const LayerConfig c = small(2, 150);
+    Verifier verifier;
+    EXPECT_FALSE(verifier.verify_rank(other[0], small(3, 150), contiguous(small(3, 150)), counts_for(small(3, 150), "uniform"),
+                                      other[0].machine).ok);
+    EXPECT_TRUE(verifier.verify_rank(other[0], c, contiguous(c), counts_for(c, "uniform"), other[0].machine).ok);
+  }
+}
+
+// Another rank's counts (a peer that routed differently) change the
+// interface; the rank's program then disagrees with what it must send.
+TEST(PerRankVerifier, RejectsAProgramCompiledForOtherCounts) {
+  const LayerConfig c = small(2, 150);
+  const auto programs = compile(c, contiguous(c), counts_for(c, "uniform", 1), parse_machine("cpu:1"), Pass::forward, Policy::fill);
+  const auto report = verify_rank(programs[0], c, contiguous(c), counts_for(c, "uniform", 2), parse_machine("cpu:1"));
+  EXPECT_FALSE(report.ok);
+  EXPECT_TRUE(contains(report.error, "interface") || contains(report.error, "required") || contains(report.error, "requires"))
+      << report.error;
 }

@@ -50,6 +50,9 @@ struct RunRequest {
   // rank's outputs and gradients there, and compare bit for bit. Small
   // layers only: the root then holds the whole layer once more.
   bool check_inprocess = false;
+  // Over MPI: every process regenerates all ranks' programs and verifies the
+  // whole set (an audit of the per-rank proof; P times the compile cost).
+  bool verify_all_ranks = false;
 };
 
 // One rank's share of a sharded (MPI) run, as the root reports it.
@@ -115,6 +118,7 @@ struct RunReport {
   // Over MPI: each process held only its rank; times are the maximum over
   // ranks of each step, and `ranks` has one row per rank.
   bool sharded = false;
+  bool verified_per_rank = false;  // sharded: each rank proved only its own program
   std::vector<RankSummary> ranks;
 };
 

@@ -30,6 +30,11 @@ struct RuntimeOptions {
   taskflow::Policy policy = taskflow::Policy::critical_path;
   bool pin = true;
   bool verify_programs = true;     // run the verifier before every launch
+  // Sharded (MPI): every rank proves its own program against the interface
+  // the exchanged counts predict (taskflow::verify_rank), at the cost of its
+  // own program. This audit instead regenerates every rank's program on
+  // every process and verifies the whole set (P times the compile cost).
+  bool verify_all_ranks = false;
   double watchdog_seconds = 10.0;  // a wait longer than this stops the launch with an error
   // Fault injection (tests, tools): called with the step's programs after
   // compilation and before verification and launch.

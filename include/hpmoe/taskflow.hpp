@@ -249,9 +249,21 @@ struct VerifyReport {
 // no conflicting writes.
 VerifyReport verify(std::span<const Program>);
 
+// Proves one rank's program safe with that program alone and the step's
+// interface: the puts between ranks, a pure function of (layer, placement,
+// counts, machine). Its own puts must be exactly the predicted ones, every
+// event it waits on must count its own triggers plus the predicted puts into
+// it, and no put into a peer's level-l event (dispatch 0, return 1) may come
+// after, or wait on, an event that peers' puts of level >= l feed. If every
+// rank's check passes, the whole set is free of deadlock, races and
+// conflicting writes (docs/architecture.md); no peer's program is generated.
+VerifyReport verify_rank(const Program& own, const LayerConfig&, const ExpertPlacement&, const RoutingCounts&,
+                         const Machine&);
+
 // The same, keeping its working storage between calls (the per-step path).
 struct VerifierScratch;
 class AccessTable;
+class Exchange;
 class Verifier {
  public:
   // Checks programs against `table` (the standard one unless a test
@@ -262,6 +274,10 @@ class Verifier {
   Verifier(const Verifier&) = delete;
   Verifier& operator=(const Verifier&) = delete;
   VerifyReport verify(std::span<const Program>);
+  VerifyReport verify_rank(const Program& own, const LayerConfig&, const ExpertPlacement&, const RoutingCounts&,
+                           const Machine&);
+  // The same with the step's exchange layout already built (the executor's).
+  VerifyReport verify_rank(const Program& own, const LayerConfig&, const Exchange&, const Machine&);
 
  private:
   std::unique_ptr<VerifierScratch> scratch_;

@@ -211,6 +211,7 @@ Executors make_executors(const RunRequest& req, const LayerWeights& w, const Exp
   ropt.trace = x.trace;
   ropt.transport = req.transport;
   ropt.watchdog_seconds = req.watchdog_seconds;
+  ropt.verify_all_ranks = req.verify_all_ranks;
   ropt.fault = req.fault;
   ropt.placement = placement;
   ropt.pin = !x.use_serialized || sharded ? req.pin : false;  // else the serialized executor's pool holds the pinned cores
@@ -570,6 +571,7 @@ RunReport run_sharded(const RunRequest& req, const std::function<void(const std:
 
   RunReport rep = report_header(req, placement, x);
   rep.sharded = true;
+  rep.verified_per_rank = !req.verify_all_ranks;
   rep.serialized_over = rep.transport;
 
   Steps steps;
@@ -678,6 +680,9 @@ RunReport run_layer(const RunRequest& req, const std::function<void(const std::s
 
   if (req.transport) return run_sharded(req, say);  // MPI, one rank per process (P = 1 too)
   if (req.check_inprocess) throw Error("--check-inprocess compares an MPI run with the in-process one; use it with --transport mpi");
+  if (req.verify_all_ranks)
+    throw Error("--verify-all-ranks audits the per-rank proof of an MPI run (in process the whole set is always verified); "
+                "use it with --transport mpi");
 
   say(req.load_dir.empty() ? "generating weights and inputs" : "loading weights and inputs from " + req.load_dir);
   LayerWeights w = req.load_dir.empty() ? random_weights(c, req.seed) : load_weights(req.load_dir, c);
@@ -781,6 +786,7 @@ nlohmann::json to_json(const RunReport& r) {
                                : nlohmann::json{{"tensor", c.tensor}, {"rel_l2", c.rel_l2}, {"max_abs", c.max_abs},
                                                 {"ref_max", c.ref_max}, {"pass", c.pass}});
   if (r.sharded) {
+    j["proof"] = r.verified_per_rank ? "per-rank" : "all-ranks";
     nlohmann::json ranks = nlohmann::json::array();
     for (const auto& k : r.ranks)
       ranks.push_back({{"rank", k.rank},
@@ -886,6 +892,9 @@ std::string format_report(const RunReport& r) {
       << ms(r.backward_time.max) << "), " << r.backward_flops / r.backward_time.median / 1e9 << " GFLOP/s"
       << busy_idle(r.serialized_backward_busy) << "\n";
   if (r.sharded) {
+    o << "proof    " << (r.verified_per_rank ? "each rank proved its own program against the exchanged counts (per-rank check)"
+                                          : "every process verified all ranks' programs (--verify-all-ranks)")
+      << "\n";
     o << "ranks    each process holds its rank's tokens and experts; step times above are the slowest rank's\n"
       << "         rank  experts  rows in  interleaved fwd/bwd ms  serialized fwd/bwd ms  host ms  expert weights MB  "
          "segment MB  local MB  peak RSS MB\n";

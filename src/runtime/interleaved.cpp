@@ -139,7 +139,7 @@ class Interleaved final : public InterleavedExecutor::Impl {
     auto t2 = Clock::now();
     res.forward_ops.push_back({"compile", seconds(t1, t2)});
     if (opt_.verify_programs) {
-      const auto report = verifier_.verify(programs);
+      const auto report = verify(programs);
       if (!report.ok) throw Error("the compiled program failed verification: " + report.error);
     }
     auto t3 = Clock::now();
@@ -168,7 +168,7 @@ class Interleaved final : public InterleavedExecutor::Impl {
     auto b1 = Clock::now();
     res.backward_ops.push_back({"compile", seconds(b0, b1)});
     if (opt_.verify_programs) {
-      const auto report = verifier_.verify(backward_programs);
+      const auto report = verify(backward_programs);
       if (!report.ok) throw Error("the compiled backward program failed verification: " + report.error);
     }
     auto b2 = Clock::now();
@@ -192,12 +192,12 @@ class Interleaved final : public InterleavedExecutor::Impl {
   double launch(std::vector<taskflow::Program>& set, StepResult& res) {
     current_ = &set;
     // Phased: one barrier counter per operator after the program's events.
-    const auto& order = taskflow::operator_order(set[0].pass);
+    const auto& order = taskflow::operator_order(pass_of(set));
     const std::size_t barriers = opt_.phased ? order.size() : 0;
     std::vector<std::int64_t> events(static_cast<std::size_t>(c_.ranks));
     launch_events_.resize(static_cast<std::size_t>(c_.ranks));
     for (std::int64_t r = 0; r < c_.ranks; ++r) {
-      launch_events_[static_cast<std::size_t>(r)] = event_count(set[0].pass, r);
+      launch_events_[static_cast<std::size_t>(r)] = event_count(pass_of(set), r);
       events[static_cast<std::size_t>(r)] = launch_events_[static_cast<std::size_t>(r)] + static_cast<std::int64_t>(barriers);
     }
     tr_->reserve_events(events);
@@ -253,7 +253,7 @@ class Interleaved final : public InterleavedExecutor::Impl {
     if (failure_) std::rethrow_exception(failure_);
     const double elapsed = seconds(start, Clock::now());
     if (opt_.phased) {  // each operator: from the previous barrier to its own, as this process's workers passed them
-      auto& ops = set[0].pass == taskflow::Pass::forward ? res.forward_ops : res.backward_ops;
+      auto& ops = pass_of(set) == taskflow::Pass::forward ? res.forward_ops : res.backward_ops;
       // Operators no rank has tasks of (the shared experts' without them) are not listed.
       std::array<bool, static_cast<std::size_t>(TaskKind::count)> present{};
       for (const int r : local_)
@@ -271,11 +271,11 @@ class Interleaved final : public InterleavedExecutor::Impl {
     for (std::size_t i = 0; i < busy_.size(); ++i)
       busy[static_cast<std::size_t>(local_[i / static_cast<std::size_t>(opt_.workers_per_rank)])] += static_cast<float>(busy_[i]);
     for (int q = 0; q < c_.ranks; ++q) tr_->gather(std::span<float>(busy).subspan(static_cast<std::size_t>(q), 1), q);
-    double& total = set[0].pass == taskflow::Pass::forward ? res.forward_busy_seconds : res.backward_busy_seconds;
+    double& total = pass_of(set) == taskflow::Pass::forward ? res.forward_busy_seconds : res.backward_busy_seconds;
     total = 0;
     for (float b : busy) total += b;
     if (opt_.trace) {
-      const char* pass = set[0].pass == taskflow::Pass::forward ? "forward" : "backward";
+      const char* pass = pass_of(set) == taskflow::Pass::forward ? "forward" : "backward";
       for (std::size_t i = 0; i < local_.size(); ++i)
         for (int w = 0; w < opt_.workers_per_rank; ++w)
           for (const auto& span : spans_[i * static_cast<std::size_t>(opt_.workers_per_rank) + static_cast<std::size_t>(w)]) {
@@ -300,7 +300,25 @@ class Interleaved final : public InterleavedExecutor::Impl {
 
   // The ranks whose programs this step compiles: the hosted ones, and all
   // of them where the verifier checks the whole set (it needs every program).
-  const std::vector<int>& compiled_ranks() const { return !sharded() || opt_.verify_programs ? all_ranks_ : local_; }
+  // The pass of a set of programs, from a hosted rank's (sharded, the other
+  // ranks' programs are not compiled here).
+  taskflow::Pass pass_of(const std::vector<taskflow::Program>& set) const {
+    return set[static_cast<std::size_t>(local_.front())].pass;
+  }
+  const std::vector<int>& compiled_ranks() const { return !sharded() || whole_set_verified() ? all_ranks_ : local_; }
+  bool whole_set_verified() const { return opt_.verify_programs && (!sharded() || opt_.verify_all_ranks); }
+
+  // In process, the whole set at once; sharded, each hosted rank's own
+  // program against the interface of the exchanged counts (or, as an audit,
+  // every rank's program regenerated here).
+  taskflow::VerifyReport verify(const std::vector<taskflow::Program>& set) {
+    if (whole_set_verified()) return verifier_.verify(set);
+    for (const int r : local_) {
+      auto report = verifier_.verify_rank(set[static_cast<std::size_t>(r)], c_, *ex_, machine_);
+      if (!report.ok) return report;
+    }
+    return {};
+  }
 
   // Events of rank r's program for a pass, from the exchange layout alone
   // (a peer's program need not be compiled here).
@@ -608,7 +626,7 @@ class Interleaved final : public InterleavedExecutor::Impl {
   // The layout of rank q's buffer in the pass being launched, from the
   // exchange (q's program need not exist here): where a put to q lands.
   const taskflow::BufferLayout* peer_layout(std::int64_t q, BufferId id) const {
-    const auto& index = (*current_)[0].pass == taskflow::Pass::forward ? forward_peer_ : backward_peer_;
+    const auto& index = pass_of(*current_) == taskflow::Pass::forward ? forward_peer_ : backward_peer_;
     return index[static_cast<std::size_t>(q)][static_cast<std::size_t>(id)];
   }
 

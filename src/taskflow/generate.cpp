@@ -304,28 +304,78 @@ void generate_into(Program& p, const LayerConfig& c, const ExpertPlacement& plac
   generate(p, c, Exchange(c, placement, counts, m.tile_rows), m, pass, rank);
 }
 
-void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machine& m, Pass pass, std::int64_t rank) {
-  const ExpertPlacement& placement = ex.placement();
-  const auto mine = placement.experts_of(rank);  // this rank's experts, in slot order
-  const std::int64_t H = c.hidden, I = c.expert_inter, Is = c.shared_inter_total(),
-                     L = static_cast<std::int64_t>(mine.size()), T = c.tokens_per_rank, P = c.ranks,
-                     E = c.routed_experts, TR = m.tile_rows, TC = m.tile_cols;
-  const std::int64_t elem = c.dtype == DType::bf16 ? 2 : 4;
-  const bool shared = c.shared_experts > 0;
-  // Reuse the vectors' storage: a rank recompiles every step.
-  p.tasks.clear();
-  p.cost.clear();
-  p.events.clear();
-  p.buffers.clear();
-  p.expert_begin.clear();
+namespace {
+
+// Puts of `rank`'s tokens (forward) or output gradients (backward) to every
+// expert's owner (only `only_peer`'s when it is >= 0), split at the owner's
+// row tiles so that each piece signals exactly the tile it fills.
+template <class Emit>
+void puts_to_experts(const LayerConfig& c, const Exchange& ex, std::int64_t tile_rows, Pass pass, std::int64_t rank,
+                     std::int64_t only_peer, Emit&& emit) {
+  const bool forward = pass == Pass::forward;
+  const std::int64_t TR = tile_rows, token_tiles = ceil_div(c.tokens_per_rank, TR);
+  for (std::int64_t e = 0; e < ex.experts(); ++e) {
+    const std::int64_t d = ex.placement().owner(e), n = ex.count(rank, e);
+    if (n == 0 || (only_peer >= 0 && d != only_peer)) continue;
+    const EventBases owner_events(pass, ex.row_tiles(d), ex.placement().local_count(d), token_tiles);
+    const std::int64_t base = forward ? owner_events.recv : owner_events.dy;
+    const std::int64_t first = ex.source_offset(rank, e);
+    for (std::int64_t r = first; r < first + n;) {
+      const std::int64_t tile = r / TR, end = std::min(first + n, (tile + 1) * TR);
+      emit(TaskSpec{.kind = forward ? TaskKind::dispatch_put : TaskKind::grad_dispatch_put,
+                    .src = forward ? BufferId::x : BufferId::dout, .dst = forward ? BufferId::recv : BufferId::dy,
+                    .expert = e, .peer = d, .row_begin = ex.expert_start(e) + r, .rows = end - r, .col_begin = 0,
+                    .cols = c.hidden, .src_row = ex.send_offset(rank, e) + (r - first),
+                    .trigger_event = base + ex.tile_start(e) + tile});
+      r = end;
+    }
+  }
+}
+
+// Puts of `rank`'s expert outputs (forward) or their input gradients
+// (backward) back to each source (only `only_source` when it is >= 0), split
+// at this rank's row tiles; each piece waits for the one tile it reads
+// (wait_base: the first of those events, -1 for pieces that wait for nothing).
+template <class Emit>
+void puts_to_sources(const LayerConfig& c, const Exchange& ex, std::int64_t tile_rows, Pass pass, std::int64_t rank,
+                     std::int64_t only_source, std::int64_t wait_base, std::int64_t wait_count, Emit&& emit) {
+  const bool forward = pass == Pass::forward;
+  const std::int64_t TR = tile_rows, token_tiles = ceil_div(c.tokens_per_rank, TR);
+  for (const std::int64_t e : ex.placement().experts_of(rank)) {
+    for (std::int64_t s = 0; s < ex.ranks(); ++s) {
+      const std::int64_t n = ex.count(s, e), first = ex.source_offset(s, e);
+      if (n == 0 || (only_source >= 0 && s != only_source)) continue;
+      const EventBases source_events(pass, ex.row_tiles(s), ex.placement().local_count(s), token_tiles);
+      const std::int64_t target = forward ? source_events.comb_done : source_events.dx_ready;
+      for (std::int64_t r = first; r < first + n;) {
+        const std::int64_t tile = r / TR, end = std::min(first + n, (tile + 1) * TR);
+        emit(TaskSpec{.kind = forward ? TaskKind::combine_put : TaskKind::grad_combine_put,
+                      .src = forward ? BufferId::y : BufferId::dxe, .dst = forward ? BufferId::comb : BufferId::dcomb,
+                      .expert = e, .peer = s, .row_begin = ex.send_offset(s, e) + (r - first), .rows = end - r,
+                      .col_begin = 0, .cols = c.hidden, .src_row = ex.expert_start(e) + r,
+                      .wait_event = wait_base < 0 ? -1 : wait_base + ex.tile_start(e) + tile,
+                      .wait_count = wait_base < 0 ? 0 : wait_count, .trigger_event = target});
+        r = end;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void program_header(Program& p, const LayerConfig& c, const Exchange& ex, const Machine& m, Pass pass, std::int64_t rank) {
+  const auto mine = ex.placement().experts_of(rank);
+  const std::int64_t E = c.routed_experts;
+  p.version = kFormatVersion;
   p.local_experts.assign(mine.begin(), mine.end());
   p.expert_slot.assign(static_cast<std::size_t>(E), -1);
-  for (std::int64_t le = 0; le < L; ++le) p.expert_slot[static_cast<std::size_t>(mine[static_cast<std::size_t>(le)])] = static_cast<std::int32_t>(le);
+  for (std::size_t le = 0; le < mine.size(); ++le) p.expert_slot[static_cast<std::size_t>(mine[le])] = static_cast<std::int32_t>(le);
   p.pass = pass;
   p.rank = static_cast<std::int32_t>(rank);
-  p.ranks = static_cast<std::int32_t>(P);
+  p.ranks = static_cast<std::int32_t>(c.ranks);
   p.machine = m;
-  p.dims = Dims{H, I, Is, E, c.top_k, T, elem};
+  p.dims = Dims{c.hidden, c.expert_inter, c.shared_inter_total(), E, c.top_k, c.tokens_per_rank, c.dtype == DType::bf16 ? 2 : 4};
+  p.expert_begin.clear();
   p.kpad_begin.clear();
   for (const std::int32_t e : mine) {
     p.expert_begin.push_back(ex.expert_start(e));
@@ -334,51 +384,39 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
   p.expert_begin.push_back(ex.recv_rows(rank));
   p.kpad_begin.push_back(ex.kpad_rows(rank));
   p.send_rows = ex.send_rows(rank);
+  declare_buffers(p, c, ex, pass, rank);
+}
+
+void interface_puts(const LayerConfig& c, const Exchange& ex, std::int64_t tile_rows, Pass pass, std::int64_t from,
+                    std::int64_t to, std::vector<Task>& out) {
+  const auto add = [&](const TaskSpec& s) {
+    auto i32 = [](std::int64_t v) { return static_cast<std::int32_t>(v); };
+    out.push_back(Task{s.kind, queue_class(s.kind), s.src, s.dst, i32(s.expert), i32(s.peer), i32(s.row_begin),
+                       i32(s.rows), i32(s.col_begin), i32(s.cols), i32(s.src_row), -1, 0, i32(s.trigger_event)});
+  };
+  puts_to_experts(c, ex, tile_rows, pass, from, to, add);
+  puts_to_sources(c, ex, tile_rows, pass, from, to, -1, 0, add);
+}
+
+void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machine& m, Pass pass, std::int64_t rank) {
+  const ExpertPlacement& placement = ex.placement();
+  const auto mine = placement.experts_of(rank);  // this rank's experts, in slot order
+  const std::int64_t H = c.hidden, I = c.expert_inter, Is = c.shared_inter_total(),
+                     L = static_cast<std::int64_t>(mine.size()), T = c.tokens_per_rank,
+                     E = c.routed_experts, TR = m.tile_rows, TC = m.tile_cols;
+  const bool shared = c.shared_experts > 0;
+  // Reuse the vectors' storage: a rank recompiles every step.
+  p.tasks.clear();
+  p.cost.clear();
+  p.events.clear();
+  program_header(p, c, ex, m, pass, rank);
 
   const std::int64_t row_tiles = ex.row_tiles(rank), token_tiles = ceil_div(T, TR);
   const EventBases ev(pass, row_tiles, L, token_tiles);
   p.events.assign(static_cast<std::size_t>(ev.total), Event{0, TaskKind::count, -1, -1});
   Builder b(p, m);
   const std::int64_t n_gate_up = ceil_div(2 * I, TC), n_down = ceil_div(H, TC), n_inter = ceil_div(I, TC);
-
-  // Puts from this rank's tokens (or gradients) to every expert, split at the
-  // receiver's row tiles so that each piece signals exactly the tile it fills.
-  auto puts_to_experts = [&](TaskKind kind, BufferId src, BufferId dst, std::int64_t remote_base) {
-    for (std::int64_t e = 0; e < E; ++e) {
-      const std::int64_t d = placement.owner(e), n = ex.count(rank, e);
-      const std::int64_t first = ex.source_offset(rank, e);
-      for (std::int64_t r = first; r < first + n;) {
-        const std::int64_t tile = r / TR, end = std::min(first + n, (tile + 1) * TR);
-        b.task({.kind = kind, .src = src, .dst = dst, .expert = e, .peer = d, .row_begin = ex.expert_start(e) + r,
-                .rows = end - r, .col_begin = 0, .cols = H, .src_row = ex.send_offset(rank, e) + (r - first),
-                .trigger_event = remote_base + ex.tile_start(e) + tile});
-        r = end;
-      }
-    }
-  };
-  // Puts of this rank's expert outputs back to each source, split at this
-  // rank's row tiles (each piece waits for the one tile it reads).
-  auto puts_to_sources = [&](TaskKind kind, BufferId src, BufferId dst, std::int64_t wait_base, std::int64_t wait_count,
-                             bool forward) {
-    for (const std::int64_t e : mine) {
-      for (std::int64_t s = 0; s < P; ++s) {
-        const std::int64_t n = ex.count(s, e), first = ex.source_offset(s, e);
-        const EventBases source_events(forward ? Pass::forward : Pass::backward, ex.row_tiles(s),
-                                       placement.local_count(s), ceil_div(T, TR));
-        const std::int64_t target = forward ? source_events.comb_done : source_events.dx_ready;
-        for (std::int64_t r = first; r < first + n;) {
-          const std::int64_t tile = r / TR, end = std::min(first + n, (tile + 1) * TR);
-          b.task({.kind = kind, .src = src, .dst = dst, .expert = e, .peer = s,
-                  .row_begin = ex.send_offset(s, e) + (r - first), .rows = end - r, .col_begin = 0, .cols = H,
-                  .src_row = ex.expert_start(e) + r, .wait_event = wait_base + ex.tile_start(e) + tile,
-                  .wait_count = wait_count, .trigger_event = target});
-          r = end;
-        }
-      }
-    }
-  };
-
-  declare_buffers(p, c, ex, pass, rank);
+  const auto emit = [&](const TaskSpec& s) { b.task(s); };
 
   if (pass == Pass::forward) {
     // Events of this rank.
@@ -400,7 +438,7 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
         b.event(ev.sh_a + t, 1, TaskKind::shared_down, -1, t);
       }
 
-    puts_to_experts(TaskKind::dispatch_put, BufferId::x, BufferId::recv, ev.recv);
+    puts_to_experts(c, ex, TR, pass, rank, -1, emit);
     if (shared) {
       for (std::int64_t t = 0; t < token_tiles; ++t) {
         const std::int64_t rows = std::min(TR, T - t * TR);
@@ -427,7 +465,7 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
         });
       }
     }
-    puts_to_sources(TaskKind::combine_put, BufferId::y, BufferId::comb, ev.y, n_down, true);
+    puts_to_sources(c, ex, TR, pass, rank, -1, ev.y, n_down, emit);
     // A reduce tile reads its tokens' rows by slot, scattered over every
     // expert's returned rows; counts alone do not say which pieces hold them,
     // so each reduce tile waits for all pieces (and the shared expert).
@@ -466,7 +504,7 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
   b.event(ev.dx_ready, static_cast<std::int32_t>(ex.pieces_into(rank) + n_router_dgrad + n_shared_dgrad),
           TaskKind::grad_reduce, -1, -1);
 
-  puts_to_experts(TaskKind::grad_dispatch_put, BufferId::dout, BufferId::dy, ev.dy);
+  puts_to_experts(c, ex, TR, pass, rank, -1, emit);
   // Router: gate-weight gradients, logits gradients, then its GEMMs.
   for (std::int64_t t = 0; t < token_tiles; ++t) {
     const std::int64_t rows = std::min(TR, T - t * TR);
@@ -523,7 +561,7 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
       b.task({.kind = TaskKind::gemm_gate_up_wgrad, .src = BufferId::xt, .dst = BufferId::dw1, .expert = e, .row_begin = le * H + i, .rows = rows, .col_begin = j, .cols = n, .src_row = start, .wait_event = ev.dh_packed + le, .wait_count = tiles});
     });
   }
-  puts_to_sources(TaskKind::grad_combine_put, BufferId::dxe, BufferId::dcomb, ev.dxe, n_down, false);
+  puts_to_sources(c, ex, TR, pass, rank, -1, ev.dxe, n_down, emit);
   for (std::int64_t t = 0; t < token_tiles; ++t) {
     const std::int64_t rows = std::min(TR, T - t * TR);
     b.task({.kind = TaskKind::grad_reduce, .src = BufferId::dcomb, .dst = BufferId::dx, .row_begin = t * TR, .rows = rows, .col_begin = 0, .cols = H, .src_row = t * TR, .wait_event = ev.dx_ready, .wait_count = p.events[ev.dx_ready].required});

@@ -93,5 +93,15 @@ struct EventBases {
 // The buffers of a rank's program for a pass (what generate declares).
 void declare_buffers(Program&, const LayerConfig&, const Exchange&, Pass, std::int64_t rank);
 void generate(Program& out, const LayerConfig&, const Exchange&, const Machine&, Pass, std::int64_t rank);
+// A rank's program without tasks or events: its identity, expert layout and
+// buffers, as generate writes them.
+void program_header(Program&, const LayerConfig&, const Exchange&, const Machine&, Pass, std::int64_t rank);
+// The interface between two ranks' programs: the puts that `from`'s program
+// makes into `to` in a pass (from != to), with their pieces, rectangles and
+// target events exactly as generate emits them, but without their waits
+// (which are local to `from`). A pure function of the exchange; appended to
+// `out`.
+void interface_puts(const LayerConfig&, const Exchange&, std::int64_t tile_rows, Pass, std::int64_t from, std::int64_t to,
+                    std::vector<Task>& out);
 
 }  // namespace hpmoe::taskflow

@@ -1,9 +1,11 @@
 #include <algorithm>
 #include <sstream>
+#include <tuple>
 
 #include "hpmoe/access.hpp"
 #include "hpmoe/error.hpp"
 #include "hpmoe/taskflow.hpp"
+#include "taskflow/layout.hpp"
 
 namespace hpmoe::taskflow {
 
@@ -86,6 +88,41 @@ struct SlottedWrite {
   Write write;
 };
 
+// The programs checked together, one per rank: all ranks' real programs, or
+// (the per-rank check) one rank's own program among stand-ins for its peers.
+class ProgramSet {
+ public:
+  explicit ProgramSet(std::span<const Program> programs) {
+    for (const auto& p : programs) ptr_.push_back(&p);
+  }
+  explicit ProgramSet(std::vector<const Program*> programs) : ptr_(std::move(programs)) {}
+  const Program& operator[](std::size_t i) const { return *ptr_[i]; }
+  std::size_t size() const { return ptr_.size(); }
+  struct iterator {
+    const Program* const* at;
+    const Program& operator*() const { return **at; }
+    iterator& operator++() {
+      ++at;
+      return *this;
+    }
+    bool operator!=(const iterator& o) const { return at != o.at; }
+  };
+  iterator begin() const { return {ptr_.data()}; }
+  iterator end() const { return {ptr_.data() + ptr_.size()}; }
+
+ private:
+  std::vector<const Program*> ptr_;
+};
+
+// Levels of the events that other ranks' puts feed: the dispatch of rows to
+// experts (forward recv tiles, backward dy tiles) is level 0, the return of
+// expert outputs to their sources (comb_done, dx_ready) level 1. A put into a
+// peer's level-l event may depend only on local events and on remote-fed
+// events of levels below l (docs/architecture.md, the per-rank proof).
+std::int8_t put_level(TaskKind put) {
+  return put == TaskKind::dispatch_put || put == TaskKind::grad_dispatch_put ? 0 : 1;
+}
+
 
 }  // namespace
 
@@ -98,19 +135,31 @@ struct VerifierScratch {
   std::vector<std::uint32_t> visit_stamp;
   std::vector<Write> writes;
   std::vector<SlottedWrite> flat_writes;
-  std::vector<EventBoxes> event_boxes;  // [event]
+  std::vector<EventBoxes> event_boxes;  // [event of the checked ranks]
+  // The per-rank check: the peers' stand-ins, the expected puts out of the
+  // rank, its own puts, and each event's level of remote dependence.
+  std::vector<Program> stubs;
+  std::vector<Task> expected, actual;
+  std::vector<std::int8_t> event_dep, event_remote_level;
+  std::vector<std::int64_t> event_dep_origin;
 };
 
 namespace {
 
 class Checker {
  public:
-  Checker(std::span<const Program> programs, VerifierScratch& scratch, const AccessTable& table)
-      : p_(programs), s_(scratch), table_(table) {
+  // focus < 0: every program is a rank's real program, all checked. focus
+  // = r: only rank r's program is real; the others stand in for its peers
+  // (their puts into r, and events for r's puts to count), and only what r
+  // reads and when it may send is checked.
+  Checker(ProgramSet programs, VerifierScratch& scratch, const AccessTable& table, std::int32_t focus = -1)
+      : p_(std::move(programs)), s_(scratch), table_(table), focus_(focus) {
     for (const auto& p : p_) {
       event_base_.push_back(total_events_);
       total_events_ += static_cast<std::int64_t>(p.events.size());
     }
+    boxed_begin_ = focus_ < 0 ? 0 : event_base_[static_cast<std::size_t>(focus_)];
+    boxed_end_ = focus_ < 0 ? total_events_ : boxed_begin_ + static_cast<std::int64_t>(p_[static_cast<std::size_t>(focus_)].events.size());
   }
 
   void structure() {
@@ -257,11 +306,20 @@ class Checker {
     struct Worker {
       std::int32_t rank, w, head, end, next_blocked;
       double time;
+      // The highest level of remote-fed event that this worker's tasks so
+      // far depend on (-1: none), and that event (per-rank check only).
+      std::int8_t dep = -1;
+      std::int64_t dep_origin = -1;
     };
     std::vector<Worker> workers;
     for (std::int32_t r = 0; r < static_cast<std::int32_t>(p_.size()); ++r)
       for (int w = 0; w < p_[r].machine.workers(); ++w)
         workers.push_back(Worker{r, w, p_[r].queue_begin[w], p_[r].queue_begin[w + 1], -1, 0.0});
+    const bool levels = focus_ >= 0;
+    if (levels) {
+      s_.event_dep.assign(static_cast<std::size_t>(total_events_), -1);
+      s_.event_dep_origin.assign(static_cast<std::size_t>(total_events_), -1);
+    }
     loads_.assign(workers.size(), 0.0);
     auto& work = s_.work;
     work.resize(workers.size());
@@ -287,6 +345,16 @@ class Checker {
             cp_start = cp_done[ev];
           }
         }
+        if (levels) {
+          if (t.wait_event >= 0) {
+            const auto ev = event_base_[wk.rank] + t.wait_event;
+            if (s_.event_dep[ev] > wk.dep) {
+              wk.dep = s_.event_dep[ev];
+              wk.dep_origin = s_.event_dep_origin[ev];
+            }
+          }
+          if (wk.rank == focus_ && t.peer != focus_ && wk.dep >= put_level(t.kind)) level_violation(wk.w, id, wk.dep, wk.dep_origin);
+        }
         if constexpr (kTiming) {
           const double cost = double(p.cost[id]);
           wk.time = start + cost;
@@ -297,6 +365,18 @@ class Checker {
         if (t.trigger_event >= 0) {
           const auto ev = event_base_[t.peer] + t.trigger_event;
           ++count[ev];
+          if (levels) {
+            std::int8_t dep = wk.dep;
+            std::int64_t origin = wk.dep_origin;
+            if (wk.rank != focus_ && t.peer == focus_ && put_level(t.kind) > dep) {  // a peer's put feeds this event
+              dep = put_level(t.kind);
+              origin = ev;
+            }
+            if (dep > s_.event_dep[ev]) {
+              s_.event_dep[ev] = dep;
+              s_.event_dep_origin[ev] = origin;
+            }
+          }
           if constexpr (kTiming) {
             done[ev] = std::max(done[ev], wk.time);
             cp_done[ev] = std::max(cp_done[ev], cp_start + double(p.cost[id]));
@@ -341,6 +421,7 @@ class Checker {
     };
     std::vector<Checked> last(kBuffers);
     for (std::int32_t r = 0; r < P; ++r) {
+      if (focus_ >= 0 && r != focus_) continue;  // stand-ins read nothing that is checked
       const Program& p = p_[r];
       std::fill(last.begin(), last.end(), Checked{});
       const Task* previous = nullptr;
@@ -376,6 +457,56 @@ class Checker {
     }
   }
 
+  // The per-rank check's interface: rank focus_'s puts to its peers must be
+  // exactly the pieces the exchange predicts (`expected`), since every peer
+  // checked itself assuming them.
+  void match_interface(std::vector<Task>& expected) {
+    const Program& p = p_[static_cast<std::size_t>(focus_)];
+    auto& actual = s_.actual;
+    actual.clear();
+    for (const auto& t : p.tasks)
+      if (t.peer != focus_) actual.push_back(t);
+    const auto key = [](const Task& t) {
+      return std::tuple(t.peer, t.kind, t.trigger_event, t.row_begin, t.col_begin, t.rows, t.cols, t.src_row, t.expert,
+                        t.src, t.dst);
+    };
+    const auto before = [&](const Task& a, const Task& b) { return key(a) < key(b); };
+    std::sort(actual.begin(), actual.end(), before);
+    std::sort(expected.begin(), expected.end(), before);
+    const auto describe_put = [](const Task& t) {
+      std::ostringstream o;
+      o << name(t.kind) << " of expert " << t.expert << " into rank " << t.peer << "'s " << name(t.dst) << " rows ["
+        << t.row_begin << ", " << t.row_begin + t.rows << ") cols [" << t.col_begin << ", " << t.col_begin + t.cols
+        << ") from rows [" << t.src_row << ", " << t.src_row + t.rows << "), signalling its event " << t.trigger_event;
+      return o.str();
+    };
+    for (const auto& t : actual)
+      if (!std::binary_search(expected.begin(), expected.end(), t, before))
+        fail("interface: rank " + std::to_string(focus_) + " makes a put the routing counts do not predict (" +
+             describe_put(t) + "); its peers proved their programs assuming only the predicted pieces");
+    for (const auto& t : expected)
+      if (!std::binary_search(actual.begin(), actual.end(), t, before))
+        fail("interface: rank " + std::to_string(focus_) + " lacks a put that the routing counts predict (" +
+             describe_put(t) + "); its peer counts on it");
+    if (actual.size() != expected.size())
+      fail("interface: rank " + std::to_string(focus_) + " makes " + std::to_string(actual.size()) +
+           " puts to its peers where the routing counts predict " + std::to_string(expected.size()) + " (one twice)");
+  }
+
+  // Every check in order; `expected`: the per-rank check's predicted puts
+  // out of the focus rank (null for the whole set).
+  VerifyReport prove(std::vector<Task>* expected) {
+    try {
+      structure();
+      if (expected) match_interface(*expected);
+      execute<false>();
+      coverage();
+      return {};
+    } catch (const Error& e) {
+      return {false, e.what()};
+    }
+  }
+
   const std::string& error() const { return error_; }
   double critical() const { return critical_; }
   double makespan() const { return makespan_; }
@@ -391,7 +522,7 @@ class Checker {
   void build_write_index() {
     const std::int32_t P = static_cast<std::int32_t>(p_.size());
     s_.write_begin.assign(static_cast<std::size_t>(P) * kBuffers + 1, 0);
-    s_.event_boxes.assign(static_cast<std::size_t>(total_events_), EventBoxes{});
+    s_.event_boxes.assign(static_cast<std::size_t>(boxed_end_ - boxed_begin_), EventBoxes{});
     auto& flat = s_.flat_writes;  // one pass over the tasks, then a counting sort
     flat.clear();
     for (std::int32_t r = 0; r < P; ++r)
@@ -403,9 +534,9 @@ class Checker {
           if (w.area() == 0) return;
           const auto where = slot(o.rank, w.buffer);
           ++s_.write_begin[where + 1];
-          if (t.trigger_event >= 0)
-            s_.event_boxes[static_cast<std::size_t>(event_base_[t.peer] + t.trigger_event)].add(
-                Box{w.buffer, w.r0, w.r1, w.c0, w.c1, w.area()});
+          const std::int64_t ev = t.trigger_event >= 0 ? event_base_[t.peer] + t.trigger_event : -1;
+          if (ev >= boxed_begin_ && ev < boxed_end_)
+            s_.event_boxes[static_cast<std::size_t>(ev - boxed_begin_)].add(Box{w.buffer, w.r0, w.r1, w.c0, w.c1, w.area()});
           flat.push_back(SlottedWrite{static_cast<std::uint32_t>(where),
                                       Write{static_cast<std::int32_t>(w.r0), static_cast<std::int32_t>(w.r1),
                                             static_cast<std::int32_t>(w.c0), static_cast<std::int32_t>(w.c1), r,
@@ -443,7 +574,9 @@ class Checker {
   // there, so R is covered and race-free. Boxes are computed once per event.
   bool inside_filled_box(std::int32_t r, std::int32_t wait, const Rect& R) const {
     if (wait < 0) return false;
-    const EventBoxes& boxes = s_.event_boxes[static_cast<std::size_t>(event_base_[r] + wait)];
+    const std::int64_t ev = event_base_[r] + wait;
+    if (ev < boxed_begin_ || ev >= boxed_end_) return false;
+    const EventBoxes& boxes = s_.event_boxes[static_cast<std::size_t>(ev - boxed_begin_)];
     if (boxes.overflow) return false;
     for (std::uint8_t b = 0; b < boxes.n; ++b) {
       const Box& box = boxes.box[b];
@@ -476,6 +609,17 @@ class Checker {
            std::to_string(covered) + " of " + std::to_string(R.area()) + " elements are written in this pass");
   }
 
+
+  [[noreturn]] void level_violation(int worker, std::int32_t id, std::int8_t dep, std::int64_t origin) {
+    const Program& p = p_[static_cast<std::size_t>(focus_)];
+    const Task& t = p.tasks[static_cast<std::size_t>(id)];
+    const auto local = static_cast<std::int32_t>(origin - event_base_[static_cast<std::size_t>(focus_)]);
+    fail("level: " + describe(p, id) + " on worker " + std::to_string(worker) + " feeds a level-" +
+         std::to_string(put_level(t.kind)) + " event of rank " + std::to_string(t.peer) + " but runs only after " +
+         describe_event(p, local) + ", which other ranks' level-" + std::to_string(dep) +
+         " puts feed: the ranks could wait on each other. Queue every put before any task that waits on what peers "
+         "send at its level or above");
+  }
 
   [[noreturn]] void fail(const std::string& message) {
     error_ = message;
@@ -547,8 +691,9 @@ class Checker {
     return false;
   }
 
-  std::span<const Program> p_;
+  ProgramSet p_;
   std::vector<std::int64_t> event_base_;
+  std::int64_t boxed_begin_ = 0, boxed_end_ = 0;  // events whose writers' boxes are kept
   std::int64_t total_events_ = 0;
   std::string error_;
   double critical_ = 0, makespan_ = 0;
@@ -557,6 +702,7 @@ class Checker {
   const AccessTable& table_;
   std::uint32_t stamp_ = 0;
   bool trigger_index_built_ = false;
+  std::int32_t focus_ = -1;
 };
 
 }  // namespace
@@ -571,18 +717,72 @@ VerifyReport verify(std::span<const Program> programs) {
 }
 
 VerifyReport Verifier::verify(std::span<const Program> programs) {
-  VerifyReport report;
   if (programs.empty()) return {false, "no programs to verify"};
-  Checker check(programs, *scratch_, *table_);
+  Checker check(ProgramSet(programs), *scratch_, *table_);
+  return check.prove(nullptr);
+}
+
+VerifyReport verify_rank(const Program& own, const LayerConfig& c, const ExpertPlacement& placement,
+                         const RoutingCounts& counts, const Machine& m) {
+  Verifier v;
+  return v.verify_rank(own, c, placement, counts, m);
+}
+
+VerifyReport Verifier::verify_rank(const Program& own, const LayerConfig& c, const ExpertPlacement& placement,
+                                   const RoutingCounts& counts, const Machine& m) {
   try {
-    check.structure();
-    check.execute<false>();
-    check.coverage();
+    c.validate();
+    return verify_rank(own, c, Exchange(c, placement, counts, m.tile_rows), m);
   } catch (const Error& e) {
-    report.ok = false;
-    report.error = e.what();
+    return {false, e.what()};
   }
-  return report;
+}
+
+VerifyReport Verifier::verify_rank(const Program& own, const LayerConfig& c, const Exchange& ex, const Machine& m) {
+  const std::int64_t P = c.ranks, r = own.rank;
+  if (r < 0 || r >= P || own.ranks != P)
+    return {false, "the program says it is rank " + std::to_string(own.rank) + " of " + std::to_string(own.ranks) +
+                       ", the layer has " + std::to_string(P) + " ranks"};
+  int vector_worker = -1;
+  for (int w = m.workers() - 1; w >= 0; --w)
+    if (m.takes(w, QueueClass::vector)) vector_worker = w;
+  if (vector_worker < 0) return {false, "machine '" + m.name + "' has no worker for vector tasks"};
+  // Stand-ins for the peers, from the exchange alone: each holds its puts
+  // into this rank (waiting on nothing: the level argument covers when they
+  // are sent) and events that count this rank's predicted puts into it.
+  auto& s = *scratch_;
+  s.stubs.resize(static_cast<std::size_t>(P));
+  s.expected.clear();
+  std::vector<const Program*> set(static_cast<std::size_t>(P), &own);
+  for (std::int64_t q = 0; q < P; ++q) {
+    if (q == r) continue;
+    Program& stub = s.stubs[static_cast<std::size_t>(q)];
+    program_header(stub, c, ex, m, own.pass, q);
+    const std::size_t first = s.expected.size();
+    interface_puts(c, ex, m.tile_rows, own.pass, r, q, s.expected);
+    std::int32_t events = 0;
+    for (std::size_t i = first; i < s.expected.size(); ++i) events = std::max(events, s.expected[i].trigger_event + 1);
+    stub.events.assign(static_cast<std::size_t>(events), Event{0, TaskKind::count, -1, -1});
+    for (std::size_t i = first; i < s.expected.size(); ++i) {
+      Event& e = stub.events[static_cast<std::size_t>(s.expected[i].trigger_event)];
+      ++e.required;
+      e.consumer = s.expected[i].kind == TaskKind::dispatch_put        ? TaskKind::gemm_gate_up
+                   : s.expected[i].kind == TaskKind::grad_dispatch_put ? TaskKind::gemm_down_dgrad
+                   : s.expected[i].kind == TaskKind::combine_put       ? TaskKind::combine_reduce
+                                                                       : TaskKind::grad_reduce;
+    }
+    stub.tasks.clear();
+    interface_puts(c, ex, m.tile_rows, own.pass, q, r, stub.tasks);
+    const auto n = static_cast<std::int32_t>(stub.tasks.size());
+    stub.cost.assign(stub.tasks.size(), 0.0f);
+    stub.queue_begin.assign(static_cast<std::size_t>(m.workers()) + 1, 0);
+    for (int w = vector_worker + 1; w <= m.workers(); ++w) stub.queue_begin[static_cast<std::size_t>(w)] = n;
+    stub.queue_tasks.resize(stub.tasks.size());
+    for (std::int32_t i = 0; i < n; ++i) stub.queue_tasks[static_cast<std::size_t>(i)] = i;
+    set[static_cast<std::size_t>(q)] = &stub;
+  }
+  Checker check(ProgramSet(std::move(set)), s, *table_, static_cast<std::int32_t>(r));
+  return check.prove(&s.expected);
 }
 
 ProgramStats stats(std::span<const Program> programs, std::int64_t rank) {
@@ -596,7 +796,7 @@ ProgramStats stats(std::span<const Program> programs, std::int64_t rank) {
   }
   s.events = static_cast<std::int64_t>(p.events.size());
   VerifierScratch scratch;
-  Checker check(programs, scratch, AccessTable::standard());
+  Checker check(ProgramSet(programs), scratch, AccessTable::standard());
   try {
     check.structure();
     check.execute<true>();

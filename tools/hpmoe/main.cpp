@@ -158,6 +158,9 @@ struct RunCommand {
     run->add_flag("--check-inprocess", req.check_inprocess,
                   "mpi: also run the whole layer in process on rank 0 and check every rank's outputs and gradients "
                   "bit for bit against it (small layers)");
+    run->add_flag("--verify-all-ranks", req.verify_all_ranks,
+                  "mpi: each process regenerates every rank's program and verifies the whole set, an audit of the "
+                  "per-rank proof (by default each rank proves only its own program against the exchanged counts)");
     run->add_option("--peer-timeout", peer_timeout, "mpi: seconds of silence after which a peer counts as failed")
         ->check(CLI::Range(0.1, 86400.0));
     run->add_option("--inject-fault", inject_fault, "testing: exit:RANK (that process dies at its first launch), freeze:RANK (it stops) or stall:RANK (a worker waits)")
