@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Per-step host costs per rank of sharded MPI runs (docs/benchmarks.md):
 # route, count exchange, compile, verify, prepare, next to the launch, at
-# P = 2 and 4 on the shared-memory and the network (TCP) paths, and on the
-# shared-memory path the count exchange both ways (collective, one-sided).
+# P = 2 and 4 on the shared-memory and the network (TCP) paths, each with
+# the count exchange both ways (collective, one-sided).
 #   bench/sharded_host.sh [OUTDIR]
 set -uo pipefail
 hpmoe=${HPMOE:-build/hpmoe}
@@ -10,10 +10,10 @@ out=${1:-sharded-host}
 mkdir -p "$out"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 lscpu | grep "Model name" | tee "$out/cpu.txt"
-for np in 2 4; do for variant in shared network shared-one-sided; do
+for np in 2 4; do for variant in shared network shared-one-sided network-one-sided; do
   path=${variant%%-*} btl=() exchange=collective
   [ "$path" = network ] && btl=(--mca btl self,tcp)
-  [ "$variant" = shared-one-sided ] && exchange=one-sided
+  [ "${variant#*-}" = one-sided ] && exchange=one-sided
   mpirun -np "$np" --oversubscribe "${btl[@]}" "$hpmoe" run -P "$np" --transport mpi --mpi-path "$path" \
     --count-exchange "$exchange" --preset deepseek-v2-lite -T 128 --backward --iters 5 --warmup 1 --verify sample \
     --sample 4 --no-pin --json "$out/p$np-$variant.json" > "$out/p$np-$variant.txt" 2>&1

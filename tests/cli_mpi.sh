@@ -55,6 +55,8 @@ check 2 shared -T 64 --backward --routing uniform --iters 1
 
 # The count exchange as a collective (the default on shared memory is one-sided stores).
 check 3 shared -T 64 --backward --routing zipf:1.2 --iters 3 --count-exchange collective
+# ... and on the network path sent straight to every peer (the default there is the collective).
+check 3 network -T 64 --backward --routing zipf:1.2 --iters 3 --count-exchange one-sided
 # The audit: every process regenerates and verifies all ranks' programs.
 check 3 network -T 64 --backward --routing zipf:1.2 --iters 2 --verify-all-ranks
 

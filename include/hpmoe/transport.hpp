@@ -133,11 +133,15 @@ struct MpiOptions {
   // Network path: bytes of puts queued or in flight from this process at
   // most; a worker whose put would exceed it waits for room (backpressure).
   std::int64_t outbox_bytes = std::int64_t{64} << 20;
-  // allgather (the per-step count exchange) as stores into every peer's
-  // shared-memory control area with an arrival counter, instead of
-  // MPI_Iallgather (measured faster: docs/benchmarks.md); shared-memory path
-  // only (the network path uses the collective).
-  bool one_sided_exchange = true;
+  // How allgather (the per-step count exchange) runs. One-sided: on the
+  // shared-memory path stores into every peer's control area with an
+  // arrival counter; on the network path (no remote memory access there, a
+  // put is a message) the block sent straight to every peer, as puts are.
+  // Collective: MPI_Iallgather. Automatic: whichever measured faster on the
+  // path (docs/benchmarks.md): one-sided on shared memory, the collective on
+  // the network path.
+  enum class CountExchange { automatic, one_sided, collective };
+  CountExchange count_exchange = CountExchange::automatic;
 };
 std::shared_ptr<Transport> make_mpi_transport(const MpiSession&, int ranks, const MpiOptions& = {});
 

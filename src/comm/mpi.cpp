@@ -28,7 +28,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
-#include <deque>
+#include <utility>
 #include <exception>
 #include <functional>
 #include <mutex>
@@ -68,10 +68,17 @@ void check_mpi(int code, const char* what) {
   throw Error(std::string("MPI ") + what + " failed: " + std::string(text, static_cast<std::size_t>(len)));
 }
 
-enum Tag : int { kPut = 101, kBeat = 102, kGather = 103, kSum = 104 };
+// kPut carries a put's header, kRows its rows (a second message from the
+// same buffer, received straight into the segment).
+enum Tag : int { kPut = 101, kBeat = 102, kGather = 103, kSum = 104, kRows = 105, kCount = 106 };
+
+// Rows up to this size travel in the header's message (one message, one
+// small copy out of it); larger ones in their own message, received in place.
+constexpr std::int64_t kInlineRows = 8192;
 
 struct PutHeader {
-  std::int64_t offset;
+  std::int64_t offset;  // into the target's segment
+  std::int64_t bytes;   // of rows following in a kRows message (0: none)
   std::int32_t event;
   std::int32_t pad;
 };
@@ -80,7 +87,7 @@ class Mpi final : public Transport {
  public:
   Mpi(int ranks, const MpiOptions& options)
       : peer_timeout_(options.peer_timeout_seconds), outbox_limit_(options.outbox_bytes) {
-    one_sided_exchange_ = options.one_sided_exchange;
+    const auto exchange = options.count_exchange;
     const MpiPath path = options.path;
     MPI_Comm_rank(MPI_COMM_WORLD, &rank_);
     MPI_Comm_size(MPI_COMM_WORLD, &size_);
@@ -99,6 +106,8 @@ class Mpi final : public Transport {
       throw Error("--mpi-path shared needs every process on one machine; these " + std::to_string(size_) +
                   " processes span several (use --mpi-path network or auto)");
     shared_ = path == MpiPath::shared || (path == MpiPath::automatic && one_node);
+    one_sided_exchange_ = exchange == MpiOptions::CountExchange::one_sided ||
+                          (exchange == MpiOptions::CountExchange::automatic && shared_);
     segments_.assign(static_cast<std::size_t>(size_), nullptr);
     counters_.assign(static_cast<std::size_t>(size_), nullptr);
     control_.assign(static_cast<std::size_t>(size_), nullptr);
@@ -118,6 +127,7 @@ class Mpi final : public Transport {
       stop_ = true;
     }
     progress_.join();
+    for (OutNode* n = outbox_.exchange(nullptr); n;) delete std::exchange(n, n->next);
     // Only this thread is left to call MPI. Heartbeats still in flight to a
     // peer are given a moment, then let go.
     const auto give_up = Clock::now() + std::chrono::seconds(1);
@@ -156,6 +166,8 @@ class Mpi final : public Transport {
       run_once([this] { allocate_shared(data_win_, seg_bytes_, segments_); });
     } else {
       std::lock_guard lock(apply_mutex_);
+      if (pending_arrivals_.load(std::memory_order_relaxed) > 0)
+        throw Error("internal: the segment is being resized while rows from a peer are still arriving");
       std::vector<Line>(static_cast<std::size_t>(seg_bytes_[rank_] / 64)).swap(local_);  // frees a larger one
       segments_[rank_] = reinterpret_cast<std::byte*>(local_.data());
       local_bytes_ = seg_bytes_[rank_];
@@ -196,25 +208,32 @@ class Mpi final : public Transport {
 
   std::size_t put_header_bytes() const override { return sizeof(PutHeader); }
 
-  // The rows and the signal are one message, so their order needs nothing;
-  // the header goes in front of rows the worker already wrote in place.
+  // The header goes in front of rows the worker already wrote in place;
+  // the progress thread sends header and rows from this one buffer, and the
+  // receiver's progress thread takes the rows straight into its segment,
+  // then adds to the counter (release), so the order of rows and signal
+  // needs no lock. The hand-off to the progress thread is a lock-free push.
   void send_put(int to, std::int64_t offset, std::vector<std::byte>&& message, std::int32_t event) override {
     if (message.size() < sizeof(PutHeader)) throw Error("send_put: the message has no room for its header");
-    const PutHeader h{offset, event, 0};
+    const PutHeader h{offset, static_cast<std::int64_t>(message.size() - sizeof(PutHeader)), event, 0};
     std::memcpy(message.data(), &h, sizeof h);
     const auto bytes = static_cast<std::int64_t>(message.size());
     wait_for_outbox_room(bytes);
+    if (failed_.load(std::memory_order_acquire)) {
+      std::lock_guard lock(mutex_);
+      std::rethrow_exception(failure_);
+    }
     pending_bytes_.fetch_add(bytes, std::memory_order_relaxed);
-    std::lock_guard lock(mutex_);
-    if (failed_) std::rethrow_exception(failure_);
-    outbox_.push_back({to, kPut, std::move(message)});
-    launch_active_ = true;
+    auto* node = new OutNode{nullptr, to, std::move(message)};
+    node->next = outbox_.load(std::memory_order_relaxed);
+    while (!outbox_.compare_exchange_weak(node->next, node, std::memory_order_release, std::memory_order_relaxed)) {
+    }
+    if (!launch_active_.load(std::memory_order_relaxed)) launch_active_.store(true, std::memory_order_relaxed);
   }
 
   void launch_begin() override {
     run([this](bool first) { return barrier_step(first); });
-    std::lock_guard lock(mutex_);
-    launch_active_ = true;
+    launch_active_.store(true, std::memory_order_relaxed);
   }
 
   void launch_end() override {
@@ -223,14 +242,13 @@ class Mpi final : public Transport {
     bool barrier_started = false;
     run([&](bool) {
       if (!barrier_started) {
-        if (!outbox_.empty() || has_pending_puts()) return false;
+        if (outbox_.load(std::memory_order_acquire) || has_pending_puts()) return false;
         barrier_started = true;
         return barrier_step(true);
       }
       return barrier_step(false);
     });
-    std::lock_guard lock(mutex_);
-    launch_active_ = false;
+    launch_active_.store(false, std::memory_order_relaxed);
   }
 
   void gather(std::span<float> data, int owner) override {
@@ -252,11 +270,15 @@ class Mpi final : public Transport {
 
   void allgather(std::span<std::byte> all, std::size_t block) override {
     if (all.size() != block * static_cast<std::size_t>(size_)) throw Error("allgather: wrong buffer size");
+    if (block > static_cast<std::size_t>(INT32_MAX)) throw Error("allgather: a block of more than 2^31 bytes");
     if (one_sided_exchange_ && shared_) {
       one_sided_allgather(all, block);
       return;
     }
-    if (block > static_cast<std::size_t>(INT32_MAX)) throw Error("allgather: a block of more than 2^31 bytes");
+    if (one_sided_exchange_) {
+      direct_allgather(all, block);
+      return;
+    }
     MPI_Request req = MPI_REQUEST_NULL;
     run([&](bool first) {
       if (first)
@@ -294,14 +316,22 @@ class Mpi final : public Transport {
   struct alignas(64) Line {
     std::byte bytes[64];
   };
-  struct Outgoing {
-    int to, tag;
+  // A put handed to the progress thread: a node of a lock-free stack.
+  struct OutNode {
+    OutNode* next;
+    int to;
     std::vector<std::byte> bytes;
   };
+  // A send in flight; a put is two sends (header, rows) of one buffer.
   struct InFlight {
-    MPI_Request request;
+    MPI_Request request, rows = MPI_REQUEST_NULL;
     int tag;
     std::vector<std::byte> bytes;
+  };
+  // Rows of a put being received into the segment, and the counter they signal.
+  struct Arriving {
+    MPI_Request request;
+    std::int32_t event;
   };
 
   static std::int64_t round64(std::int64_t n) { return (n + 63) / 64 * 64; }
@@ -449,6 +479,36 @@ class Mpi final : public Transport {
         std::memcpy(all.data() + q * block, control_[static_cast<std::size_t>(rank_)] + 64 + turn * area + q * block, block);
   }
 
+  // The network path's form of the one-sided exchange: there is no remote
+  // memory access there, so a put is a message; each rank sends its block
+  // straight to every peer (one round, P - 1 messages, like its puts) and
+  // receives each peer's into place. A peer one call ahead cannot confuse
+  // it: messages of one tag from one sender arrive in order.
+  void direct_allgather(std::span<std::byte> all, std::size_t block) {
+    std::vector<MPI_Request> requests;
+    requests.reserve(2 * static_cast<std::size_t>(size_));
+    const std::byte* mine = all.data() + static_cast<std::size_t>(rank_) * block;
+    run([&](bool first) {
+      if (first) {
+        for (int q = 0; q < size_; ++q) {
+          if (q == rank_) continue;
+          requests.emplace_back(MPI_REQUEST_NULL);
+          check_mpi(MPI_Irecv(all.data() + static_cast<std::size_t>(q) * block, static_cast<int>(block), MPI_BYTE, q, kCount,
+                              comm_, &requests.back()),
+                    "Irecv (counts)");
+        }
+        for (int q = 0; q < size_; ++q) {
+          if (q == rank_) continue;
+          requests.emplace_back(MPI_REQUEST_NULL);
+          check_mpi(MPI_Isend(mine, static_cast<int>(block), MPI_BYTE, q, kCount, comm_, &requests.back()), "Isend (counts)");
+        }
+      }
+      int done = 0;
+      check_mpi(MPI_Testall(static_cast<int>(requests.size()), requests.data(), &done, MPI_STATUSES_IGNORE), "Testall");
+      return done != 0;
+    });
+  }
+
   bool has_pending_puts() const {
     for (const auto& s : sends_)
       if (s.tag == kPut) return true;
@@ -500,7 +560,7 @@ class Mpi final : public Transport {
   }
 
   void progress_loop() {
-    std::vector<std::byte> scratch;
+    std::vector<std::byte> scratch;  // headers, heartbeats and small puts
     auto last_beat = Clock::now() - std::chrono::seconds(1), last_busy = Clock::now();
     int idle = 0;
     for (;;) {
@@ -517,18 +577,29 @@ class Mpi final : public Transport {
           }
           busy = true;
         }
-        while (!outbox_.empty()) {
-          Outgoing m = std::move(outbox_.front());
-          outbox_.pop_front();
-          start_send(m.to, m.tag, std::move(m.bytes));
+        lock.unlock();
+        // Take every put the workers pushed; the stack holds them newest
+        // first, so reverse to send each worker's puts in its order.
+        OutNode* taken = outbox_.exchange(nullptr, std::memory_order_acquire);
+        OutNode* in_order = nullptr;
+        while (taken) {
+          OutNode* next = taken->next;
+          taken->next = in_order;
+          in_order = taken;
+          taken = next;
+        }
+        while (in_order) {
+          std::unique_ptr<OutNode> m(std::exchange(in_order, in_order->next));
+          start_send(m->to, kPut, std::move(m->bytes));
           busy = true;
         }
-        const bool active = launch_active_;
-        lock.unlock();
+        const bool active = launch_active_.load(std::memory_order_relaxed);
 
         for (std::size_t i = 0; i < sends_.size();) {
           int done = 0;
           check_mpi(MPI_Test(&sends_[i].request, &done, MPI_STATUS_IGNORE), "Test (a send to a peer)");
+          if (done && sends_[i].rows != MPI_REQUEST_NULL)
+            check_mpi(MPI_Test(&sends_[i].rows, &done, MPI_STATUS_IGNORE), "Test (rows sent to a peer)");
           if (done) {
             if (sends_[i].tag == kPut) pending_bytes_.fetch_sub(static_cast<std::int64_t>(sends_[i].bytes.size()), std::memory_order_release);
             sends_[i] = std::move(sends_.back());
@@ -538,6 +609,7 @@ class Mpi final : public Transport {
           }
         }
         busy = receive(scratch) || busy;
+        pending_arrivals_.store(static_cast<std::int64_t>(arriving_.size()), std::memory_order_relaxed);
         const auto now = Clock::now();
         if (now - last_beat > std::chrono::milliseconds(100)) {
           last_beat = now;
@@ -571,15 +643,33 @@ class Mpi final : public Transport {
 
   void start_send(int to, int tag, std::vector<std::byte> bytes) {
     if (bytes.size() > static_cast<std::size_t>(INT32_MAX)) throw Error("a put of more than 2 GiB");
-    InFlight f{MPI_REQUEST_NULL, tag, std::move(bytes)};
-    const int code = MPI_Isend(f.bytes.data(), static_cast<int>(f.bytes.size()), MPI_BYTE, to, tag, comm_, &f.request);
+    InFlight f{MPI_REQUEST_NULL, MPI_REQUEST_NULL, tag, std::move(bytes)};
+    const bool split = tag == kPut && static_cast<std::int64_t>(f.bytes.size() - sizeof(PutHeader)) > kInlineRows;
+    const std::size_t head = split ? sizeof(PutHeader) : f.bytes.size();
+    int code = MPI_Isend(f.bytes.data(), static_cast<int>(head), MPI_BYTE, to, tag, comm_, &f.request);
+    if (code == MPI_SUCCESS && head < f.bytes.size())
+      code = MPI_Isend(f.bytes.data() + head, static_cast<int>(f.bytes.size() - head), MPI_BYTE, to, kRows, comm_, &f.rows);
     if (code != MPI_SUCCESS) check_mpi(code, ("Isend to rank " + std::to_string(to)).c_str());
     sends_.push_back(std::move(f));
   }
 
-  // Applies every message that has arrived; true if there was any.
+  // Takes every header that has arrived and starts receiving its rows
+  // straight into the segment; signals the puts whose rows have landed.
+  // True if anything happened.
   bool receive(std::vector<std::byte>& scratch) {
     bool any = false;
+    for (std::size_t i = 0; i < arriving_.size();) {
+      int done = 0;
+      check_mpi(MPI_Test(&arriving_[i].request, &done, MPI_STATUS_IGNORE), "Test (rows from a peer)");
+      if (!done) {
+        ++i;
+        continue;
+      }
+      counters_[rank_][arriving_[i].event].value.fetch_add(1, std::memory_order_release);
+      arriving_[i] = arriving_.back();
+      arriving_.pop_back();
+      any = true;
+    }
     for (;;) {
       int flag = 0;
       MPI_Status st;
@@ -589,22 +679,41 @@ class Mpi final : public Transport {
       any = true;
       int count = 0;
       MPI_Get_count(&st, MPI_BYTE, &count);
+      PutHeader h{};
       scratch.resize(static_cast<std::size_t>(std::max(count, 1)));
       check_mpi(MPI_Recv(scratch.data(), count, MPI_BYTE, st.MPI_SOURCE, st.MPI_TAG, comm_, MPI_STATUS_IGNORE), "Recv");
+      const std::int64_t inline_rows = count - static_cast<std::int64_t>(sizeof h);
+      if (st.MPI_TAG == kPut) {
+        if (inline_rows < 0) throw Error("a malformed put header from rank " + std::to_string(st.MPI_SOURCE));
+        std::memcpy(&h, scratch.data(), sizeof h);
+        if (inline_rows != 0 && inline_rows != h.bytes)
+          throw Error("a malformed put from rank " + std::to_string(st.MPI_SOURCE) + ": its header and rows disagree");
+      }
       {
         std::lock_guard lock(mutex_);
         last_heard_[st.MPI_SOURCE] = Clock::now();
       }
       if (st.MPI_TAG == kBeat) continue;
-      PutHeader h;
-      if (static_cast<std::size_t>(count) < sizeof h) throw Error("a malformed put message from rank " + std::to_string(st.MPI_SOURCE));
-      std::memcpy(&h, scratch.data(), sizeof h);
-      const std::int64_t n = count - static_cast<std::int64_t>(sizeof h);
+      // The segment and counters are swapped only between launches, when no
+      // put is on its way (every counter of the launch completed).
       std::lock_guard lock(apply_mutex_);
-      if (h.offset < 0 || h.offset + n > local_bytes_ || h.event < 0 || h.event >= local_events_)
+      if (h.offset < 0 || h.bytes < 0 || h.bytes > local_bytes_ || h.offset > local_bytes_ - h.bytes || h.event < 0 ||
+          h.event >= local_events_)
         throw Error("a put from rank " + std::to_string(st.MPI_SOURCE) + " outside this rank's segment or events");
-      if (n > 0) std::memcpy(segments_[rank_] + h.offset, scratch.data() + sizeof h, static_cast<std::size_t>(n));
-      counters_[rank_][h.event].value.fetch_add(1, std::memory_order_release);
+      if (h.bytes == 0 || inline_rows > 0) {
+        if (inline_rows > 0)
+          std::memcpy(segments_[rank_] + h.offset, scratch.data() + sizeof h, static_cast<std::size_t>(inline_rows));
+        counters_[rank_][h.event].value.fetch_add(1, std::memory_order_release);
+        continue;
+      }
+      // Rows from one source arrive in the order of its headers (MPI does not
+      // let messages of one tag from one sender overtake each other).
+      Arriving a{MPI_REQUEST_NULL, h.event};
+      check_mpi(MPI_Irecv(segments_[rank_] + h.offset, static_cast<int>(h.bytes), MPI_BYTE, st.MPI_SOURCE, kRows, comm_,
+                          &a.request),
+                "Irecv (rows)");
+      arriving_.push_back(a);
+      pending_arrivals_.store(static_cast<std::int64_t>(arriving_.size()), std::memory_order_relaxed);
     }
   }
 
@@ -615,7 +724,7 @@ class Mpi final : public Transport {
   std::atomic<std::int64_t> pending_bytes_{0};  // puts queued or in flight
   MPI_Comm comm_ = MPI_COMM_NULL, node_ = MPI_COMM_NULL;
   MPI_Win data_win_ = MPI_WIN_NULL, event_win_ = MPI_WIN_NULL, control_win_ = MPI_WIN_NULL;
-  bool one_sided_exchange_ = false;  // MpiOptions::one_sided_exchange
+  bool one_sided_exchange_ = false;  // MpiOptions::count_exchange, resolved for the path
   std::vector<std::byte*> control_;  // one-sided allgather: each rank's arrival counter, then two areas
   std::size_t control_area_ = 0;
   std::int64_t control_calls_ = 0;
@@ -632,11 +741,14 @@ class Mpi final : public Transport {
   mutable std::mutex mutex_;
   std::condition_variable job_cv_;
   std::function<bool(bool)> job_;
-  bool job_first_ = false, job_done_ = false, stop_ = false, launch_active_ = false;
-  bool failed_ = false;
-  std::exception_ptr failure_;
-  std::deque<Outgoing> outbox_;
-  std::vector<InFlight> sends_;  // progress thread only
+  bool job_first_ = false, job_done_ = false, stop_ = false;
+  std::atomic<bool> launch_active_{false};
+  std::atomic<bool> failed_{false};
+  std::exception_ptr failure_;            // set under mutex_ before failed_
+  std::atomic<OutNode*> outbox_{nullptr};  // puts from workers (lock-free stack)
+  std::vector<InFlight> sends_;           // progress thread only
+  std::vector<Arriving> arriving_;        // progress thread only
+  std::atomic<std::int64_t> pending_arrivals_{0};
   std::vector<Clock::time_point> last_heard_;
 };
 

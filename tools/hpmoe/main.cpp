@@ -120,7 +120,7 @@ struct RunCommand {
   bool no_pin = false;
   double peer_timeout = 5.0;
   std::int64_t outbox_bytes = std::int64_t{64} << 20;
-  std::string count_exchange = "one-sided";
+  std::string count_exchange = "auto";
 
   void add(CLI::App& parent) {
     app = parent.add_subcommand("run", "run a layer step on this machine, verified against the fp64 oracle");
@@ -154,7 +154,9 @@ struct RunCommand {
                     "mpi network path: bytes of puts queued or in flight per process before workers wait for room")
         ->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 40));
     run->add_option("--count-exchange", count_exchange,
-                    "mpi: one-sided (stores + arrival counter; shared-memory path) | collective (MPI_Iallgather)");
+                    "mpi: auto | one-sided (shared memory: stores + arrival counter; network: the block sent straight "
+                    "to every peer) | collective (MPI_Iallgather); auto: one-sided on shared memory, collective on the "
+                    "network path (measured faster there)");
     run->add_flag("--check-inprocess", req.check_inprocess,
                   "mpi: also run the whole layer in process on rank 0 and check every rank's outputs and gradients "
                   "bit for bit against it (small layers)");
@@ -188,14 +190,16 @@ struct RunCommand {
     if (transport != "inprocess" && transport != "mpi")
       throw Error("--transport must be inprocess or mpi, not '" + transport + "'");
     if (transport == "inprocess" && mpi_path != "auto") throw Error("--mpi-path needs --transport mpi");
-    if (count_exchange != "collective" && count_exchange != "one-sided")
-      throw Error("--count-exchange must be collective or one-sided, not '" + count_exchange + "'");
+    if (count_exchange != "auto" && count_exchange != "collective" && count_exchange != "one-sided")
+      throw Error("--count-exchange must be auto, one-sided or collective, not '" + count_exchange + "'");
     if (transport == "mpi")
       return run_mpi(argc, argv, req,
                      MpiOptions{.path = parse_mpi_path(mpi_path),
                                 .peer_timeout_seconds = peer_timeout,
                                 .outbox_bytes = outbox_bytes,
-                                .one_sided_exchange = count_exchange == "one-sided"},
+                                .count_exchange = count_exchange == "one-sided"    ? MpiOptions::CountExchange::one_sided
+                                                  : count_exchange == "collective" ? MpiOptions::CountExchange::collective
+                                                                                   : MpiOptions::CountExchange::automatic},
                      json_file);
     // Progress on stderr for anything that takes more than a couple of
     // seconds: always for large layers, otherwise once two seconds have passed.
