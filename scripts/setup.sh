@@ -3,7 +3,7 @@
 # package is already present it neither updates the package lists nor installs.
 set -euo pipefail
 packages=(cmake ninja-build g++ pkg-config libxsmm-dev nlohmann-json3-dev libcli11-dev libopenblas-dev
-  libopenmpi-dev openmpi-bin
+  libopenmpi-dev openmpi-bin libucx-dev  # libucx-dev: bench/bench_ucx (UCX measured against MPI)
           libgtest-dev libgmock-dev libbenchmark-dev
   clang libclang-rt-14-dev)  # clang and its libFuzzer runtime: scripts/fuzz.sh
 missing=()
