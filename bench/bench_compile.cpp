@@ -11,6 +11,7 @@
 // --verify-all-ranks audit), with a Verifier kept between steps.
 #include <benchmark/benchmark.h>
 
+#include <algorithm>
 #include <chrono>
 
 #include "hpmoe/taskflow.hpp"
@@ -117,8 +118,42 @@ void BM_VerifyOwnRank(benchmark::State& state) {
   state.counters["tasks"] = static_cast<double>(p.tasks.size());
 }
 
+// The per-step quota plan with EPLB-style redundant slots: one extra slot per
+// rank, holding a replica of each of the 64 heaviest experts (on the rank
+// after its owner). Every rank computes this after the count exchange.
+void BM_PlanQuotas(benchmark::State& state) {
+  const LayerConfig c = v3();
+  const auto& rc = counts(static_cast<int>(state.range(0)));
+  std::vector<std::int64_t> total(static_cast<std::size_t>(c.routed_experts), 0);
+  for (std::int64_t s = 0; s < c.ranks; ++s)
+    for (std::int64_t e = 0; e < c.routed_experts; ++e) total[static_cast<std::size_t>(e)] += rc.at(s, e);
+  std::vector<std::int64_t> order(total.size());
+  for (std::size_t e = 0; e < order.size(); ++e) order[e] = static_cast<std::int64_t>(e);
+  std::stable_sort(order.begin(), order.end(), [&](auto a, auto b) { return total[a] > total[b]; });
+  std::vector<std::vector<std::int64_t>> lists(static_cast<std::size_t>(c.ranks));
+  for (std::int64_t r = 0; r < c.ranks; ++r)
+    for (const auto e : placement().experts_of(r)) lists[static_cast<std::size_t>(r)].push_back(e);
+  for (std::int64_t k = 0; k < c.ranks; ++k) {
+    const std::int64_t e = order[static_cast<std::size_t>(k)];
+    std::int64_t r = (placement().owner(e) + 1) % c.ranks;
+    while (std::find(lists[static_cast<std::size_t>(r)].begin(), lists[static_cast<std::size_t>(r)].end(), e) !=
+               lists[static_cast<std::size_t>(r)].end() ||
+           static_cast<std::int64_t>(lists[static_cast<std::size_t>(r)].size()) > 4)
+      r = (r + 1) % c.ranks;
+    lists[static_cast<std::size_t>(r)].push_back(e);
+  }
+  const auto replicated = ExpertPlacement::from_rank_lists(c.routed_experts, lists,
+                                                           ExpertPlacement::Rules{.replicas = true, .slots_per_rank = 5});
+  for (auto _ : state) {
+    auto q = plan_quotas(replicated, rc.counts, 64);
+    benchmark::DoNotOptimize(q.data());
+  }
+  state.counters["instances"] = static_cast<double>(replicated.instances());
+}
+
 }  // namespace
 
+BENCHMARK(BM_PlanQuotas)->ArgNames({"zipf"})->Arg(0)->Arg(1)->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_VerifyOwnRank)
     ->ArgNames({"zipf", "backward", "accel"})
     ->ArgsProduct({{0, 1}, {0, 1}, {0, 1}})

@@ -1,11 +1,14 @@
 // libFuzzer target: expert placement files (--placement FILE.json). Any
-// input either parses into a placement that puts every expert on exactly one
-// existing rank, or is rejected with an hpmoe::Error; nothing else may
-// happen (no crash, no other exception, no hang).
+// input either parses into a placement that gives every expert one or more
+// homes on existing ranks (at most one per rank, within the slot budget), or
+// is rejected with an hpmoe::Error; nothing else may happen (no crash, no
+// other exception, no hang). A parsed placement's quota plan must hand every
+// row of every (source, expert) count to exactly one of the expert's homes.
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
 #include <nlohmann/json.hpp>
+#include <vector>
 
 #include "hpmoe/error.hpp"
 #include "hpmoe/placement.hpp"
@@ -19,13 +22,35 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   try {
     const auto p = hpmoe::placement_from_json(j, experts, ranks, "fuzz");
     std::int64_t placed = 0;
-    for (std::int64_t r = 0; r < p.ranks(); ++r)
+    for (std::int64_t r = 0; r < p.ranks(); ++r) {
+      if (p.slots_per_rank() > 0 && p.local_count(r) > p.slots_per_rank()) std::abort();
       for (const auto e : p.experts_of(r)) {
-        if (e < 0 || e >= experts || p.owner(e) != r) std::abort();
+        if (e < 0 || e >= experts || p.instance_on(e, r) < 0 || p.instance_rank(p.instance_on(e, r)) != r) std::abort();
         ++placed;
       }
-    if (placed != experts || p.ranks() != ranks) std::abort();
+    }
+    for (std::int64_t e = 0; e < experts; ++e) {
+      if (p.home_count(e) < 1 || p.owner(e) != p.instance_rank(p.first_instance(e))) std::abort();
+      for (std::int64_t i = p.first_instance(e) + 1; i < p.first_instance(e) + p.home_count(e); ++i)
+        if (p.instance_rank(i) <= p.instance_rank(i - 1) || p.instance_expert(i) != e) std::abort();
+    }
+    if (placed != p.instances() || p.ranks() != ranks) std::abort();
     if (!(hpmoe::placement_from_json(hpmoe::to_json(p), experts, ranks, "round trip") == p)) std::abort();
+    // Counts from the input's bytes; every row goes to exactly one home.
+    std::vector<std::int64_t> counts(static_cast<std::size_t>(ranks * experts));
+    for (std::size_t i = 0; i < counts.size(); ++i) counts[i] = data[i % size] % 97;
+    const auto quota = hpmoe::plan_quotas(p, counts, 1 + data[size - 1] % 64);
+    const std::int64_t N = p.instances();
+    for (std::int64_t s = 0; s < ranks; ++s)
+      for (std::int64_t e = 0; e < experts; ++e) {
+        std::int64_t sum = 0;
+        for (std::int64_t i = p.first_instance(e); i < p.first_instance(e) + p.home_count(e); ++i) {
+          const std::int64_t q = quota[static_cast<std::size_t>(s * N + i)];
+          if (q < 0) std::abort();
+          sum += q;
+        }
+        if (sum != counts[static_cast<std::size_t>(s * experts + e)]) std::abort();
+      }
   } catch (const hpmoe::Error&) {
   }
   return 0;

@@ -21,6 +21,13 @@ echo '{"experts_of_rank": [[0, 1, 2, 3, 4, 5, 6, 7], []]}' > "$tmp/place_empty_r
 echo '{"experts_of_rank": [[0, 1, 2, 3], [4, 5, 6, 7]], "owner": [0, 0, 0, 0, 1, 1, 1, 1]}' > "$tmp/place_both.json"
 echo '{"experts_of_rank": [[0, 1, 2, 3], [4, 5, 6, "7"]]}' > "$tmp/place_string.json"
 printf 'garbage' > "$tmp/garbage.json"
+# Replicas: over the slot budget, one rank listing an expert twice, a replica
+# losing an expert, a budget that is not a positive integer.
+echo '{"experts_of_rank": [[0, 1, 2, 3, 4], [4, 5, 6, 7]], "replicas": true, "slots_per_rank": 4}' > "$tmp/place_over_budget.json"
+echo '{"experts_of_rank": [[0, 1, 2, 3, 3], [4, 5, 6, 7]], "replicas": true}' > "$tmp/place_twice_on_rank.json"
+echo '{"experts_of_rank": [[0, 1, 2, 4], [4, 5, 6, 7]], "replicas": true}' > "$tmp/place_replica_loses.json"
+echo '{"experts_of_rank": [[0, 1, 2, 3], [4, 5, 6, 7]], "slots_per_rank": 0}' > "$tmp/place_zero_budget.json"
+echo '{"experts_of_rank": [[0, 1, 2, 3], [4, 5, 6, 7]], "replicas": "yes"}' > "$tmp/place_replicas_string.json"
 python3 -c "import json; m=json.load(open('$HPMOE_SOURCE_DIR/machines/h800.json')); del m['links']; json.dump(m, open('$tmp/nolinks.json', 'w'))"
 python3 -c "import json; m=json.load(open('$HPMOE_SOURCE_DIR/machines/h800.json')); m['units']['matrix'] = -3; json.dump(m, open('$tmp/negunits.json', 'w'))"
 "$HPMOE" run --save "$tmp/saved" > /dev/null
@@ -67,6 +74,11 @@ cases=(
   "run --placement $tmp/garbage.json"
   "run --placement /nonexistent/placement.json"
   "run --placement random:x"
+  "run --placement $tmp/place_over_budget.json"
+  "run --placement $tmp/place_twice_on_rank.json"
+  "run --placement $tmp/place_replica_loses.json"
+  "run --placement $tmp/place_zero_budget.json"
+  "run --placement $tmp/place_replicas_string.json"
   "compile --placement $tmp/place_twice.json"
   "simulate --machine $HPMOE_SOURCE_DIR/machines/h800.json --placement $tmp/place_nowhere.json"
   "run --set groups=3"

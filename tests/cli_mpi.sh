@@ -45,6 +45,13 @@ grep -q "bit-identical, all 35 tensors" "$tmp/out.txt"  # out, dx, router, 16 x 
 check 3 shared --set routed_experts=8 -T 40 --backward --routing "$trace" --placement round-robin --iters 1
 check 3 network --set routed_experts=8 -T 40 --backward --dtype bf16 --placement random:5 --iters 1
 
+# Replicated experts (the hot expert 0 on every rank, expert 5 on two, a
+# budget of 4 slots): per-step quotas, replica gradients summed into the owner
+# in rank order; bit for bit against the same placement in process.
+echo '{"experts_of_rank": [[0, 1, 2], [0, 3, 4, 5], [0, 5, 6, 7]], "replicas": true, "slots_per_rank": 4}' > "$tmp/replicas.json"
+check 3 shared --set routed_experts=8 -T 64 --backward --routing hot:0.45 --placement "$tmp/replicas.json" --iters 2
+check 3 network --set routed_experts=8 -T 64 --backward --dtype bf16 --routing "$trace" --placement "$tmp/replicas.json" --iters 1
+
 # A rank that owns no expert (it receives nothing, and all its tokens go
 # elsewhere), and a hot expert that takes most of the rows.
 echo '{"experts_of_rank": [[0, 1, 2, 3, 4, 5, 6, 7], [], []], "allow_empty_ranks": true}' > "$tmp/one-rank.json"

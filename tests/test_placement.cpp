@@ -49,7 +49,8 @@ TEST(Placement, ContiguousSplitsUnevenCountsAndMatchesEOverL) {
   const auto even = ExpertPlacement::contiguous(8, 4);
   for (std::int64_t e = 0; e < 8; ++e) {
     EXPECT_EQ(even.owner(e), e / 2);
-    EXPECT_EQ(even.slot(e), e % 2);
+    EXPECT_EQ(even.experts_of(e / 2)[static_cast<std::size_t>(e % 2)], e);
+    EXPECT_EQ(even.instance_on(e, e / 2), e);  // without replicas instance e is expert e
   }
   const auto uneven = ExpertPlacement::contiguous(8, 3);
   EXPECT_EQ(uneven.local_count(0), 2);
@@ -60,7 +61,7 @@ TEST(Placement, ContiguousSplitsUnevenCountsAndMatchesEOverL) {
   for (std::int64_t r = 0; r < 3; ++r)
     for (auto e : uneven.experts_of(r)) {
       EXPECT_EQ(uneven.owner(e), r);
-      EXPECT_EQ(uneven.experts_of(r)[static_cast<std::size_t>(uneven.slot(e))], e);
+      EXPECT_EQ(uneven.home_count(e), 1);
       ++placed;
     }
   EXPECT_EQ(placed, 8);

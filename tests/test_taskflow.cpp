@@ -1,6 +1,7 @@
 #include <gtest/gtest.h>
 
 #include <nlohmann/json.hpp>
+#include <numeric>
 
 #include "hpmoe/access.hpp"
 #include "hpmoe/error.hpp"
@@ -549,4 +550,79 @@ TEST(PerRankVerifier, RejectsAProgramCompiledForOtherCounts) {
   EXPECT_FALSE(report.ok);
   EXPECT_TRUE(contains(report.error, "interface") || contains(report.error, "required") || contains(report.error, "requires"))
       << report.error;
+}
+
+// Replicated experts: the quota plan divides each expert's rows among its
+// homes; programs of every pass and policy verify both ways.
+TEST(Replicas, QuotasCoverEveryRowEvenOutRanksAndAreDeterministic) {
+  LayerConfig c = small(4, 150);
+  c.routed_experts = 8;
+  const auto counts = counts_for(c, "hot:0.45", 3);
+  // Expert 0 (hot) on all four ranks, expert 1 on two.
+  const auto pl = ExpertPlacement::from_rank_lists(8, {{0, 1, 2}, {0, 3, 1}, {0, 4, 5}, {0, 6, 7}},
+                                                   ExpertPlacement::Rules{.replicas = true});
+  ASSERT_EQ(pl.instances(), 8 + 3 + 1);
+  // Rows as the unit (tile height 1): the plan evens out rows themselves.
+  const auto q = plan_quotas(pl, counts.counts, 1);
+  EXPECT_EQ(q, plan_quotas(pl, counts.counts, 1));  // the same on every rank
+  const std::int64_t N = pl.instances();
+  std::vector<std::int64_t> load(4, 0), plain(4, 0);
+  for (std::int64_t s = 0; s < 4; ++s)
+    for (std::int64_t e = 0; e < 8; ++e) {
+      std::int64_t sum = 0;
+      for (std::int64_t j = 0; j < pl.home_count(e); ++j) sum += q[static_cast<std::size_t>(s * N + pl.first_instance(e) + j)];
+      EXPECT_EQ(sum, counts.at(s, e)) << "source " << s << " expert " << e;  // every row goes somewhere, once
+    }
+  for (std::int64_t i = 0; i < N; ++i)
+    for (std::int64_t s = 0; s < 4; ++s) load[static_cast<std::size_t>(pl.instance_rank(i))] += q[static_cast<std::size_t>(s * N + i)];
+  const auto contiguous_pl = ExpertPlacement::contiguous(8, 4);
+  for (std::int64_t s = 0; s < 4; ++s)
+    for (std::int64_t e = 0; e < 8; ++e) plain[static_cast<std::size_t>(contiguous_pl.owner(e))] += counts.at(s, e);
+  const auto ratio = [](const std::vector<std::int64_t>& v) {
+    return double(*std::max_element(v.begin(), v.end())) * double(v.size()) / double(std::accumulate(v.begin(), v.end(), std::int64_t{0}));
+  };
+  EXPECT_GT(ratio(plain), 2.0);  // the hot expert's rank carries most rows
+  EXPECT_LT(ratio(load), 1.05) << "rank max/mean after the quota plan";
+  // With 64-row tiles the plan balances padded rows: never worse than placing
+  // every replica's rows on the owner.
+  const auto tiled = plan_quotas(pl, counts.counts, 64);
+  std::vector<std::int64_t> padded(4, 0);
+  for (std::int64_t i = 0; i < N; ++i) {
+    std::int64_t rows = 0;
+    for (std::int64_t s = 0; s < 4; ++s) rows += tiled[static_cast<std::size_t>(s * N + i)];
+    padded[static_cast<std::size_t>(pl.instance_rank(i))] += (rows + 63) / 64 * 64;
+  }
+  EXPECT_LT(ratio(padded), 1.15) << "padded rank max/mean";
+  // A source's rows go to its own rank's home first.
+  for (std::int64_t s = 0; s < 4; ++s) EXPECT_GT(q[static_cast<std::size_t>(s * N + pl.instance_on(0, s))], 0);
+  for (auto pass : {Pass::forward, Pass::backward})
+    for (auto policy : {Policy::fill, Policy::critical_path, Policy::interleave_wgrad})
+      for (const char* machine : {"cpu:2", "accel:2:3"})
+        compile_checked(c, pl, counts, parse_machine(machine), pass, policy);
+}
+
+TEST(Replicas, PlacementFilesStateReplicasAndBudgets) {
+  using nlohmann::json;
+  const auto parse = [](const json& j) { return placement_from_json(j, 4, 2, "p.json"); };
+  const auto error = [&](const json& j) {
+    try {
+      parse(j);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("accepted");
+  };
+  const auto p = parse(json{{"experts_of_rank", {{0, 1, 2}, {2, 3}}}, {"replicas", true}, {"slots_per_rank", 3}});
+  EXPECT_EQ(p.home_count(2), 2);
+  EXPECT_EQ(p.owner(2), 0);
+  EXPECT_EQ(p.instance_on(2, 1), 3);
+  EXPECT_EQ(placement_from_json(to_json(p), 4, 2, "round trip"), p);
+  EXPECT_TRUE(contains(error(json{{"experts_of_rank", {{0, 1, 2}, {2, 3}}}}), "set \"replicas\": true")) << error(json{});
+  EXPECT_TRUE(contains(error(json{{"experts_of_rank", {{0, 1, 2}, {2, 3}}}, {"replicas", true}, {"slots_per_rank", 2}}),
+                       "rank 0 holds 3 experts, more than its budget of 2 slots"));
+  EXPECT_TRUE(contains(error(json{{"experts_of_rank", {{0, 1, 1}, {2, 3}}}, {"replicas", true}}), "lists expert 1 twice"));
+  EXPECT_TRUE(contains(error(json{{"experts_of_rank", {{0, 1}, {1, 2}}}, {"replicas", true}}), "expert 3 is placed on no rank"));
+  EXPECT_TRUE(contains(error(json{{"owner", {0, 1, 1, 0}}, {"replicas", true}}), "list replicas in"));
+  EXPECT_TRUE(contains(error(json{{"owner", {0, 1, 1, 0}}, {"slots_per_rank", 0}}), "positive integer"));
+  EXPECT_TRUE(contains(error(json{{"owner", {0, 0, 0, 1}}, {"slots_per_rank", 2}}), "more than its budget of 2"));
 }

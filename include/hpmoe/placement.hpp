@@ -14,9 +14,13 @@ namespace hpmoe {
 // order, and the experts' arithmetic does not depend on where they live, so
 // any placement gives bit-identical results.
 //
-// Each expert has exactly one home here. Replicas and tensor-parallel splits
-// of hot experts would add homes per expert; the accessors below are the
-// only way the rest of hpmoe reads a placement, so that is where they go.
+// An expert may have several homes (replicas, EPLB's redundant experts): at
+// most one per rank, the first (lowest rank) its owner, which holds its
+// gradient; the others hold copies of its weights. Each home is an
+// *instance*, numbered expert by expert, home by home (without replicas
+// instance e is expert e). Every step a quota plan (plan_quotas) divides
+// each (source rank, expert) count among the expert's instances, the same
+// on every rank. A per-rank slot budget bounds the experts a rank holds.
 class ExpertPlacement {
  public:
   ExpertPlacement() = default;
@@ -36,12 +40,33 @@ class ExpertPlacement {
   // 0..E-1 must appear exactly once.
   static ExpertPlacement from_rank_lists(std::int64_t experts, const std::vector<std::vector<std::int64_t>>& experts_of_rank,
                                          bool allow_empty_ranks = false, const std::string& source = "placement");
+  // What a placement may do beyond one home per expert.
+  struct Rules {
+    bool allow_empty_ranks = false;
+    bool replicas = false;            // an expert on several ranks (at most once per rank)
+    std::int64_t slots_per_rank = 0;  // experts a rank may hold (0: no budget)
+  };
+  static ExpertPlacement from_rank_lists(std::int64_t experts, const std::vector<std::vector<std::int64_t>>& experts_of_rank,
+                                         const Rules&, const std::string& source = "placement");
 
   std::int64_t ranks() const { return ranks_; }
   std::int64_t experts() const { return static_cast<std::int64_t>(owner_.size()); }
   bool empty() const { return owner_.empty(); }
+  // The expert's first home: the rank that holds its gradient.
   std::int32_t owner(std::int64_t expert) const { return owner_[static_cast<std::size_t>(expert)]; }
-  std::int32_t slot(std::int64_t expert) const { return slot_[static_cast<std::size_t>(expert)]; }
+  // Instances (homes) of every expert: expert e has home_count(e) of them,
+  // numbered from first_instance(e), on increasing ranks.
+  std::int64_t instances() const { return static_cast<std::int64_t>(instance_rank_.size()); }
+  std::int64_t first_instance(std::int64_t expert) const { return home_begin_[static_cast<std::size_t>(expert)]; }
+  std::int64_t home_count(std::int64_t expert) const {
+    return home_begin_[static_cast<std::size_t>(expert) + 1] - home_begin_[static_cast<std::size_t>(expert)];
+  }
+  std::int32_t instance_rank(std::int64_t instance) const { return instance_rank_[static_cast<std::size_t>(instance)]; }
+  std::int32_t instance_expert(std::int64_t instance) const { return instance_expert_[static_cast<std::size_t>(instance)]; }
+  // Expert e's instance on `rank`, or -1 if it has none there.
+  std::int64_t instance_on(std::int64_t expert, std::int64_t rank) const;
+  bool has_replicas() const { return instances() > experts(); }
+  std::int64_t slots_per_rank() const { return slots_per_rank_; }
   std::int64_t local_count(std::int64_t rank) const {
     return local_begin_[static_cast<std::size_t>(rank + 1)] - local_begin_[static_cast<std::size_t>(rank)];
   }
@@ -52,21 +77,26 @@ class ExpertPlacement {
   }
   std::int64_t max_local_count() const;
   bool allows_empty_ranks() const { return allow_empty_ranks_; }
+  // Rank r's instances in slot order (their experts are experts_of(r)).
+  std::vector<std::int64_t> instances_of(std::int64_t rank) const;
 
   // Throws Error unless this placement fits a layer of `experts` experts on
   // `ranks` ranks.
   void check_fits(std::int64_t experts, std::int64_t ranks) const;
 
   friend bool operator==(const ExpertPlacement& a, const ExpertPlacement& b) {
-    return a.ranks_ == b.ranks_ && a.local_begin_ == b.local_begin_ && a.local_ == b.local_;
+    return a.ranks_ == b.ranks_ && a.local_begin_ == b.local_begin_ && a.local_ == b.local_ &&
+           a.slots_per_rank_ == b.slots_per_rank_;
   }
 
  private:
   static ExpertPlacement build(std::int64_t experts, const std::vector<std::vector<std::int64_t>>& experts_of_rank,
-                               bool allow_empty_ranks, const std::string& source);
-  std::int64_t ranks_ = 0;
+                               const Rules&, const std::string& source);
+  std::int64_t ranks_ = 0, slots_per_rank_ = 0;
   bool allow_empty_ranks_ = false;
-  std::vector<std::int32_t> owner_, slot_;  // [E]
+  std::vector<std::int32_t> owner_;                            // [E]
+  std::vector<std::int64_t> home_begin_;                       // [E + 1] into the instances
+  std::vector<std::int32_t> instance_rank_, instance_expert_;  // [instances]
   std::vector<std::int64_t> local_begin_;   // [P + 1] into local_
   std::vector<std::int32_t> local_;         // [E] experts by rank, slot order
 };
@@ -79,11 +109,24 @@ ExpertPlacement placement_or_contiguous(const ExpertPlacement& p, std::int64_t e
 std::string describe(const ExpertPlacement&);
 
 // {"experts_of_rank": [[0, 3], [1, 2]]} or {"owner": [0, 1, 1, 0]}, with an
-// optional "allow_empty_ranks": true. Errors name the field and the expert.
+// optional "allow_empty_ranks": true; with "replicas": true an expert may be
+// listed on several ranks, and "slots_per_rank": N bounds every rank's list
+// (docs/placement.schema.json). Errors name the field and the expert.
 nlohmann::json to_json(const ExpertPlacement&);
 ExpertPlacement placement_from_json(const nlohmann::json&, std::int64_t experts, std::int64_t ranks,
                                     const std::string& source);
 // "contiguous", "round-robin", "random[:SEED]", or a JSON file as above.
 ExpertPlacement parse_placement(const std::string& spec, std::int64_t experts, std::int64_t ranks);
+
+// The per-step quota plan: rows of each (source rank, expert) count
+// (counts[s E + e]) given to each of the expert's instances, [s N + i].
+// Each expert's rows go to its homes so as to even out the ranks' loads
+// (rows rounded up to whole tiles of `tile_rows`, the unreplicated experts'
+// loads fixed first, then replicated experts with the fewest homes, the
+// heaviest first among equals, each water-filled in whole tiles); a source's rows
+// go first to a home on its own rank, then to the others in home order. A
+// pure function of its arguments in integers: every rank computes the same
+// plan with no communication (TopoEP's property).
+std::vector<std::int64_t> plan_quotas(const ExpertPlacement&, std::span<const std::int64_t> counts, std::int64_t tile_rows);
 
 }  // namespace hpmoe

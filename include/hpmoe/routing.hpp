@@ -83,7 +83,12 @@ struct RoutingStats {
   std::int64_t assignments = 0;
 };
 
-// tokens_per_rank counts rows by the rank that owns each expert.
+// The tile height the quota plan rounds to when statistics place replicated
+// experts' rows (the CPU runtime's tile).
+inline constexpr std::int64_t kQuotaTileRows = 64;
+
+// tokens_per_rank counts rows by the rank that computes them: the owner of
+// each expert, or for a replicated one where the quota plan sends them.
 template <class Real>
 RoutingStats routing_stats(const LayerConfig&, const ExpertPlacement&, const RouterOutput<Real>&);
 // The same from the P x E kept counts (what ranks exchange) and the total dropped.

@@ -369,9 +369,35 @@ void slowest_rank(Transport& tr, int me, std::vector<double>& samples) {
     for (std::size_t i = 0; i < samples.size(); ++i) samples[i] = std::max(samples[i], rank[i]);
 }
 
+// The experts a rank holds weights of (its own and its replicas).
 std::vector<std::int32_t> experts_of(const ExpertPlacement& placement, int rank) {
   const auto span = placement.experts_of(rank);
   return {span.begin(), span.end()};
+}
+
+// The experts a rank owns: it holds their gradients and saves them.
+std::vector<std::int32_t> owned_by(const ExpertPlacement& placement, int rank) {
+  std::vector<std::int32_t> out;
+  for (const std::int32_t e : placement.experts_of(rank))
+    if (placement.owner(e) == rank) out.push_back(e);
+  return out;
+}
+
+// Rows a rank computes in a step: its experts' rows, a replicated expert's
+// as the quota plan divides them.
+std::int64_t rows_into(const ExpertPlacement& placement, std::span<const std::int64_t> counts, int rank) {
+  const std::int64_t P = placement.ranks(), E = placement.experts(), N = placement.instances();
+  std::int64_t rows = 0;
+  if (placement.has_replicas()) {
+    const auto quota = plan_quotas(placement, counts, kQuotaTileRows);
+    for (std::int64_t s = 0; s < P; ++s)
+      for (std::int64_t i = 0; i < N; ++i)
+        if (placement.instance_rank(i) == rank) rows += quota[static_cast<std::size_t>(s * N + i)];
+    return rows;
+  }
+  for (std::int64_t s = 0; s < P; ++s)
+    for (const std::int32_t e : placement.experts_of(rank)) rows += counts[static_cast<std::size_t>(s * E + e)];
+  return rows;
 }
 
 // Rank `me`'s tokens checked against the fp64 oracle on this process alone:
@@ -516,7 +542,7 @@ StepResult gather_step(Transport& tr, int me, const LayerConfig& c, const Expert
   if (!backward) return all;
   rows(mine.grads.x, all.grads.x);
   for (int q = 0; q < tr.ranks(); ++q) {
-    const auto experts = experts_of(placement, q);
+    const auto experts = owned_by(placement, q);
     const std::size_t each = static_cast<std::size_t>(H * 2 * c.expert_inter + c.expert_inter * H);
     std::vector<float> packed(q == me || root ? experts.size() * each : 0);
     if (q == me)
@@ -548,7 +574,7 @@ RunReport run_sharded(const RunRequest& req, const std::function<void(const std:
   int me = 0;
   while (!tr.hosts(me)) ++me;
   const ExpertPlacement placement = placement_or_contiguous(req.placement, c.routed_experts, c.ranks);
-  const auto owned = experts_of(placement, me);
+  const auto held = experts_of(placement, me), owned = owned_by(placement, me);
   const std::vector<int> mine{me};
   say(req.load_dir.empty() ? "generating this rank's experts and tokens" : "loading this rank's experts and tokens from " + req.load_dir);
   // The replicated parameters now; each own expert generated (or read) and
@@ -563,7 +589,7 @@ RunReport run_sharded(const RunRequest& req, const std::function<void(const std:
     forced = std::vector<std::int32_t>(forced.begin() + me * per_rank, forced.begin() + (me + 1) * per_rank);
   }
   say("generating and packing this rank's experts for the tile kernels");
-  const auto packed = pack_weights(c, w, req.backward, owned, [&](std::int64_t e, LayerWeights& into) {
+  const auto packed = pack_weights(c, w, req.backward, held, [&](std::int64_t e, LayerWeights& into) {
     if (checkpoint) load_expert(*checkpoint, c, e, into);
     else random_expert(c, req.seed, e, into);
   });
@@ -579,15 +605,13 @@ RunReport run_sharded(const RunRequest& req, const std::function<void(const std:
   auto& [serialized, interleaved, host, last, inter_last] = steps;
   // The table's row of this rank, and every step's time as the slowest rank's.
   const StepResult& shown = x.inter ? inter_last : last;
-  std::int64_t received = 0;
-  for (std::int64_t s = 0; s < c.ranks; ++s)
-    for (const auto e : owned) received += shown.expert_counts[static_cast<std::size_t>(s * c.routed_experts + e)];
+  const std::int64_t received = rows_into(placement, shown.expert_counts, me);
   const double elem = c.dtype == DType::fp32 ? 4.0 : 2.0;
-  const std::vector<double> row{double(me), double(owned.size()), double(received),
+  const std::vector<double> row{double(me), double(held.size()), double(received),
                                 summarize(interleaved.forward).median, summarize(interleaved.backward).median,
                                 summarize(serialized.forward).median, summarize(serialized.backward).median,
                                 summarize(host).median, peak_rss_bytes(),
-                                double(owned.size()) * double(3 * c.hidden * c.expert_inter) * elem * (req.backward ? 2.0 : 1.0),
+                                double(held.size()) * double(3 * c.hidden * c.expert_inter) * elem * (req.backward ? 2.0 : 1.0),
                                 double(shown.segment_bytes), double(shown.local_bytes)};
   for (const auto& r : allgather_doubles(tr, me, row))
     rep.ranks.push_back(RankSummary{static_cast<int>(r[0]), static_cast<std::int64_t>(r[1]), static_cast<std::int64_t>(r[2]),

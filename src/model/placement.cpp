@@ -32,38 +32,72 @@ void check_every_rank_has_one(std::int64_t experts, std::int64_t ranks, const st
 }  // namespace
 
 ExpertPlacement ExpertPlacement::build(std::int64_t experts, const std::vector<std::vector<std::int64_t>>& lists,
-                                       bool allow_empty_ranks, const std::string& source) {
+                                       const Rules& rules, const std::string& source) {
+  const bool allow_empty_ranks = rules.allow_empty_ranks, allow_replicas = rules.replicas;
+  const std::int64_t slots_per_rank = rules.slots_per_rank;
   const auto ranks = static_cast<std::int64_t>(lists.size());
   check_sizes(experts, ranks, source);
+  if (slots_per_rank < 0) throw Error(source + ": \"slots_per_rank\" must be positive (got " + text(slots_per_rank) + ")");
   ExpertPlacement p;
   p.ranks_ = ranks;
+  p.slots_per_rank_ = slots_per_rank;
   p.allow_empty_ranks_ = allow_empty_ranks;
   p.owner_.assign(static_cast<std::size_t>(experts), -1);
-  p.slot_.assign(static_cast<std::size_t>(experts), -1);
   p.local_begin_.assign(static_cast<std::size_t>(ranks + 1), 0);
+  std::vector<std::vector<std::int32_t>> homes(static_cast<std::size_t>(experts));
   for (std::int64_t r = 0; r < ranks; ++r) {
     const auto& list = lists[static_cast<std::size_t>(r)];
     if (list.empty() && !allow_empty_ranks)
       throw Error(source + ": rank " + text(r) + " has no experts; give it one, or set \"allow_empty_ranks\": true " +
                   "if a rank without experts is what you want");
-    for (std::size_t s = 0; s < list.size(); ++s) {
-      const std::int64_t e = list[s];
+    if (slots_per_rank > 0 && static_cast<std::int64_t>(list.size()) > slots_per_rank)
+      throw Error(source + ": rank " + text(r) + " holds " + text(static_cast<std::int64_t>(list.size())) +
+                  " experts, more than its budget of " + text(slots_per_rank) +
+                  " slots (\"slots_per_rank\"); move or drop replicas, or raise the budget");
+    for (const std::int64_t e : list) {
       if (e < 0 || e >= experts)
         throw Error(source + ": rank " + text(r) + " lists expert " + text(e) + ", which does not exist (the layer has " +
                     text(experts) + " experts, 0.." + text(experts - 1) + ")");
-      if (p.owner_[static_cast<std::size_t>(e)] >= 0)
-        throw Error(source + ": expert " + text(e) + " is placed twice (on rank " +
-                    text(p.owner_[static_cast<std::size_t>(e)]) + " and on rank " + text(r) + ")");
-      p.owner_[static_cast<std::size_t>(e)] = static_cast<std::int32_t>(r);
-      p.slot_[static_cast<std::size_t>(e)] = static_cast<std::int32_t>(s);
+      auto& h = homes[static_cast<std::size_t>(e)];
+      if (!h.empty() && h.back() == r)
+        throw Error(source + ": rank " + text(r) + " lists expert " + text(e) + " twice; a rank holds an expert once");
+      if (!h.empty() && !allow_replicas)
+        throw Error(source + ": expert " + text(e) + " is placed twice (on rank " + text(h.front()) + " and on rank " +
+                    text(r) + "); set \"replicas\": true if the second is a replica");
+      h.push_back(static_cast<std::int32_t>(r));
       p.local_.push_back(static_cast<std::int32_t>(e));
     }
     p.local_begin_[static_cast<std::size_t>(r + 1)] = static_cast<std::int64_t>(p.local_.size());
   }
-  for (std::int64_t e = 0; e < experts; ++e)
-    if (p.owner_[static_cast<std::size_t>(e)] < 0)
-      throw Error(source + ": expert " + text(e) + " is placed on no rank; every expert needs a home");
+  p.home_begin_.assign(1, 0);
+  for (std::int64_t e = 0; e < experts; ++e) {
+    const auto& h = homes[static_cast<std::size_t>(e)];
+    if (h.empty()) throw Error(source + ": expert " + text(e) + " is placed on no rank; every expert needs a home");
+    p.owner_[static_cast<std::size_t>(e)] = h.front();
+    for (const std::int32_t r : h) {
+      p.instance_rank_.push_back(r);
+      p.instance_expert_.push_back(static_cast<std::int32_t>(e));
+    }
+    p.home_begin_.push_back(static_cast<std::int64_t>(p.instance_rank_.size()));
+  }
   return p;
+}
+
+ExpertPlacement ExpertPlacement::from_rank_lists(std::int64_t experts, const std::vector<std::vector<std::int64_t>>& lists,
+                                                 const Rules& rules, const std::string& source) {
+  return build(experts, lists, rules, source);
+}
+
+std::int64_t ExpertPlacement::instance_on(std::int64_t expert, std::int64_t rank) const {
+  for (std::int64_t i = first_instance(expert); i < first_instance(expert) + home_count(expert); ++i)
+    if (instance_rank(i) == rank) return i;
+  return -1;
+}
+
+std::vector<std::int64_t> ExpertPlacement::instances_of(std::int64_t rank) const {
+  std::vector<std::int64_t> out;
+  for (const std::int32_t e : experts_of(rank)) out.push_back(instance_on(e, rank));
+  return out;
 }
 
 ExpertPlacement ExpertPlacement::contiguous(std::int64_t experts, std::int64_t ranks) {
@@ -71,14 +105,14 @@ ExpertPlacement ExpertPlacement::contiguous(std::int64_t experts, std::int64_t r
   std::vector<std::vector<std::int64_t>> lists(static_cast<std::size_t>(ranks));
   for (std::int64_t r = 0; r < ranks; ++r)
     for (std::int64_t e = r * experts / ranks; e < (r + 1) * experts / ranks; ++e) lists[static_cast<std::size_t>(r)].push_back(e);
-  return build(experts, lists, false, "contiguous placement");
+  return build(experts, lists, Rules{}, "contiguous placement");
 }
 
 ExpertPlacement ExpertPlacement::round_robin(std::int64_t experts, std::int64_t ranks) {
   check_every_rank_has_one(experts, ranks, "round-robin placement");
   std::vector<std::vector<std::int64_t>> lists(static_cast<std::size_t>(ranks));
   for (std::int64_t e = 0; e < experts; ++e) lists[static_cast<std::size_t>(e % ranks)].push_back(e);
-  return build(experts, lists, false, "round-robin placement");
+  return build(experts, lists, Rules{}, "round-robin placement");
 }
 
 ExpertPlacement ExpertPlacement::random(std::int64_t experts, std::int64_t ranks, std::uint64_t seed) {
@@ -91,7 +125,7 @@ ExpertPlacement ExpertPlacement::random(std::int64_t experts, std::int64_t ranks
   for (std::int64_t r = 0; r < ranks; ++r)
     for (std::int64_t i = r * experts / ranks; i < (r + 1) * experts / ranks; ++i)
       lists[static_cast<std::size_t>(r)].push_back(perm[static_cast<std::size_t>(i)]);
-  return build(experts, lists, false, "random placement");
+  return build(experts, lists, Rules{}, "random placement");
 }
 
 ExpertPlacement ExpertPlacement::from_owners(std::int64_t ranks, std::span<const std::int64_t> owner,
@@ -104,12 +138,12 @@ ExpertPlacement ExpertPlacement::from_owners(std::int64_t ranks, std::span<const
                   ", which does not exist (the layer has " + text(ranks) + " ranks, 0.." + text(ranks - 1) + ")");
     lists[static_cast<std::size_t>(owner[e])].push_back(static_cast<std::int64_t>(e));
   }
-  return build(static_cast<std::int64_t>(owner.size()), lists, allow_empty_ranks, source);
+  return build(static_cast<std::int64_t>(owner.size()), lists, Rules{.allow_empty_ranks = allow_empty_ranks}, source);
 }
 
 ExpertPlacement ExpertPlacement::from_rank_lists(std::int64_t experts, const std::vector<std::vector<std::int64_t>>& lists,
                                                  bool allow_empty_ranks, const std::string& source) {
-  return build(experts, lists, allow_empty_ranks, source);
+  return build(experts, lists, Rules{.allow_empty_ranks = allow_empty_ranks}, source);
 }
 
 std::int64_t ExpertPlacement::max_local_count() const {
@@ -153,6 +187,8 @@ nlohmann::json to_json(const ExpertPlacement& p) {
   }
   nlohmann::json j{{"experts_of_rank", lists}};
   if (p.allows_empty_ranks()) j["allow_empty_ranks"] = true;
+  if (p.has_replicas()) j["replicas"] = true;
+  if (p.slots_per_rank() > 0) j["slots_per_rank"] = p.slots_per_rank();
   return j;
 }
 
@@ -160,14 +196,30 @@ ExpertPlacement placement_from_json(const nlohmann::json& j, std::int64_t expert
                                     const std::string& source) {
   if (!j.is_object()) throw Error(source + ": a placement must be a JSON object with \"experts_of_rank\" or \"owner\"");
   for (const auto& [key, value] : j.items())
-    if (key != "experts_of_rank" && key != "owner" && key != "allow_empty_ranks")
-      throw Error(source + ": unknown key '" + key + "' (expected experts_of_rank, owner, allow_empty_ranks)");
+    if (key != "experts_of_rank" && key != "owner" && key != "allow_empty_ranks" && key != "replicas" &&
+        key != "slots_per_rank")
+      throw Error(source + ": unknown key '" + key +
+                  "' (expected experts_of_rank, owner, allow_empty_ranks, replicas, slots_per_rank)");
   if (j.contains("experts_of_rank") == j.contains("owner"))
     throw Error(source + ": give exactly one of \"experts_of_rank\" (a list per rank) and \"owner\" (a rank per expert)");
   bool allow_empty = false;
   if (j.contains("allow_empty_ranks")) {
     if (!j["allow_empty_ranks"].is_boolean()) throw Error(source + ": \"allow_empty_ranks\" must be true or false");
     allow_empty = j["allow_empty_ranks"].get<bool>();
+  }
+  bool replicas = false;
+  if (j.contains("replicas")) {
+    if (!j["replicas"].is_boolean()) throw Error(source + ": \"replicas\" must be true or false");
+    replicas = j["replicas"].get<bool>();
+    if (replicas && j.contains("owner"))
+      throw Error(source + ": \"owner\" gives each expert one home; list replicas in \"experts_of_rank\"");
+  }
+  std::int64_t slots = 0;
+  if (j.contains("slots_per_rank")) {
+    if (!j["slots_per_rank"].is_number_integer() || j["slots_per_rank"].get<std::int64_t>() < 1 ||
+        j["slots_per_rank"].get<std::int64_t>() > (std::int64_t{1} << 20))
+      throw Error(source + ": \"slots_per_rank\" must be a positive integer (the experts a rank may hold)");
+    slots = j["slots_per_rank"].get<std::int64_t>();
   }
   auto integer = [&](const nlohmann::json& v, const std::string& where) {
     if (!v.is_number_integer()) throw Error(source + ": " + where + " must be an integer");
@@ -183,6 +235,12 @@ ExpertPlacement placement_from_json(const nlohmann::json& j, std::int64_t expert
     std::vector<std::int64_t> owner;
     for (std::size_t e = 0; e < list.size(); ++e) owner.push_back(integer(list[e], "owner[" + text(static_cast<std::int64_t>(e)) + "]"));
     p = ExpertPlacement::from_owners(ranks, owner, allow_empty, source);
+    if (slots > 0) {
+      std::vector<std::vector<std::int64_t>> lists(static_cast<std::size_t>(ranks));
+      for (std::int64_t r = 0; r < ranks; ++r)
+        for (const auto e : p.experts_of(r)) lists[static_cast<std::size_t>(r)].push_back(e);
+      p = ExpertPlacement::from_rank_lists(experts, lists, ExpertPlacement::Rules{allow_empty, false, slots}, source);
+    }
   } else {
     const auto& lists = j["experts_of_rank"];
     if (!lists.is_array()) throw Error(source + ": \"experts_of_rank\" must be a list of lists of expert ids");
@@ -197,7 +255,7 @@ ExpertPlacement placement_from_json(const nlohmann::json& j, std::int64_t expert
       for (std::size_t i = 0; i < lists[r].size(); ++i)
         parsed[r].push_back(integer(lists[r][i], where + "[" + text(static_cast<std::int64_t>(i)) + "]"));
     }
-    p = ExpertPlacement::from_rank_lists(experts, parsed, allow_empty, source);
+    p = ExpertPlacement::from_rank_lists(experts, parsed, ExpertPlacement::Rules{allow_empty, replicas, slots}, source);
   }
   return p;
 }

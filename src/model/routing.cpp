@@ -376,8 +376,16 @@ RoutingStats routing_stats(const LayerConfig& c, const ExpertPlacement& placemen
   st.tokens_per_rank.assign(static_cast<std::size_t>(c.ranks), 0);
   for (std::int64_t s = 0; s < c.ranks; ++s)
     for (std::int64_t e = 0; e < c.routed_experts; ++e) st.tokens_per_expert[e] += counts[s * c.routed_experts + e];
-  for (std::int64_t i = 0; i < c.routed_experts; ++i)
-    st.tokens_per_rank[static_cast<std::size_t>(placement.owner(i))] += st.tokens_per_expert[i];
+  if (placement.has_replicas()) {  // a replicated expert's rows go where the step's quota plan sends them
+    const std::int64_t N = placement.instances();
+    const auto quota = plan_quotas(placement, counts, kQuotaTileRows);
+    for (std::int64_t s = 0; s < c.ranks; ++s)
+      for (std::int64_t i = 0; i < N; ++i)
+        st.tokens_per_rank[static_cast<std::size_t>(placement.instance_rank(i))] += quota[static_cast<std::size_t>(s * N + i)];
+  } else {
+    for (std::int64_t i = 0; i < c.routed_experts; ++i)
+      st.tokens_per_rank[static_cast<std::size_t>(placement.owner(i))] += st.tokens_per_expert[i];
+  }
   st.dropped = dropped;
   st.assignments = c.total_tokens() * c.top_k;
   auto max_over_mean = [](const std::vector<std::int64_t>& v) {

@@ -3,6 +3,7 @@
 #include <atomic>
 #include <csignal>
 #include <exception>
+#include <map>
 #include <mutex>
 #include <new>
 #include <cstring>
@@ -75,7 +76,7 @@ class Interleaved final : public InterleavedExecutor::Impl {
         if (!packed_->holds(e))
           throw Error("rank " + std::to_string(local_[i]) + " owns expert " + std::to_string(e) +
                       " but this process holds no weights for it: give every process its own experts' weights");
-        owned_.push_back(e);
+        if (placement_.owner(e) == local_[i]) owned_.push_back(e);  // replicas: the owner holds the gradient
       }
     }
     if (sharded() && local_.size() != 1)
@@ -183,6 +184,7 @@ class Interleaved final : public InterleavedExecutor::Impl {
     if (!opt_.phased) res.backward_ops.push_back({"launch", res.backward_seconds});
     const auto r0 = Clock::now();
     reduce_replicated(res);
+    reduce_replica_gradients(res);
     res.backward_ops.push_back({"reduce_replicated_grads", seconds(r0, Clock::now())});
     forward_done_ = nullptr;  // one backward per forward
   }
@@ -396,6 +398,48 @@ class Interleaved final : public InterleavedExecutor::Impl {
   // Sum over ranks, in rank order, of the replicated weights' gradients,
   // on every process. Each rank's part is its backward program's local
   // buffer; over MPI the ranks pass the partial sum along in rank order.
+  // A replica's partial gradient of expert e on rank r (W1 or W2 shaped).
+  std::vector<float>& replica_partial(int r, std::int32_t e, bool w1) {
+    auto& part = (w1 ? replica_w1_ : replica_w2_)[{r, e}];
+    part.resize(static_cast<std::size_t>(w1 ? c_.hidden * 2 * c_.expert_inter : c_.expert_inter * c_.hidden));
+    return part;
+  }
+
+  // Replicated experts: each home computed the gradient of the rows it
+  // received; the expert's gradient is their sum in home order (ranks
+  // ascending), from +0, on its owner. Over MPI the same sum runs through
+  // every rank in rank order (ranks without the expert add zeros, which
+  // leaves every partial sum bit for bit as it is).
+  void reduce_replica_gradients(StepResult& res) {
+    for (std::int64_t e = 0; e < c_.routed_experts; ++e) {
+      if (placement_.home_count(e) < 2) continue;
+      for (const bool w1 : {true, false}) {
+        const auto n = static_cast<std::size_t>(c_.hidden * c_.expert_inter * (w1 ? 2 : 1));
+        const int owner = placement_.owner(e);
+        const auto contribution = [&](int r) -> const float* {
+          if (placement_.instance_on(e, r) < 0) return nullptr;
+          if (r == owner) return (w1 ? res.grads.w1 : res.grads.w2)[static_cast<std::size_t>(e)].data.data();
+          return replica_partial(r, static_cast<std::int32_t>(e), w1).data();
+        };
+        if (sharded()) {
+          const int me = local_.front();
+          reduce_scratch_.assign(n, 0.0f);
+          if (const float* mine = contribution(me)) std::copy_n(mine, n, reduce_scratch_.begin());
+          tr_->sum_in_rank_order(std::span<float>(reduce_scratch_));
+          if (me == owner) std::copy_n(reduce_scratch_.begin(), n, (w1 ? res.grads.w1 : res.grads.w2)[static_cast<std::size_t>(e)].data.begin());
+          continue;
+        }
+        float* dst = (w1 ? res.grads.w1 : res.grads.w2)[static_cast<std::size_t>(e)].data.data();
+        for (std::size_t i = 0; i < n; ++i) {
+          float sum = 0;
+          for (std::int64_t j = 0; j < placement_.home_count(e); ++j)
+            sum += contribution(placement_.instance_rank(placement_.first_instance(e) + j))[i];
+          dst[i] = sum;
+        }
+      }
+    }
+  }
+
   void reduce_replicated(StepResult& res) {
     auto reduce = [&](std::vector<float>& dst, BufferId part) {
       const auto n = dst.size();
@@ -522,10 +566,14 @@ class Interleaved final : public InterleavedExecutor::Impl {
               break;
             case BufferId::logits: at = rows_of(b.id, logits_.data(), c_.routed_experts); break;
             case BufferId::dw1: case BufferId::dw2: {
-              auto& slots = b.id == BufferId::dw1 ? s.dw1_slots : s.dw2_slots;
+              // The owner's instance writes the expert's gradient; a replica
+              // its own partial, added to the owner's after the launch.
+              const bool w1 = b.id == BufferId::dw1;
+              auto& slots = w1 ? s.dw1_slots : s.dw2_slots;
               slots.clear();
               for (const std::int32_t e : p.local_experts)
-                slots.push_back(bytes_of((b.id == BufferId::dw1 ? res.grads.w1 : res.grads.w2)[e].data.data()));
+                slots.push_back(placement_.owner(e) == r ? bytes_of((w1 ? res.grads.w1 : res.grads.w2)[e].data.data())
+                                                         : bytes_of(replica_partial(r, e, w1).data()));
               break;
             }
             default:
@@ -1111,7 +1159,9 @@ class Interleaved final : public InterleavedExecutor::Impl {
   std::vector<int> local_;  // the ranks this process runs, in order; pool rank i is local_[i]
   LayerConfig lc_;          // the layer with only the hosted ranks (their tokens, in order)
   std::vector<int> index_of_;          // rank -> its index in local_, or -1
-  std::vector<std::int32_t> owned_;    // experts of the hosted ranks
+  std::vector<std::int32_t> owned_;    // experts the hosted ranks own (hold the gradient of)
+  std::map<std::pair<int, std::int32_t>, std::vector<float>> replica_w1_, replica_w2_;  // (rank, expert): a replica's partial
+  std::vector<float> reduce_scratch_;
   std::uint64_t fingerprint_ = 0;      // of layer, placement, format and replicated weights
   taskflow::RoutingCounts counts_;     // this step's P x E counts (every rank's)
   std::vector<std::uint64_t> count_block_;  // the count exchange's blocks

@@ -21,37 +21,46 @@ Exchange::Exchange(const LayerConfig& c, const ExpertPlacement& placement, const
                 std::to_string(counts.experts) + " experts, the layer has " + std::to_string(ranks_) + " x " +
                 std::to_string(experts_));
   if (tile_rows_ < 1) throw Error("the tile height must be positive (got " + std::to_string(tile_rows_) + ")");
-  const auto E = static_cast<std::size_t>(experts_);
-  source_prefix_.assign(static_cast<std::size_t>(ranks_ + 1) * E, 0);
-  send_offset_.assign(static_cast<std::size_t>(ranks_) * (E + 1), 0);
-  for (std::int64_t s = 0; s < ranks_; ++s) {
-    std::int64_t sent = 0;
+  for (std::int64_t s = 0; s < ranks_; ++s)
     for (std::int64_t e = 0; e < experts_; ++e) {
       const std::int64_t n = counts.at(s, e);
       if (n < 0 || n > c.tokens_per_rank)
         throw Error("routing count " + std::to_string(n) + " for rank " + std::to_string(s) + ", expert " +
                     std::to_string(e) + " is impossible with " + std::to_string(c.tokens_per_rank) + " tokens per rank");
-      source_prefix_[static_cast<std::size_t>((s + 1) * experts_ + e)] = source_offset(s, e) + n;
-      send_offset_[static_cast<std::size_t>(s * (experts_ + 1) + e)] = sent;
+    }
+  // Replicated experts' rows divided among their homes by the quota plan.
+  instances_ = placement_.instances();
+  const std::vector<std::int64_t> planned =
+      placement_.has_replicas() ? plan_quotas(placement_, counts.counts, tile_rows_) : std::vector<std::int64_t>{};
+  const std::vector<std::int64_t>& rows_of = placement_.has_replicas() ? planned : counts.counts;
+  const auto N = static_cast<std::size_t>(instances_);
+  source_prefix_.assign(static_cast<std::size_t>(ranks_ + 1) * N, 0);
+  send_offset_.assign(static_cast<std::size_t>(ranks_) * (N + 1), 0);
+  for (std::int64_t s = 0; s < ranks_; ++s) {
+    std::int64_t sent = 0;
+    for (std::int64_t i = 0; i < instances_; ++i) {
+      const std::int64_t n = rows_of[static_cast<std::size_t>(s * instances_ + i)];
+      source_prefix_[static_cast<std::size_t>((s + 1) * instances_ + i)] = source_offset(s, i) + n;
+      send_offset_[static_cast<std::size_t>(s * (instances_ + 1) + i)] = sent;
       sent += n;
     }
-    send_offset_[static_cast<std::size_t>(s * (experts_ + 1) + experts_)] = sent;
+    send_offset_[static_cast<std::size_t>(s * (instances_ + 1) + instances_)] = sent;
   }
-  expert_start_.assign(E, 0);
-  tile_start_.assign(E, 0);
-  kpad_start_.assign(E, 0);
+  expert_start_.assign(N, 0);
+  tile_start_.assign(N, 0);
+  kpad_start_.assign(N, 0);
   recv_rows_.assign(static_cast<std::size_t>(ranks_), 0);
   row_tiles_.assign(static_cast<std::size_t>(ranks_), 0);
   kpad_rows_.assign(static_cast<std::size_t>(ranks_), 0);
   for (std::int64_t d = 0; d < ranks_; ++d) {
     std::int64_t rows = 0, tiles = 0, kpad = 0;
-    for (const std::int32_t e : placement_.experts_of(d)) {
-      expert_start_[static_cast<std::size_t>(e)] = rows;
-      tile_start_[static_cast<std::size_t>(e)] = tiles;
-      kpad_start_[static_cast<std::size_t>(e)] = kpad;
-      rows += expert_rows(e);
-      tiles += tiles_of(e);
-      kpad += padded(expert_rows(e));
+    for (const std::int64_t i : placement_.instances_of(d)) {
+      expert_start_[static_cast<std::size_t>(i)] = rows;
+      tile_start_[static_cast<std::size_t>(i)] = tiles;
+      kpad_start_[static_cast<std::size_t>(i)] = kpad;
+      rows += expert_rows(i);
+      tiles += tiles_of(i);
+      kpad += padded(expert_rows(i));
     }
     recv_rows_[static_cast<std::size_t>(d)] = rows;
     row_tiles_[static_cast<std::size_t>(d)] = tiles;
@@ -77,7 +86,7 @@ std::int32_t Exchange::arrivals(std::int64_t e, std::int64_t tile) const {
 
 std::int64_t Exchange::pieces_into(std::int64_t s) const {
   std::int64_t n = 0;
-  for (std::int64_t e = 0; e < experts_; ++e) n += pieces(s, e);
+  for (std::int64_t i = 0; i < instances_; ++i) n += pieces(s, i);
   return n;
 }
 
@@ -92,7 +101,9 @@ std::vector<std::int64_t> send_slots(const LayerConfig& c, const Exchange& ex, c
   std::vector<std::int64_t> next(static_cast<std::size_t>(E));
   for (std::int64_t i = 0; i < n; ++i) {
     const std::int64_t s = ranks[static_cast<std::size_t>(i)];
-    for (std::int64_t e = 0; e < E; ++e) next[static_cast<std::size_t>(e)] = ex.send_offset(s, e);
+    // An expert's rows in send order are one block over its instances in
+    // home order, so a row's place follows from the expert's first instance.
+    for (std::int64_t e = 0; e < E; ++e) next[static_cast<std::size_t>(e)] = ex.send_offset(s, ex.placement().first_instance(e));
     for (std::int64_t a = i * T * K; a < (i + 1) * T * K; ++a)
       if (r.kept[static_cast<std::size_t>(a)]) slot[static_cast<std::size_t>(a)] = next[static_cast<std::size_t>(r.expert[static_cast<std::size_t>(a)])]++;
   }
@@ -314,19 +325,19 @@ void puts_to_experts(const LayerConfig& c, const Exchange& ex, std::int64_t tile
                      std::int64_t only_peer, Emit&& emit) {
   const bool forward = pass == Pass::forward;
   const std::int64_t TR = tile_rows, token_tiles = ceil_div(c.tokens_per_rank, TR);
-  for (std::int64_t e = 0; e < ex.experts(); ++e) {
-    const std::int64_t d = ex.placement().owner(e), n = ex.count(rank, e);
+  for (std::int64_t i = 0; i < ex.instances(); ++i) {  // each expert's homes, in send order
+    const std::int64_t e = ex.placement().instance_expert(i), d = ex.placement().instance_rank(i), n = ex.count(rank, i);
     if (n == 0 || (only_peer >= 0 && d != only_peer)) continue;
     const EventBases owner_events(pass, ex.row_tiles(d), ex.placement().local_count(d), token_tiles);
     const std::int64_t base = forward ? owner_events.recv : owner_events.dy;
-    const std::int64_t first = ex.source_offset(rank, e);
+    const std::int64_t first = ex.source_offset(rank, i);
     for (std::int64_t r = first; r < first + n;) {
       const std::int64_t tile = r / TR, end = std::min(first + n, (tile + 1) * TR);
       emit(TaskSpec{.kind = forward ? TaskKind::dispatch_put : TaskKind::grad_dispatch_put,
                     .src = forward ? BufferId::x : BufferId::dout, .dst = forward ? BufferId::recv : BufferId::dy,
-                    .expert = e, .peer = d, .row_begin = ex.expert_start(e) + r, .rows = end - r, .col_begin = 0,
-                    .cols = c.hidden, .src_row = ex.send_offset(rank, e) + (r - first),
-                    .trigger_event = base + ex.tile_start(e) + tile});
+                    .expert = e, .peer = d, .row_begin = ex.expert_start(i) + r, .rows = end - r, .col_begin = 0,
+                    .cols = c.hidden, .src_row = ex.send_offset(rank, i) + (r - first),
+                    .trigger_event = base + ex.tile_start(i) + tile});
       r = end;
     }
   }
@@ -341,9 +352,10 @@ void puts_to_sources(const LayerConfig& c, const Exchange& ex, std::int64_t tile
                      std::int64_t only_source, std::int64_t wait_base, std::int64_t wait_count, Emit&& emit) {
   const bool forward = pass == Pass::forward;
   const std::int64_t TR = tile_rows, token_tiles = ceil_div(c.tokens_per_rank, TR);
-  for (const std::int64_t e : ex.placement().experts_of(rank)) {
+  for (const std::int64_t i : ex.placement().instances_of(rank)) {
+    const std::int64_t e = ex.placement().instance_expert(i);
     for (std::int64_t s = 0; s < ex.ranks(); ++s) {
-      const std::int64_t n = ex.count(s, e), first = ex.source_offset(s, e);
+      const std::int64_t n = ex.count(s, i), first = ex.source_offset(s, i);
       if (n == 0 || (only_source >= 0 && s != only_source)) continue;
       const EventBases source_events(pass, ex.row_tiles(s), ex.placement().local_count(s), token_tiles);
       const std::int64_t target = forward ? source_events.comb_done : source_events.dx_ready;
@@ -351,9 +363,9 @@ void puts_to_sources(const LayerConfig& c, const Exchange& ex, std::int64_t tile
         const std::int64_t tile = r / TR, end = std::min(first + n, (tile + 1) * TR);
         emit(TaskSpec{.kind = forward ? TaskKind::combine_put : TaskKind::grad_combine_put,
                       .src = forward ? BufferId::y : BufferId::dxe, .dst = forward ? BufferId::comb : BufferId::dcomb,
-                      .expert = e, .peer = s, .row_begin = ex.send_offset(s, e) + (r - first), .rows = end - r,
-                      .col_begin = 0, .cols = c.hidden, .src_row = ex.expert_start(e) + r,
-                      .wait_event = wait_base < 0 ? -1 : wait_base + ex.tile_start(e) + tile,
+                      .expert = e, .peer = s, .row_begin = ex.send_offset(s, i) + (r - first), .rows = end - r,
+                      .col_begin = 0, .cols = c.hidden, .src_row = ex.expert_start(i) + r,
+                      .wait_event = wait_base < 0 ? -1 : wait_base + ex.tile_start(i) + tile,
                       .wait_count = wait_base < 0 ? 0 : wait_count, .trigger_event = target});
         r = end;
       }
@@ -377,9 +389,9 @@ void program_header(Program& p, const LayerConfig& c, const Exchange& ex, const 
   p.dims = Dims{c.hidden, c.expert_inter, c.shared_inter_total(), E, c.top_k, c.tokens_per_rank, c.dtype == DType::bf16 ? 2 : 4};
   p.expert_begin.clear();
   p.kpad_begin.clear();
-  for (const std::int32_t e : mine) {
-    p.expert_begin.push_back(ex.expert_start(e));
-    p.kpad_begin.push_back(ex.kpad_start(e));
+  for (const std::int64_t i : ex.placement().instances_of(rank)) {
+    p.expert_begin.push_back(ex.expert_start(i));
+    p.kpad_begin.push_back(ex.kpad_start(i));
   }
   p.expert_begin.push_back(ex.recv_rows(rank));
   p.kpad_begin.push_back(ex.kpad_rows(rank));
@@ -401,6 +413,7 @@ void interface_puts(const LayerConfig& c, const Exchange& ex, std::int64_t tile_
 void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machine& m, Pass pass, std::int64_t rank) {
   const ExpertPlacement& placement = ex.placement();
   const auto mine = placement.experts_of(rank);  // this rank's experts, in slot order
+  const auto homes = placement.instances_of(rank);  // and their instances (the exchange's indexes)
   const std::int64_t H = c.hidden, I = c.expert_inter, Is = c.shared_inter_total(),
                      L = static_cast<std::int64_t>(mine.size()), T = c.tokens_per_rank,
                      E = c.routed_experts, TR = m.tile_rows, TC = m.tile_cols;
@@ -420,10 +433,11 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
 
   if (pass == Pass::forward) {
     // Events of this rank.
-    for (const std::int64_t e : mine) {
-      const std::int64_t tiles = ex.tiles_of(e), tb = ex.tile_start(e);
+    for (std::int64_t le = 0; le < L; ++le) {
+      const std::int64_t e = mine[static_cast<std::size_t>(le)], home = homes[static_cast<std::size_t>(le)];
+      const std::int64_t tiles = ex.tiles_of(home), tb = ex.tile_start(home);
       for (std::int64_t i = 0; i < tiles; ++i) {
-        b.event(ev.recv + tb + i, ex.arrivals(e, i), TaskKind::gemm_gate_up, e, i);
+        b.event(ev.recv + tb + i, ex.arrivals(home, i), TaskKind::gemm_gate_up, e, i);
         b.event(ev.h + tb + i, static_cast<std::int32_t>(n_gate_up), TaskKind::swiglu, e, i);
         b.event(ev.a + tb + i, 1, TaskKind::gemm_down, e, i);
         b.event(ev.y + tb + i, static_cast<std::int32_t>(n_down), TaskKind::combine_put, e, i);
@@ -452,8 +466,8 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
       }
     }
     for (std::int64_t le = 0; le < L; ++le) {
-      const std::int64_t e = mine[static_cast<std::size_t>(le)], n_e = ex.expert_rows(e), start = ex.expert_start(e);
-      const std::int64_t tb = ex.tile_start(e);
+      const std::int64_t e = mine[static_cast<std::size_t>(le)], home = homes[static_cast<std::size_t>(le)];
+      const std::int64_t n_e = ex.expert_rows(home), start = ex.expert_start(home), tb = ex.tile_start(home);
       for (std::int64_t i = 0; i * TR < n_e; ++i) {
         const std::int64_t rows = std::min(TR, n_e - i * TR), row0 = start + i * TR;
         b.gemm_tiles(rows, 2 * I, [&](std::int64_t, std::int64_t, std::int64_t j, std::int64_t n) {
@@ -481,9 +495,10 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
   const std::int64_t n_router_dgrad = token_tiles * n_down;
   const std::int64_t n_shared_dgrad = shared ? token_tiles * n_down : 0;
   for (std::int64_t le = 0; le < L; ++le) {
-    const std::int64_t e = mine[static_cast<std::size_t>(le)], tiles = ex.tiles_of(e), tb = ex.tile_start(e);
+    const std::int64_t e = mine[static_cast<std::size_t>(le)], home = homes[static_cast<std::size_t>(le)];
+    const std::int64_t tiles = ex.tiles_of(home), tb = ex.tile_start(home);
     for (std::int64_t i = 0; i < tiles; ++i) {
-      b.event(ev.dy + tb + i, ex.arrivals(e, i), TaskKind::gemm_down_dgrad, e, i);
+      b.event(ev.dy + tb + i, ex.arrivals(home, i), TaskKind::gemm_down_dgrad, e, i);
       b.event(ev.da + tb + i, static_cast<std::int32_t>(n_inter), TaskKind::swiglu_bwd, e, i);
       b.event(ev.dh + tb + i, 1, TaskKind::gemm_gate_up_dgrad, e, i);
       b.event(ev.dxe + tb + i, static_cast<std::int32_t>(n_down), TaskKind::grad_combine_put, e, i);
@@ -538,8 +553,9 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
     });
   }
   for (std::int64_t le = 0; le < L; ++le) {
-    const std::int64_t e = mine[static_cast<std::size_t>(le)], n_e = ex.expert_rows(e), start = ex.expert_start(e);
-    const std::int64_t tb = ex.tile_start(e), tiles = ex.tiles_of(e);
+    const std::int64_t e = mine[static_cast<std::size_t>(le)], home = homes[static_cast<std::size_t>(le)];
+    const std::int64_t n_e = ex.expert_rows(home), start = ex.expert_start(home);
+    const std::int64_t tb = ex.tile_start(home), tiles = ex.tiles_of(home);
     for (std::int64_t i = 0; i < tiles; ++i) {
       const std::int64_t rows = std::min(TR, n_e - i * TR), row0 = start + i * TR;
       const std::int32_t arrivals = p.events[ev.dy + tb + i].required;

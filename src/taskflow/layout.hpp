@@ -16,6 +16,12 @@ namespace hpmoe::taskflow {
 // Rows a source sends are ordered by expert id, then token, then k. Rows a
 // rank receives are ordered by its experts' slots, then source rank, then
 // the same. Each expert's region starts a new row tile.
+//
+// The layout is per instance (an expert's home, ExpertPlacement): a
+// replicated expert's rows from a source are split among its instances by
+// the quota plan (plan_quotas), in home order within the source's block of
+// that expert. Without replicas instance e is expert e. Every method below
+// that names an instance takes an instance id.
 class Exchange {
  public:
   Exchange(const LayerConfig&, const ExpertPlacement&, const RoutingCounts&, std::int64_t tile_rows);
@@ -23,22 +29,23 @@ class Exchange {
   const ExpertPlacement& placement() const { return placement_; }
   std::int64_t ranks() const { return ranks_; }
   std::int64_t experts() const { return experts_; }
+  std::int64_t instances() const { return instances_; }
   std::int64_t tile_rows() const { return tile_rows_; }
 
   // Rows source s sends to expert e.
   std::int64_t count(std::int64_t s, std::int64_t e) const {
-    return source_prefix_[static_cast<std::size_t>((s + 1) * experts_ + e)] -
-           source_prefix_[static_cast<std::size_t>(s * experts_ + e)];
+    return source_prefix_[static_cast<std::size_t>((s + 1) * instances_ + e)] -
+           source_prefix_[static_cast<std::size_t>(s * instances_ + e)];
   }
   // Row of (s, e)'s first row within expert e's region on its owner.
   std::int64_t source_offset(std::int64_t s, std::int64_t e) const {
-    return source_prefix_[static_cast<std::size_t>(s * experts_ + e)];
+    return source_prefix_[static_cast<std::size_t>(s * instances_ + e)];
   }
   // Row of (s, e)'s first row in s's send order (and in its COMB rows).
   std::int64_t send_offset(std::int64_t s, std::int64_t e) const {
-    return send_offset_[static_cast<std::size_t>(s * (experts_ + 1) + e)];
+    return send_offset_[static_cast<std::size_t>(s * (instances_ + 1) + e)];
   }
-  std::int64_t send_rows(std::int64_t s) const { return send_offset(s, experts_); }
+  std::int64_t send_rows(std::int64_t s) const { return send_offset(s, instances_); }
   // Rows of expert e, from all sources.
   std::int64_t expert_rows(std::int64_t e) const { return source_offset(ranks_, e); }
   // Row of expert e's region in its owner's receive buffer.
@@ -65,11 +72,11 @@ class Exchange {
 
  private:
   ExpertPlacement placement_;
-  std::int64_t ranks_, experts_, tile_rows_;
+  std::int64_t ranks_, experts_, tile_rows_, instances_ = 0;
   bool pad_pairs_;
-  std::vector<std::int64_t> source_prefix_;  // [s * E + e]: rows of expert e from sources < s (s = 0..P)
-  std::vector<std::int64_t> send_offset_;    // [s * (E + 1) + e]
-  std::vector<std::int64_t> expert_start_, tile_start_, kpad_start_;  // [e]
+  std::vector<std::int64_t> source_prefix_;  // [s * N + i]: rows of instance i from sources < s (s = 0..P)
+  std::vector<std::int64_t> send_offset_;    // [s * (N + 1) + i]
+  std::vector<std::int64_t> expert_start_, tile_start_, kpad_start_;  // [i]
   std::vector<std::int64_t> recv_rows_, row_tiles_, kpad_rows_;       // [d]
 };
 
