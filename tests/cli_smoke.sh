@@ -27,6 +27,16 @@ python3 -c "import json, sys; j = json.load(open(sys.argv[1])); sys.exit('serial
 # Placement as data: a placement file, uneven experts per rank, verified.
 echo '{"experts_of_rank": [[7, 0, 3], [5, 1], [2, 6, 4]]}' > "$tmp/placement.json"
 "$HPMOE" run -P 3 --backward --iters 1 --placement "$tmp/placement.json" | grep -q "bit-identical"
+# Load-aware placement: plan replicas of the hot expert, then run with them
+# (quota plan per step, verified, both executors bit-identical).
+"$HPMOE" plan -P 4 --set routed_experts=16 -T 128 --routing hot:0.3 --machine "$HPMOE_SOURCE_DIR/machines/cpu-local.json" \
+  --out "$tmp/planned.json" --json "$tmp/plan.json" > "$tmp/plan.txt"
+grep -q '"replicas": true' "$tmp/planned.json"
+python3 -c "import json, sys; j = json.load(open(sys.argv[1])); a, b = j['after'], j['before']; \
+sys.exit(not (j['replicas_added'] > 0 and a['rank_max_over_mean'] < b['rank_max_over_mean'] and a['cost_model_s'] < b['cost_model_s']))" "$tmp/plan.json"
+"$HPMOE" run -P 4 --set routed_experts=16 -T 128 --routing hot:0.3 --backward --iters 1 --placement "$tmp/planned.json" \
+  > "$tmp/planned-run.txt"
+grep -q "verify   PASS" "$tmp/planned-run.txt" && grep -q "bit-identical, all" "$tmp/planned-run.txt"
 "$HPMOE" run --seed 5 --backward --save "$tmp/run" > "$tmp/a.txt"
 test -s "$tmp/run/weights.safetensors" && test -s "$tmp/run/outputs.safetensors" && test -s "$tmp/run/routing.safetensors"
 "$HPMOE" run --seed 99 --backward --load "$tmp/run" --save "$tmp/again" > "$tmp/b.txt"

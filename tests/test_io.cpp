@@ -6,6 +6,7 @@
 
 #include "hpmoe/baseline.hpp"
 #include "hpmoe/error.hpp"
+#include "hpmoe/plan.hpp"
 #include "hpmoe/safetensors.hpp"
 #include <nlohmann/json.hpp>
 #include <algorithm>
@@ -171,4 +172,33 @@ TEST(Sharding, ReadsHuggingFaceShardedCheckpoints) {
     EXPECT_NE(what.find("mlp.experts.6.up_proj.weight"), std::string::npos) << what;
     EXPECT_NE(what.find("model-00001-of-00002.safetensors"), std::string::npos) << what;
   }
+}
+
+// `hpmoe plan`: replicas chosen on the machine's cost model lower the
+// predicted slowest rank and the rank imbalance, within the slot budget, and
+// the same request gives the same placement.
+TEST(Plan, ReplicatesTheHotExpertWithinTheBudgetAndDeterministically) {
+  PlanRequest req;
+  req.config = preset("tiny");
+  req.config.ranks = 4;
+  req.config.routed_experts = 16;
+  req.config.tokens_per_rank = 256;
+  req.routing = parse_routing_spec("hot:0.3", 3);
+  req.machine = std::string(HPMOE_SOURCE_DIR) + "/machines/cpu-local.json";
+  req.steps = 4;
+  const auto a = plan_placement(req);
+  EXPECT_GT(a.replicas, 0);
+  EXPECT_LT(a.imbalance_after, a.imbalance_before);
+  EXPECT_LT(a.cost_after, a.cost_before);
+  EXPECT_LE(a.after.max_local_count(), a.before.max_local_count() + 1);  // default budget: one more slot
+  EXPECT_GT(a.after.home_count(0), 1) << "the hot expert (0) was not replicated";
+  EXPECT_EQ(a.after, plan_placement(req).after);
+  req.slots_per_rank = 3;  // below the 4 experts a rank already holds
+  EXPECT_THROW(plan_placement(req), Error);
+  // The cost model: weight streaming dominates one tile, tiles dominate many.
+  const auto cost = ExpertCostModel::from(sim::load_machine(req.machine), req.config, true);
+  EXPECT_GT(cost.first_tile_s, cost.tile_s);
+  EXPECT_EQ(cost.instance_seconds(0), 0.0);
+  EXPECT_DOUBLE_EQ(cost.instance_seconds(1), cost.first_tile_s);
+  EXPECT_DOUBLE_EQ(cost.instance_seconds(65), cost.first_tile_s + cost.tile_s);
 }

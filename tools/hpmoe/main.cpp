@@ -3,6 +3,7 @@
 #include <CLI/CLI.hpp>
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <nlohmann/json.hpp>
@@ -11,6 +12,7 @@
 #include "hpmoe/compile_driver.hpp"
 #include "hpmoe/config.hpp"
 #include "hpmoe/error.hpp"
+#include "hpmoe/plan.hpp"
 #include "hpmoe/run.hpp"
 #include "hpmoe/sim.hpp"
 #include "hpmoe/trace.hpp"
@@ -266,6 +268,50 @@ struct SimulateCommand {
   }
 };
 
+struct PlanCommand {
+  CLI::App* app = nullptr;
+  LayerOptions layer;
+  PlanRequest req;
+  std::string routing = "zipf:1.2", out, json_file;
+  bool inference = false;
+
+  void add(CLI::App& parent) {
+    app = parent.add_subcommand("plan", "choose a placement with replicas of hot experts from load statistics");
+    layer.add_to(*app);
+    app->add_option("--machine", req.machine, "machine model whose rates price the experts (a file, or a name in machines/)");
+    app->add_option("--routing", routing, "the load: uniform | zipf[:S] | hot[:SHARE] | trace:FILE[:LAYER] | router");
+    app->add_option("--steps", req.steps, "steps of load history (seeds --seed, --seed + 1, ...)")->check(CLI::Range(1, 10000));
+    app->add_option("--seed", req.seed, "seed of the first step's routing");
+    app->add_option("--slots-per-rank", req.slots_per_rank,
+                    "experts a rank may hold, replicas included (default: one more than the starting placement's largest rank)")
+        ->check(CLI::Range(1, 1 << 20));
+    app->add_flag("--inference", inference, "do not charge replicas for refreshing weights and reducing gradients");
+    app->add_option("--out", out, "write the placement here (JSON, for --placement)");
+    app->add_option("--json", json_file, "write the report as JSON");
+  }
+
+  int execute() {
+    req.config = layer.resolve();
+    req.start = layer.resolve_placement(req.config);
+    req.routing = parse_routing_spec(routing, req.seed);
+    req.training = !inference;
+    if (!out.empty() && !std::ofstream(out + ".partial")) throw Error("cannot write the placement to '" + out + "'");
+    const PlanReport report = plan_placement(req);
+    std::cout << format_report(report);
+    if (!out.empty()) {
+      {
+        std::ofstream f(out + ".partial");
+        f << to_json(report.after).dump(1) << "\n";
+        if (!f) throw Error("cannot write the placement to '" + out + "'");
+      }
+      std::filesystem::rename(out + ".partial", out);
+      std::cout << "wrote " << out << "\n";
+    }
+    if (!json_file.empty()) write_json(json_file, to_json(report));
+    return 0;
+  }
+};
+
 struct CalibrateCommand {
   CLI::App* app = nullptr;
   sim::CalibrateOptions copt;
@@ -389,12 +435,14 @@ int run_main(int argc, char** argv) {
   RunCommand run;
   SimulateCommand simulate;
   CalibrateCommand calibrate;
+  PlanCommand plan;
   ConfigCommand config;
   CompileCommand compile;
   VerifyCommand verify;
   run.add(app);
   simulate.add(app);
   calibrate.add(app);
+  plan.add(app);
   config.add(app);
   auto* presets = app.add_subcommand("presets", "list the model presets");
   compile.add(app);
@@ -430,6 +478,7 @@ int run_main(int argc, char** argv) {
   if (verify.app->parsed()) return verify.execute();
   if (simulate.app->parsed()) return simulate.execute();
   if (calibrate.app->parsed()) return calibrate.execute();
+  if (plan.app->parsed()) return plan.execute();
   if (config.app->parsed()) return config.execute();
   return run.execute(argc, argv);
 }

@@ -1,0 +1,226 @@
+#include "hpmoe/plan.hpp"
+
+#include <algorithm>
+#include <iomanip>
+#include <nlohmann/json.hpp>
+#include <numeric>
+#include <sstream>
+
+#include "hpmoe/error.hpp"
+#include "hpmoe/taskflow.hpp"
+
+namespace hpmoe {
+
+ExpertCostModel ExpertCostModel::from(const sim::MachineModel& m, const LayerConfig& c, bool training) {
+  ExpertCostModel cost;
+  cost.tile_rows = m.tile_rows;
+  const std::int64_t TR = m.tile_rows, H = c.hidden, I = c.expert_inter;
+  const double units = std::max(1, m.accelerator ? m.matrix_units : m.workers);
+  // Forward: gate/up [TR, 2I] x H and down [TR, H] x I; the backward's
+  // data and weight gradients are twice that again.
+  const auto pass = [&](double reuse) {
+    return m.gemm_seconds(TR, 2 * I, H, c.dtype, reuse) + m.gemm_seconds(TR, H, I, c.dtype, reuse);
+  };
+  cost.first_tile_s = 3.0 * pass(1.0) / units;
+  cost.tile_s = 3.0 * pass(1e9) / units;
+  if (training) {
+    const double bytes = 3.0 * double(H) * double(I) * (c.dtype == DType::bf16 ? 2.0 : 4.0)  // weights refreshed
+                         + 3.0 * double(H) * double(I) * 4.0;                                 // fp32 gradient reduced
+    const double link = m.intra_bytes_per_s > 0 ? m.intra_bytes_per_s : m.inter_bytes_per_s;
+    cost.replica_s = link > 0 ? bytes / link : 0.0;
+  }
+  return cost;
+}
+
+double ExpertCostModel::instance_seconds(std::int64_t rows) const {
+  if (rows <= 0) return 0.0;
+  const std::int64_t tiles = (rows + tile_rows - 1) / tile_rows;
+  return first_tile_s + double(tiles - 1) * tile_s;
+}
+
+std::vector<double> rank_seconds(const ExpertPlacement& p, std::span<const std::int64_t> counts, const ExpertCostModel& cost) {
+  const std::int64_t P = p.ranks(), E = p.experts(), N = p.instances();
+  std::vector<double> t(static_cast<std::size_t>(P), 0.0);
+  std::vector<std::int64_t> rows(static_cast<std::size_t>(N), 0);
+  if (p.has_replicas()) {
+    const auto quota = plan_quotas(p, counts, cost.tile_rows);
+    for (std::int64_t s = 0; s < P; ++s)
+      for (std::int64_t i = 0; i < N; ++i) rows[static_cast<std::size_t>(i)] += quota[static_cast<std::size_t>(s * N + i)];
+  } else {
+    for (std::int64_t s = 0; s < P; ++s)
+      for (std::int64_t e = 0; e < E; ++e) rows[static_cast<std::size_t>(e)] += counts[static_cast<std::size_t>(s * E + e)];
+  }
+  for (std::int64_t i = 0; i < N; ++i) {
+    auto& rank = t[static_cast<std::size_t>(p.instance_rank(i))];
+    rank += cost.instance_seconds(rows[static_cast<std::size_t>(i)]);
+    if (i != p.first_instance(p.instance_expert(i))) rank += cost.replica_s;
+  }
+  return t;
+}
+
+namespace {
+
+struct History {
+  std::vector<std::vector<std::int64_t>> counts;  // per step, P x E kept counts
+};
+
+double mean_of(const std::vector<double>& v) { return v.empty() ? 0.0 : std::accumulate(v.begin(), v.end(), 0.0) / double(v.size()); }
+
+// Mean over the steps of the slowest rank's time, and of rank max/mean rows.
+std::pair<double, double> evaluate(const ExpertPlacement& p, const History& h, const ExpertCostModel& cost) {
+  std::vector<double> slowest, imbalance;
+  const std::int64_t P = p.ranks();
+  for (const auto& counts : h.counts) {
+    const auto t = rank_seconds(p, counts, cost);
+    slowest.push_back(*std::max_element(t.begin(), t.end()));
+    ExpertCostModel rows_only;  // rows as the cost: the imbalance figure
+    rows_only.tile_rows = cost.tile_rows;
+    std::vector<double> rows(static_cast<std::size_t>(P), 0.0);
+    const std::int64_t E = p.experts(), N = p.instances();
+    if (p.has_replicas()) {
+      const auto quota = plan_quotas(p, counts, cost.tile_rows);
+      for (std::int64_t s = 0; s < P; ++s)
+        for (std::int64_t i = 0; i < N; ++i) rows[static_cast<std::size_t>(p.instance_rank(i))] += double(quota[static_cast<std::size_t>(s * N + i)]);
+    } else {
+      for (std::int64_t s = 0; s < P; ++s)
+        for (std::int64_t e = 0; e < E; ++e) rows[static_cast<std::size_t>(p.owner(e))] += double(counts[static_cast<std::size_t>(s * E + e)]);
+    }
+    const double total = std::accumulate(rows.begin(), rows.end(), 0.0);
+    imbalance.push_back(total > 0 ? *std::max_element(rows.begin(), rows.end()) * double(P) / total : 0.0);
+  }
+  return {mean_of(slowest), mean_of(imbalance)};
+}
+
+std::vector<std::vector<std::int64_t>> lists_of(const ExpertPlacement& p) {
+  std::vector<std::vector<std::int64_t>> lists(static_cast<std::size_t>(p.ranks()));
+  for (std::int64_t r = 0; r < p.ranks(); ++r)
+    for (const auto e : p.experts_of(r)) lists[static_cast<std::size_t>(r)].push_back(e);
+  return lists;
+}
+
+double simulate_step(const sim::MachineModel& m, const PlanRequest& req, const ExpertPlacement& p, bool interleaved) {
+  sim::SimRequest s;
+  s.config = req.config;
+  s.routing = req.routing;
+  s.placement = p;
+  s.seed = req.seed;
+  s.backward = true;
+  const auto rep = sim::simulate(m, s);
+  return interleaved ? rep.forward.interleaved_s + rep.backward.interleaved_s
+                     : rep.forward.serialized_s + rep.backward.serialized_s;
+}
+
+}  // namespace
+
+PlanReport plan_placement(const PlanRequest& req) {
+  const LayerConfig& c = req.config;
+  c.validate();
+  if (req.steps < 1 || req.steps > 10000) throw Error("--steps must be between 1 and 10000 (got " + std::to_string(req.steps) + ")");
+  if (req.slots_per_rank < 0) throw Error("--slots-per-rank must be positive");
+  const sim::MachineModel machine = sim::load_machine(req.machine);
+  const ExpertCostModel cost = ExpertCostModel::from(machine, c, req.training);
+  PlanReport rep;
+  rep.config = c;
+  rep.routing = req.routing.describe();
+  rep.machine = machine.name;
+  rep.steps = req.steps;
+  rep.before = placement_or_contiguous(req.start, c.routed_experts, c.ranks);
+  const std::int64_t budget = req.slots_per_rank > 0 ? req.slots_per_rank : rep.before.max_local_count() + 1;
+  if (budget < rep.before.max_local_count())
+    throw Error("--slots-per-rank " + std::to_string(budget) + " is below the " + std::to_string(rep.before.max_local_count()) +
+                " experts the starting placement already puts on one rank");
+  History h;
+  for (std::int64_t k = 0; k < req.steps; ++k) {
+    RoutingSpec spec = req.routing;
+    spec.seed = req.routing.seed + static_cast<std::uint64_t>(k);
+    if (spec.source == RoutingSource::router) {
+      h.counts.push_back(taskflow::routing_counts(c, route_step(c, spec, req.seed + static_cast<std::uint64_t>(k))).counts);
+    } else {  // the choices alone (no logits to build; capacity dropping does not apply to them)
+      h.counts.push_back(taskflow::routing_counts(c, forced_selection(c, spec)).counts);
+    }
+  }
+  const auto rules = ExpertPlacement::Rules{.allow_empty_ranks = rep.before.allows_empty_ranks(), .replicas = true,
+                                            .slots_per_rank = budget};
+  auto lists = lists_of(rep.before);
+  ExpertPlacement current = ExpertPlacement::from_rank_lists(c.routed_experts, lists, rules, "plan");
+  auto [best_cost, best_imbalance] = evaluate(current, h, cost);
+  rep.cost_before = best_cost;
+  rep.imbalance_before = best_imbalance;
+  // Mean rows per expert over the history: candidates are the heaviest.
+  std::vector<double> load(static_cast<std::size_t>(c.routed_experts), 0.0);
+  for (const auto& counts : h.counts)
+    for (std::int64_t s = 0; s < c.ranks; ++s)
+      for (std::int64_t e = 0; e < c.routed_experts; ++e) load[static_cast<std::size_t>(e)] += double(counts[static_cast<std::size_t>(s * c.routed_experts + e)]);
+  std::vector<std::int64_t> heavy(static_cast<std::size_t>(c.routed_experts));
+  std::iota(heavy.begin(), heavy.end(), 0);
+  std::stable_sort(heavy.begin(), heavy.end(), [&](auto a, auto b) { return load[static_cast<std::size_t>(a)] > load[static_cast<std::size_t>(b)]; });
+  heavy.resize(static_cast<std::size_t>(std::min<std::int64_t>(c.routed_experts, 16)));
+  for (;;) {
+    // Ranks with a free slot, least loaded first (first step's prediction).
+    const auto t = rank_seconds(current, h.counts.front(), cost);
+    std::vector<std::int64_t> free;
+    for (std::int64_t r = 0; r < c.ranks; ++r)
+      if (static_cast<std::int64_t>(lists[static_cast<std::size_t>(r)].size()) < budget) free.push_back(r);
+    std::stable_sort(free.begin(), free.end(), [&](auto a, auto b) { return t[static_cast<std::size_t>(a)] < t[static_cast<std::size_t>(b)]; });
+    free.resize(std::min<std::size_t>(free.size(), 4));
+    double candidate_cost = best_cost;
+    std::int64_t pick_e = -1, pick_r = -1;
+    for (const auto e : heavy)
+      for (const auto r : free) {
+        if (current.instance_on(e, r) >= 0) continue;
+        auto trial = lists;
+        trial[static_cast<std::size_t>(r)].push_back(e);
+        const auto p = ExpertPlacement::from_rank_lists(c.routed_experts, trial, rules, "plan");
+        const double cost_here = evaluate(p, h, cost).first;
+        if (cost_here < candidate_cost * (1 - 1e-6)) candidate_cost = cost_here, pick_e = e, pick_r = r;
+      }
+    if (pick_e < 0) break;
+    lists[static_cast<std::size_t>(pick_r)].push_back(pick_e);
+    current = ExpertPlacement::from_rank_lists(c.routed_experts, lists, rules, "plan");
+    best_cost = candidate_cost;
+    ++rep.replicas;
+  }
+  rep.after = current;
+  std::tie(rep.cost_after, rep.imbalance_after) = evaluate(current, h, cost);
+  rep.sim_serialized_before = simulate_step(machine, req, rep.before, false);
+  rep.sim_interleaved_before = simulate_step(machine, req, rep.before, true);
+  rep.sim_serialized_after = simulate_step(machine, req, rep.after, false);
+  rep.sim_interleaved_after = simulate_step(machine, req, rep.after, true);
+  return rep;
+}
+
+std::string format_report(const PlanReport& r) {
+  std::ostringstream o;
+  o << std::fixed;
+  o << "plan     " << r.config.name << " at EP " << r.config.ranks << ", " << r.config.tokens_per_rank
+    << " tokens/rank, routing " << r.routing << ", " << r.steps << " steps of history, machine " << r.machine << "\n";
+  o << "         " << r.replicas << " replicas added, at most " << r.after.slots_per_rank() << " experts per rank\n";
+  const auto row = [&](const char* what, double before, double after, int digits) {
+    o << "  " << std::left << std::setw(44) << what << std::right << std::setprecision(digits) << std::setw(10) << before
+      << std::setw(10) << after << "\n";
+  };
+  o << "  " << std::left << std::setw(44) << "predicted (mean over the history's steps)" << std::right << std::setw(10)
+    << "before" << std::setw(10) << "after" << "\n";
+  row("rank max/mean rows", r.imbalance_before, r.imbalance_after, 3);
+  row("cost model: slowest rank's experts (ms)", r.cost_before * 1e3, r.cost_after * 1e3, 3);
+  row("simulated fwd+bwd, serialized (ms)", r.sim_serialized_before * 1e3, r.sim_serialized_after * 1e3, 3);
+  row("simulated fwd+bwd, interleaved (ms)", r.sim_interleaved_before * 1e3, r.sim_interleaved_after * 1e3, 3);
+  return o.str();
+}
+
+nlohmann::json to_json(const PlanReport& r) {
+  return {{"layer", r.config.name},
+          {"ranks", r.config.ranks},
+          {"tokens_per_rank", r.config.tokens_per_rank},
+          {"routing", r.routing},
+          {"machine", r.machine},
+          {"steps", r.steps},
+          {"replicas_added", r.replicas},
+          {"placement", to_json(r.after)},
+          {"before", {{"rank_max_over_mean", r.imbalance_before}, {"cost_model_s", r.cost_before},
+                      {"simulated_serialized_s", r.sim_serialized_before}, {"simulated_interleaved_s", r.sim_interleaved_before}}},
+          {"after", {{"rank_max_over_mean", r.imbalance_after}, {"cost_model_s", r.cost_after},
+                     {"simulated_serialized_s", r.sim_serialized_after}, {"simulated_interleaved_s", r.sim_interleaved_after}}}};
+}
+
+}  // namespace hpmoe
