@@ -1,4 +1,5 @@
 #include <gtest/gtest.h>
+#include <algorithm>
 
 #include <cmath>
 #include <filesystem>
@@ -223,4 +224,42 @@ TEST(ExpertBias, MovesTowardsBalance) {
   EXPECT_FLOAT_EQ(bias[0], -0.1f);
   EXPECT_FLOAT_EQ(bias[1], 0.0f);
   EXPECT_FLOAT_EQ(bias[2], 0.1f);
+}
+
+// The force-balanced ideal: every (rank, expert) count equal when T K is a
+// multiple of E, each token's choices distinct.
+TEST(Routing, BalancedGivesEveryRankAndExpertTheSameCount) {
+  LayerConfig c = preset("tiny");
+  c.ranks = 3;
+  c.tokens_per_rank = 12;  // 12 x 2 = 24 = 3 x 8
+  const auto ids = forced_selection(c, parse_routing_spec("balanced", 1));
+  std::vector<std::int64_t> count(static_cast<std::size_t>(c.ranks * c.routed_experts), 0);
+  for (std::int64_t t = 0; t < c.total_tokens(); ++t) {
+    EXPECT_NE(ids[static_cast<std::size_t>(t * 2)], ids[static_cast<std::size_t>(t * 2 + 1)]);
+    for (std::int64_t j = 0; j < 2; ++j)
+      ++count[static_cast<std::size_t>((t / c.tokens_per_rank) * c.routed_experts + ids[static_cast<std::size_t>(t * 2 + j)])];
+  }
+  for (const auto n : count) EXPECT_EQ(n, 3);
+  EXPECT_EQ(parse_routing_spec("balanced", 1).describe(), "balanced");
+}
+
+// Steps of one synthetic routing: the same hot experts, other draws.
+TEST(Routing, LaterStepsKeepThePopularityAndDrawAgain) {
+  LayerConfig c = preset("tiny");
+  c.ranks = 2;
+  c.tokens_per_rank = 2000;
+  c.routed_experts = 32;
+  auto spec = parse_routing_spec("zipf:1.4", 5);
+  const auto first = forced_selection(c, spec);
+  spec.step = 3;
+  const auto later = forced_selection(c, spec);
+  EXPECT_NE(first, later);
+  const auto hottest = [&](const std::vector<std::int32_t>& ids) {
+    std::vector<std::int64_t> n(32, 0);
+    for (const auto e : ids) ++n[static_cast<std::size_t>(e)];
+    return std::max_element(n.begin(), n.end()) - n.begin();
+  };
+  EXPECT_EQ(hottest(first), hottest(later));
+  spec.step = 0;
+  EXPECT_EQ(forced_selection(c, spec), first);  // step 0 is the routing as before steps existed
 }

@@ -37,7 +37,7 @@ struct PlanRequest {
   RoutingSpec routing;
   ExpertPlacement start;          // the placement to improve (empty: contiguous)
   std::string machine = "cpu-local";
-  std::int64_t steps = 8;         // routed steps of load history (seeds seed, seed + 1, ...)
+  std::int64_t steps = 8;         // routed steps of load history (synthetic: one popularity, new draws each step)
   std::uint64_t seed = 1;
   std::int64_t slots_per_rank = 0;  // 0: one more than the start's largest rank
   bool training = true;           // count replicas' weight refresh and gradient reduction
@@ -51,7 +51,8 @@ struct PlanReport {
   // Means over the history's steps: rank max/mean of rows, and the cost
   // model's slowest rank (seconds).
   double imbalance_before = 0, imbalance_after = 0, cost_before = 0, cost_after = 0;
-  // The simulator on the first step: serialized and interleaved makespans
+  // The simulator on a step after the history (the same routing's next
+  // draw, which the plan did not see): serialized and interleaved makespans
   // (forward + backward, seconds).
   double sim_serialized_before = 0, sim_interleaved_before = 0, sim_serialized_after = 0, sim_interleaved_after = 0;
 };

@@ -12,7 +12,9 @@ namespace hpmoe {
 // Where the expert choices of a step come from. `router` is the real
 // top-k; the others replace only the choice of experts (the gate weights still
 // come from the router's scores, so backward stays meaningful).
-enum class RoutingSource { router, uniform, zipf, hot, trace };
+// balanced: exactly the same count for every (rank, expert) where T K is a
+// multiple of E (the force-balanced ideal).
+enum class RoutingSource { router, uniform, balanced, zipf, hot, trace };
 
 struct RoutingSpec {
   RoutingSource source = RoutingSource::router;
@@ -22,11 +24,14 @@ struct RoutingSpec {
   std::string trace_path;
   std::string trace_layer = "0";
   std::uint64_t seed = 1;
+  // Steps of one synthetic routing share its popularity (which experts are
+  // hot, from `seed`) and differ in the draws (step 0: as before steps).
+  std::uint64_t step = 0;
 
   std::string describe() const;
 };
 
-// Parses "router", "uniform", "zipf[:S]", "hot[:SHARE]", "trace:FILE[:LAYER]".
+// Parses "router", "uniform", "balanced", "zipf[:S]", "hot[:SHARE]", "trace:FILE[:LAYER]".
 RoutingSpec parse_routing_spec(const std::string& text, std::uint64_t seed);
 
 // Expert ids [N * K] for a non-router source, or empty for the router.

@@ -102,6 +102,7 @@ double simulate_step(const sim::MachineModel& m, const PlanRequest& req, const E
   sim::SimRequest s;
   s.config = req.config;
   s.routing = req.routing;
+  s.routing.step = static_cast<std::uint64_t>(req.steps);  // a step the plan did not see
   s.placement = p;
   s.seed = req.seed;
   s.backward = true;
@@ -131,8 +132,8 @@ PlanReport plan_placement(const PlanRequest& req) {
                 " experts the starting placement already puts on one rank");
   History h;
   for (std::int64_t k = 0; k < req.steps; ++k) {
-    RoutingSpec spec = req.routing;
-    spec.seed = req.routing.seed + static_cast<std::uint64_t>(k);
+    RoutingSpec spec = req.routing;  // the same popularity every step, other draws
+    spec.step = static_cast<std::uint64_t>(k);
     if (spec.source == RoutingSource::router) {
       h.counts.push_back(taskflow::routing_counts(c, route_step(c, spec, req.seed + static_cast<std::uint64_t>(k))).counts);
     } else {  // the choices alone (no logits to build; capacity dropping does not apply to them)

@@ -16,6 +16,7 @@ std::string RoutingSpec::describe() const {
   switch (source) {
     case RoutingSource::router: return "router";
     case RoutingSource::uniform: return "uniform";
+    case RoutingSource::balanced: return "balanced";
     case RoutingSource::zipf: return "zipf:" + std::to_string(zipf_exponent).substr(0, 5);
     case RoutingSource::hot: return "hot:" + std::to_string(hot_share).substr(0, 5);
     case RoutingSource::trace: return "trace:" + trace_path + ":" + trace_layer;
@@ -50,6 +51,8 @@ RoutingSpec parse_routing_spec(const std::string& text, std::uint64_t seed) {
     s.source = RoutingSource::router;
   } else if (kind == "uniform" && rest.empty()) {
     s.source = RoutingSource::uniform;
+  } else if (kind == "balanced" && rest.empty()) {
+    s.source = RoutingSource::balanced;
   } else if (kind == "zipf") {
     s.source = RoutingSource::zipf;
     if (!rest.empty()) s.zipf_exponent = parse_param(text, rest);
@@ -69,7 +72,7 @@ RoutingSpec parse_routing_spec(const std::string& text, std::uint64_t seed) {
       s.trace_path = rest;
     }
   } else {
-    throw Error("unknown routing '" + text + "' (use router, uniform, zipf[:S], hot[:SHARE] or trace:FILE[:LAYER])");
+    throw Error("unknown routing '" + text + "' (use router, uniform, balanced, zipf[:S], hot[:SHARE] or trace:FILE[:LAYER])");
   }
   return s;
 }
@@ -157,6 +160,14 @@ std::vector<std::int32_t> forced_selection(const LayerConfig& c, const RoutingSp
   if (s.source == RoutingSource::router) return ids;
   ids.resize(static_cast<std::size_t>(n * k));
   Rng rng(s.seed * 7919 + 17);
+  if (s.source == RoutingSource::balanced) {
+    // Force-balanced: token t's choices are experts tK, tK + 1, ... (mod E),
+    // so every expert gets the same count from every rank when T K is a
+    // multiple of E (the ideal the balancing schemes are measured against).
+    for (std::int64_t t = 0; t < n; ++t)
+      for (std::int64_t j = 0; j < k; ++j) ids[static_cast<std::size_t>(t * k + j)] = static_cast<std::int32_t>((t * k + j) % e);
+    return ids;
+  }
   if (s.source == RoutingSource::trace) {
     std::int64_t trace_tokens = 0;
     const auto trace = load_trace(s.trace_path, s.trace_layer, k, e, &trace_tokens);
@@ -184,6 +195,9 @@ std::vector<std::int32_t> forced_selection(const LayerConfig& c, const RoutingSp
     weights[s.hot_expert] = 0;
   }
   const ExpertSampler sampler(weights);
+  // Later steps of the same routing: the same popularity (the permutation
+  // above), other draws.
+  if (s.step > 0) rng = Rng(s.seed * 7919 + 17 + s.step * 1000003);
   for (std::int64_t t = 0; t < n; ++t) {
     std::int32_t* row = ids.data() + t * k;
     if (s.source == RoutingSource::hot && rng.uniform() < s.hot_share * double(k)) {

@@ -129,7 +129,7 @@ struct RunCommand {
     CLI::App* run = app;
     layer.add_to(*run);
     run->add_option("--workers,-W", req.workers_per_rank, "worker threads per rank")->check(CLI::Range(1, 256));
-    run->add_option("--routing", routing, "router | uniform | zipf[:S] | hot[:SHARE] | trace:FILE[:LAYER]");
+    run->add_option("--routing", routing, "router | uniform | balanced | zipf[:S] | hot[:SHARE] | trace:FILE[:LAYER]");
     run->add_option("--seed", req.seed, "seed of weights, inputs and synthetic routing");
     run->add_flag("--backward", req.backward, "run backward too (dx, dW1, dW2, router and shared gradients)");
     run->add_option("--iters", req.iterations, "measured iterations")->check(CLI::Range(1, 100000));
@@ -231,7 +231,7 @@ struct SimulateCommand {
     layer.add_to(*simulate);
     simulate->add_option("--machine", sim_machine, "machine model: a file, or a name in machines/ (cpu-local, ascend-a3, h800, h200, nmp-mesh)")
         ->required();
-    simulate->add_option("--routing", sim_routing, "uniform | zipf[:S] | hot[:SHARE] | trace:FILE[:LAYER] | router");
+    simulate->add_option("--routing", sim_routing, "uniform | balanced | zipf[:S] | hot[:SHARE] | trace:FILE[:LAYER] | router");
     simulate->add_option("--seed", sreq.seed, "seed of synthetic routing");
     simulate->add_flag("--backward", sreq.backward, "simulate the backward pass too");
     simulate->add_option("--schedule", sim_schedule, "fill | rank-rotated | critical-path | interleave-wgrad");
@@ -279,8 +279,8 @@ struct PlanCommand {
     app = parent.add_subcommand("plan", "choose a placement with replicas of hot experts from load statistics");
     layer.add_to(*app);
     app->add_option("--machine", req.machine, "machine model whose rates price the experts (a file, or a name in machines/)");
-    app->add_option("--routing", routing, "the load: uniform | zipf[:S] | hot[:SHARE] | trace:FILE[:LAYER] | router");
-    app->add_option("--steps", req.steps, "steps of load history (seeds --seed, --seed + 1, ...)")->check(CLI::Range(1, 10000));
+    app->add_option("--routing", routing, "the load: uniform | balanced | zipf[:S] | hot[:SHARE] | trace:FILE[:LAYER] | router");
+    app->add_option("--steps", req.steps, "steps of load history (synthetic routing: the same hot experts, other draws each step; the router: seeds --seed, --seed + 1, ...)")->check(CLI::Range(1, 10000));
     app->add_option("--seed", req.seed, "seed of the first step's routing");
     app->add_option("--slots-per-rank", req.slots_per_rank,
                     "experts a rank may hold, replicas included (default: one more than the starting placement's largest rank)")
@@ -366,7 +366,7 @@ struct CompileCommand {
     app = parent.add_subcommand("compile", "compile a layer step into verified per-rank tile-task programs");
     CLI::App* compile = app;
     layer.add_to(*compile);
-    compile->add_option("--routing", compile_routing, "router | uniform | zipf[:S] | hot[:SHARE] | trace:FILE[:LAYER]");
+    compile->add_option("--routing", compile_routing, "router | uniform | balanced | zipf[:S] | hot[:SHARE] | trace:FILE[:LAYER]");
     compile->add_option("--seed", compile_seed, "seed of the router's weights and inputs, and of synthetic routing");
     compile->add_option("--machine", creq.machine, "cpu:W[:RxC] (W unified workers per rank) or accel:MATRIX:VECTOR[:RxC]");
     compile->add_option("--schedule", schedule, "fill | rank-rotated | critical-path | interleave-wgrad");
