@@ -7,13 +7,19 @@
 // percentage of the large 2048^3 single-thread GEMM of the same dtype driven
 // through the same libxsmm kernels (measured once, first thing). For fp32 the
 // large GEMM of OpenBLAS (one thread) is reported too, as an outside check.
+// pct_of_fma_peak: the same GFLOP/s as a percentage of this core's measured
+// FMA peak (fp32 FMAs for fp32, AVX512-BF16 dot products for bf16 where the
+// CPU has them, else the fp32 peak), measured first; the CPU model and both
+// peaks are in the benchmark's context lines.
 #include <benchmark/benchmark.h>
 
 #include <chrono>
 #include <map>
+#include <type_traits>
 #include <vector>
 
 #include "hpmoe/kernels.hpp"
+#include "hpmoe/peak.hpp"
 #include "hpmoe/tensors.hpp"
 
 #ifdef HPMOE_HAVE_CBLAS
@@ -76,10 +82,15 @@ double large_gemm_gflops() {
   return value;
 }
 
+const FmaPeak& peak() {
+  static const FmaPeak p = measure_fma_peak(0.05, 7);
+  return p;
+}
+
 // Times each iteration by hand so the ratio to the large GEMM can be reported
 // as a counter of its own.
 template <class Fn>
-void measure(benchmark::State& state, double flops_per_iter, double large, Fn&& body) {
+void measure(benchmark::State& state, double flops_per_iter, double large, Fn&& body, bool bf16 = false) {
   double total = 0;
   for (auto _ : state) {
     const auto t0 = std::chrono::steady_clock::now();
@@ -92,6 +103,8 @@ void measure(benchmark::State& state, double flops_per_iter, double large, Fn&& 
   state.counters["GFLOP/s"] = gflops;
   state.counters["large_GFLOP/s"] = large;
   state.counters["pct_of_large"] = 100.0 * gflops / large;
+  const double fma = (bf16 && peak().bf16_flops_per_core > 0 ? peak().bf16_flops_per_core : peak().fp32_flops_per_core) / 1e9;
+  state.counters["pct_of_fma_peak"] = 100.0 * gflops / fma;
 }
 
 // One output tile of the layer, hot in cache: the kernel itself.
@@ -104,7 +117,7 @@ void BM_Tile(benchmark::State& state) {
   measure(state, 2.0 * m * n * k, large, [&] {
     gemm_tile<T>(o.a.data(), k, panel_view<T>(o.b.data(), k), 0, o.c.data(), n, m, n, k, false);
     benchmark::DoNotOptimize(o.c.data());
-  });
+  }, std::is_same_v<T, bf16>);
 }
 
 // One expert's GEMM as the baseline runs it (all its tiles, real sizes).
@@ -117,7 +130,7 @@ void BM_ExpertGemm(benchmark::State& state) {
   measure(state, 2.0 * m * n * k, large, [&] {
     tiled_gemm<T>(o, m, n, k);
     benchmark::DoNotOptimize(o.c.data());
-  });
+  }, std::is_same_v<T, bf16>);
 }
 
 template <class T>
@@ -128,7 +141,7 @@ void BM_LargeGemm(benchmark::State& state) {
   measure(state, 2.0 * s * s * s, large_gemm_gflops<T>(), [&] {
     tiled_gemm<T>(o, s, s, s);
     benchmark::DoNotOptimize(o.c.data());
-  });
+  }, std::is_same_v<T, bf16>);
 }
 
 #ifdef HPMOE_HAVE_CBLAS
@@ -168,4 +181,17 @@ BENCHMARK(BM_Tile<bf16>)->Name("BM_Tile_bf16")->Apply(tile_shapes)->UseManualTim
 BENCHMARK(BM_ExpertGemm<float>)->Name("BM_ExpertGemm_fp32")->Apply(expert_shapes)->Unit(benchmark::kMillisecond)->UseManualTime();
 BENCHMARK(BM_ExpertGemm<bf16>)->Name("BM_ExpertGemm_bf16")->Apply(expert_shapes)->Unit(benchmark::kMillisecond)->UseManualTime();
 
-BENCHMARK_MAIN();
+int main(int argc, char** argv) {
+  const FmaPeak& p = peak();
+  benchmark::AddCustomContext("cpu", p.cpu);
+  benchmark::AddCustomContext("fma_peak_fp32_GFLOP/s_per_core", std::to_string(p.fp32_flops_per_core / 1e9) + " (" + p.isa + ")");
+  benchmark::AddCustomContext("fma_peak_bf16_GFLOP/s_per_core",
+                              p.bf16_flops_per_core > 0 ? std::to_string(p.bf16_flops_per_core / 1e9) + " (" + p.bf16_isa + ")"
+                                                        : "none (no bf16 dot products; bf16 figures are against the fp32 peak)");
+  if (!p.not_measured.empty()) benchmark::AddCustomContext("not_measured", p.not_measured);
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

@@ -4,6 +4,7 @@
 #include <nlohmann/json.hpp>
 
 #include "hpmoe/error.hpp"
+#include "hpmoe/peak.hpp"
 #include "hpmoe/sim.hpp"
 
 using namespace hpmoe;
@@ -223,4 +224,24 @@ TEST(Simulator, RejectsBadModels) {
   j.erase("sources");
   expect_error(j, "sources");
   EXPECT_THROW(load_machine("/nonexistent/model.json"), Error);
+}
+
+// The FMA peak: measured on this core, named by ISA and CPU, and carried by
+// CPU machine models (hpmoe calibrate writes it; older models have none).
+TEST(Peak, MeasuredAndCarriedByTheMachineModel) {
+  const auto p = measure_fma_peak(0.005, 2);
+  EXPECT_GT(p.fp32_flops_per_core, 1e8);
+  EXPECT_FALSE(p.isa.empty());
+  EXPECT_FALSE(p.cpu.empty());
+  EXPECT_EQ(p.bf16_flops_per_core > 0, !p.bf16_isa.empty());
+  auto model = sim::load_machine(std::string(HPMOE_SOURCE_DIR) + "/machines/cpu-local.json");
+  model.fma_peak_fp32_per_core = p.fp32_flops_per_core;
+  model.cpu = p.cpu;
+  auto j = sim::to_json(model);
+  j["sources"] = {{"peak", "test"}};
+  const auto back = sim::machine_from_json(j);
+  EXPECT_DOUBLE_EQ(back.fma_peak_fp32_per_core, p.fp32_flops_per_core);
+  EXPECT_EQ(back.cpu, p.cpu);
+  j["peak"]["fp32_fma_flops_per_core"] = -1;
+  EXPECT_THROW(sim::machine_from_json(j), Error);
 }

@@ -8,6 +8,7 @@
 
 #include "hpmoe/baseline.hpp"
 #include "hpmoe/config.hpp"
+#include "hpmoe/peak.hpp"
 #include "hpmoe/routing.hpp"
 #include "hpmoe/runtime.hpp"
 #include "hpmoe/taskflow.hpp"
@@ -94,6 +95,10 @@ Summary summarize(std::vector<double> samples);
 
 struct RunReport {
   LayerConfig config;
+  // The CPU and its FMA peak, measured at the start of the run: every GFLOP/s
+  // figure is also given as a share of peak_cores x the peak per core.
+  FmaPeak peak;
+  int peak_cores = 1;
   std::string routing;
   std::string placement;  // describe(ExpertPlacement)
   int workers_per_rank = 1;

@@ -50,6 +50,10 @@ struct MachineModel {
   double mesh_link_bytes_per_s = 0, mesh_hop_latency_s = 0;
   // The serialized baseline: per operator and per all-to-all.
   double operator_launch_s = 0, collective_sync_s = 0;
+  // CPU models from `hpmoe calibrate`: the measured FMA peak of one core
+  // (0 where the model has none) and the CPU it was measured on.
+  double fma_peak_fp32_per_core = 0, bf16_peak_per_core = 0;
+  std::string cpu;
 
   taskflow::Machine compiler_machine() const;  // what the compiler schedules for
   // A tile whose right-hand panel serves `reuse` row tiles in a row: its

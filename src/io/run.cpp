@@ -8,6 +8,7 @@
 #include <iomanip>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <thread>
 
 #include "hpmoe/error.hpp"
 #include "hpmoe/reference.hpp"
@@ -312,6 +313,9 @@ void run_steps(const RunRequest& req, Executors& x, const LayerInputs& in, std::
 // What the report says of the run before any step.
 RunReport report_header(const RunRequest& req, const ExpertPlacement& placement, const Executors& x) {
   RunReport rep;
+  rep.peak = measure_fma_peak();
+  const auto cores = static_cast<std::int64_t>(std::max(1u, std::thread::hardware_concurrency()));
+  rep.peak_cores = static_cast<int>(std::min<std::int64_t>(cores, req.config.ranks * req.workers_per_rank));
   rep.serialized = x.use_serialized;
   rep.interleaved = x.use_interleaved;
   if (req.transport) rep.transport = req.transport->describe();
@@ -758,6 +762,9 @@ nlohmann::json summary_json(const Summary& s) { return {{"median_s", s.median}, 
 nlohmann::json to_json(const RunReport& r) {
   nlohmann::json j;
   j["layer"] = to_json(r.config);
+  j["cpu"] = {{"model", r.peak.cpu}, {"isa", r.peak.isa}, {"fp32_fma_flops_per_core", r.peak.fp32_flops_per_core},
+              {"bf16_isa", r.peak.bf16_isa}, {"bf16_dot_flops_per_core", r.peak.bf16_flops_per_core},
+              {"cores", r.peak_cores}, {"fma_peak_flops", r.peak.fp32_flops_per_core * r.peak_cores}};
   j["placement"] = r.placement;
   j["routing"] = {{"source", r.routing},
                   {"tokens_per_expert", r.stats.tokens_per_expert},
@@ -853,6 +860,20 @@ std::string format_report(const RunReport& r) {
   const auto& c = r.config;
   std::ostringstream o;
   o << std::setprecision(4);
+  const double peak = r.peak.fp32_flops_per_core * r.peak_cores;
+  // GFLOP/s, then its share of the measured FMA peak of the cores used.
+  const auto rate = [&](double flops, double seconds) {
+    std::ostringstream g;
+    g << std::fixed << std::setprecision(1) << flops / seconds / 1e9 << " GFLOP/s";
+    if (peak > 0) g << " (" << std::setprecision(0) << 100.0 * flops / seconds / peak << "% of FMA peak)";
+    return g.str();
+  };
+  o << "cpu      " << r.peak.cpu << ": FMA peak " << std::fixed << std::setprecision(1)
+    << r.peak.fp32_flops_per_core / 1e9 << " GFLOP/s per core fp32 (" << r.peak.isa << ")";
+  if (r.peak.bf16_flops_per_core > 0) o << ", " << r.peak.bf16_flops_per_core / 1e9 << " bf16 (" << r.peak.bf16_isa << ")";
+  if (!r.peak.not_measured.empty()) o << ", " << r.peak.not_measured << " not measured";
+  o << "; measured now, x " << r.peak_cores << " cores = " << peak / 1e9 << " GFLOP/s\n";
+  o << std::defaultfloat << std::setprecision(4);
   o << "layer    " << c.name << ": hidden " << c.hidden << ", expert inter " << c.expert_inter << ", experts "
     << c.routed_experts << " routed / " << c.shared_experts << " shared, top-" << c.top_k << ", "
     << to_string(c.scoring);
@@ -892,16 +913,16 @@ std::string format_report(const RunReport& r) {
   if (r.serialized)
     o << "serialized router " << ms(r.router.median) << " ms; dispatch-to-combine " << ms(r.dispatch_to_combine.median)
       << " ms (min " << ms(r.dispatch_to_combine.min) << ", max " << ms(r.dispatch_to_combine.max) << "), "
-      << r.forward_flops / r.dispatch_to_combine.median / 1e9 << " GFLOP/s" << busy_idle(r.serialized_busy) << "\n";
+      << rate(r.forward_flops, r.dispatch_to_combine.median) << busy_idle(r.serialized_busy) << "\n";
   if (r.interleaved) {
     o << "interleaved (" << r.policy << ") dispatch-to-combine " << ms(r.interleaved_d2c.median) << " ms (min "
       << ms(r.interleaved_d2c.min) << ", max " << ms(r.interleaved_d2c.max) << "), "
-      << r.forward_flops / r.interleaved_d2c.median / 1e9 << " GFLOP/s" << busy_idle(r.interleaved_busy);
+      << rate(r.forward_flops, r.interleaved_d2c.median) << busy_idle(r.interleaved_busy);
     if (r.serialized) o << "; speedup " << std::setprecision(3) << r.dispatch_to_combine.median / r.interleaved_d2c.median << "x" << std::setprecision(1);
     if (r.backward) {
       o << "\ninterleaved backward " << ms(r.interleaved_backward.median) << " ms (min " << ms(r.interleaved_backward.min)
-        << ", max " << ms(r.interleaved_backward.max) << "), " << r.backward_flops / r.interleaved_backward.median / 1e9
-        << " GFLOP/s" << busy_idle(r.interleaved_backward_busy);
+        << ", max " << ms(r.interleaved_backward.max) << "), " << rate(r.backward_flops, r.interleaved_backward.median)
+        << busy_idle(r.interleaved_backward_busy);
       if (r.serialized)
         o << "; speedup " << std::setprecision(3) << r.backward_time.median / r.interleaved_backward.median << "x"
           << std::setprecision(1);
@@ -913,7 +934,7 @@ std::string format_report(const RunReport& r) {
   }
   if (r.serialized && r.backward)
     o << "serialized backward " << ms(r.backward_time.median) << " ms (min " << ms(r.backward_time.min) << ", max "
-      << ms(r.backward_time.max) << "), " << r.backward_flops / r.backward_time.median / 1e9 << " GFLOP/s"
+      << ms(r.backward_time.max) << "), " << rate(r.backward_flops, r.backward_time.median)
       << busy_idle(r.serialized_backward_busy) << "\n";
   if (r.sharded) {
     o << "proof    " << (r.verified_per_rank ? "each rank proved its own program against the exchanged counts (per-rank check)"

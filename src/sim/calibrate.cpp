@@ -15,6 +15,7 @@
 #include "hpmoe/bf16.hpp"
 #include "hpmoe/kernels.hpp"
 #include "hpmoe/runtime.hpp"
+#include "hpmoe/peak.hpp"
 #include "hpmoe/sim.hpp"
 #include "hpmoe/worker_pool.hpp"
 #include "runtime/event_wait.hpp"
@@ -187,6 +188,8 @@ json calibrate(const CalibrateOptions& opt, const std::function<void(const std::
     per_task = median(v) * W / double(inter.programs()[0].tasks.size());
   }
 
+  say("FMA peak of one core");
+  const FmaPeak peak = measure_fma_peak(0.05, 7);
   const std::string when = std::to_string(std::chrono::system_clock::to_time_t(std::chrono::system_clock::now()));
   json model = {
       {"name", "cpu-local"},
@@ -202,6 +205,9 @@ json calibrate(const CalibrateOptions& opt, const std::function<void(const std::
       {"links", {{"ranks_per_node", 1000000}, {"intra", {{"bytes_per_s", 0.0}, {"latency_s", wake}}},
                  {"inter", {{"bytes_per_s", 0.0}, {"latency_s", wake}}}}},
       {"serialized", {{"operator_launch_s", barrier}, {"collective_sync_s", 0.0}}},
+      {"peak", {{"cpu", peak.cpu}, {"isa", peak.isa}, {"fp32_fma_flops_per_core", peak.fp32_flops_per_core},
+                {"bf16_isa", peak.bf16_isa}, {"bf16_dot_flops_per_core", peak.bf16_flops_per_core},
+                {"copy_bytes_per_s", copy_bytes / copy_s}, {"not_measured", peak.not_measured}}},
       {"sources",
        {{"matrix.tile_rates", "m x 64 x k tile GEMMs (libxsmm, the runtime's kernel), all workers at once, output tiles written a row apart into a 64 MiB matrix; *_flops: cycling through 32 weight panels (reused, as by an expert's next row tiles), *_streamed_flops: through 96 MiB of them (from memory, as at an expert's first row tile)"},
         {"vector.bytes_per_s", "swiglu_forward over 64 x 1408 rows (bytes read + written), all workers at once"},
@@ -210,6 +216,7 @@ json calibrate(const CalibrateOptions& opt, const std::function<void(const std::
         {"task_overhead_s", "a launch of a layer with hidden 2 (tiles that do next to nothing): launch time x workers / tasks"},
         {"serialized.operator_launch_s", "an empty bulk-synchronous step of the worker pool (the baseline's barrier per operator)"},
         {"links", "in process there is no link: the sender's copy moves the bytes; latency is the signal's"},
+        {"peak", "one core: 12 independent FMA chains on the widest vectors the CPU has (fp32), and AVX512-BF16 dot products where present, compiler intrinsics, best of 7 runs of 50 ms; copy bandwidth as put.copy_bytes_per_s; AMX tiles are not measured"},
         {"calibrated_at_unix", when}}}};
   return model;
 }

@@ -130,6 +130,10 @@ MachineModel machine_from_json(const json& j) {
   }
   m.operator_launch_s = number(j, "serialized.operator_launch_s", 0);
   m.collective_sync_s = number(j, "serialized.collective_sync_s", 0);
+  m.fma_peak_fp32_per_core = number(j, "peak.fp32_fma_flops_per_core", 0, true);
+  m.bf16_peak_per_core = number(j, "peak.bf16_dot_flops_per_core", 0, true);
+  if (j.contains("peak") && j["peak"].is_object() && j["peak"].contains("cpu") && j["peak"]["cpu"].is_string())
+    m.cpu = j["peak"]["cpu"].get<std::string>();
   const json& sources = at(j, "sources");
   if (!sources.is_object() || sources.empty())
     throw Error("machine model: 'sources' must say where the figures come from (an object of field: source)");
@@ -181,6 +185,9 @@ json to_json(const MachineModel& m) {
               {"intra", {{"bytes_per_s", m.intra_bytes_per_s}, {"latency_s", m.intra_latency_s}}},
               {"inter", {{"bytes_per_s", m.inter_bytes_per_s}, {"latency_s", m.inter_latency_s}}}}},
             {"serialized", {{"operator_launch_s", m.operator_launch_s}, {"collective_sync_s", m.collective_sync_s}}}};
+  if (m.fma_peak_fp32_per_core > 0)
+    j["peak"] = {{"cpu", m.cpu}, {"fp32_fma_flops_per_core", m.fma_peak_fp32_per_core},
+                 {"bf16_dot_flops_per_core", m.bf16_peak_per_core}};
   if (m.accelerator) j["units"] = {{"matrix", m.matrix_units}, {"vector", m.vector_units}};
   else j["units"] = {{"workers", m.workers}};
   if (m.mesh_cols > 0)
