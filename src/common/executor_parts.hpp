@@ -17,6 +17,10 @@
 #include "hpmoe/error.hpp"
 #include "hpmoe/kernels.hpp"
 #include "hpmoe/routing.hpp"
+#include <atomic>
+#include <mutex>
+#include <thread>
+#include <exception>
 #include "hpmoe/tensors.hpp"
 #include "hpmoe/worker_pool.hpp"
 
@@ -66,15 +70,48 @@ struct PackedLayer {
   Operand<T> sw1, sw2, sw1_t, sw2_t;
 };
 
-// Expert e packed into p (and, for backward, its transposes).
+// Runs job(0..n-1) on up to one thread per core (packing is pure per job,
+// so the result does not depend on the thread count).
+template <class Job>
+void on_all_cores(std::size_t n, Job&& job) {
+  const std::size_t threads = std::min<std::size_t>(n, std::max(1u, std::thread::hardware_concurrency()));
+  if (threads <= 1) {
+    for (std::size_t i = 0; i < n; ++i) job(i);
+    return;
+  }
+  std::atomic<std::size_t> next{0};
+  std::exception_ptr failure;
+  std::mutex failure_mutex;
+  std::vector<std::thread> pool;
+  for (std::size_t t = 0; t < threads; ++t)
+    pool.emplace_back([&] {
+      for (std::size_t i; (i = next.fetch_add(1)) < n;) try {
+          job(i);
+        } catch (...) {
+          std::lock_guard lock(failure_mutex);
+          if (!failure) failure = std::current_exception();
+        }
+    });
+  for (auto& th : pool) th.join();
+  if (failure) std::rethrow_exception(failure);
+}
+
+// One operand of expert e: W1, W2 and, for backward, their transposes (parts 0-3).
+template <class T>
+void pack_expert_part(PackedLayer<T>& p, const LayerWeights& w, std::size_t e, std::size_t part) {
+  switch (part) {
+    case 0: p.w1[e] = operand_of<T>(w.w1[e]); break;
+    case 1: p.w2[e] = operand_of<T>(w.w2[e]); break;
+    case 2: p.w1_t[e] = transposed_operand_of<T>(w.w1[e]); break;
+    default: p.w2_t[e] = transposed_operand_of<T>(w.w2[e]); break;
+  }
+}
+
+// Expert e packed into p (and, for backward, its transposes): the two or
+// four operands on all cores.
 template <class T>
 void pack_expert(PackedLayer<T>& p, const LayerWeights& w, std::size_t e, bool backward) {
-  p.w1[e] = operand_of<T>(w.w1[e]);
-  p.w2[e] = operand_of<T>(w.w2[e]);
-  if (backward) {
-    p.w1_t[e] = transposed_operand_of<T>(w.w1[e]);
-    p.w2_t[e] = transposed_operand_of<T>(w.w2[e]);
-  }
+  on_all_cores(backward ? 4 : 2, [&](std::size_t part) { pack_expert_part(p, w, e, part); });
 }
 
 // The replicated parameters, and the experts `w` holds (`fetch`, when
@@ -103,8 +140,13 @@ std::shared_ptr<const PackedLayer<T>> pack_layer(const LayerConfig& c, LayerWeig
       w.w2[e] = Matrix();
     }
   } else {
+    // Every operand of every held expert is one job (an expert not held
+    // here lives in another process).
+    std::vector<std::pair<std::size_t, std::size_t>> jobs;
     for (std::size_t e = 0; e < E; ++e)
-      if (holds_expert(w, static_cast<std::int64_t>(e))) pack_expert(*p, w, e, backward);  // else held by another process
+      if (holds_expert(w, static_cast<std::int64_t>(e)))
+        for (std::size_t part = 0; part < (backward ? 4u : 2u); ++part) jobs.emplace_back(e, part);
+    on_all_cores(jobs.size(), [&](std::size_t j) { pack_expert_part(*p, w, jobs[j].first, jobs[j].second); });
   }
   p->router = operand_of<float>(w.router);
   if (backward) p->router_t = transposed_operand_of<float>(w.router);
