@@ -125,7 +125,11 @@ EOF
 chmod +x "$tmp/agent"
 
 echo "cluster: $hosts hosts, link ${rate_gbit:-unshaped}${rate_gbit:+ Gbit/s}${fpb:+ (FLOP per byte $fpb)}, delay ${delay_us} us${slow:+, slow host $slow}" >&2
-mpirun_args=(--hostfile "$tmp/hostfile" -np "$hosts" --mca plm_rsh_agent "$tmp/agent"
+# Open MPI's session directories of this job in its own place: every "host"
+# shares this machine's /tmp and hostname, and another mpirun finishing at
+# the same moment may remove the shared /tmp/ompi.<host>.<uid> under it.
+mkdir -p "$tmp/ompi"
+mpirun_args=(--hostfile "$tmp/hostfile" -np "$hosts" --mca plm_rsh_agent "$tmp/agent" --mca orte_tmpdir_base "$tmp/ompi"
   --mca btl self,tcp --mca btl_tcp_if_include 198.18.0.0/15 --mca oob_tcp_if_include 198.18.0.0/15
   --mca rtc ^hwloc)  # orted segfaults in hwloc_shmem_topology_write on some starts; pinning is taskset's
 set +e
