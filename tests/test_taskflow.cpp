@@ -626,3 +626,31 @@ TEST(Replicas, PlacementFilesStateReplicasAndBudgets) {
   EXPECT_TRUE(contains(error(json{{"owner", {0, 1, 1, 0}}, {"slots_per_rank", 0}}), "positive integer"));
   EXPECT_TRUE(contains(error(json{{"owner", {0, 0, 0, 1}}, {"slots_per_rank", 2}}), "more than its budget of 2"));
 }
+
+// A placement feature goes through the proof: a dispatch put sent to another
+// home of a replicated expert than the quota plan chose is rejected by the
+// whole-set check and by the sending rank's own check.
+TEST(Replicas, PutToTheWrongHomeIsRejected) {
+  LayerConfig c = small(4, 150);
+  c.routed_experts = 8;
+  const auto counts = counts_for(c, "hot:0.45", 3);
+  const auto pl = ExpertPlacement::from_rank_lists(8, {{0, 1, 2}, {0, 3, 1}, {0, 4, 5}, {0, 6, 7}},
+                                                   ExpertPlacement::Rules{.replicas = true});
+  const Machine m = parse_machine("cpu:1");
+  auto programs = compile(c, pl, counts, m, Pass::forward, Policy::fill);
+  bool mutated = false;
+  for (auto& p : programs) {
+    for (auto& t : p.tasks)
+      if (t.kind == TaskKind::dispatch_put && t.expert == 0 && t.peer != p.rank) {
+        t.peer = (t.peer + 1) % 4 == p.rank ? (t.peer + 2) % 4 : (t.peer + 1) % 4;  // another home of expert 0
+        mutated = true;
+        break;
+      }
+    if (mutated) {
+      EXPECT_FALSE(verify(programs).ok);
+      EXPECT_FALSE(verify_rank(p, c, pl, counts, m).ok);
+      break;
+    }
+  }
+  EXPECT_TRUE(mutated);
+}
