@@ -28,6 +28,15 @@ echo '{"experts_of_rank": [[0, 1, 2, 3, 3], [4, 5, 6, 7]], "replicas": true}' > 
 echo '{"experts_of_rank": [[0, 1, 2, 4], [4, 5, 6, 7]], "replicas": true}' > "$tmp/place_replica_loses.json"
 echo '{"experts_of_rank": [[0, 1, 2, 3], [4, 5, 6, 7]], "slots_per_rank": 0}' > "$tmp/place_zero_budget.json"
 echo '{"experts_of_rank": [[0, 1, 2, 3], [4, 5, 6, 7]], "replicas": "yes"}' > "$tmp/place_replicas_string.json"
+# Tensor-parallel splits (the tiny preset's expert_inter is 16): parts that
+# do not tile the intermediate dimension, a part without a rank, a split
+# mixed with replicas, a malformed split.
+echo '{"experts_of_rank": [[0, 1, 2, 3], [0, 4, 5, 6, 7]], "splits": [{"expert": 0, "columns": [0, 8, 20]}]}' > "$tmp/split_too_wide.json"
+echo '{"experts_of_rank": [[0, 1, 2, 3], [0, 4, 5, 6, 7]], "splits": [{"expert": 0, "columns": [0, 8, 8, 16]}]}' > "$tmp/split_empty_part.json"
+echo '{"experts_of_rank": [[0, 1, 2, 3], [4, 5, 6, 7]], "splits": [{"expert": 0, "columns": [0, 8, 16]}]}' > "$tmp/split_one_rank.json"
+echo '{"experts_of_rank": [[0, 1, 2, 3], [0, 4, 5, 6, 7]], "splits": [{"expert": 0, "columns": [4, 8, 16]}]}' > "$tmp/split_gap.json"
+echo '{"experts_of_rank": [[0, 1, 2, 3], [0, 4, 5, 6, 7]], "splits": [{"expert": 0, "cols": [0, 8, 16]}]}' > "$tmp/split_bad_key.json"
+echo '{"experts_of_rank": [[0, 1, 2, 3], [0, 4, 5, 6, 7]], "splits": [{"expert": 0, "columns": [0, 8, 16]}], "slots_per_rank": 4}' > "$tmp/split_over_budget.json"
 python3 -c "import json; m=json.load(open('$HPMOE_SOURCE_DIR/machines/h800.json')); del m['links']; json.dump(m, open('$tmp/nolinks.json', 'w'))"
 python3 -c "import json; m=json.load(open('$HPMOE_SOURCE_DIR/machines/h800.json')); m['units']['matrix'] = -3; json.dump(m, open('$tmp/negunits.json', 'w'))"
 "$HPMOE" run --save "$tmp/saved" > /dev/null
@@ -79,6 +88,14 @@ cases=(
   "run --placement $tmp/place_replica_loses.json"
   "run --placement $tmp/place_zero_budget.json"
   "run --placement $tmp/place_replicas_string.json"
+  "run --placement $tmp/split_too_wide.json"
+  "run --placement $tmp/split_empty_part.json"
+  "run --placement $tmp/split_one_rank.json"
+  "run --placement $tmp/split_gap.json"
+  "run --placement $tmp/split_bad_key.json"
+  "run --placement $tmp/split_over_budget.json"
+  "compile --placement $tmp/split_too_wide.json"
+  "simulate --machine $HPMOE_SOURCE_DIR/machines/h800.json --placement $tmp/split_too_wide.json"
   "compile --placement $tmp/place_twice.json"
   "simulate --machine $HPMOE_SOURCE_DIR/machines/h800.json --placement $tmp/place_nowhere.json"
   "run --set groups=3"

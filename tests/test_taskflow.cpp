@@ -654,3 +654,199 @@ TEST(Replicas, PutToTheWrongHomeIsRejected) {
   }
   EXPECT_TRUE(mutated);
 }
+
+// ---- Tensor-parallel split experts: a declared reduction in the proof.
+
+namespace {
+// Expert 0 (hot) split into three parts, expert 5 into two uneven ones,
+// expert 3 replicated; every rank holds a part of expert 0.
+struct SplitCase {
+  LayerConfig c;
+  ExpertPlacement placement;
+  RoutingCounts counts;
+};
+SplitCase split_case(std::int64_t ranks, const char* routing) {
+  SplitCase k{small(ranks, 150), {}, {}};
+  k.c.routed_experts = 8;
+  ExpertPlacement::Rules rules{.replicas = true};
+  std::vector<std::vector<std::int64_t>> lists;
+  if (ranks == 2) {
+    lists = {{0, 1, 2, 3, 5}, {0, 3, 4, 5, 6, 7}};
+    rules.splits = {{0, {0, 64, 96}}, {5, {0, 40, 96}}};
+  } else {
+    lists = {{0, 1, 2, 3}, {0, 3, 4, 5}, {0, 5, 6}, {0, 7}};
+    rules.splits = {{0, {0, 32, 48, 64, 96}}, {5, {0, 40, 96}}};
+  }
+  k.placement = ExpertPlacement::from_rank_lists(8, lists, rules);
+  k.counts = counts_for(k.c, routing, 5);
+  return k;
+}
+// A corrupted split set must fail the whole-set check and some rank's own.
+std::string split_error(const SplitCase& k, const std::vector<Program>& programs) {
+  const auto whole = verify(programs);
+  EXPECT_FALSE(whole.ok) << "the corrupted program was accepted";
+  Verifier verifier;
+  std::string own;
+  for (const auto& p : programs) {
+    const auto report = verifier.verify_rank(p, k.c, k.placement, k.counts, programs[0].machine);
+    if (!report.ok) {
+      own = report.error;
+      break;
+    }
+  }
+  EXPECT_NE(own, "") << "every rank alone accepted the corrupted set (full check: " << whole.error << ")";
+  return whole.error;
+}
+}  // namespace
+
+TEST(Splits, CompileAndVerifyForEveryPolicyPassAndMachine) {
+  for (const std::int64_t ranks : {2, 4})
+    for (const char* routing : {"uniform", "hot:0.45"}) {
+      const SplitCase k = split_case(ranks, routing);
+      for (const auto pass : {Pass::forward, Pass::backward})
+        for (const auto policy : {Policy::fill, Policy::rank_rotated, Policy::critical_path, Policy::interleave_wgrad})
+          for (const char* machine : {"cpu:1", "cpu:2", "accel:2:3"}) {
+            const auto programs = compile_checked(k.c, k.placement, k.counts, parse_machine(machine), pass, policy);
+            // Each part computes its own columns; every source that chose a
+            // split expert declares its reduction.
+            for (const auto& p : programs) {
+              const auto slot = p.slot_of(0);
+              ASSERT_GE(slot, 0);
+              EXPECT_EQ(p.slot_parts[static_cast<std::size_t>(slot)].parts, ranks == 2 ? 2 : 4);
+              EXPECT_FALSE(p.reductions.empty());
+            }
+          }
+    }
+}
+
+TEST(Splits, ExchangeGivesEveryPartAllRowsAndDeclaresReductions) {
+  const SplitCase k = split_case(4, "hot:0.45");
+  const auto programs = compile(k.c, k.placement, k.counts, parse_machine("cpu:1"), Pass::forward, Policy::fill);
+  std::int64_t rows_of_0 = 0;
+  for (std::int64_t s = 0; s < 4; ++s) rows_of_0 += k.counts.at(s, 0);
+  for (const auto& p : programs) {
+    const auto slot = static_cast<std::size_t>(p.slot_of(0));
+    EXPECT_EQ(p.expert_begin[slot + 1] - p.expert_begin[slot], rows_of_0) << "rank " << p.rank;
+    const auto& red = p.reductions.front();
+    EXPECT_EQ(red.expert, 0);
+    EXPECT_EQ(red.parts, 4);
+    EXPECT_EQ(red.rows, k.counts.at(p.rank, 0));
+  }
+  EXPECT_EQ(programs[2].slot_parts[static_cast<std::size_t>(programs[2].slot_of(0))], (SlotPart{48, 16, 2, 4}));
+  // Round trip through a dump keeps the parts and reductions.
+  const Program back = program_from_json(to_json(programs[1]));
+  EXPECT_EQ(back.slot_parts, programs[1].slot_parts);
+  EXPECT_EQ(back.reductions, programs[1].reductions);
+}
+
+TEST(Splits, MutationsOfTheReductionAreRejected) {
+  const SplitCase k = split_case(2, "hot:0.45");
+  for (const auto pass : {Pass::forward, Pass::backward}) {
+    const TaskKind reduce = pass == Pass::forward ? TaskKind::part_reduce : TaskKind::grad_part_reduce;
+    const TaskKind combine = pass == Pass::forward ? TaskKind::combine_reduce : TaskKind::grad_reduce;
+    const TaskKind put = pass == Pass::forward ? TaskKind::combine_put : TaskKind::grad_combine_put;
+    const auto base = compile(k.c, k.placement, k.counts, parse_machine("cpu:2"), pass, Policy::critical_path);
+    {  // the reduction reads the partials without waiting for them
+      auto programs = base;
+      auto& t = programs[0].tasks[first_task(programs[0], reduce)];
+      t.wait_event = -1;
+      t.wait_count = 0;
+      EXPECT_TRUE(contains(split_error(k, programs), "does not wait")) << split_error(k, programs);
+    }
+    {  // the combine skips the reduction (waits for the returned pieces only)
+      auto programs = base;
+      auto& p = programs[1];
+      const Task r = p.tasks[first_task(p, reduce)];
+      for (auto& t : p.tasks)
+        if (t.kind == combine) {
+          t.wait_event = r.wait_event;
+          t.wait_count = r.wait_count;
+        }
+      const auto ev = r.trigger_event;
+      p.events[static_cast<std::size_t>(ev)].consumer = reduce;  // nothing waits on it now
+      EXPECT_TRUE(contains(split_error(k, programs), "does not wait")) << split_error(k, programs);
+    }
+    {  // a reduction tile one row short: a partial row is never summed
+      auto programs = base;
+      auto& t = programs[0].tasks[first_task(programs[0], reduce)];
+      t.rows -= 1;
+      EXPECT_TRUE(contains(split_error(k, programs), "every partial row must be summed exactly once"))
+          << split_error(k, programs);
+    }
+    {  // two reductions of the same rows
+      auto programs = base;
+      auto& p = programs[0];
+      std::vector<std::int32_t> ids;
+      for (std::size_t i = 0; i < p.tasks.size(); ++i)
+        if (p.tasks[i].kind == reduce) ids.push_back(static_cast<std::int32_t>(i));
+      if (ids.size() >= 2) {
+        p.tasks[ids[1]].row_begin = p.tasks[ids[0]].row_begin;
+        p.tasks[ids[1]].rows = p.tasks[ids[0]].rows;
+        p.tasks[ids[1]].src_row = p.tasks[ids[0]].src_row;
+        const auto error = split_error(k, programs);
+        EXPECT_TRUE(contains(error, "conflict") || contains(error, "exactly once")) << error;
+      }
+    }
+    {  // the source forgets its declared reduction
+      auto programs = base;
+      programs[1].reductions.clear();
+      const auto error = split_error(k, programs);
+      EXPECT_TRUE(contains(error, "reduction")) << error;
+    }
+    {  // a part returns its partials into another part's block
+      auto programs = base;
+      bool moved = false;
+      for (auto& p : programs)
+        for (auto& t : p.tasks)
+          if (!moved && t.kind == put && t.expert == 0 && p.slot_parts[static_cast<std::size_t>(p.slot_of(0))].part == 1) {
+            const Reduction* red = programs[static_cast<std::size_t>(t.peer)].reduction_at(t.row_begin - k.counts.at(t.peer, 0));
+            ASSERT_NE(red, nullptr);
+            t.row_begin -= static_cast<std::int32_t>(red->rows);  // onto part 0's rows
+            moved = true;
+          }
+      ASSERT_TRUE(moved);
+      const auto error = split_error(k, programs);
+      EXPECT_TRUE(contains(error, "outside that part's block") || contains(error, "conflict")) << error;
+    }
+    {  // a part computes columns past the intermediate dimension
+      auto programs = base;
+      auto& sp = programs[0].slot_parts[static_cast<std::size_t>(programs[0].slot_of(5))];
+      sp.inter += 8;  // overlaps the next part's columns
+      EXPECT_TRUE(contains(split_error(k, programs), "do not tile")) << split_error(k, programs);
+      sp.inter_begin = 60;
+      EXPECT_TRUE(contains(split_error(k, programs), "impossible part")) << split_error(k, programs);
+    }
+  }
+}
+
+TEST(Splits, PlacementFilesStateSplitsThatTileTheIntermediateDimension) {
+  using nlohmann::json;
+  const auto parse = [](const json& j) { return placement_from_json(j, 4, 2, "p.json"); };
+  const auto error = [&](const json& j, std::int64_t inter = 0) {
+    try {
+      parse(j).check_fits(4, 2, inter);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("accepted");
+  };
+  const json ok{{"experts_of_rank", {{0, 1, 2}, {0, 3}}}, {"splits", {{{"expert", 0}, {"columns", {0, 64, 96}}}}}};
+  const auto p = parse(ok);
+  EXPECT_TRUE(p.has_splits());
+  EXPECT_FALSE(p.has_replicas());
+  EXPECT_EQ(p.parts(0), 2);
+  EXPECT_EQ(p.part_columns(p.instance_on(0, 1), 96), (std::pair<std::int64_t, std::int64_t>{64, 96}));
+  EXPECT_EQ(placement_from_json(to_json(p), 4, 2, "round trip"), p);
+  EXPECT_EQ(error(ok, 96), "accepted");
+  EXPECT_TRUE(contains(error(ok, 128), "does not tile the intermediate dimension")) << error(ok, 128);
+  EXPECT_TRUE(contains(error(json{{"experts_of_rank", {{0, 1, 2}, {0, 3}}}, {"splits", {{{"expert", 0}, {"columns", {0, 96, 64}}}}}}),
+                       "must increase"));
+  EXPECT_TRUE(contains(error(json{{"experts_of_rank", {{0, 1, 2}, {0, 3}}}, {"splits", {{{"expert", 0}, {"columns", {8, 64, 96}}}}}}),
+                       "must start at 0"));
+  EXPECT_TRUE(contains(error(json{{"experts_of_rank", {{0, 1, 2}, {3}}}, {"splits", {{{"expert", 0}, {"columns", {0, 64, 96}}}}}}),
+                       "split into 2 parts but placed on 1 ranks"));
+  EXPECT_TRUE(contains(error(json{{"experts_of_rank", {{0, 1, 2}, {0, 3}}}, {"splits", {{{"expert", 9}, {"columns", {0, 64, 96}}}}}}),
+                       "does not exist"));
+  EXPECT_TRUE(contains(error(json{{"experts_of_rank", {{0, 1, 2}, {0, 3}}}, {"splits", {{{"expert", 0}}}}}), "\"columns\""));
+  EXPECT_TRUE(contains(error(json{{"experts_of_rank", {{0, 1, 2}, {0, 3}}}, {"splits", 3}}), "\"splits\" must be a list"));
+}

@@ -16,7 +16,9 @@
 
 namespace hpmoe::taskflow {
 
-enum class Use : std::uint8_t { read, write };
+// accumulate: a declared reduction's target, read and then written
+// (dst += ...); visited as both a read and a write.
+enum class Use : std::uint8_t { read, write, accumulate };
 // Whose copy of a symmetric buffer an operand is: the rank running the task,
 // or the peer a put targets (Task::peer).
 enum class Side : std::uint8_t { own, peer };
@@ -33,6 +35,7 @@ enum class Span : std::uint8_t {
   expert_kpad,   // the task's expert's rows in the weight-gradient operands: [kpad_begin[slot], kpad_begin[slot + 1])
   kpad_task_rows,     // the task's rows there; the expert's last tile also covers its K padding row
   task_rows_padded,   // the task's token rows; the last tile also covers the tokens' K padding row
+  reduction_parts,    // the task's rows in parts 1..k-1 of the declared reduction holding them (one band over all)
 };
 
 // Layer sizes an operand rule or a GEMM can name.
@@ -41,6 +44,9 @@ enum class Extent : std::uint8_t {
   expert_kpad,    // the expert's rows, K-padded (bf16: even)
   tokens_padded,  // the rank's tokens, K-padded
   hidden_panels, inter2_panels, shared_inter2_panels,  // widths rounded up to whole kPanelCols panels
+  // the intermediate width the task's expert slot computes: the layer's
+  // for a whole expert, its part's for a tensor-parallel split (SlotPart)
+  expert_inter, expert_inter2, expert_inter2_panels,
 };
 
 struct OperandRule {
@@ -179,6 +185,15 @@ inline std::int64_t AccessTable::extent(const Program& p, const Task& t, Extent 
       if (slot < 0) return 0;
       return p.expert_begin[static_cast<std::size_t>(slot + 1)] - p.expert_begin[static_cast<std::size_t>(slot)];
     }
+    case Extent::expert_inter:
+    case Extent::expert_inter2:
+    case Extent::expert_inter2_panels: {
+      const std::int64_t slot = p.slot_of(t.expert);
+      const std::int64_t w = slot < 0 || static_cast<std::size_t>(slot) >= p.slot_parts.size()
+                                 ? 0
+                                 : p.slot_parts[static_cast<std::size_t>(slot)].inter;
+      return e == Extent::expert_inter ? w : e == Extent::expert_inter2 ? 2 * w : panels(2 * w);
+    }
   }
   return 0;
 }
@@ -196,6 +211,14 @@ inline std::pair<std::int64_t, std::int64_t> AccessTable::span_of(const AccessTa
     case Span::task_rows_padded: {
       const std::int64_t end = std::int64_t{t.row_begin} + t.rows;
       return {t.row_begin, end == p.dims.tokens ? padded_rows(p, end) : end};
+    }
+    case Span::reduction_parts: {
+      const Reduction* red = p.reduction_at(t.row_begin);
+      if (!red || std::int64_t{t.row_begin} + t.rows > red->row_begin + red->rows)
+        throw Error("rank " + std::to_string(p.rank) + " task " + name(t.kind) + " reduces rows [" +
+                    std::to_string(t.row_begin) + ", " + std::to_string(std::int64_t{t.row_begin} + t.rows) +
+                    "), which no declared reduction's target block holds");
+      return {std::int64_t{t.row_begin} + red->rows, std::int64_t{t.row_begin} + (red->parts - 1) * red->rows + t.rows};
     }
     case Span::expert_kpad:
     case Span::kpad_task_rows:
@@ -229,7 +252,8 @@ inline void AccessTable::visit(const Program& p, const Task& t, bool filter, Use
   const KindAccess& a = (*this)[t.kind];
   for (int i = 0; i < a.operand_count; ++i) {
     const OperandRule& rule = a.operands[static_cast<std::size_t>(i)];
-    if ((filter && rule.use != only) || (rule.only_with_shared_experts && p.dims.shared_inter == 0)) continue;
+    if ((filter && rule.use != only && rule.use != Use::accumulate) || (rule.only_with_shared_experts && p.dims.shared_inter == 0))
+      continue;
     // The task's own tile, most operands' span, without the general switch.
     const auto [r0, r1] = rule.rows == Span::task_rows ? std::pair<std::int64_t, std::int64_t>{t.row_begin, std::int64_t{t.row_begin} + t.rows}
                                                        : span_of(*this, p, t, rule.rows, rule.row_extent, true);

@@ -3,6 +3,7 @@
 #include <nlohmann/json_fwd.hpp>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace hpmoe {
@@ -21,6 +22,13 @@ namespace hpmoe {
 // instance e is expert e). Every step a quota plan (plan_quotas) divides
 // each (source rank, expert) count among the expert's instances, the same
 // on every rank. A per-rank slot budget bounds the experts a rank holds.
+//
+// An expert may instead be split (tensor-parallel, HDA-MoE's hybrid): its
+// intermediate dimension cut into k column parts [b_j, b_{j+1}) on its k
+// homes in rank order. Every part receives all of the expert's rows and
+// computes its slice of gate/up and SwiGLU and a partial down projection;
+// the partials are summed on the source in part order by a declared
+// reduction (TaskKind::part_reduce). A split expert has no replicas.
 class ExpertPlacement {
  public:
   ExpertPlacement() = default;
@@ -41,10 +49,17 @@ class ExpertPlacement {
   static ExpertPlacement from_rank_lists(std::int64_t experts, const std::vector<std::vector<std::int64_t>>& experts_of_rank,
                                          bool allow_empty_ranks = false, const std::string& source = "placement");
   // What a placement may do beyond one home per expert.
+  // A split expert: its homes, in rank order, take the column parts
+  // [columns[j], columns[j + 1]) of its intermediate dimension.
+  struct Split {
+    std::int64_t expert = 0;
+    std::vector<std::int64_t> columns;  // 0 = b_0 < b_1 < ... < b_k = the layer's expert_inter
+  };
   struct Rules {
     bool allow_empty_ranks = false;
     bool replicas = false;            // an expert on several ranks (at most once per rank)
     std::int64_t slots_per_rank = 0;  // experts a rank may hold (0: no budget)
+    std::vector<Split> splits = {};   // tensor-parallel experts (each listed on as many ranks as it has parts)
   };
   static ExpertPlacement from_rank_lists(std::int64_t experts, const std::vector<std::vector<std::int64_t>>& experts_of_rank,
                                          const Rules&, const std::string& source = "placement");
@@ -65,7 +80,16 @@ class ExpertPlacement {
   std::int32_t instance_expert(std::int64_t instance) const { return instance_expert_[static_cast<std::size_t>(instance)]; }
   // Expert e's instance on `rank`, or -1 if it has none there.
   std::int64_t instance_on(std::int64_t expert, std::int64_t rank) const;
-  bool has_replicas() const { return instances() > experts(); }
+  bool has_replicas() const { return replicated_experts_ > 0; }
+  // Tensor-parallel splits: whether expert e is split, and the columns of
+  // the intermediate dimension an instance computes ([0, inter) for an
+  // instance of an unsplit expert).
+  bool has_splits() const { return !splits_.empty(); }
+  bool is_split(std::int64_t expert) const { return split_of_[static_cast<std::size_t>(expert)] >= 0; }
+  std::int64_t parts(std::int64_t expert) const { return is_split(expert) ? home_count(expert) : 1; }
+  std::int64_t part_of(std::int64_t instance) const { return instance - first_instance(instance_expert(instance)); }
+  std::pair<std::int64_t, std::int64_t> part_columns(std::int64_t instance, std::int64_t inter) const;
+  const std::vector<Split>& splits() const { return splits_; }
   std::int64_t slots_per_rank() const { return slots_per_rank_; }
   std::int64_t local_count(std::int64_t rank) const {
     return local_begin_[static_cast<std::size_t>(rank + 1)] - local_begin_[static_cast<std::size_t>(rank)];
@@ -81,18 +105,22 @@ class ExpertPlacement {
   std::vector<std::int64_t> instances_of(std::int64_t rank) const;
 
   // Throws Error unless this placement fits a layer of `experts` experts on
-  // `ranks` ranks.
-  void check_fits(std::int64_t experts, std::int64_t ranks) const;
+  // `ranks` ranks (and, given the expert's intermediate size, unless every
+  // split's parts tile [0, inter)).
+  void check_fits(std::int64_t experts, std::int64_t ranks, std::int64_t inter = 0) const;
 
   friend bool operator==(const ExpertPlacement& a, const ExpertPlacement& b) {
     return a.ranks_ == b.ranks_ && a.local_begin_ == b.local_begin_ && a.local_ == b.local_ &&
-           a.slots_per_rank_ == b.slots_per_rank_;
+           a.slots_per_rank_ == b.slots_per_rank_ && a.split_columns_ == b.split_columns_;
   }
 
  private:
   static ExpertPlacement build(std::int64_t experts, const std::vector<std::vector<std::int64_t>>& experts_of_rank,
                                const Rules&, const std::string& source);
-  std::int64_t ranks_ = 0, slots_per_rank_ = 0;
+  std::int64_t ranks_ = 0, slots_per_rank_ = 0, replicated_experts_ = 0;
+  std::vector<Split> splits_;                 // sorted by expert
+  std::vector<std::int32_t> split_of_;        // [E] index into splits_, -1 if whole
+  std::vector<std::int64_t> split_columns_;   // [E + 1 per part...]: flat boundaries, for equality
   bool allow_empty_ranks_ = false;
   std::vector<std::int32_t> owner_;                            // [E]
   std::vector<std::int64_t> home_begin_;                       // [E + 1] into the instances
@@ -110,8 +138,10 @@ std::string describe(const ExpertPlacement&);
 
 // {"experts_of_rank": [[0, 3], [1, 2]]} or {"owner": [0, 1, 1, 0]}, with an
 // optional "allow_empty_ranks": true; with "replicas": true an expert may be
-// listed on several ranks, and "slots_per_rank": N bounds every rank's list
-// (docs/placement.schema.json). Errors name the field and the expert.
+// listed on several ranks, and "slots_per_rank": N bounds every rank's list;
+// "splits": [{"expert": 3, "columns": [0, 704, 1408]}] splits an expert
+// listed on two ranks into two column parts (docs/placement.schema.json).
+// Errors name the field and the expert.
 nlohmann::json to_json(const ExpertPlacement&);
 ExpertPlacement placement_from_json(const nlohmann::json&, std::int64_t experts, std::int64_t ranks,
                                     const std::string& source);

@@ -1,4 +1,5 @@
 #pragma once
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <nlohmann/json_fwd.hpp>
@@ -55,6 +56,9 @@ enum class TaskKind : std::uint8_t {
   pack_shared_gate_up_grad, // SH_DH -> SH_DHP panels, x -> SH_XT
   shared_gate_up_wgrad, // DWS1 tile = SH_XT SH_DHP
   grad_reduce,          // DX[tokens] = sum_k DCOMB[slot] + RDX + SDX, fixed order
+  // tensor-parallel split experts (a declared reduction, Program::reductions)
+  part_reduce,          // COMB[part 0 rows] += COMB[part p rows], p = 1, 2, ... in order
+  grad_part_reduce,     // DCOMB[part 0 rows] += DCOMB[part p rows], the same
   count
 };
 
@@ -129,6 +133,28 @@ enum class Region : std::uint8_t { symmetric, local, bound };
 enum class Layout : std::uint8_t { row_major, panels };
 inline constexpr std::int64_t kPanelCols = 64;
 
+// What one of a rank's expert slots computes: the whole expert, or part
+// `part` of `parts` of a tensor-parallel split, the intermediate columns
+// [inter_begin, inter_begin + inter). Its buffers keep the layer's full
+// widths; a part uses the first `inter` (gate/up: 2 inter) columns.
+struct SlotPart {
+  std::int64_t inter_begin = 0, inter = 0;
+  std::int32_t part = 0, parts = 1;
+  friend bool operator==(const SlotPart&, const SlotPart&) = default;
+};
+
+// A declared reduction in a source rank's COMB (forward) or DCOMB
+// (backward): a split expert's k parts each return their partial rows into
+// their own block, [row_begin + p rows, + rows) for part p; part_reduce
+// tasks add parts 1..k-1 in order into part 0's block, which the combine
+// then reads. The verifier knows that these accumulating writes follow the
+// parts' puts, and that each target element is reduced exactly once.
+struct Reduction {
+  std::int32_t expert = -1, parts = 0;
+  std::int64_t row_begin = 0, rows = 0;
+  friend bool operator==(const Reduction&, const Reduction&) = default;
+};
+
 struct BufferLayout {
   BufferId id;
   std::int64_t rows, cols, elem_bytes;
@@ -184,7 +210,9 @@ struct Program {
   std::vector<std::int32_t> expert_slot;    // [E] slot of each expert on this rank, -1 if it lives elsewhere
   std::vector<std::int64_t> expert_begin;   // [L + 1] rows of each local slot in RECV
   std::vector<std::int64_t> kpad_begin;     // [L + 1] the same in the weight-gradient operands (bf16: even counts)
+  std::vector<SlotPart> slot_parts;         // [L] what each local slot computes
   std::int64_t send_rows = 0;               // rows this rank's tokens send (COMB rows)
+  std::vector<Reduction> reductions;        // split experts' partial rows in COMB / DCOMB, by row_begin
   std::vector<Task> tasks;
   std::vector<float> cost;                // seconds per task (cost model)
   std::vector<std::int32_t> queue_begin;  // [workers + 1] into queue_tasks
@@ -201,6 +229,14 @@ struct Program {
   // Bytes of a region this program's buffers span.
   std::int64_t region_bytes(Region) const;
 
+  // The declared reduction whose target block (part 0) holds `row`, or null.
+  const Reduction* reduction_at(std::int64_t row) const {
+    auto it = std::upper_bound(reductions.begin(), reductions.end(), row,
+                               [](std::int64_t r, const Reduction& x) { return r < x.row_begin; });
+    if (it == reductions.begin()) return nullptr;
+    --it;
+    return row < it->row_begin + it->rows ? &*it : nullptr;
+  }
   // Slot of `expert` on this rank; -1 if it is not here (or not an expert).
   std::int64_t slot_of(std::int64_t expert) const {
     return expert >= 0 && expert < static_cast<std::int64_t>(expert_slot.size()) ? expert_slot[static_cast<std::size_t>(expert)]

@@ -44,6 +44,29 @@ ExpertPlacement ExpertPlacement::build(std::int64_t experts, const std::vector<s
   p.allow_empty_ranks_ = allow_empty_ranks;
   p.owner_.assign(static_cast<std::size_t>(experts), -1);
   p.local_begin_.assign(static_cast<std::size_t>(ranks + 1), 0);
+  // Splits first: a split expert may be listed on as many ranks as it has parts.
+  p.split_of_.assign(static_cast<std::size_t>(experts), -1);
+  p.splits_ = rules.splits;
+  std::sort(p.splits_.begin(), p.splits_.end(), [](const Split& a, const Split& b) { return a.expert < b.expert; });
+  for (std::size_t i = 0; i < p.splits_.size(); ++i) {
+    const Split& sp = p.splits_[i];
+    const std::string where = source + ": split of expert " + text(sp.expert);
+    if (sp.expert < 0 || sp.expert >= experts)
+      throw Error(source + ": a split names expert " + text(sp.expert) + ", which does not exist (the layer has " +
+                  text(experts) + " experts, 0.." + text(experts - 1) + ")");
+    if (p.split_of_[static_cast<std::size_t>(sp.expert)] >= 0)
+      throw Error(where + " is given twice; give each split expert one list of columns");
+    if (sp.columns.size() < 3)
+      throw Error(where + ": \"columns\" needs at least three boundaries (0, a cut, the intermediate size) for two parts");
+    if (sp.columns.front() != 0)
+      throw Error(where + ": its parts do not tile the intermediate dimension: \"columns\" must start at 0 (got " +
+                  text(sp.columns.front()) + ")");
+    for (std::size_t j = 1; j < sp.columns.size(); ++j)
+      if (sp.columns[j] <= sp.columns[j - 1])
+        throw Error(where + ": its parts do not tile the intermediate dimension: \"columns\" must increase (" +
+                    text(sp.columns[j - 1]) + " then " + text(sp.columns[j]) + ")");
+    p.split_of_[static_cast<std::size_t>(sp.expert)] = static_cast<std::int32_t>(i);
+  }
   std::vector<std::vector<std::int32_t>> homes(static_cast<std::size_t>(experts));
   for (std::int64_t r = 0; r < ranks; ++r) {
     const auto& list = lists[static_cast<std::size_t>(r)];
@@ -61,9 +84,9 @@ ExpertPlacement ExpertPlacement::build(std::int64_t experts, const std::vector<s
       auto& h = homes[static_cast<std::size_t>(e)];
       if (!h.empty() && h.back() == r)
         throw Error(source + ": rank " + text(r) + " lists expert " + text(e) + " twice; a rank holds an expert once");
-      if (!h.empty() && !allow_replicas)
+      if (!h.empty() && !allow_replicas && p.split_of_[static_cast<std::size_t>(e)] < 0)
         throw Error(source + ": expert " + text(e) + " is placed twice (on rank " + text(h.front()) + " and on rank " +
-                    text(r) + "); set \"replicas\": true if the second is a replica");
+                    text(r) + "); set \"replicas\": true if the second is a replica, or split it (\"splits\")");
       h.push_back(static_cast<std::int32_t>(r));
       p.local_.push_back(static_cast<std::int32_t>(e));
     }
@@ -73,6 +96,16 @@ ExpertPlacement ExpertPlacement::build(std::int64_t experts, const std::vector<s
   for (std::int64_t e = 0; e < experts; ++e) {
     const auto& h = homes[static_cast<std::size_t>(e)];
     if (h.empty()) throw Error(source + ": expert " + text(e) + " is placed on no rank; every expert needs a home");
+    if (const auto sp = p.split_of_[static_cast<std::size_t>(e)]; sp >= 0) {
+      const auto parts = static_cast<std::int64_t>(p.splits_[static_cast<std::size_t>(sp)].columns.size()) - 1;
+      if (static_cast<std::int64_t>(h.size()) != parts)
+        throw Error(source + ": expert " + text(e) + " is split into " + text(parts) + " parts but placed on " +
+                    text(static_cast<std::int64_t>(h.size())) + " ranks; list it on one rank per part (a split expert has no replicas)");
+      for (const auto b : p.splits_[static_cast<std::size_t>(sp)].columns) p.split_columns_.push_back(b);
+      p.split_columns_.push_back(-1);  // separator
+    } else if (h.size() > 1) {
+      ++p.replicated_experts_;
+    }
     p.owner_[static_cast<std::size_t>(e)] = h.front();
     for (const std::int32_t r : h) {
       p.instance_rank_.push_back(r);
@@ -152,10 +185,24 @@ std::int64_t ExpertPlacement::max_local_count() const {
   return most;
 }
 
-void ExpertPlacement::check_fits(std::int64_t experts, std::int64_t ranks) const {
+void ExpertPlacement::check_fits(std::int64_t experts, std::int64_t ranks, std::int64_t inter) const {
   if (this->experts() != experts || ranks_ != ranks)
     throw Error("the expert placement is for " + text(this->experts()) + " experts on " + text(ranks_) +
                 " ranks, the layer has " + text(experts) + " experts on " + text(ranks) + " ranks");
+  if (inter > 0)
+    for (const Split& sp : splits_)
+      if (sp.columns.back() != inter)
+        throw Error("the split of expert " + text(sp.expert) + " does not tile the intermediate dimension: its columns end at " +
+                    text(sp.columns.back()) + ", the layer's expert_inter is " + text(inter));
+}
+
+std::pair<std::int64_t, std::int64_t> ExpertPlacement::part_columns(std::int64_t instance, std::int64_t inter) const {
+  const std::int64_t e = instance_expert(instance);
+  const auto sp = split_of_[static_cast<std::size_t>(e)];
+  if (sp < 0) return {0, inter};
+  const auto& cols = splits_[static_cast<std::size_t>(sp)].columns;
+  const auto j = static_cast<std::size_t>(part_of(instance));
+  return {cols[j], cols[j + 1]};
 }
 
 ExpertPlacement placement_or_contiguous(const ExpertPlacement& p, std::int64_t experts, std::int64_t ranks) {
@@ -176,6 +223,10 @@ std::string describe(const ExpertPlacement& p) {
       text += std::to_string(e);
     }
   }
+  for (const auto& sp : p.splits()) {
+    text += "; expert " + std::to_string(sp.expert) + " split at columns";
+    for (const auto c : sp.columns) text += ' ' + std::to_string(c);
+  }
   return text;
 }
 
@@ -189,6 +240,11 @@ nlohmann::json to_json(const ExpertPlacement& p) {
   if (p.allows_empty_ranks()) j["allow_empty_ranks"] = true;
   if (p.has_replicas()) j["replicas"] = true;
   if (p.slots_per_rank() > 0) j["slots_per_rank"] = p.slots_per_rank();
+  if (p.has_splits()) {
+    nlohmann::json splits = nlohmann::json::array();
+    for (const auto& sp : p.splits()) splits.push_back({{"expert", sp.expert}, {"columns", sp.columns}});
+    j["splits"] = splits;
+  }
   return j;
 }
 
@@ -197,9 +253,9 @@ ExpertPlacement placement_from_json(const nlohmann::json& j, std::int64_t expert
   if (!j.is_object()) throw Error(source + ": a placement must be a JSON object with \"experts_of_rank\" or \"owner\"");
   for (const auto& [key, value] : j.items())
     if (key != "experts_of_rank" && key != "owner" && key != "allow_empty_ranks" && key != "replicas" &&
-        key != "slots_per_rank")
+        key != "slots_per_rank" && key != "splits")
       throw Error(source + ": unknown key '" + key +
-                  "' (expected experts_of_rank, owner, allow_empty_ranks, replicas, slots_per_rank)");
+                  "' (expected experts_of_rank, owner, allow_empty_ranks, replicas, slots_per_rank, splits)");
   if (j.contains("experts_of_rank") == j.contains("owner"))
     throw Error(source + ": give exactly one of \"experts_of_rank\" (a list per rank) and \"owner\" (a rank per expert)");
   bool allow_empty = false;
@@ -225,6 +281,30 @@ ExpertPlacement placement_from_json(const nlohmann::json& j, std::int64_t expert
     if (!v.is_number_integer()) throw Error(source + ": " + where + " must be an integer");
     return v.get<std::int64_t>();
   };
+  std::vector<ExpertPlacement::Split> splits;
+  if (j.contains("splits")) {
+    const auto& list = j["splits"];
+    if (!list.is_array()) throw Error(source + ": \"splits\" must be a list of {\"expert\": E, \"columns\": [0, ..., I]}");
+    if (j.contains("owner")) throw Error(source + ": \"owner\" gives each expert one home; list split experts' parts in \"experts_of_rank\"");
+    for (std::size_t i = 0; i < list.size(); ++i) {
+      const std::string where = "splits[" + text(static_cast<std::int64_t>(i)) + "]";
+      const auto& item = list[i];
+      if (!item.is_object() || !item.contains("expert") || !item.contains("columns") || item.size() != 2)
+        throw Error(source + ": " + where + " must be {\"expert\": E, \"columns\": [0, ..., I]} and nothing else");
+      ExpertPlacement::Split sp;
+      sp.expert = integer(item["expert"], where + ".expert");
+      if (!item["columns"].is_array() || item["columns"].size() > 4096)
+        throw Error(source + ": " + where + ".columns must be a list of column boundaries");
+      for (std::size_t c = 0; c < item["columns"].size(); ++c) {
+        const std::int64_t b = integer(item["columns"][c], where + ".columns[" + text(static_cast<std::int64_t>(c)) + "]");
+        if (b < 0 || b > (std::int64_t{1} << 30))
+          throw Error(source + ": " + where + ".columns[" + text(static_cast<std::int64_t>(c)) + "] = " + text(b) +
+                      " is not a column of an intermediate dimension");
+        sp.columns.push_back(b);
+      }
+      splits.push_back(std::move(sp));
+    }
+  }
   ExpertPlacement p;
   if (j.contains("owner")) {
     const auto& list = j["owner"];
@@ -239,7 +319,7 @@ ExpertPlacement placement_from_json(const nlohmann::json& j, std::int64_t expert
       std::vector<std::vector<std::int64_t>> lists(static_cast<std::size_t>(ranks));
       for (std::int64_t r = 0; r < ranks; ++r)
         for (const auto e : p.experts_of(r)) lists[static_cast<std::size_t>(r)].push_back(e);
-      p = ExpertPlacement::from_rank_lists(experts, lists, ExpertPlacement::Rules{allow_empty, false, slots}, source);
+      p = ExpertPlacement::from_rank_lists(experts, lists, ExpertPlacement::Rules{allow_empty, false, slots, {}}, source);
     }
   } else {
     const auto& lists = j["experts_of_rank"];
@@ -255,7 +335,8 @@ ExpertPlacement placement_from_json(const nlohmann::json& j, std::int64_t expert
       for (std::size_t i = 0; i < lists[r].size(); ++i)
         parsed[r].push_back(integer(lists[r][i], where + "[" + text(static_cast<std::int64_t>(i)) + "]"));
     }
-    p = ExpertPlacement::from_rank_lists(experts, parsed, ExpertPlacement::Rules{allow_empty, replicas, slots}, source);
+    p = ExpertPlacement::from_rank_lists(experts, parsed, ExpertPlacement::Rules{allow_empty, replicas, slots, std::move(splits)},
+                                         source);
   }
   return p;
 }

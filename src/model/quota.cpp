@@ -7,6 +7,10 @@
 
 namespace hpmoe {
 
+namespace {
+std::int64_t first_instance_end(const ExpertPlacement& p, std::int64_t e) { return p.first_instance(e) + p.home_count(e); }
+}  // namespace
+
 std::vector<std::int64_t> plan_quotas(const ExpertPlacement& placement, std::span<const std::int64_t> counts,
                                       std::int64_t tile_rows) {
   const std::int64_t P = placement.ranks(), E = placement.experts(), N = placement.instances();
@@ -20,6 +24,19 @@ std::vector<std::int64_t> plan_quotas(const ExpertPlacement& placement, std::spa
   std::vector<std::int32_t> replicated;
   for (std::int64_t e = 0; e < E; ++e) {
     for (std::int64_t s = 0; s < P; ++s) total[static_cast<std::size_t>(e)] += counts[static_cast<std::size_t>(s * E + e)];
+    if (placement.is_split(e)) {
+      // Every part of a split expert takes all of its rows: its load is its
+      // share of the intermediate columns.
+      for (std::int64_t j = 0; j < placement.home_count(e); ++j) {
+        const std::int64_t i = placement.first_instance(e) + j;
+        for (std::int64_t s = 0; s < P; ++s)
+          quota[static_cast<std::size_t>(s * N + i)] = counts[static_cast<std::size_t>(s * E + e)];
+        const auto [c0, c1] = placement.part_columns(i, 0);
+        const std::int64_t inter = placement.part_columns(first_instance_end(placement, e) - 1, 0).second;
+        load[static_cast<std::size_t>(placement.instance_rank(i))] += padded(total[static_cast<std::size_t>(e)]) * (c1 - c0) / inter;
+      }
+      continue;
+    }
     if (placement.home_count(e) > 1) {
       replicated.push_back(static_cast<std::int32_t>(e));
       continue;

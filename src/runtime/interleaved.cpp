@@ -82,10 +82,62 @@ class Interleaved final : public InterleavedExecutor::Impl {
     if (sharded() && local_.size() != 1)
       throw Error("a transport that spreads ranks over processes must host one rank per process (this one hosts " +
                   std::to_string(local_.size()) + ")");
+    placement_.check_fits(c.routed_experts, c.ranks, c.expert_inter);
+    if (placement_.has_splits()) {
+      if (sharded())
+        throw Error("tensor-parallel expert splits (\"splits\" in the placement) run in process only for now, not over MPI; "
+                    "drop the splits or run without mpirun");
+      pack_split_parts(opt.backward);
+    }
     fingerprint_ = layer_fingerprint(c, placement_, w);
     tr_->watch_workers(&activity_);
   }
   ~Interleaved() override { tr_->watch_workers(nullptr); }
+
+  // A split expert's part as its own smaller expert: W1's gate and up
+  // columns of the part side by side ([H, 2 Ip]) and W2's rows of the part
+  // ([Ip, H]), packed for the tile kernels like a whole expert's.
+  struct PartWeights {
+    Operand<T> w1, w2, w1_t, w2_t;
+  };
+  void pack_split_parts(bool backward) {
+    const std::int64_t H = c_.hidden, I = c_.expert_inter;
+    part_packed_.assign(static_cast<std::size_t>(placement_.instances()), PartWeights{});
+    std::vector<std::int64_t> jobs;
+    for (const int r : local_)
+      for (const std::int64_t i : placement_.instances_of(r))
+        if (placement_.is_split(placement_.instance_expert(i))) jobs.push_back(i);
+    on_all_cores(jobs.size(), [&](std::size_t j) {
+      const std::int64_t i = jobs[j], e = placement_.instance_expert(i);
+      const auto [c0, c1] = placement_.part_columns(i, I);
+      const std::int64_t Ip = c1 - c0;
+      const Matrix& w1 = w_.w1[static_cast<std::size_t>(e)];
+      const Matrix& w2 = w_.w2[static_cast<std::size_t>(e)];
+      Matrix p1(H, 2 * Ip), p2(Ip, H);
+      for (std::int64_t h = 0; h < H; ++h)
+        for (std::int64_t k = 0; k < Ip; ++k) {
+          p1.data[static_cast<std::size_t>(h * 2 * Ip + k)] = w1.data[static_cast<std::size_t>(h * 2 * I + c0 + k)];
+          p1.data[static_cast<std::size_t>(h * 2 * Ip + Ip + k)] = w1.data[static_cast<std::size_t>(h * 2 * I + I + c0 + k)];
+        }
+      std::copy_n(w2.data.begin() + c0 * H, Ip * H, p2.data.begin());
+      PartWeights& pw = part_packed_[static_cast<std::size_t>(i)];
+      pw.w1 = operand_of<T>(p1);
+      pw.w2 = operand_of<T>(p2);
+      if (backward) {
+        pw.w1_t = transposed_operand_of<T>(p1);
+        pw.w2_t = transposed_operand_of<T>(p2);
+      }
+    });
+  }
+  // The packed weights rank r computes expert e with: its part's, if split.
+  const PartWeights* part_of(int r, std::int32_t e) const {
+    if (!placement_.is_split(e)) return nullptr;
+    return &part_packed_[static_cast<std::size_t>(placement_.instance_on(e, r))];
+  }
+  RhsView<T> w1_of(int r, std::int32_t e) const { const auto* pw = part_of(r, e); return (pw ? pw->w1 : packed_->w1[e]).view(); }
+  RhsView<T> w2_of(int r, std::int32_t e) const { const auto* pw = part_of(r, e); return (pw ? pw->w2 : packed_->w2[e]).view(); }
+  RhsView<T> w1_t_of(int r, std::int32_t e) const { const auto* pw = part_of(r, e); return (pw ? pw->w1_t : packed_->w1_t[e]).view(); }
+  RhsView<T> w2_t_of(int r, std::int32_t e) const { const auto* pw = part_of(r, e); return (pw ? pw->w2_t : packed_->w2_t[e]).view(); }
   Interleaved(const Interleaved&) = delete;
   Interleaved& operator=(const Interleaved&) = delete;
 
@@ -185,6 +237,7 @@ class Interleaved final : public InterleavedExecutor::Impl {
     const auto r0 = Clock::now();
     reduce_replicated(res);
     reduce_replica_gradients(res);
+    assemble_split_gradients(res);
     res.backward_ops.push_back({"reduce_replicated_grads", seconds(r0, Clock::now())});
     forward_done_ = nullptr;  // one backward per forward
   }
@@ -412,7 +465,7 @@ class Interleaved final : public InterleavedExecutor::Impl {
   // leaves every partial sum bit for bit as it is).
   void reduce_replica_gradients(StepResult& res) {
     for (std::int64_t e = 0; e < c_.routed_experts; ++e) {
-      if (placement_.home_count(e) < 2) continue;
+      if (placement_.home_count(e) < 2 || placement_.is_split(e)) continue;
       for (const bool w1 : {true, false}) {
         const auto n = static_cast<std::size_t>(c_.hidden * c_.expert_inter * (w1 ? 2 : 1));
         const int owner = placement_.owner(e);
@@ -436,6 +489,31 @@ class Interleaved final : public InterleavedExecutor::Impl {
             sum += contribution(placement_.instance_rank(placement_.first_instance(e) + j))[i];
           dst[i] = sum;
         }
+      }
+    }
+  }
+
+  // Split experts: each part computed the gradient of its own columns
+  // (W1's gate and up columns side by side, W2's rows), complete; they are
+  // placed into the expert's gradient, no sums (in process only).
+  void assemble_split_gradients(StepResult& res) {
+    const std::int64_t H = c_.hidden, I = c_.expert_inter;
+    for (const auto& sp : placement_.splits()) {
+      const auto e = static_cast<std::size_t>(sp.expert);
+      float* dw1 = res.grads.w1[e].data.data();
+      float* dw2 = res.grads.w2[e].data.data();
+      for (std::int64_t j = 0; j < placement_.home_count(sp.expert); ++j) {
+        const std::int64_t i = placement_.first_instance(sp.expert) + j;
+        const int r = placement_.instance_rank(i);
+        const auto [c0, c1] = placement_.part_columns(i, I);
+        const std::int64_t Ip = c1 - c0;
+        const float* p1 = replica_partial(r, sp.expert, true).data();
+        const float* p2 = replica_partial(r, sp.expert, false).data();
+        for (std::int64_t h = 0; h < H; ++h) {
+          std::copy_n(p1 + h * 2 * I, Ip, dw1 + h * 2 * I + c0);
+          std::copy_n(p1 + h * 2 * I + Ip, Ip, dw1 + h * 2 * I + I + c0);
+        }
+        std::copy_n(p2, Ip * H, dw2 + c0 * H);
       }
     }
   }
@@ -567,13 +645,15 @@ class Interleaved final : public InterleavedExecutor::Impl {
             case BufferId::logits: at = rows_of(b.id, logits_.data(), c_.routed_experts); break;
             case BufferId::dw1: case BufferId::dw2: {
               // The owner's instance writes the expert's gradient; a replica
-              // its own partial, added to the owner's after the launch.
+              // its own partial, added to the owner's after the launch; a
+              // split expert's part its columns, placed after the launch.
               const bool w1 = b.id == BufferId::dw1;
               auto& slots = w1 ? s.dw1_slots : s.dw2_slots;
               slots.clear();
               for (const std::int32_t e : p.local_experts)
-                slots.push_back(placement_.owner(e) == r ? bytes_of((w1 ? res.grads.w1 : res.grads.w2)[e].data.data())
-                                                         : bytes_of(replica_partial(r, e, w1).data()));
+                slots.push_back(placement_.owner(e) == r && !placement_.is_split(e)
+                                    ? bytes_of((w1 ? res.grads.w1 : res.grads.w2)[e].data.data())
+                                    : bytes_of(replica_partial(r, e, w1).data()));
               break;
             }
             default:
@@ -604,6 +684,16 @@ class Interleaved final : public InterleavedExecutor::Impl {
         if (row >= 0) {
           send_token[row] = static_cast<std::int32_t>(a / K);
           send_assign[row] = a;
+          // A split expert's rows go to every part: the same token in each
+          // part's block of the source's send order.
+          const std::int32_t e = res.routing.expert[static_cast<std::size_t>(global)];
+          if (placement_.is_split(e)) {
+            const std::int64_t n = ex_->count(r, placement_.first_instance(e));
+            for (std::int64_t part = 1; part < placement_.parts(e); ++part) {
+              send_token[row + part * n] = static_cast<std::int32_t>(a / K);
+              send_assign[row + part * n] = a;
+            }
+          }
         }
       }
       if constexpr (!std::is_same_v<T, float>)
@@ -634,7 +724,7 @@ class Interleaved final : public InterleavedExecutor::Impl {
     taskflow::Operands ops;
     const taskflow::Rect& get(BufferId id, taskflow::Use use) const {
       for (const auto& o : ops)
-        if (o.rect.buffer == id && o.use == use) return o.rect;
+        if (o.rect.buffer == id && (o.use == use || o.use == taskflow::Use::accumulate)) return o.rect;
       throw Error(std::string("the access table gives this task no ") + (use == taskflow::Use::read ? "read of " : "write of ") +
                   taskflow::name(id));
     }
@@ -898,7 +988,7 @@ class Interleaved final : public InterleavedExecutor::Impl {
     using taskflow::Rect;
     const taskflow::Program& p = (*current_)[r];
     const TaskOperands o = operands_of(p, t);
-    const std::int64_t H = c_.hidden, I = c_.expert_inter, Is = c_.shared_inter_total(), K = c_.top_k;
+    const std::int64_t H = c_.hidden, Is = c_.shared_inter_total(), K = c_.top_k;
     const std::int64_t rows = t.rows;
     // A GEMM tile A[rows, k] B -> out, each from its rectangle.
     auto gemm = [&](const Rect& a, RhsView<T> b, const Rect& out, bool store_as_t) {
@@ -916,16 +1006,18 @@ class Interleaved final : public InterleavedExecutor::Impl {
         return send_put(t, dst, slot);
       }
       case TaskKind::gemm_gate_up:
-        gemm(o.in(BufferId::recv), packed_->w1[t.expert].view(), o.out(BufferId::h1), false);
+        gemm(o.in(BufferId::recv), w1_of(r, t.expert), o.out(BufferId::h1), false);
         break;
       case TaskKind::swiglu: {
         const float* h = at<float>(r, p, o.in(BufferId::h1));
         T* a = at<T>(r, p, o.out(BufferId::a));
-        for (std::int64_t row = 0; row < rows; ++row) kernels::swiglu_forward<T>(h + row * 2 * I, I, a + row * I);
+        const std::int64_t inter = t.cols, ldh = ld_of(r, BufferId::h1), lda = ld_of(r, BufferId::a);  // a part's width
+        need(o.in(BufferId::h1), rows, 2 * inter, t);
+        for (std::int64_t row = 0; row < rows; ++row) kernels::swiglu_forward<T>(h + row * ldh, inter, a + row * lda);
         break;
       }
       case TaskKind::gemm_down:
-        gemm(o.in(BufferId::a), packed_->w2[t.expert].view(), o.out(BufferId::y), true);
+        gemm(o.in(BufferId::a), w2_of(r, t.expert), o.out(BufferId::y), true);
         break;
       case TaskKind::combine_put:
       case TaskKind::grad_combine_put: {
@@ -948,6 +1040,10 @@ class Interleaved final : public InterleavedExecutor::Impl {
                          shared ? shared + j * H : nullptr);
         break;
       }
+      case TaskKind::part_reduce:
+      case TaskKind::grad_part_reduce:
+        reduce_parts(r, p, t, t.kind == TaskKind::part_reduce ? BufferId::comb : BufferId::dcomb);
+        break;
       case TaskKind::shared_gate_up:
         gemm(o.in(BufferId::x), packed_->sw1.view(), o.out(BufferId::sh_h), false);
         break;
@@ -966,11 +1062,26 @@ class Interleaved final : public InterleavedExecutor::Impl {
     return false;
   }
 
+  // A declared reduction's target rows (part 0's partials) plus parts
+  // 1..k-1's rows, in part order, accumulated in fp32 and stored once.
+  void reduce_parts(int r, const taskflow::Program& p, const Task& t, BufferId buffer) {
+    const taskflow::Reduction* red = p.reduction_at(t.row_begin);  // the access table has checked it
+    const std::int64_t H = c_.hidden, ld = ld_of(r, buffer);
+    T* rows = base<T>(r, buffer);
+    std::vector<float> acc(static_cast<std::size_t>(H));
+    for (std::int64_t j = 0; j < t.rows; ++j) {
+      T* target = rows + (t.row_begin + j) * ld;
+      kernels::load<T>(target, acc.data(), H);
+      for (std::int64_t part = 1; part < red->parts; ++part) kernels::axpy<T>(1.0f, target + part * red->rows * ld, acc.data(), H);
+      kernels::store<T>(acc.data(), target, H);
+    }
+  }
+
   // The backward tasks, each the same arithmetic as the serialized
   // baseline's operator over the same rows (see serialized.cpp).
   bool execute_backward(int r, std::size_t slot, const Task& t, const taskflow::Program& p, const TaskOperands& o) {
     using taskflow::Rect;
-    const std::int64_t H = c_.hidden, I = c_.expert_inter, Is = c_.shared_inter_total(), K = c_.top_k,
+    const std::int64_t H = c_.hidden, Is = c_.shared_inter_total(), K = c_.top_k,
                        E = c_.routed_experts, T_ = c_.tokens_per_rank;
     const std::int64_t rows = t.rows;
     // C = A B for a GEMM tile whose A and output are rectangles and whose B
@@ -1043,7 +1154,7 @@ class Interleaved final : public InterleavedExecutor::Impl {
         return send_put(t, dst, slot);
       }
       case TaskKind::gemm_down_dgrad:
-        gemm(o.in(BufferId::dy), packed_->w2_t[t.expert].view(), o.out(BufferId::da), false);
+        gemm(o.in(BufferId::dy), w2_t_of(r, t.expert), o.out(BufferId::da), false);
         break;
       case TaskKind::pack_down_grad:
         pack(BufferId::dy, BufferId::dyp, BufferId::a, BufferId::at);
@@ -1055,12 +1166,15 @@ class Interleaved final : public InterleavedExecutor::Impl {
         const float* h = at<float>(r, p, o.in(BufferId::h1));
         const float* da = at<float>(r, p, o.in(BufferId::da));
         T* dh = at<T>(r, p, o.out(BufferId::dh));
+        const std::int64_t inter = t.cols / 2;  // a part's width
+        const std::int64_t ldh = ld_of(r, BufferId::h1), ldda = ld_of(r, BufferId::da), lddh = ld_of(r, BufferId::dh);
+        need(o.in(BufferId::da), rows, inter, t);
         for (std::int64_t row = 0; row < rows; ++row)
-          kernels::swiglu_backward<T>(h + row * 2 * I, da + row * I, I, dh + row * 2 * I);
+          kernels::swiglu_backward<T>(h + row * ldh, da + row * ldda, inter, dh + row * lddh);
         break;
       }
       case TaskKind::gemm_gate_up_dgrad:
-        gemm(o.in(BufferId::dh), packed_->w1_t[t.expert].view(), o.out(BufferId::dxe), true);
+        gemm(o.in(BufferId::dh), w1_t_of(r, t.expert), o.out(BufferId::dxe), true);
         break;
       case TaskKind::pack_gate_up_grad:
         pack(BufferId::dh, BufferId::dhp, BufferId::recv, BufferId::xt);
@@ -1161,6 +1275,7 @@ class Interleaved final : public InterleavedExecutor::Impl {
   std::vector<int> index_of_;          // rank -> its index in local_, or -1
   std::vector<std::int32_t> owned_;    // experts the hosted ranks own (hold the gradient of)
   std::map<std::pair<int, std::int32_t>, std::vector<float>> replica_w1_, replica_w2_;  // (rank, expert): a replica's partial
+  std::vector<PartWeights> part_packed_;  // [instance]: split experts' parts held here
   std::vector<float> reduce_scratch_;
   std::uint64_t fingerprint_ = 0;      // of layer, placement, format and replicated weights
   taskflow::RoutingCounts counts_;     // this step's P x E counts (every rank's)

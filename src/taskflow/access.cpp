@@ -11,7 +11,7 @@ namespace {
 using B = BufferId;
 using K = TaskKind;
 using X = Extent;
-constexpr Use R = Use::read, W = Use::write;
+constexpr Use R = Use::read, W = Use::write, Acc = Use::accumulate;
 
 // Rules read as: buffer, use, side, rows (span, extent), columns (span, extent).
 constexpr OperandRule op(B b, Use u, Span rows, X row_extent, Span cols, X col_extent, Side side = Side::own,
@@ -66,8 +66,8 @@ constexpr Entry kEntries[] = {
                op(B::x, R, Span::whole, X::tokens, Span::whole, X::hidden), tile(B::recv, Side::peer)},
               kPeer)},
     {K::gemm_gate_up, gemm_kind({band(B::recv, X::hidden), tile(B::h1)}, X::hidden, kOwn)},
-    {K::swiglu, vector_kind({band(B::h1, X::inter2), tile(B::a)}, {{X::inter2, 1, 4, X::none}, {X::inter, 1, kElem, X::none}}, kOwn)},
-    {K::gemm_down, gemm_kind({band(B::a, X::inter), tile(B::y)}, X::inter, kOwn)},
+    {K::swiglu, vector_kind({band(B::h1, X::expert_inter2), tile(B::a)}, {{X::expert_inter2, 1, 4, X::none}, {X::expert_inter, 1, kElem, X::none}}, kOwn)},
+    {K::gemm_down, gemm_kind({band(B::a, X::expert_inter), tile(B::y)}, X::expert_inter, kOwn)},
     {K::combine_put,
      put_kind({op(B::y, R, Span::source_rows, X::none, Span::whole, X::hidden), tile(B::comb, Side::peer)}, kOwn)},
     {K::combine_reduce,
@@ -98,21 +98,21 @@ constexpr Entry kEntries[] = {
               kPeer)},
     {K::gemm_down_dgrad, gemm_kind({band(B::dy, X::hidden), tile(B::da)}, X::hidden, kOwn)},
     {K::pack_down_grad,
-     vector_kind({band(B::dy, X::hidden), band(B::a, X::inter),
+     vector_kind({band(B::dy, X::hidden), band(B::a, X::expert_inter),
                   op(B::dyp, W, Span::kpad_task_rows, X::none, Span::whole, X::hidden_panels),
-                  op(B::at, W, Span::whole, X::inter, Span::kpad_task_rows, X::none)},
-                 {{X::hidden, 2, kElem, X::none}, {X::inter, 2, kElem, X::none}}, kOwn)},
+                  op(B::at, W, Span::whole, X::expert_inter, Span::kpad_task_rows, X::none)},
+                 {{X::hidden, 2, kElem, X::none}, {X::expert_inter, 2, kElem, X::none}}, kOwn)},
     {K::gemm_down_wgrad,
      gemm_kind({op(B::at, R, Span::expert_block, X::inter, Span::expert_kpad, X::none),
                 op(B::dyp, R, Span::expert_kpad, X::none, Span::task_cols, X::none), tile(B::dw2)},
                X::expert_kpad, kOwn)},
-    {K::swiglu_bwd, vector_kind({band(B::da, X::inter), band(B::h1, X::inter2), tile(B::dh)}, {{X::inter, 1, 16, X::none}}, kOwn)},
-    {K::gemm_gate_up_dgrad, gemm_kind({band(B::dh, X::inter2), tile(B::dxe)}, X::inter2, kOwn)},
+    {K::swiglu_bwd, vector_kind({band(B::da, X::expert_inter), band(B::h1, X::expert_inter2), tile(B::dh)}, {{X::expert_inter, 1, 16, X::none}}, kOwn)},
+    {K::gemm_gate_up_dgrad, gemm_kind({band(B::dh, X::expert_inter2), tile(B::dxe)}, X::expert_inter2, kOwn)},
     {K::pack_gate_up_grad,
-     vector_kind({band(B::dh, X::inter2), band(B::recv, X::hidden),
-                  op(B::dhp, W, Span::kpad_task_rows, X::none, Span::whole, X::inter2_panels),
+     vector_kind({band(B::dh, X::expert_inter2), band(B::recv, X::hidden),
+                  op(B::dhp, W, Span::kpad_task_rows, X::none, Span::whole, X::expert_inter2_panels),
                   op(B::xt, W, Span::whole, X::hidden, Span::kpad_task_rows, X::none)},
-                 {{X::inter2, 2, kElem, X::none}, {X::hidden, 2, kElem, X::none}}, kOwn)},
+                 {{X::expert_inter2, 2, kElem, X::none}, {X::hidden, 2, kElem, X::none}}, kOwn)},
     {K::gemm_gate_up_wgrad,
      gemm_kind({op(B::xt, R, Span::expert_block, X::hidden, Span::expert_kpad, X::none),
                 op(B::dhp, R, Span::expert_kpad, X::none, Span::task_cols, X::none), tile(B::dw1)},
@@ -147,6 +147,15 @@ constexpr Entry kEntries[] = {
                   band(B::rdx, X::hidden), op(B::sdx, R, Span::task_rows, X::none, Span::whole, X::hidden, Side::own, true),
                   tile(B::dx)},
                  {{X::hidden, 1, kElem, X::top_k}, {X::hidden, 3, 4, X::none}})},
+    // ---- tensor-parallel splits: part 0's rows += the other parts' rows, in part order
+    {K::part_reduce,
+     vector_kind({op(B::comb, R, Span::reduction_parts, X::none, Span::whole, X::hidden),
+                  op(B::comb, Acc, Span::task_rows, X::none, Span::whole, X::hidden)},
+                 {{X::hidden, 3, kElem, X::none}})},
+    {K::grad_part_reduce,
+     vector_kind({op(B::dcomb, R, Span::reduction_parts, X::none, Span::whole, X::hidden),
+                  op(B::dcomb, Acc, Span::task_rows, X::none, Span::whole, X::hidden)},
+                 {{X::hidden, 3, kElem, X::none}})},
 };
 static_assert(std::size(kEntries) == static_cast<std::size_t>(TaskKind::count), "every task kind needs an entry");
 
@@ -166,7 +175,7 @@ const AccessTable& AccessTable::standard() {
 
 Rect AccessTable::operand(const Program& p, const Task& t, BufferId buffer, Use use) const {
   for (const Operand& o : operands(p, t))
-    if (o.rect.buffer == buffer && o.use == use) return o.rect;
+    if (o.rect.buffer == buffer && (o.use == use || o.use == Use::accumulate)) return o.rect;
   throw Error(std::string("the access table gives a ") + name(t.kind) + " task no " +
               (use == Use::read ? "read of " : "write of ") + name(buffer));
 }

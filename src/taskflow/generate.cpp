@@ -14,7 +14,7 @@ Exchange::Exchange(const LayerConfig& c, const ExpertPlacement& placement, const
       experts_(c.routed_experts),
       tile_rows_(tile_rows),
       pad_pairs_(c.dtype == DType::bf16) {
-  placement_.check_fits(experts_, ranks_);
+  placement_.check_fits(experts_, ranks_, c.expert_inter);
   if (counts.ranks != ranks_ || counts.experts != experts_ ||
       counts.counts.size() != static_cast<std::size_t>(ranks_ * experts_))
     throw Error("routing counts are for " + std::to_string(counts.ranks) + " ranks x " +
@@ -28,11 +28,13 @@ Exchange::Exchange(const LayerConfig& c, const ExpertPlacement& placement, const
         throw Error("routing count " + std::to_string(n) + " for rank " + std::to_string(s) + ", expert " +
                     std::to_string(e) + " is impossible with " + std::to_string(c.tokens_per_rank) + " tokens per rank");
     }
-  // Replicated experts' rows divided among their homes by the quota plan.
+  // Replicated experts' rows divided among their homes by the quota plan;
+  // every part of a split expert takes all of its rows.
   instances_ = placement_.instances();
+  const bool planned_rows = instances_ > experts_;
   const std::vector<std::int64_t> planned =
-      placement_.has_replicas() ? plan_quotas(placement_, counts.counts, tile_rows_) : std::vector<std::int64_t>{};
-  const std::vector<std::int64_t>& rows_of = placement_.has_replicas() ? planned : counts.counts;
+      planned_rows ? plan_quotas(placement_, counts.counts, tile_rows_) : std::vector<std::int64_t>{};
+  const std::vector<std::int64_t>& rows_of = planned_rows ? planned : counts.counts;
   const auto N = static_cast<std::size_t>(instances_);
   source_prefix_.assign(static_cast<std::size_t>(ranks_ + 1) * N, 0);
   send_offset_.assign(static_cast<std::size_t>(ranks_) * (N + 1), 0);
@@ -150,6 +152,7 @@ EventBases::EventBases(Pass pass, std::int64_t row_tiles, std::int64_t local, st
     comb_done = take(1);
     sh_h = take(token_tiles);
     sh_a = take(token_tiles);
+    reduced = take(1);
   } else {
     dy = take(row_tiles);
     da = take(row_tiles);
@@ -164,6 +167,7 @@ EventBases::EventBases(Pass pass, std::int64_t row_tiles, std::int64_t local, st
     sh_dout_packed = take(1);
     sh_dh_packed = take(1);
     dx_ready = take(1);
+    reduced = take(1);
   }
   total = next;
 }
@@ -389,10 +393,27 @@ void program_header(Program& p, const LayerConfig& c, const Exchange& ex, const 
   p.dims = Dims{c.hidden, c.expert_inter, c.shared_inter_total(), E, c.top_k, c.tokens_per_rank, c.dtype == DType::bf16 ? 2 : 4};
   p.expert_begin.clear();
   p.kpad_begin.clear();
-  for (const std::int64_t i : ex.placement().instances_of(rank)) {
+  p.slot_parts.clear();
+  const ExpertPlacement& placement = ex.placement();
+  for (const std::int64_t i : placement.instances_of(rank)) {
     p.expert_begin.push_back(ex.expert_start(i));
     p.kpad_begin.push_back(ex.kpad_start(i));
+    const auto [c0, c1] = placement.part_columns(i, c.expert_inter);
+    const std::int64_t e = placement.instance_expert(i);
+    p.slot_parts.push_back(SlotPart{c0, c1 - c0, static_cast<std::int32_t>(placement.is_split(e) ? placement.part_of(i) : 0),
+                                    static_cast<std::int32_t>(placement.parts(e))});
   }
+  // Split experts' partial rows returning to this rank: one declared
+  // reduction per split expert this rank's tokens chose.
+  p.reductions.clear();
+  for (const auto& sp : placement.splits()) {
+    const std::int64_t first = placement.first_instance(sp.expert), n = ex.count(rank, first);
+    if (n > 0)
+      p.reductions.push_back(Reduction{static_cast<std::int32_t>(sp.expert), static_cast<std::int32_t>(placement.parts(sp.expert)),
+                                       ex.send_offset(rank, first), n});
+  }
+  std::sort(p.reductions.begin(), p.reductions.end(),
+            [](const Reduction& a, const Reduction& b) { return a.row_begin < b.row_begin; });
   p.expert_begin.push_back(ex.recv_rows(rank));
   p.kpad_begin.push_back(ex.kpad_rows(rank));
   p.send_rows = ex.send_rows(rank);
@@ -428,14 +449,26 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
   const EventBases ev(pass, row_tiles, L, token_tiles);
   p.events.assign(static_cast<std::size_t>(ev.total), Event{0, TaskKind::count, -1, -1});
   Builder b(p, m);
-  const std::int64_t n_gate_up = ceil_div(2 * I, TC), n_down = ceil_div(H, TC), n_inter = ceil_div(I, TC);
+  const std::int64_t n_down = ceil_div(H, TC);
+  // A slot's intermediate width: the whole expert's, or its split part's.
+  const auto inter_of = [&](std::int64_t le) { return p.slot_parts[static_cast<std::size_t>(le)].inter; };
   const auto emit = [&](const TaskSpec& s) { b.task(s); };
+  // Split experts' partial rows, reduced in place once every piece is back:
+  // one task per row tile of each declared reduction's target block.
+  const auto part_reduces = [&](TaskKind kind, BufferId buffer, std::int64_t wait_event, bool emit_tasks) {
+    std::int64_t n = 0;
+    for (const Reduction& red : p.reductions)
+      for (std::int64_t r = 0; r < red.rows; r += TR, ++n)
+        if (emit_tasks)
+          b.task({.kind = kind, .src = buffer, .dst = buffer, .row_begin = red.row_begin + r, .rows = std::min(TR, red.rows - r), .col_begin = 0, .cols = H, .src_row = red.row_begin + red.rows + r, .wait_event = wait_event, .wait_count = p.events[static_cast<std::size_t>(wait_event)].required, .trigger_event = ev.reduced});
+    return n;
+  };
 
   if (pass == Pass::forward) {
     // Events of this rank.
     for (std::int64_t le = 0; le < L; ++le) {
       const std::int64_t e = mine[static_cast<std::size_t>(le)], home = homes[static_cast<std::size_t>(le)];
-      const std::int64_t tiles = ex.tiles_of(home), tb = ex.tile_start(home);
+      const std::int64_t tiles = ex.tiles_of(home), tb = ex.tile_start(home), n_gate_up = ceil_div(2 * inter_of(le), TC);
       for (std::int64_t i = 0; i < tiles; ++i) {
         b.event(ev.recv + tb + i, ex.arrivals(home, i), TaskKind::gemm_gate_up, e, i);
         b.event(ev.h + tb + i, static_cast<std::int32_t>(n_gate_up), TaskKind::swiglu, e, i);
@@ -445,6 +478,8 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
     }
     b.event(ev.comb_done,
             static_cast<std::int32_t>(ex.pieces_into(rank) + (shared ? token_tiles * n_down : 0)),
+            p.reductions.empty() ? TaskKind::combine_reduce : TaskKind::part_reduce, -1, -1);
+    b.event(ev.reduced, static_cast<std::int32_t>(part_reduces(TaskKind::part_reduce, BufferId::comb, ev.comb_done, false)),
             TaskKind::combine_reduce, -1, -1);
     if (shared)
       for (std::int64_t t = 0; t < token_tiles; ++t) {
@@ -468,24 +503,28 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
     for (std::int64_t le = 0; le < L; ++le) {
       const std::int64_t e = mine[static_cast<std::size_t>(le)], home = homes[static_cast<std::size_t>(le)];
       const std::int64_t n_e = ex.expert_rows(home), start = ex.expert_start(home), tb = ex.tile_start(home);
+      const std::int64_t Ie = inter_of(le), n_gate_up = ceil_div(2 * Ie, TC);
       for (std::int64_t i = 0; i * TR < n_e; ++i) {
         const std::int64_t rows = std::min(TR, n_e - i * TR), row0 = start + i * TR;
-        b.gemm_tiles(rows, 2 * I, [&](std::int64_t, std::int64_t, std::int64_t j, std::int64_t n) {
+        b.gemm_tiles(rows, 2 * Ie, [&](std::int64_t, std::int64_t, std::int64_t j, std::int64_t n) {
           b.task({.kind = TaskKind::gemm_gate_up, .src = BufferId::recv, .dst = BufferId::h1, .expert = e, .row_begin = row0, .rows = rows, .col_begin = j, .cols = n, .src_row = row0, .wait_event = ev.recv + tb + i, .wait_count = p.events[ev.recv + tb + i].required, .trigger_event = ev.h + tb + i});
         });
-        b.task({.kind = TaskKind::swiglu, .src = BufferId::h1, .dst = BufferId::a, .expert = e, .row_begin = row0, .rows = rows, .col_begin = 0, .cols = I, .src_row = row0, .wait_event = ev.h + tb + i, .wait_count = n_gate_up, .trigger_event = ev.a + tb + i});
+        b.task({.kind = TaskKind::swiglu, .src = BufferId::h1, .dst = BufferId::a, .expert = e, .row_begin = row0, .rows = rows, .col_begin = 0, .cols = Ie, .src_row = row0, .wait_event = ev.h + tb + i, .wait_count = n_gate_up, .trigger_event = ev.a + tb + i});
         b.gemm_tiles(rows, H, [&](std::int64_t, std::int64_t, std::int64_t j, std::int64_t n) {
           b.task({.kind = TaskKind::gemm_down, .src = BufferId::a, .dst = BufferId::y, .expert = e, .row_begin = row0, .rows = rows, .col_begin = j, .cols = n, .src_row = row0, .wait_event = ev.a + tb + i, .wait_count = 1, .trigger_event = ev.y + tb + i});
         });
       }
     }
     puts_to_sources(c, ex, TR, pass, rank, -1, ev.y, n_down, emit);
+    part_reduces(TaskKind::part_reduce, BufferId::comb, ev.comb_done, true);
     // A reduce tile reads its tokens' rows by slot, scattered over every
     // expert's returned rows; counts alone do not say which pieces hold them,
-    // so each reduce tile waits for all pieces (and the shared expert).
+    // so each reduce tile waits for all pieces (and the shared expert), and
+    // for the split experts' partials to be reduced.
+    const std::int64_t combined = p.reductions.empty() ? ev.comb_done : ev.reduced;
     for (std::int64_t t = 0; t < token_tiles; ++t) {
       const std::int64_t rows = std::min(TR, T - t * TR);
-      b.task({.kind = TaskKind::combine_reduce, .src = BufferId::comb, .dst = BufferId::out, .row_begin = t * TR, .rows = rows, .col_begin = 0, .cols = H, .src_row = t * TR, .wait_event = ev.comb_done, .wait_count = p.events[ev.comb_done].required});
+      b.task({.kind = TaskKind::combine_reduce, .src = BufferId::comb, .dst = BufferId::out, .row_begin = t * TR, .rows = rows, .col_begin = 0, .cols = H, .src_row = t * TR, .wait_event = combined, .wait_count = p.events[static_cast<std::size_t>(combined)].required});
     }
     return;
   }
@@ -496,7 +535,7 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
   const std::int64_t n_shared_dgrad = shared ? token_tiles * n_down : 0;
   for (std::int64_t le = 0; le < L; ++le) {
     const std::int64_t e = mine[static_cast<std::size_t>(le)], home = homes[static_cast<std::size_t>(le)];
-    const std::int64_t tiles = ex.tiles_of(home), tb = ex.tile_start(home);
+    const std::int64_t tiles = ex.tiles_of(home), tb = ex.tile_start(home), n_inter = ceil_div(inter_of(le), TC);
     for (std::int64_t i = 0; i < tiles; ++i) {
       b.event(ev.dy + tb + i, ex.arrivals(home, i), TaskKind::gemm_down_dgrad, e, i);
       b.event(ev.da + tb + i, static_cast<std::int32_t>(n_inter), TaskKind::swiglu_bwd, e, i);
@@ -517,6 +556,8 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
     b.event(ev.sh_dh_packed, static_cast<std::int32_t>(token_tiles), TaskKind::shared_gate_up_wgrad, -1, -1);
   }
   b.event(ev.dx_ready, static_cast<std::int32_t>(ex.pieces_into(rank) + n_router_dgrad + n_shared_dgrad),
+          p.reductions.empty() ? TaskKind::grad_reduce : TaskKind::grad_part_reduce, -1, -1);
+  b.event(ev.reduced, static_cast<std::int32_t>(part_reduces(TaskKind::grad_part_reduce, BufferId::dcomb, ev.dx_ready, false)),
           TaskKind::grad_reduce, -1, -1);
 
   puts_to_experts(c, ex, TR, pass, rank, -1, emit);
@@ -556,31 +597,34 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
     const std::int64_t e = mine[static_cast<std::size_t>(le)], home = homes[static_cast<std::size_t>(le)];
     const std::int64_t n_e = ex.expert_rows(home), start = ex.expert_start(home);
     const std::int64_t tb = ex.tile_start(home), tiles = ex.tiles_of(home);
+    const std::int64_t Ie = inter_of(le), n_inter = ceil_div(Ie, TC);
     for (std::int64_t i = 0; i < tiles; ++i) {
       const std::int64_t rows = std::min(TR, n_e - i * TR), row0 = start + i * TR;
       const std::int32_t arrivals = p.events[ev.dy + tb + i].required;
-      b.gemm_tiles(rows, I, [&](std::int64_t, std::int64_t, std::int64_t j, std::int64_t n) {
+      b.gemm_tiles(rows, Ie, [&](std::int64_t, std::int64_t, std::int64_t j, std::int64_t n) {
         b.task({.kind = TaskKind::gemm_down_dgrad, .src = BufferId::dy, .dst = BufferId::da, .expert = e, .row_begin = row0, .rows = rows, .col_begin = j, .cols = n, .src_row = row0, .wait_event = ev.dy + tb + i, .wait_count = arrivals, .trigger_event = ev.da + tb + i});
       });
       b.task({.kind = TaskKind::pack_down_grad, .src = BufferId::dy, .dst = BufferId::dyp, .expert = e, .row_begin = row0, .rows = rows, .col_begin = 0, .cols = H, .src_row = row0, .wait_event = ev.dy + tb + i, .wait_count = arrivals, .trigger_event = ev.dy_packed + le});
-      b.task({.kind = TaskKind::swiglu_bwd, .src = BufferId::da, .dst = BufferId::dh, .expert = e, .row_begin = row0, .rows = rows, .col_begin = 0, .cols = 2 * I, .src_row = row0, .wait_event = ev.da + tb + i, .wait_count = n_inter, .trigger_event = ev.dh + tb + i});
+      b.task({.kind = TaskKind::swiglu_bwd, .src = BufferId::da, .dst = BufferId::dh, .expert = e, .row_begin = row0, .rows = rows, .col_begin = 0, .cols = 2 * Ie, .src_row = row0, .wait_event = ev.da + tb + i, .wait_count = n_inter, .trigger_event = ev.dh + tb + i});
       b.gemm_tiles(rows, H, [&](std::int64_t, std::int64_t, std::int64_t j, std::int64_t n) {
         b.task({.kind = TaskKind::gemm_gate_up_dgrad, .src = BufferId::dh, .dst = BufferId::dxe, .expert = e, .row_begin = row0, .rows = rows, .col_begin = j, .cols = n, .src_row = row0, .wait_event = ev.dh + tb + i, .wait_count = 1, .trigger_event = ev.dxe + tb + i});
       });
-      b.task({.kind = TaskKind::pack_gate_up_grad, .src = BufferId::dh, .dst = BufferId::dhp, .expert = e, .row_begin = row0, .rows = rows, .col_begin = 0, .cols = 2 * I, .src_row = row0, .wait_event = ev.dh + tb + i, .wait_count = 1, .trigger_event = ev.dh_packed + le});
+      b.task({.kind = TaskKind::pack_gate_up_grad, .src = BufferId::dh, .dst = BufferId::dhp, .expert = e, .row_begin = row0, .rows = rows, .col_begin = 0, .cols = 2 * Ie, .src_row = row0, .wait_event = ev.dh + tb + i, .wait_count = 1, .trigger_event = ev.dh_packed + le});
     }
     // Weight gradients of expert e: one task per output tile, K = all its rows.
-    b.gemm_tiles(I, H, [&](std::int64_t i, std::int64_t rows, std::int64_t j, std::int64_t n) {
+    b.gemm_tiles(Ie, H, [&](std::int64_t i, std::int64_t rows, std::int64_t j, std::int64_t n) {
       b.task({.kind = TaskKind::gemm_down_wgrad, .src = BufferId::at, .dst = BufferId::dw2, .expert = e, .row_begin = le * I + i, .rows = rows, .col_begin = j, .cols = n, .src_row = start, .wait_event = ev.dy_packed + le, .wait_count = tiles});
     });
-    b.gemm_tiles(H, 2 * I, [&](std::int64_t i, std::int64_t rows, std::int64_t j, std::int64_t n) {
+    b.gemm_tiles(H, 2 * Ie, [&](std::int64_t i, std::int64_t rows, std::int64_t j, std::int64_t n) {
       b.task({.kind = TaskKind::gemm_gate_up_wgrad, .src = BufferId::xt, .dst = BufferId::dw1, .expert = e, .row_begin = le * H + i, .rows = rows, .col_begin = j, .cols = n, .src_row = start, .wait_event = ev.dh_packed + le, .wait_count = tiles});
     });
   }
   puts_to_sources(c, ex, TR, pass, rank, -1, ev.dxe, n_down, emit);
+  part_reduces(TaskKind::grad_part_reduce, BufferId::dcomb, ev.dx_ready, true);
+  const std::int64_t assembled = p.reductions.empty() ? ev.dx_ready : ev.reduced;
   for (std::int64_t t = 0; t < token_tiles; ++t) {
     const std::int64_t rows = std::min(TR, T - t * TR);
-    b.task({.kind = TaskKind::grad_reduce, .src = BufferId::dcomb, .dst = BufferId::dx, .row_begin = t * TR, .rows = rows, .col_begin = 0, .cols = H, .src_row = t * TR, .wait_event = ev.dx_ready, .wait_count = p.events[ev.dx_ready].required});
+    b.task({.kind = TaskKind::grad_reduce, .src = BufferId::dcomb, .dst = BufferId::dx, .row_begin = t * TR, .rows = rows, .col_begin = 0, .cols = H, .src_row = t * TR, .wait_event = assembled, .wait_count = p.events[static_cast<std::size_t>(assembled)].required});
   }
 }
 

@@ -16,7 +16,8 @@ constexpr std::array<const char*, static_cast<std::size_t>(TaskKind::count)> kTa
     "shared_swiglu", "shared_down", "gate_grad", "router_bwd", "router_dgrad", "router_wgrad", "grad_dispatch_put",
     "gemm_down_dgrad", "pack_down_grad", "gemm_down_wgrad", "swiglu_bwd", "gemm_gate_up_dgrad", "pack_gate_up_grad",
     "gemm_gate_up_wgrad", "grad_combine_put", "shared_down_dgrad", "pack_shared_down_grad", "shared_down_wgrad",
-    "shared_swiglu_bwd", "shared_gate_up_dgrad", "pack_shared_gate_up_grad", "shared_gate_up_wgrad", "grad_reduce"};
+    "shared_swiglu_bwd", "shared_gate_up_dgrad", "pack_shared_gate_up_grad", "shared_gate_up_wgrad", "grad_reduce",
+    "part_reduce", "grad_part_reduce"};
 constexpr std::array<const char*, static_cast<std::size_t>(BufferId::count)> kBufferNames = {
     "none", "x", "recv", "h1", "a", "y", "comb", "out", "sh_h", "sh_a", "sh_y", "dout", "gw", "dlogits", "xtf", "rdx",
     "dwg", "dy", "da", "dyp", "at", "dw2", "dh", "dxe", "dhp", "xt", "dw1", "dcomb", "sh_da", "sh_doutp", "sh_at",
@@ -57,14 +58,15 @@ const std::vector<TaskKind>& operator_order(Pass pass) {
   using K = TaskKind;
   static const std::vector<TaskKind> forward{K::dispatch_put,   K::gemm_gate_up,  K::swiglu,
                                              K::gemm_down,      K::shared_gate_up, K::shared_swiglu,
-                                             K::shared_down,    K::combine_put,    K::combine_reduce};
+                                             K::shared_down,    K::combine_put,    K::part_reduce,
+                                             K::combine_reduce};
   static const std::vector<TaskKind> backward{
       K::gate_grad,          K::router_bwd,         K::router_dgrad,          K::router_wgrad,
       K::grad_dispatch_put,  K::gemm_down_dgrad,    K::pack_down_grad,        K::gemm_down_wgrad,
       K::swiglu_bwd,         K::gemm_gate_up_dgrad, K::pack_gate_up_grad,     K::gemm_gate_up_wgrad,
       K::shared_down_dgrad,  K::pack_shared_down_grad, K::shared_down_wgrad,  K::shared_swiglu_bwd,
       K::shared_gate_up_dgrad, K::pack_shared_gate_up_grad, K::shared_gate_up_wgrad,
-      K::grad_combine_put,   K::grad_reduce};
+      K::grad_combine_put,   K::grad_part_reduce,   K::grad_reduce};
   return pass == Pass::forward ? forward : backward;
 }
 
@@ -168,6 +170,15 @@ nlohmann::json to_json(const Program& p) {
   j["expert_begin"] = p.expert_begin;
   j["kpad_begin"] = p.kpad_begin;
   j["send_rows"] = p.send_rows;
+  // Tensor-parallel splits (absent: every slot computes its whole expert).
+  const bool split = !p.reductions.empty() ||
+                     std::any_of(p.slot_parts.begin(), p.slot_parts.end(), [](const SlotPart& s) { return s.parts > 1; });
+  if (split) {
+    auto& parts = j["slot_parts"] = nlohmann::json::array();
+    for (const auto& s : p.slot_parts) parts.push_back({s.inter_begin, s.inter, s.part, s.parts});
+    auto& reductions = j["reductions"] = nlohmann::json::array();
+    for (const auto& r : p.reductions) reductions.push_back({r.expert, r.parts, r.row_begin, r.rows});
+  }
   auto& buffers = j["buffers"] = nlohmann::json::array();
   for (const auto& b : p.buffers)
     buffers.push_back({{"id", name(b.id)}, {"rows", b.rows}, {"cols", b.cols}, {"elem_bytes", b.elem_bytes},
@@ -250,6 +261,28 @@ Program program_from_json(const nlohmann::json& j) {
     if (p.kpad_begin.size() != p.expert_begin.size())
       throw Error("program dump: kpad_begin must have one entry more than local_experts");
     p.send_rows = j.at("send_rows").get<std::int64_t>();
+    if (p.send_rows < 0 || p.send_rows > (std::int64_t{1} << 40)) throw Error("program dump: send_rows is impossible");
+    if (j.contains("slot_parts")) {
+      const auto& parts = j.at("slot_parts");
+      if (!parts.is_array() || parts.size() != p.local_experts.size())
+        throw Error("program dump: slot_parts must have one [inter_begin, inter, part, parts] per local expert");
+      for (const auto& s : parts) {
+        if (!s.is_array() || s.size() != 4) throw Error("program dump: a slot part must be [inter_begin, inter, part, parts]");
+        p.slot_parts.push_back(SlotPart{s[0].get<std::int64_t>(), s[1].get<std::int64_t>(), s[2].get<std::int32_t>(),
+                                        s[3].get<std::int32_t>()});
+      }
+    } else {
+      p.slot_parts.assign(p.local_experts.size(), SlotPart{0, p.dims.inter, 0, 1});
+    }
+    if (j.contains("reductions")) {
+      const auto& reds = j.at("reductions");
+      if (!reds.is_array()) throw Error("program dump: reductions must be a list of [expert, parts, row_begin, rows]");
+      for (const auto& r : reds) {
+        if (!r.is_array() || r.size() != 4) throw Error("program dump: a reduction must be [expert, parts, row_begin, rows]");
+        p.reductions.push_back(Reduction{r[0].get<std::int32_t>(), r[1].get<std::int32_t>(), r[2].get<std::int64_t>(),
+                                         r[3].get<std::int64_t>()});
+      }
+    }
     for (const auto& b : j.at("buffers"))
       p.buffers.push_back(BufferLayout{enum_from<BufferId>(kBufferNames, b.at("id").get<std::string>(), "buffer"),
                                        b.at("rows").get<std::int64_t>(), b.at("cols").get<std::int64_t>(),

@@ -91,6 +91,8 @@ struct EventBases {
   EventBases(Pass, std::int64_t row_tiles, std::int64_t local, std::int64_t token_tiles);
   // forward
   std::int64_t recv = 0, h = 0, a = 0, y = 0, comb_done = 0, sh_h = 0, sh_a = 0;
+  // both passes: the split experts' partial rows reduced (part_reduce tasks)
+  std::int64_t reduced = 0;
   // backward
   std::int64_t dy = 0, da = 0, dh = 0, dxe = 0, dy_packed = 0, dh_packed = 0, gw = 0, dl_all = 0, sh_da = 0, sh_dh = 0,
                sh_dout_packed = 0, sh_dh_packed = 0, dx_ready = 0;

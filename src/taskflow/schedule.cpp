@@ -19,13 +19,14 @@ bool is_expert_chain(TaskKind k) {
          k == TaskKind::gemm_gate_up_dgrad || k == TaskKind::pack_gate_up_grad;
 }
 
-// What waits on the event a put signals at its peer.
-TaskKind remote_consumer(TaskKind put) {
+// What waits on the event a put signals at its peer: returned rows feed
+// the combine, or first a split expert's reduction.
+std::pair<TaskKind, TaskKind> remote_consumers(TaskKind put) {
   switch (put) {
-    case TaskKind::dispatch_put: return TaskKind::gemm_gate_up;
-    case TaskKind::combine_put: return TaskKind::combine_reduce;
-    case TaskKind::grad_dispatch_put: return TaskKind::gemm_down_dgrad;
-    default: return TaskKind::grad_reduce;
+    case TaskKind::dispatch_put: return {TaskKind::gemm_gate_up, TaskKind::gemm_gate_up};
+    case TaskKind::combine_put: return {TaskKind::combine_reduce, TaskKind::part_reduce};
+    case TaskKind::grad_dispatch_put: return {TaskKind::gemm_down_dgrad, TaskKind::gemm_down_dgrad};
+    default: return {TaskKind::grad_reduce, TaskKind::grad_part_reduce};
   }
 }
 
@@ -59,7 +60,10 @@ std::vector<double> bottom_levels(const Program& p) {
     double below = 0;
     if (t.trigger_event >= 0) {
       if (t.peer == p.rank) below = event_bl[static_cast<std::size_t>(t.trigger_event)];
-      else below = kind_bl[static_cast<std::size_t>(remote_consumer(t.kind))];
+      else {
+        const auto [first, second] = remote_consumers(t.kind);
+        below = std::max(kind_bl[static_cast<std::size_t>(first)], kind_bl[static_cast<std::size_t>(second)]);
+      }
     }
     bl[i] = double(p.cost[i]) + below;
     // Puts that wait for nothing start every other rank's pipeline, and this
@@ -86,7 +90,7 @@ std::vector<std::int32_t> interleave_weight_gradients(const Program& p) {
     if (is_expert_chain(t.kind)) chain[le].push_back(i);
     else if (is_wgrad(t.kind)) wgrad[le].push_back(i);
     else if (t.kind == TaskKind::grad_combine_put) puts[le].push_back(i);
-    else if (t.kind == TaskKind::grad_reduce) tail.push_back(i);
+    else if (t.kind == TaskKind::grad_reduce || t.kind == TaskKind::grad_part_reduce) tail.push_back(i);
     else head.push_back(i);
   }
   std::vector<std::int32_t> order = head;

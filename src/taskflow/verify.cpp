@@ -53,6 +53,7 @@ bool is_input(Pass pass, BufferId b) {
 struct Write {
   std::int32_t r0, r1, c0, c1;
   std::int32_t rank, task;
+  bool accumulate;  // a declared reduction's in-place update (Use::accumulate)
 };
 
 // What an event's triggers write into one buffer of the waiting rank: the
@@ -133,6 +134,7 @@ struct VerifierScratch {
   std::vector<std::int64_t> trig_begin, trig_fill, write_begin, write_fill, max_height, stack;
   std::vector<std::pair<std::int32_t, std::int32_t>> trig;
   std::vector<std::uint32_t> visit_stamp;
+  std::vector<std::uint8_t> accumulated;  // [rank * buffers + buffer]: some task accumulates into it
   std::vector<Write> writes;
   std::vector<SlottedWrite> flat_writes;
   std::vector<EventBoxes> event_boxes;  // [event of the checked ranks]
@@ -187,7 +189,9 @@ class Checker {
         if (p.expert_begin[le] < 0 || p.expert_begin[le + 1] < p.expert_begin[le] || p.kpad_begin[le] < 0 ||
             p.kpad_begin[le + 1] < p.kpad_begin[le])
           fail("rank " + std::to_string(r) + " has expert regions out of order");
+      check_split_layout(p);
     }
+    check_parts_tile_experts();
     for (std::int32_t r = 0; r < P; ++r) {
       const Program& p = p_[r];
       if (p.rank != r || p.ranks != P)
@@ -245,6 +249,7 @@ class Checker {
         const Task& t = p.tasks[i];
         const auto id = static_cast<std::int32_t>(i);
         if (t.peer < 0 || t.peer >= P) fail(describe(p, id) + " targets rank " + std::to_string(t.peer) + " which does not exist");
+        if (t.kind == TaskKind::combine_put || t.kind == TaskKind::grad_combine_put) check_partial_put(p, id);
         if (t.wait_event < -1 || t.wait_event >= static_cast<std::int32_t>(p.events.size()))
           fail(describe(p, id) + " waits on event " + std::to_string(t.wait_event) + " which does not exist");
         if (t.trigger_event < -1 || t.trigger_event >= static_cast<std::int32_t>(p_[t.peer].events.size()))
@@ -269,6 +274,120 @@ class Checker {
         if (p_[where].expert_slot[static_cast<std::size_t>(t.expert)] < 0)
           fail(describe(p, id) + " needs expert " + std::to_string(t.expert) + " on rank " + std::to_string(where) +
                ", which does not hold it");
+      }
+    }
+  }
+
+  // A rank's slot parts and declared reductions are well formed: parts
+  // inside the intermediate dimension, reductions sorted, disjoint, inside
+  // the rank's send rows, each of a split expert.
+  void check_split_layout(const Program& p) {
+    const std::string who = "rank " + std::to_string(p.rank);
+    if (p.slot_parts.size() != p.local_experts.size()) fail(who + " lacks a slot part per local expert");
+    for (std::size_t le = 0; le < p.slot_parts.size(); ++le) {
+      const SlotPart& sp = p.slot_parts[le];
+      if (sp.inter_begin < 0 || sp.inter < 1 || sp.inter_begin + sp.inter > p.dims.inter || sp.parts < 1 || sp.part < 0 ||
+          sp.part >= sp.parts || (sp.parts == 1 && sp.inter != p.dims.inter))
+        fail(who + " slot " + std::to_string(le) + " (expert " + std::to_string(p.local_experts[le]) +
+             ") computes an impossible part: columns [" + std::to_string(sp.inter_begin) + ", +" + std::to_string(sp.inter) +
+             ") part " + std::to_string(sp.part) + " of " + std::to_string(sp.parts) + " of an intermediate size " +
+             std::to_string(p.dims.inter));
+    }
+    std::int64_t end = 0;
+    for (const Reduction& red : p.reductions) {
+      if (red.expert < 0 || red.expert >= p.dims.experts || red.parts < 2 || red.rows < 1 || red.row_begin < end ||
+          red.row_begin + red.parts * red.rows > p.send_rows)
+        fail(who + " declares an impossible reduction (expert " + std::to_string(red.expert) + ", " +
+             std::to_string(red.parts) + " parts of " + std::to_string(red.rows) + " rows at row " +
+             std::to_string(red.row_begin) + "): reductions must be of split experts, in order, disjoint and inside its " +
+             std::to_string(p.send_rows) + " send rows");
+      end = red.row_begin + red.parts * red.rows;
+    }
+  }
+
+  // Every split expert's parts, over all ranks, are parts 0..k-1 once each
+  // and their columns tile the intermediate dimension in part order.
+  void check_parts_tile_experts() {
+    std::vector<std::vector<SlotPart>> parts(static_cast<std::size_t>(p_[0].dims.experts));
+    for (const auto& p : p_)
+      for (std::size_t le = 0; le < p.slot_parts.size(); ++le)
+        if (p.slot_parts[le].parts > 1) parts[static_cast<std::size_t>(p.local_experts[le])].push_back(p.slot_parts[le]);
+    for (std::size_t e = 0; e < parts.size(); ++e) {
+      auto& list = parts[e];
+      if (list.empty()) continue;
+      std::sort(list.begin(), list.end(), [](const SlotPart& a, const SlotPart& b) { return a.part < b.part; });
+      std::int64_t next = 0;
+      bool ok = static_cast<std::int64_t>(list.size()) == list.front().parts;
+      for (std::size_t j = 0; ok && j < list.size(); ++j) {
+        ok = list[j].part == static_cast<std::int32_t>(j) && list[j].parts == list.front().parts && list[j].inter_begin == next;
+        next = list[j].inter_begin + list[j].inter;
+      }
+      if (!ok || next != p_[0].dims.inter)
+        fail("the parts of split expert " + std::to_string(e) + " over the ranks do not tile its intermediate dimension [0, " +
+             std::to_string(p_[0].dims.inter) + ") once each, in part order");
+    }
+  }
+
+  // The declared reduction whose blocks (all parts) hold `row` of p's
+  // COMB / DCOMB, or null.
+  static const Reduction* reduction_block(const Program& p, std::int64_t row) {
+    auto it = std::upper_bound(p.reductions.begin(), p.reductions.end(), row,
+                               [](std::int64_t v, const Reduction& x) { return v < x.row_begin; });
+    if (it == p.reductions.begin()) return nullptr;
+    --it;
+    return row < it->row_begin + it->parts * it->rows ? &*it : nullptr;
+  }
+
+  // A returned piece of a split expert's part lands in that part's block of
+  // a reduction the source declared for it; any other piece lands outside
+  // every reduction. So no partial row is combined unreduced.
+  void check_partial_put(const Program& p, std::int32_t id) {
+    const Task& t = p.tasks[static_cast<std::size_t>(id)];
+    const std::int64_t slot = p.slot_of(t.expert);
+    if (slot < 0 || t.rows <= 0) return;  // the expert check names it
+    const SlotPart& sp = p.slot_parts[static_cast<std::size_t>(slot)];
+    const Program& target = p_[static_cast<std::size_t>(t.peer)];
+    const Reduction* red = reduction_block(target, t.row_begin);
+    const Reduction* last = reduction_block(target, std::int64_t{t.row_begin} + t.rows - 1);
+    if (sp.parts == 1) {
+      if (red || last)
+        fail(describe(p, id) + " returns whole-expert rows into a reduction that rank " + std::to_string(t.peer) +
+             " declared for split expert " + std::to_string((red ? red : last)->expert));
+      return;
+    }
+    const std::int64_t lo = red ? red->row_begin + sp.part * red->rows : 0;
+    if (!red || red != last || red->expert != t.expert || red->parts != sp.parts || t.row_begin < lo ||
+        std::int64_t{t.row_begin} + t.rows > lo + red->rows)
+      fail(describe(p, id) + " returns part " + std::to_string(sp.part) + " of " + std::to_string(sp.parts) +
+           " of split expert " + std::to_string(t.expert) + " into rows [" + std::to_string(t.row_begin) + ", " +
+           std::to_string(std::int64_t{t.row_begin} + t.rows) + ") of rank " + std::to_string(t.peer) +
+           ", outside that part's block of a reduction declared for it: its partial sums would not be reduced");
+  }
+
+  // Every declared reduction's target block is accumulated exactly once,
+  // element by element, by the rank's own reduce tasks (the write index
+  // then orders each after the parts' puts and forbids a second one).
+  void check_reduction_coverage() {
+    for (std::int32_t r = 0; r < static_cast<std::int32_t>(p_.size()); ++r) {
+      if (focus_ >= 0 && r != focus_) continue;
+      const Program& p = p_[r];
+      std::vector<std::int64_t> area(p.reductions.size(), 0);
+      for (std::size_t i = 0; i < p.tasks.size(); ++i)
+        table_.for_each(p, p.tasks[i], Use::write, [&](const Operand& o) {
+          if (o.use != Use::accumulate || o.rect.area() == 0) return;
+          const Reduction* red = p.reduction_at(o.rect.r0);
+          if (!red || o.rect.r1 > red->row_begin + red->rows || o.rank != r)
+            fail(describe(p, static_cast<std::int32_t>(i)) + " accumulates into " + name(o.rect.buffer) + " rows [" +
+                 std::to_string(o.rect.r0) + ", " + std::to_string(o.rect.r1) + ") outside every declared reduction");
+          area[static_cast<std::size_t>(red - p.reductions.data())] += o.rect.area();
+        });
+      for (std::size_t k = 0; k < p.reductions.size(); ++k) {
+        const Reduction& red = p.reductions[k];
+        if (area[k] != red.rows * p.dims.hidden)
+          fail("rank " + std::to_string(r) + " reduces " + std::to_string(area[k]) + " of the " +
+               std::to_string(red.rows * p.dims.hidden) + " elements of its reduction of split expert " +
+               std::to_string(red.expert) + " (rows [" + std::to_string(red.row_begin) + ", " +
+               std::to_string(red.row_begin + red.rows) + ")): every partial row must be summed exactly once");
       }
     }
   }
@@ -410,8 +529,8 @@ class Checker {
   // reads is written by tasks it (transitively) waits for.
   void coverage() {
     const std::int32_t P = static_cast<std::int32_t>(p_.size());
-    build_write_index();
     trigger_index_built_ = false;
+    build_write_index();
     // Tiles of one row band read the same rectangle with the same wait:
     // check it once. Column-tile reads of panel operands are widened to the
     // full width, which covers every tile of the band.
@@ -424,17 +543,23 @@ class Checker {
       if (focus_ >= 0 && r != focus_) continue;  // stand-ins read nothing that is checked
       const Program& p = p_[r];
       std::fill(last.begin(), last.end(), Checked{});
-      const Task* previous = nullptr;
+      const auto same_band = [](const Task& x, const Task& y) {
+        return x.kind == y.kind && x.row_begin == y.row_begin && x.rows == y.rows && x.wait_event == y.wait_event &&
+               x.src_row == y.src_row && x.expert == y.expert && queue_class(y.kind) == QueueClass::matrix;
+      };
+      std::int64_t band_c0 = 0, band_c1 = 0;
       for (std::size_t i = 0; i < p.tasks.size(); ++i) {
         const Task& t = p.tasks[i];
         // The next column tile of the same row band reads what the previous
-        // one read (column-tile reads are widened below): already checked.
-        const bool same_band = previous && previous->kind == t.kind && previous->row_begin == t.row_begin &&
-                               previous->rows == t.rows && previous->wait_event == t.wait_event &&
-                               previous->src_row == t.src_row && previous->expert == t.expert &&
-                               queue_class(t.kind) == QueueClass::matrix;
-        previous = &t;
-        if (same_band) continue;
+        // one read (column-tile reads are widened below to the columns of
+        // the whole band): already checked.
+        if (i > 0 && same_band(p.tasks[i - 1], t)) continue;
+        band_c0 = t.col_begin;
+        band_c1 = std::int64_t{t.col_begin} + t.cols;
+        for (std::size_t j = i + 1; j < p.tasks.size() && same_band(p.tasks[j - 1], p.tasks[j]); ++j) {
+          band_c0 = std::min<std::int64_t>(band_c0, p.tasks[j].col_begin);
+          band_c1 = std::max<std::int64_t>(band_c1, std::int64_t{p.tasks[j].col_begin} + p.tasks[j].cols);
+        }
         table_.for_each(p, t, Use::read, [&](const Operand& o) {
           Rect R = o.rect;
           if (R.area() == 0) return;
@@ -444,8 +569,8 @@ class Checker {
           }
           if (o.by_column_tiles) {
             check_bounds(p, R, p, static_cast<std::int32_t>(i), "reads");
-            R.c0 = 0;
-            R.c1 = p.buffers[static_cast<std::size_t>(s_.buffer_slot[slot(r, R.buffer)])].cols;
+            R.c0 = band_c0;
+            R.c1 = band_c1;
           }
           Checked& seen = last[static_cast<std::size_t>(R.buffer)];
           if (seen.r0 == R.r0 && seen.r1 == R.r1 && seen.c0 == R.c0 && seen.c1 == R.c1 && seen.wait == t.wait_event) return;
@@ -498,6 +623,7 @@ class Checker {
   VerifyReport prove(std::vector<Task>* expected) {
     try {
       structure();
+      check_reduction_coverage();
       if (expected) match_interface(*expected);
       execute<false>();
       coverage();
@@ -525,6 +651,7 @@ class Checker {
     s_.event_boxes.assign(static_cast<std::size_t>(boxed_end_ - boxed_begin_), EventBoxes{});
     auto& flat = s_.flat_writes;  // one pass over the tasks, then a counting sort
     flat.clear();
+    s_.accumulated.assign(static_cast<std::size_t>(P) * kBuffers, 0);
     for (std::int32_t r = 0; r < P; ++r)
       for (std::size_t i = 0; i < p_[r].tasks.size(); ++i) {
         const Task& t = p_[r].tasks[i];
@@ -534,13 +661,17 @@ class Checker {
           if (w.area() == 0) return;
           const auto where = slot(o.rank, w.buffer);
           ++s_.write_begin[where + 1];
+          const bool accumulate = o.use == Use::accumulate;
           const std::int64_t ev = t.trigger_event >= 0 ? event_base_[t.peer] + t.trigger_event : -1;
-          if (ev >= boxed_begin_ && ev < boxed_end_)
+          // Accumulations are not what fills a buffer: they stay out of the
+          // fast path's boxes, and buffers with them take the full check.
+          if (accumulate) s_.accumulated[where] = 1;
+          else if (ev >= boxed_begin_ && ev < boxed_end_)
             s_.event_boxes[static_cast<std::size_t>(ev - boxed_begin_)].add(Box{w.buffer, w.r0, w.r1, w.c0, w.c1, w.area()});
           flat.push_back(SlottedWrite{static_cast<std::uint32_t>(where),
                                       Write{static_cast<std::int32_t>(w.r0), static_cast<std::int32_t>(w.r1),
                                             static_cast<std::int32_t>(w.c0), static_cast<std::int32_t>(w.c1), r,
-                                            static_cast<std::int32_t>(i)}});
+                                            static_cast<std::int32_t>(i), accumulate}});
         });
       }
     for (std::size_t i = 1; i < s_.write_begin.size(); ++i) s_.write_begin[i] += s_.write_begin[i - 1];
@@ -559,10 +690,21 @@ class Checker {
         s_.max_height[k] = std::max<std::int64_t>(s_.max_height[k], a->r1 - a->r0);
         // Later writes starting within this one's rows must not share columns.
         for (auto b = a + 1; b != last && b->r0 < a->r1; ++b) {
-          if (b->c0 < a->c1 && a->c0 < b->c1)
-            fail("write conflict in buffer " + std::string(name(static_cast<BufferId>(k % kBuffers))) + " of rank " +
-                 std::to_string(k / kBuffers) + ": " + describe(p_[a->rank], a->task) + " and " +
-                 describe(p_[b->rank], b->task));
+          if (b->c0 < a->c1 && a->c0 < b->c1) {
+            // A declared reduction may update what one plain write wrote,
+            // after it; two plain writes, or two updates, of one element conflict.
+            const Write* plain = a->accumulate ? &*b : &*a;
+            const Write* update = a->accumulate ? &*a : &*b;
+            const bool ordered = a->accumulate != b->accumulate &&
+                                 happens_before(plain->rank, plain->task, update->rank, update->task);
+            if (!ordered)
+              fail("write conflict in buffer " + std::string(name(static_cast<BufferId>(k % kBuffers))) + " of rank " +
+                   std::to_string(k / kBuffers) + ": " + describe(p_[a->rank], a->task) + " and " +
+                   describe(p_[b->rank], b->task) +
+                   (a->accumulate && b->accumulate ? " (both accumulate: each element is reduced once)"
+                    : a->accumulate || b->accumulate ? " (the reduction does not wait for the write it updates)"
+                                                     : ""));
+          }
           if (b->r0 == a->r0 && b->r1 == a->r1) break;  // same band, sorted by column
         }
       }
@@ -573,7 +715,7 @@ class Checker {
   // write, and they fill it. With no conflicting writes nothing else writes
   // there, so R is covered and race-free. Boxes are computed once per event.
   bool inside_filled_box(std::int32_t r, std::int32_t wait, const Rect& R) const {
-    if (wait < 0) return false;
+    if (wait < 0 || s_.accumulated[slot(r, R.buffer)]) return false;
     const std::int64_t ev = event_base_[r] + wait;
     if (ev < boxed_begin_ || ev >= boxed_end_) return false;
     const EventBoxes& boxes = s_.event_boxes[static_cast<std::size_t>(ev - boxed_begin_)];
@@ -597,11 +739,11 @@ class Checker {
     for (; it != last && it->r0 < R.r1; ++it) {
       const std::int64_t rows = std::min<std::int64_t>(R.r1, it->r1) - std::max<std::int64_t>(R.r0, it->r0);
       const std::int64_t cols = std::min<std::int64_t>(R.c1, it->c1) - std::max<std::int64_t>(R.c0, it->c0);
-      if (rows <= 0 || cols <= 0) continue;
+      if (rows <= 0 || cols <= 0 || (it->rank == r && it->task == id)) continue;  // an update reads what it updates
       if (!happens_before(it->rank, it->task, r, id))
         fail("race: " + describe(p, id) + " reads " + name(R.buffer) + " written by " + describe(p_[it->rank], it->task) +
              ", which it does not wait for");
-      covered += rows * cols;
+      if (!it->accumulate) covered += rows * cols;  // an update covers nothing by itself
     }
     if (covered != R.area())
       fail("coverage: " + describe(p, id) + " reads " + name(R.buffer) + " rows [" + std::to_string(R.r0) + ", " +

@@ -46,7 +46,13 @@ struct LayerOptions {
   }
 
   ExpertPlacement resolve_placement(const LayerConfig& c) const {
-    return parse_placement(placement, c.routed_experts, c.ranks);
+    ExpertPlacement p = parse_placement(placement, c.routed_experts, c.ranks);
+    try {
+      p.check_fits(c.routed_experts, c.ranks, c.expert_inter);
+    } catch (const Error& e) {
+      throw Error("--placement '" + placement + "': " + e.what());
+    }
+    return p;
   }
 
   LayerConfig resolve() const {
