@@ -3,7 +3,9 @@
 // homes on existing ranks (at most one per rank, within the slot budget), or
 // is rejected with an hpmoe::Error; nothing else may happen (no crash, no
 // other exception, no hang). A parsed placement's quota plan must hand every
-// row of every (source, expert) count to exactly one of the expert's homes.
+// row of every (source, expert) count to exactly one of the expert's homes,
+// or, for a tensor-parallel split expert, every row to every part, whose
+// columns tile the intermediate dimension in part order.
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -35,6 +37,16 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
         if (p.instance_rank(i) <= p.instance_rank(i - 1) || p.instance_expert(i) != e) std::abort();
     }
     if (placed != p.instances() || p.ranks() != ranks) std::abort();
+    for (const auto& sp : p.splits()) {
+      if (p.parts(sp.expert) != static_cast<std::int64_t>(sp.columns.size()) - 1) std::abort();
+      std::int64_t next = 0;
+      for (std::int64_t j = 0; j < p.parts(sp.expert); ++j) {
+        const auto [c0, c1] = p.part_columns(p.first_instance(sp.expert) + j, sp.columns.back());
+        if (c0 != next || c1 <= c0) std::abort();
+        next = c1;
+      }
+      if (next != sp.columns.back() || (p.home_count(sp.expert) > 1 && !p.is_split(sp.expert))) std::abort();
+    }
     if (!(hpmoe::placement_from_json(hpmoe::to_json(p), experts, ranks, "round trip") == p)) std::abort();
     // Counts from the input's bytes; every row goes to exactly one home.
     std::vector<std::int64_t> counts(static_cast<std::size_t>(ranks * experts));
@@ -44,12 +56,13 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     for (std::int64_t s = 0; s < ranks; ++s)
       for (std::int64_t e = 0; e < experts; ++e) {
         std::int64_t sum = 0;
+        const std::int64_t n = counts[static_cast<std::size_t>(s * experts + e)];
         for (std::int64_t i = p.first_instance(e); i < p.first_instance(e) + p.home_count(e); ++i) {
           const std::int64_t q = quota[static_cast<std::size_t>(s * N + i)];
-          if (q < 0) std::abort();
+          if (q < 0 || (p.is_split(e) && q != n)) std::abort();
           sum += q;
         }
-        if (sum != counts[static_cast<std::size_t>(s * experts + e)]) std::abort();
+        if (!p.is_split(e) && sum != n) std::abort();
       }
   } catch (const hpmoe::Error&) {
   }

@@ -41,6 +41,16 @@ sys.exit(not (j['replicas_added'] > 0 and a['rank_max_over_mean'] < b['rank_max_
 "$HPMOE" run -P 4 --set routed_experts=16 -T 128 --routing hot:0.3 --backward --iters 1 --placement "$tmp/planned.json" \
   > "$tmp/planned-run.txt"
 grep -q "verify   PASS" "$tmp/planned-run.txt" && grep -q "bit-identical, all" "$tmp/planned-run.txt"
+# Hybrid TP/EP: plan tensor-parallel splits of the hot expert, then run them
+# (every part all rows, partials reduced on the sources; verified, bit-identical).
+"$HPMOE" plan -P 4 --set routed_experts=16 -T 128 --routing hot:0.3 --machine "$HPMOE_SOURCE_DIR/machines/cpu-local.json" \
+  --splits --no-replicas --out "$tmp/split.json" > /dev/null
+grep -q '"splits"' "$tmp/split.json"
+"$HPMOE" run -P 4 --set routed_experts=16 -T 128 --routing hot:0.3 --backward --iters 1 --placement "$tmp/split.json" \
+  > "$tmp/split-run.txt"
+grep -q "verify   PASS" "$tmp/split-run.txt" && grep -q "bit-identical, all" "$tmp/split-run.txt"
+"$HPMOE" simulate -P 4 --set routed_experts=16 -T 128 --routing hot:0.3 --machine nmp-mesh --backward --placement "$tmp/split.json" \
+  | grep -q "backward"
 "$HPMOE" run --seed 5 --backward --save "$tmp/run" > "$tmp/a.txt"
 test -s "$tmp/run/weights.safetensors" && test -s "$tmp/run/outputs.safetensors" && test -s "$tmp/run/routing.safetensors"
 "$HPMOE" run --seed 99 --backward --load "$tmp/run" --save "$tmp/again" > "$tmp/b.txt"

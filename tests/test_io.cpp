@@ -202,3 +202,31 @@ TEST(Plan, ReplicatesTheHotExpertWithinTheBudgetAndDeterministically) {
   EXPECT_DOUBLE_EQ(cost.instance_seconds(1), cost.first_tile_s);
   EXPECT_DOUBLE_EQ(cost.instance_seconds(65), cost.first_tile_s + cost.tile_s);
 }
+
+// `hpmoe plan --splits --no-replicas`: a static hybrid TP/EP mapping. The hot
+// expert is split into column parts that tile its intermediate dimension,
+// the predicted slowest rank and imbalance fall, and the placement is valid.
+TEST(Plan, SplitsTheHotExpertIntoColumnParts) {
+  PlanRequest req;
+  req.config = preset("tiny");
+  req.config.ranks = 4;
+  req.config.routed_experts = 16;
+  req.config.tokens_per_rank = 256;
+  req.routing = parse_routing_spec("hot:0.3", 3);
+  req.machine = std::string(HPMOE_SOURCE_DIR) + "/machines/cpu-local.json";
+  req.steps = 4;
+  req.splits = true;
+  req.replicas = false;
+  const auto a = plan_placement(req);
+  EXPECT_EQ(a.replicas, 0);
+  EXPECT_GT(a.split_parts, 0);
+  ASSERT_TRUE(a.after.is_split(0)) << "the hot expert (0) was not split";
+  EXPECT_FALSE(a.after.has_replicas());
+  EXPECT_LT(a.imbalance_after, a.imbalance_before);
+  EXPECT_LT(a.cost_after, a.cost_before);
+  EXPECT_NO_THROW(a.after.check_fits(16, 4, req.config.expert_inter));
+  EXPECT_EQ(a.after, plan_placement(req).after);
+  // The split's cost: a part's share of the columns, plus its rows' link time.
+  const auto cost = ExpertCostModel::from(sim::load_machine(req.machine), req.config, true);
+  EXPECT_GT(cost.part_row_s, 0.0);
+}

@@ -20,10 +20,16 @@ namespace hpmoe {
 // ones; a rank's time is the sum over its instances. In training a replica
 // also costs its rank the refresh of its weights from the owner and the
 // reduction of its gradient into the owner's, over the link between them.
+// A part of a tensor-parallel split expert costs its share of the columns
+// of the whole expert's time on all of its rows (its weights are a share
+// too), plus the link time of the rows it receives and returns beyond the
+// first part's (dispatch and partial return, and in training their
+// gradients); it needs no weight refresh or gradient reduction.
 struct ExpertCostModel {
   std::int64_t tile_rows = 64;
   double first_tile_s = 0, tile_s = 0;  // forward + backward GEMMs of one row tile of an expert, on a rank's units
   double replica_s = 0;                 // per replica per step (training), 0 for inference
+  double part_row_s = 0;                // per row of each split part beyond the first: its extra link traffic
   static ExpertCostModel from(const sim::MachineModel&, const LayerConfig&, bool training);
   double instance_seconds(std::int64_t rows) const;
 };
@@ -41,13 +47,15 @@ struct PlanRequest {
   std::uint64_t seed = 1;
   std::int64_t slots_per_rank = 0;  // 0: one more than the start's largest rank
   bool training = true;           // count replicas' weight refresh and gradient reduction
+  bool splits = false;            // also consider tensor-parallel splits of hot experts (in-process runs)
+  bool replicas = true;           // consider replicas (off with splits: a static hybrid TP/EP mapping)
 };
 
 struct PlanReport {
   LayerConfig config;
   std::string routing, machine;
   ExpertPlacement before, after;
-  std::int64_t steps = 0, replicas = 0;
+  std::int64_t steps = 0, replicas = 0, split_parts = 0;  // replicas added; split parts added
   // Means over the history's steps: rank max/mean of rows, and the cost
   // model's slowest rank (seconds).
   double imbalance_before = 0, imbalance_after = 0, cost_before = 0, cost_after = 0;
@@ -60,7 +68,9 @@ struct PlanReport {
 // Greedy (EPLB-like, on the cost model): while a rank has a free slot and a
 // replica of some expert on some rank lowers the mean slowest-rank time over
 // the history (after each step's quota plan, and net of the replica's own
-// cost), add the best such replica.
+// cost), add the best such replica. With `splits`, a move may instead split
+// an unreplicated hot expert into one more even column part on that rank
+// (HDA-MoE's hybrid), priced the same way.
 PlanReport plan_placement(const PlanRequest&);
 std::string format_report(const PlanReport&);
 nlohmann::json to_json(const PlanReport&);

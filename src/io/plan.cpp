@@ -29,6 +29,14 @@ ExpertCostModel ExpertCostModel::from(const sim::MachineModel& m, const LayerCon
     const double link = m.intra_bytes_per_s > 0 ? m.intra_bytes_per_s : m.inter_bytes_per_s;
     cost.replica_s = link > 0 ? bytes / link : 0.0;
   }
+  // A further split part receives each row and returns a partial row (and,
+  // in training, the same for their gradients): H-wide rows over the link.
+  // Without a link (in process) the sender's copy moves them.
+  const double link = m.intra_bytes_per_s > 0   ? m.intra_bytes_per_s
+                      : m.inter_bytes_per_s > 0 ? m.inter_bytes_per_s
+                                                : m.put_copy_bytes_per_s * units;
+  const double row_bytes = double(H) * (c.dtype == DType::bf16 ? 2.0 : 4.0) * (training ? 4.0 : 2.0);
+  cost.part_row_s = link > 0 ? row_bytes / link : 0.0;
   return cost;
 }
 
@@ -38,23 +46,45 @@ double ExpertCostModel::instance_seconds(std::int64_t rows) const {
   return first_tile_s + double(tiles - 1) * tile_s;
 }
 
-std::vector<double> rank_seconds(const ExpertPlacement& p, std::span<const std::int64_t> counts, const ExpertCostModel& cost) {
+namespace {
+// Rows each instance runs in a step: the quota plan's, summed over sources.
+std::vector<std::int64_t> instance_rows(const ExpertPlacement& p, std::span<const std::int64_t> counts, std::int64_t tile_rows) {
   const std::int64_t P = p.ranks(), E = p.experts(), N = p.instances();
-  std::vector<double> t(static_cast<std::size_t>(P), 0.0);
   std::vector<std::int64_t> rows(static_cast<std::size_t>(N), 0);
-  if (p.has_replicas()) {
-    const auto quota = plan_quotas(p, counts, cost.tile_rows);
+  if (N > E) {
+    const auto quota = plan_quotas(p, counts, tile_rows);
     for (std::int64_t s = 0; s < P; ++s)
       for (std::int64_t i = 0; i < N; ++i) rows[static_cast<std::size_t>(i)] += quota[static_cast<std::size_t>(s * N + i)];
   } else {
     for (std::int64_t s = 0; s < P; ++s)
       for (std::int64_t e = 0; e < E; ++e) rows[static_cast<std::size_t>(e)] += counts[static_cast<std::size_t>(s * E + e)];
   }
+  return rows;
+}
+// The intermediate size a split expert's columns tile.
+std::int64_t split_inter(const ExpertPlacement& p, std::int64_t e) {
+  return p.part_columns(p.first_instance(e) + p.home_count(e) - 1, 0).second;
+}
+}  // namespace
+
+std::vector<double> rank_seconds(const ExpertPlacement& p, std::span<const std::int64_t> counts, const ExpertCostModel& cost) {
+  const std::int64_t P = p.ranks(), E = p.experts(), N = p.instances();
+  std::vector<double> t(static_cast<std::size_t>(P), 0.0);
+  const std::vector<std::int64_t> rows = instance_rows(p, counts, cost.tile_rows);
   for (std::int64_t i = 0; i < N; ++i) {
     auto& rank = t[static_cast<std::size_t>(p.instance_rank(i))];
-    rank += cost.instance_seconds(rows[static_cast<std::size_t>(i)]);
-    if (i != p.first_instance(p.instance_expert(i))) rank += cost.replica_s;
+    const std::int64_t e = p.instance_expert(i), n = rows[static_cast<std::size_t>(i)];
+    if (p.is_split(e)) {
+      const auto [c0, c1] = p.part_columns(i, 0);
+      const double share = double(c1 - c0) / double(split_inter(p, e));
+      rank += share * cost.instance_seconds(n);
+      if (i != p.first_instance(e)) rank += double(n) * cost.part_row_s;
+      continue;
+    }
+    rank += cost.instance_seconds(n);
+    if (i != p.first_instance(e)) rank += cost.replica_s;
   }
+  (void)E;
   return t;
 }
 
@@ -75,15 +105,17 @@ std::pair<double, double> evaluate(const ExpertPlacement& p, const History& h, c
     slowest.push_back(*std::max_element(t.begin(), t.end()));
     ExpertCostModel rows_only;  // rows as the cost: the imbalance figure
     rows_only.tile_rows = cost.tile_rows;
+    // Rows a rank computes; a split part's rows count by its share of the columns.
     std::vector<double> rows(static_cast<std::size_t>(P), 0.0);
-    const std::int64_t E = p.experts(), N = p.instances();
-    if (p.has_replicas()) {
-      const auto quota = plan_quotas(p, counts, cost.tile_rows);
-      for (std::int64_t s = 0; s < P; ++s)
-        for (std::int64_t i = 0; i < N; ++i) rows[static_cast<std::size_t>(p.instance_rank(i))] += double(quota[static_cast<std::size_t>(s * N + i)]);
-    } else {
-      for (std::int64_t s = 0; s < P; ++s)
-        for (std::int64_t e = 0; e < E; ++e) rows[static_cast<std::size_t>(p.owner(e))] += double(counts[static_cast<std::size_t>(s * E + e)]);
+    const auto per_instance = instance_rows(p, counts, cost.tile_rows);
+    for (std::int64_t i = 0; i < p.instances(); ++i) {
+      const std::int64_t e = p.instance_expert(i);
+      double share = 1.0;
+      if (p.is_split(e)) {
+        const auto [c0, c1] = p.part_columns(i, 0);
+        share = double(c1 - c0) / double(split_inter(p, e));
+      }
+      rows[static_cast<std::size_t>(p.instance_rank(i))] += share * double(per_instance[static_cast<std::size_t>(i)]);
     }
     const double total = std::accumulate(rows.begin(), rows.end(), 0.0);
     imbalance.push_back(total > 0 ? *std::max_element(rows.begin(), rows.end()) * double(P) / total : 0.0);
@@ -96,6 +128,21 @@ std::vector<std::vector<std::int64_t>> lists_of(const ExpertPlacement& p) {
   for (std::int64_t r = 0; r < p.ranks(); ++r)
     for (const auto e : p.experts_of(r)) lists[static_cast<std::size_t>(r)].push_back(e);
   return lists;
+}
+
+// Sets expert e's split to `parts` even column parts (on 64-column
+// boundaries where the size allows); false if the dimension cannot take them.
+bool even_split(std::vector<ExpertPlacement::Split>& splits, std::int64_t e, std::int64_t parts, std::int64_t inter) {
+  const std::int64_t unit = inter >= 64 * parts ? 64 : 1;
+  if (inter < parts * unit) return false;
+  ExpertPlacement::Split sp{e, {0}};
+  for (std::int64_t j = 1; j < parts; ++j) sp.columns.push_back((inter / unit) * j / parts * unit);
+  sp.columns.push_back(inter);
+  for (std::size_t j = 1; j < sp.columns.size(); ++j)
+    if (sp.columns[j] <= sp.columns[j - 1]) return false;
+  std::erase_if(splits, [&](const ExpertPlacement::Split& x) { return x.expert == e; });
+  splits.push_back(std::move(sp));
+  return true;
 }
 
 double simulate_step(const sim::MachineModel& m, const PlanRequest& req, const ExpertPlacement& p, bool interleaved) {
@@ -140,8 +187,8 @@ PlanReport plan_placement(const PlanRequest& req) {
       h.counts.push_back(taskflow::routing_counts(c, forced_selection(c, spec)).counts);
     }
   }
-  const auto rules = ExpertPlacement::Rules{.allow_empty_ranks = rep.before.allows_empty_ranks(), .replicas = true,
-                                            .slots_per_rank = budget};
+  auto rules = ExpertPlacement::Rules{.allow_empty_ranks = rep.before.allows_empty_ranks(), .replicas = true,
+                                      .slots_per_rank = budget, .splits = rep.before.splits()};
   auto lists = lists_of(rep.before);
   ExpertPlacement current = ExpertPlacement::from_rank_lists(c.routed_experts, lists, rules, "plan");
   auto [best_cost, best_imbalance] = evaluate(current, h, cost);
@@ -163,23 +210,42 @@ PlanReport plan_placement(const PlanRequest& req) {
     for (std::int64_t r = 0; r < c.ranks; ++r)
       if (static_cast<std::int64_t>(lists[static_cast<std::size_t>(r)].size()) < budget) free.push_back(r);
     std::stable_sort(free.begin(), free.end(), [&](auto a, auto b) { return t[static_cast<std::size_t>(a)] < t[static_cast<std::size_t>(b)]; });
-    free.resize(std::min<std::size_t>(free.size(), 4));
     double candidate_cost = best_cost;
-    std::int64_t pick_e = -1, pick_r = -1;
-    for (const auto e : heavy)
-      for (const auto r : free) {
-        if (current.instance_on(e, r) >= 0) continue;
-        auto trial = lists;
-        trial[static_cast<std::size_t>(r)].push_back(e);
-        const auto p = ExpertPlacement::from_rank_lists(c.routed_experts, trial, rules, "plan");
-        const double cost_here = evaluate(p, h, cost).first;
-        if (cost_here < candidate_cost * (1 - 1e-6)) candidate_cost = cost_here, pick_e = e, pick_r = r;
-      }
+    std::int64_t pick_e = -1;
+    std::vector<std::int64_t> pick_ranks;
+    bool pick_split = false;
+    std::vector<ExpertPlacement::Split> pick_splits;
+    const auto consider = [&](std::int64_t e, const std::vector<std::int64_t>& ranks, bool split) {
+      auto trial = lists;
+      for (const auto r : ranks) trial[static_cast<std::size_t>(r)].push_back(e);
+      auto trial_rules = rules;
+      if (split && !even_split(trial_rules.splits, e, current.parts(e) + static_cast<std::int64_t>(ranks.size()), c.expert_inter))
+        return;
+      const auto p = ExpertPlacement::from_rank_lists(c.routed_experts, trial, trial_rules, "plan");
+      const double cost_here = evaluate(p, h, cost).first;
+      if (cost_here < candidate_cost * (1 - 1e-6))
+        candidate_cost = cost_here, pick_e = e, pick_ranks = ranks, pick_split = split, pick_splits = trial_rules.splits;
+    };
+    for (const auto e : heavy) {
+      std::vector<std::int64_t> open;  // free ranks without e, least loaded first
+      for (const auto r : free)
+        if (current.instance_on(e, r) < 0) open.push_back(r);
+      // A replica on one of the 4 least loaded (unless e is split).
+      if (req.replicas && !current.is_split(e))
+        for (std::size_t j = 0; j < std::min<std::size_t>(open.size(), 4); ++j) consider(e, {open[j]}, false);
+      // Or its columns in more even parts (unless e is replicated): up to 7
+      // new parts at once on the least loaded ranks, since one more part of
+      // a hot expert may not pay off where several do.
+      if (req.splits && (current.home_count(e) == 1 || current.is_split(e)))
+        for (std::size_t m = 1; m <= std::min<std::size_t>(open.size(), 7); ++m)
+          consider(e, std::vector<std::int64_t>(open.begin(), open.begin() + static_cast<std::ptrdiff_t>(m)), true);
+    }
     if (pick_e < 0) break;
-    lists[static_cast<std::size_t>(pick_r)].push_back(pick_e);
+    for (const auto r : pick_ranks) lists[static_cast<std::size_t>(r)].push_back(pick_e);
+    if (pick_split) rules.splits = pick_splits;
     current = ExpertPlacement::from_rank_lists(c.routed_experts, lists, rules, "plan");
     best_cost = candidate_cost;
-    ++rep.replicas;
+    (pick_split ? rep.split_parts : rep.replicas) += static_cast<std::int64_t>(pick_ranks.size());
   }
   rep.after = current;
   std::tie(rep.cost_after, rep.imbalance_after) = evaluate(current, h, cost);
@@ -195,7 +261,8 @@ std::string format_report(const PlanReport& r) {
   o << std::fixed;
   o << "plan     " << r.config.name << " at EP " << r.config.ranks << ", " << r.config.tokens_per_rank
     << " tokens/rank, routing " << r.routing << ", " << r.steps << " steps of history, machine " << r.machine << "\n";
-  o << "         " << r.replicas << " replicas added, at most " << r.after.slots_per_rank() << " experts per rank\n";
+  o << "         " << r.replicas << " replicas added, " << r.split_parts << " split parts added (" << r.after.splits().size()
+    << " experts split), at most " << r.after.slots_per_rank() << " experts per rank\n";
   const auto row = [&](const char* what, double before, double after, int digits) {
     o << "  " << std::left << std::setw(44) << what << std::right << std::setprecision(digits) << std::setw(10) << before
       << std::setw(10) << after << "\n";
@@ -217,6 +284,8 @@ nlohmann::json to_json(const PlanReport& r) {
           {"machine", r.machine},
           {"steps", r.steps},
           {"replicas_added", r.replicas},
+          {"split_parts_added", r.split_parts},
+          {"experts_split", r.after.splits().size()},
           {"placement", to_json(r.after)},
           {"before", {{"rank_max_over_mean", r.imbalance_before}, {"cost_model_s", r.cost_before},
                       {"simulated_serialized_s", r.sim_serialized_before}, {"simulated_interleaved_s", r.sim_interleaved_before}}},

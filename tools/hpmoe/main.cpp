@@ -279,10 +279,10 @@ struct PlanCommand {
   LayerOptions layer;
   PlanRequest req;
   std::string routing = "zipf:1.2", out, json_file;
-  bool inference = false;
+  bool inference = false, no_replicas = false;
 
   void add(CLI::App& parent) {
-    app = parent.add_subcommand("plan", "choose a placement with replicas of hot experts from load statistics");
+    app = parent.add_subcommand("plan", "choose a placement with replicas (and, with --splits, tensor-parallel splits) of hot experts from load statistics");
     layer.add_to(*app);
     app->add_option("--machine", req.machine, "machine model whose rates price the experts (a file, or a name in machines/)");
     app->add_option("--routing", routing, "the load: uniform | balanced | zipf[:S] | hot[:SHARE] | trace:FILE[:LAYER] | router");
@@ -292,6 +292,9 @@ struct PlanCommand {
                     "experts a rank may hold, replicas included (default: one more than the starting placement's largest rank)")
         ->check(CLI::Range(1, 1 << 20));
     app->add_flag("--inference", inference, "do not charge replicas for refreshing weights and reducing gradients");
+    app->add_flag("--splits", req.splits,
+                  "also consider tensor-parallel splits of hot experts (HDA-MoE's hybrid; in-process runs and the simulator)");
+    app->add_flag("--no-replicas", no_replicas, "add no replicas (with --splits: a static hybrid TP/EP mapping only)");
     app->add_option("--out", out, "write the placement here (JSON, for --placement)");
     app->add_option("--json", json_file, "write the report as JSON");
   }
@@ -301,6 +304,7 @@ struct PlanCommand {
     req.start = layer.resolve_placement(req.config);
     req.routing = parse_routing_spec(routing, req.seed);
     req.training = !inference;
+    req.replicas = !no_replicas;
     if (!out.empty() && !std::ofstream(out + ".partial")) throw Error("cannot write the placement to '" + out + "'");
     const PlanReport report = plan_placement(req);
     std::cout << format_report(report);
