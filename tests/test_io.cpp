@@ -174,10 +174,9 @@ TEST(Sharding, ReadsHuggingFaceShardedCheckpoints) {
   }
 }
 
-// `hpmoe plan`: replicas chosen on the machine's cost model lower the
-// predicted slowest rank and the rank imbalance, within the slot budget, and
-// the same request gives the same placement.
-TEST(Plan, ReplicatesTheHotExpertWithinTheBudgetAndDeterministically) {
+namespace {
+// 16 experts on 4 ranks with a hot expert (0) taking 30% of the rows.
+PlanRequest hot_expert_request() {
   PlanRequest req;
   req.config = preset("tiny");
   req.config.ranks = 4;
@@ -186,6 +185,15 @@ TEST(Plan, ReplicatesTheHotExpertWithinTheBudgetAndDeterministically) {
   req.routing = parse_routing_spec("hot:0.3", 3);
   req.machine = std::string(HPMOE_SOURCE_DIR) + "/machines/cpu-local.json";
   req.steps = 4;
+  return req;
+}
+}  // namespace
+
+// `hpmoe plan`: replicas chosen on the machine's cost model lower the
+// predicted slowest rank and the rank imbalance, within the slot budget, and
+// the same request gives the same placement.
+TEST(Plan, ReplicatesTheHotExpertWithinTheBudgetAndDeterministically) {
+  PlanRequest req = hot_expert_request();
   const auto a = plan_placement(req);
   EXPECT_GT(a.replicas, 0);
   EXPECT_LT(a.imbalance_after, a.imbalance_before);
@@ -207,14 +215,7 @@ TEST(Plan, ReplicatesTheHotExpertWithinTheBudgetAndDeterministically) {
 // expert is split into column parts that tile its intermediate dimension,
 // the predicted slowest rank and imbalance fall, and the placement is valid.
 TEST(Plan, SplitsTheHotExpertIntoColumnParts) {
-  PlanRequest req;
-  req.config = preset("tiny");
-  req.config.ranks = 4;
-  req.config.routed_experts = 16;
-  req.config.tokens_per_rank = 256;
-  req.routing = parse_routing_spec("hot:0.3", 3);
-  req.machine = std::string(HPMOE_SOURCE_DIR) + "/machines/cpu-local.json";
-  req.steps = 4;
+  PlanRequest req = hot_expert_request();
   req.splits = true;
   req.replicas = false;
   const auto a = plan_placement(req);
