@@ -54,6 +54,15 @@ check 3 network --set routed_experts=8 -T 40 --backward --dtype bf16 --placement
 echo '{"experts_of_rank": [[0, 1, 2], [0, 3, 4, 5], [0, 5, 6, 7]], "replicas": true, "slots_per_rank": 4}' > "$tmp/replicas.json"
 check 3 shared --set routed_experts=8 -T 64 --backward --routing hot:0.45 --placement "$tmp/replicas.json" --iters 2
 check 3 network --set routed_experts=8 -T 64 --backward --dtype bf16 --routing "$trace" --placement "$tmp/replicas.json" --iters 1
+# Tensor-parallel splits over MPI: expert 0 in three column parts (one per
+# process, uneven), next to a replicated expert; each process packs only its
+# part, the sources reduce the partials, the owner gathers the split
+# expert's gradient in rank order; bit for bit against the same placement in
+# process, with the per-rank proof and with the whole-set audit.
+echo '{"experts_of_rank": [[0, 1, 2, 3], [0, 3, 4, 5], [0, 5, 6, 7]], "replicas": true, "splits": [{"expert": 0, "columns": [0, 8, 12, 16]}]}' > "$tmp/splits.json"
+check 3 shared --set routed_experts=8 -T 64 --backward --routing hot:0.45 --placement "$tmp/splits.json" --iters 2
+check 3 network --set routed_experts=8 -T 64 --backward --dtype bf16 --routing "$trace" --placement "$tmp/splits.json" --iters 1
+check 3 shared --set routed_experts=8 -T 64 --backward --routing zipf:1.2 --placement "$tmp/splits.json" --iters 1 --verify-all-ranks
 
 # A rank that owns no expert (it receives nothing, and all its tokens go
 # elsewhere), and a hot expert that takes most of the rows.

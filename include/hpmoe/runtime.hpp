@@ -40,6 +40,11 @@ struct RuntimeOptions {
   // compilation and before verification and launch.
   std::function<void(std::vector<taskflow::Program>&)> after_compile;
   std::shared_ptr<const PackedWeights> packed;  // optional, see pack_weights
+  // Where a tensor-parallel split expert's raw weights come from when the
+  // given weights do not hold them (a sharded run keeps only packed copies,
+  // and packs only its parts of a split expert): called once per part this
+  // process computes, one at a time.
+  ExpertSource expert_source;
   bool trace = false;                           // record StepResult::trace (a slice per task)
   // Where the ranks run and how rows reach peers; null: all ranks in this
   // process. With an MPI transport each process runs its own rank, and the

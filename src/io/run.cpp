@@ -189,7 +189,7 @@ struct Executors {
 };
 
 Executors make_executors(const RunRequest& req, const LayerWeights& w, const ExpertPlacement& placement,
-                         std::shared_ptr<const PackedWeights> packed, bool sharded) {
+                         std::shared_ptr<const PackedWeights> packed, bool sharded, ExpertSource expert_source = {}) {
   const LayerConfig& c = req.config;
   Executors x;
   const RunMode mode = req.mode == RunMode::automatic ? RunMode::both : req.mode;
@@ -215,6 +215,7 @@ Executors make_executors(const RunRequest& req, const LayerWeights& w, const Exp
   ropt.verify_all_ranks = req.verify_all_ranks;
   ropt.fault = req.fault;
   ropt.placement = placement;
+  ropt.expert_source = std::move(expert_source);
   ropt.pin = !x.use_serialized || sharded ? req.pin : false;  // else the serialized executor's pool holds the pinned cores
   if (x.use_interleaved) x.inter = std::make_unique<InterleavedExecutor>(c, w, ropt);
   if (x.use_serialized && sharded) {
@@ -593,11 +594,16 @@ RunReport run_sharded(const RunRequest& req, const std::function<void(const std:
     forced = std::vector<std::int32_t>(forced.begin() + me * per_rank, forced.begin() + (me + 1) * per_rank);
   }
   say("generating and packing this rank's experts for the tile kernels");
-  const auto packed = pack_weights(c, w, req.backward, held, [&](std::int64_t e, LayerWeights& into) {
+  const ExpertSource fetch = [&](std::int64_t e, LayerWeights& into) {
     if (checkpoint) load_expert(*checkpoint, c, e, into);
     else random_expert(c, req.seed, e, into);
-  });
-  Executors x = make_executors(req, w, placement, packed, true);
+  };
+  // Whole experts packed here; the executor packs only its parts of split ones.
+  std::vector<std::int32_t> whole;
+  for (const std::int32_t e : held)
+    if (!placement.is_split(e)) whole.push_back(e);
+  const auto packed = pack_weights(c, w, req.backward, whole, fetch);
+  Executors x = make_executors(req, w, placement, packed, true, fetch);
 
   RunReport rep = report_header(req, placement, x);
   rep.sharded = true;

@@ -73,7 +73,7 @@ class Interleaved final : public InterleavedExecutor::Impl {
     for (std::size_t i = 0; i < local_.size(); ++i) {
       index_of_[static_cast<std::size_t>(local_[i])] = static_cast<int>(i);
       for (const std::int32_t e : placement_.experts_of(local_[i])) {
-        if (!packed_->holds(e))
+        if (!packed_->holds(e) && !placement_.is_split(e))  // a split expert's parts are packed below
           throw Error("rank " + std::to_string(local_[i]) + " owns expert " + std::to_string(e) +
                       " but this process holds no weights for it: give every process its own experts' weights");
         if (placement_.owner(e) == local_[i]) owned_.push_back(e);  // replicas: the owner holds the gradient
@@ -83,12 +83,7 @@ class Interleaved final : public InterleavedExecutor::Impl {
       throw Error("a transport that spreads ranks over processes must host one rank per process (this one hosts " +
                   std::to_string(local_.size()) + ")");
     placement_.check_fits(c.routed_experts, c.ranks, c.expert_inter);
-    if (placement_.has_splits()) {
-      if (sharded())
-        throw Error("tensor-parallel expert splits (\"splits\" in the placement) run in process only for now, not over MPI; "
-                    "drop the splits or run without mpirun");
-      pack_split_parts(opt.backward);
-    }
+    if (placement_.has_splits()) pack_split_parts(opt.backward);
     fingerprint_ = layer_fingerprint(c, placement_, w);
     tr_->watch_workers(&activity_);
   }
@@ -101,18 +96,40 @@ class Interleaved final : public InterleavedExecutor::Impl {
     Operand<T> w1, w2, w1_t, w2_t;
   };
   void pack_split_parts(bool backward) {
-    const std::int64_t H = c_.hidden, I = c_.expert_inter;
-    part_packed_.assign(static_cast<std::size_t>(placement_.instances()), PartWeights{});
     std::vector<std::int64_t> jobs;
     for (const int r : local_)
       for (const std::int64_t i : placement_.instances_of(r))
         if (placement_.is_split(placement_.instance_expert(i))) jobs.push_back(i);
-    on_all_cores(jobs.size(), [&](std::size_t j) {
-      const std::int64_t i = jobs[j], e = placement_.instance_expert(i);
+    part_packed_.assign(static_cast<std::size_t>(placement_.instances()), PartWeights{});
+    if (std::all_of(jobs.begin(), jobs.end(), [&](std::int64_t i) { return holds_expert(w_, placement_.instance_expert(i)); })) {
+      on_all_cores(jobs.size(), [&](std::size_t j) { pack_part(jobs[j], w_, backward); });
+      return;
+    }
+    // Sharded: each part's expert fetched in turn, packed, and released.
+    if (!opt_.expert_source)
+      throw Error("this process computes parts of split experts whose weights it was not given: pass their weights or an "
+                  "expert source");
+    LayerWeights fetched;
+    fetched.w1.resize(static_cast<std::size_t>(c_.routed_experts));
+    fetched.w2.resize(static_cast<std::size_t>(c_.routed_experts));
+    for (const std::int64_t i : jobs) {
+      const auto e = static_cast<std::size_t>(placement_.instance_expert(i));
+      const bool here = holds_expert(w_, static_cast<std::int64_t>(e));
+      if (!here) opt_.expert_source(static_cast<std::int64_t>(e), fetched);
+      pack_part(i, here ? w_ : fetched, backward);
+      fetched.w1[e] = Matrix();
+      fetched.w2[e] = Matrix();
+    }
+  }
+  void pack_part(std::int64_t i, const LayerWeights& w, bool backward) {
+    const std::int64_t H = c_.hidden, I = c_.expert_inter, e = placement_.instance_expert(i);
+    {
       const auto [c0, c1] = placement_.part_columns(i, I);
       const std::int64_t Ip = c1 - c0;
-      const Matrix& w1 = w_.w1[static_cast<std::size_t>(e)];
-      const Matrix& w2 = w_.w2[static_cast<std::size_t>(e)];
+      const Matrix& w1 = w.w1[static_cast<std::size_t>(e)];
+      const Matrix& w2 = w.w2[static_cast<std::size_t>(e)];
+      if (w1.rows != H || w1.cols != 2 * I || w2.rows != I || w2.cols != H)
+        throw Error("split expert " + std::to_string(e) + "'s weights are not [hidden, 2 expert_inter] and [expert_inter, hidden]");
       Matrix p1(H, 2 * Ip), p2(Ip, H);
       for (std::int64_t h = 0; h < H; ++h)
         for (std::int64_t k = 0; k < Ip; ++k) {
@@ -127,7 +144,7 @@ class Interleaved final : public InterleavedExecutor::Impl {
         pw.w1_t = transposed_operand_of<T>(p1);
         pw.w2_t = transposed_operand_of<T>(p2);
       }
-    });
+    }
   }
   // The packed weights rank r computes expert e with: its part's, if split.
   const PartWeights* part_of(int r, std::int32_t e) const {
@@ -494,26 +511,45 @@ class Interleaved final : public InterleavedExecutor::Impl {
   }
 
   // Split experts: each part computed the gradient of its own columns
-  // (W1's gate and up columns side by side, W2's rows), complete; they are
-  // placed into the expert's gradient, no sums (in process only).
+  // (W1's gate and up columns side by side, W2's rows), complete. The
+  // expert's gradient, on its owner (part 0's rank), is the sum in rank
+  // order from +0 of every rank's columns, zeros elsewhere: over MPI
+  // through every rank (sum_in_rank_order), in process the same sum, so the
+  // bits agree (each element has one non-zero term; +0 + v is v, but +0 for
+  // v = -0).
   void assemble_split_gradients(StepResult& res) {
     const std::int64_t H = c_.hidden, I = c_.expert_inter;
+    // Rank r's part of expert e written into a whole [H, 2I] and [I, H] pair.
+    const auto scatter = [&](int r, std::int64_t e, float* dw1, float* dw2) {
+      const std::int64_t i = placement_.instance_on(e, r);
+      if (i < 0) return;
+      const auto [c0, c1] = placement_.part_columns(i, I);
+      const std::int64_t Ip = c1 - c0;
+      const float* p1 = replica_partial(r, static_cast<std::int32_t>(e), true).data();
+      const float* p2 = replica_partial(r, static_cast<std::int32_t>(e), false).data();
+      for (std::int64_t h = 0; h < H; ++h)
+        for (std::int64_t k = 0; k < Ip; ++k) {
+          dw1[h * 2 * I + c0 + k] = 0.0f + p1[h * 2 * I + k];
+          dw1[h * 2 * I + I + c0 + k] = 0.0f + p1[h * 2 * I + Ip + k];
+        }
+      for (std::int64_t k = 0; k < Ip * H; ++k) dw2[c0 * H + k] = 0.0f + p2[k];
+    };
     for (const auto& sp : placement_.splits()) {
       const auto e = static_cast<std::size_t>(sp.expert);
-      float* dw1 = res.grads.w1[e].data.data();
-      float* dw2 = res.grads.w2[e].data.data();
-      for (std::int64_t j = 0; j < placement_.home_count(sp.expert); ++j) {
-        const std::int64_t i = placement_.first_instance(sp.expert) + j;
-        const int r = placement_.instance_rank(i);
-        const auto [c0, c1] = placement_.part_columns(i, I);
-        const std::int64_t Ip = c1 - c0;
-        const float* p1 = replica_partial(r, sp.expert, true).data();
-        const float* p2 = replica_partial(r, sp.expert, false).data();
-        for (std::int64_t h = 0; h < H; ++h) {
-          std::copy_n(p1 + h * 2 * I, Ip, dw1 + h * 2 * I + c0);
-          std::copy_n(p1 + h * 2 * I + Ip, Ip, dw1 + h * 2 * I + I + c0);
-        }
-        std::copy_n(p2, Ip * H, dw2 + c0 * H);
+      if (!sharded()) {
+        for (std::int64_t j = 0; j < placement_.home_count(sp.expert); ++j)
+          scatter(placement_.instance_rank(placement_.first_instance(sp.expert) + j), sp.expert, res.grads.w1[e].data.data(),
+                  res.grads.w2[e].data.data());
+        continue;
+      }
+      const auto n1 = static_cast<std::size_t>(H * 2 * I), n2 = static_cast<std::size_t>(I * H);
+      reduce_scratch_.assign(n1 + n2, 0.0f);
+      const int me = local_.front();
+      scatter(me, sp.expert, reduce_scratch_.data(), reduce_scratch_.data() + n1);
+      tr_->sum_in_rank_order(std::span<float>(reduce_scratch_));
+      if (me == placement_.owner(sp.expert)) {
+        std::copy_n(reduce_scratch_.begin(), n1, res.grads.w1[e].data.begin());
+        std::copy_n(reduce_scratch_.begin() + static_cast<std::ptrdiff_t>(n1), n2, res.grads.w2[e].data.begin());
       }
     }
   }
