@@ -9,6 +9,7 @@
 # (`hpmoe calibrate`, run first into OUTDIR). One worker per rank: at P = 4
 # four ranks share the two cores.
 #   bench/placement_side_by_side.sh [ROUNDS] [OUTDIR]
+#   PLAN_FLAGS="--splits --no-replicas" bench/placement_side_by_side.sh ...   (hybrid TP/EP splits instead of replicas)
 set -euo pipefail
 hpmoe=${HPMOE:-build/hpmoe}
 rounds=${1:-3}
@@ -24,7 +25,7 @@ trace="trace:data/routing/mixtral-8x7b/coding.json:8"
 for np in 2 4; do
   for routing in hot:0.3 "$trace"; do
     tag="p$np-$(echo "${routing%%:*}")"
-    "$hpmoe" plan "${layer[@]}" -P "$np" --routing "$routing" --machine "$model" --inference \
+    "$hpmoe" plan "${layer[@]}" -P "$np" --routing "$routing" --machine "$model" --inference ${PLAN_FLAGS:-} \
       --out "$out/$tag-placement.json" --json "$out/$tag-plan.json" > "$out/$tag-plan.txt"
     for placement in contiguous "$out/$tag-placement.json"; do
       which=$([ "$placement" = contiguous ] && echo unbalanced || echo balanced)

@@ -68,7 +68,8 @@ struct PlanReport {
 // Greedy (EPLB-like, on the cost model): while a rank has a free slot and a
 // replica of some expert on some rank lowers the mean slowest-rank time over
 // the history (after each step's quota plan, and net of the replica's own
-// cost), add the best such replica. With `splits`, a move may instead split
+// cost), add the best such replica (ties of the slowest rank broken by the
+// time ranks spend above the mean). With `splits`, a move may instead split
 // an unreplicated hot expert into one more even column part on that rank
 // (HDA-MoE's hybrid), priced the same way.
 PlanReport plan_placement(const PlanRequest&);

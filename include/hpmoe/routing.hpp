@@ -80,7 +80,7 @@ void update_expert_bias(std::span<float> bias, std::span<const std::int64_t> loa
 
 struct RoutingStats {
   std::vector<std::int64_t> tokens_per_expert;  // kept assignments, all ranks
-  std::vector<std::int64_t> tokens_per_rank;    // rows each rank's experts receive
+  std::vector<std::int64_t> tokens_per_rank;    // rows each rank's experts receive (split parts: times their column share)
   double expert_max_over_mean = 0;
   double rank_max_over_mean = 0;
   double expert_gini = 0;

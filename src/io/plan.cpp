@@ -97,12 +97,29 @@ struct History {
 double mean_of(const std::vector<double>& v) { return v.empty() ? 0.0 : std::accumulate(v.begin(), v.end(), 0.0) / double(v.size()); }
 
 // Mean over the steps of the slowest rank's time, and of rank max/mean rows.
-std::pair<double, double> evaluate(const ExpertPlacement& p, const History& h, const ExpertCostModel& cost) {
-  std::vector<double> slowest, imbalance;
+// A placement over the history: the mean slowest rank's time (the
+// objective), the mean rank max/mean rows, and the mean overload (the time
+// ranks spend above the mean rank's), which breaks ties of the objective: a
+// move that evens out one of several equally slow ranks leaves the slowest
+// where it was but is a step towards lowering it.
+struct Score {
+  double slowest = 0, imbalance = 0, overload = 0;
+  bool better_than(const Score& o) const {
+    if (slowest < o.slowest * (1 - 1e-6)) return true;
+    return slowest <= o.slowest * (1 + 1e-9) && overload < o.overload * (1 - 1e-6);
+  }
+};
+
+Score evaluate(const ExpertPlacement& p, const History& h, const ExpertCostModel& cost) {
+  std::vector<double> slowest, imbalance, overload;
   const std::int64_t P = p.ranks();
   for (const auto& counts : h.counts) {
     const auto t = rank_seconds(p, counts, cost);
     slowest.push_back(*std::max_element(t.begin(), t.end()));
+    const double mean = mean_of(t);
+    double over = 0;
+    for (const double x : t) over += std::max(0.0, x - mean);
+    overload.push_back(over);
     ExpertCostModel rows_only;  // rows as the cost: the imbalance figure
     rows_only.tile_rows = cost.tile_rows;
     // Rows a rank computes; a split part's rows count by its share of the columns.
@@ -120,7 +137,7 @@ std::pair<double, double> evaluate(const ExpertPlacement& p, const History& h, c
     const double total = std::accumulate(rows.begin(), rows.end(), 0.0);
     imbalance.push_back(total > 0 ? *std::max_element(rows.begin(), rows.end()) * double(P) / total : 0.0);
   }
-  return {mean_of(slowest), mean_of(imbalance)};
+  return {mean_of(slowest), mean_of(imbalance), mean_of(overload)};
 }
 
 std::vector<std::vector<std::int64_t>> lists_of(const ExpertPlacement& p) {
@@ -191,9 +208,9 @@ PlanReport plan_placement(const PlanRequest& req) {
                                       .slots_per_rank = budget, .splits = rep.before.splits()};
   auto lists = lists_of(rep.before);
   ExpertPlacement current = ExpertPlacement::from_rank_lists(c.routed_experts, lists, rules, "plan");
-  auto [best_cost, best_imbalance] = evaluate(current, h, cost);
-  rep.cost_before = best_cost;
-  rep.imbalance_before = best_imbalance;
+  Score best = evaluate(current, h, cost);
+  rep.cost_before = best.slowest;
+  rep.imbalance_before = best.imbalance;
   // Mean rows per expert over the history: candidates are the heaviest.
   std::vector<double> load(static_cast<std::size_t>(c.routed_experts), 0.0);
   for (const auto& counts : h.counts)
@@ -210,7 +227,7 @@ PlanReport plan_placement(const PlanRequest& req) {
     for (std::int64_t r = 0; r < c.ranks; ++r)
       if (static_cast<std::int64_t>(lists[static_cast<std::size_t>(r)].size()) < budget) free.push_back(r);
     std::stable_sort(free.begin(), free.end(), [&](auto a, auto b) { return t[static_cast<std::size_t>(a)] < t[static_cast<std::size_t>(b)]; });
-    double candidate_cost = best_cost;
+    Score candidate = best;
     std::int64_t pick_e = -1;
     std::vector<std::int64_t> pick_ranks;
     bool pick_split = false;
@@ -222,9 +239,9 @@ PlanReport plan_placement(const PlanRequest& req) {
       if (split && !even_split(trial_rules.splits, e, current.parts(e) + static_cast<std::int64_t>(ranks.size()), c.expert_inter))
         return;
       const auto p = ExpertPlacement::from_rank_lists(c.routed_experts, trial, trial_rules, "plan");
-      const double cost_here = evaluate(p, h, cost).first;
-      if (cost_here < candidate_cost * (1 - 1e-6))
-        candidate_cost = cost_here, pick_e = e, pick_ranks = ranks, pick_split = split, pick_splits = trial_rules.splits;
+      const Score here = evaluate(p, h, cost);
+      if (here.better_than(candidate))
+        candidate = here, pick_e = e, pick_ranks = ranks, pick_split = split, pick_splits = trial_rules.splits;
     };
     for (const auto e : heavy) {
       std::vector<std::int64_t> open;  // free ranks without e, least loaded first
@@ -244,11 +261,13 @@ PlanReport plan_placement(const PlanRequest& req) {
     for (const auto r : pick_ranks) lists[static_cast<std::size_t>(r)].push_back(pick_e);
     if (pick_split) rules.splits = pick_splits;
     current = ExpertPlacement::from_rank_lists(c.routed_experts, lists, rules, "plan");
-    best_cost = candidate_cost;
+    best = candidate;
     (pick_split ? rep.split_parts : rep.replicas) += static_cast<std::int64_t>(pick_ranks.size());
   }
   rep.after = current;
-  std::tie(rep.cost_after, rep.imbalance_after) = evaluate(current, h, cost);
+  const Score after = evaluate(current, h, cost);
+  rep.cost_after = after.slowest;
+  rep.imbalance_after = after.imbalance;
   rep.sim_serialized_before = simulate_step(machine, req, rep.before, false);
   rep.sim_interleaved_before = simulate_step(machine, req, rep.before, true);
   rep.sim_serialized_after = simulate_step(machine, req, rep.after, false);

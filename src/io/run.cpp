@@ -393,7 +393,7 @@ std::vector<std::int32_t> owned_by(const ExpertPlacement& placement, int rank) {
 std::int64_t rows_into(const ExpertPlacement& placement, std::span<const std::int64_t> counts, int rank) {
   const std::int64_t P = placement.ranks(), E = placement.experts(), N = placement.instances();
   std::int64_t rows = 0;
-  if (placement.has_replicas()) {
+  if (placement.instances() > placement.experts()) {  // replicas' quotas; split parts receive every row
     const auto quota = plan_quotas(placement, counts, kQuotaTileRows);
     for (std::int64_t s = 0; s < P; ++s)
       for (std::int64_t i = 0; i < N; ++i)
