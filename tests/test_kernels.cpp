@@ -63,6 +63,31 @@ TEST(TileGemm, Fp32MatchesDoubleLoops) {
     for (bool acc : {false, true}) check_gemm<float>(m, n, k, acc);
 }
 
+// The fp32 tile is a sequential FMA sum over K in order, whatever K (blocks,
+// chunks of blocks, a ragged rest): what makes chunking K, and any split of
+// the work into tiles, free of numerical change.
+TEST(TileGemm, Fp32IsASequentialFmaSum) {
+  init();
+  for (const std::int64_t k : {std::int64_t{1}, std::int64_t{300}, kBlockK * kChunkBlocks, kBlockK * kChunkBlocks * 2 + 77, std::int64_t{7168}}) {
+    const std::int64_t m = 17, n = 64;
+    Rng rng(static_cast<std::uint64_t>(k));
+    std::vector<float> a(static_cast<std::size_t>(m * k)), raw(static_cast<std::size_t>(k * n));
+    for (auto& v : a) v = float(rng.normal());
+    for (auto& v : raw) v = float(rng.normal());
+    std::vector<float> b(static_cast<std::size_t>(panel_blocked_size<float>(k, n))), c(static_cast<std::size_t>(m * n));
+    pack_rhs_panels<float, float>(raw.data(), n, k, n, false, b.data(), 0, 1);
+    gemm_tile<float>(a.data(), k, panel_view<float>(b.data(), k), 0, c.data(), n, m, n, k, false);
+    std::int64_t differ = 0;
+    for (std::int64_t i = 0; i < m; ++i)
+      for (std::int64_t j = 0; j < n; ++j) {
+        float s = 0;
+        for (std::int64_t q = 0; q < k; ++q) s = std::fma(a[static_cast<std::size_t>(i * k + q)], raw[static_cast<std::size_t>(q * n + j)], s);
+        differ += s != c[static_cast<std::size_t>(i * n + j)];
+      }
+    EXPECT_EQ(differ, 0) << "K " << k;
+  }
+}
+
 TEST(TileGemm, Bf16MatchesDoubleLoops) {
   // For bf16 the inputs are exact bf16 values and accumulation is fp32, so
   // the same tolerance holds; odd K exercises the zero pair padding.

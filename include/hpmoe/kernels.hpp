@@ -13,6 +13,13 @@ namespace hpmoe::kernels {
 inline constexpr std::int64_t kTileRows = 64;
 inline constexpr std::int64_t kTileCols = 64;
 inline constexpr std::int64_t kBlockK = 128;
+// A tile's K is reduced in chunks of at most kChunkBlocks blocks, each one
+// batch-reduce call accumulating into C: a chunk of A's row tile and of B's
+// panel (64 x 2048 fp32: 512 KiB each) stays in L2 while the kernel sweeps
+// it, where a whole K of 7168 (1.8 MiB each) does not. libxsmm's fp32 tile
+// is a sequential FMA sum in K order and C is exact between chunks, so the
+// result is bit for bit the one-call result (TileGemm.Fp32IsASequentialFmaSum).
+inline constexpr std::int64_t kChunkBlocks = 16;
 
 // Initialises libxsmm once per process; cheap to call again.
 void init();

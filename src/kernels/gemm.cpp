@@ -64,7 +64,9 @@ void gemm_tile(const T* a, std::int64_t lda, RhsView<T> b, std::int64_t col0, fl
     rhs = b.data + (col0 / kTileCols) * b.panel_stride + (col0 % kTileCols) * pair;
   }
   const std::int64_t blocks = k / kBlockK, rest = k % kBlockK;
-  if (blocks > 0) batch_reduce<T>(a, lda, rhs, b.ld, c, ldc, m, n, kBlockK, blocks, accumulate);
+  for (std::int64_t first = 0; first < blocks; first += kChunkBlocks)
+    batch_reduce<T>(a + first * kBlockK, lda, rhs + first * kBlockK * b.ld, b.ld, c, ldc, m, n, kBlockK,
+                    std::min(kChunkBlocks, blocks - first), accumulate || first > 0);
   if (rest > 0)
     batch_reduce<T>(a + blocks * kBlockK, lda, rhs + blocks * kBlockK * b.ld, b.ld, c, ldc, m, n, rest, 1,
                     accumulate || blocks > 0);
