@@ -10,7 +10,8 @@ namespace hpmoe::kernels {
 // Tile sizes of the expert GEMMs: output tiles of kTileRows x kTileCols,
 // with K consumed in blocks of kBlockK by libxsmm's batch-reduce kernel
 // (libxsmm does not block over K itself).
-inline constexpr std::int64_t kTileRows = 64;
+inline constexpr std::int64_t kTileRows = 128;       // token rows of a tile
+inline constexpr std::int64_t kWeightTileRows = 64;  // rows of a weight-gradient tile (K: a step's rows)
 inline constexpr std::int64_t kTileCols = 64;
 inline constexpr std::int64_t kBlockK = 128;
 // A tile's K is reduced in chunks of at most kChunkBlocks blocks, each one

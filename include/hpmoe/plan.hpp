@@ -63,6 +63,10 @@ struct PlanReport {
   // draw, which the plan did not see): serialized and interleaved makespans
   // (forward + backward, seconds).
   double sim_serialized_before = 0, sim_interleaved_before = 0, sim_serialized_after = 0, sim_interleaved_after = 0;
+  // With replicas and splits both allowed: the simulator's interleaved
+  // makespan (history's last step) of the hybrid plan and of the
+  // replicas-only plan, of which the faster was kept.
+  double sim_hybrid = 0, sim_replicas_only = 0;
 };
 
 // Greedy (EPLB-like, on the cost model): while a rank has a free slot and a
@@ -71,7 +75,9 @@ struct PlanReport {
 // cost), add the best such replica (ties of the slowest rank broken by the
 // time ranks spend above the mean). With `splits`, a move may instead split
 // an unreplicated hot expert into one more even column part on that rank
-// (HDA-MoE's hybrid), priced the same way.
+// (HDA-MoE's hybrid), priced the same way; with both kinds of move allowed,
+// the search runs with and without splits and the simulator keeps the
+// faster plan.
 PlanReport plan_placement(const PlanRequest&);
 std::string format_report(const PlanReport&);
 nlohmann::json to_json(const PlanReport&);

@@ -33,6 +33,7 @@ struct MachineModel {
   bool accelerator = false;       // false: unified CPU workers
   int matrix_units = 0, vector_units = 0, workers = 1;  // per rank
   std::int64_t tile_rows = 64, tile_cols = 64;
+  std::int64_t weight_tile_rows = 0;  // rows of weight-gradient tiles ("tile.weight_rows"; 0: tile_rows)
   std::vector<TileRate> tile_rates;  // nearest shape wins
   double vector_bytes_per_s = 0;     // per vector (or unified) unit
   double task_overhead_s = 0;        // per task, on its unit

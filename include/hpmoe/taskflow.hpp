@@ -173,6 +173,12 @@ struct Machine {
   int vector_workers = 0;
   int unified_workers = 1;
   std::int64_t tile_rows = 64, tile_cols = 64;
+  // Rows of a weight-gradient output tile (tiles of [H, 2I], [I, H], ...,
+  // whose K is the rows of a step); 0: tile_rows. Token row tiles and weight
+  // tiles need not be alike: tall token tiles reuse each weight panel over
+  // more rows, while weight tiles with a short K prefer to stay small.
+  std::int64_t weight_tile_rows = 0;
+  std::int64_t weight_rows() const { return weight_tile_rows > 0 ? weight_tile_rows : tile_rows; }
   // Cost model: seconds = flops / matrix_flops (GEMM) or bytes / vector_bytes_per_s, + overhead.
   double matrix_flops = 100e9, vector_bytes_per_s = 20e9, put_bytes_per_s = 20e9, task_overhead_s = 0.2e-6;
 

@@ -162,11 +162,14 @@ bool even_split(std::vector<ExpertPlacement::Split>& splits, std::int64_t e, std
   return true;
 }
 
-double simulate_step(const sim::MachineModel& m, const PlanRequest& req, const ExpertPlacement& p, bool interleaved) {
+// The simulator's forward + backward makespan of routing step `step` (by
+// default req.steps: a step the plan did not see).
+double simulate_step(const sim::MachineModel& m, const PlanRequest& req, const ExpertPlacement& p, bool interleaved,
+                     std::int64_t step = -1) {
   sim::SimRequest s;
   s.config = req.config;
   s.routing = req.routing;
-  s.routing.step = static_cast<std::uint64_t>(req.steps);  // a step the plan did not see
+  s.routing.step = static_cast<std::uint64_t>(step < 0 ? req.steps : step);
   s.placement = p;
   s.seed = req.seed;
   s.backward = true;
@@ -175,42 +178,20 @@ double simulate_step(const sim::MachineModel& m, const PlanRequest& req, const E
                      : rep.forward.serialized_s + rep.backward.serialized_s;
 }
 
-}  // namespace
-
-PlanReport plan_placement(const PlanRequest& req) {
-  const LayerConfig& c = req.config;
-  c.validate();
-  if (req.steps < 1 || req.steps > 10000) throw Error("--steps must be between 1 and 10000 (got " + std::to_string(req.steps) + ")");
-  if (req.slots_per_rank < 0) throw Error("--slots-per-rank must be positive");
-  const sim::MachineModel machine = sim::load_machine(req.machine);
-  const ExpertCostModel cost = ExpertCostModel::from(machine, c, req.training);
-  PlanReport rep;
-  rep.config = c;
-  rep.routing = req.routing.describe();
-  rep.machine = machine.name;
-  rep.steps = req.steps;
-  rep.before = placement_or_contiguous(req.start, c.routed_experts, c.ranks);
-  const std::int64_t budget = req.slots_per_rank > 0 ? req.slots_per_rank : rep.before.max_local_count() + 1;
-  if (budget < rep.before.max_local_count())
-    throw Error("--slots-per-rank " + std::to_string(budget) + " is below the " + std::to_string(rep.before.max_local_count()) +
-                " experts the starting placement already puts on one rank");
-  History h;
-  for (std::int64_t k = 0; k < req.steps; ++k) {
-    RoutingSpec spec = req.routing;  // the same popularity every step, other draws
-    spec.step = static_cast<std::uint64_t>(k);
-    if (spec.source == RoutingSource::router) {
-      h.counts.push_back(taskflow::routing_counts(c, route_step(c, spec, req.seed + static_cast<std::uint64_t>(k))).counts);
-    } else {  // the choices alone (no logits to build; capacity dropping does not apply to them)
-      h.counts.push_back(taskflow::routing_counts(c, forced_selection(c, spec)).counts);
-    }
-  }
-  auto rules = ExpertPlacement::Rules{.allow_empty_ranks = rep.before.allows_empty_ranks(), .replicas = true,
-                                      .slots_per_rank = budget, .splits = rep.before.splits()};
-  auto lists = lists_of(rep.before);
+// The greedy search from `start` (see plan_placement): replica moves,
+// split moves, or both.
+struct Greedy {
+  ExpertPlacement placement;
+  std::int64_t replicas = 0, split_parts = 0;
+};
+Greedy greedy(const LayerConfig& c, const ExpertPlacement& start, const History& h, const ExpertCostModel& cost,
+              std::int64_t budget, bool replicas, bool splits) {
+  Greedy out;
+  auto rules = ExpertPlacement::Rules{.allow_empty_ranks = start.allows_empty_ranks(), .replicas = true,
+                                      .slots_per_rank = budget, .splits = start.splits()};
+  auto lists = lists_of(start);
   ExpertPlacement current = ExpertPlacement::from_rank_lists(c.routed_experts, lists, rules, "plan");
   Score best = evaluate(current, h, cost);
-  rep.cost_before = best.slowest;
-  rep.imbalance_before = best.imbalance;
   // Mean rows per expert over the history: candidates are the heaviest.
   std::vector<double> load(static_cast<std::size_t>(c.routed_experts), 0.0);
   for (const auto& counts : h.counts)
@@ -248,12 +229,12 @@ PlanReport plan_placement(const PlanRequest& req) {
       for (const auto r : free)
         if (current.instance_on(e, r) < 0) open.push_back(r);
       // A replica on one of the 4 least loaded (unless e is split).
-      if (req.replicas && !current.is_split(e))
+      if (replicas && !current.is_split(e))
         for (std::size_t j = 0; j < std::min<std::size_t>(open.size(), 4); ++j) consider(e, {open[j]}, false);
       // Or its columns in more even parts (unless e is replicated): up to 7
       // new parts at once on the least loaded ranks, since one more part of
       // a hot expert may not pay off where several do.
-      if (req.splits && (current.home_count(e) == 1 || current.is_split(e)))
+      if (splits && (current.home_count(e) == 1 || current.is_split(e)))
         for (std::size_t m = 1; m <= std::min<std::size_t>(open.size(), 7); ++m)
           consider(e, std::vector<std::int64_t>(open.begin(), open.begin() + static_cast<std::ptrdiff_t>(m)), true);
     }
@@ -262,8 +243,59 @@ PlanReport plan_placement(const PlanRequest& req) {
     if (pick_split) rules.splits = pick_splits;
     current = ExpertPlacement::from_rank_lists(c.routed_experts, lists, rules, "plan");
     best = candidate;
-    (pick_split ? rep.split_parts : rep.replicas) += static_cast<std::int64_t>(pick_ranks.size());
+    (pick_split ? out.split_parts : out.replicas) += static_cast<std::int64_t>(pick_ranks.size());
   }
+  out.placement = current;
+  return out;
+}
+
+}  // namespace
+
+PlanReport plan_placement(const PlanRequest& req) {
+  const LayerConfig& c = req.config;
+  c.validate();
+  if (req.steps < 1 || req.steps > 10000) throw Error("--steps must be between 1 and 10000 (got " + std::to_string(req.steps) + ")");
+  if (req.slots_per_rank < 0) throw Error("--slots-per-rank must be positive");
+  const sim::MachineModel machine = sim::load_machine(req.machine);
+  const ExpertCostModel cost = ExpertCostModel::from(machine, c, req.training);
+  PlanReport rep;
+  rep.config = c;
+  rep.routing = req.routing.describe();
+  rep.machine = machine.name;
+  rep.steps = req.steps;
+  rep.before = placement_or_contiguous(req.start, c.routed_experts, c.ranks);
+  const std::int64_t budget = req.slots_per_rank > 0 ? req.slots_per_rank : rep.before.max_local_count() + 1;
+  if (budget < rep.before.max_local_count())
+    throw Error("--slots-per-rank " + std::to_string(budget) + " is below the " + std::to_string(rep.before.max_local_count()) +
+                " experts the starting placement already puts on one rank");
+  History h;
+  for (std::int64_t k = 0; k < req.steps; ++k) {
+    RoutingSpec spec = req.routing;  // the same popularity every step, other draws
+    spec.step = static_cast<std::uint64_t>(k);
+    if (spec.source == RoutingSource::router) {
+      h.counts.push_back(taskflow::routing_counts(c, route_step(c, spec, req.seed + static_cast<std::uint64_t>(k))).counts);
+    } else {  // the choices alone (no logits to build; capacity dropping does not apply to them)
+      h.counts.push_back(taskflow::routing_counts(c, forced_selection(c, spec)).counts);
+    }
+  }
+  const Score start = evaluate(rep.before, h, cost);
+  rep.cost_before = start.slowest;
+  rep.imbalance_before = start.imbalance;
+  Greedy chosen = greedy(c, rep.before, h, cost, budget, req.replicas, req.splits);
+  if (req.replicas && req.splits) {
+    // The cost model prices a split's rows on its own rank only; every
+    // source sends them, and the simulator sees the links they share. So
+    // with both kinds of move allowed, the simulator (on the history's last
+    // step, which the plan has seen) decides between the hybrid plan and
+    // the replicas-only one.
+    const Greedy only = greedy(c, rep.before, h, cost, budget, true, false);
+    rep.sim_hybrid = simulate_step(machine, req, chosen.placement, true, req.steps - 1);
+    rep.sim_replicas_only = simulate_step(machine, req, only.placement, true, req.steps - 1);
+    if (rep.sim_replicas_only <= rep.sim_hybrid) chosen = only;
+  }
+  rep.replicas = chosen.replicas;
+  rep.split_parts = chosen.split_parts;
+  const ExpertPlacement current = chosen.placement;
   rep.after = current;
   const Score after = evaluate(current, h, cost);
   rep.cost_after = after.slowest;
@@ -292,6 +324,9 @@ std::string format_report(const PlanReport& r) {
   row("cost model: slowest rank's experts (ms)", r.cost_before * 1e3, r.cost_after * 1e3, 3);
   row("simulated fwd+bwd, serialized (ms)", r.sim_serialized_before * 1e3, r.sim_serialized_after * 1e3, 3);
   row("simulated fwd+bwd, interleaved (ms)", r.sim_interleaved_before * 1e3, r.sim_interleaved_after * 1e3, 3);
+  if (r.sim_hybrid > 0)
+    o << "         the simulator chose " << (r.after.has_splits() ? "the hybrid plan" : "replicas only") << " (interleaved, a seen step: hybrid "
+      << std::setprecision(3) << r.sim_hybrid * 1e3 << " ms, replicas only " << r.sim_replicas_only * 1e3 << " ms)\n";
   return o.str();
 }
 
@@ -304,6 +339,8 @@ nlohmann::json to_json(const PlanReport& r) {
           {"steps", r.steps},
           {"replicas_added", r.replicas},
           {"split_parts_added", r.split_parts},
+          {"simulated_hybrid_s", r.sim_hybrid},
+          {"simulated_replicas_only_s", r.sim_replicas_only},
           {"experts_split", r.after.splits().size()},
           {"placement", to_json(r.after)},
           {"before", {{"rank_max_over_mean", r.imbalance_before}, {"cost_model_s", r.cost_before},

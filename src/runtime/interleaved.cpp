@@ -60,6 +60,7 @@ class Interleaved final : public InterleavedExecutor::Impl {
         packed_((kernels::init(), resolve_packing<T>(c, w, opt.packed, opt.backward))) {
     machine_ = taskflow::cpu_machine(opt.workers_per_rank);
     machine_.tile_rows = kTileRows;
+    machine_.weight_tile_rows = kernels::kWeightTileRows;
     machine_.tile_cols = kTileCols;
     programs.resize(static_cast<std::size_t>(c.ranks));
     backward_programs.resize(static_cast<std::size_t>(c.ranks));

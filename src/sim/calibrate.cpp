@@ -109,7 +109,7 @@ json calibrate(const CalibrateOptions& opt, const std::function<void(const std::
   say("tile GEMM rates");
   // Shapes the layers' tiles have: full and partial row tiles; K from the
   // weight gradients' few rows per expert to hidden and 2 x inter.
-  for (std::int64_t m : {64, 48, 32, 16, 8})
+  for (std::int64_t m : {kernels::kTileRows, std::int64_t{64}, std::int64_t{48}, std::int64_t{32}, std::int64_t{16}, std::int64_t{8}})
     for (std::int64_t k : {16, 32, 64, 128, 256, 768, 1408, 2048, 2816, 4096})
       rates.push_back({{"m", m}, {"k", k}, {"fp32_flops", tile_rate<float>(W, m, k, reps, false)},
                        {"bf16_flops", tile_rate<bf16>(W, m, k, reps, false)},
@@ -196,7 +196,7 @@ json calibrate(const CalibrateOptions& opt, const std::function<void(const std::
       {"description", "this machine, " + std::to_string(W) + " workers per rank, in-process ranks (hpmoe calibrate)"},
       {"kind", "cpu"},
       {"units", {{"workers", W}}},
-      {"tile", {{"rows", 64}, {"cols", 64}}},
+      {"tile", {{"rows", kernels::kTileRows}, {"cols", kernels::kTileCols}, {"weight_rows", kernels::kWeightTileRows}}},
       {"matrix", {{"tile_rates", rates}}},
       {"vector", {{"bytes_per_s", vector_bytes / swiglu_s}}},
       {"task_overhead_s", per_task},

@@ -56,6 +56,7 @@ taskflow::Machine MachineModel::compiler_machine() const {
   taskflow::Machine m = accelerator ? taskflow::accel_machine(matrix_units, vector_units) : taskflow::cpu_machine(workers);
   m.tile_rows = tile_rows;
   m.tile_cols = tile_cols;
+  m.weight_tile_rows = weight_tile_rows;
   if (accelerator) {  // the scheduler's cost estimates from the model (CPU: as the runtime schedules)
     m.matrix_flops = tile_rates.front().bf16_flops;
     m.vector_bytes_per_s = vector_bytes_per_s;
@@ -99,6 +100,8 @@ MachineModel machine_from_json(const json& j) {
   }
   m.tile_rows = count(j, "tile.rows", 1);
   m.tile_cols = count(j, "tile.cols", 1);
+  if (const json* t = j.contains("tile") && j["tile"].is_object() ? &j["tile"] : nullptr; t && t->contains("weight_rows"))
+    m.weight_tile_rows = count(j, "tile.weight_rows", 1);
   const json& rates = at(j, "matrix.tile_rates");
   if (!rates.is_array() || rates.empty()) throw Error("machine model: 'matrix.tile_rates' must be a non-empty array");
   for (std::size_t i = 0; i < rates.size(); ++i) {
@@ -174,7 +177,8 @@ json to_json(const MachineModel& m) {
   json j = {{"name", m.name},
             {"description", m.description},
             {"kind", m.accelerator ? "accelerator" : "cpu"},
-            {"tile", {{"rows", m.tile_rows}, {"cols", m.tile_cols}}},
+            {"tile", m.weight_tile_rows > 0 ? json{{"rows", m.tile_rows}, {"cols", m.tile_cols}, {"weight_rows", m.weight_tile_rows}}
+                                            : json{{"rows", m.tile_rows}, {"cols", m.tile_cols}}},
             {"matrix", {{"tile_rates", rates}}},
             {"vector", {{"bytes_per_s", m.vector_bytes_per_s}}},
             {"task_overhead_s", m.task_overhead_s},

@@ -162,7 +162,8 @@ nlohmann::json to_json(const Program& p) {
   j["ranks"] = p.ranks;
   j["machine"] = {{"name", p.machine.name}, {"matrix_workers", p.machine.matrix_workers},
                   {"vector_workers", p.machine.vector_workers}, {"unified_workers", p.machine.unified_workers},
-                  {"tile_rows", p.machine.tile_rows}, {"tile_cols", p.machine.tile_cols}};
+                  {"tile_rows", p.machine.tile_rows}, {"tile_cols", p.machine.tile_cols},
+                  {"weight_tile_rows", p.machine.weight_tile_rows}};
   j["dims"] = {{"hidden", p.dims.hidden}, {"inter", p.dims.inter}, {"shared_inter", p.dims.shared_inter},
                {"experts", p.dims.experts}, {"top_k", p.dims.top_k}, {"tokens", p.dims.tokens},
                {"elem_bytes", p.dims.elem_bytes}};
@@ -232,6 +233,10 @@ Program program_from_json(const nlohmann::json& j) {
     p.machine.unified_workers = m.at("unified_workers").get<int>();
     p.machine.tile_rows = m.at("tile_rows").get<std::int64_t>();
     p.machine.tile_cols = m.at("tile_cols").get<std::int64_t>();
+    p.machine.weight_tile_rows = m.value("weight_tile_rows", std::int64_t{0});
+    if (p.machine.tile_rows < 1 || p.machine.tile_cols < 1 || p.machine.weight_tile_rows < 0 ||
+        p.machine.tile_rows > (1 << 16) || p.machine.tile_cols > (1 << 16) || p.machine.weight_tile_rows > (1 << 16))
+      throw Error("program dump: impossible tile sizes");
     if (p.machine.matrix_workers < 0 || p.machine.vector_workers < 0 || p.machine.unified_workers < 0 ||
         p.machine.workers() < 1 || p.machine.workers() > 4096)
       throw Error("program dump: impossible worker counts");
