@@ -181,7 +181,7 @@ PlanRequest hot_expert_request() {
   req.config = preset("tiny");
   req.config.ranks = 4;
   req.config.routed_experts = 16;
-  req.config.tokens_per_rank = 256;
+  req.config.tokens_per_rank = 1024;  // the hot expert: ~20 row tiles, the others ~3
   req.routing = parse_routing_spec("hot:0.3", 3);
   req.machine = std::string(HPMOE_SOURCE_DIR) + "/machines/cpu-local.json";
   req.steps = 4;
@@ -208,11 +208,11 @@ TEST(Plan, ReplicatesTheHotExpertWithinTheBudgetAndDeterministically) {
   EXPECT_GT(cost.first_tile_s, cost.tile_s);
   EXPECT_EQ(cost.instance_seconds(0), 0.0);
   EXPECT_DOUBLE_EQ(cost.instance_seconds(1), cost.first_tile_s);
-  EXPECT_DOUBLE_EQ(cost.instance_seconds(65), cost.first_tile_s + cost.tile_s);
+  EXPECT_DOUBLE_EQ(cost.instance_seconds(cost.tile_rows + 1), cost.first_tile_s + cost.tile_s);
 }
 
 // `hpmoe plan --splits --no-replicas`: a static hybrid TP/EP mapping. The hot
-// expert is split into column parts that tile its intermediate dimension,
+// rank's experts are split into column parts that tile their intermediate dimension,
 // the predicted slowest rank and imbalance fall, and the placement is valid.
 TEST(Plan, SplitsTheHotExpertIntoColumnParts) {
   PlanRequest req = hot_expert_request();
@@ -221,7 +221,9 @@ TEST(Plan, SplitsTheHotExpertIntoColumnParts) {
   const auto a = plan_placement(req);
   EXPECT_EQ(a.replicas, 0);
   EXPECT_GT(a.split_parts, 0);
-  ASSERT_TRUE(a.after.is_split(0)) << "the hot expert (0) was not split";
+  ASSERT_TRUE(a.after.has_splits());
+  for (const auto& sp : a.after.splits())  // experts of the hottest rank (0: the hot expert and its neighbours)
+    EXPECT_EQ(a.before.owner(sp.expert), 0) << "expert " << sp.expert << " split, which the hot rank does not hold";
   EXPECT_FALSE(a.after.has_replicas());
   EXPECT_LT(a.imbalance_after, a.imbalance_before);
   EXPECT_LT(a.cost_after, a.cost_before);
