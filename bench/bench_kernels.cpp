@@ -14,10 +14,12 @@
 #include <benchmark/benchmark.h>
 
 #include <chrono>
+#include <cstring>
 #include <map>
 #include <type_traits>
 #include <vector>
 
+#include "common/executor_parts.hpp"
 #include "hpmoe/kernels.hpp"
 #include "hpmoe/peak.hpp"
 #include "hpmoe/tensors.hpp"
@@ -159,6 +161,97 @@ void BM_LargeGemm_OpenBLAS_fp32(benchmark::State& state) {
 BENCHMARK(BM_LargeGemm_OpenBLAS_fp32)->Unit(benchmark::kMillisecond)->UseManualTime();
 #endif
 
+// ---- Vector work against the measured copy bandwidth (issue 13, item 4).
+// Operands larger than the caches (as a layer's are); bytes counted once per
+// element read or written. pct_of_copy: the kernel's bytes/s as a share of
+// a plain memcpy's (read + written) over buffers of the same size, measured
+// once in this process.
+constexpr std::size_t kStreamBytes = std::size_t{64} << 20;
+
+double copy_bytes_per_s() {
+  static const double value = [] {
+    std::vector<char> a(kStreamBytes, 1), b(kStreamBytes, 0);
+    double best = 0;
+    for (int rep = 0; rep < 3; ++rep) std::memcpy(b.data(), a.data(), kStreamBytes);  // warm: pages, clocks
+    for (int rep = 0; rep < 30; ++rep) {
+      const auto t0 = std::chrono::steady_clock::now();
+      std::memcpy(b.data(), a.data(), kStreamBytes);
+      benchmark::DoNotOptimize(b.data());
+      const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      best = std::max(best, 2.0 * double(kStreamBytes) / sec);
+    }
+    return best;
+  }();
+  return value;
+}
+
+template <class Fn>
+void measure_bytes(benchmark::State& state, double bytes_per_iter, Fn&& body) {
+  double total = 0;
+  for (auto _ : state) {
+    const auto t0 = std::chrono::steady_clock::now();
+    body();
+    const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    state.SetIterationTime(sec);
+    total += sec;
+  }
+  const double rate = bytes_per_iter * double(state.iterations()) / total;
+  state.counters["GB/s"] = rate / 1e9;
+  state.counters["copy_GB/s"] = copy_bytes_per_s() / 1e9;
+  state.counters["pct_of_copy"] = 100.0 * rate / copy_bytes_per_s();
+}
+
+void BM_Copy(benchmark::State& state) {
+  std::vector<char> a(kStreamBytes, 1), b(kStreamBytes, 0);
+  measure_bytes(state, 2.0 * double(kStreamBytes), [&] {
+    std::memcpy(b.data(), a.data(), kStreamBytes);
+    benchmark::DoNotOptimize(b.data());
+  });
+}
+
+// SwiGLU over rows of deepseek-v2-lite's experts (inter 1408): h fp32 [rows, 2I] -> a [rows, I].
+template <class T>
+void BM_Swiglu(benchmark::State& state) {
+  const std::int64_t inter = 1408, rows = std::int64_t(kStreamBytes / (2 * inter * 4));
+  std::vector<float> h(static_cast<std::size_t>(rows * 2 * inter), 0.5f);
+  std::vector<T> a(static_cast<std::size_t>(rows * inter));
+  measure_bytes(state, double(rows) * double(inter) * (2.0 * 4 + sizeof(T)), [&] {
+    for (std::int64_t r = 0; r < rows; ++r) swiglu_forward<T>(h.data() + r * 2 * inter, inter, a.data() + r * inter);
+    benchmark::DoNotOptimize(a.data());
+  });
+}
+
+// Dispatch's permute: rows of x gathered by token index into the send order (hidden 2048).
+template <class T>
+void BM_Permute(benchmark::State& state) {
+  const std::int64_t H = 2048, rows = std::int64_t(kStreamBytes / (H * sizeof(T)));
+  std::vector<T> x(static_cast<std::size_t>(rows * H)), out(static_cast<std::size_t>(rows * H));
+  std::vector<std::int32_t> token(static_cast<std::size_t>(rows));
+  Rng rng(3);
+  for (auto& t : token) t = static_cast<std::int32_t>(rng.next() % static_cast<std::uint64_t>(rows));
+  measure_bytes(state, 2.0 * double(rows) * double(H) * sizeof(T), [&] {
+    for (std::int64_t r = 0; r < rows; ++r)
+      detail::copy_elements(out.data() + r * H, x.data() + std::int64_t{token[static_cast<std::size_t>(r)]} * H, H);
+    benchmark::DoNotOptimize(out.data());
+  });
+}
+
+// The combine: each token's K returned rows weighted in k order into its fp32 output (hidden 2048, top-6).
+template <class T>
+void BM_Combine(benchmark::State& state) {
+  const std::int64_t H = 2048, K = 6, tokens = std::int64_t(kStreamBytes / (H * K * sizeof(T)));
+  std::vector<T> comb(static_cast<std::size_t>(tokens * K * H));
+  std::vector<float> out(static_cast<std::size_t>(tokens * H)), weights(static_cast<std::size_t>(tokens * K), 0.25f);
+  std::vector<std::int64_t> slots(static_cast<std::size_t>(tokens * K));
+  Rng rng(5);
+  for (auto& s : slots) s = static_cast<std::int64_t>(rng.next() % static_cast<std::uint64_t>(tokens * K));
+  measure_bytes(state, double(tokens) * double(H) * (double(K) * sizeof(T) + 4.0), [&] {
+    for (std::int64_t t = 0; t < tokens; ++t)
+      detail::combine_row<T>(out.data() + t * H, H, K, slots.data() + t * K, weights.data() + t * K, comb.data(), nullptr);
+    benchmark::DoNotOptimize(out.data());
+  });
+}
+
 // Tile shapes: full 64 x 64 tiles with K = deepseek-v2-lite's H (gate/up),
 // I (down), 2I (gate/up data gradient), deepseek-v3's H, and a ragged
 // 17-row tile (the tail of an expert's rows).
@@ -176,6 +269,13 @@ void expert_shapes(benchmark::internal::Benchmark* b) {
 
 BENCHMARK(BM_LargeGemm<float>)->Name("BM_LargeGemm_fp32")->Unit(benchmark::kMillisecond)->UseManualTime();
 BENCHMARK(BM_LargeGemm<bf16>)->Name("BM_LargeGemm_bf16")->Unit(benchmark::kMillisecond)->UseManualTime();
+BENCHMARK(BM_Copy)->Unit(benchmark::kMillisecond)->UseManualTime();
+BENCHMARK(BM_Swiglu<float>)->Name("BM_Swiglu_fp32")->Unit(benchmark::kMillisecond)->UseManualTime();
+BENCHMARK(BM_Swiglu<bf16>)->Name("BM_Swiglu_bf16")->Unit(benchmark::kMillisecond)->UseManualTime();
+BENCHMARK(BM_Permute<float>)->Name("BM_Permute_fp32")->Unit(benchmark::kMillisecond)->UseManualTime();
+BENCHMARK(BM_Permute<bf16>)->Name("BM_Permute_bf16")->Unit(benchmark::kMillisecond)->UseManualTime();
+BENCHMARK(BM_Combine<float>)->Name("BM_Combine_fp32")->Unit(benchmark::kMillisecond)->UseManualTime();
+BENCHMARK(BM_Combine<bf16>)->Name("BM_Combine_bf16")->Unit(benchmark::kMillisecond)->UseManualTime();
 BENCHMARK(BM_Tile<float>)->Name("BM_Tile_fp32")->Apply(tile_shapes)->UseManualTime();
 BENCHMARK(BM_Tile<bf16>)->Name("BM_Tile_bf16")->Apply(tile_shapes)->UseManualTime();
 BENCHMARK(BM_ExpertGemm<float>)->Name("BM_ExpertGemm_fp32")->Apply(expert_shapes)->Unit(benchmark::kMillisecond)->UseManualTime();

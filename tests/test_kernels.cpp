@@ -180,6 +180,21 @@ TEST(VectorKernels, SwigluForwardAndBackward) {
     EXPECT_NEAR(dh[j], da[j] * u * s * (1 + g * (1 - s)), 1e-5 * (1 + std::abs(dh[j])));
     EXPECT_NEAR(dh[inter + j], da[j] * g * s, 1e-5 * (1 + std::abs(dh[inter + j])));
   }
+  // The SwiGLU's own exp over the whole range, the saturated ends included.
+  const std::vector<float> gates = {-200.f, -100.f, -88.f, -87.f, -30.f, -5.5f, -1.f, -1e-3f, 0.f, 1e-3f, 0.37f, 1.f, 7.9f, 30.f, 88.f, 89.f, 200.f};
+  const auto n = static_cast<std::int64_t>(gates.size());
+  std::vector<float> hx(static_cast<std::size_t>(2 * n), 1.5f), ax(static_cast<std::size_t>(n)), dax(static_cast<std::size_t>(n), 1.f),
+      dhx(static_cast<std::size_t>(2 * n));
+  std::copy(gates.begin(), gates.end(), hx.begin());
+  swiglu_forward<float>(hx.data(), n, ax.data());
+  swiglu_backward<float>(hx.data(), dax.data(), n, dhx.data());
+  for (std::int64_t j = 0; j < n; ++j) {
+    const double g = gates[static_cast<std::size_t>(j)], s = 1 / (1 + std::exp(-g)), want = g * s * 1.5;
+    ASSERT_TRUE(std::isfinite(ax[static_cast<std::size_t>(j)])) << "g " << g;
+    EXPECT_NEAR(ax[static_cast<std::size_t>(j)], want, 1e-6 * std::abs(want) + 1e-30) << "g " << g;
+    const double dgate = 1.5 * s * (1 + g * (1 - s));
+    EXPECT_NEAR(dhx[static_cast<std::size_t>(j)], dgate, 2e-6 * (1 + std::abs(dgate))) << "g " << g;
+  }
   std::vector<float> x(100);
   for (int i = 0; i < 100; ++i) x[i] = float(i % 7) - 3;
   double ref = 0;
