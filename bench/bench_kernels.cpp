@@ -89,10 +89,10 @@ const FmaPeak& peak() {
   return p;
 }
 
-// Times each iteration by hand so the ratio to the large GEMM can be reported
-// as a counter of its own.
+// Runs the benchmark's iterations, timing each by hand (manual time);
+// returns the seconds they took in all.
 template <class Fn>
-void measure(benchmark::State& state, double flops_per_iter, double large, Fn&& body, bool bf16 = false) {
+double timed_iterations(benchmark::State& state, Fn&& body) {
   double total = 0;
   for (auto _ : state) {
     const auto t0 = std::chrono::steady_clock::now();
@@ -101,6 +101,14 @@ void measure(benchmark::State& state, double flops_per_iter, double large, Fn&& 
     state.SetIterationTime(sec);
     total += sec;
   }
+  return total;
+}
+
+// Times each iteration by hand so the ratio to the large GEMM can be reported
+// as a counter of its own.
+template <class Fn>
+void measure(benchmark::State& state, double flops_per_iter, double large, Fn&& body, bool bf16 = false) {
+  const double total = timed_iterations(state, body);
   const double gflops = flops_per_iter * double(state.iterations()) / total / 1e9;
   state.counters["GFLOP/s"] = gflops;
   state.counters["large_GFLOP/s"] = large;
@@ -187,14 +195,7 @@ double copy_bytes_per_s() {
 
 template <class Fn>
 void measure_bytes(benchmark::State& state, double bytes_per_iter, Fn&& body) {
-  double total = 0;
-  for (auto _ : state) {
-    const auto t0 = std::chrono::steady_clock::now();
-    body();
-    const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    state.SetIterationTime(sec);
-    total += sec;
-  }
+  const double total = timed_iterations(state, body);
   const double rate = bytes_per_iter * double(state.iterations()) / total;
   state.counters["GB/s"] = rate / 1e9;
   state.counters["copy_GB/s"] = copy_bytes_per_s() / 1e9;
