@@ -42,7 +42,8 @@ struct LayerOptions {
     if (with_placement)
       app.add_option("--placement", placement,
                    "where the experts live: contiguous | round-robin | random[:SEED] | FILE.json "
-                   "({\"experts_of_rank\": [[...], ...]} or {\"owner\": [...]})");
+                   "({\"experts_of_rank\": [[...], ...]} or {\"owner\": [...]}; \"replicas\", \"slots_per_rank\", "
+                   "\"splits\": docs/placement.schema.json)");
   }
 
   ExpertPlacement resolve_placement(const LayerConfig& c) const {
@@ -293,7 +294,7 @@ struct PlanCommand {
         ->check(CLI::Range(1, 1 << 20));
     app->add_flag("--inference", inference, "do not charge replicas for refreshing weights and reducing gradients");
     app->add_flag("--splits", req.splits,
-                  "also consider tensor-parallel splits of hot experts (HDA-MoE's hybrid; in-process runs and the simulator)");
+                  "also consider tensor-parallel splits of hot experts (HDA-MoE's hybrid TP/EP)");
     app->add_flag("--no-replicas", no_replicas, "add no replicas (with --splits: a static hybrid TP/EP mapping only)");
     app->add_option("--out", out, "write the placement here (JSON, for --placement)");
     app->add_option("--json", json_file, "write the report as JSON");
