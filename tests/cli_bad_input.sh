@@ -198,6 +198,16 @@ cases=(
   "config --set top_k=0"
   "nosuchcommand"
   ""
+  # Outputs that cannot be written: a full device, a directory, a missing
+  # directory (found before the run, which can take minutes).
+  "run --json /dev/full"
+  "simulate --machine $HPMOE_SOURCE_DIR/machines/h800.json --json /dev/full"
+  "compile --json /dev/full"
+  "compile --pass both --dump $tmp/no/such/dir/dump.json"
+  "run --json $tmp"
+  "run --trace $tmp/no/such/dir/t.json"
+  "plan --machine h800 --out $tmp/no/such/dir/p.json"
+  "calibrate --quick --out $tmp/no/such/dir/m.json"
 )
 failed=0
 for c in "${cases[@]}"; do
@@ -210,5 +220,16 @@ for c in "${cases[@]}"; do
     failed=$((failed + 1))
   fi
 done
-echo "bad input: $((${#cases[@]} - failed)) passed, $failed failed"
+# Standard output that cannot be written is an error too.
+"$HPMOE" config --preset tiny > /dev/full 2> "$tmp/stderr"
+rc=$?
+if [ "$rc" -ne 2 ] || ! grep -q '^error: cannot write to standard output' "$tmp/stderr"; then
+  echo "FAIL: hpmoe config > /dev/full -> exit $rc"; failed=$((failed + 1))
+fi
+# A successful write leaves the file and no temporary beside it.
+"$HPMOE" simulate --machine h800 --preset tiny --json "$tmp/sim.json" > /dev/null
+if [ ! -s "$tmp/sim.json" ] || ls "$tmp"/sim.json.partial* > /dev/null 2>&1; then
+  echo "FAIL: simulate --json left no file or a temporary"; failed=$((failed + 1))
+fi
+echo "bad input: $((${#cases[@]} + 2 - failed)) passed, $failed failed"
 [ "$failed" -eq 0 ]

@@ -2,7 +2,11 @@
 // exit code 2; a run whose verification fails exits with 1.
 #include <CLI/CLI.hpp>
 #include <chrono>
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
+#include <fcntl.h>
+#include <unistd.h>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -73,11 +77,76 @@ struct LayerOptions {
   }
 };
 
-void write_json(const std::string& path, const nlohmann::json& j) {
-  std::ofstream out(path);
-  if (!out) throw Error("cannot write JSON results to '" + path + "'");
-  out << j.dump(2) << "\n";
+// Writes `text` to `path` whole or not at all: into a temporary file beside
+// it, checked, synced and renamed over it, so a failure (a full disk, a
+// signal) leaves the previous file or none. A target that exists and is not
+// a regular file (a device, a pipe) is written straight through, checked.
+void write_file(const std::string& path, const std::string& text, const std::string& what) {
+  const auto fail = [&](const std::string& why) {
+    return Error("cannot write " + what + " to '" + path + "': " + why);
+  };
+  const auto write_all = [&](int fd) {
+    for (std::size_t done = 0; done < text.size();) {
+      const ssize_t n = ::write(fd, text.data() + done, text.size() - done);
+      if (n < 0) {
+        if (errno == EINTR) continue;
+        return false;
+      }
+      done += static_cast<std::size_t>(n);
+    }
+    return true;
+  };
+  std::error_code ec;
+  const auto status = std::filesystem::status(path, ec);
+  if (!ec && std::filesystem::exists(status) && !std::filesystem::is_regular_file(status)) {
+    if (std::filesystem::is_directory(status)) throw fail("it is a directory");
+    const int fd = ::open(path.c_str(), O_WRONLY);
+    if (fd < 0) throw fail(std::strerror(errno));
+    const bool ok = write_all(fd);
+    const int saved = errno;
+    if (::close(fd) != 0 || !ok) throw fail(std::strerror(ok ? errno : saved));
+    return;
+  }
+  const std::string tmp = path + ".partial-" + std::to_string(::getpid());
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  if (fd < 0) throw fail(std::strerror(errno));
+  const bool ok = write_all(fd) && ::fsync(fd) == 0;
+  const int saved = errno;
+  if (::close(fd) != 0 || !ok) {
+    const int why = ok ? errno : saved;
+    ::unlink(tmp.c_str());
+    throw fail(std::strerror(why));
+  }
+  if (::rename(tmp.c_str(), path.c_str()) != 0) {
+    const int why = errno;
+    ::unlink(tmp.c_str());
+    throw fail(std::strerror(why));
+  }
 }
+
+// Fails now, before the work, if `path` cannot be written later; creates
+// nothing (a probe file would be left behind by an interrupted run).
+void check_writable(const std::string& path, const std::string& what) {
+  std::error_code ec;
+  const auto status = std::filesystem::status(path, ec);
+  if (!ec && std::filesystem::is_directory(status)) throw Error("cannot write " + what + " to '" + path + "': it is a directory");
+  if (!ec && std::filesystem::exists(status)) {
+    if (::access(path.c_str(), W_OK) != 0)
+      throw Error("cannot write " + what + " to '" + path + "': " + std::strerror(errno));
+    if (std::filesystem::is_regular_file(status)) {  // replaced by a rename: the directory must take a new file
+      const auto dir = std::filesystem::path(path).parent_path();
+      if (::access(dir.empty() ? "." : dir.c_str(), W_OK) != 0)
+        throw Error("cannot write " + what + " to '" + path + "': its directory is not writable");
+    }
+    return;
+  }
+  const auto dir = std::filesystem::path(path).parent_path();
+  if (::access(dir.empty() ? "." : dir.c_str(), W_OK) != 0)
+    throw Error("cannot write " + what + " to '" + path + "': " + (dir.empty() ? std::string(".") : dir.string()) + ": " +
+                std::strerror(errno));
+}
+
+void write_json(const std::string& path, const nlohmann::json& j) { write_file(path, j.dump(2) + "\n", "JSON results"); }
 
 int parse_rank(const std::string& text, std::int64_t ranks) {
   std::size_t used = 0;
@@ -201,6 +270,10 @@ struct RunCommand {
     if (transport == "inprocess" && mpi_path != "auto") throw Error("--mpi-path needs --transport mpi");
     if (count_exchange != "auto" && count_exchange != "collective" && count_exchange != "one-sided")
       throw Error("--count-exchange must be auto, one-sided or collective, not '" + count_exchange + "'");
+    // Output paths are checked before the run, which can take minutes.
+    for (const auto& [file, what] : {std::pair<const std::string&, const char*>{json_file, "JSON results"},
+                                     {req.trace_file, "the trace"}, {req.timeline_file, "the timeline"}})
+      if (!file.empty()) check_writable(file, what);
     if (transport == "mpi")
       return run_mpi(argc, argv, req,
                      MpiOptions{.path = parse_mpi_path(mpi_path),
@@ -259,6 +332,9 @@ struct SimulateCommand {
     sreq.routing = parse_routing_spec(sim_routing, sreq.seed);
     sreq.policy = taskflow::parse_policy(sim_schedule);
     sreq.trace = !sim_trace.empty() || !sim_timeline.empty();
+    for (const auto& [file, what] : {std::pair<const std::string&, const char*>{sim_json, "JSON results"},
+                                     {sim_trace, "the trace"}, {sim_timeline, "the timeline"}})
+      if (!file.empty()) check_writable(file, what);
     const sim::SimReport report = sim::simulate(model, sreq);
     std::cout << sim::format_report(report);
     if (!sim_json.empty()) write_json(sim_json, sim::to_json(report));
@@ -306,16 +382,12 @@ struct PlanCommand {
     req.routing = parse_routing_spec(routing, req.seed);
     req.training = !inference;
     req.replicas = !no_replicas;
-    if (!out.empty() && !std::ofstream(out + ".partial")) throw Error("cannot write the placement to '" + out + "'");
+    if (!out.empty()) check_writable(out, "the placement");
+    if (!json_file.empty()) check_writable(json_file, "JSON results");
     const PlanReport report = plan_placement(req);
     std::cout << format_report(report);
     if (!out.empty()) {
-      {
-        std::ofstream f(out + ".partial");
-        f << to_json(report.after).dump(1) << "\n";
-        if (!f) throw Error("cannot write the placement to '" + out + "'");
-      }
-      std::filesystem::rename(out + ".partial", out);
+      write_file(out, to_json(report.after).dump(1) + "\n", "the placement");
       std::cout << "wrote " << out << "\n";
     }
     if (!json_file.empty()) write_json(json_file, to_json(report));
@@ -336,7 +408,7 @@ struct CalibrateCommand {
   }
 
   int execute() {
-    if (!std::ofstream(calibrate_out, std::ios::app)) throw Error("cannot write the machine model to '" + calibrate_out + "'");
+    check_writable(calibrate_out, "the machine model");
     const auto model = sim::calibrate(copt, [](const std::string& what) { std::fprintf(stderr, "hpmoe: calibrate: %s\n", what.c_str()); });
     sim::machine_from_json(model);  // what we write must load
     write_json(calibrate_out, model);
@@ -397,6 +469,11 @@ struct CompileCommand {
       throw Error("--pass must be forward, backward or both, not '" + pass + "'");
     creq.forward = pass != "backward";
     creq.backward = pass != "forward";
+    if (!compile_json.empty()) check_writable(compile_json, "JSON results");
+    if (!dump_file.empty())
+      for (const std::string& file : pass == "both" ? std::vector<std::string>{dump_file + ".forward.json", dump_file + ".backward.json"}
+                                                    : std::vector<std::string>{dump_file})
+        check_writable(file, "the program dump");
     const CompileReport report = compile_layer(creq);
     std::cout << format_report(report);
     if (!compile_json.empty()) write_json(compile_json, to_json(report));
@@ -405,9 +482,7 @@ struct CompileCommand {
         const std::string file = report.passes.size() == 1
                                      ? dump_file
                                      : dump_file + (p.pass == taskflow::Pass::forward ? ".forward.json" : ".backward.json");
-        std::ofstream out(file);
-        if (!out) throw Error("cannot write the program dump '" + file + "'");
-        out << dump_programs(p.programs).dump() << "\n";
+        write_file(file, dump_programs(p.programs).dump() + "\n", "the program dump");
       }
     bool ok = true;
     for (const auto& p : report.passes) ok = ok && p.verification.ok;
@@ -498,7 +573,10 @@ int run_main(int argc, char** argv) {
 
 int main(int argc, char** argv) {
   try {
-    return run_main(argc, argv);
+    const int rc = run_main(argc, argv);
+    std::cout.flush();
+    if (!std::cout) throw hpmoe::Error("cannot write to standard output (is the disk full, or the pipe closed?)");
+    return rc;
   } catch (const hpmoe::Error& e) {
     std::cerr << "error: " << e.what() << "\n";
   } catch (const std::bad_alloc&) {
