@@ -56,6 +56,13 @@ mutate("dump_region", lambda p: p["buffers"][0].__setitem__("region", "elsewhere
 mutate("dump_layout", lambda p: p["buffers"][0].__setitem__("layout", "diagonal"))
 mutate("dump_elem_bytes", lambda p: p["dims"].__setitem__("elem_bytes", 3))
 mutate("dump_experts", lambda p: p["dims"].__setitem__("experts", 0))
+# Integers past int32 (read as 64-bit and range-checked, never truncated),
+# a negative layer size, a rectangle whose end overflows, the dump's version.
+mutate("dump_rows_u32", lambda p: p["tasks"][0].__setitem__(6, 4294967296 + 3))
+mutate("dump_hidden_negative", lambda p: p["dims"].__setitem__("hidden", -5))
+mutate("dump_src_row_overflow", lambda p: p["tasks"][0].__setitem__(9, 2**31 - 1))
+mutate("dump_rank_huge", lambda p: p.__setitem__("rank", 2**40))
+j = json.load(open(f"{tmp}/dump.json")); j["version"] = 99; json.dump(j, open(f"{tmp}/dump_version.json", "w"))
 PY
 # Sharded checkpoints (model.safetensors.index.json) that cannot be read.
 mkdir -p "$tmp/idx_json" "$tmp/idx_nomap" "$tmp/idx_escape" "$tmp/idx_missing" "$tmp/idx_two_layers"
@@ -170,6 +177,11 @@ cases=(
   "verify $tmp/truncated.json"
   "verify"
   "verify $tmp/dump_expert_range.json"
+  "verify $tmp/dump_rows_u32.json"
+  "verify $tmp/dump_hidden_negative.json"
+  "verify $tmp/dump_src_row_overflow.json"
+  "verify $tmp/dump_rank_huge.json"
+  "verify $tmp/dump_version.json"
   "verify $tmp/dump_expert_twice.json"
   "verify $tmp/dump_kpad_length.json"
   "verify $tmp/dump_region.json"

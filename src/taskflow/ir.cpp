@@ -2,6 +2,7 @@
 #include <array>
 #include <charconv>
 #include <nlohmann/json.hpp>
+#include <limits>
 #include <sstream>
 
 #include "hpmoe/access.hpp"
@@ -25,6 +26,22 @@ constexpr std::array<const char*, static_cast<std::size_t>(BufferId::count)> kBu
     "logits", "sh_dout"};
 constexpr std::array<const char*, 3> kRegionNames = {"symmetric", "local", "bound"};
 constexpr std::array<const char*, 2> kLayoutNames = {"row_major", "panels"};
+
+// An integer field of a dump as T, or an Error naming it: JSON's
+// get<int32_t>() would truncate 4294967296 to 0 without a word.
+template <class T>
+T integer(const nlohmann::json& v, const std::string& what) {
+  if (v.is_number_unsigned()) {
+    const auto u = v.get<std::uint64_t>();
+    if (u <= static_cast<std::uint64_t>(std::numeric_limits<T>::max())) return static_cast<T>(u);
+  } else if (v.is_number_integer()) {
+    const auto i = v.get<std::int64_t>();
+    if (i >= static_cast<std::int64_t>(std::numeric_limits<T>::min()) && i <= static_cast<std::int64_t>(std::numeric_limits<T>::max()))
+      return static_cast<T>(i);
+  }
+  throw Error("program dump: " + what + " = " + v.dump().substr(0, 40) + " is not an integer of " + std::to_string(sizeof(T) * 8) +
+              " bits");
+}
 
 template <class Enum, std::size_t N>
 Enum enum_from(const std::array<const char*, N>& names, const std::string& s, const char* what) {
@@ -206,6 +223,9 @@ std::vector<Program> programs_from_dump(const nlohmann::json& j, const std::stri
       j["format"].get<std::string>() != "hpmoe-taskflow-dump" || !j.contains("programs") || !j["programs"].is_array() ||
       j["programs"].empty())
     throw Error(source + " is not an hpmoe program dump (expected \"format\": \"hpmoe-taskflow-dump\" and programs)");
+  if (j.contains("version") && (!j["version"].is_number_integer() || j["version"].get<std::int64_t>() != kFormatVersion))
+    throw Error(source + ": dump format version " + j["version"].dump().substr(0, 20) + ", this hpmoe reads version " +
+                std::to_string(kFormatVersion));
   std::vector<Program> programs;
   for (const auto& p : j["programs"]) programs.push_back(program_from_json(p));
   return programs;
@@ -216,24 +236,24 @@ Program program_from_json(const nlohmann::json& j) {
     if (!j.is_object() || j.value("format", "") != "hpmoe-taskflow-program")
       throw Error("program dump: not an hpmoe taskflow program (missing \"format\": \"hpmoe-taskflow-program\")");
     Program p;
-    p.version = j.at("version").get<int>();
+    p.version = integer<int>(j.at("version"), "version");
     if (p.version != kFormatVersion)
       throw Error("program dump: format version " + std::to_string(p.version) + ", this hpmoe reads version " +
                   std::to_string(kFormatVersion));
     const std::string pass = j.at("pass").get<std::string>();
     if (pass != "forward" && pass != "backward") throw Error("program dump: pass must be forward or backward");
     p.pass = pass == "forward" ? Pass::forward : Pass::backward;
-    p.rank = j.at("rank").get<std::int32_t>();
-    p.ranks = j.at("ranks").get<std::int32_t>();
+    p.rank = integer<std::int32_t>(j.at("rank"), "rank");
+    p.ranks = integer<std::int32_t>(j.at("ranks"), "ranks");
     if (p.ranks < 1 || p.rank < 0 || p.rank >= p.ranks) throw Error("program dump: rank outside 0..ranks-1");
     const auto& m = j.at("machine");
     p.machine.name = m.at("name").get<std::string>();
-    p.machine.matrix_workers = m.at("matrix_workers").get<int>();
-    p.machine.vector_workers = m.at("vector_workers").get<int>();
-    p.machine.unified_workers = m.at("unified_workers").get<int>();
-    p.machine.tile_rows = m.at("tile_rows").get<std::int64_t>();
-    p.machine.tile_cols = m.at("tile_cols").get<std::int64_t>();
-    p.machine.weight_tile_rows = m.value("weight_tile_rows", std::int64_t{0});
+    p.machine.matrix_workers = integer<int>(m.at("matrix_workers"), "machine.matrix_workers");
+    p.machine.vector_workers = integer<int>(m.at("vector_workers"), "machine.vector_workers");
+    p.machine.unified_workers = integer<int>(m.at("unified_workers"), "machine.unified_workers");
+    p.machine.tile_rows = integer<std::int64_t>(m.at("tile_rows"), "machine.tile_rows");
+    p.machine.tile_cols = integer<std::int64_t>(m.at("tile_cols"), "machine.tile_cols");
+    p.machine.weight_tile_rows = m.contains("weight_tile_rows") ? integer<std::int64_t>(m.at("weight_tile_rows"), "machine.weight_tile_rows") : 0;
     if (p.machine.tile_rows < 1 || p.machine.tile_cols < 1 || p.machine.weight_tile_rows < 0 ||
         p.machine.tile_rows > (1 << 16) || p.machine.tile_cols > (1 << 16) || p.machine.weight_tile_rows > (1 << 16))
       throw Error("program dump: impossible tile sizes");
@@ -241,10 +261,16 @@ Program program_from_json(const nlohmann::json& j) {
         p.machine.workers() < 1 || p.machine.workers() > 4096)
       throw Error("program dump: impossible worker counts");
     const auto& d = j.at("dims");
-    p.dims = Dims{d.at("hidden").get<std::int64_t>(), d.at("inter").get<std::int64_t>(),
-                  d.at("shared_inter").get<std::int64_t>(), d.at("experts").get<std::int64_t>(),
-                  d.at("top_k").get<std::int64_t>(), d.at("tokens").get<std::int64_t>(),
-                  d.at("elem_bytes").get<std::int64_t>()};
+    // Layer sizes: positive (shared_inter and tokens may be 0) and within int32.
+    const auto dim = [&](const char* name, std::int64_t lo) {
+      const auto v = integer<std::int64_t>(d.at(name), std::string("dims.") + name);
+      if (v < lo || v > std::numeric_limits<std::int32_t>::max())
+        throw Error(std::string("program dump: dims.") + name + " = " + std::to_string(v) + " is not a layer size (" +
+                    std::to_string(lo) + " to 2^31 - 1)");
+      return v;
+    };
+    p.dims = Dims{dim("hidden", 1), dim("inter", 1), dim("shared_inter", 0), dim("experts", 1), dim("top_k", 1),
+                  dim("tokens", 0), integer<std::int64_t>(d.at("elem_bytes"), "dims.elem_bytes")};
     if (p.dims.elem_bytes != 2 && p.dims.elem_bytes != 4) throw Error("program dump: dims.elem_bytes must be 2 or 4");
     if (p.dims.experts < 1 || p.dims.experts > (1 << 20))
       throw Error("program dump: dims.experts must be between 1 and 1048576");
@@ -265,7 +291,7 @@ Program program_from_json(const nlohmann::json& j) {
     p.kpad_begin = j.at("kpad_begin").get<std::vector<std::int64_t>>();
     if (p.kpad_begin.size() != p.expert_begin.size())
       throw Error("program dump: kpad_begin must have one entry more than local_experts");
-    p.send_rows = j.at("send_rows").get<std::int64_t>();
+    p.send_rows = integer<std::int64_t>(j.at("send_rows"), "send_rows");
     if (p.send_rows < 0 || p.send_rows > (std::int64_t{1} << 40)) throw Error("program dump: send_rows is impossible");
     if (j.contains("slot_parts")) {
       const auto& parts = j.at("slot_parts");
@@ -303,11 +329,20 @@ Program program_from_json(const nlohmann::json& j) {
     for (const auto& t : j.at("tasks")) {
       if (!t.is_array() || t.size() != 14) throw Error("program dump: a task must have 14 fields (see task_fields)");
       const TaskKind kind = enum_from<TaskKind>(kTaskNames, t[0].get<std::string>(), "task kind");
+      const auto field = [&](std::size_t i) {
+        static const char* names[] = {"kind", "src", "dst", "expert", "peer", "row_begin", "rows", "col_begin", "cols",
+                                      "src_row", "wait_event", "wait_count", "trigger_event"};
+        return integer<std::int32_t>(t[i], "task " + std::to_string(p.tasks.size()) + " " + names[i]);
+      };
       Task task{kind, queue_class(kind), enum_from<BufferId>(kBufferNames, t[1].get<std::string>(), "buffer"),
-                enum_from<BufferId>(kBufferNames, t[2].get<std::string>(), "buffer"), t[3].get<std::int32_t>(),
-                t[4].get<std::int32_t>(), t[5].get<std::int32_t>(), t[6].get<std::int32_t>(), t[7].get<std::int32_t>(),
-                t[8].get<std::int32_t>(), t[9].get<std::int32_t>(), t[10].get<std::int32_t>(), t[11].get<std::int32_t>(),
-                t[12].get<std::int32_t>()};
+                enum_from<BufferId>(kBufferNames, t[2].get<std::string>(), "buffer"), field(3), field(4), field(5), field(6),
+                field(7), field(8), field(9), field(10), field(11), field(12)};
+      // Rectangles are computed in 64 bits, but a row or column end must
+      // also be an int32 for the executor's views.
+      if (task.rows < 0 || task.cols < 0 || std::int64_t{task.row_begin} + task.rows > std::numeric_limits<std::int32_t>::max() ||
+          std::int64_t{task.col_begin} + task.cols > std::numeric_limits<std::int32_t>::max() ||
+          std::int64_t{task.src_row} + task.rows > std::numeric_limits<std::int32_t>::max())
+        throw Error("program dump: task " + std::to_string(p.tasks.size()) + " has an impossible rectangle");
       p.tasks.push_back(task);
       p.cost.push_back(t[13].get<float>());
     }
