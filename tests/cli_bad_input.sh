@@ -232,6 +232,16 @@ for c in "${cases[@]}"; do
     failed=$((failed + 1))
   fi
 done
+# Threads that cannot all be started (a memory or pids limit) stop the run
+# with an error, not a hang. (Not under AddressSanitizer, whose shadow memory
+# needs more address space than the limit.)
+if [ -z "${ASAN_OPTIONS:-}" ]; then
+  (ulimit -v 1500000; timeout 60 "$HPMOE" run -P 2 -W 256 -T 2 --no-pin > /dev/null 2> "$tmp/stderr")
+  rc=$?
+  if [ "$rc" -ne 2 ] || ! grep -q '^error: could not start worker thread' "$tmp/stderr"; then
+    echo "FAIL: hpmoe run -W 256 under ulimit -v -> exit $rc"; sed 's/^/    /' "$tmp/stderr"; failed=$((failed + 1))
+  fi
+fi
 # Standard output that cannot be written is an error too.
 "$HPMOE" config --preset tiny > /dev/full 2> "$tmp/stderr"
 rc=$?
@@ -243,5 +253,5 @@ fi
 if [ ! -s "$tmp/sim.json" ] || ls "$tmp"/sim.json.partial* > /dev/null 2>&1; then
   echo "FAIL: simulate --json left no file or a temporary"; failed=$((failed + 1))
 fi
-echo "bad input: $((${#cases[@]} + 2 - failed)) passed, $failed failed"
+echo "bad input: $((${#cases[@]} + 3 - failed)) passed, $failed failed"
 [ "$failed" -eq 0 ]

@@ -27,6 +27,7 @@ class WorkerPool {
 
  private:
   void loop(int index);
+  void stop_workers();  // stops and joins every started worker
 
   int ranks_, workers_;
   std::vector<std::thread> threads_;

@@ -19,7 +19,16 @@ WorkerPool::WorkerPool(int ranks, int workers_per_rank, bool pin, int first_core
       if (CPU_ISSET(c, &allowed)) cores.push_back(c);
   if (cores.empty()) cores.push_back(0);
   for (int i = 0; i < total; ++i) {
-    threads_.emplace_back([this, i] { loop(i); });
+    try {
+      threads_.emplace_back([this, i] { loop(i); });
+    } catch (const std::exception& e) {
+      // Out of threads or memory part-way (a ulimit, a container's pids
+      // limit): stop and join the ones that started, so that nothing waits
+      // on the condition variables being destroyed, then say so.
+      stop_workers();
+      throw Error("could not start worker thread " + std::to_string(i + 1) + " of " + std::to_string(total) + " (" + e.what() +
+                  "): use fewer ranks or workers per rank (-P, -W), or raise the process's thread or memory limit");
+    }
     if (pin) {
       cpu_set_t set;
       CPU_ZERO(&set);
@@ -29,14 +38,18 @@ WorkerPool::WorkerPool(int ranks, int workers_per_rank, bool pin, int first_core
   }
 }
 
-WorkerPool::~WorkerPool() {
+void WorkerPool::stop_workers() {
   {
     std::lock_guard lock(mutex_);
     stop_ = true;
   }
   start_.notify_all();
-  for (auto& t : threads_) t.join();
+  for (auto& t : threads_)
+    if (t.joinable()) t.join();
+  threads_.clear();
 }
+
+WorkerPool::~WorkerPool() { stop_workers(); }
 
 void WorkerPool::run(const std::function<void(int, int)>& fn) {
   std::unique_lock lock(mutex_);
