@@ -40,6 +40,24 @@ echo '{"experts_of_rank": [[0, 1, 2, 3], [0, 4, 5, 6, 7]], "splits": [{"expert":
 python3 -c "import json; m=json.load(open('$HPMOE_SOURCE_DIR/machines/h800.json')); del m['links']; json.dump(m, open('$tmp/nolinks.json', 'w'))"
 python3 -c "import json; m=json.load(open('$HPMOE_SOURCE_DIR/machines/h800.json')); m['units']['matrix'] = -3; json.dump(m, open('$tmp/negunits.json', 'w'))"
 "$HPMOE" run --save "$tmp/saved" > /dev/null
+# Checkpoints and inputs holding NaN or Inf (refused at load, naming the tensor).
+"$HPMOE" run --set expert_bias=true --set scoring=sigmoid --save "$tmp/nan_base" > /dev/null
+python3 - "$tmp" <<'PY'
+import json, os, shutil, struct, sys
+tmp = sys.argv[1]
+def poison(name, file, tensor, value):
+    shutil.copytree(f"{tmp}/nan_base", f"{tmp}/{name}")
+    path = os.path.join(tmp, name, file)
+    b = bytearray(open(path, "rb").read())
+    n = struct.unpack("<Q", b[:8])[0]
+    off = 8 + n + json.loads(b[8:8 + n])[tensor]["data_offsets"][0] + 12
+    b[off:off + 4] = struct.pack("<f", value)
+    open(path, "wb").write(b)
+poison("nan_bias", "weights.safetensors", "mlp.gate.e_score_correction_bias", float("nan"))
+poison("inf_x", "inputs.safetensors", "x", float("inf"))
+poison("nan_weight", "weights.safetensors", "mlp.experts.2.up_proj.weight", float("nan"))
+poison("nan_dout", "inputs.safetensors", "d_out", float("-inf"))
+PY
 # Program dumps whose placement or buffer fields are malformed.
 "$HPMOE" compile -P 2 --pass backward --routing uniform --placement round-robin --dump "$tmp/dump.json" > /dev/null
 python3 - "$tmp" <<'PY'
@@ -112,6 +130,8 @@ cases=(
   "run --set hidden"
   "run --set tokens_per_rank=-5"
   "run --set route_scale=inf"
+  "run --set route_scale=1e300"
+  "run --set z_loss_coef=1e308"
   "run --dtype fp16"
   "run --dtype bf16 --set hidden=33"
   "run --ranks 0"
@@ -178,6 +198,10 @@ cases=(
   "verify"
   "verify $tmp/dump_expert_range.json"
   "verify $tmp/dump_rows_u32.json"
+  "run --set expert_bias=true --set scoring=sigmoid --load $tmp/nan_bias"
+  "run --set expert_bias=true --set scoring=sigmoid --load $tmp/inf_x"
+  "run --set expert_bias=true --set scoring=sigmoid --load $tmp/nan_weight"
+  "run --set expert_bias=true --set scoring=sigmoid --backward --load $tmp/nan_dout"
   "verify $tmp/dump_hidden_negative.json"
   "verify $tmp/dump_src_row_overflow.json"
   "verify $tmp/dump_rank_huge.json"

@@ -1,5 +1,6 @@
 #include "hpmoe/safetensors.hpp"
 
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -195,6 +196,18 @@ std::vector<float> SafetensorsFile::rows(const std::string& name, const std::vec
   } else {
     throw Error("'" + path_ + "' tensor '" + name + "' has dtype " + e.dtype + " (expected F32, F64 or BF16)");
   }
+  // NaN or Inf in a weight or an input is bad input: the oracle would see
+  // the same value and agree with a wrong answer (or route every token to
+  // the same experts), so it is refused here, once, at load.
+  for (std::size_t i = 0; i < n; ++i)
+    if (!std::isfinite(out[i])) {
+      const std::size_t at = per_row * static_cast<std::size_t>(row0) + i;
+      throw Error("'" + path_ + "' tensor '" + name + "' holds " + (std::isnan(out[i]) ? "NaN" : "an infinity") +
+                  " at element " + std::to_string(at) +
+                  (shape.size() == 2 ? " (row " + std::to_string(at / per_row) + ", column " + std::to_string(at % per_row) + ")"
+                                     : std::string()) +
+                  ": hpmoe takes finite values only; fix the checkpoint or inputs");
+    }
   return out;
 }
 

@@ -165,12 +165,16 @@ void LayerConfig::validate() const {
   require(top_k <= groups_kept * (routed_experts / groups), "top_k",
           quoted(top_k) + " must not exceed the experts in the kept groups (" +
               std::to_string(groups_kept * (routed_experts / groups)) + ")");
-  require(std::isfinite(route_scale) && route_scale > 0, "route_scale", "must be a positive number");
+  // Upper bounds a real layer never comes near, below which the fp32 paths
+  // stay finite (route_scale 1e300 made every gate weight infinite).
+  require(std::isfinite(route_scale) && route_scale > 0 && route_scale <= 1e4, "route_scale",
+          "must be a positive number up to 1e4");
   require(std::isfinite(capacity_factor) && capacity_factor >= 0, "capacity_factor",
           "must be 0 (dropless) or positive");
-  require(std::isfinite(aux_loss_coef) && aux_loss_coef >= 0, "aux_loss_coef", "must be >= 0");
-  require(std::isfinite(z_loss_coef) && z_loss_coef >= 0, "z_loss_coef", "must be >= 0");
-  require(std::isfinite(bias_update_rate) && bias_update_rate >= 0, "bias_update_rate", "must be >= 0");
+  require(std::isfinite(aux_loss_coef) && aux_loss_coef >= 0 && aux_loss_coef <= 1e3, "aux_loss_coef", "must be between 0 and 1e3");
+  require(std::isfinite(z_loss_coef) && z_loss_coef >= 0 && z_loss_coef <= 1e3, "z_loss_coef", "must be between 0 and 1e3");
+  require(std::isfinite(bias_update_rate) && bias_update_rate >= 0 && bias_update_rate <= 1e3, "bias_update_rate",
+          "must be between 0 and 1e3");
   require(tokens_per_rank * top_k <= (std::int64_t{1} << 31), "tokens_per_rank",
           "times top_k must stay below 2^31 assignments per rank");
   if (dtype == DType::bf16) {
