@@ -39,6 +39,18 @@ echo '{"experts_of_rank": [[0, 1, 2, 3], [0, 4, 5, 6, 7]], "splits": [{"expert":
 echo '{"experts_of_rank": [[0, 1, 2, 3], [0, 4, 5, 6, 7]], "splits": [{"expert": 0, "columns": [0, 8, 16]}], "slots_per_rank": 4}' > "$tmp/split_over_budget.json"
 python3 -c "import json; m=json.load(open('$HPMOE_SOURCE_DIR/machines/h800.json')); del m['links']; json.dump(m, open('$tmp/nolinks.json', 'w'))"
 python3 -c "import json; m=json.load(open('$HPMOE_SOURCE_DIR/machines/h800.json')); m['units']['matrix'] = -3; json.dump(m, open('$tmp/negunits.json', 'w'))"
+# Machine figures outside any machine's range (the simulation's times would be inf or NaN).
+python3 - "$HPMOE_SOURCE_DIR/machines/h800.json" "$tmp" <<'PY'
+import json, sys
+src, tmp = sys.argv[1], sys.argv[2]
+for name, path, value in [("m_latency", ("signal_latency_s",), 1e308), ("m_overhead", ("task_overhead_s",), 1e300),
+                          ("m_issue", ("put", "issue_s"), 1e308), ("m_bandwidth", ("links", "intra", "bytes_per_s"), 1e-300)]:
+    m = json.load(open(src))
+    d = m
+    for k in path[:-1]: d = d[k]
+    d[path[-1]] = value
+    json.dump(m, open(f"{tmp}/{name}.json", "w"))
+PY
 "$HPMOE" run --save "$tmp/saved" > /dev/null
 # Checkpoints and inputs holding NaN or Inf (refused at load, naming the tensor).
 "$HPMOE" run --set expert_bias=true --set scoring=sigmoid --save "$tmp/nan_base" > /dev/null
@@ -131,6 +143,10 @@ cases=(
   "run --set tokens_per_rank=-5"
   "run --set route_scale=inf"
   "run --set route_scale=1e300"
+  "simulate --machine $tmp/m_latency.json --backward"
+  "simulate --machine $tmp/m_overhead.json --backward"
+  "simulate --machine $tmp/m_issue.json"
+  "simulate --machine $tmp/m_bandwidth.json"
   "run --set z_loss_coef=1e308"
   "run --dtype fp16"
   "run --dtype bf16 --set hidden=33"

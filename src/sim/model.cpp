@@ -28,7 +28,14 @@ const json& at(const json& j, const std::string& path) {
   return *cur;
 }
 
-double number(const json& j, const std::string& path, double min, bool optional = false) {
+// Physical ranges of a machine model's figures: a value outside them is a
+// typo or a unit error, and would make the simulation's times inf or NaN.
+constexpr double kMaxSeconds = 1.0;        // a latency, an overhead, a launch
+constexpr double kMaxBytesPerS = 1e15;     // a link, a memory, a copy engine
+constexpr double kMaxFlops = 1e18;         // a unit's GEMM rate
+constexpr double kMinRate = 1e3;           // a non-zero bandwidth or rate below this is not a machine
+
+double number(const json& j, const std::string& path, double min, bool optional = false, double max = 1e300) {
   if (optional) {
     try {
       at(j, path);
@@ -41,6 +48,18 @@ double number(const json& j, const std::string& path, double min, bool optional 
   const double x = v.get<double>();
   if (!std::isfinite(x) || x < min)
     throw Error("machine model: field '" + path + "' must be at least " + std::to_string(min) + " (got " + v.dump() + ")");
+  if (x > max)
+    throw Error("machine model: field '" + path + "' = " + v.dump() + " is beyond any machine (at most " + json(max).dump() +
+                "); check its unit");
+  return x;
+}
+double seconds(const json& j, const std::string& path) { return number(j, path, 0, false, kMaxSeconds); }
+// A bandwidth or rate: 0 (where the model allows it: no cost) or within [kMinRate, max].
+double rate(const json& j, const std::string& path, double min, double max, bool optional = false) {
+  const double x = number(j, path, min, optional, max);
+  if (x > 0 && x < kMinRate)
+    throw Error("machine model: field '" + path + "' = " + json(x).dump() + " is below any machine (at least " +
+                json(kMinRate).dump() + ", or 0); check its unit");
   return x;
 }
 
@@ -110,31 +129,31 @@ MachineModel machine_from_json(const json& j) {
     TileRate r;
     r.m = count(wrapped, p + ".m", 1);
     r.k = count(wrapped, p + ".k", 1);
-    r.fp32_flops = number(wrapped, p + ".fp32_flops", 1);
-    r.bf16_flops = number(wrapped, p + ".bf16_flops", 1);
-    r.fp32_streamed_flops = number(wrapped, p + ".fp32_streamed_flops", 0, true);
-    r.bf16_streamed_flops = number(wrapped, p + ".bf16_streamed_flops", 0, true);
+    r.fp32_flops = rate(wrapped, p + ".fp32_flops", 1, kMaxFlops);
+    r.bf16_flops = rate(wrapped, p + ".bf16_flops", 1, kMaxFlops);
+    r.fp32_streamed_flops = rate(wrapped, p + ".fp32_streamed_flops", 0, kMaxFlops, true);
+    r.bf16_streamed_flops = rate(wrapped, p + ".bf16_streamed_flops", 0, kMaxFlops, true);
     m.tile_rates.push_back(r);
   }
-  m.vector_bytes_per_s = number(j, "vector.bytes_per_s", 1);
-  m.task_overhead_s = number(j, "task_overhead_s", 0);
-  m.signal_latency_s = number(j, "signal_latency_s", 0);
-  m.put_issue_s = number(j, "put.issue_s", 0);
-  m.put_copy_bytes_per_s = number(j, "put.copy_bytes_per_s", 0);
+  m.vector_bytes_per_s = rate(j, "vector.bytes_per_s", 1, kMaxBytesPerS);
+  m.task_overhead_s = seconds(j, "task_overhead_s");
+  m.signal_latency_s = seconds(j, "signal_latency_s");
+  m.put_issue_s = seconds(j, "put.issue_s");
+  m.put_copy_bytes_per_s = rate(j, "put.copy_bytes_per_s", 0, kMaxBytesPerS);
   m.ranks_per_node = count(j, "links.ranks_per_node", 1);
-  m.intra_bytes_per_s = number(j, "links.intra.bytes_per_s", 0);
-  m.intra_latency_s = number(j, "links.intra.latency_s", 0);
-  m.inter_bytes_per_s = number(j, "links.inter.bytes_per_s", 0);
-  m.inter_latency_s = number(j, "links.inter.latency_s", 0);
+  m.intra_bytes_per_s = rate(j, "links.intra.bytes_per_s", 0, kMaxBytesPerS);
+  m.intra_latency_s = seconds(j, "links.intra.latency_s");
+  m.inter_bytes_per_s = rate(j, "links.inter.bytes_per_s", 0, kMaxBytesPerS);
+  m.inter_latency_s = seconds(j, "links.inter.latency_s");
   if (j.contains("mesh")) {
     m.mesh_cols = count(j, "mesh.cols", 1);
-    m.mesh_link_bytes_per_s = number(j, "mesh.link_bytes_per_s", 1);
-    m.mesh_hop_latency_s = number(j, "mesh.hop_latency_s", 0);
+    m.mesh_link_bytes_per_s = rate(j, "mesh.link_bytes_per_s", 1, kMaxBytesPerS);
+    m.mesh_hop_latency_s = seconds(j, "mesh.hop_latency_s");
   }
-  m.operator_launch_s = number(j, "serialized.operator_launch_s", 0);
-  m.collective_sync_s = number(j, "serialized.collective_sync_s", 0);
-  m.fma_peak_fp32_per_core = number(j, "peak.fp32_fma_flops_per_core", 0, true);
-  m.bf16_peak_per_core = number(j, "peak.bf16_dot_flops_per_core", 0, true);
+  m.operator_launch_s = seconds(j, "serialized.operator_launch_s");
+  m.collective_sync_s = seconds(j, "serialized.collective_sync_s");
+  m.fma_peak_fp32_per_core = rate(j, "peak.fp32_fma_flops_per_core", 0, kMaxFlops, true);
+  m.bf16_peak_per_core = rate(j, "peak.bf16_dot_flops_per_core", 0, kMaxFlops, true);
   if (j.contains("peak") && j["peak"].is_object() && j["peak"].contains("cpu") && j["peak"]["cpu"].is_string())
     m.cpu = j["peak"]["cpu"].get<std::string>();
   const json& sources = at(j, "sources");
