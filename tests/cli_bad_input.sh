@@ -21,6 +21,11 @@ echo '{"experts_of_rank": [[0, 1, 2, 3, 4, 5, 6, 7], []]}' > "$tmp/place_empty_r
 echo '{"experts_of_rank": [[0, 1, 2, 3], [4, 5, 6, 7]], "owner": [0, 0, 0, 0, 1, 1, 1, 1]}' > "$tmp/place_both.json"
 echo '{"experts_of_rank": [[0, 1, 2, 3], [4, 5, 6, "7"]]}' > "$tmp/place_string.json"
 printf 'garbage' > "$tmp/garbage.json"
+# JSON nested 100,000 levels deep (a stack overflow once), a number past double, a directory as a file.
+python3 -c "print('{\"hidden\": ' + '[' * 100000 + ']' * 100000 + '}')" > "$tmp/deep.json"
+python3 -c "print('{\"0\": ' + '[' * 3000 + ']' * 3000 + '}')" > "$tmp/deep_trace.json"
+echo '{"hidden": 1e400}' > "$tmp/huge_number.json"
+mkdir -p "$tmp/a_directory"
 # Replicas: over the slot budget, one rank listing an expert twice, a replica
 # losing an expert, a budget that is not a positive integer.
 echo '{"experts_of_rank": [[0, 1, 2, 3, 4], [4, 5, 6, 7]], "replicas": true, "slots_per_rank": 4}' > "$tmp/place_over_budget.json"
@@ -143,6 +148,13 @@ cases=(
   "run --set tokens_per_rank=-5"
   "run --set route_scale=inf"
   "run --set route_scale=1e300"
+  "config --config $tmp/deep.json"
+  "run --routing trace:$tmp/deep_trace.json"
+  "config --config $tmp/huge_number.json"
+  "config --config $tmp/a_directory"
+  "simulate --machine $tmp/a_directory"
+  "run --placement $tmp/deep.json"
+  "verify $tmp/deep.json"
   "simulate --machine $tmp/m_latency.json --backward"
   "simulate --machine $tmp/m_overhead.json --backward"
   "simulate --machine $tmp/m_issue.json"

@@ -3,17 +3,13 @@
 #include <nlohmann/json.hpp>
 
 #include "hpmoe/error.hpp"
+#include "hpmoe/json_parse.hpp"
 #include "hpmoe/safetensors.hpp"
 
 namespace hpmoe {
 
 std::map<std::string, std::string> parse_weight_map(const std::string& text, const std::string& source) {
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(text);
-  } catch (const nlohmann::json::exception& e) {
-    throw Error("'" + source + "' is not valid JSON: " + e.what());
-  }
+  const nlohmann::json j = parse_json(text, "'" + source + "'");
   if (!j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object())
     throw Error("'" + source + "' has no \"weight_map\" object (tensor name -> file)");
   std::map<std::string, std::string> map;

@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "hpmoe/error.hpp"
+#include "hpmoe/json_parse.hpp"
 #include "hpmoe/tensors.hpp"
 
 namespace hpmoe {
@@ -133,12 +134,7 @@ nlohmann::json dump_programs(const std::vector<taskflow::Program>& programs) {
 std::vector<taskflow::Program> load_programs(const std::string& path) {
   std::ifstream in(path);
   if (!in) throw Error("cannot open program dump '" + path + "'");
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(in);
-  } catch (const nlohmann::json::parse_error& e) {
-    throw Error("program dump '" + path + "' is not valid JSON: " + e.what());
-  }
+  const nlohmann::json j = parse_json(in, "program dump '" + path + "'");
   return taskflow::programs_from_dump(j, "'" + path + "'");
 }
 

@@ -8,6 +8,7 @@
 
 #include "hpmoe/bf16.hpp"
 #include "hpmoe/error.hpp"
+#include "hpmoe/json_parse.hpp"
 
 namespace hpmoe {
 
@@ -92,12 +93,7 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
                 " does not fit the file)");
   std::string text(header_size, '\0');
   in.read(text.data(), static_cast<std::streamsize>(header_size));
-  nlohmann::json header;
-  try {
-    header = nlohmann::json::parse(text);
-  } catch (const nlohmann::json::parse_error& e) {
-    throw Error("'" + path + "' has a malformed safetensors header: " + e.what());
-  }
+  const nlohmann::json header = parse_json(text, "the safetensors header of '" + path + "'");
   if (!header.is_object()) throw Error("'" + path + "' has a malformed safetensors header (not an object)");
   // Only the header is read here: a tensor's bytes are read when asked for,
   // seeking to them, so a rank reads its own experts and nothing else.

@@ -10,6 +10,7 @@
 #include <sstream>
 
 #include "hpmoe/error.hpp"
+#include "hpmoe/json_parse.hpp"
 
 namespace hpmoe {
 
@@ -394,12 +395,7 @@ LayerConfig config_from_model_json(const nlohmann::json& j, const LayerConfig& b
 LayerConfig load_config_file(const std::string& path, const LayerConfig& base) {
   std::ifstream in(path);
   if (!in) throw Error("cannot open config file '" + path + "'");
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(in);
-  } catch (const nlohmann::json::parse_error& e) {
-    throw Error("config file '" + path + "' is not valid JSON: " + e.what());
-  }
+  const nlohmann::json j = parse_json(in, "config file '" + path + "'");
   LayerConfig c = config_from_model_json(j, base, "config file '" + path + "'");
   if (!j.contains("hidden") && !j.contains("name")) c.name = std::filesystem::path(path).stem().string();
   return c;

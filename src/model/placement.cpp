@@ -7,6 +7,7 @@
 #include <random>
 
 #include "hpmoe/error.hpp"
+#include "hpmoe/json_parse.hpp"
 
 namespace hpmoe {
 
@@ -357,12 +358,7 @@ ExpertPlacement parse_placement(const std::string& spec, std::int64_t experts, s
   std::ifstream in(spec);
   if (!in)
     throw Error("--placement '" + spec + "' is neither contiguous, round-robin, random[:SEED] nor a readable JSON file");
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(in, nullptr, true, false);
-  } catch (const nlohmann::json::exception& e) {
-    throw Error("placement file '" + spec + "' is not valid JSON: " + e.what());
-  }
+  const nlohmann::json j = parse_json(in, "placement file '" + spec + "'");
   return placement_from_json(j, experts, ranks, "placement file '" + spec + "'");
 }
 

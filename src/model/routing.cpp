@@ -8,6 +8,7 @@
 #include <numeric>
 
 #include "hpmoe/error.hpp"
+#include "hpmoe/json_parse.hpp"
 #include "hpmoe/tensors.hpp"
 
 namespace hpmoe {
@@ -81,12 +82,7 @@ std::vector<std::int32_t> load_trace(const std::string& path, const std::string&
                                      std::int64_t experts, std::int64_t* trace_tokens) {
   std::ifstream in(path);
   if (!in) throw Error("cannot open routing trace '" + path + "'");
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(in);
-  } catch (const nlohmann::json::parse_error& e) {
-    throw Error("routing trace '" + path + "' is not valid JSON: " + e.what());
-  }
+  const nlohmann::json j = parse_json(in, "routing trace '" + path + "'");
   if (!j.is_object()) throw Error("routing trace '" + path + "' must be an object of layers");
   if (!j.contains(layer)) {
     std::string known;

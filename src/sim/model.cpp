@@ -5,6 +5,7 @@
 #include <nlohmann/json.hpp>
 
 #include "hpmoe/error.hpp"
+#include "hpmoe/json_parse.hpp"
 #include "hpmoe/sim.hpp"
 
 namespace hpmoe::sim {
@@ -175,12 +176,7 @@ MachineModel load_machine(const std::string& spec) {
   }
   std::ifstream in(path);
   if (!in) throw Error("cannot open the machine model '" + spec + "' (a file, or a name in machines/: cpu-local, ascend-a3, h800, h200, nmp-mesh)");
-  json j;
-  try {
-    j = json::parse(in);
-  } catch (const json::exception& e) {
-    throw Error("machine model '" + path + "' is not valid JSON: " + e.what());
-  }
+  const json j = parse_json(in, "machine model '" + path + "'");
   try {
     return machine_from_json(j);
   } catch (const Error& e) {
