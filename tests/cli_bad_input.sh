@@ -148,6 +148,7 @@ cases=(
   "run --set tokens_per_rank=-5"
   "run --set route_scale=inf"
   "run --set route_scale=1e300"
+  "simulate --machine h800 -P 4096 --set routed_experts=4096 -T 1"
   "config --config $tmp/deep.json"
   "run --routing trace:$tmp/deep_trace.json"
   "config --config $tmp/huge_number.json"
@@ -294,6 +295,12 @@ if [ -z "${ASAN_OPTIONS:-}" ]; then
     echo "FAIL: hpmoe run -W 256 under ulimit -v -> exit $rc"; sed 's/^/    /' "$tmp/stderr"; failed=$((failed + 1))
   fi
 fi
+# A layer name that is not printable ASCII (it goes into reports and JSON).
+"$HPMOE" run --set name=$'\xff' > /dev/null 2> "$tmp/stderr"
+rc=$?
+if [ "$rc" -ne 2 ] || ! grep -q '^error: invalid layer: name' "$tmp/stderr"; then
+  echo "FAIL: hpmoe run --set name=\\xff -> exit $rc"; failed=$((failed + 1))
+fi
 # Standard output that cannot be written is an error too.
 "$HPMOE" config --preset tiny > /dev/full 2> "$tmp/stderr"
 rc=$?
@@ -305,5 +312,5 @@ fi
 if [ ! -s "$tmp/sim.json" ] || ls "$tmp"/sim.json.partial* > /dev/null 2>&1; then
   echo "FAIL: simulate --json left no file or a temporary"; failed=$((failed + 1))
 fi
-echo "bad input: $((${#cases[@]} + 3 - failed)) passed, $failed failed"
+echo "bad input: $((${#cases[@]} + 4 - failed)) passed, $failed failed"
 [ "$failed" -eq 0 ]

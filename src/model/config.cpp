@@ -1,6 +1,7 @@
 #include "hpmoe/config.hpp"
 
 #include <charconv>
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -155,6 +156,13 @@ void LayerConfig::validate() const {
   positive(ranks, "ranks");
   positive(groups, "groups");
   positive(groups_kept, "groups_kept");
+  // Expert parallelism beyond any cluster hpmoe models (compile and
+  // simulation time grow about as P^3: EP 4096 took minutes).
+  require(ranks <= 1024, "ranks", "must be at most 1024 (got " + std::to_string(ranks) + ")");
+  require(routed_experts <= 16384, "routed_experts", "must be at most 16384 (got " + std::to_string(routed_experts) + ")");
+  // The name goes into reports and JSON: printable ASCII only.
+  require(name.size() <= 256 && std::all_of(name.begin(), name.end(), [](char ch) { return ch >= 0x20 && ch < 0x7f; }),
+          "name", "must be up to 256 printable ASCII characters");
   require(shared_experts >= 0 && shared_experts <= 64, "shared_experts", "must be between 0 and 64");
   require(shared_inter >= 0 && shared_inter <= kMaxDim, "shared_inter", "must be between 0 and " + std::to_string(kMaxDim));
   require(top_k <= routed_experts, "top_k",
@@ -397,7 +405,11 @@ LayerConfig load_config_file(const std::string& path, const LayerConfig& base) {
   if (!in) throw Error("cannot open config file '" + path + "'");
   const nlohmann::json j = parse_json(in, "config file '" + path + "'");
   LayerConfig c = config_from_model_json(j, base, "config file '" + path + "'");
-  if (!j.contains("hidden") && !j.contains("name")) c.name = std::filesystem::path(path).stem().string();
+  if (!j.contains("hidden") && !j.contains("name")) {
+    c.name = std::filesystem::path(path).stem().string().substr(0, 256);
+    for (char& ch : c.name)  // the name must be printable ASCII (validate): a file's may not be
+      if (ch < 0x20 || ch >= 0x7f) ch = '_';
+  }
   return c;
 }
 

@@ -160,6 +160,19 @@ int parse_rank(const std::string& text, std::int64_t ranks) {
   return rank;
 }
 
+// Progress on stderr: every phase, but the per-step lines of a long run at
+// most every 5 s (3,000 iterations printed 1,690 lines, burying errors).
+struct ProgressLine {
+  double last_step_s = -1e9;
+  void say(const std::string& what, double elapsed) {
+    if (what.rfind("step ", 0) == 0) {
+      if (elapsed - last_step_s < 5.0) return;
+      last_step_s = elapsed;
+    }
+    std::fprintf(stderr, "hpmoe: %s (%.1f s)\n", what.c_str(), elapsed);
+  }
+};
+
 // One rank per MPI process. Errors end the process at once (exit code 2)
 // rather than unwinding into collectives that a failed peer never joins;
 // mpirun then stops the others.
@@ -169,9 +182,10 @@ int run_mpi(int argc, char** argv, RunRequest req, const MpiOptions& options, co
     req.transport = make_mpi_transport(mpi, static_cast<int>(req.config.ranks), options);
     const bool root = req.transport->is_root();
     const auto start = std::chrono::steady_clock::now();
+    ProgressLine line;
     auto progress = [&](const std::string& what) {
       const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      if (root && elapsed >= 2.0) std::fprintf(stderr, "hpmoe: %s (%.1f s)\n", what.c_str(), elapsed);
+      if (root && elapsed >= 2.0) line.say(what, elapsed);
     };
     const RunReport report = run_layer(req, progress);
     int status = 0;
@@ -287,9 +301,10 @@ struct RunCommand {
     // seconds: always for large layers, otherwise once two seconds have passed.
     const auto start = std::chrono::steady_clock::now();
     const bool large = req.config.forward_flops() * (req.backward ? 3.0 : 1.0) > 2e10;
+    ProgressLine line;
     auto progress = [&](const std::string& what) {
       const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      if (large || elapsed >= 2.0) std::fprintf(stderr, "hpmoe: %s (%.1f s)\n", what.c_str(), elapsed);
+      if (large || elapsed >= 2.0) line.say(what, elapsed);
     };
     const RunReport report = run_layer(req, progress);
     std::cout << format_report(report);
