@@ -26,6 +26,7 @@ python3 -c "print('{\"hidden\": ' + '[' * 100000 + ']' * 100000 + '}')" > "$tmp/
 python3 -c "print('{\"0\": ' + '[' * 3000 + ']' * 3000 + '}')" > "$tmp/deep_trace.json"
 echo '{"hidden": 1e400}' > "$tmp/huge_number.json"
 mkdir -p "$tmp/a_directory"
+mkdir -p "$tmp/save_blocked/outputs.safetensors"  # --save would have to replace a directory with a file
 # Replicas: over the slot budget, one rank listing an expert twice, a replica
 # losing an expert, a budget that is not a positive integer.
 echo '{"experts_of_rank": [[0, 1, 2, 3, 4], [4, 5, 6, 7]], "replicas": true, "slots_per_rank": 4}' > "$tmp/place_over_budget.json"
@@ -270,6 +271,7 @@ cases=(
   "compile --json /dev/full"
   "compile --pass both --dump $tmp/no/such/dir/dump.json"
   "run --json $tmp"
+  "run --save $tmp/save_blocked"
   "run --trace $tmp/no/such/dir/t.json"
   "plan --machine h800 --out $tmp/no/such/dir/p.json"
   "calibrate --quick --out $tmp/no/such/dir/m.json"

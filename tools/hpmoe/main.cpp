@@ -146,6 +146,24 @@ void check_writable(const std::string& path, const std::string& what) {
                 std::strerror(errno));
 }
 
+// --save DIR, before the run: DIR is a directory this process can write
+// (or can be made), and none of the files a run saves is a directory there.
+void check_save_dir(const std::string& dir) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  fs::path existing = fs::absolute(dir, ec);
+  while (!existing.empty() && !fs::exists(existing, ec)) existing = existing.parent_path();
+  if (existing.empty() || !fs::is_directory(existing, ec))
+    throw Error("cannot save to '" + dir + "': " + (existing.empty() ? std::string("no such path") : existing.string() + " is not a directory"));
+  if (::access(existing.c_str(), W_OK) != 0)
+    throw Error("cannot save to '" + dir + "': " + existing.string() + ": " + std::strerror(errno));
+  if (fs::exists(dir, ec))
+    for (const auto& entry : fs::directory_iterator(dir, ec))
+      if (entry.path().extension() == ".safetensors" || entry.path().filename() == "model.safetensors.index.json")
+        if (fs::is_directory(entry.path(), ec))
+          throw Error("cannot save to '" + dir + "': " + entry.path().string() + " is a directory where a file would go");
+}
+
 void write_json(const std::string& path, const nlohmann::json& j) { write_file(path, j.dump(2) + "\n", "JSON results"); }
 
 int parse_rank(const std::string& text, std::int64_t ranks) {
@@ -288,6 +306,7 @@ struct RunCommand {
     for (const auto& [file, what] : {std::pair<const std::string&, const char*>{json_file, "JSON results"},
                                      {req.trace_file, "the trace"}, {req.timeline_file, "the timeline"}})
       if (!file.empty()) check_writable(file, what);
+    if (!req.save_dir.empty()) check_save_dir(req.save_dir);
     if (transport == "mpi")
       return run_mpi(argc, argv, req,
                      MpiOptions{.path = parse_mpi_path(mpi_path),
