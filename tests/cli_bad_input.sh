@@ -50,7 +50,8 @@ python3 - "$HPMOE_SOURCE_DIR/machines/h800.json" "$tmp" <<'PY'
 import json, sys
 src, tmp = sys.argv[1], sys.argv[2]
 for name, path, value in [("m_latency", ("signal_latency_s",), 1e308), ("m_overhead", ("task_overhead_s",), 1e300),
-                          ("m_issue", ("put", "issue_s"), 1e308), ("m_bandwidth", ("links", "intra", "bytes_per_s"), 1e-300)]:
+                          ("m_issue", ("put", "issue_s"), 1e308), ("m_bandwidth", ("links", "intra", "bytes_per_s"), 1e-300),
+    ("m_weight_rows", ("tile", "weight_rows"), 0)]:
     m = json.load(open(src))
     d = m
     for k in path[:-1]: d = d[k]
@@ -161,6 +162,7 @@ cases=(
   "simulate --machine $tmp/m_overhead.json --backward"
   "simulate --machine $tmp/m_issue.json"
   "simulate --machine $tmp/m_bandwidth.json"
+  "simulate --machine $tmp/m_weight_rows.json"
   "run --set z_loss_coef=1e308"
   "run --dtype fp16"
   "run --dtype bf16 --set hidden=33"

@@ -68,7 +68,7 @@ std::int64_t split_inter(const ExpertPlacement& p, std::int64_t e) {
 }  // namespace
 
 std::vector<double> rank_seconds(const ExpertPlacement& p, std::span<const std::int64_t> counts, const ExpertCostModel& cost) {
-  const std::int64_t P = p.ranks(), E = p.experts(), N = p.instances();
+  const std::int64_t P = p.ranks(), N = p.instances();
   std::vector<double> t(static_cast<std::size_t>(P), 0.0);
   const std::vector<std::int64_t> rows = instance_rows(p, counts, cost.tile_rows);
   for (std::int64_t i = 0; i < N; ++i) {
@@ -84,7 +84,6 @@ std::vector<double> rank_seconds(const ExpertPlacement& p, std::span<const std::
     rank += cost.instance_seconds(n);
     if (i != p.first_instance(e)) rank += cost.replica_s;
   }
-  (void)E;
   return t;
 }
 
