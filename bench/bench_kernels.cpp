@@ -113,7 +113,7 @@ void measure(benchmark::State& state, double flops_per_iter, double large, Fn&& 
   state.counters["GFLOP/s"] = gflops;
   state.counters["large_GFLOP/s"] = large;
   state.counters["pct_of_large"] = 100.0 * gflops / large;
-  const double fma = (bf16 && peak().bf16_flops_per_core > 0 ? peak().bf16_flops_per_core : peak().fp32_flops_per_core) / 1e9;
+  const double fma = (bf16 && peak().bf16_tile_peak_per_core() > 0 ? peak().bf16_tile_peak_per_core() : peak().fp32_flops_per_core) / 1e9;
   state.counters["pct_of_fma_peak"] = 100.0 * gflops / fma;
 }
 
@@ -259,6 +259,10 @@ void BM_Combine(benchmark::State& state) {
 void tile_shapes(benchmark::internal::Benchmark* b) {
   for (std::int64_t k : {1408, 2048, 2816, 7168}) b->Args({64, 64, k});
   b->Args({17, 64, 2048});
+  for (std::int64_t k : {2048, 7168}) b->Args({128, 64, k});  // the runtime's token row tiles
+  // weight-gradient tiles: K is an expert's rows of a step (64 rows; 256 for bf16 on AMX)
+  b->Args({64, 64, 384});
+  b->Args({256, 64, 384});
 }
 // deepseek-v2-lite expert GEMMs with 384 rows (its mean load at EP2, 2048 tokens/rank).
 void expert_shapes(benchmark::internal::Benchmark* b) {
@@ -289,6 +293,10 @@ int main(int argc, char** argv) {
   benchmark::AddCustomContext("fma_peak_bf16_GFLOP/s_per_core",
                               p.bf16_flops_per_core > 0 ? std::to_string(p.bf16_flops_per_core / 1e9) + " (" + p.bf16_isa + ")"
                                                         : "none (no bf16 dot products; bf16 figures are against the fp32 peak)");
+  if (p.amx_bf16_flops_per_core > 0)
+    benchmark::AddCustomContext("amx_peak_bf16_GFLOP/s_per_core", std::to_string(p.amx_bf16_flops_per_core / 1e9));
+  benchmark::AddCustomContext("bf16_engine", std::string(name(bf16_engine())) + "; bf16 pct_of_fma_peak is of the " +
+                                                 (p.bf16_tile_isa().empty() ? "fp32" : p.bf16_tile_isa()) + " peak");
   if (!p.not_measured.empty()) benchmark::AddCustomContext("not_measured", p.not_measured);
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;

@@ -111,7 +111,7 @@ int main(int argc, char** argv) {
       const double ours = bf ? hpmoe_seconds<bf16>(sh.m, sh.n, sh.k, reps, iters) : hpmoe_seconds<float>(sh.m, sh.n, sh.k, reps, iters);
       const double theirs = onednn_seconds(eng, s, sh.m, sh.n, sh.k, bf ? dnnl::memory::data_type::bf16 : dnnl::memory::data_type::f32,
                                            reps, iters, impl);
-      const double pk = bf && peak.bf16_flops_per_core > 0 ? peak.bf16_flops_per_core : peak.fp32_flops_per_core;
+      const double pk = bf && peak.bf16_tile_peak_per_core() > 0 ? peak.bf16_tile_peak_per_core() : peak.fp32_flops_per_core;
       std::printf("| %lld x %lld x %lld | %s | %.1f (%.0f%%) | %.1f (%.0f%%) | %s |\n", (long long)sh.m, (long long)sh.n,
                   (long long)sh.k, bf ? "bf16" : "fp32", flops / ours / 1e9, 100 * flops / ours / pk, flops / theirs / 1e9,
                   100 * flops / theirs / pk, impl.c_str());

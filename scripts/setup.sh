@@ -4,7 +4,7 @@
 set -euo pipefail
 packages=(cmake ninja-build g++ pkg-config libxsmm-dev nlohmann-json3-dev libcli11-dev libopenblas-dev
   libopenmpi-dev openmpi-bin libucx-dev  # libucx-dev: bench/bench_ucx (UCX measured against MPI)
-          libdnnl-dev  # bench/bench_onednn (oneDNN matmul measured against the tile kernels)
+          libdnnl-dev  # bf16 tiles on AMX (src/kernels/gemm.cpp); bench/bench_onednn
           libgtest-dev libgmock-dev libbenchmark-dev
   clang libclang-rt-14-dev)  # clang and its libFuzzer runtime: scripts/fuzz.sh
 missing=()

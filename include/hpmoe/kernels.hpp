@@ -25,9 +25,35 @@ inline constexpr std::int64_t kChunkBlocks = 16;
 // Initialises libxsmm once per process; cheap to call again.
 void init();
 
+// The engine that runs bf16 tiles, chosen once per process from the CPU:
+// oneDNN's matmul, which uses AMX-BF16 tiles where the CPU (and oneDNN, when
+// hpmoe is built with it) has them and runs 5-8x faster than AVX512-BF16
+// dot products there; elsewhere libxsmm, whose AVX512-BF16 kernels match
+// oneDNN's without AMX (docs/benchmarks.md, "bf16 on AMX"). fp32 tiles always
+// run libxsmm (a sequential FMA sum in K; see kChunkBlocks).
+// ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 in the environment turns AMX off, and
+// with it this choice.
+enum class Bf16Engine { libxsmm, onednn_amx };
+Bf16Engine bf16_engine();
+const char* name(Bf16Engine);
+// Whether bf16 operands are in VNNI pairs (libxsmm) or plain rows (oneDNN).
+inline bool bf16_vnni() { return bf16_engine() == Bf16Engine::libxsmm; }
+// Rows of a weight-gradient tile for T's engine. Their K is an expert's rows
+// of a step (a few hundred), so a tile is short work; oneDNN's AMX GEMM
+// needs taller tiles to run near its rate (m x 64 x 384: 575 GFLOP/s at 64
+// rows, 881 at 256; docs/benchmarks.md, "bf16 on AMX").
+template <class T>
+std::int64_t weight_tile_rows() {
+  if constexpr (sizeof(T) == 2) return bf16_engine() == Bf16Engine::onednn_amx ? 256 : kWeightTileRows;
+  else return kWeightTileRows;
+}
+
 // The right-hand operand of a tile GEMM, laid out as the kernel reads it:
 //   float: row-major [K, N], leading dimension ld;
-//   bf16:  VNNI pairs: element (k, n) at ((k / 2) * ld + n) * 2 + k % 2.
+//   bf16:  as float when the oneDNN engine runs it; for libxsmm in VNNI
+//          pairs: element (k, n) at ((k / 2) * ld + n) * 2 + k % 2
+//          (bf16_vnni()). The packers below write whichever this process
+//          uses, and so does every executor's pack task.
 // When panel_stride > 0 the operand is panel-blocked: columns come in panels
 // of kTileCols, each panel a contiguous [K, kTileCols] operand of the layout
 // above (ld = kTileCols), panel p starting at data + p * panel_stride. A tile
@@ -49,6 +75,17 @@ void gemm_tile(const T* a, std::int64_t lda, RhsView<T> b, std::int64_t col0, fl
                std::int64_t m, std::int64_t n, std::int64_t k, bool accumulate);
 
 // K rounded up to what the layout of T needs (even for bf16).
+// Index of operand element (k, n) in a (panel of a) RhsView operand with
+// leading dimension ld; vnni: bf16_vnni() for bf16, false for float.
+inline std::int64_t rhs_index(std::int64_t k, std::int64_t n, std::int64_t ld, bool vnni) {
+  return vnni ? ((k / 2) * ld + n) * 2 + k % 2 : k * ld + n;
+}
+template <class T>
+bool vnni_layout() {
+  if constexpr (sizeof(T) == 2) return bf16_vnni();
+  else return false;
+}
+
 template <class T>
 constexpr std::int64_t padded_k(std::int64_t k) {
   if constexpr (sizeof(T) == 2) return (k + 1) & ~std::int64_t{1};

@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "hpmoe/error.hpp"
+#include "hpmoe/kernels.hpp"
 #include "hpmoe/reference.hpp"
 #include "hpmoe/runtime.hpp"
 #include "hpmoe/trace.hpp"
@@ -770,6 +771,9 @@ nlohmann::json to_json(const RunReport& r) {
   j["layer"] = to_json(r.config);
   j["cpu"] = {{"model", r.peak.cpu}, {"isa", r.peak.isa}, {"fp32_fma_flops_per_core", r.peak.fp32_flops_per_core},
               {"bf16_isa", r.peak.bf16_isa}, {"bf16_dot_flops_per_core", r.peak.bf16_flops_per_core},
+              {"amx_bf16_flops_per_core", r.peak.amx_bf16_flops_per_core},
+              {"bf16_engine", kernels::name(kernels::bf16_engine())},
+              {"bf16_tile_peak_flops", r.peak.bf16_tile_peak_per_core() * r.peak_cores},
               {"cores", r.peak_cores}, {"fma_peak_flops", r.peak.fp32_flops_per_core * r.peak_cores}};
   j["placement"] = r.placement;
   j["routing"] = {{"source", r.routing},
@@ -866,19 +870,26 @@ std::string format_report(const RunReport& r) {
   const auto& c = r.config;
   std::ostringstream o;
   o << std::setprecision(4);
-  const double peak = r.peak.fp32_flops_per_core * r.peak_cores;
-  // GFLOP/s, then its share of the measured FMA peak of the cores used.
+  // A bf16 layer's GEMMs run on the bf16 tile instructions (AMX or
+  // AVX512-BF16), so its figures are shares of that peak; fp32's of the FMA peak.
+  const bool bf16_peak = c.dtype == DType::bf16 && r.peak.bf16_tile_peak_per_core() > 0;
+  const double peak = (bf16_peak ? r.peak.bf16_tile_peak_per_core() : r.peak.fp32_flops_per_core) * r.peak_cores;
+  const std::string peak_name = bf16_peak ? "of " + r.peak.bf16_tile_isa() + " peak" : "of FMA peak";
+  // GFLOP/s, then its share of the measured peak of the cores used.
   const auto rate = [&](double flops, double seconds) {
     std::ostringstream g;
     g << std::fixed << std::setprecision(1) << flops / seconds / 1e9 << " GFLOP/s";
-    if (peak > 0) g << " (" << std::setprecision(0) << 100.0 * flops / seconds / peak << "% of FMA peak)";
+    if (peak > 0) g << " (" << std::setprecision(0) << 100.0 * flops / seconds / peak << "% " << peak_name << ")";
     return g.str();
   };
   o << "cpu      " << r.peak.cpu << ": FMA peak " << std::fixed << std::setprecision(1)
     << r.peak.fp32_flops_per_core / 1e9 << " GFLOP/s per core fp32 (" << r.peak.isa << ")";
   if (r.peak.bf16_flops_per_core > 0) o << ", " << r.peak.bf16_flops_per_core / 1e9 << " bf16 (" << r.peak.bf16_isa << ")";
+  if (r.peak.amx_bf16_flops_per_core > 0) o << ", " << r.peak.amx_bf16_flops_per_core / 1e9 << " bf16 (amx-bf16)";
   if (!r.peak.not_measured.empty()) o << ", " << r.peak.not_measured << " not measured";
-  o << "; measured now, x " << r.peak_cores << " cores = " << peak / 1e9 << " GFLOP/s\n";
+  o << "; measured now, x " << r.peak_cores << " cores = " << peak / 1e9 << " GFLOP/s " << (bf16_peak ? "bf16" : "fp32");
+  if (c.dtype == DType::bf16) o << "; bf16 tiles on " << kernels::name(kernels::bf16_engine());
+  o << "\n";
   o << std::defaultfloat << std::setprecision(4);
   o << "layer    " << c.name << ": hidden " << c.hidden << ", expert inter " << c.expert_inter << ", experts "
     << c.routed_experts << " routed / " << c.shared_experts << " shared, top-" << c.top_k << ", "

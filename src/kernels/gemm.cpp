@@ -3,6 +3,11 @@
 #include <cstring>
 #include <mutex>
 #include <string>
+#ifdef HPMOE_WITH_ONEDNN
+#include <omp.h>
+
+#include <oneapi/dnnl/dnnl.hpp>
+#endif
 
 #include "hpmoe/error.hpp"
 #include "hpmoe/kernels.hpp"
@@ -14,7 +19,71 @@ void init() {
   std::call_once(once, [] { libxsmm_init(); });
 }
 
+Bf16Engine bf16_engine() {
+  static const Bf16Engine engine = [] {
+#ifdef HPMOE_WITH_ONEDNN
+    const auto amx = static_cast<unsigned>(dnnl::cpu_isa::avx512_core_amx);
+    if ((static_cast<unsigned>(dnnl::get_effective_cpu_isa()) & amx) == amx) return Bf16Engine::onednn_amx;
+#endif
+    return Bf16Engine::libxsmm;
+  }();
+  return engine;
+}
+
+const char* name(Bf16Engine e) {
+  return e == Bf16Engine::onednn_amx ? "oneDNN matmul (AMX-BF16)" : "libxsmm (AVX512-BF16 or emulated)";
+}
+
 namespace {
+
+#ifdef HPMOE_WITH_ONEDNN
+// bf16 tiles by oneDNN: one matmul primitive per process and accumulate
+// mode, with every dimension and stride given at run time, so that any tile
+// shape runs without a primitive of its own (oneDNN picks its AMX GEMM;
+// primitives are safe to execute from many threads at once). Each call runs
+// on the calling worker alone: oneDNN's OpenMP parallelism is set to one
+// thread for the call and restored after, so a caller's own OpenMP setting
+// (PyTorch's, say) is left as it was.
+class OnednnBf16 {
+ public:
+  static const OnednnBf16& get() {
+    static const OnednnBf16 instance;
+    return instance;
+  }
+  void run(const bf16* a, std::int64_t lda, const bf16* b, std::int64_t ldb, float* c, std::int64_t ldc, std::int64_t m,
+           std::int64_t n, std::int64_t k, bool accumulate) const {
+    using dnnl::memory;
+    thread_local dnnl::stream stream(engine_);
+    const memory a_mem({{m, k}, memory::data_type::bf16, memory::dims{lda, 1}}, engine_, const_cast<bf16*>(a));
+    const memory b_mem({{k, n}, memory::data_type::bf16, memory::dims{ldb, 1}}, engine_, const_cast<bf16*>(b));
+    const memory c_mem({{m, n}, memory::data_type::f32, memory::dims{ldc, 1}}, engine_, c);
+    const int threads = omp_get_max_threads();
+    omp_set_num_threads(1);
+    (accumulate ? accumulate_ : assign_).execute(stream, {{DNNL_ARG_SRC, a_mem}, {DNNL_ARG_WEIGHTS, b_mem}, {DNNL_ARG_DST, c_mem}});
+    stream.wait();
+    omp_set_num_threads(threads);
+  }
+
+ private:
+  OnednnBf16() : engine_(dnnl::engine::kind::cpu, 0), assign_(make(false)), accumulate_(make(true)) {}
+  dnnl::matmul make(bool accumulate) const {
+    using dnnl::memory;
+    const memory::dim any = DNNL_RUNTIME_DIM_VAL;
+    const memory::desc a({any, any}, memory::data_type::bf16, memory::dims{any, 1});
+    const memory::desc b({any, any}, memory::data_type::bf16, memory::dims{any, 1});
+    const memory::desc c({any, any}, memory::data_type::f32, memory::dims{any, 1});
+    dnnl::primitive_attr attr;
+    if (accumulate) {
+      dnnl::post_ops ops;
+      ops.append_sum(1.0f);
+      attr.set_post_ops(ops);
+    }
+    return dnnl::matmul(dnnl::matmul::primitive_desc(dnnl::matmul::desc(a, b, c), attr, engine_));
+  }
+  dnnl::engine engine_;
+  dnnl::matmul assign_, accumulate_;
+};
+#endif
 
 // libxsmm is column-major: the row-major product C = A B is the column-major
 // product C^T = B^T A^T, so B is libxsmm's "A" and A is its "B".
@@ -57,12 +126,20 @@ void gemm_tile(const T* a, std::int64_t lda, RhsView<T> b, std::int64_t col0, fl
   if (sizeof(T) == 2 && ((lda | k) & 1))
     throw Error("bf16 tile GEMM needs an even K and an even leading dimension of A (got lda " +
                 std::to_string(lda) + ", k " + std::to_string(k) + ")");
-  const std::int64_t pair = sizeof(T) == 2 ? 2 : 1;  // VNNI keeps K pairs per column
+  const std::int64_t pair = vnni_layout<T>() ? 2 : 1;  // VNNI keeps K pairs per column
   const T* rhs = b.data + col0 * pair;
   if (b.panel_stride > 0) {
     if (col0 % kTileCols + n > kTileCols) throw Error("a tile GEMM must not cross a panel of the operand");
     rhs = b.data + (col0 / kTileCols) * b.panel_stride + (col0 % kTileCols) * pair;
   }
+#ifdef HPMOE_WITH_ONEDNN
+  if constexpr (sizeof(T) == 2) {
+    if (bf16_engine() == Bf16Engine::onednn_amx) {
+      OnednnBf16::get().run(a, lda, rhs, b.ld, c, ldc, m, n, k, accumulate);
+      return;
+    }
+  }
+#endif
   const std::int64_t blocks = k / kBlockK, rest = k % kBlockK;
   for (std::int64_t first = 0; first < blocks; first += kChunkBlocks)
     batch_reduce<T>(a + first * kBlockK, lda, rhs + first * kBlockK * b.ld, b.ld, c, ldc, m, n, kBlockK,
@@ -88,18 +165,18 @@ T convert(S v) {
 template <class S, class T>
 void pack_rhs(const S* src, std::int64_t ld_src, std::int64_t k, std::int64_t n, T* dst, std::int64_t row_begin,
               std::int64_t row_end) {
-  if constexpr (sizeof(T) == 4) {
-    for (std::int64_t r = row_begin; r < row_end; ++r)
-      for (std::int64_t j = 0; j < n; ++j) dst[r * n + j] = convert<T>(src[r * ld_src + j]);
-  } else {
-    const std::int64_t end = row_end >= k ? padded_k<T>(k) : row_end;
-    for (std::int64_t r = row_begin; r < end; ++r) {
-      T* out = dst + (r / 2) * n * 2 + (r % 2);
-      if (r < k)
-        for (std::int64_t j = 0; j < n; ++j) out[j * 2] = convert<T>(src[r * ld_src + j]);
-      else
-        for (std::int64_t j = 0; j < n; ++j) out[j * 2] = T{};
+  const bool vnni = vnni_layout<T>();
+  const std::int64_t end = row_end >= k ? padded_k<T>(k) : row_end;
+  for (std::int64_t r = row_begin; r < end; ++r) {
+    if (!vnni) {
+      for (std::int64_t j = 0; j < n; ++j) dst[r * n + j] = r < k ? convert<T>(src[r * ld_src + j]) : T{};
+      continue;
     }
+    T* out = dst + (r / 2) * n * 2 + (r % 2);
+    if (r < k)
+      for (std::int64_t j = 0; j < n; ++j) out[j * 2] = convert<T>(src[r * ld_src + j]);
+    else
+      for (std::int64_t j = 0; j < n; ++j) out[j * 2] = T{};
   }
 }
 
@@ -107,14 +184,10 @@ template <class S, class T>
 void pack_rhs_transposed(const S* src, std::int64_t ld_src, std::int64_t k, std::int64_t n, T* dst,
                          std::int64_t col_begin, std::int64_t col_end) {
   // Operand element (r, j) = src[j, r].
+  const bool vnni = vnni_layout<T>();
   for (std::int64_t j = col_begin; j < col_end; ++j) {
     const S* row = src + j * ld_src;
-    if constexpr (sizeof(T) == 4) {
-      for (std::int64_t r = 0; r < k; ++r) dst[r * n + j] = convert<T>(row[r]);
-    } else {
-      for (std::int64_t r = 0; r < padded_k<T>(k); ++r)
-        dst[(r / 2) * n * 2 + j * 2 + (r % 2)] = r < k ? convert<T>(row[r]) : T{};
-    }
+    for (std::int64_t r = 0; r < padded_k<T>(k); ++r) dst[rhs_index(r, j, n, vnni)] = r < k ? convert<T>(row[r]) : T{};
   }
 }
 
@@ -122,6 +195,7 @@ template <class S, class T>
 void pack_rhs_panels(const S* src, std::int64_t ld_src, std::int64_t k, std::int64_t n, bool transposed, T* dst,
                      std::int64_t panel_begin, std::int64_t panel_end) {
   const std::int64_t kp = padded_k<T>(k);
+  const bool vnni = vnni_layout<T>();
   for (std::int64_t p = panel_begin; p < panel_end; ++p) {
     T* panel = dst + p * kp * kTileCols;
     for (std::int64_t r = 0; r < kp; ++r) {
@@ -129,8 +203,7 @@ void pack_rhs_panels(const S* src, std::int64_t ld_src, std::int64_t k, std::int
         const std::int64_t col = p * kTileCols + j;
         T v{};
         if (r < k && col < n) v = convert<T>(transposed ? src[col * ld_src + r] : src[r * ld_src + col]);
-        if constexpr (sizeof(T) == 2) panel[(r / 2) * kTileCols * 2 + j * 2 + (r % 2)] = v;
-        else panel[r * kTileCols + j] = v;
+        panel[rhs_index(r, j, kTileCols, vnni)] = v;
       }
     }
   }

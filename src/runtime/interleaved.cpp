@@ -60,7 +60,7 @@ class Interleaved final : public InterleavedExecutor::Impl {
         packed_((kernels::init(), resolve_packing<T>(c, w, opt.packed, opt.backward))) {
     machine_ = taskflow::cpu_machine(opt.workers_per_rank);
     machine_.tile_rows = kTileRows;
-    machine_.weight_tile_rows = kernels::kWeightTileRows;
+    machine_.weight_tile_rows = kernels::weight_tile_rows<T>();
     machine_.tile_cols = kTileCols;
     programs.resize(static_cast<std::size_t>(c.ranks));
     backward_programs.resize(static_cast<std::size_t>(c.ranks));
@@ -1277,15 +1277,14 @@ class Interleaved final : public InterleavedExecutor::Impl {
   template <class U>
   static void pack_rows_into_panels(const U* src, std::int64_t ld_src, std::int64_t rows, std::int64_t n, U* panels_base,
                                     std::int64_t height, std::int64_t row0, std::int64_t zero_rows) {
+    const bool vnni = kernels::vnni_layout<U>();
     for (std::int64_t p = 0; p < panels(n); ++p) {
       U* panel = panels_base + p * height * kTileCols;
       for (std::int64_t i = 0; i < rows + zero_rows; ++i) {
         const std::int64_t rr = row0 + i;
         for (std::int64_t j = 0; j < kTileCols; ++j) {
           const std::int64_t col = p * kTileCols + j;
-          const U v = i < rows && col < n ? src[i * ld_src + col] : U{};
-          if constexpr (sizeof(U) == 2) panel[(rr / 2) * kTileCols * 2 + j * 2 + (rr % 2)] = v;
-          else panel[rr * kTileCols + j] = v;
+          panel[kernels::rhs_index(rr, j, kTileCols, vnni)] = i < rows && col < n ? src[i * ld_src + col] : U{};
         }
       }
     }
