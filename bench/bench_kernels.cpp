@@ -36,9 +36,9 @@ namespace {
 
 template <class T>
 struct Operands {
-  std::vector<T> a;       // [m, k] row-major
-  std::vector<T> b;       // [k, n] in the kernel's panel-blocked layout
-  std::vector<float> c;   // [m, n]
+  AlignedVector<T> a;     // [m, k] row-major
+  AlignedVector<T> b;     // [k, n] in the kernel's panel-blocked layout
+  AlignedVector<float> c; // [m, n]
   Operands(std::int64_t m, std::int64_t n, std::int64_t k) {
     Rng rng(42);
     a.resize(static_cast<std::size_t>(m * k));

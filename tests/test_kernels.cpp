@@ -95,31 +95,35 @@ TEST(TileGemm, Bf16MatchesDoubleLoops) {
     for (bool acc : {false, true}) check_gemm<bf16>(m, n, k, acc);
 }
 
-// A whole GEMM through 64 x 64 tiles over a panel-blocked operand with a
-// ragged last panel, against double loops.
+// A whole GEMM through row tiles over a panel-blocked operand with a
+// ragged last panel, against double loops; A's rows `spare` elements wider
+// than K (a strided A), C accumulated into when `accumulate`.
 template <class T>
-void check_panel_gemm(std::int64_t m, std::int64_t n, std::int64_t k, bool transposed) {
+void check_panel_gemm(std::int64_t m, std::int64_t n, std::int64_t k, bool transposed, std::int64_t spare = 0,
+                      bool accumulate = false) {
   init();
   Rng rng(7);
-  std::vector<T> a(static_cast<std::size_t>(m * padded_k<T>(k)));
+  const std::int64_t kp = padded_k<T>(k), lda = kp + spare;
+  std::vector<T> a(static_cast<std::size_t>(m * lda));
   for (std::int64_t i = 0; i < m; ++i)
-    for (std::int64_t p = 0; p < padded_k<T>(k); ++p) a[i * padded_k<T>(k) + p] = to<T>(p < k ? float(rng.normal()) : 0.0f);
+    for (std::int64_t p = 0; p < lda; ++p) a[i * lda + p] = to<T>(p < k ? float(rng.normal()) : p < kp ? 0.0f : 1e30f);
   std::vector<float> b(static_cast<std::size_t>(k * n));  // operand [k, n], stored as b or (transposed) [n, k]
   for (auto& v : b) v = round_to_bf16(float(rng.normal()));
   auto operand = [&](std::int64_t r, std::int64_t col) { return transposed ? b[col * k + r] : b[r * n + col]; };
   std::vector<T> packed(static_cast<std::size_t>(panel_blocked_size<T>(k, n)));
   pack_rhs_panels<float, T>(b.data(), transposed ? k : n, k, n, transposed, packed.data(), 0, (n + kTileCols - 1) / kTileCols);
-  std::vector<float> c(static_cast<std::size_t>(m * n));
+  const float before = accumulate ? 0.5f : 0.0f;
+  std::vector<float> c(static_cast<std::size_t>(m * n), before);
   for (std::int64_t i = 0; i < m; i += kTileRows)
     for (std::int64_t j = 0; j < n; j += kTileCols)
-      gemm_tile<T>(a.data() + i * padded_k<T>(k), padded_k<T>(k), panel_view<T>(packed.data(), k), j, c.data() + i * n + j, n,
-                   std::min(kTileRows, m - i), std::min(kTileCols, n - j), padded_k<T>(k), false);
+      gemm_tile<T>(a.data() + i * lda, lda, panel_view<T>(packed.data(), k), j, c.data() + i * n + j, n,
+                   std::min(kTileRows, m - i), std::min(kTileCols, n - j), kp, accumulate);
   for (std::int64_t i = 0; i < m; ++i)
     for (std::int64_t j = 0; j < n; ++j) {
-      double ref = 0, magnitude = 1;
+      double ref = before, magnitude = 1;
       for (std::int64_t p = 0; p < k; ++p) {
-        ref += from(a[i * padded_k<T>(k) + p]) * double(operand(p, j));
-        magnitude += std::abs(from(a[i * padded_k<T>(k) + p]) * double(operand(p, j)));
+        ref += from(a[i * lda + p]) * double(operand(p, j));
+        magnitude += std::abs(from(a[i * lda + p]) * double(operand(p, j)));
       }
       ASSERT_LT(std::abs(ref - c[i * n + j]), 4 * 6e-8 * std::sqrt(double(k)) * magnitude) << i << "," << j;
     }
@@ -129,6 +133,15 @@ TEST(TileGemm, PanelBlockedOperands) {
   for (bool transposed : {false, true}) {
     check_panel_gemm<float>(70, 150, 300, transposed);
     check_panel_gemm<bf16>(70, 150, 301, transposed);
+  }
+}
+
+// Weight panels with a strided A (a split part narrower than its buffer)
+// and accumulation: on AMX the brgemm path copies A and adds its dense tile.
+TEST(TileGemm, PanelBlockedOperandsWithStridedAAndAccumulation) {
+  for (bool accumulate : {false, true}) {
+    check_panel_gemm<float>(150, 70, 96, false, 6, accumulate);
+    check_panel_gemm<bf16>(150, 70, 97, false, 6, accumulate);
   }
 }
 

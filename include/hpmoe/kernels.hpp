@@ -1,5 +1,7 @@
 #pragma once
 #include <cstdint>
+#include <new>
+#include <vector>
 
 #include "hpmoe/bf16.hpp"
 
@@ -22,6 +24,22 @@ inline constexpr std::int64_t kBlockK = 128;
 // result is bit for bit the one-call result (TileGemm.Fp32IsASequentialFmaSum).
 inline constexpr std::int64_t kChunkBlocks = 16;
 
+// An allocator of 64-byte aligned storage: tile operands whose rows start
+// on a cache line. oneDNN's AMX kernels run at half their rate or less on
+// operands 16 bytes off a line (docs/benchmarks.md, "bf16 on AMX").
+template <class T>
+struct CacheLineAllocator {
+  using value_type = T;
+  CacheLineAllocator() = default;
+  template <class U>
+  CacheLineAllocator(const CacheLineAllocator<U>&) {}
+  T* allocate(std::size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t{64})); }
+  void deallocate(T* p, std::size_t) { ::operator delete(p, std::align_val_t{64}); }
+  friend bool operator==(const CacheLineAllocator&, const CacheLineAllocator&) { return true; }
+};
+template <class T>
+using AlignedVector = std::vector<T, CacheLineAllocator<T>>;
+
 // Initialises libxsmm once per process; cheap to call again.
 void init();
 
@@ -38,6 +56,15 @@ Bf16Engine bf16_engine();
 const char* name(Bf16Engine);
 // Whether bf16 operands are in VNNI pairs (libxsmm) or plain rows (oneDNN).
 inline bool bf16_vnni() { return bf16_engine() == Bf16Engine::libxsmm; }
+// Rows of a token tile for T's engine: kTileRows, and twice as many for bf16
+// on AMX, where a tile of 128 rows spends more time bringing in its weight
+// panel than multiplying it (each panel is read once per row tile).
+inline constexpr std::int64_t kMaxTileRows = 256;
+template <class T>
+std::int64_t token_tile_rows() {
+  if constexpr (sizeof(T) == 2) return bf16_engine() == Bf16Engine::onednn_amx ? kMaxTileRows : kTileRows;
+  else return kTileRows;
+}
 // Rows of a weight-gradient tile for T's engine. Their K is an expert's rows
 // of a step (a few hundred), so a tile is short work; oneDNN's AMX GEMM
 // needs taller tiles to run near its rate (m x 64 x 384: 575 GFLOP/s at 64
@@ -48,33 +75,6 @@ std::int64_t weight_tile_rows() {
   else return kWeightTileRows;
 }
 
-// The right-hand operand of a tile GEMM, laid out as the kernel reads it:
-//   float: row-major [K, N], leading dimension ld;
-//   bf16:  as float when the oneDNN engine runs it; for libxsmm in VNNI
-//          pairs: element (k, n) at ((k / 2) * ld + n) * 2 + k % 2
-//          (bf16_vnni()). The packers below write whichever this process
-//          uses, and so does every executor's pack task.
-// When panel_stride > 0 the operand is panel-blocked: columns come in panels
-// of kTileCols, each panel a contiguous [K, kTileCols] operand of the layout
-// above (ld = kTileCols), panel p starting at data + p * panel_stride. A tile
-// then reads one contiguous block instead of K rows a whole row apart, which
-// keeps the TLB and the prefetchers happy for long K. Tiles must not cross a
-// panel boundary.
-template <class T>
-struct RhsView {
-  const T* data = nullptr;
-  std::int64_t ld = 0;
-  std::int64_t panel_stride = 0;
-};
-
-// C[m, n] (=, or += when accumulate) A[m, k] * B[k, col0 : col0 + n].
-// A is row-major with leading dimension lda; C is fp32 row-major. For bf16, k
-// must be even (operands are zero-padded to an even K).
-template <class T>
-void gemm_tile(const T* a, std::int64_t lda, RhsView<T> b, std::int64_t col0, float* c, std::int64_t ldc,
-               std::int64_t m, std::int64_t n, std::int64_t k, bool accumulate);
-
-// K rounded up to what the layout of T needs (even for bf16).
 // Index of operand element (k, n) in a (panel of a) RhsView operand with
 // leading dimension ld; vnni: bf16_vnni() for bf16, false for float.
 inline std::int64_t rhs_index(std::int64_t k, std::int64_t n, std::int64_t ld, bool vnni) {
@@ -86,6 +86,38 @@ bool vnni_layout() {
   else return false;
 }
 
+// The right-hand operand of a tile GEMM, laid out as the kernel reads it:
+//   float: row-major [K, N], leading dimension ld;
+//   bf16:  VNNI pairs when `vnni`: element (k, n) at
+//          ((k / 2) * ld + n) * 2 + k % 2; otherwise as float.
+// libxsmm reads VNNI only. oneDNN on AMX reads packed weights (panel_view)
+// as VNNI panels with K padded to 32, its AMX brgemm's own blocked layout
+// (BA16a64b2a), and every other bf16 operand (the pack tasks' panels of
+// activations and gradients) as plain rows, which its AMX GEMM takes with
+// any strides. The packers below and every executor's pack task write the
+// layout of the engine in use.
+// When panel_stride > 0 the operand is panel-blocked: columns come in panels
+// of kTileCols, each panel a contiguous [K, kTileCols] operand of the layout
+// above (ld = kTileCols), panel p starting at data + p * panel_stride. A tile
+// then reads one contiguous block instead of K rows a whole row apart, which
+// keeps the TLB and the prefetchers happy for long K. Tiles must not cross a
+// panel boundary.
+template <class T>
+struct RhsView {
+  const T* data = nullptr;
+  std::int64_t ld = 0;
+  std::int64_t panel_stride = 0;
+  bool vnni = vnni_layout<T>();
+};
+
+// C[m, n] (=, or += when accumulate) A[m, k] * B[k, col0 : col0 + n].
+// A is row-major with leading dimension lda; C is fp32 row-major. For bf16, k
+// must be even (operands are zero-padded to an even K).
+template <class T>
+void gemm_tile(const T* a, std::int64_t lda, RhsView<T> b, std::int64_t col0, float* c, std::int64_t ldc,
+               std::int64_t m, std::int64_t n, std::int64_t k, bool accumulate);
+
+// K rounded up to what the layout of T needs (even for bf16).
 template <class T>
 constexpr std::int64_t padded_k(std::int64_t k) {
   if constexpr (sizeof(T) == 2) return (k + 1) & ~std::int64_t{1};
@@ -99,21 +131,31 @@ template <class S, class T>
 void pack_rhs(const S* src, std::int64_t ld_src, std::int64_t k, std::int64_t n, T* dst, std::int64_t row_begin,
               std::int64_t row_end);
 
-// Elements of a panel-blocked operand of [K, N].
+// K of a packed weight's panels: padded_k, and a multiple of 32 for bf16 on
+// AMX (oneDNN's brgemm layout blocks K by 32; the padding rows are zero).
 template <class T>
-constexpr std::int64_t panel_blocked_size(std::int64_t k, std::int64_t n) {
-  return padded_k<T>(k) * ((n + kTileCols - 1) / kTileCols) * kTileCols;
+std::int64_t weight_padded_k(std::int64_t k) {
+  if constexpr (sizeof(T) == 2)
+    if (bf16_engine() == Bf16Engine::onednn_amx) return (k + 31) & ~std::int64_t{31};
+  return padded_k<T>(k);
+}
+
+// Elements of a panel-blocked weight operand of [K, N].
+template <class T>
+std::int64_t panel_blocked_size(std::int64_t k, std::int64_t n) {
+  return weight_padded_k<T>(k) * ((n + kTileCols - 1) / kTileCols) * kTileCols;
 }
 
 // Packs row-major src [K, N] (or, when transposed, src [N, K] read as its
-// transpose) into the panel-blocked layout, panels [panel_begin, panel_end).
-// Columns past N in the last panel and rows past K are zero.
+// transpose) into the panel-blocked weight layout (bf16: VNNI, K padded to
+// weight_padded_k), panels [panel_begin, panel_end). Columns past N in the
+// last panel and rows past K are zero.
 template <class S, class T>
 void pack_rhs_panels(const S* src, std::int64_t ld_src, std::int64_t k, std::int64_t n, bool transposed, T* dst,
                      std::int64_t panel_begin, std::int64_t panel_end);
 template <class T>
 RhsView<T> panel_view(const T* data, std::int64_t k) {
-  return {data, kTileCols, padded_k<T>(k) * kTileCols};
+  return {data, kTileCols, weight_padded_k<T>(k) * kTileCols, sizeof(T) == 2};
 }
 
 // Packs the transpose of row-major src [N, K] (so the operand is src^T) into

@@ -35,7 +35,7 @@ using kernels::RhsView;
 // panel-blocked layout (so the per-step cost is zero).
 template <class T>
 struct Operand {
-  std::vector<T> storage;
+  kernels::AlignedVector<T> storage;
   RhsView<T> view_;
   RhsView<T> view() const { return view_; }
 };

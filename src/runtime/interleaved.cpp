@@ -59,7 +59,7 @@ class Interleaved final : public InterleavedExecutor::Impl {
         pool_(static_cast<int>(local_.size()), opt.workers_per_rank, opt.pin, tr_->node_index() * opt.workers_per_rank),
         packed_((kernels::init(), resolve_packing<T>(c, w, opt.packed, opt.backward))) {
     machine_ = taskflow::cpu_machine(opt.workers_per_rank);
-    machine_.tile_rows = kTileRows;
+    machine_.tile_rows = kernels::token_tile_rows<T>();
     machine_.weight_tile_rows = kernels::weight_tile_rows<T>();
     machine_.tile_cols = kTileCols;
     programs.resize(static_cast<std::size_t>(c.ranks));
@@ -1294,7 +1294,7 @@ class Interleaved final : public InterleavedExecutor::Impl {
   template <class U>
   static void tile_to(const U* a, std::int64_t lda, RhsView<U> b, std::int64_t col0, U* out, std::int64_t ldo,
                       std::int64_t m, std::int64_t n, std::int64_t k) {
-    float scratch[kTileRows * kTileCols];
+    float scratch[kernels::kMaxTileRows * kTileCols];
     kernels::gemm_tile<U>(a, lda, b, col0, scratch, kTileCols, m, n, k, false);
     for (std::int64_t row = 0; row < m; ++row) kernels::store<U>(scratch + row * kTileCols, out + row * ldo, n);
   }

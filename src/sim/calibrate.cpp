@@ -71,7 +71,7 @@ double concurrent(int workers, int reps, int rounds, const std::function<void(in
 template <class T>
 double tile_rate(int workers, std::int64_t m, std::int64_t k, int reps, bool streamed) {
   const std::int64_t kp = kernels::padded_k<T>(k), ldc = 2048, c_rows = 8192;
-  const std::int64_t panel = kp * kernels::kTileCols;  // elements of one K x 64 panel
+  const std::int64_t panel = kernels::weight_padded_k<T>(k) * kernels::kTileCols;  // elements of one K x 64 weight panel
   const std::int64_t panels =
       streamed ? std::max<std::int64_t>(32, (std::int64_t{96} << 20) / (panel * std::int64_t{sizeof(T)})) : 32;
   const int rounds = static_cast<int>(std::max<std::int64_t>(panels, 8 * 32));
