@@ -6,7 +6,8 @@ packages=(cmake ninja-build g++ pkg-config libxsmm-dev nlohmann-json3-dev libcli
   libopenmpi-dev openmpi-bin libucx-dev  # libucx-dev: bench/bench_ucx (UCX measured against MPI)
           libdnnl-dev  # bf16 tiles on AMX (src/kernels/gemm.cpp); bench/bench_onednn
           libgtest-dev libgmock-dev libbenchmark-dev
-  clang libclang-rt-14-dev)  # clang and its libFuzzer runtime: scripts/fuzz.sh
+  clang libclang-rt-14-dev  # clang and its libFuzzer runtime: scripts/fuzz.sh
+  pybind11-dev python3-dev python3-torch python3-pytest python3-numpy)  # the Python module and its tests
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -15,6 +15,12 @@ echo "== release build"
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release > /dev/null
 cmake --build build -j "$jobs"
 ctest --test-dir build -j "$jobs" --output-on-failure
+# The Python module (python/): its pytest suite, where Debian's PyTorch is.
+if /usr/bin/python3 -c "import torch" 2>/dev/null && ls build/python/hpmoe/_core*.so > /dev/null 2>&1; then
+  HPMOE="$PWD/build/hpmoe" PYTHONPATH="$PWD/build/python" /usr/bin/python3 -m pytest -q python/tests
+else
+  echo "== python/tests skipped: needs /usr/bin/python3 with torch (python3-torch) and the module (pybind11-dev, python3-dev)"
+fi
 # Where the CPU has AMX, bf16 tiles run on oneDNN; the libxsmm path (the one
 # CPUs without AMX take) is tested too, with AMX turned off for oneDNN.
 ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 ctest --test-dir build -j "$jobs" --output-on-failure -R 'bf16|Bf16|TileGemm|Kernel'

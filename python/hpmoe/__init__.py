@@ -1,0 +1,131 @@
+"""hpmoe from PyTorch: the MoE FFN layer as a drop-in ``nn.Module``.
+
+    import hpmoe
+    moe = hpmoe.MoELayer(hpmoe.preset("qwen3-30b-a3b"), ranks=2, workers=1)
+    moe.load_state_dict(block_state_dict)      # Hugging Face names: gate.weight, experts.{e}.gate_proj.weight, ...
+    y = moe(x)                                 # x: float32 [..., hidden]; (y, aux, z) when a balancing loss is on
+    y.sum().backward()                         # hpmoe's backward, both executors
+
+The layer runs as ``ranks`` expert-parallel ranks of ``workers`` threads in
+this process (the tokens of a call are split evenly over the ranks). The
+balancing losses are returned for logging: their gradients, with the
+configuration's coefficients (aux_loss_coef, z_loss_coef), are already part
+of hpmoe's backward, so adding them to the loss changes nothing. With
+``expert_bias`` on, the aux-loss-free bias (DeepSeek-V3) is updated after
+every backward from that step's expert load.
+
+Memory: float32 contiguous CPU tensors are read without copies (x, d_out
+and the parameters, through NumPy views); anything else is converted once.
+Outputs and gradients are new tensors that share hpmoe's result arrays.
+The weights are packed for the tile kernels at every forward, since
+training changes them every step. Errors from C++ arrive as ValueError with
+hpmoe's message.
+"""
+import json
+
+import torch
+from torch import nn
+
+from . import _core
+
+__all__ = ["MoELayer", "preset", "preset_names", "from_hf_config", "with_fields"]
+
+
+def preset_names():
+    return list(_core.preset_names())
+
+
+def preset(name):
+    """A preset layer configuration (a dict in hpmoe's config format)."""
+    return json.loads(_core.preset_json(name))
+
+
+def with_fields(config, **fields):
+    """The configuration with fields set as ``hpmoe --set field=value`` sets them (checked)."""
+    text = {k: (str(v).lower() if isinstance(v, bool) else str(v)) for k, v in fields.items()}
+    return json.loads(_core.config_with(json.dumps(config), text))
+
+
+def from_hf_config(path, base=None):
+    """A layer configuration read from a Hugging Face config.json (or hpmoe's own format)."""
+    return json.loads(_core.config_file_json(str(path), json.dumps(base or preset("mixtral-8x7b"))))
+
+
+class _Mlp(nn.Module):
+    def __init__(self, hidden, inter):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+
+class _Function(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, module, names, x, *params):
+        arrays = {n: p.detach().numpy() for n, p in zip(names, params)}
+        if module.gate_bias is not None:
+            arrays["gate.e_score_correction_bias"] = module.gate_bias.detach().numpy()
+        out, aux, z, load = module._core.forward(x.detach().numpy(), arrays)
+        ctx.module, ctx.names, ctx.tokens = module, names, x.shape[0]
+        module.last_load = torch.from_numpy(load)
+        return torch.from_numpy(out), torch.tensor(aux, dtype=torch.float32), torch.tensor(z, dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx, d_out, d_aux, d_z):
+        module = ctx.module
+        if d_out is None:  # only the losses were used
+            d_out = torch.zeros(ctx.tokens, module.config["hidden"])
+        grads = module._core.backward(d_out.contiguous().numpy())
+        if module.gate_bias is not None:  # DeepSeek-V3's aux-loss-free update, after the step
+            with torch.no_grad():
+                _core.update_expert_bias(module.gate_bias.numpy(), module.last_load.sum(dim=0).numpy(),
+                                         module.config["bias_update_rate"])
+        return (None, None, torch.from_numpy(grads["x"])) + tuple(torch.from_numpy(grads[n]) for n in ctx.names)
+
+
+class MoELayer(nn.Module):
+    """An MoE FFN layer (router, routed experts with SwiGLU, shared experts) run by hpmoe.
+
+    config: a dict (``hpmoe.preset(name)``, ``hpmoe.from_hf_config(path)``) or a preset name;
+    ranks: expert-parallel ranks in this process; workers: threads per rank;
+    executor: "interleaved" (the single-launch taskflow) or "serialized" (operator by operator).
+    """
+
+    def __init__(self, config, ranks=1, workers=1, executor="interleaved"):
+        super().__init__()
+        cfg = dict(preset(config) if isinstance(config, str) else config)
+        if not isinstance(ranks, int) or ranks < 1:
+            raise ValueError(f"ranks must be a positive integer, got {ranks!r}")
+        cfg["ranks"] = ranks
+        cfg["tokens_per_rank"] = max(1, int(cfg.get("tokens_per_rank", 1)))
+        self._core = _core.Layer(json.dumps(cfg), int(workers), executor)
+        self.config = json.loads(self._core.config_json)
+        self.executor = executor
+        H, I, E = self.config["hidden"], self.config["expert_inter"], self.config["routed_experts"]
+        self.gate = nn.Linear(H, E, bias=False)
+        if self.config["expert_bias"]:
+            self.gate.register_buffer("e_score_correction_bias", torch.zeros(E))
+        self.experts = nn.ModuleList([_Mlp(H, I) for _ in range(E)])
+        shared = self.config["shared_experts"]
+        if shared > 0:
+            self.shared_experts = _Mlp(H, shared * (self.config["shared_inter"] or I))
+        self.last_load = None  # [ranks, experts] kept rows of the last forward
+
+    @property
+    def gate_bias(self):
+        return getattr(self.gate, "e_score_correction_bias", None)
+
+    def forward(self, x):
+        H = self.config["hidden"]
+        if not isinstance(x, torch.Tensor) or x.dtype != torch.float32 or x.device.type != "cpu":
+            raise ValueError(f"hpmoe.MoELayer takes float32 CPU tensors, got "
+                             f"{getattr(x, 'dtype', type(x))} on {getattr(x, 'device', '?')}")
+        if x.dim() < 1 or x.shape[-1] != H:
+            raise ValueError(f"hpmoe.MoELayer needs inputs of shape [..., {H}] (hidden {H}), got {list(x.shape)}")
+        flat = x.reshape(-1, H).contiguous()
+        named = [(n, p) for n, p in self.named_parameters()]
+        out, aux, z = _Function.apply(self, [n for n, _ in named], flat, *[p.contiguous() for _, p in named])
+        out = out.reshape(x.shape)
+        if self.config["aux_loss_coef"] > 0 or self.config["z_loss_coef"] > 0:
+            return out, aux, z
+        return out

@@ -1,0 +1,223 @@
+"""hpmoe.MoELayer against a plain PyTorch MoE written here, and its error paths.
+
+Run: PYTHONPATH=build/python /usr/bin/python3 -m pytest python/tests
+"""
+import json
+
+import pytest
+import torch
+
+import hpmoe
+
+
+def small(**fields):
+    base = hpmoe.with_fields(hpmoe.preset("mixtral-8x7b"), hidden=48, expert_inter=40, routed_experts=8, top_k=2,
+                             aux_loss_coef=0, z_loss_coef=0)
+    return hpmoe.with_fields(base, **fields)
+
+
+def reference(module, x):
+    """The layer in plain PyTorch (fp32 autograd), from the module's own parameters."""
+    c = module.config
+    E, K = c["routed_experts"], c["top_k"]
+    logits = x @ module.gate.weight.t()
+    scores = logits.softmax(-1) if c["scoring"] == "softmax" else logits.sigmoid()
+    sel = scores.detach()
+    if module.gate_bias is not None:
+        sel = sel + module.gate_bias
+    if c["groups"] > 1:  # DeepSeek: a group's score is its best expert, or its best two with the bias
+        g = sel.view(x.shape[0], c["groups"], -1)
+        top = g.topk(2 if module.gate_bias is not None and g.shape[-1] > 1 else 1, dim=-1).values.sum(-1)
+        keep = top.topk(c["groups_kept"], dim=-1).indices
+        mask = torch.zeros_like(top, dtype=torch.bool).scatter_(1, keep, True)
+        sel = sel.masked_fill(~mask.repeat_interleave(E // c["groups"], dim=1), float("-inf"))
+    idx = sel.topk(K, dim=-1).indices
+    w = scores.gather(1, idx)
+    if c["normalize_topk"]:
+        w = w / w.sum(-1, keepdim=True)
+    w = w * c["route_scale"]
+    if c["capacity_factor"] > 0:  # per rank and expert at most `cap` assignments; the lowest weights drop
+        import math
+        ranks, K_ = module.config["ranks"], K
+        T = x.shape[0] // ranks
+        cap = math.ceil(c["capacity_factor"] * T * K_ / E)
+        kept = torch.ones_like(w)
+        flat_idx, flat_w = idx.reshape(-1), w.detach().reshape(-1)
+        for r in range(ranks):
+            for e in range(E):
+                a = [i for i in range(r * T * K_, (r + 1) * T * K_) if flat_idx[i] == e]
+                if len(a) > cap:
+                    a.sort(key=lambda i: -float(flat_w[i]))  # stable: ties keep (token, k) order
+                    for i in a[cap:]:
+                        kept.view(-1)[i] = 0
+        w = w * kept
+    y = torch.zeros_like(x)
+    for e, mlp in enumerate(module.experts):
+        rows, slot = (idx == e).nonzero(as_tuple=True)
+        if rows.numel():
+            h = x[rows]
+            out = mlp.down_proj(torch.nn.functional.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
+            y = y.index_add(0, rows, out * w[rows, slot].unsqueeze(1))
+    if c["shared_experts"] > 0:
+        s = module.shared_experts
+        y = y + s.down_proj(torch.nn.functional.silu(s.gate_proj(x)) * s.up_proj(x))
+    return y
+
+
+def rel(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+def run(module, x, d_out):
+    x = x.clone().requires_grad_(True)
+    module.zero_grad()
+    y = module(x)
+    y = y[0] if isinstance(y, tuple) else y
+    y.backward(d_out)
+    grads = {n: p.grad.clone() for n, p in module.named_parameters()}
+    return y.detach(), x.grad.clone(), grads
+
+
+CASES = {
+    "softmax": small(),
+    "softmax_normalised_shared": small(normalize_topk=True, shared_experts=1, shared_inter=32, route_scale=1.5),
+    "softmax_capacity": small(capacity_factor=1.0, top_k=2),
+    "sigmoid_groups_bias": small(scoring="sigmoid", groups=4, groups_kept=2, normalize_topk=True, expert_bias=True,
+                                 route_scale=2.5),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("executor", ["interleaved", "serialized"])
+def test_matches_plain_pytorch(name, executor):
+    torch.manual_seed(0)
+    m = hpmoe.MoELayer(CASES[name], ranks=2, workers=1, executor=executor)
+    if m.gate_bias is not None:
+        m.gate_bias.copy_(torch.randn(m.config["routed_experts"]) * 0.1)
+        m.config["bias_update_rate"] = 0.0  # keep the bias for the reference
+    x, d_out = torch.randn(40, 48), torch.randn(40, 48)
+    y, dx, grads = run(m, x, d_out)
+    xr = x.clone().requires_grad_(True)
+    m.zero_grad()
+    yr = reference(m, xr)
+    yr.backward(d_out)
+    assert rel(y, yr.detach()) <= 1e-5
+    assert rel(dx, xr.grad) <= 1e-5
+    for n, p in m.named_parameters():
+        if p.grad.norm() > 0:
+            assert rel(grads[n], p.grad) <= 1e-5, n
+        else:
+            assert grads[n].norm() == 0, n
+
+
+def test_executors_bit_identical():
+    torch.manual_seed(1)
+    cfg = small(shared_experts=1)
+    a = hpmoe.MoELayer(cfg, ranks=2, workers=2, executor="interleaved")
+    b = hpmoe.MoELayer(cfg, ranks=2, workers=1, executor="serialized")
+    b.load_state_dict(a.state_dict())
+    x, d_out = torch.randn(64, 48), torch.randn(64, 48)
+    ra, rb = run(a, x, d_out), run(b, x, d_out)
+    assert torch.equal(ra[0], rb[0]) and torch.equal(ra[1], rb[1])
+    assert all(torch.equal(ra[2][n], rb[2][n]) for n in ra[2])
+
+
+def test_losses_and_bias_update():
+    cfg = small(scoring="sigmoid", expert_bias=True, aux_loss_coef=0.01, z_loss_coef=0.001, bias_update_rate=0.01)
+    m = hpmoe.MoELayer(cfg, ranks=1)
+    y, aux, z = m(torch.randn(32, 48))
+    assert aux.item() > 0 and z.item() > 0
+    assert m.last_load.shape == (1, 8) and int(m.last_load.sum()) == 32 * 2
+    y.sum().backward()
+    load = m.last_load.sum(0).float()
+    moved = m.gate_bias * torch.sign(load.mean() - load)  # bias rises where load is below the mean
+    assert torch.all(moved >= 0) and m.gate_bias.abs().max().item() == pytest.approx(0.01)
+
+
+def test_hugging_face_names():
+    m = hpmoe.MoELayer(small(shared_experts=1, expert_bias=True, scoring="sigmoid"))
+    names = set(m.state_dict())
+    assert {"gate.weight", "gate.e_score_correction_bias", "experts.7.down_proj.weight",
+            "shared_experts.up_proj.weight"} <= names
+
+
+def test_bad_inputs_raise_value_error():
+    m = hpmoe.MoELayer(small(), ranks=2)
+    with pytest.raises(ValueError, match=r"shape \[\.\.\., 48\]"):
+        m(torch.randn(4, 47))
+    with pytest.raises(ValueError, match="float32"):
+        m(torch.randn(4, 48, dtype=torch.float64))
+    with pytest.raises(ValueError, match="cannot share evenly"):
+        m(torch.randn(5, 48))
+    with pytest.raises(ValueError, match="top_k"):
+        hpmoe.MoELayer(small(top_k=9))
+    with pytest.raises(ValueError, match="executor"):
+        hpmoe.MoELayer(small(), executor="fast")
+    with pytest.raises(ValueError):
+        hpmoe.preset("no-such-model")
+    with pytest.raises(ValueError, match="unknown"):
+        hpmoe.with_fields(small(), no_such_field=1)
+    with torch.no_grad():
+        m.experts[3].up_proj.weight[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        m(torch.randn(4, 48))
+
+
+def test_repeats_bit_for_bit():
+    torch.manual_seed(3)
+    m = hpmoe.MoELayer(small(), ranks=2)
+    x = torch.randn(16, 48)
+    with torch.no_grad():
+        assert torch.equal(m(x), m(x))
+    assert json.loads(json.dumps(m.config))["ranks"] == 2
+
+
+def load_safetensors(path):
+    import struct
+
+    import numpy as np
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(n))
+        data = f.read()
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__" or info["dtype"] != "F32":
+            continue
+        b, e = info["data_offsets"]
+        out[name] = torch.from_numpy(np.frombuffer(data[b:e], dtype=np.float32).reshape(info["shape"]).copy())
+    return out
+
+
+@pytest.mark.parametrize("fields", [["routed_experts=8"], ["routed_experts=8", "shared_experts=1", "scoring=sigmoid",
+                                                            "expert_bias=true", "aux_loss_coef=0.01"]])
+def test_cli_and_module_bit_identical(tmp_path, fields):
+    """hpmoe run --save, then the module on the saved weights and tokens: the same bits."""
+    import os
+    import subprocess
+    cli = os.environ.get("HPMOE", "build/hpmoe")
+    if not os.path.exists(cli):
+        pytest.skip(f"the CLI is not built at {cli} (set HPMOE)")
+    layer = ["--preset", "mixtral-8x7b", "--set", "hidden=48", "--set", "expert_inter=40"]
+    for f in fields:
+        layer += ["--set", f]
+    config = json.loads(subprocess.run([cli, "config"] + layer, check=True, capture_output=True, text=True).stdout)
+    subprocess.run([cli, "run"] + layer + ["-P", "2", "-T", "12", "--backward", "--iters", "1", "--warmup", "0",
+                                           "--verify", "off", "--save", str(tmp_path)], check=True, capture_output=True)
+    w = load_safetensors(tmp_path / "weights.safetensors")
+    inputs = load_safetensors(tmp_path / "inputs.safetensors")
+    saved = load_safetensors(tmp_path / "outputs.safetensors")
+    m = hpmoe.MoELayer(config, ranks=2)
+    state = {k[len("mlp."):]: v for k, v in w.items()}
+    if not config["expert_bias"]:  # the CLI saves the (zero) bias either way
+        del state["gate.e_score_correction_bias"]
+    m.load_state_dict(state)
+    m.config["bias_update_rate"] = 0.0
+    x = inputs["x"].clone().requires_grad_(True)
+    y = m(x)
+    y = y[0] if isinstance(y, tuple) else y
+    y.backward(inputs["d_out"])
+    assert torch.equal(y.detach(), saved["out"])
+    assert torch.equal(x.grad, saved["grad.x"])
+    for n, p in m.named_parameters():
+        assert torch.equal(p.grad, saved["grad.mlp." + n]), n
