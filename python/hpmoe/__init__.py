@@ -28,7 +28,7 @@ from torch import nn
 
 from . import _core
 
-__all__ = ["MoELayer", "preset", "preset_names", "from_hf_config", "with_fields"]
+__all__ = ["MoELayer", "SwiGLU", "preset", "preset_names", "from_hf_config", "with_fields"]
 
 
 def preset_names():
@@ -51,12 +51,18 @@ def from_hf_config(path, base=None):
     return json.loads(_core.config_file_json(str(path), json.dumps(base or preset("mixtral-8x7b"))))
 
 
-class _Mlp(nn.Module):
+class SwiGLU(nn.Module):
+    """One expert's MLP with Hugging Face's names: down_proj(silu(gate_proj(x)) * up_proj(x)).
+    MoELayer keeps its experts' parameters in these; its forward is for plain-PyTorch use."""
+
     def __init__(self, hidden, inter):
         super().__init__()
         self.gate_proj = nn.Linear(hidden, inter, bias=False)
         self.up_proj = nn.Linear(hidden, inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class _Function(torch.autograd.Function):
@@ -105,10 +111,10 @@ class MoELayer(nn.Module):
         self.gate = nn.Linear(H, E, bias=False)
         if self.config["expert_bias"]:
             self.gate.register_buffer("e_score_correction_bias", torch.zeros(E))
-        self.experts = nn.ModuleList([_Mlp(H, I) for _ in range(E)])
+        self.experts = nn.ModuleList([SwiGLU(H, I) for _ in range(E)])
         shared = self.config["shared_experts"]
         if shared > 0:
-            self.shared_experts = _Mlp(H, shared * (self.config["shared_inter"] or I))
+            self.shared_experts = SwiGLU(H, shared * (self.config["shared_inter"] or I))
         self.last_load = None  # [ranks, experts] kept rows of the last forward
 
     @property

@@ -221,3 +221,19 @@ def test_cli_and_module_bit_identical(tmp_path, fields):
     assert torch.equal(x.grad, saved["grad.x"])
     for n, p in m.named_parameters():
         assert torch.equal(p.grad, saved["grad.mlp." + n]), n
+
+
+def test_training_example_runs_matches_its_twin_and_resumes(tmp_path):
+    """examples/train_moe_lm.py, tiny: both models, the same losses, a bit-identical resume, the pictures."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = subprocess.run([sys.executable, os.path.join(root, "examples", "train_moe_lm.py"), "--steps", "6", "--layers", "1",
+                        "--d", "32", "--heads", "2", "--inter", "32", "--experts", "4", "--seq", "16", "--batch", "4",
+                        "--out", str(tmp_path), "--check-resume"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    m = json.load(open(tmp_path / "metrics.json"))
+    assert m["resume_bit_identical"]
+    assert m["max_loss_difference"] <= 1e-4 * max(m["hpmoe"]["loss"])
+    assert (tmp_path / "loss.png").stat().st_size > 1000 and (tmp_path / "load.png").stat().st_size > 1000
