@@ -54,8 +54,9 @@ Array transposed(const Matrix& m, std::int64_t c0, std::int64_t cols) {
 
 class Layer {
  public:
-  Layer(const std::string& config_json, int workers, const std::string& executor)
-      : config_(config_from_json(nlohmann::json::parse(config_json))), workers_(workers) {
+  Layer(const std::string& config_json, int workers, const std::string& executor, const std::string& schedule)
+      : config_(config_from_json(nlohmann::json::parse(config_json))), workers_(workers),
+        policy_(taskflow::parse_policy(schedule)) {
     if (executor != "interleaved" && executor != "serialized")
       throw Error("executor must be \"interleaved\" or \"serialized\", got \"" + executor + "\"");
     if (workers < 1 || workers > 256) throw Error("workers must be 1 to 256, got " + std::to_string(workers));
@@ -92,6 +93,7 @@ class Layer {
         o.workers_per_rank = workers_;
         o.backward = true;
         o.pin = false;  // a Python process's threads are its framework's
+        o.policy = policy_;
         auto ex = std::make_unique<InterleavedExecutor>(c, weights_, o);
         ex->forward(xv, {}, *result_);
         executor_ = std::move(ex);
@@ -188,6 +190,7 @@ class Layer {
 
   LayerConfig config_, step_config_;
   int workers_ = 1;
+  taskflow::Policy policy_;
   bool interleaved_ = true;
   LayerWeights weights_;
   Array x_, out_;
@@ -229,8 +232,8 @@ PYBIND11_MODULE(_core, m) {
     }
   });
   py::class_<Layer>(m, "Layer")
-      .def(py::init<const std::string&, int, const std::string&>(), py::arg("config_json"), py::arg("workers"),
-           py::arg("executor"))
+      .def(py::init<const std::string&, int, const std::string&, const std::string&>(), py::arg("config_json"),
+           py::arg("workers"), py::arg("executor"), py::arg("schedule"))
       .def("forward", &Layer::forward, py::arg("x"), py::arg("params"))
       .def("backward", &Layer::backward, py::arg("d_out"))
       .def_property_readonly("config_json", [](const Layer& l) { return to_json(l.config()).dump(); });

@@ -94,17 +94,19 @@ class MoELayer(nn.Module):
 
     config: a dict (``hpmoe.preset(name)``, ``hpmoe.from_hf_config(path)``) or a preset name;
     ranks: expert-parallel ranks in this process; workers: threads per rank;
-    executor: "interleaved" (the single-launch taskflow) or "serialized" (operator by operator).
+    executor: "interleaved" (the single-launch taskflow) or "serialized" (operator by operator);
+    schedule: the interleaved runtime's task order per worker ("critical-path", "fill",
+    "rank-rotated", "interleave-wgrad"; hpmoe run --policy). Results are bit-identical for all.
     """
 
-    def __init__(self, config, ranks=1, workers=1, executor="interleaved"):
+    def __init__(self, config, ranks=1, workers=1, executor="interleaved", schedule="critical-path"):
         super().__init__()
         cfg = dict(preset(config) if isinstance(config, str) else config)
         if not isinstance(ranks, int) or ranks < 1:
             raise ValueError(f"ranks must be a positive integer, got {ranks!r}")
         cfg["ranks"] = ranks
         cfg["tokens_per_rank"] = max(1, int(cfg.get("tokens_per_rank", 1)))
-        self._core = _core.Layer(json.dumps(cfg), int(workers), executor)
+        self._core = _core.Layer(json.dumps(cfg), int(workers), executor, schedule)
         self.config = json.loads(self._core.config_json)
         self.executor = executor
         H, I, E = self.config["hidden"], self.config["expert_inter"], self.config["routed_experts"]

@@ -122,6 +122,20 @@ def test_executors_bit_identical():
     assert all(torch.equal(ra[2][n], rb[2][n]) for n in ra[2])
 
 
+@pytest.mark.parametrize("schedule", ["fill", "rank-rotated", "interleave-wgrad"])
+def test_schedules_bit_identical(schedule):
+    torch.manual_seed(2)
+    a = hpmoe.MoELayer(small(), ranks=2, workers=2)
+    b = hpmoe.MoELayer(small(), ranks=2, workers=2, schedule=schedule)
+    b.load_state_dict(a.state_dict())
+    x, d_out = torch.randn(64, 48), torch.randn(64, 48)
+    ra, rb = run(a, x, d_out), run(b, x, d_out)
+    assert torch.equal(ra[0], rb[0]) and torch.equal(ra[1], rb[1])
+    assert all(torch.equal(ra[2][n], rb[2][n]) for n in ra[2])
+    with pytest.raises(ValueError):
+        hpmoe.MoELayer(small(), schedule="fastest")
+
+
 def test_losses_and_bias_update():
     cfg = small(scoring="sigmoid", expert_bias=True, aux_loss_coef=0.01, z_loss_coef=0.001, bias_update_rate=0.01)
     m = hpmoe.MoELayer(cfg, ranks=1)
