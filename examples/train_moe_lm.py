@@ -80,8 +80,11 @@ def save_safetensors(path, tensors, metadata):
 
 def load_safetensors(path):
     import numpy as np
+    size = os.path.getsize(path)
     with open(path, "rb") as f:
         n = struct.unpack("<Q", f.read(8))[0]
+        if n > size - 8:
+            raise ValueError(f"its header claims {n} bytes, more than the file holds")
         header = json.loads(f.read(n))
         data = f.read()
     meta = header.pop("__metadata__", {})
@@ -339,7 +342,7 @@ def main():
                     help="also train to half the steps, save, load into a fresh model and finish: the losses must match bit for bit")
     args = ap.parse_args()
     if args.steps < 1 or args.batch * args.seq % args.ranks:
-        sys.exit("--steps must be >= 1 and --batch x --seq divisible by --ranks")
+        ap.error("--steps must be >= 1 and --batch x --seq divisible by --ranks")  # one line, exit code 2
     torch.set_num_threads(args.threads)
     os.makedirs(args.out, exist_ok=True)
     data, names = load_text()
@@ -350,9 +353,12 @@ def main():
 
     ckpt = os.path.join(args.out, "checkpoint.safetensors")
     model, opt, timer = build(args)
-    first = restore(model, opt, args.resume) if args.resume else 0
+    try:
+        first = restore(model, opt, args.resume) if args.resume else 0
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RuntimeError, struct.error) as e:
+        ap.error(f"--resume {args.resume}: not a checkpoint of this model ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
     if first >= args.steps:
-        sys.exit(f"the checkpoint is at step {first}, not before --steps {args.steps}")
+        ap.error(f"the checkpoint is at step {first}, not before --steps {args.steps}")
 
     def log(name):
         return lambda step, loss, lm: print(f"{name:7s} step {step:5d}  loss {loss:.4f}  load max/mean "

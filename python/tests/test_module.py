@@ -251,3 +251,18 @@ def test_training_example_runs_matches_its_twin_and_resumes(tmp_path):
     assert m["resume_bit_identical"]
     assert m["max_loss_difference"] <= 1e-4 * max(m["hpmoe"]["loss"])
     assert (tmp_path / "loss.png").stat().st_size > 1000 and (tmp_path / "load.png").stat().st_size > 1000
+
+
+def test_training_example_refuses_bad_input(tmp_path):
+    """A garbage checkpoint or impossible flags: one line naming them, exit code 2."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    garbage = tmp_path / "garbage.safetensors"
+    garbage.write_bytes(os.urandom(100))
+    for extra in (["--resume", str(garbage)], ["--steps", "0"], ["--batch", "3", "--seq", "5"]):
+        r = subprocess.run([sys.executable, os.path.join(root, "examples", "train_moe_lm.py"), "--out", str(tmp_path)] + extra,
+                           capture_output=True, text=True)
+        assert r.returncode == 2, r.stderr
+        assert "error:" in r.stderr.strip().splitlines()[-1] and "Traceback" not in r.stderr
