@@ -57,7 +57,7 @@ def load_text():
 
 # --- checkpoints: a minimal safetensors writer and reader (float32 and int64) ---
 
-DTYPES = {torch.float32: "F32", torch.int64: "I64"}
+DTYPES = {torch.float32: "F32", torch.float64: "F64", torch.int64: "I64"}
 
 
 def save_safetensors(path, tensors, metadata):
@@ -88,7 +88,7 @@ def load_safetensors(path):
         header = json.loads(f.read(n))
         data = f.read()
     meta = header.pop("__metadata__", {})
-    types = {"F32": np.float32, "I64": np.int64}
+    types = {"F32": np.float32, "F64": np.float64, "I64": np.int64}
     out = {}
     for name, info in header.items():
         b, e = info["data_offsets"]
@@ -168,9 +168,10 @@ class TorchMoE(nn.Module):
                 y = y.index_add(0, rows, mlp(x[rows]) * w[rows, slot].unsqueeze(1))
         self.last_load = load
         if self.training and torch.is_grad_enabled():
-            with torch.no_grad():
-                lf = load.float()
-                self.gate.e_score_correction_bias += c["bias_update_rate"] * torch.sign(lf.mean() - lf)
+            with torch.no_grad():  # in fp32, as hpmoe updates it, whatever the model's dtype
+                lf, bias = load.float(), self.gate.e_score_correction_bias.float()
+                bias += c["bias_update_rate"] * torch.sign(lf.mean() - lf)
+                self.gate.e_score_correction_bias.copy_(bias)
         return y + self.shared_experts(x)
 
 
@@ -234,7 +235,9 @@ def build(args, torch_twin=False):
     if torch_twin:
         model = LM(args, lambda: TorchMoE(config), timer)
     else:
-        model = LM(args, lambda: hpmoe.MoELayer(config, ranks=args.ranks, workers=args.workers), timer)
+        executor = "reference" if args.dtype == "float64" else "interleaved"
+        model = LM(args, lambda: hpmoe.MoELayer(config, ranks=args.ranks, workers=args.workers, executor=executor), timer)
+    model = model.to(getattr(torch, args.dtype))
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     return model, opt, timer
 
@@ -337,6 +340,10 @@ def main():
     ap.add_argument("--save-every", type=int, default=0)
     ap.add_argument("--out", default="train-out")
     ap.add_argument("--resume", help="a checkpoint.safetensors of this example to continue from")
+    ap.add_argument("--dtype", choices=["float32", "float64"], default="float32",
+                    help="float64: both models in double, hpmoe's FFNs by its fp64 oracle (executor=reference; "
+                         "plain loops, for small models): shows how closely the two curves follow each other "
+                         "when rounding is not amplified")
     ap.add_argument("--no-twin", action="store_true", help="train the hpmoe model only")
     ap.add_argument("--check-resume", action="store_true",
                     help="also train to half the steps, save, load into a fresh model and finish: the losses must match bit for bit")

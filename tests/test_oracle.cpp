@@ -2,6 +2,7 @@
 
 #include <cmath>
 
+#include "hpmoe/error.hpp"
 #include "hpmoe/reference.hpp"
 
 using namespace hpmoe;
@@ -170,4 +171,41 @@ TEST(Oracle, CountsTokensItsOwnRouterWouldRouteDifferently) {
   OracleOptions other = same;
   other.forced_ids = uniform;
   EXPECT_GT(reference_layer(c, w, in, other).own_choice_differences, c.total_tokens() / 2);
+}
+
+namespace {
+Matrix64 widened(const Matrix& m) {
+  Matrix64 d(m.rows, m.cols);
+  std::copy(m.data.begin(), m.data.end(), d.data.begin());
+  return d;
+}
+}  // namespace
+
+// The float64 entry point runs the same loops: on fp32 values widened to
+// double it gives the fp32 entry point's results exactly.
+TEST(Oracle, Float64InputsGiveTheSameResultsOnWidenedValues) {
+  LayerConfig c = preset("tiny");
+  c.aux_loss_coef = 0.05;
+  c.scoring = Scoring::sigmoid;
+  c.expert_bias = true;
+  const auto w = random_weights(c, 9);
+  const auto in = random_inputs(c, 9);
+  LayerWeights64 w64{widened(w.router), w.expert_bias, {}, {}, widened(w.shared_w1), widened(w.shared_w2)};
+  for (std::int64_t e = 0; e < c.routed_experts; ++e) {
+    w64.w1.push_back(widened(w.w1[e]));
+    w64.w2.push_back(widened(w.w2[e]));
+  }
+  const LayerInputs64 in64{widened(in.x), widened(in.d_out)};
+  const auto a = reference_layer(c, w, in, with_backward());
+  const auto b = reference_layer(c, w64, in64, with_backward());
+  EXPECT_EQ(a.out, b.out);
+  EXPECT_EQ(a.dx, b.dx);
+  EXPECT_EQ(a.d_router, b.d_router);
+  EXPECT_EQ(a.d_w1, b.d_w1);
+  EXPECT_EQ(a.d_shared_w2, b.d_shared_w2);
+  EXPECT_EQ(a.loss, b.loss);
+
+  LayerWeights64 missing = w64;
+  missing.w2[3] = Matrix64(1, 1);
+  EXPECT_THROW(reference_layer(c, missing, in64), Error);
 }

@@ -43,4 +43,20 @@ struct OracleResult {
 
 OracleResult reference_layer(const LayerConfig&, const LayerWeights&, const LayerInputs&, const OracleOptions& = {});
 
+// The layer in float64 from end to end: parameters and inputs as fp64 (a
+// framework's float64 tensors, for gradient checks tighter than fp32 allows),
+// the same loops. The bias only selects experts, so it stays fp32 as in
+// LayerWeights. Every expert is held (one process, all ranks).
+struct LayerWeights64 {
+  Matrix64 router;                  // [H, E]
+  std::vector<float> expert_bias;   // [E]
+  std::vector<Matrix64> w1, w2;     // E x [H, 2I], E x [I, H]
+  Matrix64 shared_w1, shared_w2;    // [H, 2 Is], [Is, H]
+};
+struct LayerInputs64 {
+  Matrix64 x, d_out;  // [P x T, H]
+};
+OracleResult reference_layer(const LayerConfig&, const LayerWeights64&, const LayerInputs64&,
+                             const OracleOptions& = {});
+
 }  // namespace hpmoe

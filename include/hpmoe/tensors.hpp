@@ -8,20 +8,24 @@
 
 namespace hpmoe {
 
-// A dense row-major fp32 matrix that owns its storage.
-struct Matrix {
+// A dense row-major matrix that owns its storage: fp32 for every fast path,
+// fp64 for the oracle run on a framework's float64 tensors.
+template <class T>
+struct DenseMatrix {
   std::int64_t rows = 0;
   std::int64_t cols = 0;
-  std::vector<float> data;
+  std::vector<T> data;
 
-  Matrix() = default;
-  Matrix(std::int64_t r, std::int64_t c) : rows(r), cols(c), data(static_cast<std::size_t>(r * c), 0.0f) {}
+  DenseMatrix() = default;
+  DenseMatrix(std::int64_t r, std::int64_t c) : rows(r), cols(c), data(static_cast<std::size_t>(r * c), T(0)) {}
 
-  float* row(std::int64_t i) { return data.data() + i * cols; }
-  const float* row(std::int64_t i) const { return data.data() + i * cols; }
-  float& at(std::int64_t i, std::int64_t j) { return data[static_cast<std::size_t>(i * cols + j)]; }
-  float at(std::int64_t i, std::int64_t j) const { return data[static_cast<std::size_t>(i * cols + j)]; }
+  T* row(std::int64_t i) { return data.data() + i * cols; }
+  const T* row(std::int64_t i) const { return data.data() + i * cols; }
+  T& at(std::int64_t i, std::int64_t j) { return data[static_cast<std::size_t>(i * cols + j)]; }
+  T at(std::int64_t i, std::int64_t j) const { return data[static_cast<std::size_t>(i * cols + j)]; }
 };
+using Matrix = DenseMatrix<float>;
+using Matrix64 = DenseMatrix<double>;
 
 // A read-only view of a row-major fp32 matrix in memory someone else owns
 // (a framework's tensor): rows x cols, rows `ld` elements apart. Nothing is

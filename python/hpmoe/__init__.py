@@ -14,6 +14,10 @@ of hpmoe's backward, so adding them to the loss changes nothing. With
 ``expert_bias`` on, the aux-loss-free bias (DeepSeek-V3) is updated after
 every backward from that step's expert load.
 
+Each forward keeps its own state until its backward, so several forwards may
+be in flight (micro-batches, activation recomputation); each backward uses
+the forward that built its graph, and the bias update uses that forward's load.
+
 Memory: float32 contiguous CPU tensors are read without copies (x, d_out
 and the parameters, through NumPy views); anything else is converted once.
 Outputs and gradients are new tensors that share hpmoe's result arrays.
@@ -71,21 +75,25 @@ class _Function(torch.autograd.Function):
         arrays = {n: p.detach().numpy() for n, p in zip(names, params)}
         if module.gate_bias is not None:
             arrays["gate.e_score_correction_bias"] = module.gate_bias.detach().numpy()
-        out, aux, z, load = module._core.forward(x.detach().numpy(), arrays)
-        ctx.module, ctx.names, ctx.tokens = module, names, x.shape[0]
-        module.last_load = torch.from_numpy(load)
-        return torch.from_numpy(out), torch.tensor(aux, dtype=torch.float32), torch.tensor(z, dtype=torch.float32)
+        out, aux, z, load, step = module._core.forward(x.detach().numpy(), arrays)
+        ctx.module, ctx.names, ctx.tokens, ctx.dtype, ctx.step = module, names, x.shape[0], x.dtype, step
+        ctx.load = module.last_load = torch.from_numpy(load)
+        return torch.from_numpy(out), torch.tensor(aux, dtype=x.dtype), torch.tensor(z, dtype=x.dtype)
 
     @staticmethod
     def backward(ctx, d_out, d_aux, d_z):
         module = ctx.module
         if d_out is None:  # only the losses were used
-            d_out = torch.zeros(ctx.tokens, module.config["hidden"])
-        grads = module._core.backward(d_out.contiguous().numpy())
+            d_out = torch.zeros(ctx.tokens, module.config["hidden"], dtype=ctx.dtype)
+        grads = ctx.step.backward(d_out.to(ctx.dtype).contiguous().numpy())
+        if module.executor != "reference":
+            ctx.step = None  # its one backward has run: free the packed weights and activations
         if module.gate_bias is not None:  # DeepSeek-V3's aux-loss-free update, after the step
             with torch.no_grad():
-                _core.update_expert_bias(module.gate_bias.numpy(), module.last_load.sum(dim=0).numpy(),
+                bias = module.gate_bias.to(torch.float32).contiguous()  # selection runs on fp32 biases
+                _core.update_expert_bias(bias.numpy(), ctx.load.sum(dim=0).numpy(),
                                          module.config["bias_update_rate"])
+                module.gate_bias.copy_(bias)
         return (None, None, torch.from_numpy(grads["x"])) + tuple(torch.from_numpy(grads[n]) for n in ctx.names)
 
 
@@ -94,7 +102,9 @@ class MoELayer(nn.Module):
 
     config: a dict (``hpmoe.preset(name)``, ``hpmoe.from_hf_config(path)``) or a preset name;
     ranks: expert-parallel ranks in this process; workers: threads per rank;
-    executor: "interleaved" (the single-launch taskflow) or "serialized" (operator by operator);
+    executor: "interleaved" (the single-launch taskflow) or "serialized" (operator by operator),
+    both float32; or "reference", the fp64 oracle on float64 tensors (call ``.double()``), for
+    gradient checks tighter than float32 allows (plain loops: slow);
     schedule: the interleaved runtime's task order per worker ("critical-path", "fill",
     "rank-rotated", "interleave-wgrad"; hpmoe run --policy). Results are bit-identical for all.
     """
@@ -125,9 +135,14 @@ class MoELayer(nn.Module):
 
     def forward(self, x):
         H = self.config["hidden"]
-        if not isinstance(x, torch.Tensor) or x.dtype != torch.float32 or x.device.type != "cpu":
-            raise ValueError(f"hpmoe.MoELayer takes float32 CPU tensors, got "
+        dtype = torch.float64 if self.executor == "reference" else torch.float32
+        if not isinstance(x, torch.Tensor) or x.dtype != dtype or x.device.type != "cpu":
+            raise ValueError(f"hpmoe.MoELayer(executor={self.executor!r}) takes {dtype} CPU tensors, got "
                              f"{getattr(x, 'dtype', type(x))} on {getattr(x, 'device', '?')}")
+        for n, p in self.named_parameters():
+            if p.dtype != dtype:
+                raise ValueError(f"parameter '{n}' is {p.dtype}; hpmoe.MoELayer(executor={self.executor!r}) "
+                                 f"needs {dtype} parameters (call .float() or .double() on the module)")
         if x.dim() < 1 or x.shape[-1] != H:
             raise ValueError(f"hpmoe.MoELayer needs inputs of shape [..., {H}] (hidden {H}), got {list(x.shape)}")
         flat = x.reshape(-1, H).contiguous()

@@ -87,27 +87,79 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
-@pytest.mark.parametrize("executor", ["interleaved", "serialized"])
-def test_matches_plain_pytorch(name, executor):
+def check_against_plain_pytorch(name, executor, dtype, tolerance):
     torch.manual_seed(0)
-    m = hpmoe.MoELayer(CASES[name], ranks=2, workers=1, executor=executor)
+    m = hpmoe.MoELayer(CASES[name], ranks=2, workers=1, executor=executor).to(dtype)
     if m.gate_bias is not None:
         m.gate_bias.copy_(torch.randn(m.config["routed_experts"]) * 0.1)
         m.config["bias_update_rate"] = 0.0  # keep the bias for the reference
-    x, d_out = torch.randn(40, 48), torch.randn(40, 48)
+    x, d_out = torch.randn(40, 48, dtype=dtype), torch.randn(40, 48, dtype=dtype)
     y, dx, grads = run(m, x, d_out)
+    assert y.dtype == dtype and dx.dtype == dtype
     xr = x.clone().requires_grad_(True)
     m.zero_grad()
     yr = reference(m, xr)
     yr.backward(d_out)
-    assert rel(y, yr.detach()) <= 1e-5
-    assert rel(dx, xr.grad) <= 1e-5
+    assert rel(y, yr.detach()) <= tolerance
+    assert rel(dx, xr.grad) <= tolerance
     for n, p in m.named_parameters():
         if p.grad.norm() > 0:
-            assert rel(grads[n], p.grad) <= 1e-5, n
+            assert rel(grads[n], p.grad) <= tolerance, n
         else:
             assert grads[n].norm() == 0, n
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("executor", ["interleaved", "serialized"])
+def test_matches_plain_pytorch(name, executor):
+    check_against_plain_pytorch(name, executor, torch.float32, 1e-5)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_float64_reference_matches_plain_pytorch(name):
+    """The fp64 oracle (executor="reference") against the PyTorch MoE in float64: every gradient to 1e-10."""
+    check_against_plain_pytorch(name, "reference", torch.float64, 1e-10)
+
+
+@pytest.mark.parametrize("name", ["softmax_capacity", "sigmoid_groups_bias"])
+def test_float64_gradcheck(name):
+    """torch.autograd.gradcheck (finite differences) on the fp64 oracle, every input and parameter."""
+    torch.manual_seed(3)
+    cfg = hpmoe.with_fields(CASES[name], hidden=8, expert_inter=6)
+    m = hpmoe.MoELayer(cfg, ranks=2, executor="reference").double()
+    if m.gate_bias is not None:
+        m.config["bias_update_rate"] = 0.0
+    names = [n for n, _ in m.named_parameters()]
+    params = [p.detach().clone().requires_grad_(True) for _, p in m.named_parameters()]
+    x = torch.randn(8, 8, dtype=torch.float64, requires_grad=True)
+    f = lambda x, *ps: hpmoe._Function.apply(m, names, x, *ps)[0]  # noqa: E731
+    assert torch.autograd.gradcheck(f, (x, *params), eps=1e-6, atol=1e-7, rtol=1e-5)
+
+
+def test_reference_executor_checks_dtypes():
+    m = hpmoe.MoELayer(small(), executor="reference")
+    with pytest.raises(ValueError, match="float64"):
+        m.double()(torch.randn(4, 48))
+    with pytest.raises(ValueError, match="parameter 'gate.weight' is torch.float32"):
+        m.float()(torch.randn(4, 48, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("executor", ["interleaved", "serialized", "reference"])
+def test_forwards_in_flight(executor):
+    """Two forwards, then the first one's backward: it uses its own forward's state."""
+    torch.manual_seed(4)
+    m = hpmoe.MoELayer(small(shared_experts=1), ranks=2, executor=executor)
+    dt = torch.float64 if executor == "reference" else torch.float32
+    m = m.to(dt)
+    xa, xb, da = (torch.randn(32, 48, dtype=dt) for _ in range(3))
+    alone = run(m, xa, da)
+    m.zero_grad()
+    a = xa.clone().requires_grad_(True)
+    ya, yb = m(a), m(xb.clone().requires_grad_(True))
+    ya.backward(da)
+    assert torch.equal(ya.detach(), alone[0]) and torch.equal(a.grad, alone[1])
+    assert all(torch.equal(p.grad, alone[2][n]) for n, p in m.named_parameters())
+    yb.sum().backward()  # the second forward's backward still works
 
 
 def test_executors_bit_identical():
@@ -251,6 +303,24 @@ def test_training_example_runs_matches_its_twin_and_resumes(tmp_path):
     assert m["resume_bit_identical"]
     assert m["max_loss_difference"] <= 1e-4 * max(m["hpmoe"]["loss"])
     assert (tmp_path / "loss.png").stat().st_size > 1000 and (tmp_path / "load.png").stat().st_size > 1000
+
+
+def test_training_example_float64_curves_agree(tmp_path):
+    """--dtype float64 (hpmoe's fp64 oracle against the twin in double): the loss curves agree to 1e-12,
+    and the float64 checkpoint resumes bit for bit."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = subprocess.run([sys.executable, os.path.join(root, "examples", "train_moe_lm.py"), "--dtype", "float64",
+                        "--steps", "12", "--layers", "2", "--d", "32", "--heads", "2", "--inter", "32", "--experts", "8",
+                        "--seq", "16", "--batch", "4", "--out", str(tmp_path), "--check-resume"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    m = json.load(open(tmp_path / "metrics.json"))
+    assert m["resume_bit_identical"]
+    assert m["max_loss_difference"] <= 1e-12
+    assert m["hpmoe"]["loss"][-1] < m["hpmoe"]["loss"][0]
 
 
 def test_training_example_refuses_bad_input(tmp_path):

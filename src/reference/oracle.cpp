@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <numeric>
+#include <string>
 
 #include "hpmoe/error.hpp"
 
@@ -19,7 +20,8 @@ struct MlpToken {
   std::vector<double> y;  // [H]
 };
 
-MlpToken mlp_forward(const float* x, const Matrix& w1, const Matrix& w2) {
+template <class T>
+MlpToken mlp_forward(const T* x, const DenseMatrix<T>& w1, const DenseMatrix<T>& w2) {
   const std::int64_t hidden = w1.rows, inter = w2.rows;
   MlpToken m{std::vector<double>(static_cast<std::size_t>(2 * inter), 0.0),
              std::vector<double>(static_cast<std::size_t>(inter), 0.0),
@@ -37,7 +39,8 @@ MlpToken mlp_forward(const float* x, const Matrix& w1, const Matrix& w2) {
 
 // Given dL/dy for one token, adds dL/dx into dx and, when dw1/dw2 are
 // non-null, the weight gradients.
-void mlp_backward(const float* x, const Matrix& w1, const Matrix& w2, const MlpToken& m, const std::vector<double>& dy,
+template <class T>
+void mlp_backward(const T* x, const DenseMatrix<T>& w1, const DenseMatrix<T>& w2, const MlpToken& m, const std::vector<double>& dy,
                   double* dx, double* dw1, double* dw2) {
   const std::int64_t hidden = w1.rows, inter = w2.rows;
   std::vector<double> da(static_cast<std::size_t>(inter), 0.0), dh(static_cast<std::size_t>(2 * inter), 0.0);
@@ -58,10 +61,39 @@ void mlp_backward(const float* x, const Matrix& w1, const Matrix& w2, const MlpT
       for (std::int64_t j = 0; j < 2 * inter; ++j) dw1[i * 2 * inter + j] += double(x[i]) * dh[j];
 }
 
-}  // namespace
+bool held(const LayerWeights& w, std::int64_t e) { return holds_expert(w, e); }
+bool held(const LayerWeights64& w, std::int64_t e) {
+  return e >= 0 && static_cast<std::size_t>(e) < w.w1.size() && static_cast<std::size_t>(e) < w.w2.size() &&
+         w.w1[e].rows > 0 && w.w2[e].rows > 0;
+}
 
-OracleResult reference_layer(const LayerConfig& c, const LayerWeights& w, const LayerInputs& in,
-                             const OracleOptions& opt) {
+void expect_shape(const Matrix64& m, std::int64_t rows, std::int64_t cols, const std::string& what) {
+  if (m.rows != rows || m.cols != cols || m.data.size() != static_cast<std::size_t>(rows * cols))
+    throw Error(what + " has shape [" + std::to_string(m.rows) + ", " + std::to_string(m.cols) + "], expected [" +
+                std::to_string(rows) + ", " + std::to_string(cols) + "]");
+}
+
+void check_shapes(const LayerConfig& c, const LayerWeights64& w, const LayerInputs64& in) {
+  const std::int64_t H = c.hidden, E = c.routed_experts, I = c.expert_inter, Is = c.shared_inter_total();
+  expect_shape(w.router, H, E, "router");
+  if (c.expert_bias && w.expert_bias.size() != static_cast<std::size_t>(E))
+    throw Error("expert_bias has " + std::to_string(w.expert_bias.size()) + " values, expected " + std::to_string(E));
+  if (w.w1.size() != static_cast<std::size_t>(E) || w.w2.size() != static_cast<std::size_t>(E))
+    throw Error("the float64 oracle needs all " + std::to_string(E) + " experts' weights");
+  for (std::int64_t e = 0; e < E; ++e) {
+    expect_shape(w.w1[e], H, 2 * I, "expert " + std::to_string(e) + " w1");
+    expect_shape(w.w2[e], I, H, "expert " + std::to_string(e) + " w2");
+  }
+  if (c.shared_experts > 0) {
+    expect_shape(w.shared_w1, H, 2 * Is, "shared w1");
+    expect_shape(w.shared_w2, Is, H, "shared w2");
+  }
+  expect_shape(in.x, c.total_tokens(), H, "input x");
+  expect_shape(in.d_out, c.total_tokens(), H, "output gradient d_out");
+}
+
+template <class Weights, class Inputs>
+OracleResult oracle(const LayerConfig& c, const Weights& w, const Inputs& in, const OracleOptions& opt) {
   c.validate();
   check_shapes(c, w, in);
   const std::int64_t n = c.total_tokens(), hidden = c.hidden, e = c.routed_experts, k = c.top_k;
@@ -102,8 +134,8 @@ OracleResult reference_layer(const LayerConfig& c, const LayerWeights& w, const 
 
   for (std::size_t row = 0; row < r.tokens.size(); ++row) {
     const std::int64_t t = r.tokens[row];
-    const float* x = in.x.row(t);
-    const float* dout = in.d_out.row(t);
+    const auto* x = in.x.row(t);
+    const auto* dout = in.d_out.row(t);
     double* out = r.out.data() + row * hidden;
     std::vector<MlpToken> expert_act;
     for (std::int64_t j = 0; j < k; ++j) {
@@ -113,7 +145,7 @@ OracleResult reference_layer(const LayerConfig& c, const LayerWeights& w, const 
         continue;
       }
       const auto ex = r.routing.expert[a];
-      if (!holds_expert(w, ex))
+      if (!held(w, ex))
         throw Error("the oracle needs expert " + std::to_string(ex) + " (token " + std::to_string(t) +
                     ") but its weights are not held here");
       expert_act.push_back(mlp_forward(x, w.w1[ex], w.w2[ex]));
@@ -156,6 +188,18 @@ OracleResult reference_layer(const LayerConfig& c, const LayerWeights& w, const 
   }
   if (all_tokens) r.loss += r.routing.aux_loss + r.routing.z_loss;
   return r;
+}
+
+}  // namespace
+
+OracleResult reference_layer(const LayerConfig& c, const LayerWeights& w, const LayerInputs& in,
+                             const OracleOptions& opt) {
+  return oracle(c, w, in, opt);
+}
+
+OracleResult reference_layer(const LayerConfig& c, const LayerWeights64& w, const LayerInputs64& in,
+                             const OracleOptions& opt) {
+  return oracle(c, w, in, opt);
 }
 
 }  // namespace hpmoe
