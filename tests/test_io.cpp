@@ -1,9 +1,15 @@
 #include <gtest/gtest.h>
 
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <csignal>
 #include <cstring>
+#include <iterator>
 #include <filesystem>
 #include <fstream>
 
+#include "hpmoe/atomic_file.hpp"
 #include "hpmoe/baseline.hpp"
 #include "hpmoe/error.hpp"
 #include "hpmoe/plan.hpp"
@@ -232,4 +238,53 @@ TEST(Plan, SplitsTheHotExpertIntoColumnParts) {
   // The split's cost: a part's share of the columns, plus its rows' link time.
   const auto cost = ExpertCostModel::from(sim::load_machine(req.machine), req.config, true);
   EXPECT_GT(cost.part_row_s, 0.0);
+}
+
+namespace {
+std::string read_all(const std::filesystem::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+}  // namespace
+
+TEST(AtomicFile, CommitReplacesAndLeavesNoTemporary) {
+  const auto dir = std::filesystem::temp_directory_path() / ("hpmoe-atomic-" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  const auto target = dir / "out.json";
+  write_file_atomically(target.string(), "old", "the test file");
+  {
+    AtomicFile f(target.string(), "the test file");
+    f.write("half");
+    // Destroyed without commit (an exception on the way): the old file stays.
+  }
+  EXPECT_EQ(read_all(target), "old");
+  write_file_atomically(target.string(), "new", "the test file");
+  EXPECT_EQ(read_all(target), "new");
+  EXPECT_EQ(std::distance(std::filesystem::directory_iterator(dir), {}), 1);  // no temporaries
+  EXPECT_THROW(write_file_atomically(dir.string(), "x", "the test file"), Error);  // a directory
+  EXPECT_THROW(write_file_atomically("/dev/full", "x", "the test file"), Error);  // written through, checked
+  std::filesystem::remove_all(dir);
+}
+
+// A process killed by SIGTERM in the middle of a write leaves the previous
+// file and no temporary (issue 15, item 11).
+TEST(AtomicFile, SignalDuringWriteLeavesThePreviousFileAndNoTemporary) {
+  const auto dir = std::filesystem::temp_directory_path() / ("hpmoe-atomic-sig-" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  const auto target = dir / "weights.safetensors";
+  write_file_atomically(target.string(), "previous", "the test file");
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    AtomicFile f(target.string(), "the test file");
+    f.write(std::string(1 << 20, 'x'));
+    ::raise(SIGTERM);
+    ::_exit(0);  // not reached
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGTERM);
+  EXPECT_EQ(read_all(target), "previous");
+  EXPECT_EQ(std::distance(std::filesystem::directory_iterator(dir), {}), 1);
+  std::filesystem::remove_all(dir);
 }

@@ -1,11 +1,15 @@
 #include "hpmoe/safetensors.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <string_view>
+#include <utility>
 
+#include "hpmoe/atomic_file.hpp"
 #include "hpmoe/bf16.hpp"
 #include "hpmoe/error.hpp"
 #include "hpmoe/json_parse.hpp"
@@ -25,6 +29,16 @@ std::vector<char> raw_bytes(std::span<const V> values) {
   std::vector<char> bytes(values.size_bytes());
   if (!values.empty()) std::memcpy(bytes.data(), values.data(), bytes.size());
   return bytes;
+}
+
+// Bytes per element of the format's dtypes; 0 for a name it does not define.
+std::uint64_t dtype_bytes(const std::string& dtype) {
+  static constexpr std::pair<std::string_view, std::uint64_t> kWidths[] = {
+      {"BOOL", 1}, {"U8", 1},  {"I8", 1},  {"F8_E5M2", 1}, {"F8_E4M3", 1}, {"I16", 2}, {"U16", 2}, {"F16", 2},
+      {"BF16", 2}, {"I32", 4}, {"U32", 4}, {"F32", 4},     {"F64", 8},     {"I64", 8}, {"U64", 8}};
+  for (const auto& [name, width] : kWidths)
+    if (dtype == name) return width;
+  return 0;
 }
 
 std::int64_t elements(const std::vector<std::int64_t>& shape) {
@@ -60,24 +74,12 @@ void SafetensorsWriter::write(const std::string& path) const {
   while (text.size() % 8) text += ' ';  // keeps the data aligned
   // Written beside the target and renamed over it: a reader never sees a
   // half-written file, and a failed write leaves the old one.
-  const std::string partial = path + ".partial";
-  {
-    std::ofstream out(partial, std::ios::binary);
-    if (!out) throw Error("cannot write '" + path + "'");
-    const std::uint64_t size = text.size();
-    out.write(reinterpret_cast<const char*>(&size), 8);
-    out.write(text.data(), static_cast<std::streamsize>(text.size()));
-    for (const auto& [name, e] : entries_) out.write(e.bytes.data(), static_cast<std::streamsize>(e.bytes.size()));
-    out.flush();
-    if (!out) {
-      std::error_code ec;
-      std::filesystem::remove(partial, ec);
-      throw Error("failed writing '" + path + "' (disk full?)");
-    }
-  }
-  std::error_code ec;
-  std::filesystem::rename(partial, path, ec);
-  if (ec) throw Error("cannot write '" + path + "': " + ec.message());
+  AtomicFile out(path, "the safetensors file");
+  const std::uint64_t size = text.size();
+  out.write(std::string_view(reinterpret_cast<const char*>(&size), 8));
+  out.write(text);
+  for (const auto& [name, e] : entries_) out.write(std::string_view(e.bytes.data(), e.bytes.size()));
+  out.commit();
 }
 
 SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
@@ -105,13 +107,25 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
       Entry e;
       e.dtype = v.at("dtype").get<std::string>();
       e.shape = v.at("shape").get<std::vector<std::int64_t>>();
-      const auto offsets = v.at("data_offsets").get<std::vector<std::uint64_t>>();
-      if (offsets.size() != 2 || offsets[0] > offsets[1] || offsets[1] > data_size_)
-        throw Error("data offsets outside the file");
-      e.begin = offsets[0];
-      e.end = offsets[1];
-      for (auto d : e.shape)
+      const auto& offsets = v.at("data_offsets");
+      if (!offsets.is_array() || offsets.size() != 2 || !offsets[0].is_number_unsigned() ||
+          !offsets[1].is_number_unsigned())
+        throw Error("data_offsets must be two non-negative integers, not " + offsets.dump());
+      e.begin = offsets[0].get<std::uint64_t>();
+      e.end = offsets[1].get<std::uint64_t>();
+      if (e.begin > e.end || e.end > data_size_) throw Error("data offsets outside the file");
+      std::uint64_t elements = 1;
+      for (auto d : e.shape) {
         if (d < 0) throw Error("negative dimension");
+        if (d > 0 && elements > (std::uint64_t{1} << 62) / static_cast<std::uint64_t>(d))
+          throw Error("its shape " + shape_text(e.shape) + " has too many elements");
+        elements *= static_cast<std::uint64_t>(d);
+      }
+      const std::uint64_t width = dtype_bytes(e.dtype);
+      if (width == 0) throw Error("unknown dtype '" + e.dtype + "'");
+      if (e.end - e.begin != elements * width)
+        throw Error("its data_offsets hold " + std::to_string(e.end - e.begin) + " bytes, but " + e.dtype + " " +
+                    shape_text(e.shape) + " needs " + std::to_string(elements * width));
       entries_[name] = e;
     } catch (const Error& err) {
       throw Error("'" + path + "' tensor '" + name + "': " + err.what());
@@ -119,6 +133,22 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
       throw Error("'" + path + "' tensor '" + name + "' has a malformed header entry: " + err.what());
     }
   }
+  // The tensors tile the data exactly, as the format requires: no overlaps,
+  // no gaps, nothing after the last one.
+  std::vector<std::pair<std::uint64_t, std::string>> order;
+  for (const auto& [name, e] : entries_)
+    if (e.end > e.begin) order.emplace_back(e.begin, name);
+  std::sort(order.begin(), order.end());
+  std::uint64_t covered = 0;
+  for (const auto& [begin, name] : order) {
+    if (begin != covered)
+      throw Error("'" + path + "' tensor '" + name + "' starts at data byte " + std::to_string(begin) + ", not at " +
+                  std::to_string(covered) + (begin < covered ? " (it overlaps the tensor before it)" : " (a gap)"));
+    covered = entries_.at(name).end;
+  }
+  if (covered != data_size_)
+    throw Error("'" + path + "' has " + std::to_string(data_size_ - covered) +
+                " bytes after its last tensor (not a safetensors file, or a damaged one)");
 }
 
 const SafetensorsFile::Entry& SafetensorsFile::entry(const std::string& name,
@@ -412,12 +442,9 @@ void save_rank(const std::string& dir, const RankTensors& t) {
     map["mlp.gate.weight"] = map["mlp.gate.e_score_correction_bias"] = rank_file("weights", 0, P);
     if (c.shared_experts > 0) mlp_names("mlp.shared_experts", rank_file("weights", 0, P));
     const std::string index = file_in(dir, "model.safetensors.index.json");
-    {
-      std::ofstream out(index + ".partial");
-      out << nlohmann::json{{"metadata", {{"producer", "hpmoe"}, {"ranks", P}}}, {"weight_map", map}}.dump(1) << "\n";
-      if (!out) throw Error("cannot write '" + index + "'");
-    }
-    std::filesystem::rename(index + ".partial", index);
+    write_file_atomically(
+        index, nlohmann::json{{"metadata", {{"producer", "hpmoe"}, {"ranks", P}}}, {"weight_map", map}}.dump(1) + "\n",
+        "the checkpoint index");
     std::error_code ec;  // an in-process save's single file here would be read instead of the index
     std::filesystem::remove(std::filesystem::path(dir) / "weights.safetensors", ec);
   }

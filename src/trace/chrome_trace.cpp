@@ -5,6 +5,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 
+#include "hpmoe/atomic_file.hpp"
 #include "hpmoe/error.hpp"
 #include "hpmoe/trace.hpp"
 
@@ -31,10 +32,8 @@ void write_chrome_trace(const std::string& path, const std::vector<TracedRun>& r
                         {"dur", (s.end - s.start) * 1e6},
                         {"args", {{"detail", s.detail}}}});
   }
-  std::ofstream out(path);
-  if (!out) throw Error("cannot write the trace to '" + path + "'");
-  out << nlohmann::json{{"traceEvents", events}, {"displayTimeUnit", "ms"}}.dump() << "\n";
-  if (!out) throw Error("failed writing the trace to '" + path + "'");
+  write_file_atomically(path, nlohmann::json{{"traceEvents", events}, {"displayTimeUnit", "ms"}}.dump() + "\n",
+                        "the trace");
 }
 
 namespace {
@@ -112,12 +111,11 @@ void write_timeline_svg(const std::string& path, const std::vector<TracedRun>& r
     lx += 150;
   }
   y += 24;
-  std::ofstream out(path);
-  if (!out) throw Error("cannot write the timeline to '" + path + "'");
-  out << "<svg xmlns='http://www.w3.org/2000/svg' width='" << left + width + 40 << "' height='" << y
+  std::ostringstream svg;
+  svg << "<svg xmlns='http://www.w3.org/2000/svg' width='" << left + width + 40 << "' height='" << y
       << "' font-family='sans-serif'>\n<rect width='100%' height='100%' fill='white'/>\n"
       << body.str() << "</svg>\n";
-  if (!out) throw Error("failed writing the timeline to '" + path + "'");
+  write_file_atomically(path, svg.str(), "the timeline");
 }
 
 }  // namespace hpmoe

@@ -1,6 +1,7 @@
 // hpmoe: the command-line front end. Every failure is one line on stderr and
 // exit code 2; a run whose verification fails exits with 1.
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <chrono>
 #include <cerrno>
 #include <cstdio>
@@ -13,6 +14,7 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 
+#include "hpmoe/atomic_file.hpp"
 #include "hpmoe/compile_driver.hpp"
 #include "hpmoe/config.hpp"
 #include "hpmoe/error.hpp"
@@ -25,6 +27,38 @@
 namespace {
 
 using namespace hpmoe;
+
+// "error: MESSAGE" as one line in one write(2), so that the lines of MPI
+// ranks sharing a terminal never interleave mid-line.
+void print_error(const std::string& message) {
+  const std::string line = "error: " + one_line(message) + "\n";
+  std::cerr.flush();
+  for (std::size_t done = 0; done < line.size();) {
+    const ssize_t n = ::write(2, line.data() + done, line.size() - done);
+    if (n <= 0) break;
+    done += static_cast<std::size_t>(n);
+  }
+}
+
+// An empty value ("-T ''") is a mistake, never a request for the default.
+void refuse_empty_values(CLI::App& app) {
+  const CLI::Validator not_empty(
+      [](std::string& value) { return value.empty() ? std::string("an empty value is not allowed") : std::string(); },
+      "", "not-empty");
+  for (CLI::Option* option : app.get_options())
+    if (option->get_type_size() != 0) option->check(not_empty);
+  for (CLI::App* sub : app.get_subcommands([](CLI::App*) { return true; })) refuse_empty_values(*sub);
+}
+
+// A seed is a whole number 0 .. 2^64-1: "-1" or "1e23" would otherwise wrap or round.
+const CLI::Validator kSeedValidator(
+    [](std::string& value) {
+      const bool digits = !value.empty() && value.size() <= 20 &&
+                          std::all_of(value.begin(), value.end(), [](char ch) { return ch >= '0' && ch <= '9'; }) &&
+                          (value.size() < 20 || value <= "18446744073709551615");
+      return digits ? std::string() : "must be a whole number from 0 to 18446744073709551615, got '" + value + "'";
+    },
+    "", "seed");
 
 // Options shared by every command that describes a layer.
 struct LayerOptions {
@@ -77,51 +111,9 @@ struct LayerOptions {
   }
 };
 
-// Writes `text` to `path` whole or not at all: into a temporary file beside
-// it, checked, synced and renamed over it, so a failure (a full disk, a
-// signal) leaves the previous file or none. A target that exists and is not
-// a regular file (a device, a pipe) is written straight through, checked.
+// Every output file is written whole or not at all (hpmoe/atomic_file.hpp).
 void write_file(const std::string& path, const std::string& text, const std::string& what) {
-  const auto fail = [&](const std::string& why) {
-    return Error("cannot write " + what + " to '" + path + "': " + why);
-  };
-  const auto write_all = [&](int fd) {
-    for (std::size_t done = 0; done < text.size();) {
-      const ssize_t n = ::write(fd, text.data() + done, text.size() - done);
-      if (n < 0) {
-        if (errno == EINTR) continue;
-        return false;
-      }
-      done += static_cast<std::size_t>(n);
-    }
-    return true;
-  };
-  std::error_code ec;
-  const auto status = std::filesystem::status(path, ec);
-  if (!ec && std::filesystem::exists(status) && !std::filesystem::is_regular_file(status)) {
-    if (std::filesystem::is_directory(status)) throw fail("it is a directory");
-    const int fd = ::open(path.c_str(), O_WRONLY);
-    if (fd < 0) throw fail(std::strerror(errno));
-    const bool ok = write_all(fd);
-    const int saved = errno;
-    if (::close(fd) != 0 || !ok) throw fail(std::strerror(ok ? errno : saved));
-    return;
-  }
-  const std::string tmp = path + ".partial-" + std::to_string(::getpid());
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  if (fd < 0) throw fail(std::strerror(errno));
-  const bool ok = write_all(fd) && ::fsync(fd) == 0;
-  const int saved = errno;
-  if (::close(fd) != 0 || !ok) {
-    const int why = ok ? errno : saved;
-    ::unlink(tmp.c_str());
-    throw fail(std::strerror(why));
-  }
-  if (::rename(tmp.c_str(), path.c_str()) != 0) {
-    const int why = errno;
-    ::unlink(tmp.c_str());
-    throw fail(std::strerror(why));
-  }
+  write_file_atomically(path, text, what);
 }
 
 // Fails now, before the work, if `path` cannot be written later; creates
@@ -215,7 +207,7 @@ int run_mpi(int argc, char** argv, RunRequest req, const MpiOptions& options, co
     req.transport.reset();  // its last barrier, before MPI_Finalize
     return status;
   } catch (const std::exception& e) {
-    std::cerr << "error: rank " << mpi.rank() << ": " << e.what() << "\n" << std::flush;
+    print_error("rank " + std::to_string(mpi.rank()) + ": " + e.what());
     std::_Exit(2);
   }
 }
@@ -238,7 +230,7 @@ struct RunCommand {
     layer.add_to(*run);
     run->add_option("--workers,-W", req.workers_per_rank, "worker threads per rank")->check(CLI::Range(1, 256));
     run->add_option("--routing", routing, "router | uniform | balanced | zipf[:S] | hot[:SHARE] | trace:FILE[:LAYER]");
-    run->add_option("--seed", req.seed, "seed of weights, inputs and synthetic routing");
+    run->add_option("--seed", req.seed, "seed of weights, inputs and synthetic routing")->check(kSeedValidator);
     run->add_flag("--backward", req.backward, "run backward too (dx, dW1, dW2, router and shared gradients)");
     run->add_option("--iters", req.iterations, "measured iterations")->check(CLI::Range(1, 100000));
     run->add_option("--warmup", req.warmup, "warm-up iterations")->check(CLI::Range(0, 100000));
@@ -346,7 +338,7 @@ struct SimulateCommand {
     simulate->add_option("--machine", sim_machine, "machine model: a file, or a name in machines/ (cpu-local, ascend-a3, h800, h200, nmp-mesh)")
         ->required();
     simulate->add_option("--routing", sim_routing, "uniform | balanced | zipf[:S] | hot[:SHARE] | trace:FILE[:LAYER] | router");
-    simulate->add_option("--seed", sreq.seed, "seed of synthetic routing");
+    simulate->add_option("--seed", sreq.seed, "seed of synthetic routing")->check(kSeedValidator);
     simulate->add_flag("--backward", sreq.backward, "simulate the backward pass too");
     simulate->add_option("--schedule", sim_schedule, "fill | rank-rotated | critical-path | interleave-wgrad");
     simulate->add_option("--json", sim_json, "write the prediction as JSON");
@@ -398,7 +390,7 @@ struct PlanCommand {
     app->add_option("--machine", req.machine, "machine model whose rates price the experts (a file, or a name in machines/)");
     app->add_option("--routing", routing, "the load: uniform | balanced | zipf[:S] | hot[:SHARE] | trace:FILE[:LAYER] | router");
     app->add_option("--steps", req.steps, "steps of load history (synthetic routing: the same hot experts, other draws each step; the router: seeds --seed, --seed + 1, ...)")->check(CLI::Range(1, 10000));
-    app->add_option("--seed", req.seed, "seed of the first step's routing");
+    app->add_option("--seed", req.seed, "seed of the first step's routing")->check(kSeedValidator);
     app->add_option("--slots-per-rank", req.slots_per_rank,
                     "experts a rank may hold, replicas included (default: one more than the starting placement's largest rank)")
         ->check(CLI::Range(1, 1 << 20));
@@ -484,7 +476,7 @@ struct CompileCommand {
     CLI::App* compile = app;
     layer.add_to(*compile);
     compile->add_option("--routing", compile_routing, "router | uniform | balanced | zipf[:S] | hot[:SHARE] | trace:FILE[:LAYER]");
-    compile->add_option("--seed", compile_seed, "seed of the router's weights and inputs, and of synthetic routing");
+    compile->add_option("--seed", compile_seed, "seed of the router's weights and inputs, and of synthetic routing")->check(kSeedValidator);
     compile->add_option("--machine", creq.machine, "cpu:W[:RxC] (W unified workers per rank) or accel:MATRIX:VECTOR[:RxC]");
     compile->add_option("--schedule", schedule, "fill | rank-rotated | critical-path | interleave-wgrad");
     compile->add_option("--pass", pass, "forward | backward | both");
@@ -568,6 +560,7 @@ int run_main(int argc, char** argv) {
   compile.add(app);
   verify.add(app);
 
+  refuse_empty_values(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp&) {
@@ -582,7 +575,7 @@ int run_main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     std::string msg = e.what();
     if (msg.empty()) msg = "invalid command line";
-    std::cerr << "error: " << msg << " (see hpmoe --help)\n";
+    print_error(msg + " (see hpmoe --help)");
     return 2;
   }
 
@@ -612,11 +605,11 @@ int main(int argc, char** argv) {
     if (!std::cout) throw hpmoe::Error("cannot write to standard output (is the disk full, or the pipe closed?)");
     return rc;
   } catch (const hpmoe::Error& e) {
-    std::cerr << "error: " << e.what() << "\n";
+    print_error(e.what());
   } catch (const std::bad_alloc&) {
-    std::cerr << "error: out of memory: the layer does not fit this machine; use fewer tokens or ranks\n";
+    print_error("out of memory: the layer does not fit this machine; use fewer tokens or ranks");
   } catch (const std::exception& e) {
-    std::cerr << "error: " << e.what() << "\n";
+    print_error(e.what());
   }
   return 2;
 }
