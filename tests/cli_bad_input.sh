@@ -3,7 +3,7 @@
 # and print exactly one line, starting with "error:", on stderr.
 set -uo pipefail
 : "${HPMOE:?}" "${HPMOE_SOURCE_DIR:?}"
-tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
+tmp=$(mktemp -d); [ -n "${KEEP_TMP:-}" ] || trap 'rm -rf "$tmp"' EXIT; [ -n "${KEEP_TMP:-}" ] && echo "$tmp"
 trace="$HPMOE_SOURCE_DIR/data/routing/mixtral-8x7b/coding.json"
 echo '{"0": [[0, 9], [1, 2]]}' > "$tmp/out_of_range.json"
 echo '{"0": [[0, 1], [1, 2' > "$tmp/truncated.json"
@@ -26,6 +26,9 @@ python3 -c "print('{\"hidden\": ' + '[' * 100000 + ']' * 100000 + '}')" > "$tmp/
 python3 -c "print('{\"0\": ' + '[' * 3000 + ']' * 3000 + '}')" > "$tmp/deep_trace.json"
 echo '{"hidden": 1e400}' > "$tmp/huge_number.json"
 mkdir -p "$tmp/a_directory"
+echo '{"hidden": 64}' > "$tmp/missing_keys.json"  # an hpmoe config without expert_inter, routed_experts, top_k
+echo '{"hidden": 64, "expert_inter": 18446744073709551615, "routed_experts": 8, "top_k": 2}' > "$tmp/u64_field.json"
+echo '{"hidden_size": 18446744073709551615, "moe_intermediate_size": 8, "num_experts": 8, "num_experts_per_tok": 2}' > "$tmp/u64_hf.json"
 mkdir -p "$tmp/save_blocked/outputs.safetensors"  # --save would have to replace a directory with a file
 # Replicas: over the slot budget, one rank listing an expert twice, a replica
 # losing an expert, a budget that is not a positive integer.
@@ -109,9 +112,51 @@ echo '{"weight_map": {"mlp.gate.weight": "../../etc/passwd"}}' > "$tmp/idx_escap
 echo '{"weight_map": {"mlp.gate.weight": "absent.safetensors"}}' > "$tmp/idx_missing/model.safetensors.index.json"
 echo '{"weight_map": {"model.layers.1.mlp.gate.weight": "a.safetensors", "model.layers.2.mlp.gate.weight": "a.safetensors"}}' \
   > "$tmp/idx_two_layers/model.safetensors.index.json"
+# safetensors files that break the format's layout: overlapping tensors,
+# offsets that are not integers, bytes after the last tensor, a size that
+# does not match the dtype and shape.
+python3 - "$tmp" <<'PY'
+import json, shutil, struct, sys
+tmp = sys.argv[1]
+def rewrite(name, fn, tail=b""):
+    shutil.copytree(f"{tmp}/saved", f"{tmp}/{name}")
+    path = f"{tmp}/{name}/weights.safetensors"
+    b = open(path, "rb").read()
+    n = struct.unpack("<Q", b[:8])[0]
+    header = json.loads(b[8:8 + n])
+    fn(header)
+    head = json.dumps(header).encode()
+    open(path, "wb").write(struct.pack("<Q", len(head)) + head + b[8 + n:] + tail)
+def second(h):
+    return sorted((v["data_offsets"][0], k) for k, v in h.items() if k != "__metadata__")[1][1]
+def overlap(h):
+    k = second(h); size = h[k]["data_offsets"][1] - h[k]["data_offsets"][0]
+    h[k]["data_offsets"] = [0, size]
+rewrite("st_overlap", overlap)
+rewrite("st_float_offsets", lambda h: h[second(h)].__setitem__("data_offsets", [float(x) for x in h[second(h)]["data_offsets"]]))
+rewrite("st_trailing", lambda h: None, tail=b"junk after the tensors")
+rewrite("st_dtype_size", lambda h: h[second(h)].__setitem__("dtype", "F64"))
+PY
 mkdir -p "$tmp/badst" && printf '\x10\x00\x00\x00\x00\x00\x00\x00{"x": 1}' > "$tmp/badst/weights.safetensors"
 
 cases=(
+  "run --load $tmp/st_overlap"
+  "run --load $tmp/st_float_offsets"
+  "run --load $tmp/st_trailing"
+  "run --load $tmp/st_dtype_size"
+  "config --config $tmp/a_directory"
+  "config --config $tmp/missing_keys.json"
+  "config --config $tmp/u64_field.json"
+  "config --config $tmp/u64_hf.json"
+  "run --routing trace:$trace:-1"
+  "run --routing trace:"
+  "run --routing zipf:1e308"
+  "run --routing zipf:"
+  "run --routing hot:"
+  "run --seed -1"
+  "run --seed 1e23"
+  "run --seed 18446744073709551616"
+  "simulate --machine h800 --seed -5"
   "run --preset nope"
   "run --preset tiny --config $tmp/unknown_format.json"
   "run --set top_k=100"
@@ -299,6 +344,17 @@ if [ -z "${ASAN_OPTIONS:-}" ]; then
     echo "FAIL: hpmoe run -W 256 under ulimit -v -> exit $rc"; sed 's/^/    /' "$tmp/stderr"; failed=$((failed + 1))
   fi
 fi
+# Values that the table cannot hold (split on spaces): an empty -T, a newline
+# inside a flag's value (still one error line).
+for args in "-T|" "--preset|$(printf 'tiny\nfoo')"; do
+  IFS='|' read -r flag value <<< "$args" || true
+  [ "$flag" = "--preset" ] && value=$(printf 'tiny\nfoo')
+  "$HPMOE" run "$flag" "$value" > /dev/null 2> "$tmp/stderr"
+  rc=$?
+  if [ "$rc" -ne 2 ] || [ "$(wc -l < "$tmp/stderr")" -ne 1 ] || ! grep -q '^error: ' "$tmp/stderr"; then
+    echo "FAIL: hpmoe run $flag '$value' -> exit $rc"; sed 's/^/    /' "$tmp/stderr"; failed=$((failed + 1))
+  fi
+done
 # A layer name that is not printable ASCII (it goes into reports and JSON).
 "$HPMOE" run --set name=$'\xff' > /dev/null 2> "$tmp/stderr"
 rc=$?
@@ -311,10 +367,29 @@ rc=$?
 if [ "$rc" -ne 2 ] || ! grep -q '^error: cannot write to standard output' "$tmp/stderr"; then
   echo "FAIL: hpmoe config > /dev/full -> exit $rc"; failed=$((failed + 1))
 fi
+# SIGTERM at any moment of a run with --save leaves complete files or none,
+# and no temporaries (the atomic writer removes them on the signal).
+for delay in 0.3 0.8 1.5; do
+  rm -rf "$tmp/killed"
+  "$HPMOE" run --set hidden=512 --set expert_inter=512 -T 512 --mode serialized --verify off --save "$tmp/killed" > /dev/null 2>&1 &
+  pid=$!
+  sleep "$delay"; kill -TERM "$pid" 2> /dev/null; wait "$pid" 2> /dev/null
+  if ls "$tmp/killed"/*.partial-* > /dev/null 2>&1 || ! python3 - "$tmp/killed" <<'PY'
+import glob, json, os, struct, sys
+for path in glob.glob(os.path.join(sys.argv[1], "*.safetensors")):
+    b = open(path, "rb").read()
+    n = struct.unpack("<Q", b[:8])[0]
+    end = max(v["data_offsets"][1] for k, v in json.loads(b[8:8 + n]).items() if k != "__metadata__")
+    sys.exit(f"{path}: truncated") if len(b) != 8 + n + end else None
+PY
+  then
+    echo "FAIL: SIGTERM after ${delay}s of run --save left a partial file"; ls -la "$tmp/killed"; failed=$((failed + 1))
+  fi
+done
 # A successful write leaves the file and no temporary beside it.
 "$HPMOE" simulate --machine h800 --preset tiny --json "$tmp/sim.json" > /dev/null
 if [ ! -s "$tmp/sim.json" ] || ls "$tmp"/sim.json.partial* > /dev/null 2>&1; then
   echo "FAIL: simulate --json left no file or a temporary"; failed=$((failed + 1))
 fi
-echo "bad input: $((${#cases[@]} + 4 - failed)) passed, $failed failed"
+echo "bad input: $((${#cases[@]} + 9 - failed)) passed, $failed failed"
 [ "$failed" -eq 0 ]

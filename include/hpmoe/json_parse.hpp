@@ -16,5 +16,8 @@ inline constexpr int kMaxJsonDepth = 64;
 // `what` names the input in errors ("config file 'x.json'").
 nlohmann::json parse_json(std::istream& in, const std::string& what, bool ignore_comments = false);
 nlohmann::json parse_json(const std::string& text, const std::string& what, bool ignore_comments = false);
+// The JSON in the file `path`. A missing or unreadable file, or a directory,
+// is one Error: `open_error` when given, else "cannot open WHAT".
+nlohmann::json parse_json_file(const std::string& path, const std::string& what, const std::string& open_error = {});
 
 }  // namespace hpmoe

@@ -132,9 +132,7 @@ nlohmann::json dump_programs(const std::vector<taskflow::Program>& programs) {
 }
 
 std::vector<taskflow::Program> load_programs(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) throw Error("cannot open program dump '" + path + "'");
-  const nlohmann::json j = parse_json(in, "program dump '" + path + "'");
+  const nlohmann::json j = parse_json_file(path, "program dump '" + path + "'");
   return taskflow::programs_from_dump(j, "'" + path + "'");
 }
 

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <functional>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -26,6 +27,8 @@ constexpr std::int64_t kMaxDim = std::int64_t{1} << 22;  // keeps every index pr
 std::int64_t parse_int(std::string_view field, std::string_view text) {
   std::int64_t v = 0;
   auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+  if (ec == std::errc::result_out_of_range)
+    throw Error("config field '" + std::string(field) + "': " + std::string(text) + " is out of range");
   if (ec != std::errc{} || end != text.data() + text.size()) {
     throw Error("config field '" + std::string(field) + "': '" + std::string(text) +
                 "' is not an integer");
@@ -227,7 +230,8 @@ namespace {
 std::string scalar_text(const std::string& key, const nlohmann::json& v) {
   if (v.is_string()) return v.get<std::string>();
   if (v.is_boolean()) return v.get<bool>() ? "true" : "false";
-  if (v.is_number_integer() || v.is_number_unsigned()) return std::to_string(v.get<std::int64_t>());
+  if (v.is_number_unsigned()) return std::to_string(v.get<std::uint64_t>());  // parse_int range-checks it
+  if (v.is_number_integer()) return std::to_string(v.get<std::int64_t>());
   if (v.is_number_float()) {
     std::ostringstream s;
     s.precision(17);
@@ -309,6 +313,8 @@ struct ModelJson {
     const auto& v = j.at(key);
     if (!v.is_number_integer() && !v.is_number_unsigned())
       throw Error(source + ": '" + key + "' must be an integer, not " + v.dump());
+    if (v.is_number_unsigned() && v.get<std::uint64_t>() > std::uint64_t(std::numeric_limits<std::int64_t>::max()))
+      throw Error(source + ": '" + key + "' is " + v.dump() + ", beyond any layer size");
     return v.get<std::int64_t>();
   }
   double real(const char* key) const {
@@ -349,6 +355,10 @@ LayerConfig config_from_model_json(const nlohmann::json& j, const LayerConfig& b
   LayerConfig c = base;
   ModelJson m{j, source};
   if (j.contains("hidden")) {  // hpmoe's own format
+    for (const char* key : {"expert_inter", "routed_experts", "top_k"})
+      if (!j.contains(key))
+        throw Error(source + ": missing '" + key + "' (an hpmoe layer config sets at least hidden, expert_inter, "
+                    "routed_experts and top_k; `hpmoe config --preset tiny` prints a complete one)");
     LayerConfig own = config_from_json(j);
     if (!j.contains("tokens_per_rank")) own.tokens_per_rank = base.tokens_per_rank;
     if (!j.contains("ranks")) own.ranks = base.ranks;
@@ -401,9 +411,7 @@ LayerConfig config_from_model_json(const nlohmann::json& j, const LayerConfig& b
 }
 
 LayerConfig load_config_file(const std::string& path, const LayerConfig& base) {
-  std::ifstream in(path);
-  if (!in) throw Error("cannot open config file '" + path + "'");
-  const nlohmann::json j = parse_json(in, "config file '" + path + "'");
+  const nlohmann::json j = parse_json_file(path, "config file '" + path + "'");
   LayerConfig c = config_from_model_json(j, base, "config file '" + path + "'");
   if (!j.contains("hidden") && !j.contains("name")) {
     c.name = std::filesystem::path(path).stem().string().substr(0, 256);

@@ -1,5 +1,7 @@
 #include "hpmoe/json_parse.hpp"
 
+#include <filesystem>
+#include <fstream>
 #include <istream>
 
 #include "hpmoe/error.hpp"
@@ -34,6 +36,14 @@ nlohmann::json parse_json(std::istream& in, const std::string& what, bool ignore
 
 nlohmann::json parse_json(const std::string& text, const std::string& what, bool ignore_comments) {
   return parse_with_limits(text, what, ignore_comments);
+}
+
+nlohmann::json parse_json_file(const std::string& path, const std::string& what, const std::string& open_error) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) throw Error(what + " is a directory, not a file");
+  std::ifstream in(path);
+  if (!in) throw Error(open_error.empty() ? "cannot open " + what : open_error);
+  return parse_with_limits(in, what, false);
 }
 
 }  // namespace hpmoe

@@ -355,10 +355,9 @@ ExpertPlacement parse_placement(const std::string& spec, std::int64_t experts, s
     }
     return ExpertPlacement::random(experts, ranks, seed);
   }
-  std::ifstream in(spec);
-  if (!in)
-    throw Error("--placement '" + spec + "' is neither contiguous, round-robin, random[:SEED] nor a readable JSON file");
-  const nlohmann::json j = parse_json(in, "placement file '" + spec + "'");
+  const nlohmann::json j = parse_json_file(
+      spec, "placement file '" + spec + "'",
+      "--placement '" + spec + "' is neither contiguous, round-robin, random[:SEED] nor a readable JSON file");
   return placement_from_json(j, experts, ranks, "placement file '" + spec + "'");
 }
 

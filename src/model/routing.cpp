@@ -56,22 +56,30 @@ RoutingSpec parse_routing_spec(const std::string& text, std::uint64_t seed) {
     s.source = RoutingSource::balanced;
   } else if (kind == "zipf") {
     s.source = RoutingSource::zipf;
-    if (!rest.empty()) s.zipf_exponent = parse_param(text, rest);
-    if (s.zipf_exponent < 0) throw Error("routing '" + text + "': the Zipf exponent must be >= 0");
+    if (colon != std::string::npos) s.zipf_exponent = parse_param(text, rest);
+    // Past 4 nearly every token wants the same few experts, and drawing
+    // top_k distinct ones by rejection takes millions of tries a token.
+    if (s.zipf_exponent < 0 || s.zipf_exponent > 4)
+      throw Error("routing '" + text + "': the Zipf exponent must be in [0, 4]");
   } else if (kind == "hot") {
     s.source = RoutingSource::hot;
-    if (!rest.empty()) s.hot_share = parse_param(text, rest);
+    if (colon != std::string::npos) s.hot_share = parse_param(text, rest);
     if (s.hot_share < 0 || s.hot_share > 1) throw Error("routing '" + text + "': the hot share must be in [0, 1]");
   } else if (kind == "trace" && !rest.empty()) {
     s.source = RoutingSource::trace;
     const auto last = rest.rfind(':');
-    if (last != std::string::npos && last + 1 < rest.size() &&
-        std::all_of(rest.begin() + static_cast<std::ptrdiff_t>(last) + 1, rest.end(), ::isdigit)) {
+    const std::string tail = last == std::string::npos ? "" : rest.substr(last + 1);
+    const bool signed_number = tail.size() > 1 && (tail[0] == '-' || tail[0] == '+') &&
+                               std::all_of(tail.begin() + 1, tail.end(), ::isdigit);
+    if (signed_number)
+      throw Error("routing '" + text + "': the trace layer '" + tail + "' must be a layer index (0, 1, ...)");
+    if (!tail.empty() && std::all_of(tail.begin(), tail.end(), ::isdigit)) {
       s.trace_path = rest.substr(0, last);
-      s.trace_layer = rest.substr(last + 1);
+      s.trace_layer = tail;
     } else {
       s.trace_path = rest;
     }
+    if (s.trace_path.empty()) throw Error("routing '" + text + "': give the trace file (trace:FILE[:LAYER])");
   } else {
     throw Error("unknown routing '" + text + "' (use router, uniform, balanced, zipf[:S], hot[:SHARE] or trace:FILE[:LAYER])");
   }
@@ -80,9 +88,7 @@ RoutingSpec parse_routing_spec(const std::string& text, std::uint64_t seed) {
 
 std::vector<std::int32_t> load_trace(const std::string& path, const std::string& layer, std::int64_t top_k,
                                      std::int64_t experts, std::int64_t* trace_tokens) {
-  std::ifstream in(path);
-  if (!in) throw Error("cannot open routing trace '" + path + "'");
-  const nlohmann::json j = parse_json(in, "routing trace '" + path + "'");
+  const nlohmann::json j = parse_json_file(path, "routing trace '" + path + "'");
   if (!j.is_object()) throw Error("routing trace '" + path + "' must be an object of layers");
   if (!j.contains(layer)) {
     std::string known;

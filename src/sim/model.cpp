@@ -174,9 +174,9 @@ MachineModel load_machine(const std::string& spec) {
         break;
       }
   }
-  std::ifstream in(path);
-  if (!in) throw Error("cannot open the machine model '" + spec + "' (a file, or a name in machines/: cpu-local, ascend-a3, h800, h200, nmp-mesh)");
-  const json j = parse_json(in, "machine model '" + path + "'");
+  const json j = parse_json_file(path, "machine model '" + path + "'",
+                                 "cannot open the machine model '" + spec +
+                                     "' (a file, or a name in machines/: cpu-local, ascend-a3, h800, h200, nmp-mesh)");
   try {
     return machine_from_json(j);
   } catch (const Error& e) {
