@@ -6,7 +6,7 @@ packages=(cmake ninja-build g++ pkg-config libxsmm-dev nlohmann-json3-dev libcli
   libopenmpi-dev openmpi-bin libucx-dev  # libucx-dev: bench/bench_ucx (UCX measured against MPI)
           libdnnl-dev  # bf16 tiles on AMX (src/kernels/gemm.cpp); bench/bench_onednn
           libgtest-dev libgmock-dev libbenchmark-dev
-  clang libclang-rt-14-dev  # clang and its libFuzzer runtime: scripts/fuzz.sh
+  clang libclang-rt-14-dev  # clang and its libFuzzer runtime: bench/fuzz.sh
   pybind11-dev python3-dev python3-torch python3-pytest python3-numpy python3-matplotlib)  # the Python module, its tests, examples/train_moe_lm.py
 missing=()
 for p in "${packages[@]}"; do

@@ -34,8 +34,8 @@ if [ "${HPMOE_SKIP_SANITIZERS:-0}" != 1 ]; then
 fi
 
 if [ "${HPMOE_SKIP_FUZZ:-0}" != 1 ]; then
-  echo "== libFuzzer: the placement and program-dump parsers and the verifier, 20 s each"
-  scripts/fuzz.sh 20
+  echo "== libFuzzer under ASan + UBSan: every parser (bench/fuzz.sh), ${HPMOE_FUZZ_SECONDS:-20} s each"
+  bench/fuzz.sh "${HPMOE_FUZZ_SECONDS:-20}"
 fi
 
 if [ "${HPMOE_SKIP_SANITIZERS:-0}" != 1 ]; then

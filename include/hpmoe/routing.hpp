@@ -42,6 +42,9 @@ std::vector<std::int32_t> forced_selection(const LayerConfig&, const RoutingSpec
 // Rejects a trace whose width differs from top_k or whose ids do not fit E.
 std::vector<std::int32_t> load_trace(const std::string& path, const std::string& layer, std::int64_t top_k,
                                      std::int64_t experts, std::int64_t* trace_tokens = nullptr);
+// The same from a trace's text; `source` names it in errors.
+std::vector<std::int32_t> parse_trace(const std::string& text, const std::string& source, const std::string& layer,
+                                      std::int64_t top_k, std::int64_t experts, std::int64_t* trace_tokens = nullptr);
 
 // The routing of one step for all ranks' tokens (rank r owns tokens
 // [r T, (r+1) T)). Real is double in the oracle and float in the fast path;

@@ -43,6 +43,9 @@ class SafetensorsFile {
   std::vector<float> rows(const std::string& name, const std::vector<std::int64_t>& shape, std::int64_t row0,
                           std::int64_t count) const;
   std::vector<std::int32_t> ints(const std::string& name, const std::vector<std::int64_t>& shape) const;
+  // The header's dtype and shape of a tensor it holds.
+  const std::string& dtype(const std::string& name) const { return entry(name).dtype; }
+  const std::vector<std::int64_t>& shape(const std::string& name) const { return entry(name).shape; }
   std::vector<std::string> names() const {
     std::vector<std::string> out;
     for (const auto& [name, e] : entries_) out.push_back(name);
@@ -55,6 +58,7 @@ class SafetensorsFile {
     std::vector<std::int64_t> shape;
     std::size_t begin = 0, end = 0;
   };
+  const Entry& entry(const std::string& name) const;
   const Entry& entry(const std::string& name, const std::vector<std::int64_t>& shape) const;
   std::vector<char> read(const Entry&, const std::string& name, std::size_t skip, std::size_t count) const;
   std::string path_;

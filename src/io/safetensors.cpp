@@ -5,6 +5,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <string_view>
 #include <utility>
@@ -151,9 +152,15 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
                 " bytes after its last tensor (not a safetensors file, or a damaged one)");
 }
 
+const SafetensorsFile::Entry& SafetensorsFile::entry(const std::string& name) const {
+  auto it = entries_.find(name);
+  if (it == entries_.end()) throw Error("'" + path_ + "' has no tensor '" + name + "'");
+  return it->second;
+}
+
 const SafetensorsFile::Entry& SafetensorsFile::entry(const std::string& name,
                                                      const std::vector<std::int64_t>& shape) const {
-  auto it = entries_.find(name);
+  const auto it = entries_.find(name);
   if (it == entries_.end()) throw Error("'" + path_ + "' has no tensor '" + name + "'");
   if (it->second.shape != shape)
     throw Error("'" + path_ + "' tensor '" + name + "' has shape " + shape_text(it->second.shape) + ", expected " +
@@ -250,6 +257,9 @@ std::vector<std::int32_t> SafetensorsFile::ints(const std::string& name, const s
     for (std::size_t i = 0; i < n; ++i) {
       std::int64_t v;
       std::memcpy(&v, data.data() + i * 8, 8);
+      if (v < std::numeric_limits<std::int32_t>::min() || v > std::numeric_limits<std::int32_t>::max())
+        throw Error("'" + path_ + "' tensor '" + name + "' holds " + std::to_string(v) + " at index " +
+                    std::to_string(i) + ", outside the 32-bit range of expert ids and counts");
       out[i] = static_cast<std::int32_t>(v);
     }
   } else {

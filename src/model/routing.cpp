@@ -86,9 +86,9 @@ RoutingSpec parse_routing_spec(const std::string& text, std::uint64_t seed) {
   return s;
 }
 
-std::vector<std::int32_t> load_trace(const std::string& path, const std::string& layer, std::int64_t top_k,
-                                     std::int64_t experts, std::int64_t* trace_tokens) {
-  const nlohmann::json j = parse_json_file(path, "routing trace '" + path + "'");
+namespace {
+std::vector<std::int32_t> trace_from_json(const nlohmann::json& j, const std::string& path, const std::string& layer,
+                                          std::int64_t top_k, std::int64_t experts, std::int64_t* trace_tokens) {
   if (!j.is_object()) throw Error("routing trace '" + path + "' must be an object of layers");
   if (!j.contains(layer)) {
     std::string known;
@@ -120,6 +120,19 @@ std::vector<std::int32_t> load_trace(const std::string& path, const std::string&
   }
   if (trace_tokens) *trace_tokens = static_cast<std::int64_t>(rows.size());
   return ids;
+}
+}  // namespace
+
+std::vector<std::int32_t> load_trace(const std::string& path, const std::string& layer, std::int64_t top_k,
+                                     std::int64_t experts, std::int64_t* trace_tokens) {
+  return trace_from_json(parse_json_file(path, "routing trace '" + path + "'"), path, layer, top_k, experts,
+                         trace_tokens);
+}
+
+std::vector<std::int32_t> parse_trace(const std::string& text, const std::string& source, const std::string& layer,
+                                      std::int64_t top_k, std::int64_t experts, std::int64_t* trace_tokens) {
+  return trace_from_json(parse_json(text, "routing trace '" + source + "'"), source, layer, top_k, experts,
+                         trace_tokens);
 }
 
 namespace {
