@@ -78,4 +78,9 @@ test "$rc" -eq 1 && grep -q "FAIL" "$tmp/broken.txt"
 grep -q '"traceEvents"' "$tmp/trace.json" && grep -q '"serialized"' "$tmp/trace.json"
 grep -q 'gemm_gate_up_wgrad' "$tmp/trace.json"
 grep -q '<svg' "$tmp/timeline.svg" && grep -q 'interleaved' "$tmp/timeline.svg"
+# A short soak: a new routing every step, spot checks and memory samples.
+"$HPMOE" run -P 4 --set routed_experts=16 -T 16 --backward --routing mixed --iters 60 --warmup 0 --check-every 20 \
+  --no-pin --json "$tmp/soak.json" > "$tmp/soak.txt"
+grep -q "soak     3 bit-identity spot checks, 0 mismatches" "$tmp/soak.txt"
+grep -q '"mismatches": 0' "$tmp/soak.json"
 echo "cli smoke: all passed"

@@ -1,6 +1,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -213,4 +214,28 @@ TEST(VectorKernels, SwigluForwardAndBackward) {
   double ref = 0;
   for (int i = 0; i < 100; ++i) ref += double(x[i]) * x[i];
   EXPECT_FLOAT_EQ(dot<float>(x.data(), x.data(), 100), float(ref));
+}
+
+// A's stride does not change a bit of the result: a strided A (a weight
+// gradient's transposed activation) is compacted before libxsmm sees it, so
+// its kernels depend on the tile's shape alone (a code cache that stays put
+// under routing that changes every step).
+TEST(TileGemm, StridedAGivesTheSameBitsAsADenseOne) {
+  init();
+  for (const std::int64_t k : {1, 7, 33, 130}) {
+    const std::int64_t m = 16, n = 32;
+    Rng rng(static_cast<std::uint64_t>(k));
+    std::vector<float> dense(static_cast<std::size_t>(m * k)), strided(static_cast<std::size_t>(m * (k + 37)), -1.0f);
+    for (std::int64_t i = 0; i < m; ++i)
+      for (std::int64_t p = 0; p < k; ++p)
+        dense[static_cast<std::size_t>(i * k + p)] = strided[static_cast<std::size_t>(i * (k + 37) + p)] = float(rng.normal());
+    std::vector<float> b(static_cast<std::size_t>(k * n));
+    for (auto& v : b) v = float(rng.normal());
+    std::vector<float> packed(static_cast<std::size_t>(padded_k<float>(k) * n));
+    pack_rhs<float, float>(b.data(), n, k, n, packed.data(), 0, k);
+    std::vector<float> c1(static_cast<std::size_t>(m * n)), c2(c1.size());
+    gemm_tile<float>(dense.data(), k, RhsView<float>{packed.data(), n}, 0, c1.data(), n, m, n, k, false);
+    gemm_tile<float>(strided.data(), k + 37, RhsView<float>{packed.data(), n}, 0, c2.data(), n, m, n, k, false);
+    EXPECT_EQ(0, std::memcmp(c1.data(), c2.data(), c1.size() * sizeof(float))) << "k " << k;
+  }
 }

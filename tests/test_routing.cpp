@@ -263,3 +263,39 @@ TEST(Routing, LaterStepsKeepThePopularityAndDrawAgain) {
   spec.step = 0;
   EXPECT_EQ(forced_selection(c, spec), first);  // step 0 is the routing as before steps existed
 }
+
+// The soak's routing: a new draw every step, of every kind, repeatable, and
+// idle ranks' experts (contiguous blocks) really get nothing.
+TEST(MixedRouting, ChangesEveryStepCoversEveryKindAndIdlesRanks) {
+  LayerConfig c = preset("tiny");
+  c.ranks = 4;
+  c.routed_experts = 16;
+  c.tokens_per_rank = 32;
+  c.validate();
+  const RoutingSpec mixed = parse_routing_spec("mixed", 3);
+  EXPECT_TRUE(mixed.changes_every_step());
+  std::set<RoutingSource> kinds;
+  bool idle_seen = false;
+  for (std::uint64_t step = 0; step < 64; ++step) {
+    const RoutingSpec s = mixed.at_step(c, step);
+    kinds.insert(s.source);
+    RoutingSpec at = mixed;
+    at.step = step;
+    const auto ids = forced_selection(c, at);
+    EXPECT_EQ(ids, forced_selection(c, at));  // repeatable
+    ASSERT_EQ(ids.size(), static_cast<std::size_t>(c.total_tokens() * c.top_k));
+    for (std::int64_t t = 0; t < c.total_tokens(); ++t)
+      EXPECT_NE(ids[static_cast<std::size_t>(t * 2)], ids[static_cast<std::size_t>(t * 2 + 1)]);
+    if (s.idle_blocks != 0) {
+      idle_seen = true;
+      for (const auto e : ids) EXPECT_EQ((s.idle_blocks >> (e / 4)) & 1, 0u) << "step " << step << " expert " << e;
+    }
+    if (step > 0) {
+      RoutingSpec before = mixed;
+      before.step = step - 1;
+      EXPECT_NE(ids, forced_selection(c, before));
+    }
+  }
+  EXPECT_TRUE(kinds.count(RoutingSource::uniform) && kinds.count(RoutingSource::zipf) && kinds.count(RoutingSource::hot));
+  EXPECT_TRUE(idle_seen);
+}

@@ -14,7 +14,7 @@ namespace hpmoe {
 // come from the router's scores, so backward stays meaningful).
 // balanced: exactly the same count for every (rank, expert) where T K is a
 // multiple of E (the force-balanced ideal).
-enum class RoutingSource { router, uniform, balanced, zipf, hot, trace };
+enum class RoutingSource { router, uniform, balanced, zipf, hot, trace, mixed };
 
 struct RoutingSpec {
   RoutingSource source = RoutingSource::router;
@@ -27,11 +27,21 @@ struct RoutingSpec {
   // Steps of one synthetic routing share its popularity (which experts are
   // hot, from `seed`) and differ in the draws (step 0: as before steps).
   std::uint64_t step = 0;
+  // Contiguous blocks of E/P experts (ranks, under the contiguous placement)
+  // that get no tokens: bit r for block r (blocks past 63 always get some).
+  std::uint64_t idle_blocks = 0;
 
   std::string describe() const;
+  // "mixed": a new routing every step (the soak's): the step's own kind.
+  bool changes_every_step() const { return source == RoutingSource::mixed; }
+  // The step's routing of a mixed one: uniform, Zipf (exponent 0.5-2, its
+  // hot experts moved), one hot expert (up to 90% of its 1/top_k limit), or
+  // idle ranks (the experts of 1 to P-1 random contiguous blocks get no
+  // tokens; at least top_k experts stay), drawn from (seed, step).
+  RoutingSpec at_step(const LayerConfig&, std::uint64_t step) const;
 };
 
-// Parses "router", "uniform", "balanced", "zipf[:S]", "hot[:SHARE]", "trace:FILE[:LAYER]".
+// Parses "router", "uniform", "balanced", "zipf[:S]", "hot[:SHARE]", "trace:FILE[:LAYER]", "mixed".
 RoutingSpec parse_routing_spec(const std::string& text, std::uint64_t seed);
 
 // Expert ids [N * K] for a non-router source, or empty for the router.

@@ -1,4 +1,5 @@
 #pragma once
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <nlohmann/json_fwd.hpp>
@@ -54,6 +55,25 @@ struct RunRequest {
   // Over MPI: every process regenerates all ranks' programs and verifies the
   // whole set (an audit of the per-rank proof; P times the compile cost).
   bool verify_all_ranks = false;
+  // A soak's spot checks: every `check_every` steps (and at the last), the
+  // two executors' results of that step compared bit for bit, and this
+  // process's resident memory and open files sampled. 0: off.
+  int check_every = 0;
+};
+
+// What a run with check_every found, step by step.
+struct SoakSample {
+  std::int64_t step = 0;
+  double rss_bytes = 0;  // VmRSS of the process at that step
+  std::int64_t open_files = 0;
+};
+struct SoakReport {
+  std::int64_t checks = 0, mismatches = 0;  // bit-identity spot checks (over MPI: summed over ranks)
+  std::string first_mismatch;
+  std::vector<SoakSample> samples;  // this process's (the root's over MPI)
+  // Over MPI: every rank's resident memory at the first sample after the
+  // warm-up and at the last, and its open files then.
+  std::vector<std::array<double, 4>> ranks;  // rss first, rss last, files first, files last
 };
 
 // One rank's share of a sharded (MPI) run, as the root reports it.
@@ -125,6 +145,7 @@ struct RunReport {
   bool sharded = false;
   bool verified_per_rank = false;  // sharded: each rank proved only its own program
   std::vector<RankSummary> ranks;
+  SoakReport soak;
 };
 
 // Compares a fast result with the oracle under the tolerances for the dtype

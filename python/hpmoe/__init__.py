@@ -94,7 +94,12 @@ class _Function(torch.autograd.Function):
                 _core.update_expert_bias(bias.numpy(), ctx.load.sum(dim=0).numpy(),
                                          module.config["bias_update_rate"])
                 module.gate_bias.copy_(bias)
-        return (None, None, torch.from_numpy(grads["x"])) + tuple(torch.from_numpy(grads[n]) for n in ctx.names)
+        # An expert that computed nothing this step gets no gradient (None), as in a PyTorch MoE where it
+        # is not in the graph: optimisers then leave it alone (Adam's momentum does not move an idle expert).
+        idle = {str(e) for e, n in enumerate(ctx.load.sum(dim=0).tolist()) if n == 0}
+        return (None, None, torch.from_numpy(grads["x"])) + tuple(
+            None if n.startswith("experts.") and n.split(".")[1] in idle else torch.from_numpy(grads[n])
+            for n in ctx.names)
 
 
 class MoELayer(nn.Module):

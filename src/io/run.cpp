@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <filesystem>
 #include <cmath>
 #include <fstream>
 #include <optional>
@@ -288,13 +289,66 @@ struct Steps {
   StepResult last, inter_last;
 };
 
-void run_steps(const RunRequest& req, Executors& x, const LayerInputs& in, std::span<const std::int32_t> forced,
-               Steps& steps, const std::function<void(const std::string&)>& say) {
+// A memory figure of this process from /proc/self/status ("VmRSS:" now,
+// "VmHWM:" its peak), in bytes; 0 where unknown.
+double status_bytes(const std::string& key) {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line))
+    if (line.rfind(key, 0) == 0) return std::stod(line.substr(key.size())) * 1024.0;
+  return 0;
+}
+double current_rss_bytes() { return status_bytes("VmRSS:"); }
+// Open file descriptors of this process now.
+std::int64_t open_files() {
+  std::error_code ec;
+  std::int64_t n = 0;
+  for (auto it = std::filesystem::directory_iterator("/proc/self/fd", ec); !ec && it != std::filesystem::directory_iterator();
+       it.increment(ec))
+    ++n;
+  return n;
+}
+
+// The expert choices of every step: the same each step, or for a routing
+// that changes every step (mixed) that step's draw; `rank` >= 0 keeps only
+// that rank's tokens (a sharded process).
+class StepChoices {
+ public:
+  StepChoices(const LayerConfig& c, const RoutingSpec& spec, int rank) : config_(c), spec_(spec), rank_(rank) {
+    ids_ = draw(spec_);
+  }
+  // The routing of step `it` (its spec, for whoever recomputes it).
+  RoutingSpec spec_of(int it) const {
+    RoutingSpec s = spec_;
+    if (s.changes_every_step()) s.step = static_cast<std::uint64_t>(it);
+    return s;
+  }
+  std::span<const std::int32_t> at(int it) {
+    if (spec_.changes_every_step()) ids_ = draw(spec_of(it));
+    return ids_;
+  }
+
+ private:
+  std::vector<std::int32_t> draw(const RoutingSpec& s) const {
+    std::vector<std::int32_t> ids = forced_selection(config_, s);
+    if (ids.empty() || rank_ < 0) return ids;
+    const auto per_rank = static_cast<std::ptrdiff_t>(config_.tokens_per_rank * config_.top_k);
+    return std::vector<std::int32_t>(ids.begin() + rank_ * per_rank, ids.begin() + (rank_ + 1) * per_rank);
+  }
+  const LayerConfig& config_;
+  RoutingSpec spec_;
+  int rank_;
+  std::vector<std::int32_t> ids_;
+};
+
+void run_steps(const RunRequest& req, Executors& x, const LayerInputs& in, StepChoices& choices, Steps& steps,
+               SoakReport& soak, const std::function<void(const std::string&)>& say) {
   steps.serialized.workers = steps.interleaved.workers = double(req.config.ranks * req.workers_per_rank);
   const int total = req.warmup + req.iterations;
   for (int it = 0; it < total; ++it) {
     say("step " + std::to_string(it + 1) + "/" + std::to_string(total) + (it < req.warmup ? " (warm-up)" : ""));
     const bool measured = it >= req.warmup;
+    const std::span<const std::int32_t> forced = choices.at(it);
     if (x.inter) {
       x.inter->step(in, forced, steps.inter_last);
       if (measured) {
@@ -305,10 +359,22 @@ void run_steps(const RunRequest& req, Executors& x, const LayerInputs& in, std::
         steps.host.push_back(h);
       }
     }
-    if (!x.use_serialized) continue;
-    if (x.phased) x.phased->step(in, forced, steps.last);
-    else x.serial->step(in, forced, steps.last);
-    if (measured) steps.serialized.add(steps.last);
+    if (x.use_serialized) {
+      if (x.phased) x.phased->step(in, forced, steps.last);
+      else x.serial->step(in, forced, steps.last);
+      if (measured) steps.serialized.add(steps.last);
+    }
+    if (req.check_every > 0 && ((it + 1) % req.check_every == 0 || it + 1 == total)) {
+      if (x.inter && x.use_serialized) {
+        const Comparison ch = bit_identity("interleaved = serialized", steps.last, steps.inter_last, req.config, req.backward);
+        ++soak.checks;
+        if (!ch.pass) {
+          ++soak.mismatches;
+          if (soak.first_mismatch.empty()) soak.first_mismatch = "step " + std::to_string(it + 1) + ": " + ch.differing;
+        }
+      }
+      soak.samples.push_back({it + 1, current_rss_bytes(), open_files()});
+    }
   }
 }
 
@@ -347,14 +413,7 @@ void summarize_into(RunReport& rep, const ExecutorSamples& serialized, const Exe
   rep.serialized_backward_busy = summarize(serialized.backward_busy);
 }
 
-// Peak resident memory of this process (VmHWM), in bytes; 0 where unknown.
-double peak_rss_bytes() {
-  std::ifstream status("/proc/self/status");
-  std::string line;
-  while (std::getline(status, line))
-    if (line.rfind("VmHWM:", 0) == 0) return std::stod(line.substr(6)) * 1024.0;
-  return 0;
-}
+double peak_rss_bytes() { return status_bytes("VmHWM:"); }
 
 // Every rank's `mine` (the same length on every rank), in rank order.
 std::vector<std::vector<double>> allgather_doubles(Transport& tr, int me, const std::vector<double>& mine) {
@@ -366,6 +425,34 @@ std::vector<std::vector<double>> allgather_doubles(Transport& tr, int me, const 
   for (std::size_t q = 0; q < out.size(); ++q)
     out[q].assign(all.begin() + static_cast<std::ptrdiff_t>(q * n), all.begin() + static_cast<std::ptrdiff_t>((q + 1) * n));
   return out;
+}
+
+// The soak's spot checks as one line of the verification.
+Comparison soak_check(const SoakReport& soak) {
+  Comparison ch;
+  ch.tensor = "soak: interleaved = serialized, spot checks (a tensor = a step checked whole)";
+  ch.bitwise = true;
+  ch.tensors = soak.checks;
+  ch.pass = soak.mismatches == 0;
+  if (soak.mismatches > 0) ch.differing = std::to_string(soak.mismatches) + " steps, first at " + soak.first_mismatch;
+  return ch;
+}
+
+// A sharded soak's figures: mismatches summed over ranks, and every rank's
+// memory and open files at the first and last samples.
+void gather_soak(Transport& tr, int me, int warmup, SoakReport& soak) {
+  if (soak.samples.empty()) return;
+  const auto after_warmup = std::find_if(soak.samples.begin(), soak.samples.end(),
+                                         [&](const SoakSample& x) { return x.step > warmup; });
+  const SoakSample& first = after_warmup != soak.samples.end() ? *after_warmup : soak.samples.back();
+  const SoakSample& final_sample = soak.samples.back();
+  const auto all = allgather_doubles(tr, me, {first.rss_bytes, final_sample.rss_bytes, double(first.open_files),
+                                              double(final_sample.open_files), double(soak.mismatches)});
+  soak.mismatches = 0;
+  for (const auto& r : all) {
+    soak.ranks.push_back({r[0], r[1], r[2], r[3]});
+    soak.mismatches += static_cast<std::int64_t>(r[4]);
+  }
 }
 
 // Each step's time as the slowest rank's: the step ends when every rank has.
@@ -589,11 +676,8 @@ RunReport run_sharded(const RunRequest& req, const std::function<void(const std:
   if (!req.load_dir.empty()) checkpoint.emplace(req.load_dir);
   LayerWeights w = req.load_dir.empty() ? random_weights(c, req.seed, {}) : load_weights(req.load_dir, c, {});
   LayerInputs in = req.load_dir.empty() ? random_inputs(c, req.seed, mine) : load_inputs(req.load_dir, c, me);
-  std::vector<std::int32_t> forced = forced_selection(c, req.routing);
-  if (!forced.empty()) {
-    const auto per_rank = static_cast<std::ptrdiff_t>(c.tokens_per_rank * c.top_k);
-    forced = std::vector<std::int32_t>(forced.begin() + me * per_rank, forced.begin() + (me + 1) * per_rank);
-  }
+  StepChoices choices(c, req.routing, me);
+  const RoutingSpec last_routing = choices.spec_of(req.warmup + req.iterations - 1);
   say("generating and packing this rank's experts for the tile kernels");
   const ExpertSource fetch = [&](std::int64_t e, LayerWeights& into) {
     if (checkpoint) load_expert(*checkpoint, c, e, into);
@@ -612,7 +696,8 @@ RunReport run_sharded(const RunRequest& req, const std::function<void(const std:
   rep.serialized_over = rep.transport;
 
   Steps steps;
-  run_steps(req, x, in, forced, steps, say);
+  run_steps(req, x, in, choices, steps, rep.soak, say);
+  gather_soak(tr, me, req.warmup, rep.soak);
   auto& [serialized, interleaved, host, last, inter_last] = steps;
   // The table's row of this rank, and every step's time as the slowest rank's.
   const StepResult& shown = x.inter ? inter_last : last;
@@ -648,6 +733,7 @@ RunReport run_sharded(const RunRequest& req, const std::function<void(const std:
     ch.tensor = "interleaved = serialized (every rank, its own tensors)";
     record(ch);
   }
+  if (rep.soak.checks > 0) record(soak_check(rep.soak));
   if (req.check_inprocess) {
     // The whole layer once more on the root, in process, from the same seeds
     // (or checkpoint), as the bit-for-bit reference of every MPI executor.
@@ -665,7 +751,7 @@ RunReport run_sharded(const RunRequest& req, const std::function<void(const std:
       opt.pin = false;
       opt.placement = placement;
       serial = std::make_unique<SerializedExecutor>(c, whole, opt);
-      serial->step(whole_in, forced_selection(c, req.routing), reference);
+      serial->step(whole_in, forced_selection(c, last_routing), reference);
     }
     for (const auto& [name, result] : {std::pair<std::string, const StepResult*>{"phased (mpi)", x.phased ? &last : nullptr},
                                        {"interleaved (mpi)", x.inter ? &inter_last : nullptr}}) {
@@ -723,7 +809,7 @@ RunReport run_layer(const RunRequest& req, const std::function<void(const std::s
   LayerWeights w = req.load_dir.empty() ? random_weights(c, req.seed) : load_weights(req.load_dir, c);
   LayerInputs in = req.load_dir.empty() ? random_inputs(c, req.seed) : load_inputs(req.load_dir, c);
   check_shapes(c, w, in);
-  const auto forced = forced_selection(c, req.routing);
+  StepChoices choices(c, req.routing, -1);
   const ExpertPlacement placement = placement_or_contiguous(req.placement, c.routed_experts, c.ranks);
   say("packing weights for the tile kernels");
   Executors x = make_executors(req, w, placement, pack_weights(c, w, req.backward), false);
@@ -731,7 +817,7 @@ RunReport run_layer(const RunRequest& req, const std::function<void(const std::s
   RunReport rep = report_header(req, placement, x);
 
   Steps steps;
-  run_steps(req, x, in, forced, steps, say);
+  run_steps(req, x, in, choices, steps, rep.soak, say);
   auto& [serialized, interleaved, host, last, inter_last] = steps;
   summarize_into(rep, serialized, interleaved);
   if (!x.use_serialized) last = std::move(inter_last);  // interleaved only: verify and report its step
@@ -744,6 +830,7 @@ RunReport run_layer(const RunRequest& req, const std::function<void(const std::s
     rep.verification.pass = rep.verification.pass && ch.pass;
   };
   if (x.use_serialized && x.inter) record(bit_identity("interleaved = serialized", last, inter_last, c, req.backward));
+  if (rep.soak.checks > 0) record(soak_check(rep.soak));
   if (x.trace) {
     std::vector<TracedRun> runs;
     if (x.use_serialized) runs.push_back({"serialized", &last});
@@ -843,6 +930,14 @@ nlohmann::json to_json(const RunReport& r) {
                        {"local_bytes", k.local_bytes},
                        {"peak_rss_bytes", k.peak_rss_bytes}});
     j["ranks"] = ranks;
+  }
+  if (r.soak.checks > 0 || !r.soak.samples.empty()) {
+    nlohmann::json samples = nlohmann::json::array(), ranks = nlohmann::json::array();
+    for (const auto& x : r.soak.samples) samples.push_back({{"step", x.step}, {"rss_bytes", x.rss_bytes}, {"open_files", x.open_files}});
+    for (const auto& k : r.soak.ranks)
+      ranks.push_back({{"rss_first_bytes", k[0]}, {"rss_last_bytes", k[1]}, {"open_files_first", k[2]}, {"open_files_last", k[3]}});
+    j["soak"] = {{"checks", r.soak.checks}, {"mismatches", r.soak.mismatches}, {"first_mismatch", r.soak.first_mismatch},
+                 {"samples", samples}, {"ranks", ranks}};
   }
   j["verification"] = {{"mode", r.verification.mode},
                        {"sample_tokens", r.verification.sample_tokens},
@@ -968,6 +1063,15 @@ std::string format_report(const RunReport& r) {
         << k.expert_weight_bytes / 1e6 << std::setw(12) << k.segment_bytes / 1e6 << std::setw(10) << k.local_bytes / 1e6
         << std::setw(13) << k.peak_rss_bytes / 1e6 << "\n";
     }
+  }
+  if (!r.soak.samples.empty()) {
+    const auto& f = r.soak.samples.front();
+    const auto& l = r.soak.samples.back();
+    o << "soak     " << r.soak.checks << " bit-identity spot checks, " << r.soak.mismatches << " mismatches"
+      << (r.soak.first_mismatch.empty() ? "" : " (first: " + r.soak.first_mismatch + ")") << "; RSS "
+      << std::fixed << std::setprecision(1) << f.rss_bytes / 1e6 << " MB at step " << f.step << ", "
+      << l.rss_bytes / 1e6 << " MB at step " << l.step << "; open files " << f.open_files << " -> " << l.open_files
+      << "\n";
   }
   const auto& v = r.verification;
   o << std::scientific << std::setprecision(2);

@@ -232,6 +232,22 @@ void gemm_tile(const T* a, std::int64_t lda, RhsView<T> b, std::int64_t col0, fl
     }
   }
 #endif
+  // libxsmm generates and keeps a kernel per (m, n, k, lda, ldb, ldc). A
+  // weight-gradient tile reads k rows' worth of a longer transposed
+  // activation (lda its whole row count), so under routing that changes
+  // every step each (k, lda) pair was a new kernel: the code cache grew by
+  // 70 MB in 1,000 soak steps. Such an A is copied into a tile whose stride
+  // depends on k alone; the same values in the same FMA order give the same
+  // bits, and the copy is 1/n of the tile's work.
+  const std::int64_t tight = (k + 15) / 16 * 16;
+  if (lda != k && lda != tight) {
+    thread_local std::vector<T> compact;
+    compact.resize(static_cast<std::size_t>(m * tight));
+    for (std::int64_t i = 0; i < m; ++i)
+      std::memcpy(compact.data() + i * tight, a + i * lda, static_cast<std::size_t>(k) * sizeof(T));
+    a = compact.data();
+    lda = tight;
+  }
   const std::int64_t blocks = k / kBlockK, rest = k % kBlockK;
   for (std::int64_t first = 0; first < blocks; first += kChunkBlocks)
     batch_reduce<T>(a + first * kBlockK, lda, rhs + first * kBlockK * b.ld, b.ld, c, ldc, m, n, kBlockK,

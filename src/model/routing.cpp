@@ -21,8 +21,48 @@ std::string RoutingSpec::describe() const {
     case RoutingSource::zipf: return "zipf:" + std::to_string(zipf_exponent).substr(0, 5);
     case RoutingSource::hot: return "hot:" + std::to_string(hot_share).substr(0, 5);
     case RoutingSource::trace: return "trace:" + trace_path + ":" + trace_layer;
+    case RoutingSource::mixed: return "mixed (a new routing every step)";
   }
   return "?";
+}
+
+RoutingSpec RoutingSpec::at_step(const LayerConfig& c, std::uint64_t step_index) const {
+  if (source != RoutingSource::mixed) {
+    RoutingSpec s = *this;
+    s.step = step_index;
+    return s;
+  }
+  Rng rng(seed * 104729 + step_index * 2654435761ull + 7);
+  RoutingSpec s;
+  s.seed = seed + step_index * 7919;  // a new popularity too (Zipf's hot experts move)
+  const std::int64_t e = c.routed_experts, k = c.top_k, p = std::min<std::int64_t>(c.ranks, 64);
+  const std::int64_t block = e / std::max<std::int64_t>(c.ranks, 1);
+  switch (rng.below(4)) {
+    case 0: s.source = RoutingSource::uniform; break;
+    case 1:
+      s.source = RoutingSource::zipf;
+      s.zipf_exponent = 0.5 + 1.5 * rng.uniform();
+      break;
+    case 2:
+      if (k < e) {
+        s.source = RoutingSource::hot;
+        s.hot_expert = rng.below(e);
+        s.hot_share = 0.9 * rng.uniform() / double(k);
+        break;
+      }
+      s.source = RoutingSource::uniform;
+      break;
+    default:
+      s.source = RoutingSource::uniform;
+      if (p > 1 && block > 0) {
+        const std::int64_t idle = 1 + rng.below(p - 1);
+        std::vector<std::int64_t> order(static_cast<std::size_t>(p));
+        std::iota(order.begin(), order.end(), 0);
+        for (std::int64_t i = p - 1; i > 0; --i) std::swap(order[i], order[rng.below(i + 1)]);
+        for (std::int64_t i = 0; i < idle && (e - (i + 1) * block) >= k; ++i) s.idle_blocks |= std::uint64_t{1} << order[i];
+      }
+  }
+  return s;
 }
 
 namespace {
@@ -65,6 +105,8 @@ RoutingSpec parse_routing_spec(const std::string& text, std::uint64_t seed) {
     s.source = RoutingSource::hot;
     if (colon != std::string::npos) s.hot_share = parse_param(text, rest);
     if (s.hot_share < 0 || s.hot_share > 1) throw Error("routing '" + text + "': the hot share must be in [0, 1]");
+  } else if (kind == "mixed" && rest.empty()) {
+    s.source = RoutingSource::mixed;
   } else if (kind == "trace" && !rest.empty()) {
     s.source = RoutingSource::trace;
     const auto last = rest.rfind(':');
@@ -81,7 +123,7 @@ RoutingSpec parse_routing_spec(const std::string& text, std::uint64_t seed) {
     }
     if (s.trace_path.empty()) throw Error("routing '" + text + "': give the trace file (trace:FILE[:LAYER])");
   } else {
-    throw Error("unknown routing '" + text + "' (use router, uniform, balanced, zipf[:S], hot[:SHARE] or trace:FILE[:LAYER])");
+    throw Error("unknown routing '" + text + "' (use router, uniform, balanced, zipf[:S], hot[:SHARE], trace:FILE[:LAYER] or mixed)");
   }
   return s;
 }
@@ -173,6 +215,7 @@ std::vector<std::int32_t> forced_selection(const LayerConfig& c, const RoutingSp
   const std::int64_t n = c.total_tokens(), k = c.top_k, e = c.routed_experts;
   std::vector<std::int32_t> ids;
   if (s.source == RoutingSource::router) return ids;
+  if (s.source == RoutingSource::mixed) return forced_selection(c, s.at_step(c, s.step));
   ids.resize(static_cast<std::size_t>(n * k));
   Rng rng(s.seed * 7919 + 17);
   if (s.source == RoutingSource::balanced) {
@@ -208,6 +251,11 @@ std::vector<std::int32_t> forced_selection(const LayerConfig& c, const RoutingSp
                   ": one expert can take at most 1/top_k of the assignments");
     if (k == e) throw Error("hot routing needs top_k below routed_experts");
     weights[s.hot_expert] = 0;
+  }
+  if (s.idle_blocks != 0) {
+    const std::int64_t block = e / std::max<std::int64_t>(c.ranks, 1);
+    for (std::int64_t i = 0; i < e; ++i)
+      if (block > 0 && i / block < 64 && (s.idle_blocks >> (i / block)) & 1) weights[static_cast<std::size_t>(i)] = 0;
   }
   const ExpertSampler sampler(weights);
   // Later steps of the same routing: the same popularity (the permutation

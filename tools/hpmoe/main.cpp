@@ -229,11 +229,16 @@ struct RunCommand {
     CLI::App* run = app;
     layer.add_to(*run);
     run->add_option("--workers,-W", req.workers_per_rank, "worker threads per rank")->check(CLI::Range(1, 256));
-    run->add_option("--routing", routing, "router | uniform | balanced | zipf[:S] | hot[:SHARE] | trace:FILE[:LAYER]");
+    run->add_option("--routing", routing,
+                    "router | uniform | balanced | zipf[:S] | hot[:SHARE] | trace:FILE[:LAYER] | mixed (a new routing "
+                    "every step: uniform, Zipf, a hot expert or idle ranks)");
     run->add_option("--seed", req.seed, "seed of weights, inputs and synthetic routing")->check(kSeedValidator);
     run->add_flag("--backward", req.backward, "run backward too (dx, dW1, dW2, router and shared gradients)");
     run->add_option("--iters", req.iterations, "measured iterations")->check(CLI::Range(1, 100000));
     run->add_option("--warmup", req.warmup, "warm-up iterations")->check(CLI::Range(0, 100000));
+    run->add_option("--check-every", req.check_every,
+                    "soak: every N steps compare the executors bit for bit and sample memory and open files")
+        ->check(CLI::Range(1, 100000));
     run->add_option("--verify", verify, "auto | full | sample | off (auto: full oracle for small layers)");
     run->add_option("--sample", req.sample_tokens, "tokens recomputed in fp64 by --verify sample")->check(CLI::Range(1, 1 << 20));
     run->add_option("--json", json_file, "write the results as JSON");
