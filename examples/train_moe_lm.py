@@ -75,6 +75,8 @@ def save_safetensors(path, tensors, metadata):
         f.write(struct.pack("<Q", len(head)) + head)
         for b in blobs:
             f.write(b)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
 
 

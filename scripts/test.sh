@@ -21,6 +21,9 @@ if /usr/bin/python3 -c "import torch" 2>/dev/null && ls build/python/hpmoe/_core
 else
   echo "== python/tests skipped: needs /usr/bin/python3 with torch (python3-torch) and the module (pybind11-dev, python3-dev)"
 fi
+# A short soak: a new routing every step, in process and over MPI (both
+# paths), bit-identity spot checks (bench/soak.sh runs the full one).
+HPMOE="$PWD/build/hpmoe" bench/soak.sh --short
 # Where the CPU has AMX, bf16 tiles run on oneDNN; the libxsmm path (the one
 # CPUs without AMX take) is tested too, with AMX turned off for oneDNN.
 ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 ctest --test-dir build -j "$jobs" --output-on-failure -R 'bf16|Bf16|TileGemm|Kernel'

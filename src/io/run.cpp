@@ -149,13 +149,29 @@ Verification verify(const RunRequest& req, const LayerWeights& w, const LayerInp
 // Samples of one executor's steps, summarised into the report.
 struct ExecutorSamples {
   double workers = 1;
-  std::vector<double> router, forward, backward, forward_busy, backward_busy;
+  std::vector<double> router, forward, backward, forward_busy, backward_busy, host;
   std::vector<std::vector<double>> forward_ops, backward_ops;
   std::vector<std::string> forward_names, backward_names;
+  // A long run (a soak) keeps an even subsample: past kMaxSamples steps
+  // every other kept sample is dropped and only every 2nd (4th, ...) step
+  // is kept from then on, so the statistics stay a fixed size while the
+  // medians still see the whole run (and ranks keep the same steps).
+  static constexpr std::size_t kMaxSamples = 2048;
+  std::int64_t seen = 0, stride = 1;
 
   double share(double busy_seconds, double seconds) const { return seconds > 0 ? busy_seconds / (workers * seconds) : 0.0; }
 
-  void add(const StepResult& r) {
+  // `host_seconds` < 0: none (the serialized executor).
+  void add(const StepResult& r, double host_seconds = -1) {
+    if (seen++ % stride != 0) return;
+    if (forward.size() == kMaxSamples) {
+      for (auto* v : {&router, &forward, &backward, &forward_busy, &backward_busy, &host}) halve(*v);
+      for (auto& v : forward_ops) halve(v);
+      for (auto& v : backward_ops) halve(v);
+      stride *= 2;
+      if ((seen - 1) % stride != 0) return;
+    }
+    if (host_seconds >= 0) host.push_back(host_seconds);
     router.push_back(r.router_seconds);
     forward.push_back(r.dispatch_to_combine_seconds);
     backward.push_back(r.backward_seconds);
@@ -171,6 +187,12 @@ struct ExecutorSamples {
     };
     record(r.forward_ops, forward_names, forward_ops);
     record(r.backward_ops, backward_names, backward_ops);
+  }
+
+  static void halve(std::vector<double>& v) {
+    std::size_t kept = 0;
+    for (std::size_t i = 0; i < v.size(); i += 2) v[kept++] = v[i];
+    v.resize(kept);
   }
 
   static std::vector<std::pair<std::string, Summary>> table(const std::vector<std::string>& names,
@@ -285,7 +307,6 @@ void describe_step(RunReport& rep, const LayerConfig& c, const LayerWeights& w, 
 // the same inputs.
 struct Steps {
   ExecutorSamples serialized, interleaved;
-  std::vector<double> host;  // interleaved: seconds of the host's work before the launch
   StepResult last, inter_last;
 };
 
@@ -352,11 +373,10 @@ void run_steps(const RunRequest& req, Executors& x, const LayerInputs& in, StepC
     if (x.inter) {
       x.inter->step(in, forced, steps.inter_last);
       if (measured) {
-        steps.interleaved.add(steps.inter_last);
         double h = 0;
         for (const auto& op : steps.inter_last.forward_ops)
           if (op.name != "launch") h += op.seconds;
-        steps.host.push_back(h);
+        steps.interleaved.add(steps.inter_last, h);
       }
     }
     if (x.use_serialized) {
@@ -698,7 +718,7 @@ RunReport run_sharded(const RunRequest& req, const std::function<void(const std:
   Steps steps;
   run_steps(req, x, in, choices, steps, rep.soak, say);
   gather_soak(tr, me, req.warmup, rep.soak);
-  auto& [serialized, interleaved, host, last, inter_last] = steps;
+  auto& [serialized, interleaved, last, inter_last] = steps;
   // The table's row of this rank, and every step's time as the slowest rank's.
   const StepResult& shown = x.inter ? inter_last : last;
   const std::int64_t received = rows_into(placement, shown.expert_counts, me);
@@ -706,7 +726,7 @@ RunReport run_sharded(const RunRequest& req, const std::function<void(const std:
   const std::vector<double> row{double(me), double(held.size()), double(received),
                                 summarize(interleaved.forward).median, summarize(interleaved.backward).median,
                                 summarize(serialized.forward).median, summarize(serialized.backward).median,
-                                summarize(host).median, peak_rss_bytes(),
+                                summarize(interleaved.host).median, peak_rss_bytes(),
                                 double(held.size()) * double(3 * c.hidden * c.expert_inter) * elem * (req.backward ? 2.0 : 1.0),
                                 double(shown.segment_bytes), double(shown.local_bytes)};
   for (const auto& r : allgather_doubles(tr, me, row))
@@ -818,7 +838,7 @@ RunReport run_layer(const RunRequest& req, const std::function<void(const std::s
 
   Steps steps;
   run_steps(req, x, in, choices, steps, rep.soak, say);
-  auto& [serialized, interleaved, host, last, inter_last] = steps;
+  auto& [serialized, interleaved, last, inter_last] = steps;
   summarize_into(rep, serialized, interleaved);
   if (!x.use_serialized) last = std::move(inter_last);  // interleaved only: verify and report its step
   describe_step(rep, c, w, placement, last);
