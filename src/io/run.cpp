@@ -163,6 +163,8 @@ struct ExecutorSamples {
 
   // `host_seconds` < 0: none (the serialized executor).
   void add(const StepResult& r, double host_seconds = -1) {
+    if (seen == 0)
+      for (auto* v : {&router, &forward, &backward, &forward_busy, &backward_busy, &host}) allocate(*v);
     if (seen++ % stride != 0) return;
     if (forward.size() == kMaxSamples) {
       for (auto* v : {&router, &forward, &backward, &forward_busy, &backward_busy, &host}) halve(*v);
@@ -182,11 +184,19 @@ struct ExecutorSamples {
       if (samples.empty()) {
         for (const auto& op : ops) names.push_back(op.name);
         samples.resize(ops.size());
+        for (auto& v : samples) allocate(v);
       }
       for (std::size_t i = 0; i < ops.size() && i < samples.size(); ++i) samples[i].push_back(ops[i].seconds);
     };
     record(r.forward_ops, forward_names, forward_ops);
     record(r.backward_ops, backward_names, backward_ops);
+  }
+
+  // The whole capacity up front, written once: a soak's memory is then flat
+  // from the first step (it used to grow as the vectors doubled).
+  static void allocate(std::vector<double>& v) {
+    v.assign(kMaxSamples, 0.0);
+    v.clear();
   }
 
   static void halve(std::vector<double>& v) {
