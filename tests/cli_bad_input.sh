@@ -156,6 +156,8 @@ cases=(
   "run --seed -1"
   "run --seed 1e23"
   "run --seed 18446744073709551616"
+  "run --check-every 0"
+  "run --routing mixed:3"
   "simulate --machine h800 --seed -5"
   "run --preset nope"
   "run --preset tiny --config $tmp/unknown_format.json"
@@ -346,15 +348,15 @@ if [ -z "${ASAN_OPTIONS:-}" ]; then
 fi
 # Values that the table cannot hold (split on spaces): an empty -T, a newline
 # inside a flag's value (still one error line).
-for args in "-T|" "--preset|$(printf 'tiny\nfoo')"; do
-  IFS='|' read -r flag value <<< "$args" || true
-  [ "$flag" = "--preset" ] && value=$(printf 'tiny\nfoo')
-  "$HPMOE" run "$flag" "$value" > /dev/null 2> "$tmp/stderr"
-  rc=$?
+one_line_error() {  # one_line_error ARGS...: exit 2 and exactly one "error:" line
+  "$HPMOE" "$@" > /dev/null 2> "$tmp/stderr"
+  local rc=$?
   if [ "$rc" -ne 2 ] || [ "$(wc -l < "$tmp/stderr")" -ne 1 ] || ! grep -q '^error: ' "$tmp/stderr"; then
-    echo "FAIL: hpmoe run $flag '$value' -> exit $rc"; sed 's/^/    /' "$tmp/stderr"; failed=$((failed + 1))
+    echo "FAIL: hpmoe $* -> exit $rc"; sed 's/^/    /' "$tmp/stderr"; failed=$((failed + 1))
   fi
-done
+}
+one_line_error run -T ""
+one_line_error run --preset "$(printf 'tiny\nfoo')"
 # A layer name that is not printable ASCII (it goes into reports and JSON).
 "$HPMOE" run --set name=$'\xff' > /dev/null 2> "$tmp/stderr"
 rc=$?

@@ -345,7 +345,7 @@ def test_training_example_refuses_bad_input(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     garbage = tmp_path / "garbage.safetensors"
     garbage.write_bytes(os.urandom(100))
-    for extra in (["--resume", str(garbage)], ["--steps", "0"], ["--batch", "3", "--seq", "5"]):
+    for extra in (["--resume", str(garbage)], ["--steps", "0"], ["--batch", "3", "--seq", "5"], ["--dtype", "float16"]):
         r = subprocess.run([sys.executable, os.path.join(root, "examples", "train_moe_lm.py"), "--out", str(tmp_path)] + extra,
                            capture_output=True, text=True)
         assert r.returncode == 2, r.stderr

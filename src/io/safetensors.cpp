@@ -160,12 +160,11 @@ const SafetensorsFile::Entry& SafetensorsFile::entry(const std::string& name) co
 
 const SafetensorsFile::Entry& SafetensorsFile::entry(const std::string& name,
                                                      const std::vector<std::int64_t>& shape) const {
-  const auto it = entries_.find(name);
-  if (it == entries_.end()) throw Error("'" + path_ + "' has no tensor '" + name + "'");
-  if (it->second.shape != shape)
-    throw Error("'" + path_ + "' tensor '" + name + "' has shape " + shape_text(it->second.shape) + ", expected " +
+  const Entry& e = entry(name);
+  if (e.shape != shape)
+    throw Error("'" + path_ + "' tensor '" + name + "' has shape " + shape_text(e.shape) + ", expected " +
                 shape_text(shape));
-  return it->second;
+  return e;
 }
 
 std::vector<char> SafetensorsFile::read(const Entry& e, const std::string& name, std::size_t skip, std::size_t count) const {

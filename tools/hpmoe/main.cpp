@@ -111,11 +111,6 @@ struct LayerOptions {
   }
 };
 
-// Every output file is written whole or not at all (hpmoe/atomic_file.hpp).
-void write_file(const std::string& path, const std::string& text, const std::string& what) {
-  write_file_atomically(path, text, what);
-}
-
 // Fails now, before the work, if `path` cannot be written later; creates
 // nothing (a probe file would be left behind by an interrupted run).
 void check_writable(const std::string& path, const std::string& what) {
@@ -156,7 +151,7 @@ void check_save_dir(const std::string& dir) {
           throw Error("cannot save to '" + dir + "': " + entry.path().string() + " is a directory where a file would go");
 }
 
-void write_json(const std::string& path, const nlohmann::json& j) { write_file(path, j.dump(2) + "\n", "JSON results"); }
+void write_json(const std::string& path, const nlohmann::json& j) { write_file_atomically(path, j.dump(2) + "\n", "JSON results"); }
 
 int parse_rank(const std::string& text, std::int64_t ranks) {
   std::size_t used = 0;
@@ -418,7 +413,7 @@ struct PlanCommand {
     const PlanReport report = plan_placement(req);
     std::cout << format_report(report);
     if (!out.empty()) {
-      write_file(out, to_json(report.after).dump(1) + "\n", "the placement");
+      write_file_atomically(out, to_json(report.after).dump(1) + "\n", "the placement");
       std::cout << "wrote " << out << "\n";
     }
     if (!json_file.empty()) write_json(json_file, to_json(report));
@@ -513,7 +508,7 @@ struct CompileCommand {
         const std::string file = report.passes.size() == 1
                                      ? dump_file
                                      : dump_file + (p.pass == taskflow::Pass::forward ? ".forward.json" : ".backward.json");
-        write_file(file, dump_programs(p.programs).dump() + "\n", "the program dump");
+        write_file_atomically(file, dump_programs(p.programs).dump() + "\n", "the program dump");
       }
     bool ok = true;
     for (const auto& p : report.passes) ok = ok && p.verification.ok;
