@@ -38,7 +38,7 @@ for path in shared network; do
   check 2 $path -T 96 --backward --routing zipf:1.2
   check 4 $path -T 64 --backward --dtype bf16 --routing "$trace"
 done
-for policy in fill rank-rotated critical-path interleave-wgrad; do
+for policy in fill rank-rotated critical-path interleave-wgrad ratr; do
   check 2 network -T 80 -W 2 --backward --routing uniform --schedule $policy --iters 1 --warmup 0
 done
 check 4 shared --preset qwen3-30b-a3b --set hidden=256 --set expert_inter=64 --set routed_experts=16 \

@@ -92,7 +92,7 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Combine(::testing::Values(DType::fp32, DType::bf16), ::testing::Values(1, 2, 4), ::testing::Values(1, 2),
                        ::testing::Values("uniform", "zipf:1.2", "trace"),
                        ::testing::Values(taskflow::Policy::fill, taskflow::Policy::critical_path,
-                                         taskflow::Policy::interleave_wgrad)),
+                                         taskflow::Policy::interleave_wgrad, taskflow::Policy::ratr)),
     [](const auto& info) {
       return case_name(std::get<0>(info.param), std::get<1>(info.param), std::get<2>(info.param), std::get<3>(info.param)) +
              "_" + identifier(taskflow::name(std::get<4>(info.param)));
@@ -129,7 +129,7 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Combine(::testing::Values(DType::fp32, DType::bf16), ::testing::Values(1, 2, 4), ::testing::Values(1, 2),
                        ::testing::Values("router", "uniform", "zipf:1.2", "trace"),
                        ::testing::Values(taskflow::Policy::fill, taskflow::Policy::rank_rotated,
-                                         taskflow::Policy::critical_path)),
+                                         taskflow::Policy::critical_path, taskflow::Policy::ratr)),
     [](const auto& info) {
       return case_name(std::get<0>(info.param), std::get<1>(info.param), std::get<2>(info.param), std::get<3>(info.param)) +
              "_" + identifier(taskflow::name(std::get<4>(info.param)));

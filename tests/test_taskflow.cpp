@@ -65,7 +65,7 @@ TEST_P(CompileAll, VerifiesForEveryPolicyPassAndLayout) {
 INSTANTIATE_TEST_SUITE_P(
     All, CompileAll,
     ::testing::Combine(::testing::Values(Pass::forward, Pass::backward),
-                       ::testing::Values(Policy::fill, Policy::rank_rotated, Policy::critical_path, Policy::interleave_wgrad),
+                       ::testing::Values(Policy::fill, Policy::rank_rotated, Policy::critical_path, Policy::interleave_wgrad, Policy::ratr),
                        ::testing::Values(1, 2, 4), ::testing::Values("cpu:1", "cpu:2", "accel:2:3")),
     [](const auto& info) {
       std::string m = std::get<3>(info.param);
@@ -442,7 +442,7 @@ TEST(Taskflow, RanksWithoutRoutedRowsStillVerify) {
   // Steep Zipf: some ranks' experts receive nothing. Their own dispatch puts
   // must still precede their combine, under every policy.
   for (auto pass : {Pass::forward, Pass::backward})
-    for (auto policy : {Policy::fill, Policy::rank_rotated, Policy::critical_path, Policy::interleave_wgrad})
+    for (auto policy : {Policy::fill, Policy::rank_rotated, Policy::critical_path, Policy::interleave_wgrad, Policy::ratr})
       for (std::uint64_t seed = 1; seed <= 12; ++seed) {
         LayerConfig c = preset("tiny");
         c.ranks = 4;
@@ -596,7 +596,7 @@ TEST(Replicas, QuotasCoverEveryRowEvenOutRanksAndAreDeterministic) {
   // A source's rows go to its own rank's home first.
   for (std::int64_t s = 0; s < 4; ++s) EXPECT_GT(q[static_cast<std::size_t>(s * N + pl.instance_on(0, s))], 0);
   for (auto pass : {Pass::forward, Pass::backward})
-    for (auto policy : {Policy::fill, Policy::critical_path, Policy::interleave_wgrad})
+    for (auto policy : {Policy::fill, Policy::critical_path, Policy::interleave_wgrad, Policy::ratr})
       for (const char* machine : {"cpu:2", "accel:2:3"})
         compile_checked(c, pl, counts, parse_machine(machine), pass, policy);
 }
@@ -704,7 +704,7 @@ TEST(Splits, CompileAndVerifyForEveryPolicyPassAndMachine) {
     for (const char* routing : {"uniform", "hot:0.45"}) {
       const SplitCase k = split_case(ranks, routing);
       for (const auto pass : {Pass::forward, Pass::backward})
-        for (const auto policy : {Policy::fill, Policy::rank_rotated, Policy::critical_path, Policy::interleave_wgrad})
+        for (const auto policy : {Policy::fill, Policy::rank_rotated, Policy::critical_path, Policy::interleave_wgrad, Policy::ratr})
           for (const char* machine : {"cpu:1", "cpu:2", "accel:2:3"}) {
             const auto programs = compile_checked(k.c, k.placement, k.counts, parse_machine(machine), pass, policy);
             // Each part computes its own columns; every source that chose a

@@ -181,6 +181,11 @@ struct Machine {
   std::int64_t weight_rows() const { return weight_tile_rows > 0 ? weight_tile_rows : tile_rows; }
   // Cost model: seconds = flops / matrix_flops (GEMM) or bytes / vector_bytes_per_s, + overhead.
   double matrix_flops = 100e9, vector_bytes_per_s = 20e9, put_bytes_per_s = 20e9, task_overhead_s = 0.2e-6;
+  // Vector-class workers that carry puts, the first ones of the class (0:
+  // all): where the issuing unit moves the bytes itself, a few units fill the
+  // link and the others stay free for vector work. The list-scheduling
+  // policies keep puts on these and other vector tasks off them.
+  int put_workers = 0;
 
   int workers() const { return matrix_workers + vector_workers + unified_workers; }
   bool takes(int worker, QueueClass c) const;  // workers: matrix..., vector..., unified...
@@ -195,7 +200,7 @@ enum class Pass { forward, backward };
 // The serialized baseline's operator sequence over the same tiles: one task
 // kind per operator, in the order a framework runs them.
 const std::vector<TaskKind>& operator_order(Pass);
-enum class Policy { fill, rank_rotated, critical_path, interleave_wgrad };
+enum class Policy { fill, rank_rotated, critical_path, interleave_wgrad, ratr };
 Policy parse_policy(const std::string&);
 const char* name(Policy);
 

@@ -111,7 +111,7 @@ class MoELayer(nn.Module):
     both float32; or "reference", the fp64 oracle on float64 tensors (call ``.double()``), for
     gradient checks tighter than float32 allows (plain loops: slow);
     schedule: the interleaved runtime's task order per worker ("critical-path", "fill",
-    "rank-rotated", "interleave-wgrad"; hpmoe run --policy). Results are bit-identical for all.
+    "rank-rotated", "interleave-wgrad", "ratr"; hpmoe run --policy). Results are bit-identical for all.
     """
 
     def __init__(self, config, ranks=1, workers=1, executor="interleaved", schedule="critical-path"):

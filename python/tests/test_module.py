@@ -188,7 +188,7 @@ def test_executors_bit_identical():
     assert all(torch.equal(ra[2][n], rb[2][n]) for n in ra[2])
 
 
-@pytest.mark.parametrize("schedule", ["fill", "rank-rotated", "interleave-wgrad"])
+@pytest.mark.parametrize("schedule", ["fill", "rank-rotated", "interleave-wgrad", "ratr"])
 def test_schedules_bit_identical(schedule):
     torch.manual_seed(2)
     a = hpmoe.MoELayer(small(), ranks=2, workers=2)

@@ -157,7 +157,8 @@ Policy parse_policy(const std::string& s) {
   if (s == "rank-rotated") return Policy::rank_rotated;
   if (s == "critical-path") return Policy::critical_path;
   if (s == "interleave-wgrad") return Policy::interleave_wgrad;
-  throw Error("unknown schedule '" + s + "' (use fill, rank-rotated, critical-path or interleave-wgrad)");
+  if (s == "ratr") return Policy::ratr;
+  throw Error("unknown schedule '" + s + "' (use fill, rank-rotated, critical-path, interleave-wgrad or ratr)");
 }
 
 const char* name(Policy p) {
@@ -166,6 +167,7 @@ const char* name(Policy p) {
     case Policy::rank_rotated: return "rank-rotated";
     case Policy::critical_path: return "critical-path";
     case Policy::interleave_wgrad: return "interleave-wgrad";
+    case Policy::ratr: return "ratr";
   }
   return "?";
 }

@@ -1,8 +1,10 @@
 #include <algorithm>
 #include <limits>
 #include <bit>
+#include <cmath>
 #include <numeric>
 #include <queue>
+#include <tuple>
 
 #include "hpmoe/error.hpp"
 #include "hpmoe/taskflow.hpp"
@@ -111,6 +113,120 @@ std::vector<std::int32_t> interleave_weight_gradients(const Program& p) {
   return order;
 }
 
+// RATR (the hyper-parallel code's dispatch order): the first puts carry
+// every destination's first expert, destinations rotated by rank
+// ((i + rank) % P), so the first experts' rows land first everywhere and
+// their GEMMs start while the rest is on the wire. Then the expert work row
+// tile by row tile, in generation order, except that a row tile's second
+// GEMM (down-projection; in the backward pass the gate/up data gradient) is
+// released `lookahead` row tiles later, once its vector step has had time to
+// run, instead of after every expert's first GEMM; and each row tile's
+// return puts right after the tasks that fill them (sources rotated), so
+// combines start early. Weight gradients, which nothing waits for, go after
+// the data-gradient chains and overlap the last return puts. Topological:
+// moved tasks only move later and their consumers follow them; dispatch puts
+// wait for nothing.
+bool is_weight_gradient(TaskKind k) {
+  return k == TaskKind::gemm_down_wgrad || k == TaskKind::gemm_gate_up_wgrad || k == TaskKind::router_wgrad ||
+         k == TaskKind::shared_down_wgrad || k == TaskKind::shared_gate_up_wgrad;
+}
+bool second_gemm(TaskKind k) {
+  return k == TaskKind::gemm_down || k == TaskKind::gemm_gate_up_dgrad || k == TaskKind::shared_down ||
+         k == TaskKind::shared_gate_up_dgrad;
+}
+bool first_gemm(TaskKind k) {
+  return k == TaskKind::gemm_gate_up || k == TaskKind::gemm_down_dgrad || k == TaskKind::shared_gate_up ||
+         k == TaskKind::shared_down_dgrad;
+}
+
+std::vector<std::int32_t> ratr_order(const Program& p) {
+  const auto rotated = [&](std::int32_t peer) { return (peer - p.rank + p.ranks) % p.ranks; };
+  std::vector<std::tuple<std::int32_t, std::int32_t, std::int32_t>> first;  // (expert ordinal at the destination, rotated destination, task)
+  std::vector<std::int32_t> experts_seen(static_cast<std::size_t>(p.ranks), 0), last_expert(static_cast<std::size_t>(p.ranks), -1);
+  // Row tiles in generation order: where each starts, and its cost shape.
+  std::vector<std::int64_t> tile_start;
+  double first_gemm_s = 0, vector_step_s = 0;
+  std::int64_t tile_expert = -2, tile_row = -1;
+  for (std::int32_t i = 0; i < static_cast<std::int32_t>(p.tasks.size()); ++i) {
+    const Task& t = p.tasks[static_cast<std::size_t>(i)];
+    if (first_gemm(t.kind) && (t.expert != tile_expert || t.row_begin != tile_row)) {
+      tile_start.push_back(i);
+      tile_expert = t.expert, tile_row = t.row_begin;
+    }
+    if (tile_start.size() == 1) {  // the first row tile's costs stand for all
+      if (first_gemm(t.kind)) first_gemm_s += p.cost[static_cast<std::size_t>(i)];
+      if (t.kind == TaskKind::swiglu || t.kind == TaskKind::swiglu_bwd || t.kind == TaskKind::shared_swiglu ||
+          t.kind == TaskKind::shared_swiglu_bwd)
+        vector_step_s = p.cost[static_cast<std::size_t>(i)];
+    }
+  }
+  int units = 0;
+  for (int w = 0; w < p.machine.workers(); ++w) units += p.machine.takes(w, QueueClass::matrix) ? 1 : 0;
+  const double wave_s = first_gemm_s / std::max(1, units);
+  const std::int64_t lookahead =
+      wave_s > 0 ? std::clamp<std::int64_t>(1 + static_cast<std::int64_t>(std::ceil(vector_step_s / wave_s)), 1, 8) : 1;
+  // Where the final reductions begin (they wait for every return put).
+  std::int64_t tail = static_cast<std::int64_t>(p.tasks.size());
+  for (std::int64_t i = 0; i < static_cast<std::int64_t>(p.tasks.size()); ++i) {
+    const TaskKind k = p.tasks[static_cast<std::size_t>(i)].kind;
+    if (k == TaskKind::combine_reduce || k == TaskKind::grad_reduce || k == TaskKind::part_reduce ||
+        k == TaskKind::grad_part_reduce) {
+      tail = i;
+      break;
+    }
+  }
+  // The end of the expert work: the first return put or shared/token task after the last row tile.
+  std::int64_t expert_work_end = tile_start.empty() ? 0 : tile_start.back();
+  while (expert_work_end < static_cast<std::int64_t>(p.tasks.size()) &&
+         !is_put(p.tasks[static_cast<std::size_t>(expert_work_end)].kind) &&
+         p.tasks[static_cast<std::size_t>(expert_work_end)].expert >= 0)
+    ++expert_work_end;
+  // Keys: generation position; a second GEMM of row tile j just before row
+  // tile j + lookahead (past the last one: at the end of the expert work);
+  // weight gradients before the final reductions.
+  std::vector<double> filled(p.events.size(), -1.0);  // latest key of a local task filling the event
+  std::vector<std::tuple<double, std::int32_t, std::int32_t>> rest;  // (key, rotated peer, task)
+  std::size_t tile = 0;
+  std::vector<std::int32_t> returns;
+  for (std::int32_t i = 0; i < static_cast<std::int32_t>(p.tasks.size()); ++i) {
+    const Task& t = p.tasks[static_cast<std::size_t>(i)];
+    while (tile + 1 < tile_start.size() && tile_start[tile + 1] <= i) ++tile;
+    if (is_put(t.kind) && t.wait_event < 0) {
+      const auto d = static_cast<std::size_t>(t.peer);
+      if (t.expert != last_expert[d]) ++experts_seen[d], last_expert[d] = t.expert;
+      first.emplace_back(experts_seen[d], rotated(t.peer), i);
+      continue;
+    }
+    if (is_put(t.kind)) {
+      returns.push_back(i);
+      continue;
+    }
+    double k = i;
+    if (is_weight_gradient(t.kind)) k = double(tail) - 0.5;  // nothing waits on them: after the data-gradient chains
+    if (second_gemm(t.kind) && !tile_start.empty()) {
+      const std::size_t later = tile + static_cast<std::size_t>(lookahead);
+      if (later < tile_start.size()) k = double(tile_start[later]) - 0.5;
+      else if (t.expert >= 0) k = std::max(double(i), double(expert_work_end) - 0.5);
+    }
+    if (t.trigger_event >= 0 && t.peer == p.rank)
+      filled[static_cast<std::size_t>(t.trigger_event)] = std::max(filled[static_cast<std::size_t>(t.trigger_event)], k);
+    rest.emplace_back(k, 0, i);
+  }
+  for (const std::int32_t i : returns) {  // right after the tasks that fill the tile it reads
+    const Task& t = p.tasks[static_cast<std::size_t>(i)];
+    rest.emplace_back(filled[static_cast<std::size_t>(t.wait_event)] + 0.25, 1 + rotated(t.peer), i);
+  }
+  std::sort(first.begin(), first.end());
+  std::stable_sort(rest.begin(), rest.end(), [](const auto& a, const auto& b) {
+    return std::get<0>(a) != std::get<0>(b) ? std::get<0>(a) < std::get<0>(b) : std::get<1>(a) < std::get<1>(b);
+  });
+  std::vector<std::int32_t> order;
+  order.reserve(p.tasks.size());
+  for (const auto& f : first) order.push_back(std::get<2>(f));
+  for (const auto& r : rest) order.push_back(std::get<2>(r));
+  return order;
+}
+
 // LSD radix sort of 64-bit keys, 16 bits a pass (stable, linear time).
 void radix_sort(std::vector<std::uint64_t>& keys, std::vector<std::uint64_t>& tmp) {
   tmp.resize(keys.size());
@@ -161,18 +277,24 @@ void schedule(Program& p, Policy policy, ScheduleScratch& scratch) {
     if (p.pass == Pass::backward) order = interleave_weight_gradients(p);
     rotate_puts(p, order);
   }
+  if (policy == Policy::ratr) order = ratr_order(p);
 
   // Placement. Fill: round-robin over the workers that take the class.
   // Otherwise list scheduling on the cost model: each task, in order, goes to
   // the worker of its class that is free first. Queues keep the global order,
   // which is topological, so the schedule cannot deadlock.
-  std::vector<int> classes[2];
+  std::vector<int> classes[3];  // matrix, vector, and the vector workers that carry puts
   for (int w = 0; w < W; ++w) {
     if (p.machine.takes(w, QueueClass::matrix)) classes[0].push_back(w);
     if (p.machine.takes(w, QueueClass::vector)) classes[1].push_back(w);
   }
-  for (auto& c : classes)
-    if (c.empty()) throw Error("machine '" + p.machine.name + "' has no worker for a class of tasks");
+  for (int c = 0; c < 2; ++c)
+    if (classes[c].empty()) throw Error("machine '" + p.machine.name + "' has no worker for a class of tasks");
+  classes[2] = classes[1];
+  if (p.machine.put_workers > 0 && static_cast<std::size_t>(p.machine.put_workers) < classes[1].size()) {
+    classes[2].resize(static_cast<std::size_t>(p.machine.put_workers));
+    classes[1].erase(classes[1].begin(), classes[1].begin() + p.machine.put_workers);
+  }
   auto& worker_of = scratch.worker_of;  // per position in `order`
   worker_of.resize(order.size());
   if (policy == Policy::fill) {
@@ -190,7 +312,7 @@ void schedule(Program& p, Policy policy, ScheduleScratch& scratch) {
     for (std::size_t i = 0; i < order.size(); ++i) {
       const auto id = order[i];
       const Task& t = p.tasks[id];
-      const int c = t.queue == QueueClass::matrix ? 0 : 1;
+      const int c = t.queue == QueueClass::matrix ? 0 : is_put(t.kind) ? 2 : 1;
       int best = classes[c][0];
       for (int w : classes[c])
         if (free_at[w] < free_at[best]) best = w;
