@@ -101,14 +101,22 @@ TEST(Simulator, OneGemmTile) {
   EXPECT_DOUBLE_EQ(simulate_interleaved(m, b.programs, b.work, DType::bf16, false).makespan, 2.0 * 64 * 64 * 1024 / 2e12);
 }
 
-TEST(Simulator, OnePutOverOneLink) {
-  // Rank 0 puts 1000 bytes into rank 1, whose vector task waits for them.
-  const MachineModel m = round_machine();
+namespace {
+// Rank 0 puts `bytes` into rank 1, whose vector task of `then` bytes waits for them.
+Builder one_put(const MachineModel& m, double bytes, double then) {
   Builder b(2, m);
   b.event(1, 1);
-  b.add(0, 1, TaskKind::dispatch_put, 1000, 1, 64, -1, 0, 0, 1);
-  b.add(1, 1, TaskKind::swiglu, 500, 1, 64, 0, 1);
-  const auto t = simulate_interleaved(m, b.done(), b.work, DType::fp32, false);
+  b.add(0, 1, TaskKind::dispatch_put, bytes, 1, 64, -1, 0, 0, 1);
+  b.add(1, 1, TaskKind::swiglu, then, 1, 64, 0, 1);
+  b.done();
+  return b;
+}
+}  // namespace
+
+TEST(Simulator, OnePutOverOneLink) {
+  const MachineModel m = round_machine();
+  const Builder b = one_put(m, 1000, 500);
+  const auto t = simulate_interleaved(m, b.programs, b.work, DType::fp32, false);
   // issue 0.5 us, 1000 B at 1 GB/s = 1 us, latency 1 us, signal 0.25 us, 500 B at 1 GB/s = 0.5 us.
   EXPECT_NEAR(t.makespan, 0.5e-6 + 1e-6 + 1e-6 + 0.25e-6 + 0.5e-6, 1e-15);
 }
@@ -177,6 +185,202 @@ TEST(Simulator, MeshRoutesXYAndSharesLinks) {
   EXPECT_NEAR(t.makespan, 0.5e-6 + 2e-6 + 2e-6 + 0.25e-6, 1e-15);
 }
 
+namespace {
+// Start of the first traced slice named `name` on rank r.
+double start_of(const Timeline& t, int rank, const std::string& name) {
+  for (const auto& s : t.trace)
+    if (s.rank == rank && s.name.rfind(name, 0) == 0) return s.start;
+  ADD_FAILURE() << "no slice " << name << " on rank " << rank;
+  return -1;
+}
+double end_of(const Timeline& t, int rank, const std::string& name) {
+  for (const auto& s : t.trace)
+    if (s.rank == rank && s.name.rfind(name, 0) == 0) return s.end;
+  ADD_FAILURE() << "no slice " << name << " on rank " << rank;
+  return -1;
+}
+}  // namespace
+
+TEST(PutEngines, DmaEnginesBoundThePutsInFlight) {
+  // Rank 0's two vector units each issue a 1000-byte put into rank 1; rank 1
+  // waits for the first one only.
+  MachineModel m = round_machine();
+  auto run = [&] {
+    Builder b(2, m);
+    b.event(1, 1);
+    b.event(1, 1);
+    b.add(0, 1, TaskKind::dispatch_put, 1000, 1, 64, -1, 0, 0, 1);
+    b.add(0, 2, TaskKind::dispatch_put, 1000, 1, 64, -1, 0, 1, 1);
+    b.add(1, 1, TaskKind::swiglu, 500, 1, 64, 0, 1);
+    return simulate_interleaved(m, b.done(), b.work, DType::fp32, true);
+  };
+  // No bound: both share the ports, the first is through after 2000 bytes'
+  // time: issue 0.5 + 2 us, latency 1, signal 0.25.
+  EXPECT_NEAR(start_of(run(), 1, "swiglu"), 0.5e-6 + 2e-6 + 1e-6 + 0.25e-6, 1e-15);
+  // One engine: the first goes alone (1 us), the second waits for the engine.
+  m.put_in_flight = 1;
+  const Timeline one = run();
+  EXPECT_NEAR(start_of(one, 1, "swiglu"), 0.5e-6 + 1e-6 + 1e-6 + 0.25e-6, 1e-15);
+  EXPECT_NEAR(one.makespan, 0.5e-6 + 1e-6 + 1e-6 + 1e-6, 1e-15);  // the second is on the wire from 1.5 to 2.5 us
+  // The issuing units were free after the issue either way.
+  EXPECT_NEAR(end_of(one, 0, "dispatch_put"), 0.5e-6, 1e-15);
+}
+
+TEST(PutEngines, VectorPutsHoldTheirUnitUntilTheBytesLand) {
+  // Rank 0's vector unit puts 1000 bytes into rank 1, then runs a SwiGLU.
+  MachineModel m = round_machine();
+  m.put_engine = PutEngine::vector;
+  auto run = [&] {
+    Builder b(2, m);
+    b.event(1, 1);
+    b.add(0, 1, TaskKind::dispatch_put, 1000, 1, 64, -1, 0, 0, 1);
+    b.add(0, 1, TaskKind::swiglu, 500, 1, 64);
+    b.add(1, 1, TaskKind::swiglu, 0, 1, 64, 0, 1);
+    return simulate_interleaved(m, b.done(), b.work, DType::fp32, true);
+  };
+  // issue 0.5 us, 1000 B at 1 GB/s (link and unit alike) 1 us, latency 1 us: the unit is free at 2.5 us.
+  Timeline t = run();
+  EXPECT_NEAR(end_of(t, 0, "dispatch_put"), 2.5e-6, 1e-15);
+  EXPECT_NEAR(start_of(t, 0, "swiglu"), 2.5e-6, 1e-15);
+  EXPECT_NEAR(t.makespan, 2.5e-6 + 0.5e-6, 1e-15);
+  EXPECT_NEAR(t.vector_busy, 2.5e-6 + 0.5e-6 + 0.0, 1e-15);
+  // The unit copies at its own rate: at 0.5 GB/s the bytes take 2 us (the link could do 1).
+  m.vector_bytes_per_s = 0.5e9;
+  t = run();
+  EXPECT_NEAR(end_of(t, 0, "dispatch_put"), 0.5e-6 + 2e-6 + 1e-6, 1e-15);
+  // A DMA engine would have freed the unit after the issue.
+  m.put_engine = PutEngine::dma;
+  EXPECT_NEAR(start_of(run(), 0, "swiglu"), 0.5e-6, 1e-15);
+}
+
+TEST(PutEngines, CpuReceiversPayProtocolWork) {
+  // One worker per rank. Rank 0 copies 1000 bytes (1 GB/s) into rank 1 over
+  // a 1 GB/s link; the receiver's stack spends 0.2 us + 1000 B at 2 GB/s =
+  // 0.7 us on them.
+  MachineModel m = round_machine();
+  m.accelerator = false;
+  m.workers = 1;
+  m.put_engine = PutEngine::cpu;
+  m.put_copy_bytes_per_s = 1e9;
+  m.put_receive_s = 0.2e-6;
+  m.put_receive_bytes_per_s = 2e9;
+  {  // rank 1 idle, waiting: the signal comes after the receive work
+    Builder b(2, m);
+    b.event(1, 1);
+    b.add(0, 0, TaskKind::dispatch_put, 1000, 1, 64, -1, 0, 0, 1);
+    b.add(1, 0, TaskKind::swiglu, 0, 1, 64, 0, 1);
+    const auto t = simulate_interleaved(m, b.done(), b.work, DType::fp32, true);
+    // issue 0.5 + copy 1 | wire 1 | latency 1 | receive 0.7 | signal 0.25
+    EXPECT_NEAR(start_of(t, 1, "swiglu"), 0.5e-6 + 1e-6 + 1e-6 + 1e-6 + 0.7e-6 + 0.25e-6, 1e-15);
+  }
+  {  // rank 1 busy with a 10 us GEMM when the bytes land: the GEMM ends 0.7 us later
+    Builder b(2, m);
+    b.event(1, 1);
+    b.add(0, 0, TaskKind::dispatch_put, 1000, 1, 64, -1, 0, 0, 1);
+    const double flops = 2.0 * 64 * 64 * 1024;  // 8.4 us at 1 TFLOP/s; the bytes land at 3.5 us
+    b.add(1, 0, TaskKind::gemm_gate_up, flops);
+    const auto t = simulate_interleaved(m, b.done(), b.work, DType::fp32, true);
+    EXPECT_NEAR(t.makespan, flops / 1e12 + 0.7e-6, 1e-15);
+  }
+}
+
+TEST(Links, RateFollowsTheEpDegreeWhereTheModelGivesOne) {
+  MachineModel m = round_machine();
+  m.intra_by_ep = {{8, 125e9}, {16, 103e9}, {128, 81e9}};
+  EXPECT_DOUBLE_EQ(m.intra_rate(4), 125e9);   // below the first point: its rate
+  EXPECT_DOUBLE_EQ(m.intra_rate(8), 125e9);
+  EXPECT_DOUBLE_EQ(m.intra_rate(16), 103e9);
+  EXPECT_DOUBLE_EQ(m.intra_rate(32), 103e9 + (81e9 - 103e9) / 3);  // a third of the way in log2(EP) from 16 to 128
+  EXPECT_DOUBLE_EQ(m.intra_rate(256), 81e9);
+  // Simulated at EP 2, the first point's 0.5 GB/s: 1000 bytes take 2 us on the wire.
+  m.intra_by_ep = {{2, 0.5e9}, {8, 2e9}};
+  const Builder b = one_put(m, 1000, 0);
+  EXPECT_NEAR(simulate_interleaved(m, b.programs, b.work, DType::fp32, false).makespan, 0.5e-6 + 2e-6 + 1e-6 + 0.25e-6, 1e-15);
+}
+
+TEST(Scope, TasksOutsideTheScopeTakeNoTimeButKeepTheirDependencies) {
+  const MachineModel m = round_machine();
+  Builder b(1, m);
+  b.event(0, 1);
+  const double flops = 2.0 * 64 * 64 * 1024;
+  b.add(0, 0, TaskKind::router_dgrad, flops, 64, 64, -1, 0, 0);
+  b.add(0, 1, TaskKind::swiglu, 2000, 64, 64, 0, 1);
+  b.work[0][0].timed = false;
+  const auto t = simulate_interleaved(m, b.done(), b.work, DType::fp32, false);
+  EXPECT_NEAR(t.makespan, 0.25e-6 + 2e-6, 1e-15);
+  // Serialized: an operator with nothing in scope is not launched at all
+  // (the SwiGLU is then the first operator: no launch before it).
+  EXPECT_NEAR(simulate_serialized(m, b.programs, b.work, DType::fp32, false).makespan, 2e-6, 1e-15);
+}
+
+TEST(DeepEp, NodeDeduplicatedExchangeAndItsBytes) {
+  // 4 ranks, 2 per node, 1 expert per rank. Token 0 of rank 0 picks experts
+  // 1, 2 and 3: rank 1 is in its node (direct), ranks 2 and 3 in the other
+  // node: one RDMA row to rank 2 (the same-index rank there), forwarded to 3.
+  LayerConfig c = preset("tiny");
+  c.ranks = 4;
+  c.routed_experts = 4;
+  c.top_k = 3;
+  c.tokens_per_rank = 1;
+  RouterOutput<float> r;
+  r.tokens = 4;
+  r.experts = 4;
+  r.top_k = 3;
+  r.expert = {1, 2, 3, /* rank 1 */ 0, 1, 2, /* rank 2 */ 3, 0, 1, /* rank 3 */ 2, 3, 0};
+  r.kept.assign(12, 1);
+  r.kept[11] = 0;  // rank 3's choice of expert 0 dropped
+  const auto placement = placement_or_contiguous(ExpertPlacement{}, 4, 4);
+  const auto ex = deepep_exchange(c, placement, r, 2);
+  EXPECT_EQ(ex.nodes, 2);
+  EXPECT_EQ(ex.dispatch_rank[0 * 4 + 1], 1);     // 0 -> 1 in its node
+  EXPECT_EQ(ex.dispatch_node[0 * 2 + 1], 1);     // 0 -> node 1 once, not twice
+  EXPECT_EQ(ex.dispatch_forward[2 * 4 + 3], 1);  // rank 2 forwards it to 3
+  EXPECT_EQ(ex.dispatch_node[1 * 2 + 1], 1);     // rank 1's token to expert 2: RDMA to rank 3, the same index
+  EXPECT_EQ(ex.dispatch_forward[3 * 4 + 2], 1);  // which forwards it to rank 2
+  EXPECT_EQ(ex.dispatch_node[3 * 2 + 0], 0);     // rank 3's only cross-node choice was dropped
+  EXPECT_EQ(ex.dispatch_node[2 * 2 + 0], 1);     // rank 2's token to experts 0 and 1: once to rank 0 ...
+  EXPECT_EQ(ex.dispatch_forward[0 * 4 + 1], 1);  // ... which forwards it to rank 1
+  EXPECT_EQ(ex.cross_node_rows(), 3);            // one row each from ranks 0, 1 and 2
+}
+
+TEST(Baselines, GpuFrameworksGiveTheirGemmsEverySm) {
+  // One rank, 4 equal GEMM tiles; the fused schedule has 1 matrix unit, the
+  // framework's serialized GEMMs run on 4.
+  MachineModel m = round_machine();
+  Builder b(1, m);
+  const double flops = 2.0 * 64 * 64 * 1024;
+  for (int i = 0; i < 4; ++i) b.add(0, 0, TaskKind::gemm_gate_up, flops);
+  EXPECT_NEAR(simulate_serialized(m, b.done(), b.work, DType::fp32, false).makespan, 4 * flops / 1e12, 1e-15);
+  m.serialized_matrix_units = 4;
+  EXPECT_NEAR(simulate_serialized(m, b.programs, b.work, DType::fp32, false).makespan, flops / 1e12, 1e-15);
+}
+
+TEST(Baselines, MindSporeDispatcherPaysItsCollectivesHostCopyAndPermutes) {
+  // A compiled 2-rank step on A3: the MindSpore-style baseline does what the
+  // serialized one does plus the dispatcher's extra operators, so it is
+  // slower by at least its fixed costs: per forward pass, the map all-to-all
+  // and two all-gathers (3 collective handshakes) and the host copy.
+  const MachineModel m = load_machine(std::string(HPMOE_SOURCE_DIR) + "/machines/ascend-a3.json");
+  ASSERT_TRUE(m.mindspore.enabled);
+  SimRequest req;
+  req.config = preset("deepseek-v2-lite");
+  req.config.ranks = 2;
+  req.config.tokens_per_rank = 256;
+  req.config.dtype = DType::bf16;
+  req.routing = parse_routing_spec("uniform", 1);
+  req.backward = true;
+  const SimReport r = simulate(m, req);
+  EXPECT_GT(r.forward.mindspore_s, r.forward.serialized_s + 3 * m.collective_sync_s + m.mindspore.host_sync_s -
+                                       2 * m.operator_launch_s);
+  EXPECT_GT(r.backward.mindspore_s, 0);
+  EXPECT_EQ(r.forward.deepep_s, 0);  // A3 has no DeepEP-style baseline
+  // Without the host copy and with free handshakes and launches it can only be faster.
+  MachineModel cheap = m;
+  cheap.mindspore.host_sync_s = 0;
+  cheap.collective_sync_s = 0;
+  EXPECT_LT(simulate(cheap, req).forward.mindspore_s, r.forward.mindspore_s);
+}
+
 TEST(Simulator, CompiledLayerIsDeterministicAndInterleavingHelpsWhenCommunicationBound) {
   const MachineModel m = load_machine(std::string(HPMOE_SOURCE_DIR) + "/machines/h800.json");
   SimRequest req;
@@ -223,6 +427,38 @@ TEST(Simulator, RejectsBadModels) {
   j = good;
   j.erase("sources");
   expect_error(j, "sources");
+  j = good;
+  j["put"]["engine"] = "pigeon";
+  expect_error(j, "put.engine");
+  j = good;
+  j["put"]["in_flight"] = 1000;
+  j["put"]["engine"] = "vector";
+  expect_error(j, "put.in_flight");
+  j = good;
+  j["put"]["receive"] = {{"per_put_s", 1e-6}, {"bytes_per_s", 1e9}};
+  expect_error(j, "put.receive");
+  j = good;
+  j["links"]["intra"]["by_ep"] = {{{"ranks", 16}, {"bytes_per_s", 1e11}}, {{"ranks", 8}, {"bytes_per_s", 1e11}}};
+  expect_error(j, "by_ep.1.ranks");
+  j = good;
+  j["baselines"]["deepep"]["fp8_dispatch"] = "yes";
+  expect_error(j, "fp8_dispatch");
+  j = good;
+  j["baselines"]["mindspore"] = {{"host_sync_s", -1}};
+  expect_error(j, "baselines.mindspore.host_sync_s");
+  // Written back, a model reads the same (engine, bounds, rates by EP, baselines).
+  const MachineModel a3 = load_machine(std::string(HPMOE_SOURCE_DIR) + "/machines/ascend-a3.json");
+  EXPECT_EQ(a3.put_engine, PutEngine::vector);
+  EXPECT_GT(a3.put_in_flight, 0);
+  auto back = to_json(a3);
+  back["sources"] = {{"all", "test"}};
+  const MachineModel again = machine_from_json(back);
+  EXPECT_EQ(again.put_engine, a3.put_engine);
+  EXPECT_EQ(again.put_in_flight, a3.put_in_flight);
+  EXPECT_EQ(again.intra_rate(32), a3.intra_rate(32));
+  const MachineModel h800 = load_machine(std::string(HPMOE_SOURCE_DIR) + "/machines/h800.json");
+  EXPECT_TRUE(h800.deepep.enabled);
+  EXPECT_EQ(machine_from_json([&] { auto h = to_json(h800); h["sources"] = {{"all", "test"}}; return h; }()).serialized_matrix_units, 132);
   EXPECT_THROW(load_machine("/nonexistent/model.json"), Error);
 }
 

@@ -114,6 +114,7 @@ struct TaskWork {
   double flops = 0;
   double bytes = 0;
   std::int64_t k = 0;
+  bool timed = true;  // false: outside a simulation's scope (takes no time; its events still fire)
 };
 
 // Rows of a GEMM's K operand as the kernels need them: even for bf16.

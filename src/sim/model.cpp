@@ -1,3 +1,4 @@
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -72,6 +73,28 @@ int count(const json& j, const std::string& path, int min, bool optional = false
 
 }  // namespace
 
+const char* name(PutEngine e) {
+  switch (e) {
+    case PutEngine::dma: return "dma";
+    case PutEngine::vector: return "vector";
+    case PutEngine::cpu: return "cpu";
+  }
+  return "?";
+}
+
+double MachineModel::intra_rate(int ranks) const {
+  if (intra_by_ep.empty()) return intra_bytes_per_s;
+  if (ranks <= intra_by_ep.front().ranks) return intra_by_ep.front().bytes_per_s;
+  for (std::size_t i = 1; i < intra_by_ep.size(); ++i) {
+    const RateAtDegree &a = intra_by_ep[i - 1], &b = intra_by_ep[i];
+    if (ranks <= b.ranks) {
+      const double f = std::log2(double(ranks) / a.ranks) / std::log2(double(b.ranks) / a.ranks);
+      return a.bytes_per_s + f * (b.bytes_per_s - a.bytes_per_s);
+    }
+  }
+  return intra_by_ep.back().bytes_per_s;
+}
+
 taskflow::Machine MachineModel::compiler_machine() const {
   taskflow::Machine m = accelerator ? taskflow::accel_machine(matrix_units, vector_units) : taskflow::cpu_machine(workers);
   m.tile_rows = tile_rows;
@@ -82,6 +105,11 @@ taskflow::Machine MachineModel::compiler_machine() const {
     m.vector_bytes_per_s = vector_bytes_per_s;
     m.put_bytes_per_s = intra_bytes_per_s > 0 ? intra_bytes_per_s : vector_bytes_per_s;
     m.task_overhead_s = task_overhead_s;
+    if (put_engine == PutEngine::vector && put_in_flight > 0) {
+      // Puts on their own units, sharing the link: each one's time is its share.
+      m.put_workers = put_in_flight;
+      m.put_bytes_per_s = std::min(vector_bytes_per_s, m.put_bytes_per_s / put_in_flight);
+    }
   }
   return m;
 }
@@ -141,11 +169,46 @@ MachineModel machine_from_json(const json& j) {
   m.signal_latency_s = seconds(j, "signal_latency_s");
   m.put_issue_s = seconds(j, "put.issue_s");
   m.put_copy_bytes_per_s = rate(j, "put.copy_bytes_per_s", 0, kMaxBytesPerS);
+  // Older models name no engine: a CPU's core copies, an accelerator's DMA engine moves the bytes.
+  m.put_engine = m.accelerator ? PutEngine::dma : PutEngine::cpu;
+  if (const json& put = at(j, "put"); put.is_object() && put.contains("engine")) {
+    const json& e = put["engine"];
+    if (e == "dma") m.put_engine = PutEngine::dma;
+    else if (e == "vector") m.put_engine = PutEngine::vector;
+    else if (e == "cpu") m.put_engine = PutEngine::cpu;
+    else throw Error("machine model: 'put.engine' must be \"dma\", \"vector\" or \"cpu\" (got " + e.dump() + ")");
+    if (m.put_engine == PutEngine::vector && !m.accelerator)
+      throw Error("machine model: 'put.engine' \"vector\" needs vector units (kind \"accelerator\")");
+  }
+  m.put_in_flight = count(j, "put.in_flight", 0, true);
+  if (m.put_in_flight > 0 && m.put_engine == PutEngine::cpu)
+    throw Error("machine model: 'put.in_flight' bounds DMA engines or the vector units carrying puts; with put.engine \"cpu\" "
+                "every worker copies its own puts");
+  if (m.put_engine == PutEngine::vector && m.put_in_flight > m.vector_units)
+    throw Error("machine model: 'put.in_flight' (" + std::to_string(m.put_in_flight) + ") is more than the " +
+                std::to_string(m.vector_units) + " vector units that could carry puts");
+  if (const json& put = at(j, "put"); put.is_object() && put.contains("receive")) {
+    if (m.put_engine != PutEngine::cpu) throw Error("machine model: 'put.receive' (protocol work on the receiver's core) needs put.engine \"cpu\"");
+    m.put_receive_s = seconds(j, "put.receive.per_put_s");
+    m.put_receive_bytes_per_s = rate(j, "put.receive.bytes_per_s", 0, kMaxBytesPerS);
+  }
   m.ranks_per_node = count(j, "links.ranks_per_node", 1);
   m.intra_bytes_per_s = rate(j, "links.intra.bytes_per_s", 0, kMaxBytesPerS);
   m.intra_latency_s = seconds(j, "links.intra.latency_s");
   m.inter_bytes_per_s = rate(j, "links.inter.bytes_per_s", 0, kMaxBytesPerS);
   m.inter_latency_s = seconds(j, "links.inter.latency_s");
+  if (const json& intra = at(j, "links.intra"); intra.is_object() && intra.contains("by_ep")) {
+    const json& list = intra["by_ep"];
+    if (!list.is_array() || list.empty()) throw Error("machine model: 'links.intra.by_ep' must be a non-empty array of {ranks, bytes_per_s}");
+    for (std::size_t i = 0; i < list.size(); ++i) {
+      const std::string p = "links.intra.by_ep." + std::to_string(i);
+      const json wrapped = {{"links", {{"intra", {{"by_ep", {{std::to_string(i), list[i]}}}}}}}};
+      RateAtDegree r{count(wrapped, p + ".ranks", 1), rate(wrapped, p + ".bytes_per_s", 1, kMaxBytesPerS)};
+      if (!m.intra_by_ep.empty() && r.ranks <= m.intra_by_ep.back().ranks)
+        throw Error("machine model: '" + p + ".ranks' must grow along the list");
+      m.intra_by_ep.push_back(r);
+    }
+  }
   if (j.contains("mesh")) {
     m.mesh_cols = count(j, "mesh.cols", 1);
     m.mesh_link_bytes_per_s = rate(j, "mesh.link_bytes_per_s", 1, kMaxBytesPerS);
@@ -153,6 +216,24 @@ MachineModel machine_from_json(const json& j) {
   }
   m.operator_launch_s = seconds(j, "serialized.operator_launch_s");
   m.collective_sync_s = seconds(j, "serialized.collective_sync_s");
+  m.serialized_matrix_units = count(j, "serialized.matrix_units", 0, true);
+  if (m.serialized_matrix_units > 0 && !m.accelerator)
+    throw Error("machine model: 'serialized.matrix_units' is for accelerators (a CPU's workers run both schedules)");
+  if (j.contains("baselines") && j["baselines"].is_object() && j["baselines"].contains("deepep")) {
+    const json& d = j["baselines"]["deepep"];
+    if (!d.is_object()) throw Error("machine model: 'baselines.deepep' must be an object");
+    m.deepep.enabled = true;
+    if (d.contains("fp8_dispatch")) {
+      if (!d["fp8_dispatch"].is_boolean()) throw Error("machine model: 'baselines.deepep.fp8_dispatch' must be true or false");
+      m.deepep.fp8_dispatch = d["fp8_dispatch"].get<bool>();
+    }
+    m.deepep.kernel_launch_s = seconds(j, "baselines.deepep.kernel_launch_s");
+  }
+  if (j.contains("baselines") && j["baselines"].is_object() && j["baselines"].contains("mindspore")) {
+    if (!j["baselines"]["mindspore"].is_object()) throw Error("machine model: 'baselines.mindspore' must be an object");
+    m.mindspore.enabled = true;
+    m.mindspore.host_sync_s = seconds(j, "baselines.mindspore.host_sync_s");
+  }
   m.fma_peak_fp32_per_core = rate(j, "peak.fp32_fma_flops_per_core", 0, kMaxFlops, true);
   m.bf16_peak_per_core = rate(j, "peak.bf16_dot_flops_per_core", 0, kMaxFlops, true);
   if (j.contains("peak") && j["peak"].is_object() && j["peak"].contains("cpu") && j["peak"]["cpu"].is_string())
@@ -198,7 +279,7 @@ json to_json(const MachineModel& m) {
             {"vector", {{"bytes_per_s", m.vector_bytes_per_s}}},
             {"task_overhead_s", m.task_overhead_s},
             {"signal_latency_s", m.signal_latency_s},
-            {"put", {{"issue_s", m.put_issue_s}, {"copy_bytes_per_s", m.put_copy_bytes_per_s}}},
+            {"put", {{"engine", sim::name(m.put_engine)}, {"issue_s", m.put_issue_s}, {"copy_bytes_per_s", m.put_copy_bytes_per_s}}},
             {"links",
              {{"ranks_per_node", m.ranks_per_node},
               {"intra", {{"bytes_per_s", m.intra_bytes_per_s}, {"latency_s", m.intra_latency_s}}},
@@ -209,6 +290,17 @@ json to_json(const MachineModel& m) {
                  {"bf16_dot_flops_per_core", m.bf16_peak_per_core}};
   if (m.accelerator) j["units"] = {{"matrix", m.matrix_units}, {"vector", m.vector_units}};
   else j["units"] = {{"workers", m.workers}};
+  if (m.put_in_flight > 0) j["put"]["in_flight"] = m.put_in_flight;
+  if (m.put_receive_s > 0 || m.put_receive_bytes_per_s > 0)
+    j["put"]["receive"] = {{"per_put_s", m.put_receive_s}, {"bytes_per_s", m.put_receive_bytes_per_s}};
+  if (!m.intra_by_ep.empty()) {
+    auto& list = j["links"]["intra"]["by_ep"] = nlohmann::json::array();
+    for (const auto& r : m.intra_by_ep) list.push_back({{"ranks", r.ranks}, {"bytes_per_s", r.bytes_per_s}});
+  }
+  if (m.serialized_matrix_units > 0) j["serialized"]["matrix_units"] = m.serialized_matrix_units;
+  if (m.deepep.enabled)
+    j["baselines"]["deepep"] = {{"fp8_dispatch", m.deepep.fp8_dispatch}, {"kernel_launch_s", m.deepep.kernel_launch_s}};
+  if (m.mindspore.enabled) j["baselines"]["mindspore"] = {{"host_sync_s", m.mindspore.host_sync_s}};
   if (m.mesh_cols > 0)
     j["mesh"] = {{"cols", m.mesh_cols}, {"link_bytes_per_s", m.mesh_link_bytes_per_s}, {"hop_latency_s", m.mesh_hop_latency_s}};
   return j;

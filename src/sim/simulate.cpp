@@ -57,9 +57,10 @@ double weight_reuse(const Program& p, const Task& t) {
 
 // Seconds a task occupies its unit.
 double duration(const MachineModel& m, const Program& p, const Task& t, const TaskWork& work, DType dtype) {
+  if (!work.timed) return 0;
   if (t.queue == QueueClass::matrix)
     return m.gemm_seconds(t.rows, t.cols, std::max<std::int64_t>(1, work.k), dtype, weight_reuse(p, t)) + m.task_overhead_s;
-  if (is_put(t.kind))
+  if (is_put(t.kind))  // the issue (and a core's or vector unit's own copy); the wire comes after
     return m.put_issue_s + (m.put_copy_bytes_per_s > 0 ? work.bytes / m.put_copy_bytes_per_s : 0.0) + m.task_overhead_s;
   return work.bytes / m.vector_bytes_per_s + m.task_overhead_s;
 }
@@ -71,14 +72,14 @@ double duration(const MachineModel& m, const Program& p, const Task& t, const Ta
 // costs O(log n) however many transfers share the port.
 class Links {
  public:
-  Links(const MachineModel& m, int ranks) : m_(m) {
+  Links(const MachineModel& m, int ranks) : m_(m), intra_(m.intra_rate(ranks)) {
     if (m.mesh_cols > 0) {
       ports_.resize(static_cast<std::size_t>(ranks) * 4);
       for (auto& p : ports_) p.capacity = m.mesh_link_bytes_per_s;
     } else {
       ports_.resize(static_cast<std::size_t>(ranks) * 4);
       for (int r = 0; r < ranks; ++r) {
-        ports_[static_cast<std::size_t>(4 * r)].capacity = ports_[static_cast<std::size_t>(4 * r + 1)].capacity = m.intra_bytes_per_s;
+        ports_[static_cast<std::size_t>(4 * r)].capacity = ports_[static_cast<std::size_t>(4 * r + 1)].capacity = intra_;
         ports_[static_cast<std::size_t>(4 * r + 2)].capacity = ports_[static_cast<std::size_t>(4 * r + 3)].capacity = m.inter_bytes_per_s;
       }
     }
@@ -104,12 +105,20 @@ class Links {
       return {hops * m_.mesh_hop_latency_s, m_.mesh_link_bytes_per_s};
     }
     const bool same_node = s / m_.ranks_per_node == d / m_.ranks_per_node;
-    const double bw = same_node ? m_.intra_bytes_per_s : m_.inter_bytes_per_s;
+    const double bw = same_node ? intra_ : m_.inter_bytes_per_s;
     if (bw > 0) {
       resources.push_back(4 * s + (same_node ? 0 : 2));  // sender's out port
       resources.push_back(4 * d + (same_node ? 1 : 3));  // receiver's in port
     }
     return {same_node ? m_.intra_latency_s : m_.inter_latency_s, bw};
+  }
+
+  // `n` more resources of `capacity` (a unit that moves bytes itself); the first one's index.
+  int add_resources(int n, double capacity) {
+    const int first = static_cast<int>(ports_.size());
+    ports_.resize(ports_.size() + static_cast<std::size_t>(n));
+    for (auto it = ports_.begin() + first; it != ports_.end(); ++it) it->capacity = capacity;
+    return first;
   }
 
   // Starts a transfer; `tag` comes back from pop() when its bytes are through.
@@ -181,6 +190,7 @@ class Links {
   }
 
   const MachineModel& m_;
+  double intra_;  // at this EP degree
   std::vector<Port> ports_;
   std::vector<int> pending_;  // per transfer: resources still carrying it
   std::vector<std::int64_t> tags_;
@@ -235,6 +245,7 @@ Timeline simulate_interleaved(const MachineModel& m, const std::vector<Program>&
   struct Queue {
     std::int32_t pos = 0, end = 0;
     bool busy = false;
+    std::int64_t trace_slice = -1;  // of its running task
   };
   std::vector<Queue> queues(static_cast<std::size_t>(P * Q));
   std::vector<std::vector<std::int32_t>> count(static_cast<std::size_t>(P));
@@ -244,18 +255,38 @@ Timeline simulate_interleaved(const MachineModel& m, const std::vector<Program>&
     if (p.machine.workers() != Q) throw Error("simulate: ranks have different worker counts");
     count[r].assign(p.events.size(), 0);
     waiters[r].resize(p.events.size());
-    for (int w = 0; w < Q; ++w) queues[static_cast<std::size_t>(r * Q + w)] = Queue{p.queue_begin[w], p.queue_begin[w + 1], false};
+    for (int w = 0; w < Q; ++w) queues[static_cast<std::size_t>(r * Q + w)] = Queue{p.queue_begin[w], p.queue_begin[w + 1], false, -1};
   }
-  enum Type : int { task_done, wake, arrive };
+  // task_done: a unit finished a task (for a put: its issue); wake: a waiter's
+  // signal arrived; arrive: a put's bytes landed; received: the receiver's
+  // protocol work on them is done.
+  enum Type : int { task_done, wake, arrive, received };
   struct Ev {
     double time;
     std::uint64_t seq;
     int type, rank, a;
     bool operator>(const Ev& o) const { return time != o.time ? time > o.time : seq > o.seq; }
   };
+  // A put past its issue: on the wire, or waiting for a copy engine.
+  struct Flight {
+    int sender, peer, event;
+    int worker;  // >= 0: the issuing unit, held until the bytes land (vector engine)
+    double bytes, issued;
+    std::int64_t trace_slice;
+  };
+  std::vector<Flight> flights;
+  const bool held = m.put_engine == PutEngine::vector;
+  const bool bounded = m.put_engine == PutEngine::dma && m.put_in_flight > 0;
+  const bool receive_work = m.put_engine == PutEngine::cpu && (m.put_receive_s > 0 || m.put_receive_bytes_per_s > 0);
+  std::vector<int> engines_busy(static_cast<std::size_t>(P), 0), running(static_cast<std::size_t>(P), 0);
+  std::vector<std::vector<int>> engine_waiting(static_cast<std::size_t>(P));  // FIFO of flights, per rank
+  std::vector<std::size_t> engine_next(static_cast<std::size_t>(P), 0);
+  std::vector<double> receiver_free(static_cast<std::size_t>(P), 0.0), stolen(static_cast<std::size_t>(P), 0.0);
   std::priority_queue<Ev, std::vector<Ev>, std::greater<>> heap;
   std::uint64_t seq = 0;
   Links links(m, P);
+  // A vector unit that copies a put itself moves its bytes at most at its own rate.
+  const int unit_resources = held && m.vector_bytes_per_s > 0 ? links.add_resources(P * Q, m.vector_bytes_per_s) : -1;
   Exposure exposure(P);
   Timeline out;
   std::vector<int> resources;
@@ -272,9 +303,13 @@ Timeline simulate_interleaved(const MachineModel& m, const std::vector<Program>&
     }
     const double d = duration(m, p, task, work[static_cast<std::size_t>(r)][static_cast<std::size_t>(id)], dtype);
     q.busy = true;
+    ++running[static_cast<std::size_t>(r)];
     (task.queue == QueueClass::matrix ? out.matrix_busy : out.vector_busy) += d;
     exposure.change(r, t, is_put(task.kind) ? 1 : 0, task.queue == QueueClass::matrix ? 1 : 0);
-    if (trace) out.trace.push_back(slice(r, w, t, t + d, task));
+    if (trace) {
+      q.trace_slice = static_cast<std::int64_t>(out.trace.size());
+      out.trace.push_back(slice(r, w, t, t + d, task));
+    }
     heap.push(Ev{t + d, seq++, task_done, r, w});
   };
   auto fire = [&](int r, std::int32_t event, double t) {
@@ -294,6 +329,34 @@ Timeline simulate_interleaved(const MachineModel& m, const std::vector<Program>&
       }
     }
   };
+  // The unit's queue moves past its task and takes the next.
+  auto finish_task = [&](int r, int w, double t) {
+    Queue& q = queues[static_cast<std::size_t>(r * Q + w)];
+    q.busy = false;
+    ++q.pos;
+    try_start(r, w, t);
+  };
+  auto start_flight = [&](int id, double t) {
+    const Flight& f = flights[static_cast<std::size_t>(id)];
+    const auto [latency, bw] = links.path(f.sender, f.peer, resources);
+    if (bw > 0) {
+      if (bounded) ++engines_busy[static_cast<std::size_t>(f.sender)];
+      if (f.worker >= 0 && unit_resources >= 0) resources.push_back(unit_resources + f.sender * Q + f.worker);
+      exposure.change(f.sender, t, 1, 0);  // in flight: this rank's communication until its bytes are through
+      links.start(t, f.bytes, resources, id);
+    } else {
+      heap.push(Ev{t + latency, seq++, arrive, f.peer, id});
+    }
+  };
+  auto deliver = [&](int id, double t) {
+    const Flight& f = flights[static_cast<std::size_t>(id)];
+    fire(f.peer, f.event, t);
+    if (f.worker >= 0) {  // the vector unit that copied it is free again
+      out.vector_busy += t - f.issued;
+      if (f.trace_slice >= 0) out.trace[static_cast<std::size_t>(f.trace_slice)].end = t;
+      finish_task(f.sender, f.worker, t);
+    }
+  };
 
   for (int r = 0; r < P; ++r)
     for (int w = 0; w < Q; ++w) try_start(r, w, 0.0);
@@ -302,10 +365,19 @@ Timeline simulate_interleaved(const MachineModel& m, const std::vector<Program>&
     if (heap.empty() && link_t == kInf) break;
     if (link_t < kInf && (heap.empty() || link_t < heap.top().time)) {
       const auto [t, tag] = links.pop();  // bytes through: they land after the path's latency
-      const int sender = static_cast<int>(tag >> 40), peer = static_cast<int>((tag >> 20) & 0xFFFFF);
-      const auto latency = links.path(sender, peer, resources).first;
+      const Flight& f = flights[static_cast<std::size_t>(tag)];
+      const int sender = f.sender, peer = f.peer;
       exposure.change(sender, t, -1, 0);
-      heap.push(Ev{t + latency, seq++, arrive, peer, static_cast<int>(tag & 0xFFFFF)});
+      heap.push(Ev{t + links.path(sender, peer, resources).first, seq++, arrive, peer, static_cast<int>(tag)});
+      if (bounded) {  // the engine takes the rank's next waiting put
+        --engines_busy[static_cast<std::size_t>(sender)];
+        auto& waiting = engine_waiting[static_cast<std::size_t>(sender)];
+        auto& next = engine_next[static_cast<std::size_t>(sender)];
+        if (next < waiting.size()) {
+          exposure.change(sender, t, -1, 0);  // leaves the wait: start_flight counts it again
+          start_flight(waiting[next++], t);
+        }
+      }
       continue;
     }
     const Ev e = heap.top();
@@ -314,37 +386,53 @@ Timeline simulate_interleaved(const MachineModel& m, const std::vector<Program>&
     if (e.type == wake) {
       try_start(e.rank, e.a, e.time);
     } else if (e.type == arrive) {
-      fire(e.rank, e.a, e.time);
+      if (receive_work) {  // the receiver's protocol stack, one put at a time on its core
+        const Flight& f = flights[static_cast<std::size_t>(e.a)];
+        const double work_s = m.put_receive_s + (m.put_receive_bytes_per_s > 0 ? f.bytes / m.put_receive_bytes_per_s : 0.0);
+        auto& free_at = receiver_free[static_cast<std::size_t>(e.rank)];
+        free_at = std::max(free_at, e.time) + work_s;
+        if (running[static_cast<std::size_t>(e.rank)] > 0) stolen[static_cast<std::size_t>(e.rank)] += work_s;
+        heap.push(Ev{free_at, seq++, received, e.rank, e.a});
+      } else {
+        deliver(e.a, e.time);
+      }
+    } else if (e.type == received) {
+      deliver(e.a, e.time);
     } else {
+      const auto r = static_cast<std::size_t>(e.rank);
+      if (stolen[r] > 0) {  // the core also ran the receives meanwhile: the task ends that much later
+        const double d = stolen[r];
+        stolen[r] = 0;
+        heap.push(Ev{e.time + d, seq++, task_done, e.rank, e.a});
+        continue;
+      }
+      --running[r];
       Queue& q = queues[static_cast<std::size_t>(e.rank * Q + e.a)];
-      const auto& p = programs[static_cast<std::size_t>(e.rank)];
+      const auto& p = programs[r];
       const std::int32_t id = p.queue_tasks[static_cast<std::size_t>(q.pos)];
       const Task& task = p.tasks[static_cast<std::size_t>(id)];
-      q.busy = false;
-      ++q.pos;
-      exposure.change(e.rank, e.time, 0, task.queue == QueueClass::matrix ? -1 : 0);
-      if (task.trigger_event >= 0) {
-        if (task.trigger_event >= (1 << 20) || task.peer >= (1 << 20))
-          throw Error("simulate: more than 2^20 events or ranks");
-        if (is_put(task.kind) && task.peer != e.rank) {
-          const auto [latency, bw] = links.path(e.rank, task.peer, resources);
-          const double bytes = work[static_cast<std::size_t>(e.rank)][static_cast<std::size_t>(id)].bytes;
-          if (bw > 0) {  // still in flight: counts as this rank's communication until it lands
-            exposure.change(e.rank, e.time, 1, 0);
-            links.start(e.time, bytes, resources,
-                        (std::int64_t{e.rank} << 40) | (std::int64_t{task.peer} << 20) | task.trigger_event);
-          } else {
-            heap.push(Ev{e.time + latency, seq++, arrive, task.peer, task.trigger_event});
-          }
-          exposure.change(e.rank, e.time, -1, 0);
-        } else {
-          if (is_put(task.kind)) exposure.change(e.rank, e.time, -1, 0);
-          fire(task.peer, task.trigger_event, e.time);
+      exposure.change(e.rank, e.time, is_put(task.kind) ? -1 : 0, task.queue == QueueClass::matrix ? -1 : 0);
+      if (is_put(task.kind) && task.trigger_event >= 0 && task.peer != e.rank) {
+        const int fid = static_cast<int>(flights.size());
+        flights.push_back(Flight{e.rank, task.peer, task.trigger_event, held ? e.a : -1,
+                                 work[r][static_cast<std::size_t>(id)].bytes, e.time,
+                                 held ? q.trace_slice : -1});
+        if (held) {  // its unit stays busy until the bytes land
+          if (q.trace_slice >= 0) out.trace[static_cast<std::size_t>(q.trace_slice)].name += " (copy until landed)";
+          start_flight(fid, e.time);
+          continue;
         }
-      } else if (is_put(task.kind)) {
-        exposure.change(e.rank, e.time, -1, 0);
+        if (bounded && links.path(e.rank, task.peer, resources).second > 0 &&
+            engines_busy[r] >= m.put_in_flight) {
+          exposure.change(e.rank, e.time, 1, 0);  // waiting for an engine counts as communication
+          engine_waiting[r].push_back(fid);
+        } else {
+          start_flight(fid, e.time);
+        }
+      } else if (task.trigger_event >= 0) {
+        fire(task.peer, task.trigger_event, e.time);
       }
-      try_start(e.rank, e.a, e.time);
+      finish_task(e.rank, e.a, e.time);
     }
   }
   for (int r = 0; r < P; ++r)
@@ -382,8 +470,174 @@ std::vector<Operator> operators(taskflow::Pass pass) {
 
 }  // namespace
 
-Timeline simulate_serialized(const MachineModel& m, const std::vector<Program>& programs,
-                             const std::vector<std::vector<TaskWork>>& work, DType dtype, bool trace) {
+namespace {
+
+// Rows of an exchange in the DeepEP scheme, in the direction of `kind`:
+// dispatch-like (tokens to experts) or combine-like (back), started at `now`
+// on `links`; returns when the last lands.
+double run_deepep_exchange(const MachineModel& m, const DeepEpExchange& ex, TaskKind kind, const taskflow::Dims& dims,
+                       double now, Links& links, std::vector<int>& resources) {
+  const int P = ex.ranks;
+  const bool to_experts = kind == TaskKind::dispatch_put || kind == TaskKind::grad_dispatch_put;
+  // Forward dispatch optionally in fp8 with one fp32 scale per 128 elements; the rest in the layer's dtype.
+  const double row_bytes = kind == TaskKind::dispatch_put && m.deepep.fp8_dispatch
+                               ? double(dims.hidden) + 4.0 * double((dims.hidden + 127) / 128)
+                               : double(dims.hidden * dims.elem_bytes);
+  std::vector<std::pair<int, int>> ends;
+  const auto send = [&](int from, int to, double rows) {
+    if (rows <= 0 || from == to) return;
+    if (!to_experts) std::swap(from, to);
+    const auto [latency, bw] = links.path(from, to, resources);
+    (void)latency;
+    if (bw > 0) links.start(now, rows * row_bytes, resources, (std::int64_t{from} << 32) | to);
+    ends.push_back({from, to});
+  };
+  const int rpn = m.ranks_per_node;
+  for (int s = 0; s < P; ++s) {
+    for (int d = 0; d < P; ++d) {
+      send(s, d, ex.dispatch_rank[static_cast<std::size_t>(s * P + d)]);
+      send(s, d, ex.dispatch_forward[static_cast<std::size_t>(s * P + d)]);
+    }
+    for (int n = 0; n < ex.nodes; ++n)
+      send(s, std::min(P - 1, n * rpn + s % rpn), ex.dispatch_node[static_cast<std::size_t>(s * ex.nodes + n)]);
+  }
+  double end = now;
+  for (const auto& [from, to] : ends) end = std::max(end, now + links.path(from, to, resources).first);
+  while (links.next_time() < kInf) {
+    const auto [t, tag] = links.pop();
+    end = std::max(end, t + links.path(static_cast<int>(tag >> 32), static_cast<int>(tag & 0xFFFFFFFF), resources).first);
+  }
+  return end;
+}
+
+// One operator of the MindSpore/MindFormers token dispatcher
+// (MoEAlltoAllZeroRedundancyTokenDispatcher), as its code runs it: a vector
+// kernel over all vector units, an exchange, or a collective's handshake, and
+// where the host waits for the device.
+struct FrameworkOp {
+  std::vector<double> vector_bytes;           // per rank, read + written (empty: none)
+  const std::vector<double>* rows = nullptr;  // exchange rows [s * P + d] (a token once per destination rank)
+  bool reverse = false;                       // the rows go d -> s
+  double row_bytes = 0;
+  double pair_bytes = 0;  // an all-to-all of equal blocks between every pair
+  bool collective = false, host_sync = false;
+};
+
+// The dispatcher's operators around one exchange of hpmoe's operator order.
+// N tokens a rank, E experts, H hidden, `el` bytes a bf16 element, f an fp32
+// one; sent / received: a rank's rows in the token all-to-all-v (one per token
+// and destination rank); expert: its rows for the grouped GEMM (one per token
+// and expert). The backward pass runs the autograd mirror of each forward
+// step (gathers become scatter-adds), without the routing map, the list
+// all-gathers and the host copy, whose results the forward kept.
+std::vector<FrameworkOp> mindspore_ops(TaskKind kind, const std::vector<Program>& programs, const DeepEpExchange& ex) {
+  const int P = ex.ranks;
+  const taskflow::Dims& d = programs[0].dims;
+  const double H = double(d.hidden), N = double(d.tokens), E = double(d.experts), el = double(d.elem_bytes), f = 4;
+  std::vector<double> sent(static_cast<std::size_t>(P), 0), received(sent), expert(sent);
+  for (int a = 0; a < P; ++a)
+    for (int b = 0; b < P; ++b) {
+      sent[static_cast<std::size_t>(a)] += ex.dispatch_rank[static_cast<std::size_t>(a * P + b)];
+      received[static_cast<std::size_t>(b)] += ex.dispatch_rank[static_cast<std::size_t>(a * P + b)];
+    }
+  for (int r = 0; r < P; ++r) expert[static_cast<std::size_t>(r)] = double(programs[static_cast<std::size_t>(r)].expert_begin.back());
+  const auto per_rank = [&](auto&& bytes) {
+    std::vector<double> v(static_cast<std::size_t>(P));
+    for (int r = 0; r < P; ++r) v[static_cast<std::size_t>(r)] = bytes(static_cast<std::size_t>(r));
+    return v;
+  };
+  const auto vec = [&](auto&& bytes) { return FrameworkOp{per_rank(bytes)}; };
+  const FrameworkOp exchange{{}, &ex.dispatch_rank, false, H * el};
+  FrameworkOp exchange_back = exchange;
+  exchange_back.reverse = true;
+  exchange_back.collective = true;
+  FrameworkOp exchange_out = exchange;
+  exchange_out.collective = true;
+  std::vector<FrameworkOp> ops;
+  // Forward combine and its mirror (the backward's gradient dispatch): scale
+  // by the gate, sum a token's local experts (zeros, cast to fp32, index_add,
+  // cast back), the all-to-all-v, then the same sum over the returned rows.
+  const auto combine_like = [&](bool back) {
+    ops.push_back(vec([&](std::size_t r) { return 2 * expert[r] * H * el; }));  // * probs
+    ops.push_back(vec([&](std::size_t r) { return received[r] * H * f; }));     // zeros
+    ops.push_back(vec([&](std::size_t r) { return expert[r] * H * (el + f); }));  // cast to fp32
+    ops.push_back(vec([&](std::size_t r) { return expert[r] * H * f + 2 * received[r] * H * f; }));  // index_add
+    ops.push_back(vec([&](std::size_t r) { return received[r] * H * (f + el); }));  // cast to bf16
+    ops.push_back(back ? exchange_out : exchange_back);
+    ops.push_back(vec([&](std::size_t) { return N * H * f; }));  // zeros
+    ops.push_back(vec([&](std::size_t r) { return sent[r] * H * (el + f); }));  // cast to fp32
+    ops.push_back(vec([&](std::size_t r) { return sent[r] * H * f + 2 * N * H * f; }));  // index_add
+    ops.push_back(vec([&](std::size_t) { return N * H * (f + el); }));  // cast to bf16
+  };
+  switch (kind) {
+    case TaskKind::dispatch_put: {
+      ops.push_back(vec([&](std::size_t) { return 3 * N * E * el; }));  // routing map: zeros, scatter, transpose
+      FrameworkOp map;
+      map.pair_bytes = N * E / P * el;  // the (ep, N, local E) map, all to all
+      map.collective = true;
+      ops.push_back(map);
+      FrameworkOp gather_lists;
+      gather_lists.collective = true;
+      ops.push_back(gather_lists);  // send list
+      ops.push_back(gather_lists);  // receive list
+      FrameworkOp to_host;
+      to_host.host_sync = true;  // MoveTo(CPU) of both lists: AlltoAllVC needs their counts on the host
+      ops.push_back(to_host);
+      ops.push_back(vec([&](std::size_t r) { return 2 * sent[r] * H * el; }));  // index_select for the all-to-all-v
+      ops.push_back(exchange_out);
+      ops.push_back(vec([&](std::size_t r) { return (received[r] + expert[r]) * H * el; }));  // index_select for the GMM
+      break;
+    }
+    case TaskKind::combine_put: combine_like(false); break;
+    case TaskKind::grad_dispatch_put: combine_like(true); break;
+    default:  // grad_combine_put: the dispatch's gathers, mirrored
+      ops.push_back(vec([&](std::size_t r) { return received[r] * H * el + (received[r] + expert[r]) * H * el; }));  // zeros + scatter-add
+      ops.push_back(exchange_back);
+      ops.push_back(vec([&](std::size_t) { return N * H * el; }));  // zeros
+      ops.push_back(vec([&](std::size_t r) { return sent[r] * H * el + 2 * N * H * el; }));  // scatter-add
+      break;
+  }
+  return ops;
+}
+
+// Runs framework operators from `now`; returns when the last one ends.
+double run_framework_ops(const MachineModel& m, const std::vector<FrameworkOp>& ops, int P, double now, Links& links,
+                         std::vector<int>& resources, double& exposed) {
+  const double vector_rate = double(m.accelerator ? m.vector_units : m.workers) * m.vector_bytes_per_s;
+  for (const FrameworkOp& op : ops) {
+    now += m.operator_launch_s;
+    const double start = now;
+    double end = now;
+    for (double bytes : op.vector_bytes) end = std::max(end, now + bytes / vector_rate + m.task_overhead_s);
+    if (op.rows || op.pair_bytes > 0) {
+      for (int s = 0; s < P; ++s)
+        for (int d = 0; d < P; ++d) {
+          if (s == d) continue;
+          const double bytes = op.rows ? (*op.rows)[static_cast<std::size_t>(s * P + d)] * op.row_bytes : op.pair_bytes;
+          if (bytes <= 0) continue;
+          const int from = op.reverse ? d : s, to = op.reverse ? s : d;
+          const auto [latency, bw] = links.path(from, to, resources);
+          if (bw > 0) links.start(now, bytes, resources, (std::int64_t{from} << 32) | to);
+          end = std::max(end, now + latency);
+        }
+      while (links.next_time() < kInf) {
+        const auto [t, tag] = links.pop();
+        end = std::max(end, t + links.path(static_cast<int>(tag >> 32), static_cast<int>(tag & 0xFFFFFFFF), resources).first);
+      }
+    }
+    if (op.collective) end += m.collective_sync_s;
+    if (op.host_sync) end += m.mindspore.host_sync_s;
+    if (op.rows || op.pair_bytes > 0 || op.collective || op.host_sync) exposed += end - start;
+    now = end;
+  }
+  return now;
+}
+
+enum class Baseline { framework, deepep, mindspore };
+
+Timeline serialized(const MachineModel& m, const std::vector<Program>& programs,
+                    const std::vector<std::vector<TaskWork>>& work, DType dtype, bool trace, Baseline baseline,
+                    const DeepEpExchange* deepep) {
   check_programs(programs, work);
   const int P = static_cast<int>(programs.size());
   const taskflow::Machine& machine = programs[0].machine;
@@ -403,19 +657,37 @@ Timeline simulate_serialized(const MachineModel& m, const std::vector<Program>& 
   bool first = true;
   for (const Operator& op : operators(programs[0].pass)) {
     bool any = false;
-    for (int r = 0; r < P; ++r) any = any || !by_kind[static_cast<std::size_t>(r) * kinds + static_cast<std::size_t>(op.kind)].empty();
-    if (!any) continue;
-    for (int pass = op.permute_first ? 0 : 1; pass < 2; ++pass) {  // 0: the permute before an exchange
+    for (int r = 0; r < P && !any; ++r)
+      for (const std::int32_t id : by_kind[static_cast<std::size_t>(r) * kinds + static_cast<std::size_t>(op.kind)])
+        if (work[static_cast<std::size_t>(r)][static_cast<std::size_t>(id)].timed) {
+          any = true;
+          break;
+        }
+    if (!any) continue;  // nothing of it in scope: no operator
+    for (int pass = op.permute_first && baseline != Baseline::mindspore ? 0 : 1; pass < 2; ++pass) {  // 0: the permute before an exchange
       if (!first) now += m.operator_launch_s;
       first = false;
       Links links(m, P);
       double end = now;
+      if (baseline == Baseline::mindspore && op.all_to_all) {  // the dispatcher's own operators, permutes included
+        now = run_framework_ops(m, mindspore_ops(op.kind, programs, *deepep), P, now - m.operator_launch_s, links, resources, exposed);
+        continue;
+      }
+      if (baseline == Baseline::deepep && pass == 1 && op.all_to_all) {  // DeepEP's kernel moves the rows its own way
+        const double op_end = run_deepep_exchange(m, *deepep, op.kind, programs[0].dims, now, links, resources) + m.deepep.kernel_launch_s;
+        exposed += op_end - now;
+        now = op_end;
+        continue;
+      }
       for (int r = 0; r < P; ++r) {
         const auto& p = programs[static_cast<std::size_t>(r)];
         // The units of the operator's class, earliest free first (ties: lowest unit).
         std::priority_queue<std::pair<double, int>, std::vector<std::pair<double, int>>, std::greater<>> units;
-        for (int w = 0; w < Q; ++w)
-          if (machine.takes(w, taskflow::queue_class(op.kind))) units.push({now, w});
+        if (taskflow::queue_class(op.kind) == QueueClass::matrix && m.serialized_matrix_units > 0)
+          for (int w = 0; w < m.serialized_matrix_units; ++w) units.push({now, w});  // every SM on the framework's GEMMs
+        else
+          for (int w = 0; w < Q; ++w)
+            if (machine.takes(w, taskflow::queue_class(op.kind))) units.push({now, w});
         for (const std::int32_t task_id : by_kind[static_cast<std::size_t>(r) * kinds + static_cast<std::size_t>(op.kind)]) {
           const auto id = static_cast<std::size_t>(task_id);
           const Task& t = p.tasks[id];
@@ -423,7 +695,7 @@ Timeline simulate_serialized(const MachineModel& m, const std::vector<Program>& 
           units.pop();
           const TaskWork& w = work[static_cast<std::size_t>(r)][id];
           const double bytes = w.bytes;
-          const double d = pass == 0 ? bytes / m.vector_bytes_per_s + m.task_overhead_s : duration(m, p, t, w, dtype);
+          const double d = !w.timed ? 0.0 : pass == 0 ? bytes / m.vector_bytes_per_s + m.task_overhead_s : duration(m, p, t, w, dtype);
           units.push({start + d, unit});
           (t.queue == QueueClass::matrix ? out.matrix_busy : out.vector_busy) += d;
           const bool exchange = pass == 1 && is_put(t.kind);
@@ -452,6 +724,25 @@ Timeline simulate_serialized(const MachineModel& m, const std::vector<Program>& 
   out.makespan = now;
   out.exposed_comm = now > 0 ? exposed / now : 0;
   return out;
+}
+
+}  // namespace
+
+Timeline simulate_serialized(const MachineModel& m, const std::vector<Program>& programs,
+                             const std::vector<std::vector<TaskWork>>& work, DType dtype, bool trace) {
+  return serialized(m, programs, work, dtype, trace, Baseline::framework, nullptr);
+}
+
+Timeline simulate_deepep(const MachineModel& m, const std::vector<Program>& programs,
+                         const std::vector<std::vector<TaskWork>>& work, DType dtype, const DeepEpExchange& ex) {
+  if (ex.ranks != static_cast<int>(programs.size())) throw Error("simulate: the DeepEP exchange is for another number of ranks");
+  return serialized(m, programs, work, dtype, false, Baseline::deepep, &ex);
+}
+
+Timeline simulate_mindspore(const MachineModel& m, const std::vector<Program>& programs,
+                            const std::vector<std::vector<TaskWork>>& work, DType dtype, const DeepEpExchange& ex) {
+  if (ex.ranks != static_cast<int>(programs.size())) throw Error("simulate: the exchange is for another number of ranks");
+  return serialized(m, programs, work, dtype, false, Baseline::mindspore, &ex);
 }
 
 std::vector<std::vector<TaskWork>> task_work(const std::vector<Program>& programs) {

@@ -245,7 +245,7 @@ struct RunCommand {
     run->add_option("--mode", run_mode, "auto | serialized | interleaved | both (auto: both, side by side, checked bit-identical)");
     run->add_option("--trace", req.trace_file, "write a Chrome/Perfetto trace (JSON) of the last step of each executor");
     run->add_option("--timeline", req.timeline_file, "write the same as an SVG Gantt chart (serialized above interleaved)");
-    run->add_option("--schedule", run_schedule, "scheduler policy of the interleaved runtime: fill | rank-rotated | critical-path | interleave-wgrad");
+    run->add_option("--schedule", run_schedule, "scheduler policy of the interleaved runtime: fill | rank-rotated | critical-path | interleave-wgrad | ratr");
     run->add_option("--transport", transport,
                     "inprocess | mpi (mpi: one rank per process, `mpirun -np P hpmoe run --transport mpi ...`)");
     run->add_option("--mpi-path", mpi_path,
@@ -328,7 +328,7 @@ struct SimulateCommand {
   CLI::App* app = nullptr;
   LayerOptions layer;
   sim::SimRequest sreq;
-  std::string sim_machine, sim_routing = "uniform", sim_schedule = "critical-path", sim_json, sim_trace, sim_timeline;
+  std::string sim_machine, sim_routing = "uniform", sim_schedule, sim_json, sim_trace, sim_timeline;
   int sim_workers = 0;
 
   void add(CLI::App& parent) {
@@ -340,7 +340,11 @@ struct SimulateCommand {
     simulate->add_option("--routing", sim_routing, "uniform | balanced | zipf[:S] | hot[:SHARE] | trace:FILE[:LAYER] | router");
     simulate->add_option("--seed", sreq.seed, "seed of synthetic routing")->check(kSeedValidator);
     simulate->add_flag("--backward", sreq.backward, "simulate the backward pass too");
-    simulate->add_option("--schedule", sim_schedule, "fill | rank-rotated | critical-path | interleave-wgrad");
+    simulate->add_option("--schedule", sim_schedule,
+                         "fill | rank-rotated | critical-path | interleave-wgrad | ratr (default: ratr where vector units carry "
+                         "the puts, as on Ascend A3; critical-path elsewhere, as the CPU runtime does)");
+    simulate->add_flag("--kernel-scope", sreq.kernel_scope,
+                       "time only what a fused MoE kernel does (as the paper measures): router backward and pack tasks take no time");
     simulate->add_option("--json", sim_json, "write the prediction as JSON");
     simulate->add_option("--workers,-W", sim_workers, "cpu models: workers per rank (default: the model's)")->check(CLI::Range(1, 256));
     simulate->add_option("--trace", sim_trace, "write the simulated timelines as a Chrome/Perfetto trace");
@@ -356,7 +360,9 @@ struct SimulateCommand {
     sreq.config = layer.resolve();
     sreq.placement = layer.resolve_placement(sreq.config);
     sreq.routing = parse_routing_spec(sim_routing, sreq.seed);
-    sreq.policy = taskflow::parse_policy(sim_schedule);
+    sreq.policy = taskflow::parse_policy(!sim_schedule.empty()                        ? sim_schedule
+                                           : model.put_engine == sim::PutEngine::vector ? "ratr"
+                                                                                        : "critical-path");
     sreq.trace = !sim_trace.empty() || !sim_timeline.empty();
     for (const auto& [file, what] : {std::pair<const std::string&, const char*>{sim_json, "JSON results"},
                                      {sim_trace, "the trace"}, {sim_timeline, "the timeline"}})
@@ -478,7 +484,7 @@ struct CompileCommand {
     compile->add_option("--routing", compile_routing, "router | uniform | balanced | zipf[:S] | hot[:SHARE] | trace:FILE[:LAYER]");
     compile->add_option("--seed", compile_seed, "seed of the router's weights and inputs, and of synthetic routing")->check(kSeedValidator);
     compile->add_option("--machine", creq.machine, "cpu:W[:RxC] (W unified workers per rank) or accel:MATRIX:VECTOR[:RxC]");
-    compile->add_option("--schedule", schedule, "fill | rank-rotated | critical-path | interleave-wgrad");
+    compile->add_option("--schedule", schedule, "fill | rank-rotated | critical-path | interleave-wgrad | ratr");
     compile->add_option("--pass", pass, "forward | backward | both");
     compile->add_option("--rank", creq.rank, "rank whose program the figures describe");
     compile->add_option("--dump", dump_file, "write every rank's program (JSON; with --pass both, FILE.forward.json and FILE.backward.json)");
