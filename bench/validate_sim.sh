@@ -3,8 +3,10 @@
 # predicts what `hpmoe run` measures, over the runtime issue's sweep at 256
 # and 1024 tokens per rank (serialized and interleaved, forward and backward).
 # Prints a markdown report: one row per configuration, then the errors
-# against the targets (median |error| <= 10%, worst <= 25%, predicted speedup
-# on the same side of 1.0 as the measured one).
+# against the targets (median |error| <= 10%, worst <= 20%, and the predicted
+# speedup on the same side of 1.0 as the measured one wherever the measured
+# one is clearly outside the noise: the executors' iteration ranges do not
+# overlap).
 #   hpmoe calibrate --out machines/cpu-local.json   # first, on an idle machine
 #   bench/validate_sim.sh [build/hpmoe] [machines/cpu-local.json] > docs/simulation.md
 set -euo pipefail
@@ -37,8 +39,11 @@ for pas, mkey, skey in (("forward", "dispatch_to_combine", "forward"), ("backwar
     es, ei = ps / ms - 1, pi / mi - 1
     print(f"| {label} | {P} x {W} | {T} | {routing} | {pas} | {ms*1e3:.1f} | {ps*1e3:.1f} | {es*100:+.1f}% | "
           f"{mi*1e3:.1f} | {pi*1e3:.1f} | {ei*100:+.1f}% | {ms/mi:.3f} | {ps/pi:.3f} |")
+    rs, ri = run["serialized"][mkey], run["interleaved"][mkey]
+    clear = 1 if rs["min_s"] > ri["max_s"] else -1 if ri["min_s"] > rs["max_s"] else 0  # ranges apart: a real effect
     with open(rows, "a") as f:
-        f.write(json.dumps({"errors": [es, ei], "measured_speedup": ms / mi, "predicted_speedup": ps / pi}) + "\n")
+        f.write(json.dumps({"errors": [es, ei], "measured_speedup": ms / mi, "predicted_speedup": ps / pi,
+                            "clear_side": clear}) + "\n")
 PY
 }
 for T in ${TOKENS:-256 1024}; do
@@ -61,11 +66,12 @@ errs = sorted(abs(e) for r in rows for e in r["errors"])
 med = errs[len(errs) // 2] if len(errs) % 2 else (errs[len(errs)//2 - 1] + errs[len(errs)//2]) / 2
 def side(x, eps=0.01):  # within 1% of 1.0 counts as a tie, on neither side
     return 0 if abs(x - 1) <= eps else (1 if x > 1 else -1)
-agree = sum(1 for r in rows if side(r["measured_speedup"]) == side(r["predicted_speedup"]) or side(r["measured_speedup"]) == 0)
+clear = [r for r in rows if r["clear_side"] != 0]
+agree = sum(1 for r in clear if side(r["predicted_speedup"]) == r["clear_side"])
 print("## Summary")
 print()
 print(f"- {len(errs)} predicted latencies (serialized and interleaved, forward and backward).")
-print(f"- Median |error| {med*100:.1f}% (target <= 10%), worst {errs[-1]*100:.1f}% (target <= 25%).")
-print(f"- Predicted speedup on the same side of 1.0 as the measured one in {agree} of {len(rows)} cases "
-      "(a measured speedup within 1% of 1.0 counts as agreeing with either side).")
+print(f"- Median |error| {med*100:.1f}% (target <= 10%), worst {errs[-1]*100:.1f}% (target <= 20%).")
+print(f"- Measured speedups clearly outside the noise (the executors' iteration ranges apart): {len(clear)} of {len(rows)}; "
+      f"the prediction is on the same side of 1.0 in {agree} of them (a prediction within 1% of 1.0 counts as neither side).")
 PY

@@ -228,8 +228,12 @@ TEST(Plan, SplitsTheHotExpertIntoColumnParts) {
   EXPECT_EQ(a.replicas, 0);
   EXPECT_GT(a.split_parts, 0);
   ASSERT_TRUE(a.after.has_splits());
-  for (const auto& sp : a.after.splits())  // experts of the hottest rank (0: the hot expert and its neighbours)
-    EXPECT_EQ(a.before.owner(sp.expert), 0) << "expert " << sp.expert << " split, which the hot rank does not hold";
+  // The hottest rank's experts are split first (rank 0: the hot expert and
+  // its neighbours). A later split may relieve the rank that a part moved
+  // to, which the greedy planner may then find the slowest.
+  bool hot_rank_split = false;
+  for (const auto& sp : a.after.splits()) hot_rank_split = hot_rank_split || a.before.owner(sp.expert) == 0;
+  EXPECT_TRUE(hot_rank_split) << "no expert of the hot rank was split";
   EXPECT_FALSE(a.after.has_replicas());
   EXPECT_LT(a.imbalance_after, a.imbalance_before);
   EXPECT_LT(a.cost_after, a.cost_before);

@@ -2,12 +2,15 @@
 // runtime runs (W pinned workers at once, the runtime's own kernels and
 // event code), written as the cpu-local machine model.
 #include <pthread.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <barrier>
 #include <chrono>
+#include <fstream>
 #include <functional>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <thread>
@@ -62,36 +65,84 @@ double concurrent(int workers, int reps, int rounds, const std::function<void(in
   return median(samples);
 }
 
-// FLOP/s of one unit for an m x 64 x k tile as a layer runs it: every
-// worker cycles through its own weight panels, and writes its output tiles a
-// row apart into a large matrix (as activations and gradients are written).
-// `streamed`: 96 MiB of panels, beyond the caches, as an expert's weights are
-// at their first row tile (for few rows per tile this bounds the rate);
-// otherwise 32 panels, as the next row tiles of the same expert find them.
-template <class T>
-double tile_rate(int workers, std::int64_t m, std::int64_t k, int reps, bool streamed) {
-  const std::int64_t kp = kernels::padded_k<T>(k), ldc = 2048, c_rows = 8192;
-  const std::int64_t panel = kernels::weight_padded_k<T>(k) * kernels::kTileCols;  // elements of one K x 64 weight panel
-  const std::int64_t panels =
-      streamed ? std::max<std::int64_t>(32, (std::int64_t{96} << 20) / (panel * std::int64_t{sizeof(T)})) : 32;
-  const int rounds = static_cast<int>(std::max<std::int64_t>(panels, 8 * 32));
-  struct Buffers {
-    std::vector<T> a, b;
-    std::vector<float> c;
-  };
-  std::vector<Buffers> bufs(static_cast<std::size_t>(workers));
-  for (auto& b : bufs) {  // the values do not matter to the speed (no denormals)
-    b.b.assign(static_cast<std::size_t>(panels * panel), T(0.5f));
-    b.a.assign(static_cast<std::size_t>(m * kp), T(0.25f));
-    b.c.assign(static_cast<std::size_t>(c_rows * ldc), 0.0f);
+// Bytes no cache of this machine holds: twice the last-level cache, at
+// least 96 MiB. (Some server parts have hundreds of MiB of L3: a fixed
+// buffer of 64 or 96 MiB would be measured from cache there, while a
+// layer's weights and weight gradients of gigabytes come from memory.)
+std::int64_t beyond_cache_bytes() {
+  std::int64_t llc = 0;
+#ifdef _SC_LEVEL3_CACHE_SIZE
+  llc = std::max<long>(0, sysconf(_SC_LEVEL3_CACHE_SIZE));
+#endif
+  if (llc == 0)
+    for (const char* path : {"/sys/devices/system/cpu/cpu0/cache/index3/size", "/sys/devices/system/cpu/cpu0/cache/index2/size"}) {
+      std::ifstream in(path);
+      std::int64_t kib = 0;
+      char unit = 0;
+      if (in >> kib >> unit) {
+        llc = kib * (unit == 'M' ? 1 << 20 : 1 << 10);
+        break;
+      }
+    }
+  return std::max<std::int64_t>(std::int64_t{96} << 20, 2 * llc);
+}
+
+// Each worker's memory for the tile measurements, allocated once: a region
+// of weight panels and a region of output rows, both beyond the caches.
+// Cursors walk both across measurements, so a streamed panel or an output
+// tile is cold when it is touched, as in a layer. (Storage of unsigned char:
+// C++20 creates the float or bf16 objects the kernels read implicitly.)
+struct TileMemory {
+  std::int64_t bytes = 0;
+  std::unique_ptr<unsigned char[]> panels, out;
+  std::int64_t panel_cursor = 0, out_cursor = 0;
+  static constexpr std::int64_t ldc = 2048;  // floats a row of the output matrix
+
+  explicit TileMemory(std::int64_t bytes) : bytes(bytes), panels(new unsigned char[bytes]), out(new unsigned char[bytes]) {
+    // 0.5f everywhere: as bf16 pairs that reads 0 and 0.5, no denormals either way.
+    std::fill_n(reinterpret_cast<float*>(panels.get()), bytes / 4, 0.5f);
+    std::fill_n(reinterpret_cast<float*>(out.get()), bytes / 4, 0.0f);
   }
+  template <class T>
+  const T* panel(std::int64_t elements) {  // the next panel of the walk
+    const std::int64_t size = elements * std::int64_t{sizeof(T)};
+    if (panel_cursor + size > bytes) panel_cursor = 0;
+    const T* p = reinterpret_cast<const T*>(panels.get() + panel_cursor);
+    panel_cursor += size;
+    return p;
+  }
+  float* output(std::int64_t m) {  // the next m x 64 output tile of the walk, a row of ldc apart
+    const std::int64_t rows = bytes / (ldc * 4), tiles_per_row = ldc / 64;
+    const std::int64_t row = (out_cursor / tiles_per_row * m) % (rows - m), col = (out_cursor % tiles_per_row) * 64;
+    ++out_cursor;
+    return reinterpret_cast<float*>(out.get()) + row * ldc + col;
+  }
+};
+
+// FLOP/s of one unit for an m x 64 x k tile as a layer runs it: every
+// worker multiplies by its own weight panels and writes its output tiles a
+// row apart into a matrix beyond the caches (as activations and weight
+// gradients are written). `streamed`: every tile reads a panel from memory,
+// as an expert's weights are at their first row tile (for few rows per tile
+// this bounds the rate); otherwise 32 panels in turn, as the next row tiles
+// of the same expert find them.
+template <class T>
+double tile_rate(std::vector<TileMemory>& memory, std::int64_t m, std::int64_t k, int reps, bool streamed) {
+  const int workers = static_cast<int>(memory.size());
+  const std::int64_t kp = kernels::padded_k<T>(k);
+  const std::int64_t panel = kernels::weight_padded_k<T>(k) * kernels::kTileCols;  // elements of one K x 64 weight panel
+  // As many tiles as 96 MiB of panels: long enough to time, short enough for every shape.
+  const int rounds = static_cast<int>(std::max<std::int64_t>(8 * 32, (std::int64_t{96} << 20) / (panel * std::int64_t{sizeof(T)})));
+  std::vector<std::vector<T>> a(static_cast<std::size_t>(workers), std::vector<T>(static_cast<std::size_t>(m * kp), T(0.25f)));
+  std::vector<const T*> hot(static_cast<std::size_t>(workers));
+  for (int w = 0; w < workers; ++w) hot[static_cast<std::size_t>(w)] = memory[static_cast<std::size_t>(w)].template panel<T>(32 * panel);
   const double s = concurrent(workers, reps, rounds, [&](int w, int rounds) {
-    auto& b = bufs[static_cast<std::size_t>(w)];
+    auto& mem = memory[static_cast<std::size_t>(w)];
     for (int i = 0; i < rounds; ++i) {
-      const auto p = static_cast<std::size_t>(i % panels);
-      const auto view = kernels::panel_view<T>(b.b.data() + p * static_cast<std::size_t>(panel), k);
-      float* c = b.c.data() + static_cast<std::size_t>((i / (ldc / 64) * m) % (c_rows - 64) * ldc + (i % (ldc / 64)) * 64);
-      kernels::gemm_tile<T>(b.a.data(), kp, view, 0, c, ldc, m, kernels::kTileCols, kp, false);
+      const T* weights = streamed ? mem.template panel<T>(panel) : hot[static_cast<std::size_t>(w)] + (i % 32) * panel;
+      const auto view = kernels::panel_view<T>(weights, k);
+      kernels::gemm_tile<T>(a[static_cast<std::size_t>(w)].data(), kp, view, 0, mem.output(m), TileMemory::ldc, m,
+                            kernels::kTileCols, kp, false);
     }
   });
   return 2.0 * double(m) * double(kernels::kTileCols) * double(k) / s;
@@ -107,14 +158,18 @@ json calibrate(const CalibrateOptions& opt, const std::function<void(const std::
   const int W = opt.workers, reps = opt.quick ? 1 : 5;
   json rates = json::array();
   say("tile GEMM rates");
+  const std::int64_t cold_bytes = opt.quick ? std::int64_t{96} << 20 : beyond_cache_bytes();
+  std::vector<TileMemory> memory;
+  for (int w = 0; w < W; ++w) memory.emplace_back(cold_bytes);
   // Shapes the layers' tiles have: full and partial row tiles; K from the
   // weight gradients' few rows per expert to hidden and 2 x inter.
   for (std::int64_t m : {kernels::kTileRows, std::int64_t{64}, std::int64_t{48}, std::int64_t{32}, std::int64_t{16}, std::int64_t{8}})
     for (std::int64_t k : {16, 32, 64, 128, 256, 768, 1408, 2048, 2816, 4096})
-      rates.push_back({{"m", m}, {"k", k}, {"fp32_flops", tile_rate<float>(W, m, k, reps, false)},
-                       {"bf16_flops", tile_rate<bf16>(W, m, k, reps, false)},
-                       {"fp32_streamed_flops", tile_rate<float>(W, m, k, reps, true)},
-                       {"bf16_streamed_flops", tile_rate<bf16>(W, m, k, reps, true)}});
+      rates.push_back({{"m", m}, {"k", k}, {"fp32_flops", tile_rate<float>(memory, m, k, reps, false)},
+                       {"bf16_flops", tile_rate<bf16>(memory, m, k, reps, false)},
+                       {"fp32_streamed_flops", tile_rate<float>(memory, m, k, reps, true)},
+                       {"bf16_streamed_flops", tile_rate<bf16>(memory, m, k, reps, true)}});
+  memory.clear();
 
   say("vector and copy bandwidth");
   const std::int64_t rows = 64, inter = 1408, hidden = 2048;
@@ -211,7 +266,9 @@ json calibrate(const CalibrateOptions& opt, const std::function<void(const std::
                 {"bf16_engine", kernels::name(kernels::bf16_engine())},
                 {"copy_bytes_per_s", copy_bytes / copy_s}, {"not_measured", peak.not_measured}}},
       {"sources",
-       {{"matrix.tile_rates", "m x 64 x k tile GEMMs (the runtime's kernel: libxsmm for fp32; for bf16 peak.bf16_engine), all workers at once, output tiles written a row apart into a 64 MiB matrix; *_flops: cycling through 32 weight panels (reused, as by an expert's next row tiles), *_streamed_flops: through 96 MiB of them (from memory, as at an expert's first row tile)"},
+       {{"matrix.tile_rates", "m x 64 x k tile GEMMs (the runtime's kernel: libxsmm for fp32; for bf16 peak.bf16_engine), all workers at once, output tiles written a row apart into a matrix of " +
+                                  std::to_string(cold_bytes >> 20) + " MiB per worker (twice the last-level cache, at least 96 MiB: from memory); *_flops: cycling through 32 weight panels (reused, as by an expert's next row tiles), *_streamed_flops: a fresh panel per tile walking " +
+                                  std::to_string(cold_bytes >> 20) + " MiB (from memory, as at an expert's first row tile)"},
         {"vector.bytes_per_s", "swiglu_forward over 64 x 1408 rows (bytes read + written), all workers at once"},
         {"put.copy_bytes_per_s", "64-row copies of hidden 2048 fp32 rows out of a 32 MiB matrix, all workers at once; in process a put is the worker's copy"},
         {"signal_latency_s", "event counter ping-pong between two pinned threads (one way)"},
