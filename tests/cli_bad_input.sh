@@ -54,10 +54,16 @@ import json, sys
 src, tmp = sys.argv[1], sys.argv[2]
 for name, path, value in [("m_latency", ("signal_latency_s",), 1e308), ("m_overhead", ("task_overhead_s",), 1e300),
                           ("m_issue", ("put", "issue_s"), 1e308), ("m_bandwidth", ("links", "intra", "bytes_per_s"), 1e-300),
-    ("m_weight_rows", ("tile", "weight_rows"), 0)]:
+    ("m_weight_rows", ("tile", "weight_rows"), 0),
+    # issue 16's fields: put engines, their bounds, link rates by EP, baselines
+    ("m_engine", ("put", "engine"), "pigeon"), ("m_in_flight", ("put", "in_flight"), 1.5),
+    ("m_receive", ("put", "receive"), {"per_put_s": 1e-6, "bytes_per_s": 1e9}),
+    ("m_by_ep", ("links", "intra", "by_ep"), [{"ranks": 16, "bytes_per_s": 1e11}, {"ranks": 8, "bytes_per_s": 1e11}]),
+    ("m_sm", ("serialized", "matrix_units"), -1), ("m_fp8", ("baselines", "deepep", "fp8_dispatch"), "yes"),
+    ("m_host_sync", ("baselines", "mindspore", "host_sync_s"), -1)]:
     m = json.load(open(src))
     d = m
-    for k in path[:-1]: d = d[k]
+    for k in path[:-1]: d = d.setdefault(k, {})
     d[path[-1]] = value
     json.dump(m, open(f"{tmp}/{name}.json", "w"))
 PY
@@ -302,6 +308,14 @@ cases=(
   "simulate --machine $tmp/garbage.json"
   "simulate --machine $tmp/nolinks.json"
   "simulate --machine $tmp/negunits.json"
+  "simulate --machine $tmp/m_engine.json"
+  "simulate --machine $tmp/m_in_flight.json"
+  "simulate --machine $tmp/m_receive.json"
+  "simulate --machine $tmp/m_by_ep.json"
+  "simulate --machine $tmp/m_sm.json"
+  "simulate --machine $tmp/m_fp8.json"
+  "simulate --machine $tmp/m_host_sync.json"
+  "simulate --machine ascend-a3 --kernel-scope=maybe"
   "simulate --machine $HPMOE_SOURCE_DIR/machines/h800.json -W 2"
   "simulate --machine $HPMOE_SOURCE_DIR/machines/h800.json --set routed_experts=7 -P 8"
   "simulate --machine $HPMOE_SOURCE_DIR/machines/h800.json --routing trace:$tmp/out_of_range.json"

@@ -343,6 +343,20 @@ TEST(DeepEp, NodeDeduplicatedExchangeAndItsBytes) {
   EXPECT_EQ(ex.cross_node_rows(), 3);            // one row each from ranks 0, 1 and 2
 }
 
+namespace {
+// A bf16 step of a preset, uniform routing, forward and backward.
+SimRequest bf16_step(const std::string& name, std::int64_t ranks, std::int64_t tokens) {
+  SimRequest req;
+  req.config = preset(name);
+  req.config.ranks = ranks;
+  req.config.tokens_per_rank = tokens;
+  req.config.dtype = DType::bf16;
+  req.routing = parse_routing_spec("uniform", 1);
+  req.backward = true;
+  return req;
+}
+}  // namespace
+
 TEST(Baselines, GpuFrameworksGiveTheirGemmsEverySm) {
   // One rank, 4 equal GEMM tiles; the fused schedule has 1 matrix unit, the
   // framework's serialized GEMMs run on 4.
@@ -362,13 +376,7 @@ TEST(Baselines, MindSporeDispatcherPaysItsCollectivesHostCopyAndPermutes) {
   // and two all-gathers (3 collective handshakes) and the host copy.
   const MachineModel m = load_machine(std::string(HPMOE_SOURCE_DIR) + "/machines/ascend-a3.json");
   ASSERT_TRUE(m.mindspore.enabled);
-  SimRequest req;
-  req.config = preset("deepseek-v2-lite");
-  req.config.ranks = 2;
-  req.config.tokens_per_rank = 256;
-  req.config.dtype = DType::bf16;
-  req.routing = parse_routing_spec("uniform", 1);
-  req.backward = true;
+  const SimRequest req = bf16_step("deepseek-v2-lite", 2, 256);
   const SimReport r = simulate(m, req);
   EXPECT_GT(r.forward.mindspore_s, r.forward.serialized_s + 3 * m.collective_sync_s + m.mindspore.host_sync_s -
                                        2 * m.operator_launch_s);
@@ -383,13 +391,7 @@ TEST(Baselines, MindSporeDispatcherPaysItsCollectivesHostCopyAndPermutes) {
 
 TEST(Simulator, CompiledLayerIsDeterministicAndInterleavingHelpsWhenCommunicationBound) {
   const MachineModel m = load_machine(std::string(HPMOE_SOURCE_DIR) + "/machines/h800.json");
-  SimRequest req;
-  req.config = preset("deepseek-v3");
-  req.config.ranks = 8;
-  req.config.tokens_per_rank = 256;
-  req.config.dtype = DType::bf16;
-  req.routing = parse_routing_spec("uniform", 1);
-  req.backward = true;
+  const SimRequest req = bf16_step("deepseek-v3", 8, 256);
   const SimReport a = simulate(m, req), b = simulate(m, req);
   EXPECT_EQ(a.forward.interleaved_s, b.forward.interleaved_s);
   EXPECT_EQ(a.backward.serialized_s, b.backward.serialized_s);
