@@ -146,6 +146,39 @@ TEST(TileGemm, PanelBlockedOperandsWithStridedAAndAccumulation) {
   }
 }
 
+// A tile across several panels (a weight-gradient strip) is its per-panel
+// tiles, bit for bit: from a panel's middle to another's, a strided A (as the
+// transposed activations give it), with and without accumulation. (bf16
+// from a panel's start: AMX tiles on VNNI weights take whole panels.)
+template <class T>
+void check_strip_equals_tiles(bool accumulate) {
+  init();
+  Rng rng(11);
+  const std::int64_t m = 64, n = 5 * kTileCols - 20, k = 22, lda = 300, col0 = sizeof(T) == 2 ? kTileCols : 32, width = n - col0;
+  std::vector<T> a(static_cast<std::size_t>(m * lda));
+  for (auto& v : a) v = to<T>(float(rng.normal()));
+  std::vector<float> b(static_cast<std::size_t>(k * n));
+  for (auto& v : b) v = round_to_bf16(float(rng.normal()));
+  std::vector<T> packed(static_cast<std::size_t>(panel_blocked_size<T>(k, n)));
+  pack_rhs_panels<float, T>(b.data(), n, k, n, false, packed.data(), 0, (n + kTileCols - 1) / kTileCols);
+  const auto view = panel_view<T>(packed.data(), k);
+  std::vector<float> strip(static_cast<std::size_t>(m * n), 0.25f), tiles(strip);
+  gemm_tile<T>(a.data(), lda, view, col0, strip.data() + col0, n, m, width, padded_k<T>(k), accumulate);
+  for (std::int64_t j = col0; j < col0 + width;) {
+    const std::int64_t w = std::min(col0 + width, (j / kTileCols + 1) * kTileCols) - j;
+    gemm_tile<T>(a.data(), lda, view, j, tiles.data() + j, n, m, w, padded_k<T>(k), accumulate);
+    j += w;
+  }
+  for (std::size_t i = 0; i < strip.size(); ++i) ASSERT_EQ(strip[i], tiles[i]) << "element " << i;
+}
+
+TEST(TileGemm, StripAcrossPanelsIsItsTilesBitForBit) {
+  for (bool accumulate : {false, true}) {
+    check_strip_equals_tiles<float>(accumulate);
+    check_strip_equals_tiles<bf16>(accumulate);
+  }
+}
+
 TEST(TileGemm, Bf16RejectsOddLeadingDimension) {
   std::vector<bf16> a(64), b(64);
   std::vector<float> c(16);

@@ -168,10 +168,21 @@ TEST(Verifier, RejectsAShrunkTile) {
   auto programs = tiny_programs(Pass::forward);
   auto& t = programs[0].tasks[first_task(programs[0], TaskKind::gemm_gate_up)];
   t.rows -= 1;
-  const auto error = verify_error(programs);
+  auto error = verify_error(programs);
   EXPECT_TRUE(contains(error, "coverage")) << error;
   EXPECT_TRUE(contains(error, "swiglu")) << error;
   EXPECT_TRUE(contains(error, "h1")) << error;
+  // Results no task reads: a weight-gradient tile and an output row cut short.
+  programs = tiny_programs(Pass::backward);
+  programs[1].tasks[first_task(programs[1], TaskKind::gemm_down_wgrad)].cols -= 1;
+  error = verify_error(programs);
+  EXPECT_TRUE(contains(error, "outputs: rank 1 writes")) << error;
+  EXPECT_TRUE(contains(error, "dw2")) << error;
+  programs = tiny_programs(Pass::forward);
+  programs[0].tasks[first_task(programs[0], TaskKind::combine_reduce)].rows -= 1;
+  error = verify_error(programs);
+  EXPECT_TRUE(contains(error, "outputs: rank 0 writes")) << error;
+  EXPECT_TRUE(contains(error, "out rows")) << error;
 }
 
 TEST(Verifier, RejectsRacesConflictsAndBadQueues) {
@@ -195,6 +206,31 @@ TEST(Verifier, RejectsRacesConflictsAndBadQueues) {
   programs[0].queue_tasks.pop_back();
   programs[0].queue_begin.back() -= 1;
   EXPECT_TRUE(contains(verify_error(programs), "is on no worker's queue")) << verify(programs).error;
+}
+
+// Weight-gradient strips (Machine::weight_tile_cols, as the CPU runtime runs
+// them): a strip of two tiles and a ragged one per row; the verifier accepts
+// the set, and rejects a strip cut short (a result's columns left unwritten,
+// which no task reads) and one grown over its neighbour (a write conflict).
+TEST(Verifier, ChecksWeightGradientStrips) {
+  const LayerConfig c = small(2, 150);
+  Machine m = parse_machine("cpu:2");
+  m.weight_tile_cols = 2 * m.tile_cols;
+  const auto strips = [&] { return compile(c, contiguous(c), counts_for(c, "uniform"), m, Pass::backward, Policy::critical_path); };
+  auto programs = strips();
+  expect_ok(programs);
+  const auto w = first_task(programs[0], TaskKind::gemm_gate_up_wgrad);
+  ASSERT_EQ(programs[0].tasks[w].cols, 2 * m.tile_cols);  // 2 x inter = 192: a strip of 128, then 64
+  ASSERT_EQ(programs[0].tasks[w + 1].cols, 64);
+  programs[0].tasks[w].cols -= 1;
+  auto error = verify_error(programs);
+  EXPECT_TRUE(contains(error, "outputs: rank 0 writes")) << error;
+  EXPECT_TRUE(contains(error, "dw1")) << error;
+  programs = strips();
+  programs[0].tasks[w + 1].col_begin -= 64;
+  programs[0].tasks[w + 1].cols += 64;
+  error = verify_error(programs);
+  EXPECT_TRUE(contains(error, "write conflict")) << error;
 }
 
 // Buffers are sized for each rank's own rows: a put is checked against the
@@ -421,6 +457,9 @@ TEST(Taskflow, JsonRoundTripAndMalformedDumps) {
   EXPECT_THROW(program_from_json(bad), Error);
   bad = j;
   bad["rank"] = "zero";
+  EXPECT_THROW(program_from_json(bad), Error);
+  bad = j;
+  bad["machine"]["weight_tile_cols"] = bad["machine"]["tile_cols"].get<std::int64_t>() + 1;  // strips of whole tiles only
   EXPECT_THROW(program_from_json(bad), Error);
 }
 

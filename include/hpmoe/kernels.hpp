@@ -14,6 +14,12 @@ namespace hpmoe::kernels {
 // (libxsmm does not block over K itself).
 inline constexpr std::int64_t kTileRows = 128;       // token rows of a tile
 inline constexpr std::int64_t kWeightTileRows = 64;  // rows of a weight-gradient tile (K: a step's rows)
+// Columns of a weight-gradient task: whole rows of the gradient up to 16 KiB
+// of fp32. Its tiles have a short K and are bound by writing their output;
+// two cores writing neighbouring 64-column tiles of the same rows take 8.0
+// us a tile against 3.5 for strips of whole rows (a Xeon, 2 cores, K 16:
+// build/bench/wgrad_layout; docs/benchmarks.md, "Weight-gradient strips").
+inline constexpr std::int64_t kWeightTileCols = 4096;
 inline constexpr std::int64_t kTileCols = 64;
 inline constexpr std::int64_t kBlockK = 128;
 // A tile's K is reduced in chunks of at most kChunkBlocks blocks, each one
@@ -100,8 +106,8 @@ bool vnni_layout() {
 // of kTileCols, each panel a contiguous [K, kTileCols] operand of the layout
 // above (ld = kTileCols), panel p starting at data + p * panel_stride. A tile
 // then reads one contiguous block instead of K rows a whole row apart, which
-// keeps the TLB and the prefetchers happy for long K. Tiles must not cross a
-// panel boundary.
+// keeps the TLB and the prefetchers happy for long K. A tile across panels
+// runs panel by panel.
 template <class T>
 struct RhsView {
   const T* data = nullptr;

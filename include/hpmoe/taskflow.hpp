@@ -179,6 +179,13 @@ struct Machine {
   // more rows, while weight tiles with a short K prefer to stay small.
   std::int64_t weight_tile_rows = 0;
   std::int64_t weight_rows() const { return weight_tile_rows > 0 ? weight_tile_rows : tile_rows; }
+  // Columns of a weight-gradient task (a multiple of tile_cols; 0:
+  // tile_cols). With a short K such a task is bound by writing its output,
+  // and on a CPU the output tile next to another core's in the same rows
+  // costs twice as much (the line prefetcher pulls the neighbour's lines):
+  // a worker takes a strip of whole rows and walks along it.
+  std::int64_t weight_tile_cols = 0;
+  std::int64_t weight_cols() const { return weight_tile_cols > 0 ? weight_tile_cols : tile_cols; }
   // Cost model: seconds = flops / matrix_flops (GEMM) or bytes / vector_bytes_per_s, + overhead.
   double matrix_flops = 100e9, vector_bytes_per_s = 20e9, put_bytes_per_s = 20e9, task_overhead_s = 0.2e-6;
   // Vector-class workers that carry puts, the first ones of the class (0:

@@ -198,24 +198,14 @@ void batch_reduce(const T* a, std::int64_t lda, const T* b, std::int64_t ldb, fl
 
 }  // namespace
 
+namespace {
+// One tile whose columns lie within one panel of b (or b is not blocked).
 template <class T>
-void gemm_tile(const T* a, std::int64_t lda, RhsView<T> b, std::int64_t col0, float* c, std::int64_t ldc,
-               std::int64_t m, std::int64_t n, std::int64_t k, bool accumulate) {
-  if (m <= 0 || n <= 0) return;
-  if (k <= 0) {
-    if (!accumulate)
-      for (std::int64_t i = 0; i < m; ++i) std::memset(c + i * ldc, 0, static_cast<std::size_t>(n) * sizeof(float));
-    return;
-  }
-  if (sizeof(T) == 2 && ((lda | k) & 1))
-    throw Error("bf16 tile GEMM needs an even K and an even leading dimension of A (got lda " +
-                std::to_string(lda) + ", k " + std::to_string(k) + ")");
+void gemm_one_panel(const T* a, std::int64_t lda, RhsView<T> b, std::int64_t col0, float* c, std::int64_t ldc,
+                    std::int64_t m, std::int64_t n, std::int64_t k, bool accumulate) {
   const std::int64_t pair = b.vnni ? 2 : 1;  // VNNI keeps K pairs per column
   const T* rhs = b.data + col0 * pair;
-  if (b.panel_stride > 0) {
-    if (col0 % kTileCols + n > kTileCols) throw Error("a tile GEMM must not cross a panel of the operand");
-    rhs = b.data + (col0 / kTileCols) * b.panel_stride + (col0 % kTileCols) * pair;
-  }
+  if (b.panel_stride > 0) rhs = b.data + (col0 / kTileCols) * b.panel_stride + (col0 % kTileCols) * pair;
 #ifdef HPMOE_WITH_ONEDNN
   if constexpr (sizeof(T) == 2) {
     if (bf16_engine() == Bf16Engine::onednn_amx) {
@@ -232,22 +222,6 @@ void gemm_tile(const T* a, std::int64_t lda, RhsView<T> b, std::int64_t col0, fl
     }
   }
 #endif
-  // libxsmm generates and keeps a kernel per (m, n, k, lda, ldb, ldc). A
-  // weight-gradient tile reads k rows' worth of a longer transposed
-  // activation (lda its whole row count), so under routing that changes
-  // every step each (k, lda) pair was a new kernel: the code cache grew by
-  // 70 MB in 1,000 soak steps. Such an A is copied into a tile whose stride
-  // depends on k alone; the same values in the same FMA order give the same
-  // bits, and the copy is 1/n of the tile's work.
-  const std::int64_t tight = (k + 15) / 16 * 16;
-  if (lda != k && lda != tight) {
-    thread_local std::vector<T> compact;
-    compact.resize(static_cast<std::size_t>(m * tight));
-    for (std::int64_t i = 0; i < m; ++i)
-      std::memcpy(compact.data() + i * tight, a + i * lda, static_cast<std::size_t>(k) * sizeof(T));
-    a = compact.data();
-    lda = tight;
-  }
   const std::int64_t blocks = k / kBlockK, rest = k % kBlockK;
   for (std::int64_t first = 0; first < blocks; first += kChunkBlocks)
     batch_reduce<T>(a + first * kBlockK, lda, rhs + first * kBlockK * b.ld, b.ld, c, ldc, m, n, kBlockK,
@@ -255,6 +229,53 @@ void gemm_tile(const T* a, std::int64_t lda, RhsView<T> b, std::int64_t col0, fl
   if (rest > 0)
     batch_reduce<T>(a + blocks * kBlockK, lda, rhs + blocks * kBlockK * b.ld, b.ld, c, ldc, m, n, rest, 1,
                     accumulate || blocks > 0);
+}
+}  // namespace
+
+template <class T>
+void gemm_tile(const T* a, std::int64_t lda, RhsView<T> b, std::int64_t col0, float* c, std::int64_t ldc,
+               std::int64_t m, std::int64_t n, std::int64_t k, bool accumulate) {
+  if (m <= 0 || n <= 0) return;
+  if (k <= 0) {
+    if (!accumulate)
+      for (std::int64_t i = 0; i < m; ++i) std::memset(c + i * ldc, 0, static_cast<std::size_t>(n) * sizeof(float));
+    return;
+  }
+  if (sizeof(T) == 2 && ((lda | k) & 1))
+    throw Error("bf16 tile GEMM needs an even K and an even leading dimension of A (got lda " +
+                std::to_string(lda) + ", k " + std::to_string(k) + ")");
+  // libxsmm generates and keeps a kernel per (m, n, k, lda, ldb, ldc). A
+  // weight-gradient tile reads k rows' worth of a longer transposed
+  // activation (lda its whole row count), so under routing that changes
+  // every step each (k, lda) pair was a new kernel: the code cache grew by
+  // 70 MB in 1,000 soak steps. Such an A is copied into a tile whose stride
+  // depends on k alone; the same values in the same FMA order give the same
+  // bits, and the copy is 1/n of the tile's work.
+  // (oneDNN takes any stride and keys its kernels otherwise.)
+  bool libxsmm_path = true;
+#ifdef HPMOE_WITH_ONEDNN
+  if constexpr (sizeof(T) == 2) libxsmm_path = bf16_engine() != Bf16Engine::onednn_amx;
+#endif
+  const std::int64_t tight = (k + 15) / 16 * 16;
+  if (libxsmm_path && lda != k && lda != tight) {
+    thread_local std::vector<T> compact;
+    compact.resize(static_cast<std::size_t>(m * tight));
+    for (std::int64_t i = 0; i < m; ++i)
+      std::memcpy(compact.data() + i * tight, a + i * lda, static_cast<std::size_t>(k) * sizeof(T));
+    a = compact.data();
+    lda = tight;
+  }
+  if (b.panel_stride <= 0) {
+    gemm_one_panel<T>(a, lda, b, col0, c, ldc, m, n, k, accumulate);
+    return;
+  }
+  // A panel-blocked operand: panel by panel, along the rows of C (a strip of
+  // weight-gradient tiles walks its output rows in order).
+  for (std::int64_t col = col0; col < col0 + n;) {
+    const std::int64_t width = std::min(col0 + n, (col / kTileCols + 1) * kTileCols) - col;
+    gemm_one_panel<T>(a, lda, b, col, c + (col - col0), ldc, m, width, k, accumulate);
+    col += width;
+  }
 }
 
 namespace {

@@ -61,6 +61,7 @@ class Interleaved final : public InterleavedExecutor::Impl {
     machine_ = taskflow::cpu_machine(opt.workers_per_rank);
     machine_.tile_rows = kernels::token_tile_rows<T>();
     machine_.weight_tile_rows = kernels::weight_tile_rows<T>();
+    machine_.weight_tile_cols = kernels::kWeightTileCols;
     machine_.tile_cols = kTileCols;
     programs.resize(static_cast<std::size_t>(c.ranks));
     backward_programs.resize(static_cast<std::size_t>(c.ranks));

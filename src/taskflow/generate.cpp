@@ -215,13 +215,17 @@ class Builder {
   // GEMM output tiles of [M, N]: add(row, rows, col, cols).
   template <class Fn>
   void gemm_tiles(std::int64_t M, std::int64_t N, Fn&& add) {
-    gemm_tiles(M, N, m_.tile_rows, add);
+    gemm_tiles(M, N, m_.tile_rows, m_.tile_cols, add);
   }
-  // The same with `rows` per tile (weight-gradient tiles: Machine::weight_rows).
+  // Weight-gradient tiles: Machine::weight_rows x Machine::weight_cols.
   template <class Fn>
-  void gemm_tiles(std::int64_t M, std::int64_t N, std::int64_t rows, Fn&& add) {
+  void weight_tiles(std::int64_t M, std::int64_t N, Fn&& add) {
+    gemm_tiles(M, N, m_.weight_rows(), m_.weight_cols(), add);
+  }
+  template <class Fn>
+  void gemm_tiles(std::int64_t M, std::int64_t N, std::int64_t rows, std::int64_t cols, Fn&& add) {
     for (std::int64_t i = 0; i < M; i += rows)
-      for (std::int64_t j = 0; j < N; j += m_.tile_cols) add(i, std::min(rows, M - i), j, std::min(m_.tile_cols, N - j));
+      for (std::int64_t j = 0; j < N; j += cols) add(i, std::min(rows, M - i), j, std::min(cols, N - j));
   }
 
  private:
@@ -575,7 +579,7 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
   b.gemm_tiles(T, H, [&](std::int64_t i, std::int64_t rows, std::int64_t j, std::int64_t n) {
     b.task({.kind = TaskKind::router_dgrad, .src = BufferId::dlogits, .dst = BufferId::rdx, .row_begin = i, .rows = rows, .col_begin = j, .cols = n, .src_row = i, .wait_event = ev.dl_all, .wait_count = token_tiles, .trigger_event = ev.dx_ready});
   });
-  b.gemm_tiles(H, E, m.weight_rows(), [&](std::int64_t i, std::int64_t rows, std::int64_t j, std::int64_t n) {
+  b.weight_tiles(H, E, [&](std::int64_t i, std::int64_t rows, std::int64_t j, std::int64_t n) {
     b.task({.kind = TaskKind::router_wgrad, .src = BufferId::xtf, .dst = BufferId::dwg, .row_begin = i, .rows = rows, .col_begin = j, .cols = n, .src_row = 0, .wait_event = ev.dl_all, .wait_count = token_tiles});
   });
   if (shared) {
@@ -591,10 +595,10 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
       });
       b.task({.kind = TaskKind::pack_shared_gate_up_grad, .src = BufferId::sh_dh, .dst = BufferId::sh_dhp, .row_begin = t * TR, .rows = rows, .col_begin = 0, .cols = 2 * Is, .src_row = t * TR, .wait_event = ev.sh_dh + t, .wait_count = 1, .trigger_event = ev.sh_dh_packed});
     }
-    b.gemm_tiles(Is, H, m.weight_rows(), [&](std::int64_t i, std::int64_t rows, std::int64_t j, std::int64_t n) {
+    b.weight_tiles(Is, H, [&](std::int64_t i, std::int64_t rows, std::int64_t j, std::int64_t n) {
       b.task({.kind = TaskKind::shared_down_wgrad, .src = BufferId::sh_at, .dst = BufferId::dws2, .row_begin = i, .rows = rows, .col_begin = j, .cols = n, .src_row = 0, .wait_event = ev.sh_dout_packed, .wait_count = token_tiles});
     });
-    b.gemm_tiles(H, 2 * Is, m.weight_rows(), [&](std::int64_t i, std::int64_t rows, std::int64_t j, std::int64_t n) {
+    b.weight_tiles(H, 2 * Is, [&](std::int64_t i, std::int64_t rows, std::int64_t j, std::int64_t n) {
       b.task({.kind = TaskKind::shared_gate_up_wgrad, .src = BufferId::sh_xt, .dst = BufferId::dws1, .row_begin = i, .rows = rows, .col_begin = j, .cols = n, .src_row = 0, .wait_event = ev.sh_dh_packed, .wait_count = token_tiles});
     });
   }
@@ -617,10 +621,10 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
       b.task({.kind = TaskKind::pack_gate_up_grad, .src = BufferId::dh, .dst = BufferId::dhp, .expert = e, .row_begin = row0, .rows = rows, .col_begin = 0, .cols = 2 * Ie, .src_row = row0, .wait_event = ev.dh + tb + i, .wait_count = 1, .trigger_event = ev.dh_packed + le});
     }
     // Weight gradients of expert e: one task per output tile, K = all its rows.
-    b.gemm_tiles(Ie, H, m.weight_rows(), [&](std::int64_t i, std::int64_t rows, std::int64_t j, std::int64_t n) {
+    b.weight_tiles(Ie, H, [&](std::int64_t i, std::int64_t rows, std::int64_t j, std::int64_t n) {
       b.task({.kind = TaskKind::gemm_down_wgrad, .src = BufferId::at, .dst = BufferId::dw2, .expert = e, .row_begin = le * I + i, .rows = rows, .col_begin = j, .cols = n, .src_row = start, .wait_event = ev.dy_packed + le, .wait_count = tiles});
     });
-    b.gemm_tiles(H, 2 * Ie, m.weight_rows(), [&](std::int64_t i, std::int64_t rows, std::int64_t j, std::int64_t n) {
+    b.weight_tiles(H, 2 * Ie, [&](std::int64_t i, std::int64_t rows, std::int64_t j, std::int64_t n) {
       b.task({.kind = TaskKind::gemm_gate_up_wgrad, .src = BufferId::xt, .dst = BufferId::dw1, .expert = e, .row_begin = le * H + i, .rows = rows, .col_begin = j, .cols = n, .src_row = start, .wait_event = ev.dh_packed + le, .wait_count = tiles});
     });
   }

@@ -182,7 +182,7 @@ nlohmann::json to_json(const Program& p) {
   j["machine"] = {{"name", p.machine.name}, {"matrix_workers", p.machine.matrix_workers},
                   {"vector_workers", p.machine.vector_workers}, {"unified_workers", p.machine.unified_workers},
                   {"tile_rows", p.machine.tile_rows}, {"tile_cols", p.machine.tile_cols},
-                  {"weight_tile_rows", p.machine.weight_tile_rows}};
+                  {"weight_tile_rows", p.machine.weight_tile_rows}, {"weight_tile_cols", p.machine.weight_tile_cols}};
   j["dims"] = {{"hidden", p.dims.hidden}, {"inter", p.dims.inter}, {"shared_inter", p.dims.shared_inter},
                {"experts", p.dims.experts}, {"top_k", p.dims.top_k}, {"tokens", p.dims.tokens},
                {"elem_bytes", p.dims.elem_bytes}};
@@ -256,8 +256,10 @@ Program program_from_json(const nlohmann::json& j) {
     p.machine.tile_rows = integer<std::int64_t>(m.at("tile_rows"), "machine.tile_rows");
     p.machine.tile_cols = integer<std::int64_t>(m.at("tile_cols"), "machine.tile_cols");
     p.machine.weight_tile_rows = m.contains("weight_tile_rows") ? integer<std::int64_t>(m.at("weight_tile_rows"), "machine.weight_tile_rows") : 0;
-    if (p.machine.tile_rows < 1 || p.machine.tile_cols < 1 || p.machine.weight_tile_rows < 0 ||
-        p.machine.tile_rows > (1 << 16) || p.machine.tile_cols > (1 << 16) || p.machine.weight_tile_rows > (1 << 16))
+    p.machine.weight_tile_cols = m.contains("weight_tile_cols") ? integer<std::int64_t>(m.at("weight_tile_cols"), "machine.weight_tile_cols") : 0;
+    if (p.machine.tile_rows < 1 || p.machine.tile_cols < 1 || p.machine.weight_tile_rows < 0 || p.machine.weight_tile_cols < 0 ||
+        p.machine.tile_rows > (1 << 16) || p.machine.tile_cols > (1 << 16) || p.machine.weight_tile_rows > (1 << 16) ||
+        p.machine.weight_tile_cols > (1 << 16) || p.machine.weight_tile_cols % p.machine.tile_cols != 0)
       throw Error("program dump: impossible tile sizes");
     if (p.machine.matrix_workers < 0 || p.machine.vector_workers < 0 || p.machine.unified_workers < 0 ||
         p.machine.workers() < 1 || p.machine.workers() > 4096)

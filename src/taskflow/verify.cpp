@@ -627,6 +627,7 @@ class Checker {
       if (expected) match_interface(*expected);
       execute<false>();
       coverage();
+      outputs_written();
       return {};
     } catch (const Error& e) {
       return {false, e.what()};
@@ -726,6 +727,51 @@ class Checker {
         return box.full() && box.r0 <= R.r0 && R.r1 <= box.r1 && box.c0 <= R.c0 && R.c1 <= box.c1;
     }
     return false;
+  }
+
+  // What the caller takes from a pass is written whole: the forward's
+  // output; the backward's dx and every weight gradient, each local slot's
+  // over its own part's columns. No task reads these, so the read coverage
+  // above does not see a tile that is missing or cut short. (Overlaps are
+  // write conflicts already, so the areas add up.)
+  void outputs_written() {
+    const std::int32_t P = static_cast<std::int32_t>(p_.size());
+    for (std::int32_t r = 0; r < P; ++r) {
+      if (focus_ >= 0 && r != focus_) continue;
+      const Program& p = p_[r];
+      const Dims& d = p.dims;
+      std::vector<Rect> want;
+      if (p.pass == Pass::forward) {
+        want.push_back(Rect{BufferId::out, 0, d.tokens, 0, d.hidden});
+      } else {
+        want.push_back(Rect{BufferId::dx, 0, d.tokens, 0, d.hidden});
+        want.push_back(Rect{BufferId::dwg, 0, d.hidden, 0, d.experts});
+        for (std::size_t le = 0; le < p.slot_parts.size(); ++le) {
+          const std::int64_t L = static_cast<std::int64_t>(le), inter = p.slot_parts[le].inter;
+          want.push_back(Rect{BufferId::dw1, L * d.hidden, (L + 1) * d.hidden, 0, 2 * inter});
+          want.push_back(Rect{BufferId::dw2, L * d.inter, L * d.inter + inter, 0, d.hidden});
+        }
+        if (d.shared_inter > 0) {
+          want.push_back(Rect{BufferId::dws1, 0, d.hidden, 0, 2 * d.shared_inter});
+          want.push_back(Rect{BufferId::dws2, 0, d.shared_inter, 0, d.hidden});
+        }
+      }
+      for (const Rect& R : want) {
+        if (R.area() == 0) continue;
+        const std::size_t k = slot(r, R.buffer);
+        std::int64_t covered = 0;
+        for (auto it = s_.writes.begin() + s_.write_begin[k]; it != s_.writes.begin() + s_.write_begin[k + 1]; ++it) {
+          const std::int64_t rows = std::min<std::int64_t>(R.r1, it->r1) - std::max<std::int64_t>(R.r0, it->r0);
+          const std::int64_t cols = std::min<std::int64_t>(R.c1, it->c1) - std::max<std::int64_t>(R.c0, it->c0);
+          if (rows > 0 && cols > 0 && !it->accumulate) covered += rows * cols;
+        }
+        if (covered != R.area())
+          fail("outputs: rank " + std::to_string(r) + " writes " + std::to_string(covered) + " of the " +
+               std::to_string(R.area()) + " elements of its result " + name(R.buffer) + " rows [" + std::to_string(R.r0) +
+               ", " + std::to_string(R.r1) + ") cols [" + std::to_string(R.c0) + ", " + std::to_string(R.c1) +
+               "); a tile of it is missing or cut short");
+      }
+    }
   }
 
   // Every write overlapping R must happen before the reader, and together
