@@ -6,7 +6,7 @@
 # against the targets (median |error| <= 10%, worst <= 20%, and the predicted
 # speedup on the same side of 1.0 as the measured one wherever the measured
 # one is clearly outside the noise: the executors' iteration ranges do not
-# overlap).
+# overlap, and a repeat run, after the whole sweep, shows the same).
 #   hpmoe calibrate --out machines/cpu-local.json   # first, on an idle machine
 #   bench/validate_sim.sh [build/hpmoe] [machines/cpu-local.json] > docs/simulation.md
 set -euo pipefail
@@ -24,15 +24,21 @@ echo "Command: \`bench/validate_sim.sh $hpmoe $model\` (measured: median of $ite
 echo
 echo "| layer | P x W | tokens | routing | pass | serialized meas. ms | pred. ms | err | interleaved meas. ms | pred. ms | err | speedup meas. | pred. |"
 echo "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+measure() {  # layer-args P W T routing json
+  "$hpmoe" run $1 -P "$2" -W "$3" -T "$4" --routing "$5" --backward --iters "$iters" --warmup 1 --verify off \
+    --json "$6" > /dev/null 2>&1
+}
+configs=0
 one() {  # layer-args label P W T routing
-  "$hpmoe" run $1 -P "$3" -W "$4" -T "$5" --routing "$6" --backward --iters "$iters" --warmup 1 --verify off \
-    --json "$tmp/run.json" > /dev/null 2>&1 || { echo "| $2 | $3 x $4 | $5 | $6 | run failed |||||||||"; return; }
+  configs=$((configs + 1))
+  measure "$1" "$3" "$4" "$5" "$6" "$tmp/run.json" || { echo "| $2 | $3 x $4 | $5 | $6 | run failed |||||||||"; return; }
+  printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$configs" "$1" "$3" "$4" "$5" "$6" >> "$tmp/configs.tsv"
   "$hpmoe" simulate --machine "$model" $1 -P "$3" -W "$4" -T "$5" --routing "$6" --backward \
     --json "$tmp/sim.json" > /dev/null
-  python3 - "$tmp/run.json" "$tmp/sim.json" "$2" "$3" "$4" "$5" "$6" "$tmp/rows.jsonl" <<'PY'
+  python3 - "$tmp/run.json" "$tmp/sim.json" "$2" "$3" "$4" "$5" "$6" "$tmp/rows.jsonl" "$configs" <<'PY'
 import json, sys
 run, sim = json.load(open(sys.argv[1])), json.load(open(sys.argv[2]))
-label, P, W, T, routing, rows = sys.argv[3:]
+label, P, W, T, routing, rows, config = sys.argv[3:]
 for pas, mkey, skey in (("forward", "dispatch_to_combine", "forward"), ("backward", "backward", "backward")):
     ms, mi = run["serialized"][mkey]["median_s"], run["interleaved"][mkey]["median_s"]
     ps, pi = sim[skey]["serialized_s"], sim[skey]["interleaved_s"]
@@ -42,8 +48,8 @@ for pas, mkey, skey in (("forward", "dispatch_to_combine", "forward"), ("backwar
     rs, ri = run["serialized"][mkey], run["interleaved"][mkey]
     clear = 1 if rs["min_s"] > ri["max_s"] else -1 if ri["min_s"] > rs["max_s"] else 0  # ranges apart: a real effect
     with open(rows, "a") as f:
-        f.write(json.dumps({"errors": [es, ei], "measured_speedup": ms / mi, "predicted_speedup": ps / pi,
-                            "clear_side": clear}) + "\n")
+        f.write(json.dumps({"config": int(config), "label": f"{label}, {P} x {W}, {T} tokens, {routing}", "pass": pas, "errors": [es, ei], "measured_speedup": ms / mi,
+                            "predicted_speedup": ps / pi, "clear_side": clear}) + "\n")
 PY
 }
 for T in ${TOKENS:-256 1024}; do
@@ -58,20 +64,44 @@ for T in ${TOKENS:-256 1024}; do
     done
   done
 done
-echo
-python3 - "$tmp/rows.jsonl" <<'PY'
+# The repeat: every configuration with a pass clearly outside the noise runs
+# once more, after the whole sweep (minutes later), and its sign must hold.
+python3 - "$tmp/rows.jsonl" > "$tmp/clear.txt" <<'PY'
 import json, sys
+print("\n".join(sorted({str(r["config"]) for r in map(json.loads, open(sys.argv[1])) if r["clear_side"] != 0})))
+PY
+while IFS=$'\t' read -r id args P W T routing; do
+  grep -qx "$id" "$tmp/clear.txt" || continue
+  measure "$args" "$P" "$W" "$T" "$routing" "$tmp/repeat-$id.json" || true
+done < "$tmp/configs.tsv"
+echo
+python3 - "$tmp/rows.jsonl" "$tmp" <<'PY'
+import json, os, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
+for r in rows:  # the repeat's side for the same pass (0: overlapping ranges, or no repeat)
+    path = os.path.join(sys.argv[2], f"repeat-{r['config']}.json")
+    r["repeat_side"] = 0
+    if r["clear_side"] != 0 and os.path.exists(path):
+        key = "dispatch_to_combine" if r["pass"] == "forward" else "backward"
+        rep = json.load(open(path))
+        rs, ri = rep["serialized"][key], rep["interleaved"][key]
+        r["repeat_side"] = 1 if rs["min_s"] > ri["max_s"] else -1 if ri["min_s"] > rs["max_s"] else 0
 errs = sorted(abs(e) for r in rows for e in r["errors"])
 med = errs[len(errs) // 2] if len(errs) % 2 else (errs[len(errs)//2 - 1] + errs[len(errs)//2]) / 2
 def side(x, eps=0.01):  # within 1% of 1.0 counts as a tie, on neither side
     return 0 if abs(x - 1) <= eps else (1 if x > 1 else -1)
-clear = [r for r in rows if r["clear_side"] != 0]
+first = [r for r in rows if r["clear_side"] != 0]
+clear = [r for r in first if r["repeat_side"] == r["clear_side"]]
 agree = sum(1 for r in clear if side(r["predicted_speedup"]) == r["clear_side"])
+agree_first = sum(1 for r in first if side(r["predicted_speedup"]) == r["clear_side"])
 print("## Summary")
 print()
 print(f"- {len(errs)} predicted latencies (serialized and interleaved, forward and backward).")
 print(f"- Median |error| {med*100:.1f}% (target <= 10%), worst {errs[-1]*100:.1f}% (target <= 20%).")
-print(f"- Measured speedups clearly outside the noise (the executors' iteration ranges apart): {len(clear)} of {len(rows)}; "
-      f"the prediction is on the same side of 1.0 in {agree} of them (a prediction within 1% of 1.0 counts as neither side).")
+print(f"- Measured speedups outside the noise in the sweep (the executors' iteration ranges apart): {len(first)} of {len(rows)}; "
+      f"the prediction is on the same side of 1.0 in {agree_first} of them (a prediction within 1% of 1.0 counts as neither side).")
+print(f"- Of those, shown again by a repeat run after the sweep (clearly outside the noise): {len(clear)}; "
+      f"the prediction is on the same side of 1.0 in {agree} of them.")
+for r in clear:
+    print(f"  - {r['label']}, {r['pass']}: measured {r['measured_speedup']:.3f}, predicted {r['predicted_speedup']:.3f}")
 PY

@@ -54,13 +54,14 @@ import json, sys
 src, tmp = sys.argv[1], sys.argv[2]
 for name, path, value in [("m_latency", ("signal_latency_s",), 1e308), ("m_overhead", ("task_overhead_s",), 1e300),
                           ("m_issue", ("put", "issue_s"), 1e308), ("m_bandwidth", ("links", "intra", "bytes_per_s"), 1e-300),
-    ("m_weight_rows", ("tile", "weight_rows"), 0),
+    ("m_weight_rows", ("tile", "weight_rows"), 0), ("m_weight_cols", ("tile", "weight_cols"), 300),
     # issue 16's fields: put engines, their bounds, link rates by EP, baselines
     ("m_engine", ("put", "engine"), "pigeon"), ("m_in_flight", ("put", "in_flight"), 1.5),
     ("m_receive", ("put", "receive"), {"per_put_s": 1e-6, "bytes_per_s": 1e9}),
     ("m_by_ep", ("links", "intra", "by_ep"), [{"ranks": 16, "bytes_per_s": 1e11}, {"ranks": 8, "bytes_per_s": 1e11}]),
     ("m_sm", ("serialized", "matrix_units"), -1), ("m_fp8", ("baselines", "deepep", "fp8_dispatch"), "yes"),
-    ("m_host_sync", ("baselines", "mindspore", "host_sync_s"), -1)]:
+    ("m_host_sync", ("baselines", "mindspore", "host_sync_s"), -1),
+    ("m_ser_overhead", ("serialized", "task_overhead_s"), -1e-6)]:
     m = json.load(open(src))
     d = m
     for k in path[:-1]: d = d.setdefault(k, {})
@@ -216,6 +217,7 @@ cases=(
   "simulate --machine $tmp/m_issue.json"
   "simulate --machine $tmp/m_bandwidth.json"
   "simulate --machine $tmp/m_weight_rows.json"
+  "simulate --machine $tmp/m_weight_cols.json"
   "run --set z_loss_coef=1e308"
   "run --dtype fp16"
   "run --dtype bf16 --set hidden=33"
@@ -315,6 +317,7 @@ cases=(
   "simulate --machine $tmp/m_sm.json"
   "simulate --machine $tmp/m_fp8.json"
   "simulate --machine $tmp/m_host_sync.json"
+  "simulate --machine $tmp/m_ser_overhead.json"
   "simulate --machine ascend-a3 --kernel-scope=maybe"
   "simulate --machine $HPMOE_SOURCE_DIR/machines/h800.json -W 2"
   "simulate --machine $HPMOE_SOURCE_DIR/machines/h800.json --set routed_experts=7 -P 8"

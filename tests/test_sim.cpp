@@ -169,6 +169,25 @@ TEST(Simulator, SerializedPaysOperatorsAndSync) {
   EXPECT_NEAR(t.makespan, 1e-6 + 10e-6 + 0.5e-6 + 20e-6 + 10e-6 + flops / 1e12, 1e-15);
 }
 
+// An operator of tiles of 4, 1, 1 and 1 units of work on two workers. A CPU
+// baseline deals them out in turn (tiles 0 and 2 to worker 0: 5 units); an
+// accelerator's framework gives each to the earliest free unit (4 units).
+TEST(Simulator, CpuBaselineDealsTilesInTurn) {
+  MachineModel cpu = round_machine();
+  cpu.accelerator = false;
+  cpu.matrix_units = cpu.vector_units = 0;
+  cpu.workers = 2;
+  const double unit = 2.0 * 64 * 64 * 1024;  // 8.4 us at 1 TFLOP/s
+  const auto tiles = [&](const MachineModel& m) {
+    Builder b(1, m);
+    for (double units : {4.0, 1.0, 1.0, 1.0}) b.add(0, 0, TaskKind::gemm_gate_up, units * unit, 64, 64);
+    return simulate_serialized(m, b.done(), b.work, DType::fp32, false).makespan;
+  };
+  EXPECT_NEAR(tiles(cpu), 5 * unit / 1e12, 1e-15);
+  MachineModel accel = round_machine(2, 1);
+  EXPECT_NEAR(tiles(accel), 4 * unit / 1e12, 1e-15);
+}
+
 TEST(Simulator, MeshRoutesXYAndSharesLinks) {
   MachineModel m = round_machine();
   m.mesh_cols = 2;  // ranks 0 1 / 2 3

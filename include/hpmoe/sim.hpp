@@ -79,6 +79,7 @@ struct MachineModel {
   int matrix_units = 0, vector_units = 0, workers = 1;  // per rank
   std::int64_t tile_rows = 64, tile_cols = 64;
   std::int64_t weight_tile_rows = 0;  // rows of weight-gradient tiles ("tile.weight_rows"; 0: tile_rows)
+  std::int64_t weight_tile_cols = 0;  // columns of a weight-gradient task ("tile.weight_cols", a multiple of cols; 0: cols)
   std::vector<TileRate> tile_rates;  // nearest shape wins
   double vector_bytes_per_s = 0;     // per vector (or unified) unit
   double task_overhead_s = 0;        // per task, on its unit
@@ -102,6 +103,9 @@ struct MachineModel {
   double mesh_link_bytes_per_s = 0, mesh_hop_latency_s = 0;
   // The serialized baseline: per operator and per all-to-all.
   double operator_launch_s = 0, collective_sync_s = 0;
+  // Its own cost per task ("serialized.task_overhead_s"; < 0: task_overhead_s,
+  // the interleaved launch's): the CPU baseline deals tiles out with no events.
+  double serialized_task_overhead_s = -1;
   // Matrix units the serialized baseline's GEMMs use (0: the fused
   // schedule's): a GPU framework gives its GEMMs every SM.
   int serialized_matrix_units = 0;

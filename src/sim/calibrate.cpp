@@ -162,9 +162,10 @@ json calibrate(const CalibrateOptions& opt, const std::function<void(const std::
   std::vector<TileMemory> memory;
   for (int w = 0; w < W; ++w) memory.emplace_back(cold_bytes);
   // Shapes the layers' tiles have: full and partial row tiles; K from the
-  // weight gradients' few rows per expert to hidden and 2 x inter.
+  // weight gradients' few rows per expert (a cold expert's 2) to hidden and
+  // 2 x inter.
   for (std::int64_t m : {kernels::kTileRows, std::int64_t{64}, std::int64_t{48}, std::int64_t{32}, std::int64_t{16}, std::int64_t{8}})
-    for (std::int64_t k : {16, 32, 64, 128, 256, 768, 1408, 2048, 2816, 4096})
+    for (std::int64_t k : {2, 4, 8, 16, 32, 64, 128, 256, 768, 1408, 2048, 2816, 4096})
       rates.push_back({{"m", m}, {"k", k}, {"fp32_flops", tile_rate<float>(memory, m, k, reps, false)},
                        {"bf16_flops", tile_rate<bf16>(memory, m, k, reps, false)},
                        {"fp32_streamed_flops", tile_rate<float>(memory, m, k, reps, true)},
@@ -226,7 +227,7 @@ json calibrate(const CalibrateOptions& opt, const std::function<void(const std::
     }
     barrier = median(v);
   }
-  double per_task = 0;
+  double per_task = 0, serialized_per_task = 0;
   {
     const LayerConfig c = empty_tiles_layer(1, 4096);
     const auto w = random_weights(c, 1);
@@ -240,7 +241,22 @@ json calibrate(const CalibrateOptions& opt, const std::function<void(const std::
       inter.step(in, {}, res);
       v.push_back(res.dispatch_to_combine_seconds);
     }
-    per_task = median(v) * W / double(inter.programs()[0].tasks.size());
+    const auto& program = inter.programs()[0];
+    per_task = median(v) * W / double(program.tasks.size());
+    // The serialized baseline over the same tasks: dealt out in turn, a
+    // barrier after each operator. Less the barriers the simulator charges
+    // (one between operators), what is left is its cost per task.
+    ropt.phased = true;
+    InterleavedExecutor phased(c, w, ropt);
+    v.clear();
+    for (int i = 0; i < (opt.quick ? 3 : 15); ++i) {
+      phased.step(in, {}, res);
+      v.push_back(res.dispatch_to_combine_seconds);
+    }
+    std::vector<bool> kinds(static_cast<std::size_t>(taskflow::TaskKind::count), false);
+    for (const auto& t : program.tasks) kinds[static_cast<std::size_t>(t.kind)] = true;
+    const auto operators = std::count(kinds.begin(), kinds.end(), true);
+    serialized_per_task = std::max(0.0, median(v) - double(operators - 1) * barrier) * W / double(program.tasks.size());
   }
 
   say("FMA peak of one core");
@@ -251,7 +267,7 @@ json calibrate(const CalibrateOptions& opt, const std::function<void(const std::
       {"description", "this machine, " + std::to_string(W) + " workers per rank, in-process ranks (hpmoe calibrate)"},
       {"kind", "cpu"},
       {"units", {{"workers", W}}},
-      {"tile", {{"rows", kernels::kTileRows}, {"cols", kernels::kTileCols}, {"weight_rows", kernels::kWeightTileRows}}},
+      {"tile", {{"rows", kernels::kTileRows}, {"cols", kernels::kTileCols}, {"weight_rows", kernels::kWeightTileRows}, {"weight_cols", kernels::kWeightTileCols}}},
       {"matrix", {{"tile_rates", rates}}},
       {"vector", {{"bytes_per_s", vector_bytes / swiglu_s}}},
       {"task_overhead_s", per_task},
@@ -259,7 +275,7 @@ json calibrate(const CalibrateOptions& opt, const std::function<void(const std::
       {"put", {{"issue_s", 0.0}, {"copy_bytes_per_s", copy_bytes / copy_s}}},
       {"links", {{"ranks_per_node", 1000000}, {"intra", {{"bytes_per_s", 0.0}, {"latency_s", wake}}},
                  {"inter", {{"bytes_per_s", 0.0}, {"latency_s", wake}}}}},
-      {"serialized", {{"operator_launch_s", barrier}, {"collective_sync_s", 0.0}}},
+      {"serialized", {{"operator_launch_s", barrier}, {"collective_sync_s", 0.0}, {"task_overhead_s", serialized_per_task}}},
       {"peak", {{"cpu", peak.cpu}, {"isa", peak.isa}, {"fp32_fma_flops_per_core", peak.fp32_flops_per_core},
                 {"bf16_isa", peak.bf16_isa}, {"bf16_dot_flops_per_core", peak.bf16_flops_per_core},
                 {"amx_bf16_flops_per_core", peak.amx_bf16_flops_per_core},
@@ -274,6 +290,7 @@ json calibrate(const CalibrateOptions& opt, const std::function<void(const std::
         {"signal_latency_s", "event counter ping-pong between two pinned threads (one way)"},
         {"task_overhead_s", "a launch of a layer with hidden 2 (tiles that do next to nothing): launch time x workers / tasks"},
         {"serialized.operator_launch_s", "an empty bulk-synchronous step of the worker pool (the baseline's barrier per operator)"},
+        {"serialized.task_overhead_s", "the same layer through the serialized baseline (the runtime's phased mode: tiles dealt out in turn, a barrier per operator): launch time less a barrier between operators, x workers / tasks"},
         {"links", "in process there is no link: the sender's copy moves the bytes; latency is the signal's"},
         {"peak", "one core: 12 independent FMA chains on the widest vectors the CPU has (fp32), and AVX512-BF16 dot products where present, compiler intrinsics, best of 7 runs of 50 ms; copy bandwidth as put.copy_bytes_per_s; AMX tiles are not measured"},
         {"calibrated_at_unix", when}}}};

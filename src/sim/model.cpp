@@ -100,6 +100,7 @@ taskflow::Machine MachineModel::compiler_machine() const {
   m.tile_rows = tile_rows;
   m.tile_cols = tile_cols;
   m.weight_tile_rows = weight_tile_rows;
+  m.weight_tile_cols = weight_tile_cols;
   if (accelerator) {  // the scheduler's cost estimates from the model (CPU: as the runtime schedules)
     m.matrix_flops = tile_rates.front().bf16_flops;
     m.vector_bytes_per_s = vector_bytes_per_s;
@@ -115,19 +116,47 @@ taskflow::Machine MachineModel::compiler_machine() const {
 }
 
 double MachineModel::gemm_seconds(std::int64_t m, std::int64_t n, std::int64_t k, DType dtype, double reuse) const {
-  // Nearest measured shape (rows first, then K on a log scale).
-  const TileRate* best = &tile_rates.front();
-  double best_d = std::numeric_limits<double>::infinity();
+  // The measured rows nearest m; along K, the time of a tile is interpolated
+  // linearly between the measured K on either side (with a short K a tile's
+  // time is mostly writing its output, so its rate is far from constant in
+  // K). Outside the measured K the rate of the nearest one stays.
+  std::int64_t rows = tile_rates.front().m;
+  for (const auto& r : tile_rates)
+    if (std::abs(r.m - m) < std::abs(rows - m)) rows = r.m;
+  const TileRate *below = nullptr, *above = nullptr;
   for (const auto& r : tile_rates) {
-    const double d = std::abs(double(r.m - m)) * 1e3 + std::abs(std::log(double(r.k) / double(std::max<std::int64_t>(k, 1))));
-    if (d < best_d) best_d = d, best = &r;
+    if (r.m != rows) continue;
+    if (r.k <= k && (!below || r.k > below->k)) below = &r;
+    if (r.k >= k && (!above || r.k < above->k)) above = &r;
   }
-  const double flops = 2.0 * double(m) * double(n) * double(k);
-  const double hot = flops / (dtype == DType::fp32 ? best->fp32_flops : best->bf16_flops);
-  const double streamed_rate = dtype == DType::fp32 ? best->fp32_streamed_flops : best->bf16_streamed_flops;
-  if (streamed_rate <= 0) return hot;
-  return hot + (flops / streamed_rate - hot) / std::max(reuse, 1.0);
+  const bool fp32 = dtype == DType::fp32;
+  const double per_k = 2.0 * double(m) * double(n);  // FLOPs per unit of K
+  const auto seconds_of = [&](bool streamed) {
+    const auto time = [&](const TileRate& r) {
+      const double rate = streamed ? (fp32 ? r.fp32_streamed_flops : r.bf16_streamed_flops) : (fp32 ? r.fp32_flops : r.bf16_flops);
+      return per_k * double(r.k) / rate;
+    };
+    if (!below) return time(*above) * double(k) / double(above->k);
+    if (!above) return time(*below) * double(k) / double(below->k);
+    if (below->k == above->k) return time(*below);
+    const double f = double(k - below->k) / double(above->k - below->k);
+    return time(*below) + f * (time(*above) - time(*below));
+  };
+  const double hot = seconds_of(false);
+  const bool has_streamed = (!below || (fp32 ? below->fp32_streamed_flops : below->bf16_streamed_flops) > 0) &&
+                            (!above || (fp32 ? above->fp32_streamed_flops : above->bf16_streamed_flops) > 0);
+  if (!has_streamed) return hot;
+  return hot + (seconds_of(true) - hot) / std::max(reuse, 1.0);
 }
+
+namespace {
+json tile_json(const MachineModel& m) {
+  json t{{"rows", m.tile_rows}, {"cols", m.tile_cols}};
+  if (m.weight_tile_rows > 0) t["weight_rows"] = m.weight_tile_rows;
+  if (m.weight_tile_cols > 0) t["weight_cols"] = m.weight_tile_cols;
+  return t;
+}
+}  // namespace
 
 MachineModel machine_from_json(const json& j) {
   if (!j.is_object()) throw Error("machine model: expected a JSON object");
@@ -150,6 +179,12 @@ MachineModel machine_from_json(const json& j) {
   m.tile_cols = count(j, "tile.cols", 1);
   if (const json* t = j.contains("tile") && j["tile"].is_object() ? &j["tile"] : nullptr; t && t->contains("weight_rows"))
     m.weight_tile_rows = count(j, "tile.weight_rows", 1);
+  if (const json* t = j.contains("tile") && j["tile"].is_object() ? &j["tile"] : nullptr; t && t->contains("weight_cols")) {
+    m.weight_tile_cols = count(j, "tile.weight_cols", 1);
+    if (m.weight_tile_cols % m.tile_cols != 0)
+      throw Error("machine model: 'tile.weight_cols' must be a multiple of 'tile.cols' (got " +
+                  std::to_string(m.weight_tile_cols) + " and " + std::to_string(m.tile_cols) + ")");
+  }
   const json& rates = at(j, "matrix.tile_rates");
   if (!rates.is_array() || rates.empty()) throw Error("machine model: 'matrix.tile_rates' must be a non-empty array");
   for (std::size_t i = 0; i < rates.size(); ++i) {
@@ -216,6 +251,8 @@ MachineModel machine_from_json(const json& j) {
   }
   m.operator_launch_s = seconds(j, "serialized.operator_launch_s");
   m.collective_sync_s = seconds(j, "serialized.collective_sync_s");
+  if (j.contains("serialized") && j["serialized"].is_object() && j["serialized"].contains("task_overhead_s"))
+    m.serialized_task_overhead_s = seconds(j, "serialized.task_overhead_s");
   m.serialized_matrix_units = count(j, "serialized.matrix_units", 0, true);
   if (m.serialized_matrix_units > 0 && !m.accelerator)
     throw Error("machine model: 'serialized.matrix_units' is for accelerators (a CPU's workers run both schedules)");
@@ -273,8 +310,7 @@ json to_json(const MachineModel& m) {
   json j = {{"name", m.name},
             {"description", m.description},
             {"kind", m.accelerator ? "accelerator" : "cpu"},
-            {"tile", m.weight_tile_rows > 0 ? json{{"rows", m.tile_rows}, {"cols", m.tile_cols}, {"weight_rows", m.weight_tile_rows}}
-                                            : json{{"rows", m.tile_rows}, {"cols", m.tile_cols}}},
+            {"tile", tile_json(m)},
             {"matrix", {{"tile_rates", rates}}},
             {"vector", {{"bytes_per_s", m.vector_bytes_per_s}}},
             {"task_overhead_s", m.task_overhead_s},
@@ -298,6 +334,7 @@ json to_json(const MachineModel& m) {
     for (const auto& r : m.intra_by_ep) list.push_back({{"ranks", r.ranks}, {"bytes_per_s", r.bytes_per_s}});
   }
   if (m.serialized_matrix_units > 0) j["serialized"]["matrix_units"] = m.serialized_matrix_units;
+  if (m.serialized_task_overhead_s >= 0) j["serialized"]["task_overhead_s"] = m.serialized_task_overhead_s;
   if (m.deepep.enabled)
     j["baselines"]["deepep"] = {{"fp8_dispatch", m.deepep.fp8_dispatch}, {"kernel_launch_s", m.deepep.kernel_launch_s}};
   if (m.mindspore.enabled) j["baselines"]["mindspore"] = {{"host_sync_s", m.mindspore.host_sync_s}};

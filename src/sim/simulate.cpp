@@ -55,14 +55,14 @@ double weight_reuse(const Program& p, const Task& t) {
   }
 }
 
-// Seconds a task occupies its unit.
-double duration(const MachineModel& m, const Program& p, const Task& t, const TaskWork& work, DType dtype) {
+// Seconds a task occupies its unit, `overhead` the executor's own per task.
+double duration(const MachineModel& m, const Program& p, const Task& t, const TaskWork& work, DType dtype, double overhead) {
   if (!work.timed) return 0;
   if (t.queue == QueueClass::matrix)
-    return m.gemm_seconds(t.rows, t.cols, std::max<std::int64_t>(1, work.k), dtype, weight_reuse(p, t)) + m.task_overhead_s;
+    return m.gemm_seconds(t.rows, t.cols, std::max<std::int64_t>(1, work.k), dtype, weight_reuse(p, t)) + overhead;
   if (is_put(t.kind))  // the issue (and a core's or vector unit's own copy); the wire comes after
-    return m.put_issue_s + (m.put_copy_bytes_per_s > 0 ? work.bytes / m.put_copy_bytes_per_s : 0.0) + m.task_overhead_s;
-  return work.bytes / m.vector_bytes_per_s + m.task_overhead_s;
+    return m.put_issue_s + (m.put_copy_bytes_per_s > 0 ? work.bytes / m.put_copy_bytes_per_s : 0.0) + overhead;
+  return work.bytes / m.vector_bytes_per_s + overhead;
 }
 
 // Links as processor-sharing servers: every port (or mesh link) shares its
@@ -242,10 +242,24 @@ Timeline simulate_interleaved(const MachineModel& m, const std::vector<Program>&
   check_programs(programs, work);
   const int P = static_cast<int>(programs.size());
   const int Q = programs[0].machine.workers();
+  // A unit's queue, and what the simulation needs of its current task (the
+  // one running or waiting), copied at its start: at EP 256 the tasks are
+  // hundreds of MB, and reading one again at its end is a cache miss.
   struct Queue {
     std::int32_t pos = 0, end = 0;
     bool busy = false;
     std::int64_t trace_slice = -1;  // of its running task
+    std::int32_t id = -1, wait_count = 0, trigger_event = -1, peer = -1;
+    TaskKind kind{};
+    QueueClass queue_class{};
+    void take(std::int32_t task_id, const Task& t) {
+      id = task_id;
+      wait_count = t.wait_count;
+      trigger_event = t.trigger_event;
+      peer = t.peer;
+      kind = t.kind;
+      queue_class = t.queue;
+    }
   };
   std::vector<Queue> queues(static_cast<std::size_t>(P * Q));
   std::vector<std::vector<std::int32_t>> count(static_cast<std::size_t>(P));
@@ -255,7 +269,11 @@ Timeline simulate_interleaved(const MachineModel& m, const std::vector<Program>&
     if (p.machine.workers() != Q) throw Error("simulate: ranks have different worker counts");
     count[r].assign(p.events.size(), 0);
     waiters[r].resize(p.events.size());
-    for (int w = 0; w < Q; ++w) queues[static_cast<std::size_t>(r * Q + w)] = Queue{p.queue_begin[w], p.queue_begin[w + 1], false, -1};
+    for (int w = 0; w < Q; ++w) {
+      Queue& q = queues[static_cast<std::size_t>(r * Q + w)];
+      q.pos = p.queue_begin[w];
+      q.end = p.queue_begin[w + 1];
+    }
   }
   // task_done: a unit finished a task (for a put: its issue); wake: a waiter's
   // signal arrived; arrive: a put's bytes landed; received: the receiver's
@@ -297,11 +315,12 @@ Timeline simulate_interleaved(const MachineModel& m, const std::vector<Program>&
     const auto& p = programs[static_cast<std::size_t>(r)];
     const std::int32_t id = p.queue_tasks[static_cast<std::size_t>(q.pos)];
     const Task& task = p.tasks[static_cast<std::size_t>(id)];
+    q.take(id, task);
     if (task.wait_event >= 0 && count[r][static_cast<std::size_t>(task.wait_event)] < task.wait_count) {
       waiters[r][static_cast<std::size_t>(task.wait_event)].push_back(w);
       return;
     }
-    const double d = duration(m, p, task, work[static_cast<std::size_t>(r)][static_cast<std::size_t>(id)], dtype);
+    const double d = duration(m, p, task, work[static_cast<std::size_t>(r)][static_cast<std::size_t>(id)], dtype, m.task_overhead_s);
     q.busy = true;
     ++running[static_cast<std::size_t>(r)];
     (task.queue == QueueClass::matrix ? out.matrix_busy : out.vector_busy) += d;
@@ -316,11 +335,9 @@ Timeline simulate_interleaved(const MachineModel& m, const std::vector<Program>&
     auto& c = count[r][static_cast<std::size_t>(event)];
     ++c;
     auto& list = waiters[r][static_cast<std::size_t>(event)];
-    const auto& p = programs[static_cast<std::size_t>(r)];
     for (std::size_t i = 0; i < list.size();) {
       const Queue& q = queues[static_cast<std::size_t>(r * Q + list[i])];
-      const Task& task = p.tasks[static_cast<std::size_t>(p.queue_tasks[static_cast<std::size_t>(q.pos)])];
-      if (c >= task.wait_count) {
+      if (c >= q.wait_count) {
         heap.push(Ev{t + m.signal_latency_s, seq++, wake, r, list[i]});
         list[i] = list.back();
         list.pop_back();
@@ -408,29 +425,27 @@ Timeline simulate_interleaved(const MachineModel& m, const std::vector<Program>&
       }
       --running[r];
       Queue& q = queues[static_cast<std::size_t>(e.rank * Q + e.a)];
-      const auto& p = programs[r];
-      const std::int32_t id = p.queue_tasks[static_cast<std::size_t>(q.pos)];
-      const Task& task = p.tasks[static_cast<std::size_t>(id)];
-      exposure.change(e.rank, e.time, is_put(task.kind) ? -1 : 0, task.queue == QueueClass::matrix ? -1 : 0);
-      if (is_put(task.kind) && task.trigger_event >= 0 && task.peer != e.rank) {
+      const bool put = is_put(q.kind);
+      exposure.change(e.rank, e.time, put ? -1 : 0, q.queue_class == QueueClass::matrix ? -1 : 0);
+      if (put && q.trigger_event >= 0 && q.peer != e.rank) {
         const int fid = static_cast<int>(flights.size());
-        flights.push_back(Flight{e.rank, task.peer, task.trigger_event, held ? e.a : -1,
-                                 work[r][static_cast<std::size_t>(id)].bytes, e.time,
+        flights.push_back(Flight{e.rank, q.peer, q.trigger_event, held ? e.a : -1,
+                                 work[r][static_cast<std::size_t>(q.id)].bytes, e.time,
                                  held ? q.trace_slice : -1});
         if (held) {  // its unit stays busy until the bytes land
           if (q.trace_slice >= 0) out.trace[static_cast<std::size_t>(q.trace_slice)].name += " (copy until landed)";
           start_flight(fid, e.time);
           continue;
         }
-        if (bounded && links.path(e.rank, task.peer, resources).second > 0 &&
+        if (bounded && links.path(e.rank, q.peer, resources).second > 0 &&
             engines_busy[r] >= m.put_in_flight) {
           exposure.change(e.rank, e.time, 1, 0);  // waiting for an engine counts as communication
           engine_waiting[r].push_back(fid);
         } else {
           start_flight(fid, e.time);
         }
-      } else if (task.trigger_event >= 0) {
-        fire(task.peer, task.trigger_event, e.time);
+      } else if (q.trigger_event >= 0) {
+        fire(q.peer, q.trigger_event, e.time);
       }
       finish_task(e.rank, e.a, e.time);
     }
@@ -645,6 +660,8 @@ Timeline serialized(const MachineModel& m, const std::vector<Program>& programs,
   Timeline out;
   double exposed = 0;
   std::vector<int> resources;
+  std::vector<std::pair<double, int>> dealt;  // CPU: each worker's free time, in turn
+  const double overhead = m.serialized_task_overhead_s >= 0 ? m.serialized_task_overhead_s : m.task_overhead_s;
   // Task ids of each kind, per rank, in generation order.
   constexpr auto kinds = static_cast<std::size_t>(TaskKind::count);
   std::vector<std::vector<std::int32_t>> by_kind(static_cast<std::size_t>(P) * kinds);
@@ -664,7 +681,10 @@ Timeline serialized(const MachineModel& m, const std::vector<Program>& programs,
           break;
         }
     if (!any) continue;  // nothing of it in scope: no operator
-    for (int pass = op.permute_first && baseline != Baseline::mindspore ? 0 : 1; pass < 2; ++pass) {  // 0: the permute before an exchange
+    // 0: the permute before an exchange, a framework's own operator (the CPU
+    // baseline's dispatch gathers its rows itself, as the runtime's does).
+    const bool permute = op.permute_first && baseline != Baseline::mindspore && m.accelerator;
+    for (int pass = permute ? 0 : 1; pass < 2; ++pass) {
       if (!first) now += m.operator_launch_s;
       first = false;
       Links links(m, P);
@@ -681,22 +701,33 @@ Timeline serialized(const MachineModel& m, const std::vector<Program>& programs,
       }
       for (int r = 0; r < P; ++r) {
         const auto& p = programs[static_cast<std::size_t>(r)];
-        // The units of the operator's class, earliest free first (ties: lowest unit).
+        // The units of the operator's class. An accelerator's framework
+        // hands each tile to the earliest free unit (ties: lowest unit); the
+        // CPU baseline deals an operator's tiles out in turn, tile i to
+        // worker i mod W, as serialized.cpp does.
         std::priority_queue<std::pair<double, int>, std::vector<std::pair<double, int>>, std::greater<>> units;
+        dealt.clear();
         if (taskflow::queue_class(op.kind) == QueueClass::matrix && m.serialized_matrix_units > 0)
           for (int w = 0; w < m.serialized_matrix_units; ++w) units.push({now, w});  // every SM on the framework's GEMMs
         else
           for (int w = 0; w < Q; ++w)
-            if (machine.takes(w, taskflow::queue_class(op.kind))) units.push({now, w});
+            if (machine.takes(w, taskflow::queue_class(op.kind))) {
+              units.push({now, w});
+              dealt.push_back({now, w});
+            }
+        const bool in_turn = !m.accelerator && !dealt.empty();
+        std::size_t turn = 0;
         for (const std::int32_t task_id : by_kind[static_cast<std::size_t>(r) * kinds + static_cast<std::size_t>(op.kind)]) {
           const auto id = static_cast<std::size_t>(task_id);
           const Task& t = p.tasks[id];
-          const auto [start, unit] = units.top();
-          units.pop();
+          std::pair<double, int>* next_unit = in_turn ? &dealt[turn++ % dealt.size()] : nullptr;
+          const auto [start, unit] = in_turn ? *next_unit : units.top();
+          if (!in_turn) units.pop();
           const TaskWork& w = work[static_cast<std::size_t>(r)][id];
           const double bytes = w.bytes;
-          const double d = !w.timed ? 0.0 : pass == 0 ? bytes / m.vector_bytes_per_s + m.task_overhead_s : duration(m, p, t, w, dtype);
-          units.push({start + d, unit});
+          const double d = !w.timed ? 0.0 : pass == 0 ? bytes / m.vector_bytes_per_s + overhead : duration(m, p, t, w, dtype, overhead);
+          if (in_turn) next_unit->first = start + d;
+          else units.push({start + d, unit});
           (t.queue == QueueClass::matrix ? out.matrix_busy : out.vector_busy) += d;
           const bool exchange = pass == 1 && is_put(t.kind);
           if (trace) {
