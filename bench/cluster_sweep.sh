@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Serialized vs interleaved across 2 hosts (network namespaces, shaped TCP
 # links; scripts/cluster.sh), from compute-bound to communication-bound, and
-# what the simulator predicts for the same runs. Prints markdown.
+# what the simulator predicts for the same runs: a model of this cluster
+# with each link's measured TCP goodput and the measured cost of its bytes on
+# the sending and the receiving core (bench/cluster_link.py). Prints markdown.
 #   bench/cluster_sweep.sh [iterations] > docs/cluster-results.md      (root)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -30,8 +32,21 @@ echo "\`bench/cluster_sweep.sh $iters\` (median of $iters iterations after a war
 echo "FLOP per byte: H800 cluster RDMA link $h800 (machines/h800.json: matrix rate / NIC), Ascend A3 fabric $a3"
 echo "(machines/ascend-a3.json); the link rate here = one core's fp32 tile rate ($(python3 -c "print(f'{$core_flops/1e9:.0f}')") GFLOP/s) / FLOP per byte."
 echo
-echo "| link | layer | routing | fwd ser ms | fwd int ms | fwd speedup | bwd ser ms | bwd int ms | bwd speedup | idle ser/int (fwd) | predicted fwd ser / int ms | predicted speedup fwd / bwd | bit-identical |"
-echo "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+echo "| link | layer | routing | fwd ser ms | fwd int ms | fwd speedup | bwd ser ms | bwd int ms | bwd speedup | idle ser/int (fwd) | predicted fwd ser / int ms | predicted speedup fwd / bwd | prediction error fwd ser / int, bwd ser / int | bit-identical |"
+echo "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+
+# What a shaped link delivers and what moving its bytes costs each host's
+# core (bench/cluster_link.py: one TCP stream, nothing else running):
+# goodput, and bytes per busy second of the sender's and the receiver's core.
+measure_link() {  # shaping-args gbit -> "goodput send_rate receive_rate"
+  local bytes
+  bytes=$(python3 -c "g=float('$2'); print(int(max(64e6, (g * 1e9 / 8 if g > 0 else 1e9) * 4)))")
+  # shellcheck disable=SC2086
+  HPMOE=bench/cluster_link.py scripts/cluster.sh $1 -- --bytes "$bytes" 2>/dev/null | python3 -c "
+import json, sys
+r = {j['side']: j for j in map(json.loads, (l for l in sys.stdin if l.startswith('{')))}
+print(r['receiver']['goodput_bytes_per_s'], r['sender']['bytes_per_busy_s'], r['receiver']['bytes_per_busy_s'])"
+}
 
 run() {  # label shaping-args gbit layer-args layer-label routing
   local label=$1 shaping=$2 gbit=$3 layer=$4 llabel=$5 routing=$6
@@ -40,22 +55,25 @@ run() {  # label shaping-args gbit layer-args layer-label routing
   # gather holds them back for seconds, so the peer timeout is generous.
   if ! scripts/cluster.sh $shaping -- $layer -T 256 --routing "$routing" --backward --iters "$iters" --warmup 1 \
       --verify sample --peer-timeout 120 --watchdog 300 --json "$tmp/run.json" > "$tmp/out.txt" 2> "$tmp/err.txt"; then
-    echo "| $label | $llabel | $routing | failed: $(grep -m1 error "$tmp/err.txt" "$tmp/out.txt" | head -1) |||||||||||"
+    echo "| $label | $llabel | $routing | failed: $(grep -m1 error "$tmp/err.txt" "$tmp/out.txt" | head -1) ||||||||||||"
     return
   fi
   # The simulator on this cluster: the calibrated core, one worker, links at the shaped rate.
-  python3 - "$gbit" > "$tmp/model.json" <<'PY'
+  python3 - $link > "$tmp/model.json" <<'PY'
 import json, sys
 m = json.load(open("machines/cpu-local.json"))
 m["name"] = "cluster-2-hosts"
 m["units"] = {"workers": 1}
-gbit = float(sys.argv[1])
-bw = gbit * 1e9 / 8 if gbit > 0 else 1.0e9  # unshaped veth over TCP: about 1 GB/s measured by bench_transport
-m["links"] = {"ranks_per_node": 1, "intra": {"bytes_per_s": bw, "latency_s": 1.2e-4},
-              "inter": {"bytes_per_s": bw, "latency_s": 1.2e-4}}
-m["put"] = {"issue_s": 2e-6, "copy_bytes_per_s": m["put"]["copy_bytes_per_s"]}
+goodput, send_rate, receive_rate = map(float, sys.argv[1:4])
+m["links"] = {"ranks_per_node": 1, "intra": {"bytes_per_s": goodput, "latency_s": 1.2e-4},
+              "inter": {"bytes_per_s": goodput, "latency_s": 1.2e-4}}
+# The sender's core: the put's copy into the outbox, then the TCP send path.
+copy = 1 / (1 / m["put"]["copy_bytes_per_s"] + 1 / send_rate)
+m["put"] = {"engine": "cpu", "issue_s": 2e-6, "copy_bytes_per_s": copy,
+            "receive": {"per_put_s": 0.0, "bytes_per_s": receive_rate}}
 m["serialized"]["collective_sync_s"] = 2.4e-4  # a barrier over TCP: a round trip
-m["sources"]["links"] = "the tc token-bucket rate of the cluster's links; TCP one-way latency from bench_transport"
+m["sources"]["links"] = "the shaped link's measured TCP goodput (bench/cluster_link.py); TCP one-way latency from bench_transport"
+m["sources"]["put.receive"] = "bytes per busy second of the receiving host's core over one TCP stream (bench/cluster_link.py)"
 json.dump(m, sys.stdout)
 PY
   # shellcheck disable=SC2086
@@ -71,7 +89,10 @@ same = all(c["pass"] for c in r["verification"]["checks"] if "in-process" in c["
 print(f"| {label} | {llabel} | {routing} | {fs*1e3:.0f} | {fi*1e3:.0f} | {fs/fi:.2f}x | {bs*1e3:.0f} | {bi*1e3:.0f} | {bs/bi:.2f}x | "
       f"{(1-r['serialized']['busy_share'])*100:.0f}% / {(1-r['interleaved']['busy_share'])*100:.0f}% | "
       f"{s['forward']['serialized_s']*1e3:.0f} / {s['forward']['interleaved_s']*1e3:.0f} | "
-      f"{s['forward']['speedup']:.2f}x / {s['backward']['speedup']:.2f}x | {'yes' if same else 'NO'} |")
+      f"{s['forward']['speedup']:.2f}x / {s['backward']['speedup']:.2f}x | "
+      + " / ".join(f"{(p / q - 1) * 100:+.0f}%" for p, q in ((s['forward']['serialized_s'], fs), (s['forward']['interleaved_s'], fi),
+                                                            (s['backward']['serialized_s'], bs), (s['backward']['interleaved_s'], bi)))
+      + f" | {'yes' if same else 'NO'} |")
 PY
 }
 gbit_for() { python3 -c "print(f'{$core_flops / $1 * 8 / 1e9:.6f}')"; }
@@ -81,6 +102,10 @@ for shape in "unshaped||0" "A3 fabric ($a3 FLOP/B, $(printf %.0f "$(python3 -c "
              "H800 RDMA ($h800 FLOP/B, $(printf %.0f "$(python3 -c "print($g_h800*1000)")") Mbit/s)|--flop-per-byte $h800|$g_h800"; do
   IFS='|' read -r label shaping gbit <<< "$shape"
   case "$label" in ${SHAPES:-*}) ;; *) continue ;; esac  # e.g. SHAPES='H800*' for one link shape
+  link=$(measure_link "$shaping" "$gbit")
+  read -r goodput send_rate receive_rate <<< "$link"
+  info=$(python3 -c "g = float('$gbit'); print(f'goodput {$goodput / 1e6:.1f} MB/s (shaped: ' + (f'{g * 125:.1f} MB/s' if g > 0 else 'none') + f'), sender core {$send_rate / 1e6:.0f} MB per busy second, receiver core {$receive_rate / 1e6:.0f}')")
+  echo "| $label | link: $info ||||||||||||||"
   # 16 of the 64 experts: every host holds all weights, two hosts must fit in 24 GiB
   run "$label" "$shaping" "$gbit" "--preset deepseek-v2-lite --set routed_experts=16" "deepseek-v2-lite (16 experts)" uniform
   run "$label" "$shaping" "$gbit" "--preset mixtral-8x7b --set expert_inter=1792" "mixtral-8x7b (inter 1792)" "trace:$trace:15"
