@@ -3,10 +3,13 @@
 the bytes costs each host's core: rank 1 sends BYTES to rank 0 over TCP,
 both doing nothing else, and each reports the wall time and the busy time of
 its own core (user + system + irq + softirq in /proc/stat) over the transfer.
-Run through scripts/cluster.sh, which starts it on each host in place of
-hpmoe (HPMOE=bench/cluster_link.py; it ignores hpmoe's arguments):
+With --both, each rank sends BYTES to the other while receiving theirs, as
+in an all-to-all: each reports the goodput it received at and its core's
+busy time over the exchange. Run through scripts/cluster.sh, which starts
+it on each host in place of hpmoe (HPMOE=bench/cluster_link.py; it ignores
+hpmoe's arguments):
 
-  HPMOE=bench/cluster_link.py scripts/cluster.sh --flop-per-byte 2112 -- --bytes 64000000
+  HPMOE=bench/cluster_link.py scripts/cluster.sh --flop-per-byte 2112 -- --bytes 64000000 [--both]
 
 Prints one JSON line per rank. bench/cluster_sweep.sh uses it to set the
 cluster model's link rate and its put copy / receive costs."""
@@ -14,7 +17,10 @@ import json
 import os
 import socket
 import sys
+import threading
 import time
+
+PORT, CHUNK = 47123, 1 << 16
 
 def core_busy_seconds(core):
     with open("/proc/stat") as f:
@@ -25,49 +31,78 @@ def core_busy_seconds(core):
                 return (v[0] + v[1] + v[2] + v[5] + v[6]) / os.sysconf("SC_CLK_TCK")
     raise SystemExit(f"cluster_link: no cpu{core} in /proc/stat")
 
+def listen(rank):
+    srv = socket.socket()
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind((f"198.18.0.{rank + 1}", PORT + rank))
+    srv.listen(1)
+    return srv
+
+def connect(peer):
+    for _ in range(200):
+        try:
+            return socket.create_connection((f"198.18.0.{peer + 1}", PORT + peer))
+        except OSError:
+            time.sleep(0.05)
+    raise SystemExit(f"cluster_link: rank {peer} never listened")
+
+def receive(conn, total, out):
+    buf = bytearray(CHUNK)
+    got = conn.recv_into(buf)  # the clock starts at the first bytes
+    t0 = time.perf_counter()
+    while got < total:
+        n = conn.recv_into(buf)
+        if n == 0:
+            break
+        got += n
+    out["got"], out["wall"] = got, time.perf_counter() - t0
+    conn.sendall(b"k")
+
+def send(conn, total):
+    data = bytes(CHUNK)
+    sent = 0
+    while sent < total:
+        conn.sendall(data)
+        sent += CHUNK
+    conn.recv(1)  # the peer has all of it
+    return sent
+
 def main():
     args = sys.argv[1:]
     total = int(args[args.index("--bytes") + 1]) if "--bytes" in args else 64_000_000
+    both = "--both" in args
     rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", "-1"))
     if rank not in (0, 1):
         raise SystemExit("cluster_link: run it through scripts/cluster.sh with 2 hosts")
     core = sorted(os.sched_getaffinity(0))[0]
-    port, chunk = 47123, 1 << 16
-    if rank == 0:
-        srv = socket.socket()
-        srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        srv.bind(("198.18.0.1", port))
-        srv.listen(1)
-        conn, _ = srv.accept()
-        buf = bytearray(chunk)
-        got = conn.recv_into(buf)  # the clock starts at the first bytes
+    peer = 1 - rank
+    if both:
+        srv = listen(rank)
+        out = connect(peer)
+        inc, _ = srv.accept()
+        received = {}
+        t = threading.Thread(target=receive, args=(inc, total, received))
         t0, b0 = time.perf_counter(), core_busy_seconds(core)
-        while got < total:
-            n = conn.recv_into(buf)
-            if n == 0:
-                break
-            got += n
+        t.start()
+        send(out, total)
+        t.join()
         wall, busy = time.perf_counter() - t0, core_busy_seconds(core) - b0
-        conn.sendall(b"k")
+        print(json.dumps({"rank": rank, "side": "both", "core": core, "bytes": received["got"], "wall_s": wall,
+                          "busy_s": busy, "goodput_bytes_per_s": received["got"] / received["wall"],
+                          "bytes_per_busy_s": 2 * received["got"] / busy if busy > 0 else None}), flush=True)
+        return
+    if rank == 0:
+        conn, _ = listen(0).accept()
+        received = {}
+        b0 = core_busy_seconds(core)
+        receive(conn, total, received)
+        got, wall, busy = received["got"], received["wall"], core_busy_seconds(core) - b0
         side = "receiver"
     else:
-        for _ in range(200):
-            try:
-                conn = socket.create_connection(("198.18.0.1", port))
-                break
-            except OSError:
-                time.sleep(0.05)
-        else:
-            raise SystemExit("cluster_link: rank 0 never listened")
-        data = bytes(chunk)
+        conn = connect(0)
         t0, b0 = time.perf_counter(), core_busy_seconds(core)
-        sent = 0
-        while sent < total:
-            conn.sendall(data)
-            sent += chunk
-        conn.recv(1)  # rank 0 has all of it
+        got = send(conn, total)
         wall, busy = time.perf_counter() - t0, core_busy_seconds(core) - b0
-        got = sent
         side = "sender"
     print(json.dumps({"rank": rank, "side": side, "core": core, "bytes": got, "wall_s": wall, "busy_s": busy,
                       "goodput_bytes_per_s": got / wall, "bytes_per_busy_s": got / busy if busy > 0 else None}), flush=True)

@@ -14,6 +14,9 @@
 #include "hpmoe/reference.hpp"
 #include "hpmoe/run.hpp"
 #include "hpmoe/runtime.hpp"
+#include "hpmoe/transport.hpp"
+
+#include <thread>
 
 using namespace hpmoe;
 using hpmoe::testing::bit_identical;
@@ -167,6 +170,53 @@ TEST(Interleaved, OversubscribedWorkersStillFinish) {
   serial.step(in, {}, a);
   for (int i = 0; i < 3; ++i) inter.step(in, {}, b);
   EXPECT_TRUE(bit_identical(a.out, b.out));
+}
+
+// The progress thread's nap (src/comm/mpi.cpp): a ring ends it at once, a
+// change the napper's check sees keeps it from starting, and silence lets
+// it run to its limit.
+TEST(WorkerActivity, DoorbellEndsANapWhenAWorkerBeginsToWait) {
+  using namespace std::chrono;
+  WorkerActivity activity;
+  WorkerActivity::Doorbell bell;
+  activity.set_workers(1);
+  activity.ring_on_wait(&bell);
+
+  auto t0 = steady_clock::now();
+  bell.nap(milliseconds(20), [] { return true; });  // nobody rings: the whole nap
+  EXPECT_GE(steady_clock::now() - t0, milliseconds(19));
+
+  t0 = steady_clock::now();
+  std::thread worker([&] {
+    std::this_thread::sleep_for(milliseconds(20));
+    activity.begin_wait();
+  });
+  bell.nap(seconds(60), [&] { return !activity.any_waiting(); });
+  const auto woken = steady_clock::now() - t0;
+  worker.join();
+  EXPECT_LT(woken, seconds(30)) << "the worker's begin_wait did not end the nap";
+  EXPECT_TRUE(activity.any_waiting());
+
+  t0 = steady_clock::now();  // a worker already waits: no nap at all
+  bell.nap(seconds(60), [&] { return !activity.any_waiting(); });
+  EXPECT_LT(steady_clock::now() - t0, seconds(30));
+  activity.end_wait();
+  EXPECT_FALSE(activity.any_waiting());
+
+  // Rings racing the nap's start are never lost: each nap below ends long
+  // before its 60 s limit, whichever of the two comes first.
+  for (int i = 0; i < 200; ++i) {
+    std::atomic<bool> flag{false};
+    std::thread ringer([&] {
+      flag.store(true, std::memory_order_seq_cst);
+      bell.ring();
+    });
+    t0 = steady_clock::now();
+    bell.nap(seconds(60), [&] { return !flag.load(std::memory_order_seq_cst); });
+    ringer.join();
+    ASSERT_LT(steady_clock::now() - t0, seconds(30)) << "round " << i;
+  }
+  activity.ring_on_wait(nullptr);
 }
 
 TEST(Interleaved, RejectsBadOptions) {

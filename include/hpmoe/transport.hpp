@@ -1,8 +1,11 @@
 #pragma once
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <span>
 #include <string>
 #include <vector>
@@ -80,12 +83,13 @@ class Transport {
   // The runtime's count of its workers in tasks, for a transport whose
   // progress thread shares their cores (null: stop watching). It must
   // outlive the watching.
-  virtual void watch_workers(const class WorkerActivity* activity) { (void)activity; }
+  virtual void watch_workers(class WorkerActivity* activity) { (void)activity; }
 };
 
-// How many of a process's launch workers are inside a task: while all are,
-// none waits for a message, so a progress thread on their cores can back
-// off and leave them the CPU.
+// How many of a process's launch workers are inside a task, and how many
+// wait for an event they could not reach by spinning: while none waits, no
+// worker needs a message now, so a progress thread on their cores can nap and
+// leave them the CPU; a worker that starts to wait rings the doorbell.
 class WorkerActivity {
  public:
   void set_workers(int workers) { workers_.store(workers, std::memory_order_relaxed); }
@@ -95,9 +99,51 @@ class WorkerActivity {
     const int w = workers_.load(std::memory_order_relaxed);
     return w > 0 && in_tasks_.load(std::memory_order_relaxed) >= w;
   }
+  // A worker's event is not reached after its spin: it may wait for a
+  // message. seq_cst against Doorbell::nap's check of any_waiting().
+  void begin_wait() {
+    waiting_.fetch_add(1, std::memory_order_seq_cst);
+    if (Doorbell* d = doorbell_.load(std::memory_order_acquire)) d->ring();
+  }
+  void end_wait() { waiting_.fetch_sub(1, std::memory_order_relaxed); }
+  bool any_waiting() const { return waiting_.load(std::memory_order_seq_cst) > 0; }
+
+  // Wakes a thread that naps until it is needed. Ringing costs one load
+  // while nobody naps, so it can sit on a worker's path.
+  class Doorbell {
+   public:
+    void ring() {
+      if (!napping_.load(std::memory_order_seq_cst)) return;
+      {
+        std::lock_guard lock(mutex_);
+        rung_ = true;
+      }
+      cv_.notify_one();
+    }
+    // Sleeps for at most `longest` unless rung. `still_quiet` is checked
+    // after the napper is visible to ring(), so a change made before a ring
+    // is either seen here or wakes the nap: none is lost.
+    template <class Rep, class Period, class Quiet>
+    void nap(std::chrono::duration<Rep, Period> longest, Quiet&& still_quiet) {
+      std::unique_lock lock(mutex_);
+      rung_ = false;
+      napping_.store(true, std::memory_order_seq_cst);
+      if (still_quiet()) cv_.wait_for(lock, longest, [this] { return rung_; });
+      napping_.store(false, std::memory_order_relaxed);
+    }
+
+   private:
+    std::atomic<bool> napping_{false};
+    std::mutex mutex_;
+    std::condition_variable cv_;
+    bool rung_ = false;
+  };
+  // The doorbell begin_wait() rings (null: none); it must outlive the activity's use.
+  void ring_on_wait(Doorbell* d) { doorbell_.store(d, std::memory_order_release); }
 
  private:
-  std::atomic<int> workers_{0}, in_tasks_{0};
+  std::atomic<int> workers_{0}, in_tasks_{0}, waiting_{0};
+  std::atomic<Doorbell*> doorbell_{nullptr};
 };
 
 // All ranks in this process (the default): segments are plain memory.

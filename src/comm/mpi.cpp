@@ -76,6 +76,13 @@ enum Tag : int { kPut = 101, kBeat = 102, kGather = 103, kSum = 104, kRows = 105
 // small copy out of it); larger ones in their own message, received in place.
 constexpr std::int64_t kInlineRows = 8192;
 
+// The progress thread's longest nap while the doorbell stays silent: with
+// sends or receives of its own in flight (their sockets move bytes only when
+// polled), and with none (heartbeats every 100 ms; peers time out after
+// seconds).
+constexpr auto kNapInFlight = std::chrono::milliseconds(1);
+constexpr auto kNapQuiet = std::chrono::milliseconds(10);
+
 struct PutHeader {
   std::int64_t offset;  // into the target's segment
   std::int64_t bytes;   // of rows following in a kRows message (0: none)
@@ -126,6 +133,7 @@ class Mpi final : public Transport {
       std::lock_guard lock(mutex_);
       stop_ = true;
     }
+    doorbell_.ring();
     progress_.join();
     for (OutNode* n = outbox_.exchange(nullptr); n;) delete std::exchange(n, n->next);
     // Only this thread is left to call MPI. Heartbeats still in flight to a
@@ -226,9 +234,10 @@ class Mpi final : public Transport {
     pending_bytes_.fetch_add(bytes, std::memory_order_relaxed);
     auto* node = new OutNode{nullptr, to, std::move(message)};
     node->next = outbox_.load(std::memory_order_relaxed);
-    while (!outbox_.compare_exchange_weak(node->next, node, std::memory_order_release, std::memory_order_relaxed)) {
+    while (!outbox_.compare_exchange_weak(node->next, node, std::memory_order_seq_cst, std::memory_order_relaxed)) {
     }
     if (!launch_active_.load(std::memory_order_relaxed)) launch_active_.store(true, std::memory_order_relaxed);
+    doorbell_.ring();
   }
 
   void launch_begin() override {
@@ -309,10 +318,16 @@ class Mpi final : public Transport {
   }
 
  public:
-  void watch_workers(const WorkerActivity* activity) override { activity_.store(activity, std::memory_order_release); }
+  void watch_workers(WorkerActivity* activity) override {
+    if (WorkerActivity* old = activity_.exchange(activity, std::memory_order_acq_rel)) old->ring_on_wait(nullptr);
+    if (activity) activity->ring_on_wait(&doorbell_);
+  }
 
  private:
-  std::atomic<const WorkerActivity*> activity_{nullptr};
+  std::atomic<WorkerActivity*> activity_{nullptr};
+  // Wakes the progress thread from a nap: a worker begins to wait, a put or
+  // a collective is handed to it, or the transport stops.
+  WorkerActivity::Doorbell doorbell_;
   struct alignas(64) Line {
     std::byte bytes[64];
   };
@@ -348,6 +363,9 @@ class Mpi final : public Transport {
     job_ = std::move(step);
     job_first_ = true;
     job_done_ = false;
+    lock.unlock();
+    doorbell_.ring();  // the job is visible under mutex_, which the nap's check takes
+    lock.lock();
     // A peer that died or went silent never joins the collective: give up
     // with its name instead of waiting forever.
     while (!job_cv_.wait_for(lock, std::chrono::milliseconds(50), [this] { return job_done_ || failed_; })) {
@@ -429,9 +447,21 @@ class Mpi final : public Transport {
   // unless a peer failed, which is then the error.
   void wait_for_outbox_room(std::int64_t bytes) {
     auto since = Clock::now();
+    struct Waiter {  // keeps the progress thread from napping while a worker waits for its sends
+      Mpi& m;
+      bool on = false;
+      ~Waiter() {
+        if (on) m.outbox_waiters_.fetch_sub(1, std::memory_order_relaxed);
+      }
+    } waiter{*this};
     for (int spins = 0;; ++spins) {
       const std::int64_t pending = pending_bytes_.load(std::memory_order_acquire);
       if (pending == 0 || pending + bytes <= outbox_limit_) return;
+      if (!waiter.on) {
+        waiter.on = true;
+        outbox_waiters_.fetch_add(1, std::memory_order_seq_cst);
+        doorbell_.ring();
+      }
       if (spins % 256 == 255 && Clock::now() - since > std::chrono::duration<double>(peer_timeout_)) {
         const std::string failed = failed_peers();
         if (!failed.empty()) throw Error("a put waits for room in the outbox and a peer failed: " + failed);
@@ -617,19 +647,33 @@ class Mpi final : public Transport {
             if (r != rank_) start_send(r, kBeat, {});
         }
         // Back off when quiet: a busy poll collapses when ranks outnumber
-        // cores. During a launch it yields while some worker waits (a
-        // message may be what it waits for); while every worker runs a task
-        // it naps after 50 us of quiet, so that a progress thread sharing a
-        // core with a worker does not take half of it.
+        // cores, and on a core shared with a worker every wake costs that
+        // worker far more than the loop's own work (naps of 200 us took 20%
+        // of a one-core host's GEMM time). So while a worker waits (for an
+        // event, or for room in the outbox) the thread yields: a message
+        // may be what it waits for. Otherwise, after 50 us of quiet, it
+        // naps until the doorbell rings (a worker begins to wait, a put or
+        // a collective is handed over, stop), for at most kNapInFlight
+        // while sends or receives of its own are in flight (their sockets
+        // move bytes only when polled) and kNapQuiet when none are.
         if (busy) {
           idle = 0;
           last_busy = now;
         } else if (++idle > 64) {
           const WorkerActivity* workers = activity_.load(std::memory_order_acquire);
-          if (active && (!(workers && workers->all_busy()) || now - last_busy < std::chrono::microseconds(50)))
+          auto someone_waits = [&] {
+            return (active && workers && workers->any_waiting()) || outbox_waiters_.load(std::memory_order_seq_cst) > 0;
+          };
+          if (someone_waits() || (active && !workers) || now - last_busy < std::chrono::microseconds(50)) {
             std::this_thread::yield();
-          else
-            std::this_thread::sleep_for(std::chrono::microseconds(200));
+          } else {
+            const bool in_flight = !sends_.empty() || !arriving_.empty();
+            doorbell_.nap(in_flight ? kNapInFlight : kNapQuiet, [&] {
+              if (someone_waits() || outbox_.load(std::memory_order_seq_cst)) return false;
+              std::lock_guard job_lock(mutex_);
+              return !stop_ && !(job_ && !job_done_);
+            });
+          }
         }
       } catch (...) {
         std::lock_guard lock(mutex_);
@@ -749,6 +793,7 @@ class Mpi final : public Transport {
   std::vector<InFlight> sends_;           // progress thread only
   std::vector<Arriving> arriving_;        // progress thread only
   std::atomic<std::int64_t> pending_arrivals_{0};
+  std::atomic<int> outbox_waiters_{0};  // workers waiting in wait_for_outbox_room
   std::vector<Clock::time_point> last_heard_;
 };
 

@@ -872,7 +872,20 @@ class Interleaved final : public InterleavedExecutor::Impl {
       std::atomic<std::int32_t>& s;
       ~Clear() { s.store(-1, std::memory_order_relaxed); }
     } clear{status};
-    wait_until(s.counters[t.wait_event], target, [&] {
+    struct Blocked {  // the transport's progress thread is told while this worker waits
+      WorkerActivity& a;
+      bool on = false;
+      ~Blocked() {
+        if (on) a.end_wait();
+      }
+    } blocked{activity_};
+    wait_until(
+        s.counters[t.wait_event], target,
+        [&] {
+          blocked.on = true;
+          activity_.begin_wait();
+        },
+        [&] {
       if (abort_.load(std::memory_order_relaxed)) throw Aborted{};
       const double waited = seconds(start, Clock::now());
       if (waited > opt_.watchdog_seconds)
