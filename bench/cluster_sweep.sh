@@ -23,6 +23,11 @@ PY
 h800=$(ratio h800 inter)
 a3=$(ratio ascend-a3 intra)
 core_flops=$(python3 -c "import json; m=json.load(open('machines/cpu-local.json')); print([t for t in m['matrix']['tile_rates'] if t['m']==64 and t['k']==2048][0]['fp32_flops'])")
+# The model's core comes from a calibration made now, just before the runs:
+# this machine's speed drifts by 20% within an hour (shared hosts), and a
+# model calibrated earlier would carry that drift into every error below.
+# The links keep the committed model's rates, so shapes compare across runs.
+build/hpmoe calibrate -W 1 --out "$tmp/calibrated.json" > /dev/null
 
 echo "# A cluster on one machine: 2 hosts over shaped links"
 echo
@@ -30,22 +35,31 @@ echo "Machine: $(lscpu | sed -n 's/^Model name: *//p'), $(nproc) cores; $(date -
 echo "with one core; ranks talk MPI over TCP through veth links shaped with tc (token bucket). Command:"
 echo "\`bench/cluster_sweep.sh $iters\` (median of $iters iterations after a warm-up; fp32; forward+backward)."
 echo "FLOP per byte: H800 cluster RDMA link $h800 (machines/h800.json: matrix rate / NIC), Ascend A3 fabric $a3"
-echo "(machines/ascend-a3.json); the link rate here = one core's fp32 tile rate ($(python3 -c "print(f'{$core_flops/1e9:.0f}')") GFLOP/s) / FLOP per byte."
+echo "(machines/ascend-a3.json); the link rate here = one core's fp32 tile rate ($(python3 -c "print(f'{$core_flops/1e9:.0f}')") GFLOP/s, machines/cpu-local.json) / FLOP per byte."
+echo "The predictions use a calibration of this machine made at the start of the sweep (\`hpmoe calibrate -W 1\`)."
 echo
 echo "| link | layer | routing | fwd ser ms | fwd int ms | fwd speedup | bwd ser ms | bwd int ms | bwd speedup | idle ser/int (fwd) | predicted fwd ser / int ms | predicted speedup fwd / bwd | prediction error fwd ser / int, bwd ser / int | bit-identical |"
 echo "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 
 # What a shaped link delivers and what moving its bytes costs each host's
-# core (bench/cluster_link.py: one TCP stream, nothing else running):
-# goodput, and bytes per busy second of the sender's and the receiver's core.
+# core (bench/cluster_link.py: one TCP stream, nothing else running, for the
+# goodput; then again with a computing process on each core, for the core
+# time the stream takes from it on the sending and on the receiving host,
+# which is what the transfer costs a worker that computes meanwhile).
 measure_link() {  # shaping-args gbit -> "goodput send_rate receive_rate"
   local bytes
   bytes=$(python3 -c "g=float('$2'); print(int(max(64e6, (g * 1e9 / 8 if g > 0 else 1e9) * 4)))")
   # shellcheck disable=SC2086
-  HPMOE=bench/cluster_link.py scripts/cluster.sh $1 -- --bytes "$bytes" 2>/dev/null | python3 -c "
+  { HPMOE=bench/cluster_link.py scripts/cluster.sh $1 -- --bytes "$bytes" 2>/dev/null
+    HPMOE=bench/cluster_link.py scripts/cluster.sh $1 -- --bytes "$bytes" --load 2>/dev/null | sed 's/"side": "/"side": "loaded /g'; } |
+    python3 -c "
 import json, sys
-r = {j['side']: j for j in map(json.loads, (l for l in sys.stdin if l.startswith('{')))}
-print(r['receiver']['goodput_bytes_per_s'], r['sender']['bytes_per_busy_s'], r['receiver']['bytes_per_busy_s'])"
+text, dec, r, i = sys.stdin.read(), json.JSONDecoder(), {}, 0
+while (i := text.find('{\"rank\"', i)) >= 0:  # mpirun may join two ranks' lines
+    j, i = dec.raw_decode(text, i)
+    r[j['side']] = j
+cost = lambda side: r[side]['bytes_per_stolen_s'] or 1e12  # None: nothing measurable was taken
+print(r['receiver']['goodput_bytes_per_s'], cost('loaded sender'), cost('loaded receiver'))"
 }
 
 run() {  # label shaping-args gbit layer-args layer-label routing
@@ -59,21 +73,24 @@ run() {  # label shaping-args gbit layer-args layer-label routing
     return
   fi
   # The simulator on this cluster: the calibrated core, one worker, links at the shaped rate.
-  python3 - $link > "$tmp/model.json" <<'PY'
+  python3 - $link "$tmp/calibrated.json" > "$tmp/model.json" <<'PY'
 import json, sys
-m = json.load(open("machines/cpu-local.json"))
+m = json.load(open(sys.argv[4]))
 m["name"] = "cluster-2-hosts"
 m["units"] = {"workers": 1}
-goodput, send_rate, receive_rate = map(float, sys.argv[1:4])
+goodput, send_rate, receive_rate = map(float, sys.argv[1:4])  # argv[4]: the calibration
 m["links"] = {"ranks_per_node": 1, "intra": {"bytes_per_s": goodput, "latency_s": 1.2e-4},
               "inter": {"bytes_per_s": goodput, "latency_s": 1.2e-4}}
-# The sender's core: the put's copy into the outbox, then the TCP send path.
+# The sender's core: the put's copy into the outbox, then the TCP send path
+# (the core time it takes from a computing process, bench/cluster_link.py --load).
 copy = 1 / (1 / m["put"]["copy_bytes_per_s"] + 1 / send_rate)
-m["put"] = {"engine": "cpu", "issue_s": 2e-6, "copy_bytes_per_s": copy,
+# One TCP connection per pair of ranks: a rank's puts to a peer go in order.
+m["put"] = {"engine": "cpu", "issue_s": 2e-6, "copy_bytes_per_s": copy, "stream_per_peer": True,
             "receive": {"per_put_s": 0.0, "bytes_per_s": receive_rate}}
 m["serialized"]["collective_sync_s"] = 2.4e-4  # a barrier over TCP: a round trip
 m["sources"]["links"] = "the shaped link's measured TCP goodput (bench/cluster_link.py); TCP one-way latency from bench_transport"
-m["sources"]["put.receive"] = "bytes per busy second of the receiving host's core over one TCP stream (bench/cluster_link.py)"
+m["sources"]["put.stream_per_peer"] = "Open MPI's TCP BTL: one connection per pair of processes, messages in order"
+m["sources"]["put.receive"] = "bytes per second of core time one TCP stream takes from a computing process on the receiving host (bench/cluster_link.py --load)"
 json.dump(m, sys.stdout)
 PY
   # shellcheck disable=SC2086
@@ -104,7 +121,7 @@ for shape in "unshaped||0" "A3 fabric ($a3 FLOP/B, $(printf %.0f "$(python3 -c "
   case "$label" in ${SHAPES:-*}) ;; *) continue ;; esac  # e.g. SHAPES='H800*' for one link shape
   link=$(measure_link "$shaping" "$gbit")
   read -r goodput send_rate receive_rate <<< "$link"
-  info=$(python3 -c "g = float('$gbit'); print(f'goodput {$goodput / 1e6:.1f} MB/s (shaped: ' + (f'{g * 125:.1f} MB/s' if g > 0 else 'none') + f'), sender core {$send_rate / 1e6:.0f} MB per busy second, receiver core {$receive_rate / 1e6:.0f}')")
+  info=$(python3 -c "g = float('$gbit'); print(f'goodput {$goodput / 1e6:.1f} MB/s (shaped: ' + (f'{g * 125:.1f} MB/s' if g > 0 else 'none') + f'), cost on a computing core: sender {$send_rate / 1e6:.0f} MB per second taken, receiver {$receive_rate / 1e6:.0f}')")
   echo "| $label | link: $info ||||||||||||||"
   # 16 of the 64 experts: every host holds all weights, two hosts must fit in 24 GiB
   run "$label" "$shaping" "$gbit" "--preset deepseek-v2-lite --set routed_experts=16" "deepseek-v2-lite (16 experts)" uniform

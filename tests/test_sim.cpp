@@ -303,6 +303,49 @@ TEST(PutEngines, CpuReceiversPayProtocolWork) {
   }
 }
 
+TEST(PutEngines, CpuStreamsCarryAPeersPutsOneAtATime) {
+  // Rank 0's two workers each put 1000 bytes into rank 1 at once (no copy
+  // cost: both are on the wire after the 0.5 us issue); rank 1 waits for the
+  // first one only.
+  MachineModel m = round_machine();
+  m.accelerator = false;
+  m.workers = 2;
+  m.put_engine = PutEngine::cpu;
+  m.put_copy_bytes_per_s = 0;
+  auto run = [&] {
+    Builder b(2, m);
+    b.event(1, 1);
+    b.event(1, 1);
+    b.add(0, 0, TaskKind::dispatch_put, 1000, 1, 64, -1, 0, 0, 1);
+    b.add(0, 1, TaskKind::dispatch_put, 1000, 1, 64, -1, 0, 1, 1);
+    b.add(1, 0, TaskKind::swiglu, 500, 1, 64, 0, 1);
+    return simulate_interleaved(m, b.done(), b.work, DType::fp32, true);
+  };
+  // Shared: both are through after 2000 bytes' time (2 us), then latency 1, signal 0.25.
+  EXPECT_NEAR(start_of(run(), 1, "swiglu"), 0.5e-6 + 2e-6 + 1e-6 + 0.25e-6, 1e-15);
+  // One stream: the first goes alone (1 us), the second follows it on the
+  // wire from 1.5 to 2.5 us and lands at 3.5.
+  m.put_stream_per_peer = true;
+  const Timeline one = run();
+  EXPECT_NEAR(start_of(one, 1, "swiglu"), 0.5e-6 + 1e-6 + 1e-6 + 0.25e-6, 1e-15);
+  EXPECT_NEAR(one.makespan, 0.5e-6 + 2e-6 + 1e-6, 1e-15);
+  // Streams to different peers do not wait for each other: rank 0 puts into
+  // ranks 1 and 2 at once, each through its own receiver's port in 1 us.
+  Builder c(3, m);
+  c.event(1, 1);
+  c.event(2, 1);
+  c.add(0, 0, TaskKind::dispatch_put, 1000, 1, 64, -1, 0, 0, 1);
+  c.add(0, 1, TaskKind::dispatch_put, 1000, 1, 64, -1, 0, 0, 2);
+  c.add(1, 0, TaskKind::swiglu, 0, 1, 64, 0, 1);
+  c.add(2, 0, TaskKind::swiglu, 0, 1, 64, 0, 1);
+  const Timeline two = simulate_interleaved(m, c.done(), c.work, DType::fp32, true);
+  // The sender's port is shared by both: 2000 bytes' time, as without streams.
+  EXPECT_NEAR(start_of(two, 2, "swiglu"), 0.5e-6 + 2e-6 + 1e-6 + 0.25e-6, 1e-15);
+  m.put_stream_per_peer = false;
+  EXPECT_NEAR(start_of(simulate_interleaved(m, c.programs, c.work, DType::fp32, true), 2, "swiglu"),
+              0.5e-6 + 2e-6 + 1e-6 + 0.25e-6, 1e-15);
+}
+
 TEST(Links, RateFollowsTheEpDegreeWhereTheModelGivesOne) {
   MachineModel m = round_machine();
   m.intra_by_ep = {{8, 125e9}, {16, 103e9}, {128, 81e9}};
@@ -459,6 +502,13 @@ TEST(Simulator, RejectsBadModels) {
   j["put"]["receive"] = {{"per_put_s", 1e-6}, {"bytes_per_s", 1e9}};
   expect_error(j, "put.receive");
   j = good;
+  j["put"]["stream_per_peer"] = true;  // an accelerator's DMA puts
+  expect_error(j, "put.stream_per_peer");
+  j = good;
+  j["put"]["engine"] = "cpu";
+  j["put"]["stream_per_peer"] = 1;
+  expect_error(j, "put.stream_per_peer");
+  j = good;
   j["links"]["intra"]["by_ep"] = {{{"ranks", 16}, {"bytes_per_s", 1e11}}, {{"ranks", 8}, {"bytes_per_s", 1e11}}};
   expect_error(j, "by_ep.1.ranks");
   j = good;
@@ -480,6 +530,9 @@ TEST(Simulator, RejectsBadModels) {
   const MachineModel h800 = load_machine(std::string(HPMOE_SOURCE_DIR) + "/machines/h800.json");
   EXPECT_TRUE(h800.deepep.enabled);
   EXPECT_EQ(machine_from_json([&] { auto h = to_json(h800); h["sources"] = {{"all", "test"}}; return h; }()).serialized_matrix_units, 132);
+  MachineModel cpu = load_machine(std::string(HPMOE_SOURCE_DIR) + "/machines/cpu-local.json");
+  cpu.put_stream_per_peer = true;
+  EXPECT_TRUE(machine_from_json([&] { auto c = to_json(cpu); c["sources"] = {{"all", "test"}}; return c; }()).put_stream_per_peer);
   EXPECT_THROW(load_machine("/nonexistent/model.json"), Error);
 }
 

@@ -37,7 +37,10 @@ struct TileRate {
 //   cpu:    the issuing core copies (put.copy_bytes_per_s); a receiver that
 //           runs a protocol stack (TCP) spends core time per put and per byte
 //           on the receiving rank (put.receive), which delays the signal and
-//           stretches the task running on that rank.
+//           stretches the task running on that rank. With put.stream_per_peer
+//           a rank's puts to one peer travel one stream (a TCP connection):
+//           one at a time, in issue order, so they land one after another
+//           instead of together at the end of a shared transfer.
 enum class PutEngine { dma, vector, cpu };
 const char* name(PutEngine);
 
@@ -90,6 +93,7 @@ struct MachineModel {
   int put_in_flight = 0;                 // dma: puts per rank on the wire at once (0: no bound)
   double put_receive_s = 0;              // cpu: receiver core time per put (0: none)
   double put_receive_bytes_per_s = 0;    // cpu: receiver core time per byte (0: none)
+  bool put_stream_per_peer = false;      // cpu: a rank's puts to one peer go one at a time, in order
   // Links: each rank has one port per level; a transfer uses the sender's
   // and receiver's ports and gets min(capacity / sharers) of both.
   int ranks_per_node = 1;

@@ -227,6 +227,12 @@ MachineModel machine_from_json(const json& j) {
     m.put_receive_s = seconds(j, "put.receive.per_put_s");
     m.put_receive_bytes_per_s = rate(j, "put.receive.bytes_per_s", 0, kMaxBytesPerS);
   }
+  if (const json& put = at(j, "put"); put.is_object() && put.contains("stream_per_peer")) {
+    if (!put["stream_per_peer"].is_boolean()) throw Error("machine model: 'put.stream_per_peer' must be true or false");
+    m.put_stream_per_peer = put["stream_per_peer"].get<bool>();
+    if (m.put_stream_per_peer && m.put_engine != PutEngine::cpu)
+      throw Error("machine model: 'put.stream_per_peer' (one TCP stream per peer) needs put.engine \"cpu\"");
+  }
   m.ranks_per_node = count(j, "links.ranks_per_node", 1);
   m.intra_bytes_per_s = rate(j, "links.intra.bytes_per_s", 0, kMaxBytesPerS);
   m.intra_latency_s = seconds(j, "links.intra.latency_s");
@@ -329,6 +335,7 @@ json to_json(const MachineModel& m) {
   if (m.put_in_flight > 0) j["put"]["in_flight"] = m.put_in_flight;
   if (m.put_receive_s > 0 || m.put_receive_bytes_per_s > 0)
     j["put"]["receive"] = {{"per_put_s", m.put_receive_s}, {"bytes_per_s", m.put_receive_bytes_per_s}};
+  if (m.put_stream_per_peer) j["put"]["stream_per_peer"] = true;
   if (!m.intra_by_ep.empty()) {
     auto& list = j["links"]["intra"]["by_ep"] = nlohmann::json::array();
     for (const auto& r : m.intra_by_ep) list.push_back({{"ranks", r.ranks}, {"bytes_per_s", r.bytes_per_s}});

@@ -300,6 +300,12 @@ Timeline simulate_interleaved(const MachineModel& m, const std::vector<Program>&
   std::vector<std::vector<int>> engine_waiting(static_cast<std::size_t>(P));  // FIFO of flights, per rank
   std::vector<std::size_t> engine_next(static_cast<std::size_t>(P), 0);
   std::vector<double> receiver_free(static_cast<std::size_t>(P), 0.0), stolen(static_cast<std::size_t>(P), 0.0);
+  // put.stream_per_peer: the flights waiting for each (sender, peer) stream, in issue order.
+  const bool streams = m.put_engine == PutEngine::cpu && m.put_stream_per_peer;
+  const std::size_t pairs = streams ? static_cast<std::size_t>(P) * static_cast<std::size_t>(P) : 0;
+  std::vector<std::vector<int>> stream_waiting(pairs);
+  std::vector<std::size_t> stream_next(pairs, 0);
+  std::vector<char> stream_busy(pairs, 0);
   std::priority_queue<Ev, std::vector<Ev>, std::greater<>> heap;
   std::uint64_t seq = 0;
   Links links(m, P);
@@ -386,6 +392,16 @@ Timeline simulate_interleaved(const MachineModel& m, const std::vector<Program>&
       const int sender = f.sender, peer = f.peer;
       exposure.change(sender, t, -1, 0);
       heap.push(Ev{t + links.path(sender, peer, resources).first, seq++, arrive, peer, static_cast<int>(tag)});
+      if (streams) {  // the stream takes its next put
+        const std::size_t pair = static_cast<std::size_t>(sender) * static_cast<std::size_t>(P) + static_cast<std::size_t>(peer);
+        auto& waiting = stream_waiting[pair];
+        if (stream_next[pair] < waiting.size()) {
+          exposure.change(sender, t, -1, 0);  // leaves the wait: start_flight counts it again
+          start_flight(waiting[stream_next[pair]++], t);
+        } else {
+          stream_busy[pair] = 0;
+        }
+      }
       if (bounded) {  // the engine takes the rank's next waiting put
         --engines_busy[static_cast<std::size_t>(sender)];
         auto& waiting = engine_waiting[static_cast<std::size_t>(sender)];
@@ -441,6 +457,15 @@ Timeline simulate_interleaved(const MachineModel& m, const std::vector<Program>&
             engines_busy[r] >= m.put_in_flight) {
           exposure.change(e.rank, e.time, 1, 0);  // waiting for an engine counts as communication
           engine_waiting[r].push_back(fid);
+        } else if (streams && links.path(e.rank, q.peer, resources).second > 0) {
+          const std::size_t pair = r * static_cast<std::size_t>(P) + static_cast<std::size_t>(q.peer);
+          if (stream_busy[pair]) {
+            exposure.change(e.rank, e.time, 1, 0);  // queued behind the stream's earlier puts
+            stream_waiting[pair].push_back(fid);
+          } else {
+            stream_busy[pair] = 1;
+            start_flight(fid, e.time);
+          }
         } else {
           start_flight(fid, e.time);
         }
