@@ -220,19 +220,24 @@ double end_of(const Timeline& t, int rank, const std::string& name) {
 }
 }  // namespace
 
+namespace {
+// Rank 0's units `first` and `second` each issue a 1000-byte put into rank 1
+// at once; rank 1's unit `waiter` waits for the first one only.
+Timeline two_puts_into_rank_1(const MachineModel& m, int first, int second, int waiter) {
+  Builder b(2, m);
+  b.event(1, 1);
+  b.event(1, 1);
+  b.add(0, first, TaskKind::dispatch_put, 1000, 1, 64, -1, 0, 0, 1);
+  b.add(0, second, TaskKind::dispatch_put, 1000, 1, 64, -1, 0, 1, 1);
+  b.add(1, waiter, TaskKind::swiglu, 500, 1, 64, 0, 1);
+  return simulate_interleaved(m, b.done(), b.work, DType::fp32, true);
+}
+}  // namespace
+
 TEST(PutEngines, DmaEnginesBoundThePutsInFlight) {
-  // Rank 0's two vector units each issue a 1000-byte put into rank 1; rank 1
-  // waits for the first one only.
+  // Two vector units put; rank 1's vector unit waits.
   MachineModel m = round_machine();
-  auto run = [&] {
-    Builder b(2, m);
-    b.event(1, 1);
-    b.event(1, 1);
-    b.add(0, 1, TaskKind::dispatch_put, 1000, 1, 64, -1, 0, 0, 1);
-    b.add(0, 2, TaskKind::dispatch_put, 1000, 1, 64, -1, 0, 1, 1);
-    b.add(1, 1, TaskKind::swiglu, 500, 1, 64, 0, 1);
-    return simulate_interleaved(m, b.done(), b.work, DType::fp32, true);
-  };
+  auto run = [&] { return two_puts_into_rank_1(m, 1, 2, 1); };
   // No bound: both share the ports, the first is through after 2000 bytes'
   // time: issue 0.5 + 2 us, latency 1, signal 0.25.
   EXPECT_NEAR(start_of(run(), 1, "swiglu"), 0.5e-6 + 2e-6 + 1e-6 + 0.25e-6, 1e-15);
@@ -312,15 +317,7 @@ TEST(PutEngines, CpuStreamsCarryAPeersPutsOneAtATime) {
   m.workers = 2;
   m.put_engine = PutEngine::cpu;
   m.put_copy_bytes_per_s = 0;
-  auto run = [&] {
-    Builder b(2, m);
-    b.event(1, 1);
-    b.event(1, 1);
-    b.add(0, 0, TaskKind::dispatch_put, 1000, 1, 64, -1, 0, 0, 1);
-    b.add(0, 1, TaskKind::dispatch_put, 1000, 1, 64, -1, 0, 1, 1);
-    b.add(1, 0, TaskKind::swiglu, 500, 1, 64, 0, 1);
-    return simulate_interleaved(m, b.done(), b.work, DType::fp32, true);
-  };
+  auto run = [&] { return two_puts_into_rank_1(m, 0, 1, 0); };
   // Shared: both are through after 2000 bytes' time (2 us), then latency 1, signal 0.25.
   EXPECT_NEAR(start_of(run(), 1, "swiglu"), 0.5e-6 + 2e-6 + 1e-6 + 0.25e-6, 1e-15);
   // One stream: the first goes alone (1 us), the second follows it on the
