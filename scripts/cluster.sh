@@ -21,13 +21,15 @@
 #     --keep-going         exit 0 even if the run fails (fault tests check the output)
 #     --time-limit S       stop mpirun after S seconds (default 1800): bounded even if
 #                          a daemon behind a dead link never answers
+#     --eager-bytes B      messages up to B bytes go without a rendezvous (default
+#                          4194304; Open MPI's own default is 65536)
 #   Example (2 hosts, H800-like FLOP per byte, forward+backward):
 #     scripts/cluster.sh --flop-per-byte 15000 -- --preset deepseek-v2-lite -T 256 --backward
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ "$(id -u)" = 0 ] || { echo "error: cluster.sh needs root (network namespaces, tc)" >&2; exit 2; }
 
-hosts=2 rate_gbit="" fpb="" delay_us=0 slow="" fault="" keep_going=0 time_limit=1800
+hosts=2 rate_gbit="" fpb="" delay_us=0 slow="" fault="" keep_going=0 time_limit=1800 eager=4194304
 while [ $# -gt 0 ]; do
   case "$1" in
     --hosts) hosts=$2; shift 2 ;;
@@ -38,10 +40,12 @@ while [ $# -gt 0 ]; do
     --fault) fault=$2; shift 2 ;;
     --keep-going) keep_going=1; shift ;;
     --time-limit) time_limit=$2; shift 2 ;;
+    --eager-bytes) eager=$2; shift 2 ;;
     --) shift; break ;;
     *) echo "error: unknown option '$1' (see the header of scripts/cluster.sh)" >&2; exit 2 ;;
   esac
 done
+[[ "$eager" =~ ^[0-9]+$ ]] && [ "$eager" -ge 1024 ] || { echo "error: --eager-bytes must be a whole number of bytes, at least 1024" >&2; exit 2; }
 [[ "$hosts" =~ ^[0-9]+$ ]] && [ "$hosts" -ge 1 ] && [ "$hosts" -le 64 ] || { echo "error: --hosts must be 1..64" >&2; exit 2; }
 if [ -n "$fault" ] && ! [[ "$fault" =~ ^(kill|linkdown):[0-9]+:[0-9.]+$ && ${fault#*:} =~ ^([0-9]+): && ${BASH_REMATCH[1]} -lt $hosts ]]; then
   echo "error: --fault takes kill:HOST:SECONDS or linkdown:HOST:SECONDS with HOST < $hosts (got '$fault')" >&2; exit 2
@@ -132,12 +136,13 @@ mkdir -p "$tmp/ompi"
 mpirun_args=(--hostfile "$tmp/hostfile" -np "$hosts" --mca plm_rsh_agent "$tmp/agent" --mca orte_tmpdir_base "$tmp/ompi"
   --mca btl self,tcp --mca btl_tcp_if_include 198.18.0.0/15 --mca oob_tcp_if_include 198.18.0.0/15
   --mca rtc ^hwloc  # orted segfaults in hwloc_shmem_topology_write on some starts; pinning is taskset's
-  # Messages up to 4 MB (every put here) go eagerly, as an RDMA put would.
+  # Messages up to 4 MB (every put here) go eagerly, as an RDMA put would
+  # (--eager-bytes).
   # With the TCP BTL's default rendezvous above 64 KB, each message's
   # remainder waits for the receiver's acknowledgement, which queues behind
   # the other direction's data on the same connection and shaped link: an
   # all-to-all of 6 MB each way at the A3 ratio took 440 ms instead of 240.
-  --mca btl_tcp_eager_limit 4194304 --mca btl_tcp_rndv_eager_limit 4194304)
+  --mca btl_tcp_eager_limit "$eager" --mca btl_tcp_rndv_eager_limit "$eager")
 set +e
 timeout -k 5 "$time_limit" mpirun "${mpirun_args[@]}" "$(realpath "$hpmoe")" run -P "$hosts" --transport mpi --mpi-path network "$@" &
 run=$!
