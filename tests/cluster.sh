@@ -16,7 +16,7 @@ ip netns del hpmoe-probe-$$
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
 
 # Bad options: one line starting with "error:", exit 2, before anything is made.
-for bad in "--bogus" "--hosts 0" "--hosts x" "--fault explode:1:1" "--fault kill:9:1" "--slow-host 7:1"; do
+for bad in "--bogus" "--hosts 0" "--hosts x" "--fault explode:1:1" "--fault kill:9:1" "--slow-host 7:1" "--eager-bytes x" "--eager-bytes 10"; do
   # shellcheck disable=SC2086
   rc=0
   scripts/cluster.sh $bad -- -T 8 > "$tmp/bad.out" 2> "$tmp/bad.err" || rc=$?

@@ -37,6 +37,17 @@ MachineModel round_machine(int matrix = 1, int vector = 2) {
   return m;
 }
 
+// The round machine as a CPU: `workers` cores per rank, each copying its own
+// puts at `copy_bytes_per_s` (0: no copy cost).
+MachineModel round_cpu(int workers, double copy_bytes_per_s) {
+  MachineModel m = round_machine();
+  m.accelerator = false;
+  m.workers = workers;
+  m.put_engine = PutEngine::cpu;
+  m.put_copy_bytes_per_s = copy_bytes_per_s;
+  return m;
+}
+
 // A program skeleton for `ranks` ranks of the round machine: tasks are
 // added to queues by hand.
 struct Builder {
@@ -281,11 +292,7 @@ TEST(PutEngines, CpuReceiversPayProtocolWork) {
   // One worker per rank. Rank 0 copies 1000 bytes (1 GB/s) into rank 1 over
   // a 1 GB/s link; the receiver's stack spends 0.2 us + 1000 B at 2 GB/s =
   // 0.7 us on them.
-  MachineModel m = round_machine();
-  m.accelerator = false;
-  m.workers = 1;
-  m.put_engine = PutEngine::cpu;
-  m.put_copy_bytes_per_s = 1e9;
+  MachineModel m = round_cpu(1, 1e9);
   m.put_receive_s = 0.2e-6;
   m.put_receive_bytes_per_s = 2e9;
   {  // rank 1 idle, waiting: the signal comes after the receive work
@@ -312,11 +319,7 @@ TEST(PutEngines, CpuStreamsCarryAPeersPutsOneAtATime) {
   // Rank 0's two workers each put 1000 bytes into rank 1 at once (no copy
   // cost: both are on the wire after the 0.5 us issue); rank 1 waits for the
   // first one only.
-  MachineModel m = round_machine();
-  m.accelerator = false;
-  m.workers = 2;
-  m.put_engine = PutEngine::cpu;
-  m.put_copy_bytes_per_s = 0;
+  MachineModel m = round_cpu(2, 0);
   auto run = [&] { return two_puts_into_rank_1(m, 0, 1, 0); };
   // Shared: both are through after 2000 bytes' time (2 us), then latency 1, signal 0.25.
   EXPECT_NEAR(start_of(run(), 1, "swiglu"), 0.5e-6 + 2e-6 + 1e-6 + 0.25e-6, 1e-15);
