@@ -290,28 +290,66 @@ TEST(PutEngines, VectorPutsHoldTheirUnitUntilTheBytesLand) {
 
 TEST(PutEngines, CpuReceiversPayProtocolWork) {
   // One worker per rank. Rank 0 copies 1000 bytes (1 GB/s) into rank 1 over
-  // a 1 GB/s link; the receiver's stack spends 0.2 us + 1000 B at 2 GB/s =
-  // 0.7 us on them.
+  // a 1 GB/s link: on the wire from 1.5 us, first byte at 2.5 (latency 1),
+  // last byte at 3.5. The receiver's stack takes the bytes as they come, at
+  // 2 GB/s (0.5 us of work), then 0.2 us for the put.
   MachineModel m = round_cpu(1, 1e9);
   m.put_receive_s = 0.2e-6;
   m.put_receive_bytes_per_s = 2e9;
-  {  // rank 1 idle, waiting: the signal comes after the receive work
+  const auto idle_receiver = [&] {
     Builder b(2, m);
     b.event(1, 1);
     b.add(0, 0, TaskKind::dispatch_put, 1000, 1, 64, -1, 0, 0, 1);
     b.add(1, 0, TaskKind::swiglu, 0, 1, 64, 0, 1);
-    const auto t = simulate_interleaved(m, b.done(), b.work, DType::fp32, true);
-    // issue 0.5 + copy 1 | wire 1 | latency 1 | receive 0.7 | signal 0.25
-    EXPECT_NEAR(start_of(t, 1, "swiglu"), 0.5e-6 + 1e-6 + 1e-6 + 1e-6 + 0.7e-6 + 0.25e-6, 1e-15);
-  }
-  {  // rank 1 busy with a 10 us GEMM when the bytes land: the GEMM ends 0.7 us later
+    return start_of(simulate_interleaved(m, b.done(), b.work, DType::fp32, true), 1, "swiglu");
+  };
+  // Rank 1 idle, waiting: the stack keeps up with the wire, so the put is
+  // whole when its last byte lands (3.5), then 0.2 for the put, 0.25 signal.
+  EXPECT_NEAR(idle_receiver(), 3.5e-6 + 0.2e-6 + 0.25e-6, 1e-15);
+  // A stack slower than the wire (0.5 GB/s: 2 us of work from the first
+  // byte at 2.5) is done after the last byte: 4.5, + 0.2, + 0.25.
+  m.put_receive_bytes_per_s = 0.5e9;
+  EXPECT_NEAR(idle_receiver(), 4.5e-6 + 0.2e-6 + 0.25e-6, 1e-15);
+  m.put_receive_bytes_per_s = 2e9;
+  {  // rank 1 computes a 8.4 us GEMM through the whole transfer: the GEMM ends 0.5 + 0.2 us later
     Builder b(2, m);
     b.event(1, 1);
     b.add(0, 0, TaskKind::dispatch_put, 1000, 1, 64, -1, 0, 0, 1);
-    const double flops = 2.0 * 64 * 64 * 1024;  // 8.4 us at 1 TFLOP/s; the bytes land at 3.5 us
+    const double flops = 2.0 * 64 * 64 * 1024;
     b.add(1, 0, TaskKind::gemm_gate_up, flops);
     const auto t = simulate_interleaved(m, b.done(), b.work, DType::fp32, true);
     EXPECT_NEAR(t.makespan, flops / 1e12 + 0.7e-6, 1e-15);
+  }
+  {  // rank 1 computes for part of the put's flight (1.5 to 3.5 us) only: a
+     // GEMM to g = 2.4576 us (k 300); then a SwiGLU waits for rank 0, which
+     // signals it after its put and 1.5 us of its own SwiGLU (at 3.0; the
+     // wake at 3.25): idle from g to 3.25. The SwiGLU (0.5 us) runs when the
+     // bytes land, and the share of the flight the core computed, (2 - (3.25
+     // - g)) / 2, of the stack's 0.5 us is taken from it, with the 0.2 for the
+     // put; then a GEMM of 8.4 us.
+    Builder b(2, m);
+    b.event(1, 1);
+    b.event(1, 1);
+    b.add(0, 0, TaskKind::dispatch_put, 1000, 1, 64, -1, 0, 0, 1);
+    b.add(0, 0, TaskKind::swiglu, 1500, 1, 64, -1, 0, 1, 1);
+    const double g = 2.0 * 64 * 64 * 300 / 1e12, flops = 2.0 * 64 * 64 * 1024;
+    b.add(1, 0, TaskKind::gemm_gate_up, 2.0 * 64 * 64 * 300);
+    b.add(1, 0, TaskKind::swiglu, 500, 1, 64, 1, 1);
+    b.add(1, 0, TaskKind::gemm_down, flops);
+    const auto t = simulate_interleaved(m, b.done(), b.work, DType::fp32, true);
+    EXPECT_NEAR(start_of(t, 1, "swiglu"), 3.25e-6, 1e-15);
+    const double share = (2e-6 - (3.25e-6 - g)) / 2e-6;
+    EXPECT_NEAR(t.makespan, 3.25e-6 + 0.5e-6 + share * 0.5e-6 + 0.2e-6 + flops / 1e12, 1e-15);
+  }
+  {  // rank 1 computes until 2.4576 us, then waits for the put: the stack's
+     // work is absorbed in the wait, and the next task starts as if idle.
+    Builder b(2, m);
+    b.event(1, 1);
+    b.add(0, 0, TaskKind::dispatch_put, 1000, 1, 64, -1, 0, 0, 1);
+    b.add(1, 0, TaskKind::gemm_gate_up, 2.0 * 64 * 64 * 300);
+    b.add(1, 0, TaskKind::swiglu, 0, 1, 64, 0, 1);
+    EXPECT_NEAR(start_of(simulate_interleaved(m, b.done(), b.work, DType::fp32, true), 1, "swiglu"),
+                3.5e-6 + 0.2e-6 + 0.25e-6, 1e-15);
   }
 }
 

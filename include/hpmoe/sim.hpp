@@ -36,8 +36,10 @@ struct TileRate {
 //           the bytes have landed at the receiver.
 //   cpu:    the issuing core copies (put.copy_bytes_per_s); a receiver that
 //           runs a protocol stack (TCP) spends core time per put and per byte
-//           on the receiving rank (put.receive), which delays the signal and
-//           stretches the task running on that rank. With put.stream_per_peer
+//           on the receiving rank (put.receive). The stack takes the bytes as
+//           they arrive, so the put is whole when its last byte lands or when
+//           the stack catches up, whichever is later; the share of that work
+//           done while the rank computed stretches the task it ran. With put.stream_per_peer
 //           a rank's puts to one peer travel one stream (a TCP connection):
 //           one at a time, in issue order, so they land one after another
 //           instead of together at the end of a shared transfer.

@@ -197,6 +197,30 @@ class Links {
   std::priority_queue<Next, std::vector<Next>, std::greater<>> events_;
 };
 
+// Per rank: how many tasks are running, and the time any was (a clock that
+// runs only while the rank computes).
+class BusyClock {
+ public:
+  explicit BusyClock(int ranks) : running_(static_cast<std::size_t>(ranks), 0), since_(running_.size()), total_(running_.size()) {}
+  void start(int r, double t) {
+    const auto i = static_cast<std::size_t>(r);
+    if (running_[i]++ == 0) since_[i] = t;
+  }
+  void stop(int r, double t) {
+    const auto i = static_cast<std::size_t>(r);
+    if (--running_[i] == 0) total_[i] += t - since_[i];
+  }
+  bool running(int r) const { return running_[static_cast<std::size_t>(r)] > 0; }
+  double at(int r, double t) const {
+    const auto i = static_cast<std::size_t>(r);
+    return total_[i] + (running_[i] > 0 ? t - since_[i] : 0.0);
+  }
+
+ private:
+  std::vector<int> running_;
+  std::vector<double> since_, total_;
+};
+
 // Per rank: time with data in flight from it and no matrix task running.
 class Exposure {
  public:
@@ -291,15 +315,18 @@ Timeline simulate_interleaved(const MachineModel& m, const std::vector<Program>&
     int worker;  // >= 0: the issuing unit, held until the bytes land (vector engine)
     double bytes, issued;
     std::int64_t trace_slice;
+    double on_wire = 0, first_byte = 0;  // when its bytes start out, and reach the receiver
+    double receiver_busy = 0;            // the receiving rank's busy clock when they start out
   };
   std::vector<Flight> flights;
   const bool held = m.put_engine == PutEngine::vector;
   const bool bounded = m.put_engine == PutEngine::dma && m.put_in_flight > 0;
   const bool receive_work = m.put_engine == PutEngine::cpu && (m.put_receive_s > 0 || m.put_receive_bytes_per_s > 0);
-  std::vector<int> engines_busy(static_cast<std::size_t>(P), 0), running(static_cast<std::size_t>(P), 0);
+  std::vector<int> engines_busy(static_cast<std::size_t>(P), 0);
   std::vector<std::vector<int>> engine_waiting(static_cast<std::size_t>(P));  // FIFO of flights, per rank
   std::vector<std::size_t> engine_next(static_cast<std::size_t>(P), 0);
   std::vector<double> receiver_free(static_cast<std::size_t>(P), 0.0), stolen(static_cast<std::size_t>(P), 0.0);
+  BusyClock busy(P);  // tasks running per rank, and for how long any was
   // put.stream_per_peer: the flights waiting for each (sender, peer) stream, in issue order.
   const bool streams = m.put_engine == PutEngine::cpu && m.put_stream_per_peer;
   const std::size_t pairs = streams ? static_cast<std::size_t>(P) * static_cast<std::size_t>(P) : 0;
@@ -328,7 +355,7 @@ Timeline simulate_interleaved(const MachineModel& m, const std::vector<Program>&
     }
     const double d = duration(m, p, task, work[static_cast<std::size_t>(r)][static_cast<std::size_t>(id)], dtype, m.task_overhead_s);
     q.busy = true;
-    ++running[static_cast<std::size_t>(r)];
+    busy.start(r, t);
     (task.queue == QueueClass::matrix ? out.matrix_busy : out.vector_busy) += d;
     exposure.change(r, t, is_put(task.kind) ? 1 : 0, task.queue == QueueClass::matrix ? 1 : 0);
     if (trace) {
@@ -360,8 +387,11 @@ Timeline simulate_interleaved(const MachineModel& m, const std::vector<Program>&
     try_start(r, w, t);
   };
   auto start_flight = [&](int id, double t) {
-    const Flight& f = flights[static_cast<std::size_t>(id)];
+    Flight& f = flights[static_cast<std::size_t>(id)];
     const auto [latency, bw] = links.path(f.sender, f.peer, resources);
+    f.on_wire = t;
+    f.first_byte = t + latency;
+    f.receiver_busy = busy.at(f.peer, t);
     if (bw > 0) {
       if (bounded) ++engines_busy[static_cast<std::size_t>(f.sender)];
       if (f.worker >= 0 && unit_resources >= 0) resources.push_back(unit_resources + f.sender * Q + f.worker);
@@ -419,12 +449,26 @@ Timeline simulate_interleaved(const MachineModel& m, const std::vector<Program>&
     if (e.type == wake) {
       try_start(e.rank, e.a, e.time);
     } else if (e.type == arrive) {
-      if (receive_work) {  // the receiver's protocol stack, one put at a time on its core
+      if (receive_work) {
+        // The receiver's protocol stack, one put at a time on its core: it
+        // takes the bytes as they come in (from the first byte, or when it
+        // is done with the put before), so the put is whole when the last
+        // byte lands or when the stack has caught up, whichever is later;
+        // then its own work per put. The stack's work is spread over the
+        // put's flight: the share of the flight during which the core
+        // computed is the share taken from the task it computed.
         const Flight& f = flights[static_cast<std::size_t>(e.a)];
-        const double work_s = m.put_receive_s + (m.put_receive_bytes_per_s > 0 ? f.bytes / m.put_receive_bytes_per_s : 0.0);
-        auto& free_at = receiver_free[static_cast<std::size_t>(e.rank)];
-        free_at = std::max(free_at, e.time) + work_s;
-        if (running[static_cast<std::size_t>(e.rank)] > 0) stolen[static_cast<std::size_t>(e.rank)] += work_s;
+        const auto r = static_cast<std::size_t>(e.rank);
+        const double bytes_s = m.put_receive_bytes_per_s > 0 ? f.bytes / m.put_receive_bytes_per_s : 0.0;
+        auto& free_at = receiver_free[r];
+        const double begin = std::max(free_at, std::min(f.first_byte, e.time));
+        free_at = std::max(begin + bytes_s, e.time) + m.put_receive_s;
+        // (A core idle now was waiting: the work it did meanwhile is absorbed.)
+        if (busy.running(e.rank)) {
+          const double span = e.time - f.on_wire;
+          const double computing = span > 0 ? std::clamp((busy.at(e.rank, e.time) - f.receiver_busy) / span, 0.0, 1.0) : 1.0;
+          stolen[r] += bytes_s * computing + m.put_receive_s;
+        }
         heap.push(Ev{free_at, seq++, received, e.rank, e.a});
       } else {
         deliver(e.a, e.time);
@@ -439,7 +483,7 @@ Timeline simulate_interleaved(const MachineModel& m, const std::vector<Program>&
         heap.push(Ev{e.time + d, seq++, task_done, e.rank, e.a});
         continue;
       }
-      --running[r];
+      busy.stop(e.rank, e.time);
       Queue& q = queues[static_cast<std::size_t>(e.rank * Q + e.a)];
       const bool put = is_put(q.kind);
       exposure.change(e.rank, e.time, put ? -1 : 0, q.queue_class == QueueClass::matrix ? -1 : 0);
