@@ -389,9 +389,11 @@ Timeline simulate_interleaved(const MachineModel& m, const std::vector<Program>&
   auto start_flight = [&](int id, double t) {
     Flight& f = flights[static_cast<std::size_t>(id)];
     const auto [latency, bw] = links.path(f.sender, f.peer, resources);
-    f.on_wire = t;
-    f.first_byte = t + latency;
-    f.receiver_busy = busy.at(f.peer, t);
+    if (receive_work) {  // for the receiver's protocol work when it lands
+      f.on_wire = t;
+      f.first_byte = t + latency;
+      f.receiver_busy = busy.at(f.peer, t);
+    }
     if (bw > 0) {
       if (bounded) ++engines_busy[static_cast<std::size_t>(f.sender)];
       if (f.worker >= 0 && unit_resources >= 0) resources.push_back(unit_resources + f.sender * Q + f.worker);
