@@ -11,8 +11,14 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstdlib>
 #include <limits>
 #include <queue>
+#include <type_traits>
+
+#if __has_include(<sys/mman.h>)
+#include <sys/mman.h>
+#endif
 
 #include "hpmoe/error.hpp"
 #include "hpmoe/sim.hpp"
@@ -29,6 +35,36 @@ using taskflow::TaskWork;
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
 using taskflow::is_put;
+
+// An array of trivially copyable values, uninitialised, backed by huge pages
+// where the kernel gives them on request (Linux transparent huge pages in
+// "madvise" mode, the default on Debian). The simulator's per-task tables
+// are hundreds of MB read in a scattered order: with 4 KiB pages nearly
+// every read is a TLB miss, and first touching them page by page costs a
+// fault each (several microseconds in a virtual machine).
+template <class T>
+class HugePageArray {
+  static_assert(std::is_trivially_copyable_v<T>);
+  static constexpr std::size_t kHuge = std::size_t{2} << 20;
+
+ public:
+  explicit HugePageArray(std::size_t n) {
+    const std::size_t bytes = std::max<std::size_t>(kHuge, (n * sizeof(T) + kHuge - 1) / kHuge * kHuge);
+    data_ = static_cast<T*>(std::aligned_alloc(kHuge, bytes));
+    if (!data_) throw Error("simulate: out of memory for " + std::to_string(n) + " task slots (" + std::to_string(bytes >> 20) + " MiB)");
+#ifdef MADV_HUGEPAGE
+    ::madvise(data_, bytes, MADV_HUGEPAGE);  // a hint: without it the pages are small, and all still works
+#endif
+  }
+  ~HugePageArray() { std::free(data_); }
+  HugePageArray(const HugePageArray&) = delete;
+  HugePageArray& operator=(const HugePageArray&) = delete;
+  T& operator[](std::size_t i) { return data_[i]; }
+  const T& operator[](std::size_t i) const { return data_[i]; }
+
+ private:
+  T* data_;
+};
 
 // Row tiles in a row that use the same weight panel as this GEMM tile: an
 // expert's rows on its rank, or the rank's tokens for the shared experts.
@@ -56,14 +92,40 @@ double weight_reuse(const Program& p, const Task& t) {
 }
 
 // Seconds a task occupies its unit, `overhead` the executor's own per task.
-double duration(const MachineModel& m, const Program& p, const Task& t, const TaskWork& work, DType dtype, double overhead) {
-  if (!work.timed) return 0;
-  if (t.queue == QueueClass::matrix)
-    return m.gemm_seconds(t.rows, t.cols, std::max<std::int64_t>(1, work.k), dtype, weight_reuse(p, t)) + overhead;
-  if (is_put(t.kind))  // the issue (and a core's or vector unit's own copy); the wire comes after
-    return m.put_issue_s + (m.put_copy_bytes_per_s > 0 ? work.bytes / m.put_copy_bytes_per_s : 0.0) + overhead;
-  return work.bytes / m.vector_bytes_per_s + overhead;
-}
+// A layer's GEMM tiles come in a handful of shapes, and the model's time for
+// one walks its measured tile table: the times are kept in a small table by
+// shape (the same value as computing them again).
+class Durations {
+ public:
+  Durations(const MachineModel& m, DType dtype, double overhead) : m_(m), dtype_(dtype), overhead_(overhead) {}
+
+  double operator()(const Program& p, const Task& t, const TaskWork& work) {
+    if (!work.timed) return 0;
+    if (t.queue == QueueClass::matrix) return gemm(t.rows, t.cols, std::max<std::int64_t>(1, work.k), weight_reuse(p, t)) + overhead_;
+    if (is_put(t.kind))  // the issue (and a core's or vector unit's own copy); the wire comes after
+      return m_.put_issue_s + (m_.put_copy_bytes_per_s > 0 ? work.bytes / m_.put_copy_bytes_per_s : 0.0) + overhead_;
+    return work.bytes / m_.vector_bytes_per_s + overhead_;
+  }
+
+ private:
+  struct Shape {
+    std::int64_t rows = -1, cols = -1, k = -1;
+    double reuse = 0, seconds = 0;
+  };
+  double gemm(std::int64_t rows, std::int64_t cols, std::int64_t k, double reuse) {
+    const std::uint64_t h = (std::uint64_t(rows) * 0x9E3779B97F4A7C15ull) ^ (std::uint64_t(cols) * 0xC2B2AE3D27D4EB4Full) ^
+                            (std::uint64_t(k) * 0x165667B19E3779F9ull) ^ std::uint64_t(std::int64_t(reuse));
+    Shape& s = shapes_[(h ^ (h >> 29)) % shapes_.size()];
+    if (s.rows != rows || s.cols != cols || s.k != k || s.reuse != reuse)
+      s = Shape{rows, cols, k, reuse, m_.gemm_seconds(rows, cols, k, dtype_, reuse)};
+    return s.seconds;
+  }
+
+  const MachineModel& m_;
+  DType dtype_;
+  double overhead_;
+  std::array<Shape, 256> shapes_{};
+};
 
 // Links as processor-sharing servers: every port (or mesh link) shares its
 // capacity equally among the transfers crossing it, and a transfer is through
@@ -135,24 +197,20 @@ class Links {
     }
   }
 
-  double next_time() {
-    drop_stale();
-    return events_.empty() ? kInf : events_.top().time;
-  }
+  double next_time() const { return order_.empty() ? kInf : ports_[static_cast<std::size_t>(order_.front())].next; }
 
   // The earliest finished transfer: (time, tag).
   std::pair<double, std::int64_t> pop() {
     for (;;) {
-      drop_stale();
-      const Next e = events_.top();
-      events_.pop();
-      Port& p = ports_[static_cast<std::size_t>(e.port)];
-      advance(p, e.time);
+      const int port = order_.front();
+      Port& p = ports_[static_cast<std::size_t>(port)];
+      const double t = p.next;
+      advance(p, t);
       const int id = p.queue.top().id;
       p.queue.pop();
       --p.active;
-      reschedule(e.port);
-      if (--pending_[static_cast<std::size_t>(id)] == 0) return {e.time, tags_[static_cast<std::size_t>(id)]};
+      reschedule(port);
+      if (--pending_[static_cast<std::size_t>(id)] == 0) return {t, tags_[static_cast<std::size_t>(id)]};
     }
   }
 
@@ -165,28 +223,63 @@ class Links {
   struct Port {
     double capacity = 0, virtual_time = 0, updated = 0;
     int active = 0;
-    std::uint64_t version = 0;
+    int heap_index = -1;  // in order_; -1: no transfers
+    double next = kInf;   // when its first transfer is through
     std::priority_queue<Entry, std::vector<Entry>, std::greater<>> queue;
   };
-  struct Next {
-    double time;
-    int port;
-    std::uint64_t version;
-    bool operator>(const Next& o) const { return time != o.time ? time > o.time : port > o.port; }
-  };
-
   static void advance(Port& p, double t) {
     if (p.active > 0) p.virtual_time += (t - p.updated) * p.capacity / p.active;
     p.updated = t;
   }
+  // Each port with transfers is in the heap of ports once, keyed by the time
+  // its first transfer is through (ties: lower port first); a start or a
+  // finish moves the port's key in place.
   void reschedule(int r) {
     Port& p = ports_[static_cast<std::size_t>(r)];
-    ++p.version;
-    if (p.queue.empty()) return;
-    events_.push(Next{p.updated + (p.queue.top().finish - p.virtual_time) * p.active / p.capacity, r, p.version});
+    if (p.queue.empty()) {
+      if (p.heap_index >= 0) remove(r);
+      return;
+    }
+    p.next = p.updated + (p.queue.top().finish - p.virtual_time) * p.active / p.capacity;
+    if (p.heap_index < 0) {
+      p.heap_index = static_cast<int>(order_.size());
+      order_.push_back(r);
+    }
+    sift(static_cast<std::size_t>(p.heap_index));
   }
-  void drop_stale() {
-    while (!events_.empty() && events_.top().version != ports_[static_cast<std::size_t>(events_.top().port)].version) events_.pop();
+  bool earlier(int a, int b) const {
+    const double ta = ports_[static_cast<std::size_t>(a)].next, tb = ports_[static_cast<std::size_t>(b)].next;
+    return ta != tb ? ta < tb : a < b;
+  }
+  void place(std::size_t i, int r) {
+    order_[i] = r;
+    ports_[static_cast<std::size_t>(r)].heap_index = static_cast<int>(i);
+  }
+  void sift(std::size_t i) {
+    const int r = order_[i];
+    while (i > 0 && earlier(r, order_[(i - 1) / 2])) {
+      place(i, order_[(i - 1) / 2]);
+      i = (i - 1) / 2;
+    }
+    for (;;) {
+      std::size_t c = 2 * i + 1;
+      if (c >= order_.size()) break;
+      if (c + 1 < order_.size() && earlier(order_[c + 1], order_[c])) ++c;
+      if (!earlier(order_[c], r)) break;
+      place(i, order_[c]);
+      i = c;
+    }
+    place(i, r);
+  }
+  void remove(int r) {
+    const auto i = static_cast<std::size_t>(ports_[static_cast<std::size_t>(r)].heap_index);
+    ports_[static_cast<std::size_t>(r)].heap_index = -1;
+    const int last = order_.back();
+    order_.pop_back();
+    if (i < order_.size()) {
+      place(i, last);
+      sift(i);
+    }
   }
 
   const MachineModel& m_;
@@ -194,7 +287,7 @@ class Links {
   std::vector<Port> ports_;
   std::vector<int> pending_;  // per transfer: resources still carrying it
   std::vector<std::int64_t> tags_;
-  std::priority_queue<Next, std::vector<Next>, std::greater<>> events_;
+  std::vector<int> order_;  // a min-heap of the ports with transfers
 };
 
 // Per rank: how many tasks are running, and the time any was (a clock that
@@ -266,24 +359,43 @@ Timeline simulate_interleaved(const MachineModel& m, const std::vector<Program>&
   check_programs(programs, work);
   const int P = static_cast<int>(programs.size());
   const int Q = programs[0].machine.workers();
-  // A unit's queue, and what the simulation needs of its current task (the
-  // one running or waiting), copied at its start: at EP 256 the tasks are
-  // hundreds of MB, and reading one again at its end is a cache miss.
+  // What the event loop needs of a task, in the order its unit runs them:
+  // every rank's queues one after another, so a unit walks its tasks
+  // sequentially (the next is usually in the same cache line, or prefetched
+  // when the one before starts). Built in one pass whose loads are
+  // independent of each other, so the processor overlaps their cache
+  // misses; the event loop's own misses come one after another. At EP 256
+  // the tasks and their work are hundreds of MB, read in a scattered order.
+  struct Slot {
+    double duration;
+    std::int32_t id, wait_event, wait_count, trigger_event, peer;
+    TaskKind kind;
+    QueueClass queue_class;
+  };
+  std::size_t slots_total = 0;
+  for (const auto& p : programs) slots_total += p.queue_tasks.size();
+  HugePageArray<Slot> slots(slots_total);
+  std::vector<std::size_t> slot_base(static_cast<std::size_t>(P) + 1, 0);
+  Durations duration(m, dtype, m.task_overhead_s);
+  for (int r = 0; r < P; ++r) {
+    const auto& p = programs[static_cast<std::size_t>(r)];
+    const auto& rank_work = work[static_cast<std::size_t>(r)];
+    const std::size_t base = slot_base[static_cast<std::size_t>(r)];
+    for (std::size_t i = 0; i < p.queue_tasks.size(); ++i) {
+      const std::int32_t id = p.queue_tasks[i];
+      const Task& t = p.tasks[static_cast<std::size_t>(id)];
+      slots[base + i] = Slot{duration(p, t, rank_work[static_cast<std::size_t>(id)]),
+                             id, t.wait_event, t.wait_count, t.trigger_event, t.peer, t.kind, t.queue};
+    }
+    slot_base[static_cast<std::size_t>(r) + 1] = base + p.queue_tasks.size();
+  }
+  // A unit's queue, and a copy of its current task's slot (the task running
+  // or waiting): reading the slot again at the task's end would miss the cache.
   struct Queue {
-    std::int32_t pos = 0, end = 0;
+    std::size_t pos = 0, end = 0;  // into slots
     bool busy = false;
     std::int64_t trace_slice = -1;  // of its running task
-    std::int32_t id = -1, wait_count = 0, trigger_event = -1, peer = -1;
-    TaskKind kind{};
-    QueueClass queue_class{};
-    void take(std::int32_t task_id, const Task& t) {
-      id = task_id;
-      wait_count = t.wait_count;
-      trigger_event = t.trigger_event;
-      peer = t.peer;
-      kind = t.kind;
-      queue_class = t.queue;
-    }
+    Slot task{};
   };
   std::vector<Queue> queues(static_cast<std::size_t>(P * Q));
   std::vector<std::vector<std::int32_t>> count(static_cast<std::size_t>(P));
@@ -295,8 +407,8 @@ Timeline simulate_interleaved(const MachineModel& m, const std::vector<Program>&
     waiters[r].resize(p.events.size());
     for (int w = 0; w < Q; ++w) {
       Queue& q = queues[static_cast<std::size_t>(r * Q + w)];
-      q.pos = p.queue_begin[w];
-      q.end = p.queue_begin[w + 1];
+      q.pos = slot_base[static_cast<std::size_t>(r)] + static_cast<std::size_t>(p.queue_begin[w]);
+      q.end = slot_base[static_cast<std::size_t>(r)] + static_cast<std::size_t>(p.queue_begin[w + 1]);
     }
   }
   // task_done: a unit finished a task (for a put: its issue); wake: a waiter's
@@ -307,6 +419,7 @@ Timeline simulate_interleaved(const MachineModel& m, const std::vector<Program>&
     double time;
     std::uint64_t seq;
     int type, rank, a;
+    std::int32_t next_slot = -1;  // task_done: the unit's next slot, relative to its rank's first
     bool operator>(const Ev& o) const { return time != o.time ? time > o.time : seq > o.seq; }
   };
   // A put past its issue: on the wire, or waiting for a copy engine.
@@ -345,24 +458,24 @@ Timeline simulate_interleaved(const MachineModel& m, const std::vector<Program>&
   auto try_start = [&](int r, int w, double t) {
     Queue& q = queues[static_cast<std::size_t>(r * Q + w)];
     if (q.busy || q.pos >= q.end) return;
-    const auto& p = programs[static_cast<std::size_t>(r)];
-    const std::int32_t id = p.queue_tasks[static_cast<std::size_t>(q.pos)];
-    const Task& task = p.tasks[static_cast<std::size_t>(id)];
-    q.take(id, task);
+    q.task = slots[q.pos];
+    const Slot& task = q.task;
     if (task.wait_event >= 0 && count[r][static_cast<std::size_t>(task.wait_event)] < task.wait_count) {
       waiters[r][static_cast<std::size_t>(task.wait_event)].push_back(w);
       return;
     }
-    const double d = duration(m, p, task, work[static_cast<std::size_t>(r)][static_cast<std::size_t>(id)], dtype, m.task_overhead_s);
+    const bool more = q.pos + 1 < q.end;
+    if (more) __builtin_prefetch(&slots[q.pos + 1]);  // read when this one ends
+    const double d = task.duration;
     q.busy = true;
     busy.start(r, t);
-    (task.queue == QueueClass::matrix ? out.matrix_busy : out.vector_busy) += d;
-    exposure.change(r, t, is_put(task.kind) ? 1 : 0, task.queue == QueueClass::matrix ? 1 : 0);
+    (task.queue_class == QueueClass::matrix ? out.matrix_busy : out.vector_busy) += d;
+    exposure.change(r, t, is_put(task.kind) ? 1 : 0, task.queue_class == QueueClass::matrix ? 1 : 0);
     if (trace) {
       q.trace_slice = static_cast<std::int64_t>(out.trace.size());
-      out.trace.push_back(slice(r, w, t, t + d, task));
+      out.trace.push_back(slice(r, w, t, t + d, programs[static_cast<std::size_t>(r)].tasks[static_cast<std::size_t>(task.id)]));
     }
-    heap.push(Ev{t + d, seq++, task_done, r, w});
+    heap.push(Ev{t + d, seq++, task_done, r, w, more ? static_cast<std::int32_t>(q.pos + 1 - slot_base[static_cast<std::size_t>(r)]) : -1});
   };
   auto fire = [&](int r, std::int32_t event, double t) {
     auto& c = count[r][static_cast<std::size_t>(event)];
@@ -370,7 +483,7 @@ Timeline simulate_interleaved(const MachineModel& m, const std::vector<Program>&
     auto& list = waiters[r][static_cast<std::size_t>(event)];
     for (std::size_t i = 0; i < list.size();) {
       const Queue& q = queues[static_cast<std::size_t>(r * Q + list[i])];
-      if (c >= q.wait_count) {
+      if (c >= q.task.wait_count) {
         heap.push(Ev{t + m.signal_latency_s, seq++, wake, r, list[i]});
         list[i] = list.back();
         list.pop_back();
@@ -447,6 +560,13 @@ Timeline simulate_interleaved(const MachineModel& m, const std::vector<Program>&
     }
     const Ev e = heap.top();
     heap.pop();
+    if (const Ev* next = heap.empty() ? nullptr : &heap.top(); next && (next->type == task_done || next->type == wake)) {
+      // The next event's unit and its next task: their cache misses overlap
+      // this event's work instead of following it.
+      __builtin_prefetch(&queues[static_cast<std::size_t>(next->rank * Q + next->a)]);
+      if (next->next_slot >= 0)
+        __builtin_prefetch(&slots[slot_base[static_cast<std::size_t>(next->rank)] + static_cast<std::size_t>(next->next_slot)]);
+    }
     out.makespan = std::max(out.makespan, e.time);
     if (e.type == wake) {
       try_start(e.rank, e.a, e.time);
@@ -482,29 +602,29 @@ Timeline simulate_interleaved(const MachineModel& m, const std::vector<Program>&
       if (stolen[r] > 0) {  // the core also ran the receives meanwhile: the task ends that much later
         const double d = stolen[r];
         stolen[r] = 0;
-        heap.push(Ev{e.time + d, seq++, task_done, e.rank, e.a});
+        heap.push(Ev{e.time + d, seq++, task_done, e.rank, e.a, e.next_slot});
         continue;
       }
       busy.stop(e.rank, e.time);
       Queue& q = queues[static_cast<std::size_t>(e.rank * Q + e.a)];
-      const bool put = is_put(q.kind);
-      exposure.change(e.rank, e.time, put ? -1 : 0, q.queue_class == QueueClass::matrix ? -1 : 0);
-      if (put && q.trigger_event >= 0 && q.peer != e.rank) {
+      const bool put = is_put(q.task.kind);
+      exposure.change(e.rank, e.time, put ? -1 : 0, q.task.queue_class == QueueClass::matrix ? -1 : 0);
+      if (put && q.task.trigger_event >= 0 && q.task.peer != e.rank) {
         const int fid = static_cast<int>(flights.size());
-        flights.push_back(Flight{e.rank, q.peer, q.trigger_event, held ? e.a : -1,
-                                 work[r][static_cast<std::size_t>(q.id)].bytes, e.time,
+        flights.push_back(Flight{e.rank, q.task.peer, q.task.trigger_event, held ? e.a : -1,
+                                 work[r][static_cast<std::size_t>(q.task.id)].bytes, e.time,
                                  held ? q.trace_slice : -1});
         if (held) {  // its unit stays busy until the bytes land
           if (q.trace_slice >= 0) out.trace[static_cast<std::size_t>(q.trace_slice)].name += " (copy until landed)";
           start_flight(fid, e.time);
           continue;
         }
-        if (bounded && links.path(e.rank, q.peer, resources).second > 0 &&
+        if (bounded && links.path(e.rank, q.task.peer, resources).second > 0 &&
             engines_busy[r] >= m.put_in_flight) {
           exposure.change(e.rank, e.time, 1, 0);  // waiting for an engine counts as communication
           engine_waiting[r].push_back(fid);
-        } else if (streams && links.path(e.rank, q.peer, resources).second > 0) {
-          const std::size_t pair = r * static_cast<std::size_t>(P) + static_cast<std::size_t>(q.peer);
+        } else if (streams && links.path(e.rank, q.task.peer, resources).second > 0) {
+          const std::size_t pair = r * static_cast<std::size_t>(P) + static_cast<std::size_t>(q.task.peer);
           if (stream_busy[pair]) {
             exposure.change(e.rank, e.time, 1, 0);  // queued behind the stream's earlier puts
             stream_waiting[pair].push_back(fid);
@@ -515,8 +635,8 @@ Timeline simulate_interleaved(const MachineModel& m, const std::vector<Program>&
         } else {
           start_flight(fid, e.time);
         }
-      } else if (q.trigger_event >= 0) {
-        fire(q.peer, q.trigger_event, e.time);
+      } else if (q.task.trigger_event >= 0) {
+        fire(q.task.peer, q.task.trigger_event, e.time);
       }
       finish_task(e.rank, e.a, e.time);
     }
@@ -525,10 +645,8 @@ Timeline simulate_interleaved(const MachineModel& m, const std::vector<Program>&
     for (int w = 0; w < Q; ++w) {
       const Queue& q = queues[static_cast<std::size_t>(r * Q + w)];
       if (q.pos < q.end) {
-        const auto& p = programs[static_cast<std::size_t>(r)];
-        const Task& t = p.tasks[static_cast<std::size_t>(p.queue_tasks[static_cast<std::size_t>(q.pos)])];
         throw Error("simulate: deadlock: rank " + std::to_string(r) + " worker " + std::to_string(w) + " waits on event " +
-                    std::to_string(t.wait_event) + " for ever");
+                    std::to_string(slots[q.pos].wait_event) + " for ever");
       }
     }
   out.exposed_comm = exposure.share(out.makespan);
@@ -733,6 +851,7 @@ Timeline serialized(const MachineModel& m, const std::vector<Program>& programs,
   std::vector<int> resources;
   std::vector<std::pair<double, int>> dealt;  // CPU: each worker's free time, in turn
   const double overhead = m.serialized_task_overhead_s >= 0 ? m.serialized_task_overhead_s : m.task_overhead_s;
+  Durations duration(m, dtype, overhead);
   // Task ids of each kind, per rank, in generation order.
   constexpr auto kinds = static_cast<std::size_t>(TaskKind::count);
   std::vector<std::vector<std::int32_t>> by_kind(static_cast<std::size_t>(P) * kinds);
@@ -796,7 +915,7 @@ Timeline serialized(const MachineModel& m, const std::vector<Program>& programs,
           if (!in_turn) units.pop();
           const TaskWork& w = work[static_cast<std::size_t>(r)][id];
           const double bytes = w.bytes;
-          const double d = !w.timed ? 0.0 : pass == 0 ? bytes / m.vector_bytes_per_s + overhead : duration(m, p, t, w, dtype, overhead);
+          const double d = !w.timed ? 0.0 : pass == 0 ? bytes / m.vector_bytes_per_s + overhead : duration(p, t, w);
           if (in_turn) next_unit->first = start + d;
           else units.push({start + d, unit});
           (t.queue == QueueClass::matrix ? out.matrix_busy : out.vector_busy) += d;
