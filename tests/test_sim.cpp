@@ -500,6 +500,27 @@ TEST(Simulator, CompiledLayerIsDeterministicAndInterleavingHelpsWhenCommunicatio
   EXPECT_GT(a.forward.tasks, 0);
 }
 
+// A model written out and read back simulates the same, with its sources:
+// every field the loader takes, to_json writes (calibrate and the cluster
+// scripts build models from it).
+TEST(Simulator, EveryCommittedModelSurvivesARoundTrip) {
+  for (const char* name : {"cpu-local", "cpu-amd-epyc", "ascend-a3", "h800", "h200", "nmp-mesh"}) {
+    SCOPED_TRACE(name);
+    const MachineModel m = load_machine(std::string(HPMOE_SOURCE_DIR) + "/machines/" + name + ".json");
+    const MachineModel back = machine_from_json(to_json(m));
+    EXPECT_EQ(back.sources, m.sources);
+    EXPECT_FALSE(back.sources.empty());
+    const SimRequest req = bf16_step("deepseek-v2-lite", 4, 256);
+    const SimReport a = simulate(m, req), b = simulate(back, req);
+    for (const auto& [x, y] : {std::pair{a.forward, b.forward}, std::pair{a.backward, b.backward}}) {
+      EXPECT_EQ(x.serialized_s, y.serialized_s);
+      EXPECT_EQ(x.interleaved_s, y.interleaved_s);
+      EXPECT_EQ(x.deepep_s, y.deepep_s);
+      EXPECT_EQ(x.mindspore_s, y.mindspore_s);
+    }
+  }
+}
+
 TEST(Simulator, RejectsBadModels) {
   const auto good = nlohmann::json::parse(std::ifstream(std::string(HPMOE_SOURCE_DIR) + "/machines/h800.json"));
   EXPECT_NO_THROW(machine_from_json(good));
@@ -529,6 +550,9 @@ TEST(Simulator, RejectsBadModels) {
   j = good;
   j.erase("sources");
   expect_error(j, "sources");
+  j = good;
+  j["sources"]["links"] = 42;
+  expect_error(j, "sources.links");
   j = good;
   j["put"]["engine"] = "pigeon";
   expect_error(j, "put.engine");

@@ -3,6 +3,7 @@
 #include <functional>
 #include <nlohmann/json_fwd.hpp>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "hpmoe/baseline.hpp"
@@ -121,6 +122,9 @@ struct MachineModel {
   // (0 where the model has none) and the CPU it was measured on.
   double fma_peak_fp32_per_core = 0, bf16_peak_per_core = 0;
   std::string cpu;
+  // Where each figure comes from ("sources": field -> URL, paper section,
+  // measurement command, or "estimate" with its reasoning).
+  std::vector<std::pair<std::string, std::string>> sources;
 
   taskflow::Machine compiler_machine() const;  // what the compiler schedules for
   // A tile whose right-hand panel serves `reuse` row tiles in a row: its

@@ -284,6 +284,11 @@ MachineModel machine_from_json(const json& j) {
   const json& sources = at(j, "sources");
   if (!sources.is_object() || sources.empty())
     throw Error("machine model: 'sources' must say where the figures come from (an object of field: source)");
+  for (const auto& [field, source] : sources.items()) {
+    if (!source.is_string() || source.get<std::string>().empty())
+      throw Error("machine model: 'sources." + field + "' must be a non-empty string (a URL, paper section, command or estimate)");
+    m.sources.emplace_back(field, source.get<std::string>());
+  }
   return m;
 }
 
@@ -347,6 +352,8 @@ json to_json(const MachineModel& m) {
   if (m.mindspore.enabled) j["baselines"]["mindspore"] = {{"host_sync_s", m.mindspore.host_sync_s}};
   if (m.mesh_cols > 0)
     j["mesh"] = {{"cols", m.mesh_cols}, {"link_bytes_per_s", m.mesh_link_bytes_per_s}, {"hop_latency_s", m.mesh_hop_latency_s}};
+  j["sources"] = json::object();
+  for (const auto& [field, source] : m.sources) j["sources"][field] = source;
   return j;
 }
 
