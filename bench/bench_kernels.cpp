@@ -222,6 +222,30 @@ void BM_Swiglu(benchmark::State& state) {
   });
 }
 
+// The weight-gradient packs' transpose: blocks of `rows` token rows of
+// hidden 2048 into the columns of x^T (an expert's rows among 4096), as
+// kernels::transpose_rows (arg 1 = 1, blocks of 16 rows) and as the plain
+// loop it replaced (arg 1 = 0).
+template <class T>
+void BM_TransposeRows(benchmark::State& state) {
+  const std::int64_t H = 2048, rows = state.range(0), ld_dst = 4096, blocks = std::int64_t(kStreamBytes / (rows * H * sizeof(T)));
+  const bool plain = state.range(1) == 0;
+  std::vector<T> src(static_cast<std::size_t>(blocks * rows * H), T(1.0f)), dst(static_cast<std::size_t>(H * ld_dst));
+  measure_bytes(state, 2.0 * double(blocks * rows * H) * sizeof(T), [&] {
+    for (std::int64_t b = 0; b < blocks; ++b) {
+      const T* from = src.data() + b * rows * H;
+      T* to = dst.data() + (b * rows) % (ld_dst - rows);
+      if (plain) {
+        for (std::int64_t j = 0; j < H; ++j)
+          for (std::int64_t i = 0; i < rows; ++i) to[j * ld_dst + i] = from[i * H + j];
+      } else {
+        transpose_rows<T>(from, H, rows, H, to, ld_dst);
+      }
+    }
+    benchmark::DoNotOptimize(dst.data());
+  });
+}
+
 // Dispatch's permute: rows of x gathered by token index into the send order (hidden 2048).
 template <class T>
 void BM_Permute(benchmark::State& state) {
@@ -277,6 +301,7 @@ BENCHMARK(BM_LargeGemm<bf16>)->Name("BM_LargeGemm_bf16")->Unit(benchmark::kMilli
 BENCHMARK(BM_Copy)->Unit(benchmark::kMillisecond)->UseManualTime();
 BENCHMARK(BM_Swiglu<float>)->Name("BM_Swiglu_fp32")->Unit(benchmark::kMillisecond)->UseManualTime();
 BENCHMARK(BM_Swiglu<bf16>)->Name("BM_Swiglu_bf16")->Unit(benchmark::kMillisecond)->UseManualTime();
+BENCHMARK(BM_TransposeRows<float>)->Name("BM_TransposeRows_fp32")->ArgsProduct({{16, 32, 64, 128}, {0, 1}})->Unit(benchmark::kMillisecond)->UseManualTime();
 BENCHMARK(BM_Permute<float>)->Name("BM_Permute_fp32")->Unit(benchmark::kMillisecond)->UseManualTime();
 BENCHMARK(BM_Permute<bf16>)->Name("BM_Permute_bf16")->Unit(benchmark::kMillisecond)->UseManualTime();
 BENCHMARK(BM_Combine<float>)->Name("BM_Combine_fp32")->Unit(benchmark::kMillisecond)->UseManualTime();

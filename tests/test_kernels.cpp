@@ -205,6 +205,40 @@ TEST(Pack, TransposedPackingEqualsPackingTheTranspose) {
   for (std::size_t i = 0; i < a.size(); ++i) EXPECT_EQ(a[i].bits, b[i].bits) << i;
 }
 
+// Whole and partial blocks of 16 rows, odd widths and strides, fp32 and
+// bf16: every element lands where the plain loop puts it, and nothing
+// outside the block is written.
+template <class T>
+void check_transpose_rows() {
+  auto bits = [](const T& v) {
+    std::uint32_t b = 0;
+    std::memcpy(&b, &v, sizeof(T));
+    return b;
+  };
+  auto with_bits = [](std::uint32_t b) {
+    T v;
+    std::memcpy(static_cast<void*>(&v), &b, sizeof(T));  // the low bytes: x86 is little-endian
+    return v;
+  };
+  for (const std::int64_t rows : {1, 7, 16, 31, 47, 48, 64, 97}) {
+    const std::int64_t cols = 133, ld_src = 150, ld_dst = 211;
+    const std::uint32_t untouched = 0x3c00;
+    std::vector<T> src(static_cast<std::size_t>(rows * ld_src)), dst(static_cast<std::size_t>(cols * ld_dst), with_bits(untouched));
+    for (std::size_t i = 0; i < src.size(); ++i) src[i] = with_bits(static_cast<std::uint32_t>(i % 30000 + 1));
+    kernels::transpose_rows<T>(src.data(), ld_src, rows, cols, dst.data(), ld_dst);
+    for (std::int64_t j = 0; j < cols; ++j)
+      for (std::int64_t i = 0; i < ld_dst; ++i) {
+        const std::uint32_t want = i < rows ? bits(src[static_cast<std::size_t>(i * ld_src + j)]) : untouched;
+        ASSERT_EQ(bits(dst[static_cast<std::size_t>(j * ld_dst + i)]), want) << rows << " rows, element " << j << ", " << i;
+      }
+  }
+}
+TEST(Pack, TransposeRowsInBlocksIsThePlainTranspose) {
+  kernels::init();
+  check_transpose_rows<float>();
+  check_transpose_rows<bf16>();
+}
+
 TEST(Bf16, RoundsToNearestEvenAndKeepsSpecials) {
   EXPECT_EQ(bf16::from_float(1.0f).bits, 0x3f80);
   EXPECT_EQ(bf16::from_float(1.0f + 1.0f / 256).bits, 0x3f80);      // tie -> even

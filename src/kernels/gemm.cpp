@@ -1,5 +1,6 @@
 #include <libxsmm.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <mutex>
@@ -347,6 +348,18 @@ void transpose(const T* src, std::int64_t ld_src, std::int64_t rows, T* dst, std
     for (std::int64_t i = rows; i < ld_dst; ++i) out[i] = T{};
   }
 }
+
+template <class T>
+void transpose_rows(const T* src, std::int64_t ld_src, std::int64_t rows, std::int64_t cols, T* dst, std::int64_t ld_dst) {
+  constexpr std::int64_t kBlock = 16;
+  for (std::int64_t i0 = 0; i0 < rows; i0 += kBlock) {
+    const std::int64_t i1 = std::min(rows, i0 + kBlock);
+    for (std::int64_t j = 0; j < cols; ++j)
+      for (std::int64_t i = i0; i < i1; ++i) dst[j * ld_dst + i] = src[i * ld_src + j];
+  }
+}
+template void transpose_rows<float>(const float*, std::int64_t, std::int64_t, std::int64_t, float*, std::int64_t);
+template void transpose_rows<bf16>(const bf16*, std::int64_t, std::int64_t, std::int64_t, bf16*, std::int64_t);
 
 template void gemm_tile<float>(const float*, std::int64_t, RhsView<float>, std::int64_t, float*, std::int64_t,
                                std::int64_t, std::int64_t, std::int64_t, bool);

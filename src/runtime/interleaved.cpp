@@ -1154,7 +1154,7 @@ class Interleaved final : public InterleavedExecutor::Impl {
                                pr.rows() - rows);
       const std::int64_t width = ts.cols(), ld = ld_of(r, transposed);
       T* dst = at<T>(r, p, tr);
-      transpose_rows<T>(at<T>(r, p, ts), ld_of(r, tsrc), rows, width, dst, ld);
+      kernels::transpose_rows<T>(at<T>(r, p, ts), ld_of(r, tsrc), rows, width, dst, ld);
       for (std::int64_t c = rows; c < tr.cols(); ++c)  // the K padding column
         for (std::int64_t j = 0; j < width; ++j) dst[j * ld + c] = T{};
     };
@@ -1180,7 +1180,7 @@ class Interleaved final : public InterleavedExecutor::Impl {
                                        index_of_[static_cast<std::size_t>(r)] * T_ + t.row_begin + j, std::span<const float>(gw + j * K, K),
                                        std::span<float>(dlogits + j * E, E));
         const Rect& xtf = o.out(BufferId::xtf);
-        transpose_rows<float>(at<float>(r, p, o.in(BufferId::xf)), ld_of(r, BufferId::xf), rows, H, at<float>(r, p, xtf),
+        kernels::transpose_rows<float>(at<float>(r, p, o.in(BufferId::xf)), ld_of(r, BufferId::xf), rows, H, at<float>(r, p, xtf),
                               ld_of(r, BufferId::xtf));
         break;
       }
@@ -1274,14 +1274,6 @@ class Interleaved final : public InterleavedExecutor::Impl {
         throw Error(std::string("the interleaved runtime has no implementation of task kind ") + taskflow::name(t.kind));
     }
     return false;
-  }
-
-  // dst[j * ld_dst + i] = src[i * ld_src + j] for rows i < rows, columns j < cols.
-  template <class U>
-  static void transpose_rows(const U* src, std::int64_t ld_src, std::int64_t rows, std::int64_t cols, U* dst,
-                             std::int64_t ld_dst) {
-    for (std::int64_t j = 0; j < cols; ++j)
-      for (std::int64_t i = 0; i < rows; ++i) dst[j * ld_dst + i] = src[i * ld_src + j];
   }
 
   // `rows` rows of row-major src [., n] into rows [row0, row0 + rows) of a
