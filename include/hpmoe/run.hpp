@@ -110,6 +110,11 @@ struct Verification {
 
 struct Summary {
   double median = 0, min = 0, max = 0;
+  // Every measured step, in step order: the executors alternate step by
+  // step, so sample i of one executor and sample i of the other are a pair
+  // taken seconds apart (a speedup per pair cancels slow drifts of a
+  // shared machine).
+  std::vector<double> samples;
 };
 Summary summarize(std::vector<double> samples);
 

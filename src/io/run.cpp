@@ -39,6 +39,7 @@ RunMode parse_run_mode(const std::string& s) {
 Summary summarize(std::vector<double> v) {
   Summary s;
   if (v.empty()) return s;
+  s.samples = v;
   std::sort(v.begin(), v.end());
   s.min = v.front();
   s.max = v.back();
@@ -880,7 +881,9 @@ RunReport run_layer(const RunRequest& req, const std::function<void(const std::s
 }
 
 namespace {
-nlohmann::json summary_json(const Summary& s) { return {{"median_s", s.median}, {"min_s", s.min}, {"max_s", s.max}}; }
+nlohmann::json summary_json(const Summary& s) {
+  return {{"median_s", s.median}, {"min_s", s.min}, {"max_s", s.max}, {"samples_s", s.samples}};
+}
 }  // namespace
 
 nlohmann::json to_json(const RunReport& r) {
