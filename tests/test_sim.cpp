@@ -112,6 +112,22 @@ TEST(Simulator, OneGemmTile) {
   EXPECT_DOUBLE_EQ(simulate_interleaved(m, b.programs, b.work, DType::bf16, false).makespan, 2.0 * 64 * 64 * 1024 / 2e12);
 }
 
+// A vector kind with its own measured rate takes its bytes at that rate;
+// the others keep the model's one vector rate.
+TEST(Simulator, VectorKindsTakeTheirOwnRateWhereMeasured) {
+  MachineModel m = round_machine(1, 1);
+  m.vector_kind_bytes_per_s[static_cast<std::size_t>(TaskKind::gate_grad)] = 4e9;
+  Builder b(1, m);
+  b.add(0, 1, TaskKind::gate_grad, 1000);  // 1000 B at 4 GB/s: 0.25 us
+  b.add(0, 1, TaskKind::swiglu, 1000);     // 1000 B at 1 GB/s: 1 us
+  const auto t = simulate_interleaved(m, b.done(), b.work, DType::fp32, true);
+  ASSERT_EQ(t.trace.size(), 2u);
+  EXPECT_DOUBLE_EQ(t.trace[0].end - t.trace[0].start, 0.25e-6);
+  EXPECT_DOUBLE_EQ(t.trace[1].end - t.trace[1].start, 1e-6);
+  EXPECT_DOUBLE_EQ(t.makespan, 1.25e-6);
+  EXPECT_DOUBLE_EQ(m.vector_rate(TaskKind::router_bwd), 1e9);
+}
+
 namespace {
 // Rank 0 puts `bytes` into rank 1, whose vector task of `then` bytes waits for them.
 Builder one_put(const MachineModel& m, double bytes, double then) {
@@ -521,6 +537,24 @@ TEST(Simulator, EveryCommittedModelSurvivesARoundTrip) {
   }
 }
 
+// Calibration of the vector kinds: every vector kind of a layer's forward
+// and backward gets a positive rate, and the rates read back as a model's.
+TEST(Calibrate, EveryVectorKindOfALayerGetsItsRate) {
+  LayerConfig c = preset("tiny");
+  c.tokens_per_rank = 64;
+  const nlohmann::json by_kind = vector_kind_rates(c, 2, 1);
+  for (const char* kind : {"swiglu", "combine_reduce", "shared_swiglu", "gate_grad", "router_bwd", "pack_down_grad",
+                           "swiglu_bwd", "pack_gate_up_grad", "grad_reduce"}) {
+    ASSERT_TRUE(by_kind.contains(kind)) << kind;
+    EXPECT_GT(by_kind[kind].get<double>(), 0.0) << kind;
+  }
+  for (const auto& [kind, rate] : by_kind.items()) EXPECT_FALSE(kind.find("put") != std::string::npos) << kind;
+  auto model = nlohmann::json::parse(std::ifstream(std::string(HPMOE_SOURCE_DIR) + "/machines/cpu-local.json"));
+  model["vector"]["by_kind"] = by_kind;
+  const MachineModel m = machine_from_json(model);
+  EXPECT_EQ(m.vector_rate(TaskKind::gate_grad), by_kind["gate_grad"].get<double>());
+}
+
 TEST(Simulator, RejectsBadModels) {
   const auto good = nlohmann::json::parse(std::ifstream(std::string(HPMOE_SOURCE_DIR) + "/machines/h800.json"));
   EXPECT_NO_THROW(machine_from_json(good));
@@ -574,6 +608,15 @@ TEST(Simulator, RejectsBadModels) {
   j["links"]["intra"]["by_ep"] = {{{"ranks", 16}, {"bytes_per_s", 1e11}}, {{"ranks", 8}, {"bytes_per_s", 1e11}}};
   expect_error(j, "by_ep.1.ranks");
   j = good;
+  j["vector"]["by_kind"] = {{"gemm_down", 1e10}};  // a matrix kind
+  expect_error(j, "vector.by_kind.gemm_down");
+  j["vector"]["by_kind"] = {{"dispatch_put", 1e10}};  // a put: its copy has its own rate
+  expect_error(j, "vector.by_kind.dispatch_put");
+  j["vector"]["by_kind"] = {{"swiglu", -1}};
+  expect_error(j, "vector.by_kind.swiglu");
+  j["vector"]["by_kind"] = 7;
+  expect_error(j, "vector.by_kind");
+  j = good;
   j["baselines"]["deepep"]["fp8_dispatch"] = "yes";
   expect_error(j, "fp8_dispatch");
   j = good;
@@ -595,6 +638,10 @@ TEST(Simulator, RejectsBadModels) {
   MachineModel cpu = load_machine(std::string(HPMOE_SOURCE_DIR) + "/machines/cpu-local.json");
   cpu.put_stream_per_peer = true;
   EXPECT_TRUE(machine_from_json([&] { auto c = to_json(cpu); c["sources"] = {{"all", "test"}}; return c; }()).put_stream_per_peer);
+  cpu.vector_kind_bytes_per_s[static_cast<std::size_t>(TaskKind::router_bwd)] = 3e9;
+  const MachineModel cpu_again = machine_from_json([&] { auto c = to_json(cpu); c["sources"] = {{"all", "test"}}; return c; }());
+  EXPECT_EQ(cpu_again.vector_rate(TaskKind::router_bwd), 3e9);
+  EXPECT_EQ(cpu_again.vector_rate(TaskKind::swiglu), cpu.vector_bytes_per_s);
   EXPECT_THROW(load_machine("/nonexistent/model.json"), Error);
 }
 

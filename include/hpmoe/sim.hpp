@@ -1,4 +1,5 @@
 #pragma once
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <nlohmann/json_fwd.hpp>
@@ -88,6 +89,16 @@ struct MachineModel {
   std::int64_t weight_tile_cols = 0;  // columns of a weight-gradient task ("tile.weight_cols", a multiple of cols; 0: cols)
   std::vector<TileRate> tile_rates;  // nearest shape wins
   double vector_bytes_per_s = 0;     // per vector (or unified) unit
+  // Where measured ("vector.by_kind", from `hpmoe calibrate`): a vector
+  // kind's own rate, in the bytes its access-table traffic terms count per
+  // second. One rate for all kinds was 1.5x to 4x off for some of them: a
+  // SwiGLU streams, a gate gradient takes dot products over rows read top_k
+  // times, a router backward writes x transposed. 0: vector_bytes_per_s.
+  std::array<double, static_cast<std::size_t>(taskflow::TaskKind::count)> vector_kind_bytes_per_s{};
+  double vector_rate(taskflow::TaskKind k) const {
+    const double r = vector_kind_bytes_per_s[static_cast<std::size_t>(k)];
+    return r > 0 ? r : vector_bytes_per_s;
+  }
   double task_overhead_s = 0;        // per task, on its unit
   double signal_latency_s = 0;       // trigger to the waiter's start
   double put_issue_s = 0;            // sender unit per put
@@ -229,6 +240,13 @@ struct CalibrateOptions {
   int workers = 2;
   bool quick = false;  // fewer repetitions (tests)
 };
+// Each vector kind's rate in the runtime itself ("vector.by_kind"): layer c
+// (one rank), forward and backward through the interleaved executor with
+// its task trace on, as a layer runs them: rows written by one task and
+// read by the next, GEMM tiles of the other workers beside them. Per step,
+// a kind's counted bytes (the access table's traffic terms) over its tasks'
+// summed run time; the median of `steps` steps after a warm-up.
+nlohmann::json vector_kind_rates(const LayerConfig& c, int workers, int steps);
 nlohmann::json calibrate(const CalibrateOptions&, const std::function<void(const std::string&)>& progress = {});
 
 }  // namespace hpmoe::sim

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <barrier>
 #include <chrono>
@@ -150,6 +151,39 @@ double tile_rate(std::vector<TileMemory>& memory, std::int64_t m, std::int64_t k
 
 }  // namespace
 
+json vector_kind_rates(const LayerConfig& c, int workers, int steps) {
+  const auto w = random_weights(c, 7);
+  const auto in = random_inputs(c, 7);
+  RuntimeOptions ropt;
+  ropt.workers_per_rank = workers;
+  ropt.backward = true;
+  ropt.trace = true;
+  InterleavedExecutor inter(c, w, ropt);
+  const auto& table = taskflow::AccessTable::standard();
+  constexpr auto kinds = static_cast<std::size_t>(taskflow::TaskKind::count);
+  std::vector<std::vector<double>> rates(kinds);
+  StepResult res;
+  for (int step = 0; step <= steps; ++step) {  // step 0 warms
+    inter.step(in, {}, res);
+    if (step == 0) continue;
+    std::array<double, kinds> bytes{}, seconds{};
+    for (const auto pass : {taskflow::Pass::forward, taskflow::Pass::backward})
+      for (const auto& program : inter.programs(pass))
+        for (const auto& t : program.tasks)
+          if (table[t.kind].queue == taskflow::QueueClass::vector && !taskflow::is_put(t.kind))
+            bytes[static_cast<std::size_t>(t.kind)] += table.work(program, t).bytes;
+    for (const auto& slice : res.trace)
+      for (std::size_t k = 0; k < kinds; ++k)
+        if (slice.name == taskflow::name(static_cast<taskflow::TaskKind>(k))) seconds[k] += slice.end - slice.start;
+    for (std::size_t k = 0; k < kinds; ++k)
+      if (bytes[k] > 0 && seconds[k] > 0) rates[k].push_back(bytes[k] / seconds[k]);
+  }
+  json by_kind = json::object();
+  for (std::size_t k = 0; k < kinds; ++k)
+    if (!rates[k].empty()) by_kind[taskflow::name(static_cast<taskflow::TaskKind>(k))] = median(rates[k]);
+  return by_kind;
+}
+
 json calibrate(const CalibrateOptions& opt, const std::function<void(const std::string&)>& progress) {
   auto say = [&](const std::string& s) {
     if (progress) progress(s);
@@ -276,6 +310,17 @@ json calibrate(const CalibrateOptions& opt, const std::function<void(const std::
     serialized_per_task = std::max(0.0, median(v) - double(operators - 1) * barrier) * W / double(program.tasks.size());
   }
 
+  say("vector task kinds in a layer");
+  // A layer of mid-size shapes (hidden 2048, experts of 1408, 256 tokens:
+  // the sizes of the layers the model is checked on, but none of them).
+  LayerConfig vector_layer = empty_tiles_layer(1, 256);  // 8 experts, top 2; sizes below
+  vector_layer.name = "vector-calibration";
+  vector_layer.hidden = 2048;
+  vector_layer.expert_inter = vector_layer.shared_inter = 1408;
+  vector_layer.shared_experts = 1;
+  vector_layer.validate();
+  const json by_kind = vector_kind_rates(vector_layer, W, opt.quick ? 2 : 7);
+
   say("FMA peak of one core");
   const FmaPeak peak = measure_fma_peak(0.05, 7);
   const std::string when = std::to_string(std::chrono::system_clock::to_time_t(std::chrono::system_clock::now()));
@@ -286,7 +331,7 @@ json calibrate(const CalibrateOptions& opt, const std::function<void(const std::
       {"units", {{"workers", W}}},
       {"tile", {{"rows", kernels::kTileRows}, {"cols", kernels::kTileCols}, {"weight_rows", kernels::kWeightTileRows}, {"weight_cols", kernels::kWeightTileCols}}},
       {"matrix", {{"tile_rates", rates}}},
-      {"vector", {{"bytes_per_s", vector_bytes / swiglu_s}}},
+      {"vector", {{"bytes_per_s", vector_bytes / swiglu_s}, {"by_kind", by_kind}}},
       {"task_overhead_s", per_task},
       {"signal_latency_s", wake},
       {"put", {{"issue_s", 0.0}, {"copy_bytes_per_s", copy_bytes / copy_s}}},
@@ -304,6 +349,8 @@ json calibrate(const CalibrateOptions& opt, const std::function<void(const std::
                                   std::to_string(cold_bytes >> 20) + " MiB (from memory, as at an expert's first row tile)"},
         {"vector.bytes_per_s", "swiglu_forward over 64-row blocks of 1408 walking " + std::to_string(cold_bytes >> 20) +
                                    " MiB per worker (bytes read + written; from memory, as a layer's vector tasks), all workers at once"},
+        {"vector.by_kind", "each vector kind in the runtime: a layer of hidden 2048, 8 experts of 1408 (top 2) and a shared one, 256 tokens, 1 rank of " +
+                               std::to_string(W) + " workers, forward and backward through the interleaved executor, traced; per step, the bytes its tasks' access-table traffic terms count over their summed run time; the median of 7 steps after a warm-up"},
         {"put.copy_bytes_per_s", "64-row copies of hidden 2048 fp32 rows out of a 32 MiB matrix, all workers at once; in process a put is the worker's copy"},
         {"signal_latency_s", "event counter ping-pong between two pinned threads (one way)"},
         {"task_overhead_s", "a launch of a layer with hidden 2 (tiles that do next to nothing): launch time x workers / tasks"},

@@ -200,6 +200,23 @@ MachineModel machine_from_json(const json& j) {
     m.tile_rates.push_back(r);
   }
   m.vector_bytes_per_s = rate(j, "vector.bytes_per_s", 1, kMaxBytesPerS);
+  if (const json& vector = at(j, "vector"); vector.is_object() && vector.contains("by_kind")) {
+    const json& by_kind = vector["by_kind"];
+    if (!by_kind.is_object())
+      throw Error("machine model: 'vector.by_kind' must be an object of vector task kind: bytes per second");
+    for (const auto& [kind_name, value] : by_kind.items()) {
+      const auto& table = taskflow::AccessTable::standard();
+      int found = -1;
+      for (int k = 0; k < static_cast<int>(taskflow::TaskKind::count); ++k) {
+        const auto kind = static_cast<taskflow::TaskKind>(k);
+        if (kind_name == taskflow::name(kind) && table[kind].queue == taskflow::QueueClass::vector && !taskflow::is_put(kind)) found = k;
+      }
+      if (found < 0)
+        throw Error("machine model: 'vector.by_kind." + kind_name +
+                    "' is not a vector task kind (a kind of the vector queue that is not a put, e.g. swiglu, gate_grad)");
+      m.vector_kind_bytes_per_s[static_cast<std::size_t>(found)] = rate(j, "vector.by_kind." + kind_name, 1, kMaxBytesPerS);
+    }
+  }
   m.task_overhead_s = seconds(j, "task_overhead_s");
   m.signal_latency_s = seconds(j, "signal_latency_s");
   m.put_issue_s = seconds(j, "put.issue_s");
@@ -337,6 +354,9 @@ json to_json(const MachineModel& m) {
                  {"bf16_dot_flops_per_core", m.bf16_peak_per_core}};
   if (m.accelerator) j["units"] = {{"matrix", m.matrix_units}, {"vector", m.vector_units}};
   else j["units"] = {{"workers", m.workers}};
+  for (int k = 0; k < static_cast<int>(taskflow::TaskKind::count); ++k)
+    if (const double r = m.vector_kind_bytes_per_s[static_cast<std::size_t>(k)]; r > 0)
+      j["vector"]["by_kind"][taskflow::name(static_cast<taskflow::TaskKind>(k))] = r;
   if (m.put_in_flight > 0) j["put"]["in_flight"] = m.put_in_flight;
   if (m.put_receive_s > 0 || m.put_receive_bytes_per_s > 0)
     j["put"]["receive"] = {{"per_put_s", m.put_receive_s}, {"bytes_per_s", m.put_receive_bytes_per_s}};
