@@ -241,7 +241,7 @@ struct CalibrateOptions {
   bool quick = false;  // fewer repetitions (tests)
 };
 // Each vector kind's rate in the runtime itself ("vector.by_kind"): layer c
-// (one rank), forward and backward through the interleaved executor with
+// (one rank, Zipf-routed: experts of few rows and of many), forward and backward through the interleaved executor with
 // its task trace on, as a layer runs them: rows written by one task and
 // read by the next, GEMM tiles of the other workers beside them. Per step,
 // a kind's counted bytes (the access table's traffic terms) over its tasks'

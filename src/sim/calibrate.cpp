@@ -159,12 +159,15 @@ json vector_kind_rates(const LayerConfig& c, int workers, int steps) {
   ropt.backward = true;
   ropt.trace = true;
   InterleavedExecutor inter(c, w, ropt);
+  // Zipf routing: the experts get from a few rows to many, as a routed
+  // layer's do (a pack's rate per byte depends on its rows).
+  const std::vector<std::int32_t> forced = forced_selection(c, parse_routing_spec("zipf:1.2", 7));
   const auto& table = taskflow::AccessTable::standard();
   constexpr auto kinds = static_cast<std::size_t>(taskflow::TaskKind::count);
   std::vector<std::vector<double>> rates(kinds);
   StepResult res;
   for (int step = 0; step <= steps; ++step) {  // step 0 warms
-    inter.step(in, {}, res);
+    inter.step(in, forced, res);
     if (step == 0) continue;
     std::array<double, kinds> bytes{}, seconds{};
     for (const auto pass : {taskflow::Pass::forward, taskflow::Pass::backward})
@@ -312,7 +315,8 @@ json calibrate(const CalibrateOptions& opt, const std::function<void(const std::
 
   say("vector task kinds in a layer");
   // A layer of mid-size shapes (hidden 2048, experts of 1408, 256 tokens:
-  // the sizes of the layers the model is checked on, but none of them).
+  // the sizes of the layers the model is checked on, but none of them),
+  // Zipf-routed.
   LayerConfig vector_layer = empty_tiles_layer(1, 256);  // 8 experts, top 2; sizes below
   vector_layer.name = "vector-calibration";
   vector_layer.hidden = 2048;
@@ -349,7 +353,7 @@ json calibrate(const CalibrateOptions& opt, const std::function<void(const std::
                                   std::to_string(cold_bytes >> 20) + " MiB (from memory, as at an expert's first row tile)"},
         {"vector.bytes_per_s", "swiglu_forward over 64-row blocks of 1408 walking " + std::to_string(cold_bytes >> 20) +
                                    " MiB per worker (bytes read + written; from memory, as a layer's vector tasks), all workers at once"},
-        {"vector.by_kind", "each vector kind in the runtime: a layer of hidden 2048, 8 experts of 1408 (top 2) and a shared one, 256 tokens, 1 rank of " +
+        {"vector.by_kind", "each vector kind in the runtime: a layer of hidden 2048, 8 experts of 1408 (top 2) and a shared one, 256 tokens, Zipf-routed (1.2), 1 rank of " +
                                std::to_string(W) + " workers, forward and backward through the interleaved executor, traced; per step, the bytes its tasks' access-table traffic terms count over their summed run time; the median of 7 steps after a warm-up"},
         {"put.copy_bytes_per_s", "64-row copies of hidden 2048 fp32 rows out of a 32 MiB matrix, all workers at once; in process a put is the worker's copy"},
         {"signal_latency_s", "event counter ping-pong between two pinned threads (one way)"},
