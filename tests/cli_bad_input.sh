@@ -61,7 +61,9 @@ for name, path, value in [("m_latency", ("signal_latency_s",), 1e308), ("m_overh
     ("m_by_ep", ("links", "intra", "by_ep"), [{"ranks": 16, "bytes_per_s": 1e11}, {"ranks": 8, "bytes_per_s": 1e11}]),
     ("m_sm", ("serialized", "matrix_units"), -1), ("m_fp8", ("baselines", "deepep", "fp8_dispatch"), "yes"),
     ("m_host_sync", ("baselines", "mindspore", "host_sync_s"), -1),
-    ("m_ser_overhead", ("serialized", "task_overhead_s"), -1e-6), ("m_stream", ("put", "stream_per_peer"), True)]:
+    ("m_ser_overhead", ("serialized", "task_overhead_s"), -1e-6), ("m_stream", ("put", "stream_per_peer"), True),
+    # vector kinds at their own rates: a matrix kind, and a rate that is not one
+    ("m_by_kind", ("vector", "by_kind"), {"gemm_down": 1e10}), ("m_by_kind_rate", ("vector", "by_kind"), {"swiglu": "fast"})]:
     m = json.load(open(src))
     d = m
     for k in path[:-1]: d = d.setdefault(k, {})
@@ -319,6 +321,8 @@ cases=(
   "simulate --machine $tmp/m_host_sync.json"
   "simulate --machine $tmp/m_ser_overhead.json"
   "simulate --machine $tmp/m_stream.json"
+  "simulate --machine $tmp/m_by_kind.json"
+  "simulate --machine $tmp/m_by_kind_rate.json"
   "simulate --machine ascend-a3 --kernel-scope=maybe"
   "simulate --machine $HPMOE_SOURCE_DIR/machines/h800.json -W 2"
   "simulate --machine $HPMOE_SOURCE_DIR/machines/h800.json --set routed_experts=7 -P 8"
