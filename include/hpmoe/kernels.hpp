@@ -170,12 +170,6 @@ template <class S, class T>
 void pack_rhs_transposed(const S* src, std::int64_t ld_src, std::int64_t k, std::int64_t n, T* dst,
                          std::int64_t col_begin, std::int64_t col_end);
 
-// dst[j, i] = src[i, j] for i in [0, rows), j in [col_begin, col_end);
-// columns rows..ld_dst of dst are zeroed (K padding).
-template <class T>
-void transpose(const T* src, std::int64_t ld_src, std::int64_t rows, T* dst, std::int64_t ld_dst,
-               std::int64_t col_begin, std::int64_t col_end);
-
 // dst[j, i] = src[i, j] for i in [0, rows), j in [0, cols): a block of
 // token rows into the columns of a transposed buffer (the weight-gradient
 // packs, the router's x^T), 16 rows at a time. A column of a whole block

@@ -241,11 +241,12 @@ struct CalibrateOptions {
   bool quick = false;  // fewer repetitions (tests)
 };
 // Each vector kind's rate in the runtime itself ("vector.by_kind"): layer c
-// (one rank, Zipf-routed: experts of few rows and of many), forward and backward through the interleaved executor with
-// its task trace on, as a layer runs them: rows written by one task and
-// read by the next, GEMM tiles of the other workers beside them. Per step,
-// a kind's counted bytes (the access table's traffic terms) over its tasks'
-// summed run time; the median of `steps` steps after a warm-up.
+// (one rank, Zipf-routed: experts of few rows and of many), forward and
+// backward through the interleaved executor with its task trace on, as a
+// layer runs them: rows written by one task and read by the next, GEMM
+// tiles of the other workers beside them. Per step, a kind's counted bytes
+// (the access table's traffic terms) over its tasks' summed run time; the
+// median of `steps` steps after a warm-up.
 nlohmann::json vector_kind_rates(const LayerConfig& c, int workers, int steps);
 nlohmann::json calibrate(const CalibrateOptions&, const std::function<void(const std::string&)>& progress = {});
 

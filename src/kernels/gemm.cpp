@@ -340,16 +340,6 @@ void pack_rhs_panels(const S* src, std::int64_t ld_src, std::int64_t k, std::int
 }
 
 template <class T>
-void transpose(const T* src, std::int64_t ld_src, std::int64_t rows, T* dst, std::int64_t ld_dst,
-               std::int64_t col_begin, std::int64_t col_end) {
-  for (std::int64_t j = col_begin; j < col_end; ++j) {
-    T* out = dst + j * ld_dst;
-    for (std::int64_t i = 0; i < rows; ++i) out[i] = src[i * ld_src + j];
-    for (std::int64_t i = rows; i < ld_dst; ++i) out[i] = T{};
-  }
-}
-
-template <class T>
 void transpose_rows(const T* src, std::int64_t ld_src, std::int64_t rows, std::int64_t cols, T* dst, std::int64_t ld_dst) {
   constexpr std::int64_t kBlock = 16;
   for (std::int64_t i0 = 0; i0 < rows; i0 += kBlock) {
@@ -381,9 +371,5 @@ template void pack_rhs_panels<float, bf16>(const float*, std::int64_t, std::int6
                                            std::int64_t, std::int64_t);
 template void pack_rhs_panels<bf16, bf16>(const bf16*, std::int64_t, std::int64_t, std::int64_t, bool, bf16*,
                                           std::int64_t, std::int64_t);
-template void transpose<float>(const float*, std::int64_t, std::int64_t, float*, std::int64_t, std::int64_t,
-                               std::int64_t);
-template void transpose<bf16>(const bf16*, std::int64_t, std::int64_t, bf16*, std::int64_t, std::int64_t,
-                              std::int64_t);
 
 }  // namespace hpmoe::kernels

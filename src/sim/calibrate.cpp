@@ -14,7 +14,9 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <random>
+#include <string_view>
 #include <thread>
+#include <unordered_map>
 
 #include "hpmoe/bf16.hpp"
 #include "hpmoe/kernels.hpp"
@@ -170,14 +172,16 @@ json vector_kind_rates(const LayerConfig& c, int workers, int steps) {
     inter.step(in, forced, res);
     if (step == 0) continue;
     std::array<double, kinds> bytes{}, seconds{};
+    std::unordered_map<std::string_view, std::size_t> vector_kind;  // a slice's name -> its kind
     for (const auto pass : {taskflow::Pass::forward, taskflow::Pass::backward})
       for (const auto& program : inter.programs(pass))
         for (const auto& t : program.tasks)
-          if (table[t.kind].queue == taskflow::QueueClass::vector && !taskflow::is_put(t.kind))
+          if (table[t.kind].queue == taskflow::QueueClass::vector && !taskflow::is_put(t.kind)) {
             bytes[static_cast<std::size_t>(t.kind)] += table.work(program, t).bytes;
+            vector_kind.emplace(taskflow::name(t.kind), static_cast<std::size_t>(t.kind));
+          }
     for (const auto& slice : res.trace)
-      for (std::size_t k = 0; k < kinds; ++k)
-        if (slice.name == taskflow::name(static_cast<taskflow::TaskKind>(k))) seconds[k] += slice.end - slice.start;
+      if (const auto k = vector_kind.find(slice.name); k != vector_kind.end()) seconds[k->second] += slice.end - slice.start;
     for (std::size_t k = 0; k < kinds; ++k)
       if (bytes[k] > 0 && seconds[k] > 0) rates[k].push_back(bytes[k] / seconds[k]);
   }

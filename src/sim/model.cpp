@@ -204,10 +204,10 @@ MachineModel machine_from_json(const json& j) {
     const json& by_kind = vector["by_kind"];
     if (!by_kind.is_object())
       throw Error("machine model: 'vector.by_kind' must be an object of vector task kind: bytes per second");
+    const auto& table = taskflow::AccessTable::standard();
     for (const auto& [kind_name, value] : by_kind.items()) {
-      const auto& table = taskflow::AccessTable::standard();
       int found = -1;
-      for (int k = 0; k < static_cast<int>(taskflow::TaskKind::count); ++k) {
+      for (int k = 0; k < static_cast<int>(taskflow::TaskKind::count) && found < 0; ++k) {
         const auto kind = static_cast<taskflow::TaskKind>(k);
         if (kind_name == taskflow::name(kind) && table[kind].queue == taskflow::QueueClass::vector && !taskflow::is_put(kind)) found = k;
       }
