@@ -5,8 +5,9 @@
 # Prints a markdown report: one row per configuration, then the errors
 # against the targets (median |error| <= 10%, worst <= 20%, and the predicted
 # speedup on the same side of 1.0 as the measured one wherever the measured
-# one is clearly outside the noise: the executors' iteration ranges do not
-# overlap, and a repeat run, after the whole sweep, shows the same).
+# one is clearly outside the noise: an exact sign test over the iterations'
+# pairs (serialized and interleaved run back to back in each) gives p <= 0.05,
+# and a repeat run, after the whole sweep, shows the same).
 #   hpmoe calibrate --out machines/cpu-local.json   # first, on an idle machine
 #   bench/validate_sim.sh [build/hpmoe] [machines/cpu-local.json] > docs/simulation.md
 # ITERS (default 9): iterations per executor; TOKENS (default "256 1024");
@@ -44,6 +45,16 @@ one() {  # layer-args label P W T routing
   if [ -n "$runs" ]; then mkdir -p "$runs"; cp "$tmp/run.json" "$runs/$configs-run.json"; cp "$tmp/sim.json" "$runs/$configs-sim.json"; fi
   python3 - "$tmp/run.json" "$tmp/sim.json" "$2" "$3" "$4" "$5" "$6" "$tmp/rows.jsonl" "$configs" <<'PY'
 import json, sys
+def paired_side(serialized, interleaved, alpha=0.05):
+    """+1 (interleaved faster) or -1 (slower) where an exact two-sided sign test over the
+    iterations' pairs (the executors run one after the other in every iteration, so a
+    phase of the machine touches both) puts the effect outside the noise; else 0."""
+    from math import comb
+    wins = sum(1 for s, i in zip(serialized, interleaved) if s > i)
+    losses = sum(1 for s, i in zip(serialized, interleaved) if s < i)
+    n, k = wins + losses, max(wins, losses)
+    p = min(1.0, 2 * sum(comb(n, j) for j in range(k, n + 1)) / 2 ** n) if n else 1.0
+    return 0 if p > alpha else (1 if wins > losses else -1)
 run, sim = json.load(open(sys.argv[1])), json.load(open(sys.argv[2]))
 label, P, W, T, routing, rows, config = sys.argv[3:]
 for pas, mkey, skey in (("forward", "dispatch_to_combine", "forward"), ("backward", "backward", "backward")):
@@ -54,7 +65,7 @@ for pas, mkey, skey in (("forward", "dispatch_to_combine", "forward"), ("backwar
     fs, fi = ps / rs["min_s"] - 1, pi / ri["min_s"] - 1
     print(f"| {label} | {P} x {W} | {T} | {routing} | {pas} | {ms*1e3:.1f} | {ps*1e3:.1f} | {es*100:+.1f}% | "
           f"{mi*1e3:.1f} | {pi*1e3:.1f} | {ei*100:+.1f}% | {ms/mi:.3f} | {ps/pi:.3f} | {fs*100:+.1f}% / {fi*100:+.1f}% |")
-    clear = 1 if rs["min_s"] > ri["max_s"] else -1 if ri["min_s"] > rs["max_s"] else 0  # ranges apart: a real effect
+    clear = paired_side(rs["samples_s"], ri["samples_s"])
     with open(rows, "a") as f:
         f.write(json.dumps({"config": int(config), "label": f"{label}, {P} x {W}, {T} tokens, {routing}", "pass": pas, "errors": [es, ei], "measured_speedup": ms / mi,
                             "predicted_speedup": ps / pi, "clear_side": clear,
@@ -86,6 +97,16 @@ done < "$tmp/configs.tsv"
 echo
 python3 - "$tmp/rows.jsonl" "$tmp" <<'PY'
 import json, os, sys
+def paired_side(serialized, interleaved, alpha=0.05):
+    """+1 (interleaved faster) or -1 (slower) where an exact two-sided sign test over the
+    iterations' pairs (the executors run one after the other in every iteration, so a
+    phase of the machine touches both) puts the effect outside the noise; else 0."""
+    from math import comb
+    wins = sum(1 for s, i in zip(serialized, interleaved) if s > i)
+    losses = sum(1 for s, i in zip(serialized, interleaved) if s < i)
+    n, k = wins + losses, max(wins, losses)
+    p = min(1.0, 2 * sum(comb(n, j) for j in range(k, n + 1)) / 2 ** n) if n else 1.0
+    return 0 if p > alpha else (1 if wins > losses else -1)
 rows = [json.loads(l) for l in open(sys.argv[1])]
 for r in rows:  # the repeat's side for the same pass (0: overlapping ranges, or no repeat)
     path = os.path.join(sys.argv[2], f"repeat-{r['config']}.json")
@@ -94,7 +115,7 @@ for r in rows:  # the repeat's side for the same pass (0: overlapping ranges, or
         key = "dispatch_to_combine" if r["pass"] == "forward" else "backward"
         rep = json.load(open(path))
         rs, ri = rep["serialized"][key], rep["interleaved"][key]
-        r["repeat_side"] = 1 if rs["min_s"] > ri["max_s"] else -1 if ri["min_s"] > rs["max_s"] else 0
+        r["repeat_side"] = paired_side(rs["samples_s"], ri["samples_s"])
 def median(v):
     v = sorted(v)
     return v[len(v) // 2] if len(v) % 2 else (v[len(v)//2 - 1] + v[len(v)//2]) / 2
@@ -116,7 +137,7 @@ for key, what in (("errors", "the median"), ("errors_vs_fastest", "the fastest")
     print(f"- Over 20% against {what}: {len(over)} of {len(errs)}.")
     for r, x, e in over:
         print(f"  - {r['label']}, {x} {r['pass']}: {e*100:+.1f}%")
-print(f"- Measured speedups outside the noise in the sweep (the executors' iteration ranges apart): {len(first)} of {len(rows)}; "
+print(f"- Measured speedups outside the noise in the sweep (a sign test over the iterations' pairs, p <= 0.05): {len(first)} of {len(rows)}; "
       f"the prediction is on the same side of 1.0 in {agree_first} of them (a prediction within 1% of 1.0 counts as neither side).")
 print(f"- Of those, shown again by a repeat run after the sweep (clearly outside the noise): {len(clear)}; "
       f"the prediction is on the same side of 1.0 in {agree} of them.")
