@@ -19,6 +19,20 @@ model=${2:-machines/cpu-local.json}
 iters=${ITERS:-9}
 runs=${RUNS:-}
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
+# Whether a speedup is outside the noise, for the sweep and for its repeat.
+cat > "$tmp/signs.py" <<'PY'
+def paired_side(serialized, interleaved, alpha=0.05):
+    """+1 (interleaved faster) or -1 (slower) where an exact two-sided sign test over the
+    iterations' pairs (the executors run one after the other in every iteration, so a
+    phase of the machine touches both) puts the effect outside the noise; else 0."""
+    from math import comb
+    wins = sum(1 for s, i in zip(serialized, interleaved) if s > i)
+    losses = sum(1 for s, i in zip(serialized, interleaved) if s < i)
+    n, k = wins + losses, max(wins, losses)
+    p = min(1.0, 2 * sum(comb(n, j) for j in range(k, n + 1)) / 2 ** n) if n else 1.0
+    return 0 if p > alpha else (1 if wins > losses else -1)
+PY
+export PYTHONPATH="$tmp${PYTHONPATH:+:$PYTHONPATH}"
 trace=data/routing/mixtral-8x7b/coding.json
 
 echo "# The simulator against this machine"
@@ -45,16 +59,7 @@ one() {  # layer-args label P W T routing
   if [ -n "$runs" ]; then mkdir -p "$runs"; cp "$tmp/run.json" "$runs/$configs-run.json"; cp "$tmp/sim.json" "$runs/$configs-sim.json"; fi
   python3 - "$tmp/run.json" "$tmp/sim.json" "$2" "$3" "$4" "$5" "$6" "$tmp/rows.jsonl" "$configs" <<'PY'
 import json, sys
-def paired_side(serialized, interleaved, alpha=0.05):
-    """+1 (interleaved faster) or -1 (slower) where an exact two-sided sign test over the
-    iterations' pairs (the executors run one after the other in every iteration, so a
-    phase of the machine touches both) puts the effect outside the noise; else 0."""
-    from math import comb
-    wins = sum(1 for s, i in zip(serialized, interleaved) if s > i)
-    losses = sum(1 for s, i in zip(serialized, interleaved) if s < i)
-    n, k = wins + losses, max(wins, losses)
-    p = min(1.0, 2 * sum(comb(n, j) for j in range(k, n + 1)) / 2 ** n) if n else 1.0
-    return 0 if p > alpha else (1 if wins > losses else -1)
+from signs import paired_side
 run, sim = json.load(open(sys.argv[1])), json.load(open(sys.argv[2]))
 label, P, W, T, routing, rows, config = sys.argv[3:]
 for pas, mkey, skey in (("forward", "dispatch_to_combine", "forward"), ("backward", "backward", "backward")):
@@ -97,16 +102,7 @@ done < "$tmp/configs.tsv"
 echo
 python3 - "$tmp/rows.jsonl" "$tmp" <<'PY'
 import json, os, sys
-def paired_side(serialized, interleaved, alpha=0.05):
-    """+1 (interleaved faster) or -1 (slower) where an exact two-sided sign test over the
-    iterations' pairs (the executors run one after the other in every iteration, so a
-    phase of the machine touches both) puts the effect outside the noise; else 0."""
-    from math import comb
-    wins = sum(1 for s, i in zip(serialized, interleaved) if s > i)
-    losses = sum(1 for s, i in zip(serialized, interleaved) if s < i)
-    n, k = wins + losses, max(wins, losses)
-    p = min(1.0, 2 * sum(comb(n, j) for j in range(k, n + 1)) / 2 ** n) if n else 1.0
-    return 0 if p > alpha else (1 if wins > losses else -1)
+from signs import paired_side
 rows = [json.loads(l) for l in open(sys.argv[1])]
 for r in rows:  # the repeat's side for the same pass (0: overlapping ranges, or no repeat)
     path = os.path.join(sys.argv[2], f"repeat-{r['config']}.json")
