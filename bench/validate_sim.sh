@@ -102,9 +102,10 @@ done < "$tmp/configs.tsv"
 echo
 python3 - "$tmp/rows.jsonl" "$tmp" <<'PY'
 import json, os, sys
+from statistics import median
 from signs import paired_side
 rows = [json.loads(l) for l in open(sys.argv[1])]
-for r in rows:  # the repeat's side for the same pass (0: overlapping ranges, or no repeat)
+for r in rows:  # the repeat's side for the same pass (0: within the noise, or no repeat)
     path = os.path.join(sys.argv[2], f"repeat-{r['config']}.json")
     r["repeat_side"] = 0
     if r["clear_side"] != 0 and os.path.exists(path):
@@ -112,9 +113,6 @@ for r in rows:  # the repeat's side for the same pass (0: overlapping ranges, or
         rep = json.load(open(path))
         rs, ri = rep["serialized"][key], rep["interleaved"][key]
         r["repeat_side"] = paired_side(rs["samples_s"], ri["samples_s"])
-def median(v):
-    v = sorted(v)
-    return v[len(v) // 2] if len(v) % 2 else (v[len(v)//2 - 1] + v[len(v)//2]) / 2
 errs = sorted(abs(e) for r in rows for e in r["errors"])
 fast = sorted(abs(e) for r in rows for e in r["errors_vs_fastest"])
 def side(x, eps=0.01):  # within 1% of 1.0 counts as a tie, on neither side
