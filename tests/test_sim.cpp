@@ -112,6 +112,36 @@ TEST(Simulator, OneGemmTile) {
   EXPECT_DOUBLE_EQ(simulate_interleaved(m, b.programs, b.work, DType::bf16, false).makespan, 2.0 * 64 * 64 * 1024 / 2e12);
 }
 
+// A tile's time between the measured shapes is linear in its rows and in
+// its K; outside them the nearest shape's rate holds; `reuse` moves it
+// from the streamed time toward the reused one.
+TEST(Simulator, TileTimeIsInterpolatedBetweenMeasuredShapes) {
+  MachineModel m = round_machine();
+  // 32 rows at 80 GFLOP/s (40 streamed), 64 rows at 200 (100 streamed), K 1024; 64 rows also at K 2048.
+  m.tile_rates = {TileRate{32, 1024, 80e9, 80e9, 40e9, 40e9}, TileRate{64, 1024, 200e9, 200e9, 100e9, 100e9},
+                  TileRate{64, 2048, 100e9, 100e9, 50e9, 50e9}};
+  const double flop32 = 2.0 * 32 * 64 * 1024, flop64 = 2.0 * 64 * 64 * 1024;
+  const double t32 = flop32 / 80e9, t64 = flop64 / 200e9;  // 52.4 and 41.9 us
+  // The default reuse (1e9) leaves a billionth of the streamed time: compare to 1e-6.
+  const auto near = [](double got, double want) { EXPECT_NEAR(got, want, 1e-6 * want); };
+  // Measured shapes: their own time.
+  near(m.gemm_seconds(32, 64, 1024, DType::fp32), t32);
+  near(m.gemm_seconds(64, 64, 1024, DType::fp32), t64);
+  // 40 rows: a quarter of the way from 32 rows' time to 64 rows' (the nearest shape's rate gave 65.5 us).
+  near(m.gemm_seconds(40, 64, 1024, DType::fp32), t32 + 0.25 * (t64 - t32));
+  // Outside the measured rows: the nearest row count's rate.
+  near(m.gemm_seconds(128, 64, 1024, DType::fp32), 2.0 * 128 * 64 * 1024 / 200e9);
+  near(m.gemm_seconds(16, 64, 1024, DType::fp32), 2.0 * 16 * 64 * 1024 / 80e9);
+  // 48 rows at K 1536: 64 rows interpolate in K (t64 at 1024, twice the FLOPs at half the rate at
+  // 2048: 4 t64; 2.5 t64 halfway), 32 rows have no K above 1024 and keep its rate (1.5 t32); then
+  // halfway in rows.
+  near(m.gemm_seconds(48, 64, 1536, DType::fp32), 0.5 * (1.5 * t32 + 2.5 * t64));
+  // A panel read once takes the streamed rates (half the reused ones here), twice: halfway.
+  const double hot48 = 0.5 * (t32 + t64);
+  near(m.gemm_seconds(48, 64, 1024, DType::fp32, 1.0), 2 * hot48);
+  near(m.gemm_seconds(48, 64, 1024, DType::fp32, 2.0), 1.5 * hot48);
+}
+
 // A vector kind with its own measured rate takes its bytes at that rate;
 // the others keep the model's one vector rate.
 TEST(Simulator, VectorKindsTakeTheirOwnRateWhereMeasured) {

@@ -116,35 +116,53 @@ taskflow::Machine MachineModel::compiler_machine() const {
 }
 
 double MachineModel::gemm_seconds(std::int64_t m, std::int64_t n, std::int64_t k, DType dtype, double reuse) const {
-  // The measured rows nearest m; along K, the time of a tile is interpolated
-  // linearly between the measured K on either side (with a short K a tile's
-  // time is mostly writing its output, so its rate is far from constant in
-  // K). Outside the measured K the rate of the nearest one stays.
-  std::int64_t rows = tile_rates.front().m;
-  for (const auto& r : tile_rates)
-    if (std::abs(r.m - m) < std::abs(rows - m)) rows = r.m;
-  const TileRate *below = nullptr, *above = nullptr;
-  for (const auto& r : tile_rates) {
-    if (r.m != rows) continue;
-    if (r.k <= k && (!below || r.k > below->k)) below = &r;
-    if (r.k >= k && (!above || r.k < above->k)) above = &r;
-  }
+  // A tile's time is interpolated linearly between the measured shapes on
+  // either side, in K and in rows. At a fixed K a tile's time is affine in
+  // its rows (reading the weight panel costs the same for 52 rows as for 48,
+  // the FMAs grow with the rows): mixtral's 52- to 72-row tiles measured 2.9
+  // us a row plus a constant (docs/simulation.md, "Rows between the measured
+  // ones"). Timing a tile at the rate of the nearest measured row count, as
+  // before, charged a 52-row tile the 48-row rate per FLOP, 15% lower than
+  // the 64-row one here. Short K: a tile's time is mostly writing its
+  // output, so its rate is far from constant in K either. Outside the
+  // measured shapes the rate of the nearest one stays.
   const bool fp32 = dtype == DType::fp32;
-  const double per_k = 2.0 * double(m) * double(n);  // FLOPs per unit of K
-  const auto seconds_of = [&](bool streamed) {
-    const auto time = [&](const TileRate& r) {
-      const double rate = streamed ? (fp32 ? r.fp32_streamed_flops : r.bf16_streamed_flops) : (fp32 ? r.fp32_flops : r.bf16_flops);
-      return per_k * double(r.k) / rate;
-    };
+  const auto rate_of = [&](const TileRate& r, bool streamed) {
+    return streamed ? (fp32 ? r.fp32_streamed_flops : r.bf16_streamed_flops) : (fp32 ? r.fp32_flops : r.bf16_flops);
+  };
+  // Seconds of an m x n x k tile at the measured row count `rows`, from its rate there.
+  const auto at_rows = [&](std::int64_t rows, bool streamed) {
+    const TileRate *below = nullptr, *above = nullptr;
+    for (const auto& r : tile_rates) {
+      if (r.m != rows) continue;
+      if (r.k <= k && (!below || r.k > below->k)) below = &r;
+      if (r.k >= k && (!above || r.k < above->k)) above = &r;
+    }
+    const double per_k = 2.0 * double(m) * double(n);  // FLOPs per unit of K
+    const auto time = [&](const TileRate& r) { return per_k * double(r.k) / rate_of(r, streamed); };
     if (!below) return time(*above) * double(k) / double(above->k);
     if (!above) return time(*below) * double(k) / double(below->k);
     if (below->k == above->k) return time(*below);
     const double f = double(k - below->k) / double(above->k - below->k);
     return time(*below) + f * (time(*above) - time(*below));
   };
+  std::int64_t rows_below = 0, rows_above = 0;  // measured row counts on either side of m (0: none)
+  for (const auto& r : tile_rates) {
+    if (r.m <= m && r.m > rows_below) rows_below = r.m;
+    if (r.m >= m && (rows_above == 0 || r.m < rows_above)) rows_above = r.m;
+  }
+  const auto seconds_of = [&](bool streamed) {
+    // at_rows(r) times m rows at the rate of r rows: the time of r rows is at_rows(r) * r / m.
+    if (rows_below == 0) return at_rows(rows_above, streamed);
+    if (rows_above == 0 || rows_above == rows_below) return at_rows(rows_below, streamed);
+    const double lo = at_rows(rows_below, streamed) * double(rows_below) / double(m);
+    const double hi = at_rows(rows_above, streamed) * double(rows_above) / double(m);
+    return lo + double(m - rows_below) / double(rows_above - rows_below) * (hi - lo);
+  };
   const double hot = seconds_of(false);
-  const bool has_streamed = (!below || (fp32 ? below->fp32_streamed_flops : below->bf16_streamed_flops) > 0) &&
-                            (!above || (fp32 ? above->fp32_streamed_flops : above->bf16_streamed_flops) > 0);
+  bool has_streamed = true;  // every measured shape used has a streamed rate
+  for (const auto& r : tile_rates)
+    if ((r.m == rows_below || r.m == rows_above) && rate_of(r, true) <= 0) has_streamed = false;
   if (!has_streamed) return hot;
   return hot + (seconds_of(true) - hot) / std::max(reuse, 1.0);
 }
