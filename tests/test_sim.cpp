@@ -569,6 +569,15 @@ TEST(Simulator, EveryCommittedModelSurvivesARoundTrip) {
 
 // Calibration of the vector kinds: every vector kind of a layer's forward
 // and backward gets a positive rate, and the rates read back as a model's.
+// A shape's rate is its second-fastest round: slow rounds (interference)
+// and one lucky round do not set it.
+TEST(Calibrate, TileRateIsTheSecondFastestRound) {
+  EXPECT_EQ(undisturbed_rate({166e9, 174e9, 89e9, 70e9, 170e9}), 170e9);  // two rounds at half speed
+  EXPECT_EQ(undisturbed_rate({60e9, 65e9, 150e9, 70e9, 55e9}), 70e9);     // one fast round alone is not taken
+  EXPECT_EQ(undisturbed_rate({120e9}), 120e9);
+  EXPECT_THROW(undisturbed_rate({}), Error);
+}
+
 TEST(Calibrate, EveryVectorKindOfALayerGetsItsRate) {
   LayerConfig c = preset("tiny");
   c.tokens_per_rank = 64;

@@ -240,6 +240,13 @@ struct CalibrateOptions {
   int workers = 2;
   bool quick = false;  // fewer repetitions (tests)
 };
+// A tile shape's calibrated rate from its rounds' rates (FLOP/s): the
+// second-fastest (the only one for a single round). Interference on a
+// shared machine only slows a round; about one round in six ran at half
+// speed on the VM of 2026-12-02, so a median of 5 rounds still met 3 slow
+// ones in a few of the 312 rates, while the second-fastest needs 4 of 5,
+// and one lucky round alone does not set it.
+double undisturbed_rate(std::vector<double> rounds);
 // Each vector kind's rate in the runtime itself ("vector.by_kind"): layer c
 // (one rank, Zipf-routed: experts of few rows and of many), forward and
 // backward through the interleaved executor with its task trace on, as a

@@ -153,6 +153,12 @@ double tile_rate(std::vector<TileMemory>& memory, std::int64_t m, std::int64_t k
 
 }  // namespace
 
+double undisturbed_rate(std::vector<double> rounds) {
+  if (rounds.empty()) throw Error("undisturbed_rate: no rounds measured");
+  std::sort(rounds.begin(), rounds.end(), std::greater<>());
+  return rounds[std::min<std::size_t>(1, rounds.size() - 1)];
+}
+
 json vector_kind_rates(const LayerConfig& c, int workers, int steps) {
   const auto w = random_weights(c, 7);
   const auto in = random_inputs(c, 7);
@@ -212,16 +218,13 @@ json calibrate(const CalibrateOptions& opt, const std::function<void(const std::
   std::vector<Shape> shapes;
   for (std::int64_t m : {kernels::kTileRows, std::int64_t{64}, std::int64_t{48}, std::int64_t{32}, std::int64_t{16}, std::int64_t{8}})
     for (std::int64_t k : {2, 4, 8, 16, 32, 64, 128, 256, 768, 1408, 2048, 2816, 4096}) shapes.push_back({m, k, {}});
-  // Every shape once a round, and each shape's second-fastest round. A
-  // phase of a shared machine (steps 1.6x slower for a minute at a time on
-  // the VM of 2026-12-02) then slows one round of every shape, not all the
-  // repetitions of the few shapes measured during it: measured back to
-  // back, neighbouring shapes came out up to 2x apart (48 x 1408 at 89
-  // GFLOP/s between 159 and 176). Even in rounds, about one sample in six
-  // there ran at half speed, so a median of 5 still met 3 slow rounds in a
-  // few of the 312 rates; interference only slows a round, and the second-
-  // fastest needs 4 of 5 slow to mislead (docs/simulation.md, "Calibrating
-  // in rounds").
+  // Every shape once a round, and each shape's undisturbed_rate over the
+  // rounds. A phase of a shared machine (steps 1.6x slower for a minute at
+  // a time on the VM of 2026-12-02) then slows one round of every shape,
+  // not all the repetitions of the few shapes measured during it: measured
+  // back to back, neighbouring shapes came out up to 2x apart (48 x 1408 at
+  // 89 GFLOP/s between 159 and 176; docs/simulation.md, "Calibrating in
+  // rounds").
   for (int round = 0; round < reps; ++round) {
     if (reps > 1) say("tile GEMM rates, round " + std::to_string(round + 1) + " of " + std::to_string(reps));
     for (auto& shape : shapes) {
@@ -231,14 +234,12 @@ json calibrate(const CalibrateOptions& opt, const std::function<void(const std::
       shape.rates[3].push_back(tile_rate<bf16>(memory, shape.m, shape.k, 1, true));
     }
   }
-  const auto second_fastest = [](std::vector<double> v) {
-    std::sort(v.begin(), v.end(), std::greater<>());
-    return v[std::min<std::size_t>(1, v.size() - 1)];
-  };
   for (const auto& shape : shapes)
-    rates.push_back({{"m", shape.m}, {"k", shape.k}, {"fp32_flops", second_fastest(shape.rates[0])},
-                     {"bf16_flops", second_fastest(shape.rates[1])}, {"fp32_streamed_flops", second_fastest(shape.rates[2])},
-                     {"bf16_streamed_flops", second_fastest(shape.rates[3])}});
+    rates.push_back({{"m", shape.m}, {"k", shape.k}, {"fp32_flops", undisturbed_rate(shape.rates[0])},
+                     {"bf16_flops", undisturbed_rate(shape.rates[1])}, {"fp32_streamed_flops", undisturbed_rate(shape.rates[2])},
+                     {"bf16_streamed_flops", undisturbed_rate(shape.rates[3])},
+                     {"rounds", {{"fp32_flops", shape.rates[0]}, {"bf16_flops", shape.rates[1]},
+                                 {"fp32_streamed_flops", shape.rates[2]}, {"bf16_streamed_flops", shape.rates[3]}}}});
   memory.clear();
 
   say("vector and copy bandwidth");
@@ -382,7 +383,7 @@ json calibrate(const CalibrateOptions& opt, const std::function<void(const std::
       {"sources",
        {{"matrix.tile_rates", "m x 64 x k tile GEMMs (the runtime's kernel: libxsmm for fp32; for bf16 peak.bf16_engine), all workers at once, output tiles written a row apart into a matrix of " +
                                   std::to_string(cold_bytes >> 20) + " MiB per worker (twice the last-level cache, at least 96 MiB: from memory); *_flops: cycling through 32 weight panels (reused, as by an expert's next row tiles), *_streamed_flops: a fresh panel per tile walking " +
-                                  std::to_string(cold_bytes >> 20) + " MiB (from memory, as at an expert's first row tile); each shape's second-fastest of " + std::to_string(reps) + " rounds through all the shapes"},
+                                  std::to_string(cold_bytes >> 20) + " MiB (from memory, as at an expert's first row tile); each shape's second-fastest of " + std::to_string(reps) + " rounds through all the shapes (every round's rate under 'rounds')"},
         {"vector.bytes_per_s", "swiglu_forward over 64-row blocks of 1408 walking " + std::to_string(cold_bytes >> 20) +
                                    " MiB per worker (bytes read + written; from memory, as a layer's vector tasks), all workers at once"},
         {"vector.by_kind", "each vector kind in the runtime: a layer of hidden 2048, 8 experts of 1408 (top 2) and a shared one, 256 tokens, Zipf-routed (1.2), 1 rank of " +
