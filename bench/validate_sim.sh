@@ -11,7 +11,8 @@
 #   hpmoe calibrate --out machines/cpu-local.json   # first, on an idle machine
 #   bench/validate_sim.sh [build/hpmoe] [machines/cpu-local.json] > docs/simulation.md
 # ITERS (default 9): iterations per executor; TOKENS (default "256 1024");
-# RUNS=dir keeps every run's report and prediction.
+# RUNS=dir keeps every run's report and prediction, and the configurations
+# (bench/resimulate.py predicts them again with another build or model).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 hpmoe=${1:-build/hpmoe}
@@ -56,7 +57,10 @@ one() {  # layer-args label P W T routing
   printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$configs" "$1" "$3" "$4" "$5" "$6" >> "$tmp/configs.tsv"
   "$hpmoe" simulate --machine "$model" $1 -P "$3" -W "$4" -T "$5" --routing "$6" --backward \
     --json "$tmp/sim.json" > /dev/null
-  if [ -n "$runs" ]; then mkdir -p "$runs"; cp "$tmp/run.json" "$runs/$configs-run.json"; cp "$tmp/sim.json" "$runs/$configs-sim.json"; fi
+  if [ -n "$runs" ]; then
+    mkdir -p "$runs"; cp "$tmp/run.json" "$runs/$configs-run.json"; cp "$tmp/sim.json" "$runs/$configs-sim.json"
+    cp "$tmp/configs.tsv" "$runs/configs.tsv"  # what bench/resimulate.py reads
+  fi
   python3 - "$tmp/run.json" "$tmp/sim.json" "$2" "$3" "$4" "$5" "$6" "$tmp/rows.jsonl" "$configs" <<'PY'
 import json, sys
 from signs import paired_side
