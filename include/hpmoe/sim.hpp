@@ -242,10 +242,11 @@ struct CalibrateOptions {
 };
 // A tile shape's calibrated rate from its rounds' rates (FLOP/s): the
 // second-fastest (the only one for a single round). Interference on a
-// shared machine only slows a round; about one round in six ran at half
-// speed on the VM of 2026-12-02, so a median of 5 rounds still met 3 slow
-// ones in a few of the 312 rates, while the second-fastest needs 4 of 5,
-// and one lucky round alone does not set it.
+// shared machine only slows a round: on the VM of 2026-12-02, 81 of 1560
+// rounds ran under 0.6x their shape's fastest, and a median of 5 would
+// have set 10 of the 312 rates more than 20% low (it is misled by 3 slow
+// rounds, the second-fastest by 4); one lucky round alone does not set it
+// (bench/calibration_rounds.py).
 double undisturbed_rate(std::vector<double> rounds);
 // Each vector kind's rate in the runtime itself ("vector.by_kind"): layer c
 // (one rank, Zipf-routed: experts of few rows and of many), forward and

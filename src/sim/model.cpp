@@ -119,11 +119,12 @@ double MachineModel::gemm_seconds(std::int64_t m, std::int64_t n, std::int64_t k
   // A tile's time is interpolated linearly between the measured shapes on
   // either side, in K and in rows. At a fixed K a tile's time is affine in
   // its rows (reading the weight panel costs the same for 52 rows as for 48,
-  // the FMAs grow with the rows): mixtral's 52- to 72-row tiles measured 2.9
-  // us a row plus a constant (docs/simulation.md, "Rows between the measured
-  // ones"). Timing a tile at the rate of the nearest measured row count, as
-  // before, charged a 52-row tile the 48-row rate per FLOP, 15% lower than
-  // the 64-row one here. Short K: a tile's time is mostly writing its
+  // the FMAs grow with the rows): mixtral's 52- to 72-row tiles measured
+  // about 3 us a row (docs/simulation.md, "Rows between the measured ones").
+  // Timing a tile at the rate of the nearest measured row count, as before,
+  // charged a 52-row tile the 48-row rate per FLOP (132 GFLOP/s against the
+  // 64-row 150 with a fresh panel at K 4096 in that calibration), a step the
+  // machine does not have. Short K: a tile's time is mostly writing its
   // output, so its rate is far from constant in K either. Outside the
   // measured shapes the rate of the nearest one stays.
   const bool fp32 = dtype == DType::fp32;
