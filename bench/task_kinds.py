@@ -26,9 +26,14 @@ import sys
 from collections import defaultdict
 
 
+def executor_names(events):
+    """pid -> executor name ("serialized", "interleaved"), from a trace's process_name records."""
+    return {e["pid"]: e["args"]["name"].split(" (")[0] for e in events if e.get("ph") == "M" and e["name"] == "process_name"}
+
+
 def load(path):
     events = json.load(open(path))["traceEvents"]
-    names = {e["pid"]: e["args"]["name"].split(" (")[0] for e in events if e.get("ph") == "M" and e["name"] == "process_name"}
+    names = executor_names(events)
     kinds = defaultdict(list)  # (executor, kind) -> durations in us
     spans = defaultdict(lambda: [float("inf"), 0.0, 0.0])  # (executor, worker) -> first start, last end, busy
     for e in events:
@@ -55,7 +60,7 @@ def tile_rows(detail):
 
 def by_rows(path):
     events = json.load(open(path))["traceEvents"]
-    names = {e["pid"]: e["args"]["name"].split(" (")[0] for e in events if e.get("ph") == "M" and e["name"] == "process_name"}
+    names = executor_names(events)
     tiles = defaultdict(list)  # (executor, kind, rows) -> durations in us
     for e in events:
         if e.get("ph") == "X" and e["name"].startswith("gemm_"):
