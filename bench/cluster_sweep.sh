@@ -2,12 +2,14 @@
 # Serialized vs interleaved across 2 hosts (network namespaces, shaped TCP
 # links; scripts/cluster.sh), from compute-bound to communication-bound, and
 # what the simulator predicts for the same runs: a model of this cluster
-# with each link's measured TCP goodput and the measured cost of its bytes on
-# the sending and the receiving core (bench/cluster_link.py). Prints markdown.
+# with each link's measured TCP goodput (bench/cluster_link.py) and what the
+# MPI transport's puts cost the sending and the receiving core
+# (bench/bench_put_cost, built with MPI). Prints markdown.
 #   bench/cluster_sweep.sh [iterations] > docs/cluster-results.md      (root)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 iters=${1:-3}
+[ -x build/bench/bench_put_cost ] || { echo "error: build/bench/bench_put_cost is missing: build with MPI (scripts/setup.sh installs it)" >&2; exit 2; }
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
 trace=data/routing/mixtral-8x7b/coding.json
 
@@ -41,25 +43,33 @@ echo
 echo "| link | layer | routing | fwd ser ms | fwd int ms | fwd speedup | bwd ser ms | bwd int ms | bwd speedup | idle ser/int (fwd) | predicted fwd ser / int ms | predicted speedup fwd / bwd | prediction error fwd ser / int, bwd ser / int | bit-identical |"
 echo "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 
-# What a shaped link delivers and what moving its bytes costs each host's
-# core (bench/cluster_link.py: one TCP stream, nothing else running, for the
-# goodput; then again with a computing process on each core, for the core
-# time the stream takes from it on the sending and on the receiving host,
-# which is what the transfer costs a worker that computes meanwhile).
-measure_link() {  # shaping-args gbit -> "goodput send_rate receive_rate"
+# What a shaped link delivers (bench/cluster_link.py: one TCP stream,
+# nothing else running, for the goodput; then with a computing process on
+# each core, for what the bare stream takes from it), and what the MPI
+# transport's puts take from a computing worker on the sending and the
+# receiving host, per put and per byte (bench/bench_put_cost through the
+# same cluster: Open MPI, the progress thread and the TCP stack together;
+# on the unshaped link 2.4x the bare stream's cost per byte on the sender,
+# 1.3x on the receiver, 2026-12-02).
+measure_link() {  # shaping-args gbit -> "goodput tcp_send tcp_receive send_per_put send_rate receive_per_put receive_rate"
   local bytes
   bytes=$(python3 -c "g=float('$2'); print(int(max(64e6, (g * 1e9 / 8 if g > 0 else 1e9) * 4)))")
   # shellcheck disable=SC2086
   { HPMOE=bench/cluster_link.py scripts/cluster.sh $1 -- --bytes "$bytes" 2>/dev/null
-    HPMOE=bench/cluster_link.py scripts/cluster.sh $1 -- --bytes "$bytes" --load 2>/dev/null | sed 's/"side": "/"side": "loaded /g'; } |
+    HPMOE=bench/cluster_link.py scripts/cluster.sh $1 -- --bytes "$bytes" --load 2>/dev/null | sed 's/"side": "/"side": "loaded /g'
+    # At most 512 MB a transfer: a stream of small puts for a minute starves
+    # the receiving progress thread's heartbeats (docs/cluster.md).
+    HPMOE=build/bench/bench_put_cost scripts/cluster.sh $1 -- --bytes "$((bytes < 536870912 ? bytes : 536870912))" 2>/dev/null; } |
     python3 -c "
 import json, sys
 text, dec, r, i = sys.stdin.read(), json.JSONDecoder(), {}, 0
 while (i := text.find('{\"rank\"', i)) >= 0:  # mpirun may join two ranks' lines
     j, i = dec.raw_decode(text, i)
-    r[j['side']] = j
+    r['fit' if j.get('fit') else j.get('side', j.get('put_bytes'))] = j
 cost = lambda side: r[side]['bytes_per_stolen_s'] or 1e12  # None: nothing measurable was taken
-print(r['receiver']['goodput_bytes_per_s'], cost('loaded sender'), cost('loaded receiver'))"
+f = r['fit']
+print(r['receiver']['goodput_bytes_per_s'], cost('loaded sender'), cost('loaded receiver'),
+      f['sender_s_per_put'], f['sender_bytes_per_s'], f['receiver_s_per_put'], f['receiver_bytes_per_s'])"
 }
 
 run() {  # label shaping-args gbit layer-args layer-label routing
@@ -75,22 +85,24 @@ run() {  # label shaping-args gbit layer-args layer-label routing
   # The simulator on this cluster: the calibrated core, one worker, links at the shaped rate.
   python3 - $link "$tmp/calibrated.json" > "$tmp/model.json" <<'PY'
 import json, sys
-m = json.load(open(sys.argv[4]))
+m = json.load(open(sys.argv[8]))
 m["name"] = "cluster-2-hosts"
 m["units"] = {"workers": 1}
-goodput, send_rate, receive_rate = map(float, sys.argv[1:4])  # argv[4]: the calibration
+goodput, _, _, send_per_put, send_rate, receive_per_put, receive_rate = map(float, sys.argv[1:8])  # argv[8]: the calibration
 m["links"] = {"ranks_per_node": 1, "intra": {"bytes_per_s": goodput, "latency_s": 1.2e-4},
               "inter": {"bytes_per_s": goodput, "latency_s": 1.2e-4}}
-# The sender's core: the put's copy into the outbox, then the TCP send path
-# (the core time it takes from a computing process, bench/cluster_link.py --load).
-copy = 1 / (1 / m["put"]["copy_bytes_per_s"] + 1 / send_rate)
+# The sender's core: the put's rows copied into the message, then the
+# transport's send path; the receiver's: its receive path and the copy into
+# the segment (both measured through the MPI transport, bench_put_cost).
 # One TCP connection per pair of ranks: a rank's puts to a peer go in order.
-m["put"] = {"engine": "cpu", "issue_s": 2e-6, "copy_bytes_per_s": copy, "stream_per_peer": True,
-            "receive": {"per_put_s": 0.0, "bytes_per_s": receive_rate}}
+m["put"] = {"engine": "cpu", "issue_s": send_per_put, "copy_bytes_per_s": send_rate, "stream_per_peer": True,
+            "receive": {"per_put_s": receive_per_put, "bytes_per_s": receive_rate}}
 m["serialized"]["collective_sync_s"] = 2.4e-4  # a barrier over TCP: a round trip
 m["sources"]["links"] = "the shaped link's measured TCP goodput (bench/cluster_link.py); TCP one-way latency from bench_transport"
 m["sources"]["put.stream_per_peer"] = "Open MPI's TCP BTL: one connection per pair of processes, messages in order"
-m["sources"]["put.receive"] = "bytes per second of core time one TCP stream takes from a computing process on the receiving host (bench/cluster_link.py --load)"
+m["sources"]["put.issue_s"] = m["sources"]["put.copy_bytes_per_s"] = (
+    "core time a computing worker loses per put and per byte on the sending host, through the MPI transport (bench/bench_put_cost)")
+m["sources"]["put.receive"] = "the same on the receiving host (bench/bench_put_cost)"
 json.dump(m, sys.stdout)
 PY
   # shellcheck disable=SC2086
@@ -120,8 +132,8 @@ for shape in "unshaped||0" "A3 fabric ($a3 FLOP/B, $(printf %.0f "$(python3 -c "
   IFS='|' read -r label shaping gbit <<< "$shape"
   case "$label" in ${SHAPES:-*}) ;; *) continue ;; esac  # e.g. SHAPES='H800*' for one link shape
   link=$(measure_link "$shaping" "$gbit")
-  read -r goodput send_rate receive_rate <<< "$link"
-  info=$(python3 -c "g = float('$gbit'); print(f'goodput {$goodput / 1e6:.1f} MB/s (shaped: ' + (f'{g * 125:.1f} MB/s' if g > 0 else 'none') + f'), cost on a computing core: sender {$send_rate / 1e6:.0f} MB per second taken, receiver {$receive_rate / 1e6:.0f}')")
+  read -r goodput tcp_send tcp_receive send_per_put send_rate receive_per_put receive_rate <<< "$link"
+  info=$(python3 -c "g = float('$gbit'); print(f'goodput {$goodput / 1e6:.1f} MB/s (shaped: ' + (f'{g * 125:.1f} MB/s' if g > 0 else 'none') + f'); a bare TCP stream takes a computing core: sender {$tcp_send / 1e6:.0f} MB per second taken, receiver {$tcp_receive / 1e6:.0f}; the MPI transport\'s puts: sender {$send_per_put * 1e6:.1f} us + {$send_rate / 1e6:.0f} MB per second, receiver {$receive_per_put * 1e6:.1f} us + {$receive_rate / 1e6:.0f} MB per second')")
   echo "| $label | link: $info ||||||||||||||"
   # 16 of the 64 experts: every host holds all weights, two hosts must fit in 24 GiB
   run "$label" "$shaping" "$gbit" "--preset deepseek-v2-lite --set routed_experts=16" "deepseek-v2-lite (16 experts)" uniform

@@ -1,0 +1,260 @@
+// What the MPI transport's puts take from a computing worker's core, on the
+// transport itself (Open MPI, hpmoe's progress thread, the kernel's TCP
+// stack together): rank 1 puts rows to rank 0 as the runtime's workers do
+// (each put's rows copied into the message, then send_put), while on each
+// process a meter thread computes GEMM tiles from cache, as a worker does.
+// The meter's tiles per second alone, against its tiles during the
+// transfer, give the core time the transfer took on each side: the sender's
+// copies and send path, the receiver's receive path and its progress
+// thread's copies into the segment. Two put sizes separate the cost per put
+// from the cost per byte.
+//
+// bench/cluster_link.py measures the same for a bare TCP stream. With that
+// stream's figures the cluster model was 6-33% short on the unshaped link
+// (the MPI transport costs the sender 2.4x the bare stream per byte there,
+// the receiver 1.3x; docs/cluster.md), so bench/cluster_sweep.sh takes the
+// model's put costs from here.
+//
+// Run through scripts/cluster.sh (which prepends `run -P 2 --transport mpi
+// --mpi-path network`; they are ignored), or mpirun -np 2:
+//   HPMOE=build/bench/bench_put_cost scripts/cluster.sh -- --bytes 268435456 [--put-bytes 524288,32768] [--reps 3] [--window 16 | --burst 16] [--peer-timeout 60]
+// Prints one JSON line (from rank 0) per put size, and one with the fit.
+#include <hpmoe/error.hpp>
+#include <hpmoe/kernels.hpp>
+#include <hpmoe/runtime.hpp>
+#include <hpmoe/transport.hpp>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+using namespace hpmoe;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// A worker stand-in: 64 x 64 x 256 fp32 tiles from cache, counted.
+class Meter {
+ public:
+  Meter() : a_(64 * 256, 0.25f), b_(kernels::weight_padded_k<float>(256) * kernels::kTileCols, 0.5f), c_(64 * 64) {
+    thread_ = std::thread([this] { loop(); });
+  }
+  ~Meter() {
+    stop_.store(true, std::memory_order_relaxed);
+    thread_.join();
+  }
+  Meter(const Meter&) = delete;
+  Meter& operator=(const Meter&) = delete;
+  std::int64_t tiles() const { return tiles_.load(std::memory_order_relaxed); }
+
+ private:
+  void loop() {
+    const auto view = kernels::panel_view<float>(b_.data(), 256);
+    while (!stop_.load(std::memory_order_relaxed)) {
+      kernels::gemm_tile<float>(a_.data(), 256, view, 0, c_.data(), 64, 64, kernels::kTileCols, 256, false);
+      tiles_.fetch_add(1, std::memory_order_relaxed);
+    }
+  }
+  std::vector<float> a_, b_, c_;
+  std::atomic<std::int64_t> tiles_{0};
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+};
+
+// Every rank's double, on every rank (also a barrier).
+std::vector<double> gather(Transport& tr, double mine) {
+  std::vector<double> all(static_cast<std::size_t>(tr.ranks()));
+  std::byte* bytes = reinterpret_cast<std::byte*>(all.data());
+  for (int r = 0; r < tr.ranks(); ++r)
+    if (tr.hosts(r)) std::memcpy(bytes + r * sizeof(double), &mine, sizeof(double));
+  tr.allgather(std::span<std::byte>(bytes, all.size() * sizeof(double)), sizeof(double));
+  return all;
+}
+
+struct Measured {
+  double window_s;   // the transfer, barrier to barrier
+  double stolen_s;   // core time the meter lost over it
+};
+
+// One transfer of `puts` puts of `put_bytes` from rank 1 to rank 0, the meter
+// running on both; its rate measured alone just before.
+struct Counts {
+  std::int64_t arrived = 0;       // puts rank 0 has received
+  std::int64_t acknowledged = 0;  // bursts rank 1 has had acknowledged
+};
+
+struct Traffic {
+  std::int64_t window = 16;  // a stream's puts queued or in flight at most
+  std::int64_t burst = 0;    // > 0: bursts of this many puts instead of a stream
+};
+
+Measured transfer(Transport& tr, const Meter& meter, int me, std::int64_t put_bytes, std::int64_t puts, const Traffic& shape,
+                  Counts& counts) {
+  gather(tr, 0);
+  std::int64_t c0 = meter.tiles();
+  auto t0 = Clock::now();
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  const double alone = double(meter.tiles() - c0) / seconds_since(t0);  // tiles per second with the core to itself
+
+  gather(tr, 0);
+  c0 = meter.tiles();
+  t0 = Clock::now();
+  tr.launch_begin();
+  // The sender issues its puts as fast as it can, at most `window` of them
+  // queued or in flight (the outbox's room; a sender that finds none waits,
+  // spinning, as a worker does): a steady stream. With `burst`, in bursts
+  // instead: `burst` puts at once (the outbox holds them), then the
+  // receiver's acknowledgement, awaited asleep. (Per byte, bursts cost the
+  // sender 3x the stream on the unshaped link of 2026-12-02: docs/cluster.md.)
+  const EventCounter& counter = tr.counters(me)[0];  // rank 0: puts arrived; rank 1: bursts acknowledged
+  auto wait_for = [&](std::int64_t target) {  // asleep: the meter is the computing worker
+    while (counter.value.load(std::memory_order_acquire) < target) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  };
+  const std::vector<std::byte> rows(static_cast<std::size_t>(put_bytes), std::byte{1});
+  const std::int64_t step = shape.burst > 0 ? shape.burst : puts;
+  for (std::int64_t sent = 0; sent < puts;) {
+    const std::int64_t n = std::min(step, puts - sent);
+    if (me == 1) {
+      for (std::int64_t i = 0; i < n; ++i) {
+        std::vector<std::byte> message(tr.put_header_bytes() + rows.size());
+        std::memcpy(message.data() + tr.put_header_bytes(), rows.data(), rows.size());
+        tr.send_put(0, 0, std::move(message), 0);
+      }
+      if (shape.burst > 0) wait_for(++counts.acknowledged);
+    } else {
+      wait_for(counts.arrived += n);
+      if (shape.burst > 0) tr.put_signal(1, 0, {}, 0);
+    }
+    sent += n;
+  }
+  tr.launch_end();
+  gather(tr, 0);
+  const double window = seconds_since(t0);
+  const double stolen = std::max(0.0, window - double(meter.tiles() - c0) / alone);
+  return {window, stolen};
+}
+
+std::vector<std::int64_t> parse_sizes(const std::string& text) {
+  std::vector<std::int64_t> sizes;
+  std::size_t at = 0;
+  while (at <= text.size()) {
+    const std::size_t comma = std::min(text.find(',', at), text.size());
+    const std::string item = text.substr(at, comma - at);
+    std::size_t used = 0;
+    long long v = 0;
+    try {
+      v = std::stoll(item, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used != item.size() || v < 1024 || v > (std::int64_t{64} << 20))
+      throw Error("--put-bytes takes sizes from 1024 to 67108864 bytes separated by commas (got '" + text + "')");
+    sizes.push_back(v);
+    at = comma + 1;
+  }
+  return sizes;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::int64_t total = std::int64_t{256} << 20;
+  std::string sizes_text = "524288,32768";
+  int reps = 3;
+  Traffic traffic;
+  double peer_timeout = 60.0;  // heartbeats queue behind a long stream of puts (docs/cluster.md)
+  MpiSession mpi(&argc, &argv);
+  std::shared_ptr<Transport> tr;  // outlives the try: an error is printed before its last collective
+  try {
+    for (int i = 1; i < argc; ++i) {  // scripts/cluster.sh's `run -P 2 --transport mpi ...` is skipped
+      const std::string a = argv[i];
+      if (i + 1 >= argc) break;
+      if (a == "--bytes") total = std::stoll(argv[++i]);
+      else if (a == "--put-bytes") sizes_text = argv[++i];
+      else if (a == "--reps") reps = std::stoi(argv[++i]);
+      else if (a == "--window") traffic.window = std::stoll(argv[++i]);
+      else if (a == "--burst") traffic.burst = std::stoll(argv[++i]);
+      else if (a == "--peer-timeout") peer_timeout = std::stod(argv[++i]);
+    }
+    if (total < (std::int64_t{1} << 20)) throw Error("--bytes must be at least 1 MiB");
+    if (reps < 1 || reps > 100) throw Error("--reps must be 1..100");
+    if (traffic.window < 1 || traffic.window > 4096) throw Error("--window must be 1..4096");
+    if (traffic.burst < 0 || traffic.burst > 4096) throw Error("--burst must be 0 (a stream) .. 4096");
+    if (!(peer_timeout > 0)) throw Error("--peer-timeout must be a positive number of seconds");
+    const auto sizes = parse_sizes(sizes_text);
+    if (mpi.size() != 2) throw Error("run with 2 processes (mpirun -np 2, or scripts/cluster.sh)");
+    kernels::init();
+    const int me = mpi.rank();
+    // As in a launch: one worker, inside a task, not waiting (the progress
+    // thread naps between messages as it does while a worker computes).
+    WorkerActivity activity;
+    activity.set_workers(1);
+    activity.enter();
+    Meter meter;
+    std::vector<double> per_put_sender, per_put_receiver;
+    for (const std::int64_t size : sizes) {
+      // A transport per put size: its outbox holds the window (or a burst).
+      tr = make_mpi_transport(mpi, 2, MpiOptions{.path = MpiPath::network, .peer_timeout_seconds = peer_timeout,
+                                                 .outbox_bytes = (traffic.burst > 0 ? traffic.burst + 1 : traffic.window) * (size + 64)});
+      tr->reserve_segments(std::vector<std::int64_t>{size, size});
+      tr->reserve_events(std::vector<std::int64_t>{1, 1});
+      tr->watch_workers(&activity);
+      Counts counts;
+      transfer(*tr, meter, me, size, std::min<std::int64_t>(64, total / size), traffic, counts);  // warm: connections, buffers, pages
+      const std::int64_t puts = std::max<std::int64_t>(8, total / size);
+      std::vector<double> window_s, sender, receiver;
+      for (int rep = 0; rep < reps; ++rep) {
+        const Measured m = transfer(*tr, meter, me, size, puts, traffic, counts);
+        const auto stolen = gather(*tr, m.stolen_s);
+        window_s.push_back(m.window_s);
+        sender.push_back(stolen[1] / double(puts));
+        receiver.push_back(stolen[0] / double(puts));
+      }
+      tr->watch_workers(nullptr);
+      tr.reset();
+      per_put_sender.push_back(median(sender));
+      per_put_receiver.push_back(median(receiver));
+      const double bytes = double(puts) * double(size);
+      if (me == 0)
+        std::printf("{\"rank\": 0, \"put_bytes\": %lld, \"puts\": %lld, \"window\": %lld, \"burst\": %lld, \"goodput_bytes_per_s\": %.6g, "
+                    "\"sender_s_per_put\": %.6g, \"receiver_s_per_put\": %.6g, \"sender_bytes_per_stolen_s\": %.6g, "
+                    "\"receiver_bytes_per_stolen_s\": %.6g}\n",
+                    static_cast<long long>(size), static_cast<long long>(puts), static_cast<long long>(traffic.window), static_cast<long long>(traffic.burst),
+                    bytes / median(window_s), median(sender), median(receiver), double(size) / std::max(1e-12, median(sender)),
+                    double(size) / std::max(1e-12, median(receiver)));
+    }
+    if (me == 0 && sizes.size() >= 2) {
+      // Cost per put = fixed + bytes / rate, through the largest and the smallest size.
+      const auto lo = static_cast<std::size_t>(std::min_element(sizes.begin(), sizes.end()) - sizes.begin());
+      const auto hi = static_cast<std::size_t>(std::max_element(sizes.begin(), sizes.end()) - sizes.begin());
+      auto fit = [&](const std::vector<double>& s) {
+        const double per_byte = std::max(1e-15, (s[hi] - s[lo]) / double(sizes[hi] - sizes[lo]));
+        const double fixed = std::max(0.0, s[lo] - per_byte * double(sizes[lo]));
+        return std::pair{fixed, 1.0 / per_byte};
+      };
+      const auto [sf, sr] = fit(per_put_sender);
+      const auto [rf, rr] = fit(per_put_receiver);
+      std::printf("{\"rank\": 0, \"fit\": true, \"sender_s_per_put\": %.6g, \"sender_bytes_per_s\": %.6g, "
+                  "\"receiver_s_per_put\": %.6g, \"receiver_bytes_per_s\": %.6g}\n",
+                  sf, sr, rf, rr);
+    }
+    std::fflush(stdout);
+    activity.leave();
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error: rank %d: %s\n", mpi.rank(), e.what());
+    std::_Exit(2);
+  }
+}
