@@ -27,6 +27,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <string>
@@ -146,22 +147,32 @@ Measured transfer(Transport& tr, const Meter& meter, int me, std::int64_t put_by
   return {window, stolen};
 }
 
+// The whole of `text` as a number, or an error that names the flag.
+double number(const std::string& flag, const std::string& text) {
+  std::size_t used = 0;
+  double v = 0;
+  try {
+    v = std::stod(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used == 0 || used != text.size()) throw Error(flag + " takes a number (got '" + text + "')");
+  return v;
+}
+
+// A whole number in [lo, hi], or an error that names the flag and the range.
+std::int64_t whole(const std::string& flag, const std::string& text, std::int64_t lo, std::int64_t hi) {
+  const double v = number(flag, text);
+  if (v != std::floor(v) || v < double(lo) || v > double(hi))
+    throw Error(flag + " takes a whole number from " + std::to_string(lo) + " to " + std::to_string(hi) + " (got '" + text + "')");
+  return static_cast<std::int64_t>(v);
+}
+
 std::vector<std::int64_t> parse_sizes(const std::string& text) {
   std::vector<std::int64_t> sizes;
-  std::size_t at = 0;
-  while (at <= text.size()) {
+  for (std::size_t at = 0; at <= text.size();) {
     const std::size_t comma = std::min(text.find(',', at), text.size());
-    const std::string item = text.substr(at, comma - at);
-    std::size_t used = 0;
-    long long v = 0;
-    try {
-      v = std::stoll(item, &used);
-    } catch (const std::exception&) {
-      used = 0;
-    }
-    if (used != item.size() || v < 1024 || v > (std::int64_t{64} << 20))
-      throw Error("--put-bytes takes sizes from 1024 to 67108864 bytes separated by commas (got '" + text + "')");
-    sizes.push_back(v);
+    sizes.push_back(whole("--put-bytes (each size)", text.substr(at, comma - at), 1024, std::int64_t{64} << 20));
     at = comma + 1;
   }
   return sizes;
@@ -181,18 +192,14 @@ int main(int argc, char** argv) {
     for (int i = 1; i < argc; ++i) {  // scripts/cluster.sh's `run -P 2 --transport mpi ...` is skipped
       const std::string a = argv[i];
       if (i + 1 >= argc) break;
-      if (a == "--bytes") total = std::stoll(argv[++i]);
+      if (a == "--bytes") total = whole(a, argv[++i], std::int64_t{1} << 20, std::int64_t{1} << 40);
       else if (a == "--put-bytes") sizes_text = argv[++i];
-      else if (a == "--reps") reps = std::stoi(argv[++i]);
-      else if (a == "--window") traffic.window = std::stoll(argv[++i]);
-      else if (a == "--burst") traffic.burst = std::stoll(argv[++i]);
-      else if (a == "--peer-timeout") peer_timeout = std::stod(argv[++i]);
+      else if (a == "--reps") reps = static_cast<int>(whole(a, argv[++i], 1, 100));
+      else if (a == "--window") traffic.window = whole(a, argv[++i], 1, 4096);
+      else if (a == "--burst") traffic.burst = whole(a, argv[++i], 0, 4096);  // 0: a stream
+      else if (a == "--peer-timeout") peer_timeout = number(a, argv[++i]);
     }
-    if (total < (std::int64_t{1} << 20)) throw Error("--bytes must be at least 1 MiB");
-    if (reps < 1 || reps > 100) throw Error("--reps must be 1..100");
-    if (traffic.window < 1 || traffic.window > 4096) throw Error("--window must be 1..4096");
-    if (traffic.burst < 0 || traffic.burst > 4096) throw Error("--burst must be 0 (a stream) .. 4096");
-    if (!(peer_timeout > 0)) throw Error("--peer-timeout must be a positive number of seconds");
+    if (!(peer_timeout > 0 && peer_timeout < 1e6)) throw Error("--peer-timeout takes a positive number of seconds");
     const auto sizes = parse_sizes(sizes_text);
     if (mpi.size() != 2) throw Error("run with 2 processes (mpirun -np 2, or scripts/cluster.sh)");
     kernels::init();
