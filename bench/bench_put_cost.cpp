@@ -24,6 +24,8 @@
 #include <hpmoe/runtime.hpp>
 #include <hpmoe/transport.hpp>
 
+#include "common/finite_number.hpp"
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -147,17 +149,10 @@ Measured transfer(Transport& tr, const Meter& meter, int me, std::int64_t put_by
   return {window, stolen};
 }
 
-// The whole of `text` as a number, or an error that names the flag.
+// The whole of `text` as a finite number, or an error that names the flag.
 double number(const std::string& flag, const std::string& text) {
-  std::size_t used = 0;
-  double v = 0;
-  try {
-    v = std::stod(text, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  if (used == 0 || used != text.size()) throw Error(flag + " takes a number (got '" + text + "')");
-  return v;
+  if (const auto v = detail::finite_number(text)) return *v;
+  throw Error(flag + " takes a number (got '" + text + "')");
 }
 
 // A whole number in [lo, hi], or an error that names the flag and the range.

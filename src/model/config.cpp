@@ -1,5 +1,7 @@
 #include "hpmoe/config.hpp"
 
+#include "common/finite_number.hpp"
+
 #include <charconv>
 #include <algorithm>
 #include <cmath>
@@ -37,18 +39,8 @@ std::int64_t parse_int(std::string_view field, std::string_view text) {
 }
 
 double parse_double(std::string_view field, std::string_view text) {
-  std::string s(text);
-  std::size_t used = 0;
-  double v = 0;
-  try {
-    v = std::stod(s, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  if (s.empty() || used != s.size() || !std::isfinite(v)) {
-    throw Error("config field '" + std::string(field) + "': '" + s + "' is not a finite number");
-  }
-  return v;
+  if (const auto v = detail::finite_number(text)) return *v;
+  throw Error("config field '" + std::string(field) + "': '" + std::string(text) + "' is not a finite number");
 }
 
 bool parse_bool(std::string_view field, std::string_view text) {

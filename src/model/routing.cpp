@@ -9,6 +9,7 @@
 
 #include "hpmoe/error.hpp"
 #include "hpmoe/json_parse.hpp"
+#include "common/finite_number.hpp"
 #include "hpmoe/tensors.hpp"
 
 namespace hpmoe {
@@ -68,16 +69,8 @@ RoutingSpec RoutingSpec::at_step(const LayerConfig& c, std::uint64_t step_index)
 namespace {
 
 double parse_param(const std::string& spec, const std::string& text) {
-  std::size_t used = 0;
-  double v = 0;
-  try {
-    v = std::stod(text, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  if (text.empty() || used != text.size() || !std::isfinite(v))
-    throw Error("routing '" + spec + "': '" + text + "' is not a number");
-  return v;
+  if (const auto v = detail::finite_number(text)) return *v;
+  throw Error("routing '" + spec + "': '" + text + "' is not a number");
 }
 
 }  // namespace
