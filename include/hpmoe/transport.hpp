@@ -58,6 +58,11 @@ class Transport {
   virtual void send_put(int to, std::int64_t offset, std::vector<std::byte>&& message, std::int32_t event) {
     put_signal(to, offset, std::span<const std::byte>(message).subspan(put_header_bytes()), event);
   }
+  // A zeroed message of `bytes` bytes for send_put. Where puts travel as
+  // messages, the transport keeps the buffers of sends that completed and
+  // hands them out again: a fresh allocation for every put costs page faults
+  // (glibc maps large blocks and gives them back when freed).
+  virtual std::vector<std::byte> message_buffer(std::size_t bytes) { return std::vector<std::byte>(bytes); }
 
   // Collective: every process has armed its counters before any signals a
   // peer (begin); every put has been delivered and every process is done (end).

@@ -83,6 +83,9 @@ constexpr std::int64_t kInlineRows = 8192;
 constexpr auto kNapInFlight = std::chrono::milliseconds(1);
 constexpr auto kNapQuiet = std::chrono::milliseconds(10);
 
+// Completed puts' buffers kept for reuse, at most (message_buffer searches them).
+constexpr std::size_t kMaxSpareBuffers = 256;
+
 struct PutHeader {
   std::int64_t offset;  // into the target's segment
   std::int64_t bytes;   // of rows following in a kRows message (0: none)
@@ -209,12 +212,33 @@ class Mpi final : public Transport {
   EventCounter* counters(int rank) override { return counters_.at(static_cast<std::size_t>(rank)); }
 
   void put_signal(int to, std::int64_t offset, std::span<const std::byte> data, std::int32_t event) override {
-    std::vector<std::byte> message(sizeof(PutHeader) + data.size());
+    std::vector<std::byte> message = message_buffer(sizeof(PutHeader) + data.size());
     if (!data.empty()) std::memcpy(message.data() + sizeof(PutHeader), data.data(), data.size());
     send_put(to, offset, std::move(message), event);
   }
 
   std::size_t put_header_bytes() const override { return sizeof(PutHeader); }
+
+  // The smallest kept buffer that holds `bytes`, else a fresh one.
+  std::vector<std::byte> message_buffer(std::size_t bytes) override {
+    std::vector<std::byte> buffer;
+    {
+      std::lock_guard lock(spare_mutex_);
+      std::size_t best = spare_.size();
+      for (std::size_t i = 0; i < spare_.size(); ++i)
+        if (spare_[i].capacity() >= bytes && (best == spare_.size() || spare_[i].capacity() < spare_[best].capacity()))
+          best = i;
+      if (best < spare_.size()) {
+        spare_bytes_ -= static_cast<std::int64_t>(spare_[best].capacity());
+        buffer = std::move(spare_[best]);
+        spare_[best] = std::move(spare_.back());
+        spare_.pop_back();
+      }
+    }
+    buffer.clear();
+    buffer.resize(bytes);  // zeroed, as a fresh one
+    return buffer;
+  }
 
   // The header goes in front of rows the worker already wrote in place;
   // the progress thread sends header and rows from this one buffer, and the
@@ -631,7 +655,10 @@ class Mpi final : public Transport {
           if (done && sends_[i].rows != MPI_REQUEST_NULL)
             check_mpi(MPI_Test(&sends_[i].rows, &done, MPI_STATUS_IGNORE), "Test (rows sent to a peer)");
           if (done) {
-            if (sends_[i].tag == kPut) pending_bytes_.fetch_sub(static_cast<std::int64_t>(sends_[i].bytes.size()), std::memory_order_release);
+            if (sends_[i].tag == kPut) {
+              pending_bytes_.fetch_sub(static_cast<std::int64_t>(sends_[i].bytes.size()), std::memory_order_release);
+              keep_for_reuse(std::move(sends_[i].bytes));
+            }
             sends_[i] = std::move(sends_.back());
             sends_.pop_back();
           } else {
@@ -683,6 +710,16 @@ class Mpi final : public Transport {
         return;
       }
     }
+  }
+
+  // A completed put's buffer, kept for message_buffer while the kept ones
+  // hold less than the outbox limit (and are few enough to search).
+  void keep_for_reuse(std::vector<std::byte>&& buffer) {
+    const auto bytes = static_cast<std::int64_t>(buffer.capacity());
+    std::lock_guard lock(spare_mutex_);
+    if (spare_.size() >= kMaxSpareBuffers || spare_bytes_ + bytes > outbox_limit_) return;
+    spare_bytes_ += bytes;
+    spare_.push_back(std::move(buffer));
   }
 
   void start_send(int to, int tag, std::vector<std::byte> bytes) {
@@ -776,6 +813,9 @@ class Mpi final : public Transport {
   std::vector<std::byte*> segments_;
   std::vector<EventCounter*> counters_;
   std::vector<std::int64_t> seg_bytes_, event_capacity_;
+  std::mutex spare_mutex_;  // completed puts' buffers, for message_buffer
+  std::vector<std::vector<std::byte>> spare_;
+  std::int64_t spare_bytes_ = 0;
   std::vector<Line> local_;  // network path: this rank's segment
   std::unique_ptr<EventCounter[]> local_counters_;
   std::int64_t local_bytes_ = 0, local_events_ = 0;

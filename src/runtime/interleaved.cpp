@@ -844,7 +844,9 @@ class Interleaved final : public InterleavedExecutor::Impl {
     // Rows for a peer reached by messages are written straight into the
     // message, after the transport's header: no copy before it is sent.
     auto& message = staging_[worker];
-    message.resize(tr_->put_header_bytes() + static_cast<std::size_t>(rect.area()) * sizeof(T));
+    const std::size_t bytes = tr_->put_header_bytes() + static_cast<std::size_t>(rect.area()) * sizeof(T);
+    if (message.capacity() < bytes) message = tr_->message_buffer(bytes);
+    message.resize(bytes);
     return reinterpret_cast<T*>(message.data() + tr_->put_header_bytes());
   }
   // True if the put went through the transport, which also signals.
