@@ -17,7 +17,7 @@
 //
 // Run through scripts/cluster.sh (which prepends `run -P 2 --transport mpi
 // --mpi-path network`; they are ignored), or mpirun -np 2:
-//   HPMOE=build/bench/bench_put_cost scripts/cluster.sh -- --bytes 268435456 [--put-bytes 524288,32768] [--reps 3] [--window 16 | --burst 16] [--peer-timeout 60]
+//   HPMOE=build/bench/bench_put_cost scripts/cluster.sh -- --bytes 268435456 [--put-bytes 524288,32768] [--reps 3] [--window 16 | --burst 16] [--buffers reuse|fresh] [--peer-timeout 60]
 // Prints one JSON line (from rank 0) per put size, and one with the fit.
 #include <hpmoe/error.hpp>
 #include <hpmoe/kernels.hpp>
@@ -101,6 +101,7 @@ struct Counts {
 struct Traffic {
   std::int64_t window = 16;  // a stream's puts queued or in flight at most
   std::int64_t burst = 0;    // > 0: bursts of this many puts instead of a stream
+  bool fresh_buffers = false;  // a new message for every put, not the transport's kept ones
 };
 
 Measured transfer(Transport& tr, const Meter& meter, int me, std::int64_t put_bytes, std::int64_t puts, const Traffic& shape,
@@ -131,7 +132,8 @@ Measured transfer(Transport& tr, const Meter& meter, int me, std::int64_t put_by
     const std::int64_t n = std::min(step, puts - sent);
     if (me == 1) {
       for (std::int64_t i = 0; i < n; ++i) {
-        std::vector<std::byte> message(tr.put_header_bytes() + rows.size());
+        const std::size_t bytes = tr.put_header_bytes() + rows.size();
+        std::vector<std::byte> message = shape.fresh_buffers ? std::vector<std::byte>(bytes) : tr.message_buffer(bytes);
         std::memcpy(message.data() + tr.put_header_bytes(), rows.data(), rows.size());
         tr.send_put(0, 0, std::move(message), 0);
       }
@@ -184,15 +186,26 @@ int main(int argc, char** argv) {
   MpiSession mpi(&argc, &argv);
   std::shared_ptr<Transport> tr;  // outlives the try: an error is printed before its last collective
   try {
-    for (int i = 1; i < argc; ++i) {  // scripts/cluster.sh's `run -P 2 --transport mpi ...` is skipped
+    // scripts/cluster.sh runs its program as `PROGRAM run -P N --transport mpi
+    // --mpi-path network ARGS...`: that prefix is skipped, anything else unknown is an error.
+    int first = 1;
+    if (argc > 1 && std::string(argv[1]) == "run") ++first;
+    for (int i = first; i < argc; ++i) {
       const std::string a = argv[i];
-      if (i + 1 >= argc) break;
-      if (a == "--bytes") total = whole(a, argv[++i], std::int64_t{1} << 20, std::int64_t{1} << 40);
-      else if (a == "--put-bytes") sizes_text = argv[++i];
-      else if (a == "--reps") reps = static_cast<int>(whole(a, argv[++i], 1, 100));
-      else if (a == "--window") traffic.window = whole(a, argv[++i], 1, 4096);
-      else if (a == "--burst") traffic.burst = whole(a, argv[++i], 0, 4096);  // 0: a stream
-      else if (a == "--peer-timeout") peer_timeout = number(a, argv[++i]);
+      if (i + 1 >= argc) throw Error(a + " needs a value (or is not a flag of bench_put_cost)");
+      const std::string value = argv[++i];
+      if (a == "--bytes") total = whole(a, value, std::int64_t{1} << 20, std::int64_t{1} << 40);
+      else if (a == "--put-bytes") sizes_text = value;
+      else if (a == "--reps") reps = static_cast<int>(whole(a, value, 1, 100));
+      else if (a == "--window") traffic.window = whole(a, value, 1, 4096);
+      else if (a == "--burst") traffic.burst = whole(a, value, 0, 4096);  // 0: a stream
+      else if (a == "--peer-timeout") peer_timeout = number(a, value);
+      else if (a == "--buffers" && (value == "reuse" || value == "fresh")) traffic.fresh_buffers = value == "fresh";
+      else if (a == "--buffers") throw Error("--buffers takes reuse or fresh (got '" + value + "')");
+      else if (first == 2 && (a == "-P" || a == "--transport" || a == "--mpi-path")) continue;  // cluster.sh's prefix
+      else
+        throw Error("unknown flag " + a +
+                    " (bench_put_cost takes --bytes, --put-bytes, --reps, --window, --burst, --buffers, --peer-timeout)");
     }
     if (!(peer_timeout > 0 && peer_timeout < 1e6)) throw Error("--peer-timeout takes a positive number of seconds");
     const auto sizes = parse_sizes(sizes_text);
@@ -230,10 +243,10 @@ int main(int argc, char** argv) {
       per_put_receiver.push_back(median(receiver));
       const double bytes = double(puts) * double(size);
       if (me == 0)
-        std::printf("{\"rank\": 0, \"put_bytes\": %lld, \"puts\": %lld, \"window\": %lld, \"burst\": %lld, \"goodput_bytes_per_s\": %.6g, "
+        std::printf("{\"rank\": 0, \"put_bytes\": %lld, \"puts\": %lld, \"window\": %lld, \"burst\": %lld, \"buffers\": \"%s\", \"goodput_bytes_per_s\": %.6g, "
                     "\"sender_s_per_put\": %.6g, \"receiver_s_per_put\": %.6g, \"sender_bytes_per_stolen_s\": %.6g, "
                     "\"receiver_bytes_per_stolen_s\": %.6g}\n",
-                    static_cast<long long>(size), static_cast<long long>(puts), static_cast<long long>(traffic.window), static_cast<long long>(traffic.burst),
+                    static_cast<long long>(size), static_cast<long long>(puts), static_cast<long long>(traffic.window), static_cast<long long>(traffic.burst), traffic.fresh_buffers ? "fresh" : "reuse",
                     bytes / median(window_s), median(sender), median(receiver), double(size) / std::max(1e-12, median(sender)),
                     double(size) / std::max(1e-12, median(receiver)));
     }
