@@ -550,7 +550,7 @@ TEST(Simulator, CompiledLayerIsDeterministicAndInterleavingHelpsWhenCommunicatio
 // every field the loader takes, to_json writes (calibrate and the cluster
 // scripts build models from it).
 TEST(Simulator, EveryCommittedModelSurvivesARoundTrip) {
-  for (const char* name : {"cpu-local", "cpu-amd-epyc", "ascend-a3", "h800", "h200", "nmp-mesh"}) {
+  for (const char* name : {"cpu-local", "cpu-amd-epyc", "cpu-amd-epyc-zen4", "ascend-a3", "h800", "h200", "nmp-mesh"}) {
     SCOPED_TRACE(name);
     const MachineModel m = load_machine(std::string(HPMOE_SOURCE_DIR) + "/machines/" + name + ".json");
     const MachineModel back = machine_from_json(to_json(m));
