@@ -17,7 +17,9 @@
 //
 // Run through scripts/cluster.sh (which prepends `run -P 2 --transport mpi
 // --mpi-path network`; they are ignored), or mpirun -np 2:
-//   HPMOE=build/bench/bench_put_cost scripts/cluster.sh -- --bytes 268435456 [--put-bytes 524288,32768] [--reps 3] [--window 16 | --burst 16] [--buffers reuse|fresh] [--peer-timeout 60]
+//   HPMOE=build/bench/bench_put_cost scripts/cluster.sh -- --bytes 268435456 [--put-bytes 524288,32768] [--reps 3] [--window 16 | --burst 16] [--buffers reuse|fresh] [--direction one-way|both] [--peer-timeout 60]
+// With --direction both, both ranks put to each other at once (a layer's
+// traffic), and each core's time per put covers its sending and receiving.
 // Prints one JSON line (from rank 0) per put size, and one with the fit.
 #include <hpmoe/error.hpp>
 #include <hpmoe/kernels.hpp>
@@ -91,7 +93,7 @@ struct Measured {
   double stolen_s;   // core time the meter lost over it
 };
 
-// One transfer of `puts` puts of `put_bytes` from rank 1 to rank 0, the meter
+// One transfer of `puts` puts of `put_bytes` from rank 1 to rank 0 (or both ways), the meter
 // running on both; its rate measured alone just before.
 struct Counts {
   std::int64_t arrived = 0;       // puts rank 0 has received
@@ -102,6 +104,7 @@ struct Traffic {
   std::int64_t window = 16;  // a stream's puts queued or in flight at most
   std::int64_t burst = 0;    // > 0: bursts of this many puts instead of a stream
   bool fresh_buffers = false;  // a new message for every put, not the transport's kept ones
+  bool both_ways = false;      // both ranks put to each other at once, as a layer's ranks do
 };
 
 Measured transfer(Transport& tr, const Meter& meter, int me, std::int64_t put_bytes, std::int64_t puts, const Traffic& shape,
@@ -122,21 +125,29 @@ Measured transfer(Transport& tr, const Meter& meter, int me, std::int64_t put_by
   // instead: `burst` puts at once (the outbox holds them), then the
   // receiver's acknowledgement, awaited asleep. (Per byte, bursts cost the
   // sender 3x the stream on the unshaped link of 2026-12-02: docs/cluster.md.)
-  const EventCounter& counter = tr.counters(me)[0];  // rank 0: puts arrived; rank 1: bursts acknowledged
+  // One way, rank 0's counter counts puts arrived and rank 1's the bursts
+  // acknowledged; both ways, each rank's counts the peer's puts arrived.
+  const EventCounter& counter = tr.counters(me)[0];
   auto wait_for = [&](std::int64_t target) {  // asleep: the meter is the computing worker
     while (counter.value.load(std::memory_order_acquire) < target) std::this_thread::sleep_for(std::chrono::milliseconds(1));
   };
   const std::vector<std::byte> rows(static_cast<std::size_t>(put_bytes), std::byte{1});
+  auto send = [&](std::int64_t n) {
+    for (std::int64_t i = 0; i < n; ++i) {
+      const std::size_t bytes = tr.put_header_bytes() + rows.size();
+      std::vector<std::byte> message = shape.fresh_buffers ? std::vector<std::byte>(bytes) : tr.message_buffer(bytes);
+      std::memcpy(message.data() + tr.put_header_bytes(), rows.data(), rows.size());
+      tr.send_put(1 - me, 0, std::move(message), 0);
+    }
+  };
   const std::int64_t step = shape.burst > 0 ? shape.burst : puts;
   for (std::int64_t sent = 0; sent < puts;) {
     const std::int64_t n = std::min(step, puts - sent);
-    if (me == 1) {
-      for (std::int64_t i = 0; i < n; ++i) {
-        const std::size_t bytes = tr.put_header_bytes() + rows.size();
-        std::vector<std::byte> message = shape.fresh_buffers ? std::vector<std::byte>(bytes) : tr.message_buffer(bytes);
-        std::memcpy(message.data() + tr.put_header_bytes(), rows.data(), rows.size());
-        tr.send_put(0, 0, std::move(message), 0);
-      }
+    if (shape.both_ways) {
+      send(n);
+      wait_for(counts.arrived += n);  // the peer's burst (or whole stream) has landed here
+    } else if (me == 1) {
+      send(n);
       if (shape.burst > 0) wait_for(++counts.acknowledged);
     } else {
       wait_for(counts.arrived += n);
@@ -202,10 +213,12 @@ int main(int argc, char** argv) {
       else if (a == "--peer-timeout") peer_timeout = number(a, value);
       else if (a == "--buffers" && (value == "reuse" || value == "fresh")) traffic.fresh_buffers = value == "fresh";
       else if (a == "--buffers") throw Error("--buffers takes reuse or fresh (got '" + value + "')");
+      else if (a == "--direction" && (value == "one-way" || value == "both")) traffic.both_ways = value == "both";
+      else if (a == "--direction") throw Error("--direction takes one-way or both (got '" + value + "')");
       else if (first == 2 && (a == "-P" || a == "--transport" || a == "--mpi-path")) continue;  // cluster.sh's prefix
       else
         throw Error("unknown flag " + a +
-                    " (bench_put_cost takes --bytes, --put-bytes, --reps, --window, --burst, --buffers, --peer-timeout)");
+                    " (bench_put_cost takes --bytes, --put-bytes, --reps, --window, --burst, --buffers, --direction, --peer-timeout)");
     }
     if (!(peer_timeout > 0 && peer_timeout < 1e6)) throw Error("--peer-timeout takes a positive number of seconds");
     const auto sizes = parse_sizes(sizes_text);
@@ -218,6 +231,9 @@ int main(int argc, char** argv) {
     activity.set_workers(1);
     activity.enter();
     Meter meter;
+    // One way: the sender's (rank 1's) and the receiver's (rank 0's) core
+    // time per put. Both ways: each core's, sending and receiving at once
+    // (the mean of the two ranks), in the sender's fields; the receiver's are 0.
     std::vector<double> per_put_sender, per_put_receiver;
     for (const std::int64_t size : sizes) {
       // A transport per put size: its outbox holds the window (or a burst).
@@ -234,21 +250,28 @@ int main(int argc, char** argv) {
         const Measured m = transfer(*tr, meter, me, size, puts, traffic, counts);
         const auto stolen = gather(*tr, m.stolen_s);
         window_s.push_back(m.window_s);
-        sender.push_back(stolen[1] / double(puts));
-        receiver.push_back(stolen[0] / double(puts));
+        if (traffic.both_ways) {
+          sender.push_back((stolen[0] + stolen[1]) / 2 / double(puts));
+          receiver.push_back(0);
+        } else {
+          sender.push_back(stolen[1] / double(puts));
+          receiver.push_back(stolen[0] / double(puts));
+        }
       }
       tr->watch_workers(nullptr);
       tr.reset();
       per_put_sender.push_back(median(sender));
       per_put_receiver.push_back(median(receiver));
-      const double bytes = double(puts) * double(size);
+      const double bytes = double(puts) * double(size);  // each way
       if (me == 0)
-        std::printf("{\"rank\": 0, \"put_bytes\": %lld, \"puts\": %lld, \"window\": %lld, \"burst\": %lld, \"buffers\": \"%s\", \"goodput_bytes_per_s\": %.6g, "
+        std::printf("{\"rank\": 0, \"put_bytes\": %lld, \"puts\": %lld, \"window\": %lld, \"burst\": %lld, \"buffers\": \"%s\", "
+                    "\"direction\": \"%s\", \"goodput_bytes_per_s\": %.6g, "
                     "\"sender_s_per_put\": %.6g, \"receiver_s_per_put\": %.6g, \"sender_bytes_per_stolen_s\": %.6g, "
                     "\"receiver_bytes_per_stolen_s\": %.6g}\n",
-                    static_cast<long long>(size), static_cast<long long>(puts), static_cast<long long>(traffic.window), static_cast<long long>(traffic.burst), traffic.fresh_buffers ? "fresh" : "reuse",
-                    bytes / median(window_s), median(sender), median(receiver), double(size) / std::max(1e-12, median(sender)),
-                    double(size) / std::max(1e-12, median(receiver)));
+                    static_cast<long long>(size), static_cast<long long>(puts), static_cast<long long>(traffic.window),
+                    static_cast<long long>(traffic.burst), traffic.fresh_buffers ? "fresh" : "reuse",
+                    traffic.both_ways ? "both" : "one-way", bytes / median(window_s), median(sender), median(receiver),
+                    double(size) / std::max(1e-12, median(sender)), double(size) / std::max(1e-12, median(receiver)));
     }
     if (me == 0 && sizes.size() >= 2) {
       // Cost per put = fixed + bytes / rate, through the largest and the smallest size.
@@ -261,9 +284,9 @@ int main(int argc, char** argv) {
       };
       const auto [sf, sr] = fit(per_put_sender);
       const auto [rf, rr] = fit(per_put_receiver);
-      std::printf("{\"rank\": 0, \"fit\": true, \"sender_s_per_put\": %.6g, \"sender_bytes_per_s\": %.6g, "
+      std::printf("{\"rank\": 0, \"fit\": true, \"direction\": \"%s\", \"sender_s_per_put\": %.6g, \"sender_bytes_per_s\": %.6g, "
                   "\"receiver_s_per_put\": %.6g, \"receiver_bytes_per_s\": %.6g}\n",
-                  sf, sr, rf, rr);
+                  traffic.both_ways ? "both" : "one-way", sf, sr, rf, rr);
     }
     std::fflush(stdout);
     activity.leave();

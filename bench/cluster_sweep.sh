@@ -51,25 +51,46 @@ echo "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 # same cluster: Open MPI, the progress thread and the TCP stack together;
 # on the unshaped link 2.4x the bare stream's cost per byte on the sender,
 # 1.3x on the receiver, 2026-12-02).
-measure_link() {  # shaping-args gbit -> "goodput tcp_send tcp_receive send_per_put send_rate receive_per_put receive_rate"
+#
+# A layer's puts go both ways at once (each rank dispatches to and combines
+# from the other), and two-way traffic does not cost a core the one-way
+# sender's plus the one-way receiver's cost: at the A3 ratio 0.8x of it (TCP
+# acknowledgements ride on the data, one wake of the progress thread serves
+# both), unshaped 0.9-1.1x (2026-12-03, docs/cluster.md). So the put costs are
+# measured both ways too (bench_put_cost --direction both: each core's time
+# per put and per byte, sending and receiving at once), and the one-way
+# split between sender and receiver is scaled to that total, the per-put and
+# the per-byte parts each.
+measure_link() {  # shaping-args gbit -> "goodput tcp_send tcp_receive send_per_put send_rate receive_per_put receive_rate" (the model's),
+                  # then the one-way "send_per_put send_rate receive_per_put receive_rate" and the two-way "per_put rate" measured
   local bytes
   bytes=$(python3 -c "g=float('$2'); print(int(max(64e6, (g * 1e9 / 8 if g > 0 else 1e9) * 4)))")
+  # At most 512 MB a transfer: a stream of small puts for a minute starves
+  # the receiving progress thread's heartbeats (docs/cluster.md).
+  local put_bytes=$((bytes < 536870912 ? bytes : 536870912))
   # shellcheck disable=SC2086
   { HPMOE=bench/cluster_link.py scripts/cluster.sh $1 -- --bytes "$bytes" 2>/dev/null
     HPMOE=bench/cluster_link.py scripts/cluster.sh $1 -- --bytes "$bytes" --load 2>/dev/null | sed 's/"side": "/"side": "loaded /g'
-    # At most 512 MB a transfer: a stream of small puts for a minute starves
-    # the receiving progress thread's heartbeats (docs/cluster.md).
-    HPMOE=build/bench/bench_put_cost scripts/cluster.sh $1 -- --bytes "$((bytes < 536870912 ? bytes : 536870912))" 2>/dev/null; } |
+    HPMOE=build/bench/bench_put_cost scripts/cluster.sh $1 -- --bytes "$put_bytes" 2>/dev/null
+    HPMOE=build/bench/bench_put_cost scripts/cluster.sh $1 -- --bytes "$put_bytes" --direction both 2>/dev/null; } |
     python3 -c "
 import json, sys
 text, dec, r, i = sys.stdin.read(), json.JSONDecoder(), {}, 0
 while (i := text.find('{\"rank\"', i)) >= 0:  # mpirun may join two ranks' lines
     j, i = dec.raw_decode(text, i)
-    r['fit' if j.get('fit') else j.get('side', j.get('put_bytes'))] = j
+    r[str('fit' if j.get('fit') else j.get('side', j.get('put_bytes'))) + (' both' if j.get('direction') == 'both' else '')] = j
 cost = lambda side: r[side]['bytes_per_stolen_s'] or 1e12  # None: nothing measurable was taken
-f = r['fit']
+f, b = r['fit'], r['fit both']
+def split(send, receive, both):  # the one-way split of a cost, scaled to the two-way total
+    share = send / (send + receive) if send + receive > 0 else 0.5
+    return share * both, (1 - share) * both
+send_put, receive_put = split(f['sender_s_per_put'], f['receiver_s_per_put'], b['sender_s_per_put'])
+send_byte, receive_byte = split(1 / f['sender_bytes_per_s'], 1 / f['receiver_bytes_per_s'], 1 / b['sender_bytes_per_s'])
+rate = lambda s_per_byte: 1 / s_per_byte if s_per_byte > 0 else 1e15
 print(r['receiver']['goodput_bytes_per_s'], cost('loaded sender'), cost('loaded receiver'),
-      f['sender_s_per_put'], f['sender_bytes_per_s'], f['receiver_s_per_put'], f['receiver_bytes_per_s'])"
+      send_put, rate(send_byte), receive_put, rate(receive_byte),
+      f['sender_s_per_put'], f['sender_bytes_per_s'], f['receiver_s_per_put'], f['receiver_bytes_per_s'],
+      b['sender_s_per_put'], b['sender_bytes_per_s'])"
 }
 
 run() {  # label shaping-args gbit layer-args layer-label routing
@@ -93,7 +114,8 @@ m["links"] = {"ranks_per_node": 1, "intra": {"bytes_per_s": goodput, "latency_s"
               "inter": {"bytes_per_s": goodput, "latency_s": 1.2e-4}}
 # The sender's core: the put's rows copied into the message, then the
 # transport's send path; the receiver's: its receive path and the copy into
-# the segment (both measured through the MPI transport, bench_put_cost).
+# the segment (both measured through the MPI transport, bench_put_cost; the
+# one-way split scaled to the two-way total, measure_link).
 # One TCP connection per pair of ranks: a rank's puts to a peer go in order.
 m["put"] = {"engine": "cpu", "issue_s": send_per_put, "copy_bytes_per_s": send_rate, "stream_per_peer": True,
             "receive": {"per_put_s": receive_per_put, "bytes_per_s": receive_rate}}
@@ -101,8 +123,9 @@ m["serialized"]["collective_sync_s"] = 2.4e-4  # a barrier over TCP: a round tri
 m["sources"]["links"] = "the shaped link's measured TCP goodput (bench/cluster_link.py); TCP one-way latency from bench_transport"
 m["sources"]["put.stream_per_peer"] = "Open MPI's TCP BTL: one connection per pair of processes, messages in order"
 m["sources"]["put.issue_s"] = m["sources"]["put.copy_bytes_per_s"] = (
-    "core time a computing worker loses per put and per byte on the sending host, through the MPI transport (bench/bench_put_cost)")
-m["sources"]["put.receive"] = "the same on the receiving host (bench/bench_put_cost)"
+    "core time a computing worker loses per put and per byte on the sending host, through the MPI transport (bench/bench_put_cost), "
+    "its share of the one-way cost scaled to the two-way total (bench_put_cost --direction both)")
+m["sources"]["put.receive"] = "the same on the receiving host (bench/bench_put_cost, scaled the same way)"
 json.dump(m, sys.stdout)
 PY
   # shellcheck disable=SC2086
@@ -131,9 +154,11 @@ for shape in "unshaped||0" "A3 fabric ($a3 FLOP/B, $(printf %.0f "$(python3 -c "
              "H800 RDMA ($h800 FLOP/B, $(printf %.0f "$(python3 -c "print($g_h800*1000)")") Mbit/s)|--flop-per-byte $h800|$g_h800"; do
   IFS='|' read -r label shaping gbit <<< "$shape"
   case "$label" in ${SHAPES:-*}) ;; *) continue ;; esac  # e.g. SHAPES='H800*' for one link shape
-  link=$(measure_link "$shaping" "$gbit")
-  read -r goodput tcp_send tcp_receive send_per_put send_rate receive_per_put receive_rate <<< "$link"
-  info=$(python3 -c "g = float('$gbit'); print(f'goodput {$goodput / 1e6:.1f} MB/s (shaped: ' + (f'{g * 125:.1f} MB/s' if g > 0 else 'none') + f'); a bare TCP stream takes a computing core: sender {$tcp_send / 1e6:.0f} MB per second taken, receiver {$tcp_receive / 1e6:.0f}; the MPI transport\'s puts: sender {$send_per_put * 1e6:.1f} us + {$send_rate / 1e6:.0f} MB per second, receiver {$receive_per_put * 1e6:.1f} us + {$receive_rate / 1e6:.0f} MB per second')")
+  measured=$(measure_link "$shaping" "$gbit")
+  read -r goodput tcp_send tcp_receive send_per_put send_rate receive_per_put receive_rate \
+    one_send_per_put one_send_rate one_receive_per_put one_receive_rate both_per_put both_rate <<< "$measured"
+  link="$goodput $tcp_send $tcp_receive $send_per_put $send_rate $receive_per_put $receive_rate"
+  info=$(python3 -c "g = float('$gbit'); print(f'goodput {$goodput / 1e6:.1f} MB/s (shaped: ' + (f'{g * 125:.1f} MB/s' if g > 0 else 'none') + f'); a bare TCP stream takes a computing core: sender {$tcp_send / 1e6:.0f} MB per second taken, receiver {$tcp_receive / 1e6:.0f}; the MPI transport\'s puts one way: sender {$one_send_per_put * 1e6:.1f} us + {$one_send_rate / 1e6:.0f} MB per second, receiver {$one_receive_per_put * 1e6:.1f} us + {$one_receive_rate / 1e6:.0f} MB per second; both ways, each core {$both_per_put * 1e6:.1f} us + {$both_rate / 1e6:.0f} MB per second; so the model\'s sender {$send_per_put * 1e6:.1f} us + {$send_rate / 1e6:.0f} MB per second, receiver {$receive_per_put * 1e6:.1f} us + {$receive_rate / 1e6:.0f} MB per second')")
   echo "| $label | link: $info ||||||||||||||"
   # 16 of the 64 experts: every host holds all weights, two hosts must fit in 24 GiB
   run "$label" "$shaping" "$gbit" "--preset deepseek-v2-lite --set routed_experts=16" "deepseek-v2-lite (16 experts)" uniform

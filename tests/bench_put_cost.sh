@@ -12,11 +12,12 @@ mkdir -p "$tmp/ompi"
 export OMPI_MCA_orte_tmpdir_base="$tmp/ompi"
 bench() { timeout 120 "$MPIRUN" -np "${NP:-2}" --oversubscribe --mca btl self,tcp "$BENCH" "$@"; }
 
-# A stream and bursts (with the transport's kept buffers and with fresh ones), 1 MiB each; the prefix scripts/cluster.sh puts in front is accepted.
-for shape in "--window 4" "--burst 4" "--burst 4 --buffers fresh"; do
+# A stream and bursts (with the transport's kept buffers and with fresh ones),
+# one way and both ways, 1 MiB each; the prefix scripts/cluster.sh puts in front is accepted.
+for shape in "--window 4" "--burst 4" "--burst 4 --buffers fresh" "--window 4 --direction both" "--burst 4 --direction both"; do
   # shellcheck disable=SC2086
   bench run -P 2 --transport mpi --mpi-path network --bytes 1048576 --put-bytes 65536,8192 --reps 1 $shape > "$tmp/out.txt"
-  python3 - "$tmp/out.txt" <<'PY'
+  python3 - "$tmp/out.txt" "$shape" <<'PY'
 import json, math, sys
 lines = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
 sizes = [l["put_bytes"] for l in lines if not l.get("fit")]
@@ -28,6 +29,10 @@ for l in lines:
         if isinstance(v, float):
             assert math.isfinite(v) and v >= 0, (k, v)
 assert all(l["goodput_bytes_per_s"] > 0 for l in lines if not l.get("fit"))
+both = "--direction both" in sys.argv[2]
+assert all(l["direction"] == ("both" if both else "one-way") for l in lines), lines
+if both:  # each core's cost, sending and receiving, is in the sender's fields
+    assert all(l["receiver_s_per_put"] == 0 for l in lines), lines
 PY
 done
 
@@ -49,6 +54,7 @@ bad "--peer-timeout takes a number" --peer-timeout inf
 bad "--peer-timeout takes a positive number" --peer-timeout -1
 bad "unknown flag --brust" --brust 16
 bad "--buffers takes reuse or fresh" --buffers pooled
+bad "--direction takes one-way or both" --direction two
 bad "--reps needs a value" --reps
 bad "unknown flag -P" -P 2
 NP=3 bad "run with 2 processes" --bytes 1048576
