@@ -54,9 +54,10 @@ echo "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 #
 # A layer's puts go both ways at once (each rank dispatches to and combines
 # from the other), and two-way traffic does not cost a core the one-way
-# sender's plus the one-way receiver's cost: at the A3 ratio 0.8x of it (TCP
-# acknowledgements ride on the data, one wake of the progress thread serves
-# both), unshaped 0.9-1.1x (2026-12-03, docs/cluster.md). So the put costs are
+# sender's plus the one-way receiver's cost: at the A3 ratio 0.7-0.8x of it
+# (likely TCP acknowledgements riding on the data and one wake of the
+# progress thread serving both directions; not isolated), unshaped
+# 0.8-1.3x (2026-12-03, docs/cluster.md). So the put costs are
 # measured both ways too (bench_put_cost --direction both: each core's time
 # per put and per byte, sending and receiving at once), and the one-way
 # split between sender and receiver is scaled to that total, the per-put and
