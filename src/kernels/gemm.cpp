@@ -34,8 +34,13 @@ Bf16Engine bf16_engine() {
   return engine;
 }
 
+namespace {
+bool libxsmm_has_bf16();
+}
+
 const char* name(Bf16Engine e) {
-  return e == Bf16Engine::onednn_amx ? "oneDNN matmul (AMX-BF16)" : "libxsmm (AVX512-BF16 or emulated)";
+  if (e == Bf16Engine::onednn_amx) return "oneDNN matmul (AMX-BF16)";
+  return libxsmm_has_bf16() ? "libxsmm (AVX512-BF16 or emulated)" : "libxsmm fp32 on bf16 widened to fp32 (no AVX-512)";
 }
 
 namespace {
@@ -170,6 +175,10 @@ class OnednnBrgemm {
 };
 #endif
 
+void widened_batch_reduce(const bf16* a, std::int64_t lda, const bf16* b, std::int64_t ldb, float* c,
+                          std::int64_t ldc, std::int64_t m, std::int64_t n, std::int64_t kb, std::int64_t blocks,
+                          bool accumulate);
+
 // libxsmm is column-major: the row-major product C = A B is the column-major
 // product C^T = B^T A^T, so B is libxsmm's "A" and A is its "B".
 template <class T>
@@ -188,12 +197,54 @@ void batch_reduce(const T* a, std::int64_t lda, const T* b, std::int64_t ldb, fl
                              std::to_string(n) + "x" + std::to_string(kb));
     kernel(reinterpret_cast<const float*>(b), reinterpret_cast<const float*>(a), c, &count);
   } else {
+    if (!libxsmm_has_bf16()) {
+      widened_batch_reduce(a, lda, b, ldb, c, ldc, m, n, kb, blocks, accumulate);
+      return;
+    }
     const int flags = LIBXSMM_GEMM_FLAG_VNNI_A;
     auto kernel = libxsmm_bsmmdispatch_reducebatch_strd(xm, xn, xk, stride_rhs, stride_lhs, &xlda, &xldb, &xldc,
                                                         &alpha, &beta, &flags, nullptr);
     if (!kernel) throw Error("libxsmm could not generate a bf16 GEMM kernel for " + std::to_string(m) + "x" +
-                             std::to_string(n) + "x" + std::to_string(kb) + " (needs AVX-512)");
+                             std::to_string(n) + "x" + std::to_string(kb));
     kernel(reinterpret_cast<const libxsmm_bfloat16*>(b), reinterpret_cast<const libxsmm_bfloat16*>(a), c, &count);
+  }
+}
+
+// Whether libxsmm generates bf16 kernels on this CPU: it does from AVX-512
+// on (natively with AVX512-BF16, emulated without); on AVX2 CPUs (Zen 3,
+// older Xeons) it generates none. Probed once.
+bool libxsmm_has_bf16() {
+  static const bool has = [] {
+    const libxsmm_blasint m = 16, n = 16, k = 16, ld = 16;
+    const float alpha = 1.0f, beta = 0.0f;
+    const int flags = LIBXSMM_GEMM_FLAG_VNNI_A;
+    return libxsmm_bsmmdispatch_reducebatch_strd(m, n, k, k * ld * 2, k * 2, &ld, &ld, &ld, &alpha, &beta, &flags,
+                                                 nullptr) != nullptr;
+  }();
+  return has;
+}
+
+// bf16 blocks where libxsmm has no bf16 kernel: each block of A and of the
+// VNNI B widened to fp32 (exactly: bf16 is fp32's upper half) and multiplied
+// by libxsmm's fp32 kernel. A product of two bf16 values is exact in fp32, so
+// this is the same arithmetic as a bf16 dot-product instruction's, with
+// fp32 accumulation; every executor takes the same path, so results stay
+// bit-identical between them. The widening costs 1/m of the block's work.
+void widened_batch_reduce(const bf16* a, std::int64_t lda, const bf16* b, std::int64_t ldb, float* c,
+                          std::int64_t ldc, std::int64_t m, std::int64_t n, std::int64_t kb, std::int64_t blocks,
+                          bool accumulate) {
+  thread_local std::vector<float> wa, wb;
+  wa.resize(static_cast<std::size_t>(m * kb));
+  wb.resize(static_cast<std::size_t>(kb * n));
+  for (std::int64_t block = 0; block < blocks; ++block) {
+    const bf16* ab = a + block * kb;
+    const bf16* bb = b + block * kb * ldb;  // VNNI: kb / 2 rows of pairs, ldb columns each
+    for (std::int64_t i = 0; i < m; ++i)
+      for (std::int64_t k = 0; k < kb; ++k) wa[static_cast<std::size_t>(i * kb + k)] = ab[i * lda + k].to_float();
+    for (std::int64_t k = 0; k < kb; ++k)
+      for (std::int64_t j = 0; j < n; ++j)
+        wb[static_cast<std::size_t>(k * n + j)] = bb[((k / 2) * ldb + j) * 2 + k % 2].to_float();
+    batch_reduce<float>(wa.data(), kb, wb.data(), n, c, ldc, m, n, kb, 1, accumulate || block > 0);
   }
 }
 
