@@ -25,6 +25,13 @@ using ExpertSource = std::function<void(std::int64_t expert, LayerWeights&)>;
 std::shared_ptr<const PackedWeights> pack_weights(const LayerConfig&, LayerWeights&, bool backward,
                                                   std::span<const std::int32_t> experts, const ExpertSource& fetch);
 
+// The operands of the weights a caller changed in place, packed again into
+// the same memory: `experts` (every held one when all_experts) and, when
+// `replicated`, the router and shared experts. Only for packing that no
+// step in flight reads (the caller's to ensure; hpmoe::Layer does).
+void repack_weights(const PackedWeights&, const LayerConfig&, std::span<const std::int32_t> experts, bool all_experts,
+                    bool replicated);
+
 struct ExecutorOptions {
   int workers_per_rank = 1;  // W
   bool backward = false;

@@ -88,6 +88,11 @@ class InterleavedExecutor {
   // without copies; x must stay alive and unchanged until backward returns.
   void forward(MatrixView x, std::span<const std::int32_t> forced, StepResult& result);
   void backward(MatrixView d_out, StepResult& result);
+  // The caller changed the weights this executor was built on, in place
+  // (and repacked `packed`, the shared packing, if it gave one): re-read
+  // what the executor derives from them. Not between a forward and its
+  // backward.
+  void weights_changed(std::shared_ptr<const PackedWeights> packed = nullptr);
   // The programs of the last step (one per rank).
   const std::vector<taskflow::Program>& programs(taskflow::Pass = taskflow::Pass::forward) const;
 

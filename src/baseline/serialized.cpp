@@ -64,6 +64,14 @@ std::shared_ptr<const PackedWeights> pack_weights(const LayerConfig& c, LayerWei
   return p;
 }
 
+void repack_weights(const PackedWeights& packed, const LayerConfig& c, std::span<const std::int32_t> experts,
+                    bool all_experts, bool replicated) {
+  if (packed.dtype != c.dtype) throw Error("repack: the packing is " + to_string(packed.dtype) + ", the layer " + to_string(c.dtype));
+  check_weight_shapes(c, *packed.weights);
+  if (c.dtype == DType::fp32) repack_layer<float>(*packed.fp32, c, *packed.weights, packed.backward, experts, all_experts, replicated);
+  else repack_layer<bf16>(*packed.bf16_, c, *packed.weights, packed.backward, experts, all_experts, replicated);
+}
+
 SerializedExecutor::SerializedExecutor(const LayerConfig& c, const LayerWeights& w, ExecutorOptions opt) {
   c.validate();
   if (opt.workers_per_rank < 1 || opt.workers_per_rank > 256)

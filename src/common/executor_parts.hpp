@@ -51,6 +51,19 @@ Operand<T> packed_operand(const Matrix& m, bool transposed) {
   op.view_ = kernels::panel_view<T>(op.storage.data(), k);
   return op;
 }
+// m packed again into op's storage, which keeps its pages when the size is
+// unchanged (a training step's weight update repacks without new memory).
+template <class T>
+void repack_operand(Operand<T>& op, const Matrix& m, bool transposed) {
+  const std::int64_t k = transposed ? m.cols : m.rows, n = transposed ? m.rows : m.cols;
+  if (op.storage.size() != static_cast<std::size_t>(kernels::panel_blocked_size<T>(k, n))) {
+    op = packed_operand<T>(m, transposed);
+    return;
+  }
+  kernels::pack_rhs_panels<float, T>(m.data.data(), m.cols, k, n, transposed, op.storage.data(), 0,
+                                     (n + kTileCols - 1) / kTileCols);
+  op.view_ = kernels::panel_view<T>(op.storage.data(), k);
+}
 template <class T>
 Operand<T> operand_of(const Matrix& m) {
   return packed_operand<T>(m, false);
@@ -118,7 +131,7 @@ void pack_expert(PackedLayer<T>& p, const LayerWeights& w, std::size_t e, bool b
 // given, first brings each of `experts` into w, and the raw copy is
 // released once packed: only one expert's raw weights exist at a time).
 template <class T>
-std::shared_ptr<const PackedLayer<T>> pack_layer(const LayerConfig& c, LayerWeights& w, bool backward,
+std::shared_ptr<PackedLayer<T>> pack_layer(const LayerConfig& c, LayerWeights& w, bool backward,
                                                  std::span<const std::int32_t> experts,
                                                  const std::function<void(std::int64_t, LayerWeights&)>& fetch) {
   auto p = std::make_shared<PackedLayer<T>>();
@@ -161,8 +174,46 @@ std::shared_ptr<const PackedLayer<T>> pack_layer(const LayerConfig& c, LayerWeig
   return p;
 }
 template <class T>
-std::shared_ptr<const PackedLayer<T>> pack_layer(const LayerConfig& c, const LayerWeights& w, bool backward) {
+std::shared_ptr<PackedLayer<T>> pack_layer(const LayerConfig& c, const LayerWeights& w, bool backward) {
   return pack_layer<T>(c, const_cast<LayerWeights&>(w), backward, {}, {});  // without fetch, w is only read
+}
+
+// The operands of `experts` (every held one when `all_experts`) and, when
+// `replicated`, the router's and the shared experts', packed again in place
+// from w: the weights a caller changed, and nothing else.
+template <class T>
+void repack_layer(PackedLayer<T>& p, const LayerConfig& c, const LayerWeights& w, bool backward,
+                  std::span<const std::int32_t> experts, bool all_experts, bool replicated) {
+  std::vector<std::pair<std::size_t, std::size_t>> jobs;  // (expert, part) as pack_expert_part numbers them
+  auto add = [&](std::size_t e) {
+    if (e >= p.w1.size()) throw Error("repack: expert " + std::to_string(e) + " is not in the layer");
+    if (!holds_expert(w, static_cast<std::int64_t>(e))) return;  // held elsewhere
+    for (std::size_t part = 0; part < (backward ? 4u : 2u); ++part) jobs.emplace_back(e, part);
+  };
+  if (all_experts)
+    for (std::size_t e = 0; e < p.w1.size(); ++e) add(e);
+  else
+    for (const std::int32_t e : experts) add(static_cast<std::size_t>(e));
+  on_all_cores(jobs.size(), [&](std::size_t j) {
+    const auto [e, part] = jobs[j];
+    switch (part) {
+      case 0: repack_operand<T>(p.w1[e], w.w1[e], false); break;
+      case 1: repack_operand<T>(p.w2[e], w.w2[e], false); break;
+      case 2: repack_operand<T>(p.w1_t[e], w.w1[e], true); break;
+      default: repack_operand<T>(p.w2_t[e], w.w2[e], true); break;
+    }
+  });
+  if (!replicated) return;
+  repack_operand<float>(p.router, w.router, false);
+  if (backward) repack_operand<float>(p.router_t, w.router, true);
+  if (c.shared_experts > 0) {
+    repack_operand<T>(p.sw1, w.shared_w1, false);
+    repack_operand<T>(p.sw2, w.shared_w2, false);
+    if (backward) {
+      repack_operand<T>(p.sw1_t, w.shared_w1, true);
+      repack_operand<T>(p.sw2_t, w.shared_w2, true);
+    }
+  }
 }
 
 }  // namespace hpmoe::detail
@@ -172,8 +223,10 @@ struct PackedWeights {
   const LayerWeights* weights = nullptr;  // what was packed (identity, not ownership)
   DType dtype = DType::fp32;
   bool backward = false;
-  std::shared_ptr<const detail::PackedLayer<float>> fp32;
-  std::shared_ptr<const detail::PackedLayer<bf16>> bf16_;
+  // Mutable behind the shared const face: the owner of the weights (a
+  // Layer) repacks in place what it changed (repack_weights).
+  std::shared_ptr<detail::PackedLayer<float>> fp32;
+  std::shared_ptr<detail::PackedLayer<bf16>> bf16_;
 };
 }  // namespace hpmoe
 

@@ -33,6 +33,7 @@ struct InterleavedExecutor::Impl {
   virtual ~Impl() = default;
   virtual void forward(MatrixView x, std::span<const std::int32_t> forced, StepResult&) = 0;
   virtual void backward(MatrixView d_out, StepResult&) = 0;
+  virtual void weights_changed(std::shared_ptr<const PackedWeights> packed) = 0;
   std::vector<taskflow::Program> programs, backward_programs;
 };
 
@@ -91,6 +92,38 @@ class Interleaved final : public InterleavedExecutor::Impl {
   }
   ~Interleaved() override { tr_->watch_workers(nullptr); }
 
+  // The batch is a call's, not the layer's: x's rows are the hosted ranks'
+  // tokens, T per rank. Everything sized by T (routing, exchange, buffers,
+  // programs) is derived per step from c_ and lc_; the fingerprint carries
+  // T so that ranks of a sharded run that disagree stop at the count exchange.
+  void set_tokens(const MatrixView& x) {
+    const auto hosted = static_cast<std::int64_t>(local_.size());
+    if (x.rows <= 0 || x.rows % hosted != 0)
+      throw Error("input x has " + std::to_string(x.rows) + " rows, which the " + std::to_string(hosted) +
+                  " ranks of this process cannot share evenly (give a positive multiple of " + std::to_string(hosted) +
+                  " tokens)");
+    const std::int64_t tokens = x.rows / hosted;
+    if (tokens == c_.tokens_per_rank) return;
+    LayerConfig next = c_;
+    next.tokens_per_rank = tokens;
+    next.validate();
+    c_ = next;
+    lc_.tokens_per_rank = tokens;
+    fingerprint_ = layer_fingerprint(c_, placement_, w_);
+  }
+
+ public:
+  // The caller changed the weights in place: the packing (shared, updated by
+  // the caller) is re-read, a split expert's parts are packed again and the
+  // fingerprint covers the new replicated weights.
+  void weights_changed(std::shared_ptr<const PackedWeights> packed) override {
+    forward_done_ = nullptr;  // a forward before the change has no backward after it
+    if (packed) packed_ = resolve_packing<T>(c_, w_, packed, opt_.backward);
+    if (placement_.has_splits()) pack_split_parts(opt_.backward);
+    fingerprint_ = layer_fingerprint(c_, placement_, w_);
+  }
+
+ private:
   // A split expert's part as its own smaller expert: W1's gate and up
   // columns of the part side by side ([H, 2 Ip]) and W2's rows of the part
   // ([Ip, H]), packed for the tile kernels like a whole expert's.
@@ -182,6 +215,7 @@ class Interleaved final : public InterleavedExecutor::Impl {
   bool sharded() const { return local_.size() != static_cast<std::size_t>(c_.ranks); }
 
   void forward(MatrixView x, std::span<const std::int32_t> forced, StepResult& res) override {
+    set_tokens(x);
     check_token_view(lc_, x, "input x");
     x_ = x;
     forward_done_ = nullptr;
@@ -1385,6 +1419,10 @@ void InterleavedExecutor::forward(MatrixView x, std::span<const std::int32_t> fo
 }
 
 void InterleavedExecutor::backward(MatrixView d_out, StepResult& result) { impl_->backward(d_out, result); }
+
+void InterleavedExecutor::weights_changed(std::shared_ptr<const PackedWeights> packed) {
+  impl_->weights_changed(std::move(packed));
+}
 
 const std::vector<taskflow::Program>& InterleavedExecutor::programs(taskflow::Pass pass) const {
   return pass == taskflow::Pass::forward ? impl_->programs : impl_->backward_programs;

@@ -1,0 +1,120 @@
+#pragma once
+// hpmoe::Layer: one expert-parallel MoE layer that a framework builds once
+// and calls every step. It owns the weights and their packing for the tile
+// kernels, the worker pool, the buffers and the compile scratch, and keeps
+// them across calls: a forward takes any number of tokens, and a weight
+// update repacks only what changed, in the same memory.
+//
+//   hpmoe::Layer layer(spec, std::move(weights), {.workers_per_rank = 2});
+//   auto step = layer.forward(x);         // x: [tokens, hidden]
+//   use(step.out());
+//   step.backward(dy);                    // later: the same forward's backward
+//   use(step.gradients());                // dx and every weight's gradient
+//
+// Every program a step runs was accepted by the verifier first.
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "hpmoe/baseline.hpp"
+#include "hpmoe/config.hpp"
+#include "hpmoe/placement.hpp"
+#include "hpmoe/taskflow.hpp"
+#include "hpmoe/tensors.hpp"
+#include "hpmoe/transport.hpp"
+
+namespace hpmoe {
+
+// How a step's tasks are ordered in time. Both run the same verified
+// program, tile for tile, and give bit-identical results.
+enum class Schedule {
+  interleaved,  // one launch: every worker walks its queue, waiting only on the events it needs
+  serialized,   // one operator at a time, a barrier across all workers after each (the framework way)
+};
+
+// Where and how the layer runs: the ranks are the spec's (LayerConfig::ranks).
+struct Parallel {
+  int workers_per_rank = 1;
+  Schedule schedule = Schedule::interleaved;
+  // The interleaved schedule's task order per worker (hpmoe run --policy).
+  taskflow::Policy policy = taskflow::Policy::critical_path;
+  ExpertPlacement placement{};           // where the experts live; empty: contiguous
+  std::shared_ptr<Transport> transport;  // null: all ranks in this process
+  bool backward = true;                  // steps may run backward (packs the transposes it needs)
+  bool pin = true;                       // pin workers to cores (off inside a framework's process)
+  double watchdog_seconds = 10.0;        // a wait longer than this fails the step, naming task and event
+  bool trace = false;                    // record a slice per task in StepResult::trace
+};
+
+// What a caller changed in the weights it edits through Layer::weights().
+struct WeightChange {
+  bool replicated = true;             // router, expert bias, shared experts
+  bool all_experts = true;            // every routed expert held here ...
+  std::vector<std::int32_t> experts;  // ... or only these
+  static WeightChange none() { return {false, false, {}}; }
+  static WeightChange only_experts(std::vector<std::int32_t> e) { return {false, false, std::move(e)}; }
+};
+
+class Layer {
+  struct Shared;
+
+ public:
+  // weights: the layer's parameters in the math layout (a sharded process
+  // holds only its own experts). Packs them once.
+  Layer(const LayerConfig& spec, LayerWeights weights, Parallel parallel = {});
+  ~Layer();
+  Layer(Layer&&) noexcept;
+  Layer& operator=(Layer&&) noexcept;
+
+  // One forward, and later its backward. A step holds what its backward
+  // needs; several may be in flight (micro-batches), each on its own engine
+  // (in process; a transport across processes allows one at a time). A step
+  // keeps its layer's state alive.
+  class Step {
+   public:
+    Step(Step&&) noexcept;
+    Step& operator=(Step&&) noexcept;
+    ~Step();
+    const Matrix& out() const;  // [tokens, hidden], unless the forward wrote into the caller's view
+    // The backward of this step's forward, once. dx goes into `dx` when
+    // given (a view of the caller's memory), else into gradients().x.
+    void backward(MatrixView dy, MutableMatrixView dx = {});
+    const LayerGradients& gradients() const;
+    // Routing, expert load, losses, memory, per-operator and launch times.
+    const StepResult& result() const;
+
+   private:
+    friend class Layer;
+    struct State;
+    explicit Step(std::unique_ptr<State>);
+    std::unique_ptr<State> s_;
+  };
+
+  // x: this process's tokens ([hosted ranks x T, hidden], any row stride),
+  // any T >= 1; read in place, and it must stay alive and unchanged until
+  // the step's backward has run. `forced` replaces the router's choice
+  // (synthetic or recorded routing); `out`, when given, receives the output.
+  Step forward(MatrixView x, std::span<const std::int32_t> forced = {}, MutableMatrixView out = {});
+  Step forward(const Matrix& x) { return forward(view(x)); }
+
+  const LayerConfig& spec() const;
+  const Parallel& parallel() const;
+  const LayerWeights& weights() const;
+  // The weights, to change in place; then say what changed. The packing of
+  // what changed is redone in place before the next forward; steps already
+  // in flight keep the weights they ran with.
+  LayerWeights& weights(const WeightChange& change);
+  // Say after the fact that weights changed (through a pointer kept from
+  // weights(WeightChange::none())).
+  void weights_changed(const WeightChange& change = {});
+
+  // Engines made so far (one per step in flight at once): a measure of reuse.
+  std::size_t engines() const;
+
+ private:
+  std::shared_ptr<Shared> s_;
+};
+
+}  // namespace hpmoe

@@ -1,0 +1,190 @@
+// hpmoe::Layer: the engine (InterleavedExecutor) kept across calls. The layer
+// owns the weights and one packing of them; engines are made on demand, one
+// per step in flight, and go back to a free list when their step's backward
+// has run or the step is dropped. Results' buffers (outputs, gradients) are
+// recycled the same way, so a steady training loop allocates nothing large.
+#include "hpmoe/layer.hpp"
+
+#include <algorithm>
+#include <utility>
+
+#include "hpmoe/error.hpp"
+#include "hpmoe/runtime.hpp"
+
+namespace hpmoe {
+
+struct Layer::Shared {
+  LayerConfig spec;
+  Parallel parallel;
+  LayerWeights weights;
+  std::shared_ptr<const PackedWeights> packed;
+
+  struct Engine {
+    std::unique_ptr<InterleavedExecutor> executor;
+    bool busy = false;
+    const PackedWeights* packing = nullptr;  // the packing it reads (stale after a copy-on-write)
+  };
+  std::vector<Engine> engines;
+  std::vector<StepResult> spare_results;  // dropped steps' buffers, reused by the next ones
+
+  // Weights changed since the last repack, not yet packed.
+  bool dirty = false;
+  WeightChange pending = WeightChange::none();
+
+  Shared(const LayerConfig& c, LayerWeights w, Parallel p) : spec(c), parallel(std::move(p)), weights(std::move(w)) {
+    spec.validate();
+    if (parallel.workers_per_rank < 1 || parallel.workers_per_rank > 256)
+      throw Error("Parallel::workers_per_rank must be between 1 and 256 (got " +
+                  std::to_string(parallel.workers_per_rank) + ")");
+    check_weight_shapes(spec, weights);
+    packed = pack_weights(spec, weights, parallel.backward);
+  }
+
+  RuntimeOptions options() const {
+    RuntimeOptions o;
+    o.workers_per_rank = parallel.workers_per_rank;
+    o.backward = parallel.backward;
+    o.pin = parallel.pin;
+    o.verify_programs = true;  // no program runs unless the verifier accepted it
+    o.watchdog_seconds = parallel.watchdog_seconds;
+    o.packed = packed;
+    o.trace = parallel.trace;
+    o.transport = parallel.transport;
+    o.placement = parallel.placement;
+    o.phased = parallel.schedule == Schedule::serialized;
+    o.policy = o.phased ? taskflow::Policy::fill : parallel.policy;  // phased runs operators in order
+    return o;
+  }
+
+  void note(const WeightChange& change) {
+    for (const std::int32_t e : change.experts)
+      if (e < 0 || e >= spec.routed_experts)
+        throw Error("WeightChange names expert " + std::to_string(e) + ", outside the layer's " +
+                    std::to_string(spec.routed_experts) + " experts");
+    dirty = true;
+    pending.replicated = pending.replicated || change.replicated;
+    pending.all_experts = pending.all_experts || change.all_experts;
+    if (!pending.all_experts) pending.experts.insert(pending.experts.end(), change.experts.begin(), change.experts.end());
+  }
+
+  // Before a forward: the changed weights packed again. In place when no
+  // step in flight reads the packing; else into a new packing (copy on
+  // write), which the busy engines take when their steps end.
+  void repack() {
+    if (!dirty) return;
+    check_weight_shapes(spec, weights);
+    const bool in_flight = std::any_of(engines.begin(), engines.end(), [](const Engine& e) { return e.busy; });
+    if (in_flight) {
+      packed = pack_weights(spec, weights, parallel.backward);
+    } else {
+      std::sort(pending.experts.begin(), pending.experts.end());
+      pending.experts.erase(std::unique(pending.experts.begin(), pending.experts.end()), pending.experts.end());
+      repack_weights(*packed, spec, pending.experts, pending.all_experts, pending.replicated);
+    }
+    for (Engine& e : engines)
+      if (!e.busy) refresh(e);
+    dirty = false;
+    pending = WeightChange::none();
+  }
+
+  void refresh(Engine& e) {
+    e.executor->weights_changed(e.packing == packed.get() ? nullptr : packed);
+    e.packing = packed.get();
+  }
+
+  std::size_t acquire() {
+    for (std::size_t i = 0; i < engines.size(); ++i)
+      if (!engines[i].busy) {
+        engines[i].busy = true;
+        return i;
+      }
+    if (!engines.empty() && parallel.transport)
+      throw Error("a layer on a transport runs one step at a time: run the backward of the step in flight (or drop "
+                  "it) before the next forward");
+    RuntimeOptions o = options();
+    engines.push_back(Engine{std::make_unique<InterleavedExecutor>(spec, weights, o), true, packed.get()});
+    return engines.size() - 1;
+  }
+
+  void release(std::size_t i) {
+    Engine& e = engines[i];
+    e.busy = false;
+    if (e.packing != packed.get()) refresh(e);  // weights repacked (copied) while its step was in flight
+  }
+};
+
+struct Layer::Step::State {
+  std::shared_ptr<Layer::Shared> layer;
+  std::size_t engine = 0;
+  bool holds_engine = false;
+  bool backward_done = false;
+  StepResult result;
+
+  ~State() {
+    if (holds_engine) layer->release(engine);
+    if (layer) {
+      result.out_into = {};
+      result.dx_into = {};
+      layer->spare_results.push_back(std::move(result));
+    }
+  }
+};
+
+Layer::Layer(const LayerConfig& spec, LayerWeights weights, Parallel parallel)
+    : s_(std::make_shared<Shared>(spec, std::move(weights), std::move(parallel))) {}
+Layer::~Layer() = default;
+Layer::Layer(Layer&&) noexcept = default;
+Layer& Layer::operator=(Layer&&) noexcept = default;
+
+Layer::Step Layer::forward(MatrixView x, std::span<const std::int32_t> forced, MutableMatrixView out) {
+  if (!s_) throw Error("this Layer was moved from");
+  s_->repack();
+  auto state = std::make_unique<Step::State>();
+  if (!s_->spare_results.empty()) {
+    state->result = std::move(s_->spare_results.back());
+    s_->spare_results.pop_back();
+  }
+  state->engine = s_->acquire();
+  state->holds_engine = true;
+  state->layer = s_;
+  state->result.out_into = out;
+  state->result.dx_into = {};
+  s_->engines[state->engine].executor->forward(x, forced, state->result);
+  if (!s_->parallel.backward) {  // nothing to keep for a backward
+    s_->release(state->engine);
+    state->holds_engine = false;
+  }
+  return Step(std::move(state));
+}
+
+const LayerConfig& Layer::spec() const { return s_->spec; }
+const Parallel& Layer::parallel() const { return s_->parallel; }
+const LayerWeights& Layer::weights() const { return s_->weights; }
+LayerWeights& Layer::weights(const WeightChange& change) {
+  s_->note(change);
+  return s_->weights;
+}
+void Layer::weights_changed(const WeightChange& change) { s_->note(change); }
+std::size_t Layer::engines() const { return s_->engines.size(); }
+
+Layer::Step::Step(std::unique_ptr<State> s) : s_(std::move(s)) {}
+Layer::Step::Step(Step&&) noexcept = default;
+Layer::Step& Layer::Step::operator=(Step&&) noexcept = default;
+Layer::Step::~Step() = default;
+
+const Matrix& Layer::Step::out() const { return s_->result.out; }
+const LayerGradients& Layer::Step::gradients() const { return s_->result.grads; }
+const StepResult& Layer::Step::result() const { return s_->result; }
+
+void Layer::Step::backward(MatrixView dy, MutableMatrixView dx) {
+  if (!s_) throw Error("this Step was moved from");
+  if (s_->backward_done) throw Error("this step's backward has already run (one backward per forward)");
+  if (!s_->holds_engine) throw Error("backward: the layer was built with Parallel::backward = false");
+  s_->result.dx_into = dx;
+  s_->layer->engines[s_->engine].executor->backward(dy, s_->result);
+  s_->backward_done = true;
+  s_->layer->release(s_->engine);
+  s_->holds_engine = false;
+}
+
+}  // namespace hpmoe

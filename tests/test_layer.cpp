@@ -1,0 +1,221 @@
+// hpmoe::Layer, the face a framework keeps across calls: every step it runs
+// is bit-identical to a fresh engine built for that step's tokens and
+// weights, whatever the calls before it (other token counts, weight
+// updates, steps in flight), for both schedules and both dtypes.
+#include <gtest/gtest.h>
+
+#include "bit_identity.hpp"
+
+#include "hpmoe/error.hpp"
+#include "hpmoe/hpmoe.hpp"
+#include "hpmoe/runtime.hpp"
+
+using namespace hpmoe;
+using hpmoe::testing::bit_identical;
+
+namespace {
+
+LayerConfig small_layer(DType dtype) {
+  LayerConfig c = preset("tiny");
+  c.hidden = 160;  // ragged column tiles
+  c.expert_inter = 96;
+  c.dtype = dtype;
+  c.ranks = 2;
+  c.tokens_per_rank = 8;  // the spec's T is only a default: every call brings its own
+  return c;
+}
+
+Parallel parallel_of(Schedule schedule, ExpertPlacement placement = {}) {
+  Parallel p;
+  p.workers_per_rank = 2;
+  p.schedule = schedule;
+  p.pin = false;
+  p.placement = std::move(placement);
+  return p;
+}
+
+// What a fresh engine computes for T tokens per rank: forward and backward.
+struct Fresh {
+  StepResult r;
+  Fresh(LayerConfig c, const LayerWeights& w, std::int64_t T, const LayerInputs& in, const Parallel& p) {
+    c.tokens_per_rank = T;
+    RuntimeOptions o;
+    o.workers_per_rank = p.workers_per_rank;
+    o.backward = true;
+    o.pin = false;
+    o.placement = p.placement;
+    o.phased = p.schedule == Schedule::serialized;
+    o.policy = o.phased ? taskflow::Policy::fill : p.policy;
+    InterleavedExecutor ex(c, w, o);
+    ex.forward(view(in.x), {}, r);
+    ex.backward(view(in.d_out), r);
+  }
+};
+
+LayerInputs inputs(LayerConfig c, std::int64_t T, std::uint64_t seed) {
+  c.tokens_per_rank = T;
+  return random_inputs(c, seed);
+}
+
+// Every expert's weights scaled, and the router nudged: a training step's update.
+void update(LayerWeights& w, float scale) {
+  for (auto& m : w.w1)
+    for (auto& v : m.data) v = v * scale;
+  for (auto& v : w.router.data) v = v + 0.01f;
+  for (auto& v : w.shared_w2.data) v = v * scale;
+}
+
+}  // namespace
+
+class LayerKept : public ::testing::TestWithParam<std::tuple<DType, Schedule>> {};
+
+TEST_P(LayerKept, AnyTokenCountPerCallIsBitIdenticalToAFreshEngine) {
+  const auto [dtype, schedule] = GetParam();
+  const LayerConfig c = small_layer(dtype);
+  const auto w = random_weights(c, 5);
+  Layer layer(c, w, parallel_of(schedule));
+  for (const std::int64_t T : {24, 61, 1, 24}) {
+    const auto in = inputs(c, T, 100 + static_cast<std::uint64_t>(T));
+    Fresh fresh(c, w, T, in, layer.parallel());
+    auto step = layer.forward(in.x);
+    EXPECT_TRUE(bit_identical(step.out(), fresh.r.out)) << "T " << T;
+    step.backward(view(in.d_out));
+    EXPECT_TRUE(bit_identical(step.gradients(), fresh.r.grads)) << "T " << T;
+    EXPECT_EQ(step.result().expert_counts, fresh.r.expert_counts);
+  }
+  EXPECT_EQ(layer.engines(), 1u);  // one step at a time: one engine, reused
+}
+
+TEST_P(LayerKept, WeightsUpdatedInPlaceMatchAFreshEngineOnTheNewWeights) {
+  const auto [dtype, schedule] = GetParam();
+  const LayerConfig c = small_layer(dtype);
+  auto w = random_weights(c, 6);
+  Layer layer(c, w, parallel_of(schedule));
+  const auto in = inputs(c, 40, 7);
+  layer.forward(in.x).backward(view(in.d_out));  // packed and run once before the change
+  update(layer.weights(WeightChange{}), 0.75f);
+  update(w, 0.75f);
+  Fresh fresh(c, w, 40, in, layer.parallel());
+  auto step = layer.forward(in.x);
+  EXPECT_TRUE(bit_identical(step.out(), fresh.r.out));
+  step.backward(view(in.d_out));
+  EXPECT_TRUE(bit_identical(step.gradients(), fresh.r.grads));
+
+  // Only two experts changed, and said so: the rest of the packing is kept.
+  for (const int e : {1, 3}) {
+    for (auto& v : layer.weights(WeightChange::only_experts({e})).w2[static_cast<std::size_t>(e)].data) v = -v;
+    for (auto& v : w.w2[static_cast<std::size_t>(e)].data) v = -v;
+  }
+  Fresh fresh2(c, w, 40, in, layer.parallel());
+  auto step2 = layer.forward(in.x);
+  EXPECT_TRUE(bit_identical(step2.out(), fresh2.r.out));
+  step2.backward(view(in.d_out));
+  EXPECT_TRUE(bit_identical(step2.gradients(), fresh2.r.grads));
+}
+
+TEST_P(LayerKept, StepsInFlightEachKeepTheirOwnForwardAndWeights) {
+  const auto [dtype, schedule] = GetParam();
+  const LayerConfig c = small_layer(dtype);
+  auto w = random_weights(c, 8);
+  Layer layer(c, w, parallel_of(schedule));
+  const auto a_in = inputs(c, 24, 9), b_in = inputs(c, 33, 10);
+  Fresh a_fresh(c, w, 24, a_in, layer.parallel());
+  auto a = layer.forward(a_in.x);
+  // The weights change while a is in flight: b runs on the new ones (a new
+  // packing, copied on write), a's backward on the ones its forward used.
+  update(layer.weights(WeightChange{}), 1.25f);
+  update(w, 1.25f);
+  Fresh b_fresh(c, w, 33, b_in, layer.parallel());
+  auto b = layer.forward(b_in.x);
+  EXPECT_EQ(layer.engines(), 2u);
+  b.backward(view(b_in.d_out));
+  a.backward(view(a_in.d_out));
+  EXPECT_TRUE(bit_identical(a.out(), a_fresh.r.out));
+  EXPECT_TRUE(bit_identical(a.gradients(), a_fresh.r.grads));
+  EXPECT_TRUE(bit_identical(b.out(), b_fresh.r.out));
+  EXPECT_TRUE(bit_identical(b.gradients(), b_fresh.r.grads));
+  // Both engines are free again and read the new packing.
+  auto c1 = layer.forward(a_in.x);
+  Fresh c_fresh(c, w, 24, a_in, layer.parallel());
+  EXPECT_TRUE(bit_identical(c1.out(), c_fresh.r.out));
+  EXPECT_EQ(layer.engines(), 2u);
+}
+
+INSTANTIATE_TEST_SUITE_P(DtypesAndSchedules, LayerKept,
+                         ::testing::Combine(::testing::Values(DType::fp32, DType::bf16),
+                                            ::testing::Values(Schedule::interleaved, Schedule::serialized)),
+                         [](const auto& info) {
+                           return to_string(std::get<0>(info.param)) +
+                                  (std::get<1>(info.param) == Schedule::interleaved ? "_interleaved" : "_serialized");
+                         });
+
+// A placement with a split expert and a replica: the parts are packed from
+// the raw weights again when they change.
+TEST(LayerFace, SplitExpertsFollowAWeightUpdate) {
+  LayerConfig c = small_layer(DType::fp32);
+  c.ranks = 3;
+  c.routed_experts = 8;
+  ExpertPlacement::Rules rules{.replicas = true, .slots_per_rank = 4};
+  rules.splits = {{0, {0, 32, 64, 96}}, {5, {0, 40, 96}}};
+  const auto placement = ExpertPlacement::from_rank_lists(8, {{0, 1, 2, 3}, {0, 3, 4, 5}, {0, 5, 6, 7}}, rules);
+  auto w = random_weights(c, 11);
+  Layer layer(c, w, parallel_of(Schedule::interleaved, placement));
+  const auto in = inputs(c, 30, 12);
+  layer.forward(in.x).backward(view(in.d_out));
+  update(layer.weights(WeightChange{}), 0.5f);
+  update(w, 0.5f);
+  Fresh fresh(c, w, 30, in, layer.parallel());
+  auto step = layer.forward(in.x);
+  step.backward(view(in.d_out));
+  EXPECT_TRUE(bit_identical(step.out(), fresh.r.out));
+  EXPECT_TRUE(bit_identical(step.gradients(), fresh.r.grads));
+}
+
+TEST(LayerFace, WritesIntoTheCallersMemoryAndReusesDroppedResults) {
+  const LayerConfig c = small_layer(DType::fp32);
+  const auto w = random_weights(c, 13);
+  Layer layer(c, w, parallel_of(Schedule::interleaved));
+  const auto in = inputs(c, 16, 14);
+  Matrix out(in.x.rows, c.hidden), dx(in.x.rows, c.hidden);
+  Fresh fresh(c, w, 16, in, layer.parallel());
+  {
+    auto step = layer.forward(view(in.x), {}, MutableMatrixView{out.data.data(), out.rows, out.cols, out.cols});
+    EXPECT_EQ(step.out().rows, 0);  // written into `out` instead
+    step.backward(view(in.d_out), MutableMatrixView{dx.data.data(), dx.rows, dx.cols, dx.cols});
+    EXPECT_TRUE(bit_identical(out, fresh.r.out));
+    EXPECT_TRUE(bit_identical(dx, fresh.r.grads.x));
+  }
+  // The dropped step's gradient buffers serve the next step.
+  auto next = layer.forward(in.x);
+  next.backward(view(in.d_out));
+  EXPECT_TRUE(bit_identical(next.gradients(), fresh.r.grads));
+}
+
+TEST(LayerFace, BadCallsSayWhatIsWrong) {
+  const LayerConfig c = small_layer(DType::fp32);
+  Layer layer(c, random_weights(c, 15), parallel_of(Schedule::interleaved));
+  const auto in = inputs(c, 8, 16);
+  auto message = [](auto&& f) {
+    try {
+      f();
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  Matrix odd(3, c.hidden);  // 3 tokens cannot be shared by 2 ranks
+  EXPECT_NE(message([&] { layer.forward(odd); }).find("cannot share evenly"), std::string::npos);
+  Matrix narrow(4, c.hidden - 1);
+  EXPECT_NE(message([&] { layer.forward(narrow); }).find("input x has shape"), std::string::npos);
+  auto step = layer.forward(in.x);
+  step.backward(view(in.d_out));
+  EXPECT_NE(message([&] { step.backward(view(in.d_out)); }).find("already run"), std::string::npos);
+  EXPECT_NE(message([&] { layer.weights(WeightChange::only_experts({99})); }).find("expert 99"), std::string::npos);
+  Parallel bad;
+  bad.workers_per_rank = 0;
+  EXPECT_NE(message([&] { Layer(c, random_weights(c, 1), bad); }).find("workers_per_rank"), std::string::npos);
+  // A failed forward leaves the layer usable.
+  auto again = layer.forward(in.x);
+  again.backward(view(in.d_out));
+  EXPECT_EQ(again.gradients().x.rows, in.x.rows);
+}
