@@ -17,6 +17,13 @@
 #include <pybind11/stl.h>
 
 #include <cmath>
+#include <algorithm>
+#include <atomic>
+#include <exception>
+#include <map>
+#include <mutex>
+#include <span>
+#include <thread>
 #include <memory>
 #include <optional>
 #include <string>
@@ -24,13 +31,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "hpmoe/baseline.hpp"
-#include "hpmoe/config.hpp"
-#include "hpmoe/error.hpp"
-#include "hpmoe/reference.hpp"
-#include "hpmoe/routing.hpp"
-#include "hpmoe/runtime.hpp"
-#include "hpmoe/tensors.hpp"
+#include "hpmoe/hpmoe.hpp"
 
 namespace py = pybind11;
 using namespace hpmoe;
@@ -80,22 +81,51 @@ Matrix64 columns_of(const std::vector<Matrix64>& hf_blocks) {
   return m;
 }
 
-// Columns [c0, c0 + cols) of the [rows, ld] row-major `m`, as [cols, rows].
+// Columns [c0, c0 + cols) of the [rows, ld] row-major `m` into o, as [cols, rows].
+template <class T, class Out>
+void transpose_columns(const T* m, std::int64_t rows, std::int64_t ld, std::int64_t c0, std::int64_t cols, Out* o) {
+  // In 32 x 32 blocks: a row-at-a-time transpose of a [H, 2I] gradient reads
+  // with a stride of whole rows, and rows 4 KiB apart share cache sets.
+  constexpr std::int64_t kBlock = 32;
+  for (std::int64_t j0 = 0; j0 < cols; j0 += kBlock)
+    for (std::int64_t i0 = 0; i0 < rows; i0 += kBlock) {
+      const std::int64_t j1 = std::min(cols, j0 + kBlock), i1 = std::min(rows, i0 + kBlock);
+      for (std::int64_t j = j0; j < j1; ++j)
+        for (std::int64_t i = i0; i < i1; ++i) o[j * rows + i] = Out(m[i * ld + c0 + j]);
+    }
+}
 template <class T, class Out = T>
 py::array_t<Out> transposed_columns(const T* m, std::int64_t rows, std::int64_t ld, std::int64_t c0, std::int64_t cols) {
   py::array_t<Out> out({cols, rows});
-  Out* o = out.mutable_data();
-  for (std::int64_t j = 0; j < cols; ++j)
-    for (std::int64_t i = 0; i < rows; ++i) o[j * rows + i] = Out(m[i * ld + c0 + j]);
+  transpose_columns(m, rows, ld, c0, cols, out.mutable_data());
   return out;
+}
+
+// job(0 .. n-1) on one thread per core (the GIL released by the caller): the
+// conversions between Hugging Face's layout and hpmoe's, expert by expert.
+template <class Job>
+void on_cores(std::size_t n, Job&& job) {
+  const std::size_t threads = std::min<std::size_t>(n, std::max(1u, std::thread::hardware_concurrency()));
+  std::atomic<std::size_t> next{0};
+  std::exception_ptr failure;
+  std::mutex failure_mutex;
+  auto work = [&] {
+    for (std::size_t i; (i = next.fetch_add(1)) < n;) try {
+        job(i);
+      } catch (...) {
+        std::lock_guard lock(failure_mutex);
+        if (!failure) failure = std::current_exception();
+      }
+  };
+  std::vector<std::thread> pool;
+  for (std::size_t t = 1; t < threads; ++t) pool.emplace_back(work);
+  work();
+  for (auto& th : pool) th.join();
+  if (failure) std::rethrow_exception(failure);
 }
 
 Array new_array(std::int64_t rows, std::int64_t cols) { return Array({rows, cols}); }
 
-// [rows, cols] of `m` starting at column c0, transposed: HF's [out, in].
-Array transposed(const Matrix& m, std::int64_t c0, std::int64_t cols) {
-  return transposed_columns(m.data.data(), m.rows, m.cols, c0, cols);
-}
 Array64 transposed(const std::vector<double>& m, std::int64_t rows, std::int64_t c0, std::int64_t cols) {
   return transposed_columns(m.data(), rows, static_cast<std::int64_t>(m.size()) / rows, c0, cols);
 }
@@ -121,22 +151,43 @@ py::dict hf_gradients(const LayerConfig& c, Grad&& grad) {
   return out;
 }
 
-// The parameters by Hugging Face name ([out, in] matrices), checked finite.
-LayerWeights weights_of(const LayerConfig& c, const py::dict& params) {
-  std::vector<std::pair<std::string, Array>> keep;  // alive while weights_from_hf reads them
+using KeptArrays = std::vector<std::pair<std::string, Array>>;  // alive while views of them are read
+
+// A parameter by Hugging Face name as a view ([out, in]), its array kept.
+MatrixView param_view(const py::dict& params, const std::string& name, std::int64_t rows, std::int64_t cols,
+                      KeptArrays& keep) {
+  if (!params.contains(name)) throw Error("parameter '" + name + "' is missing");
+  keep.emplace_back(name, params[py::str(name)].cast<Array>());
+  return view_of(keep.back().second, rows, cols, "parameter '" + name + "'");
+}
+
+void check_finite(std::span<const std::pair<std::string, Array>> keep) {
+  for (const auto& [name, a] : keep)
+    for (py::ssize_t i = 0; i < a.size(); ++i)
+      if (!std::isfinite(a.data()[i]))
+        throw Error("parameter '" + name + "' holds NaN or Inf at flat index " + std::to_string(i));
+}
+
+HfMlp expert_views(const LayerConfig& c, const py::dict& params, std::int64_t e, KeptArrays& keep) {
+  const std::int64_t H = c.hidden, I = c.expert_inter;
+  const std::string p = "experts." + std::to_string(e) + ".";
+  return {param_view(params, p + "gate_proj.weight", I, H, keep), param_view(params, p + "up_proj.weight", I, H, keep),
+          param_view(params, p + "down_proj.weight", H, I, keep)};
+}
+
+// The parameters by Hugging Face name ([out, in] matrices), checked finite;
+// without the routed experts when `experts` is false.
+LayerWeights weights_of(const LayerConfig& c, const py::dict& params, bool experts = true) {
+  KeptArrays keep;
   auto get = [&](const std::string& name, std::int64_t rows, std::int64_t cols) {
-    if (!params.contains(name)) throw Error("parameter '" + name + "' is missing");
-    keep.emplace_back(name, params[py::str(name)].cast<Array>());
-    return view_of(keep.back().second, rows, cols, "parameter '" + name + "'");
+    return param_view(params, name, rows, cols, keep);
   };
-  const std::int64_t H = c.hidden, I = c.expert_inter, E = c.routed_experts, Is = c.shared_inter_total();
+  const std::int64_t H = c.hidden, E = c.routed_experts, Is = c.shared_inter_total();
   HfMoeBlock b;
   b.gate = get("gate.weight", E, H);
-  for (std::int64_t e = 0; e < E; ++e) {
-    const std::string p = "experts." + std::to_string(e) + ".";
-    b.experts.push_back({get(p + "gate_proj.weight", I, H), get(p + "up_proj.weight", I, H),
-                         get(p + "down_proj.weight", H, I)});
-  }
+  b.experts.resize(static_cast<std::size_t>(E));  // all views empty: not converted
+  if (experts)
+    for (std::int64_t e = 0; e < E; ++e) b.experts[static_cast<std::size_t>(e)] = expert_views(c, params, e, keep);
   if (c.shared_experts > 0)
     b.shared = {get("shared_experts.gate_proj.weight", Is, H), get("shared_experts.up_proj.weight", Is, H),
                 get("shared_experts.down_proj.weight", H, Is)};
@@ -147,10 +198,7 @@ LayerWeights weights_of(const LayerConfig& c, const py::dict& params) {
       throw Error("parameter 'gate.e_score_correction_bias' must have shape [" + std::to_string(E) + "]");
     b.e_score_correction_bias = std::span<const float>(bias.data(), static_cast<std::size_t>(E));
   }
-  for (const auto& [name, a] : keep)
-    for (py::ssize_t i = 0; i < a.size(); ++i)
-      if (!std::isfinite(a.data()[i]))
-        throw Error("parameter '" + name + "' holds NaN or Inf at flat index " + std::to_string(i));
+  check_finite(keep);
   return weights_from_hf(c, b);
 }
 
@@ -197,86 +245,77 @@ py::array_t<std::int64_t> kept_load(const LayerConfig& c, const RouterOutput<Rea
   return load;
 }
 
-// One forward's state until its backward: the packed weights, the inputs
-// and the executor that ran it. Each forward has its own, so several forwards
-// may be in flight (micro-batches, recomputation) and each backward reads
-// the forward that made its graph.
+// One forward's state until its backward. Each forward has its own, so
+// several forwards may be in flight (micro-batches, recomputation) and each
+// backward reads the forward that made its graph.
 class Step {
  public:
   virtual ~Step() = default;
   virtual py::dict backward(const py::array& d_out) = 0;
 };
 
+// The fast executors' step: a step of the layer's kept hpmoe::Layer, with
+// the input and output arrays it reads and writes in place.
 class FastStep final : public Step {
  public:
-  FastStep(const LayerConfig& c, const Array& x, const py::dict& params, int workers, bool interleaved,
-           const taskflow::Policy& policy)
-      : config_(c), weights_(weights_of(c, params)), x_(x), out_(new_array(c.total_tokens(), c.hidden)) {
-    const std::int64_t N = c.total_tokens(), H = c.hidden;
-    result_.out_into = MutableMatrixView{out_.mutable_data(), N, H, H};
+  FastStep(const LayerConfig& c, hpmoe::Layer& layer, const Array& x)
+      : config_(c), x_(x), out_(new_array(x.shape(0), c.hidden)) {
+    const std::int64_t N = x.shape(0), H = c.hidden;
     const MatrixView xv = view_of(x_, N, H, "x");
     py::gil_scoped_release release;
-    if (interleaved) {
-      RuntimeOptions o;
-      o.workers_per_rank = workers;
-      o.backward = true;
-      o.pin = false;  // a Python process's threads are its framework's
-      o.policy = policy;
-      auto ex = std::make_unique<InterleavedExecutor>(config_, weights_, o);
-      ex->forward(xv, {}, result_);
-      executor_ = std::move(ex);
-    } else {
-      ExecutorOptions o;
-      o.workers_per_rank = workers;
-      o.backward = true;
-      o.pin = false;
-      auto ex = std::make_unique<SerializedExecutor>(config_, weights_, o);
-      ex->forward(xv, {}, result_);
-      executor_ = std::move(ex);
-    }
+    step_.emplace(layer.forward(xv, {}, MutableMatrixView{out_.mutable_data(), N, H, H}));
   }
 
   py::tuple outputs() const {
+    const StepResult& r = step_->result();
     py::array_t<std::int64_t> load({config_.ranks, config_.routed_experts});
-    std::copy(result_.expert_counts.begin(), result_.expert_counts.end(), load.mutable_data());
-    return py::make_tuple(out_, result_.routing.aux_loss, result_.routing.z_loss, load);
+    std::copy(r.expert_counts.begin(), r.expert_counts.end(), load.mutable_data());
+    return py::make_tuple(out_, r.routing.aux_loss, r.routing.z_loss, load);
   }
 
   py::dict backward(const py::array& d_out) override {
-    if (std::holds_alternative<std::monostate>(executor_))
+    if (!step_)
       throw Error("this forward's backward has already run (the float32 executors run one backward per forward; "
                   "use retain_graph=False, or executor=\"reference\" for repeated backwards)");
-    const std::int64_t N = config_.total_tokens(), H = config_.hidden;
+    const std::int64_t N = x_.shape(0), H = config_.hidden;
     const Array dy = d_out.cast<Array>();
     const MatrixView dv = view_of(dy, N, H, "d_out");
     Array dx = new_array(N, H);
-    result_.dx_into = MutableMatrixView{dx.mutable_data(), N, H, H};
     {
       py::gil_scoped_release release;
-      std::visit(
-          [&](auto& ex) {
-            if constexpr (!std::is_same_v<std::decay_t<decltype(ex)>, std::monostate>) ex->backward(dv, result_);
-          },
-          executor_);
+      step_->backward(dv, MutableMatrixView{dx.mutable_data(), N, H, H});
     }
-    executor_ = std::monostate{};
-    const LayerGradients& g = result_.grads;
+    const LayerGradients& g = step_->gradients();
+    // The arrays are made with the GIL held, and filled on every core without it.
+    struct Fill {
+      const Matrix* src;
+      std::int64_t c0, cols;
+      float* dst;
+    };
+    std::vector<Fill> fills;
     py::dict out = hf_gradients(config_, [&](const std::string& m, std::int64_t e, std::int64_t c0, std::int64_t cols) {
       const Matrix& src = m == "router" ? g.router : m == "w1" ? g.w1[e] : m == "w2" ? g.w2[e]
                           : m == "shared_w1" ? g.shared_w1 : g.shared_w2;
-      return transposed(src, c0, cols);
+      Array a({cols, src.rows});
+      fills.push_back({&src, c0, cols, a.mutable_data()});
+      return a;
     });
+    {
+      py::gil_scoped_release release;
+      on_cores(fills.size(), [&](std::size_t i) {
+        const Fill& f = fills[i];
+        transpose_columns(f.src->data.data(), f.src->rows, f.src->cols, f.c0, f.cols, f.dst);
+      });
+    }
     out["x"] = dx;
-    result_ = StepResult{};
+    step_.reset();  // its buffers go back to the layer for the next step
     return out;
   }
 
  private:
   LayerConfig config_;
-  LayerWeights weights_;  // the executor packs and reads these: they stay put for the Step's life
-  Array x_, out_;
-  StepResult result_;
-  std::variant<std::monostate, std::unique_ptr<InterleavedExecutor>, std::unique_ptr<SerializedExecutor>> executor_;
+  Array x_, out_;  // x is read in place until backward
+  std::optional<hpmoe::Layer::Step> step_;
 };
 
 // The fp64 oracle: backward recomputes from the kept float64 copies, so it
@@ -330,9 +369,14 @@ class ReferenceStep final : public Step {
   LayerInputs64 inputs_;
 };
 
-class Layer {
+// A parameter's identity and version as PyTorch tracks them: its storage's
+// address and the tensor's version counter, which every in-place update (an
+// optimizer's step, load_state_dict's copy_) increments.
+using ParamVersion = std::pair<std::int64_t, std::int64_t>;
+
+class ModuleLayer {
  public:
-  Layer(const std::string& config_json, int workers, const std::string& executor, const std::string& schedule)
+  ModuleLayer(const std::string& config_json, int workers, const std::string& executor, const std::string& schedule)
       : config_(config_from_json(nlohmann::json::parse(config_json))), workers_(workers),
         policy_(taskflow::parse_policy(schedule)) {
     if (executor != "interleaved" && executor != "serialized" && executor != "reference")
@@ -349,8 +393,10 @@ class Layer {
   const LayerConfig& config() const { return config_; }
 
   // out, aux loss, z loss, kept rows per (rank, expert), and the Step whose
-  // backward gives this forward's gradients.
-  py::tuple forward(const py::array& x, const py::dict& params) const {
+  // backward gives this forward's gradients. `versions` (name -> (address,
+  // version)) says which parameters changed since the last forward: only
+  // those are converted and repacked.
+  py::tuple forward(const py::array& x, const py::dict& params, const std::map<std::string, ParamVersion>& versions) {
     const std::int64_t H = config_.hidden, P = config_.ranks;
     if (x.ndim() != 2 || x.shape(1) != H)
       throw Error("x must have shape [tokens, " + std::to_string(H) + "] (hidden " + std::to_string(H) + ")");
@@ -366,17 +412,77 @@ class Layer {
       const py::tuple o = step->outputs();
       return py::make_tuple(o[0], o[1], o[2], o[3], py::cast(std::unique_ptr<Step>(std::move(step))));
     }
-    auto step = std::make_unique<FastStep>(c, x.cast<Array>(), params, workers_, interleaved_, policy_);
+    sync_weights(c, params, versions);
+    auto step = std::make_unique<FastStep>(c, *layer_, x.cast<Array>());
     const py::tuple o = step->outputs();
     return py::make_tuple(o[0], o[1], o[2], o[3], py::cast(std::unique_ptr<Step>(std::move(step))));
   }
 
+  // Parameters converted and repacked so far (a measure of what was reused).
+  std::int64_t conversions() const { return conversions_; }
+  std::int64_t engines() const { return layer_ ? static_cast<std::int64_t>(layer_->engines()) : 0; }
+
  private:
+  // The kept layer's weights brought up to the parameters: all of them the
+  // first time, then only the experts and replicated tensors whose
+  // parameters changed (by version), in place.
+  void sync_weights(const LayerConfig& c, const py::dict& params, const std::map<std::string, ParamVersion>& versions) {
+    if (!layer_) {
+      LayerWeights w = weights_of(c, params);
+      py::gil_scoped_release release;
+      Parallel p;
+      p.workers_per_rank = workers_;
+      p.schedule = interleaved_ ? Schedule::interleaved : Schedule::serialized;
+      p.policy = policy_;
+      p.pin = false;  // a Python process's threads are its framework's
+      layer_.emplace(c, std::move(w), p);
+      versions_ = versions;
+      conversions_ += static_cast<std::int64_t>(versions.size());
+      return;
+    }
+    bool replicated = false;
+    std::vector<std::int32_t> experts;
+    for (const auto& [name, version] : versions) {
+      const auto seen = versions_.find(name);
+      if (seen != versions_.end() && seen->second == version) continue;
+      ++conversions_;
+      if (name.rfind("experts.", 0) == 0) experts.push_back(static_cast<std::int32_t>(std::stol(name.substr(8))));
+      else replicated = true;
+    }
+    if (versions.size() != versions_.size()) replicated = true;  // a tensor appeared or went: convert all
+    versions_ = versions;
+    if (!replicated && experts.empty()) return;
+    std::sort(experts.begin(), experts.end());
+    experts.erase(std::unique(experts.begin(), experts.end()), experts.end());
+    // The changed experts' views taken with the GIL held, converted on every core without it.
+    KeptArrays keep;
+    std::vector<HfMlp> mlps;
+    for (const std::int32_t e : experts) mlps.push_back(expert_views(c, params, e, keep));
+    LayerWeights& w = layer_->weights(WeightChange{replicated, false, experts});
+    {
+      py::gil_scoped_release release;
+      on_cores(experts.size(), [&](std::size_t i) {
+        check_finite(std::span<const std::pair<std::string, Array>>(keep).subspan(3 * i, 3));
+        expert_from_hf(c, experts[i], mlps[i], w);
+      });
+    }
+    if (replicated) {
+      LayerWeights r = weights_of(c, params, /*experts=*/false);
+      w.router = std::move(r.router);
+      w.expert_bias = std::move(r.expert_bias);
+      w.shared_w1 = std::move(r.shared_w1);
+      w.shared_w2 = std::move(r.shared_w2);
+    }
+  }
+
   LayerConfig config_;
   int workers_ = 1;
   taskflow::Policy policy_;
   bool interleaved_ = true;
   bool reference_ = false;
+  std::optional<hpmoe::Layer> layer_;  // made at the first forward, from its parameters
+  std::map<std::string, ParamVersion> versions_;
+  std::int64_t conversions_ = 0;
 };
 
 std::string preset_json(const std::string& name) { return to_json(preset(name)).dump(); }
@@ -413,11 +519,13 @@ PYBIND11_MODULE(_core, m) {
     }
   });
   py::class_<Step>(m, "Step").def("backward", &Step::backward, py::arg("d_out"));
-  py::class_<Layer>(m, "Layer")
+  py::class_<ModuleLayer>(m, "Layer")
       .def(py::init<const std::string&, int, const std::string&, const std::string&>(), py::arg("config_json"),
            py::arg("workers"), py::arg("executor"), py::arg("schedule"))
-      .def("forward", &Layer::forward, py::arg("x"), py::arg("params"))
-      .def_property_readonly("config_json", [](const Layer& l) { return to_json(l.config()).dump(); });
+      .def("forward", &ModuleLayer::forward, py::arg("x"), py::arg("params"), py::arg("versions"))
+      .def_property_readonly("conversions", &ModuleLayer::conversions)
+      .def_property_readonly("engines", &ModuleLayer::engines)
+      .def_property_readonly("config_json", [](const ModuleLayer& l) { return to_json(l.config()).dump(); });
   m.def("preset_json", &preset_json, py::arg("name"));
   m.def("preset_names", &preset_names);
   m.def("config_file_json", &config_file_json, py::arg("path"), py::arg("base_json"));

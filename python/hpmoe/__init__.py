@@ -21,9 +21,12 @@ the forward that built its graph, and the bias update uses that forward's load.
 Memory: float32 contiguous CPU tensors are read without copies (x, d_out
 and the parameters, through NumPy views); anything else is converted once.
 Outputs and gradients are new tensors that share hpmoe's result arrays.
-The weights are packed for the tile kernels at every forward, since
-training changes them every step. Errors from C++ arrive as ValueError with
-hpmoe's message.
+The layer is kept across calls (hpmoe::Layer): its packed weights, worker
+pool and buffers live from one forward to the next, and a forward converts
+and repacks, in place, only the parameters whose PyTorch version counter or
+storage changed since the last one (an optimizer's step changes them all;
+evaluation and gradient accumulation change none). Errors from C++ arrive as
+ValueError with hpmoe's message.
 """
 import json
 
@@ -73,9 +76,13 @@ class _Function(torch.autograd.Function):
     @staticmethod
     def forward(ctx, module, names, x, *params):
         arrays = {n: p.detach().numpy() for n, p in zip(names, params)}
+        # (storage address, version counter): which parameters changed since the last forward, so that
+        # the kept layer converts and repacks only those
+        versions = {n: (p.data_ptr(), p._version) for n, p in zip(names, params)}
         if module.gate_bias is not None:
             arrays["gate.e_score_correction_bias"] = module.gate_bias.detach().numpy()
-        out, aux, z, load, step = module._core.forward(x.detach().numpy(), arrays)
+            versions["gate.e_score_correction_bias"] = (module.gate_bias.data_ptr(), module.gate_bias._version)
+        out, aux, z, load, step = module._core.forward(x.detach().numpy(), arrays, versions)
         ctx.module, ctx.names, ctx.tokens, ctx.dtype, ctx.step = module, names, x.shape[0], x.dtype, step
         ctx.load = module.last_load = torch.from_numpy(load)
         return torch.from_numpy(out), torch.tensor(aux, dtype=x.dtype), torch.tensor(z, dtype=x.dtype)

@@ -350,3 +350,49 @@ def test_training_example_refuses_bad_input(tmp_path):
                            capture_output=True, text=True)
         assert r.returncode == 2, r.stderr
         assert "error:" in r.stderr.strip().splitlines()[-1] and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("executor", ["interleaved", "serialized"])
+def test_kept_layer_follows_training_bit_for_bit(executor):
+    """The layer kept across calls repacks what each optimizer step changed (and only that): every step's
+    output and gradients equal a freshly built module's on the same parameters, for token counts that change."""
+    torch.manual_seed(3)
+    kept = hpmoe.MoELayer(small(), ranks=2, workers=1, executor=executor)
+    opt = torch.optim.Adam(kept.parameters(), lr=1e-2)
+    for step, tokens in enumerate([24, 40, 24, 2]):
+        fresh = hpmoe.MoELayer(small(), ranks=2, workers=1, executor=executor)
+        fresh.load_state_dict(kept.state_dict())
+        x = torch.randn(tokens, 48)
+        xk, xf = x.clone().requires_grad_(), x.clone().requires_grad_()
+        yk, yf = kept(xk), fresh(xf)
+        assert torch.equal(yk, yf), f"step {step}"
+        (yk * yk).mean().backward()
+        (yf * yf).mean().backward()
+        assert torch.equal(xk.grad, xf.grad), f"step {step}"
+        for (n, p), q in zip(kept.named_parameters(), fresh.parameters()):
+            assert (p.grad is None) == (q.grad is None) and (p.grad is None or torch.equal(p.grad, q.grad)), n
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    assert kept._core.engines == 1  # one step at a time: one engine, reused
+
+
+def test_kept_layer_converts_only_changed_parameters():
+    torch.manual_seed(4)
+    moe = hpmoe.MoELayer(small(), ranks=1)
+    x = torch.randn(16, 48)
+    moe(x)
+    first = moe._core.conversions
+    assert first == len(list(moe.parameters()))  # all of them, once
+    with torch.no_grad():
+        moe(x)
+    assert moe._core.conversions == first  # nothing changed: nothing converted
+    with torch.no_grad():
+        moe.experts[3].down_proj.weight.mul_(0.5)  # in place: its version counter moves
+    y = moe(x)
+    assert moe._core.conversions == first + 1
+    moe.experts[5].up_proj.weight.data = moe.experts[5].up_proj.weight.data.clone() * 2  # new storage
+    y2 = moe(x)
+    assert moe._core.conversions == first + 2
+    fresh = hpmoe.MoELayer(small(), ranks=1)
+    fresh.load_state_dict(moe.state_dict())
+    assert torch.equal(y2, fresh(x)) and not torch.equal(y, y2)

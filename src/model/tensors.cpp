@@ -258,8 +258,10 @@ void mlp_from_hf(const LayerConfig& c, const HfMlp& p, std::int64_t inter, const
   expect_hf_shape(p.gate_proj, inter, c.hidden, name + ".gate_proj.weight");
   expect_hf_shape(p.up_proj, inter, c.hidden, name + ".up_proj.weight");
   expect_hf_shape(p.down_proj, c.hidden, inter, name + ".down_proj.weight");
-  w1 = Matrix(c.hidden, 2 * inter);
-  w2 = Matrix(inter, c.hidden);
+  // Every element is written below: matrices of the right shape are reused
+  // (a training loop converts changed experts in place every step).
+  if (w1.rows != c.hidden || w1.cols != 2 * inter) w1 = Matrix(c.hidden, 2 * inter);
+  if (w2.rows != inter || w2.cols != c.hidden) w2 = Matrix(inter, c.hidden);
   transpose_into(p.gate_proj, w1, 0);
   transpose_into(p.up_proj, w1, inter);
   transpose_into(p.down_proj, w2, 0);
