@@ -14,7 +14,7 @@
 #include <algorithm>
 #include <chrono>
 
-#include "hpmoe/taskflow.hpp"
+#include "compiler/taskflow.hpp"
 
 using namespace hpmoe;
 using namespace hpmoe::taskflow;

@@ -19,9 +19,9 @@
 #include <type_traits>
 #include <vector>
 
-#include "common/executor_parts.hpp"
-#include "hpmoe/kernels.hpp"
-#include "hpmoe/peak.hpp"
+#include "runtime/executor_parts.hpp"
+#include "kernels/kernels.hpp"
+#include "kernels/peak.hpp"
 #include "hpmoe/tensors.hpp"
 
 #ifdef HPMOE_HAVE_CBLAS

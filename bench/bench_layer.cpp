@@ -12,8 +12,8 @@
 #include <chrono>
 #include <thread>
 
-#include "hpmoe/baseline.hpp"
-#include "hpmoe/kernels.hpp"
+#include "runtime/serialized.hpp"
+#include "kernels/kernels.hpp"
 
 using namespace hpmoe;
 using namespace hpmoe::kernels;

@@ -15,8 +15,8 @@
 #include <string>
 #include <vector>
 
-#include "hpmoe/kernels.hpp"
-#include "hpmoe/peak.hpp"
+#include "kernels/kernels.hpp"
+#include "kernels/peak.hpp"
 #include "hpmoe/tensors.hpp"
 
 using namespace hpmoe;

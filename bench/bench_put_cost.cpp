@@ -22,8 +22,8 @@
 // traffic), and each core's time per put covers its sending and receiving.
 // Prints one JSON line (from rank 0) per put size, and one with the fit.
 #include <hpmoe/error.hpp>
-#include <hpmoe/kernels.hpp>
-#include <hpmoe/runtime.hpp>
+#include "kernels/kernels.hpp"
+#include "runtime/interleaved.hpp"
 #include <hpmoe/transport.hpp>
 
 #include "common/finite_number.hpp"

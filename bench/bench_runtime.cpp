@@ -13,8 +13,8 @@
 #include <chrono>
 #include <thread>
 
-#include "hpmoe/runtime.hpp"
-#include "runtime/event_wait.hpp"
+#include "runtime/interleaved.hpp"
+#include "comm/event_wait.hpp"
 
 using namespace hpmoe;
 using namespace hpmoe::detail;

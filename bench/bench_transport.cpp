@@ -22,9 +22,9 @@
 #include <vector>
 
 #include "hpmoe/error.hpp"
-#include "hpmoe/runtime.hpp"
+#include "runtime/interleaved.hpp"
 #include "hpmoe/transport.hpp"
-#include "runtime/event_wait.hpp"
+#include "comm/event_wait.hpp"
 
 using namespace hpmoe;
 using Clock = std::chrono::steady_clock;

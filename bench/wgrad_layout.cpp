@@ -18,7 +18,7 @@
 #include <thread>
 #include <vector>
 
-#include "hpmoe/kernels.hpp"
+#include "kernels/kernels.hpp"
 
 using namespace hpmoe;
 

@@ -8,7 +8,7 @@
 
 #include "hpmoe/config.hpp"
 #include "hpmoe/error.hpp"
-#include "hpmoe/json_parse.hpp"
+#include "common/json_parse.hpp"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   const std::string text(reinterpret_cast<const char*>(data), size);

@@ -7,7 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "hpmoe/error.hpp"
-#include "hpmoe/taskflow.hpp"
+#include "compiler/taskflow.hpp"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   const auto j = nlohmann::json::parse(data, data + size, nullptr, false);

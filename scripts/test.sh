@@ -46,5 +46,5 @@ if [ "${HPMOE_SKIP_SANITIZERS:-0}" != 1 ]; then
   cmake -S . -B build-tsan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DHPMOE_TSAN=ON -DHPMOE_BUILD_BENCH=OFF > /dev/null
   cmake --build build-tsan -j "$jobs" --target hpmoe_tests
   TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
-    ctest --test-dir build-tsan -j "$jobs" --output-on-failure -R 'Interleaved|Baseline|WorkerPool|Placement|Splits'
+    ctest --test-dir build-tsan -j "$jobs" --output-on-failure -R 'Interleaved|Baseline|WorkerPool|Placement|Splits|Layer'
 fi

@@ -4,10 +4,10 @@
 
 #include <cstring>
 
-#include "hpmoe/baseline.hpp"
+#include "runtime/serialized.hpp"
 #include "hpmoe/error.hpp"
 #include "hpmoe/reference.hpp"
-#include "hpmoe/run.hpp"
+#include "cli/run.hpp"
 
 using namespace hpmoe;
 using hpmoe::testing::bit_identical;

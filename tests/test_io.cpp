@@ -9,10 +9,10 @@
 #include <filesystem>
 #include <fstream>
 
-#include "hpmoe/atomic_file.hpp"
-#include "hpmoe/baseline.hpp"
+#include "common/atomic_file.hpp"
+#include "runtime/serialized.hpp"
 #include "hpmoe/error.hpp"
-#include "hpmoe/plan.hpp"
+#include "cli/plan.hpp"
 #include "hpmoe/safetensors.hpp"
 #include <nlohmann/json.hpp>
 #include <algorithm>

@@ -6,7 +6,7 @@
 #include <vector>
 
 #include "hpmoe/error.hpp"
-#include "hpmoe/kernels.hpp"
+#include "kernels/kernels.hpp"
 #include "hpmoe/tensors.hpp"
 
 using namespace hpmoe;

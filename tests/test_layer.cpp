@@ -8,7 +8,7 @@
 
 #include "hpmoe/error.hpp"
 #include "hpmoe/hpmoe.hpp"
-#include "hpmoe/runtime.hpp"
+#include "runtime/interleaved.hpp"
 
 using namespace hpmoe;
 using hpmoe::testing::bit_identical;

@@ -9,11 +9,11 @@
 #include <cstring>
 #include <nlohmann/json.hpp>
 
-#include "hpmoe/baseline.hpp"
+#include "runtime/serialized.hpp"
 #include "hpmoe/error.hpp"
 #include "hpmoe/placement.hpp"
-#include "hpmoe/run.hpp"
-#include "hpmoe/runtime.hpp"
+#include "cli/run.hpp"
+#include "runtime/interleaved.hpp"
 
 using namespace hpmoe;
 using hpmoe::testing::bit_identical;

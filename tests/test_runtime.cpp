@@ -8,12 +8,12 @@
 #include <chrono>
 #include <cstring>
 
-#include "hpmoe/access.hpp"
-#include "hpmoe/baseline.hpp"
+#include "compiler/access.hpp"
+#include "runtime/serialized.hpp"
 #include "hpmoe/error.hpp"
 #include "hpmoe/reference.hpp"
-#include "hpmoe/run.hpp"
-#include "hpmoe/runtime.hpp"
+#include "cli/run.hpp"
+#include "runtime/interleaved.hpp"
 #include "hpmoe/transport.hpp"
 
 #include <thread>

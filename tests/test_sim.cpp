@@ -4,8 +4,9 @@
 #include <nlohmann/json.hpp>
 
 #include "hpmoe/error.hpp"
-#include "hpmoe/peak.hpp"
-#include "hpmoe/sim.hpp"
+#include "kernels/peak.hpp"
+#include "cli/calibrate.hpp"
+#include "sim/sim.hpp"
 
 using namespace hpmoe;
 using namespace hpmoe::sim;

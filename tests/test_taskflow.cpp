@@ -3,9 +3,9 @@
 #include <nlohmann/json.hpp>
 #include <numeric>
 
-#include "hpmoe/access.hpp"
+#include "compiler/access.hpp"
 #include "hpmoe/error.hpp"
-#include "hpmoe/taskflow.hpp"
+#include "compiler/taskflow.hpp"
 
 using namespace hpmoe;
 using namespace hpmoe::taskflow;

@@ -18,10 +18,10 @@
 #include <span>
 #include <vector>
 
-#include "hpmoe/baseline.hpp"
+#include "hpmoe/step.hpp"
 #include "hpmoe/config.hpp"
 #include "hpmoe/placement.hpp"
-#include "hpmoe/taskflow.hpp"
+#include "hpmoe/schedule.hpp"
 #include "hpmoe/tensors.hpp"
 #include "hpmoe/transport.hpp"
 

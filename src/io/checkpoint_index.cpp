@@ -3,7 +3,7 @@
 #include <nlohmann/json.hpp>
 
 #include "hpmoe/error.hpp"
-#include "hpmoe/json_parse.hpp"
+#include "common/json_parse.hpp"
 #include "hpmoe/safetensors.hpp"
 
 namespace hpmoe {

@@ -10,10 +10,10 @@
 #include <string_view>
 #include <utility>
 
-#include "hpmoe/atomic_file.hpp"
+#include "common/atomic_file.hpp"
 #include "hpmoe/bf16.hpp"
 #include "hpmoe/error.hpp"
-#include "hpmoe/json_parse.hpp"
+#include "common/json_parse.hpp"
 
 namespace hpmoe {
 

@@ -14,7 +14,7 @@
 #endif
 
 #include "hpmoe/error.hpp"
-#include "hpmoe/kernels.hpp"
+#include "kernels/kernels.hpp"
 
 namespace hpmoe::kernels {
 

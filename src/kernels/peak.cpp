@@ -1,9 +1,9 @@
 // The FMA peak of this core, measured with compiler intrinsics (no
 // assembly): each ISA's loop is compiled for that ISA alone and run only
 // where the CPU reports it.
-#include "hpmoe/peak.hpp"
+#include "kernels/peak.hpp"
 
-#include "hpmoe/kernels.hpp"
+#include "kernels/kernels.hpp"
 
 #include <immintrin.h>
 #include <sys/syscall.h>

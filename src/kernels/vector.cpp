@@ -2,7 +2,7 @@
 #include <cmath>
 #include <cstdint>
 
-#include "hpmoe/kernels.hpp"
+#include "kernels/kernels.hpp"
 
 // Plain loops written so that GCC vectorises them (-O3 -march=native; the
 // SwiGLU's exp is a polynomial of our own, below); the reduction order of

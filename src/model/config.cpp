@@ -14,7 +14,7 @@
 #include <sstream>
 
 #include "hpmoe/error.hpp"
-#include "hpmoe/json_parse.hpp"
+#include "common/json_parse.hpp"
 
 namespace hpmoe {
 

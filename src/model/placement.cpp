@@ -7,7 +7,7 @@
 #include <random>
 
 #include "hpmoe/error.hpp"
-#include "hpmoe/json_parse.hpp"
+#include "common/json_parse.hpp"
 
 namespace hpmoe {
 

@@ -8,7 +8,7 @@
 #include <numeric>
 
 #include "hpmoe/error.hpp"
-#include "hpmoe/json_parse.hpp"
+#include "common/json_parse.hpp"
 #include "common/finite_number.hpp"
 #include "hpmoe/tensors.hpp"
 

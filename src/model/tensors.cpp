@@ -8,7 +8,7 @@
 
 #include "hpmoe/bf16.hpp"
 #include "hpmoe/error.hpp"
-#include "hpmoe/taskflow.hpp"
+#include "model/format.hpp"
 
 namespace hpmoe {
 

@@ -12,13 +12,13 @@
 #include <thread>
 #include <type_traits>
 
-#include "common/executor_parts.hpp"
-#include "taskflow/layout.hpp"
-#include "runtime/event_wait.hpp"
-#include "hpmoe/access.hpp"
+#include "runtime/executor_parts.hpp"
+#include "compiler/layout.hpp"
+#include "comm/event_wait.hpp"
+#include "compiler/access.hpp"
 #include "hpmoe/error.hpp"
-#include "hpmoe/runtime.hpp"
-#include "hpmoe/worker_pool.hpp"
+#include "runtime/interleaved.hpp"
+#include "runtime/worker_pool.hpp"
 
 
 namespace hpmoe {

@@ -9,7 +9,8 @@
 #include <utility>
 
 #include "hpmoe/error.hpp"
-#include "hpmoe/runtime.hpp"
+#include "runtime/interleaved.hpp"
+#include "runtime/serialized.hpp"
 
 namespace hpmoe {
 

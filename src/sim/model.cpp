@@ -6,8 +6,8 @@
 #include <nlohmann/json.hpp>
 
 #include "hpmoe/error.hpp"
-#include "hpmoe/json_parse.hpp"
-#include "hpmoe/sim.hpp"
+#include "common/json_parse.hpp"
+#include "sim/sim.hpp"
 
 namespace hpmoe::sim {
 

@@ -5,7 +5,7 @@
 #include <sstream>
 
 #include "hpmoe/error.hpp"
-#include "hpmoe/sim.hpp"
+#include "sim/sim.hpp"
 
 namespace hpmoe::sim {
 

@@ -21,7 +21,7 @@
 #endif
 
 #include "hpmoe/error.hpp"
-#include "hpmoe/sim.hpp"
+#include "sim/sim.hpp"
 
 namespace hpmoe::sim {
 

@@ -14,14 +14,15 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 
-#include "hpmoe/atomic_file.hpp"
-#include "hpmoe/compile_driver.hpp"
+#include "common/atomic_file.hpp"
+#include "cli/compile_driver.hpp"
 #include "hpmoe/config.hpp"
 #include "hpmoe/error.hpp"
-#include "hpmoe/plan.hpp"
-#include "hpmoe/run.hpp"
-#include "hpmoe/sim.hpp"
-#include "hpmoe/trace.hpp"
+#include "cli/plan.hpp"
+#include "cli/run.hpp"
+#include "cli/calibrate.hpp"
+#include "sim/sim.hpp"
+#include "cli/trace.hpp"
 #include "hpmoe/transport.hpp"
 
 namespace {

@@ -1,0 +1,53 @@
+#pragma once
+// What a layer's step returns: the output and gradients (or the caller's
+// views they were written into), the routing, and where the time went.
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "hpmoe/routing.hpp"
+#include "hpmoe/tensors.hpp"
+
+namespace hpmoe {
+
+// What one worker did over one span of a step, for timelines: seconds from
+// the step's start.
+struct TraceSlice {
+  std::int32_t rank = 0, worker = 0;
+  double start = 0, end = 0;
+  std::string name;    // operator or task kind
+  std::string detail;  // expert and tile, when a task
+};
+
+// Wall time of one bulk-synchronous operator (all ranks, all workers).
+struct OperatorTime {
+  std::string name;
+  double seconds = 0;
+};
+
+struct StepResult {
+  // Optional, set by the caller before forward / backward: write the output
+  // (and dx) into these views of the caller's memory ([hosted ranks x T, H],
+  // any row stride) instead of `out` (and grads.x), which then stay empty.
+  MutableMatrixView out_into, dx_into;
+  Matrix out;                      // [hosted ranks x T, H]: this process's tokens
+  LayerGradients grads;            // filled when backward
+  RouterOutput<float> routing;     // what the fast path routed: the hosted ranks' tokens
+                                   // (aux_loss and z_loss: summed over all ranks)
+  std::vector<std::int64_t> expert_counts;  // [P, E] kept rows from each rank to each expert, all ranks
+  // The first hosted rank's memory this step needs: its symmetric segment
+  // (put targets, laid out alike on every rank) and its local region.
+  std::int64_t segment_bytes = 0, local_bytes = 0;
+  std::vector<OperatorTime> forward_ops;
+  std::vector<OperatorTime> backward_ops;
+  double router_seconds = 0;       // router GEMM and top-k: before dispatch
+  double dispatch_to_combine_seconds = 0;  // forward, dispatch through combine
+  double backward_seconds = 0;
+  // Worker-seconds spent running tasks or operator work (not waiting at an
+  // event or a barrier) in the forward dispatch-to-combine and the backward:
+  // divided by workers x time, the workers' busy share.
+  double forward_busy_seconds = 0, backward_busy_seconds = 0;
+  std::vector<TraceSlice> trace;   // when tracing
+};
+
+}  // namespace hpmoe

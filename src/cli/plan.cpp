@@ -1,0 +1,351 @@
+#include "cli/plan.hpp"
+
+#include <algorithm>
+#include <iomanip>
+#include <nlohmann/json.hpp>
+#include <numeric>
+#include <sstream>
+
+#include "hpmoe/error.hpp"
+#include "compiler/taskflow.hpp"
+
+namespace hpmoe {
+
+ExpertCostModel ExpertCostModel::from(const sim::MachineModel& m, const LayerConfig& c, bool training) {
+  ExpertCostModel cost;
+  cost.tile_rows = m.tile_rows;
+  const std::int64_t TR = m.tile_rows, H = c.hidden, I = c.expert_inter;
+  const double units = std::max(1, m.accelerator ? m.matrix_units : m.workers);
+  // Forward: gate/up [TR, 2I] x H and down [TR, H] x I; the backward's
+  // data and weight gradients are twice that again.
+  const auto pass = [&](double reuse) {
+    return m.gemm_seconds(TR, 2 * I, H, c.dtype, reuse) + m.gemm_seconds(TR, H, I, c.dtype, reuse);
+  };
+  cost.first_tile_s = 3.0 * pass(1.0) / units;
+  cost.tile_s = 3.0 * pass(1e9) / units;
+  if (training) {
+    const double bytes = 3.0 * double(H) * double(I) * (c.dtype == DType::bf16 ? 2.0 : 4.0)  // weights refreshed
+                         + 3.0 * double(H) * double(I) * 4.0;                                 // fp32 gradient reduced
+    const double link = m.intra_bytes_per_s > 0 ? m.intra_bytes_per_s : m.inter_bytes_per_s;
+    cost.replica_s = link > 0 ? bytes / link : 0.0;
+  }
+  // A further split part receives each row and returns a partial row (and,
+  // in training, the same for their gradients): H-wide rows over the link.
+  // Without a link (in process) the sender's copy moves them.
+  const double link = m.intra_bytes_per_s > 0   ? m.intra_bytes_per_s
+                      : m.inter_bytes_per_s > 0 ? m.inter_bytes_per_s
+                                                : m.put_copy_bytes_per_s * units;
+  const double row_bytes = double(H) * (c.dtype == DType::bf16 ? 2.0 : 4.0) * (training ? 4.0 : 2.0);
+  cost.part_row_s = link > 0 ? row_bytes / link : 0.0;
+  return cost;
+}
+
+double ExpertCostModel::instance_seconds(std::int64_t rows) const {
+  if (rows <= 0) return 0.0;
+  const std::int64_t tiles = (rows + tile_rows - 1) / tile_rows;
+  return first_tile_s + double(tiles - 1) * tile_s;
+}
+
+namespace {
+// Rows each instance runs in a step: the quota plan's, summed over sources.
+std::vector<std::int64_t> instance_rows(const ExpertPlacement& p, std::span<const std::int64_t> counts, std::int64_t tile_rows) {
+  const std::int64_t P = p.ranks(), E = p.experts(), N = p.instances();
+  std::vector<std::int64_t> rows(static_cast<std::size_t>(N), 0);
+  if (N > E) {
+    const auto quota = plan_quotas(p, counts, tile_rows);
+    for (std::int64_t s = 0; s < P; ++s)
+      for (std::int64_t i = 0; i < N; ++i) rows[static_cast<std::size_t>(i)] += quota[static_cast<std::size_t>(s * N + i)];
+  } else {
+    for (std::int64_t s = 0; s < P; ++s)
+      for (std::int64_t e = 0; e < E; ++e) rows[static_cast<std::size_t>(e)] += counts[static_cast<std::size_t>(s * E + e)];
+  }
+  return rows;
+}
+// The intermediate size a split expert's columns tile.
+std::int64_t split_inter(const ExpertPlacement& p, std::int64_t e) {
+  return p.part_columns(p.first_instance(e) + p.home_count(e) - 1, 0).second;
+}
+}  // namespace
+
+std::vector<double> rank_seconds(const ExpertPlacement& p, std::span<const std::int64_t> counts, const ExpertCostModel& cost) {
+  const std::int64_t P = p.ranks(), N = p.instances();
+  std::vector<double> t(static_cast<std::size_t>(P), 0.0);
+  const std::vector<std::int64_t> rows = instance_rows(p, counts, cost.tile_rows);
+  for (std::int64_t i = 0; i < N; ++i) {
+    auto& rank = t[static_cast<std::size_t>(p.instance_rank(i))];
+    const std::int64_t e = p.instance_expert(i), n = rows[static_cast<std::size_t>(i)];
+    if (p.is_split(e)) {
+      const auto [c0, c1] = p.part_columns(i, 0);
+      const double share = double(c1 - c0) / double(split_inter(p, e));
+      rank += share * cost.instance_seconds(n);
+      if (i != p.first_instance(e)) rank += double(n) * cost.part_row_s;
+      continue;
+    }
+    rank += cost.instance_seconds(n);
+    if (i != p.first_instance(e)) rank += cost.replica_s;
+  }
+  return t;
+}
+
+namespace {
+
+struct History {
+  std::vector<std::vector<std::int64_t>> counts;  // per step, P x E kept counts
+};
+
+double mean_of(const std::vector<double>& v) { return v.empty() ? 0.0 : std::accumulate(v.begin(), v.end(), 0.0) / double(v.size()); }
+
+// Mean over the steps of the slowest rank's time, and of rank max/mean rows.
+// A placement over the history: the mean slowest rank's time (the
+// objective), the mean rank max/mean rows, and the mean overload (the time
+// ranks spend above the mean rank's), which breaks ties of the objective: a
+// move that evens out one of several equally slow ranks leaves the slowest
+// where it was but is a step towards lowering it.
+struct Score {
+  double slowest = 0, imbalance = 0, overload = 0;
+  bool better_than(const Score& o) const {
+    if (slowest < o.slowest * (1 - 1e-6)) return true;
+    return slowest <= o.slowest * (1 + 1e-9) && overload < o.overload * (1 - 1e-6);
+  }
+};
+
+Score evaluate(const ExpertPlacement& p, const History& h, const ExpertCostModel& cost) {
+  std::vector<double> slowest, imbalance, overload;
+  const std::int64_t P = p.ranks();
+  for (const auto& counts : h.counts) {
+    const auto t = rank_seconds(p, counts, cost);
+    slowest.push_back(*std::max_element(t.begin(), t.end()));
+    const double mean = mean_of(t);
+    double over = 0;
+    for (const double x : t) over += std::max(0.0, x - mean);
+    overload.push_back(over);
+    ExpertCostModel rows_only;  // rows as the cost: the imbalance figure
+    rows_only.tile_rows = cost.tile_rows;
+    // Rows a rank computes; a split part's rows count by its share of the columns.
+    std::vector<double> rows(static_cast<std::size_t>(P), 0.0);
+    const auto per_instance = instance_rows(p, counts, cost.tile_rows);
+    for (std::int64_t i = 0; i < p.instances(); ++i) {
+      const std::int64_t e = p.instance_expert(i);
+      double share = 1.0;
+      if (p.is_split(e)) {
+        const auto [c0, c1] = p.part_columns(i, 0);
+        share = double(c1 - c0) / double(split_inter(p, e));
+      }
+      rows[static_cast<std::size_t>(p.instance_rank(i))] += share * double(per_instance[static_cast<std::size_t>(i)]);
+    }
+    const double total = std::accumulate(rows.begin(), rows.end(), 0.0);
+    imbalance.push_back(total > 0 ? *std::max_element(rows.begin(), rows.end()) * double(P) / total : 0.0);
+  }
+  return {mean_of(slowest), mean_of(imbalance), mean_of(overload)};
+}
+
+std::vector<std::vector<std::int64_t>> lists_of(const ExpertPlacement& p) {
+  std::vector<std::vector<std::int64_t>> lists(static_cast<std::size_t>(p.ranks()));
+  for (std::int64_t r = 0; r < p.ranks(); ++r)
+    for (const auto e : p.experts_of(r)) lists[static_cast<std::size_t>(r)].push_back(e);
+  return lists;
+}
+
+// Sets expert e's split to `parts` even column parts (on 64-column
+// boundaries where the size allows); false if the dimension cannot take them.
+bool even_split(std::vector<ExpertPlacement::Split>& splits, std::int64_t e, std::int64_t parts, std::int64_t inter) {
+  const std::int64_t unit = inter >= 64 * parts ? 64 : 1;
+  if (inter < parts * unit) return false;
+  ExpertPlacement::Split sp{e, {0}};
+  for (std::int64_t j = 1; j < parts; ++j) sp.columns.push_back((inter / unit) * j / parts * unit);
+  sp.columns.push_back(inter);
+  for (std::size_t j = 1; j < sp.columns.size(); ++j)
+    if (sp.columns[j] <= sp.columns[j - 1]) return false;
+  std::erase_if(splits, [&](const ExpertPlacement::Split& x) { return x.expert == e; });
+  splits.push_back(std::move(sp));
+  return true;
+}
+
+// The simulator's forward + backward makespan of routing step `step` (by
+// default req.steps: a step the plan did not see).
+double simulate_step(const sim::MachineModel& m, const PlanRequest& req, const ExpertPlacement& p, bool interleaved,
+                     std::int64_t step = -1) {
+  sim::SimRequest s;
+  s.config = req.config;
+  s.routing = req.routing;
+  s.routing.step = static_cast<std::uint64_t>(step < 0 ? req.steps : step);
+  s.placement = p;
+  s.seed = req.seed;
+  s.backward = true;
+  const auto rep = sim::simulate(m, s);
+  return interleaved ? rep.forward.interleaved_s + rep.backward.interleaved_s
+                     : rep.forward.serialized_s + rep.backward.serialized_s;
+}
+
+// The greedy search from `start` (see plan_placement): replica moves,
+// split moves, or both.
+struct Greedy {
+  ExpertPlacement placement;
+  std::int64_t replicas = 0, split_parts = 0;
+};
+Greedy greedy(const LayerConfig& c, const ExpertPlacement& start, const History& h, const ExpertCostModel& cost,
+              std::int64_t budget, bool replicas, bool splits) {
+  Greedy out;
+  auto rules = ExpertPlacement::Rules{.allow_empty_ranks = start.allows_empty_ranks(), .replicas = true,
+                                      .slots_per_rank = budget, .splits = start.splits()};
+  auto lists = lists_of(start);
+  ExpertPlacement current = ExpertPlacement::from_rank_lists(c.routed_experts, lists, rules, "plan");
+  Score best = evaluate(current, h, cost);
+  // Mean rows per expert over the history: candidates are the heaviest.
+  std::vector<double> load(static_cast<std::size_t>(c.routed_experts), 0.0);
+  for (const auto& counts : h.counts)
+    for (std::int64_t s = 0; s < c.ranks; ++s)
+      for (std::int64_t e = 0; e < c.routed_experts; ++e) load[static_cast<std::size_t>(e)] += double(counts[static_cast<std::size_t>(s * c.routed_experts + e)]);
+  std::vector<std::int64_t> heavy(static_cast<std::size_t>(c.routed_experts));
+  std::iota(heavy.begin(), heavy.end(), 0);
+  std::stable_sort(heavy.begin(), heavy.end(), [&](auto a, auto b) { return load[static_cast<std::size_t>(a)] > load[static_cast<std::size_t>(b)]; });
+  heavy.resize(static_cast<std::size_t>(std::min<std::int64_t>(c.routed_experts, 16)));
+  for (;;) {
+    // Ranks with a free slot, least loaded first (first step's prediction).
+    const auto t = rank_seconds(current, h.counts.front(), cost);
+    std::vector<std::int64_t> free;
+    for (std::int64_t r = 0; r < c.ranks; ++r)
+      if (static_cast<std::int64_t>(lists[static_cast<std::size_t>(r)].size()) < budget) free.push_back(r);
+    std::stable_sort(free.begin(), free.end(), [&](auto a, auto b) { return t[static_cast<std::size_t>(a)] < t[static_cast<std::size_t>(b)]; });
+    Score candidate = best;
+    std::int64_t pick_e = -1;
+    std::vector<std::int64_t> pick_ranks;
+    bool pick_split = false;
+    std::vector<ExpertPlacement::Split> pick_splits;
+    const auto consider = [&](std::int64_t e, const std::vector<std::int64_t>& ranks, bool split) {
+      auto trial = lists;
+      for (const auto r : ranks) trial[static_cast<std::size_t>(r)].push_back(e);
+      auto trial_rules = rules;
+      if (split && !even_split(trial_rules.splits, e, current.parts(e) + static_cast<std::int64_t>(ranks.size()), c.expert_inter))
+        return;
+      const auto p = ExpertPlacement::from_rank_lists(c.routed_experts, trial, trial_rules, "plan");
+      const Score here = evaluate(p, h, cost);
+      if (here.better_than(candidate))
+        candidate = here, pick_e = e, pick_ranks = ranks, pick_split = split, pick_splits = trial_rules.splits;
+    };
+    for (const auto e : heavy) {
+      std::vector<std::int64_t> open;  // free ranks without e, least loaded first
+      for (const auto r : free)
+        if (current.instance_on(e, r) < 0) open.push_back(r);
+      // A replica on one of the 4 least loaded (unless e is split).
+      if (replicas && !current.is_split(e))
+        for (std::size_t j = 0; j < std::min<std::size_t>(open.size(), 4); ++j) consider(e, {open[j]}, false);
+      // Or its columns in more even parts (unless e is replicated): up to 7
+      // new parts at once on the least loaded ranks, since one more part of
+      // a hot expert may not pay off where several do.
+      if (splits && (current.home_count(e) == 1 || current.is_split(e)))
+        for (std::size_t m = 1; m <= std::min<std::size_t>(open.size(), 7); ++m)
+          consider(e, std::vector<std::int64_t>(open.begin(), open.begin() + static_cast<std::ptrdiff_t>(m)), true);
+    }
+    if (pick_e < 0) break;
+    for (const auto r : pick_ranks) lists[static_cast<std::size_t>(r)].push_back(pick_e);
+    if (pick_split) rules.splits = pick_splits;
+    current = ExpertPlacement::from_rank_lists(c.routed_experts, lists, rules, "plan");
+    best = candidate;
+    (pick_split ? out.split_parts : out.replicas) += static_cast<std::int64_t>(pick_ranks.size());
+  }
+  out.placement = current;
+  return out;
+}
+
+}  // namespace
+
+PlanReport plan_placement(const PlanRequest& req) {
+  const LayerConfig& c = req.config;
+  c.validate();
+  if (req.steps < 1 || req.steps > 10000) throw Error("--steps must be between 1 and 10000 (got " + std::to_string(req.steps) + ")");
+  if (req.slots_per_rank < 0) throw Error("--slots-per-rank must be positive");
+  const sim::MachineModel machine = sim::load_machine(req.machine);
+  const ExpertCostModel cost = ExpertCostModel::from(machine, c, req.training);
+  PlanReport rep;
+  rep.config = c;
+  rep.routing = req.routing.describe();
+  rep.machine = machine.name;
+  rep.steps = req.steps;
+  rep.before = placement_or_contiguous(req.start, c.routed_experts, c.ranks);
+  const std::int64_t budget = req.slots_per_rank > 0 ? req.slots_per_rank : rep.before.max_local_count() + 1;
+  if (budget < rep.before.max_local_count())
+    throw Error("--slots-per-rank " + std::to_string(budget) + " is below the " + std::to_string(rep.before.max_local_count()) +
+                " experts the starting placement already puts on one rank");
+  History h;
+  for (std::int64_t k = 0; k < req.steps; ++k) {
+    RoutingSpec spec = req.routing;  // the same popularity every step, other draws
+    spec.step = static_cast<std::uint64_t>(k);
+    if (spec.source == RoutingSource::router) {
+      h.counts.push_back(taskflow::routing_counts(c, route_step(c, spec, req.seed + static_cast<std::uint64_t>(k))).counts);
+    } else {  // the choices alone (no logits to build; capacity dropping does not apply to them)
+      h.counts.push_back(taskflow::routing_counts(c, forced_selection(c, spec)).counts);
+    }
+  }
+  const Score start = evaluate(rep.before, h, cost);
+  rep.cost_before = start.slowest;
+  rep.imbalance_before = start.imbalance;
+  Greedy chosen = greedy(c, rep.before, h, cost, budget, req.replicas, req.splits);
+  if (req.replicas && req.splits) {
+    // The cost model prices a split's rows on its own rank only; every
+    // source sends them, and the simulator sees the links they share. So
+    // with both kinds of move allowed, the simulator (on the history's last
+    // step, which the plan has seen) decides between the hybrid plan and
+    // the replicas-only one.
+    const Greedy only = greedy(c, rep.before, h, cost, budget, true, false);
+    rep.sim_hybrid = simulate_step(machine, req, chosen.placement, true, req.steps - 1);
+    rep.sim_replicas_only = simulate_step(machine, req, only.placement, true, req.steps - 1);
+    if (rep.sim_replicas_only <= rep.sim_hybrid) chosen = only;
+  }
+  rep.replicas = chosen.replicas;
+  rep.split_parts = chosen.split_parts;
+  const ExpertPlacement current = chosen.placement;
+  rep.after = current;
+  const Score after = evaluate(current, h, cost);
+  rep.cost_after = after.slowest;
+  rep.imbalance_after = after.imbalance;
+  rep.sim_serialized_before = simulate_step(machine, req, rep.before, false);
+  rep.sim_interleaved_before = simulate_step(machine, req, rep.before, true);
+  rep.sim_serialized_after = simulate_step(machine, req, rep.after, false);
+  rep.sim_interleaved_after = simulate_step(machine, req, rep.after, true);
+  return rep;
+}
+
+std::string format_report(const PlanReport& r) {
+  std::ostringstream o;
+  o << std::fixed;
+  o << "plan     " << r.config.name << " at EP " << r.config.ranks << ", " << r.config.tokens_per_rank
+    << " tokens/rank, routing " << r.routing << ", " << r.steps << " steps of history, machine " << r.machine << "\n";
+  o << "         " << r.replicas << " replicas added, " << r.split_parts << " split parts added (" << r.after.splits().size()
+    << " experts split), at most " << r.after.slots_per_rank() << " experts per rank\n";
+  const auto row = [&](const char* what, double before, double after, int digits) {
+    o << "  " << std::left << std::setw(44) << what << std::right << std::setprecision(digits) << std::setw(10) << before
+      << std::setw(10) << after << "\n";
+  };
+  o << "  " << std::left << std::setw(44) << "predicted (mean over the history's steps)" << std::right << std::setw(10)
+    << "before" << std::setw(10) << "after" << "\n";
+  row("rank max/mean rows", r.imbalance_before, r.imbalance_after, 3);
+  row("cost model: slowest rank's experts (ms)", r.cost_before * 1e3, r.cost_after * 1e3, 3);
+  row("simulated fwd+bwd, serialized (ms)", r.sim_serialized_before * 1e3, r.sim_serialized_after * 1e3, 3);
+  row("simulated fwd+bwd, interleaved (ms)", r.sim_interleaved_before * 1e3, r.sim_interleaved_after * 1e3, 3);
+  if (r.sim_hybrid > 0)
+    o << "         the simulator chose " << (r.after.has_splits() ? "the hybrid plan" : "replicas only") << " (interleaved, a seen step: hybrid "
+      << std::setprecision(3) << r.sim_hybrid * 1e3 << " ms, replicas only " << r.sim_replicas_only * 1e3 << " ms)\n";
+  return o.str();
+}
+
+nlohmann::json to_json(const PlanReport& r) {
+  return {{"layer", r.config.name},
+          {"ranks", r.config.ranks},
+          {"tokens_per_rank", r.config.tokens_per_rank},
+          {"routing", r.routing},
+          {"machine", r.machine},
+          {"steps", r.steps},
+          {"replicas_added", r.replicas},
+          {"split_parts_added", r.split_parts},
+          {"simulated_hybrid_s", r.sim_hybrid},
+          {"simulated_replicas_only_s", r.sim_replicas_only},
+          {"experts_split", r.after.splits().size()},
+          {"placement", to_json(r.after)},
+          {"before", {{"rank_max_over_mean", r.imbalance_before}, {"cost_model_s", r.cost_before},
+                      {"simulated_serialized_s", r.sim_serialized_before}, {"simulated_interleaved_s", r.sim_interleaved_before}}},
+          {"after", {{"rank_max_over_mean", r.imbalance_after}, {"cost_model_s", r.cost_after},
+                     {"simulated_serialized_s", r.sim_serialized_after}, {"simulated_interleaved_s", r.sim_interleaved_after}}}};
+}
+
+}  // namespace hpmoe

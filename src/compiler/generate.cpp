@@ -1,0 +1,640 @@
+#include <algorithm>
+
+#include "compiler/access.hpp"
+#include "hpmoe/error.hpp"
+#include "compiler/taskflow.hpp"
+#include "compiler/layout.hpp"
+
+namespace hpmoe::taskflow {
+
+Exchange::Exchange(const LayerConfig& c, const ExpertPlacement& placement, const RoutingCounts& counts,
+                   std::int64_t tile_rows)
+    : placement_(placement),
+      ranks_(c.ranks),
+      experts_(c.routed_experts),
+      tile_rows_(tile_rows),
+      pad_pairs_(c.dtype == DType::bf16) {
+  placement_.check_fits(experts_, ranks_, c.expert_inter);
+  if (counts.ranks != ranks_ || counts.experts != experts_ ||
+      counts.counts.size() != static_cast<std::size_t>(ranks_ * experts_))
+    throw Error("routing counts are for " + std::to_string(counts.ranks) + " ranks x " +
+                std::to_string(counts.experts) + " experts, the layer has " + std::to_string(ranks_) + " x " +
+                std::to_string(experts_));
+  if (tile_rows_ < 1) throw Error("the tile height must be positive (got " + std::to_string(tile_rows_) + ")");
+  for (std::int64_t s = 0; s < ranks_; ++s)
+    for (std::int64_t e = 0; e < experts_; ++e) {
+      const std::int64_t n = counts.at(s, e);
+      if (n < 0 || n > c.tokens_per_rank)
+        throw Error("routing count " + std::to_string(n) + " for rank " + std::to_string(s) + ", expert " +
+                    std::to_string(e) + " is impossible with " + std::to_string(c.tokens_per_rank) + " tokens per rank");
+    }
+  // Replicated experts' rows divided among their homes by the quota plan;
+  // every part of a split expert takes all of its rows.
+  instances_ = placement_.instances();
+  const bool planned_rows = instances_ > experts_;
+  const std::vector<std::int64_t> planned =
+      planned_rows ? plan_quotas(placement_, counts.counts, tile_rows_) : std::vector<std::int64_t>{};
+  const std::vector<std::int64_t>& rows_of = planned_rows ? planned : counts.counts;
+  const auto N = static_cast<std::size_t>(instances_);
+  source_prefix_.assign(static_cast<std::size_t>(ranks_ + 1) * N, 0);
+  send_offset_.assign(static_cast<std::size_t>(ranks_) * (N + 1), 0);
+  for (std::int64_t s = 0; s < ranks_; ++s) {
+    std::int64_t sent = 0;
+    for (std::int64_t i = 0; i < instances_; ++i) {
+      const std::int64_t n = rows_of[static_cast<std::size_t>(s * instances_ + i)];
+      source_prefix_[static_cast<std::size_t>((s + 1) * instances_ + i)] = source_offset(s, i) + n;
+      send_offset_[static_cast<std::size_t>(s * (instances_ + 1) + i)] = sent;
+      sent += n;
+    }
+    send_offset_[static_cast<std::size_t>(s * (instances_ + 1) + instances_)] = sent;
+  }
+  expert_start_.assign(N, 0);
+  tile_start_.assign(N, 0);
+  kpad_start_.assign(N, 0);
+  recv_rows_.assign(static_cast<std::size_t>(ranks_), 0);
+  row_tiles_.assign(static_cast<std::size_t>(ranks_), 0);
+  kpad_rows_.assign(static_cast<std::size_t>(ranks_), 0);
+  for (std::int64_t d = 0; d < ranks_; ++d) {
+    std::int64_t rows = 0, tiles = 0, kpad = 0;
+    for (const std::int64_t i : placement_.instances_of(d)) {
+      expert_start_[static_cast<std::size_t>(i)] = rows;
+      tile_start_[static_cast<std::size_t>(i)] = tiles;
+      kpad_start_[static_cast<std::size_t>(i)] = kpad;
+      rows += expert_rows(i);
+      tiles += tiles_of(i);
+      kpad += padded(expert_rows(i));
+    }
+    recv_rows_[static_cast<std::size_t>(d)] = rows;
+    row_tiles_[static_cast<std::size_t>(d)] = tiles;
+    kpad_rows_[static_cast<std::size_t>(d)] = kpad;
+  }
+}
+
+
+std::int64_t Exchange::pieces(std::int64_t s, std::int64_t e) const {
+  const std::int64_t begin = source_offset(s, e), end = begin + count(s, e);
+  if (end == begin) return 0;
+  return (end - 1) / tile_rows_ - begin / tile_rows_ + 1;
+}
+
+std::int32_t Exchange::arrivals(std::int64_t e, std::int64_t tile) const {
+  std::int32_t n = 0;
+  for (std::int64_t s = 0; s < ranks_; ++s) {
+    const std::int64_t first = source_offset(s, e), rows = count(s, e);
+    if (rows > 0 && first < (tile + 1) * tile_rows_ && first + rows > tile * tile_rows_) ++n;
+  }
+  return n;
+}
+
+std::int64_t Exchange::pieces_into(std::int64_t s) const {
+  std::int64_t n = 0;
+  for (std::int64_t i = 0; i < instances_; ++i) n += pieces(s, i);
+  return n;
+}
+
+std::vector<std::int64_t> send_slots(const LayerConfig& c, const Exchange& ex, const RouterOutput<float>& r,
+                                     std::span<const int> ranks) {
+  const std::int64_t E = c.routed_experts, K = c.top_k, T = c.tokens_per_rank;
+  const auto n = static_cast<std::int64_t>(ranks.size());
+  if (static_cast<std::int64_t>(r.expert.size()) != n * T * K)
+    throw Error("send_slots: the routing covers " + std::to_string(r.expert.size()) + " assignments, expected " +
+                std::to_string(n * T * K) + " for " + std::to_string(n) + " ranks");
+  std::vector<std::int64_t> slot(static_cast<std::size_t>(n * T * K), -1);
+  std::vector<std::int64_t> next(static_cast<std::size_t>(E));
+  for (std::int64_t i = 0; i < n; ++i) {
+    const std::int64_t s = ranks[static_cast<std::size_t>(i)];
+    // An expert's rows in send order are one block over its instances in
+    // home order, so a row's place follows from the expert's first instance.
+    for (std::int64_t e = 0; e < E; ++e) next[static_cast<std::size_t>(e)] = ex.send_offset(s, ex.placement().first_instance(e));
+    for (std::int64_t a = i * T * K; a < (i + 1) * T * K; ++a)
+      if (r.kept[static_cast<std::size_t>(a)]) slot[static_cast<std::size_t>(a)] = next[static_cast<std::size_t>(r.expert[static_cast<std::size_t>(a)])]++;
+  }
+  return slot;
+}
+
+template <class Real>
+RoutingCounts routing_counts(const LayerConfig& c, const RouterOutput<Real>& r) {
+  RoutingCounts rc{c.ranks, c.routed_experts, std::vector<std::int64_t>(static_cast<std::size_t>(c.ranks * c.routed_experts), 0)};
+  const std::int64_t per_rank = c.tokens_per_rank * c.top_k;
+  for (std::size_t a = 0; a < r.expert.size(); ++a)
+    if (r.kept[a]) ++rc.counts[(static_cast<std::int64_t>(a) / per_rank) * c.routed_experts + r.expert[a]];
+  return rc;
+}
+RoutingCounts routing_counts(const LayerConfig& c, std::span<const std::int32_t> expert_ids) {
+  if (static_cast<std::int64_t>(expert_ids.size()) != c.total_tokens() * c.top_k)
+    throw Error("expert choices for " + std::to_string(expert_ids.size()) + " assignments, the step has " +
+                std::to_string(c.total_tokens() * c.top_k));
+  RoutingCounts rc{c.ranks, c.routed_experts, std::vector<std::int64_t>(static_cast<std::size_t>(c.ranks * c.routed_experts), 0)};
+  const std::int64_t per_rank = c.tokens_per_rank * c.top_k;
+  for (std::size_t a = 0; a < expert_ids.size(); ++a) {
+    const auto e = expert_ids[a];
+    if (e < 0 || e >= c.routed_experts) throw Error("expert id " + std::to_string(e) + " is out of range");
+    ++rc.counts[(static_cast<std::int64_t>(a) / per_rank) * c.routed_experts + e];
+  }
+  return rc;
+}
+
+template RoutingCounts routing_counts<float>(const LayerConfig&, const RouterOutput<float>&);
+template RoutingCounts routing_counts<double>(const LayerConfig&, const RouterOutput<double>&);
+
+EventBases::EventBases(Pass pass, std::int64_t row_tiles, std::int64_t local, std::int64_t token_tiles) {
+  std::int64_t next = 0;
+  auto take = [&](std::int64_t n) {
+    const std::int64_t at = next;
+    next += n;
+    return at;
+  };
+  if (pass == Pass::forward) {
+    recv = take(row_tiles);
+    h = take(row_tiles);
+    a = take(row_tiles);
+    y = take(row_tiles);
+    comb_done = take(1);
+    sh_h = take(token_tiles);
+    sh_a = take(token_tiles);
+    reduced = take(1);
+  } else {
+    dy = take(row_tiles);
+    da = take(row_tiles);
+    dh = take(row_tiles);
+    dxe = take(row_tiles);
+    dy_packed = take(local);
+    dh_packed = take(local);
+    gw = take(token_tiles);
+    dl_all = take(1);
+    sh_da = take(token_tiles);
+    sh_dh = take(token_tiles);
+    sh_dout_packed = take(1);
+    sh_dh_packed = take(1);
+    dx_ready = take(1);
+    reduced = take(1);
+  }
+  total = next;
+}
+
+namespace {
+
+std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
+
+// A task as the generator writes it: named fields, 64-bit arithmetic, and
+// defaults for what most tasks do not use.
+struct TaskSpec {
+  TaskKind kind = TaskKind::count;
+  BufferId src = BufferId::none, dst = BufferId::none;
+  std::int64_t expert = -1;
+  std::int64_t peer = -1;  // -1: the generating rank
+  std::int64_t row_begin = 0, rows = 0, col_begin = 0, cols = 0, src_row = 0;
+  std::int64_t wait_event = -1, wait_count = 0, trigger_event = -1;
+};
+
+class Builder {
+ public:
+  Builder(Program& p, const Machine& m) : p_(p), m_(m), table_(AccessTable::standard()) {}
+
+  std::int32_t event(std::int64_t id, std::int32_t required, TaskKind consumer, std::int64_t expert, std::int64_t tile) {
+    p_.events[static_cast<std::size_t>(id)] = Event{required, consumer, static_cast<std::int32_t>(expert),
+                                                    static_cast<std::int32_t>(tile)};
+    return static_cast<std::int32_t>(id);
+  }
+
+  // Appends a task; its cost comes from the access table's work and the
+  // machine's rates (the scheduler's cost model).
+  void task(const TaskSpec& s) {
+    auto i32 = [](std::int64_t v) { return static_cast<std::int32_t>(v); };
+    const KindAccess& access = table_[s.kind];
+    p_.tasks.push_back(Task{s.kind, access.queue, s.src, s.dst, i32(s.expert), i32(s.peer < 0 ? p_.rank : s.peer),
+                            i32(s.row_begin), i32(s.rows), i32(s.col_begin), i32(s.cols), i32(s.src_row),
+                            i32(s.wait_event), i32(s.wait_count), i32(s.trigger_event)});
+    const TaskWork w = table_.work(p_, p_.tasks.back());
+    const double seconds = access.queue == QueueClass::matrix ? w.flops / m_.matrix_flops
+                           : access.put                       ? w.bytes / m_.put_bytes_per_s
+                                                              : w.bytes / m_.vector_bytes_per_s;
+    p_.cost.push_back(static_cast<float>(seconds + m_.task_overhead_s));
+  }
+
+  // GEMM output tiles of [M, N]: add(row, rows, col, cols).
+  template <class Fn>
+  void gemm_tiles(std::int64_t M, std::int64_t N, Fn&& add) {
+    gemm_tiles(M, N, m_.tile_rows, m_.tile_cols, add);
+  }
+  // Weight-gradient tiles: Machine::weight_rows x Machine::weight_cols.
+  template <class Fn>
+  void weight_tiles(std::int64_t M, std::int64_t N, Fn&& add) {
+    gemm_tiles(M, N, m_.weight_rows(), m_.weight_cols(), add);
+  }
+  template <class Fn>
+  void gemm_tiles(std::int64_t M, std::int64_t N, std::int64_t rows, std::int64_t cols, Fn&& add) {
+    for (std::int64_t i = 0; i < M; i += rows)
+      for (std::int64_t j = 0; j < N; j += cols) add(i, std::min(rows, M - i), j, std::min(cols, N - j));
+  }
+
+ private:
+  Program& p_;
+  const Machine& m_;
+  const AccessTable& table_;
+};
+
+// Appends a buffer after the last one of its region (cache-line aligned).
+void add_buffer(Program& p, BufferId id, std::int64_t rows, std::int64_t cols, std::int64_t elem, Region region,
+                Layout layout = Layout::row_major) {
+  std::int64_t offset = 0;
+  if (region != Region::bound)
+    for (const auto& b : p.buffers)
+      if (b.region == region) offset = std::max(offset, b.offset_bytes + (b.bytes() + 63) / 64 * 64);
+  p.buffers.push_back(BufferLayout{id, rows, cols, elem, offset, region, layout});
+}
+
+std::int64_t panel_width(std::int64_t n) { return (n + kPanelCols - 1) / kPanelCols * kPanelCols; }
+
+}  // namespace
+
+void declare_buffers(Program& p, const LayerConfig& c, const Exchange& ex, Pass pass, std::int64_t rank) {
+  const std::int64_t H = c.hidden, I = c.expert_inter, Is = c.shared_inter_total(), T = c.tokens_per_rank,
+                     E = c.routed_experts, K = c.top_k, L = ex.placement().local_count(rank);
+  const std::int64_t elem = c.dtype == DType::bf16 ? 2 : 4;
+  const bool shared = c.shared_experts > 0;
+  // Every buffer is sized for this rank's own rows; put targets are in the
+  // symmetric region (the segment peers write into), and a put addresses the
+  // peer's copy by the peer's layout, which every rank derives from the
+  // exchange.
+  const std::int64_t recv = ex.recv_rows(rank), send = ex.send_rows(rank);
+  const std::int64_t kpad = ex.kpad_rows(rank), tpad = ex.padded(T);
+  constexpr Region sym = Region::symmetric, local = Region::local, bound = Region::bound;
+  p.buffers.clear();
+  // The forward's buffers and the step's routing. The backward program
+  // declares them too, at the same offsets, and reads them as saved.
+  add_buffer(p, BufferId::xf, T, H, 4, bound);
+  add_buffer(p, BufferId::x, T, H, elem, elem == 4 ? bound : local);  // fp32: the caller's tokens themselves
+  add_buffer(p, BufferId::slot, T, K, 8, local);
+  add_buffer(p, BufferId::gate, T, K, 4, local);
+  add_buffer(p, BufferId::send_token, send, 1, 4, local);
+  add_buffer(p, BufferId::send_assign, send, 1, 8, local);
+  add_buffer(p, BufferId::recv, recv, H, elem, sym);
+  add_buffer(p, BufferId::h1, recv, 2 * I, 4, local);
+  add_buffer(p, BufferId::a, recv, I, elem, local);
+  add_buffer(p, BufferId::y, recv, H, elem, local);
+  add_buffer(p, BufferId::comb, send, H, elem, sym);
+  add_buffer(p, BufferId::out, T, H, 4, bound);
+  if (shared) {
+    add_buffer(p, BufferId::sh_h, T, 2 * Is, 4, local);
+    add_buffer(p, BufferId::sh_a, T, Is, elem, local);
+    add_buffer(p, BufferId::sh_y, T, H, 4, local);
+  }
+  if (pass == Pass::forward) return;
+  add_buffer(p, BufferId::logits, T, E, 4, bound);
+  add_buffer(p, BufferId::dout, T, H, 4, bound);
+  add_buffer(p, BufferId::gw, T, K, 4, local);
+  add_buffer(p, BufferId::dlogits, T, E, 4, local);
+  add_buffer(p, BufferId::xtf, H, T, 4, local);
+  add_buffer(p, BufferId::rdx, T, H, 4, local);
+  add_buffer(p, BufferId::dwg, H, E, 4, local);
+  add_buffer(p, BufferId::dy, recv, H, elem, sym);
+  add_buffer(p, BufferId::da, recv, I, 4, local);
+  add_buffer(p, BufferId::dyp, kpad, panel_width(H), elem, local, Layout::panels);
+  add_buffer(p, BufferId::at, I, kpad, elem, local);
+  add_buffer(p, BufferId::dw2, L * I, H, 4, bound);  // per slot: the expert's gradient, in the caller's result
+  add_buffer(p, BufferId::dh, recv, 2 * I, elem, local);
+  add_buffer(p, BufferId::dxe, recv, H, elem, local);
+  add_buffer(p, BufferId::dhp, kpad, panel_width(2 * I), elem, local, Layout::panels);
+  add_buffer(p, BufferId::xt, H, kpad, elem, local);
+  add_buffer(p, BufferId::dw1, L * H, 2 * I, 4, bound);
+  add_buffer(p, BufferId::dcomb, send, H, elem, sym);
+  if (shared) {
+    add_buffer(p, BufferId::sh_dout, T, H, elem, local);
+    add_buffer(p, BufferId::sh_da, T, Is, 4, local);
+    add_buffer(p, BufferId::sh_doutp, tpad, panel_width(H), elem, local, Layout::panels);
+    add_buffer(p, BufferId::sh_at, Is, tpad, elem, local);
+    add_buffer(p, BufferId::sh_xt, H, tpad, elem, local);
+    add_buffer(p, BufferId::dws2, Is, H, 4, local);
+    add_buffer(p, BufferId::sh_dh, T, 2 * Is, elem, local);
+    add_buffer(p, BufferId::sdx, T, H, 4, local);
+    add_buffer(p, BufferId::sh_dhp, tpad, panel_width(2 * Is), elem, local, Layout::panels);
+    add_buffer(p, BufferId::dws1, H, 2 * Is, 4, local);
+  }
+  add_buffer(p, BufferId::dx, T, H, 4, bound);
+}
+
+Program generate(const LayerConfig& c, const ExpertPlacement& placement, const RoutingCounts& counts, const Machine& m,
+                 Pass pass, std::int64_t rank) {
+  Program p;
+  generate_into(p, c, placement, counts, m, pass, rank);
+  return p;
+}
+
+void generate_into(Program& p, const LayerConfig& c, const ExpertPlacement& placement, const RoutingCounts& counts,
+                   const Machine& m, Pass pass, std::int64_t rank) {
+  c.validate();
+  if (rank < 0 || rank >= c.ranks) throw Error("rank " + std::to_string(rank) + " is outside 0.." + std::to_string(c.ranks - 1));
+  generate(p, c, Exchange(c, placement, counts, m.tile_rows), m, pass, rank);
+}
+
+namespace {
+
+// Puts of `rank`'s tokens (forward) or output gradients (backward) to every
+// expert's owner (only `only_peer`'s when it is >= 0), split at the owner's
+// row tiles so that each piece signals exactly the tile it fills.
+template <class Emit>
+void puts_to_experts(const LayerConfig& c, const Exchange& ex, std::int64_t tile_rows, Pass pass, std::int64_t rank,
+                     std::int64_t only_peer, Emit&& emit) {
+  const bool forward = pass == Pass::forward;
+  const std::int64_t TR = tile_rows, token_tiles = ceil_div(c.tokens_per_rank, TR);
+  for (std::int64_t i = 0; i < ex.instances(); ++i) {  // each expert's homes, in send order
+    const std::int64_t e = ex.placement().instance_expert(i), d = ex.placement().instance_rank(i), n = ex.count(rank, i);
+    if (n == 0 || (only_peer >= 0 && d != only_peer)) continue;
+    const EventBases owner_events(pass, ex.row_tiles(d), ex.placement().local_count(d), token_tiles);
+    const std::int64_t base = forward ? owner_events.recv : owner_events.dy;
+    const std::int64_t first = ex.source_offset(rank, i);
+    for (std::int64_t r = first; r < first + n;) {
+      const std::int64_t tile = r / TR, end = std::min(first + n, (tile + 1) * TR);
+      emit(TaskSpec{.kind = forward ? TaskKind::dispatch_put : TaskKind::grad_dispatch_put,
+                    .src = forward ? BufferId::x : BufferId::dout, .dst = forward ? BufferId::recv : BufferId::dy,
+                    .expert = e, .peer = d, .row_begin = ex.expert_start(i) + r, .rows = end - r, .col_begin = 0,
+                    .cols = c.hidden, .src_row = ex.send_offset(rank, i) + (r - first),
+                    .trigger_event = base + ex.tile_start(i) + tile});
+      r = end;
+    }
+  }
+}
+
+// Puts of `rank`'s expert outputs (forward) or their input gradients
+// (backward) back to each source (only `only_source` when it is >= 0), split
+// at this rank's row tiles; each piece waits for the one tile it reads
+// (wait_base: the first of those events, -1 for pieces that wait for nothing).
+template <class Emit>
+void puts_to_sources(const LayerConfig& c, const Exchange& ex, std::int64_t tile_rows, Pass pass, std::int64_t rank,
+                     std::int64_t only_source, std::int64_t wait_base, std::int64_t wait_count, Emit&& emit) {
+  const bool forward = pass == Pass::forward;
+  const std::int64_t TR = tile_rows, token_tiles = ceil_div(c.tokens_per_rank, TR);
+  for (const std::int64_t i : ex.placement().instances_of(rank)) {
+    const std::int64_t e = ex.placement().instance_expert(i);
+    for (std::int64_t s = 0; s < ex.ranks(); ++s) {
+      const std::int64_t n = ex.count(s, i), first = ex.source_offset(s, i);
+      if (n == 0 || (only_source >= 0 && s != only_source)) continue;
+      const EventBases source_events(pass, ex.row_tiles(s), ex.placement().local_count(s), token_tiles);
+      const std::int64_t target = forward ? source_events.comb_done : source_events.dx_ready;
+      for (std::int64_t r = first; r < first + n;) {
+        const std::int64_t tile = r / TR, end = std::min(first + n, (tile + 1) * TR);
+        emit(TaskSpec{.kind = forward ? TaskKind::combine_put : TaskKind::grad_combine_put,
+                      .src = forward ? BufferId::y : BufferId::dxe, .dst = forward ? BufferId::comb : BufferId::dcomb,
+                      .expert = e, .peer = s, .row_begin = ex.send_offset(s, i) + (r - first), .rows = end - r,
+                      .col_begin = 0, .cols = c.hidden, .src_row = ex.expert_start(i) + r,
+                      .wait_event = wait_base < 0 ? -1 : wait_base + ex.tile_start(i) + tile,
+                      .wait_count = wait_base < 0 ? 0 : wait_count, .trigger_event = target});
+        r = end;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void program_header(Program& p, const LayerConfig& c, const Exchange& ex, const Machine& m, Pass pass, std::int64_t rank) {
+  const auto mine = ex.placement().experts_of(rank);
+  const std::int64_t E = c.routed_experts;
+  p.version = kFormatVersion;
+  p.local_experts.assign(mine.begin(), mine.end());
+  p.expert_slot.assign(static_cast<std::size_t>(E), -1);
+  for (std::size_t le = 0; le < mine.size(); ++le) p.expert_slot[static_cast<std::size_t>(mine[le])] = static_cast<std::int32_t>(le);
+  p.pass = pass;
+  p.rank = static_cast<std::int32_t>(rank);
+  p.ranks = static_cast<std::int32_t>(c.ranks);
+  p.machine = m;
+  p.dims = Dims{c.hidden, c.expert_inter, c.shared_inter_total(), E, c.top_k, c.tokens_per_rank, c.dtype == DType::bf16 ? 2 : 4};
+  p.expert_begin.clear();
+  p.kpad_begin.clear();
+  p.slot_parts.clear();
+  const ExpertPlacement& placement = ex.placement();
+  for (const std::int64_t i : placement.instances_of(rank)) {
+    p.expert_begin.push_back(ex.expert_start(i));
+    p.kpad_begin.push_back(ex.kpad_start(i));
+    const auto [c0, c1] = placement.part_columns(i, c.expert_inter);
+    const std::int64_t e = placement.instance_expert(i);
+    p.slot_parts.push_back(SlotPart{c0, c1 - c0, static_cast<std::int32_t>(placement.is_split(e) ? placement.part_of(i) : 0),
+                                    static_cast<std::int32_t>(placement.parts(e))});
+  }
+  // Split experts' partial rows returning to this rank: one declared
+  // reduction per split expert this rank's tokens chose.
+  p.reductions.clear();
+  for (const auto& sp : placement.splits()) {
+    const std::int64_t first = placement.first_instance(sp.expert), n = ex.count(rank, first);
+    if (n > 0)
+      p.reductions.push_back(Reduction{static_cast<std::int32_t>(sp.expert), static_cast<std::int32_t>(placement.parts(sp.expert)),
+                                       ex.send_offset(rank, first), n});
+  }
+  std::sort(p.reductions.begin(), p.reductions.end(),
+            [](const Reduction& a, const Reduction& b) { return a.row_begin < b.row_begin; });
+  p.expert_begin.push_back(ex.recv_rows(rank));
+  p.kpad_begin.push_back(ex.kpad_rows(rank));
+  p.send_rows = ex.send_rows(rank);
+  declare_buffers(p, c, ex, pass, rank);
+}
+
+void interface_puts(const LayerConfig& c, const Exchange& ex, std::int64_t tile_rows, Pass pass, std::int64_t from,
+                    std::int64_t to, std::vector<Task>& out) {
+  const auto add = [&](const TaskSpec& s) {
+    auto i32 = [](std::int64_t v) { return static_cast<std::int32_t>(v); };
+    out.push_back(Task{s.kind, queue_class(s.kind), s.src, s.dst, i32(s.expert), i32(s.peer), i32(s.row_begin),
+                       i32(s.rows), i32(s.col_begin), i32(s.cols), i32(s.src_row), -1, 0, i32(s.trigger_event)});
+  };
+  puts_to_experts(c, ex, tile_rows, pass, from, to, add);
+  puts_to_sources(c, ex, tile_rows, pass, from, to, -1, 0, add);
+}
+
+void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machine& m, Pass pass, std::int64_t rank) {
+  const ExpertPlacement& placement = ex.placement();
+  const auto mine = placement.experts_of(rank);  // this rank's experts, in slot order
+  const auto homes = placement.instances_of(rank);  // and their instances (the exchange's indexes)
+  const std::int64_t H = c.hidden, I = c.expert_inter, Is = c.shared_inter_total(),
+                     L = static_cast<std::int64_t>(mine.size()), T = c.tokens_per_rank,
+                     E = c.routed_experts, TR = m.tile_rows, TC = m.tile_cols;
+  const bool shared = c.shared_experts > 0;
+  // Reuse the vectors' storage: a rank recompiles every step.
+  p.tasks.clear();
+  p.cost.clear();
+  p.events.clear();
+  program_header(p, c, ex, m, pass, rank);
+
+  const std::int64_t row_tiles = ex.row_tiles(rank), token_tiles = ceil_div(T, TR);
+  const EventBases ev(pass, row_tiles, L, token_tiles);
+  p.events.assign(static_cast<std::size_t>(ev.total), Event{0, TaskKind::count, -1, -1});
+  Builder b(p, m);
+  const std::int64_t n_down = ceil_div(H, TC);
+  // A slot's intermediate width: the whole expert's, or its split part's.
+  const auto inter_of = [&](std::int64_t le) { return p.slot_parts[static_cast<std::size_t>(le)].inter; };
+  const auto emit = [&](const TaskSpec& s) { b.task(s); };
+  // Split experts' partial rows, reduced in place once every piece is back:
+  // one task per row tile of each declared reduction's target block.
+  const auto part_reduces = [&](TaskKind kind, BufferId buffer, std::int64_t wait_event, bool emit_tasks) {
+    std::int64_t n = 0;
+    for (const Reduction& red : p.reductions)
+      for (std::int64_t r = 0; r < red.rows; r += TR, ++n)
+        if (emit_tasks)
+          b.task({.kind = kind, .src = buffer, .dst = buffer, .row_begin = red.row_begin + r, .rows = std::min(TR, red.rows - r), .col_begin = 0, .cols = H, .src_row = red.row_begin + red.rows + r, .wait_event = wait_event, .wait_count = p.events[static_cast<std::size_t>(wait_event)].required, .trigger_event = ev.reduced});
+    return n;
+  };
+
+  if (pass == Pass::forward) {
+    // Events of this rank.
+    for (std::int64_t le = 0; le < L; ++le) {
+      const std::int64_t e = mine[static_cast<std::size_t>(le)], home = homes[static_cast<std::size_t>(le)];
+      const std::int64_t tiles = ex.tiles_of(home), tb = ex.tile_start(home), n_gate_up = ceil_div(2 * inter_of(le), TC);
+      for (std::int64_t i = 0; i < tiles; ++i) {
+        b.event(ev.recv + tb + i, ex.arrivals(home, i), TaskKind::gemm_gate_up, e, i);
+        b.event(ev.h + tb + i, static_cast<std::int32_t>(n_gate_up), TaskKind::swiglu, e, i);
+        b.event(ev.a + tb + i, 1, TaskKind::gemm_down, e, i);
+        b.event(ev.y + tb + i, static_cast<std::int32_t>(n_down), TaskKind::combine_put, e, i);
+      }
+    }
+    b.event(ev.comb_done,
+            static_cast<std::int32_t>(ex.pieces_into(rank) + (shared ? token_tiles * n_down : 0)),
+            p.reductions.empty() ? TaskKind::combine_reduce : TaskKind::part_reduce, -1, -1);
+    b.event(ev.reduced, static_cast<std::int32_t>(part_reduces(TaskKind::part_reduce, BufferId::comb, ev.comb_done, false)),
+            TaskKind::combine_reduce, -1, -1);
+    if (shared)
+      for (std::int64_t t = 0; t < token_tiles; ++t) {
+        b.event(ev.sh_h + t, static_cast<std::int32_t>(ceil_div(2 * Is, TC)), TaskKind::shared_swiglu, -1, t);
+        b.event(ev.sh_a + t, 1, TaskKind::shared_down, -1, t);
+      }
+
+    puts_to_experts(c, ex, TR, pass, rank, -1, emit);
+    if (shared) {
+      for (std::int64_t t = 0; t < token_tiles; ++t) {
+        const std::int64_t rows = std::min(TR, T - t * TR);
+        b.gemm_tiles(rows, 2 * Is, [&](std::int64_t, std::int64_t, std::int64_t j, std::int64_t n) {
+          b.task({.kind = TaskKind::shared_gate_up, .src = BufferId::x, .dst = BufferId::sh_h, .row_begin = t * TR, .rows = rows, .col_begin = j, .cols = n, .src_row = t * TR, .trigger_event = ev.sh_h + t});
+        });
+        b.task({.kind = TaskKind::shared_swiglu, .src = BufferId::sh_h, .dst = BufferId::sh_a, .row_begin = t * TR, .rows = rows, .col_begin = 0, .cols = Is, .src_row = t * TR, .wait_event = ev.sh_h + t, .wait_count = ceil_div(2 * Is, TC), .trigger_event = ev.sh_a + t});
+        b.gemm_tiles(rows, H, [&](std::int64_t, std::int64_t, std::int64_t j, std::int64_t n) {
+          b.task({.kind = TaskKind::shared_down, .src = BufferId::sh_a, .dst = BufferId::sh_y, .row_begin = t * TR, .rows = rows, .col_begin = j, .cols = n, .src_row = t * TR, .wait_event = ev.sh_a + t, .wait_count = 1, .trigger_event = ev.comb_done});
+        });
+      }
+    }
+    for (std::int64_t le = 0; le < L; ++le) {
+      const std::int64_t e = mine[static_cast<std::size_t>(le)], home = homes[static_cast<std::size_t>(le)];
+      const std::int64_t n_e = ex.expert_rows(home), start = ex.expert_start(home), tb = ex.tile_start(home);
+      const std::int64_t Ie = inter_of(le), n_gate_up = ceil_div(2 * Ie, TC);
+      for (std::int64_t i = 0; i * TR < n_e; ++i) {
+        const std::int64_t rows = std::min(TR, n_e - i * TR), row0 = start + i * TR;
+        b.gemm_tiles(rows, 2 * Ie, [&](std::int64_t, std::int64_t, std::int64_t j, std::int64_t n) {
+          b.task({.kind = TaskKind::gemm_gate_up, .src = BufferId::recv, .dst = BufferId::h1, .expert = e, .row_begin = row0, .rows = rows, .col_begin = j, .cols = n, .src_row = row0, .wait_event = ev.recv + tb + i, .wait_count = p.events[ev.recv + tb + i].required, .trigger_event = ev.h + tb + i});
+        });
+        b.task({.kind = TaskKind::swiglu, .src = BufferId::h1, .dst = BufferId::a, .expert = e, .row_begin = row0, .rows = rows, .col_begin = 0, .cols = Ie, .src_row = row0, .wait_event = ev.h + tb + i, .wait_count = n_gate_up, .trigger_event = ev.a + tb + i});
+        b.gemm_tiles(rows, H, [&](std::int64_t, std::int64_t, std::int64_t j, std::int64_t n) {
+          b.task({.kind = TaskKind::gemm_down, .src = BufferId::a, .dst = BufferId::y, .expert = e, .row_begin = row0, .rows = rows, .col_begin = j, .cols = n, .src_row = row0, .wait_event = ev.a + tb + i, .wait_count = 1, .trigger_event = ev.y + tb + i});
+        });
+      }
+    }
+    puts_to_sources(c, ex, TR, pass, rank, -1, ev.y, n_down, emit);
+    part_reduces(TaskKind::part_reduce, BufferId::comb, ev.comb_done, true);
+    // A reduce tile reads its tokens' rows by slot, scattered over every
+    // expert's returned rows; counts alone do not say which pieces hold them,
+    // so each reduce tile waits for all pieces (and the shared expert), and
+    // for the split experts' partials to be reduced.
+    const std::int64_t combined = p.reductions.empty() ? ev.comb_done : ev.reduced;
+    for (std::int64_t t = 0; t < token_tiles; ++t) {
+      const std::int64_t rows = std::min(TR, T - t * TR);
+      b.task({.kind = TaskKind::combine_reduce, .src = BufferId::comb, .dst = BufferId::out, .row_begin = t * TR, .rows = rows, .col_begin = 0, .cols = H, .src_row = t * TR, .wait_event = combined, .wait_count = p.events[static_cast<std::size_t>(combined)].required});
+    }
+    return;
+  }
+
+  // ---- backward ----
+
+  const std::int64_t n_router_dgrad = token_tiles * n_down;
+  const std::int64_t n_shared_dgrad = shared ? token_tiles * n_down : 0;
+  for (std::int64_t le = 0; le < L; ++le) {
+    const std::int64_t e = mine[static_cast<std::size_t>(le)], home = homes[static_cast<std::size_t>(le)];
+    const std::int64_t tiles = ex.tiles_of(home), tb = ex.tile_start(home), n_inter = ceil_div(inter_of(le), TC);
+    for (std::int64_t i = 0; i < tiles; ++i) {
+      b.event(ev.dy + tb + i, ex.arrivals(home, i), TaskKind::gemm_down_dgrad, e, i);
+      b.event(ev.da + tb + i, static_cast<std::int32_t>(n_inter), TaskKind::swiglu_bwd, e, i);
+      b.event(ev.dh + tb + i, 1, TaskKind::gemm_gate_up_dgrad, e, i);
+      b.event(ev.dxe + tb + i, static_cast<std::int32_t>(n_down), TaskKind::grad_combine_put, e, i);
+    }
+    b.event(ev.dy_packed + le, static_cast<std::int32_t>(tiles), TaskKind::gemm_down_wgrad, e, -1);
+    b.event(ev.dh_packed + le, static_cast<std::int32_t>(tiles), TaskKind::gemm_gate_up_wgrad, e, -1);
+  }
+  for (std::int64_t t = 0; t < token_tiles; ++t) b.event(ev.gw + t, 1, TaskKind::router_bwd, -1, t);
+  b.event(ev.dl_all, static_cast<std::int32_t>(token_tiles), TaskKind::router_dgrad, -1, -1);
+  if (shared) {
+    for (std::int64_t t = 0; t < token_tiles; ++t) {
+      b.event(ev.sh_da + t, static_cast<std::int32_t>(ceil_div(Is, TC)), TaskKind::shared_swiglu_bwd, -1, t);
+      b.event(ev.sh_dh + t, 1, TaskKind::shared_gate_up_dgrad, -1, t);
+    }
+    b.event(ev.sh_dout_packed, static_cast<std::int32_t>(token_tiles), TaskKind::shared_down_wgrad, -1, -1);
+    b.event(ev.sh_dh_packed, static_cast<std::int32_t>(token_tiles), TaskKind::shared_gate_up_wgrad, -1, -1);
+  }
+  b.event(ev.dx_ready, static_cast<std::int32_t>(ex.pieces_into(rank) + n_router_dgrad + n_shared_dgrad),
+          p.reductions.empty() ? TaskKind::grad_reduce : TaskKind::grad_part_reduce, -1, -1);
+  b.event(ev.reduced, static_cast<std::int32_t>(part_reduces(TaskKind::grad_part_reduce, BufferId::dcomb, ev.dx_ready, false)),
+          TaskKind::grad_reduce, -1, -1);
+
+  puts_to_experts(c, ex, TR, pass, rank, -1, emit);
+  // Router: gate-weight gradients, logits gradients, then its GEMMs.
+  for (std::int64_t t = 0; t < token_tiles; ++t) {
+    const std::int64_t rows = std::min(TR, T - t * TR);
+    b.task({.kind = TaskKind::gate_grad, .src = BufferId::comb, .dst = BufferId::gw, .row_begin = t * TR, .rows = rows, .col_begin = 0, .cols = c.top_k, .src_row = t * TR, .trigger_event = ev.gw + t});
+    b.task({.kind = TaskKind::router_bwd, .src = BufferId::gw, .dst = BufferId::dlogits, .row_begin = t * TR, .rows = rows, .col_begin = 0, .cols = E, .src_row = t * TR, .wait_event = ev.gw + t, .wait_count = 1, .trigger_event = ev.dl_all});
+  }
+  b.gemm_tiles(T, H, [&](std::int64_t i, std::int64_t rows, std::int64_t j, std::int64_t n) {
+    b.task({.kind = TaskKind::router_dgrad, .src = BufferId::dlogits, .dst = BufferId::rdx, .row_begin = i, .rows = rows, .col_begin = j, .cols = n, .src_row = i, .wait_event = ev.dl_all, .wait_count = token_tiles, .trigger_event = ev.dx_ready});
+  });
+  b.weight_tiles(H, E, [&](std::int64_t i, std::int64_t rows, std::int64_t j, std::int64_t n) {
+    b.task({.kind = TaskKind::router_wgrad, .src = BufferId::xtf, .dst = BufferId::dwg, .row_begin = i, .rows = rows, .col_begin = j, .cols = n, .src_row = 0, .wait_event = ev.dl_all, .wait_count = token_tiles});
+  });
+  if (shared) {
+    for (std::int64_t t = 0; t < token_tiles; ++t) {
+      const std::int64_t rows = std::min(TR, T - t * TR);
+      b.gemm_tiles(rows, Is, [&](std::int64_t, std::int64_t, std::int64_t j, std::int64_t n) {
+        b.task({.kind = TaskKind::shared_down_dgrad, .src = BufferId::dout, .dst = BufferId::sh_da, .row_begin = t * TR, .rows = rows, .col_begin = j, .cols = n, .src_row = t * TR, .trigger_event = ev.sh_da + t});
+      });
+      b.task({.kind = TaskKind::pack_shared_down_grad, .src = BufferId::dout, .dst = BufferId::sh_doutp, .row_begin = t * TR, .rows = rows, .col_begin = 0, .cols = H, .src_row = t * TR, .trigger_event = ev.sh_dout_packed});
+      b.task({.kind = TaskKind::shared_swiglu_bwd, .src = BufferId::sh_da, .dst = BufferId::sh_dh, .row_begin = t * TR, .rows = rows, .col_begin = 0, .cols = 2 * Is, .src_row = t * TR, .wait_event = ev.sh_da + t, .wait_count = ceil_div(Is, TC), .trigger_event = ev.sh_dh + t});
+      b.gemm_tiles(rows, H, [&](std::int64_t, std::int64_t, std::int64_t j, std::int64_t n) {
+        b.task({.kind = TaskKind::shared_gate_up_dgrad, .src = BufferId::sh_dh, .dst = BufferId::sdx, .row_begin = t * TR, .rows = rows, .col_begin = j, .cols = n, .src_row = t * TR, .wait_event = ev.sh_dh + t, .wait_count = 1, .trigger_event = ev.dx_ready});
+      });
+      b.task({.kind = TaskKind::pack_shared_gate_up_grad, .src = BufferId::sh_dh, .dst = BufferId::sh_dhp, .row_begin = t * TR, .rows = rows, .col_begin = 0, .cols = 2 * Is, .src_row = t * TR, .wait_event = ev.sh_dh + t, .wait_count = 1, .trigger_event = ev.sh_dh_packed});
+    }
+    b.weight_tiles(Is, H, [&](std::int64_t i, std::int64_t rows, std::int64_t j, std::int64_t n) {
+      b.task({.kind = TaskKind::shared_down_wgrad, .src = BufferId::sh_at, .dst = BufferId::dws2, .row_begin = i, .rows = rows, .col_begin = j, .cols = n, .src_row = 0, .wait_event = ev.sh_dout_packed, .wait_count = token_tiles});
+    });
+    b.weight_tiles(H, 2 * Is, [&](std::int64_t i, std::int64_t rows, std::int64_t j, std::int64_t n) {
+      b.task({.kind = TaskKind::shared_gate_up_wgrad, .src = BufferId::sh_xt, .dst = BufferId::dws1, .row_begin = i, .rows = rows, .col_begin = j, .cols = n, .src_row = 0, .wait_event = ev.sh_dh_packed, .wait_count = token_tiles});
+    });
+  }
+  for (std::int64_t le = 0; le < L; ++le) {
+    const std::int64_t e = mine[static_cast<std::size_t>(le)], home = homes[static_cast<std::size_t>(le)];
+    const std::int64_t n_e = ex.expert_rows(home), start = ex.expert_start(home);
+    const std::int64_t tb = ex.tile_start(home), tiles = ex.tiles_of(home);
+    const std::int64_t Ie = inter_of(le), n_inter = ceil_div(Ie, TC);
+    for (std::int64_t i = 0; i < tiles; ++i) {
+      const std::int64_t rows = std::min(TR, n_e - i * TR), row0 = start + i * TR;
+      const std::int32_t arrivals = p.events[ev.dy + tb + i].required;
+      b.gemm_tiles(rows, Ie, [&](std::int64_t, std::int64_t, std::int64_t j, std::int64_t n) {
+        b.task({.kind = TaskKind::gemm_down_dgrad, .src = BufferId::dy, .dst = BufferId::da, .expert = e, .row_begin = row0, .rows = rows, .col_begin = j, .cols = n, .src_row = row0, .wait_event = ev.dy + tb + i, .wait_count = arrivals, .trigger_event = ev.da + tb + i});
+      });
+      b.task({.kind = TaskKind::pack_down_grad, .src = BufferId::dy, .dst = BufferId::dyp, .expert = e, .row_begin = row0, .rows = rows, .col_begin = 0, .cols = H, .src_row = row0, .wait_event = ev.dy + tb + i, .wait_count = arrivals, .trigger_event = ev.dy_packed + le});
+      b.task({.kind = TaskKind::swiglu_bwd, .src = BufferId::da, .dst = BufferId::dh, .expert = e, .row_begin = row0, .rows = rows, .col_begin = 0, .cols = 2 * Ie, .src_row = row0, .wait_event = ev.da + tb + i, .wait_count = n_inter, .trigger_event = ev.dh + tb + i});
+      b.gemm_tiles(rows, H, [&](std::int64_t, std::int64_t, std::int64_t j, std::int64_t n) {
+        b.task({.kind = TaskKind::gemm_gate_up_dgrad, .src = BufferId::dh, .dst = BufferId::dxe, .expert = e, .row_begin = row0, .rows = rows, .col_begin = j, .cols = n, .src_row = row0, .wait_event = ev.dh + tb + i, .wait_count = 1, .trigger_event = ev.dxe + tb + i});
+      });
+      b.task({.kind = TaskKind::pack_gate_up_grad, .src = BufferId::dh, .dst = BufferId::dhp, .expert = e, .row_begin = row0, .rows = rows, .col_begin = 0, .cols = 2 * Ie, .src_row = row0, .wait_event = ev.dh + tb + i, .wait_count = 1, .trigger_event = ev.dh_packed + le});
+    }
+    // Weight gradients of expert e: one task per output tile, K = all its rows.
+    b.weight_tiles(Ie, H, [&](std::int64_t i, std::int64_t rows, std::int64_t j, std::int64_t n) {
+      b.task({.kind = TaskKind::gemm_down_wgrad, .src = BufferId::at, .dst = BufferId::dw2, .expert = e, .row_begin = le * I + i, .rows = rows, .col_begin = j, .cols = n, .src_row = start, .wait_event = ev.dy_packed + le, .wait_count = tiles});
+    });
+    b.weight_tiles(H, 2 * Ie, [&](std::int64_t i, std::int64_t rows, std::int64_t j, std::int64_t n) {
+      b.task({.kind = TaskKind::gemm_gate_up_wgrad, .src = BufferId::xt, .dst = BufferId::dw1, .expert = e, .row_begin = le * H + i, .rows = rows, .col_begin = j, .cols = n, .src_row = start, .wait_event = ev.dh_packed + le, .wait_count = tiles});
+    });
+  }
+  puts_to_sources(c, ex, TR, pass, rank, -1, ev.dxe, n_down, emit);
+  part_reduces(TaskKind::grad_part_reduce, BufferId::dcomb, ev.dx_ready, true);
+  const std::int64_t assembled = p.reductions.empty() ? ev.dx_ready : ev.reduced;
+  for (std::int64_t t = 0; t < token_tiles; ++t) {
+    const std::int64_t rows = std::min(TR, T - t * TR);
+    b.task({.kind = TaskKind::grad_reduce, .src = BufferId::dcomb, .dst = BufferId::dx, .row_begin = t * TR, .rows = rows, .col_begin = 0, .cols = H, .src_row = t * TR, .wait_event = assembled, .wait_count = p.events[static_cast<std::size_t>(assembled)].required});
+  }
+}
+
+}  // namespace hpmoe::taskflow

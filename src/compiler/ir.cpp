@@ -1,0 +1,406 @@
+#include <algorithm>
+#include <array>
+#include <charconv>
+#include <nlohmann/json.hpp>
+#include <limits>
+#include <sstream>
+
+#include "compiler/access.hpp"
+#include "hpmoe/error.hpp"
+#include "compiler/taskflow.hpp"
+
+namespace hpmoe::taskflow {
+
+namespace {
+constexpr std::array<const char*, static_cast<std::size_t>(TaskKind::count)> kTaskNames = {
+    "dispatch_put", "gemm_gate_up", "swiglu", "gemm_down", "combine_put", "combine_reduce", "shared_gate_up",
+    "shared_swiglu", "shared_down", "gate_grad", "router_bwd", "router_dgrad", "router_wgrad", "grad_dispatch_put",
+    "gemm_down_dgrad", "pack_down_grad", "gemm_down_wgrad", "swiglu_bwd", "gemm_gate_up_dgrad", "pack_gate_up_grad",
+    "gemm_gate_up_wgrad", "grad_combine_put", "shared_down_dgrad", "pack_shared_down_grad", "shared_down_wgrad",
+    "shared_swiglu_bwd", "shared_gate_up_dgrad", "pack_shared_gate_up_grad", "shared_gate_up_wgrad", "grad_reduce",
+    "part_reduce", "grad_part_reduce"};
+constexpr std::array<const char*, static_cast<std::size_t>(BufferId::count)> kBufferNames = {
+    "none", "x", "recv", "h1", "a", "y", "comb", "out", "sh_h", "sh_a", "sh_y", "dout", "gw", "dlogits", "xtf", "rdx",
+    "dwg", "dy", "da", "dyp", "at", "dw2", "dh", "dxe", "dhp", "xt", "dw1", "dcomb", "sh_da", "sh_doutp", "sh_at",
+    "sh_xt", "dws2", "sh_dh", "sdx", "sh_dhp", "dws1", "dx", "xf", "slot", "gate", "send_token", "send_assign",
+    "logits", "sh_dout"};
+constexpr std::array<const char*, 3> kRegionNames = {"symmetric", "local", "bound"};
+constexpr std::array<const char*, 2> kLayoutNames = {"row_major", "panels"};
+
+// An integer field of a dump as T, or an Error naming it: JSON's
+// get<int32_t>() would truncate 4294967296 to 0 without a word.
+template <class T>
+T integer(const nlohmann::json& v, const std::string& what) {
+  if (v.is_number_unsigned()) {
+    const auto u = v.get<std::uint64_t>();
+    if (u <= static_cast<std::uint64_t>(std::numeric_limits<T>::max())) return static_cast<T>(u);
+  } else if (v.is_number_integer()) {
+    const auto i = v.get<std::int64_t>();
+    if (i >= static_cast<std::int64_t>(std::numeric_limits<T>::min()) && i <= static_cast<std::int64_t>(std::numeric_limits<T>::max()))
+      return static_cast<T>(i);
+  }
+  throw Error("program dump: " + what + " = " + v.dump().substr(0, 40) + " is not an integer of " + std::to_string(sizeof(T) * 8) +
+              " bits");
+}
+
+template <class Enum, std::size_t N>
+Enum enum_from(const std::array<const char*, N>& names, const std::string& s, const char* what) {
+  for (std::size_t i = 0; i < N; ++i)
+    if (s == names[i]) return static_cast<Enum>(i);
+  throw Error(std::string("program dump: unknown ") + what + " '" + s + "'");
+}
+}  // namespace
+
+const char* name(TaskKind k) { return kTaskNames.at(static_cast<std::size_t>(k)); }
+const char* name(BufferId b) { return kBufferNames.at(static_cast<std::size_t>(b)); }
+const char* name(Region r) { return kRegionNames.at(static_cast<std::size_t>(r)); }
+const char* name(Layout l) { return kLayoutNames.at(static_cast<std::size_t>(l)); }
+
+std::int64_t Program::region_bytes(Region region) const {
+  std::int64_t end = 0;
+  for (const auto& b : buffers)
+    if (b.region == region) end = std::max(end, b.offset_bytes + b.bytes());
+  return end;
+}
+
+const char* name(QueueClass c) { return c == QueueClass::matrix ? "matrix" : "vector"; }
+
+
+
+bool is_put(TaskKind k) { return AccessTable::standard()[k].put; }
+
+ExpertHome expert_home(TaskKind k) { return AccessTable::standard()[k].expert_home; }
+
+const std::vector<TaskKind>& operator_order(Pass pass) {
+  using K = TaskKind;
+  static const std::vector<TaskKind> forward{K::dispatch_put,   K::gemm_gate_up,  K::swiglu,
+                                             K::gemm_down,      K::shared_gate_up, K::shared_swiglu,
+                                             K::shared_down,    K::combine_put,    K::part_reduce,
+                                             K::combine_reduce};
+  static const std::vector<TaskKind> backward{
+      K::gate_grad,          K::router_bwd,         K::router_dgrad,          K::router_wgrad,
+      K::grad_dispatch_put,  K::gemm_down_dgrad,    K::pack_down_grad,        K::gemm_down_wgrad,
+      K::swiglu_bwd,         K::gemm_gate_up_dgrad, K::pack_gate_up_grad,     K::gemm_gate_up_wgrad,
+      K::shared_down_dgrad,  K::pack_shared_down_grad, K::shared_down_wgrad,  K::shared_swiglu_bwd,
+      K::shared_gate_up_dgrad, K::pack_shared_gate_up_grad, K::shared_gate_up_wgrad,
+      K::grad_combine_put,   K::grad_part_reduce,   K::grad_reduce};
+  return pass == Pass::forward ? forward : backward;
+}
+
+QueueClass queue_class(TaskKind k) { return AccessTable::standard()[k].queue; }
+
+bool Machine::takes(int worker, QueueClass c) const {
+  if (worker < matrix_workers) return c == QueueClass::matrix;
+  if (worker < matrix_workers + vector_workers) return c == QueueClass::vector;
+  return worker < workers();
+}
+
+namespace {
+int parse_count(const std::string& spec, const std::string& text, int lo, int hi) {
+  int v = 0;
+  auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+  if (ec != std::errc{} || end != text.data() + text.size() || v < lo || v > hi)
+    throw Error("machine '" + spec + "': '" + text + "' must be an integer between " + std::to_string(lo) + " and " +
+                std::to_string(hi));
+  return v;
+}
+}  // namespace
+
+Machine cpu_machine(int workers) {
+  if (workers < 1 || workers > 256) throw Error("a cpu machine needs 1 to 256 workers per rank (got " + std::to_string(workers) + ")");
+  Machine m;
+  m.name = "cpu";
+  m.unified_workers = workers;
+  return m;
+}
+
+Machine accel_machine(int matrix_workers, int vector_workers) {
+  if (matrix_workers < 1 || matrix_workers > 1024 || vector_workers < 1 || vector_workers > 1024)
+    throw Error("an accelerator needs 1 to 1024 matrix and vector workers per rank (got " + std::to_string(matrix_workers) +
+                " and " + std::to_string(vector_workers) + ")");
+  Machine m;
+  m.name = "accel";
+  m.unified_workers = 0;
+  m.matrix_workers = matrix_workers;
+  m.vector_workers = vector_workers;
+  return m;
+}
+
+Machine parse_machine(const std::string& spec) {
+  std::vector<std::string> parts;
+  std::stringstream in(spec);
+  for (std::string part; std::getline(in, part, ':');) parts.push_back(part);
+  Machine m;
+  auto tile = [&](const std::string& text) {
+    const auto x = text.find('x');
+    if (x == std::string::npos) throw Error("machine '" + spec + "': tile '" + text + "' must be ROWSxCOLS, e.g. 64x64");
+    m.tile_rows = parse_count(spec, text.substr(0, x), 1, 1 << 16);
+    m.tile_cols = parse_count(spec, text.substr(x + 1), 1, 1 << 16);
+    if (m.tile_cols % 64 != 0 && m.tile_cols != 64)
+      throw Error("machine '" + spec + "': tile columns must be a multiple of 64 (the kernels' operand panels)");
+  };
+  if (!parts.empty() && parts[0] == "cpu" && (parts.size() == 2 || parts.size() == 3)) {
+    m = cpu_machine(static_cast<int>(parse_count(spec, parts[1], 1, 256)));
+    if (parts.size() == 3) tile(parts[2]);
+  } else if (!parts.empty() && parts[0] == "accel" && (parts.size() == 3 || parts.size() == 4)) {
+    m = accel_machine(static_cast<int>(parse_count(spec, parts[1], 1, 1024)),
+                      static_cast<int>(parse_count(spec, parts[2], 1, 1024)));
+    if (parts.size() == 4) tile(parts[3]);
+  } else {
+    throw Error("unknown machine '" + spec + "' (use cpu:W[:RxC] or accel:MATRIX:VECTOR[:RxC])");
+  }
+  return m;
+}
+
+Policy parse_policy(const std::string& s) {
+  if (s == "fill") return Policy::fill;
+  if (s == "rank-rotated") return Policy::rank_rotated;
+  if (s == "critical-path") return Policy::critical_path;
+  if (s == "interleave-wgrad") return Policy::interleave_wgrad;
+  if (s == "ratr") return Policy::ratr;
+  throw Error("unknown schedule '" + s + "' (use fill, rank-rotated, critical-path, interleave-wgrad or ratr)");
+}
+
+const char* name(Policy p) {
+  switch (p) {
+    case Policy::fill: return "fill";
+    case Policy::rank_rotated: return "rank-rotated";
+    case Policy::critical_path: return "critical-path";
+    case Policy::interleave_wgrad: return "interleave-wgrad";
+    case Policy::ratr: return "ratr";
+  }
+  return "?";
+}
+
+nlohmann::json to_json(const Program& p) {
+  nlohmann::json j;
+  j["format"] = "hpmoe-taskflow-program";
+  j["version"] = p.version;
+  j["pass"] = p.pass == Pass::forward ? "forward" : "backward";
+  j["rank"] = p.rank;
+  j["ranks"] = p.ranks;
+  j["machine"] = {{"name", p.machine.name}, {"matrix_workers", p.machine.matrix_workers},
+                  {"vector_workers", p.machine.vector_workers}, {"unified_workers", p.machine.unified_workers},
+                  {"tile_rows", p.machine.tile_rows}, {"tile_cols", p.machine.tile_cols},
+                  {"weight_tile_rows", p.machine.weight_tile_rows}, {"weight_tile_cols", p.machine.weight_tile_cols}};
+  j["dims"] = {{"hidden", p.dims.hidden}, {"inter", p.dims.inter}, {"shared_inter", p.dims.shared_inter},
+               {"experts", p.dims.experts}, {"top_k", p.dims.top_k}, {"tokens", p.dims.tokens},
+               {"elem_bytes", p.dims.elem_bytes}};
+  j["local_experts"] = p.local_experts;
+  j["expert_begin"] = p.expert_begin;
+  j["kpad_begin"] = p.kpad_begin;
+  j["send_rows"] = p.send_rows;
+  // Tensor-parallel splits (absent: every slot computes its whole expert).
+  const bool split = !p.reductions.empty() ||
+                     std::any_of(p.slot_parts.begin(), p.slot_parts.end(), [](const SlotPart& s) { return s.parts > 1; });
+  if (split) {
+    auto& parts = j["slot_parts"] = nlohmann::json::array();
+    for (const auto& s : p.slot_parts) parts.push_back({s.inter_begin, s.inter, s.part, s.parts});
+    auto& reductions = j["reductions"] = nlohmann::json::array();
+    for (const auto& r : p.reductions) reductions.push_back({r.expert, r.parts, r.row_begin, r.rows});
+  }
+  auto& buffers = j["buffers"] = nlohmann::json::array();
+  for (const auto& b : p.buffers)
+    buffers.push_back({{"id", name(b.id)}, {"rows", b.rows}, {"cols", b.cols}, {"elem_bytes", b.elem_bytes},
+                       {"offset_bytes", b.offset_bytes}, {"region", name(b.region)}, {"layout", name(b.layout)}});
+  auto& events = j["events"] = nlohmann::json::array();
+  for (const auto& e : p.events) events.push_back({e.required, name(e.consumer), e.expert, e.tile});
+  j["task_fields"] = {"kind", "src", "dst", "expert", "peer", "row_begin", "rows", "col_begin", "cols", "src_row",
+                      "wait_event", "wait_count", "trigger_event", "cost_s"};
+  auto& tasks = j["tasks"] = nlohmann::json::array();
+  for (std::size_t i = 0; i < p.tasks.size(); ++i) {
+    const Task& t = p.tasks[i];
+    tasks.push_back({name(t.kind), name(t.src), name(t.dst), t.expert, t.peer, t.row_begin, t.rows, t.col_begin, t.cols,
+                     t.src_row, t.wait_event, t.wait_count, t.trigger_event, i < p.cost.size() ? p.cost[i] : 0.0f});
+  }
+  auto& queues = j["queues"] = nlohmann::json::array();
+  for (std::size_t w = 0; w + 1 < p.queue_begin.size(); ++w)
+    queues.push_back(std::vector<std::int32_t>(p.queue_tasks.begin() + p.queue_begin[w],
+                                               p.queue_tasks.begin() + p.queue_begin[w + 1]));
+  return j;
+}
+
+std::vector<Program> programs_from_dump(const nlohmann::json& j, const std::string& source) {
+  if (!j.is_object() || !j.contains("format") || !j["format"].is_string() ||
+      j["format"].get<std::string>() != "hpmoe-taskflow-dump" || !j.contains("programs") || !j["programs"].is_array() ||
+      j["programs"].empty())
+    throw Error(source + " is not an hpmoe program dump (expected \"format\": \"hpmoe-taskflow-dump\" and programs)");
+  if (j.contains("version") && (!j["version"].is_number_integer() || j["version"].get<std::int64_t>() != kFormatVersion))
+    throw Error(source + ": dump format version " + j["version"].dump().substr(0, 20) + ", this hpmoe reads version " +
+                std::to_string(kFormatVersion));
+  std::vector<Program> programs;
+  for (const auto& p : j["programs"]) programs.push_back(program_from_json(p));
+  return programs;
+}
+
+Program program_from_json(const nlohmann::json& j) {
+  try {
+    if (!j.is_object() || j.value("format", "") != "hpmoe-taskflow-program")
+      throw Error("program dump: not an hpmoe taskflow program (missing \"format\": \"hpmoe-taskflow-program\")");
+    Program p;
+    p.version = integer<int>(j.at("version"), "version");
+    if (p.version != kFormatVersion)
+      throw Error("program dump: format version " + std::to_string(p.version) + ", this hpmoe reads version " +
+                  std::to_string(kFormatVersion));
+    const std::string pass = j.at("pass").get<std::string>();
+    if (pass != "forward" && pass != "backward") throw Error("program dump: pass must be forward or backward");
+    p.pass = pass == "forward" ? Pass::forward : Pass::backward;
+    p.rank = integer<std::int32_t>(j.at("rank"), "rank");
+    p.ranks = integer<std::int32_t>(j.at("ranks"), "ranks");
+    if (p.ranks < 1 || p.rank < 0 || p.rank >= p.ranks) throw Error("program dump: rank outside 0..ranks-1");
+    const auto& m = j.at("machine");
+    p.machine.name = m.at("name").get<std::string>();
+    p.machine.matrix_workers = integer<int>(m.at("matrix_workers"), "machine.matrix_workers");
+    p.machine.vector_workers = integer<int>(m.at("vector_workers"), "machine.vector_workers");
+    p.machine.unified_workers = integer<int>(m.at("unified_workers"), "machine.unified_workers");
+    p.machine.tile_rows = integer<std::int64_t>(m.at("tile_rows"), "machine.tile_rows");
+    p.machine.tile_cols = integer<std::int64_t>(m.at("tile_cols"), "machine.tile_cols");
+    p.machine.weight_tile_rows = m.contains("weight_tile_rows") ? integer<std::int64_t>(m.at("weight_tile_rows"), "machine.weight_tile_rows") : 0;
+    p.machine.weight_tile_cols = m.contains("weight_tile_cols") ? integer<std::int64_t>(m.at("weight_tile_cols"), "machine.weight_tile_cols") : 0;
+    if (p.machine.tile_rows < 1 || p.machine.tile_cols < 1 || p.machine.weight_tile_rows < 0 || p.machine.weight_tile_cols < 0 ||
+        p.machine.tile_rows > (1 << 16) || p.machine.tile_cols > (1 << 16) || p.machine.weight_tile_rows > (1 << 16) ||
+        p.machine.weight_tile_cols > (1 << 16) || p.machine.weight_tile_cols % p.machine.tile_cols != 0)
+      throw Error("program dump: impossible tile sizes");
+    if (p.machine.matrix_workers < 0 || p.machine.vector_workers < 0 || p.machine.unified_workers < 0 ||
+        p.machine.workers() < 1 || p.machine.workers() > 4096)
+      throw Error("program dump: impossible worker counts");
+    const auto& d = j.at("dims");
+    // Layer sizes: positive (shared_inter and tokens may be 0) and within int32.
+    const auto dim = [&](const char* name, std::int64_t lo) {
+      const auto v = integer<std::int64_t>(d.at(name), std::string("dims.") + name);
+      if (v < lo || v > std::numeric_limits<std::int32_t>::max())
+        throw Error(std::string("program dump: dims.") + name + " = " + std::to_string(v) + " is not a layer size (" +
+                    std::to_string(lo) + " to 2^31 - 1)");
+      return v;
+    };
+    p.dims = Dims{dim("hidden", 1), dim("inter", 1), dim("shared_inter", 0), dim("experts", 1), dim("top_k", 1),
+                  dim("tokens", 0), integer<std::int64_t>(d.at("elem_bytes"), "dims.elem_bytes")};
+    if (p.dims.elem_bytes != 2 && p.dims.elem_bytes != 4) throw Error("program dump: dims.elem_bytes must be 2 or 4");
+    if (p.dims.experts < 1 || p.dims.experts > (1 << 20))
+      throw Error("program dump: dims.experts must be between 1 and 1048576");
+    p.local_experts = j.at("local_experts").get<std::vector<std::int32_t>>();
+    p.expert_slot.assign(static_cast<std::size_t>(p.dims.experts), -1);
+    for (std::size_t le = 0; le < p.local_experts.size(); ++le) {
+      const std::int32_t e = p.local_experts[le];
+      if (e < 0 || e >= p.dims.experts)
+        throw Error("program dump: local_experts names expert " + std::to_string(e) + ", outside 0.." +
+                    std::to_string(p.dims.experts - 1));
+      if (p.expert_slot[static_cast<std::size_t>(e)] >= 0)
+        throw Error("program dump: local_experts lists expert " + std::to_string(e) + " twice");
+      p.expert_slot[static_cast<std::size_t>(e)] = static_cast<std::int32_t>(le);
+    }
+    p.expert_begin = j.at("expert_begin").get<std::vector<std::int64_t>>();
+    if (p.expert_begin.size() != p.local_experts.size() + 1)
+      throw Error("program dump: expert_begin must have one entry more than local_experts");
+    p.kpad_begin = j.at("kpad_begin").get<std::vector<std::int64_t>>();
+    if (p.kpad_begin.size() != p.expert_begin.size())
+      throw Error("program dump: kpad_begin must have one entry more than local_experts");
+    p.send_rows = integer<std::int64_t>(j.at("send_rows"), "send_rows");
+    if (p.send_rows < 0 || p.send_rows > (std::int64_t{1} << 40)) throw Error("program dump: send_rows is impossible");
+    if (j.contains("slot_parts")) {
+      const auto& parts = j.at("slot_parts");
+      if (!parts.is_array() || parts.size() != p.local_experts.size())
+        throw Error("program dump: slot_parts must have one [inter_begin, inter, part, parts] per local expert");
+      for (const auto& s : parts) {
+        if (!s.is_array() || s.size() != 4) throw Error("program dump: a slot part must be [inter_begin, inter, part, parts]");
+        p.slot_parts.push_back(SlotPart{s[0].get<std::int64_t>(), s[1].get<std::int64_t>(), s[2].get<std::int32_t>(),
+                                        s[3].get<std::int32_t>()});
+      }
+    } else {
+      p.slot_parts.assign(p.local_experts.size(), SlotPart{0, p.dims.inter, 0, 1});
+    }
+    if (j.contains("reductions")) {
+      const auto& reds = j.at("reductions");
+      if (!reds.is_array()) throw Error("program dump: reductions must be a list of [expert, parts, row_begin, rows]");
+      for (const auto& r : reds) {
+        if (!r.is_array() || r.size() != 4) throw Error("program dump: a reduction must be [expert, parts, row_begin, rows]");
+        p.reductions.push_back(Reduction{r[0].get<std::int32_t>(), r[1].get<std::int32_t>(), r[2].get<std::int64_t>(),
+                                         r[3].get<std::int64_t>()});
+      }
+    }
+    for (const auto& b : j.at("buffers"))
+      p.buffers.push_back(BufferLayout{enum_from<BufferId>(kBufferNames, b.at("id").get<std::string>(), "buffer"),
+                                       b.at("rows").get<std::int64_t>(), b.at("cols").get<std::int64_t>(),
+                                       b.at("elem_bytes").get<std::int64_t>(), b.at("offset_bytes").get<std::int64_t>(),
+                                       enum_from<Region>(kRegionNames, b.at("region").get<std::string>(), "region"),
+                                       enum_from<Layout>(kLayoutNames, b.at("layout").get<std::string>(), "layout")});
+    for (const auto& e : j.at("events")) {
+      if (!e.is_array() || e.size() != 4) throw Error("program dump: an event must be [required, consumer, expert, tile]");
+      p.events.push_back(Event{e[0].get<std::int32_t>(), enum_from<TaskKind>(kTaskNames, e[1].get<std::string>(), "task kind"),
+                               e[2].get<std::int32_t>(), e[3].get<std::int32_t>()});
+      if (p.events.back().required < 0) throw Error("program dump: negative required count");
+    }
+    for (const auto& t : j.at("tasks")) {
+      if (!t.is_array() || t.size() != 14) throw Error("program dump: a task must have 14 fields (see task_fields)");
+      const TaskKind kind = enum_from<TaskKind>(kTaskNames, t[0].get<std::string>(), "task kind");
+      const auto field = [&](std::size_t i) {
+        static const char* names[] = {"kind", "src", "dst", "expert", "peer", "row_begin", "rows", "col_begin", "cols",
+                                      "src_row", "wait_event", "wait_count", "trigger_event"};
+        return integer<std::int32_t>(t[i], "task " + std::to_string(p.tasks.size()) + " " + names[i]);
+      };
+      Task task{kind, queue_class(kind), enum_from<BufferId>(kBufferNames, t[1].get<std::string>(), "buffer"),
+                enum_from<BufferId>(kBufferNames, t[2].get<std::string>(), "buffer"), field(3), field(4), field(5), field(6),
+                field(7), field(8), field(9), field(10), field(11), field(12)};
+      // Rectangles are computed in 64 bits, but a row or column end must
+      // also be an int32 for the executor's views.
+      if (task.rows < 0 || task.cols < 0 || std::int64_t{task.row_begin} + task.rows > std::numeric_limits<std::int32_t>::max() ||
+          std::int64_t{task.col_begin} + task.cols > std::numeric_limits<std::int32_t>::max() ||
+          std::int64_t{task.src_row} + task.rows > std::numeric_limits<std::int32_t>::max())
+        throw Error("program dump: task " + std::to_string(p.tasks.size()) + " has an impossible rectangle");
+      p.tasks.push_back(task);
+      p.cost.push_back(t[13].get<float>());
+    }
+    p.queue_begin.push_back(0);
+    for (const auto& q : j.at("queues")) {
+      for (const auto& id : q) {
+        const auto v = id.get<std::int32_t>();
+        if (v < 0 || v >= static_cast<std::int32_t>(p.tasks.size())) throw Error("program dump: queue names task " + std::to_string(v) + " which does not exist");
+        p.queue_tasks.push_back(v);
+      }
+      p.queue_begin.push_back(static_cast<std::int32_t>(p.queue_tasks.size()));
+    }
+    if (static_cast<int>(p.queue_begin.size()) - 1 != p.machine.workers())
+      throw Error("program dump: " + std::to_string(p.queue_begin.size() - 1) + " queues for " +
+                  std::to_string(p.machine.workers()) + " workers");
+    return p;
+  } catch (const nlohmann::json::exception& e) {
+    throw Error(std::string("program dump is malformed: ") + e.what());
+  }
+}
+
+std::string listing(const Program& p, std::size_t max_tasks) {
+  std::ostringstream o;
+  o << "program rank " << p.rank << "/" << p.ranks << " " << (p.pass == Pass::forward ? "forward" : "backward") << ": "
+    << p.tasks.size() << " tasks, " << p.events.size() << " events, " << p.machine.workers() << " workers\n";
+  o << "buffers:";
+  for (const auto& b : p.buffers) o << " " << name(b.id) << "[" << b.rows << "x" << b.cols << "]";
+  o << "\n";
+  std::size_t shown = 0;
+  for (std::size_t w = 0; w + 1 < p.queue_begin.size(); ++w) {
+    o << "worker " << w << " (" << (p.machine.takes(static_cast<int>(w), QueueClass::matrix) ? "matrix" : "")
+      << (p.machine.takes(static_cast<int>(w), QueueClass::vector) ? "vector" : "") << "), "
+      << (p.queue_begin[w + 1] - p.queue_begin[w]) << " tasks\n";
+    for (auto i = p.queue_begin[w]; i < p.queue_begin[w + 1]; ++i) {
+      if (shown++ >= max_tasks) {
+        o << "  ... (--dump writes all)\n";
+        return o.str();
+      }
+      const Task& t = p.tasks[p.queue_tasks[i]];
+      o << "  #" << p.queue_tasks[i] << " " << name(t.kind);
+      if (t.expert >= 0) o << " e" << t.expert;
+      o << " " << name(t.src) << "->" << name(t.dst);
+      if (t.peer != p.rank) o << "@" << t.peer;
+      o << " rows[" << t.row_begin << "," << t.row_begin + t.rows << ") cols[" << t.col_begin << ","
+        << t.col_begin + t.cols << ")";
+      if (t.wait_event >= 0) o << " wait ev" << t.wait_event << ">=" << t.wait_count;
+      if (t.trigger_event >= 0) {
+        o << " -> ev" << t.trigger_event;
+        if (t.peer != p.rank) o << "@" << t.peer;
+      }
+      o << "\n";
+    }
+  }
+  return o.str();
+}
+
+}  // namespace hpmoe::taskflow

@@ -1,0 +1,116 @@
+#pragma once
+// Internal: the exchange layout of one step, derived from the routing counts
+// and the expert placement alone, and the event numbering of a rank's
+// program. Every rank computes the same layout, so a source knows the
+// receiver's row offsets and event ids without asking. Both executors and
+// the compiler use this one layout.
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "hpmoe/placement.hpp"
+#include "compiler/taskflow.hpp"
+
+namespace hpmoe::taskflow {
+
+// Rows a source sends are ordered by expert id, then token, then k. Rows a
+// rank receives are ordered by its experts' slots, then source rank, then
+// the same. Each expert's region starts a new row tile.
+//
+// The layout is per instance (an expert's home, ExpertPlacement): a
+// replicated expert's rows from a source are split among its instances by
+// the quota plan (plan_quotas), in home order within the source's block of
+// that expert. Without replicas instance e is expert e. Every method below
+// that names an instance takes an instance id.
+class Exchange {
+ public:
+  Exchange(const LayerConfig&, const ExpertPlacement&, const RoutingCounts&, std::int64_t tile_rows);
+
+  const ExpertPlacement& placement() const { return placement_; }
+  std::int64_t ranks() const { return ranks_; }
+  std::int64_t experts() const { return experts_; }
+  std::int64_t instances() const { return instances_; }
+  std::int64_t tile_rows() const { return tile_rows_; }
+
+  // Rows source s sends to expert e.
+  std::int64_t count(std::int64_t s, std::int64_t e) const {
+    return source_prefix_[static_cast<std::size_t>((s + 1) * instances_ + e)] -
+           source_prefix_[static_cast<std::size_t>(s * instances_ + e)];
+  }
+  // Row of (s, e)'s first row within expert e's region on its owner.
+  std::int64_t source_offset(std::int64_t s, std::int64_t e) const {
+    return source_prefix_[static_cast<std::size_t>(s * instances_ + e)];
+  }
+  // Row of (s, e)'s first row in s's send order (and in its COMB rows).
+  std::int64_t send_offset(std::int64_t s, std::int64_t e) const {
+    return send_offset_[static_cast<std::size_t>(s * (instances_ + 1) + e)];
+  }
+  std::int64_t send_rows(std::int64_t s) const { return send_offset(s, instances_); }
+  // Rows of expert e, from all sources.
+  std::int64_t expert_rows(std::int64_t e) const { return source_offset(ranks_, e); }
+  // Row of expert e's region in its owner's receive buffer.
+  std::int64_t expert_start(std::int64_t e) const { return expert_start_[static_cast<std::size_t>(e)]; }
+  // Row of (s, e)'s first row in e's owner's receive buffer.
+  std::int64_t recv_offset(std::int64_t s, std::int64_t e) const { return expert_start(e) + source_offset(s, e); }
+  // First row tile of expert e on its owner, and its number of row tiles.
+  std::int64_t tile_start(std::int64_t e) const { return tile_start_[static_cast<std::size_t>(e)]; }
+  std::int64_t tiles_of(std::int64_t e) const { return (expert_rows(e) + tile_rows_ - 1) / tile_rows_; }
+  // First row of expert e in its owner's K-padded weight-gradient operands
+  // (bf16 pads each expert's rows to an even count).
+  std::int64_t kpad_start(std::int64_t e) const { return kpad_start_[static_cast<std::size_t>(e)]; }
+  std::int64_t padded(std::int64_t rows) const { return pad_pairs_ ? (rows + 1) & ~std::int64_t{1} : rows; }
+  // Per destination rank: received rows, row tiles, K-padded rows.
+  std::int64_t recv_rows(std::int64_t d) const { return recv_rows_[static_cast<std::size_t>(d)]; }
+  std::int64_t row_tiles(std::int64_t d) const { return row_tiles_[static_cast<std::size_t>(d)]; }
+  std::int64_t kpad_rows(std::int64_t d) const { return kpad_rows_[static_cast<std::size_t>(d)]; }
+
+  // Put pieces of (s, e): its rows split at the owner's row tiles.
+  std::int64_t pieces(std::int64_t s, std::int64_t e) const;
+  std::int64_t pieces_into(std::int64_t s) const;  // over all experts: what s receives in the combine
+  // Put pieces landing in row tile `tile` of expert e: one per source chunk overlapping it.
+  std::int32_t arrivals(std::int64_t e, std::int64_t tile) const;
+
+ private:
+  ExpertPlacement placement_;
+  std::int64_t ranks_, experts_, tile_rows_, instances_ = 0;
+  bool pad_pairs_;
+  std::vector<std::int64_t> source_prefix_;  // [s * N + i]: rows of instance i from sources < s (s = 0..P)
+  std::vector<std::int64_t> send_offset_;    // [s * (N + 1) + i]
+  std::vector<std::int64_t> expert_start_, tile_start_, kpad_start_;  // [i]
+  std::vector<std::int64_t> recv_rows_, row_tiles_, kpad_rows_;       // [d]
+};
+
+// Row in the source's send order of every kept assignment of `ranks`'
+// tokens (routing covers those ranks in that order: token t of the i-th,
+// choice k, is assignment (i T + t) K + k); -1 for a dropped one.
+std::vector<std::int64_t> send_slots(const LayerConfig&, const Exchange&, const RouterOutput<float>&,
+                                     std::span<const int> ranks);
+
+// Event ids of one rank's program, by role.
+struct EventBases {
+  EventBases(Pass, std::int64_t row_tiles, std::int64_t local, std::int64_t token_tiles);
+  // forward
+  std::int64_t recv = 0, h = 0, a = 0, y = 0, comb_done = 0, sh_h = 0, sh_a = 0;
+  // both passes: the split experts' partial rows reduced (part_reduce tasks)
+  std::int64_t reduced = 0;
+  // backward
+  std::int64_t dy = 0, da = 0, dh = 0, dxe = 0, dy_packed = 0, dh_packed = 0, gw = 0, dl_all = 0, sh_da = 0, sh_dh = 0,
+               sh_dout_packed = 0, sh_dh_packed = 0, dx_ready = 0;
+  std::int64_t total = 0;
+};
+
+// The buffers of a rank's program for a pass (what generate declares).
+void declare_buffers(Program&, const LayerConfig&, const Exchange&, Pass, std::int64_t rank);
+void generate(Program& out, const LayerConfig&, const Exchange&, const Machine&, Pass, std::int64_t rank);
+// A rank's program without tasks or events: its identity, expert layout and
+// buffers, as generate writes them.
+void program_header(Program&, const LayerConfig&, const Exchange&, const Machine&, Pass, std::int64_t rank);
+// The interface between two ranks' programs: the puts that `from`'s program
+// makes into `to` in a pass (from != to), with their pieces, rectangles and
+// target events exactly as generate emits them, but without their waits
+// (which are local to `from`). A pure function of the exchange; appended to
+// `out`.
+void interface_puts(const LayerConfig&, const Exchange&, std::int64_t tile_rows, Pass, std::int64_t from, std::int64_t to,
+                    std::vector<Task>& out);
+
+}  // namespace hpmoe::taskflow

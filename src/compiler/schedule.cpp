@@ -1,0 +1,349 @@
+#include <algorithm>
+#include <limits>
+#include <bit>
+#include <cmath>
+#include <numeric>
+#include <queue>
+#include <tuple>
+
+#include "hpmoe/error.hpp"
+#include "compiler/taskflow.hpp"
+#include "compiler/layout.hpp"
+
+namespace hpmoe::taskflow {
+
+namespace {
+
+bool is_wgrad(TaskKind k) { return k == TaskKind::gemm_down_wgrad || k == TaskKind::gemm_gate_up_wgrad; }
+
+bool is_expert_chain(TaskKind k) {
+  return k == TaskKind::gemm_down_dgrad || k == TaskKind::pack_down_grad || k == TaskKind::swiglu_bwd ||
+         k == TaskKind::gemm_gate_up_dgrad || k == TaskKind::pack_gate_up_grad;
+}
+
+// What waits on the event a put signals at its peer: returned rows feed
+// the combine, or first a split expert's reduction.
+std::pair<TaskKind, TaskKind> remote_consumers(TaskKind put) {
+  switch (put) {
+    case TaskKind::dispatch_put: return {TaskKind::gemm_gate_up, TaskKind::gemm_gate_up};
+    case TaskKind::combine_put: return {TaskKind::combine_reduce, TaskKind::part_reduce};
+    case TaskKind::grad_dispatch_put: return {TaskKind::gemm_down_dgrad, TaskKind::gemm_down_dgrad};
+    default: return {TaskKind::grad_reduce, TaskKind::grad_part_reduce};
+  }
+}
+
+// Puts go to peers in rotated order: rank r serves (i + r) mod P first, so
+// that all ranks do not hit one target at once.
+void rotate_puts(const Program& p, std::vector<std::int32_t>& order) {
+  for (std::size_t i = 0; i < order.size();) {
+    const TaskKind k = p.tasks[order[i]].kind;
+    std::size_t j = i;
+    while (j < order.size() && p.tasks[order[j]].kind == k) ++j;
+    if (is_put(k))
+      std::stable_sort(order.begin() + static_cast<std::ptrdiff_t>(i), order.begin() + static_cast<std::ptrdiff_t>(j),
+                       [&](std::int32_t a, std::int32_t b) {
+                         return (p.tasks[a].peer - p.rank + p.ranks) % p.ranks < (p.tasks[b].peer - p.rank + p.ranks) % p.ranks;
+                       });
+    i = j;
+  }
+}
+
+// A bottom level above any real one (the keys are floats of levels).
+constexpr double kFirst = std::numeric_limits<float>::max();
+
+// Longest cost path from each task to the end of the step (bottom level).
+// Generation order is topological, so one backward pass suffices; a put's
+// remote consumers are estimated by the longest local task of their kind.
+std::vector<double> bottom_levels(const Program& p) {
+  std::vector<double> bl(p.tasks.size(), 0.0), event_bl(p.events.size(), 0.0);
+  std::vector<double> kind_bl(static_cast<std::size_t>(TaskKind::count), 0.0);
+  for (std::size_t i = p.tasks.size(); i-- > 0;) {
+    const Task& t = p.tasks[i];
+    double below = 0;
+    if (t.trigger_event >= 0) {
+      if (t.peer == p.rank) below = event_bl[static_cast<std::size_t>(t.trigger_event)];
+      else {
+        const auto [first, second] = remote_consumers(t.kind);
+        below = std::max(kind_bl[static_cast<std::size_t>(first)], kind_bl[static_cast<std::size_t>(second)]);
+      }
+    }
+    bl[i] = double(p.cost[i]) + below;
+    // Puts that wait for nothing start every other rank's pipeline, and this
+    // rank's own tail depends on them through those ranks: they go first.
+    // (Estimating them from local tasks of the consumer's kind fails when this
+    // rank has no such tasks, e.g. no rows routed to its experts.)
+    if (is_put(t.kind) && t.wait_event < 0) bl[i] = kFirst;
+    if (t.wait_event >= 0) event_bl[static_cast<std::size_t>(t.wait_event)] = std::max(event_bl[t.wait_event], bl[i]);
+    kind_bl[static_cast<std::size_t>(t.kind)] = std::max(kind_bl[static_cast<std::size_t>(t.kind)], bl[i]);
+  }
+  return bl;
+}
+
+// Backward: each expert's data-gradient chain, then its dX puts at once;
+// its weight-gradient tiles are spread between the next expert's chain tasks.
+std::vector<std::int32_t> interleave_weight_gradients(const Program& p) {
+  const auto L = static_cast<std::int64_t>(p.local_experts.size());
+  std::vector<std::vector<std::int32_t>> chain(static_cast<std::size_t>(L)), wgrad(static_cast<std::size_t>(L)),
+      puts(static_cast<std::size_t>(L));
+  std::vector<std::int32_t> head, tail;
+  for (std::int32_t i = 0; i < static_cast<std::int32_t>(p.tasks.size()); ++i) {
+    const Task& t = p.tasks[i];
+    const std::int64_t le = p.slot_of(t.expert);
+    if (is_expert_chain(t.kind)) chain[le].push_back(i);
+    else if (is_wgrad(t.kind)) wgrad[le].push_back(i);
+    else if (t.kind == TaskKind::grad_combine_put) puts[le].push_back(i);
+    else if (t.kind == TaskKind::grad_reduce || t.kind == TaskKind::grad_part_reduce) tail.push_back(i);
+    else head.push_back(i);
+  }
+  std::vector<std::int32_t> order = head;
+  std::vector<std::int32_t> pending;  // previous expert's weight-gradient tiles
+  for (std::int64_t le = 0; le < L; ++le) {
+    std::size_t next = 0;
+    const std::size_t per_task = chain[le].empty() ? 0 : (pending.size() + chain[le].size() - 1) / chain[le].size();
+    for (auto task : chain[le]) {
+      order.push_back(task);
+      for (std::size_t k = 0; k < per_task && next < pending.size(); ++k) order.push_back(pending[next++]);
+    }
+    order.insert(order.end(), pending.begin() + static_cast<std::ptrdiff_t>(next), pending.end());
+    order.insert(order.end(), puts[le].begin(), puts[le].end());
+    pending = wgrad[le];
+  }
+  order.insert(order.end(), pending.begin(), pending.end());
+  order.insert(order.end(), tail.begin(), tail.end());
+  return order;
+}
+
+// RATR (the hyper-parallel code's dispatch order): the first puts carry
+// every destination's first expert, destinations rotated by rank
+// ((i + rank) % P), so the first experts' rows land first everywhere and
+// their GEMMs start while the rest is on the wire. Then the expert work row
+// tile by row tile, in generation order, except that a row tile's second
+// GEMM (down-projection; in the backward pass the gate/up data gradient) is
+// released `lookahead` row tiles later, once its vector step has had time to
+// run, instead of after every expert's first GEMM; and each row tile's
+// return puts right after the tasks that fill them (sources rotated), so
+// combines start early. Weight gradients, which nothing waits for, go after
+// the data-gradient chains and overlap the last return puts. Topological:
+// moved tasks only move later and their consumers follow them; dispatch puts
+// wait for nothing.
+bool is_weight_gradient(TaskKind k) {
+  return k == TaskKind::gemm_down_wgrad || k == TaskKind::gemm_gate_up_wgrad || k == TaskKind::router_wgrad ||
+         k == TaskKind::shared_down_wgrad || k == TaskKind::shared_gate_up_wgrad;
+}
+bool second_gemm(TaskKind k) {
+  return k == TaskKind::gemm_down || k == TaskKind::gemm_gate_up_dgrad || k == TaskKind::shared_down ||
+         k == TaskKind::shared_gate_up_dgrad;
+}
+bool first_gemm(TaskKind k) {
+  return k == TaskKind::gemm_gate_up || k == TaskKind::gemm_down_dgrad || k == TaskKind::shared_gate_up ||
+         k == TaskKind::shared_down_dgrad;
+}
+
+std::vector<std::int32_t> ratr_order(const Program& p) {
+  const auto rotated = [&](std::int32_t peer) { return (peer - p.rank + p.ranks) % p.ranks; };
+  std::vector<std::tuple<std::int32_t, std::int32_t, std::int32_t>> first;  // (expert ordinal at the destination, rotated destination, task)
+  std::vector<std::int32_t> experts_seen(static_cast<std::size_t>(p.ranks), 0), last_expert(static_cast<std::size_t>(p.ranks), -1);
+  // Row tiles in generation order: where each starts, and its cost shape.
+  std::vector<std::int64_t> tile_start;
+  double first_gemm_s = 0, vector_step_s = 0;
+  std::int64_t tile_expert = -2, tile_row = -1;
+  for (std::int32_t i = 0; i < static_cast<std::int32_t>(p.tasks.size()); ++i) {
+    const Task& t = p.tasks[static_cast<std::size_t>(i)];
+    if (first_gemm(t.kind) && (t.expert != tile_expert || t.row_begin != tile_row)) {
+      tile_start.push_back(i);
+      tile_expert = t.expert, tile_row = t.row_begin;
+    }
+    if (tile_start.size() == 1) {  // the first row tile's costs stand for all
+      if (first_gemm(t.kind)) first_gemm_s += p.cost[static_cast<std::size_t>(i)];
+      if (t.kind == TaskKind::swiglu || t.kind == TaskKind::swiglu_bwd || t.kind == TaskKind::shared_swiglu ||
+          t.kind == TaskKind::shared_swiglu_bwd)
+        vector_step_s = p.cost[static_cast<std::size_t>(i)];
+    }
+  }
+  int units = 0;
+  for (int w = 0; w < p.machine.workers(); ++w) units += p.machine.takes(w, QueueClass::matrix) ? 1 : 0;
+  const double wave_s = first_gemm_s / std::max(1, units);
+  const std::int64_t lookahead =
+      wave_s > 0 ? std::clamp<std::int64_t>(1 + static_cast<std::int64_t>(std::ceil(vector_step_s / wave_s)), 1, 8) : 1;
+  // Where the final reductions begin (they wait for every return put).
+  std::int64_t tail = static_cast<std::int64_t>(p.tasks.size());
+  for (std::int64_t i = 0; i < static_cast<std::int64_t>(p.tasks.size()); ++i) {
+    const TaskKind k = p.tasks[static_cast<std::size_t>(i)].kind;
+    if (k == TaskKind::combine_reduce || k == TaskKind::grad_reduce || k == TaskKind::part_reduce ||
+        k == TaskKind::grad_part_reduce) {
+      tail = i;
+      break;
+    }
+  }
+  // The end of the expert work: the first return put or shared/token task after the last row tile.
+  std::int64_t expert_work_end = tile_start.empty() ? 0 : tile_start.back();
+  while (expert_work_end < static_cast<std::int64_t>(p.tasks.size()) &&
+         !is_put(p.tasks[static_cast<std::size_t>(expert_work_end)].kind) &&
+         p.tasks[static_cast<std::size_t>(expert_work_end)].expert >= 0)
+    ++expert_work_end;
+  // Keys: generation position; a second GEMM of row tile j just before row
+  // tile j + lookahead (past the last one: at the end of the expert work);
+  // weight gradients before the final reductions.
+  std::vector<double> filled(p.events.size(), -1.0);  // latest key of a local task filling the event
+  std::vector<std::tuple<double, std::int32_t, std::int32_t>> rest;  // (key, rotated peer, task)
+  std::size_t tile = 0;
+  std::vector<std::int32_t> returns;
+  for (std::int32_t i = 0; i < static_cast<std::int32_t>(p.tasks.size()); ++i) {
+    const Task& t = p.tasks[static_cast<std::size_t>(i)];
+    while (tile + 1 < tile_start.size() && tile_start[tile + 1] <= i) ++tile;
+    if (is_put(t.kind) && t.wait_event < 0) {
+      const auto d = static_cast<std::size_t>(t.peer);
+      if (t.expert != last_expert[d]) ++experts_seen[d], last_expert[d] = t.expert;
+      first.emplace_back(experts_seen[d], rotated(t.peer), i);
+      continue;
+    }
+    if (is_put(t.kind)) {
+      returns.push_back(i);
+      continue;
+    }
+    double k = i;
+    if (is_weight_gradient(t.kind)) k = double(tail) - 0.5;  // nothing waits on them: after the data-gradient chains
+    if (second_gemm(t.kind) && !tile_start.empty()) {
+      const std::size_t later = tile + static_cast<std::size_t>(lookahead);
+      if (later < tile_start.size()) k = double(tile_start[later]) - 0.5;
+      else if (t.expert >= 0) k = std::max(double(i), double(expert_work_end) - 0.5);
+    }
+    if (t.trigger_event >= 0 && t.peer == p.rank)
+      filled[static_cast<std::size_t>(t.trigger_event)] = std::max(filled[static_cast<std::size_t>(t.trigger_event)], k);
+    rest.emplace_back(k, 0, i);
+  }
+  for (const std::int32_t i : returns) {  // right after the tasks that fill the tile it reads
+    const Task& t = p.tasks[static_cast<std::size_t>(i)];
+    rest.emplace_back(filled[static_cast<std::size_t>(t.wait_event)] + 0.25, 1 + rotated(t.peer), i);
+  }
+  std::sort(first.begin(), first.end());
+  std::stable_sort(rest.begin(), rest.end(), [](const auto& a, const auto& b) {
+    return std::get<0>(a) != std::get<0>(b) ? std::get<0>(a) < std::get<0>(b) : std::get<1>(a) < std::get<1>(b);
+  });
+  std::vector<std::int32_t> order;
+  order.reserve(p.tasks.size());
+  for (const auto& f : first) order.push_back(std::get<2>(f));
+  for (const auto& r : rest) order.push_back(std::get<2>(r));
+  return order;
+}
+
+// LSD radix sort of 64-bit keys, 16 bits a pass (stable, linear time).
+void radix_sort(std::vector<std::uint64_t>& keys, std::vector<std::uint64_t>& tmp) {
+  tmp.resize(keys.size());
+  std::vector<std::uint32_t> count(1u << 16);
+  for (int shift = 0; shift < 64; shift += 16) {
+    std::fill(count.begin(), count.end(), 0u);
+    for (auto k : keys) ++count[(k >> shift) & 0xffffu];
+    std::uint32_t sum = 0;
+    for (auto& c : count) {
+      const std::uint32_t n = c;
+      c = sum;
+      sum += n;
+    }
+    for (auto k : keys) tmp[count[(k >> shift) & 0xffffu]++] = k;
+    keys.swap(tmp);
+  }
+}
+
+}  // namespace
+
+void schedule(Program& p, Policy policy) {
+  ScheduleScratch scratch;
+  schedule(p, policy, scratch);
+}
+
+void schedule(Program& p, Policy policy, ScheduleScratch& scratch) {
+  const int W = p.machine.workers();
+  if (W < 1) throw Error("a machine needs at least one worker");
+  if (p.cost.size() != p.tasks.size()) throw Error("program has no cost for some tasks");
+  auto& order = scratch.order;
+  order.resize(p.tasks.size());
+  std::iota(order.begin(), order.end(), 0);
+  if (policy == Policy::rank_rotated || policy == Policy::critical_path) rotate_puts(p, order);
+  if (policy == Policy::critical_path) {
+    // Descending bottom level, ties in the current order: sort packed keys
+    // (inverted float bits of the level, position) with a radix sort.
+    const auto bl = bottom_levels(p);
+    auto& keys = scratch.keys;
+    keys.resize(order.size());
+    for (std::size_t i = 0; i < order.size(); ++i) {
+      const auto bits = std::bit_cast<std::uint32_t>(static_cast<float>(bl[order[i]]));  // levels are >= 0
+      keys[i] = (std::uint64_t{~bits} << 32) | static_cast<std::uint32_t>(order[i]);
+    }
+    radix_sort(keys, scratch.keys_tmp);
+    for (std::size_t i = 0; i < order.size(); ++i) order[i] = static_cast<std::int32_t>(keys[i] & 0xffffffffu);
+  }
+  if (policy == Policy::interleave_wgrad) {
+    if (p.pass == Pass::backward) order = interleave_weight_gradients(p);
+    rotate_puts(p, order);
+  }
+  if (policy == Policy::ratr) order = ratr_order(p);
+
+  // Placement. Fill: round-robin over the workers that take the class.
+  // Otherwise list scheduling on the cost model: each task, in order, goes to
+  // the worker of its class that is free first. Queues keep the global order,
+  // which is topological, so the schedule cannot deadlock.
+  std::vector<int> classes[3];  // matrix, vector, and the vector workers that carry puts
+  for (int w = 0; w < W; ++w) {
+    if (p.machine.takes(w, QueueClass::matrix)) classes[0].push_back(w);
+    if (p.machine.takes(w, QueueClass::vector)) classes[1].push_back(w);
+  }
+  for (int c = 0; c < 2; ++c)
+    if (classes[c].empty()) throw Error("machine '" + p.machine.name + "' has no worker for a class of tasks");
+  classes[2] = classes[1];
+  if (p.machine.put_workers > 0 && static_cast<std::size_t>(p.machine.put_workers) < classes[1].size()) {
+    classes[2].resize(static_cast<std::size_t>(p.machine.put_workers));
+    classes[1].erase(classes[1].begin(), classes[1].begin() + p.machine.put_workers);
+  }
+  auto& worker_of = scratch.worker_of;  // per position in `order`
+  worker_of.resize(order.size());
+  if (policy == Policy::fill) {
+    std::size_t next[2] = {0, 0};
+    for (std::size_t i = 0; i < order.size(); ++i) {
+      const int c = p.tasks[order[i]].queue == QueueClass::matrix ? 0 : 1;
+      worker_of[i] = classes[c][next[c]];
+      if (++next[c] == classes[c].size()) next[c] = 0;
+    }
+  } else {
+    auto& free_at = scratch.free_at;
+    auto& event_done = scratch.event_done;
+    free_at.assign(static_cast<std::size_t>(W), 0.0);
+    event_done.assign(p.events.size(), 0.0);
+    for (std::size_t i = 0; i < order.size(); ++i) {
+      const auto id = order[i];
+      const Task& t = p.tasks[id];
+      const int c = t.queue == QueueClass::matrix ? 0 : is_put(t.kind) ? 2 : 1;
+      int best = classes[c][0];
+      for (int w : classes[c])
+        if (free_at[w] < free_at[best]) best = w;
+      const double ready = t.wait_event >= 0 ? event_done[t.wait_event] : 0.0;
+      free_at[best] = std::max(free_at[best], ready) + double(p.cost[id]);
+      if (t.trigger_event >= 0 && t.peer == p.rank)
+        event_done[t.trigger_event] = std::max(event_done[t.trigger_event], free_at[best]);
+      worker_of[i] = best;
+    }
+  }
+  // Counting placement straight into the per-worker CSR queues.
+  p.queue_begin.assign(static_cast<std::size_t>(W) + 1, 0);
+  for (auto w : worker_of) ++p.queue_begin[static_cast<std::size_t>(w) + 1];
+  for (int w = 0; w < W; ++w) p.queue_begin[w + 1] += p.queue_begin[w];
+  auto& fill = scratch.fill;
+  fill.assign(p.queue_begin.begin(), p.queue_begin.end() - 1);
+  p.queue_tasks.resize(order.size());
+  for (std::size_t i = 0; i < order.size(); ++i) p.queue_tasks[static_cast<std::size_t>(fill[worker_of[i]]++)] = order[i];
+}
+
+std::vector<Program> compile(const LayerConfig& c, const ExpertPlacement& placement, const RoutingCounts& counts,
+                             const Machine& m, Pass pass, Policy policy) {
+  c.validate();
+  const Exchange ex(c, placement, counts, m.tile_rows);
+  std::vector<Program> programs(static_cast<std::size_t>(c.ranks));
+  ScheduleScratch scratch;
+  for (std::int64_t r = 0; r < c.ranks; ++r) {
+    generate(programs[static_cast<std::size_t>(r)], c, ex, m, pass, r);
+    schedule(programs[static_cast<std::size_t>(r)], policy, scratch);
+  }
+  return programs;
+}
+
+}  // namespace hpmoe::taskflow

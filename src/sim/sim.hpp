@@ -1,0 +1,238 @@
+#pragma once
+#include <array>
+#include <cstdint>
+#include <functional>
+#include <nlohmann/json_fwd.hpp>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "hpmoe/step.hpp"
+#include "hpmoe/config.hpp"
+#include "hpmoe/routing.hpp"
+#include "compiler/access.hpp"
+#include "compiler/taskflow.hpp"
+
+// The discrete-event simulator: the programs the compiler emits, and the
+// serialized baseline's operator sequence over the same tiles, executed on a
+// machine model (matrix and vector units, links shared by the transfers
+// crossing them, launch and collective costs). Task costs come from the
+// access table's work.
+namespace hpmoe::sim {
+
+// GEMM tile throughput of one matrix unit at one shape (measured or cited):
+// with the weight panel already near the unit (reused by the tile before),
+// and streamed from memory (its first use). 0 streamed: same as reused.
+struct TileRate {
+  std::int64_t m = 64, k = 2048;
+  double fp32_flops = 0, bf16_flops = 0;  // per second, one unit
+  double fp32_streamed_flops = 0, bf16_streamed_flops = 0;
+};
+
+// Who moves a put's bytes.
+//   dma:    a copy engine: the issuing unit is free after the issue; at most
+//           `put_in_flight` puts of a rank are on the wire at once (0: no bound),
+//           the rest wait in issue order for an engine.
+//   vector: the issuing vector unit copies the data itself (Ascend AIV puts:
+//           through its local buffer, fence, then signal): it is held until
+//           the bytes have landed at the receiver.
+//   cpu:    the issuing core copies (put.copy_bytes_per_s); a receiver that
+//           runs a protocol stack (TCP) spends core time per put and per byte
+//           on the receiving rank (put.receive). The stack takes the bytes as
+//           they arrive, so the put is whole when its last byte lands or when
+//           the stack catches up, whichever is later; the share of that work
+//           done while the rank computed stretches the task it ran. With put.stream_per_peer
+//           a rank's puts to one peer travel one stream (a TCP connection):
+//           one at a time, in issue order, so they land one after another
+//           instead of together at the end of a shared transfer.
+enum class PutEngine { dma, vector, cpu };
+const char* name(PutEngine);
+
+// Link rate of a level as a function of the EP degree where a source gives
+// one (all-to-all bandwidth per rank falls as the fan-out grows): linear in
+// log2(EP) between the given points, the end values beyond them.
+struct RateAtDegree {
+  int ranks = 0;
+  double bytes_per_s = 0;
+};
+
+// The DeepEP-style baseline (GPU machines): operators as in the serialized
+// baseline with every SM on the GEMMs, and DeepEP's exchange: a token goes
+// once to each destination rank (not once per expert), across nodes once
+// per destination node over RDMA to the same-index GPU there, which forwards
+// it over NVLink; dispatch optionally in fp8 (1 byte per element plus one
+// fp32 scale per 128), combine in bf16.
+struct DeepEpBaseline {
+  bool enabled = false;
+  bool fp8_dispatch = true;
+  double kernel_launch_s = 0;  // per dispatch or combine kernel (replaces the collective sync)
+};
+
+// The MindSpore/MindFormers baseline (Ascend): operators as in the
+// serialized baseline, with the framework's token dispatcher around each
+// exchange, as its code runs it: the routing map's all-to-all, two
+// all-gathers of the send and receive lists, a device-to-host copy of them
+// the host waits for, index_select permutes, an all-to-all-v of one row per
+// token and destination rank, and on the way back scale, cast and index_add.
+struct MindSporeBaseline {
+  bool enabled = false;
+  double host_sync_s = 0;  // the host's wait for the lists and the launch bubble after it
+};
+
+// A machine, as a file in machines/ (every figure with its source).
+struct MachineModel {
+  std::string name, description;
+  bool accelerator = false;       // false: unified CPU workers
+  int matrix_units = 0, vector_units = 0, workers = 1;  // per rank
+  std::int64_t tile_rows = 64, tile_cols = 64;
+  std::int64_t weight_tile_rows = 0;  // rows of weight-gradient tiles ("tile.weight_rows"; 0: tile_rows)
+  std::int64_t weight_tile_cols = 0;  // columns of a weight-gradient task ("tile.weight_cols", a multiple of cols; 0: cols)
+  std::vector<TileRate> tile_rates;  // nearest shape wins
+  double vector_bytes_per_s = 0;     // per vector (or unified) unit
+  // Where measured ("vector.by_kind", from `hpmoe calibrate`): a vector
+  // kind's own rate, in the bytes its access-table traffic terms count per
+  // second. One rate for all kinds was 1.5x to 4x off for some of them: a
+  // SwiGLU streams, a gate gradient takes dot products over rows read top_k
+  // times, a router backward writes x transposed. 0: vector_bytes_per_s.
+  std::array<double, static_cast<std::size_t>(taskflow::TaskKind::count)> vector_kind_bytes_per_s{};
+  double vector_rate(taskflow::TaskKind k) const {
+    const double r = vector_kind_bytes_per_s[static_cast<std::size_t>(k)];
+    return r > 0 ? r : vector_bytes_per_s;
+  }
+  double task_overhead_s = 0;        // per task, on its unit
+  double signal_latency_s = 0;       // trigger to the waiter's start
+  double put_issue_s = 0;            // sender unit per put
+  double put_copy_bytes_per_s = 0;   // sender unit per byte (0: none)
+  PutEngine put_engine = PutEngine::dma;
+  int put_in_flight = 0;                 // dma: puts per rank on the wire at once (0: no bound)
+  double put_receive_s = 0;              // cpu: receiver core time per put (0: none)
+  double put_receive_bytes_per_s = 0;    // cpu: receiver core time per byte (0: none)
+  bool put_stream_per_peer = false;      // cpu: a rank's puts to one peer go one at a time, in order
+  // Links: each rank has one port per level; a transfer uses the sender's
+  // and receiver's ports and gets min(capacity / sharers) of both.
+  int ranks_per_node = 1;
+  double intra_bytes_per_s = 0, intra_latency_s = 0;  // 0 bandwidth: no link cost
+  double inter_bytes_per_s = 0, inter_latency_s = 0;
+  std::vector<RateAtDegree> intra_by_ep;  // where given, replaces intra_bytes_per_s (see intra_rate)
+  double intra_rate(int ranks) const;
+  // Optional 2D mesh (near-memory processing): rank r at (r % cols, r / cols),
+  // XY routing, every mesh link with this bandwidth and per-hop latency.
+  int mesh_cols = 0;
+  double mesh_link_bytes_per_s = 0, mesh_hop_latency_s = 0;
+  // The serialized baseline: per operator and per all-to-all.
+  double operator_launch_s = 0, collective_sync_s = 0;
+  // Its own cost per task ("serialized.task_overhead_s"; < 0: task_overhead_s,
+  // the interleaved launch's): the CPU baseline deals tiles out with no events.
+  double serialized_task_overhead_s = -1;
+  // Matrix units the serialized baseline's GEMMs use (0: the fused
+  // schedule's): a GPU framework gives its GEMMs every SM.
+  int serialized_matrix_units = 0;
+  DeepEpBaseline deepep;
+  MindSporeBaseline mindspore;
+  // CPU models from `hpmoe calibrate`: the measured FMA peak of one core
+  // (0 where the model has none) and the CPU it was measured on.
+  double fma_peak_fp32_per_core = 0, bf16_peak_per_core = 0;
+  std::string cpu;
+  // Where each figure comes from ("sources": field -> URL, paper section,
+  // measurement command, or "estimate" with its reasoning).
+  std::vector<std::pair<std::string, std::string>> sources;
+
+  taskflow::Machine compiler_machine() const;  // what the compiler schedules for
+  // A tile whose right-hand panel serves `reuse` row tiles in a row: its
+  // time moves from the streamed rate (reuse 1) to the reused rate.
+  double gemm_seconds(std::int64_t m, std::int64_t n, std::int64_t k, DType, double reuse = 1e9) const;
+};
+
+MachineModel machine_from_json(const nlohmann::json&);  // Error naming what is missing or wrong
+MachineModel load_machine(const std::string& path_or_name);  // a file, or a name in machines/
+nlohmann::json to_json(const MachineModel&);
+
+struct SimRequest {
+  LayerConfig config;
+  RoutingSpec routing;
+  ExpertPlacement placement;  // where the experts live; empty: contiguous
+  std::uint64_t seed = 1;
+  bool backward = false;
+  taskflow::Policy policy = taskflow::Policy::critical_path;
+  bool trace = false;  // fill SimReport::trace
+  // The fused MoE kernel's scope, as the paper measures it: router backward
+  // and the CPU runtime's pack (transpose) tasks take no time (their
+  // dependencies stay).
+  bool kernel_scope = false;
+};
+
+struct PassResult {
+  double serialized_s = 0, interleaved_s = 0;
+  // Busy share of the units of each class (time busy / (units x makespan)).
+  double serialized_matrix_busy = 0, serialized_vector_busy = 0;
+  double interleaved_matrix_busy = 0, interleaved_vector_busy = 0;
+  // Share of the makespan, averaged over ranks, in which the rank has data in
+  // flight on a link or in a put and no matrix work running.
+  double serialized_exposed_comm = 0, interleaved_exposed_comm = 0;
+  std::int64_t tasks = 0;
+  // Bytes crossing node boundaries in the exchanges (all ranks): as the
+  // fused schedule sends them (one row per token and expert, layer dtype),
+  // and as the DeepEP-style baseline does (deepep_s > 0 only where the
+  // machine has that baseline).
+  double cross_node_bytes = 0, deepep_cross_node_bytes = 0;
+  double deepep_s = 0;
+  double mindspore_s = 0;  // > 0 only where the machine has that baseline
+};
+
+struct SimReport {
+  LayerConfig config;
+  MachineModel machine;
+  std::string routing, policy;
+  RoutingStats stats;
+  PassResult forward, backward;
+  bool has_backward = false;
+  bool kernel_scope = false;
+  double simulate_seconds = 0;  // host time spent simulating
+  double compile_seconds = 0;
+  std::int64_t simulated_tasks = 0;
+  std::vector<TraceSlice> serialized_trace, interleaved_trace;
+};
+
+SimReport simulate(const MachineModel&, const SimRequest&);
+std::string format_report(const SimReport&);
+nlohmann::json to_json(const SimReport&);
+
+// The core, on compiled programs (one per rank, scheduled). Durations come
+// from the model; `work` per task (the access table's, see task_work): a
+// GEMM tile's shape and reduction length, or the bytes a task moves.
+struct Timeline {
+  double makespan = 0;
+  double matrix_busy = 0, vector_busy = 0, exposed_comm = 0;
+  std::vector<TraceSlice> trace;
+};
+Timeline simulate_interleaved(const MachineModel&, const std::vector<taskflow::Program>&,
+                              const std::vector<std::vector<taskflow::TaskWork>>& work, DType, bool trace);
+Timeline simulate_serialized(const MachineModel&, const std::vector<taskflow::Program>&,
+                             const std::vector<std::vector<taskflow::TaskWork>>& work, DType, bool trace);
+// Rows of an exchange in the DeepEP scheme (the dispatch direction; the
+// combine moves the same rows back): dispatch_rank[s * P + d] straight
+// between ranks of a node (one row per token and destination rank),
+// dispatch_node[s * nodes + n] over RDMA to the same-index rank of node n
+// (one row per token and destination node), dispatch_forward[f * P + d]
+// forwarded over NVLink inside node n by the rank f that received them.
+struct DeepEpExchange {
+  int ranks = 0, nodes = 0;
+  std::vector<double> dispatch_rank, dispatch_node, dispatch_forward;
+  double cross_node_rows() const;
+};
+// Built from a step's routing (every kept token-expert choice; an expert's
+// rows go to its first instance's rank).
+DeepEpExchange deepep_exchange(const LayerConfig&, const ExpertPlacement&, const RouterOutput<float>&, int ranks_per_node);
+// The DeepEP-style baseline: serialized operators with its exchanges. The
+// backward pass's gradient dispatch moves the combine's bytes (bf16) and its
+// gradient combine the dispatch's rows in bf16.
+Timeline simulate_deepep(const MachineModel&, const std::vector<taskflow::Program>&,
+                         const std::vector<std::vector<taskflow::TaskWork>>& work, DType, const DeepEpExchange&);
+// The MindSpore/MindFormers baseline; `rows` as from deepep_exchange with
+// every rank in one node (the dispatcher sends a token once per rank).
+Timeline simulate_mindspore(const MachineModel&, const std::vector<taskflow::Program>&,
+                            const std::vector<std::vector<taskflow::TaskWork>>& work, DType, const DeepEpExchange& rows);
+// The work of every task of every program, from the access table.
+std::vector<std::vector<taskflow::TaskWork>> task_work(const std::vector<taskflow::Program>&);
+
+}  // namespace hpmoe::sim
