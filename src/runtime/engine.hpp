@@ -1,0 +1,458 @@
+#pragma once
+// Internal to the runtime: the engine behind InterleavedExecutor (and so
+// behind hpmoe::Layer). One class template per dtype; its members live by
+// job in the engine_*.cpp files (a step: routing, counts, compile, verify;
+// the launch: workers, waits, signals, watchdog; memory: buffers bound to
+// the program; reductions of replicated and split gradients) and the task
+// bodies in ops_forward.cpp and ops_backward.cpp. Each file instantiates
+// its own members for fp32 and bf16.
+#include <array>
+#include <cstdio>
+#include <atomic>
+#include <csignal>
+#include <exception>
+#include <map>
+#include <mutex>
+#include <new>
+#include <cstring>
+#include <optional>
+#include <chrono>
+#include <thread>
+#include <type_traits>
+
+#include "runtime/executor_parts.hpp"
+#include "compiler/layout.hpp"
+#include "comm/event_wait.hpp"
+#include "compiler/access.hpp"
+#include "hpmoe/error.hpp"
+#include "runtime/interleaved.hpp"
+#include "runtime/serialized.hpp"
+#include "runtime/worker_pool.hpp"
+
+namespace hpmoe {
+
+struct InterleavedExecutor::Impl {
+  virtual ~Impl() = default;
+  virtual void forward(MatrixView x, std::span<const std::int32_t> forced, StepResult&) = 0;
+  virtual void backward(MatrixView d_out, StepResult&) = 0;
+  virtual void weights_changed(std::shared_ptr<const PackedWeights> packed) = 0;
+  std::vector<taskflow::Program> programs, backward_programs;
+};
+
+namespace detail {
+
+using namespace detail;
+using taskflow::BufferId;
+using taskflow::Task;
+using taskflow::TaskKind;
+using Clock = std::chrono::steady_clock;
+
+inline double seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
+
+// Counters only grow: a launch waits for base + count, base being the value
+// when the launch began (re-armed by an offset, never reset).
+using Counter = EventCounter;
+
+template <class T>
+class Interleaved final : public InterleavedExecutor::Impl {
+ public:
+  Interleaved(const LayerConfig& c, const LayerWeights& w, RuntimeOptions opt);
+  ~Interleaved() override { tr_->watch_workers(nullptr); }
+
+  // The caller changed the weights in place: the packing (shared, updated by
+  // the caller) is re-read, a split expert's parts are packed again and the
+  // fingerprint covers the new replicated weights.
+  void weights_changed(std::shared_ptr<const PackedWeights> packed) override;
+
+ private:
+  // The batch is a call's, not the layer's: x's rows are the hosted ranks'
+  // tokens, T per rank. Everything sized by T (routing, exchange, buffers,
+  // programs) is derived per step from c_ and lc_; the fingerprint carries
+  // T so that ranks of a sharded run that disagree stop at the count exchange.
+  void set_tokens(const MatrixView& x);
+
+  // A split expert's part as its own smaller expert: W1's gate and up
+  // columns of the part side by side ([H, 2 Ip]) and W2's rows of the part
+  // ([Ip, H]), packed for the tile kernels like a whole expert's.
+  struct PartWeights {
+    Operand<T> w1, w2, w1_t, w2_t;
+  };
+  void pack_split_parts(bool backward);
+  void pack_part(std::int64_t i, const LayerWeights& w, bool backward);
+  // The packed weights rank r computes expert e with: its part's, if split.
+  const PartWeights* part_of(int r, std::int32_t e) const {
+    if (!placement_.is_split(e)) return nullptr;
+    return &part_packed_[static_cast<std::size_t>(placement_.instance_on(e, r))];
+  }
+  RhsView<T> w1_of(int r, std::int32_t e) const { const auto* pw = part_of(r, e); return (pw ? pw->w1 : packed_->w1[e]).view(); }
+  RhsView<T> w2_of(int r, std::int32_t e) const { const auto* pw = part_of(r, e); return (pw ? pw->w2 : packed_->w2[e]).view(); }
+  RhsView<T> w1_t_of(int r, std::int32_t e) const { const auto* pw = part_of(r, e); return (pw ? pw->w1_t : packed_->w1_t[e]).view(); }
+  RhsView<T> w2_t_of(int r, std::int32_t e) const { const auto* pw = part_of(r, e); return (pw ? pw->w2_t : packed_->w2_t[e]).view(); }
+  Interleaved(const Interleaved&) = delete;
+  Interleaved& operator=(const Interleaved&) = delete;
+
+  static std::vector<int> hosted_ranks(const Transport& tr, std::int64_t ranks) {
+    if (tr.ranks() != ranks)
+      throw Error("the transport connects " + std::to_string(tr.ranks()) + " ranks but the layer has " +
+                  std::to_string(ranks));
+    std::vector<int> out;
+    for (int r = 0; r < ranks; ++r)
+      if (tr.hosts(r)) out.push_back(r);
+    if (out.empty()) throw Error("the transport hosts no rank in this process");
+    return out;
+  }
+
+  // The layer as this process sees it: only its hosted ranks' tokens.
+  static LayerConfig hosted_config(const LayerConfig& c, const std::vector<int>& local) {
+    LayerConfig lc = c;
+    lc.ranks = static_cast<std::int64_t>(local.size());
+    return lc;
+  }
+  // Ranks spread over processes: this one holds only its own rank's tokens,
+  // routing and experts.
+  bool sharded() const { return local_.size() != static_cast<std::size_t>(c_.ranks); }
+
+  void forward(MatrixView x, std::span<const std::int32_t> forced, StepResult& res) override;
+
+  void backward(MatrixView d_out, StepResult& res) override;
+
+ private:
+  // One launch: all workers of all ranks run their queues of `set` at once.
+  double launch(std::vector<taskflow::Program>& set, StepResult& res);
+
+  // A caller's output view: the hosted ranks' tokens.
+  void check_output_view(const MutableMatrixView& v, const char* what) const {
+    if (!v) return;
+    check_token_view(lc_, MatrixView{v.data, v.rows, v.cols, v.ld}, what);
+  }
+
+  // The ranks whose programs this step compiles: the hosted ones, and all
+  // of them where the verifier checks the whole set (it needs every program).
+  // The pass of a set of programs, from a hosted rank's (sharded, the other
+  // ranks' programs are not compiled here).
+  taskflow::Pass pass_of(const std::vector<taskflow::Program>& set) const {
+    return set[static_cast<std::size_t>(local_.front())].pass;
+  }
+  const std::vector<int>& compiled_ranks() const { return !sharded() || whole_set_verified() ? all_ranks_ : local_; }
+  bool whole_set_verified() const { return opt_.verify_programs && (!sharded() || opt_.verify_all_ranks); }
+
+  // In process, the whole set at once; sharded, each hosted rank's own
+  // program against the interface of the exchanged counts (or, as an audit,
+  // every rank's program regenerated here).
+  taskflow::VerifyReport verify(const std::vector<taskflow::Program>& set);
+
+  // Events of rank r's program for a pass, from the exchange layout alone
+  // (a peer's program need not be compiled here).
+  std::int64_t event_count(taskflow::Pass pass, std::int64_t r) const {
+    return taskflow::EventBases(pass, ex_->row_tiles(r), placement_.local_count(r),
+                                (c_.tokens_per_rank + machine_.tile_rows - 1) / machine_.tile_rows)
+        .total;
+  }
+
+  // Whether res.grads already has this process's shapes (reused across steps).
+  bool gradients_fit(const LayerGradients& g) const;
+
+  // The P x E counts of the step: this process's rows from its routing, the
+  // others' from every process (with the layer's fingerprint, which must
+  // match everywhere), and the balancing losses summed over ranks in order.
+  void exchange_counts(StepResult& res);
+
+  static std::string hex(std::uint64_t v) {
+    char text[19];
+    std::snprintf(text, sizeof text, "%016llx", static_cast<unsigned long long>(v));
+    return text;
+  }
+
+  // Sum over ranks, in rank order, of the replicated weights' gradients,
+  // on every process. Each rank's part is its backward program's local
+  // buffer; over MPI the ranks pass the partial sum along in rank order.
+  // A replica's partial gradient of expert e on rank r (W1 or W2 shaped).
+  std::vector<float>& replica_partial(int r, std::int32_t e, bool w1);
+
+  // Replicated experts: each home computed the gradient of the rows it
+  // received; the expert's gradient is their sum in home order (ranks
+  // ascending), from +0, on its owner. Over MPI the same sum runs through
+  // every rank in rank order (ranks without the expert add zeros, which
+  // leaves every partial sum bit for bit as it is).
+  void reduce_replica_gradients(StepResult& res);
+
+  // Split experts: each part computed the gradient of its own columns
+  // (W1's gate and up columns side by side, W2's rows), complete. The
+  // expert's gradient, on its owner (part 0's rank), is the sum in rank
+  // order from +0 of every rank's columns, zeros elsewhere: over MPI
+  // through every rank (sum_in_rank_order), in process the same sum, so the
+  // bits agree (each element has one non-zero term; +0 + v is v, but +0 for
+  // v = -0).
+  void assemble_split_gradients(StepResult& res);
+
+  void reduce_replicated(StepResult& res);
+
+  // 64-byte aligned bytes that keep their contents when grown.
+  struct AlignedBytes {
+    struct Free {
+      void operator()(std::byte* p) const { ::operator delete[](p, std::align_val_t{64}); }
+    };
+    std::unique_ptr<std::byte[], Free> data;
+    std::int64_t size = 0;
+    void reserve(std::int64_t n) {
+      if (n <= size) return;
+      std::unique_ptr<std::byte[], Free> grown(new (std::align_val_t{64}) std::byte[static_cast<std::size_t>(n)]());
+      if (size > 0) std::memcpy(grown.get(), data.get(), static_cast<std::size_t>(size));
+      data = std::move(grown);
+      size = n;
+    }
+  };
+
+  struct RankState {
+    // The rank's symmetric segment (where this process can address it), its
+    // local region and its event counters.
+    std::byte* segment = nullptr;
+    AlignedBytes local;
+    Counter* counters = nullptr;
+    // Hosted ranks: the first byte of every buffer the current launch's
+    // program declares (bound ones point into the caller's tensors), and for
+    // the per-slot weight gradients each slot's expert's gradient.
+    std::array<std::byte*, static_cast<std::size_t>(BufferId::count)> base{};
+    std::array<const taskflow::BufferLayout*, static_cast<std::size_t>(BufferId::count)> layout{};
+    std::array<std::int64_t, static_cast<std::size_t>(BufferId::count)> ld{};
+    std::vector<std::byte*> dw1_slots, dw2_slots;
+    std::vector<std::int64_t> base_count;                // counter values when the launch began (hosted ranks)
+    std::vector<std::int32_t> phase_begin, phase_tasks;  // phased: task ids by operator
+  };
+
+  // Reserves every rank's symmetric segment (the same on every process) and
+  // each hosted rank's local region for this step's programs, forward and,
+  // when it runs, backward (whose layout extends the forward's).
+  // Every rank's buffers are sized for its own rows (a put addresses the
+  // peer's copy by the peer's layout, computed here from the exchange).
+  void reserve_memory(StepResult& res);
+
+  // Points every buffer of hosted rank r's program at its memory.
+  void bind(const taskflow::Program& p, int r, StepResult& res);
+
+  // The host's part of a forward launch: routing into the ranks' buffers,
+  // and the tokens as T.
+  void prepare_forward(StepResult& res);
+
+  void prepare_backward(StepResult& res);
+
+  // The first element of a hosted rank's buffer.
+  template <class U>
+  U* base(std::int64_t rank, BufferId id) const {
+    return reinterpret_cast<U*>(ranks_[static_cast<std::size_t>(rank)].base[static_cast<std::size_t>(id)]);
+  }
+
+  // The operands of one task, from the access table, checked against the
+  // program's declared buffers before any kernel touches them.
+  struct TaskOperands {
+    taskflow::Operands ops;
+    const taskflow::Rect& get(BufferId id, taskflow::Use use) const {
+      for (const auto& o : ops)
+        if (o.rect.buffer == id && (o.use == use || o.use == taskflow::Use::accumulate)) return o.rect;
+      throw Error(std::string("the access table gives this task no ") + (use == taskflow::Use::read ? "read of " : "write of ") +
+                  taskflow::name(id));
+    }
+    const taskflow::Rect& in(BufferId id) const { return get(id, taskflow::Use::read); }
+    const taskflow::Rect& out(BufferId id) const { return get(id, taskflow::Use::write); }
+  };
+  TaskOperands operands_of(const taskflow::Program& p, const Task& t) const;
+  // A kernel's extent must lie inside the declared rectangle it was given.
+  static void need(const taskflow::Rect& r, std::int64_t rows, std::int64_t cols, const Task& t) {
+    if (rows > r.rows() || cols > r.cols())
+      throw Error(std::string("bounds: a ") + taskflow::name(t.kind) + " kernel touches " + std::to_string(rows) + " x " +
+                  std::to_string(cols) + " of " + taskflow::name(r.buffer) + " but the table declares " +
+                  std::to_string(r.rows()) + " x " + std::to_string(r.cols()));
+  }
+
+  // The declared layout of a buffer of the program being launched on its
+  // (hosted) rank, bound at the launch.
+  const taskflow::BufferLayout* layout_of(const taskflow::Program& p, BufferId id) const {
+    return ranks_[static_cast<std::size_t>(p.rank)].layout[static_cast<std::size_t>(id)];
+  }
+  // The layout of rank q's buffer in the pass being launched, from the
+  // exchange (q's program need not exist here): where a put to q lands.
+  const taskflow::BufferLayout* peer_layout(std::int64_t q, BufferId id) const {
+    const auto& index = pass_of(*current_) == taskflow::Pass::forward ? forward_peer_ : backward_peer_;
+    return index[static_cast<std::size_t>(q)][static_cast<std::size_t>(id)];
+  }
+
+  // Element (r0, c0) of a rectangle of hosted rank r's buffer.
+  template <class U>
+  U* at(int r, const taskflow::Program& p, const taskflow::Rect& rect) const {
+    const taskflow::BufferLayout& l = *layout_of(p, rect.buffer);
+    if (rect.buffer == BufferId::dw1 || rect.buffer == BufferId::dw2) {  // per slot: the expert's gradient
+      const std::int64_t height = rect.buffer == BufferId::dw1 ? c_.hidden : c_.expert_inter;
+      const auto& slots = rect.buffer == BufferId::dw1 ? ranks_[r].dw1_slots : ranks_[r].dw2_slots;
+      return reinterpret_cast<U*>(slots[static_cast<std::size_t>(rect.r0 / height)]) + (rect.r0 % height) * l.cols + rect.c0;
+    }
+    U* b = base<U>(r, rect.buffer);
+    if (l.layout == taskflow::Layout::panels)  // rows of a panel are kPanelCols apart (bf16: in pairs)
+      return b + (rect.c0 / kTileCols) * l.rows * kTileCols + rect.r0 * kTileCols + (rect.c0 % kTileCols) * pair<U>();
+    return b + rect.r0 * ld_of(r, rect.buffer) + rect.c0;
+  }
+  // Elements between rows of a hosted rank's row-major buffer: its declared
+  // width, or a bound view's stride.
+  std::int64_t ld_of(int r, BufferId id) const { return ranks_[static_cast<std::size_t>(r)].ld[static_cast<std::size_t>(id)]; }
+  template <class U>
+  static constexpr std::int64_t pair() {
+    return sizeof(U) == 2 ? 2 : 1;
+  }
+  // A panel-blocked buffer's rows [rect.r0, ...) as a kernel's right-hand operand.
+  template <class U>
+  RhsView<U> panels_from(int r, const taskflow::Program& p, const taskflow::Rect& rect) const {
+    const taskflow::BufferLayout& l = *layout_of(p, rect.buffer);
+    return RhsView<U>{base<U>(r, rect.buffer) + rect.r0 * kTileCols, kTileCols, l.rows * kTileCols};
+  }
+
+  // Where a put's rows go: straight into the peer's segment when this
+  // process can address it, else into the worker's staging buffer, which
+  // send_put hands to the transport.
+  T* put_target(const Task& t, const taskflow::Rect& rect, std::size_t worker);
+  // True if the put went through the transport, which also signals.
+  bool send_put(const Task& t, const taskflow::Rect& rect, std::size_t worker);
+
+  // Waits until the event reaches base + count: spins, then yields so that
+  // an oversubscribed machine still makes progress; a watchdog turns a hang
+  // into an error naming what waits for what.
+  void wait(int r, std::size_t slot, std::int32_t id, const Task& t);
+
+  // Every worker that is waiting now, with what it waits for.
+  std::string describe_waiters() const;
+
+  std::string peer_report() const;
+
+  // A worker that stops because another failed: not an error of its own.
+  struct Aborted {};
+
+  // The first failure of a launch is kept; workers that stop because of it
+  // leave quietly, so the error reported is the cause, not a consequence.
+  void run_worker(int index, int w);
+
+  // Waits for a task's event, runs it, signals what it triggers.
+  void run_task(int r, std::size_t slot, std::int32_t id);
+
+  // Adds one to a counter of any rank: a store when its memory is
+  // addressable here, an empty put with signal otherwise.
+  void signal_rank(int rank, std::int32_t event, std::int32_t task);
+
+  // The serialized operator sequence: a worker runs every W-th task of the
+  // operator on its rank, then all workers of all ranks meet at the
+  // operator's barrier counter before the next operator starts.
+  void run_phased(int r, int w, std::size_t slot);
+
+  // A GEMM task's tile: out = A B, A and out the table's rectangles (lda and
+  // ldo their buffers' strides), B a packed weight or a buffer operand;
+  // stored as T through an fp32 tile, or accumulated-free into fp32.
+  template <class U>
+  void gemm_tile_task(int r, const taskflow::Program& p, const Task& t, const taskflow::Rect& a, RhsView<U> b,
+                      const taskflow::Rect& out, bool store_as_t) const {
+    const std::int64_t rows = t.rows, cols = t.cols;
+    need(out, rows, cols, t);
+    need(a, rows, 0, t);
+    const std::int64_t k = a.cols(), lda = ld_of(r, a.buffer), ldo = ld_of(r, out.buffer);
+    if constexpr (std::is_same_v<U, T>) {
+      if (store_as_t) {
+        tile_to<T>(at<T>(r, p, a), lda, b, t.col_begin, at<T>(r, p, out), ldo, rows, cols, k);
+        return;
+      }
+    }
+    kernels::gemm_tile<U>(at<U>(r, p, a), lda, b, t.col_begin, at<float>(r, p, out), ldo, rows, cols, k, false);
+  }
+
+  // Runs one task; true if the transport already signalled its event. Every
+  // address comes from the access table's rectangles of the program's
+  // declared buffers; the kernels' extents are checked against them.
+  bool execute(int r, std::size_t slot, const Task& t);
+
+  // A declared reduction's target rows (part 0's partials) plus parts
+  // 1..k-1's rows, in part order, accumulated in fp32 and stored once.
+  void reduce_parts(int r, const taskflow::Program& p, const Task& t, BufferId buffer);
+
+  // The backward tasks, each the same arithmetic as the serialized
+  // baseline's operator over the same rows (see serialized.cpp).
+  bool execute_backward(int r, std::size_t slot, const Task& t, const taskflow::Program& p, const TaskOperands& o);
+
+  // `rows` rows of row-major src [., n] into rows [row0, row0 + rows) of a
+  // panel-blocked buffer `height` rows high (kernels::pack_rhs_panels writes
+  // the same bytes), then `zero_rows` rows of zeros (K padding); columns
+  // past n in the last panel are zero.
+  template <class U>
+  static void pack_rows_into_panels(const U* src, std::int64_t ld_src, std::int64_t rows, std::int64_t n, U* panels_base,
+                                    std::int64_t height, std::int64_t row0, std::int64_t zero_rows) {
+    const bool vnni = kernels::vnni_layout<U>();
+    for (std::int64_t p = 0; p < panels(n); ++p) {
+      U* panel = panels_base + p * height * kTileCols;
+      for (std::int64_t i = 0; i < rows + zero_rows; ++i) {
+        const std::int64_t rr = row0 + i;
+        for (std::int64_t j = 0; j < kTileCols; ++j) {
+          const std::int64_t col = p * kTileCols + j;
+          panel[kernels::rhs_index(rr, j, kTileCols, vnni)] = i < rows && col < n ? src[i * ld_src + col] : U{};
+        }
+      }
+    }
+  }
+
+  // A GEMM tile whose result is stored as T (through an fp32 scratch tile).
+  template <class U>
+  static void tile_to(const U* a, std::int64_t lda, RhsView<U> b, std::int64_t col0, U* out, std::int64_t ldo,
+                      std::int64_t m, std::int64_t n, std::int64_t k) {
+    float scratch[kernels::kMaxTileRows * kTileCols];
+    kernels::gemm_tile<U>(a, lda, b, col0, scratch, kTileCols, m, n, k, false);
+    for (std::int64_t row = 0; row < m; ++row) kernels::store<U>(scratch + row * kTileCols, out + row * ldo, n);
+  }
+
+  LayerConfig c_;
+  const LayerWeights& w_;
+  RuntimeOptions opt_;
+  ExpertPlacement placement_;
+  const taskflow::AccessTable* table_;  // where every task's operands come from
+  std::shared_ptr<Transport> tr_;
+  WorkerActivity activity_;  // watched by the transport's progress thread
+  std::vector<int> local_;  // the ranks this process runs, in order; pool rank i is local_[i]
+  LayerConfig lc_;          // the layer with only the hosted ranks (their tokens, in order)
+  std::vector<int> index_of_;          // rank -> its index in local_, or -1
+  std::vector<std::int32_t> owned_;    // experts the hosted ranks own (hold the gradient of)
+  std::map<std::pair<int, std::int32_t>, std::vector<float>> replica_w1_, replica_w2_;  // (rank, expert): a replica's partial
+  std::vector<PartWeights> part_packed_;  // [instance]: split experts' parts held here
+  std::vector<float> reduce_scratch_;
+  std::uint64_t fingerprint_ = 0;      // of layer, placement, format and replicated weights
+  taskflow::RoutingCounts counts_;     // this step's P x E counts (every rank's)
+  std::vector<std::uint64_t> count_block_;  // the count exchange's blocks
+  WorkerPool pool_;
+  std::vector<std::vector<std::byte>> staging_;  // per worker: the message of a put to a peer not addressable here
+  taskflow::Machine machine_;
+  std::shared_ptr<const PackedLayer<T>> packed_;
+  std::vector<taskflow::Program>* current_ = nullptr;  // the program set being launched
+  struct Span {
+    std::int32_t task;
+    double start, end;
+  };
+  std::vector<std::vector<Span>> spans_;  // per worker, when tracing
+  std::vector<double> busy_;              // per worker: seconds in tasks this launch
+  std::vector<std::int32_t> phase_fill_;  // phased: scratch of the per-operator placement
+  std::vector<double> phase_end_;         // phased: [worker][operator] seconds from the launch's start to its barrier
+  Clock::time_point launch_start_;
+  Clock::time_point step_start_;
+  std::vector<float> logits_;
+  std::optional<taskflow::Exchange> ex_;  // this step's exchange layout
+  std::vector<std::int64_t> slot_;        // this step's send row of every assignment
+  taskflow::ScheduleScratch schedule_scratch_;
+  taskflow::Verifier verifier_;
+  std::vector<RankState> ranks_;
+  const StepResult* res_ = nullptr;
+  const StepResult* forward_done_ = nullptr;  // the result of the forward that backward may follow
+  MatrixView x_, d_out_;                      // the caller's tokens and output gradient (borrowed)             // the step being run (router backward reads its routing)
+  // Every rank's buffers this step, per pass (declared from the exchange).
+  std::vector<taskflow::Program> forward_layouts_, backward_layouts_;
+  using PeerBuffers = std::array<const taskflow::BufferLayout*, static_cast<std::size_t>(BufferId::count)>;
+  std::vector<PeerBuffers> forward_peer_, backward_peer_;  // [rank][buffer id] into the layouts above
+  std::vector<std::int64_t> launch_events_;  // events of each rank's program in the launch running
+  std::vector<int> all_ranks_;               // 0 .. P-1
+  std::atomic<bool> abort_{false};
+  std::mutex failure_mutex_;
+  std::exception_ptr failure_;
+  std::unique_ptr<std::atomic<std::int32_t>[]> waiting_;  // per worker: the task it waits in, -1 if none
+};
+
+}  // namespace detail
+}  // namespace hpmoe

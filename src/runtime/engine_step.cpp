@@ -1,0 +1,304 @@
+// The engine's step: hosting and packing at construction, the batch's
+// token count, routing, the count exchange, compile and verify, forward and
+// backward as the caller makes them.
+#include "runtime/engine.hpp"
+
+namespace hpmoe::detail {
+
+template <class T>
+Interleaved<T>::Interleaved(const LayerConfig& c, const LayerWeights& w, RuntimeOptions opt)
+    : c_(c),
+      w_(w),
+      opt_(opt),
+      placement_(placement_or_contiguous(opt.placement, c.routed_experts, c.ranks)),
+      table_(opt.access_table ? opt.access_table : &taskflow::AccessTable::standard()),
+      tr_(opt.transport ? opt.transport : make_inprocess_transport(static_cast<int>(c.ranks))),
+      local_(hosted_ranks(*tr_, c.ranks)),
+      lc_(hosted_config(c, local_)),
+      pool_(static_cast<int>(local_.size()), opt.workers_per_rank, opt.pin, tr_->node_index() * opt.workers_per_rank),
+      packed_((kernels::init(), resolve_packing<T>(c, w, opt.packed, opt.backward))) {
+  machine_ = taskflow::cpu_machine(opt.workers_per_rank);
+  machine_.tile_rows = kernels::token_tile_rows<T>();
+  machine_.weight_tile_rows = kernels::weight_tile_rows<T>();
+  machine_.weight_tile_cols = kernels::kWeightTileCols;
+  machine_.tile_cols = kTileCols;
+  programs.resize(static_cast<std::size_t>(c.ranks));
+  backward_programs.resize(static_cast<std::size_t>(c.ranks));
+  ranks_.resize(static_cast<std::size_t>(c.ranks));
+  const auto workers = local_.size() * static_cast<std::size_t>(opt.workers_per_rank);
+  waiting_ = std::make_unique<std::atomic<std::int32_t>[]>(workers);
+  for (std::size_t i = 0; i < workers; ++i) waiting_[i].store(-1);
+  staging_.resize(workers);
+  index_of_.assign(static_cast<std::size_t>(c.ranks), -1);
+  for (int r = 0; r < c.ranks; ++r) all_ranks_.push_back(r);
+  for (std::size_t i = 0; i < local_.size(); ++i) {
+    index_of_[static_cast<std::size_t>(local_[i])] = static_cast<int>(i);
+    for (const std::int32_t e : placement_.experts_of(local_[i])) {
+      if (!packed_->holds(e) && !placement_.is_split(e))  // a split expert's parts are packed below
+        throw Error("rank " + std::to_string(local_[i]) + " owns expert " + std::to_string(e) +
+                    " but this process holds no weights for it: give every process its own experts' weights");
+      if (placement_.owner(e) == local_[i]) owned_.push_back(e);  // replicas: the owner holds the gradient
+    }
+  }
+  if (sharded() && local_.size() != 1)
+    throw Error("a transport that spreads ranks over processes must host one rank per process (this one hosts " +
+                std::to_string(local_.size()) + ")");
+  placement_.check_fits(c.routed_experts, c.ranks, c.expert_inter);
+  if (placement_.has_splits()) pack_split_parts(opt.backward);
+  fingerprint_ = layer_fingerprint(c, placement_, w);
+  tr_->watch_workers(&activity_);
+}
+
+template <class T>
+void Interleaved<T>::set_tokens(const MatrixView& x) {
+  const auto hosted = static_cast<std::int64_t>(local_.size());
+  if (x.rows <= 0 || x.rows % hosted != 0)
+    throw Error("input x has " + std::to_string(x.rows) + " rows, which the " + std::to_string(hosted) +
+                " ranks of this process cannot share evenly (give a positive multiple of " + std::to_string(hosted) +
+                " tokens)");
+  const std::int64_t tokens = x.rows / hosted;
+  if (tokens == c_.tokens_per_rank) return;
+  LayerConfig next = c_;
+  next.tokens_per_rank = tokens;
+  next.validate();
+  c_ = next;
+  lc_.tokens_per_rank = tokens;
+  fingerprint_ = layer_fingerprint(c_, placement_, w_);
+}
+
+template <class T>
+void Interleaved<T>::weights_changed(std::shared_ptr<const PackedWeights> packed) {
+  forward_done_ = nullptr;  // a forward before the change has no backward after it
+  if (packed) packed_ = resolve_packing<T>(c_, w_, packed, opt_.backward);
+  if (placement_.has_splits()) pack_split_parts(opt_.backward);
+  fingerprint_ = layer_fingerprint(c_, placement_, w_);
+}
+
+template <class T>
+void Interleaved<T>::pack_split_parts(bool backward) {
+  std::vector<std::int64_t> jobs;
+  for (const int r : local_)
+    for (const std::int64_t i : placement_.instances_of(r))
+      if (placement_.is_split(placement_.instance_expert(i))) jobs.push_back(i);
+  part_packed_.assign(static_cast<std::size_t>(placement_.instances()), PartWeights{});
+  if (std::all_of(jobs.begin(), jobs.end(), [&](std::int64_t i) { return holds_expert(w_, placement_.instance_expert(i)); })) {
+    on_all_cores(jobs.size(), [&](std::size_t j) { pack_part(jobs[j], w_, backward); });
+    return;
+  }
+  // Sharded: each part's expert fetched in turn, packed, and released.
+  if (!opt_.expert_source)
+    throw Error("this process computes parts of split experts whose weights it was not given: pass their weights or an "
+                "expert source");
+  LayerWeights fetched;
+  fetched.w1.resize(static_cast<std::size_t>(c_.routed_experts));
+  fetched.w2.resize(static_cast<std::size_t>(c_.routed_experts));
+  for (const std::int64_t i : jobs) {
+    const auto e = static_cast<std::size_t>(placement_.instance_expert(i));
+    const bool here = holds_expert(w_, static_cast<std::int64_t>(e));
+    if (!here) opt_.expert_source(static_cast<std::int64_t>(e), fetched);
+    pack_part(i, here ? w_ : fetched, backward);
+    fetched.w1[e] = Matrix();
+    fetched.w2[e] = Matrix();
+  }
+}
+
+template <class T>
+void Interleaved<T>::pack_part(std::int64_t i, const LayerWeights& w, bool backward) {
+  const std::int64_t H = c_.hidden, I = c_.expert_inter, e = placement_.instance_expert(i);
+  {
+    const auto [c0, c1] = placement_.part_columns(i, I);
+    const std::int64_t Ip = c1 - c0;
+    const Matrix& w1 = w.w1[static_cast<std::size_t>(e)];
+    const Matrix& w2 = w.w2[static_cast<std::size_t>(e)];
+    if (w1.rows != H || w1.cols != 2 * I || w2.rows != I || w2.cols != H)
+      throw Error("split expert " + std::to_string(e) + "'s weights are not [hidden, 2 expert_inter] and [expert_inter, hidden]");
+    Matrix p1(H, 2 * Ip), p2(Ip, H);
+    for (std::int64_t h = 0; h < H; ++h)
+      for (std::int64_t k = 0; k < Ip; ++k) {
+        p1.data[static_cast<std::size_t>(h * 2 * Ip + k)] = w1.data[static_cast<std::size_t>(h * 2 * I + c0 + k)];
+        p1.data[static_cast<std::size_t>(h * 2 * Ip + Ip + k)] = w1.data[static_cast<std::size_t>(h * 2 * I + I + c0 + k)];
+      }
+    std::copy_n(w2.data.begin() + c0 * H, Ip * H, p2.data.begin());
+    PartWeights& pw = part_packed_[static_cast<std::size_t>(i)];
+    pw.w1 = operand_of<T>(p1);
+    pw.w2 = operand_of<T>(p2);
+    if (backward) {
+      pw.w1_t = transposed_operand_of<T>(p1);
+      pw.w2_t = transposed_operand_of<T>(p2);
+    }
+  }
+}
+
+template <class T>
+void Interleaved<T>::forward(MatrixView x, std::span<const std::int32_t> forced, StepResult& res) {
+  set_tokens(x);
+  check_token_view(lc_, x, "input x");
+  x_ = x;
+  forward_done_ = nullptr;
+  res.forward_ops.clear();
+  res.backward_ops.clear();
+  res.trace.clear();
+  step_start_ = Clock::now();
+  check_output_view(res.out_into, "output view");
+  if (res.out_into) res.out = Matrix();
+  else if (res.out.rows != lc_.total_tokens() || res.out.cols != c_.hidden) res.out = Matrix(lc_.total_tokens(), c_.hidden);
+  auto t0 = Clock::now();
+  res.routing = run_router(pool_, lc_, packed_->router.view(), x_, w_.expert_bias, forced, logits_);
+  auto t1 = Clock::now();
+  res.forward_ops.push_back({"router", seconds(t0, t1)});
+  res.router_seconds = seconds(t0, t1);
+  exchange_counts(res);
+  const auto t1x = Clock::now();
+  if (sharded()) res.forward_ops.push_back({"count_exchange", seconds(t1, t1x)});
+  t1 = t1x;
+  ex_.emplace(c_, placement_, counts_, machine_.tile_rows);
+  slot_ = taskflow::send_slots(c_, *ex_, res.routing, local_);
+  for (const int r : compiled_ranks()) {
+    taskflow::generate(programs[r], c_, *ex_, machine_, taskflow::Pass::forward, r);
+    taskflow::schedule(programs[r], opt_.policy, schedule_scratch_);
+  }
+  if (opt_.after_compile) opt_.after_compile(programs);
+  auto t2 = Clock::now();
+  res.forward_ops.push_back({"compile", seconds(t1, t2)});
+  if (opt_.verify_programs) {
+    const auto report = verify(programs);
+    if (!report.ok) throw Error("the compiled program failed verification: " + report.error);
+  }
+  auto t3 = Clock::now();
+  res.forward_ops.push_back({"verify", seconds(t2, t3)});
+  res_ = &res;
+  prepare_forward(res);
+  res.forward_ops.push_back({"prepare", seconds(t3, Clock::now())});
+  res.dispatch_to_combine_seconds = launch(programs, res);
+  if (!opt_.phased) res.forward_ops.push_back({"launch", res.dispatch_to_combine_seconds});
+  forward_done_ = &res;
+}
+
+template <class T>
+void Interleaved<T>::backward(MatrixView d_out, StepResult& res) {
+  if (!opt_.backward)
+    throw Error("backward: this executor was made for forward only; construct it with the backward option");
+  if (forward_done_ != &res)
+    throw Error("backward: call forward first, with the same result object (it holds the step's routing)");
+  check_token_view(lc_, d_out, "output gradient d_out");
+  d_out_ = d_out;
+  res.backward_ops.clear();
+  auto b0 = Clock::now();
+  for (const int r : compiled_ranks()) {
+    taskflow::generate(backward_programs[r], c_, *ex_, machine_, taskflow::Pass::backward, r);
+    taskflow::schedule(backward_programs[r], opt_.policy, schedule_scratch_);
+  }
+  auto b1 = Clock::now();
+  res.backward_ops.push_back({"compile", seconds(b0, b1)});
+  if (opt_.verify_programs) {
+    const auto report = verify(backward_programs);
+    if (!report.ok) throw Error("the compiled backward program failed verification: " + report.error);
+  }
+  auto b2 = Clock::now();
+  res.backward_ops.push_back({"verify", seconds(b1, b2)});
+  check_output_view(res.dx_into, "dx view");
+  if (!gradients_fit(res.grads)) res.grads = zero_gradients(c_, owned_, lc_.total_tokens());
+  if (res.dx_into) res.grads.x = Matrix();
+  else if (res.grads.x.rows != lc_.total_tokens()) res.grads.x = Matrix(lc_.total_tokens(), c_.hidden);
+  prepare_backward(res);
+  res.backward_ops.push_back({"prepare", seconds(b2, Clock::now())});
+  res.backward_seconds = launch(backward_programs, res);
+  if (!opt_.phased) res.backward_ops.push_back({"launch", res.backward_seconds});
+  const auto r0 = Clock::now();
+  reduce_replicated(res);
+  reduce_replica_gradients(res);
+  assemble_split_gradients(res);
+  res.backward_ops.push_back({"reduce_replicated_grads", seconds(r0, Clock::now())});
+  forward_done_ = nullptr;  // one backward per forward
+}
+
+template <class T>
+taskflow::VerifyReport Interleaved<T>::verify(const std::vector<taskflow::Program>& set) {
+  if (whole_set_verified()) return verifier_.verify(set);
+  for (const int r : local_) {
+    auto report = verifier_.verify_rank(set[static_cast<std::size_t>(r)], c_, *ex_, machine_);
+    if (!report.ok) return report;
+  }
+  return {};
+}
+
+template <class T>
+bool Interleaved<T>::gradients_fit(const LayerGradients& g) const {
+  if (g.w1.size() != static_cast<std::size_t>(c_.routed_experts) || g.w2.size() != g.w1.size()) return false;
+  for (const std::int32_t e : owned_)
+    if (g.w1[e].rows != c_.hidden || g.w2[e].rows != c_.expert_inter) return false;
+  return g.router.rows == c_.hidden && g.router.cols == c_.routed_experts;
+}
+
+template <class T>
+void Interleaved<T>::exchange_counts(StepResult& res) {
+  const std::int64_t P = c_.ranks, E = c_.routed_experts;
+  const auto local = taskflow::routing_counts(lc_, res.routing);  // [hosted ranks, E]
+  counts_.ranks = P;
+  counts_.experts = E;
+  if (!sharded()) {
+    counts_.counts = local.counts;
+    res.expert_counts = counts_.counts;
+    return;
+  }
+  // One block per rank: fingerprint, aux-loss term, z-loss term, E counts.
+  const std::int64_t width = 3 + E;
+  const int me = local_.front();
+  count_block_.assign(static_cast<std::size_t>(P * width), 0);
+  std::uint64_t* mine = count_block_.data() + me * width;
+  mine[0] = fingerprint_;
+  std::memcpy(&mine[1], &res.routing.aux_loss, sizeof(double));
+  std::memcpy(&mine[2], &res.routing.z_loss, sizeof(double));
+  for (std::int64_t e = 0; e < E; ++e) mine[3 + e] = static_cast<std::uint64_t>(local.counts[static_cast<std::size_t>(e)]);
+  tr_->allgather(std::as_writable_bytes(std::span<std::uint64_t>(count_block_)), static_cast<std::size_t>(width) * 8);
+  counts_.counts.assign(static_cast<std::size_t>(P * E), 0);
+  double aux = 0, z = 0;
+  const std::int64_t limit = c_.tokens_per_rank * c_.top_k;
+  for (std::int64_t q = 0; q < P; ++q) {
+    const std::uint64_t* block = count_block_.data() + q * width;
+    if (block[0] != fingerprint_)
+      throw Error("rank " + std::to_string(q) + " runs a different layer, placement or checkpoint than rank " +
+                  std::to_string(me) + " (fingerprint " + hex(block[0]) + " vs " + hex(fingerprint_) +
+                  "): start every rank with the same configuration, --placement and --load");
+    double term = 0;
+    std::memcpy(&term, &block[1], sizeof(double));
+    aux += term;
+    std::memcpy(&term, &block[2], sizeof(double));
+    z += term;
+    std::int64_t sum = 0;
+    for (std::int64_t e = 0; e < E; ++e) {
+      const auto n = static_cast<std::int64_t>(block[3 + e]);
+      if (n < 0 || n > limit) throw Error("rank " + std::to_string(q) + " reports " + std::to_string(n) + " rows for expert " + std::to_string(e) + ", more than its " + std::to_string(limit) + " assignments");
+      sum += n;
+      counts_.counts[static_cast<std::size_t>(q * E + e)] = n;
+    }
+    if (sum > limit) throw Error("rank " + std::to_string(q) + " reports " + std::to_string(sum) + " kept assignments, more than its " + std::to_string(limit));
+  }
+  res.routing.aux_loss = aux;
+  res.routing.z_loss = z;
+  res.expert_counts = counts_.counts;
+}
+
+// Instantiations of the members above.
+template void Interleaved<float>::set_tokens(const MatrixView& x);
+template void Interleaved<bf16>::set_tokens(const MatrixView& x);
+template Interleaved<float>::Interleaved(const LayerConfig& c, const LayerWeights& w, RuntimeOptions opt);
+template Interleaved<bf16>::Interleaved(const LayerConfig& c, const LayerWeights& w, RuntimeOptions opt);
+template void Interleaved<float>::weights_changed(std::shared_ptr<const PackedWeights> packed);
+template void Interleaved<bf16>::weights_changed(std::shared_ptr<const PackedWeights> packed);
+template void Interleaved<float>::pack_split_parts(bool backward);
+template void Interleaved<bf16>::pack_split_parts(bool backward);
+template void Interleaved<float>::pack_part(std::int64_t i, const LayerWeights& w, bool backward);
+template void Interleaved<bf16>::pack_part(std::int64_t i, const LayerWeights& w, bool backward);
+template void Interleaved<float>::forward(MatrixView x, std::span<const std::int32_t> forced, StepResult& res);
+template void Interleaved<bf16>::forward(MatrixView x, std::span<const std::int32_t> forced, StepResult& res);
+template void Interleaved<float>::backward(MatrixView d_out, StepResult& res);
+template void Interleaved<bf16>::backward(MatrixView d_out, StepResult& res);
+template taskflow::VerifyReport Interleaved<float>::verify(const std::vector<taskflow::Program>& set);
+template taskflow::VerifyReport Interleaved<bf16>::verify(const std::vector<taskflow::Program>& set);
+template bool Interleaved<float>::gradients_fit(const LayerGradients& g) const;
+template bool Interleaved<bf16>::gradients_fit(const LayerGradients& g) const;
+template void Interleaved<float>::exchange_counts(StepResult& res);
+template void Interleaved<bf16>::exchange_counts(StepResult& res);
+
+}  // namespace hpmoe::detail
