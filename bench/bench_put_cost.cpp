@@ -23,6 +23,7 @@
 // Prints one JSON line (from rank 0) per put size, and one with the fit.
 #include <hpmoe/error.hpp>
 #include "kernels/kernels.hpp"
+#include "common/stats.hpp"
 #include "runtime/interleaved.hpp"
 #include <hpmoe/transport.hpp>
 
@@ -44,11 +45,6 @@ using Clock = std::chrono::steady_clock;
 namespace {
 
 double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
 
 // A worker stand-in: 64 x 64 x 256 fp32 tiles from cache, counted.
 class Meter {

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "hpmoe/error.hpp"
+#include "common/stats.hpp"
 #include "runtime/interleaved.hpp"
 #include "hpmoe/transport.hpp"
 #include "comm/event_wait.hpp"
@@ -30,11 +31,6 @@ using namespace hpmoe;
 using Clock = std::chrono::steady_clock;
 
 namespace {
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
 
 // Rank `me` produces `rows` (a copy from the source) and sends them to the
 // other rank: into its memory when addressable, else through the transport,

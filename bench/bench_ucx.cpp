@@ -31,17 +31,16 @@
 #include <string>
 #include <vector>
 
+#include "common/stats.hpp"
+
 using Clock = std::chrono::steady_clock;
+
+using hpmoe::median;
 
 namespace {
 
 void check(ucs_status_t status, const char* what) {
   if (status != UCS_OK) throw std::runtime_error(std::string(what) + ": " + ucs_status_string(status));
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
 }
 
 // Exchanges a byte blob with the other rank.

@@ -19,6 +19,7 @@
 #include <unordered_map>
 
 #include "hpmoe/bf16.hpp"
+#include "common/stats.hpp"
 #include "kernels/kernels.hpp"
 #include "runtime/interleaved.hpp"
 #include "kernels/peak.hpp"
@@ -33,11 +34,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 using nlohmann::json;
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
 
 void pin(int core) {
   cpu_set_t set;

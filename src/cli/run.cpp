@@ -1,4 +1,5 @@
 #include "cli/run.hpp"
+#include "common/stats.hpp"
 
 #include <algorithm>
 #include <cstring>
@@ -40,11 +41,9 @@ Summary summarize(std::vector<double> v) {
   Summary s;
   if (v.empty()) return s;
   s.samples = v;
-  std::sort(v.begin(), v.end());
-  s.min = v.front();
-  s.max = v.back();
-  const std::size_t n = v.size();
-  s.median = n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+  s.min = *std::min_element(v.begin(), v.end());
+  s.max = *std::max_element(v.begin(), v.end());
+  s.median = median(std::move(v));
   return s;
 }
 
