@@ -19,7 +19,6 @@ import os
 import platform
 import shutil
 import statistics
-import struct
 import subprocess
 import sys
 import tempfile
@@ -46,63 +45,21 @@ def cpu_model():
     return platform.processor() or "unknown CPU"
 
 
-def load_safetensors(path):
-    """name -> torch tensor (a copy), for F32 / I32 / U8 tensors."""
-    import numpy as np
-    import torch
-    with open(path, "rb") as f:
-        n = struct.unpack("<Q", f.read(8))[0]
-        header = json.loads(f.read(n))
-    base = 8 + n
-    dtypes = {"F32": np.float32, "I32": np.int32, "U8": np.uint8, "I64": np.int64}
-    data = np.memmap(path, dtype=np.uint8, mode="r")
-    out = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        b, e = info["data_offsets"]
-        arr = np.frombuffer(data[base + b:base + e], dtype=dtypes[info["dtype"]]).reshape(info["shape"])
-        out[name] = torch.from_numpy(arr.copy())
-    return out
+def hpmoe_python(cli):
+    """The hpmoe package (hpmoe.io, hpmoe.reference) of the build the CLI comes from."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(cli)), "python"))
+    import hpmoe
+    return hpmoe
 
 
-class Mlp:
-    """A SwiGLU MLP with Hugging Face's [out, in] weights."""
-
-    def __init__(self, w, prefix, grad):
-        self.gate = w[prefix + "gate_proj.weight"].requires_grad_(grad)
-        self.up = w[prefix + "up_proj.weight"].requires_grad_(grad)
-        self.down = w[prefix + "down_proj.weight"].requires_grad_(grad)
-
-    def __call__(self, x):
-        import torch.nn.functional as F
-        return F.linear(F.silu(F.linear(x, self.gate)) * F.linear(x, self.up), self.down)
-
-    def params(self):
-        return [self.gate, self.up, self.down]
+def mlp(w, prefix, grad):
+    """A SwiGLU MLP with Hugging Face's [out, in] weights, as hpmoe.reference takes it."""
+    from types import SimpleNamespace
+    return SimpleNamespace(**{p: w[prefix + p + ".weight"].requires_grad_(grad) for p in ("gate_proj", "up_proj", "down_proj")})
 
 
-def moe_forward(x, router, experts, shared, top_k, normalize):
-    """DeepseekV2MoE's forward, eager: softmax scores, top-k, a loop over the experts."""
-    import torch
-    logits = x @ router.t()
-    scores = logits.softmax(dim=-1)
-    weight, idx = torch.topk(scores, top_k, dim=-1, sorted=False)
-    if normalize:
-        weight = weight / weight.sum(dim=-1, keepdim=True)
-    y = torch.zeros_like(x)
-    flat_idx = idx.view(-1)
-    flat_w = weight.view(-1, 1)
-    token_of = torch.arange(x.shape[0]).repeat_interleave(top_k)
-    for e, mlp in enumerate(experts):
-        sel = (flat_idx == e).nonzero(as_tuple=True)[0]
-        if sel.numel() == 0:
-            continue
-        tokens = token_of[sel]
-        y = y.index_add(0, tokens, mlp(x[tokens]) * flat_w[sel])
-    if shared is not None:
-        y = y + shared(x)
-    return y
+def params(m):
+    return [m.gate_proj, m.up_proj, m.down_proj]
 
 
 def main():
@@ -120,6 +77,14 @@ def main():
     args = ap.parse_args()
     ensure_torch()
     import torch
+    hpmoe = hpmoe_python(args.hpmoe)
+
+    def load_safetensors(path):
+        return hpmoe.io.load_safetensors(path)[0]
+
+    def moe_forward(x, router, experts, shared):
+        """The layer in plain PyTorch, eager: a loop over the experts (hpmoe.reference)."""
+        return hpmoe.reference.moe(config, x, router, experts, shared)
     torch.set_num_threads(args.threads)
     out = args.out or tempfile.mkdtemp(prefix="hpmoe-torch-")
     os.makedirs(out, exist_ok=True)
@@ -161,34 +126,33 @@ def main():
     if args.dtype == "bf16":  # hpmoe saved its bf16-rounded values as F32: exact in bfloat16
         w = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in w.items()}
         x, d_out = x.to(torch.bfloat16), d_out.to(torch.bfloat16)
-    E, K = config["routed_experts"], config["top_k"]
+    E = config["routed_experts"]
     router = w["mlp.gate.weight"]
-    experts = [Mlp(w, f"mlp.experts.{e}.", True) for e in range(E)]
-    shared = Mlp(w, "mlp.shared_experts.", True) if config["shared_experts"] > 0 else None
-    normalize = config["normalize_topk"]
+    experts = [mlp(w, f"mlp.experts.{e}.", True) for e in range(E)]
+    shared = mlp(w, "mlp.shared_experts.", True) if config["shared_experts"] > 0 else None
     with torch.no_grad():
-        y = moe_forward(x, router, experts, shared, K, normalize)
+        y = moe_forward(x, router, experts, shared)
     ref = saved["out"]
     rel = float((y.float() - ref).norm() / ref.norm())
     xg = x.clone().requires_grad_(True)
-    moe_forward(xg, router, experts, shared, K, normalize).backward(d_out)
+    moe_forward(xg, router, experts, shared).backward(d_out)
     # hpmoe's dx also carries its balancing losses' gradient (aux / z-loss), which this block leaves out.
     rel_dx = float((xg.grad.float() - saved["grad.x"]).norm() / saved["grad.x"].norm())
-    for p in sum((m.params() for m in experts), []) + (shared.params() if shared else []):
+    for p in sum((params(m) for m in experts), []) + (params(shared) if shared else []):
         p.grad = None
     forward_s, step_s = [], []
     for i in range(args.iters + 1):
         t0 = time.perf_counter()
         with torch.no_grad():
-            moe_forward(x, router, experts, shared, K, normalize)
+            moe_forward(x, router, experts, shared)
         t1 = time.perf_counter()
         xg = x.clone().requires_grad_(True)
         router.requires_grad_(True)
-        yy = moe_forward(xg, router, experts, shared, K, normalize)
+        yy = moe_forward(xg, router, experts, shared)
         yy.backward(d_out)
         t2 = time.perf_counter()
         router.requires_grad_(False)
-        for p in [router] + sum((m.params() for m in experts), []) + (shared.params() if shared else []):
+        for p in [router] + sum((params(m) for m in experts), []) + (params(shared) if shared else []):
             p.grad = None
         if i > 0:  # the first is warm-up
             forward_s.append(t1 - t0)

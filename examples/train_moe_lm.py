@@ -31,7 +31,6 @@ import json
 import math
 import os
 import platform
-import struct
 import sys
 import time
 
@@ -55,47 +54,10 @@ def load_text():
     return torch.tensor(list(data), dtype=torch.long), names
 
 
-# --- checkpoints: a minimal safetensors writer and reader (float32 and int64) ---
+# --- checkpoints: hpmoe.io's safetensors (written whole or not at all) ---
 
-DTYPES = {torch.float32: "F32", torch.float64: "F64", torch.int64: "I64"}
-
-
-def save_safetensors(path, tensors, metadata):
-    header, blobs, offset = {"__metadata__": metadata}, [], 0
-    for name in sorted(tensors):
-        t = tensors[name].detach().contiguous()
-        raw = t.numpy().tobytes()
-        header[name] = {"dtype": DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(raw)]}
-        blobs.append(raw)
-        offset += len(raw)
-    head = json.dumps(header).encode()
-    head += b" " * (-len(head) % 8)
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:  # written whole, then renamed: never a half-written checkpoint
-        f.write(struct.pack("<Q", len(head)) + head)
-        for b in blobs:
-            f.write(b)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def load_safetensors(path):
-    import numpy as np
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        n = struct.unpack("<Q", f.read(8))[0]
-        if n > size - 8:
-            raise ValueError(f"its header claims {n} bytes, more than the file holds")
-        header = json.loads(f.read(n))
-        data = f.read()
-    meta = header.pop("__metadata__", {})
-    types = {"F32": np.float32, "F64": np.float64, "I64": np.int64}
-    out = {}
-    for name, info in header.items():
-        b, e = info["data_offsets"]
-        out[name] = torch.from_numpy(np.frombuffer(data[b:e], dtype=types[info["dtype"]]).reshape(info["shape"]).copy())
-    return out, meta
+save_safetensors = hpmoe.io.save_safetensors
+load_safetensors = hpmoe.io.load_safetensors
 
 
 # --- timers around a module: forward and backward seconds ---
@@ -138,43 +100,11 @@ class TimedFfn(nn.Module):
         return _Mark.apply(y, self.timer, True)
 
 
-# --- the plain-PyTorch MoE (the twin's FFN): the same layer as hpmoe's ---
+# --- the plain-PyTorch MoE (the twin's FFN): hpmoe.reference.ReferenceMoE, the same layer as hpmoe's:
+# sigmoid scores, top-k on scores + bias, normalised weights, route scale, one shared expert, and the
+# aux-loss-free bias update (bias += rate * sign(mean load - load)) ---
 
-class TorchMoE(nn.Module):
-    """Sigmoid scores, top-k on scores + bias, normalised weights, route scale, one shared
-    expert, and the aux-loss-free bias update (bias += rate * sign(mean load - load))."""
-
-    def __init__(self, config):
-        super().__init__()
-        self.config = config
-        H, I, E = config["hidden"], config["expert_inter"], config["routed_experts"]
-        self.gate = nn.Linear(H, E, bias=False)
-        self.gate.register_buffer("e_score_correction_bias", torch.zeros(E))
-        self.experts = nn.ModuleList([hpmoe.SwiGLU(H, I) for _ in range(E)])
-        self.shared_experts = hpmoe.SwiGLU(H, config["shared_experts"] * (config["shared_inter"] or I))
-        self.last_load = None
-
-    def forward(self, x):
-        c = self.config
-        E, K = c["routed_experts"], c["top_k"]
-        scores = (x @ self.gate.weight.t()).sigmoid()
-        idx = (scores.detach() + self.gate.e_score_correction_bias).topk(K, dim=-1).indices
-        w = scores.gather(1, idx)
-        w = w / w.sum(-1, keepdim=True) * c["route_scale"]
-        y = torch.zeros_like(x)
-        load = torch.zeros(E, dtype=torch.long)
-        for e, mlp in enumerate(self.experts):
-            rows, slot = (idx == e).nonzero(as_tuple=True)
-            load[e] = rows.numel()
-            if rows.numel():
-                y = y.index_add(0, rows, mlp(x[rows]) * w[rows, slot].unsqueeze(1))
-        self.last_load = load
-        if self.training and torch.is_grad_enabled():
-            with torch.no_grad():  # in fp32, as hpmoe updates it, whatever the model's dtype
-                lf, bias = load.float(), self.gate.e_score_correction_bias.float()
-                bias += c["bias_update_rate"] * torch.sign(lf.mean() - lf)
-                self.gate.e_score_correction_bias.copy_(bias)
-        return y + self.shared_experts(x)
+TorchMoE = hpmoe.reference.ReferenceMoE
 
 
 # --- the language model ---
@@ -364,7 +294,7 @@ def main():
     model, opt, timer = build(args)
     try:
         first = restore(model, opt, args.resume) if args.resume else 0
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, RuntimeError, struct.error) as e:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RuntimeError) as e:
         ap.error(f"--resume {args.resume}: not a checkpoint of this model ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
     if first >= args.steps:
         ap.error(f"the checkpoint is at step {first}, not before --steps {args.steps}")

@@ -136,17 +136,18 @@ template <class Grad>
 py::dict hf_gradients(const LayerConfig& c, Grad&& grad) {
   const std::int64_t I = c.expert_inter, Is = c.shared_inter_total(), H = c.hidden;
   py::dict out;
-  out["gate.weight"] = grad("router", -1, 0, c.routed_experts);
+  using namespace hf_name;
+  out[py::str(router)] = grad("router", -1, 0, c.routed_experts);
   for (std::int64_t e = 0; e < c.routed_experts; ++e) {
-    const std::string p = "experts." + std::to_string(e) + ".";
-    out[py::str(p + "gate_proj.weight")] = grad("w1", e, 0, I);
-    out[py::str(p + "up_proj.weight")] = grad("w1", e, I, I);
-    out[py::str(p + "down_proj.weight")] = grad("w2", e, 0, H);
+    const std::string mlp = expert(e);
+    out[py::str(projection(mlp, gate_proj))] = grad("w1", e, 0, I);
+    out[py::str(projection(mlp, up_proj))] = grad("w1", e, I, I);
+    out[py::str(projection(mlp, down_proj))] = grad("w2", e, 0, H);
   }
   if (c.shared_experts > 0) {
-    out["shared_experts.gate_proj.weight"] = grad("shared_w1", -1, 0, Is);
-    out["shared_experts.up_proj.weight"] = grad("shared_w1", -1, Is, Is);
-    out["shared_experts.down_proj.weight"] = grad("shared_w2", -1, 0, H);
+    out[py::str(projection(shared, gate_proj))] = grad("shared_w1", -1, 0, Is);
+    out[py::str(projection(shared, up_proj))] = grad("shared_w1", -1, Is, Is);
+    out[py::str(projection(shared, down_proj))] = grad("shared_w2", -1, 0, H);
   }
   return out;
 }
@@ -170,9 +171,11 @@ void check_finite(std::span<const std::pair<std::string, Array>> keep) {
 
 HfMlp expert_views(const LayerConfig& c, const py::dict& params, std::int64_t e, KeptArrays& keep) {
   const std::int64_t H = c.hidden, I = c.expert_inter;
-  const std::string p = "experts." + std::to_string(e) + ".";
-  return {param_view(params, p + "gate_proj.weight", I, H, keep), param_view(params, p + "up_proj.weight", I, H, keep),
-          param_view(params, p + "down_proj.weight", H, I, keep)};
+  using namespace hf_name;
+  const std::string mlp = expert(e);
+  return {param_view(params, projection(mlp, gate_proj), I, H, keep),
+          param_view(params, projection(mlp, up_proj), I, H, keep),
+          param_view(params, projection(mlp, down_proj), H, I, keep)};
 }
 
 // The parameters by Hugging Face name ([out, in] matrices), checked finite;
@@ -184,15 +187,16 @@ LayerWeights weights_of(const LayerConfig& c, const py::dict& params, bool exper
   };
   const std::int64_t H = c.hidden, E = c.routed_experts, Is = c.shared_inter_total();
   HfMoeBlock b;
-  b.gate = get("gate.weight", E, H);
+  using namespace hf_name;
+  b.gate = get(router, E, H);
   b.experts.resize(static_cast<std::size_t>(E));  // all views empty: not converted
   if (experts)
     for (std::int64_t e = 0; e < E; ++e) b.experts[static_cast<std::size_t>(e)] = expert_views(c, params, e, keep);
   if (c.shared_experts > 0)
-    b.shared = {get("shared_experts.gate_proj.weight", Is, H), get("shared_experts.up_proj.weight", Is, H),
-                get("shared_experts.down_proj.weight", H, Is)};
-  if (params.contains("gate.e_score_correction_bias")) {
-    keep.emplace_back("gate.e_score_correction_bias", params["gate.e_score_correction_bias"].cast<Array>());
+    b.shared = {get(projection(shared, gate_proj), Is, H), get(projection(shared, up_proj), Is, H),
+                get(projection(shared, down_proj), H, Is)};
+  if (params.contains(expert_bias)) {
+    keep.emplace_back(expert_bias, params[py::str(expert_bias)].cast<Array>());
     const Array& bias = keep.back().second;
     if (bias.ndim() != 1 || bias.shape(0) != E)
       throw Error("parameter 'gate.e_score_correction_bias' must have shape [" + std::to_string(E) + "]");
@@ -210,19 +214,20 @@ LayerWeights64 weights64_of(const LayerConfig& c, const py::dict& params) {
   };
   const std::int64_t H = c.hidden, I = c.expert_inter, E = c.routed_experts, Is = c.shared_inter_total();
   LayerWeights64 w;
-  w.router = columns_of({get("gate.weight", E, H)});
+  using namespace hf_name;
+  w.router = columns_of({get(router, E, H)});
   for (std::int64_t e = 0; e < E; ++e) {
-    const std::string p = "experts." + std::to_string(e) + ".";
-    w.w1.push_back(columns_of({get(p + "gate_proj.weight", I, H), get(p + "up_proj.weight", I, H)}));
-    w.w2.push_back(columns_of({get(p + "down_proj.weight", H, I)}));
+    const std::string mlp = expert(e);
+    w.w1.push_back(columns_of({get(projection(mlp, gate_proj), I, H), get(projection(mlp, up_proj), I, H)}));
+    w.w2.push_back(columns_of({get(projection(mlp, down_proj), H, I)}));
   }
   if (c.shared_experts > 0) {
-    w.shared_w1 = columns_of({get("shared_experts.gate_proj.weight", Is, H), get("shared_experts.up_proj.weight", Is, H)});
-    w.shared_w2 = columns_of({get("shared_experts.down_proj.weight", H, Is)});
+    w.shared_w1 = columns_of({get(projection(shared, gate_proj), Is, H), get(projection(shared, up_proj), Is, H)});
+    w.shared_w2 = columns_of({get(projection(shared, down_proj), H, Is)});
   }
   w.expert_bias.assign(static_cast<std::size_t>(c.expert_bias ? E : 0), 0.0f);
-  if (params.contains("gate.e_score_correction_bias")) {
-    const auto bias = params["gate.e_score_correction_bias"].cast<Array>();  // selection runs on fp32 biases
+  if (params.contains(expert_bias)) {
+    const auto bias = params[py::str(expert_bias)].cast<Array>();  // selection runs on fp32 biases
     if (bias.ndim() != 1 || bias.shape(0) != E)
       throw Error("parameter 'gate.e_score_correction_bias' must have shape [" + std::to_string(E) + "]");
     w.expert_bias.assign(bias.data(), bias.data() + E);

@@ -1,6 +1,7 @@
 #pragma once
 #include <cstdint>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "hpmoe/config.hpp"
@@ -110,6 +111,20 @@ void check_shapes(const LayerConfig&, const LayerWeights&, const LayerInputs&);
 void check_weight_shapes(const LayerConfig&, const LayerWeights&);
 // A view of tokens (x or d_out) for the whole step: [P T, H], ld >= H.
 void check_token_view(const LayerConfig&, const MatrixView&, const std::string& what);
+
+// The Hugging Face names of an MoE block's tensors, relative to the block
+// (a checkpoint puts "mlp." or "model.layers.N.mlp." before them, the
+// PyTorch module nothing): the one table every reader and writer of those
+// names uses (safetensors, the PyTorch module, the converters).
+namespace hf_name {
+inline const std::string router = "gate.weight";                     // [E, H]
+inline const std::string expert_bias = "gate.e_score_correction_bias";  // [E]
+inline const std::string shared = "shared_experts";                   // the shared experts' MLP
+inline std::string expert(std::int64_t e) { return "experts." + std::to_string(e); }
+// An MLP's projections, [out, in] each: gate and up [I, H], down [H, I].
+inline const std::string gate_proj = "gate_proj.weight", up_proj = "up_proj.weight", down_proj = "down_proj.weight";
+inline std::string projection(const std::string& mlp, const std::string& proj) { return mlp + "." + proj; }
+}  // namespace hf_name
 
 // A layer's weights as Hugging Face checkpoints store them ([out, in]),
 // as views of the caller's tensors (any row stride).

@@ -33,9 +33,10 @@ import json
 import torch
 from torch import nn
 
-from . import _core
+from . import _core, io, reference
+from .reference import SwiGLU  # MoELayer keeps its experts' parameters in these
 
-__all__ = ["MoELayer", "SwiGLU", "preset", "preset_names", "from_hf_config", "with_fields"]
+__all__ = ["MoELayer", "SwiGLU", "preset", "preset_names", "from_hf_config", "with_fields", "io", "reference"]
 
 
 def preset_names():
@@ -56,20 +57,6 @@ def with_fields(config, **fields):
 def from_hf_config(path, base=None):
     """A layer configuration read from a Hugging Face config.json (or hpmoe's own format)."""
     return json.loads(_core.config_file_json(str(path), json.dumps(base or preset("mixtral-8x7b"))))
-
-
-class SwiGLU(nn.Module):
-    """One expert's MLP with Hugging Face's names: down_proj(silu(gate_proj(x)) * up_proj(x)).
-    MoELayer keeps its experts' parameters in these; its forward is for plain-PyTorch use."""
-
-    def __init__(self, hidden, inter):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class _Function(torch.autograd.Function):

@@ -1,4 +1,4 @@
-"""hpmoe.MoELayer against a plain PyTorch MoE written here, and its error paths.
+"""hpmoe.MoELayer against a plain PyTorch MoE (hpmoe.reference, written apart from the C++), and its error paths.
 
 Run: PYTHONPATH=build/python /usr/bin/python3 -m pytest python/tests
 """
@@ -17,51 +17,9 @@ def small(**fields):
 
 
 def reference(module, x):
-    """The layer in plain PyTorch (fp32 autograd), from the module's own parameters."""
-    c = module.config
-    E, K = c["routed_experts"], c["top_k"]
-    logits = x @ module.gate.weight.t()
-    scores = logits.softmax(-1) if c["scoring"] == "softmax" else logits.sigmoid()
-    sel = scores.detach()
-    if module.gate_bias is not None:
-        sel = sel + module.gate_bias
-    if c["groups"] > 1:  # DeepSeek: a group's score is its best expert, or its best two with the bias
-        g = sel.view(x.shape[0], c["groups"], -1)
-        top = g.topk(2 if module.gate_bias is not None and g.shape[-1] > 1 else 1, dim=-1).values.sum(-1)
-        keep = top.topk(c["groups_kept"], dim=-1).indices
-        mask = torch.zeros_like(top, dtype=torch.bool).scatter_(1, keep, True)
-        sel = sel.masked_fill(~mask.repeat_interleave(E // c["groups"], dim=1), float("-inf"))
-    idx = sel.topk(K, dim=-1).indices
-    w = scores.gather(1, idx)
-    if c["normalize_topk"]:
-        w = w / w.sum(-1, keepdim=True)
-    w = w * c["route_scale"]
-    if c["capacity_factor"] > 0:  # per rank and expert at most `cap` assignments; the lowest weights drop
-        import math
-        ranks, K_ = module.config["ranks"], K
-        T = x.shape[0] // ranks
-        cap = math.ceil(c["capacity_factor"] * T * K_ / E)
-        kept = torch.ones_like(w)
-        flat_idx, flat_w = idx.reshape(-1), w.detach().reshape(-1)
-        for r in range(ranks):
-            for e in range(E):
-                a = [i for i in range(r * T * K_, (r + 1) * T * K_) if flat_idx[i] == e]
-                if len(a) > cap:
-                    a.sort(key=lambda i: -float(flat_w[i]))  # stable: ties keep (token, k) order
-                    for i in a[cap:]:
-                        kept.view(-1)[i] = 0
-        w = w * kept
-    y = torch.zeros_like(x)
-    for e, mlp in enumerate(module.experts):
-        rows, slot = (idx == e).nonzero(as_tuple=True)
-        if rows.numel():
-            h = x[rows]
-            out = mlp.down_proj(torch.nn.functional.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
-            y = y.index_add(0, rows, out * w[rows, slot].unsqueeze(1))
-    if c["shared_experts"] > 0:
-        s = module.shared_experts
-        y = y + s.down_proj(torch.nn.functional.silu(s.gate_proj(x)) * s.up_proj(x))
-    return y
+    """The layer in plain PyTorch (fp32 autograd, hpmoe.reference), from the module's own parameters."""
+    return hpmoe.reference.moe(module.config, x, module.gate.weight, module.experts,
+                               getattr(module, "shared_experts", None), module.gate_bias, module.config["ranks"])
 
 
 def rel(a, b):
@@ -253,20 +211,7 @@ def test_repeats_bit_for_bit():
 
 
 def load_safetensors(path):
-    import struct
-
-    import numpy as np
-    with open(path, "rb") as f:
-        n = struct.unpack("<Q", f.read(8))[0]
-        header = json.loads(f.read(n))
-        data = f.read()
-    out = {}
-    for name, info in header.items():
-        if name == "__metadata__" or info["dtype"] != "F32":
-            continue
-        b, e = info["data_offsets"]
-        out[name] = torch.from_numpy(np.frombuffer(data[b:e], dtype=np.float32).reshape(info["shape"]).copy())
-    return out
+    return hpmoe.io.load_safetensors(path)[0]
 
 
 @pytest.mark.parametrize("fields", [["routed_experts=8"], ["routed_experts=8", "shared_experts=1", "scoring=sigmoid",
@@ -396,3 +341,37 @@ def test_kept_layer_converts_only_changed_parameters():
     fresh = hpmoe.MoELayer(small(), ranks=1)
     fresh.load_state_dict(moe.state_dict())
     assert torch.equal(y2, fresh(x)) and not torch.equal(y, y2)
+
+
+def test_io_round_trip_and_refuses_malformed_files(tmp_path):
+    """hpmoe.io: what it writes reads back bit for bit; a mutated or cut file gives ValueError, nothing else
+    (a bounded random fuzz of the reader: the header's JSON, lengths, offsets and dtypes)."""
+    import random
+    tensors = {"a": torch.randn(3, 5), "b": torch.arange(7, dtype=torch.int64), "c": torch.randn(4).to(torch.bfloat16),
+               "d": torch.randn(2, 2, dtype=torch.float64)}
+    path = tmp_path / "t.safetensors"
+    hpmoe.io.save_safetensors(path, tensors, {"step": 3})
+    back, meta = hpmoe.io.load_safetensors(path)
+    assert meta == {"step": "3"} and set(back) == set(tensors)
+    assert all(torch.equal(back[k], tensors[k]) for k in tensors)
+    good = path.read_bytes()
+    rng = random.Random(5)
+    bad = tmp_path / "bad.safetensors"
+    for i in range(300):
+        data = bytearray(good)
+        kind = i % 3
+        if kind == 0:
+            data = data[:rng.randrange(len(data))]
+        elif kind == 1:
+            for _ in range(rng.randint(1, 4)):
+                data[rng.randrange(min(len(data), 200))] = rng.randrange(256)
+        else:
+            text = good[8:8 + int.from_bytes(good[:8], "little")].decode()
+            word = rng.choice(['"F32"', '"I64"', '[3, 5]', '"data_offsets"', '0', '60'])
+            text = text.replace(word, rng.choice(['"F16"', '-1', '[99]', '"x"', '1e30', '[]']), 1)
+            data = len(text.encode()).to_bytes(8, "little") + text.encode() + good[8 + int.from_bytes(good[:8], "little"):]
+        bad.write_bytes(bytes(data))
+        try:
+            hpmoe.io.load_safetensors(bad)
+        except ValueError:
+            pass

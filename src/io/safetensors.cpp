@@ -287,17 +287,17 @@ std::vector<float> columns_as_rows(const Matrix& m, std::int64_t col0, std::int6
 
 void add_mlp(SafetensorsWriter& w, const std::string& prefix, const Matrix& w1, const Matrix& w2) {
   const std::int64_t h = w1.rows, inter = w2.rows;
-  w.add(prefix + ".gate_proj.weight", {inter, h}, columns_as_rows(w1, 0, inter));
-  w.add(prefix + ".up_proj.weight", {inter, h}, columns_as_rows(w1, inter, inter));
-  w.add(prefix + ".down_proj.weight", {h, inter}, columns_as_rows(w2, 0, h));
+  w.add(hf_name::projection(prefix, hf_name::gate_proj), {inter, h}, columns_as_rows(w1, 0, inter));
+  w.add(hf_name::projection(prefix, hf_name::up_proj), {inter, h}, columns_as_rows(w1, inter, inter));
+  w.add(hf_name::projection(prefix, hf_name::down_proj), {h, inter}, columns_as_rows(w2, 0, h));
 }
 
 void add_weights(SafetensorsWriter& w, const std::string& prefix, const LayerConfig& c, const Matrix& router,
                  const std::vector<Matrix>& w1, const std::vector<Matrix>& w2, const Matrix& sw1, const Matrix& sw2) {
-  w.add(prefix + "mlp.gate.weight", {c.routed_experts, c.hidden}, columns_as_rows(router, 0, c.routed_experts));
+  w.add(prefix + "mlp." + hf_name::router, {c.routed_experts, c.hidden}, columns_as_rows(router, 0, c.routed_experts));
   for (std::int64_t e = 0; e < c.routed_experts; ++e)
-    add_mlp(w, prefix + "mlp.experts." + std::to_string(e), w1[e], w2[e]);
-  if (c.shared_experts > 0) add_mlp(w, prefix + "mlp.shared_experts", sw1, sw2);
+    add_mlp(w, prefix + "mlp." + hf_name::expert(e), w1[e], w2[e]);
+  if (c.shared_experts > 0) add_mlp(w, prefix + "mlp." + hf_name::shared, sw1, sw2);
 }
 
 }  // namespace
@@ -308,7 +308,7 @@ void save_weights(const std::string& dir, const LayerConfig& c, const LayerWeigh
   std::filesystem::remove(std::filesystem::path(dir) / "model.safetensors.index.json", ec);
   SafetensorsWriter w;
   add_weights(w, "", c, lw.router, lw.w1, lw.w2, lw.shared_w1, lw.shared_w2);
-  w.add("mlp.gate.e_score_correction_bias", {c.routed_experts}, lw.expert_bias);
+  w.add("mlp." + hf_name::expert_bias, {c.routed_experts}, lw.expert_bias);
   w.write(file_in(dir, "weights.safetensors"));
 }
 
@@ -372,7 +372,7 @@ Checkpoint::Checkpoint(const std::string& location) {
       file_of_[tensor] = it->second;
     }
   }
-  if (!named && !file_of_.count("mlp.gate.weight")) prefix_ = find_prefix("mlp.gate.weight");
+  if (!named && !file_of_.count("mlp." + hf_name::router)) prefix_ = find_prefix("mlp." + hf_name::router);
 }
 
 Checkpoint::~Checkpoint() = default;
@@ -405,10 +405,10 @@ std::string Checkpoint::find_prefix(const std::string& suffix) const {
 
 void load_expert(const Checkpoint& ck, const LayerConfig& c, std::int64_t e, LayerWeights& w) {
   if (e < 0 || e >= c.routed_experts) throw Error("expert " + std::to_string(e) + " is not in the layer");
-  const std::string name = "mlp.experts." + std::to_string(e);
-  const auto gate = ck.floats(name + ".gate_proj.weight", {c.expert_inter, c.hidden});
-  const auto up = ck.floats(name + ".up_proj.weight", {c.expert_inter, c.hidden});
-  const auto down = ck.floats(name + ".down_proj.weight", {c.hidden, c.expert_inter});
+  const std::string name = "mlp." + hf_name::expert(e);
+  const auto gate = ck.floats(hf_name::projection(name, hf_name::gate_proj), {c.expert_inter, c.hidden});
+  const auto up = ck.floats(hf_name::projection(name, hf_name::up_proj), {c.expert_inter, c.hidden});
+  const auto down = ck.floats(hf_name::projection(name, hf_name::down_proj), {c.hidden, c.expert_inter});
   expert_from_hf(c, e,
                  HfMlp{MatrixView{gate.data(), c.expert_inter, c.hidden, c.hidden},
                        MatrixView{up.data(), c.expert_inter, c.hidden, c.hidden},
@@ -432,24 +432,25 @@ void save_rank(const std::string& dir, const RankTensors& t) {
     for (const auto e : owned) {
       LayerWeights one;
       t.expert(e, one);
-      add_mlp(w, "mlp.experts." + std::to_string(e), one.w1[static_cast<std::size_t>(e)], one.w2[static_cast<std::size_t>(e)]);
+      add_mlp(w, "mlp." + hf_name::expert(e), one.w1[static_cast<std::size_t>(e)], one.w2[static_cast<std::size_t>(e)]);
     }
     if (r == 0) {
-      w.add("mlp.gate.weight", {c.routed_experts, c.hidden}, columns_as_rows(t.weights->router, 0, c.routed_experts));
-      w.add("mlp.gate.e_score_correction_bias", {c.routed_experts}, t.weights->expert_bias);
-      if (c.shared_experts > 0) add_mlp(w, "mlp.shared_experts", t.weights->shared_w1, t.weights->shared_w2);
+      w.add("mlp." + hf_name::router, {c.routed_experts, c.hidden}, columns_as_rows(t.weights->router, 0, c.routed_experts));
+      w.add("mlp." + hf_name::expert_bias, {c.routed_experts}, t.weights->expert_bias);
+      if (c.shared_experts > 0) add_mlp(w, "mlp." + hf_name::shared, t.weights->shared_w1, t.weights->shared_w2);
     }
     w.write(file_in(dir, rank_file("weights", r, P).c_str()));
   }
   if (r == 0) {
     nlohmann::json map = nlohmann::json::object();
     auto mlp_names = [&](const std::string& prefix, const std::string& file) {
-      for (const char* part : {".gate_proj.weight", ".up_proj.weight", ".down_proj.weight"}) map[prefix + part] = file;
+      for (const auto* part : {&hf_name::gate_proj, &hf_name::up_proj, &hf_name::down_proj})
+        map[hf_name::projection(prefix, *part)] = file;
     };
     for (std::int64_t e = 0; e < c.routed_experts; ++e)
-      mlp_names("mlp.experts." + std::to_string(e), rank_file("weights", t.placement->owner(e), P));
-    map["mlp.gate.weight"] = map["mlp.gate.e_score_correction_bias"] = rank_file("weights", 0, P);
-    if (c.shared_experts > 0) mlp_names("mlp.shared_experts", rank_file("weights", 0, P));
+      mlp_names("mlp." + hf_name::expert(e), rank_file("weights", t.placement->owner(e), P));
+    map["mlp." + hf_name::router] = map["mlp." + hf_name::expert_bias] = rank_file("weights", 0, P);
+    if (c.shared_experts > 0) mlp_names("mlp." + hf_name::shared, rank_file("weights", 0, P));
     const std::string index = file_in(dir, "model.safetensors.index.json");
     write_file_atomically(
         index, nlohmann::json{{"metadata", {{"producer", "hpmoe"}, {"ranks", P}}}, {"weight_map", map}}.dump(1) + "\n",
@@ -474,10 +475,10 @@ void save_rank(const std::string& dir, const RankTensors& t) {
     if (const LayerGradients* g = t.grads) {
       w.add("grad.x", {g->x.rows, g->x.cols}, g->x.data);
       for (const auto e : owned)
-        add_mlp(w, "grad.mlp.experts." + std::to_string(e), g->w1[static_cast<std::size_t>(e)], g->w2[static_cast<std::size_t>(e)]);
+        add_mlp(w, "grad.mlp." + hf_name::expert(e), g->w1[static_cast<std::size_t>(e)], g->w2[static_cast<std::size_t>(e)]);
       if (r == 0) {
-        w.add("grad.mlp.gate.weight", {c.routed_experts, c.hidden}, columns_as_rows(g->router, 0, c.routed_experts));
-        if (c.shared_experts > 0) add_mlp(w, "grad.mlp.shared_experts", g->shared_w1, g->shared_w2);
+        w.add("grad.mlp." + hf_name::router, {c.routed_experts, c.hidden}, columns_as_rows(g->router, 0, c.routed_experts));
+        if (c.shared_experts > 0) add_mlp(w, "grad.mlp." + hf_name::shared, g->shared_w1, g->shared_w2);
       }
     }
     w.write(file_in(dir, rank_file("outputs", r, P).c_str()));
@@ -500,16 +501,17 @@ LayerWeights load_weights(const std::string& location, const LayerConfig& c, std
   };
   kept.reserve(8);
   HfMoeBlock hf;
-  hf.gate = tensor("mlp.gate.weight", c.routed_experts, c.hidden);
+  hf.gate = tensor("mlp." + hf_name::router, c.routed_experts, c.hidden);
   hf.experts.resize(static_cast<std::size_t>(c.routed_experts));  // empty views: experts read below, one at a time
   if (c.shared_experts > 0) {
     const std::int64_t is = c.shared_inter_total();
-    hf.shared = HfMlp{tensor("mlp.shared_experts.gate_proj.weight", is, c.hidden),
-                      tensor("mlp.shared_experts.up_proj.weight", is, c.hidden),
-                      tensor("mlp.shared_experts.down_proj.weight", c.hidden, is)};
+    const std::string mlp = "mlp." + hf_name::shared;
+    hf.shared = HfMlp{tensor(hf_name::projection(mlp, hf_name::gate_proj), is, c.hidden),
+                      tensor(hf_name::projection(mlp, hf_name::up_proj), is, c.hidden),
+                      tensor(hf_name::projection(mlp, hf_name::down_proj), c.hidden, is)};
   }
   std::vector<float> bias;
-  if (ck.has("mlp.gate.e_score_correction_bias")) bias = ck.floats("mlp.gate.e_score_correction_bias", {c.routed_experts});
+  if (ck.has("mlp." + hf_name::expert_bias)) bias = ck.floats("mlp." + hf_name::expert_bias, {c.routed_experts});
   hf.e_score_correction_bias = bias;
   LayerWeights w = weights_from_hf(c, hf);
   for (const std::int32_t e : experts) load_expert(ck, c, e, w);

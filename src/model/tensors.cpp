@@ -255,9 +255,9 @@ void transpose_into(const MatrixView& v, Matrix& m, std::int64_t col0) {
 }
 // One SwiGLU MLP from Hugging Face's three [out, in] projections.
 void mlp_from_hf(const LayerConfig& c, const HfMlp& p, std::int64_t inter, const std::string& name, Matrix& w1, Matrix& w2) {
-  expect_hf_shape(p.gate_proj, inter, c.hidden, name + ".gate_proj.weight");
-  expect_hf_shape(p.up_proj, inter, c.hidden, name + ".up_proj.weight");
-  expect_hf_shape(p.down_proj, c.hidden, inter, name + ".down_proj.weight");
+  expect_hf_shape(p.gate_proj, inter, c.hidden, hf_name::projection(name, hf_name::gate_proj));
+  expect_hf_shape(p.up_proj, inter, c.hidden, hf_name::projection(name, hf_name::up_proj));
+  expect_hf_shape(p.down_proj, c.hidden, inter, hf_name::projection(name, hf_name::down_proj));
   // Every element is written below: matrices of the right shape are reused
   // (a training loop converts changed experts in place every step).
   if (w1.rows != c.hidden || w1.cols != 2 * inter) w1 = Matrix(c.hidden, 2 * inter);
@@ -276,19 +276,19 @@ void expert_from_hf(const LayerConfig& c, std::int64_t e, const HfMlp& mlp, Laye
   if (e < 0 || e >= c.routed_experts) throw Error("expert " + std::to_string(e) + " is not in the layer");
   w.w1.resize(static_cast<std::size_t>(c.routed_experts));
   w.w2.resize(static_cast<std::size_t>(c.routed_experts));
-  mlp_from_hf(c, mlp, c.expert_inter, "mlp.experts." + std::to_string(e), w.w1[e], w.w2[e]);
+  mlp_from_hf(c, mlp, c.expert_inter, "mlp." + hf_name::expert(e), w.w1[e], w.w2[e]);
 }
 
 LayerWeights weights_from_hf(const LayerConfig& c, const HfMoeBlock& hf) {
   c.validate();
   LayerWeights w;
-  expect_hf_shape(hf.gate, c.routed_experts, c.hidden, "mlp.gate.weight");
+  expect_hf_shape(hf.gate, c.routed_experts, c.hidden, "mlp." + hf_name::router);
   w.router = Matrix(c.hidden, c.routed_experts);
   transpose_into(hf.gate, w.router, 0);
   if (c.dtype == DType::bf16) round_all(w.router);
   if (!hf.e_score_correction_bias.empty() &&
       hf.e_score_correction_bias.size() != static_cast<std::size_t>(c.routed_experts))
-    throw Error("mlp.gate.e_score_correction_bias has " + std::to_string(hf.e_score_correction_bias.size()) +
+    throw Error("mlp." + hf_name::expert_bias + " has " + std::to_string(hf.e_score_correction_bias.size()) +
                 " values, expected " + std::to_string(c.routed_experts));
   w.expert_bias = hf.e_score_correction_bias.empty()
                       ? std::vector<float>(static_cast<std::size_t>(c.routed_experts), 0.0f)
@@ -305,7 +305,7 @@ LayerWeights weights_from_hf(const LayerConfig& c, const HfMoeBlock& hf) {
       continue;  // not held by this process (all three views empty)
     expert_from_hf(c, static_cast<std::int64_t>(e), p, w);
   }
-  if (c.shared_experts > 0) mlp_from_hf(c, hf.shared, c.shared_inter_total(), "mlp.shared_experts", w.shared_w1, w.shared_w2);
+  if (c.shared_experts > 0) mlp_from_hf(c, hf.shared, c.shared_inter_total(), "mlp." + hf_name::shared, w.shared_w1, w.shared_w2);
   return w;
 }
 
