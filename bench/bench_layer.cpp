@@ -58,7 +58,7 @@ void BM_SerializedLayer(benchmark::State& state) {
   const double roofline = double(std::max(1u, std::thread::hardware_concurrency())) * tile;
   const auto w = random_weights(c, 1);
   const auto in = random_inputs(c, 1);
-  SerializedExecutor exec(c, w, ExecutorOptions{.workers_per_rank = 1, .backward = backward, .pin = true});
+  SerializedExecutor exec(c, w, RuntimeOptions{.workers_per_rank = 1, .backward = backward, .pin = true});
   StepResult r;
   exec.step(in, {}, r);  // warm
   double flops = 0, total = 0;

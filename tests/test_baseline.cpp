@@ -149,8 +149,8 @@ TEST(Baseline, DeterministicAcrossRunsAndWorkerCounts) {
     c.tokens_per_rank = 70;
     const auto w = random_weights(c, 9);
     const auto in = random_inputs(c, 9);
-    ExecutorOptions one{.workers_per_rank = 1, .backward = true, .pin = false};
-    ExecutorOptions two{.workers_per_rank = 2, .backward = true, .pin = false};
+    RuntimeOptions one{.workers_per_rank = 1, .backward = true, .pin = false};
+    RuntimeOptions two{.workers_per_rank = 2, .backward = true, .pin = false};
     SerializedExecutor a(c, w, one), b(c, w, two);
     const auto r1 = a.step(in), r2 = a.step(in), r3 = b.step(in);
     EXPECT_TRUE(bit_identical(r1.out, r2.out));
@@ -170,8 +170,8 @@ TEST(Baseline, DeterministicAcrossRunsAndWorkerCounts) {
 TEST(Baseline, RejectsWorkerCountsAndShapes) {
   const LayerConfig c = preset("tiny");
   const auto w = random_weights(c, 1);
-  EXPECT_THROW(SerializedExecutor(c, w, ExecutorOptions{.workers_per_rank = 0, .backward = false, .pin = false}), Error);
-  SerializedExecutor ok(c, w, ExecutorOptions{.workers_per_rank = 1, .backward = false, .pin = false});
+  EXPECT_THROW(SerializedExecutor(c, w, RuntimeOptions{.workers_per_rank = 0, .backward = false, .pin = false}), Error);
+  SerializedExecutor ok(c, w, RuntimeOptions{.workers_per_rank = 1, .backward = false, .pin = false});
   LayerInputs bad = random_inputs(c, 1);
   bad.x = Matrix(3, c.hidden);
   EXPECT_THROW(ok.step(bad), Error);

@@ -49,7 +49,7 @@ TEST(Safetensors, RoundTripReproducesTheRun) {
   EXPECT_EQ(w2.w2[7].data, w.w2[7].data);
   EXPECT_EQ(w2.shared_w1.data, w.shared_w1.data);
   EXPECT_EQ(in2.x.data, in.x.data);
-  SerializedExecutor a(c, w, ExecutorOptions{.workers_per_rank = 1, .backward = false, .pin = false}), b(c, w2, ExecutorOptions{.workers_per_rank = 1, .backward = false, .pin = false});
+  SerializedExecutor a(c, w, RuntimeOptions{.workers_per_rank = 1, .backward = false, .pin = false}), b(c, w2, RuntimeOptions{.workers_per_rank = 1, .backward = false, .pin = false});
   EXPECT_EQ(a.step(in).out.data, b.step(in2).out.data);
   // Hugging Face layout: gate_proj is [I, H] and holds the first I columns of w1.
   SafetensorsFile f(dir + "/weights.safetensors");

@@ -41,7 +41,7 @@ struct Parallel {
   // The interleaved schedule's task order per worker (hpmoe run --policy).
   taskflow::Policy policy = taskflow::Policy::critical_path;
   ExpertPlacement placement{};           // where the experts live; empty: contiguous
-  std::shared_ptr<Transport> transport;  // null: all ranks in this process
+  std::shared_ptr<Transport> transport{};  // null: all ranks in this process
   bool backward = true;                  // steps may run backward (packs the transposes it needs)
   bool pin = true;                       // pin workers to cores (off inside a framework's process)
   double watchdog_seconds = 10.0;        // a wait longer than this fails the step, naming task and event

@@ -158,5 +158,10 @@ ExpertPlacement parse_placement(const std::string& spec, std::int64_t experts, s
 // pure function of its arguments in integers: every rank computes the same
 // plan with no communication (TopoEP's property).
 std::vector<std::int64_t> plan_quotas(const ExpertPlacement&, std::span<const std::int64_t> counts, std::int64_t tile_rows);
+// Rows each instance runs in a step ([instances]): the quota plan's, summed
+// over sources (without replicas or splits, instance e is expert e and runs
+// all its rows; a split expert's every part runs every row). The one place
+// the routing statistics, the planner and the run report take loads from.
+std::vector<std::int64_t> instance_rows(const ExpertPlacement&, std::span<const std::int64_t> counts, std::int64_t tile_rows);
 
 }  // namespace hpmoe

@@ -47,20 +47,6 @@ double ExpertCostModel::instance_seconds(std::int64_t rows) const {
 }
 
 namespace {
-// Rows each instance runs in a step: the quota plan's, summed over sources.
-std::vector<std::int64_t> instance_rows(const ExpertPlacement& p, std::span<const std::int64_t> counts, std::int64_t tile_rows) {
-  const std::int64_t P = p.ranks(), E = p.experts(), N = p.instances();
-  std::vector<std::int64_t> rows(static_cast<std::size_t>(N), 0);
-  if (N > E) {
-    const auto quota = plan_quotas(p, counts, tile_rows);
-    for (std::int64_t s = 0; s < P; ++s)
-      for (std::int64_t i = 0; i < N; ++i) rows[static_cast<std::size_t>(i)] += quota[static_cast<std::size_t>(s * N + i)];
-  } else {
-    for (std::int64_t s = 0; s < P; ++s)
-      for (std::int64_t e = 0; e < E; ++e) rows[static_cast<std::size_t>(e)] += counts[static_cast<std::size_t>(s * E + e)];
-  }
-  return rows;
-}
 // The intermediate size a split expert's columns tile.
 std::int64_t split_inter(const ExpertPlacement& p, std::int64_t e) {
   return p.part_columns(p.first_instance(e) + p.home_count(e) - 1, 0).second;

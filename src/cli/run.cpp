@@ -230,7 +230,7 @@ Executors make_executors(const RunRequest& req, const LayerWeights& w, const Exp
   x.use_serialized = mode != RunMode::interleaved;
   x.use_interleaved = mode != RunMode::serialized;
   x.trace = !req.trace_file.empty() || !req.timeline_file.empty();
-  ExecutorOptions opt;
+  RuntimeOptions opt;
   opt.workers_per_rank = req.workers_per_rank;
   opt.backward = req.backward;
   opt.pin = req.pin;
@@ -509,17 +509,10 @@ std::vector<std::int32_t> owned_by(const ExpertPlacement& placement, int rank) {
 // Rows a rank computes in a step: its experts' rows, a replicated expert's
 // as the quota plan divides them.
 std::int64_t rows_into(const ExpertPlacement& placement, std::span<const std::int64_t> counts, int rank) {
-  const std::int64_t P = placement.ranks(), E = placement.experts(), N = placement.instances();
+  const auto per_instance = instance_rows(placement, counts, kQuotaTileRows);
   std::int64_t rows = 0;
-  if (placement.instances() > placement.experts()) {  // replicas' quotas; split parts receive every row
-    const auto quota = plan_quotas(placement, counts, kQuotaTileRows);
-    for (std::int64_t s = 0; s < P; ++s)
-      for (std::int64_t i = 0; i < N; ++i)
-        if (placement.instance_rank(i) == rank) rows += quota[static_cast<std::size_t>(s * N + i)];
-    return rows;
-  }
-  for (std::int64_t s = 0; s < P; ++s)
-    for (const std::int32_t e : placement.experts_of(rank)) rows += counts[static_cast<std::size_t>(s * E + e)];
+  for (std::int64_t i = 0; i < placement.instances(); ++i)
+    if (placement.instance_rank(i) == rank) rows += per_instance[static_cast<std::size_t>(i)];
   return rows;
 }
 
@@ -775,7 +768,7 @@ RunReport run_sharded(const RunRequest& req, const std::function<void(const std:
       say("running the whole layer in process on the root as the reference");
       whole = req.load_dir.empty() ? random_weights(c, req.seed) : load_weights(req.load_dir, c);
       whole_in = req.load_dir.empty() ? random_inputs(c, req.seed) : load_inputs(req.load_dir, c);
-      ExecutorOptions opt;
+      RuntimeOptions opt;
       opt.workers_per_rank = req.workers_per_rank;
       opt.backward = req.backward;
       opt.pin = false;

@@ -93,4 +93,22 @@ std::vector<std::int64_t> plan_quotas(const ExpertPlacement& placement, std::spa
   return quota;
 }
 
+std::vector<std::int64_t> instance_rows(const ExpertPlacement& p, std::span<const std::int64_t> counts,
+                                        std::int64_t tile_rows) {
+  const std::int64_t P = p.ranks(), E = p.experts(), N = p.instances();
+  if (counts.size() != static_cast<std::size_t>(P * E))
+    throw Error("routing counts: " + std::to_string(counts.size()) + " values, expected ranks x experts = " +
+                std::to_string(P * E));
+  std::vector<std::int64_t> rows(static_cast<std::size_t>(N), 0);
+  if (N > E) {
+    const auto quota = plan_quotas(p, counts, tile_rows);
+    for (std::int64_t s = 0; s < P; ++s)
+      for (std::int64_t i = 0; i < N; ++i) rows[static_cast<std::size_t>(i)] += quota[static_cast<std::size_t>(s * N + i)];
+  } else {
+    for (std::int64_t s = 0; s < P; ++s)
+      for (std::int64_t e = 0; e < E; ++e) rows[static_cast<std::size_t>(e)] += counts[static_cast<std::size_t>(s * E + e)];
+  }
+  return rows;
+}
+
 }  // namespace hpmoe

@@ -450,10 +450,7 @@ RoutingStats routing_stats(const LayerConfig& c, const ExpertPlacement& placemen
     // A replicated expert's rows go where the step's quota plan sends them;
     // a split expert's part counts its rows times its share of the columns.
     const std::int64_t N = placement.instances();
-    const auto quota = plan_quotas(placement, counts, kQuotaTileRows);
-    std::vector<std::int64_t> rows(static_cast<std::size_t>(N), 0);
-    for (std::int64_t s = 0; s < c.ranks; ++s)
-      for (std::int64_t i = 0; i < N; ++i) rows[static_cast<std::size_t>(i)] += quota[static_cast<std::size_t>(s * N + i)];
+    const auto rows = instance_rows(placement, counts, kQuotaTileRows);
     for (std::int64_t i = 0; i < N; ++i) {
       const auto [c0, c1] = placement.part_columns(i, c.expert_inter);
       st.tokens_per_rank[static_cast<std::size_t>(placement.instance_rank(i))] +=

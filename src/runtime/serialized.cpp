@@ -18,19 +18,13 @@ namespace hpmoe {
 using namespace detail;
 
 struct SerializedExecutor::Impl {
-  Impl(const LayerConfig& c, const LayerWeights& w, const ExecutorOptions& opt) : runtime(c, w, options(opt)) {}
+  Impl(const LayerConfig& c, const LayerWeights& w, const RuntimeOptions& opt) : runtime(c, w, options(opt)) {}
 
-  static RuntimeOptions options(const ExecutorOptions& opt) {
-    RuntimeOptions r;
-    r.workers_per_rank = opt.workers_per_rank;
-    r.backward = opt.backward;
-    r.pin = opt.pin;
-    r.packed = opt.packed;
-    r.trace = opt.trace;
-    r.placement = opt.placement;
-    r.policy = taskflow::Policy::fill;  // queues are not used: operators run in order
-    r.phased = true;
-    return r;
+  // The engine's phased schedule: operators in order, so the queue order is not used.
+  static RuntimeOptions options(RuntimeOptions opt) {
+    opt.policy = taskflow::Policy::fill;
+    opt.phased = true;
+    return opt;
   }
 
   InterleavedExecutor runtime;
@@ -72,7 +66,7 @@ void repack_weights(const PackedWeights& packed, const LayerConfig& c, std::span
   else repack_layer<bf16>(*packed.bf16_, c, *packed.weights, packed.backward, experts, all_experts, replicated);
 }
 
-SerializedExecutor::SerializedExecutor(const LayerConfig& c, const LayerWeights& w, ExecutorOptions opt) {
+SerializedExecutor::SerializedExecutor(const LayerConfig& c, const LayerWeights& w, RuntimeOptions opt) {
   c.validate();
   if (opt.workers_per_rank < 1 || opt.workers_per_rank > 256)
     throw Error("workers per rank must be between 1 and 256 (got " + std::to_string(opt.workers_per_rank) + ")");
