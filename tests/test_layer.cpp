@@ -191,6 +191,45 @@ TEST(LayerFace, WritesIntoTheCallersMemoryAndReusesDroppedResults) {
   EXPECT_TRUE(bit_identical(next.gradients(), fresh.r.grads));
 }
 
+// Tracing plugs in as an observer: told of every forward and backward, with
+// a slice per task when it asks for them, and the results do not change.
+TEST(LayerFace, ObserversSeeEveryStepAndItsTrace) {
+  struct Counter : StepObserver {
+    bool wants_trace() const override { return true; }
+    void on_forward(const StepResult& r) override {
+      ++forwards;
+      slices += r.trace.size();
+      kept = r.expert_counts;
+    }
+    void on_backward(const StepResult& r) override {
+      ++backwards;
+      slices += r.trace.size();
+    }
+    int forwards = 0, backwards = 0;
+    std::size_t slices = 0;
+    std::vector<std::int64_t> kept;
+  };
+  const LayerConfig c = small_layer(DType::fp32);
+  const auto w = random_weights(c, 17);
+  auto counter = std::make_shared<Counter>();
+  Parallel p = parallel_of(Schedule::interleaved);
+  p.observers.push_back(counter);
+  Layer layer(c, w, p);
+  const auto in = inputs(c, 20, 18);
+  Fresh fresh(c, w, 20, in, parallel_of(Schedule::interleaved));
+  auto step = layer.forward(in.x);
+  EXPECT_EQ(counter->forwards, 1);
+  EXPECT_EQ(counter->backwards, 0);
+  const std::size_t forward_slices = counter->slices;
+  EXPECT_GT(forward_slices, 0u);
+  EXPECT_EQ(counter->kept, fresh.r.expert_counts);
+  step.backward(view(in.d_out));
+  EXPECT_EQ(counter->backwards, 1);
+  EXPECT_GT(counter->slices, forward_slices);
+  EXPECT_TRUE(bit_identical(step.out(), fresh.r.out));
+  EXPECT_TRUE(bit_identical(step.gradients(), fresh.r.grads));
+}
+
 TEST(LayerFace, BadCallsSayWhatIsWrong) {
   const LayerConfig c = small_layer(DType::fp32);
   Layer layer(c, random_weights(c, 15), parallel_of(Schedule::interleaved));

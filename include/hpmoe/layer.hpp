@@ -34,6 +34,19 @@ enum class Schedule {
   serialized,   // one operator at a time, a barrier across all workers after each (the framework way)
 };
 
+// Watches a layer's steps, as Taskflow's observers watch its executor:
+// called after every forward and every backward with the step's result
+// (routing, expert load, per-operator times; a slice per task when
+// wants_trace()). Runs on the caller's thread, after the launch; it must
+// not call the layer it watches.
+class StepObserver {
+ public:
+  virtual ~StepObserver() = default;
+  virtual bool wants_trace() const { return false; }
+  virtual void on_forward(const StepResult&) {}
+  virtual void on_backward(const StepResult&) {}
+};
+
 // Where and how the layer runs: the ranks are the spec's (LayerConfig::ranks).
 struct Parallel {
   int workers_per_rank = 1;
@@ -46,6 +59,7 @@ struct Parallel {
   bool pin = true;                       // pin workers to cores (off inside a framework's process)
   double watchdog_seconds = 10.0;        // a wait longer than this fails the step, naming task and event
   bool trace = false;                    // record a slice per task in StepResult::trace
+  std::vector<std::shared_ptr<StepObserver>> observers{};  // told of every forward and backward
 };
 
 // What a caller changed in the weights it edits through Layer::weights().

@@ -49,7 +49,8 @@ struct Layer::Shared {
     o.verify_programs = true;  // no program runs unless the verifier accepted it
     o.watchdog_seconds = parallel.watchdog_seconds;
     o.packed = packed;
-    o.trace = parallel.trace;
+    o.trace = parallel.trace || std::any_of(parallel.observers.begin(), parallel.observers.end(),
+                                            [](const auto& w) { return w && w->wants_trace(); });
     o.transport = parallel.transport;
     o.placement = parallel.placement;
     o.phased = parallel.schedule == Schedule::serialized;
@@ -151,6 +152,8 @@ Layer::Step Layer::forward(MatrixView x, std::span<const std::int32_t> forced, M
   state->result.out_into = out;
   state->result.dx_into = {};
   s_->engines[state->engine].executor->forward(x, forced, state->result);
+  for (const auto& w : s_->parallel.observers)
+    if (w) w->on_forward(state->result);
   if (!s_->parallel.backward) {  // nothing to keep for a backward
     s_->release(state->engine);
     state->holds_engine = false;
@@ -186,6 +189,8 @@ void Layer::Step::backward(MatrixView dy, MutableMatrixView dx) {
   s_->backward_done = true;
   s_->layer->release(s_->engine);
   s_->holds_engine = false;
+  for (const auto& w : s_->layer->parallel.observers)
+    if (w) w->on_backward(s_->result);
 }
 
 }  // namespace hpmoe
