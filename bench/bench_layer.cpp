@@ -12,7 +12,7 @@
 #include <chrono>
 #include <thread>
 
-#include "runtime/serialized.hpp"
+#include "runtime/interleaved.hpp"
 #include "kernels/kernels.hpp"
 
 using namespace hpmoe;
@@ -58,7 +58,7 @@ void BM_SerializedLayer(benchmark::State& state) {
   const double roofline = double(std::max(1u, std::thread::hardware_concurrency())) * tile;
   const auto w = random_weights(c, 1);
   const auto in = random_inputs(c, 1);
-  SerializedExecutor exec(c, w, RuntimeOptions{.workers_per_rank = 1, .backward = backward, .pin = true});
+  InterleavedExecutor exec(c, w, serialized_schedule(RuntimeOptions{.workers_per_rank = 1, .backward = backward, .pin = true}));
   StepResult r;
   exec.step(in, {}, r);  // warm
   double flops = 0, total = 0;

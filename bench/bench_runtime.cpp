@@ -70,7 +70,7 @@ void BM_PerTaskCost(benchmark::State& state) {
   opt.workers_per_rank = 1;
   opt.pin = true;
   InterleavedExecutor inter(c, w, opt);
-  SerializedExecutor serial(c, w, RuntimeOptions{.workers_per_rank = 1, .backward = false, .pin = true});
+  InterleavedExecutor serial(c, w, serialized_schedule(RuntimeOptions{.workers_per_rank = 1, .backward = false, .pin = true}));
   StepResult a, b;
   inter.step(in, {}, a);
   serial.step(in, {}, b);

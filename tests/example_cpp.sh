@@ -9,7 +9,8 @@ cmake --install "$BUILD_DIR" --prefix "$tmp/prefix" --component dev > /dev/null
 if grep -rhoE '#include "[a-z]+/' "$tmp/prefix/include" | grep -v '"hpmoe/' ; then
   echo "an installed header includes a header that is not installed"; exit 1
 fi
-cmake -S "$HPMOE_SOURCE_DIR/examples/cpp" -B "$tmp/build" -G Ninja -DCMAKE_PREFIX_PATH="$tmp/prefix" > /dev/null
+cmake -S "$HPMOE_SOURCE_DIR/examples/cpp" -B "$tmp/build" -G Ninja -DCMAKE_PREFIX_PATH="$tmp/prefix" \
+  -DCMAKE_CXX_FLAGS="${EXAMPLE_FLAGS:-}" -DCMAKE_EXE_LINKER_FLAGS="${EXAMPLE_FLAGS:-}" > /dev/null
 cmake --build "$tmp/build" > /dev/null
 out=$("$tmp/build/layer_step")
 echo "$out"

@@ -4,7 +4,7 @@
 
 #include <cstring>
 
-#include "runtime/serialized.hpp"
+#include "runtime/interleaved.hpp"
 #include "hpmoe/error.hpp"
 #include "hpmoe/reference.hpp"
 #include "cli/run.hpp"
@@ -151,7 +151,7 @@ TEST(Baseline, DeterministicAcrossRunsAndWorkerCounts) {
     const auto in = random_inputs(c, 9);
     RuntimeOptions one{.workers_per_rank = 1, .backward = true, .pin = false};
     RuntimeOptions two{.workers_per_rank = 2, .backward = true, .pin = false};
-    SerializedExecutor a(c, w, one), b(c, w, two);
+    InterleavedExecutor a(c, w, serialized_schedule(one)), b(c, w, two);
     const auto r1 = a.step(in), r2 = a.step(in), r3 = b.step(in);
     EXPECT_TRUE(bit_identical(r1.out, r2.out));
     EXPECT_TRUE(bit_identical(r1.grads, r2.grads));
@@ -170,8 +170,8 @@ TEST(Baseline, DeterministicAcrossRunsAndWorkerCounts) {
 TEST(Baseline, RejectsWorkerCountsAndShapes) {
   const LayerConfig c = preset("tiny");
   const auto w = random_weights(c, 1);
-  EXPECT_THROW(SerializedExecutor(c, w, RuntimeOptions{.workers_per_rank = 0, .backward = false, .pin = false}), Error);
-  SerializedExecutor ok(c, w, RuntimeOptions{.workers_per_rank = 1, .backward = false, .pin = false});
+  EXPECT_THROW(InterleavedExecutor(c, w, serialized_schedule(RuntimeOptions{.workers_per_rank = 0, .backward = false, .pin = false})), Error);
+  InterleavedExecutor ok(c, w, serialized_schedule(RuntimeOptions{.workers_per_rank = 1, .backward = false, .pin = false}));
   LayerInputs bad = random_inputs(c, 1);
   bad.x = Matrix(3, c.hidden);
   EXPECT_THROW(ok.step(bad), Error);

@@ -10,7 +10,7 @@
 #include <fstream>
 
 #include "common/atomic_file.hpp"
-#include "runtime/serialized.hpp"
+#include "runtime/interleaved.hpp"
 #include "hpmoe/error.hpp"
 #include "cli/plan.hpp"
 #include "hpmoe/safetensors.hpp"
@@ -49,7 +49,7 @@ TEST(Safetensors, RoundTripReproducesTheRun) {
   EXPECT_EQ(w2.w2[7].data, w.w2[7].data);
   EXPECT_EQ(w2.shared_w1.data, w.shared_w1.data);
   EXPECT_EQ(in2.x.data, in.x.data);
-  SerializedExecutor a(c, w, RuntimeOptions{.workers_per_rank = 1, .backward = false, .pin = false}), b(c, w2, RuntimeOptions{.workers_per_rank = 1, .backward = false, .pin = false});
+  InterleavedExecutor a(c, w, serialized_schedule(RuntimeOptions{.workers_per_rank = 1, .backward = false, .pin = false})), b(c, w2, serialized_schedule(RuntimeOptions{.workers_per_rank = 1, .backward = false, .pin = false}));
   EXPECT_EQ(a.step(in).out.data, b.step(in2).out.data);
   // Hugging Face layout: gate_proj is [I, H] and holds the first I columns of w1.
   SafetensorsFile f(dir + "/weights.safetensors");

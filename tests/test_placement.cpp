@@ -9,7 +9,7 @@
 #include <cstring>
 #include <nlohmann/json.hpp>
 
-#include "runtime/serialized.hpp"
+#include "runtime/interleaved.hpp"
 #include "hpmoe/error.hpp"
 #include "hpmoe/placement.hpp"
 #include "cli/run.hpp"
@@ -129,12 +129,12 @@ TEST_P(RandomPlacement, IsBitIdenticalToContiguous) {
   const auto w = random_weights(c, 41);
   const auto in = random_inputs(c, 41);
   const auto forced = forced_selection(c, parse_routing_spec("zipf:1.1", 4));
-  SerializedExecutor reference(c, w, RuntimeOptions{.workers_per_rank = 2, .backward = true, .pin = false});
+  InterleavedExecutor reference(c, w, serialized_schedule(RuntimeOptions{.workers_per_rank = 2, .backward = true, .pin = false}));
   StepResult expected;
   reference.step(in, forced, expected);
   for (std::uint64_t seed : {1, 2, 3}) {
     const auto placement = ExpertPlacement::random(c.routed_experts, c.ranks, seed);
-    SerializedExecutor serial(c, w, RuntimeOptions{.workers_per_rank = 1, .backward = true, .pin = false, .placement = placement});
+    InterleavedExecutor serial(c, w, serialized_schedule(RuntimeOptions{.workers_per_rank = 1, .backward = true, .pin = false, .placement = placement}));
     RuntimeOptions opt;
     opt.workers_per_rank = 2;
     opt.backward = true;

@@ -9,7 +9,7 @@
 #include <cstring>
 
 #include "compiler/access.hpp"
-#include "runtime/serialized.hpp"
+#include "runtime/interleaved.hpp"
 #include "hpmoe/error.hpp"
 #include "hpmoe/reference.hpp"
 #include "cli/run.hpp"
@@ -77,7 +77,7 @@ TEST_P(InterleavedBackward, GradientsAreBitIdenticalToSerialized) {
   const auto w = random_weights(c, 31);
   const auto in = random_inputs(c, 31);
   const auto forced = forced_selection(c, parse_routing_spec(routing == "trace" ? trace_spec() : routing, 6));
-  SerializedExecutor serial(c, w, RuntimeOptions{.workers_per_rank = workers, .backward = true, .pin = false});
+  InterleavedExecutor serial(c, w, serialized_schedule(RuntimeOptions{.workers_per_rank = workers, .backward = true, .pin = false}));
   InterleavedExecutor inter(c, w, runtime_options(workers, policy, true));
   StepResult a, b;
   serial.step(in, forced, a);
@@ -116,7 +116,7 @@ TEST_P(InterleavedForward, IsBitIdenticalToSerialized) {
   const auto w = random_weights(c, 21);
   const auto in = random_inputs(c, 21);
   const auto forced = forced_selection(c, parse_routing_spec(routing == "trace" ? trace_spec() : routing, 5));
-  SerializedExecutor serial(c, w, RuntimeOptions{.workers_per_rank = workers, .backward = false, .pin = false});
+  InterleavedExecutor serial(c, w, serialized_schedule(RuntimeOptions{.workers_per_rank = workers, .backward = false, .pin = false}));
   InterleavedExecutor inter(c, w, runtime_options(workers, policy, false));
   StepResult a, b;
   serial.step(in, forced, a);
@@ -148,7 +148,7 @@ TEST(Interleaved, CapacityDropsNoSharedExpertsSingleTokens) {
     c.tokens_per_rank = 1;
     const auto w = random_weights(c, 3);
     const auto in = random_inputs(c, 3);
-    SerializedExecutor serial(c, w, RuntimeOptions{.workers_per_rank = 2, .backward = false, .pin = false});
+    InterleavedExecutor serial(c, w, serialized_schedule(RuntimeOptions{.workers_per_rank = 2, .backward = false, .pin = false}));
     InterleavedExecutor inter(c, w, runtime_options(2, taskflow::Policy::critical_path, false));
     StepResult a, b;
     serial.step(in, {}, a);
@@ -165,7 +165,7 @@ TEST(Interleaved, OversubscribedWorkersStillFinish) {
   const auto in = random_inputs(c, 8);
   // 12 spinning workers on a 2-core machine
   InterleavedExecutor inter(c, w, runtime_options(3, taskflow::Policy::critical_path, false));
-  SerializedExecutor serial(c, w, RuntimeOptions{.workers_per_rank = 1, .backward = false, .pin = false});
+  InterleavedExecutor serial(c, w, serialized_schedule(RuntimeOptions{.workers_per_rank = 1, .backward = false, .pin = false}));
   StepResult a, b;
   serial.step(in, {}, a);
   for (int i = 0; i < 3; ++i) inter.step(in, {}, b);
@@ -290,8 +290,8 @@ TEST(PackedWeights, SharedBetweenExecutorsAndCheckedForMisuse) {
   const auto w = random_weights(c, 12);
   const auto in = random_inputs(c, 12);
   const auto packed = pack_weights(c, w, true);
-  SerializedExecutor own(c, w, RuntimeOptions{.workers_per_rank = 1, .backward = true, .pin = false});
-  SerializedExecutor shared(c, w, RuntimeOptions{.workers_per_rank = 1, .backward = true, .pin = false, .packed = packed});
+  InterleavedExecutor own(c, w, serialized_schedule(RuntimeOptions{.workers_per_rank = 1, .backward = true, .pin = false}));
+  InterleavedExecutor shared(c, w, serialized_schedule(RuntimeOptions{.workers_per_rank = 1, .backward = true, .pin = false, .packed = packed}));
   RuntimeOptions opt;
   opt.backward = true;
   opt.pin = false;
@@ -304,12 +304,12 @@ TEST(PackedWeights, SharedBetweenExecutorsAndCheckedForMisuse) {
   EXPECT_TRUE(bit_identical(a.grads, b.grads));
   EXPECT_TRUE(bit_identical(a.grads, d.grads));
   const auto other = random_weights(c, 13);
-  EXPECT_THROW(SerializedExecutor(c, other, RuntimeOptions{.workers_per_rank = 1, .backward = false, .pin = false, .packed = packed}), Error);  // other weights
+  EXPECT_THROW(InterleavedExecutor(c, other, serialized_schedule(RuntimeOptions{.workers_per_rank = 1, .backward = false, .pin = false, .packed = packed})), Error);  // other weights
   const auto forward_only = pack_weights(c, w, false);
-  EXPECT_THROW(SerializedExecutor(c, w, RuntimeOptions{.workers_per_rank = 1, .backward = true, .pin = false, .packed = forward_only}), Error);  // no transposes
+  EXPECT_THROW(InterleavedExecutor(c, w, serialized_schedule(RuntimeOptions{.workers_per_rank = 1, .backward = true, .pin = false, .packed = forward_only})), Error);  // no transposes
   LayerConfig b16 = c;
   b16.dtype = DType::bf16;
-  EXPECT_THROW(SerializedExecutor(b16, w, RuntimeOptions{.workers_per_rank = 1, .backward = false, .pin = false, .packed = packed}), Error);  // dtype
+  EXPECT_THROW(InterleavedExecutor(b16, w, serialized_schedule(RuntimeOptions{.workers_per_rank = 1, .backward = false, .pin = false, .packed = packed})), Error);  // dtype
 }
 
 // The serialized baseline is the runtime's phased mode: its results do not
@@ -328,8 +328,8 @@ TEST_P(SerializedBaseline, IsIndependentOfWorkersAndNamesOperatorsByKind) {
   const auto w = random_weights(c, 32);
   const auto in = random_inputs(c, 32);
   const auto forced = forced_selection(c, parse_routing_spec(routing == "trace" ? trace_spec() : routing, 7));
-  SerializedExecutor one(c, w, RuntimeOptions{.workers_per_rank = 1, .backward = true, .pin = false});
-  SerializedExecutor two(c, w, RuntimeOptions{.workers_per_rank = 2, .backward = true, .pin = false});
+  InterleavedExecutor one(c, w, serialized_schedule(RuntimeOptions{.workers_per_rank = 1, .backward = true, .pin = false}));
+  InterleavedExecutor two(c, w, serialized_schedule(RuntimeOptions{.workers_per_rank = 2, .backward = true, .pin = false}));
   StepResult a, b;
   one.step(in, forced, a);
   two.step(in, forced, b);
@@ -482,7 +482,7 @@ TEST(Interleaved, ForwardThenBackwardOnBorrowedViewsMatchesStep) {
     into.out_into.rows -= 1;
     EXPECT_THROW(split.forward(x, {}, into), Error);
     // The serialized baseline takes the same calls.
-    SerializedExecutor serial(c, from_hf, RuntimeOptions{.workers_per_rank = 1, .backward = true, .pin = false});
+    InterleavedExecutor serial(c, from_hf, serialized_schedule(RuntimeOptions{.workers_per_rank = 1, .backward = true, .pin = false}));
     StepResult s;
     serial.forward(x, {}, s);
     serial.backward(dout, s);
@@ -503,7 +503,7 @@ namespace {
 // one on the contiguous placement, over the same layer (forward + backward).
 struct PlacedRuns {
   PlacedRuns(const LayerConfig& c, const LayerWeights& w, const ExpertPlacement& placement, int workers)
-      : serial(c, w, serialized_options(placement, workers)),
+      : serial(c, w, serialized_schedule(serialized_options(placement, workers))),
         inter(c, w, placed_options(placement, workers)),
         plain(c, w, runtime_options(workers, taskflow::Policy::critical_path, true)) {}
   static RuntimeOptions serialized_options(const ExpertPlacement& placement, int workers) {
@@ -521,8 +521,7 @@ struct PlacedRuns {
     inter.step(in, forced, b);
     plain.step(in, forced, p);
   }
-  SerializedExecutor serial;
-  InterleavedExecutor inter, plain;
+  InterleavedExecutor serial, inter, plain;
 };
 }  // namespace
 

@@ -217,7 +217,7 @@ struct ExecutorSamples {
 // runtime. In process the baseline is its own executor; over MPI (sharded)
 // it is the runtime's phased mode on the same transport.
 struct Executors {
-  std::unique_ptr<SerializedExecutor> serial;
+  std::unique_ptr<InterleavedExecutor> serial;
   std::unique_ptr<InterleavedExecutor> inter, phased;
   bool use_serialized = false, use_interleaved = false, trace = false;
 };
@@ -237,7 +237,7 @@ Executors make_executors(const RunRequest& req, const LayerWeights& w, const Exp
   opt.packed = packed;
   opt.trace = x.trace;
   opt.placement = placement;
-  if (x.use_serialized && !sharded) x.serial = std::make_unique<SerializedExecutor>(c, w, opt);
+  if (x.use_serialized && !sharded) x.serial = std::make_unique<InterleavedExecutor>(c, w, serialized_schedule(opt));
   RuntimeOptions ropt;
   ropt.workers_per_rank = req.workers_per_rank;
   ropt.policy = req.policy;
@@ -760,7 +760,7 @@ RunReport run_sharded(const RunRequest& req, const std::function<void(const std:
   if (req.check_inprocess) {
     // The whole layer once more on the root, in process, from the same seeds
     // (or checkpoint), as the bit-for-bit reference of every MPI executor.
-    std::unique_ptr<SerializedExecutor> serial;
+    std::unique_ptr<InterleavedExecutor> serial;
     LayerWeights whole;
     LayerInputs whole_in;
     StepResult reference;
@@ -773,7 +773,7 @@ RunReport run_sharded(const RunRequest& req, const std::function<void(const std:
       opt.backward = req.backward;
       opt.pin = false;
       opt.placement = placement;
-      serial = std::make_unique<SerializedExecutor>(c, whole, opt);
+      serial = std::make_unique<InterleavedExecutor>(c, whole, serialized_schedule(opt));
       serial->step(whole_in, forced_selection(c, last_routing), reference);
     }
     for (const auto& [name, result] : {std::pair<std::string, const StepResult*>{"phased (mpi)", x.phased ? &last : nullptr},

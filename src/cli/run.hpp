@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "runtime/serialized.hpp"
+#include "runtime/interleaved.hpp"
 #include "hpmoe/config.hpp"
 #include "kernels/peak.hpp"
 #include "hpmoe/routing.hpp"

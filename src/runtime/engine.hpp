@@ -26,7 +26,7 @@
 #include "compiler/access.hpp"
 #include "hpmoe/error.hpp"
 #include "runtime/interleaved.hpp"
-#include "runtime/serialized.hpp"
+#include "runtime/interleaved.hpp"
 #include "runtime/worker_pool.hpp"
 
 namespace hpmoe {

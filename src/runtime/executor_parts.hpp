@@ -12,7 +12,7 @@
 #include <utility>
 #include <vector>
 
-#include "runtime/serialized.hpp"
+#include "runtime/interleaved.hpp"
 #include "hpmoe/config.hpp"
 #include "hpmoe/error.hpp"
 #include "kernels/kernels.hpp"

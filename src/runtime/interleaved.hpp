@@ -5,13 +5,26 @@
 #include <span>
 
 #include "runtime/options.hpp"
-#include "runtime/serialized.hpp"
+#include "hpmoe/step.hpp"
 #include "hpmoe/config.hpp"
 #include "compiler/taskflow.hpp"
 #include "hpmoe/tensors.hpp"
 #include "hpmoe/transport.hpp"
 
 namespace hpmoe {
+// The serialized schedule of the same engine: the layer the way frameworks
+// run it today, one operator at a time (permute, all-to-all, grouped GEMM,
+// SwiGLU, grouped GEMM, all-to-all, un-permute + weighted sum), each a
+// bulk-synchronous step across the P x W workers (phased: the program's
+// tasks by operator, a barrier after each). Each output tile is computed
+// whole by one worker, so results do not depend on W and are bit-identical
+// to the interleaved schedule's.
+inline RuntimeOptions serialized_schedule(RuntimeOptions opt) {
+  opt.policy = taskflow::Policy::fill;  // queues are not used: operators run in order
+  opt.phased = true;
+  return opt;
+}
+
 // The interleaved single-launch runtime, in process: every step compiles the
 // routing into per-rank tile programs (same tiles, operands and kernels as
 // the serialized baseline), verifies them, and runs them in one launch in
@@ -30,6 +43,11 @@ class InterleavedExecutor {
   // result.backward_seconds the backward one; routing, compile and
   // verification are reported as host-side operators.
   void step(const LayerInputs&, std::span<const std::int32_t> forced, StepResult& result);
+  StepResult step(const LayerInputs& in, std::span<const std::int32_t> forced = {}) {
+    StepResult result;
+    step(in, forced, result);
+    return result;
+  }
   // The same in two calls, as a training framework makes them: forward saves
   // what backward needs in the executor and in `result`; backward runs later
   // on the output gradient, with the same result object. x and d_out are

@@ -10,7 +10,7 @@
 
 #include "hpmoe/error.hpp"
 #include "runtime/interleaved.hpp"
-#include "runtime/serialized.hpp"
+#include "runtime/interleaved.hpp"
 
 namespace hpmoe {
 
@@ -53,9 +53,8 @@ struct Layer::Shared {
                                             [](const auto& w) { return w && w->wants_trace(); });
     o.transport = parallel.transport;
     o.placement = parallel.placement;
-    o.phased = parallel.schedule == Schedule::serialized;
-    o.policy = o.phased ? taskflow::Policy::fill : parallel.policy;  // phased runs operators in order
-    return o;
+    o.policy = parallel.policy;
+    return parallel.schedule == Schedule::serialized ? serialized_schedule(o) : o;
   }
 
   void note(const WeightChange& change) {
