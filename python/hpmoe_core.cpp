@@ -454,7 +454,7 @@ class ModuleLayer {
       if (name.rfind("experts.", 0) == 0) experts.push_back(static_cast<std::int32_t>(std::stol(name.substr(8))));
       else replicated = true;
     }
-    if (versions.size() != versions_.size()) replicated = true;  // a tensor appeared or went: convert all
+    if (versions.size() != versions_.size()) replicated = true;  // a tensor appeared or went (the bias buffer): the replicated ones again; new expert names are changed above
     versions_ = versions;
     if (!replicated && experts.empty()) return;
     std::sort(experts.begin(), experts.end());
