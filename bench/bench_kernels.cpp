@@ -256,7 +256,7 @@ void BM_Permute(benchmark::State& state) {
   for (auto& t : token) t = static_cast<std::int32_t>(rng.next() % static_cast<std::uint64_t>(rows));
   measure_bytes(state, 2.0 * double(rows) * double(H) * sizeof(T), [&] {
     for (std::int64_t r = 0; r < rows; ++r)
-      detail::copy_elements(out.data() + r * H, x.data() + std::int64_t{token[static_cast<std::size_t>(r)]} * H, H);
+      kernels::copy_elements(out.data() + r * H, x.data() + std::int64_t{token[static_cast<std::size_t>(r)]} * H, H);
     benchmark::DoNotOptimize(out.data());
   });
 }
@@ -272,7 +272,7 @@ void BM_Combine(benchmark::State& state) {
   for (auto& s : slots) s = static_cast<std::int64_t>(rng.next() % static_cast<std::uint64_t>(tokens * K));
   measure_bytes(state, double(tokens) * double(H) * (double(K) * sizeof(T) + 4.0), [&] {
     for (std::int64_t t = 0; t < tokens; ++t)
-      detail::combine_row<T>(out.data() + t * H, H, K, slots.data() + t * K, weights.data() + t * K, comb.data(), nullptr);
+      kernels::combine_row<T>(out.data() + t * H, H, K, slots.data() + t * K, weights.data() + t * K, comb.data(), {});
     benchmark::DoNotOptimize(out.data());
   });
 }

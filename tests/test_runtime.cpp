@@ -8,7 +8,7 @@
 #include <chrono>
 #include <cstring>
 
-#include "compiler/access.hpp"
+#include "ops/access.hpp"
 #include "runtime/interleaved.hpp"
 #include "hpmoe/error.hpp"
 #include "hpmoe/reference.hpp"

@@ -3,7 +3,7 @@
 #include <nlohmann/json.hpp>
 #include <numeric>
 
-#include "compiler/access.hpp"
+#include "ops/access.hpp"
 #include "hpmoe/error.hpp"
 #include "compiler/taskflow.hpp"
 

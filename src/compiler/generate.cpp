@@ -1,6 +1,6 @@
 #include <algorithm>
 
-#include "compiler/access.hpp"
+#include "ops/access.hpp"
 #include "hpmoe/error.hpp"
 #include "compiler/taskflow.hpp"
 #include "compiler/layout.hpp"

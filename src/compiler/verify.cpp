@@ -2,7 +2,7 @@
 #include <sstream>
 #include <tuple>
 
-#include "compiler/access.hpp"
+#include "ops/access.hpp"
 #include "hpmoe/error.hpp"
 #include "compiler/taskflow.hpp"
 #include "compiler/layout.hpp"

@@ -1,5 +1,8 @@
 #pragma once
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <initializer_list>
 #include <new>
 #include <vector>
 
@@ -199,5 +202,24 @@ void swiglu_forward(const float* h, std::int64_t inter, T* a);
 // dh from da and the saved h, one row.
 template <class T>
 void swiglu_backward(const float* h, const float* da, std::int64_t inter, T* dh);
+
+// memcpy of n elements that is defined for n == 0 (empty buffers have no data).
+template <class T>
+void copy_elements(T* dst, const T* src, std::int64_t n) {
+  if (n > 0) std::memcpy(dst, src, static_cast<std::size_t>(n) * sizeof(T));
+}
+
+// One token's combine: its K returned rows (rows[slots[k]], H wide) weighted
+// in k order, then `extra` rows added with weight 1 (the shared experts', the
+// router's; null ones skipped). slots[k] < 0: dropped. weights null: 1.
+template <class T>
+void combine_row(float* out, std::int64_t H, std::int64_t K, const std::int64_t* slots, const float* weights, const T* rows,
+                 std::initializer_list<const float*> extra) {
+  std::fill(out, out + H, 0.0f);
+  for (std::int64_t k = 0; k < K; ++k)
+    if (slots[k] >= 0) axpy<T>(weights ? weights[k] : 1.0f, rows + slots[k] * H, out, H);
+  for (const float* e : extra)
+    if (e) axpy<float>(1.0f, e, out, H);
+}
 
 }  // namespace hpmoe::kernels

@@ -23,7 +23,7 @@
 #include "runtime/executor_parts.hpp"
 #include "compiler/layout.hpp"
 #include "comm/event_wait.hpp"
-#include "compiler/access.hpp"
+#include "ops/access.hpp"
 #include "hpmoe/error.hpp"
 #include "runtime/interleaved.hpp"
 #include "runtime/interleaved.hpp"
@@ -256,13 +256,6 @@ class Interleaved final : public InterleavedExecutor::Impl {
     const taskflow::Rect& out(BufferId id) const { return get(id, taskflow::Use::write); }
   };
   TaskOperands operands_of(const taskflow::Program& p, const Task& t) const;
-  // A kernel's extent must lie inside the declared rectangle it was given.
-  static void need(const taskflow::Rect& r, std::int64_t rows, std::int64_t cols, const Task& t) {
-    if (rows > r.rows() || cols > r.cols())
-      throw Error(std::string("bounds: a ") + taskflow::name(t.kind) + " kernel touches " + std::to_string(rows) + " x " +
-                  std::to_string(cols) + " of " + taskflow::name(r.buffer) + " but the table declares " +
-                  std::to_string(r.rows()) + " x " + std::to_string(r.cols()));
-  }
 
   // The declared layout of a buffer of the program being launched on its
   // (hosted) rank, bound at the launch.
@@ -296,12 +289,6 @@ class Interleaved final : public InterleavedExecutor::Impl {
   template <class U>
   static constexpr std::int64_t pair() {
     return sizeof(U) == 2 ? 2 : 1;
-  }
-  // A panel-blocked buffer's rows [rect.r0, ...) as a kernel's right-hand operand.
-  template <class U>
-  RhsView<U> panels_from(int r, const taskflow::Program& p, const taskflow::Rect& rect) const {
-    const taskflow::BufferLayout& l = *layout_of(p, rect.buffer);
-    return RhsView<U>{base<U>(r, rect.buffer) + rect.r0 * kTileCols, kTileCols, l.rows * kTileCols};
   }
 
   // Where a put's rows go: straight into the peer's segment when this
@@ -340,66 +327,11 @@ class Interleaved final : public InterleavedExecutor::Impl {
   // operator's barrier counter before the next operator starts.
   void run_phased(int r, int w, std::size_t slot);
 
-  // A GEMM task's tile: out = A B, A and out the table's rectangles (lda and
-  // ldo their buffers' strides), B a packed weight or a buffer operand;
-  // stored as T through an fp32 tile, or accumulated-free into fp32.
-  template <class U>
-  void gemm_tile_task(int r, const taskflow::Program& p, const Task& t, const taskflow::Rect& a, RhsView<U> b,
-                      const taskflow::Rect& out, bool store_as_t) const {
-    const std::int64_t rows = t.rows, cols = t.cols;
-    need(out, rows, cols, t);
-    need(a, rows, 0, t);
-    const std::int64_t k = a.cols(), lda = ld_of(r, a.buffer), ldo = ld_of(r, out.buffer);
-    if constexpr (std::is_same_v<U, T>) {
-      if (store_as_t) {
-        tile_to<T>(at<T>(r, p, a), lda, b, t.col_begin, at<T>(r, p, out), ldo, rows, cols, k);
-        return;
-      }
-    }
-    kernels::gemm_tile<U>(at<U>(r, p, a), lda, b, t.col_begin, at<float>(r, p, out), ldo, rows, cols, k, false);
-  }
-
-  // Runs one task; true if the transport already signalled its event. Every
-  // address comes from the access table's rectangles of the program's
-  // declared buffers; the kernels' extents are checked against them.
+  // Runs one task through the op table (ops/op.hpp); true if the transport
+  // already signalled its event. Every address comes from the access
+  // table's rectangles of the program's declared buffers.
   bool execute(int r, std::size_t slot, const Task& t);
-
-  // A declared reduction's target rows (part 0's partials) plus parts
-  // 1..k-1's rows, in part order, accumulated in fp32 and stored once.
-  void reduce_parts(int r, const taskflow::Program& p, const Task& t, BufferId buffer);
-
-  // The backward tasks, each the same arithmetic as the serialized
-  // baseline's operator over the same rows (see serialized.cpp).
-  bool execute_backward(int r, std::size_t slot, const Task& t, const taskflow::Program& p, const TaskOperands& o);
-
-  // `rows` rows of row-major src [., n] into rows [row0, row0 + rows) of a
-  // panel-blocked buffer `height` rows high (kernels::pack_rhs_panels writes
-  // the same bytes), then `zero_rows` rows of zeros (K padding); columns
-  // past n in the last panel are zero.
-  template <class U>
-  static void pack_rows_into_panels(const U* src, std::int64_t ld_src, std::int64_t rows, std::int64_t n, U* panels_base,
-                                    std::int64_t height, std::int64_t row0, std::int64_t zero_rows) {
-    const bool vnni = kernels::vnni_layout<U>();
-    for (std::int64_t p = 0; p < panels(n); ++p) {
-      U* panel = panels_base + p * height * kTileCols;
-      for (std::int64_t i = 0; i < rows + zero_rows; ++i) {
-        const std::int64_t rr = row0 + i;
-        for (std::int64_t j = 0; j < kTileCols; ++j) {
-          const std::int64_t col = p * kTileCols + j;
-          panel[kernels::rhs_index(rr, j, kTileCols, vnni)] = i < rows && col < n ? src[i * ld_src + col] : U{};
-        }
-      }
-    }
-  }
-
-  // A GEMM tile whose result is stored as T (through an fp32 scratch tile).
-  template <class U>
-  static void tile_to(const U* a, std::int64_t lda, RhsView<U> b, std::int64_t col0, U* out, std::int64_t ldo,
-                      std::int64_t m, std::int64_t n, std::int64_t k) {
-    float scratch[kernels::kMaxTileRows * kTileCols];
-    kernels::gemm_tile<U>(a, lda, b, col0, scratch, kTileCols, m, n, k, false);
-    for (std::int64_t row = 0; row < m; ++row) kernels::store<U>(scratch + row * kTileCols, out + row * ldo, n);
-  }
+  class TileHost;  // what a task's body may ask of the engine (engine_tile.cpp)
 
   LayerConfig c_;
   const LayerWeights& w_;

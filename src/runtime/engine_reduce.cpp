@@ -103,20 +103,6 @@ void Interleaved<T>::reduce_replicated(StepResult& res) {
   }
 }
 
-template <class T>
-void Interleaved<T>::reduce_parts(int r, const taskflow::Program& p, const Task& t, BufferId buffer) {
-  const taskflow::Reduction* red = p.reduction_at(t.row_begin);  // the access table has checked it
-  const std::int64_t H = c_.hidden, ld = ld_of(r, buffer);
-  T* rows = base<T>(r, buffer);
-  std::vector<float> acc(static_cast<std::size_t>(H));
-  for (std::int64_t j = 0; j < t.rows; ++j) {
-    T* target = rows + (t.row_begin + j) * ld;
-    kernels::load<T>(target, acc.data(), H);
-    for (std::int64_t part = 1; part < red->parts; ++part) kernels::axpy<T>(1.0f, target + part * red->rows * ld, acc.data(), H);
-    kernels::store<T>(acc.data(), target, H);
-  }
-}
-
 // Instantiations of the members above.
 template std::vector<float>& Interleaved<float>::replica_partial(int r, std::int32_t e, bool w1);
 template std::vector<float>& Interleaved<bf16>::replica_partial(int r, std::int32_t e, bool w1);
@@ -126,7 +112,5 @@ template void Interleaved<float>::assemble_split_gradients(StepResult& res);
 template void Interleaved<bf16>::assemble_split_gradients(StepResult& res);
 template void Interleaved<float>::reduce_replicated(StepResult& res);
 template void Interleaved<bf16>::reduce_replicated(StepResult& res);
-template void Interleaved<float>::reduce_parts(int r, const taskflow::Program& p, const Task& t, BufferId buffer);
-template void Interleaved<bf16>::reduce_parts(int r, const taskflow::Program& p, const Task& t, BufferId buffer);
 
 }  // namespace hpmoe::detail

@@ -261,12 +261,6 @@ struct GemmTile {
   bool accumulate;
 };
 
-// memcpy of n elements that is defined for n == 0 (empty buffers have no data).
-template <class T>
-void copy_elements(T* dst, const T* src, std::int64_t n) {
-  if (n > 0) std::memcpy(dst, src, static_cast<std::size_t>(n) * sizeof(T));
-}
-
 // Column panels of an operand n wide, and n rounded up to whole panels.
 inline std::int64_t panels(std::int64_t n) { return (n + kTileCols - 1) / kTileCols; }
 inline std::int64_t round_up(std::int64_t n) { return panels(n) * kTileCols; }
@@ -274,29 +268,6 @@ inline std::int64_t round_up(std::int64_t n) { return panels(n) * kTileCols; }
 // Rows [begin, end) of n split evenly over W workers.
 inline std::pair<std::int64_t, std::int64_t> share(std::int64_t n, int worker, int workers) {
   return {n * worker / workers, n * (worker + 1) / workers};
-}
-
-// One token's output: its K expert rows weighted in k order, then the shared
-// experts' row (null when none). slots[k] < 0: dropped.
-template <class T>
-void combine_row(float* out, std::int64_t H, std::int64_t K, const std::int64_t* slots, const float* weights,
-                 const T* comb, const float* shared_row) {
-  std::fill(out, out + H, 0.0f);
-  for (std::int64_t k = 0; k < K; ++k)
-    if (slots[k] >= 0) kernels::axpy<T>(weights[k], comb + slots[k] * H, out, H);
-  if (shared_row) kernels::axpy<float>(1.0f, shared_row, out, H);
-}
-
-// One token's dx: its K returned rows in k order, then the router's part,
-// then the shared experts' (null when none).
-template <class T>
-void assemble_dx_row(float* dx, std::int64_t H, std::int64_t K, const std::int64_t* slots, const T* dcomb,
-                     const float* router_row, const float* shared_row) {
-  std::fill(dx, dx + H, 0.0f);
-  for (std::int64_t k = 0; k < K; ++k)
-    if (slots[k] >= 0) kernels::axpy<T>(1.0f, dcomb + slots[k] * H, dx, H);
-  kernels::axpy<float>(1.0f, router_row, dx, H);
-  if (shared_row) kernels::axpy<float>(1.0f, shared_row, dx, H);
 }
 
 // Runs a rank's tile list on worker w of W (tile i goes to worker i mod W).

@@ -10,7 +10,7 @@
 #include "hpmoe/step.hpp"
 #include "hpmoe/config.hpp"
 #include "hpmoe/routing.hpp"
-#include "compiler/access.hpp"
+#include "ops/access.hpp"
 #include "compiler/taskflow.hpp"
 
 // The discrete-event simulator: the programs the compiler emits, and the

@@ -1,32 +1,17 @@
+// Program dumps (JSON, read back with every field checked), listings, and
+// the schedule policies' names.
 #include <algorithm>
 #include <array>
-#include <charconv>
-#include <nlohmann/json.hpp>
 #include <limits>
+#include <nlohmann/json.hpp>
 #include <sstream>
 
-#include "compiler/access.hpp"
-#include "hpmoe/error.hpp"
 #include "compiler/taskflow.hpp"
+#include "hpmoe/error.hpp"
 
 namespace hpmoe::taskflow {
 
 namespace {
-constexpr std::array<const char*, static_cast<std::size_t>(TaskKind::count)> kTaskNames = {
-    "dispatch_put", "gemm_gate_up", "swiglu", "gemm_down", "combine_put", "combine_reduce", "shared_gate_up",
-    "shared_swiglu", "shared_down", "gate_grad", "router_bwd", "router_dgrad", "router_wgrad", "grad_dispatch_put",
-    "gemm_down_dgrad", "pack_down_grad", "gemm_down_wgrad", "swiglu_bwd", "gemm_gate_up_dgrad", "pack_gate_up_grad",
-    "gemm_gate_up_wgrad", "grad_combine_put", "shared_down_dgrad", "pack_shared_down_grad", "shared_down_wgrad",
-    "shared_swiglu_bwd", "shared_gate_up_dgrad", "pack_shared_gate_up_grad", "shared_gate_up_wgrad", "grad_reduce",
-    "part_reduce", "grad_part_reduce"};
-constexpr std::array<const char*, static_cast<std::size_t>(BufferId::count)> kBufferNames = {
-    "none", "x", "recv", "h1", "a", "y", "comb", "out", "sh_h", "sh_a", "sh_y", "dout", "gw", "dlogits", "xtf", "rdx",
-    "dwg", "dy", "da", "dyp", "at", "dw2", "dh", "dxe", "dhp", "xt", "dw1", "dcomb", "sh_da", "sh_doutp", "sh_at",
-    "sh_xt", "dws2", "sh_dh", "sdx", "sh_dhp", "dws1", "dx", "xf", "slot", "gate", "send_token", "send_assign",
-    "logits", "sh_dout"};
-constexpr std::array<const char*, 3> kRegionNames = {"symmetric", "local", "bound"};
-constexpr std::array<const char*, 2> kLayoutNames = {"row_major", "panels"};
-
 // An integer field of a dump as T, or an Error naming it: JSON's
 // get<int32_t>() would truncate 4294967296 to 0 without a word.
 template <class T>
@@ -43,114 +28,14 @@ T integer(const nlohmann::json& v, const std::string& what) {
               " bits");
 }
 
-template <class Enum, std::size_t N>
-Enum enum_from(const std::array<const char*, N>& names, const std::string& s, const char* what) {
-  for (std::size_t i = 0; i < N; ++i)
-    if (s == names[i]) return static_cast<Enum>(i);
+// The value of an enum (of n values) whose name() is s.
+template <class Enum>
+Enum enum_from(std::size_t n, const std::string& s, const char* what) {
+  for (std::size_t i = 0; i < n; ++i)
+    if (s == name(static_cast<Enum>(i))) return static_cast<Enum>(i);
   throw Error(std::string("program dump: unknown ") + what + " '" + s + "'");
 }
 }  // namespace
-
-const char* name(TaskKind k) { return kTaskNames.at(static_cast<std::size_t>(k)); }
-const char* name(BufferId b) { return kBufferNames.at(static_cast<std::size_t>(b)); }
-const char* name(Region r) { return kRegionNames.at(static_cast<std::size_t>(r)); }
-const char* name(Layout l) { return kLayoutNames.at(static_cast<std::size_t>(l)); }
-
-std::int64_t Program::region_bytes(Region region) const {
-  std::int64_t end = 0;
-  for (const auto& b : buffers)
-    if (b.region == region) end = std::max(end, b.offset_bytes + b.bytes());
-  return end;
-}
-
-const char* name(QueueClass c) { return c == QueueClass::matrix ? "matrix" : "vector"; }
-
-
-
-bool is_put(TaskKind k) { return AccessTable::standard()[k].put; }
-
-ExpertHome expert_home(TaskKind k) { return AccessTable::standard()[k].expert_home; }
-
-const std::vector<TaskKind>& operator_order(Pass pass) {
-  using K = TaskKind;
-  static const std::vector<TaskKind> forward{K::dispatch_put,   K::gemm_gate_up,  K::swiglu,
-                                             K::gemm_down,      K::shared_gate_up, K::shared_swiglu,
-                                             K::shared_down,    K::combine_put,    K::part_reduce,
-                                             K::combine_reduce};
-  static const std::vector<TaskKind> backward{
-      K::gate_grad,          K::router_bwd,         K::router_dgrad,          K::router_wgrad,
-      K::grad_dispatch_put,  K::gemm_down_dgrad,    K::pack_down_grad,        K::gemm_down_wgrad,
-      K::swiglu_bwd,         K::gemm_gate_up_dgrad, K::pack_gate_up_grad,     K::gemm_gate_up_wgrad,
-      K::shared_down_dgrad,  K::pack_shared_down_grad, K::shared_down_wgrad,  K::shared_swiglu_bwd,
-      K::shared_gate_up_dgrad, K::pack_shared_gate_up_grad, K::shared_gate_up_wgrad,
-      K::grad_combine_put,   K::grad_part_reduce,   K::grad_reduce};
-  return pass == Pass::forward ? forward : backward;
-}
-
-QueueClass queue_class(TaskKind k) { return AccessTable::standard()[k].queue; }
-
-bool Machine::takes(int worker, QueueClass c) const {
-  if (worker < matrix_workers) return c == QueueClass::matrix;
-  if (worker < matrix_workers + vector_workers) return c == QueueClass::vector;
-  return worker < workers();
-}
-
-namespace {
-int parse_count(const std::string& spec, const std::string& text, int lo, int hi) {
-  int v = 0;
-  auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
-  if (ec != std::errc{} || end != text.data() + text.size() || v < lo || v > hi)
-    throw Error("machine '" + spec + "': '" + text + "' must be an integer between " + std::to_string(lo) + " and " +
-                std::to_string(hi));
-  return v;
-}
-}  // namespace
-
-Machine cpu_machine(int workers) {
-  if (workers < 1 || workers > 256) throw Error("a cpu machine needs 1 to 256 workers per rank (got " + std::to_string(workers) + ")");
-  Machine m;
-  m.name = "cpu";
-  m.unified_workers = workers;
-  return m;
-}
-
-Machine accel_machine(int matrix_workers, int vector_workers) {
-  if (matrix_workers < 1 || matrix_workers > 1024 || vector_workers < 1 || vector_workers > 1024)
-    throw Error("an accelerator needs 1 to 1024 matrix and vector workers per rank (got " + std::to_string(matrix_workers) +
-                " and " + std::to_string(vector_workers) + ")");
-  Machine m;
-  m.name = "accel";
-  m.unified_workers = 0;
-  m.matrix_workers = matrix_workers;
-  m.vector_workers = vector_workers;
-  return m;
-}
-
-Machine parse_machine(const std::string& spec) {
-  std::vector<std::string> parts;
-  std::stringstream in(spec);
-  for (std::string part; std::getline(in, part, ':');) parts.push_back(part);
-  Machine m;
-  auto tile = [&](const std::string& text) {
-    const auto x = text.find('x');
-    if (x == std::string::npos) throw Error("machine '" + spec + "': tile '" + text + "' must be ROWSxCOLS, e.g. 64x64");
-    m.tile_rows = parse_count(spec, text.substr(0, x), 1, 1 << 16);
-    m.tile_cols = parse_count(spec, text.substr(x + 1), 1, 1 << 16);
-    if (m.tile_cols % 64 != 0 && m.tile_cols != 64)
-      throw Error("machine '" + spec + "': tile columns must be a multiple of 64 (the kernels' operand panels)");
-  };
-  if (!parts.empty() && parts[0] == "cpu" && (parts.size() == 2 || parts.size() == 3)) {
-    m = cpu_machine(static_cast<int>(parse_count(spec, parts[1], 1, 256)));
-    if (parts.size() == 3) tile(parts[2]);
-  } else if (!parts.empty() && parts[0] == "accel" && (parts.size() == 3 || parts.size() == 4)) {
-    m = accel_machine(static_cast<int>(parse_count(spec, parts[1], 1, 1024)),
-                      static_cast<int>(parse_count(spec, parts[2], 1, 1024)));
-    if (parts.size() == 4) tile(parts[3]);
-  } else {
-    throw Error("unknown machine '" + spec + "' (use cpu:W[:RxC] or accel:MATRIX:VECTOR[:RxC])");
-  }
-  return m;
-}
 
 Policy parse_policy(const std::string& s) {
   if (s == "fill") return Policy::fill;
@@ -319,27 +204,27 @@ Program program_from_json(const nlohmann::json& j) {
       }
     }
     for (const auto& b : j.at("buffers"))
-      p.buffers.push_back(BufferLayout{enum_from<BufferId>(kBufferNames, b.at("id").get<std::string>(), "buffer"),
+      p.buffers.push_back(BufferLayout{enum_from<BufferId>(std::size_t(BufferId::count), b.at("id").get<std::string>(), "buffer"),
                                        b.at("rows").get<std::int64_t>(), b.at("cols").get<std::int64_t>(),
                                        b.at("elem_bytes").get<std::int64_t>(), b.at("offset_bytes").get<std::int64_t>(),
-                                       enum_from<Region>(kRegionNames, b.at("region").get<std::string>(), "region"),
-                                       enum_from<Layout>(kLayoutNames, b.at("layout").get<std::string>(), "layout")});
+                                       enum_from<Region>(3, b.at("region").get<std::string>(), "region"),
+                                       enum_from<Layout>(2, b.at("layout").get<std::string>(), "layout")});
     for (const auto& e : j.at("events")) {
       if (!e.is_array() || e.size() != 4) throw Error("program dump: an event must be [required, consumer, expert, tile]");
-      p.events.push_back(Event{e[0].get<std::int32_t>(), enum_from<TaskKind>(kTaskNames, e[1].get<std::string>(), "task kind"),
+      p.events.push_back(Event{e[0].get<std::int32_t>(), enum_from<TaskKind>(std::size_t(TaskKind::count), e[1].get<std::string>(), "task kind"),
                                e[2].get<std::int32_t>(), e[3].get<std::int32_t>()});
       if (p.events.back().required < 0) throw Error("program dump: negative required count");
     }
     for (const auto& t : j.at("tasks")) {
       if (!t.is_array() || t.size() != 14) throw Error("program dump: a task must have 14 fields (see task_fields)");
-      const TaskKind kind = enum_from<TaskKind>(kTaskNames, t[0].get<std::string>(), "task kind");
+      const TaskKind kind = enum_from<TaskKind>(std::size_t(TaskKind::count), t[0].get<std::string>(), "task kind");
       const auto field = [&](std::size_t i) {
         static const char* names[] = {"kind", "src", "dst", "expert", "peer", "row_begin", "rows", "col_begin", "cols",
                                       "src_row", "wait_event", "wait_count", "trigger_event"};
         return integer<std::int32_t>(t[i], "task " + std::to_string(p.tasks.size()) + " " + names[i]);
       };
-      Task task{kind, queue_class(kind), enum_from<BufferId>(kBufferNames, t[1].get<std::string>(), "buffer"),
-                enum_from<BufferId>(kBufferNames, t[2].get<std::string>(), "buffer"), field(3), field(4), field(5), field(6),
+      Task task{kind, queue_class(kind), enum_from<BufferId>(std::size_t(BufferId::count), t[1].get<std::string>(), "buffer"),
+                enum_from<BufferId>(std::size_t(BufferId::count), t[2].get<std::string>(), "buffer"), field(3), field(4), field(5), field(6),
                 field(7), field(8), field(9), field(10), field(11), field(12)};
       // Rectangles are computed in 64 bits, but a row or column end must
       // also be an int32 for the executor's views.

@@ -2,6 +2,7 @@
 // The per-kind access table: for every task kind, which buffers it reads and
 // writes (a row and column rectangle each, as a function of the task's
 // fields and the program's layout), on which rank, and how much work it is.
+// Its entries are the op families' (ops/*.cpp, listed by ops/table.cpp).
 // It is the one description of what a task does to memory: the verifier's
 // coverage, race and conflict checks, the CPU executor's operand addresses,
 // the simulator's costs and the scheduler's cost model all come from it.
@@ -9,12 +10,24 @@
 #include <cstdint>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "hpmoe/error.hpp"
 
-#include "compiler/taskflow.hpp"
+#include "ir/ir.hpp"
 
 namespace hpmoe::taskflow {
+
+// What the op table (ops/table.cpp) says of each kind.
+const char* name(TaskKind);
+QueueClass queue_class(TaskKind);
+// A put to a peer (dispatch, combine and their gradients): an all-to-all in
+// the serialized operator sequence.
+bool is_put(TaskKind);
+ExpertHome expert_home(TaskKind);
+// The serialized baseline's operator sequence over the same tiles: one task
+// kind per operator, in the order a framework runs them.
+const std::vector<TaskKind>& operator_order(Pass);
 
 // accumulate: a declared reduction's target, read and then written
 // (dst += ...); visited as both a read and a write.

@@ -1,0 +1,248 @@
+#pragma once
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "model/format.hpp"
+
+// The taskflow IR: tasks (44-byte tiles of work), event counters, declared
+// buffers, machines and per-rank programs. A task waits for one event
+// counter to reach a count, runs, and adds one to one counter (on a peer
+// rank for a put); nothing else orders tasks. What each task kind reads,
+// writes and costs is the op table's (ops/access.hpp); the compiler
+// (compiler/taskflow.hpp) generates, schedules and verifies programs.
+namespace hpmoe::taskflow {
+
+
+enum class QueueClass : std::uint8_t { matrix, vector };
+
+enum class TaskKind : std::uint8_t {
+  // forward
+  dispatch_put,      // gather row tile of x by slot, put into the owner's RECV, signal
+  gemm_gate_up,      // H1[rows, cols] = RECV[rows] W1_e
+  swiglu,            // A[rows] = swiglu(H1[rows])
+  gemm_down,         // Y[rows, cols] = A[rows] W2_e
+  combine_put,       // put Y rows back into the source's COMB, signal
+  combine_reduce,    // OUT[tokens] = sum_k w COMB[slot] (+ SH_Y), fixed k order
+  shared_gate_up,    // SH_H[tokens, cols] = X W1s
+  shared_swiglu,     // SH_A[tokens] = swiglu(SH_H[tokens])
+  shared_down,       // SH_Y[tokens, cols] = SH_A Ws2
+  // backward
+  gate_grad,            // GW[tokens] = <DOUT, COMB[slot]> per (t, k)
+  router_bwd,           // DLOGITS[tokens] from GW (+ aux, z-loss); XTF columns = x^T
+  router_dgrad,         // RDX[tokens, cols] = DLOGITS Wg^T
+  router_wgrad,         // DWG tile = XTF DLOGITS over the rank's tokens
+  grad_dispatch_put,    // put w * DOUT rows into the owner's DY, signal
+  gemm_down_dgrad,      // DA[rows, cols] = DY[rows] W2_e^T
+  pack_down_grad,       // DY row tile -> DYP panels, A row tile -> AT columns
+  gemm_down_wgrad,      // DW2_e tile = AT_e DYP_e over all rows of e
+  swiglu_bwd,           // DH[rows] from H1, DA
+  gemm_gate_up_dgrad,   // DXE[rows, cols] = DH[rows] W1_e^T
+  pack_gate_up_grad,    // DH row tile -> DHP panels, RECV row tile -> XT columns
+  gemm_gate_up_wgrad,   // DW1_e tile = XT_e DHP_e over all rows of e
+  grad_combine_put,     // put DXE rows back into the source's DCOMB, signal
+  shared_down_dgrad,    // SH_DA[tokens, cols] = DOUT Ws2^T
+  pack_shared_down_grad,// DOUT -> SH_DOUTP panels, SH_A -> SH_AT
+  shared_down_wgrad,    // DWS2 tile = SH_AT SH_DOUTP
+  shared_swiglu_bwd,    // SH_DH[tokens] from SH_H, SH_DA
+  shared_gate_up_dgrad, // SDX[tokens, cols] = SH_DH Ws1^T
+  pack_shared_gate_up_grad, // SH_DH -> SH_DHP panels, x -> SH_XT
+  shared_gate_up_wgrad, // DWS1 tile = SH_XT SH_DHP
+  grad_reduce,          // DX[tokens] = sum_k DCOMB[slot] + RDX + SDX, fixed order
+  // tensor-parallel split experts (a declared reduction, Program::reductions)
+  part_reduce,          // COMB[part 0 rows] += COMB[part p rows], p = 1, 2, ... in order
+  grad_part_reduce,     // DCOMB[part 0 rows] += DCOMB[part p rows], the same
+  count
+};
+
+// Every buffer a task touches. A program declares each one it uses (see
+// BufferLayout); the access table says which rectangle of which a task reads
+// and writes.
+enum class BufferId : std::uint8_t {
+  none,
+  // forward (the backward pass reads them as saved activations)
+  x, recv, h1, a, y, comb, out, sh_h, sh_a, sh_y,
+  // backward
+  dout, gw, dlogits, xtf, rdx, dwg, dy, da, dyp, at, dw2, dh, dxe, dhp, xt, dw1, dcomb,
+  sh_da, sh_doutp, sh_at, sh_xt, dws2, sh_dh, sdx, sh_dhp, dws1, dx,
+  // the caller's fp32 tokens; the step's routing, written by the host before
+  // a launch: the send row of each (token, k) or -1 (int64), its gate
+  // weight, the token of each send row (int32) and its assignment t K + k
+  // (int64); the router's logits
+  xf, slot, gate, send_token, send_assign, logits,
+  // dout in the layer's dtype (the shared experts' GEMM operand)
+  sh_dout,
+  count
+};
+
+const char* name(BufferId);
+const char* name(QueueClass);
+// Where the expert a task names must live: nowhere (the task has none), on
+// the task's rank (expert compute, puts of expert outputs), or on the peer
+// it puts to (dispatch).
+enum class ExpertHome : std::uint8_t { none, own_rank, peer };
+
+// One tile of work: 44 bytes, no pointers, no allocation.
+struct Task {
+  TaskKind kind;
+  QueueClass queue;
+  BufferId src;           // main operand read
+  BufferId dst;           // written
+  std::int32_t expert;    // global expert id, -1 if none
+  std::int32_t peer;      // rank whose dst buffer (and trigger event) a put targets; own rank otherwise
+  std::int32_t row_begin; // output rows [row_begin, row_begin + rows) in dst (for puts: in the peer's buffer)
+  std::int32_t rows;
+  std::int32_t col_begin; // output columns
+  std::int32_t cols;
+  std::int32_t src_row;   // first row read in src (puts, gathers)
+  std::int32_t wait_event;     // -1: none
+  std::int32_t wait_count;     // counter value the wait needs
+  std::int32_t trigger_event;  // on rank `peer` for puts, own rank otherwise; -1: none
+};
+static_assert(sizeof(Task) <= 48 && std::is_trivially_copyable_v<Task>, "Task must stay a small POD");
+
+// What an event counts, for messages that name it.
+struct Event {
+  std::int32_t required;  // triggers that complete it
+  TaskKind consumer;      // the kind of task that waits on it
+  std::int32_t expert;    // -1 if none
+  std::int32_t tile;      // row tile (or -1)
+};
+
+// Where a buffer lives. Symmetric: in the rank's segment, at the same
+// offset on every rank, so a put can address a peer's copy. Local: in memory
+// only the rank itself touches. Bound: memory the caller owns (inputs,
+// outputs, gradients), which the executor binds at launch.
+enum class Region : std::uint8_t { symmetric, local, bound };
+// Row-major with a leading dimension of `cols`; or panel-blocked, the
+// kernels' right-hand-operand layout: column panels of kPanelCols, each
+// rows x kPanelCols (bf16 in row pairs), panel p at p x rows x kPanelCols.
+enum class Layout : std::uint8_t { row_major, panels };
+inline constexpr std::int64_t kPanelCols = 64;
+
+// What one of a rank's expert slots computes: the whole expert, or part
+// `part` of `parts` of a tensor-parallel split, the intermediate columns
+// [inter_begin, inter_begin + inter). Its buffers keep the layer's full
+// widths; a part uses the first `inter` (gate/up: 2 inter) columns.
+struct SlotPart {
+  std::int64_t inter_begin = 0, inter = 0;
+  std::int32_t part = 0, parts = 1;
+  friend bool operator==(const SlotPart&, const SlotPart&) = default;
+};
+
+// A declared reduction in a source rank's COMB (forward) or DCOMB
+// (backward): a split expert's k parts each return their partial rows into
+// their own block, [row_begin + p rows, + rows) for part p; part_reduce
+// tasks add parts 1..k-1 in order into part 0's block, which the combine
+// then reads. The verifier knows that these accumulating writes follow the
+// parts' puts, and that each target element is reduced exactly once.
+struct Reduction {
+  std::int32_t expert = -1, parts = 0;
+  std::int64_t row_begin = 0, rows = 0;
+  friend bool operator==(const Reduction&, const Reduction&) = default;
+};
+
+struct BufferLayout {
+  BufferId id;
+  std::int64_t rows, cols, elem_bytes;
+  std::int64_t offset_bytes;  // in its region (none for bound buffers)
+  Region region = Region::symmetric;
+  Layout layout = Layout::row_major;
+  std::int64_t bytes() const { return rows * cols * elem_bytes; }
+};
+const char* name(Region);
+const char* name(Layout);
+
+// Workers of one rank: matrix-only, vector-only and unified (take both).
+struct Machine {
+  std::string name = "cpu";
+  int matrix_workers = 0;
+  int vector_workers = 0;
+  int unified_workers = 1;
+  std::int64_t tile_rows = 64, tile_cols = 64;
+  // Rows of a weight-gradient output tile (tiles of [H, 2I], [I, H], ...,
+  // whose K is the rows of a step); 0: tile_rows. Token row tiles and weight
+  // tiles need not be alike: tall token tiles reuse each weight panel over
+  // more rows, while weight tiles with a short K prefer to stay small.
+  std::int64_t weight_tile_rows = 0;
+  std::int64_t weight_rows() const { return weight_tile_rows > 0 ? weight_tile_rows : tile_rows; }
+  // Columns of a weight-gradient task (a multiple of tile_cols; 0:
+  // tile_cols). With a short K such a task is bound by writing its output,
+  // and on a CPU the output tile next to another core's in the same rows
+  // costs twice as much (the line prefetcher pulls the neighbour's lines):
+  // a worker takes a strip of whole rows and walks along it.
+  std::int64_t weight_tile_cols = 0;
+  std::int64_t weight_cols() const { return weight_tile_cols > 0 ? weight_tile_cols : tile_cols; }
+  // Cost model: seconds = flops / matrix_flops (GEMM) or bytes / vector_bytes_per_s, + overhead.
+  double matrix_flops = 100e9, vector_bytes_per_s = 20e9, put_bytes_per_s = 20e9, task_overhead_s = 0.2e-6;
+  // Vector-class workers that carry puts, the first ones of the class (0:
+  // all): where the issuing unit moves the bytes itself, a few units fill the
+  // link and the others stay free for vector work. The list-scheduling
+  // policies keep puts on these and other vector tasks off them.
+  int put_workers = 0;
+
+  int workers() const { return matrix_workers + vector_workers + unified_workers; }
+  bool takes(int worker, QueueClass c) const;  // workers: matrix..., vector..., unified...
+};
+// W unified workers per rank; M matrix + V vector workers per rank.
+Machine cpu_machine(int workers);
+Machine accel_machine(int matrix_workers, int vector_workers);
+// "cpu:W[:RxC]" or "accel:M:V[:RxC]" (the CLI's --machine).
+Machine parse_machine(const std::string& spec);
+
+enum class Pass { forward, backward };
+
+// Layer sizes a program's tasks refer to.
+struct Dims {
+  std::int64_t hidden = 0, inter = 0, shared_inter = 0, experts = 0, top_k = 0, tokens = 0;
+  std::int64_t elem_bytes = 4;  // of the layer's dtype (activations, weights)
+};
+
+// A rank's program for one pass of one step.
+struct Program {
+  int version = kFormatVersion;
+  Pass pass = Pass::forward;
+  std::int32_t rank = 0, ranks = 1;
+  Machine machine;
+  Dims dims;
+  std::vector<std::int32_t> local_experts;  // [L] this rank's experts (global ids) in slot order
+  std::vector<std::int32_t> expert_slot;    // [E] slot of each expert on this rank, -1 if it lives elsewhere
+  std::vector<std::int64_t> expert_begin;   // [L + 1] rows of each local slot in RECV
+  std::vector<std::int64_t> kpad_begin;     // [L + 1] the same in the weight-gradient operands (bf16: even counts)
+  std::vector<SlotPart> slot_parts;         // [L] what each local slot computes
+  std::int64_t send_rows = 0;               // rows this rank's tokens send (COMB rows)
+  std::vector<Reduction> reductions;        // split experts' partial rows in COMB / DCOMB, by row_begin
+  std::vector<Task> tasks;
+  std::vector<float> cost;                // seconds per task (cost model)
+  std::vector<std::int32_t> queue_begin;  // [workers + 1] into queue_tasks
+  std::vector<std::int32_t> queue_tasks;  // task ids, per worker in execution order
+  std::vector<Event> events;
+  std::vector<BufferLayout> buffers;
+
+  // The declared buffer `id`, or null.
+  const BufferLayout* buffer(BufferId id) const {
+    for (const auto& b : buffers)
+      if (b.id == id) return &b;
+    return nullptr;
+  }
+  // Bytes of a region this program's buffers span.
+  std::int64_t region_bytes(Region) const;
+
+  // The declared reduction whose target block (part 0) holds `row`, or null.
+  const Reduction* reduction_at(std::int64_t row) const {
+    auto it = std::upper_bound(reductions.begin(), reductions.end(), row,
+                               [](std::int64_t r, const Reduction& x) { return r < x.row_begin; });
+    if (it == reductions.begin()) return nullptr;
+    --it;
+    return row < it->row_begin + it->rows ? &*it : nullptr;
+  }
+  // Slot of `expert` on this rank; -1 if it is not here (or not an expert).
+  std::int64_t slot_of(std::int64_t expert) const {
+    return expert >= 0 && expert < static_cast<std::int64_t>(expert_slot.size()) ? expert_slot[static_cast<std::size_t>(expert)]
+                                                                                  : -1;
+  }
+};
+
+}  // namespace hpmoe::taskflow

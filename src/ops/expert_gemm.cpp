@@ -1,0 +1,52 @@
+// The experts' GEMM tiles against packed weights: gate/up and down, forward
+// and their data gradients, for the routed experts (rows in the receive
+// order, the slot's weights) and the shared experts (the rank's token rows,
+// the shared weights). One body: out = rows x weight, the weight a template
+// argument of the kind.
+#include "ops/op.hpp"
+
+namespace hpmoe::ops {
+namespace {
+using namespace rules;
+
+// out[rows, cols] = A[rows] weight; stored in the layer's dtype when the
+// next operand reads it so (the down projection's Y, the gate/up's DXE).
+template <class T, Weight w, bool store_in_dtype>
+bool weight_gemm(const Tile<T>& tile) {
+  tile.gemm(tile.read(0), tile.host.weight(w, tile.task.expert), tile.write(0), store_in_dtype);
+  return false;
+}
+
+constexpr OpKind kKinds[] = {
+    // forward
+    {TaskKind::gemm_gate_up, "gemm_gate_up", Pass::forward, 10,
+     gemm_kind({band(B::recv, X::hidden), tile(B::h1)}, X::hidden, kOwn),
+     weight_gemm<float, Weight::w1, false>, weight_gemm<bf16, Weight::w1, false>},
+    {TaskKind::gemm_down, "gemm_down", Pass::forward, 30,
+     gemm_kind({band(B::a, X::expert_inter), tile(B::y)}, X::expert_inter, kOwn),
+     weight_gemm<float, Weight::w2, true>, weight_gemm<bf16, Weight::w2, true>},
+    {TaskKind::shared_gate_up, "shared_gate_up", Pass::forward, 40,
+     gemm_kind({band(B::x, X::hidden), tile(B::sh_h)}, X::hidden),
+     weight_gemm<float, Weight::shared_w1, false>, weight_gemm<bf16, Weight::shared_w1, false>},
+    {TaskKind::shared_down, "shared_down", Pass::forward, 60,
+     gemm_kind({band(B::sh_a, X::shared_inter), tile(B::sh_y)}, X::shared_inter),
+     weight_gemm<float, Weight::shared_w2, false>, weight_gemm<bf16, Weight::shared_w2, false>},
+    // backward: data gradients against the transposed weights
+    {TaskKind::gemm_down_dgrad, "gemm_down_dgrad", Pass::backward, 50,
+     gemm_kind({band(B::dy, X::hidden), tile(B::da)}, X::hidden, kOwn),
+     weight_gemm<float, Weight::w2_t, false>, weight_gemm<bf16, Weight::w2_t, false>},
+    {TaskKind::gemm_gate_up_dgrad, "gemm_gate_up_dgrad", Pass::backward, 90,
+     gemm_kind({band(B::dh, X::expert_inter2), tile(B::dxe)}, X::expert_inter2, kOwn),
+     weight_gemm<float, Weight::w1_t, true>, weight_gemm<bf16, Weight::w1_t, true>},
+    {TaskKind::shared_down_dgrad, "shared_down_dgrad", Pass::backward, 120,
+     gemm_kind({band(B::sh_dout, X::hidden), tile(B::sh_da)}, X::hidden),
+     weight_gemm<float, Weight::shared_w2_t, false>, weight_gemm<bf16, Weight::shared_w2_t, false>},
+    {TaskKind::shared_gate_up_dgrad, "shared_gate_up_dgrad", Pass::backward, 160,
+     gemm_kind({band(B::sh_dh, X::shared_inter2), tile(B::sdx)}, X::shared_inter2),
+     weight_gemm<float, Weight::shared_w1_t, false>, weight_gemm<bf16, Weight::shared_w1_t, false>},
+};
+}  // namespace
+
+Family expert_gemm_family() { return {"expert_gemm", kKinds}; }
+
+}  // namespace hpmoe::ops

@@ -1,0 +1,100 @@
+// The op table: the families' entries indexed by kind, checked once, and
+// what the rest of the house asks of a kind (its name, queue, put or not,
+// expert home, serialized order, access rule).
+#include <algorithm>
+#include <array>
+#include <string>
+
+#include "ops/op.hpp"
+
+namespace hpmoe::ops {
+
+// One function per family file.
+Family exchange_family();
+Family expert_gemm_family();
+Family weight_grad_family();
+Family swiglu_family();
+Family pack_family();
+Family combine_family();
+Family router_family();
+Family reduction_family();
+
+namespace {
+
+struct Index {
+  std::array<Family, 8> families{exchange_family(), expert_gemm_family(), weight_grad_family(), swiglu_family(),
+                                 pack_family(),     combine_family(),     router_family(),      reduction_family()};
+  std::array<const OpKind*, static_cast<std::size_t>(TaskKind::count)> by_kind{};
+  std::vector<TaskKind> forward, backward;
+
+  Index() {
+    for (const Family& f : families)
+      for (const OpKind& k : f.kinds) {
+        const auto i = static_cast<std::size_t>(k.kind);
+        if (i >= by_kind.size() || by_kind[i])
+          throw Error(std::string("the op table lists task kind '") + k.name + "' twice or out of range (family " + f.name + ")");
+        if (!k.body_f32 || !k.body_bf16)
+          throw Error(std::string("task kind '") + k.name + "' has no body for every dtype (family " + f.name + ")");
+        by_kind[i] = &k;
+        (k.pass == Pass::forward ? forward : backward).push_back(k.kind);
+      }
+    for (std::size_t i = 0; i < by_kind.size(); ++i)
+      if (!by_kind[i]) throw Error("the op table has no entry for task kind #" + std::to_string(i) + " (add it to its family)");
+    for (auto* order : {&forward, &backward}) {
+      std::sort(order->begin(), order->end(), [&](TaskKind a, TaskKind b) { return entry(a).order < entry(b).order; });
+      for (std::size_t i = 1; i < order->size(); ++i)
+        if (entry((*order)[i]).order == entry((*order)[i - 1]).order)
+          throw Error(std::string("task kinds '") + entry((*order)[i]).name + "' and '" + entry((*order)[i - 1]).name +
+                      "' share a place in the serialized operator order");
+    }
+  }
+  const OpKind& entry(TaskKind k) const { return *by_kind[static_cast<std::size_t>(k)]; }
+};
+
+const Index& index() {
+  static const Index table;
+  return table;
+}
+
+}  // namespace
+
+const OpKind& op(TaskKind k) {
+  if (static_cast<std::size_t>(k) >= static_cast<std::size_t>(TaskKind::count))
+    throw Error("task kind #" + std::to_string(static_cast<int>(k)) + " is not a kind of the op table");
+  return index().entry(k);
+}
+
+std::span<const Family> families() { return index().families; }
+
+}  // namespace hpmoe::ops
+
+namespace hpmoe::taskflow {
+
+const char* name(TaskKind k) {
+  return static_cast<std::size_t>(k) < static_cast<std::size_t>(TaskKind::count) ? ops::op(k).name : "?";
+}
+QueueClass queue_class(TaskKind k) { return ops::op(k).access.queue; }
+bool is_put(TaskKind k) { return ops::op(k).access.put; }
+ExpertHome expert_home(TaskKind k) { return ops::op(k).access.expert_home; }
+const std::vector<TaskKind>& operator_order(Pass pass) {
+  return pass == Pass::forward ? ops::index().forward : ops::index().backward;
+}
+
+const AccessTable& AccessTable::standard() {
+  static const AccessTable table = [] {
+    AccessTable t;
+    for (const auto& f : ops::families())
+      for (const auto& k : f.kinds) t.edit(k.kind) = k.access;
+    return t;
+  }();
+  return table;
+}
+
+Rect AccessTable::operand(const Program& p, const Task& t, BufferId buffer, Use use) const {
+  for (const Operand& o : operands(p, t))
+    if (o.rect.buffer == buffer && (o.use == use || o.use == Use::accumulate)) return o.rect;
+  throw Error(std::string("the access table gives a ") + name(t.kind) + " task no " +
+              (use == Use::read ? "read of " : "write of ") + name(buffer));
+}
+
+}  // namespace hpmoe::taskflow
