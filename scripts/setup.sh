@@ -2,7 +2,7 @@
 # Installs the Debian packages hpmoe builds against. Idempotent: when every
 # package is already present it neither updates the package lists nor installs.
 set -euo pipefail
-packages=(cmake ninja-build g++ pkg-config libxsmm-dev nlohmann-json3-dev libcli11-dev libopenblas-dev
+packages=(cmake ninja-build g++ pkg-config ccache libxsmm-dev nlohmann-json3-dev libcli11-dev libopenblas-dev
   libopenmpi-dev openmpi-bin libucx-dev  # libucx-dev: bench/bench_ucx (UCX measured against MPI)
           libdnnl-dev  # bf16 tiles on AMX (src/kernels/gemm.cpp); bench/bench_onednn
           libgtest-dev libgmock-dev libbenchmark-dev

@@ -11,40 +11,77 @@ cd "$(dirname "$0")/.."
 scripts/setup.sh
 jobs=$(nproc)
 
+# ccache serves every configuration's compiles from a cache kept outside the
+# clone, shared by all clones on this machine (CMake takes the launcher from
+# the environment when it configures a build folder). Objects built with
+# -march=native must not serve another CPU: one cache per compiler target.
+if command -v ccache > /dev/null && [ "${HPMOE_NO_CCACHE:-0}" != 1 ]; then
+  target=$(g++ -march=native -Q --help=target 2>/dev/null | md5sum | cut -c1-12)
+  export CCACHE_DIR="${HPMOE_CCACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/hpmoe-ccache}/$target"
+  export CCACHE_BASEDIR="$PWD" CCACHE_NOHASHDIR=1 CCACHE_MAXSIZE=${CCACHE_MAXSIZE:-8G}
+  export CMAKE_CXX_COMPILER_LAUNCHER=ccache CMAKE_C_COMPILER_LAUNCHER=ccache
+  ccache --zero-stats > /dev/null
+fi
+# Where the time goes: one line per stage, and the table at the end.
+stages=()
+stage_start=$SECONDS
+stage() {
+  stages+=("$(printf '%-34s %5d s' "$1" $((SECONDS - stage_start)))")
+  stage_start=$SECONDS
+}
+report() {
+  echo "== time per stage ($(nproc) cores, $(lscpu | sed -n 's/^Model name: *//p'))"
+  printf '%s\n' "${stages[@]}"
+  echo "total                              $SECONDS s"
+  if [ -n "${CCACHE_DIR:-}" ]; then ccache --show-stats 2>/dev/null | grep -Ei "hits|misses" | head -4 || true; fi
+}
+trap report EXIT
+stage "setup (packages)"
+
 echo "== release build"
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release > /dev/null
 cmake --build build -j "$jobs"
+stage "release build"
 ctest --test-dir build -j "$jobs" --output-on-failure
+stage "release tests"
 # The Python module (python/): its pytest suite, where Debian's PyTorch is.
 if /usr/bin/python3 -c "import torch" 2>/dev/null && ls build/python/hpmoe/_core*.so > /dev/null 2>&1; then
   HPMOE="$PWD/build/hpmoe" PYTHONPATH="$PWD/build/python" /usr/bin/python3 -m pytest -q python/tests
 else
   echo "== python/tests skipped: needs /usr/bin/python3 with torch (python3-torch) and the module (pybind11-dev, python3-dev)"
 fi
+stage "python tests"
 # A short soak: a new routing every step, in process and over MPI (both
 # paths), bit-identity spot checks (bench/soak.sh runs the full one).
 HPMOE="$PWD/build/hpmoe" bench/soak.sh --short
+stage "short soak"
 # Where the CPU has AMX, bf16 tiles run on oneDNN; the libxsmm path (the one
 # CPUs without AMX take) is tested too, with AMX turned off for oneDNN.
 ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 ctest --test-dir build -j "$jobs" --output-on-failure -R 'bf16|Bf16|TileGemm|Kernel'
+stage "bf16 without AMX"
 
 if [ "${HPMOE_SKIP_SANITIZERS:-0}" != 1 ]; then
   echo "== AddressSanitizer + UndefinedBehaviorSanitizer build"
   cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DHPMOE_SANITIZE=ON -DHPMOE_BUILD_BENCH=OFF > /dev/null
   cmake --build build-asan -j "$jobs"
+  stage "asan+ubsan build"
   ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
     ctest --test-dir build-asan -j "$jobs" --output-on-failure
+  stage "asan+ubsan tests"
 fi
 
 if [ "${HPMOE_SKIP_FUZZ:-0}" != 1 ]; then
   echo "== libFuzzer under ASan + UBSan: every parser (bench/fuzz.sh), ${HPMOE_FUZZ_SECONDS:-20} s each"
   bench/fuzz.sh "${HPMOE_FUZZ_SECONDS:-20}"
+  stage "fuzz (build + runs)"
 fi
 
 if [ "${HPMOE_SKIP_SANITIZERS:-0}" != 1 ]; then
   echo "== ThreadSanitizer build (runtime and executor tests)"
   cmake -S . -B build-tsan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DHPMOE_TSAN=ON -DHPMOE_BUILD_BENCH=OFF > /dev/null
   cmake --build build-tsan -j "$jobs" --target hpmoe_tests
+  stage "tsan build"
   TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
     ctest --test-dir build-tsan -j "$jobs" --output-on-failure -R 'Interleaved|Baseline|WorkerPool|Placement|Splits|Layer'
+  stage "tsan tests"
 fi

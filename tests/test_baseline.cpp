@@ -1,5 +1,6 @@
 #include <gtest/gtest.h>
 
+#include "source_dir.hpp"
 #include "bit_identity.hpp"
 
 #include <cstring>

@@ -4,6 +4,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "source_dir.hpp"
 #include "hpmoe/config.hpp"
 #include "hpmoe/error.hpp"
 

@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "source_dir.hpp"
 #include "common/atomic_file.hpp"
 #include "runtime/interleaved.hpp"
 #include "hpmoe/error.hpp"

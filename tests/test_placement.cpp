@@ -3,6 +3,7 @@
 // divide the ranks.
 #include <gtest/gtest.h>
 
+#include "source_dir.hpp"
 #include "bit_identity.hpp"
 
 #include <algorithm>

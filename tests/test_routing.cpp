@@ -7,6 +7,7 @@
 #include <numeric>
 #include <set>
 
+#include "source_dir.hpp"
 #include "hpmoe/error.hpp"
 #include "hpmoe/routing.hpp"
 

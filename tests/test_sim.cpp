@@ -3,6 +3,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "source_dir.hpp"
 #include "hpmoe/error.hpp"
 #include "kernels/peak.hpp"
 #include "cli/calibrate.hpp"
