@@ -9,7 +9,8 @@ cd "$(dirname "$0")/.."
 a=$1 b=$2; shift 2
 tokens=${*:-256}
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
-echo "Machine: $(lscpu | sed -n 's/^Model name: *//p'), $(nproc) cores; $(date -u +%F). A: \`$a\`, B: \`$b\`."
+source bench/record_header.sh  # from the repository root (the cd above)
+echo "$(record_header "$0 $*") A: \`$a\`, B: \`$b\`."
 echo
 echo "| layer | P x W | tokens | serialized A ms | B ms | B/A speedup | interleaved A ms | B ms | B/A speedup |"
 echo "|---|---|---|---|---|---|---|---|---|"

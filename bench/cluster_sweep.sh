@@ -33,7 +33,8 @@ build/hpmoe calibrate -W 1 --out "$tmp/calibrated.json" > /dev/null
 
 echo "# A cluster on one machine: 2 hosts over shaped links"
 echo
-echo "Machine: $(lscpu | sed -n 's/^Model name: *//p'), $(nproc) cores; $(date -u +%F). Each host is a network namespace"
+source bench/record_header.sh  # from the repository root (the cd above)
+echo "$(record_header "$0 $*") Each host is a network namespace"
 echo "with one core; ranks talk MPI over TCP through veth links shaped with tc (token bucket). Command:"
 echo "\`bench/cluster_sweep.sh $iters\` (median of $iters iterations after a warm-up; fp32; forward+backward)."
 echo "FLOP per byte: H800 cluster RDMA link $h800 (machines/h800.json: matrix rate / NIC), Ascend A3 fabric $a3"

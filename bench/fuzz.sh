@@ -17,7 +17,8 @@ targets=("$@")
 CC=clang CXX=clang++ cmake -S . -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DHPMOE_FUZZ=ON \
   -DHPMOE_BUILD_TESTS=OFF -DHPMOE_BUILD_BENCH=OFF -DHPMOE_MPI=OFF -DHPMOE_PYTHON=OFF > /dev/null
 cmake --build build-fuzz -j "$(nproc)" --target "${targets[@]/#/fuzz_}"
-cpu=$(grep -m1 "model name" /proc/cpuinfo | cut -d: -f2 | sed 's/^ //')
+source bench/record_header.sh
+cpu=$(machine_line)
 summary=build-fuzz/fuzz-summary.txt
 echo "# $(date -u +%F) $cpu; $seconds s per target" > "$summary"
 for target in "${targets[@]}"; do

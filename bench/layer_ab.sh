@@ -5,15 +5,23 @@
 # executor's forward (Dispatch-to-Combine) and backward. Prints the CPU and
 # one table row per configuration and dtype with B / A (below 1: B faster).
 #   bench/layer_ab.sh A/hpmoe B/hpmoe [ROUNDS] [ITERS]
+# AB_DTYPES="fp32 bf16" and AB_LAYERS="deepseek qwen3" pick a subset
+# (deepseek-v2-lite: about 90 s a run on 2 cores, 13 GiB).
 set -euo pipefail
 a=${1:?A/hpmoe}; b=${2:?B/hpmoe}; rounds=${3:-3}; iters=${4:-5}
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
-echo "Machine: $(lscpu | sed -n 's/^Model name: *//p'), $(nproc) cores; $(date -u '+%F %H:%M') UTC. A: \`$a\`, B: \`$b\`; $rounds rounds x $iters iterations."
+source "$(dirname "$0")/record_header.sh"
+echo "$(record_header "$0 $*") A: \`$a\`, B: \`$b\`; $rounds rounds x $iters iterations."
 echo
 echo "| layer | dtype | executor | pass | A ms (median, range) | B ms (median, range) | B / A |"
 echo "|---|---|---|---|---|---|---|"
-for dtype in fp32 bf16; do
-  for layer in "deepseek-v2-lite -P 2 -W 1 -T 512" "qwen3-30b-a3b -P 1 -W 2 -T 256"; do
+for dtype in ${AB_DTYPES:-fp32 bf16}; do
+  for short in ${AB_LAYERS:-deepseek qwen3}; do
+    case $short in
+      deepseek) layer="deepseek-v2-lite -P 2 -W 1 -T 512" ;;
+      qwen3) layer="qwen3-30b-a3b -P 1 -W 2 -T 256" ;;
+      *) echo "AB_LAYERS: unknown layer '$short' (deepseek, qwen3)" >&2; exit 2 ;;
+    esac
     key=$(echo "$layer $dtype" | tr ' :' '__')
     for ((r = 0; r < rounds; ++r)); do
       for side in A B; do

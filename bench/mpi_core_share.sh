@@ -12,7 +12,8 @@ rounds=${2:-3}
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 layer=(--preset deepseek-v2-lite --set routed_experts=16 -T 256 --routing uniform --iters 4 --warmup 1 --verify off --mode both)
 medians() { grep -oE 'dispatch-to-combine [0-9.]+' | awk '{printf "%s ms  ", $2}'; }
-echo "cpu: $(lscpu | sed -n 's/^Model name: *//p'), $(nproc) cores; $(date -u '+%F %H:%M') UTC"
+source bench/record_header.sh  # from the repository root (the cd above)
+record_header "$0 $*"
 echo "serialized / interleaved forward, deepseek-v2-lite (16 experts), 256 tokens, one rank, one worker"
 for i in $(seq "$rounds"); do
   echo "round $i"

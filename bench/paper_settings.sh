@@ -19,7 +19,8 @@ sim() {  # out.json machine args...
   "$hpmoe" simulate --machine "$machine" "$@" --backward --json "$out" > /dev/null
 }
 
-echo "Machine of the run: $(lscpu | sed -n 's/^Model name: *//p'); $(date -u +%F). Command: \`bench/paper_settings.sh $hpmoe\`."
+source bench/record_header.sh  # from the repository root (the cd above)
+record_header "bench/paper_settings.sh $hpmoe"
 echo
 
 # ---- 1. The paper's table, like for like ----

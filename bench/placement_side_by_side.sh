@@ -15,7 +15,8 @@ hpmoe=${HPMOE:-build/hpmoe}
 rounds=${1:-3}
 out=${2:-placement-side-by-side}
 mkdir -p "$out"
-lscpu | grep "Model name" | tee "$out/cpu.txt"
+source "$(dirname "$0")/record_header.sh"
+record_header "$0 $*" | tee "$out/cpu.txt"
 model="$out/cpu-local.json"
 [ -s "$model" ] || "$hpmoe" calibrate -W 1 --out "$model" > /dev/null
 # deepseek-v2-lite's expert sizes with 8 experts, top-2 (the Mixtral traces'

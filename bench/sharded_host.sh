@@ -9,7 +9,8 @@ hpmoe=${HPMOE:-build/hpmoe}
 out=${1:-sharded-host}
 mkdir -p "$out"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-lscpu | grep "Model name" | tee "$out/cpu.txt"
+source "$(dirname "$0")/record_header.sh"
+record_header "$0 $*" | tee "$out/cpu.txt"
 for np in 2 4; do for variant in shared network shared-one-sided network-one-sided; do
   path=${variant%%-*} btl=() exchange=collective
   [ "$path" = network ] && btl=(--mca btl self,tcp)

@@ -9,7 +9,8 @@ hpmoe=${HPMOE:-build/hpmoe}
 out=${1:-sharded-memory}
 mkdir -p "$out"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-lscpu | grep "Model name" | tee "$out/cpu.txt"
+source "$(dirname "$0")/record_header.sh"
+record_header "$0 $*" | tee "$out/cpu.txt"
 run() {  # NAME NP ARGS...
   local name=$1 np=$2; shift 2
   mpirun -np "$np" --oversubscribe "$hpmoe" run -P "$np" --transport mpi -T 256 --mode interleaved --iters 1 \

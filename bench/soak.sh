@@ -23,7 +23,8 @@ if [ "${1:-}" = "--short" ]; then steps=300 mpi_steps=200 warmup=100 mpi_warmup=
 out=build/soak
 mkdir -p "$out"
 layer=(--set routed_experts=16 -T 32 --backward --routing mixed --check-every 100 --no-pin)
-cpu=$(grep -m1 "model name" /proc/cpuinfo | cut -d: -f2 | sed 's/^ //')
+source bench/record_header.sh  # from the repository root (the cd above)
+cpu=$(machine_line)
 summary=$out/summary.txt
 echo "# soak $(date -u +%F) on $cpu: $steps steps in process after $warmup warm-up steps, $mpi_steps over MPI after $mpi_warmup" > "$summary"
 

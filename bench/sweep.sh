@@ -24,7 +24,8 @@ tile_before=$(tile_rate)
 
 echo "# Interleaved vs serialized: the sweep"
 echo
-echo "Machine: $(lscpu | sed -n 's/^Model name: *//p'), $(nproc) cores, $(free -g | awk '/Mem:/{print $2}') GiB; $(date -u +%F)."
+source bench/record_header.sh  # from the repository root (the cd above)
+record_header "$0 $*"
 echo "Command: \`bench/sweep.sh $hpmoe $iters\` ($iters measured iterations after 1 warm-up, medians; fp32;"
 echo "router-free synthetic or trace routing; verification on 16 sampled tokens)."
 echo

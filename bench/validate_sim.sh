@@ -38,7 +38,8 @@ trace=data/routing/mixtral-8x7b/coding.json
 
 echo "# The simulator against this machine"
 echo
-echo "Machine: $(lscpu | sed -n 's/^Model name: *//p'), $(nproc) cores; $(date -u +%F). Model: \`$model\`."
+source bench/record_header.sh  # from the repository root (the cd above)
+echo "$(record_header "$0 $*") Model: \`$model\`."
 echo "Command: \`bench/validate_sim.sh $hpmoe $model\` (fp32; $iters iterations of each executor after a warm-up, the executors"
 echo "alternating step by step). Measured: the median of the iterations; the errors are against it, and, in the last"
 echo "column, against the fastest iteration (the time of a step that nothing else on the machine disturbed: interference"

@@ -21,7 +21,8 @@ PY
 layers=("--preset qwen3-30b-a3b -P 1 -W 2 -T 256 --routing uniform"
         "--preset deepseek-v2-lite -P 2 -W 1 -T 256 --routing zipf:1.2"
         "--preset mixtral-8x7b --set expert_inter=1792 -P 2 -W 1 -T 256 --routing uniform")
-echo "Machine: $(lscpu | sed -n 's/^Model name: *//p'), $(nproc) cores; $(date -u '+%F %H:%M') UTC. Model: \`$model\`."
+source bench/record_header.sh  # from the repository root (the cd above)
+echo "$(record_header "$0 $*") Model: \`$model\`."
 echo "Command: \`bench/vector_kinds.sh $hpmoe $model\`. Predicted / measured time of each kind's tasks (interleaved executor, one step):"
 echo "one rate = every vector kind at vector.bytes_per_s; by kind = vector.by_kind."
 echo

@@ -12,24 +12,17 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <fstream>
 #include <memory>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "kernels/kernels.hpp"
+#include "kernels/peak.hpp"
 
 using namespace hpmoe;
 
 namespace {
-
-std::string cpu_model() {
-  std::ifstream in("/proc/cpuinfo");
-  for (std::string line; std::getline(in, line);)
-    if (line.rfind("model name", 0) == 0) return line.substr(line.find(':') + 2);
-  return "unknown CPU";
-}
 
 // Seconds of the slowest worker for one pass over every expert's tiles;
 // `strip` columns go to one worker at a time, in turn.
@@ -74,7 +67,7 @@ int main(int argc, char** argv) {
   std::vector<float> dhp(static_cast<std::size_t>(experts * kernels::weight_padded_k<float>(k) * n), 0.5f);
   std::unique_ptr<float[]> dw(new float[static_cast<std::size_t>(experts * H * n)]());
   const double tiles = double(experts) * (H / 64) * (n / 64) / workers;
-  std::printf("cpu %s; %lld experts, dW %lld x %lld each (%.0f MiB in all), K %lld, %d workers\n", cpu_model().c_str(),
+  std::printf("cpu %s; %lld experts, dW %lld x %lld each (%.0f MiB in all), K %lld, %d workers\n", hpmoe::cpu_model_name().c_str(),
               static_cast<long long>(experts), static_cast<long long>(H), static_cast<long long>(n),
               double(experts * H * n * 4) / (1 << 20), static_cast<long long>(k), workers);
   for (const auto& [label, strip] : {std::pair<const char*, std::int64_t>{"64-column tiles in turn", 64},
