@@ -148,6 +148,12 @@ timeout -k 5 "$time_limit" mpirun "${mpirun_args[@]}" "$(realpath "$hpmoe")" run
 run=$!
 if [ -n "$fault" ]; then
   IFS=: read -r kind host after <<< "$fault"
+  # The fault's seconds count from the moment the host's rank runs: a loaded
+  # machine (or a sanitizer build) can take seconds to start it.
+  for ((i = 0; i < 300; ++i)); do
+    for pid in $(ip netns pids "${prefix}h$host"); do [ "$(ps -o comm= -p "$pid")" = hpmoe ] && break 2; done
+    sleep 0.2
+  done
   sleep "$after"
   case "$kind" in
     kill) for pid in $(ip netns pids "${prefix}h$host"); do

@@ -25,6 +25,14 @@ for bad in "--bogus" "--hosts 0" "--hosts x" "--fault explode:1:1" "--fault kill
   fi
 done
 
+# expect FILE PATTERN [COUNT]: FILE has PATTERN (COUNT times); else show it and fail.
+expect() {
+  local n; n=$(grep -cE "$2" "$1" || true)
+  if { [ $# -eq 3 ] && [ "$n" -ne "$3" ]; } || [ "$n" -eq 0 ]; then
+    cat "$1"; echo "cluster test: '$2' found $n times in $(basename "$1"), expected ${3:-at least once}"; exit 1
+  fi
+}
+
 left_behind() {  # nothing of any cluster may remain
   if ip netns list | grep -q '^hpmoe-c' || ip link show | grep -q 'hpmoe-c'; then
     echo "the cluster left namespaces or interfaces behind:"; ip netns list; ip link show | grep hpmoe-c; exit 1
@@ -34,23 +42,23 @@ left_behind() {  # nothing of any cluster may remain
 # A shaped link (200 Mbit/s), forward+backward, bit-identical and verified.
 scripts/cluster.sh --rate-gbit 0.2 --time-limit 120 -- -T 64 --backward --routing zipf:1.2 --check-inprocess > "$tmp/ok.txt" 2>&1 ||
   { cat "$tmp/ok.txt"; exit 1; }
-grep -q "verify   PASS" "$tmp/ok.txt"
-test "$(grep -c "= in-process serialized: bit-identical, all" "$tmp/ok.txt")" -eq 2
-grep -q "interleaved over mpi network messages" "$tmp/ok.txt"
+expect "$tmp/ok.txt" "verify   PASS"
+expect "$tmp/ok.txt" "= in-process serialized: bit-identical, all" 2
+expect "$tmp/ok.txt" "interleaved over mpi network messages"
 left_behind
 
 # A heavily throttled (but live) link: slower, still correct.
 scripts/cluster.sh --rate-gbit 0.2 --slow-host 1:0.005 --time-limit 120 -- -T 48 --backward --iters 1 --warmup 0 --check-inprocess \
   > "$tmp/slow.txt" 2>&1 || { cat "$tmp/slow.txt"; exit 1; }
-grep -q "verify   PASS" "$tmp/slow.txt"
-test "$(grep -c "= in-process serialized: bit-identical, all" "$tmp/slow.txt")" -eq 2
+expect "$tmp/slow.txt" "verify   PASS"
+expect "$tmp/slow.txt" "= in-process serialized: bit-identical, all" 2
 left_behind
 
 # Four hosts, sharded, for correctness (timing on 2 cores means nothing):
 # every rank's tensors bit for bit, uneven experts per host.
 scripts/cluster.sh --hosts 4 --time-limit 120 -- -T 32 --backward --set routed_experts=10 --placement round-robin \
   --iters 1 --warmup 0 --check-inprocess > "$tmp/four.txt" 2>&1 || { cat "$tmp/four.txt"; exit 1; }
-test "$(grep -c "= in-process serialized: bit-identical, all" "$tmp/four.txt")" -eq 2
+expect "$tmp/four.txt" "= in-process serialized: bit-identical, all" 2
 left_behind
 
 fault() {  # fault KIND EXPECTED: the run fails within 40 s naming rank 1

@@ -13,7 +13,7 @@ set -euo pipefail
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 export ASAN_OPTIONS="${ASAN_OPTIONS:-}:detect_leaks=0"  # Open MPI's own allocations at exit
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
-# Session directories apart from other mpiruns on this machine (tests/cluster.sh runs alongside).
+# Session directories apart from other mpiruns on this machine (tests/integration/cluster.sh runs alongside).
 mkdir -p "$tmp/ompi"
 export OMPI_MCA_orte_tmpdir_base="$tmp/ompi"
 trace="trace:$HPMOE_SOURCE_DIR/data/routing/mixtral-8x7b/coding.json:8"
