@@ -7,7 +7,8 @@ packages=(cmake ninja-build g++ pkg-config ccache libxsmm-dev nlohmann-json3-dev
           libdnnl-dev  # bf16 tiles on AMX (src/kernels/gemm.cpp); bench/bench_onednn
           libgtest-dev libgmock-dev libbenchmark-dev
   clang libclang-rt-14-dev  # clang and its libFuzzer runtime: bench/fuzz.sh
-  pybind11-dev python3-dev python3-torch python3-pytest python3-numpy python3-matplotlib)  # the Python module, its tests, examples/train_moe_lm.py
+  pybind11-dev python3-dev python3-torch python3-pytest python3-numpy python3-matplotlib  # the Python module, its tests, examples/train_moe_lm.py
+  python3-venv python3-pip python3-wheel)  # pip install . (pyproject.toml) into a venv that sees Debian's torch
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -3,14 +3,17 @@
     import hpmoe
     moe = hpmoe.MoELayer(hpmoe.preset("qwen3-30b-a3b"), ranks=2, workers=1)
     moe.load_state_dict(block_state_dict)      # Hugging Face names: gate.weight, experts.{e}.gate_proj.weight, ...
-    y = moe(x)                                 # x: float32 [..., hidden]; (y, aux, z) when a balancing loss is on
+    y = moe(x)                                 # x: float32 [..., hidden]; y always a tensor like x
     y.sum().backward()                         # hpmoe's backward, both executors
+    moe.last_losses.aux, moe.last_losses.z     # the balancing losses of the last forward, for logging
 
 The layer runs as ``ranks`` expert-parallel ranks of ``workers`` threads in
 this process (the tokens of a call are split evenly over the ranks). The
-balancing losses are returned for logging: their gradients, with the
-configuration's coefficients (aux_loss_coef, z_loss_coef), are already part
-of hpmoe's backward, so adding them to the loss changes nothing. With
+balancing losses of the last forward are kept on ``last_losses`` (aux, z),
+for logging: their gradients, with the configuration's coefficients
+(aux_loss_coef, z_loss_coef), are already part of hpmoe's backward, so
+adding them to the loss changes nothing. (Earlier versions' forward
+returned (y, aux, z) when a coefficient was set; it now always returns y.) With
 ``expert_bias`` on, the aux-loss-free bias (DeepSeek-V3) is updated after
 every backward from that step's expert load.
 
@@ -29,12 +32,19 @@ evaluation and gradient accumulation change none). Errors from C++ arrive as
 ValueError with hpmoe's message.
 """
 import json
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from . import _core, io, reference
 from .reference import SwiGLU  # MoELayer keeps its experts' parameters in these
+
+
+class Losses(NamedTuple):
+    """The balancing losses of a forward (0-d tensors): the aux loss and the router z-loss."""
+    aux: torch.Tensor
+    z: torch.Tensor
 
 __all__ = ["MoELayer", "SwiGLU", "preset", "preset_names", "from_hf_config", "with_fields", "io", "reference"]
 
@@ -127,6 +137,7 @@ class MoELayer(nn.Module):
         if shared > 0:
             self.shared_experts = SwiGLU(H, shared * (self.config["shared_inter"] or I))
         self.last_load = None  # [ranks, experts] kept rows of the last forward
+        self.last_losses = None  # Losses(aux, z) of the last forward
 
     @property
     def gate_bias(self):
@@ -147,7 +158,5 @@ class MoELayer(nn.Module):
         flat = x.reshape(-1, H).contiguous()
         named = [(n, p) for n, p in self.named_parameters()]
         out, aux, z = _Function.apply(self, [n for n, _ in named], flat, *[p.contiguous() for _, p in named])
-        out = out.reshape(x.shape)
-        if self.config["aux_loss_coef"] > 0 or self.config["z_loss_coef"] > 0:
-            return out, aux, z
-        return out
+        self.last_losses = Losses(aux.detach(), z.detach())
+        return out.reshape(x.shape)
