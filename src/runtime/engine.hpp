@@ -244,18 +244,7 @@ class Interleaved final : public InterleavedExecutor::Impl {
 
   // The operands of one task, from the access table, checked against the
   // program's declared buffers before any kernel touches them.
-  struct TaskOperands {
-    taskflow::Operands ops;
-    const taskflow::Rect& get(BufferId id, taskflow::Use use) const {
-      for (const auto& o : ops)
-        if (o.rect.buffer == id && (o.use == use || o.use == taskflow::Use::accumulate)) return o.rect;
-      throw Error(std::string("the access table gives this task no ") + (use == taskflow::Use::read ? "read of " : "write of ") +
-                  taskflow::name(id));
-    }
-    const taskflow::Rect& in(BufferId id) const { return get(id, taskflow::Use::read); }
-    const taskflow::Rect& out(BufferId id) const { return get(id, taskflow::Use::write); }
-  };
-  TaskOperands operands_of(const taskflow::Program& p, const Task& t) const;
+  taskflow::Operands operands_of(const taskflow::Program& p, const Task& t) const;
 
   // The declared layout of a buffer of the program being launched on its
   // (hosted) rank, bound at the launch.

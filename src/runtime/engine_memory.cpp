@@ -142,9 +142,9 @@ void Interleaved<T>::prepare_backward(StepResult& res) {
 }
 
 template <class T>
-typename Interleaved<T>::TaskOperands Interleaved<T>::operands_of(const taskflow::Program& p, const Task& t) const {
-  TaskOperands o{table_->operands(p, t)};
-  for (const auto& op : o.ops) {
+taskflow::Operands Interleaved<T>::operands_of(const taskflow::Program& p, const Task& t) const {
+  const taskflow::Operands o = table_->operands(p, t);
+  for (const auto& op : o) {
     const taskflow::BufferLayout* l = op.rank == p.rank
                                           ? ranks_[static_cast<std::size_t>(p.rank)].layout[static_cast<std::size_t>(op.rect.buffer)]
                                           : peer_layout(op.rank, op.rect.buffer);
@@ -169,7 +169,7 @@ template void Interleaved<float>::prepare_forward(StepResult& res);
 template void Interleaved<bf16>::prepare_forward(StepResult& res);
 template void Interleaved<float>::prepare_backward(StepResult& res);
 template void Interleaved<bf16>::prepare_backward(StepResult& res);
-template Interleaved<float>::TaskOperands Interleaved<float>::operands_of(const taskflow::Program& p, const Task& t) const;
-template Interleaved<bf16>::TaskOperands Interleaved<bf16>::operands_of(const taskflow::Program& p, const Task& t) const;
+template taskflow::Operands Interleaved<float>::operands_of(const taskflow::Program& p, const Task& t) const;
+template taskflow::Operands Interleaved<bf16>::operands_of(const taskflow::Program& p, const Task& t) const;
 
 }  // namespace hpmoe::detail

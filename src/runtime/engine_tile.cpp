@@ -55,9 +55,9 @@ class Interleaved<T>::TileHost final : public ops::TileHost<T> {
 template <class T>
 bool Interleaved<T>::execute(int r, std::size_t slot, const Task& t) {
   const taskflow::Program& p = (*current_)[r];
-  const TaskOperands o = operands_of(p, t);
+  const taskflow::Operands o = operands_of(p, t);
   TileHost host(*this, r, p, t, slot);
-  return ops::op(t.kind).template body<T>()(ops::Tile<T>{t, p, o.ops, host});
+  return ops::op(t.kind).template body<T>()(ops::Tile<T>{t, p, o, host});
 }
 
 template bool Interleaved<float>::execute(int r, std::size_t slot, const Task& t);
