@@ -14,12 +14,13 @@
 #include "hpmoe/error.hpp"
 #include "hpmoe/placement.hpp"
 #include "cli/run.hpp"
-#include "runtime/interleaved.hpp"
 
 using namespace hpmoe;
 using hpmoe::testing::bit_identical;
 
 namespace {
+
+bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
 
 std::string error_of(const std::function<void()>& f) {
   try {
@@ -194,4 +195,63 @@ TEST(Placement, MixtralEightExpertsOnThreeRanksMatchesTheOracle) {
         for (auto n : r.stats.tokens_per_rank) rows += n;
         EXPECT_EQ(rows, r.stats.assignments - r.stats.dropped);
       }
+}
+
+// Placement files with replicas (slot budgets) and tensor-parallel splits.
+TEST(PlacementFile, StatesReplicasAndBudgets) {
+  using nlohmann::json;
+  const auto parse = [](const json& j) { return placement_from_json(j, 4, 2, "p.json"); };
+  const auto error = [&](const json& j) {
+    try {
+      parse(j);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("accepted");
+  };
+  const auto p = parse(json{{"experts_of_rank", {{0, 1, 2}, {2, 3}}}, {"replicas", true}, {"slots_per_rank", 3}});
+  EXPECT_EQ(p.home_count(2), 2);
+  EXPECT_EQ(p.owner(2), 0);
+  EXPECT_EQ(p.instance_on(2, 1), 3);
+  EXPECT_EQ(placement_from_json(to_json(p), 4, 2, "round trip"), p);
+  EXPECT_TRUE(contains(error(json{{"experts_of_rank", {{0, 1, 2}, {2, 3}}}}), "set \"replicas\": true")) << error(json{});
+  EXPECT_TRUE(contains(error(json{{"experts_of_rank", {{0, 1, 2}, {2, 3}}}, {"replicas", true}, {"slots_per_rank", 2}}),
+                       "rank 0 holds 3 experts, more than its budget of 2 slots"));
+  EXPECT_TRUE(contains(error(json{{"experts_of_rank", {{0, 1, 1}, {2, 3}}}, {"replicas", true}}), "lists expert 1 twice"));
+  EXPECT_TRUE(contains(error(json{{"experts_of_rank", {{0, 1}, {1, 2}}}, {"replicas", true}}), "expert 3 is placed on no rank"));
+  EXPECT_TRUE(contains(error(json{{"owner", {0, 1, 1, 0}}, {"replicas", true}}), "list replicas in"));
+  EXPECT_TRUE(contains(error(json{{"owner", {0, 1, 1, 0}}, {"slots_per_rank", 0}}), "positive integer"));
+  EXPECT_TRUE(contains(error(json{{"owner", {0, 0, 0, 1}}, {"slots_per_rank", 2}}), "more than its budget of 2"));
+}
+
+TEST(PlacementFile, StatesSplitsThatTileTheIntermediateDimension) {
+  using nlohmann::json;
+  const auto parse = [](const json& j) { return placement_from_json(j, 4, 2, "p.json"); };
+  const auto error = [&](const json& j, std::int64_t inter = 0) {
+    try {
+      parse(j).check_fits(4, 2, inter);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("accepted");
+  };
+  const json ok{{"experts_of_rank", {{0, 1, 2}, {0, 3}}}, {"splits", {{{"expert", 0}, {"columns", {0, 64, 96}}}}}};
+  const auto p = parse(ok);
+  EXPECT_TRUE(p.has_splits());
+  EXPECT_FALSE(p.has_replicas());
+  EXPECT_EQ(p.parts(0), 2);
+  EXPECT_EQ(p.part_columns(p.instance_on(0, 1), 96), (std::pair<std::int64_t, std::int64_t>{64, 96}));
+  EXPECT_EQ(placement_from_json(to_json(p), 4, 2, "round trip"), p);
+  EXPECT_EQ(error(ok, 96), "accepted");
+  EXPECT_TRUE(contains(error(ok, 128), "does not tile the intermediate dimension")) << error(ok, 128);
+  EXPECT_TRUE(contains(error(json{{"experts_of_rank", {{0, 1, 2}, {0, 3}}}, {"splits", {{{"expert", 0}, {"columns", {0, 96, 64}}}}}}),
+                       "must increase"));
+  EXPECT_TRUE(contains(error(json{{"experts_of_rank", {{0, 1, 2}, {0, 3}}}, {"splits", {{{"expert", 0}, {"columns", {8, 64, 96}}}}}}),
+                       "must start at 0"));
+  EXPECT_TRUE(contains(error(json{{"experts_of_rank", {{0, 1, 2}, {3}}}, {"splits", {{{"expert", 0}, {"columns", {0, 64, 96}}}}}}),
+                       "split into 2 parts but placed on 1 ranks"));
+  EXPECT_TRUE(contains(error(json{{"experts_of_rank", {{0, 1, 2}, {0, 3}}}, {"splits", {{{"expert", 9}, {"columns", {0, 64, 96}}}}}}),
+                       "does not exist"));
+  EXPECT_TRUE(contains(error(json{{"experts_of_rank", {{0, 1, 2}, {0, 3}}}, {"splits", {{{"expert", 0}}}}}), "\"columns\""));
+  EXPECT_TRUE(contains(error(json{{"experts_of_rank", {{0, 1, 2}, {0, 3}}}, {"splits", 3}}), "\"splits\" must be a list"));
 }

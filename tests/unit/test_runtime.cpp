@@ -532,9 +532,9 @@ struct PlacedRuns {
 // output and dx are bit-identical too (every row's arithmetic is the same,
 // wherever it runs); an expert's weight gradient is the sum of its homes'
 // partial gradients, so only its summation order differs.
-class Replicas : public ::testing::TestWithParam<std::tuple<DType, int, std::string>> {};
+class ReplicaExecution : public ::testing::TestWithParam<std::tuple<DType, int, std::string>> {};
 
-TEST_P(Replicas, AreBitIdenticalAcrossExecutorsAndMatchTheUnreplicatedLayer) {
+TEST_P(ReplicaExecution, AreBitIdenticalAcrossExecutorsAndMatchTheUnreplicatedLayer) {
   const auto [dtype, workers, routing] = GetParam();
   LayerConfig c = ragged_tiny(dtype, 3, 61);
   c.routed_experts = 8;
@@ -586,7 +586,7 @@ TEST_P(Replicas, AreBitIdenticalAcrossExecutorsAndMatchTheUnreplicatedLayer) {
   EXPECT_TRUE(bit_identical(a.grads, b.grads)) << "second step";
 }
 
-INSTANTIATE_TEST_SUITE_P(All, Replicas,
+INSTANTIATE_TEST_SUITE_P(All, ReplicaExecution,
                          ::testing::Combine(::testing::Values(DType::fp32, DType::bf16), ::testing::Values(1, 2),
                                             ::testing::Values("hot:0.3", "hot:0.5", "trace")),
                          [](const auto& info) {
@@ -602,9 +602,9 @@ INSTANTIATE_TEST_SUITE_P(All, Replicas,
 // unsplit layer, the unsplit experts' weight gradients are bit-identical
 // (their rows' inputs and output gradients do not change); the output, dx
 // and the split experts' results differ in summation order only.
-class Splits : public ::testing::TestWithParam<std::tuple<DType, int, std::string>> {};
+class SplitExecution : public ::testing::TestWithParam<std::tuple<DType, int, std::string>> {};
 
-TEST_P(Splits, AreBitIdenticalAcrossExecutorsAndMatchTheOracle) {
+TEST_P(SplitExecution, AreBitIdenticalAcrossExecutorsAndMatchTheOracle) {
   const auto [dtype, workers, routing] = GetParam();
   LayerConfig c = ragged_tiny(dtype, 3, 61);
   c.routed_experts = 8;
@@ -661,7 +661,7 @@ TEST_P(Splits, AreBitIdenticalAcrossExecutorsAndMatchTheOracle) {
   EXPECT_TRUE(bit_identical(a.grads, b.grads)) << "second step";
 }
 
-INSTANTIATE_TEST_SUITE_P(All, Splits,
+INSTANTIATE_TEST_SUITE_P(All, SplitExecution,
                          ::testing::Combine(::testing::Values(DType::fp32, DType::bf16), ::testing::Values(1, 2),
                                             ::testing::Values("hot:0.3", "uniform", "trace")),
                          [](const auto& info) {

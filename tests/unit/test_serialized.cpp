@@ -1,3 +1,6 @@
+// The serialized schedule (the engine phased: one operator at a time, the
+// way frameworks run the layer) through the run driver, against the full
+// fp64 oracle: dtype x P x W x routing, capacity, odd shapes, bad options.
 #include <gtest/gtest.h>
 
 #include "source_dir.hpp"
@@ -44,9 +47,9 @@ RunReport run_variant(const LayerConfig& c, const std::string& routing = "router
 }  // namespace
 
 // The baseline against the full fp64 oracle: dtype x P x W x routing, forward and backward.
-class BaselineSweep : public ::testing::TestWithParam<std::tuple<DType, int, int, std::string>> {};
+class SerializedVsOracleSweep : public ::testing::TestWithParam<std::tuple<DType, int, int, std::string>> {};
 
-TEST_P(BaselineSweep, MatchesOracleForwardAndBackward) {
+TEST_P(SerializedVsOracleSweep, MatchesOracleForwardAndBackward) {
   const auto [dtype, ranks, workers, routing] = GetParam();
   LayerConfig c = preset("tiny");
   c.dtype = dtype;
@@ -55,7 +58,7 @@ TEST_P(BaselineSweep, MatchesOracleForwardAndBackward) {
   expect_verified(run_variant(c, routing == "trace" ? trace_spec() : routing, workers));
 }
 
-INSTANTIATE_TEST_SUITE_P(All, BaselineSweep,
+INSTANTIATE_TEST_SUITE_P(All, SerializedVsOracleSweep,
                          ::testing::Combine(::testing::Values(DType::fp32, DType::bf16), ::testing::Values(1, 2, 4),
                                             ::testing::Values(1, 2),
                                             ::testing::Values("router", "uniform", "zipf:1.5", "trace")),
@@ -66,7 +69,7 @@ INSTANTIATE_TEST_SUITE_P(All, BaselineSweep,
                                   "_W" + std::to_string(std::get<2>(info.param)) + "_" + r;
                          });
 
-TEST(Baseline, DeepSeekV3StyleRouting) {
+TEST(SerializedVsOracle, DeepSeekV3StyleRouting) {
   LayerConfig c = preset("tiny");
   c.scoring = Scoring::sigmoid;
   c.groups = 4;
@@ -81,7 +84,7 @@ TEST(Baseline, DeepSeekV3StyleRouting) {
   }
 }
 
-TEST(Baseline, CapacityDropsAreReportedAndCorrect) {
+TEST(SerializedVsOracle, CapacityDropsAreReportedAndCorrect) {
   LayerConfig c = preset("tiny");
   c.capacity_factor = 1.0;
   for (auto policy : {DropPolicy::probs, DropPolicy::position}) {
@@ -92,7 +95,7 @@ TEST(Baseline, CapacityDropsAreReportedAndCorrect) {
   }
 }
 
-TEST(Baseline, NoSharedExpertsAndEmptyExperts) {
+TEST(SerializedVsOracle, NoSharedExpertsAndEmptyExperts) {
   LayerConfig c = preset("tiny");
   c.shared_experts = 0;
   c.ranks = 4;
@@ -102,7 +105,7 @@ TEST(Baseline, NoSharedExpertsAndEmptyExperts) {
   expect_verified(r);
 }
 
-TEST(Baseline, SingleTokenPerRank) {
+TEST(SerializedVsOracle, SingleTokenPerRank) {
   LayerConfig c = preset("tiny");
   c.tokens_per_rank = 1;
   expect_verified(run_variant(c));
@@ -121,7 +124,7 @@ TEST(Baseline, SingleTokenPerRank) {
   }
 }
 
-TEST(Baseline, MultiTileLayerWithSampledVerification) {
+TEST(SerializedVsOracle, MultiTileLayerWithSampledVerification) {
   LayerConfig c = preset("tiny");
   c.hidden = 320;      // several column tiles and K blocks with a remainder
   c.expert_inter = 136;
@@ -141,7 +144,7 @@ TEST(Baseline, MultiTileLayerWithSampledVerification) {
   }
 }
 
-TEST(Baseline, DeterministicAcrossRunsAndWorkerCounts) {
+TEST(SerializedVsOracle, DeterministicAcrossRunsAndWorkerCounts) {
   for (auto dtype : {DType::fp32, DType::bf16}) {
     LayerConfig c = preset("tiny");
     c.dtype = dtype;
@@ -168,7 +171,7 @@ TEST(Baseline, DeterministicAcrossRunsAndWorkerCounts) {
   }
 }
 
-TEST(Baseline, RejectsWorkerCountsAndShapes) {
+TEST(SerializedVsOracle, RejectsWorkerCountsAndShapes) {
   const LayerConfig c = preset("tiny");
   const auto w = random_weights(c, 1);
   EXPECT_THROW(InterleavedExecutor(c, w, serialized_schedule(RuntimeOptions{.workers_per_rank = 0, .backward = false, .pin = false})), Error);
