@@ -12,7 +12,7 @@
 // bench/cluster_link.py measures the same for a bare TCP stream. With that
 // stream's figures the cluster model was 6-33% short on the unshaped link
 // (the MPI transport costs the sender 2.4x the bare stream per byte there,
-// the receiver 1.3x; docs/cluster.md), so bench/cluster_sweep.sh takes the
+// the receiver 1.3x; docs/results/cluster.md), so bench/cluster_sweep.sh takes the
 // model's put costs from here.
 //
 // Run through scripts/cluster.sh (which prepends `run -P 2 --transport mpi
@@ -120,7 +120,7 @@ Measured transfer(Transport& tr, const Meter& meter, int me, std::int64_t put_by
   // spinning, as a worker does): a steady stream. With `burst`, in bursts
   // instead: `burst` puts at once (the outbox holds them), then the
   // receiver's acknowledgement, awaited asleep. (Per byte, bursts cost the
-  // sender 3x the stream on the unshaped link of 2026-12-02: docs/cluster.md.)
+  // sender 3x the stream on the unshaped link of 2026-12-02: docs/results/cluster.md.)
   // One way, rank 0's counter counts puts arrived and rank 1's the bursts
   // acknowledged; both ways, each rank's counts the peer's puts arrived.
   const EventCounter& counter = tr.counters(me)[0];
@@ -189,7 +189,7 @@ int main(int argc, char** argv) {
   std::string sizes_text = "524288,32768";
   int reps = 3;
   Traffic traffic;
-  double peer_timeout = 60.0;  // heartbeats queue behind a long stream of puts (docs/cluster.md)
+  double peer_timeout = 60.0;  // heartbeats queue behind a long stream of puts (docs/results/cluster.md)
   MpiSession mpi(&argc, &argv);
   std::shared_ptr<Transport> tr;  // outlives the try: an error is printed before its last collective
   try {

@@ -5,7 +5,7 @@
 # with each link's measured TCP goodput (bench/cluster_link.py) and what the
 # MPI transport's puts cost the sending and the receiving core
 # (bench/bench_put_cost, built with MPI). Prints markdown.
-#   bench/cluster_sweep.sh [iterations] > docs/cluster-results.md      (root)
+#   bench/cluster_sweep.sh [iterations] > docs/results/cluster.md      (root)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 iters=${1:-3}
@@ -58,7 +58,7 @@ echo "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 # sender's plus the one-way receiver's cost: at the A3 ratio 0.7-0.8x of it
 # (likely TCP acknowledgements riding on the data and one wake of the
 # progress thread serving both directions; not isolated), unshaped
-# 0.8-1.3x (2026-12-03, docs/cluster.md). So the put costs are
+# 0.8-1.3x (2026-12-03, docs/results/cluster.md). So the put costs are
 # measured both ways too (bench_put_cost --direction both: each core's time
 # per put and per byte, sending and receiving at once), and the one-way
 # split between sender and receiver is scaled to that total, the per-put and
@@ -68,7 +68,7 @@ measure_link() {  # shaping-args gbit -> "goodput tcp_send tcp_receive send_per_
   local bytes
   bytes=$(python3 -c "g=float('$2'); print(int(max(64e6, (g * 1e9 / 8 if g > 0 else 1e9) * 4)))")
   # At most 512 MB a transfer: a stream of small puts for a minute starves
-  # the receiving progress thread's heartbeats (docs/cluster.md).
+  # the receiving progress thread's heartbeats (docs/results/cluster.md).
   local put_bytes=$((bytes < 536870912 ? bytes : 536870912))
   # shellcheck disable=SC2086
   { HPMOE=bench/cluster_link.py scripts/cluster.sh $1 -- --bytes "$bytes" 2>/dev/null

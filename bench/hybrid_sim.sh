@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Load-aware placement with tensor-parallel splits, simulated
-# (docs/placement.md, "Hybrid TP/EP"):
+# (docs/results/placement.md, "Hybrid TP/EP"):
 #  1. A3 and H800, deepseek-v3 layer sizes, bf16, no shared expert, 4096
 #     tokens per rank, EP 16 / 64 / 256 under Zipf 1.2 (and EP 64 under Zipf
 #     1.1 and 1.4): no balancing (contiguous), replicas + per-step quotas

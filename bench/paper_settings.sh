@@ -2,7 +2,7 @@
 # What the machine models predict in the settings the paper and DeepEP
 # report (simulated forward and backward Dispatch-to-Combine latency,
 # serialized vs interleaved). Prints markdown.
-#   bench/paper_settings.sh [build/hpmoe] >> docs/simulation.md
+#   bench/paper_settings.sh [build/hpmoe] >> docs/results/simulation.md
 # No parameter is fitted to the paper's figures: every one comes from the
 # machine model's sources (machines/*.json).
 set -euo pipefail

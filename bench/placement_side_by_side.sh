@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Load-aware placement measured on this machine (docs/placement.md): for
+# Load-aware placement measured on this machine (docs/results/placement.md): for
 # P = 2 and 4 under hot-expert (share 0.3) and trace routing, `hpmoe plan`
 # chooses replicas on the calibrated CPU model; then, alternating for ROUNDS
 # rounds, the unbalanced layer (contiguous placement) runs serialized and the

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Load-aware placement on the accelerator clusters, simulated
-# (docs/placement.md): deepseek-v3 layer sizes, bf16, no shared expert,
+# (docs/results/placement.md): deepseek-v3 layer sizes, bf16, no shared expert,
 # 4096 tokens per rank, EP 64, on the A3 and H800 machine models, under
 # Zipf routing. For each: the contiguous placement ("unbalanced"), the
 # placement `hpmoe plan` chooses from 8 steps of the same routing (replicas

@@ -1,5 +1,5 @@
 // The per-step quota plan against an exact solver on small cases
-// (docs/placement.md). The plan's objective is the slowest rank's load in
+// (docs/results/placement.md). The plan's objective is the slowest rank's load in
 // rows rounded up to whole tiles (unreplicated experts fixed, each home of a
 // replicated expert paying for the tiles of the rows it takes). Only each
 // home's tile count matters, so the exact optimum enumerates every way to

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Per-step host costs per rank of sharded MPI runs (docs/benchmarks.md):
+# Per-step host costs per rank of sharded MPI runs (docs/results/benchmarks.md):
 # route, count exchange, compile, verify, prepare, next to the launch, at
 # P = 2 and 4 on the shared-memory and the network (TCP) paths, each with
 # the count exchange both ways (collective, one-sided).

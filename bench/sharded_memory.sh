@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Peak resident memory per process of sharded MPI runs (docs/benchmarks.md,
+# Peak resident memory per process of sharded MPI runs (docs/results/benchmarks.md,
 # "Sharded expert parallelism"): qwen3-235b-a22b at its real sizes, one rank
 # per process, each holding its own experts. Needs about 20 GB free; a run
 # that does not fit is killed by the kernel (exit 137) and reported so.

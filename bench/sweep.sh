@@ -6,7 +6,7 @@
 # {256, 1024, 4096 tokens/rank} x {P=1 x 2 workers, P=2 x 1 worker} x
 # {uniform, Zipf 1.2, Mixtral trace}. Writes a markdown report (rows, then
 # the summary against the targets) to stdout.
-#   bench/sweep.sh [build/hpmoe] [iterations] > docs/sweep.md
+#   bench/sweep.sh [build/hpmoe] [iterations] > docs/results/sweep.md
 set -euo pipefail
 cd "$(dirname "$0")/.."
 hpmoe=${1:-build/hpmoe}

@@ -7,7 +7,7 @@ the page faults, user and system seconds and wall time of the whole process
 
   bench/thp_setup.py ITERATIONS      (from the repository root, build/hpmoe built)
 
-docs/benchmarks.md, "Huge pages": setup faults 8.5x fewer, steps slower on
+docs/results/benchmarks.md, "Huge pages": setup faults 8.5x fewer, steps slower on
 the virtual machine measured, so not adopted.
 """
 import json

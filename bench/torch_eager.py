@@ -11,7 +11,7 @@ checks its output against hpmoe's, and both timings and their ratio are printed.
     bench/torch_eager.py [--preset deepseek-v2-lite] [-P 2] [-T 2048] [--iters 3] [--threads 2] [--dtype fp32|bf16] [--out DIR]
 
 Debian's python3-torch (1.13) is what it uses; it is installed here on first use
-(apt-get), not by the test suite. Results: docs/benchmarks.md.
+(apt-get), not by the test suite. Results: docs/results/benchmarks.md.
 """
 import argparse
 import json

@@ -9,7 +9,7 @@
 # pairs (serialized and interleaved run back to back in each) gives p <= 0.05,
 # and a repeat run, after the whole sweep, shows the same).
 #   hpmoe calibrate --out machines/cpu-local.json   # first, on an idle machine
-#   bench/validate_sim.sh [build/hpmoe] [machines/cpu-local.json] > docs/simulation.md
+#   bench/validate_sim.sh [build/hpmoe] [machines/cpu-local.json] > docs/results/simulation.md
 # ITERS (default 9): iterations per executor; TOKENS (default "256 1024");
 # RUNS=dir keeps every run's report and prediction, and the configurations
 # (bench/resimulate.py predicts them again with another build or model).

@@ -27,8 +27,6 @@
 #     scripts/cluster.sh --flop-per-byte 15000 -- --preset deepseek-v2-lite -T 256 --backward
 set -euo pipefail
 cd "$(dirname "$0")/.."
-[ "$(id -u)" = 0 ] || { echo "error: cluster.sh needs root (network namespaces, tc)" >&2; exit 2; }
-
 hosts=2 rate_gbit="" fpb="" delay_us=0 slow="" fault="" keep_going=0 time_limit=1800 eager=4194304
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -41,10 +39,12 @@ while [ $# -gt 0 ]; do
     --keep-going) keep_going=1; shift ;;
     --time-limit) time_limit=$2; shift 2 ;;
     --eager-bytes) eager=$2; shift 2 ;;
+    -h|--help) sed -n '2,26s/^# \{0,1\}//p' "$0"; exit 0 ;;
     --) shift; break ;;
     *) echo "error: unknown option '$1' (see the header of scripts/cluster.sh)" >&2; exit 2 ;;
   esac
 done
+[ "$(id -u)" = 0 ] || { echo "error: cluster.sh needs root (network namespaces, tc)" >&2; exit 2; }
 [[ "$eager" =~ ^[0-9]+$ ]] && [ "$eager" -ge 1024 ] || { echo "error: --eager-bytes must be a whole number of bytes, at least 1024" >&2; exit 2; }
 [[ "$hosts" =~ ^[0-9]+$ ]] && [ "$hosts" -ge 1 ] && [ "$hosts" -le 64 ] || { echo "error: --hosts must be 1..64" >&2; exit 2; }
 if [ -n "$fault" ] && ! [[ "$fault" =~ ^(kill|linkdown):[0-9]+:[0-9.]+$ && ${fault#*:} =~ ^([0-9]+): && ${BASH_REMATCH[1]} -lt $hosts ]]; then

@@ -189,7 +189,7 @@ struct MpiOptions {
   // arrival counter; on the network path (no remote memory access there, a
   // put is a message) the block sent straight to every peer, as puts are.
   // Collective: MPI_Iallgather. Automatic: whichever measured faster on the
-  // path (docs/benchmarks.md): one-sided on shared memory, the collective on
+  // path (docs/results/benchmarks.md): one-sided on shared memory, the collective on
   // the network path.
   enum class CountExchange { automatic, one_sided, collective };
   CountExchange count_exchange = CountExchange::automatic;

@@ -220,7 +220,7 @@ json calibrate(const CalibrateOptions& opt, const std::function<void(const std::
   // a time on the VM of 2026-12-02) then slows one round of every shape,
   // not all the repetitions of the few shapes measured during it: measured
   // back to back, neighbouring shapes came out up to 2x apart (48 x 1408 at
-  // 89 GFLOP/s between 159 and 176; docs/simulation.md, "Calibrating in
+  // 89 GFLOP/s between 159 and 176; docs/results/simulation.md, "Calibrating in
   // rounds").
   for (int round = 0; round < reps; ++round) {
     if (reps > 1) say("tile GEMM rates, round " + std::to_string(round + 1) + " of " + std::to_string(reps));

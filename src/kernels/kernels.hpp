@@ -21,7 +21,7 @@ inline constexpr std::int64_t kWeightTileRows = 64;  // rows of a weight-gradien
 // of fp32. Its tiles have a short K and are bound by writing their output;
 // two cores writing neighbouring 64-column tiles of the same rows take 8.0
 // us a tile against 3.5 for strips of whole rows (a Xeon, 2 cores, K 16:
-// build/bench/wgrad_layout; docs/benchmarks.md, "Weight-gradient strips").
+// build/bench/wgrad_layout; docs/results/benchmarks.md, "Weight-gradient strips").
 inline constexpr std::int64_t kWeightTileCols = 4096;
 inline constexpr std::int64_t kTileCols = 64;
 inline constexpr std::int64_t kBlockK = 128;
@@ -35,7 +35,7 @@ inline constexpr std::int64_t kChunkBlocks = 16;
 
 // An allocator of 64-byte aligned storage: tile operands whose rows start
 // on a cache line. oneDNN's AMX kernels run at half their rate or less on
-// operands 16 bytes off a line (docs/benchmarks.md, "bf16 on AMX").
+// operands 16 bytes off a line (docs/results/benchmarks.md, "bf16 on AMX").
 template <class T>
 struct CacheLineAllocator {
   using value_type = T;
@@ -56,7 +56,7 @@ void init();
 // oneDNN's matmul, which uses AMX-BF16 tiles where the CPU (and oneDNN, when
 // hpmoe is built with it) has them and runs 5-8x faster than AVX512-BF16
 // dot products there; elsewhere libxsmm, whose AVX512-BF16 kernels match
-// oneDNN's without AMX (docs/benchmarks.md, "bf16 on AMX"). fp32 tiles always
+// oneDNN's without AMX (docs/results/benchmarks.md, "bf16 on AMX"). fp32 tiles always
 // run libxsmm (a sequential FMA sum in K; see kChunkBlocks).
 // ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 in the environment turns AMX off, and
 // with it this choice.
@@ -77,7 +77,7 @@ std::int64_t token_tile_rows() {
 // Rows of a weight-gradient tile for T's engine. Their K is an expert's rows
 // of a step (a few hundred), so a tile is short work; oneDNN's AMX GEMM
 // needs taller tiles to run near its rate (m x 64 x 384: 575 GFLOP/s at 64
-// rows, 881 at 256; docs/benchmarks.md, "bf16 on AMX").
+// rows, 881 at 256; docs/results/benchmarks.md, "bf16 on AMX").
 template <class T>
 std::int64_t weight_tile_rows() {
   if constexpr (sizeof(T) == 2) return bf16_engine() == Bf16Engine::onednn_amx ? 256 : kWeightTileRows;

@@ -120,7 +120,7 @@ double MachineModel::gemm_seconds(std::int64_t m, std::int64_t n, std::int64_t k
   // either side, in K and in rows. At a fixed K a tile's time is affine in
   // its rows (reading the weight panel costs the same for 52 rows as for 48,
   // the FMAs grow with the rows): mixtral's 52- to 72-row tiles measured
-  // about 3 us a row (docs/simulation.md, "Rows between the measured ones").
+  // about 3 us a row (docs/results/simulation.md, "Rows between the measured ones").
   // Timing a tile at the rate of the nearest measured row count, as before,
   // charged a 52-row tile the 48-row rate per FLOP (132 GFLOP/s against the
   // 64-row 150 with a fresh panel at K 4096 in that calibration), a step the
