@@ -36,4 +36,7 @@ class CMakeBuild(build_ext):
         shutil.copy2(built[0], target)
 
 
-setup(ext_modules=[CMakeExtension("hpmoe._core")], cmdclass={"build_ext": CMakeBuild})
+# setuptools' own staging goes beside the CMake build, not into build/ (the
+# CMake build folder the README and scripts use).
+setup(ext_modules=[CMakeExtension("hpmoe._core")], cmdclass={"build_ext": CMakeBuild},
+      options={"build": {"build_base": os.environ.get("HPMOE_PIP_BUILD_DIR", "build-pip") + "/setuptools"}})
