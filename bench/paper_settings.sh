@@ -79,7 +79,7 @@ echo "### The put engine (Ascend A3, EP 8, the paper's layer and scope, ratr)"
 echo
 echo "| put engine | puts in flight | fwd interleaved ms | bwd interleaved ms | total speedup |"
 echo "|---|---|---|---|---|"
-for variant in "vector 4" "vector 8" "vector 16" "vector 48" "dma 0"; do
+for variant in "vector 4" "vector 8" "vector 16" "vector 48" "dma 8" "dma 1000000"; do
   set -- $variant
   python3 - "$1" "$2" "$tmp/a3-$1-$2.json" <<'PY'
 import json, sys
@@ -93,7 +93,7 @@ import json, sys
 j = json.load(open(sys.argv[1]))
 f, b = j["forward"], j["backward"]
 label = {"vector": "vector unit, held until landed", "dma": "DMA engine (the unit is free after the issue)"}[sys.argv[2]]
-n = sys.argv[3] if sys.argv[3] != "0" else "no bound"
+n = sys.argv[3] if int(sys.argv[3]) < 1000000 else "no bound (10^6)"
 print(f"| {label} | {n} | {f['interleaved_s']*1e3:.2f} | {b['interleaved_s']*1e3:.2f} | "
       f"{(f['serialized_s'] + b['serialized_s']) / (f['interleaved_s'] + b['interleaved_s']):.2f}x |")
 PY

@@ -60,8 +60,13 @@ if [ "${HPMOE_SKIP_SANITIZERS:-0}" != 1 ]; then
   cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DHPMOE_SANITIZE=ON -DHPMOE_BUILD_BENCH=OFF > /dev/null
   cmake --build build-asan -j "$jobs"
   stage "asan+ubsan build"
+  # The whole suite, but the executor sweeps under one schedule policy: a
+  # policy only orders the same tasks, whose bodies and operands (what ASan
+  # checks) do not change with it; the release run and TSan keep every
+  # policy (bit-identity and interleavings). About a quarter of the stage.
   ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-    ctest --test-dir build-asan -j "$jobs" --output-on-failure
+    ctest --test-dir build-asan -j "$jobs" --output-on-failure \
+      -E '(InterleavedForward|InterleavedBackward)\..*_(fill|rank_rotated|interleave_wgrad|ratr)( |$)'
   stage "asan+ubsan tests"
 fi
 

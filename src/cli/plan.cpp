@@ -158,6 +158,7 @@ double simulate_step(const sim::MachineModel& m, const PlanRequest& req, const E
   s.placement = p;
   s.seed = req.seed;
   s.backward = true;
+  s.policy = sim::default_policy(m);
   const auto rep = sim::simulate(m, s);
   return interleaved ? rep.forward.interleaved_s + rep.backward.interleaved_s
                      : rep.forward.serialized_s + rep.backward.serialized_s;

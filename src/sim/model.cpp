@@ -252,6 +252,14 @@ MachineModel machine_from_json(const json& j) {
       throw Error("machine model: 'put.engine' \"vector\" needs vector units (kind \"accelerator\")");
   }
   m.put_in_flight = count(j, "put.in_flight", 0, true);
+  // An accelerator that lets puts run unbounded delivers, on processor-shared
+  // links, every put of a dispatch at its end: a model would win or lose by
+  // that alone. Every accelerator model whose DMA engines or vector units move
+  // the puts states its bound, with its source (a core that copies is its own bound).
+  if (m.accelerator && m.put_engine != PutEngine::cpu && m.put_in_flight == 0)
+    throw Error("machine model: 'put.in_flight' is required for an accelerator: the puts a rank keeps on the wire at "
+                "once (DMA engines or communication SMs, or the vector units that carry puts), with its source in "
+                "'sources'");
   if (m.put_in_flight > 0 && m.put_engine == PutEngine::cpu)
     throw Error("machine model: 'put.in_flight' bounds DMA engines or the vector units carrying puts; with put.engine \"cpu\" "
                 "every worker copies its own puts");
@@ -326,6 +334,10 @@ MachineModel machine_from_json(const json& j) {
     m.sources.emplace_back(field, source.get<std::string>());
   }
   return m;
+}
+
+taskflow::Policy default_policy(const MachineModel& m) {
+  return m.accelerator && m.put_in_flight > 0 ? taskflow::Policy::ratr : taskflow::Policy::critical_path;
 }
 
 MachineModel load_machine(const std::string& spec) {

@@ -145,6 +145,12 @@ struct MachineModel {
 
 MachineModel machine_from_json(const nlohmann::json&);  // Error naming what is missing or wrong
 MachineModel load_machine(const std::string& path_or_name);  // a file, or a name in machines/
+// The schedule a machine runs by default: ratr where an accelerator bounds
+// its puts in flight (its order keeps the few puts on the wire the ones the
+// next GEMMs wait for; critical-path issues them in an order that a bound
+// then serializes, 0.76x serialized on h200 at EP 32), critical-path on CPUs,
+// as the runtime does.
+taskflow::Policy default_policy(const MachineModel&);
 nlohmann::json to_json(const MachineModel&);
 
 struct SimRequest {

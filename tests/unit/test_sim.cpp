@@ -636,6 +636,9 @@ TEST(Simulator, RejectsBadModels) {
   j["put"]["engine"] = "vector";
   expect_error(j, "put.in_flight");
   j = good;
+  j["put"].erase("in_flight");  // an accelerator must bound its puts
+  expect_error(j, "put.in_flight");
+  j = good;
   j["put"]["receive"] = {{"per_put_s", 1e-6}, {"bytes_per_s", 1e9}};
   expect_error(j, "put.receive");
   j = good;
@@ -643,6 +646,7 @@ TEST(Simulator, RejectsBadModels) {
   expect_error(j, "put.stream_per_peer");
   j = good;
   j["put"]["engine"] = "cpu";
+  j["put"].erase("in_flight");
   j["put"]["stream_per_peer"] = 1;
   expect_error(j, "put.stream_per_peer");
   j = good;
@@ -675,6 +679,13 @@ TEST(Simulator, RejectsBadModels) {
   EXPECT_EQ(again.intra_rate(32), a3.intra_rate(32));
   const MachineModel h800 = load_machine(std::string(HPMOE_SOURCE_DIR) + "/machines/h800.json");
   EXPECT_TRUE(h800.deepep.enabled);
+  // Every accelerator bounds its puts, and runs ratr by default; CPUs run critical-path.
+  for (const char* name : {"ascend-a3", "h800", "h200", "nmp-mesh"}) {
+    const MachineModel m = load_machine(name);
+    EXPECT_GT(m.put_in_flight, 0) << name;
+    EXPECT_EQ(default_policy(m), taskflow::Policy::ratr) << name;
+  }
+  EXPECT_EQ(default_policy(load_machine("cpu-local")), taskflow::Policy::critical_path);
   EXPECT_EQ(machine_from_json([&] { auto h = to_json(h800); h["sources"] = {{"all", "test"}}; return h; }()).serialized_matrix_units, 132);
   MachineModel cpu = load_machine(std::string(HPMOE_SOURCE_DIR) + "/machines/cpu-local.json");
   cpu.put_stream_per_peer = true;

@@ -342,8 +342,8 @@ struct SimulateCommand {
     simulate->add_option("--seed", sreq.seed, "seed of synthetic routing")->check(kSeedValidator);
     simulate->add_flag("--backward", sreq.backward, "simulate the backward pass too");
     simulate->add_option("--schedule", sim_schedule,
-                         "fill | rank-rotated | critical-path | interleave-wgrad | ratr (default: ratr where vector units carry "
-                         "the puts, as on Ascend A3; critical-path elsewhere, as the CPU runtime does)");
+                         "fill | rank-rotated | critical-path | interleave-wgrad | ratr (default: ratr on accelerator models, whose "
+                         "puts in flight are bounded; critical-path on CPU models, as the runtime does)");
     simulate->add_flag("--kernel-scope", sreq.kernel_scope,
                        "time only what a fused MoE kernel does (as the paper measures): router backward and pack tasks take no time");
     simulate->add_option("--json", sim_json, "write the prediction as JSON");
@@ -361,9 +361,7 @@ struct SimulateCommand {
     sreq.config = layer.resolve();
     sreq.placement = layer.resolve_placement(sreq.config);
     sreq.routing = parse_routing_spec(sim_routing, sreq.seed);
-    sreq.policy = taskflow::parse_policy(!sim_schedule.empty()                        ? sim_schedule
-                                           : model.put_engine == sim::PutEngine::vector ? "ratr"
-                                                                                        : "critical-path");
+    sreq.policy = sim_schedule.empty() ? sim::default_policy(model) : taskflow::parse_policy(sim_schedule);
     sreq.trace = !sim_trace.empty() || !sim_timeline.empty();
     for (const auto& [file, what] : {std::pair<const std::string&, const char*>{sim_json, "JSON results"},
                                      {sim_trace, "the trace"}, {sim_timeline, "the timeline"}})
