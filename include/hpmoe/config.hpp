@@ -10,10 +10,15 @@ namespace hpmoe {
 enum class Scoring { softmax, sigmoid };
 enum class DType { fp32, bf16 };           // bf16: bf16 storage, fp32 accumulation
 enum class DropPolicy { probs, position };  // which tokens a full expert drops (Megatron-Core)
+// The format the dispatch sends tokens to their experts in: the layer's dtype,
+// or narrower (bf16 under an fp32 layer; fp8 e4m3 with one fp32 scale per 128
+// channels, as DeepSeek-V3). The experts compute on the tokens as decoded.
+enum class DispatchDType { layer, fp32, bf16, fp8 };
 
 std::string to_string(Scoring);
 std::string to_string(DType);
 std::string to_string(DropPolicy);
+std::string to_string(DispatchDType);
 
 // One expert-parallel MoE FFN layer and how it is run: sizes, router, balancing
 // terms and the expert-parallel layout. A plain value; validate() says whether
@@ -51,7 +56,13 @@ struct LayerConfig {
   std::int64_t tokens_per_rank = 0;     // T
   std::int64_t ranks = 1;               // P (expert-parallel degree)
   DType dtype = DType::fp32;
+  DispatchDType dispatch_dtype = DispatchDType::layer;
 
+  // Whether the dispatch sends tokens narrower than the layer's dtype (a
+  // quantize on the source, a decode on arrival), and the bytes of one
+  // dispatched row then.
+  bool staged_dispatch() const;
+  std::int64_t dispatch_row_bytes() const;
   std::int64_t shared_inter_total() const {
     return shared_experts * (shared_inter > 0 ? shared_inter : expert_inter);
   }

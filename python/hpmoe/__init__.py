@@ -116,11 +116,18 @@ class MoELayer(nn.Module):
     gradient checks tighter than float32 allows (plain loops: slow);
     schedule: the interleaved runtime's task order per worker ("critical-path", "fill",
     "rank-rotated", "interleave-wgrad", "ratr"; hpmoe run --policy). Results are bit-identical for all.
+    dispatch_dtype: what the dispatch sends tokens to their experts in (hpmoe run --dispatch-dtype):
+    None keeps the config's ("layer" unless set), "fp8" (e4m3 with one scale per 128 channels; hidden a
+    multiple of 128), "bf16", "fp32". The experts compute on the decoded tokens; every executor,
+    "reference" included, applies the same encoding.
     """
 
-    def __init__(self, config, ranks=1, workers=1, executor="interleaved", schedule="critical-path"):
+    def __init__(self, config, ranks=1, workers=1, executor="interleaved", schedule="critical-path",
+                 dispatch_dtype=None):
         super().__init__()
         cfg = dict(preset(config) if isinstance(config, str) else config)
+        if dispatch_dtype is not None:
+            cfg["dispatch_dtype"] = dispatch_dtype
         if not isinstance(ranks, int) or ranks < 1:
             raise ValueError(f"ranks must be a positive integer, got {ranks!r}")
         cfg["ranks"] = ranks

@@ -8,6 +8,7 @@
 
 #include "compiler/taskflow.hpp"
 #include "hpmoe/error.hpp"
+#include "common/fp8.hpp"
 
 namespace hpmoe::taskflow {
 
@@ -71,6 +72,10 @@ nlohmann::json to_json(const Program& p) {
   j["dims"] = {{"hidden", p.dims.hidden}, {"inter", p.dims.inter}, {"shared_inter", p.dims.shared_inter},
                {"experts", p.dims.experts}, {"top_k", p.dims.top_k}, {"tokens", p.dims.tokens},
                {"elem_bytes", p.dims.elem_bytes}};
+  if (p.dims.dispatch_format != 0) {
+    j["dims"]["dispatch_format"] = p.dims.dispatch_format;
+    j["dims"]["dispatch_row_bytes"] = p.dims.dispatch_row_bytes;
+  }
   j["local_experts"] = p.local_experts;
   j["expert_begin"] = p.expert_begin;
   j["kpad_begin"] = p.kpad_begin;
@@ -161,6 +166,18 @@ Program program_from_json(const nlohmann::json& j) {
     p.dims = Dims{dim("hidden", 1), dim("inter", 1), dim("shared_inter", 0), dim("experts", 1), dim("top_k", 1),
                   dim("tokens", 0), integer<std::int64_t>(d.at("elem_bytes"), "dims.elem_bytes")};
     if (p.dims.elem_bytes != 2 && p.dims.elem_bytes != 4) throw Error("program dump: dims.elem_bytes must be 2 or 4");
+    if (d.contains("dispatch_format")) {
+      p.dims.dispatch_format = integer<std::int64_t>(d.at("dispatch_format"), "dims.dispatch_format");
+      p.dims.dispatch_row_bytes = integer<std::int64_t>(d.at("dispatch_row_bytes"), "dims.dispatch_row_bytes");
+      const std::int64_t expected = p.dims.dispatch_format == 1   ? fp8_row_bytes(p.dims.hidden)
+                                    : p.dims.dispatch_format == 2 ? 2 * p.dims.hidden
+                                                                  : -1;
+      if (expected < 0) throw Error("program dump: dims.dispatch_format must be 1 (fp8) or 2 (bf16)");
+      if (p.dims.dispatch_row_bytes != expected || (p.dims.dispatch_format == 1 && p.dims.hidden % kFp8BlockChannels != 0))
+        throw Error("program dump: dims.dispatch_row_bytes = " + std::to_string(p.dims.dispatch_row_bytes) +
+                    " does not fit dispatch_format " + std::to_string(p.dims.dispatch_format) + " and hidden " +
+                    std::to_string(p.dims.hidden));
+    }
     if (p.dims.experts < 1 || p.dims.experts > (1 << 20))
       throw Error("program dump: dims.experts must be between 1 and 1048576");
     p.local_experts = j.at("local_experts").get<std::vector<std::int32_t>>();

@@ -137,7 +137,7 @@ RoutingCounts routing_counts(const LayerConfig& c, std::span<const std::int32_t>
 template RoutingCounts routing_counts<float>(const LayerConfig&, const RouterOutput<float>&);
 template RoutingCounts routing_counts<double>(const LayerConfig&, const RouterOutput<double>&);
 
-EventBases::EventBases(Pass pass, std::int64_t row_tiles, std::int64_t local, std::int64_t token_tiles) {
+EventBases::EventBases(Pass pass, std::int64_t row_tiles, std::int64_t local, std::int64_t token_tiles, bool staged_dispatch) {
   std::int64_t next = 0;
   auto take = [&](std::int64_t n) {
     const std::int64_t at = next;
@@ -153,6 +153,7 @@ EventBases::EventBases(Pass pass, std::int64_t row_tiles, std::int64_t local, st
     sh_h = take(token_tiles);
     sh_a = take(token_tiles);
     reduced = take(1);
+    staged = take(staged_dispatch ? row_tiles : 0);
   } else {
     dy = take(row_tiles);
     da = take(row_tiles);
@@ -275,6 +276,7 @@ void declare_buffers(Program& p, const LayerConfig& c, const Exchange& ex, Pass 
   add_buffer(p, BufferId::y, recv, H, elem, local);
   add_buffer(p, BufferId::comb, send, H, elem, sym);
   add_buffer(p, BufferId::out, T, H, 4, bound);
+  if (c.staged_dispatch()) add_buffer(p, BufferId::recv_staged, recv, c.dispatch_row_bytes(), 1, sym);
   if (shared) {
     add_buffer(p, BufferId::sh_h, T, 2 * Is, 4, local);
     add_buffer(p, BufferId::sh_a, T, Is, elem, local);
@@ -341,15 +343,17 @@ void puts_to_experts(const LayerConfig& c, const Exchange& ex, std::int64_t tile
   for (std::int64_t i = 0; i < ex.instances(); ++i) {  // each expert's homes, in send order
     const std::int64_t e = ex.placement().instance_expert(i), d = ex.placement().instance_rank(i), n = ex.count(rank, i);
     if (n == 0 || (only_peer >= 0 && d != only_peer)) continue;
-    const EventBases owner_events(pass, ex.row_tiles(d), ex.placement().local_count(d), token_tiles);
-    const std::int64_t base = forward ? owner_events.recv : owner_events.dy;
+    const bool staged = forward && c.staged_dispatch();
+    const EventBases owner_events(pass, ex.row_tiles(d), ex.placement().local_count(d), token_tiles, c.staged_dispatch());
+    const std::int64_t base = staged ? owner_events.staged : forward ? owner_events.recv : owner_events.dy;
     const std::int64_t first = ex.source_offset(rank, i);
     for (std::int64_t r = first; r < first + n;) {
       const std::int64_t tile = r / TR, end = std::min(first + n, (tile + 1) * TR);
-      emit(TaskSpec{.kind = forward ? TaskKind::dispatch_put : TaskKind::grad_dispatch_put,
-                    .src = forward ? BufferId::x : BufferId::dout, .dst = forward ? BufferId::recv : BufferId::dy,
+      emit(TaskSpec{.kind = staged ? TaskKind::dispatch_cast_put : forward ? TaskKind::dispatch_put : TaskKind::grad_dispatch_put,
+                    .src = forward ? BufferId::x : BufferId::dout,
+                    .dst = staged ? BufferId::recv_staged : forward ? BufferId::recv : BufferId::dy,
                     .expert = e, .peer = d, .row_begin = ex.expert_start(i) + r, .rows = end - r, .col_begin = 0,
-                    .cols = c.hidden, .src_row = ex.send_offset(rank, i) + (r - first),
+                    .cols = staged ? c.dispatch_row_bytes() : c.hidden, .src_row = ex.send_offset(rank, i) + (r - first),
                     .trigger_event = base + ex.tile_start(i) + tile});
       r = end;
     }
@@ -370,7 +374,7 @@ void puts_to_sources(const LayerConfig& c, const Exchange& ex, std::int64_t tile
     for (std::int64_t s = 0; s < ex.ranks(); ++s) {
       const std::int64_t n = ex.count(s, i), first = ex.source_offset(s, i);
       if (n == 0 || (only_source >= 0 && s != only_source)) continue;
-      const EventBases source_events(pass, ex.row_tiles(s), ex.placement().local_count(s), token_tiles);
+      const EventBases source_events(pass, ex.row_tiles(s), ex.placement().local_count(s), token_tiles, c.staged_dispatch());
       const std::int64_t target = forward ? source_events.comb_done : source_events.dx_ready;
       for (std::int64_t r = first; r < first + n;) {
         const std::int64_t tile = r / TR, end = std::min(first + n, (tile + 1) * TR);
@@ -400,6 +404,10 @@ void program_header(Program& p, const LayerConfig& c, const Exchange& ex, const 
   p.ranks = static_cast<std::int32_t>(c.ranks);
   p.machine = m;
   p.dims = Dims{c.hidden, c.expert_inter, c.shared_inter_total(), E, c.top_k, c.tokens_per_rank, c.dtype == DType::bf16 ? 2 : 4};
+  if (c.staged_dispatch()) {
+    p.dims.dispatch_row_bytes = c.dispatch_row_bytes();
+    p.dims.dispatch_format = c.dispatch_dtype == DispatchDType::fp8 ? 1 : 2;
+  }
   p.expert_begin.clear();
   p.kpad_begin.clear();
   p.slot_parts.clear();
@@ -455,7 +463,8 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
   program_header(p, c, ex, m, pass, rank);
 
   const std::int64_t row_tiles = ex.row_tiles(rank), token_tiles = ceil_div(T, TR);
-  const EventBases ev(pass, row_tiles, L, token_tiles);
+  const EventBases ev(pass, row_tiles, L, token_tiles, c.staged_dispatch());
+  const bool staged = pass == Pass::forward && c.staged_dispatch();
   p.events.assign(static_cast<std::size_t>(ev.total), Event{0, TaskKind::count, -1, -1});
   Builder b(p, m);
   const std::int64_t n_down = ceil_div(H, TC);
@@ -479,7 +488,12 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
       const std::int64_t e = mine[static_cast<std::size_t>(le)], home = homes[static_cast<std::size_t>(le)];
       const std::int64_t tiles = ex.tiles_of(home), tb = ex.tile_start(home), n_gate_up = ceil_div(2 * inter_of(le), TC);
       for (std::int64_t i = 0; i < tiles; ++i) {
-        b.event(ev.recv + tb + i, ex.arrivals(home, i), TaskKind::gemm_gate_up, e, i);
+        if (staged) {  // the pieces land encoded; one decode per tile fills the GEMM's rows
+          b.event(ev.staged + tb + i, ex.arrivals(home, i), TaskKind::dispatch_decode, e, i);
+          b.event(ev.recv + tb + i, 1, TaskKind::gemm_gate_up, e, i);
+        } else {
+          b.event(ev.recv + tb + i, ex.arrivals(home, i), TaskKind::gemm_gate_up, e, i);
+        }
         b.event(ev.h + tb + i, static_cast<std::int32_t>(n_gate_up), TaskKind::swiglu, e, i);
         b.event(ev.a + tb + i, 1, TaskKind::gemm_down, e, i);
         b.event(ev.y + tb + i, static_cast<std::int32_t>(n_down), TaskKind::combine_put, e, i);
@@ -515,6 +529,8 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
       const std::int64_t Ie = inter_of(le), n_gate_up = ceil_div(2 * Ie, TC);
       for (std::int64_t i = 0; i * TR < n_e; ++i) {
         const std::int64_t rows = std::min(TR, n_e - i * TR), row0 = start + i * TR;
+        if (staged)
+          b.task({.kind = TaskKind::dispatch_decode, .src = BufferId::recv_staged, .dst = BufferId::recv, .expert = e, .row_begin = row0, .rows = rows, .col_begin = 0, .cols = H, .src_row = row0, .wait_event = ev.staged + tb + i, .wait_count = p.events[static_cast<std::size_t>(ev.staged + tb + i)].required, .trigger_event = ev.recv + tb + i});
         b.gemm_tiles(rows, 2 * Ie, [&](std::int64_t, std::int64_t, std::int64_t j, std::int64_t n) {
           b.task({.kind = TaskKind::gemm_gate_up, .src = BufferId::recv, .dst = BufferId::h1, .expert = e, .row_begin = row0, .rows = rows, .col_begin = j, .cols = n, .src_row = row0, .wait_event = ev.recv + tb + i, .wait_count = p.events[ev.recv + tb + i].required, .trigger_event = ev.h + tb + i});
         });

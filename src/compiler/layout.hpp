@@ -88,9 +88,11 @@ std::vector<std::int64_t> send_slots(const LayerConfig&, const Exchange&, const 
 
 // Event ids of one rank's program, by role.
 struct EventBases {
-  EventBases(Pass, std::int64_t row_tiles, std::int64_t local, std::int64_t token_tiles);
+  // staged: the dispatch is encoded (LayerConfig::staged_dispatch), its
+  // pieces land in `staged` tiles and a decode per tile fills `recv`.
+  EventBases(Pass, std::int64_t row_tiles, std::int64_t local, std::int64_t token_tiles, bool staged);
   // forward
-  std::int64_t recv = 0, h = 0, a = 0, y = 0, comb_done = 0, sh_h = 0, sh_a = 0;
+  std::int64_t recv = 0, h = 0, a = 0, y = 0, comb_done = 0, sh_h = 0, sh_a = 0, staged = 0;
   // both passes: the split experts' partial rows reduced (part_reduce tasks)
   std::int64_t reduced = 0;
   // backward

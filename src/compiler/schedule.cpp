@@ -26,6 +26,7 @@ bool is_expert_chain(TaskKind k) {
 std::pair<TaskKind, TaskKind> remote_consumers(TaskKind put) {
   switch (put) {
     case TaskKind::dispatch_put: return {TaskKind::gemm_gate_up, TaskKind::gemm_gate_up};
+    case TaskKind::dispatch_cast_put: return {TaskKind::dispatch_decode, TaskKind::dispatch_decode};
     case TaskKind::combine_put: return {TaskKind::combine_reduce, TaskKind::part_reduce};
     case TaskKind::grad_dispatch_put: return {TaskKind::gemm_down_dgrad, TaskKind::gemm_down_dgrad};
     default: return {TaskKind::grad_reduce, TaskKind::grad_part_reduce};

@@ -121,7 +121,7 @@ class ProgramSet {
 // peer's level-l event may depend only on local events and on remote-fed
 // events of levels below l (docs/architecture.md, the per-rank proof).
 std::int8_t put_level(TaskKind put) {
-  return put == TaskKind::dispatch_put || put == TaskKind::grad_dispatch_put ? 0 : 1;
+  return put == TaskKind::dispatch_put || put == TaskKind::dispatch_cast_put || put == TaskKind::grad_dispatch_put ? 0 : 1;
 }
 
 
@@ -227,7 +227,7 @@ class Checker {
       // rank sizes its buffers for its own rows; a put is checked against
       // the target rank's declared buffer (check_bounds with its program).
       for (const auto& b : p.buffers) {
-        if (b.rows < 0 || b.cols < 0 || b.offset_bytes < 0 || (b.elem_bytes != 2 && b.elem_bytes != 4 && b.elem_bytes != 8) ||
+        if (b.rows < 0 || b.cols < 0 || b.offset_bytes < 0 || (b.elem_bytes != 1 && b.elem_bytes != 2 && b.elem_bytes != 4 && b.elem_bytes != 8) ||
             b.rows > (std::int64_t{1} << 31) || b.cols > (std::int64_t{1} << 31))
           fail("rank " + std::to_string(r) + " declares buffer " + name(b.id) + " with an impossible shape");
         if (b.region != Region::symmetric) continue;
@@ -955,6 +955,7 @@ VerifyReport Verifier::verify_rank(const Program& own, const LayerConfig& c, con
       Event& e = stub.events[static_cast<std::size_t>(s.expected[i].trigger_event)];
       ++e.required;
       e.consumer = s.expected[i].kind == TaskKind::dispatch_put        ? TaskKind::gemm_gate_up
+                   : s.expected[i].kind == TaskKind::dispatch_cast_put ? TaskKind::dispatch_decode
                    : s.expected[i].kind == TaskKind::grad_dispatch_put ? TaskKind::gemm_down_dgrad
                    : s.expected[i].kind == TaskKind::combine_put       ? TaskKind::combine_reduce
                                                                        : TaskKind::grad_reduce;

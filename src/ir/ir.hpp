@@ -54,6 +54,9 @@ enum class TaskKind : std::uint8_t {
   // tensor-parallel split experts (a declared reduction, Program::reductions)
   part_reduce,          // COMB[part 0 rows] += COMB[part p rows], p = 1, 2, ... in order
   grad_part_reduce,     // DCOMB[part 0 rows] += DCOMB[part p rows], the same
+  // dispatch narrower than the layer's dtype (LayerConfig::staged_dispatch)
+  dispatch_cast_put,    // gather row tile of x by slot, encode (fp8 + scales, or bf16), put into the owner's RECV_STAGED, signal
+  dispatch_decode,      // RECV[rows] = decode(RECV_STAGED[rows]) once a row tile's pieces have all arrived
   count
 };
 
@@ -74,6 +77,8 @@ enum class BufferId : std::uint8_t {
   xf, slot, gate, send_token, send_assign, logits,
   // dout in the layer's dtype (the shared experts' GEMM operand)
   sh_dout,
+  // the dispatched rows as they travel, encoded (bytes; Dims::dispatch_row_bytes each)
+  recv_staged,
   count
 };
 
@@ -198,6 +203,11 @@ enum class Pass { forward, backward };
 struct Dims {
   std::int64_t hidden = 0, inter = 0, shared_inter = 0, experts = 0, top_k = 0, tokens = 0;
   std::int64_t elem_bytes = 4;  // of the layer's dtype (activations, weights)
+  // Bytes of one dispatched row where the dispatch is narrower than the
+  // layer's dtype (fp8 codes and scales, or bf16); 0: rows travel as they are.
+  std::int64_t dispatch_row_bytes = 0;
+  // Its format: 1 fp8 e4m3 with per-128 scales, 2 bf16 (0: none).
+  std::int64_t dispatch_format = 0;
 };
 
 // A rank's program for one pass of one step.

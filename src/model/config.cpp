@@ -1,6 +1,7 @@
 #include "hpmoe/config.hpp"
 
 #include "common/finite_number.hpp"
+#include "common/fp8.hpp"
 
 #include <charconv>
 #include <algorithm>
@@ -21,6 +22,15 @@ namespace hpmoe {
 std::string to_string(Scoring s) { return s == Scoring::softmax ? "softmax" : "sigmoid"; }
 std::string to_string(DType d) { return d == DType::fp32 ? "fp32" : "bf16"; }
 std::string to_string(DropPolicy d) { return d == DropPolicy::probs ? "probs" : "position"; }
+std::string to_string(DispatchDType d) {
+  switch (d) {
+    case DispatchDType::layer: return "layer";
+    case DispatchDType::fp32: return "fp32";
+    case DispatchDType::bf16: return "bf16";
+    case DispatchDType::fp8: return "fp8";
+  }
+  return "?";
+}
 
 namespace {
 
@@ -96,6 +106,13 @@ const std::map<std::string, Setter, std::less<>>& setters() {
       if (v == "fp32") c.dtype = DType::fp32;
       else if (v == "bf16") c.dtype = DType::bf16;
       else throw Error("config field '" + std::string(f) + "': '" + std::string(v) + "' is not fp32 or bf16");
+    };
+    t["dispatch_dtype"] = [](LayerConfig& c, std::string_view f, std::string_view v) {
+      if (v == "layer") c.dispatch_dtype = DispatchDType::layer;
+      else if (v == "fp32") c.dispatch_dtype = DispatchDType::fp32;
+      else if (v == "bf16") c.dispatch_dtype = DispatchDType::bf16;
+      else if (v == "fp8") c.dispatch_dtype = DispatchDType::fp8;
+      else throw Error("config field '" + std::string(f) + "': '" + std::string(v) + "' is not layer, fp32, bf16 or fp8");
     };
     return t;
   }();
@@ -181,11 +198,26 @@ void LayerConfig::validate() const {
           "must be between 0 and 1e3");
   require(tokens_per_rank * top_k <= (std::int64_t{1} << 31), "tokens_per_rank",
           "times top_k must stay below 2^31 assignments per rank");
+  require(!(dispatch_dtype == DispatchDType::fp32 && dtype == DType::bf16), "dispatch_dtype",
+          "fp32 is wider than the layer's bf16: dispatch in bf16 (layer) or fp8");
+  require(dispatch_dtype != DispatchDType::fp8 || hidden % kFp8BlockChannels == 0, "hidden",
+          quoted(hidden) + " must be a multiple of " + std::to_string(kFp8BlockChannels) +
+              " for fp8 dispatch (one scale per " + std::to_string(kFp8BlockChannels) + " channels)");
   if (dtype == DType::bf16) {
     require(hidden % 2 == 0, "hidden", "must be even for bf16 (the bf16 GEMM packs K in pairs)");
     require(expert_inter % 2 == 0, "expert_inter", "must be even for bf16 (the bf16 GEMM packs K in pairs)");
     require(shared_inter_total() % 2 == 0, "shared_inter", "must be even for bf16 (the bf16 GEMM packs K in pairs)");
   }
+}
+
+bool LayerConfig::staged_dispatch() const {
+  return dispatch_dtype == DispatchDType::fp8 || (dispatch_dtype == DispatchDType::bf16 && dtype == DType::fp32);
+}
+
+std::int64_t LayerConfig::dispatch_row_bytes() const {
+  if (dispatch_dtype == DispatchDType::fp8) return fp8_row_bytes(hidden);
+  if (dispatch_dtype == DispatchDType::bf16) return 2 * hidden;
+  return hidden * (dtype == DType::bf16 ? 2 : 4);
 }
 
 double LayerConfig::forward_flops() const {
@@ -215,7 +247,8 @@ nlohmann::json to_json(const LayerConfig& c) {
                         {"bias_update_rate", c.bias_update_rate},
                         {"tokens_per_rank", c.tokens_per_rank},
                         {"ranks", c.ranks},
-                        {"dtype", to_string(c.dtype)}};
+                        {"dtype", to_string(c.dtype)},
+                        {"dispatch_dtype", to_string(c.dispatch_dtype)}};
 }
 
 namespace {
@@ -355,6 +388,7 @@ LayerConfig config_from_model_json(const nlohmann::json& j, const LayerConfig& b
     if (!j.contains("tokens_per_rank")) own.tokens_per_rank = base.tokens_per_rank;
     if (!j.contains("ranks")) own.ranks = base.ranks;
     if (!j.contains("dtype")) own.dtype = base.dtype;
+    if (!j.contains("dispatch_dtype")) own.dispatch_dtype = base.dispatch_dtype;
     return own;
   }
   if (j.contains("dim") && j.contains("moe_inter_dim")) {  // DeepSeek inference config

@@ -5,7 +5,9 @@
 #include <numeric>
 #include <string>
 
+#include "hpmoe/bf16.hpp"
 #include "hpmoe/error.hpp"
+#include "common/fp8.hpp"
 
 namespace hpmoe {
 
@@ -20,8 +22,8 @@ struct MlpToken {
   std::vector<double> y;  // [H]
 };
 
-template <class T>
-MlpToken mlp_forward(const T* x, const DenseMatrix<T>& w1, const DenseMatrix<T>& w2) {
+template <class X, class T>
+MlpToken mlp_forward(const X* x, const DenseMatrix<T>& w1, const DenseMatrix<T>& w2) {
   const std::int64_t hidden = w1.rows, inter = w2.rows;
   MlpToken m{std::vector<double>(static_cast<std::size_t>(2 * inter), 0.0),
              std::vector<double>(static_cast<std::size_t>(inter), 0.0),
@@ -39,8 +41,8 @@ MlpToken mlp_forward(const T* x, const DenseMatrix<T>& w1, const DenseMatrix<T>&
 
 // Given dL/dy for one token, adds dL/dx into dx and, when dw1/dw2 are
 // non-null, the weight gradients.
-template <class T>
-void mlp_backward(const T* x, const DenseMatrix<T>& w1, const DenseMatrix<T>& w2, const MlpToken& m, const std::vector<double>& dy,
+template <class X, class T>
+void mlp_backward(const X* x, const DenseMatrix<T>& w1, const DenseMatrix<T>& w2, const MlpToken& m, const std::vector<double>& dy,
                   double* dx, double* dw1, double* dw2) {
   const std::int64_t hidden = w1.rows, inter = w2.rows;
   std::vector<double> da(static_cast<std::size_t>(inter), 0.0), dh(static_cast<std::size_t>(2 * inter), 0.0);
@@ -59,6 +61,24 @@ void mlp_backward(const T* x, const DenseMatrix<T>& w1, const DenseMatrix<T>& w2
   if (dw1)
     for (std::int64_t i = 0; i < hidden; ++i)
       for (std::int64_t j = 0; j < 2 * inter; ++j) dw1[i * 2 * inter + j] += double(x[i]) * dh[j];
+}
+
+// The token as the routed experts see it: sent narrower than the layer's
+// dtype (bf16, or fp8 with per-128-channel scales), then decoded, exactly as
+// the exchange's encode and decode do (from fp32 values; a bf16 layer's
+// runtime encodes its bf16-rounded tokens, inside the bf16 tolerance).
+template <class T>
+std::vector<double> as_dispatched(const LayerConfig& c, const T* x) {
+  std::vector<float> in(static_cast<std::size_t>(c.hidden)), back(in.size());
+  for (std::int64_t i = 0; i < c.hidden; ++i) in[static_cast<std::size_t>(i)] = static_cast<float>(x[i]);
+  if (c.dispatch_dtype == DispatchDType::fp8) {
+    std::vector<std::uint8_t> row(static_cast<std::size_t>(fp8_row_bytes(c.hidden)));
+    fp8_encode_row(in.data(), c.hidden, row.data());
+    fp8_decode_row(row.data(), c.hidden, back.data());
+  } else {
+    for (std::size_t i = 0; i < in.size(); ++i) back[i] = round_to_bf16(in[i]);
+  }
+  return {back.begin(), back.end()};
 }
 
 bool held(const LayerWeights& w, std::int64_t e) { return holds_expert(w, e); }
@@ -136,6 +156,10 @@ OracleResult oracle(const LayerConfig& c, const Weights& w, const Inputs& in, co
     const std::int64_t t = r.tokens[row];
     const auto* x = in.x.row(t);
     const auto* dout = in.d_out.row(t);
+    // The routed experts compute on the dispatched token (the router and the
+    // shared experts on x itself); its gradient passes straight through.
+    std::vector<double> sent;
+    if (c.staged_dispatch()) sent = as_dispatched(c, x);
     double* out = r.out.data() + row * hidden;
     std::vector<MlpToken> expert_act;
     for (std::int64_t j = 0; j < k; ++j) {
@@ -148,7 +172,7 @@ OracleResult oracle(const LayerConfig& c, const Weights& w, const Inputs& in, co
       if (!held(w, ex))
         throw Error("the oracle needs expert " + std::to_string(ex) + " (token " + std::to_string(t) +
                     ") but its weights are not held here");
-      expert_act.push_back(mlp_forward(x, w.w1[ex], w.w2[ex]));
+      expert_act.push_back(sent.empty() ? mlp_forward(x, w.w1[ex], w.w2[ex]) : mlp_forward(sent.data(), w.w1[ex], w.w2[ex]));
       for (std::int64_t o = 0; o < hidden; ++o) out[o] += r.routing.weight[a] * expert_act.back().y[o];
     }
     MlpToken shared;
@@ -169,8 +193,10 @@ OracleResult oracle(const LayerConfig& c, const Weights& w, const Inputs& in, co
         d_weight[j] += double(dout[o]) * expert_act[j].y[o];
         dy[o] = r.routing.weight[a] * double(dout[o]);
       }
-      mlp_backward(x, w.w1[ex], w.w2[ex], expert_act[j], dy, dx, weight_grads ? r.d_w1[ex].data() : nullptr,
-                   weight_grads ? r.d_w2[ex].data() : nullptr);
+      double* dw1 = weight_grads ? r.d_w1[ex].data() : nullptr;
+      double* dw2 = weight_grads ? r.d_w2[ex].data() : nullptr;
+      if (sent.empty()) mlp_backward(x, w.w1[ex], w.w2[ex], expert_act[j], dy, dx, dw1, dw2);
+      else mlp_backward(sent.data(), w.w1[ex], w.w2[ex], expert_act[j], dy, dx, dw1, dw2);
     }
     if (c.shared_experts > 0) {
       for (std::int64_t o = 0; o < hidden; ++o) dy[o] = dout[o];

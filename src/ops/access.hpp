@@ -60,6 +60,7 @@ enum class Extent : std::uint8_t {
   // the intermediate width the task's expert slot computes: the layer's
   // for a whole expert, its part's for a tensor-parallel split (SlotPart)
   expert_inter, expert_inter2, expert_inter2_panels,
+  dispatch_row_bytes,  // one dispatched row as it travels (Dims::dispatch_row_bytes)
 };
 
 struct OperandRule {
@@ -187,6 +188,7 @@ inline std::int64_t AccessTable::extent(const Program& p, const Task& t, Extent 
       return p.kpad_begin[static_cast<std::size_t>(slot + 1)] - p.kpad_begin[static_cast<std::size_t>(slot)];
     }
     case Extent::hidden: return d.hidden;
+    case Extent::dispatch_row_bytes: return d.dispatch_row_bytes;
     case Extent::inter: return d.inter;
     case Extent::inter2: return 2 * d.inter;
     case Extent::shared_inter: return d.shared_inter;

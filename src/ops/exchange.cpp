@@ -3,7 +3,10 @@
 // the expert owner's receive rows; combine returns expert outputs into the
 // source's combine rows; the backward does the same with gate-weighted
 // output gradients and the experts' data gradients.
+#include "common/fp8.hpp"
 #include "ops/op.hpp"
+
+#include <vector>
 
 namespace hpmoe::ops {
 namespace {
@@ -21,6 +24,69 @@ bool dispatch(const Tile<T>& tile) {
   const std::int64_t ldx = tile.ld(BufferId::x);
   for (std::int64_t j = 0; j < rows; ++j) copy_elements(to + j * H, x + std::int64_t{tokens[j]} * ldx, H);
   return tile.host.send_put(dst);
+}
+
+// A dispatched row encoded as it travels (Dims::dispatch_format): fp8 codes
+// and per-128-channel scales, or bf16.
+void encode_row(const taskflow::Dims& d, const float* x, std::uint8_t* out) {
+  if (d.dispatch_format == 1) {
+    fp8_encode_row(x, d.hidden, out);
+    return;
+  }
+  for (std::int64_t c = 0; c < d.hidden; ++c) {
+    const bf16 v = bf16::from_float(x[c]);
+    std::memcpy(out + 2 * c, &v, 2);
+  }
+}
+void decode_row(const taskflow::Dims& d, const std::uint8_t* in, float* x) {
+  if (d.dispatch_format == 1) {
+    fp8_decode_row(in, d.hidden, x);
+    return;
+  }
+  for (std::int64_t c = 0; c < d.hidden; ++c) {
+    bf16 v;
+    std::memcpy(&v, in + 2 * c, 2);
+    x[c] = v.to_float();
+  }
+}
+
+// x rows, gathered by token and encoded, into the owner's staged rows.
+template <class T>
+bool dispatch_encoded(const Tile<T>& tile) {
+  const std::int64_t H = tile.dims().hidden, B = tile.dims().dispatch_row_bytes, rows = tile.rows();
+  const Rect& dst = tile.write(0);
+  tile.need(dst, rows, B);
+  auto* to = reinterpret_cast<std::uint8_t*>(tile.host.put_target(dst));
+  const T* x = tile.template base<T>(BufferId::x);
+  const std::int32_t* tokens = tile.template at<std::int32_t>(tile.in(BufferId::send_token));
+  const std::int64_t ldx = tile.ld(BufferId::x);
+  thread_local std::vector<float> row;  // one row in fp32, kept per worker
+  row.resize(static_cast<std::size_t>(H));
+  for (std::int64_t j = 0; j < rows; ++j) {
+    kernels::load<T>(x + std::int64_t{tokens[j]} * ldx, row.data(), H);
+    encode_row(tile.dims(), row.data(), to + j * B);
+  }
+  return tile.host.send_put(dst);
+}
+
+// Staged rows decoded into the GEMM's operand rows.
+template <class T>
+bool decode(const Tile<T>& tile) {
+  const std::int64_t H = tile.dims().hidden, B = tile.dims().dispatch_row_bytes, rows = tile.rows();
+  const Rect& src = tile.read(0);
+  const Rect& dst = tile.write(0);
+  tile.need(src, rows, B);
+  tile.need(dst, rows, H);
+  const auto* from = tile.template at<std::uint8_t>(src);
+  T* to = tile.template at<T>(dst);
+  const std::int64_t ld = tile.ld(BufferId::recv);
+  thread_local std::vector<float> row;
+  row.resize(static_cast<std::size_t>(H));
+  for (std::int64_t j = 0; j < rows; ++j) {
+    decode_row(tile.dims(), from + j * B, row.data());
+    kernels::store<T>(row.data(), to + j * ld, H);
+  }
+  return false;
 }
 
 // Gate-weighted DOUT rows, by assignment t K + k, into the owner's DY rows.
@@ -57,6 +123,20 @@ constexpr OpKind kKinds[] = {
                op(B::x, R, Span::whole, X::tokens, Span::whole, X::hidden), tile(B::recv, Side::peer)},
               kPeer),
      dispatch<float>, dispatch<bf16>},
+    {TaskKind::dispatch_cast_put, "dispatch_cast_put", Pass::forward, 1,
+     [] {
+       KindAccess a = vector_kind({op(B::send_token, R, Span::source_rows, X::none, Span::whole, X::one),
+                                   op(B::x, R, Span::whole, X::tokens, Span::whole, X::hidden),
+                                   tile(B::recv_staged, Side::peer)},
+                                  {ByteTerm{X::dispatch_row_bytes, 1, 1, X::none}}, kPeer);
+       a.put = true;
+       return a;
+     }(),
+     dispatch_encoded<float>, dispatch_encoded<bf16>},
+    {TaskKind::dispatch_decode, "dispatch_decode", Pass::forward, 2,
+     vector_kind({op(B::recv_staged, R, Span::task_rows, X::none, Span::whole, X::dispatch_row_bytes), tile(B::recv)},
+                 {ByteTerm{X::dispatch_row_bytes, 1, 1, X::none}, ByteTerm{X::hidden, 1, kElem, X::none}}, kOwn),
+     decode<float>, decode<bf16>},
     {TaskKind::combine_put, "combine_put", Pass::forward, 70,
      put_kind({op(B::y, R, Span::source_rows, X::none, Span::whole, X::hidden), tile(B::comb, Side::peer)}, kOwn),
      give_back<float>, give_back<bf16>},

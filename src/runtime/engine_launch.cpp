@@ -113,12 +113,13 @@ double Interleaved<T>::launch(std::vector<taskflow::Program>& set, StepResult& r
 template <class T>
 T* Interleaved<T>::put_target(const Task& t, const taskflow::Rect& rect, std::size_t worker) {
   const taskflow::BufferLayout& l = *peer_layout(t.peer, rect.buffer);
+  // Offsets in the buffer's own elements (a staged dispatch's are bytes).
   if (std::byte* peer = ranks_[t.peer].segment)
-    return reinterpret_cast<T*>(peer + l.offset_bytes) + rect.r0 * l.cols + rect.c0;
+    return reinterpret_cast<T*>(peer + l.offset_bytes + (rect.r0 * l.cols + rect.c0) * l.elem_bytes);
   // Rows for a peer reached by messages are written straight into the
   // message, after the transport's header: no copy before it is sent.
   auto& message = staging_[worker];
-  const std::size_t bytes = tr_->put_header_bytes() + static_cast<std::size_t>(rect.area()) * sizeof(T);
+  const std::size_t bytes = tr_->put_header_bytes() + static_cast<std::size_t>(rect.area() * l.elem_bytes);
   if (message.capacity() < bytes) message = tr_->message_buffer(bytes);
   message.resize(bytes);
   return reinterpret_cast<T*>(message.data() + tr_->put_header_bytes());
@@ -128,7 +129,7 @@ template <class T>
 bool Interleaved<T>::send_put(const Task& t, const taskflow::Rect& rect, std::size_t worker) {
   if (ranks_[t.peer].segment) return false;
   const taskflow::BufferLayout& l = *peer_layout(t.peer, rect.buffer);
-  const std::int64_t offset = l.offset_bytes + (rect.r0 * l.cols + rect.c0) * std::int64_t{sizeof(T)};
+  const std::int64_t offset = l.offset_bytes + (rect.r0 * l.cols + rect.c0) * l.elem_bytes;
   tr_->send_put(t.peer, offset, std::move(staging_[worker]), t.trigger_event);
   staging_[worker].clear();  // moved from: valid, empty
   return true;

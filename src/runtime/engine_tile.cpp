@@ -14,6 +14,7 @@ class Interleaved<T>::TileHost final : public ops::TileHost<T> {
 
   std::byte* address(const taskflow::Rect& rect) const override {
     switch (e_.layout_of(p_, rect.buffer)->elem_bytes) {  // the element size steps the offsets
+      case 1: return e_.template at<std::byte>(r_, p_, rect);
       case 2: return reinterpret_cast<std::byte*>(e_.template at<bf16>(r_, p_, rect));
       case 8: return reinterpret_cast<std::byte*>(e_.template at<std::int64_t>(r_, p_, rect));
       default: return reinterpret_cast<std::byte*>(e_.template at<float>(r_, p_, rect));

@@ -667,7 +667,8 @@ std::vector<Operator> operators(taskflow::Pass pass) {
   std::vector<Operator> ops;
   for (TaskKind k : taskflow::operator_order(pass)) {
     const bool exchange = is_put(k);
-    ops.push_back({k, exchange, exchange && (k == TaskKind::dispatch_put || k == TaskKind::grad_dispatch_put)});
+    ops.push_back({k, exchange,
+                   exchange && (k == TaskKind::dispatch_put || k == TaskKind::dispatch_cast_put || k == TaskKind::grad_dispatch_put)});
   }
   return ops;
 }
@@ -682,9 +683,10 @@ namespace {
 double run_deepep_exchange(const MachineModel& m, const DeepEpExchange& ex, TaskKind kind, const taskflow::Dims& dims,
                        double now, Links& links, std::vector<int>& resources) {
   const int P = ex.ranks;
-  const bool to_experts = kind == TaskKind::dispatch_put || kind == TaskKind::grad_dispatch_put;
+  const bool dispatch = kind == TaskKind::dispatch_put || kind == TaskKind::dispatch_cast_put;
+  const bool to_experts = dispatch || kind == TaskKind::grad_dispatch_put;
   // Forward dispatch optionally in fp8 with one fp32 scale per 128 elements; the rest in the layer's dtype.
-  const double row_bytes = kind == TaskKind::dispatch_put && m.deepep.fp8_dispatch
+  const double row_bytes = dispatch && m.deepep.fp8_dispatch
                                ? double(dims.hidden) + 4.0 * double((dims.hidden + 127) / 128)
                                : double(dims.hidden * dims.elem_bytes);
   std::vector<std::pair<int, int>> ends;
@@ -774,7 +776,8 @@ std::vector<FrameworkOp> mindspore_ops(TaskKind kind, const std::vector<Program>
     ops.push_back(vec([&](std::size_t) { return N * H * (f + el); }));  // cast to bf16
   };
   switch (kind) {
-    case TaskKind::dispatch_put: {
+    case TaskKind::dispatch_put:
+    case TaskKind::dispatch_cast_put: {
       ops.push_back(vec([&](std::size_t) { return 3 * N * E * el; }));  // routing map: zeros, scatter, transpose
       FrameworkOp map;
       map.pair_bytes = N * E / P * el;  // the (ep, N, local E) map, all to all
@@ -863,6 +866,10 @@ Timeline serialized(const MachineModel& m, const std::vector<Program>& programs,
   double now = 0;
   bool first = true;
   for (const Operator& op : operators(programs[0].pass)) {
+    // DeepEP's dispatch format is its own (baselines.deepep.fp8_dispatch),
+    // and its fp8 rows go to the GEMM with their scales: it runs no decode,
+    // whatever format hpmoe's programs dispatch in.
+    if (baseline == Baseline::deepep && op.kind == TaskKind::dispatch_decode) continue;
     bool any = false;
     for (int r = 0; r < P && !any; ++r)
       for (const std::int32_t id : by_kind[static_cast<std::size_t>(r) * kinds + static_cast<std::size_t>(op.kind)])

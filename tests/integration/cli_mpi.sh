@@ -72,6 +72,13 @@ grep -Eq "^ +1 +0 +0 " "$tmp/out.txt"  # rank 1: no experts, no rows in
 check 3 network --set routed_experts=8 -T 40 --backward --dtype bf16 --routing hot:0.45 --iters 1
 check 2 shared -T 64 --backward --routing uniform --iters 1
 
+# The dispatch encoded on the way (fp8 codes and scales, bf16 under an fp32
+# layer): the staged rows travel as bytes over both paths; bit for bit
+# against the same encoding in process, and the oracle encodes the same way.
+check 3 shared --set hidden=256 -T 64 --backward --routing zipf:1.2 --dispatch-dtype fp8 --iters 1
+check 2 network --set hidden=256 -T 64 --backward --dtype bf16 --routing "$trace" --dispatch-dtype fp8 --iters 1
+check 2 network -T 64 --backward --routing uniform --dispatch-dtype bf16 --iters 1
+
 # The count exchange as a collective (the default on shared memory is one-sided stores).
 check 3 shared -T 64 --backward --routing zipf:1.2 --iters 3 --count-exchange collective
 # ... and on the network path sent straight to every peer (the default there is the collective).

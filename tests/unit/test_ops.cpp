@@ -42,7 +42,7 @@ TEST(OpTable, SerializedOperatorOrderIsTheFrameworkOrder) {
     return out;
   };
   EXPECT_EQ(spelled(taskflow::Pass::forward),
-            (std::vector<std::string>{"dispatch_put", "gemm_gate_up", "swiglu", "gemm_down", "shared_gate_up",
+            (std::vector<std::string>{"dispatch_put", "dispatch_cast_put", "dispatch_decode", "gemm_gate_up", "swiglu", "gemm_down", "shared_gate_up",
                                       "shared_swiglu", "shared_down", "combine_put", "part_reduce", "combine_reduce"}));
   EXPECT_EQ(spelled(taskflow::Pass::backward),
             (std::vector<std::string>{"gate_grad", "router_bwd", "router_dgrad", "router_wgrad", "grad_dispatch_put",

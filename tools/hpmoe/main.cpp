@@ -67,7 +67,7 @@ struct LayerOptions {
   std::string config_file;
   std::vector<std::string> sets;
   std::optional<std::int64_t> ranks, tokens;
-  std::optional<std::string> dtype;
+  std::optional<std::string> dtype, dispatch_dtype;
   std::string placement = "contiguous";
 
   void add_to(CLI::App& app, bool with_placement = true) {
@@ -78,6 +78,9 @@ struct LayerOptions {
     app.add_option("--ranks,-P", ranks, "expert-parallel degree");
     app.add_option("--tokens,-T", tokens, "tokens per rank");
     app.add_option("--dtype", dtype, "fp32 or bf16");
+    app.add_option("--dispatch-dtype", dispatch_dtype,
+                   "what the dispatch sends tokens in: layer (default) | bf16 | fp8 (e4m3, one scale per 128 channels; "
+                   "hidden a multiple of 128) | fp32 (fp32 layers)");
     if (with_placement)
       app.add_option("--placement", placement,
                    "where the experts live: contiguous | round-robin | random[:SEED] | FILE.json "
@@ -107,6 +110,7 @@ struct LayerOptions {
     if (ranks) c.set("ranks", std::to_string(*ranks));
     if (tokens) c.set("tokens_per_rank", std::to_string(*tokens));
     if (dtype) c.set("dtype", *dtype);
+    if (dispatch_dtype) c.set("dispatch_dtype", *dispatch_dtype);
     c.validate();
     return c;
   }
