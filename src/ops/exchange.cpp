@@ -2,7 +2,9 @@
 // event on the peer. Dispatch gathers a row tile of x by the send order into
 // the expert owner's receive rows; combine returns expert outputs into the
 // source's combine rows; the backward does the same with gate-weighted
-// output gradients and the experts' data gradients.
+// output gradients and the experts' data gradients. A dispatch narrower than
+// the layer's dtype encodes on the source (fp8 codes and scales, or bf16)
+// into the owner's staged rows, and a decode per row tile fills the GEMM's.
 #include "common/fp8.hpp"
 #include "ops/op.hpp"
 
