@@ -166,6 +166,12 @@ if [ -n "$fault" ]; then
 fi
 wait $run
 status=$?
+# What crossed each host's link (the bridge side's counters: received from
+# the host = what it sent, and the reverse), TCP/IP headers included.
+for ((i = 0; i < hosts; ++i)); do
+  stats=/sys/class/net/${prefix}v$i/statistics
+  [ -r "$stats/rx_bytes" ] && echo "cluster: host $i link bytes sent $(cat "$stats/rx_bytes") received $(cat "$stats/tx_bytes")" >&2
+done
 set -e
 [ $keep_going = 1 ] && exit 0
 exit $status

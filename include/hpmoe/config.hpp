@@ -14,11 +14,16 @@ enum class DropPolicy { probs, position };  // which tokens a full expert drops 
 // or narrower (bf16 under an fp32 layer; fp8 e4m3 with one fp32 scale per 128
 // channels, as DeepSeek-V3). The experts compute on the tokens as decoded.
 enum class DispatchDType { layer, fp32, bf16, fp8 };
+// The backward's dispatch of the output gradients (dy): auto sends bf16
+// under an fp32 layer whose forward dispatch is encoded, the layer's dtype
+// otherwise.
+enum class GradDispatchDType { automatic, layer, bf16 };
 
 std::string to_string(Scoring);
 std::string to_string(DType);
 std::string to_string(DropPolicy);
 std::string to_string(DispatchDType);
+std::string to_string(GradDispatchDType);
 
 // One expert-parallel MoE FFN layer and how it is run: sizes, router, balancing
 // terms and the expert-parallel layout. A plain value; validate() says whether
@@ -57,12 +62,15 @@ struct LayerConfig {
   std::int64_t ranks = 1;               // P (expert-parallel degree)
   DType dtype = DType::fp32;
   DispatchDType dispatch_dtype = DispatchDType::layer;
+  GradDispatchDType grad_dispatch_dtype = GradDispatchDType::automatic;
 
   // Whether the dispatch sends tokens narrower than the layer's dtype (a
   // quantize on the source, a decode on arrival), and the bytes of one
   // dispatched row then.
   bool staged_dispatch() const;
   std::int64_t dispatch_row_bytes() const;
+  // Whether the backward sends dy in bf16 under an fp32 layer.
+  bool staged_grad_dispatch() const;
   std::int64_t shared_inter_total() const {
     return shared_experts * (shared_inter > 0 ? shared_inter : expert_inter);
   }

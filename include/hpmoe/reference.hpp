@@ -17,6 +17,11 @@ struct OracleOptions {
   // the oracle routes by itself.
   std::span<const std::int32_t> forced_ids;
   std::span<const std::uint8_t> forced_kept;
+  // The fast path's fp32 gate weights, [N, K]: where the backward sends dy
+  // to the experts in bf16 (LayerConfig::staged_grad_dispatch), the oracle
+  // rounds the product these make with d_out, as the fast path does, so that
+  // a rounding tie cannot fall the other way. Empty: its own, in fp32.
+  std::span<const float> dispatched_gates;
   // Tokens to compute outputs (and dx) for; empty means all. Weight
   // gradients need all tokens.
   std::vector<std::int64_t> tokens;

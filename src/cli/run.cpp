@@ -101,6 +101,7 @@ bool plan_oracle(const RunRequest& req, const LayerConfig& c, const StepResult& 
   if (mode == VerifyMode::automatic) mode = oracle_flops <= full_flops ? VerifyMode::full : VerifyMode::sample;
   opt.forced_ids = res.routing.expert;
   opt.forced_kept = res.routing.kept;
+  opt.dispatched_gates = res.routing.weight;
   opt.backward = req.backward;
   // Would the oracle's own fp64 router have chosen the same experts?
   opt.count_own_choice_differences = req.routing.source == RoutingSource::router;

@@ -169,6 +169,7 @@ EventBases::EventBases(Pass pass, std::int64_t row_tiles, std::int64_t local, st
     sh_dh_packed = take(1);
     dx_ready = take(1);
     reduced = take(1);
+    staged = take(staged_dispatch ? row_tiles : 0);
   }
   total = next;
 }
@@ -301,6 +302,7 @@ void declare_buffers(Program& p, const LayerConfig& c, const Exchange& ex, Pass 
   add_buffer(p, BufferId::xt, H, kpad, elem, local);
   add_buffer(p, BufferId::dw1, L * H, 2 * I, 4, bound);
   add_buffer(p, BufferId::dcomb, send, H, elem, sym);
+  if (c.staged_grad_dispatch()) add_buffer(p, BufferId::dy_staged, recv, 2 * H, 1, sym);
   if (shared) {
     add_buffer(p, BufferId::sh_dout, T, H, elem, local);
     add_buffer(p, BufferId::sh_da, T, Is, 4, local);
@@ -330,6 +332,10 @@ void generate_into(Program& p, const LayerConfig& c, const ExpertPlacement& plac
   generate(p, c, Exchange(c, placement, counts, m.tile_rows), m, pass, rank);
 }
 
+bool staged_in(const LayerConfig& c, Pass pass) {
+  return pass == Pass::forward ? c.staged_dispatch() : c.staged_grad_dispatch();
+}
+
 namespace {
 
 // Puts of `rank`'s tokens (forward) or output gradients (backward) to every
@@ -343,17 +349,20 @@ void puts_to_experts(const LayerConfig& c, const Exchange& ex, std::int64_t tile
   for (std::int64_t i = 0; i < ex.instances(); ++i) {  // each expert's homes, in send order
     const std::int64_t e = ex.placement().instance_expert(i), d = ex.placement().instance_rank(i), n = ex.count(rank, i);
     if (n == 0 || (only_peer >= 0 && d != only_peer)) continue;
-    const bool staged = forward && c.staged_dispatch();
-    const EventBases owner_events(pass, ex.row_tiles(d), ex.placement().local_count(d), token_tiles, c.staged_dispatch());
+    const bool staged = staged_in(c, pass);
+    const EventBases owner_events(pass, ex.row_tiles(d), ex.placement().local_count(d), token_tiles, staged);
     const std::int64_t base = staged ? owner_events.staged : forward ? owner_events.recv : owner_events.dy;
+    const TaskKind kind = forward ? (staged ? TaskKind::dispatch_cast_put : TaskKind::dispatch_put)
+                                  : (staged ? TaskKind::grad_dispatch_cast_put : TaskKind::grad_dispatch_put);
+    const BufferId target = forward ? (staged ? BufferId::recv_staged : BufferId::recv)
+                                    : (staged ? BufferId::dy_staged : BufferId::dy);
+    const std::int64_t cols = !staged ? c.hidden : forward ? c.dispatch_row_bytes() : 2 * c.hidden;
     const std::int64_t first = ex.source_offset(rank, i);
     for (std::int64_t r = first; r < first + n;) {
       const std::int64_t tile = r / TR, end = std::min(first + n, (tile + 1) * TR);
-      emit(TaskSpec{.kind = staged ? TaskKind::dispatch_cast_put : forward ? TaskKind::dispatch_put : TaskKind::grad_dispatch_put,
-                    .src = forward ? BufferId::x : BufferId::dout,
-                    .dst = staged ? BufferId::recv_staged : forward ? BufferId::recv : BufferId::dy,
+      emit(TaskSpec{.kind = kind, .src = forward ? BufferId::x : BufferId::dout, .dst = target,
                     .expert = e, .peer = d, .row_begin = ex.expert_start(i) + r, .rows = end - r, .col_begin = 0,
-                    .cols = staged ? c.dispatch_row_bytes() : c.hidden, .src_row = ex.send_offset(rank, i) + (r - first),
+                    .cols = cols, .src_row = ex.send_offset(rank, i) + (r - first),
                     .trigger_event = base + ex.tile_start(i) + tile});
       r = end;
     }
@@ -374,7 +383,7 @@ void puts_to_sources(const LayerConfig& c, const Exchange& ex, std::int64_t tile
     for (std::int64_t s = 0; s < ex.ranks(); ++s) {
       const std::int64_t n = ex.count(s, i), first = ex.source_offset(s, i);
       if (n == 0 || (only_source >= 0 && s != only_source)) continue;
-      const EventBases source_events(pass, ex.row_tiles(s), ex.placement().local_count(s), token_tiles, c.staged_dispatch());
+      const EventBases source_events(pass, ex.row_tiles(s), ex.placement().local_count(s), token_tiles, staged_in(c, pass));
       const std::int64_t target = forward ? source_events.comb_done : source_events.dx_ready;
       for (std::int64_t r = first; r < first + n;) {
         const std::int64_t tile = r / TR, end = std::min(first + n, (tile + 1) * TR);
@@ -463,8 +472,8 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
   program_header(p, c, ex, m, pass, rank);
 
   const std::int64_t row_tiles = ex.row_tiles(rank), token_tiles = ceil_div(T, TR);
-  const EventBases ev(pass, row_tiles, L, token_tiles, c.staged_dispatch());
-  const bool staged = pass == Pass::forward && c.staged_dispatch();
+  const bool staged = staged_in(c, pass);
+  const EventBases ev(pass, row_tiles, L, token_tiles, staged);
   p.events.assign(static_cast<std::size_t>(ev.total), Event{0, TaskKind::count, -1, -1});
   Builder b(p, m);
   const std::int64_t n_down = ceil_div(H, TC);
@@ -562,7 +571,12 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
     const std::int64_t e = mine[static_cast<std::size_t>(le)], home = homes[static_cast<std::size_t>(le)];
     const std::int64_t tiles = ex.tiles_of(home), tb = ex.tile_start(home), n_inter = ceil_div(inter_of(le), TC);
     for (std::int64_t i = 0; i < tiles; ++i) {
-      b.event(ev.dy + tb + i, ex.arrivals(home, i), TaskKind::gemm_down_dgrad, e, i);
+      if (staged) {  // the pieces land in bf16; one decode per tile fills dy
+        b.event(ev.staged + tb + i, ex.arrivals(home, i), TaskKind::grad_dispatch_decode, e, i);
+        b.event(ev.dy + tb + i, 1, TaskKind::gemm_down_dgrad, e, i);
+      } else {
+        b.event(ev.dy + tb + i, ex.arrivals(home, i), TaskKind::gemm_down_dgrad, e, i);
+      }
       b.event(ev.da + tb + i, static_cast<std::int32_t>(n_inter), TaskKind::swiglu_bwd, e, i);
       b.event(ev.dh + tb + i, 1, TaskKind::gemm_gate_up_dgrad, e, i);
       b.event(ev.dxe + tb + i, static_cast<std::int32_t>(n_down), TaskKind::grad_combine_put, e, i);
@@ -625,6 +639,8 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
     const std::int64_t Ie = inter_of(le), n_inter = ceil_div(Ie, TC);
     for (std::int64_t i = 0; i < tiles; ++i) {
       const std::int64_t rows = std::min(TR, n_e - i * TR), row0 = start + i * TR;
+      if (staged)
+        b.task({.kind = TaskKind::grad_dispatch_decode, .src = BufferId::dy_staged, .dst = BufferId::dy, .expert = e, .row_begin = row0, .rows = rows, .col_begin = 0, .cols = H, .src_row = row0, .wait_event = ev.staged + tb + i, .wait_count = p.events[static_cast<std::size_t>(ev.staged + tb + i)].required, .trigger_event = ev.dy + tb + i});
       const std::int32_t arrivals = p.events[ev.dy + tb + i].required;
       b.gemm_tiles(rows, Ie, [&](std::int64_t, std::int64_t, std::int64_t j, std::int64_t n) {
         b.task({.kind = TaskKind::gemm_down_dgrad, .src = BufferId::dy, .dst = BufferId::da, .expert = e, .row_begin = row0, .rows = rows, .col_begin = j, .cols = n, .src_row = row0, .wait_event = ev.dy + tb + i, .wait_count = arrivals, .trigger_event = ev.da + tb + i});

@@ -88,8 +88,8 @@ std::vector<std::int64_t> send_slots(const LayerConfig&, const Exchange&, const 
 
 // Event ids of one rank's program, by role.
 struct EventBases {
-  // staged: the dispatch is encoded (LayerConfig::staged_dispatch), its
-  // pieces land in `staged` tiles and a decode per tile fills `recv`.
+  // staged: the pass's dispatch is encoded (staged_in), its pieces land in
+  // `staged` tiles and a decode per tile fills `recv` (backward: `dy`).
   EventBases(Pass, std::int64_t row_tiles, std::int64_t local, std::int64_t token_tiles, bool staged);
   // forward
   std::int64_t recv = 0, h = 0, a = 0, y = 0, comb_done = 0, sh_h = 0, sh_a = 0, staged = 0;
@@ -101,6 +101,9 @@ struct EventBases {
   std::int64_t total = 0;
 };
 
+// Whether a pass's dispatch is encoded (the forward's: staged_dispatch, the
+// backward's: staged_grad_dispatch).
+bool staged_in(const LayerConfig&, Pass);
 // The buffers of a rank's program for a pass (what generate declares).
 void declare_buffers(Program&, const LayerConfig&, const Exchange&, Pass, std::int64_t rank);
 void generate(Program& out, const LayerConfig&, const Exchange&, const Machine&, Pass, std::int64_t rank);

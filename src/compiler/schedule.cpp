@@ -29,6 +29,7 @@ std::pair<TaskKind, TaskKind> remote_consumers(TaskKind put) {
     case TaskKind::dispatch_cast_put: return {TaskKind::dispatch_decode, TaskKind::dispatch_decode};
     case TaskKind::combine_put: return {TaskKind::combine_reduce, TaskKind::part_reduce};
     case TaskKind::grad_dispatch_put: return {TaskKind::gemm_down_dgrad, TaskKind::gemm_down_dgrad};
+    case TaskKind::grad_dispatch_cast_put: return {TaskKind::grad_dispatch_decode, TaskKind::grad_dispatch_decode};
     default: return {TaskKind::grad_reduce, TaskKind::grad_part_reduce};
   }
 }

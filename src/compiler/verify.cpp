@@ -121,7 +121,10 @@ class ProgramSet {
 // peer's level-l event may depend only on local events and on remote-fed
 // events of levels below l (docs/architecture.md, the per-rank proof).
 std::int8_t put_level(TaskKind put) {
-  return put == TaskKind::dispatch_put || put == TaskKind::dispatch_cast_put || put == TaskKind::grad_dispatch_put ? 0 : 1;
+  return put == TaskKind::dispatch_put || put == TaskKind::dispatch_cast_put || put == TaskKind::grad_dispatch_put ||
+                 put == TaskKind::grad_dispatch_cast_put
+             ? 0
+             : 1;
 }
 
 
@@ -957,6 +960,7 @@ VerifyReport Verifier::verify_rank(const Program& own, const LayerConfig& c, con
       e.consumer = s.expected[i].kind == TaskKind::dispatch_put        ? TaskKind::gemm_gate_up
                    : s.expected[i].kind == TaskKind::dispatch_cast_put ? TaskKind::dispatch_decode
                    : s.expected[i].kind == TaskKind::grad_dispatch_put ? TaskKind::gemm_down_dgrad
+                   : s.expected[i].kind == TaskKind::grad_dispatch_cast_put ? TaskKind::grad_dispatch_decode
                    : s.expected[i].kind == TaskKind::combine_put       ? TaskKind::combine_reduce
                                                                        : TaskKind::grad_reduce;
     }

@@ -57,6 +57,9 @@ enum class TaskKind : std::uint8_t {
   // dispatch narrower than the layer's dtype (LayerConfig::staged_dispatch)
   dispatch_cast_put,    // gather row tile of x by slot, encode (fp8 + scales, or bf16), put into the owner's RECV_STAGED, signal
   dispatch_decode,      // RECV[rows] = decode(RECV_STAGED[rows]) once a row tile's pieces have all arrived
+  // the backward's dispatch in bf16 under an fp32 layer (LayerConfig::staged_grad_dispatch)
+  grad_dispatch_cast_put,  // put bf16(w * DOUT) rows into the owner's DY_STAGED, signal
+  grad_dispatch_decode,    // DY[rows] = DY_STAGED[rows] in fp32 once a row tile's pieces have all arrived
   count
 };
 
@@ -79,6 +82,8 @@ enum class BufferId : std::uint8_t {
   sh_dout,
   // the dispatched rows as they travel, encoded (bytes; Dims::dispatch_row_bytes each)
   recv_staged,
+  // the backward's dispatched rows as they travel (bf16 bytes, 2 H each)
+  dy_staged,
   count
 };
 

@@ -22,6 +22,14 @@ namespace hpmoe {
 std::string to_string(Scoring s) { return s == Scoring::softmax ? "softmax" : "sigmoid"; }
 std::string to_string(DType d) { return d == DType::fp32 ? "fp32" : "bf16"; }
 std::string to_string(DropPolicy d) { return d == DropPolicy::probs ? "probs" : "position"; }
+std::string to_string(GradDispatchDType d) {
+  switch (d) {
+    case GradDispatchDType::automatic: return "auto";
+    case GradDispatchDType::layer: return "layer";
+    case GradDispatchDType::bf16: return "bf16";
+  }
+  return "?";
+}
 std::string to_string(DispatchDType d) {
   switch (d) {
     case DispatchDType::layer: return "layer";
@@ -113,6 +121,12 @@ const std::map<std::string, Setter, std::less<>>& setters() {
       else if (v == "bf16") c.dispatch_dtype = DispatchDType::bf16;
       else if (v == "fp8") c.dispatch_dtype = DispatchDType::fp8;
       else throw Error("config field '" + std::string(f) + "': '" + std::string(v) + "' is not layer, fp32, bf16 or fp8");
+    };
+    t["grad_dispatch_dtype"] = [](LayerConfig& c, std::string_view f, std::string_view v) {
+      if (v == "auto") c.grad_dispatch_dtype = GradDispatchDType::automatic;
+      else if (v == "layer") c.grad_dispatch_dtype = GradDispatchDType::layer;
+      else if (v == "bf16") c.grad_dispatch_dtype = GradDispatchDType::bf16;
+      else throw Error("config field '" + std::string(f) + "': '" + std::string(v) + "' is not auto, layer or bf16");
     };
     return t;
   }();
@@ -220,6 +234,12 @@ std::int64_t LayerConfig::dispatch_row_bytes() const {
   return hidden * (dtype == DType::bf16 ? 2 : 4);
 }
 
+bool LayerConfig::staged_grad_dispatch() const {
+  if (dtype != DType::fp32) return false;
+  return grad_dispatch_dtype == GradDispatchDType::bf16 ||
+         (grad_dispatch_dtype == GradDispatchDType::automatic && staged_dispatch());
+}
+
 double LayerConfig::forward_flops() const {
   const double n = double(total_tokens());
   return n * double(top_k) * 6.0 * double(hidden) * double(expert_inter) +
@@ -248,7 +268,8 @@ nlohmann::json to_json(const LayerConfig& c) {
                         {"tokens_per_rank", c.tokens_per_rank},
                         {"ranks", c.ranks},
                         {"dtype", to_string(c.dtype)},
-                        {"dispatch_dtype", to_string(c.dispatch_dtype)}};
+                        {"dispatch_dtype", to_string(c.dispatch_dtype)},
+                        {"grad_dispatch_dtype", to_string(c.grad_dispatch_dtype)}};
 }
 
 namespace {
@@ -389,6 +410,7 @@ LayerConfig config_from_model_json(const nlohmann::json& j, const LayerConfig& b
     if (!j.contains("ranks")) own.ranks = base.ranks;
     if (!j.contains("dtype")) own.dtype = base.dtype;
     if (!j.contains("dispatch_dtype")) own.dispatch_dtype = base.dispatch_dtype;
+    if (!j.contains("grad_dispatch_dtype")) own.grad_dispatch_dtype = base.grad_dispatch_dtype;
     return own;
   }
   if (j.contains("dim") && j.contains("moe_inter_dim")) {  // DeepSeek inference config

@@ -160,6 +160,10 @@ OracleResult oracle(const LayerConfig& c, const Weights& w, const Inputs& in, co
     // shared experts on x itself); its gradient passes straight through.
     std::vector<double> sent;
     if (c.staged_dispatch()) sent = as_dispatched(c, x);
+    const bool grad_in_bf16 = c.staged_grad_dispatch();
+    if (grad_in_bf16 && !opt.dispatched_gates.empty() && opt.dispatched_gates.size() != r.routing.weight.size())
+      throw Error("oracle: " + std::to_string(opt.dispatched_gates.size()) + " dispatched gate weights for " +
+                  std::to_string(r.routing.weight.size()) + " assignments");
     double* out = r.out.data() + row * hidden;
     std::vector<MlpToken> expert_act;
     for (std::int64_t j = 0; j < k; ++j) {
@@ -192,6 +196,12 @@ OracleResult oracle(const LayerConfig& c, const Weights& w, const Inputs& in, co
       for (std::int64_t o = 0; o < hidden; ++o) {
         d_weight[j] += double(dout[o]) * expert_act[j].y[o];
         dy[o] = r.routing.weight[a] * double(dout[o]);
+        // Sent to the expert in bf16 (an fp32 layer's encoded backward
+        // dispatch): the runtime's product in fp32, rounded.
+        if (grad_in_bf16) {
+          const float gate = opt.dispatched_gates.empty() ? static_cast<float>(r.routing.weight[a]) : opt.dispatched_gates[a];
+          dy[o] = round_to_bf16(gate * static_cast<float>(dout[o]));
+        }
       }
       double* dw1 = weight_grads ? r.d_w1[ex].data() : nullptr;
       double* dw2 = weight_grads ? r.d_w2[ex].data() : nullptr;

@@ -61,6 +61,7 @@ enum class Extent : std::uint8_t {
   // for a whole expert, its part's for a tensor-parallel split (SlotPart)
   expert_inter, expert_inter2, expert_inter2_panels,
   dispatch_row_bytes,  // one dispatched row as it travels (Dims::dispatch_row_bytes)
+  grad_dispatch_row_bytes,  // one row of the backward's bf16 dispatch: 2 hidden
 };
 
 struct OperandRule {
@@ -189,6 +190,7 @@ inline std::int64_t AccessTable::extent(const Program& p, const Task& t, Extent 
     }
     case Extent::hidden: return d.hidden;
     case Extent::dispatch_row_bytes: return d.dispatch_row_bytes;
+    case Extent::grad_dispatch_row_bytes: return 2 * d.hidden;
     case Extent::inter: return d.inter;
     case Extent::inter2: return 2 * d.inter;
     case Extent::shared_inter: return d.shared_inter;

@@ -107,6 +107,42 @@ bool grad_dispatch(const Tile<T>& tile) {
   return tile.host.send_put(dst);
 }
 
+// The same in bf16 bytes, into the owner's staged rows (an fp32 layer whose
+// backward dispatch is encoded).
+template <class T>
+bool grad_dispatch_encoded(const Tile<T>& tile) {
+  const std::int64_t H = tile.dims().hidden, K = tile.dims().top_k, rows = tile.rows();
+  const Rect& dst = tile.write(0);
+  tile.need(dst, rows, 2 * H);
+  auto* to = reinterpret_cast<bf16*>(tile.host.put_target(dst));
+  const std::int64_t* assign = tile.template at<std::int64_t>(tile.in(BufferId::send_assign));
+  const float* gates = tile.template base<float>(BufferId::gate);
+  const float* dout = tile.template base<float>(BufferId::dout);
+  const std::int64_t ld_dout = tile.ld(BufferId::dout);
+  for (std::int64_t j = 0; j < rows; ++j)
+    kernels::scale_store<bf16>(gates[assign[j]], dout + (assign[j] / K) * ld_dout, to + j * H, H);
+  return tile.host.send_put(dst);
+}
+
+template <class T>
+bool grad_decode(const Tile<T>& tile) {
+  const std::int64_t H = tile.dims().hidden, rows = tile.rows();
+  const Rect& src = tile.read(0);
+  const Rect& dst = tile.write(0);
+  tile.need(src, rows, 2 * H);
+  tile.need(dst, rows, H);
+  const auto* from = tile.template at<bf16>(src);
+  T* to = tile.template at<T>(dst);
+  const std::int64_t ld = tile.ld(BufferId::dy);
+  thread_local std::vector<float> row;
+  row.resize(static_cast<std::size_t>(H));
+  for (std::int64_t j = 0; j < rows; ++j) {
+    kernels::load<bf16>(from + j * H, row.data(), H);
+    kernels::store<T>(row.data(), to + j * ld, H);
+  }
+  return false;
+}
+
 // An expert's rows (outputs, or data gradients) back into the source's rows.
 template <class T>
 bool give_back(const Tile<T>& tile) {
@@ -148,6 +184,21 @@ constexpr OpKind kKinds[] = {
                op(B::dout, R, Span::whole, X::tokens, Span::whole, X::hidden), tile(B::dy, Side::peer)},
               kPeer),
      grad_dispatch<float>, grad_dispatch<bf16>},
+    {TaskKind::grad_dispatch_cast_put, "grad_dispatch_cast_put", Pass::backward, 41,
+     [] {
+       KindAccess a = vector_kind({op(B::send_assign, R, Span::source_rows, X::none, Span::whole, X::one),
+                                   op(B::gate, R, Span::whole, X::tokens, Span::whole, X::top_k),
+                                   op(B::dout, R, Span::whole, X::tokens, Span::whole, X::hidden),
+                                   tile(B::dy_staged, Side::peer)},
+                                  {ByteTerm{X::grad_dispatch_row_bytes, 1, 1, X::none}}, kPeer);
+       a.put = true;
+       return a;
+     }(),
+     grad_dispatch_encoded<float>, grad_dispatch_encoded<bf16>},
+    {TaskKind::grad_dispatch_decode, "grad_dispatch_decode", Pass::backward, 42,
+     vector_kind({op(B::dy_staged, R, Span::task_rows, X::none, Span::whole, X::grad_dispatch_row_bytes), tile(B::dy)},
+                 {ByteTerm{X::grad_dispatch_row_bytes, 1, 1, X::none}, ByteTerm{X::hidden, 1, kElem, X::none}}, kOwn),
+     grad_decode<float>, grad_decode<bf16>},
     {TaskKind::grad_combine_put, "grad_combine_put", Pass::backward, 190,
      put_kind({op(B::dxe, R, Span::source_rows, X::none, Span::whole, X::hidden), tile(B::dcomb, Side::peer)}, kOwn),
      give_back<float>, give_back<bf16>},

@@ -145,7 +145,7 @@ class Interleaved final : public InterleavedExecutor::Impl {
   // (a peer's program need not be compiled here).
   std::int64_t event_count(taskflow::Pass pass, std::int64_t r) const {
     return taskflow::EventBases(pass, ex_->row_tiles(r), placement_.local_count(r),
-                                (c_.tokens_per_rank + machine_.tile_rows - 1) / machine_.tile_rows, c_.staged_dispatch())
+                                (c_.tokens_per_rank + machine_.tile_rows - 1) / machine_.tile_rows, taskflow::staged_in(c_, pass))
         .total;
   }
 

@@ -668,7 +668,8 @@ std::vector<Operator> operators(taskflow::Pass pass) {
   for (TaskKind k : taskflow::operator_order(pass)) {
     const bool exchange = is_put(k);
     ops.push_back({k, exchange,
-                   exchange && (k == TaskKind::dispatch_put || k == TaskKind::dispatch_cast_put || k == TaskKind::grad_dispatch_put)});
+                   exchange && (k == TaskKind::dispatch_put || k == TaskKind::dispatch_cast_put || k == TaskKind::grad_dispatch_put ||
+                                k == TaskKind::grad_dispatch_cast_put)});
   }
   return ops;
 }
@@ -684,7 +685,7 @@ double run_deepep_exchange(const MachineModel& m, const DeepEpExchange& ex, Task
                        double now, Links& links, std::vector<int>& resources) {
   const int P = ex.ranks;
   const bool dispatch = kind == TaskKind::dispatch_put || kind == TaskKind::dispatch_cast_put;
-  const bool to_experts = dispatch || kind == TaskKind::grad_dispatch_put;
+  const bool to_experts = dispatch || kind == TaskKind::grad_dispatch_put || kind == TaskKind::grad_dispatch_cast_put;
   // Forward dispatch optionally in fp8 with one fp32 scale per 128 elements; the rest in the layer's dtype.
   const double row_bytes = dispatch && m.deepep.fp8_dispatch
                                ? double(dims.hidden) + 4.0 * double((dims.hidden + 127) / 128)
@@ -796,7 +797,8 @@ std::vector<FrameworkOp> mindspore_ops(TaskKind kind, const std::vector<Program>
       break;
     }
     case TaskKind::combine_put: combine_like(false); break;
-    case TaskKind::grad_dispatch_put: combine_like(true); break;
+    case TaskKind::grad_dispatch_put:
+    case TaskKind::grad_dispatch_cast_put: combine_like(true); break;
     default:  // grad_combine_put: the dispatch's gathers, mirrored
       ops.push_back(vec([&](std::size_t r) { return received[r] * H * el + (received[r] + expert[r]) * H * el; }));  // zeros + scatter-add
       ops.push_back(exchange_back);
@@ -869,7 +871,8 @@ Timeline serialized(const MachineModel& m, const std::vector<Program>& programs,
     // DeepEP's dispatch format is its own (baselines.deepep.fp8_dispatch),
     // and its fp8 rows go to the GEMM with their scales: it runs no decode,
     // whatever format hpmoe's programs dispatch in.
-    if (baseline == Baseline::deepep && op.kind == TaskKind::dispatch_decode) continue;
+    if (baseline == Baseline::deepep && (op.kind == TaskKind::dispatch_decode || op.kind == TaskKind::grad_dispatch_decode))
+      continue;
     bool any = false;
     for (int r = 0; r < P && !any; ++r)
       for (const std::int32_t id : by_kind[static_cast<std::size_t>(r) * kinds + static_cast<std::size_t>(op.kind)])

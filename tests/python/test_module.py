@@ -136,9 +136,12 @@ def test_idle_experts_get_no_gradient():
 
 def test_fp8_dispatch_matches_the_encoding_oracle():
     """fp8 dispatch: interleaved = serialized bit for bit; both match the fp64 oracle that encodes the dispatched
-    tokens the same way (every gradient to 1e-5), and differ from the unencoded plain-PyTorch layer by fp8's error."""
+    tokens the same way (every gradient to 1e-5), and differ from the unencoded plain-PyTorch layer by fp8's error.
+    dy goes back as it is here (grad_dispatch_dtype "layer"): in bf16 (the default under an fp32 layer), the
+    oracle's own gates, one fp32 rounding away from the fast path's, can round a product the other way (the C++
+    tests hand the oracle the fast path's gates; test_fp8_dispatch_default_sends_dy_in_bf16 below)."""
     torch.manual_seed(5)
-    cfg = small(hidden=128)
+    cfg = small(hidden=128, grad_dispatch_dtype="layer")
     a = hpmoe.MoELayer(cfg, ranks=2, workers=2, dispatch_dtype="fp8")
     b = hpmoe.MoELayer(cfg, ranks=2, workers=1, executor="serialized", dispatch_dtype="fp8")
     o = hpmoe.MoELayer(cfg, ranks=2, executor="reference", dispatch_dtype="fp8").double()
@@ -157,6 +160,21 @@ def test_fp8_dispatch_matches_the_encoding_oracle():
     assert rel(ra[0], reference(a, x).detach()) > 1e-3  # the unencoded layer: the encoding is really applied
     with pytest.raises(ValueError, match="multiple of 128"):
         hpmoe.MoELayer(small(), dispatch_dtype="fp8")
+
+
+def test_fp8_dispatch_default_sends_dy_in_bf16():
+    """Under an fp32 layer, fp8 dispatch sends dy in bf16 unless asked otherwise: the weight gradients move by
+    bf16's rounding (beyond 1e-5 of the fp32-dy layer's, within 1e-2)."""
+    torch.manual_seed(6)
+    a = hpmoe.MoELayer(small(hidden=128), ranks=2, dispatch_dtype="fp8")
+    b = hpmoe.MoELayer(small(hidden=128, grad_dispatch_dtype="layer"), ranks=2, dispatch_dtype="fp8")
+    assert a.config["grad_dispatch_dtype"] == "auto"
+    b.load_state_dict(a.state_dict())
+    x, d_out = torch.randn(64, 128), torch.randn(64, 128)
+    ra, rb = run(a, x, d_out), run(b, x, d_out)
+    assert torch.equal(ra[0], rb[0])  # the forward is the same
+    w = "experts.0.down_proj.weight"
+    assert 1e-5 < rel(ra[2][w], rb[2][w]) < 1e-2
 
 
 def test_executors_bit_identical():

@@ -1,7 +1,8 @@
 // A dispatch narrower than the layer's dtype (fp8 e4m3 with per-128-channel
 // scales, or bf16 under an fp32 layer): the codec, the config field, the
 // programs (an encoding put per piece into the owner's staged rows, a decode
-// per row tile), the verifier's mutation corpus for them, and the runtime:
+// per row tile; the backward's dy in bf16 under an fp32 layer), the
+// verifier's mutation corpus for them, and the runtime:
 // serialized = interleaved bit for bit, and the fp64 oracle that applies the
 // same encode-decode to the dispatched tokens.
 #include <gtest/gtest.h>
@@ -129,9 +130,22 @@ TEST(DispatchDtype, TheConfigFieldIsCheckedAndRoundTrips) {
   c.validate();
   EXPECT_FALSE(c.staged_dispatch()) << "bf16 under a bf16 layer sends the rows as they are";
   EXPECT_THROW(c.set("dispatch_dtype", "fp4"), Error);
+  EXPECT_FALSE(c.staged_grad_dispatch()) << "a bf16 layer's dy is bf16 already";
   c.dtype = DType::fp32;
   EXPECT_TRUE(c.staged_dispatch());
   EXPECT_EQ(c.dispatch_row_bytes(), 512);
+  // The backward's dy: bf16 with an encoded forward dispatch (auto), unless asked otherwise.
+  EXPECT_TRUE(c.staged_grad_dispatch());
+  c.set("grad_dispatch_dtype", "layer");
+  EXPECT_FALSE(c.staged_grad_dispatch());
+  c.set("dispatch_dtype", "layer");
+  c.set("grad_dispatch_dtype", "bf16");
+  EXPECT_TRUE(c.staged_grad_dispatch());
+  c.set("grad_dispatch_dtype", "auto");
+  EXPECT_FALSE(c.staged_grad_dispatch());
+  EXPECT_THROW(c.set("grad_dispatch_dtype", "fp8"), Error);
+  c.grad_dispatch_dtype = GradDispatchDType::bf16;
+  EXPECT_EQ(config_from_json(to_json(c)).grad_dispatch_dtype, GradDispatchDType::bf16);
 }
 
 TEST(DispatchDtype, ProgramsEncodeOnTheSourceAndDecodeEachTileOnce) {
@@ -157,9 +171,26 @@ TEST(DispatchDtype, ProgramsEncodeOnTheSourceAndDecodeEachTileOnce) {
     EXPECT_EQ(staged->elem_bytes, 1);
     EXPECT_EQ(staged->cols, 256 + 8);
   }
-  // The backward's exchanges are unchanged.
+  // The backward sends dy in bf16 (2 H bytes a row), decoded per tile.
   const auto backward = compile_checked(c, contiguous(c), counts, parse_machine("cpu:2"), Pass::backward, Policy::ratr);
-  for (const auto& t : backward[0].tasks) EXPECT_NE(t.kind, TaskKind::dispatch_cast_put);
+  for (const auto& p : backward) {
+    std::int64_t decodes = 0, encoded_rows = 0;
+    for (const auto& t : p.tasks) {
+      EXPECT_NE(t.kind, TaskKind::grad_dispatch_put);
+      decodes += t.kind == TaskKind::grad_dispatch_decode;
+      if (t.kind == TaskKind::grad_dispatch_cast_put) {
+        encoded_rows += t.rows;
+        EXPECT_EQ(t.cols, 2 * c.hidden);
+      }
+    }
+    EXPECT_EQ(encoded_rows, 90 * c.top_k) << "rank " << p.rank;
+    EXPECT_EQ(decodes, Exchange(c, contiguous(c), counts, p.machine.tile_rows).row_tiles(p.rank)) << "rank " << p.rank;
+  }
+  // ... unless asked to send it as it is.
+  LayerConfig plain_grad = c;
+  plain_grad.grad_dispatch_dtype = GradDispatchDType::layer;
+  for (const auto& t : compile_checked(plain_grad, contiguous(c), counts, parse_machine("cpu:2"), Pass::backward, Policy::ratr)[0].tasks)
+    EXPECT_NE(t.kind, TaskKind::grad_dispatch_cast_put);
 }
 
 TEST(DispatchDtype, MutationsOfTheEncodedDispatchAreRejected) {
@@ -168,6 +199,8 @@ TEST(DispatchDtype, MutationsOfTheEncodedDispatchAreRejected) {
   const Machine m = parse_machine("cpu:2");
   const auto base = compile(c, contiguous(c), counts, m, Pass::forward, Policy::critical_path);
   expect_ok(base);
+  const auto backward = compile(c, contiguous(c), counts, m, Pass::backward, Policy::critical_path);
+  expect_ok(backward);
   const auto rejected = [&](const std::vector<Program>& programs) {
     const auto whole = verify(programs);
     EXPECT_FALSE(whole.ok) << "the whole-set check accepted the corrupted set";
@@ -221,16 +254,35 @@ TEST(DispatchDtype, MutationsOfTheEncodedDispatchAreRejected) {
     t.cols = static_cast<std::int32_t>(c.hidden * 4);
     rejected(programs);
   }
+  {  // the backward's decode of dy before its tile's last piece lands
+    auto programs = backward;
+    auto& t = programs[0].tasks[first_task(programs[0], TaskKind::grad_dispatch_decode)];
+    t.wait_count -= 1;
+    rejected(programs);
+  }
+  {  // the backward's GEMM reads dy without waiting for its decode
+    auto programs = backward;
+    auto& p = programs[1];
+    const Task decode = p.tasks[first_task(p, TaskKind::grad_dispatch_decode)];
+    for (auto& t : p.tasks)
+      if (t.kind == TaskKind::gemm_down_dgrad && t.wait_event == decode.trigger_event) {
+        t.wait_event = decode.wait_event;
+        t.wait_count = decode.wait_count;
+      }
+    rejected(programs);
+  }
 }
 
 // Serialized and interleaved: bit for bit; both match the oracle that
 // encodes and decodes the dispatched tokens as tightly as an unencoded
 // layer matches the plain oracle; the plain oracle sees the encoding.
-class EncodedDispatchExecution : public ::testing::TestWithParam<std::tuple<DType, DispatchDType, int, std::string>> {};
+class EncodedDispatchExecution
+    : public ::testing::TestWithParam<std::tuple<DType, DispatchDType, int, std::string, GradDispatchDType>> {};
 
 TEST_P(EncodedDispatchExecution, IsBitIdenticalAcrossSchedulesAndMatchesTheEncodingOracle) {
-  const auto [dtype, dispatch, ranks, routing] = GetParam();
-  const LayerConfig c = encoded_layer(dtype, dispatch, ranks, 120 / ranks + 3);
+  const auto [dtype, dispatch, ranks, routing, grad] = GetParam();
+  LayerConfig c = encoded_layer(dtype, dispatch, ranks, 120 / ranks + 3);
+  c.grad_dispatch_dtype = grad;
   const auto w = random_weights(c, 57);
   const auto in = random_inputs(c, 57);
   const std::string spec = routing == "trace" ? "trace:" + std::string(HPMOE_SOURCE_DIR) + "/data/routing/mixtral-8x7b/humanities.json:20" : routing;
@@ -245,6 +297,7 @@ TEST_P(EncodedDispatchExecution, IsBitIdenticalAcrossSchedulesAndMatchesTheEncod
   OracleOptions oo;
   oo.forced_ids = b.routing.expert;
   oo.forced_kept = b.routing.kept;
+  oo.dispatched_gates = b.routing.weight;
   oo.backward = true;
   const auto ref = reference_layer(c, w, in, oo);
   std::vector<Comparison> checks{compare("out", b.out.data, ref.out, dtype), compare("dx", b.grads.x.data, ref.dx, dtype),
@@ -256,12 +309,19 @@ TEST_P(EncodedDispatchExecution, IsBitIdenticalAcrossSchedulesAndMatchesTheEncod
   for (const auto& cmp : checks) EXPECT_TRUE(cmp.pass) << cmp.tensor << ": rel L2 " << cmp.rel_l2;
   // The oracle without the encoding: the output moves by the encoding's error
   // (fp8: about 2^-5 of each element, bf16 2^-9), far beyond the fp32 bound.
-  if (dtype == DType::fp32) {
+  if (dtype == DType::fp32 && c.staged_dispatch()) {
     LayerConfig plain = c;
     plain.dispatch_dtype = DispatchDType::layer;
+    plain.grad_dispatch_dtype = GradDispatchDType::layer;
     const auto unencoded = reference_layer(plain, w, in, oo);
     const auto moved = compare("out", b.out.data, unencoded.out, dtype);
     EXPECT_GT(moved.rel_l2, dispatch == DispatchDType::fp8 ? 1e-3 : 1e-4) << "the dispatched tokens were not encoded";
+  }
+  if (c.staged_grad_dispatch()) {  // the weight gradients see dy in bf16: beyond the fp32 bound without it
+    LayerConfig plain = c;
+    plain.grad_dispatch_dtype = GradDispatchDType::layer;
+    const auto unrounded = reference_layer(plain, w, in, oo);
+    EXPECT_GT(compare("w2", b.grads.w2[0].data, unrounded.d_w2[0], dtype).rel_l2, 1e-4) << "dy was not sent in bf16";
   }
   inter.step(in, forced, b);
   EXPECT_TRUE(bit_identical(a.out, b.out)) << "second step";
@@ -270,14 +330,17 @@ TEST_P(EncodedDispatchExecution, IsBitIdenticalAcrossSchedulesAndMatchesTheEncod
 
 INSTANTIATE_TEST_SUITE_P(
     All, EncodedDispatchExecution,
-    ::testing::Values(std::tuple{DType::fp32, DispatchDType::fp8, 1, std::string("uniform")},
-                      std::tuple{DType::fp32, DispatchDType::fp8, 2, std::string("zipf:1.2")},
-                      std::tuple{DType::fp32, DispatchDType::fp8, 3, std::string("trace")},
-                      std::tuple{DType::fp32, DispatchDType::bf16, 2, std::string("uniform")},
-                      std::tuple{DType::bf16, DispatchDType::fp8, 2, std::string("uniform")},
-                      std::tuple{DType::bf16, DispatchDType::fp8, 3, std::string("trace")}),
+    ::testing::Values(std::tuple{DType::fp32, DispatchDType::fp8, 1, std::string("uniform"), GradDispatchDType::automatic},
+                      std::tuple{DType::fp32, DispatchDType::fp8, 2, std::string("zipf:1.2"), GradDispatchDType::automatic},
+                      std::tuple{DType::fp32, DispatchDType::fp8, 3, std::string("trace"), GradDispatchDType::automatic},
+                      std::tuple{DType::fp32, DispatchDType::fp8, 2, std::string("uniform"), GradDispatchDType::layer},
+                      std::tuple{DType::fp32, DispatchDType::bf16, 2, std::string("uniform"), GradDispatchDType::automatic},
+                      std::tuple{DType::fp32, DispatchDType::layer, 2, std::string("trace"), GradDispatchDType::bf16},
+                      std::tuple{DType::bf16, DispatchDType::fp8, 2, std::string("uniform"), GradDispatchDType::automatic},
+                      std::tuple{DType::bf16, DispatchDType::fp8, 3, std::string("trace"), GradDispatchDType::automatic}),
     [](const auto& info) {
       return to_string(std::get<0>(info.param)) + "_" + to_string(std::get<1>(info.param)) + "_P" +
              std::to_string(std::get<2>(info.param)) + "_" +
-             (std::get<3>(info.param) == "zipf:1.2" ? std::string("zipf") : std::get<3>(info.param));
+             (std::get<3>(info.param) == "zipf:1.2" ? std::string("zipf") : std::get<3>(info.param)) + "_dy_" +
+             to_string(std::get<4>(info.param));
     });
