@@ -189,8 +189,8 @@ TEST(DispatchDtype, ProgramsEncodeOnTheSourceAndDecodeEachTileOnce) {
   // ... unless asked to send it as it is.
   LayerConfig plain_grad = c;
   plain_grad.grad_dispatch_dtype = GradDispatchDType::layer;
-  for (const auto& t : compile_checked(plain_grad, contiguous(c), counts, parse_machine("cpu:2"), Pass::backward, Policy::ratr)[0].tasks)
-    EXPECT_NE(t.kind, TaskKind::grad_dispatch_cast_put);
+  const auto plain = compile_checked(plain_grad, contiguous(c), counts, parse_machine("cpu:2"), Pass::backward, Policy::ratr);
+  for (const auto& t : plain[0].tasks) EXPECT_NE(t.kind, TaskKind::grad_dispatch_cast_put);
 }
 
 TEST(DispatchDtype, MutationsOfTheEncodedDispatchAreRejected) {
