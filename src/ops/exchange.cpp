@@ -31,25 +31,12 @@ bool dispatch(const Tile<T>& tile) {
 // A dispatched row encoded as it travels (Dims::dispatch_format): fp8 codes
 // and per-128-channel scales, or bf16.
 void encode_row(const taskflow::Dims& d, const float* x, std::uint8_t* out) {
-  if (d.dispatch_format == 1) {
-    fp8_encode_row(x, d.hidden, out);
-    return;
-  }
-  for (std::int64_t c = 0; c < d.hidden; ++c) {
-    const bf16 v = bf16::from_float(x[c]);
-    std::memcpy(out + 2 * c, &v, 2);
-  }
+  if (d.dispatch_format == 1) fp8_encode_row(x, d.hidden, out);
+  else kernels::store<bf16>(x, reinterpret_cast<bf16*>(out), d.hidden);  // rows of 2 H bytes: bf16-aligned
 }
 void decode_row(const taskflow::Dims& d, const std::uint8_t* in, float* x) {
-  if (d.dispatch_format == 1) {
-    fp8_decode_row(in, d.hidden, x);
-    return;
-  }
-  for (std::int64_t c = 0; c < d.hidden; ++c) {
-    bf16 v;
-    std::memcpy(&v, in + 2 * c, 2);
-    x[c] = v.to_float();
-  }
+  if (d.dispatch_format == 1) fp8_decode_row(in, d.hidden, x);
+  else kernels::load<bf16>(reinterpret_cast<const bf16*>(in), x, d.hidden);
 }
 
 // x rows, gathered by token and encoded, into the owner's staged rows.
