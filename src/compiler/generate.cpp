@@ -346,17 +346,16 @@ void puts_to_experts(const LayerConfig& c, const Exchange& ex, std::int64_t tile
                      std::int64_t only_peer, Emit&& emit) {
   const bool forward = pass == Pass::forward;
   const std::int64_t TR = tile_rows, token_tiles = ceil_div(c.tokens_per_rank, TR);
+  const bool staged = staged_in(c, pass);
+  const TaskKind kind = forward ? (staged ? TaskKind::dispatch_cast_put : TaskKind::dispatch_put)
+                                : (staged ? TaskKind::grad_dispatch_cast_put : TaskKind::grad_dispatch_put);
+  const BufferId target = forward ? (staged ? BufferId::recv_staged : BufferId::recv) : (staged ? BufferId::dy_staged : BufferId::dy);
+  const std::int64_t cols = !staged ? c.hidden : forward ? c.dispatch_row_bytes() : 2 * c.hidden;
   for (std::int64_t i = 0; i < ex.instances(); ++i) {  // each expert's homes, in send order
     const std::int64_t e = ex.placement().instance_expert(i), d = ex.placement().instance_rank(i), n = ex.count(rank, i);
     if (n == 0 || (only_peer >= 0 && d != only_peer)) continue;
-    const bool staged = staged_in(c, pass);
     const EventBases owner_events(pass, ex.row_tiles(d), ex.placement().local_count(d), token_tiles, staged);
     const std::int64_t base = staged ? owner_events.staged : forward ? owner_events.recv : owner_events.dy;
-    const TaskKind kind = forward ? (staged ? TaskKind::dispatch_cast_put : TaskKind::dispatch_put)
-                                  : (staged ? TaskKind::grad_dispatch_cast_put : TaskKind::grad_dispatch_put);
-    const BufferId target = forward ? (staged ? BufferId::recv_staged : BufferId::recv)
-                                    : (staged ? BufferId::dy_staged : BufferId::dy);
-    const std::int64_t cols = !staged ? c.hidden : forward ? c.dispatch_row_bytes() : 2 * c.hidden;
     const std::int64_t first = ex.source_offset(rank, i);
     for (std::int64_t r = first; r < first + n;) {
       const std::int64_t tile = r / TR, end = std::min(first + n, (tile + 1) * TR);
