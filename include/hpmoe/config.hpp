@@ -18,12 +18,17 @@ enum class DispatchDType { layer, fp32, bf16, fp8 };
 // under an fp32 layer whose forward dispatch is encoded, the layer's dtype
 // otherwise.
 enum class GradDispatchDType { automatic, layer, bf16 };
+// How tokens travel to their experts: one row per (token, expert) pair, or
+// each token once per destination rank, the rank's experts gathering their
+// rows from the one copy (the backward sends dy the same way).
+enum class ExchangeMode { assignment, rank };
 
 std::string to_string(Scoring);
 std::string to_string(DType);
 std::string to_string(DropPolicy);
 std::string to_string(DispatchDType);
 std::string to_string(GradDispatchDType);
+std::string to_string(ExchangeMode);
 
 // One expert-parallel MoE FFN layer and how it is run: sizes, router, balancing
 // terms and the expert-parallel layout. A plain value; validate() says whether
@@ -63,6 +68,7 @@ struct LayerConfig {
   DType dtype = DType::fp32;
   DispatchDType dispatch_dtype = DispatchDType::layer;
   GradDispatchDType grad_dispatch_dtype = GradDispatchDType::automatic;
+  ExchangeMode exchange = ExchangeMode::assignment;
 
   // Whether the dispatch sends tokens narrower than the layer's dtype (a
   // quantize on the source, a decode on arrival), and the bytes of one

@@ -35,7 +35,9 @@ CompileReport compile_layer(const CompileRequest& req) {
   const ExpertPlacement placement = placement_or_contiguous(req.placement, c.routed_experts, c.ranks);
   const auto routing = route_step(c, req.routing, req.seed);
   rep.routing_stats = routing_stats(c, placement, routing);
-  const auto counts = taskflow::routing_counts(c, routing);
+  auto counts = taskflow::routing_counts(c, routing);
+  if (c.exchange == ExchangeMode::rank)
+    counts.rank_tokens = taskflow::rank_token_counts(c, placement, counts, routing, machine.tile_rows);
   for (auto pass : {taskflow::Pass::forward, taskflow::Pass::backward}) {
     if ((pass == taskflow::Pass::forward && !req.forward) || (pass == taskflow::Pass::backward && !req.backward)) continue;
     CompiledPass cp;

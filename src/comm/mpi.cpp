@@ -510,12 +510,14 @@ class Mpi final : public Transport {
       run_once([&] { allocate_shared(control_win_, bytes, control_); });
       control_calls_ = 0;
     }
-    const std::size_t turn = static_cast<std::size_t>(control_calls_ % 2);
+    // Two areas of the window's size, whatever this call's block: a peer one
+    // call ahead writes the other one, even when its call's block differs.
+    const std::size_t turn = static_cast<std::size_t>(control_calls_ % 2), stride = control_area_;
     ++control_calls_;
     const std::byte* mine = all.data() + static_cast<std::size_t>(rank_) * block;
     for (std::size_t q = 0; q < P; ++q) {
       if (static_cast<int>(q) == rank_) continue;
-      std::memcpy(control_[q] + 64 + turn * area + static_cast<std::size_t>(rank_) * block, mine, block);
+      std::memcpy(control_[q] + 64 + turn * stride + static_cast<std::size_t>(rank_) * block, mine, block);
       reinterpret_cast<std::atomic<std::int64_t>*>(control_[q])->fetch_add(1, std::memory_order_release);
     }
     auto& arrived = *reinterpret_cast<std::atomic<std::int64_t>*>(control_[static_cast<std::size_t>(rank_)]);
@@ -530,7 +532,7 @@ class Mpi final : public Transport {
     }
     for (std::size_t q = 0; q < P; ++q)
       if (static_cast<int>(q) != rank_)
-        std::memcpy(all.data() + q * block, control_[static_cast<std::size_t>(rank_)] + 64 + turn * area + q * block, block);
+        std::memcpy(all.data() + q * block, control_[static_cast<std::size_t>(rank_)] + 64 + turn * stride + q * block, block);
   }
 
   // The network path's form of the one-sided exchange: there is no remote

@@ -80,6 +80,7 @@ nlohmann::json to_json(const Program& p) {
   j["expert_begin"] = p.expert_begin;
   j["kpad_begin"] = p.kpad_begin;
   j["send_rows"] = p.send_rows;
+  if (!p.token_begin.empty()) j["token_begin"] = p.token_begin;  // the per-rank exchange
   // Tensor-parallel splits (absent: every slot computes its whole expert).
   const bool split = !p.reductions.empty() ||
                      std::any_of(p.slot_parts.begin(), p.slot_parts.end(), [](const SlotPart& s) { return s.parts > 1; });
@@ -199,6 +200,12 @@ Program program_from_json(const nlohmann::json& j) {
       throw Error("program dump: kpad_begin must have one entry more than local_experts");
     p.send_rows = integer<std::int64_t>(j.at("send_rows"), "send_rows");
     if (p.send_rows < 0 || p.send_rows > (std::int64_t{1} << 40)) throw Error("program dump: send_rows is impossible");
+    if (j.contains("token_begin")) {
+      p.token_begin = j.at("token_begin").get<std::vector<std::int64_t>>();
+      if (p.token_begin.size() != static_cast<std::size_t>(p.ranks) + 1 || p.token_begin.front() != 0 ||
+          !std::is_sorted(p.token_begin.begin(), p.token_begin.end()) || p.token_begin.back() > (std::int64_t{1} << 40))
+        throw Error("program dump: token_begin must be ranks + 1 increasing rows from 0");
+    }
     if (j.contains("slot_parts")) {
       const auto& parts = j.at("slot_parts");
       if (!parts.is_array() || parts.size() != p.local_experts.size())

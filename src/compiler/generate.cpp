@@ -7,173 +7,6 @@
 
 namespace hpmoe::taskflow {
 
-Exchange::Exchange(const LayerConfig& c, const ExpertPlacement& placement, const RoutingCounts& counts,
-                   std::int64_t tile_rows)
-    : placement_(placement),
-      ranks_(c.ranks),
-      experts_(c.routed_experts),
-      tile_rows_(tile_rows),
-      pad_pairs_(c.dtype == DType::bf16) {
-  placement_.check_fits(experts_, ranks_, c.expert_inter);
-  if (counts.ranks != ranks_ || counts.experts != experts_ ||
-      counts.counts.size() != static_cast<std::size_t>(ranks_ * experts_))
-    throw Error("routing counts are for " + std::to_string(counts.ranks) + " ranks x " +
-                std::to_string(counts.experts) + " experts, the layer has " + std::to_string(ranks_) + " x " +
-                std::to_string(experts_));
-  if (tile_rows_ < 1) throw Error("the tile height must be positive (got " + std::to_string(tile_rows_) + ")");
-  for (std::int64_t s = 0; s < ranks_; ++s)
-    for (std::int64_t e = 0; e < experts_; ++e) {
-      const std::int64_t n = counts.at(s, e);
-      if (n < 0 || n > c.tokens_per_rank)
-        throw Error("routing count " + std::to_string(n) + " for rank " + std::to_string(s) + ", expert " +
-                    std::to_string(e) + " is impossible with " + std::to_string(c.tokens_per_rank) + " tokens per rank");
-    }
-  // Replicated experts' rows divided among their homes by the quota plan;
-  // every part of a split expert takes all of its rows.
-  instances_ = placement_.instances();
-  const bool planned_rows = instances_ > experts_;
-  const std::vector<std::int64_t> planned =
-      planned_rows ? plan_quotas(placement_, counts.counts, tile_rows_) : std::vector<std::int64_t>{};
-  const std::vector<std::int64_t>& rows_of = planned_rows ? planned : counts.counts;
-  const auto N = static_cast<std::size_t>(instances_);
-  source_prefix_.assign(static_cast<std::size_t>(ranks_ + 1) * N, 0);
-  send_offset_.assign(static_cast<std::size_t>(ranks_) * (N + 1), 0);
-  for (std::int64_t s = 0; s < ranks_; ++s) {
-    std::int64_t sent = 0;
-    for (std::int64_t i = 0; i < instances_; ++i) {
-      const std::int64_t n = rows_of[static_cast<std::size_t>(s * instances_ + i)];
-      source_prefix_[static_cast<std::size_t>((s + 1) * instances_ + i)] = source_offset(s, i) + n;
-      send_offset_[static_cast<std::size_t>(s * (instances_ + 1) + i)] = sent;
-      sent += n;
-    }
-    send_offset_[static_cast<std::size_t>(s * (instances_ + 1) + instances_)] = sent;
-  }
-  expert_start_.assign(N, 0);
-  tile_start_.assign(N, 0);
-  kpad_start_.assign(N, 0);
-  recv_rows_.assign(static_cast<std::size_t>(ranks_), 0);
-  row_tiles_.assign(static_cast<std::size_t>(ranks_), 0);
-  kpad_rows_.assign(static_cast<std::size_t>(ranks_), 0);
-  for (std::int64_t d = 0; d < ranks_; ++d) {
-    std::int64_t rows = 0, tiles = 0, kpad = 0;
-    for (const std::int64_t i : placement_.instances_of(d)) {
-      expert_start_[static_cast<std::size_t>(i)] = rows;
-      tile_start_[static_cast<std::size_t>(i)] = tiles;
-      kpad_start_[static_cast<std::size_t>(i)] = kpad;
-      rows += expert_rows(i);
-      tiles += tiles_of(i);
-      kpad += padded(expert_rows(i));
-    }
-    recv_rows_[static_cast<std::size_t>(d)] = rows;
-    row_tiles_[static_cast<std::size_t>(d)] = tiles;
-    kpad_rows_[static_cast<std::size_t>(d)] = kpad;
-  }
-}
-
-
-std::int64_t Exchange::pieces(std::int64_t s, std::int64_t e) const {
-  const std::int64_t begin = source_offset(s, e), end = begin + count(s, e);
-  if (end == begin) return 0;
-  return (end - 1) / tile_rows_ - begin / tile_rows_ + 1;
-}
-
-std::int32_t Exchange::arrivals(std::int64_t e, std::int64_t tile) const {
-  std::int32_t n = 0;
-  for (std::int64_t s = 0; s < ranks_; ++s) {
-    const std::int64_t first = source_offset(s, e), rows = count(s, e);
-    if (rows > 0 && first < (tile + 1) * tile_rows_ && first + rows > tile * tile_rows_) ++n;
-  }
-  return n;
-}
-
-std::int64_t Exchange::pieces_into(std::int64_t s) const {
-  std::int64_t n = 0;
-  for (std::int64_t i = 0; i < instances_; ++i) n += pieces(s, i);
-  return n;
-}
-
-std::vector<std::int64_t> send_slots(const LayerConfig& c, const Exchange& ex, const RouterOutput<float>& r,
-                                     std::span<const int> ranks) {
-  const std::int64_t E = c.routed_experts, K = c.top_k, T = c.tokens_per_rank;
-  const auto n = static_cast<std::int64_t>(ranks.size());
-  if (static_cast<std::int64_t>(r.expert.size()) != n * T * K)
-    throw Error("send_slots: the routing covers " + std::to_string(r.expert.size()) + " assignments, expected " +
-                std::to_string(n * T * K) + " for " + std::to_string(n) + " ranks");
-  std::vector<std::int64_t> slot(static_cast<std::size_t>(n * T * K), -1);
-  std::vector<std::int64_t> next(static_cast<std::size_t>(E));
-  for (std::int64_t i = 0; i < n; ++i) {
-    const std::int64_t s = ranks[static_cast<std::size_t>(i)];
-    // An expert's rows in send order are one block over its instances in
-    // home order, so a row's place follows from the expert's first instance.
-    for (std::int64_t e = 0; e < E; ++e) next[static_cast<std::size_t>(e)] = ex.send_offset(s, ex.placement().first_instance(e));
-    for (std::int64_t a = i * T * K; a < (i + 1) * T * K; ++a)
-      if (r.kept[static_cast<std::size_t>(a)]) slot[static_cast<std::size_t>(a)] = next[static_cast<std::size_t>(r.expert[static_cast<std::size_t>(a)])]++;
-  }
-  return slot;
-}
-
-template <class Real>
-RoutingCounts routing_counts(const LayerConfig& c, const RouterOutput<Real>& r) {
-  RoutingCounts rc{c.ranks, c.routed_experts, std::vector<std::int64_t>(static_cast<std::size_t>(c.ranks * c.routed_experts), 0)};
-  const std::int64_t per_rank = c.tokens_per_rank * c.top_k;
-  for (std::size_t a = 0; a < r.expert.size(); ++a)
-    if (r.kept[a]) ++rc.counts[(static_cast<std::int64_t>(a) / per_rank) * c.routed_experts + r.expert[a]];
-  return rc;
-}
-RoutingCounts routing_counts(const LayerConfig& c, std::span<const std::int32_t> expert_ids) {
-  if (static_cast<std::int64_t>(expert_ids.size()) != c.total_tokens() * c.top_k)
-    throw Error("expert choices for " + std::to_string(expert_ids.size()) + " assignments, the step has " +
-                std::to_string(c.total_tokens() * c.top_k));
-  RoutingCounts rc{c.ranks, c.routed_experts, std::vector<std::int64_t>(static_cast<std::size_t>(c.ranks * c.routed_experts), 0)};
-  const std::int64_t per_rank = c.tokens_per_rank * c.top_k;
-  for (std::size_t a = 0; a < expert_ids.size(); ++a) {
-    const auto e = expert_ids[a];
-    if (e < 0 || e >= c.routed_experts) throw Error("expert id " + std::to_string(e) + " is out of range");
-    ++rc.counts[(static_cast<std::int64_t>(a) / per_rank) * c.routed_experts + e];
-  }
-  return rc;
-}
-
-template RoutingCounts routing_counts<float>(const LayerConfig&, const RouterOutput<float>&);
-template RoutingCounts routing_counts<double>(const LayerConfig&, const RouterOutput<double>&);
-
-EventBases::EventBases(Pass pass, std::int64_t row_tiles, std::int64_t local, std::int64_t token_tiles, bool staged_dispatch) {
-  std::int64_t next = 0;
-  auto take = [&](std::int64_t n) {
-    const std::int64_t at = next;
-    next += n;
-    return at;
-  };
-  if (pass == Pass::forward) {
-    recv = take(row_tiles);
-    h = take(row_tiles);
-    a = take(row_tiles);
-    y = take(row_tiles);
-    comb_done = take(1);
-    sh_h = take(token_tiles);
-    sh_a = take(token_tiles);
-    reduced = take(1);
-    staged = take(staged_dispatch ? row_tiles : 0);
-  } else {
-    dy = take(row_tiles);
-    da = take(row_tiles);
-    dh = take(row_tiles);
-    dxe = take(row_tiles);
-    dy_packed = take(local);
-    dh_packed = take(local);
-    gw = take(token_tiles);
-    dl_all = take(1);
-    sh_da = take(token_tiles);
-    sh_dh = take(token_tiles);
-    sh_dout_packed = take(1);
-    sh_dh_packed = take(1);
-    dx_ready = take(1);
-    reduced = take(1);
-    staged = take(staged_dispatch ? row_tiles : 0);
-  }
-  total = next;
-}
-
 namespace {
 
 std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
@@ -277,7 +110,19 @@ void declare_buffers(Program& p, const LayerConfig& c, const Exchange& ex, Pass 
   add_buffer(p, BufferId::y, recv, H, elem, local);
   add_buffer(p, BufferId::comb, send, H, elem, sym);
   add_buffer(p, BufferId::out, T, H, 4, bound);
-  if (c.staged_dispatch()) add_buffer(p, BufferId::recv_staged, recv, c.dispatch_row_bytes(), 1, sym);
+  if (staged_in(c, Pass::forward)) add_buffer(p, BufferId::recv_staged, recv, c.dispatch_row_bytes(), 1, sym);
+  const bool by_rank = c.exchange == ExchangeMode::rank;
+  if (by_rank) {
+    if (!ex.has_rank_tokens())
+      throw Error("the per-rank exchange needs each source's token count per destination rank (rank_token_counts); "
+                  "this exchange was built from expert counts alone");
+    const std::int64_t blocks = ex.token_recv_rows(rank);
+    add_buffer(p, BufferId::rank_token, ex.token_send_offset(rank, ex.ranks()), 1, 4, local);
+    add_buffer(p, BufferId::rank_route, send, 2, 4, local);
+    if (c.staged_dispatch()) add_buffer(p, BufferId::recv_tok, blocks, c.dispatch_row_bytes(), 1, sym);
+    else add_buffer(p, BufferId::recv_tok, blocks, H, elem, sym);
+    add_buffer(p, BufferId::recv_route, recv, 2, 4, sym);
+  }
   if (shared) {
     add_buffer(p, BufferId::sh_h, T, 2 * Is, 4, local);
     add_buffer(p, BufferId::sh_a, T, Is, elem, local);
@@ -302,7 +147,11 @@ void declare_buffers(Program& p, const LayerConfig& c, const Exchange& ex, Pass 
   add_buffer(p, BufferId::xt, H, kpad, elem, local);
   add_buffer(p, BufferId::dw1, L * H, 2 * I, 4, bound);
   add_buffer(p, BufferId::dcomb, send, H, elem, sym);
-  if (c.staged_grad_dispatch()) add_buffer(p, BufferId::dy_staged, recv, 2 * H, 1, sym);
+  if (staged_in(c, Pass::backward)) add_buffer(p, BufferId::dy_staged, recv, 2 * H, 1, sym);
+  if (by_rank) {
+    if (c.staged_grad_dispatch()) add_buffer(p, BufferId::dy_tok, ex.token_recv_rows(rank), 2 * H, 1, sym);
+    else add_buffer(p, BufferId::dy_tok, ex.token_recv_rows(rank), H, elem, sym);
+  }
   if (shared) {
     add_buffer(p, BufferId::sh_dout, T, H, elem, local);
     add_buffer(p, BufferId::sh_da, T, Is, 4, local);
@@ -333,7 +182,14 @@ void generate_into(Program& p, const LayerConfig& c, const ExpertPlacement& plac
 }
 
 bool staged_in(const LayerConfig& c, Pass pass) {
+  // The per-rank exchange decodes in its gather: no staged tiles.
+  if (c.exchange == ExchangeMode::rank) return false;
   return pass == Pass::forward ? c.staged_dispatch() : c.staged_grad_dispatch();
+}
+
+EventBases event_bases(const LayerConfig& c, const Exchange& ex, Pass pass, std::int64_t rank) {
+  return EventBases(pass, ex.row_tiles(rank), ex.placement().local_count(rank), ceil_div(c.tokens_per_rank, ex.tile_rows()),
+                    staged_in(c, pass), c.exchange == ExchangeMode::rank ? c.ranks : 0);
 }
 
 namespace {
@@ -345,7 +201,32 @@ template <class Emit>
 void puts_to_experts(const LayerConfig& c, const Exchange& ex, std::int64_t tile_rows, Pass pass, std::int64_t rank,
                      std::int64_t only_peer, Emit&& emit) {
   const bool forward = pass == Pass::forward;
-  const std::int64_t TR = tile_rows, token_tiles = ceil_div(c.tokens_per_rank, TR);
+  const std::int64_t TR = tile_rows;
+  if (c.exchange == ExchangeMode::rank) {
+    // Each token once per destination rank, in pieces of a tile's rows,
+    // then (forward) the routes of the rows it sends there; all of them
+    // complete the source's one `tok` event on the destination.
+    const std::int64_t cols = forward ? (c.staged_dispatch() ? c.dispatch_row_bytes() : c.hidden)
+                                      : (c.staged_grad_dispatch() ? 2 * c.hidden : c.hidden);
+    for (std::int64_t d = 0; d < ex.ranks(); ++d) {
+      const std::int64_t n = ex.rank_tokens(rank, d);
+      if (n == 0 || (only_peer >= 0 && d != only_peer)) continue;
+      const std::int64_t tok = event_bases(c, ex, pass, d).tok + rank, first = ex.token_start(rank, d);
+      for (std::int64_t r = 0; r < n; r += TR)
+        emit(TaskSpec{.kind = forward ? TaskKind::dispatch_token_put : TaskKind::grad_dispatch_token_put,
+                      .src = forward ? BufferId::x : BufferId::dout, .dst = forward ? BufferId::recv_tok : BufferId::dy_tok,
+                      .peer = d, .row_begin = first + r, .rows = std::min(TR, n - r), .col_begin = 0, .cols = cols,
+                      .src_row = ex.token_send_offset(rank, d) + r, .trigger_event = tok});
+      if (!forward) continue;  // the backward reads the forward's routes
+      for (const std::int64_t i : ex.placement().instances_of(d))
+        if (ex.count(rank, i) > 0)
+          emit(TaskSpec{.kind = TaskKind::dispatch_route_put, .src = BufferId::rank_route, .dst = BufferId::recv_route,
+                        .expert = ex.placement().instance_expert(i), .peer = d,
+                        .row_begin = ex.expert_start(i) + ex.source_offset(rank, i), .rows = ex.count(rank, i),
+                        .col_begin = 0, .cols = 2, .src_row = ex.send_offset(rank, i), .trigger_event = tok});
+    }
+    return;
+  }
   const bool staged = staged_in(c, pass);
   const TaskKind kind = forward ? (staged ? TaskKind::dispatch_cast_put : TaskKind::dispatch_put)
                                 : (staged ? TaskKind::grad_dispatch_cast_put : TaskKind::grad_dispatch_put);
@@ -354,7 +235,7 @@ void puts_to_experts(const LayerConfig& c, const Exchange& ex, std::int64_t tile
   for (std::int64_t i = 0; i < ex.instances(); ++i) {  // each expert's homes, in send order
     const std::int64_t e = ex.placement().instance_expert(i), d = ex.placement().instance_rank(i), n = ex.count(rank, i);
     if (n == 0 || (only_peer >= 0 && d != only_peer)) continue;
-    const EventBases owner_events(pass, ex.row_tiles(d), ex.placement().local_count(d), token_tiles, staged);
+    const EventBases owner_events = event_bases(c, ex, pass, d);
     const std::int64_t base = staged ? owner_events.staged : forward ? owner_events.recv : owner_events.dy;
     const std::int64_t first = ex.source_offset(rank, i);
     for (std::int64_t r = first; r < first + n;) {
@@ -368,6 +249,29 @@ void puts_to_experts(const LayerConfig& c, const Exchange& ex, std::int64_t tile
   }
 }
 
+// The per-rank exchange on the destination: one gather per source piece of
+// row tile `tile` of instance `home` (the pieces the per-assignment
+// exchange puts), each once its source's token block has arrived.
+template <class Emit>
+void gathers_of_tile(const LayerConfig& c, const Exchange& ex, const Program& p, Pass pass, std::int64_t rank,
+                     std::int64_t home, std::int64_t tile, const EventBases& ev, Emit&& emit) {
+  const bool forward = pass == Pass::forward;
+  const std::int64_t TR = ex.tile_rows(), lo = tile * TR, hi = lo + TR;
+  const std::int64_t e = ex.placement().instance_expert(home);
+  for (std::int64_t s = 0; s < ex.ranks(); ++s) {
+    const std::int64_t first = ex.source_offset(s, home), n = ex.count(s, home);
+    const std::int64_t r0 = std::max(first, lo), r1 = std::min(first + n, hi);
+    if (r0 >= r1) continue;
+    const std::int64_t tok = ev.tok + s;
+    emit(TaskSpec{.kind = forward ? TaskKind::dispatch_gather : TaskKind::grad_dispatch_gather,
+                  .src = forward ? BufferId::recv_tok : BufferId::dy_tok, .dst = forward ? BufferId::recv : BufferId::dy,
+                  .expert = e, .row_begin = ex.expert_start(home) + r0, .rows = r1 - r0, .col_begin = 0, .cols = c.hidden,
+                  .src_row = ex.token_start(s, rank), .wait_event = tok,
+                  .wait_count = p.events[static_cast<std::size_t>(tok)].required,
+                  .trigger_event = (forward ? ev.recv : ev.dy) + ex.tile_start(home) + tile});
+  }
+}
+
 // Puts of `rank`'s expert outputs (forward) or their input gradients
 // (backward) back to each source (only `only_source` when it is >= 0), split
 // at this rank's row tiles; each piece waits for the one tile it reads
@@ -376,13 +280,13 @@ template <class Emit>
 void puts_to_sources(const LayerConfig& c, const Exchange& ex, std::int64_t tile_rows, Pass pass, std::int64_t rank,
                      std::int64_t only_source, std::int64_t wait_base, std::int64_t wait_count, Emit&& emit) {
   const bool forward = pass == Pass::forward;
-  const std::int64_t TR = tile_rows, token_tiles = ceil_div(c.tokens_per_rank, TR);
+  const std::int64_t TR = tile_rows;
   for (const std::int64_t i : ex.placement().instances_of(rank)) {
     const std::int64_t e = ex.placement().instance_expert(i);
     for (std::int64_t s = 0; s < ex.ranks(); ++s) {
       const std::int64_t n = ex.count(s, i), first = ex.source_offset(s, i);
       if (n == 0 || (only_source >= 0 && s != only_source)) continue;
-      const EventBases source_events(pass, ex.row_tiles(s), ex.placement().local_count(s), token_tiles, staged_in(c, pass));
+      const EventBases source_events = event_bases(c, ex, pass, s);
       const std::int64_t target = forward ? source_events.comb_done : source_events.dx_ready;
       for (std::int64_t r = first; r < first + n;) {
         const std::int64_t tile = r / TR, end = std::min(first + n, (tile + 1) * TR);
@@ -442,6 +346,9 @@ void program_header(Program& p, const LayerConfig& c, const Exchange& ex, const 
   p.expert_begin.push_back(ex.recv_rows(rank));
   p.kpad_begin.push_back(ex.kpad_rows(rank));
   p.send_rows = ex.send_rows(rank);
+  p.token_begin.clear();
+  if (c.exchange == ExchangeMode::rank && ex.has_rank_tokens())
+    for (std::int64_t s = 0; s <= c.ranks; ++s) p.token_begin.push_back(ex.token_start(s, rank));
   declare_buffers(p, c, ex, pass, rank);
 }
 
@@ -470,15 +377,24 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
   p.events.clear();
   program_header(p, c, ex, m, pass, rank);
 
-  const std::int64_t row_tiles = ex.row_tiles(rank), token_tiles = ceil_div(T, TR);
+  const std::int64_t token_tiles = ceil_div(T, TR);
   const bool staged = staged_in(c, pass);
-  const EventBases ev(pass, row_tiles, L, token_tiles, staged);
+  const EventBases ev = event_bases(c, ex, pass, rank);
   p.events.assign(static_cast<std::size_t>(ev.total), Event{0, TaskKind::count, -1, -1});
   Builder b(p, m);
   const std::int64_t n_down = ceil_div(H, TC);
   // A slot's intermediate width: the whole expert's, or its split part's.
   const auto inter_of = [&](std::int64_t le) { return p.slot_parts[static_cast<std::size_t>(le)].inter; };
   const auto emit = [&](const TaskSpec& s) { b.task(s); };
+  const bool by_rank = c.exchange == ExchangeMode::rank;
+  if (by_rank)  // each source's token block (and forward, its routes) arrived
+    for (std::int64_t s = 0; s < c.ranks; ++s)
+      if (ex.rank_tokens(s, rank) > 0)
+        b.event(ev.tok + s, static_cast<std::int32_t>(ex.token_pieces(s, rank) + (pass == Pass::forward ? ex.route_puts(s, rank) : 0)),
+                pass == Pass::forward ? TaskKind::dispatch_gather : TaskKind::grad_dispatch_gather, -1, -1);
+  const auto gathers = [&](std::int64_t home, std::int64_t tile) {
+    if (by_rank) gathers_of_tile(c, ex, p, pass, rank, home, tile, ev, emit);
+  };
   // Split experts' partial rows, reduced in place once every piece is back:
   // one task per row tile of each declared reduction's target block.
   const auto part_reduces = [&](TaskKind kind, BufferId buffer, std::int64_t wait_event, bool emit_tasks) {
@@ -537,6 +453,7 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
       const std::int64_t Ie = inter_of(le), n_gate_up = ceil_div(2 * Ie, TC);
       for (std::int64_t i = 0; i * TR < n_e; ++i) {
         const std::int64_t rows = std::min(TR, n_e - i * TR), row0 = start + i * TR;
+        gathers(home, i);
         if (staged)
           b.task({.kind = TaskKind::dispatch_decode, .src = BufferId::recv_staged, .dst = BufferId::recv, .expert = e, .row_begin = row0, .rows = rows, .col_begin = 0, .cols = H, .src_row = row0, .wait_event = ev.staged + tb + i, .wait_count = p.events[static_cast<std::size_t>(ev.staged + tb + i)].required, .trigger_event = ev.recv + tb + i});
         b.gemm_tiles(rows, 2 * Ie, [&](std::int64_t, std::int64_t, std::int64_t j, std::int64_t n) {
@@ -638,6 +555,7 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
     const std::int64_t Ie = inter_of(le), n_inter = ceil_div(Ie, TC);
     for (std::int64_t i = 0; i < tiles; ++i) {
       const std::int64_t rows = std::min(TR, n_e - i * TR), row0 = start + i * TR;
+      gathers(home, i);
       if (staged)
         b.task({.kind = TaskKind::grad_dispatch_decode, .src = BufferId::dy_staged, .dst = BufferId::dy, .expert = e, .row_begin = row0, .rows = rows, .col_begin = 0, .cols = H, .src_row = row0, .wait_event = ev.staged + tb + i, .wait_count = p.events[static_cast<std::size_t>(ev.staged + tb + i)].required, .trigger_event = ev.dy + tb + i});
       const std::int32_t arrivals = p.events[ev.dy + tb + i].required;

@@ -70,6 +70,27 @@ class Exchange {
   // Put pieces landing in row tile `tile` of expert e: one per source chunk overlapping it.
   std::int32_t arrivals(std::int64_t e, std::int64_t tile) const;
 
+  // The per-rank exchange (LayerConfig::exchange rank): source s sends each
+  // of its tokens once to every rank that holds one of its rows, in token
+  // order, one block per destination. Which tokens those are depends on the
+  // routing, not only its counts: every rank's sources report theirs
+  // (rank_token_counts), [s * P + d] tokens of s for d.
+  void set_rank_tokens(std::vector<std::int64_t> tokens, std::int64_t tokens_per_rank);
+  bool has_rank_tokens() const { return !rank_tokens_.empty(); }
+  // Tokens s sends to d.
+  std::int64_t rank_tokens(std::int64_t s, std::int64_t d) const { return rank_tokens_[static_cast<std::size_t>(s * ranks_ + d)]; }
+  // Row of s's block in d's received token blocks (s = P: their total).
+  std::int64_t token_start(std::int64_t s, std::int64_t d) const { return token_start_[static_cast<std::size_t>(s * ranks_ + d)]; }
+  std::int64_t token_recv_rows(std::int64_t d) const { return token_start(ranks_, d); }
+  // Row of d's block in s's token list (d = P: its length).
+  std::int64_t token_send_offset(std::int64_t s, std::int64_t d) const {
+    return token_send_[static_cast<std::size_t>(s * (ranks_ + 1) + d)];
+  }
+  // Put pieces of s's token block for d (tiles of tile_rows rows), and the
+  // routes s puts into d: one per instance on d that s sends rows to.
+  std::int64_t token_pieces(std::int64_t s, std::int64_t d) const { return (rank_tokens(s, d) + tile_rows_ - 1) / tile_rows_; }
+  std::int64_t route_puts(std::int64_t s, std::int64_t d) const;
+
  private:
   ExpertPlacement placement_;
   std::int64_t ranks_, experts_, tile_rows_, instances_ = 0;
@@ -78,7 +99,26 @@ class Exchange {
   std::vector<std::int64_t> send_offset_;    // [s * (N + 1) + i]
   std::vector<std::int64_t> expert_start_, tile_start_, kpad_start_;  // [i]
   std::vector<std::int64_t> recv_rows_, row_tiles_, kpad_rows_;       // [d]
+  std::vector<std::int64_t> rank_tokens_, token_start_, token_send_;  // the per-rank exchange
 };
+
+// The per-rank exchange of one source rank: the token of each of its send
+// rows (a split expert's rows repeated in every part's block), the token
+// list it sends (each destination's block in token order) and the route of
+// each send row: the row of its token in its destination's block.
+struct RankRoutes {
+  std::vector<std::int32_t> row_token;   // [send_rows]
+  std::vector<std::int64_t> row_assign;  // [send_rows]: assignment t K + k
+  std::vector<std::int32_t> tokens;      // [token_send_offset(s, P)]
+  std::vector<std::int32_t> position;    // [send_rows]
+  std::vector<std::int64_t> per_rank;    // [P] tokens sent to each rank
+};
+// slot: the send row of each of s's assignments (send_slots, -1 dropped);
+// expert: their experts. `tokens` and `position` need the exchange's rank
+// tokens only for their sizes, and are filled whether it has them or not.
+RankRoutes rank_routes(const LayerConfig&, const Exchange&, std::int64_t s, std::span<const std::int64_t> slot,
+                       std::span<const std::int32_t> expert);
+
 
 // Row in the source's send order of every kept assignment of `ranks`'
 // tokens (routing covers those ranks in that order: token t of the i-th,
@@ -90,9 +130,14 @@ std::vector<std::int64_t> send_slots(const LayerConfig&, const Exchange&, const 
 struct EventBases {
   // staged: the pass's dispatch is encoded (staged_in), its pieces land in
   // `staged` tiles and a decode per tile fills `recv` (backward: `dy`).
-  EventBases(Pass, std::int64_t row_tiles, std::int64_t local, std::int64_t token_tiles, bool staged);
+  // token_sources: the per-rank exchange's sources (P; 0 without it), whose
+  // token blocks and routes each complete one `tok` event.
+  EventBases(Pass, std::int64_t row_tiles, std::int64_t local, std::int64_t token_tiles, bool staged,
+             std::int64_t token_sources = 0);
   // forward
   std::int64_t recv = 0, h = 0, a = 0, y = 0, comb_done = 0, sh_h = 0, sh_a = 0, staged = 0;
+  // both passes, the per-rank exchange: source s's block (and routes) arrived
+  std::int64_t tok = 0;
   // both passes: the split experts' partial rows reduced (part_reduce tasks)
   std::int64_t reduced = 0;
   // backward
@@ -101,9 +146,13 @@ struct EventBases {
   std::int64_t total = 0;
 };
 
-// Whether a pass's dispatch is encoded (the forward's: staged_dispatch, the
-// backward's: staged_grad_dispatch).
+// Whether a pass's dispatch lands in staged tiles that a decode per tile
+// fills the GEMM's rows from (the forward's: staged_dispatch, the
+// backward's: staged_grad_dispatch; never under the per-rank exchange,
+// whose gathers decode).
 bool staged_in(const LayerConfig&, Pass);
+// The event ids of `rank`'s program for a pass.
+EventBases event_bases(const LayerConfig&, const Exchange&, Pass, std::int64_t rank);
 // The buffers of a rank's program for a pass (what generate declares).
 void declare_buffers(Program&, const LayerConfig&, const Exchange&, Pass, std::int64_t rank);
 void generate(Program& out, const LayerConfig&, const Exchange&, const Machine&, Pass, std::int64_t rank);

@@ -30,6 +30,9 @@ std::pair<TaskKind, TaskKind> remote_consumers(TaskKind put) {
     case TaskKind::combine_put: return {TaskKind::combine_reduce, TaskKind::part_reduce};
     case TaskKind::grad_dispatch_put: return {TaskKind::gemm_down_dgrad, TaskKind::gemm_down_dgrad};
     case TaskKind::grad_dispatch_cast_put: return {TaskKind::grad_dispatch_decode, TaskKind::grad_dispatch_decode};
+    case TaskKind::dispatch_token_put:
+    case TaskKind::dispatch_route_put: return {TaskKind::dispatch_gather, TaskKind::dispatch_gather};
+    case TaskKind::grad_dispatch_token_put: return {TaskKind::grad_dispatch_gather, TaskKind::grad_dispatch_gather};
     default: return {TaskKind::grad_reduce, TaskKind::grad_part_reduce};
   }
 }

@@ -39,11 +39,11 @@ std::string describe_event(const Program& p, std::int32_t ev) {
 bool is_input(Pass pass, BufferId b) {
   switch (b) {
     case BufferId::x: case BufferId::xf: case BufferId::slot: case BufferId::gate: case BufferId::send_token:
-    case BufferId::send_assign:
+    case BufferId::send_assign: case BufferId::rank_token: case BufferId::rank_route:
       return true;
     case BufferId::recv: case BufferId::h1: case BufferId::a: case BufferId::y: case BufferId::comb:
     case BufferId::out: case BufferId::sh_h: case BufferId::sh_a: case BufferId::sh_y: case BufferId::dout:
-    case BufferId::sh_dout: case BufferId::logits:
+    case BufferId::sh_dout: case BufferId::logits: case BufferId::recv_tok: case BufferId::recv_route:
       return pass == Pass::backward;
     default:
       return false;
@@ -120,11 +120,29 @@ class ProgramSet {
 // expert outputs to their sources (comb_done, dx_ready) level 1. A put into a
 // peer's level-l event may depend only on local events and on remote-fed
 // events of levels below l (docs/architecture.md, the per-rank proof).
+// The kind of task that waits on the event a put signals at its peer.
+TaskKind remote_consumer(TaskKind put) {
+  switch (put) {
+    case TaskKind::dispatch_put: return TaskKind::gemm_gate_up;
+    case TaskKind::dispatch_cast_put: return TaskKind::dispatch_decode;
+    case TaskKind::grad_dispatch_put: return TaskKind::gemm_down_dgrad;
+    case TaskKind::grad_dispatch_cast_put: return TaskKind::grad_dispatch_decode;
+    case TaskKind::dispatch_token_put: case TaskKind::dispatch_route_put: return TaskKind::dispatch_gather;
+    case TaskKind::grad_dispatch_token_put: return TaskKind::grad_dispatch_gather;
+    case TaskKind::combine_put: return TaskKind::combine_reduce;
+    default: return TaskKind::grad_reduce;
+  }
+}
+
 std::int8_t put_level(TaskKind put) {
-  return put == TaskKind::dispatch_put || put == TaskKind::dispatch_cast_put || put == TaskKind::grad_dispatch_put ||
-                 put == TaskKind::grad_dispatch_cast_put
-             ? 0
-             : 1;
+  switch (put) {
+    case TaskKind::dispatch_put: case TaskKind::dispatch_cast_put: case TaskKind::grad_dispatch_put:
+    case TaskKind::grad_dispatch_cast_put: case TaskKind::dispatch_token_put: case TaskKind::dispatch_route_put:
+    case TaskKind::grad_dispatch_token_put:
+      return 0;
+    default:
+      return 1;
+  }
 }
 
 
@@ -957,12 +975,7 @@ VerifyReport Verifier::verify_rank(const Program& own, const LayerConfig& c, con
     for (std::size_t i = first; i < s.expected.size(); ++i) {
       Event& e = stub.events[static_cast<std::size_t>(s.expected[i].trigger_event)];
       ++e.required;
-      e.consumer = s.expected[i].kind == TaskKind::dispatch_put        ? TaskKind::gemm_gate_up
-                   : s.expected[i].kind == TaskKind::dispatch_cast_put ? TaskKind::dispatch_decode
-                   : s.expected[i].kind == TaskKind::grad_dispatch_put ? TaskKind::gemm_down_dgrad
-                   : s.expected[i].kind == TaskKind::grad_dispatch_cast_put ? TaskKind::grad_dispatch_decode
-                   : s.expected[i].kind == TaskKind::combine_put       ? TaskKind::combine_reduce
-                                                                       : TaskKind::grad_reduce;
+      e.consumer = remote_consumer(s.expected[i].kind);
     }
     stub.tasks.clear();
     interface_puts(c, ex, m.tile_rows, own.pass, q, r, stub.tasks);

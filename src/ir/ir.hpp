@@ -60,6 +60,12 @@ enum class TaskKind : std::uint8_t {
   // the backward's dispatch in bf16 under an fp32 layer (LayerConfig::staged_grad_dispatch)
   grad_dispatch_cast_put,  // put bf16(w * DOUT) rows into the owner's DY_STAGED, signal
   grad_dispatch_decode,    // DY[rows] = DY_STAGED[rows] in fp32 once a row tile's pieces have all arrived
+  // the per-rank exchange (LayerConfig::exchange rank): a token travels once to each destination rank
+  dispatch_token_put,   // x rows by the rank's token list (encoded where the dispatch is) into the peer's RECV_TOK, signal
+  dispatch_route_put,   // the send rows' (row in the token block, gate) into the owner's RECV_ROUTE, signal
+  dispatch_gather,      // RECV[rows] = RECV_TOK[block + route row] (decoded where encoded): one source's piece of a tile
+  grad_dispatch_token_put,  // DOUT rows by the token list (layer dtype, or bf16) into the peer's DY_TOK, signal
+  grad_dispatch_gather,     // DY[rows] = gate * DY_TOK[block + route row]: one source's piece of a tile
   count
 };
 
@@ -84,6 +90,12 @@ enum class BufferId : std::uint8_t {
   recv_staged,
   // the backward's dispatched rows as they travel (bf16 bytes, 2 H each)
   dy_staged,
+  // the per-rank exchange: the source's token of each row it sends to each
+  // destination rank (int32, by destination), the (row in the destination's
+  // token block, gate) of each send row (int32 + fp32); the token blocks a
+  // rank receives (by source; encoded bytes where the dispatch is), the
+  // routes of its received rows; the backward's token blocks of DOUT
+  rank_token, rank_route, recv_tok, recv_route, dy_tok,
   count
 };
 
@@ -228,6 +240,9 @@ struct Program {
   std::vector<std::int64_t> kpad_begin;     // [L + 1] the same in the weight-gradient operands (bf16: even counts)
   std::vector<SlotPart> slot_parts;         // [L] what each local slot computes
   std::int64_t send_rows = 0;               // rows this rank's tokens send (COMB rows)
+  // The per-rank exchange: [P + 1] rows of each source's token block in
+  // RECV_TOK (and DY_TOK); empty under the per-assignment exchange.
+  std::vector<std::int64_t> token_begin;
   std::vector<Reduction> reductions;        // split experts' partial rows in COMB / DCOMB, by row_begin
   std::vector<Task> tasks;
   std::vector<float> cost;                // seconds per task (cost model)

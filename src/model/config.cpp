@@ -30,6 +30,8 @@ std::string to_string(GradDispatchDType d) {
   }
   return "?";
 }
+std::string to_string(ExchangeMode m) { return m == ExchangeMode::rank ? "rank" : "assignment"; }
+
 std::string to_string(DispatchDType d) {
   switch (d) {
     case DispatchDType::layer: return "layer";
@@ -127,6 +129,11 @@ const std::map<std::string, Setter, std::less<>>& setters() {
       else if (v == "layer") c.grad_dispatch_dtype = GradDispatchDType::layer;
       else if (v == "bf16") c.grad_dispatch_dtype = GradDispatchDType::bf16;
       else throw Error("config field '" + std::string(f) + "': '" + std::string(v) + "' is not auto, layer or bf16");
+    };
+    t["exchange"] = [](LayerConfig& c, std::string_view f, std::string_view v) {
+      if (v == "assignment") c.exchange = ExchangeMode::assignment;
+      else if (v == "rank") c.exchange = ExchangeMode::rank;
+      else throw Error("config field '" + std::string(f) + "': '" + std::string(v) + "' is not assignment or rank");
     };
     return t;
   }();
@@ -269,7 +276,8 @@ nlohmann::json to_json(const LayerConfig& c) {
                         {"ranks", c.ranks},
                         {"dtype", to_string(c.dtype)},
                         {"dispatch_dtype", to_string(c.dispatch_dtype)},
-                        {"grad_dispatch_dtype", to_string(c.grad_dispatch_dtype)}};
+                        {"grad_dispatch_dtype", to_string(c.grad_dispatch_dtype)},
+                        {"exchange", to_string(c.exchange)}};
 }
 
 namespace {
@@ -411,6 +419,7 @@ LayerConfig config_from_model_json(const nlohmann::json& j, const LayerConfig& b
     if (!j.contains("dtype")) own.dtype = base.dtype;
     if (!j.contains("dispatch_dtype")) own.dispatch_dtype = base.dispatch_dtype;
     if (!j.contains("grad_dispatch_dtype")) own.grad_dispatch_dtype = base.grad_dispatch_dtype;
+    if (!j.contains("exchange")) own.exchange = base.exchange;
     return own;
   }
   if (j.contains("dim") && j.contains("moe_inter_dim")) {  // DeepSeek inference config

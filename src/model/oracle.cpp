@@ -197,10 +197,13 @@ OracleResult oracle(const LayerConfig& c, const Weights& w, const Inputs& in, co
         d_weight[j] += double(dout[o]) * expert_act[j].y[o];
         dy[o] = r.routing.weight[a] * double(dout[o]);
         // Sent to the expert in bf16 (an fp32 layer's encoded backward
-        // dispatch): the runtime's product in fp32, rounded.
+        // dispatch): the runtime's product in fp32, rounded; under the
+        // per-rank exchange the token's dout travels rounded and the
+        // expert's side weights it.
         if (grad_in_bf16) {
           const float gate = opt.dispatched_gates.empty() ? static_cast<float>(r.routing.weight[a]) : opt.dispatched_gates[a];
-          dy[o] = round_to_bf16(gate * static_cast<float>(dout[o]));
+          dy[o] = c.exchange == ExchangeMode::rank ? double(gate * static_cast<float>(round_to_bf16(static_cast<float>(dout[o]))))
+                                                   : round_to_bf16(gate * static_cast<float>(dout[o]));
         }
       }
       double* dw1 = weight_grads ? r.d_w1[ex].data() : nullptr;

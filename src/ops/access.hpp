@@ -49,6 +49,7 @@ enum class Span : std::uint8_t {
   kpad_task_rows,     // the task's rows there; the expert's last tile also covers its K padding row
   task_rows_padded,   // the task's token rows; the last tile also covers the tokens' K padding row
   reduction_parts,    // the task's rows in parts 1..k-1 of the declared reduction holding them (one band over all)
+  token_block,        // the per-rank exchange: the received token block that starts at src_row, [token_begin[s], token_begin[s + 1])
 };
 
 // Layer sizes an operand rule or a GEMM can name.
@@ -62,6 +63,10 @@ enum class Extent : std::uint8_t {
   expert_inter, expert_inter2, expert_inter2_panels,
   dispatch_row_bytes,  // one dispatched row as it travels (Dims::dispatch_row_bytes)
   grad_dispatch_row_bytes,  // one row of the backward's bf16 dispatch: 2 hidden
+  route,            // a route of the per-rank exchange: (row in the token block, gate), 2 x 4 bytes
+  // a token row of the per-rank exchange as it travels (the pass's token
+  // buffer: RECV_TOK forward, DY_TOK backward): its columns, its bytes
+  token_cols, token_row_bytes,
 };
 
 struct OperandRule {
@@ -191,6 +196,13 @@ inline std::int64_t AccessTable::extent(const Program& p, const Task& t, Extent 
     case Extent::hidden: return d.hidden;
     case Extent::dispatch_row_bytes: return d.dispatch_row_bytes;
     case Extent::grad_dispatch_row_bytes: return 2 * d.hidden;
+    case Extent::route: return 2;
+    case Extent::token_cols:
+    case Extent::token_row_bytes: {
+      const BufferLayout* b = p.buffer(p.pass == Pass::forward ? BufferId::recv_tok : BufferId::dy_tok);
+      if (!b) return 0;
+      return e == Extent::token_cols ? b->cols : b->cols * b->elem_bytes;
+    }
     case Extent::inter: return d.inter;
     case Extent::inter2: return 2 * d.inter;
     case Extent::shared_inter: return d.shared_inter;
@@ -237,6 +249,14 @@ inline std::pair<std::int64_t, std::int64_t> AccessTable::span_of(const AccessTa
                     std::to_string(t.row_begin) + ", " + std::to_string(std::int64_t{t.row_begin} + t.rows) +
                     "), which no declared reduction's target block holds");
       return {std::int64_t{t.row_begin} + red->rows, std::int64_t{t.row_begin} + (red->parts - 1) * red->rows + t.rows};
+    }
+    case Span::token_block: {
+      const auto& begin = p.token_begin;
+      const auto it = std::upper_bound(begin.begin(), begin.end(), std::int64_t{t.src_row});
+      if (begin.empty() || it == begin.begin() || it == begin.end())
+        throw Error("rank " + std::to_string(p.rank) + " task " + name(t.kind) + " reads the token block at row " +
+                    std::to_string(t.src_row) + ", where no source's token block starts");
+      return {*(it - 1), *it};
     }
     case Span::expert_kpad:
     case Span::kpad_task_rows:

@@ -5,7 +5,7 @@
 // output gradients and the experts' data gradients. A dispatch narrower than
 // the layer's dtype encodes on the source (fp8 codes and scales, or bf16)
 // into the owner's staged rows, and a decode per row tile fills the GEMM's.
-#include "common/fp8.hpp"
+#include "ops/dispatch_codec.hpp"
 #include "ops/op.hpp"
 
 #include <vector>
@@ -26,17 +26,6 @@ bool dispatch(const Tile<T>& tile) {
   const std::int64_t ldx = tile.ld(BufferId::x);
   for (std::int64_t j = 0; j < rows; ++j) copy_elements(to + j * H, x + std::int64_t{tokens[j]} * ldx, H);
   return tile.host.send_put(dst);
-}
-
-// A dispatched row encoded as it travels (Dims::dispatch_format): fp8 codes
-// and per-128-channel scales, or bf16.
-void encode_row(const taskflow::Dims& d, const float* x, std::uint8_t* out) {
-  if (d.dispatch_format == 1) fp8_encode_row(x, d.hidden, out);
-  else kernels::store<bf16>(x, reinterpret_cast<bf16*>(out), d.hidden);  // rows of 2 H bytes: bf16-aligned
-}
-void decode_row(const taskflow::Dims& d, const std::uint8_t* in, float* x) {
-  if (d.dispatch_format == 1) fp8_decode_row(in, d.hidden, x);
-  else kernels::load<bf16>(reinterpret_cast<const bf16*>(in), x, d.hidden);
 }
 
 // x rows, gathered by token and encoded, into the owner's staged rows.

@@ -144,9 +144,7 @@ class Interleaved final : public InterleavedExecutor::Impl {
   // Events of rank r's program for a pass, from the exchange layout alone
   // (a peer's program need not be compiled here).
   std::int64_t event_count(taskflow::Pass pass, std::int64_t r) const {
-    return taskflow::EventBases(pass, ex_->row_tiles(r), placement_.local_count(r),
-                                (c_.tokens_per_rank + machine_.tile_rows - 1) / machine_.tile_rows, taskflow::staged_in(c_, pass))
-        .total;
+    return taskflow::event_bases(c_, *ex_, pass, r).total;
   }
 
   // Whether res.grads already has this process's shapes (reused across steps).
@@ -156,6 +154,9 @@ class Interleaved final : public InterleavedExecutor::Impl {
   // others' from every process (with the layer's fingerprint, which must
   // match everywhere), and the balancing losses summed over ranks in order.
   void exchange_counts(StepResult& res);
+  // The per-rank exchange: each hosted rank's token lists and routes, and
+  // every rank's token counts per destination (gathered when sharded).
+  void exchange_rank_tokens(const StepResult& res);
 
   static std::string hex(std::uint64_t v) {
     char text[19];
@@ -357,6 +358,7 @@ class Interleaved final : public InterleavedExecutor::Impl {
   std::vector<float> logits_;
   std::optional<taskflow::Exchange> ex_;  // this step's exchange layout
   std::vector<std::int64_t> slot_;        // this step's send row of every assignment
+  std::vector<taskflow::RankRoutes> routes_;  // the per-rank exchange: per hosted rank, its token lists and routes
   taskflow::ScheduleScratch schedule_scratch_;
   taskflow::Verifier verifier_;
   std::vector<RankState> ranks_;

@@ -124,6 +124,16 @@ void Interleaved<T>::prepare_forward(StepResult& res) {
         }
       }
     }
+    if (c_.exchange == ExchangeMode::rank) {  // the per-rank exchange's token lists and routes
+      const taskflow::RankRoutes& routes = routes_[static_cast<std::size_t>(i)];
+      std::copy(routes.tokens.begin(), routes.tokens.end(), base<std::int32_t>(r, BufferId::rank_token));
+      auto* route = base<std::int32_t>(r, BufferId::rank_route);
+      for (std::size_t row = 0; row < routes.position.size(); ++row) {
+        route[2 * row] = routes.position[row];
+        const float g = res.routing.weight[static_cast<std::size_t>(i * T_ * K + routes.row_assign[row])];
+        std::memcpy(&route[2 * row + 1], &g, sizeof g);
+      }
+    }
     if constexpr (!std::is_same_v<T, float>)
       for (std::int64_t t = 0; t < T_; ++t) kernels::store<T>(x_.row(i * T_ + t), base<T>(r, BufferId::x) + t * H, H);
   }

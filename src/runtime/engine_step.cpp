@@ -153,6 +153,7 @@ void Interleaved<T>::forward(MatrixView x, std::span<const std::int32_t> forced,
   t1 = t1x;
   ex_.emplace(c_, placement_, counts_, machine_.tile_rows);
   slot_ = taskflow::send_slots(c_, *ex_, res.routing, local_);
+  if (c_.exchange == ExchangeMode::rank) exchange_rank_tokens(res);
   for (const int r : compiled_ranks()) {
     taskflow::generate(programs[r], c_, *ex_, machine_, taskflow::Pass::forward, r);
     taskflow::schedule(programs[r], opt_.policy, schedule_scratch_);
@@ -279,6 +280,35 @@ void Interleaved<T>::exchange_counts(StepResult& res) {
   res.expert_counts = counts_.counts;
 }
 
+template <class T>
+void Interleaved<T>::exchange_rank_tokens(const StepResult& res) {
+  const std::int64_t P = c_.ranks, n = c_.tokens_per_rank * c_.top_k;
+  routes_.resize(local_.size());
+  std::vector<std::int64_t> tokens(static_cast<std::size_t>(P * P), 0);
+  for (std::size_t i = 0; i < local_.size(); ++i) {
+    const auto first = static_cast<std::size_t>(i) * static_cast<std::size_t>(n);
+    routes_[i] = taskflow::rank_routes(c_, *ex_, local_[i], std::span<const std::int64_t>(slot_).subspan(first, static_cast<std::size_t>(n)),
+                                       std::span<const std::int32_t>(res.routing.expert).subspan(first, static_cast<std::size_t>(n)));
+    std::copy(routes_[i].per_rank.begin(), routes_[i].per_rank.end(), tokens.begin() + local_[i] * P);
+  }
+  if (sharded()) {  // one row per rank: its tokens for each destination
+    const int me = local_.front();
+    std::vector<std::uint64_t> block(static_cast<std::size_t>(P * P));
+    for (std::int64_t d = 0; d < P; ++d)
+      block[static_cast<std::size_t>(me * P + d)] = static_cast<std::uint64_t>(tokens[static_cast<std::size_t>(me * P + d)]);
+    tr_->allgather(std::as_writable_bytes(std::span<std::uint64_t>(block)), static_cast<std::size_t>(P) * 8);
+    for (std::size_t k = 0; k < block.size(); ++k) {
+      if (block[k] > static_cast<std::uint64_t>(c_.tokens_per_rank))
+        throw Error("rank " + std::to_string(k / static_cast<std::size_t>(P)) + " reports " + std::to_string(block[k]) +
+                    " tokens for rank " + std::to_string(k % static_cast<std::size_t>(P)) + ", more than its " +
+                    std::to_string(c_.tokens_per_rank));
+      tokens[k] = static_cast<std::int64_t>(block[k]);
+    }
+  }
+  ex_->set_rank_tokens(tokens, c_.tokens_per_rank);
+  counts_.rank_tokens = std::move(tokens);
+}
+
 // Instantiations of the members above.
 template void Interleaved<float>::set_tokens(const MatrixView& x);
 template void Interleaved<bf16>::set_tokens(const MatrixView& x);
@@ -298,6 +328,8 @@ template taskflow::VerifyReport Interleaved<float>::verify(const std::vector<tas
 template taskflow::VerifyReport Interleaved<bf16>::verify(const std::vector<taskflow::Program>& set);
 template bool Interleaved<float>::gradients_fit(const LayerGradients& g) const;
 template bool Interleaved<bf16>::gradients_fit(const LayerGradients& g) const;
+template void Interleaved<float>::exchange_rank_tokens(const StepResult& res);
+template void Interleaved<bf16>::exchange_rank_tokens(const StepResult& res);
 template void Interleaved<float>::exchange_counts(StepResult& res);
 template void Interleaved<bf16>::exchange_counts(StepResult& res);
 

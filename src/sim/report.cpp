@@ -79,6 +79,9 @@ DeepEpExchange deepep_exchange(const LayerConfig& c, const ExpertPlacement& plac
 SimReport simulate(const MachineModel& m, const SimRequest& req) {
   const LayerConfig& c = req.config;
   c.validate();
+  if (c.exchange != ExchangeMode::assignment)
+    throw Error("config field 'exchange': the simulator models the per-assignment exchange only; the per-rank exchange "
+                "(exchange=rank) runs on the CPU runtime (hpmoe run) but is not simulated yet");
   SimReport rep;
   rep.config = c;
   rep.machine = m;

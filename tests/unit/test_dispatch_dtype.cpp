@@ -12,6 +12,7 @@
 #include <random>
 
 #include "bit_identity.hpp"
+#include "oracle_checks.hpp"
 #include "cli/run.hpp"
 #include "common/fp8.hpp"
 #include "compiler/layout.hpp"
@@ -294,18 +295,9 @@ TEST_P(EncodedDispatchExecution, IsBitIdenticalAcrossSchedulesAndMatchesTheEncod
   inter.step(in, forced, b);
   EXPECT_TRUE(bit_identical(a.out, b.out));
   EXPECT_TRUE(bit_identical(a.grads, b.grads));
-  OracleOptions oo;
-  oo.forced_ids = b.routing.expert;
-  oo.forced_kept = b.routing.kept;
-  oo.dispatched_gates = b.routing.weight;
-  oo.backward = true;
+  const OracleOptions oo = oracle_options_of(b);
   const auto ref = reference_layer(c, w, in, oo);
-  std::vector<Comparison> checks{compare("out", b.out.data, ref.out, dtype), compare("dx", b.grads.x.data, ref.dx, dtype),
-                                 compare("router", b.grads.router.data, ref.d_router, dtype)};
-  for (std::size_t e = 0; e < 3; ++e) {
-    checks.push_back(compare("w1", b.grads.w1[e].data, ref.d_w1[e], dtype));
-    checks.push_back(compare("w2", b.grads.w2[e].data, ref.d_w2[e], dtype));
-  }
+  const auto checks = checks_against(ref, b, dtype, 3);
   for (const auto& cmp : checks) EXPECT_TRUE(cmp.pass) << cmp.tensor << ": rel L2 " << cmp.rel_l2;
   // The oracle without the encoding: the output moves by the encoding's error
   // (fp8: about 2^-5 of each element, bf16 2^-9), far beyond the fp32 bound.

@@ -67,7 +67,7 @@ struct LayerOptions {
   std::string config_file;
   std::vector<std::string> sets;
   std::optional<std::int64_t> ranks, tokens;
-  std::optional<std::string> dtype, dispatch_dtype;
+  std::optional<std::string> dtype, dispatch_dtype, exchange;
   std::string placement = "contiguous";
 
   void add_to(CLI::App& app, bool with_placement = true) {
@@ -81,6 +81,9 @@ struct LayerOptions {
     app.add_option("--dispatch-dtype", dispatch_dtype,
                    "what the dispatch sends tokens in: layer (default) | bf16 | fp8 (e4m3, one scale per 128 channels; "
                    "hidden a multiple of 128) | fp32 (fp32 layers)");
+    app.add_option("--exchange", exchange,
+                   "how tokens travel to their experts: assignment (default: a row per token and expert) | rank (each "
+                   "token once per destination rank; its experts there gather their rows from it)");
     if (with_placement)
       app.add_option("--placement", placement,
                    "where the experts live: contiguous | round-robin | random[:SEED] | FILE.json "
@@ -111,6 +114,7 @@ struct LayerOptions {
     if (tokens) c.set("tokens_per_rank", std::to_string(*tokens));
     if (dtype) c.set("dtype", *dtype);
     if (dispatch_dtype) c.set("dispatch_dtype", *dispatch_dtype);
+    if (exchange) c.set("exchange", *exchange);
     c.validate();
     return c;
   }

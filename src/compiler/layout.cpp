@@ -1,0 +1,285 @@
+// The exchange layout of a step (compiler/layout.hpp): where each source's
+// rows land on each expert's home, the per-rank exchange's token blocks and
+// routes, and the event numbering of a rank's program.
+#include <algorithm>
+
+#include "hpmoe/error.hpp"
+#include "compiler/taskflow.hpp"
+#include "compiler/layout.hpp"
+
+namespace hpmoe::taskflow {
+
+Exchange::Exchange(const LayerConfig& c, const ExpertPlacement& placement, const RoutingCounts& counts,
+                   std::int64_t tile_rows)
+    : placement_(placement),
+      ranks_(c.ranks),
+      experts_(c.routed_experts),
+      tile_rows_(tile_rows),
+      pad_pairs_(c.dtype == DType::bf16) {
+  placement_.check_fits(experts_, ranks_, c.expert_inter);
+  if (counts.ranks != ranks_ || counts.experts != experts_ ||
+      counts.counts.size() != static_cast<std::size_t>(ranks_ * experts_))
+    throw Error("routing counts are for " + std::to_string(counts.ranks) + " ranks x " +
+                std::to_string(counts.experts) + " experts, the layer has " + std::to_string(ranks_) + " x " +
+                std::to_string(experts_));
+  if (tile_rows_ < 1) throw Error("the tile height must be positive (got " + std::to_string(tile_rows_) + ")");
+  for (std::int64_t s = 0; s < ranks_; ++s)
+    for (std::int64_t e = 0; e < experts_; ++e) {
+      const std::int64_t n = counts.at(s, e);
+      if (n < 0 || n > c.tokens_per_rank)
+        throw Error("routing count " + std::to_string(n) + " for rank " + std::to_string(s) + ", expert " +
+                    std::to_string(e) + " is impossible with " + std::to_string(c.tokens_per_rank) + " tokens per rank");
+    }
+  // Replicated experts' rows divided among their homes by the quota plan;
+  // every part of a split expert takes all of its rows.
+  instances_ = placement_.instances();
+  const bool planned_rows = instances_ > experts_;
+  const std::vector<std::int64_t> planned =
+      planned_rows ? plan_quotas(placement_, counts.counts, tile_rows_) : std::vector<std::int64_t>{};
+  const std::vector<std::int64_t>& rows_of = planned_rows ? planned : counts.counts;
+  const auto N = static_cast<std::size_t>(instances_);
+  source_prefix_.assign(static_cast<std::size_t>(ranks_ + 1) * N, 0);
+  send_offset_.assign(static_cast<std::size_t>(ranks_) * (N + 1), 0);
+  for (std::int64_t s = 0; s < ranks_; ++s) {
+    std::int64_t sent = 0;
+    for (std::int64_t i = 0; i < instances_; ++i) {
+      const std::int64_t n = rows_of[static_cast<std::size_t>(s * instances_ + i)];
+      source_prefix_[static_cast<std::size_t>((s + 1) * instances_ + i)] = source_offset(s, i) + n;
+      send_offset_[static_cast<std::size_t>(s * (instances_ + 1) + i)] = sent;
+      sent += n;
+    }
+    send_offset_[static_cast<std::size_t>(s * (instances_ + 1) + instances_)] = sent;
+  }
+  expert_start_.assign(N, 0);
+  tile_start_.assign(N, 0);
+  kpad_start_.assign(N, 0);
+  recv_rows_.assign(static_cast<std::size_t>(ranks_), 0);
+  row_tiles_.assign(static_cast<std::size_t>(ranks_), 0);
+  kpad_rows_.assign(static_cast<std::size_t>(ranks_), 0);
+  for (std::int64_t d = 0; d < ranks_; ++d) {
+    std::int64_t rows = 0, tiles = 0, kpad = 0;
+    for (const std::int64_t i : placement_.instances_of(d)) {
+      expert_start_[static_cast<std::size_t>(i)] = rows;
+      tile_start_[static_cast<std::size_t>(i)] = tiles;
+      kpad_start_[static_cast<std::size_t>(i)] = kpad;
+      rows += expert_rows(i);
+      tiles += tiles_of(i);
+      kpad += padded(expert_rows(i));
+    }
+    recv_rows_[static_cast<std::size_t>(d)] = rows;
+    row_tiles_[static_cast<std::size_t>(d)] = tiles;
+    kpad_rows_[static_cast<std::size_t>(d)] = kpad;
+  }
+  if (!counts.rank_tokens.empty()) set_rank_tokens(counts.rank_tokens, c.tokens_per_rank);
+}
+
+void Exchange::set_rank_tokens(std::vector<std::int64_t> tokens, std::int64_t tokens_per_rank) {
+  const std::int64_t P = ranks_;
+  if (tokens.size() != static_cast<std::size_t>(P * P))
+    throw Error("the per-rank exchange's token counts are for " + std::to_string(tokens.size()) + " (source, rank) pairs, the layer has " +
+                std::to_string(P * P));
+  for (std::int64_t s = 0; s < P; ++s)
+    for (std::int64_t d = 0; d < P; ++d) {
+      std::int64_t rows = 0;  // what s sends to d's instances: at least one token iff any row
+      for (const std::int64_t i : placement_.instances_of(d)) rows += count(s, i);
+      const std::int64_t n = tokens[static_cast<std::size_t>(s * P + d)];
+      if (n < 0 || n > tokens_per_rank || n > rows || (rows > 0) != (n > 0))
+        throw Error("rank " + std::to_string(s) + " reports " + std::to_string(n) + " tokens for rank " + std::to_string(d) +
+                    ", impossible with " + std::to_string(rows) + " rows for it and " + std::to_string(tokens_per_rank) +
+                    " tokens per rank");
+    }
+  rank_tokens_ = std::move(tokens);
+  token_start_.assign(static_cast<std::size_t>((P + 1) * P), 0);
+  token_send_.assign(static_cast<std::size_t>(P * (P + 1)), 0);
+  for (std::int64_t d = 0; d < P; ++d)
+    for (std::int64_t s = 0; s < P; ++s)
+      token_start_[static_cast<std::size_t>((s + 1) * P + d)] = token_start(s, d) + rank_tokens(s, d);
+  for (std::int64_t s = 0; s < P; ++s)
+    for (std::int64_t d = 0; d < P; ++d)
+      token_send_[static_cast<std::size_t>(s * (P + 1) + d + 1)] = token_send_offset(s, d) + rank_tokens(s, d);
+}
+
+std::int64_t Exchange::route_puts(std::int64_t s, std::int64_t d) const {
+  std::int64_t n = 0;
+  for (const std::int64_t i : placement_.instances_of(d)) n += count(s, i) > 0;
+  return n;
+}
+
+RankRoutes rank_routes(const LayerConfig& c, const Exchange& ex, std::int64_t s, std::span<const std::int64_t> slot,
+                       std::span<const std::int32_t> expert) {
+  const std::int64_t T = c.tokens_per_rank, K = c.top_k, P = ex.ranks(), N = ex.instances();
+  const ExpertPlacement& placement = ex.placement();
+  if (static_cast<std::int64_t>(slot.size()) != T * K || expert.size() != slot.size())
+    throw Error("rank_routes: " + std::to_string(slot.size()) + " send slots and " + std::to_string(expert.size()) +
+                " experts for " + std::to_string(T * K) + " assignments");
+  RankRoutes r;
+  const std::int64_t send = ex.send_rows(s);
+  r.row_token.assign(static_cast<std::size_t>(send), -1);
+  r.row_assign.assign(static_cast<std::size_t>(send), -1);
+  for (std::int64_t a = 0; a < T * K; ++a) {
+    const std::int64_t row = slot[static_cast<std::size_t>(a)];
+    if (row < 0) continue;
+    if (row >= send) throw Error("rank_routes: send row " + std::to_string(row) + " is outside rank " + std::to_string(s) + "'s " + std::to_string(send));
+    const std::int32_t e = expert[static_cast<std::size_t>(a)];
+    // A split expert's rows go to every part: the same token in each part's
+    // block of the source's send order.
+    const std::int64_t parts = placement.is_split(e) ? placement.parts(e) : 1;
+    const std::int64_t n = ex.count(s, placement.first_instance(e));
+    for (std::int64_t part = 0; part < parts; ++part) {
+      r.row_token[static_cast<std::size_t>(row + part * n)] = static_cast<std::int32_t>(a / K);
+      r.row_assign[static_cast<std::size_t>(row + part * n)] = a;
+    }
+  }
+  for (std::int64_t row = 0; row < send; ++row)
+    if (r.row_token[static_cast<std::size_t>(row)] < 0)
+      throw Error("rank_routes: no assignment of rank " + std::to_string(s) + " fills its send row " + std::to_string(row) +
+                  ": the send slots do not match the exchange's counts");
+  // Mark each destination's tokens, then number them in token order.
+  r.per_rank.assign(static_cast<std::size_t>(P), 0);
+  r.position.assign(static_cast<std::size_t>(send), -1);
+  std::vector<std::int32_t> mark(static_cast<std::size_t>(T));
+  const auto rows_to = [&](std::int64_t d, auto&& fn) {  // fn(send row, its token's mark) for every row s sends to d
+    for (std::int64_t i = 0; i < N; ++i)
+      if (placement.instance_rank(i) == d)
+        for (std::int64_t row = ex.send_offset(s, i); row < ex.send_offset(s, i) + ex.count(s, i); ++row)
+          fn(row, mark[static_cast<std::size_t>(r.row_token[static_cast<std::size_t>(row)])]);
+  };
+  for (std::int64_t d = 0; d < P; ++d) {
+    std::fill(mark.begin(), mark.end(), -1);
+    rows_to(d, [](std::int64_t, std::int32_t& m) { m = 0; });
+    std::int32_t next = 0;
+    for (std::int64_t t = 0; t < T; ++t)
+      if (mark[static_cast<std::size_t>(t)] == 0) {
+        mark[static_cast<std::size_t>(t)] = next++;
+        r.tokens.push_back(static_cast<std::int32_t>(t));
+      }
+    r.per_rank[static_cast<std::size_t>(d)] = next;
+    rows_to(d, [&](std::int64_t row, std::int32_t m) { r.position[static_cast<std::size_t>(row)] = m; });
+  }
+  return r;
+}
+
+
+std::int64_t Exchange::pieces(std::int64_t s, std::int64_t e) const {
+  const std::int64_t begin = source_offset(s, e), end = begin + count(s, e);
+  if (end == begin) return 0;
+  return (end - 1) / tile_rows_ - begin / tile_rows_ + 1;
+}
+
+std::int32_t Exchange::arrivals(std::int64_t e, std::int64_t tile) const {
+  std::int32_t n = 0;
+  for (std::int64_t s = 0; s < ranks_; ++s) {
+    const std::int64_t first = source_offset(s, e), rows = count(s, e);
+    if (rows > 0 && first < (tile + 1) * tile_rows_ && first + rows > tile * tile_rows_) ++n;
+  }
+  return n;
+}
+
+std::int64_t Exchange::pieces_into(std::int64_t s) const {
+  std::int64_t n = 0;
+  for (std::int64_t i = 0; i < instances_; ++i) n += pieces(s, i);
+  return n;
+}
+
+std::vector<std::int64_t> send_slots(const LayerConfig& c, const Exchange& ex, const RouterOutput<float>& r,
+                                     std::span<const int> ranks) {
+  const std::int64_t E = c.routed_experts, K = c.top_k, T = c.tokens_per_rank;
+  const auto n = static_cast<std::int64_t>(ranks.size());
+  if (static_cast<std::int64_t>(r.expert.size()) != n * T * K)
+    throw Error("send_slots: the routing covers " + std::to_string(r.expert.size()) + " assignments, expected " +
+                std::to_string(n * T * K) + " for " + std::to_string(n) + " ranks");
+  std::vector<std::int64_t> slot(static_cast<std::size_t>(n * T * K), -1);
+  std::vector<std::int64_t> next(static_cast<std::size_t>(E));
+  for (std::int64_t i = 0; i < n; ++i) {
+    const std::int64_t s = ranks[static_cast<std::size_t>(i)];
+    // An expert's rows in send order are one block over its instances in
+    // home order, so a row's place follows from the expert's first instance.
+    for (std::int64_t e = 0; e < E; ++e) next[static_cast<std::size_t>(e)] = ex.send_offset(s, ex.placement().first_instance(e));
+    for (std::int64_t a = i * T * K; a < (i + 1) * T * K; ++a)
+      if (r.kept[static_cast<std::size_t>(a)]) slot[static_cast<std::size_t>(a)] = next[static_cast<std::size_t>(r.expert[static_cast<std::size_t>(a)])]++;
+  }
+  return slot;
+}
+
+template <class Real>
+RoutingCounts routing_counts(const LayerConfig& c, const RouterOutput<Real>& r) {
+  RoutingCounts rc{c.ranks, c.routed_experts, std::vector<std::int64_t>(static_cast<std::size_t>(c.ranks * c.routed_experts), 0), {}};
+  const std::int64_t per_rank = c.tokens_per_rank * c.top_k;
+  for (std::size_t a = 0; a < r.expert.size(); ++a)
+    if (r.kept[a]) ++rc.counts[(static_cast<std::int64_t>(a) / per_rank) * c.routed_experts + r.expert[a]];
+  return rc;
+}
+RoutingCounts routing_counts(const LayerConfig& c, std::span<const std::int32_t> expert_ids) {
+  if (static_cast<std::int64_t>(expert_ids.size()) != c.total_tokens() * c.top_k)
+    throw Error("expert choices for " + std::to_string(expert_ids.size()) + " assignments, the step has " +
+                std::to_string(c.total_tokens() * c.top_k));
+  RoutingCounts rc{c.ranks, c.routed_experts, std::vector<std::int64_t>(static_cast<std::size_t>(c.ranks * c.routed_experts), 0), {}};
+  const std::int64_t per_rank = c.tokens_per_rank * c.top_k;
+  for (std::size_t a = 0; a < expert_ids.size(); ++a) {
+    const auto e = expert_ids[a];
+    if (e < 0 || e >= c.routed_experts) throw Error("expert id " + std::to_string(e) + " is out of range");
+    ++rc.counts[(static_cast<std::int64_t>(a) / per_rank) * c.routed_experts + e];
+  }
+  return rc;
+}
+
+std::vector<std::int64_t> rank_token_counts(const LayerConfig& c, const ExpertPlacement& placement, const RoutingCounts& counts,
+                                            const RouterOutput<float>& r, std::int64_t tile_rows) {
+  const Exchange ex(c, placement, counts, tile_rows);
+  const std::int64_t P = c.ranks, n = c.tokens_per_rank * c.top_k;
+  std::vector<int> all(static_cast<std::size_t>(P));
+  for (std::int64_t q = 0; q < P; ++q) all[static_cast<std::size_t>(q)] = static_cast<int>(q);
+  const std::vector<std::int64_t> slot = send_slots(c, ex, r, all);
+  std::vector<std::int64_t> tokens;
+  for (std::int64_t s = 0; s < P; ++s) {
+    const auto first = static_cast<std::size_t>(s * n);
+    const RankRoutes routes = rank_routes(c, ex, s, std::span<const std::int64_t>(slot).subspan(first, static_cast<std::size_t>(n)),
+                                          std::span<const std::int32_t>(r.expert).subspan(first, static_cast<std::size_t>(n)));
+    tokens.insert(tokens.end(), routes.per_rank.begin(), routes.per_rank.end());
+  }
+  return tokens;
+}
+
+template RoutingCounts routing_counts<float>(const LayerConfig&, const RouterOutput<float>&);
+template RoutingCounts routing_counts<double>(const LayerConfig&, const RouterOutput<double>&);
+
+EventBases::EventBases(Pass pass, std::int64_t row_tiles, std::int64_t local, std::int64_t token_tiles, bool staged_dispatch,
+                       std::int64_t token_sources) {
+  std::int64_t next = 0;
+  auto take = [&](std::int64_t n) {
+    const std::int64_t at = next;
+    next += n;
+    return at;
+  };
+  if (pass == Pass::forward) {
+    recv = take(row_tiles);
+    h = take(row_tiles);
+    a = take(row_tiles);
+    y = take(row_tiles);
+    comb_done = take(1);
+    sh_h = take(token_tiles);
+    sh_a = take(token_tiles);
+    reduced = take(1);
+    staged = take(staged_dispatch ? row_tiles : 0);
+  } else {
+    dy = take(row_tiles);
+    da = take(row_tiles);
+    dh = take(row_tiles);
+    dxe = take(row_tiles);
+    dy_packed = take(local);
+    dh_packed = take(local);
+    gw = take(token_tiles);
+    dl_all = take(1);
+    sh_da = take(token_tiles);
+    sh_dh = take(token_tiles);
+    sh_dout_packed = take(1);
+    sh_dh_packed = take(1);
+    dx_ready = take(1);
+    reduced = take(1);
+    staged = take(staged_dispatch ? row_tiles : 0);
+  }
+  tok = take(token_sources);
+  total = next;
+}
+
+}  // namespace hpmoe::taskflow
