@@ -120,14 +120,19 @@ class MoELayer(nn.Module):
     None keeps the config's ("layer" unless set), "fp8" (e4m3 with one scale per 128 channels; hidden a
     multiple of 128), "bf16", "fp32". The experts compute on the decoded tokens; every executor,
     "reference" included, applies the same encoding.
+    exchange: how tokens travel to their experts (hpmoe run --exchange): None keeps the config's
+    ("assignment": a row per token and expert), "rank" (each token once per rank that holds one of its
+    experts, the experts' rows gathered there). Same results as "assignment" in fp32; fewer bytes.
     """
 
     def __init__(self, config, ranks=1, workers=1, executor="interleaved", schedule="critical-path",
-                 dispatch_dtype=None):
+                 dispatch_dtype=None, exchange=None):
         super().__init__()
         cfg = dict(preset(config) if isinstance(config, str) else config)
         if dispatch_dtype is not None:
             cfg["dispatch_dtype"] = dispatch_dtype
+        if exchange is not None:
+            cfg["exchange"] = exchange
         if not isinstance(ranks, int) or ranks < 1:
             raise ValueError(f"ranks must be a positive integer, got {ranks!r}")
         cfg["ranks"] = ranks

@@ -228,6 +228,8 @@ cases=(
   "run --dtype bf16 --dispatch-dtype fp32"
   "simulate --machine $HPMOE_SOURCE_DIR/machines/h800.json --set hidden=96 --dispatch-dtype fp8"
   "run --set grad_dispatch_dtype=fp8"
+  "run --exchange node"
+  "run --set exchange="
   "run --ranks 0"
   "run --tokens abc"
   "run --workers 0"

@@ -79,6 +79,17 @@ check 3 shared --set hidden=256 -T 64 --backward --routing zipf:1.2 --dispatch-d
 check 2 network --set hidden=256 -T 64 --backward --dtype bf16 --routing "$trace" --dispatch-dtype fp8 --iters 1
 check 2 network -T 64 --backward --routing uniform --dispatch-dtype bf16 --iters 1
 
+# The per-rank exchange: token blocks and routes travel once per (token,
+# rank), gathered on arrival; the token counts per destination take a second
+# count exchange each step (one-sided and collective). With replicas and
+# splits, encoded, and the per-rank proof audited against the whole set.
+check 3 shared -T 64 --set top_k=4 --set routed_experts=16 --backward --routing zipf:1.2 --exchange rank --iters 2
+check 3 network -T 64 --backward --dtype bf16 --routing "$trace" --exchange rank --iters 2
+check 3 shared --set routed_experts=8 -T 64 --backward --routing hot:0.45 --placement "$tmp/splits.json" --exchange rank \
+  --iters 2 --count-exchange collective
+check 3 network --set hidden=256 -T 64 --backward --routing zipf:1.2 --dispatch-dtype fp8 --exchange rank --iters 1 \
+  --count-exchange one-sided --verify-all-ranks
+
 # The count exchange as a collective (the default on shared memory is one-sided stores).
 check 3 shared -T 64 --backward --routing zipf:1.2 --iters 3 --count-exchange collective
 # ... and on the network path sent straight to every peer (the default there is the collective).

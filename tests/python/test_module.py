@@ -177,6 +177,27 @@ def test_fp8_dispatch_default_sends_dy_in_bf16():
     assert 1e-5 < rel(ra[2][w], rb[2][w]) < 1e-2
 
 
+def test_rank_exchange_is_bit_identical_to_the_assignment_exchange():
+    """exchange="rank" sends each token once per rank and gathers the experts' rows there: in fp32 the same rows
+    reach the same GEMMs, so outputs and every gradient equal the per-assignment exchange's bit for bit, with the
+    serialized executor too; an unknown exchange is a ValueError."""
+    torch.manual_seed(7)
+    cfg = small(top_k=3, shared_experts=1)
+    a = hpmoe.MoELayer(cfg, ranks=3, workers=2, exchange="rank")
+    b = hpmoe.MoELayer(cfg, ranks=3, workers=2)
+    s = hpmoe.MoELayer(cfg, ranks=3, workers=1, executor="serialized", exchange="rank")
+    assert a.config["exchange"] == "rank" and b.config["exchange"] == "assignment"
+    b.load_state_dict(a.state_dict())
+    s.load_state_dict(a.state_dict())
+    x, d_out = torch.randn(96, 48), torch.randn(96, 48)
+    ra, rb, rs = run(a, x, d_out), run(b, x, d_out), run(s, x, d_out)
+    for other in (rb, rs):
+        assert torch.equal(ra[0], other[0]) and torch.equal(ra[1], other[1])
+        assert all(torch.equal(ra[2][n], other[2][n]) for n in ra[2])
+    with pytest.raises(ValueError, match="exchange"):
+        hpmoe.MoELayer(small(), exchange="node")
+
+
 def test_executors_bit_identical():
     torch.manual_seed(1)
     cfg = small(shared_experts=1)
