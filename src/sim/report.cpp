@@ -79,9 +79,6 @@ DeepEpExchange deepep_exchange(const LayerConfig& c, const ExpertPlacement& plac
 SimReport simulate(const MachineModel& m, const SimRequest& req) {
   const LayerConfig& c = req.config;
   c.validate();
-  if (c.exchange != ExchangeMode::assignment)
-    throw Error("config field 'exchange': the simulator models the per-assignment exchange only; the per-rank exchange "
-                "(exchange=rank) runs on the CPU runtime (hpmoe run) but is not simulated yet");
   SimReport rep;
   rep.config = c;
   rep.machine = m;
@@ -92,8 +89,15 @@ SimReport simulate(const MachineModel& m, const SimRequest& req) {
   const ExpertPlacement placement = placement_or_contiguous(req.placement, c.routed_experts, c.ranks);
   const auto routing = route_step(c, req.routing, req.seed);
   rep.stats = routing_stats(c, placement, routing);
-  const auto counts = taskflow::routing_counts(c, routing);
+  auto counts = taskflow::routing_counts(c, routing);
   const taskflow::Machine machine = m.compiler_machine();
+  // The per-rank exchange's blocks follow from the routing itself; the
+  // DeepEP- and MindSpore-style baselines move rows their own way and take
+  // the rest of their operators from the per-assignment programs.
+  const bool by_rank = c.exchange == ExchangeMode::rank;
+  if (by_rank) counts.rank_tokens = taskflow::rank_token_counts(c, placement, counts, routing, machine.tile_rows);
+  LayerConfig per_assignment = c;
+  per_assignment.exchange = ExchangeMode::assignment;
   const double matrix_units = double(c.ranks) * (m.accelerator ? m.matrix_units : m.workers);
   const double vector_units = double(c.ranks) * (m.accelerator ? m.vector_units : m.workers);
   taskflow::ScheduleScratch scratch;
@@ -106,11 +110,23 @@ SimReport simulate(const MachineModel& m, const SimRequest& req) {
       programs[r] = taskflow::generate(c, placement, counts, machine, pass, r);
       taskflow::schedule(programs[r], req.policy, scratch);
     }
-    auto work = task_work(programs);
-    if (req.kernel_scope)
-      for (std::size_t r = 0; r < programs.size(); ++r)
-        for (std::size_t i = 0; i < programs[r].tasks.size(); ++i)
-          if (outside_kernel_scope(programs[r].tasks[i].kind)) work[r][i].timed = false;
+    const auto work_of = [&](const std::vector<taskflow::Program>& set) {
+      auto work = task_work(set);
+      if (req.kernel_scope)
+        for (std::size_t r = 0; r < set.size(); ++r)
+          for (std::size_t i = 0; i < set[r].tasks.size(); ++i)
+            if (outside_kernel_scope(set[r].tasks[i].kind)) work[r][i].timed = false;
+      return work;
+    };
+    const auto work = work_of(programs);
+    std::vector<taskflow::Program> baseline_programs;
+    if (by_rank && (m.deepep.enabled || m.mindspore.enabled))
+      for (std::int64_t r = 0; r < c.ranks; ++r) {
+        baseline_programs.push_back(taskflow::generate(per_assignment, placement, counts, machine, pass, r));
+        taskflow::schedule(baseline_programs.back(), req.policy, scratch);
+      }
+    const auto& baseline = by_rank ? baseline_programs : programs;
+    const auto baseline_work = by_rank ? work_of(baseline) : work;
     rep.compile_seconds += since(c0);
     PassResult& out = pass == taskflow::Pass::forward ? rep.forward : rep.backward;
     for (const auto& p : programs) out.tasks += static_cast<std::int64_t>(p.tasks.size());
@@ -120,7 +136,7 @@ SimReport simulate(const MachineModel& m, const SimRequest& req) {
     rep.simulated_tasks += 2 * out.tasks;
     if (m.deepep.enabled) {
       if (pass == taskflow::Pass::forward) deepep = deepep_exchange(c, placement, routing, m.ranks_per_node);
-      out.deepep_s = simulate_deepep(m, programs, work, c.dtype, deepep).makespan;
+      out.deepep_s = simulate_deepep(m, baseline, baseline_work, c.dtype, deepep).makespan;
       rep.simulated_tasks += out.tasks;  // every task once more
       // Dispatch (fp8 in the forward pass where so configured) and combine cross the nodes once each way.
       const double h = double(c.hidden), elem = c.dtype == DType::bf16 ? 2.0 : 4.0;
@@ -129,7 +145,7 @@ SimReport simulate(const MachineModel& m, const SimRequest& req) {
     }
     if (m.mindspore.enabled) {
       if (pass == taskflow::Pass::forward) rank_rows = deepep_exchange(c, placement, routing, static_cast<int>(c.ranks));
-      out.mindspore_s = simulate_mindspore(m, programs, work, c.dtype, rank_rows).makespan;
+      out.mindspore_s = simulate_mindspore(m, baseline, baseline_work, c.dtype, rank_rows).makespan;
       rep.simulated_tasks += out.tasks;
     }
     rep.simulate_seconds += since(s0);
