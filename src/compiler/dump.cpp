@@ -202,9 +202,9 @@ Program program_from_json(const nlohmann::json& j) {
     if (p.send_rows < 0 || p.send_rows > (std::int64_t{1} << 40)) throw Error("program dump: send_rows is impossible");
     if (j.contains("token_begin")) {
       p.token_begin = j.at("token_begin").get<std::vector<std::int64_t>>();
-      if (p.token_begin.size() != static_cast<std::size_t>(p.ranks) + 1 || p.token_begin.front() != 0 ||
+      if (p.token_begin.size() != static_cast<std::size_t>(p.ranks) * p.local_experts.size() + 1 || p.token_begin.front() != 0 ||
           !std::is_sorted(p.token_begin.begin(), p.token_begin.end()) || p.token_begin.back() > (std::int64_t{1} << 40))
-        throw Error("program dump: token_begin must be ranks + 1 increasing rows from 0");
+        throw Error("program dump: token_begin must be ranks x local experts + 1 increasing rows from 0");
     }
     if (j.contains("slot_parts")) {
       const auto& parts = j.at("slot_parts");

@@ -189,7 +189,7 @@ bool staged_in(const LayerConfig& c, Pass pass) {
 
 EventBases event_bases(const LayerConfig& c, const Exchange& ex, Pass pass, std::int64_t rank) {
   return EventBases(pass, ex.row_tiles(rank), ex.placement().local_count(rank), ceil_div(c.tokens_per_rank, ex.tile_rows()),
-                    staged_in(c, pass), c.exchange == ExchangeMode::rank ? c.ranks : 0);
+                    staged_in(c, pass), c.exchange == ExchangeMode::rank ? c.ranks * ex.placement().local_count(rank) : 0);
 }
 
 namespace {
@@ -203,27 +203,30 @@ void puts_to_experts(const LayerConfig& c, const Exchange& ex, std::int64_t tile
   const bool forward = pass == Pass::forward;
   const std::int64_t TR = tile_rows;
   if (c.exchange == ExchangeMode::rank) {
-    // Each token once per destination rank, in pieces of a tile's rows,
-    // then (forward) the routes of the rows it sends there; all of them
-    // complete the source's one `tok` event on the destination.
+    // Each token once per destination rank: each sub-block (the tokens
+    // whose first instance there is i) in pieces of a tile's rows, then
+    // (forward) the routes of the rows for i; both complete the source's
+    // `tok` event of i's slot on the destination.
     const std::int64_t cols = forward ? (c.staged_dispatch() ? c.dispatch_row_bytes() : c.hidden)
                                       : (c.staged_grad_dispatch() ? 2 * c.hidden : c.hidden);
     for (std::int64_t d = 0; d < ex.ranks(); ++d) {
-      const std::int64_t n = ex.rank_tokens(rank, d);
-      if (n == 0 || (only_peer >= 0 && d != only_peer)) continue;
-      const std::int64_t tok = event_bases(c, ex, pass, d).tok + rank, first = ex.token_start(rank, d);
-      for (std::int64_t r = 0; r < n; r += TR)
-        emit(TaskSpec{.kind = forward ? TaskKind::dispatch_token_put : TaskKind::grad_dispatch_token_put,
-                      .src = forward ? BufferId::x : BufferId::dout, .dst = forward ? BufferId::recv_tok : BufferId::dy_tok,
-                      .peer = d, .row_begin = first + r, .rows = std::min(TR, n - r), .col_begin = 0, .cols = cols,
-                      .src_row = ex.token_send_offset(rank, d) + r, .trigger_event = tok});
-      if (!forward) continue;  // the backward reads the forward's routes
-      for (const std::int64_t i : ex.placement().instances_of(d))
-        if (ex.count(rank, i) > 0)
+      if (ex.rank_tokens(rank, d) == 0 || (only_peer >= 0 && d != only_peer)) continue;
+      const std::int64_t L = ex.placement().local_count(d), tok = event_bases(c, ex, pass, d).tok + rank * L;
+      for (const std::int64_t i : ex.placement().instances_of(d)) {
+        const std::int64_t n = ex.first_tokens(rank, i), within = ex.sub_block_offset(rank, i);
+        const std::int64_t slot_event = tok + ex.instance_slot(i);
+        for (std::int64_t r = 0; r < n; r += TR)
+          emit(TaskSpec{.kind = forward ? TaskKind::dispatch_token_put : TaskKind::grad_dispatch_token_put,
+                        .src = forward ? BufferId::x : BufferId::dout, .dst = forward ? BufferId::recv_tok : BufferId::dy_tok,
+                        .expert = ex.placement().instance_expert(i), .peer = d, .row_begin = ex.token_start(rank, d) + within + r, .rows = std::min(TR, n - r),
+                        .col_begin = 0, .cols = cols, .src_row = ex.token_send_offset(rank, d) + within + r,
+                        .trigger_event = slot_event});
+        if (forward && ex.count(rank, i) > 0)  // the backward reads the forward's routes
           emit(TaskSpec{.kind = TaskKind::dispatch_route_put, .src = BufferId::rank_route, .dst = BufferId::recv_route,
                         .expert = ex.placement().instance_expert(i), .peer = d,
                         .row_begin = ex.expert_start(i) + ex.source_offset(rank, i), .rows = ex.count(rank, i),
-                        .col_begin = 0, .cols = 2, .src_row = ex.send_offset(rank, i), .trigger_event = tok});
+                        .col_begin = 0, .cols = 2, .src_row = ex.send_offset(rank, i), .trigger_event = slot_event});
+      }
     }
     return;
   }
@@ -251,7 +254,8 @@ void puts_to_experts(const LayerConfig& c, const Exchange& ex, std::int64_t tile
 
 // The per-rank exchange on the destination: one gather per source piece of
 // row tile `tile` of instance `home` (the pieces the per-assignment
-// exchange puts), each once its source's token block has arrived.
+// exchange puts), each once its source's sub-blocks up to the instance's
+// slot have arrived.
 template <class Emit>
 void gathers_of_tile(const LayerConfig& c, const Exchange& ex, const Program& p, Pass pass, std::int64_t rank,
                      std::int64_t home, std::int64_t tile, const EventBases& ev, Emit&& emit) {
@@ -262,11 +266,11 @@ void gathers_of_tile(const LayerConfig& c, const Exchange& ex, const Program& p,
     const std::int64_t first = ex.source_offset(s, home), n = ex.count(s, home);
     const std::int64_t r0 = std::max(first, lo), r1 = std::min(first + n, hi);
     if (r0 >= r1) continue;
-    const std::int64_t tok = ev.tok + s;
+    const std::int64_t tok = ev.tok + s * ex.placement().local_count(rank) + ex.instance_slot(home);
     emit(TaskSpec{.kind = forward ? TaskKind::dispatch_gather : TaskKind::grad_dispatch_gather,
                   .src = forward ? BufferId::recv_tok : BufferId::dy_tok, .dst = forward ? BufferId::recv : BufferId::dy,
                   .expert = e, .row_begin = ex.expert_start(home) + r0, .rows = r1 - r0, .col_begin = 0, .cols = c.hidden,
-                  .src_row = ex.token_start(s, rank), .wait_event = tok,
+                  .src_row = s, .wait_event = tok,
                   .wait_count = p.events[static_cast<std::size_t>(tok)].required,
                   .trigger_event = (forward ? ev.recv : ev.dy) + ex.tile_start(home) + tile});
   }
@@ -347,8 +351,11 @@ void program_header(Program& p, const LayerConfig& c, const Exchange& ex, const 
   p.kpad_begin.push_back(ex.kpad_rows(rank));
   p.send_rows = ex.send_rows(rank);
   p.token_begin.clear();
-  if (c.exchange == ExchangeMode::rank && ex.has_rank_tokens())
-    for (std::int64_t s = 0; s <= c.ranks; ++s) p.token_begin.push_back(ex.token_start(s, rank));
+  if (c.exchange == ExchangeMode::rank && ex.has_rank_tokens()) {  // every (source, slot) sub-block, then the end
+    for (std::int64_t s = 0; s < c.ranks; ++s)
+      for (const std::int64_t i : placement.instances_of(rank)) p.token_begin.push_back(ex.token_start(s, rank) + ex.sub_block_offset(s, i));
+    p.token_begin.push_back(ex.token_recv_rows(rank));
+  }
   declare_buffers(p, c, ex, pass, rank);
 }
 
@@ -387,11 +394,36 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
   const auto inter_of = [&](std::int64_t le) { return p.slot_parts[static_cast<std::size_t>(le)].inter; };
   const auto emit = [&](const TaskSpec& s) { b.task(s); };
   const bool by_rank = c.exchange == ExchangeMode::rank;
-  if (by_rank)  // each source's token block (and forward, its routes) arrived
-    for (std::int64_t s = 0; s < c.ranks; ++s)
-      if (ex.rank_tokens(s, rank) > 0)
-        b.event(ev.tok + s, static_cast<std::int32_t>(ex.token_pieces(s, rank) + (pass == Pass::forward ? ex.route_puts(s, rank) : 0)),
-                pass == Pass::forward ? TaskKind::dispatch_gather : TaskKind::grad_dispatch_gather, -1, -1);
+  if (by_rank) {
+    // Source s's `tok` event of slot j: its sub-block j (and forward, the
+    // routes of its rows for slot j), and the relay from slot j - 1, so that
+    // it completes once sub-blocks 0..j have all arrived.
+    const TaskKind relay = pass == Pass::forward ? TaskKind::dispatch_relay : TaskKind::grad_dispatch_relay;
+    for (std::int64_t s = 0; s < c.ranks; ++s) {
+      if (ex.rank_tokens(s, rank) == 0) continue;
+      for (std::int64_t j = 0; j < L; ++j) {
+        const std::int64_t i = homes[static_cast<std::size_t>(j)];
+        const std::int64_t pieces = ceil_div(ex.first_tokens(s, i), TR), routes = pass == Pass::forward && ex.count(s, i) > 0;
+        b.event(ev.tok + s * L + j, static_cast<std::int32_t>(pieces + routes + (j > 0)),
+                j + 1 < L ? relay : pass == Pass::forward ? TaskKind::dispatch_gather : TaskKind::grad_dispatch_gather,
+                mine[static_cast<std::size_t>(j)], -1);
+      }
+    }
+  }
+  // The relays into slot j, emitted just before slot j's gathers: in
+  // generation order (which is topological) after the puts and relays that
+  // feed them, and in a worker's queue no earlier than the work they release.
+  const auto relays_into = [&](std::int64_t j) {
+    if (!by_rank || j == 0) return;
+    const TaskKind relay = pass == Pass::forward ? TaskKind::dispatch_relay : TaskKind::grad_dispatch_relay;
+    for (std::int64_t s = 0; s < c.ranks; ++s) {
+      if (ex.rank_tokens(s, rank) == 0) continue;
+      const std::int32_t need = p.events[static_cast<std::size_t>(ev.tok + s * L + j - 1)].required;
+      b.task({.kind = relay, .peer = -1, .src_row = s, .wait_event = need > 0 ? ev.tok + s * L + j - 1 : -1, .wait_count = need,
+              .trigger_event = ev.tok + s * L + j});
+    }
+  };
+
   const auto gathers = [&](std::int64_t home, std::int64_t tile) {
     if (by_rank) gathers_of_tile(c, ex, p, pass, rank, home, tile, ev, emit);
   };
@@ -451,6 +483,7 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
       const std::int64_t e = mine[static_cast<std::size_t>(le)], home = homes[static_cast<std::size_t>(le)];
       const std::int64_t n_e = ex.expert_rows(home), start = ex.expert_start(home), tb = ex.tile_start(home);
       const std::int64_t Ie = inter_of(le), n_gate_up = ceil_div(2 * Ie, TC);
+      relays_into(le);
       for (std::int64_t i = 0; i * TR < n_e; ++i) {
         const std::int64_t rows = std::min(TR, n_e - i * TR), row0 = start + i * TR;
         gathers(home, i);
@@ -552,6 +585,7 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
     const std::int64_t e = mine[static_cast<std::size_t>(le)], home = homes[static_cast<std::size_t>(le)];
     const std::int64_t n_e = ex.expert_rows(home), start = ex.expert_start(home);
     const std::int64_t tb = ex.tile_start(home), tiles = ex.tiles_of(home);
+    relays_into(le);
     const std::int64_t Ie = inter_of(le), n_inter = ceil_div(Ie, TC);
     for (std::int64_t i = 0; i < tiles; ++i) {
       const std::int64_t rows = std::min(TR, n_e - i * TR), row0 = start + i * TR;

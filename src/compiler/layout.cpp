@@ -70,25 +70,40 @@ Exchange::Exchange(const LayerConfig& c, const ExpertPlacement& placement, const
     row_tiles_[static_cast<std::size_t>(d)] = tiles;
     kpad_rows_[static_cast<std::size_t>(d)] = kpad;
   }
-  if (!counts.rank_tokens.empty()) set_rank_tokens(counts.rank_tokens, c.tokens_per_rank);
+  instance_slot_.assign(N, 0);
+  for (std::int64_t d = 0; d < ranks_; ++d) {
+    std::int64_t j = 0;
+    for (const std::int64_t i : placement_.instances_of(d)) instance_slot_[static_cast<std::size_t>(i)] = j++;
+  }
+  if (!counts.first_tokens.empty()) set_first_tokens(counts.first_tokens, c.tokens_per_rank);
 }
 
-void Exchange::set_rank_tokens(std::vector<std::int64_t> tokens, std::int64_t tokens_per_rank) {
-  const std::int64_t P = ranks_;
-  if (tokens.size() != static_cast<std::size_t>(P * P))
-    throw Error("the per-rank exchange's token counts are for " + std::to_string(tokens.size()) + " (source, rank) pairs, the layer has " +
-                std::to_string(P * P));
+void Exchange::set_first_tokens(std::vector<std::int64_t> first, std::int64_t tokens_per_rank) {
+  const std::int64_t P = ranks_, N = instances_;
+  if (first.size() != static_cast<std::size_t>(P * N))
+    throw Error("the per-rank exchange's token counts are for " + std::to_string(first.size()) +
+                " (source, expert instance) pairs, the layer has " + std::to_string(P * N));
+  rank_tokens_.assign(static_cast<std::size_t>(P * P), 0);
+  sub_offset_.assign(static_cast<std::size_t>(P * N), 0);
   for (std::int64_t s = 0; s < P; ++s)
     for (std::int64_t d = 0; d < P; ++d) {
-      std::int64_t rows = 0;  // what s sends to d's instances: at least one token iff any row
-      for (const std::int64_t i : placement_.instances_of(d)) rows += count(s, i);
-      const std::int64_t n = tokens[static_cast<std::size_t>(s * P + d)];
-      if (n < 0 || n > tokens_per_rank || n > rows || (rows > 0) != (n > 0))
+      std::int64_t rows = 0, n = 0;  // what s sends to d's instances: at least one token iff any row
+      for (const std::int64_t i : placement_.instances_of(d)) {
+        const std::int64_t f = first[static_cast<std::size_t>(s * N + i)];
+        if (f < 0 || f > count(s, i))
+          throw Error("rank " + std::to_string(s) + " reports " + std::to_string(f) + " tokens first sent to expert instance " +
+                      std::to_string(i) + ", which takes " + std::to_string(count(s, i)) + " of its rows");
+        sub_offset_[static_cast<std::size_t>(s * N + i)] = n;
+        rows += count(s, i);
+        n += f;
+      }
+      if (n > tokens_per_rank || (rows > 0) != (n > 0))
         throw Error("rank " + std::to_string(s) + " reports " + std::to_string(n) + " tokens for rank " + std::to_string(d) +
                     ", impossible with " + std::to_string(rows) + " rows for it and " + std::to_string(tokens_per_rank) +
                     " tokens per rank");
+      rank_tokens_[static_cast<std::size_t>(s * P + d)] = n;
     }
-  rank_tokens_ = std::move(tokens);
+  first_tokens_ = std::move(first);
   token_start_.assign(static_cast<std::size_t>((P + 1) * P), 0);
   token_send_.assign(static_cast<std::size_t>(P * (P + 1)), 0);
   for (std::int64_t d = 0; d < P; ++d)
@@ -97,12 +112,6 @@ void Exchange::set_rank_tokens(std::vector<std::int64_t> tokens, std::int64_t to
   for (std::int64_t s = 0; s < P; ++s)
     for (std::int64_t d = 0; d < P; ++d)
       token_send_[static_cast<std::size_t>(s * (P + 1) + d + 1)] = token_send_offset(s, d) + rank_tokens(s, d);
-}
-
-std::int64_t Exchange::route_puts(std::int64_t s, std::int64_t d) const {
-  std::int64_t n = 0;
-  for (const std::int64_t i : placement_.instances_of(d)) n += count(s, i) > 0;
-  return n;
 }
 
 RankRoutes rank_routes(const LayerConfig& c, const Exchange& ex, std::int64_t s, std::span<const std::int64_t> slot,
@@ -134,27 +143,33 @@ RankRoutes rank_routes(const LayerConfig& c, const Exchange& ex, std::int64_t s,
     if (r.row_token[static_cast<std::size_t>(row)] < 0)
       throw Error("rank_routes: no assignment of rank " + std::to_string(s) + " fills its send row " + std::to_string(row) +
                   ": the send slots do not match the exchange's counts");
-  // Mark each destination's tokens, then number them in token order.
-  r.per_rank.assign(static_cast<std::size_t>(P), 0);
+  // Each token's first instance on each destination (lowest slot), then
+  // the destination's block: sub-block by sub-block, each in token order.
+  r.first.assign(static_cast<std::size_t>(N), 0);
   r.position.assign(static_cast<std::size_t>(send), -1);
-  std::vector<std::int32_t> mark(static_cast<std::size_t>(T));
-  const auto rows_to = [&](std::int64_t d, auto&& fn) {  // fn(send row, its token's mark) for every row s sends to d
+  std::vector<std::int64_t> first_of(static_cast<std::size_t>(T)), at(static_cast<std::size_t>(T));
+  const auto rows_to = [&](std::int64_t d, auto&& fn) {  // fn(send row, its instance) for every row s sends to d
     for (std::int64_t i = 0; i < N; ++i)
       if (placement.instance_rank(i) == d)
-        for (std::int64_t row = ex.send_offset(s, i); row < ex.send_offset(s, i) + ex.count(s, i); ++row)
-          fn(row, mark[static_cast<std::size_t>(r.row_token[static_cast<std::size_t>(row)])]);
+        for (std::int64_t row = ex.send_offset(s, i); row < ex.send_offset(s, i) + ex.count(s, i); ++row) fn(row, i);
   };
   for (std::int64_t d = 0; d < P; ++d) {
-    std::fill(mark.begin(), mark.end(), -1);
-    rows_to(d, [](std::int64_t, std::int32_t& m) { m = 0; });
-    std::int32_t next = 0;
-    for (std::int64_t t = 0; t < T; ++t)
-      if (mark[static_cast<std::size_t>(t)] == 0) {
-        mark[static_cast<std::size_t>(t)] = next++;
-        r.tokens.push_back(static_cast<std::int32_t>(t));
-      }
-    r.per_rank[static_cast<std::size_t>(d)] = next;
-    rows_to(d, [&](std::int64_t row, std::int32_t m) { r.position[static_cast<std::size_t>(row)] = m; });
+    std::fill(first_of.begin(), first_of.end(), -1);
+    rows_to(d, [&](std::int64_t row, std::int64_t i) {
+      auto& f = first_of[static_cast<std::size_t>(r.row_token[static_cast<std::size_t>(row)])];
+      if (f < 0 || ex.instance_slot(i) < ex.instance_slot(f)) f = i;
+    });
+    std::int64_t next = 0;
+    for (const std::int64_t i : placement.instances_of(d))
+      for (std::int64_t t = 0; t < T; ++t)
+        if (first_of[static_cast<std::size_t>(t)] == i) {
+          at[static_cast<std::size_t>(t)] = next++;
+          r.tokens.push_back(static_cast<std::int32_t>(t));
+          ++r.first[static_cast<std::size_t>(i)];
+        }
+    rows_to(d, [&](std::int64_t row, std::int64_t) {
+      r.position[static_cast<std::size_t>(row)] = static_cast<std::int32_t>(at[static_cast<std::size_t>(r.row_token[static_cast<std::size_t>(row)])]);
+    });
   }
   return r;
 }
@@ -223,8 +238,8 @@ RoutingCounts routing_counts(const LayerConfig& c, std::span<const std::int32_t>
   return rc;
 }
 
-std::vector<std::int64_t> rank_token_counts(const LayerConfig& c, const ExpertPlacement& placement, const RoutingCounts& counts,
-                                            const RouterOutput<float>& r, std::int64_t tile_rows) {
+std::vector<std::int64_t> first_token_counts(const LayerConfig& c, const ExpertPlacement& placement, const RoutingCounts& counts,
+                                             const RouterOutput<float>& r, std::int64_t tile_rows) {
   const Exchange ex(c, placement, counts, tile_rows);
   const std::int64_t P = c.ranks, n = c.tokens_per_rank * c.top_k;
   std::vector<int> all(static_cast<std::size_t>(P));
@@ -235,7 +250,7 @@ std::vector<std::int64_t> rank_token_counts(const LayerConfig& c, const ExpertPl
     const auto first = static_cast<std::size_t>(s * n);
     const RankRoutes routes = rank_routes(c, ex, s, std::span<const std::int64_t>(slot).subspan(first, static_cast<std::size_t>(n)),
                                           std::span<const std::int32_t>(r.expert).subspan(first, static_cast<std::size_t>(n)));
-    tokens.insert(tokens.end(), routes.per_rank.begin(), routes.per_rank.end());
+    tokens.insert(tokens.end(), routes.first.begin(), routes.first.end());
   }
   return tokens;
 }

@@ -71,12 +71,17 @@ class Exchange {
   std::int32_t arrivals(std::int64_t e, std::int64_t tile) const;
 
   // The per-rank exchange (LayerConfig::exchange rank): source s sends each
-  // of its tokens once to every rank that holds one of its rows, in token
-  // order, one block per destination. Which tokens those are depends on the
-  // routing, not only its counts: every rank's sources report theirs
-  // (rank_token_counts), [s * P + d] tokens of s for d.
-  void set_rank_tokens(std::vector<std::int64_t> tokens, std::int64_t tokens_per_rank);
-  bool has_rank_tokens() const { return !rank_tokens_.empty(); }
+  // of its tokens once to every rank that holds one of its rows, one block
+  // per destination. A block is cut into sub-blocks by the token's first
+  // instance on the destination (in slot order), each in token order, so
+  // the rows of the instance in slot j read only sub-blocks 0..j. Which
+  // tokens those are depends on the routing, not only its counts: every
+  // rank's sources report theirs (first_token_counts), [s * N + i] tokens of
+  // s whose first instance on instance i's rank is i.
+  void set_first_tokens(std::vector<std::int64_t> first, std::int64_t tokens_per_rank);
+  bool has_rank_tokens() const { return !first_tokens_.empty(); }
+  // Tokens of s in the sub-block of instance i.
+  std::int64_t first_tokens(std::int64_t s, std::int64_t i) const { return first_tokens_[static_cast<std::size_t>(s * instances_ + i)]; }
   // Tokens s sends to d.
   std::int64_t rank_tokens(std::int64_t s, std::int64_t d) const { return rank_tokens_[static_cast<std::size_t>(s * ranks_ + d)]; }
   // Row of s's block in d's received token blocks (s = P: their total).
@@ -86,10 +91,10 @@ class Exchange {
   std::int64_t token_send_offset(std::int64_t s, std::int64_t d) const {
     return token_send_[static_cast<std::size_t>(s * (ranks_ + 1) + d)];
   }
-  // Put pieces of s's token block for d (tiles of tile_rows rows), and the
-  // routes s puts into d: one per instance on d that s sends rows to.
-  std::int64_t token_pieces(std::int64_t s, std::int64_t d) const { return (rank_tokens(s, d) + tile_rows_ - 1) / tile_rows_; }
-  std::int64_t route_puts(std::int64_t s, std::int64_t d) const;
+  // Row of the sub-block of (s, i) within s's block for i's rank.
+  std::int64_t sub_block_offset(std::int64_t s, std::int64_t i) const { return sub_offset_[static_cast<std::size_t>(s * instances_ + i)]; }
+  // Slot of instance i on its rank.
+  std::int64_t instance_slot(std::int64_t i) const { return instance_slot_[static_cast<std::size_t>(i)]; }
 
  private:
   ExpertPlacement placement_;
@@ -99,19 +104,22 @@ class Exchange {
   std::vector<std::int64_t> send_offset_;    // [s * (N + 1) + i]
   std::vector<std::int64_t> expert_start_, tile_start_, kpad_start_;  // [i]
   std::vector<std::int64_t> recv_rows_, row_tiles_, kpad_rows_;       // [d]
-  std::vector<std::int64_t> rank_tokens_, token_start_, token_send_;  // the per-rank exchange
+  std::vector<std::int64_t> instance_slot_;                           // [i]
+  std::vector<std::int64_t> first_tokens_, sub_offset_;                // the per-rank exchange: [s * N + i]
+  std::vector<std::int64_t> rank_tokens_, token_start_, token_send_;
 };
 
 // The per-rank exchange of one source rank: the token of each of its send
 // rows (a split expert's rows repeated in every part's block), the token
-// list it sends (each destination's block in token order) and the route of
-// each send row: the row of its token in its destination's block.
+// list it sends (each destination's block: its sub-blocks by first
+// instance, each in token order) and the route of each send row: the row of
+// its token in its destination's block.
 struct RankRoutes {
   std::vector<std::int32_t> row_token;   // [send_rows]
   std::vector<std::int64_t> row_assign;  // [send_rows]: assignment t K + k
   std::vector<std::int32_t> tokens;      // [token_send_offset(s, P)]
   std::vector<std::int32_t> position;    // [send_rows]
-  std::vector<std::int64_t> per_rank;    // [P] tokens sent to each rank
+  std::vector<std::int64_t> first;       // [N] tokens whose first instance on its rank is i
 };
 // slot: the send row of each of s's assignments (send_slots, -1 dropped);
 // expert: their experts. `tokens` and `position` need the exchange's rank
@@ -130,13 +138,14 @@ std::vector<std::int64_t> send_slots(const LayerConfig&, const Exchange&, const 
 struct EventBases {
   // staged: the pass's dispatch is encoded (staged_in), its pieces land in
   // `staged` tiles and a decode per tile fills `recv` (backward: `dy`).
-  // token_sources: the per-rank exchange's sources (P; 0 without it), whose
-  // token blocks and routes each complete one `tok` event.
+  // token_sources: the per-rank exchange's (source, local slot) pairs (P L;
+  // 0 without it): `tok` + s L + j completes once s's sub-blocks 0..j and
+  // its routes for slot j have arrived.
   EventBases(Pass, std::int64_t row_tiles, std::int64_t local, std::int64_t token_tiles, bool staged,
              std::int64_t token_sources = 0);
   // forward
   std::int64_t recv = 0, h = 0, a = 0, y = 0, comb_done = 0, sh_h = 0, sh_a = 0, staged = 0;
-  // both passes, the per-rank exchange: source s's block (and routes) arrived
+  // both passes, the per-rank exchange: source s's sub-blocks up to a slot (and routes) arrived
   std::int64_t tok = 0;
   // both passes: the split experts' partial rows reduced (part_reduce tasks)
   std::int64_t reduced = 0;

@@ -24,19 +24,20 @@ namespace hpmoe::taskflow {
 struct RoutingCounts {
   std::int64_t ranks = 0, experts = 0;
   std::vector<std::int64_t> counts;
-  // The per-rank exchange: [s * P + d] tokens of s that travel to rank d
-  // (RankRoutes::per_rank of each source); empty where unknown.
-  std::vector<std::int64_t> rank_tokens;
+  // The per-rank exchange: [s * N + i] tokens of s whose first instance on
+  // instance i's rank is i (N: the placement's instances; RankRoutes::first
+  // of each source); empty where unknown.
+  std::vector<std::int64_t> first_tokens;
   std::int64_t at(std::int64_t s, std::int64_t e) const { return counts[s * experts + e]; }
 };
 
 // Kept rows per (source rank, expert) of a routed step.
 template <class Real>
 RoutingCounts routing_counts(const LayerConfig&, const RouterOutput<Real>&);
-// The per-rank exchange's tokens of each source for each destination rank
-// ([s * P + d], RoutingCounts::rank_tokens) under a routing of every rank's
-// tokens; `counts` are its routing_counts.
-std::vector<std::int64_t> rank_token_counts(const LayerConfig&, const ExpertPlacement&, const RoutingCounts& counts,
+// The per-rank exchange's tokens of each source by first instance
+// ([s * N + i], RoutingCounts::first_tokens) under a routing of every
+// rank's tokens; `counts` are its routing_counts.
+std::vector<std::int64_t> first_token_counts(const LayerConfig&, const ExpertPlacement&, const RoutingCounts& counts,
                                             const RouterOutput<float>&, std::int64_t tile_rows);
 // Of expert choices with nothing dropped ([tokens, K], e.g. forced_selection).
 RoutingCounts routing_counts(const LayerConfig&, std::span<const std::int32_t> expert_ids);

@@ -63,8 +63,10 @@ enum class TaskKind : std::uint8_t {
   // the per-rank exchange (LayerConfig::exchange rank): a token travels once to each destination rank
   dispatch_token_put,   // x rows by the rank's token list (encoded where the dispatch is) into the peer's RECV_TOK, signal
   dispatch_route_put,   // the send rows' (row in the token block, gate) into the owner's RECV_ROUTE, signal
+  dispatch_relay,       // a source's sub-blocks up to slot j arrived: count it towards slot j + 1 (no data)
   dispatch_gather,      // RECV[rows] = RECV_TOK[block + route row] (decoded where encoded): one source's piece of a tile
   grad_dispatch_token_put,  // DOUT rows by the token list (layer dtype, or bf16) into the peer's DY_TOK, signal
+  grad_dispatch_relay,      // the same relay for the backward's sub-blocks
   grad_dispatch_gather,     // DY[rows] = gate * DY_TOK[block + route row]: one source's piece of a tile
   count
 };

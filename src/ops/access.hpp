@@ -49,7 +49,7 @@ enum class Span : std::uint8_t {
   kpad_task_rows,     // the task's rows there; the expert's last tile also covers its K padding row
   task_rows_padded,   // the task's token rows; the last tile also covers the tokens' K padding row
   reduction_parts,    // the task's rows in parts 1..k-1 of the declared reduction holding them (one band over all)
-  token_block,        // the per-rank exchange: the received token block that starts at src_row, [token_begin[s], token_begin[s + 1])
+  token_block,        // the per-rank exchange: source s = src_row's sub-blocks 0..slot of the task's expert: [token_begin[s L], token_begin[s L + slot + 1])
 };
 
 // Layer sizes an operand rule or a GEMM can name.
@@ -250,13 +250,13 @@ inline std::pair<std::int64_t, std::int64_t> AccessTable::span_of(const AccessTa
                     "), which no declared reduction's target block holds");
       return {std::int64_t{t.row_begin} + red->rows, std::int64_t{t.row_begin} + (red->parts - 1) * red->rows + t.rows};
     }
-    case Span::token_block: {
-      const auto& begin = p.token_begin;
-      const auto it = std::upper_bound(begin.begin(), begin.end(), std::int64_t{t.src_row});
-      if (begin.empty() || it == begin.begin() || it == begin.end())
-        throw Error("rank " + std::to_string(p.rank) + " task " + name(t.kind) + " reads the token block at row " +
-                    std::to_string(t.src_row) + ", where no source's token block starts");
-      return {*(it - 1), *it};
+    case Span::token_block: {  // source src_row's sub-blocks 0..slot of the task's expert
+      const std::int64_t L = static_cast<std::int64_t>(p.local_experts.size()), src = t.src_row, slot = p.slot_of(t.expert);
+      if (slot < 0 || src < 0 || src >= p.ranks || static_cast<std::int64_t>(p.token_begin.size()) != p.ranks * L + 1)
+        throw Error("rank " + std::to_string(p.rank) + " task " + name(t.kind) + " reads source " + std::to_string(t.src_row) +
+                    "'s token block for expert " + std::to_string(t.expert) + ", which this program's token blocks do not hold");
+      const auto at = [&](std::int64_t k) { return p.token_begin[static_cast<std::size_t>(k)]; };
+      return {at(src * L), at(src * L + slot + 1)};
     }
     case Span::expert_kpad:
     case Span::kpad_task_rows:

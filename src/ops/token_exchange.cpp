@@ -5,8 +5,12 @@
 // destination's receive order, the row of its token in the block and its
 // gate weight. On the destination, one gather per source piece of a row
 // tile fills the GEMM's rows from the block (decoding), exactly the rows the
-// per-assignment exchange would have put there. The backward sends each
-// token's output gradient once the same way; its gather applies the gate.
+// per-assignment exchange would have put there. A block is cut into
+// sub-blocks by each token's first instance on the destination, so that the
+// rows of slot j read sub-blocks 0..j only: a relay per slot passes on that
+// sub-blocks up to it arrived, and an expert's gathers need not wait for the
+// whole block. The backward sends each token's output gradient once the
+// same way; its gather applies the gate.
 #include <cstring>
 #include <string>
 #include <vector>
@@ -152,6 +156,13 @@ bool grad_gather(const Tile<T>& tile) {
   return false;
 }
 
+// A relay moves nothing: its trigger says that the event it waited for
+// completed (a source's sub-blocks up to a slot have arrived).
+template <class T>
+bool relay(const Tile<T>&) {
+  return false;
+}
+
 constexpr KindAccess as_put(KindAccess a) {
   a.put = true;
   return a;
@@ -164,14 +175,15 @@ constexpr OpKind kKinds[] = {
     {TaskKind::dispatch_token_put, "dispatch_token_put", Pass::forward, 3,
      as_put(vector_kind({op(B::rank_token, R, Span::source_rows, X::none, Span::whole, X::one),
                          op(B::x, R, Span::whole, X::tokens, Span::whole, X::hidden), tile(B::recv_tok, Side::peer)},
-                        {kTokenRow})),
+                        {kTokenRow}, kPeer)),
      token_put<float>, token_put<bf16>},
     {TaskKind::dispatch_route_put, "dispatch_route_put", Pass::forward, 4,
      as_put(vector_kind({op(B::rank_route, R, Span::source_rows, X::none, Span::whole, X::route),
                          tile(B::recv_route, Side::peer)},
                         {kRoute}, kPeer)),
      route_put<float>, route_put<bf16>},
-    {TaskKind::dispatch_gather, "dispatch_gather", Pass::forward, 5,
+    {TaskKind::dispatch_relay, "dispatch_relay", Pass::forward, 5, vector_kind({}, {}), relay<float>, relay<bf16>},
+    {TaskKind::dispatch_gather, "dispatch_gather", Pass::forward, 6,
      vector_kind({op(B::recv_route, R, Span::task_rows, X::none, Span::whole, X::route),
                   op(B::recv_tok, R, Span::token_block, X::none, Span::whole, X::token_cols), tile(B::recv)},
                  {kTokenRow, ByteTerm{X::hidden, 1, kElem, X::none}, kRoute}, kOwn),
@@ -179,9 +191,10 @@ constexpr OpKind kKinds[] = {
     {TaskKind::grad_dispatch_token_put, "grad_dispatch_token_put", Pass::backward, 43,
      as_put(vector_kind({op(B::rank_token, R, Span::source_rows, X::none, Span::whole, X::one),
                          op(B::dout, R, Span::whole, X::tokens, Span::whole, X::hidden), tile(B::dy_tok, Side::peer)},
-                        {kTokenRow})),
+                        {kTokenRow}, kPeer)),
      grad_token_put<float>, grad_token_put<bf16>},
-    {TaskKind::grad_dispatch_gather, "grad_dispatch_gather", Pass::backward, 44,
+    {TaskKind::grad_dispatch_relay, "grad_dispatch_relay", Pass::backward, 44, vector_kind({}, {}), relay<float>, relay<bf16>},
+    {TaskKind::grad_dispatch_gather, "grad_dispatch_gather", Pass::backward, 45,
      vector_kind({op(B::recv_route, R, Span::task_rows, X::none, Span::whole, X::route),
                   op(B::dy_tok, R, Span::token_block, X::none, Span::whole, X::token_cols), tile(B::dy)},
                  {kTokenRow, ByteTerm{X::hidden, 1, kElem, X::none}, kRoute}, kOwn),

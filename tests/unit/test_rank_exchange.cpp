@@ -45,7 +45,7 @@ RoutingCounts rank_counts(const LayerConfig& c, const ExpertPlacement& placement
                           std::int64_t tile_rows) {
   const auto r = routing_of(c, spec);
   RoutingCounts counts = routing_counts(c, r);
-  counts.rank_tokens = rank_token_counts(c, placement, counts, r, tile_rows);
+  counts.first_tokens = first_token_counts(c, placement, counts, r, tile_rows);
   return counts;
 }
 
@@ -78,37 +78,38 @@ TEST(RankExchange, EachTokenTravelsOnceToEachRankAndItsRoutesPointAtIt) {
     const auto r = routing_of(c, "zipf:1.2");
     const auto counts = routing_counts(c, r);
     taskflow::Exchange ex(c, placement, counts, 32);
+    ex.set_first_tokens(first_token_counts(c, placement, counts, r, 32), c.tokens_per_rank);
     const std::vector<int> all{0, 1, 2};
     const auto slot = send_slots(c, ex, r, all);
     const std::int64_t n = c.tokens_per_rank * c.top_k;
     for (std::int64_t s = 0; s < c.ranks; ++s) {
       const auto routes = taskflow::rank_routes(c, ex, s, std::span(slot).subspan(static_cast<std::size_t>(s * n), static_cast<std::size_t>(n)),
                                                 std::span(r.expert).subspan(static_cast<std::size_t>(s * n), static_cast<std::size_t>(n)));
-      std::int64_t block = 0;
       for (std::int64_t d = 0; d < c.ranks; ++d) {
-        const std::int64_t u = routes.per_rank[static_cast<std::size_t>(d)];
+        const std::int64_t u = ex.rank_tokens(s, d), block = ex.token_send_offset(s, d);
         std::set<std::int32_t> sent(routes.tokens.begin() + block, routes.tokens.begin() + block + u);
         EXPECT_EQ(static_cast<std::int64_t>(sent.size()), u) << "a token twice in one block";
-        // Every row s sends to d's instances names its own token in d's block.
+        // Every row s sends to d's instances names its own token in d's
+        // block, within the sub-blocks up to the instance's slot.
         std::set<std::int32_t> needed;
-        for (std::int64_t i = 0; i < ex.instances(); ++i) {
-          if (placement.instance_rank(i) != d) continue;
+        for (const std::int64_t i : placement.instances_of(d)) {
+          const std::int64_t prefix = ex.sub_block_offset(s, i) + ex.first_tokens(s, i);
           for (std::int64_t row = ex.send_offset(s, i); row < ex.send_offset(s, i) + ex.count(s, i); ++row) {
             const auto at = routes.position[static_cast<std::size_t>(row)];
             ASSERT_GE(at, 0);
-            ASSERT_LT(at, u);
+            ASSERT_LT(at, prefix) << "a row of instance " << i << " reads past its slot's sub-blocks";
             EXPECT_EQ(routes.tokens[static_cast<std::size_t>(block + at)], routes.row_token[static_cast<std::size_t>(row)]);
             needed.insert(routes.row_token[static_cast<std::size_t>(row)]);
           }
         }
         EXPECT_EQ(sent, needed) << "the block holds exactly the tokens with a row on rank " << d;
-        block += u;
       }
     }
-    // The counts every rank reports build the receive blocks.
-    ex.set_rank_tokens(rank_token_counts(c, placement, counts, r, 32), c.tokens_per_rank);
     for (std::int64_t d = 0; d < c.ranks; ++d) EXPECT_LE(ex.token_recv_rows(d), ex.recv_rows(d));
-    EXPECT_THROW(ex.set_rank_tokens(std::vector<std::int64_t>(9, c.tokens_per_rank + 1), c.tokens_per_rank), Error);
+    auto wrong = first_token_counts(c, placement, counts, r, 32);
+    wrong[0] = c.tokens_per_rank + 1;
+    EXPECT_THROW(ex.set_first_tokens(wrong, c.tokens_per_rank), Error);
+    EXPECT_THROW(ex.set_first_tokens(std::vector<std::int64_t>(3, 0), c.tokens_per_rank), Error);
   }
 }
 
@@ -210,11 +211,27 @@ TEST(RankExchange, MutationsOfThePerRankExchangeAreRejected) {
     auto& p = programs[0];
     for (auto& t : p.tasks)
       if (t.kind == TaskKind::dispatch_gather && t.src_row > 0) {
-        t.src_row = 0;  // another source's block
-        t.wait_event = p.tasks[first_task(p, TaskKind::dispatch_gather)].wait_event;
+        t.src_row = 0;  // source 0's sub-blocks, while it waits for source 1's
         break;
       }
     rejected(programs, "a gather reading another source's block than the one it waits for");
+  }
+  {
+    auto programs = forward;
+    auto& p = programs[1];
+    for (auto& t : p.tasks)
+      if (t.kind == TaskKind::dispatch_relay && t.wait_event >= 0) {
+        t.wait_event = -1;
+        t.wait_count = 0;
+        break;
+      }
+    rejected(programs, "a relay that does not wait: the next slot's gathers may read a sub-block before it lands");
+  }
+  {
+    auto programs = forward;
+    auto& p = programs[0];
+    p.tasks[first_task(p, TaskKind::dispatch_relay)].trigger_event += 1;
+    rejected(programs, "a relay that passes its slot on to the slot after the next");
   }
   {
     auto programs = backward;
