@@ -47,6 +47,10 @@ struct StepResult {
   // event or a barrier) in the forward dispatch-to-combine and the backward:
   // divided by workers x time, the workers' busy share.
   double forward_busy_seconds = 0, backward_busy_seconds = 0;
+  // Bytes the step's puts carried to other ranks, forward and backward: the
+  // exchange's payload as the hosted ranks' programs declare it (rows x row
+  // bytes; over MPI this process's ranks only).
+  std::int64_t forward_put_bytes = 0, backward_put_bytes = 0;
   std::vector<TraceSlice> trace;   // when tracing
 };
 

@@ -150,6 +150,7 @@ Verification verify(const RunRequest& req, const LayerWeights& w, const LayerInp
 // Samples of one executor's steps, summarised into the report.
 struct ExecutorSamples {
   double workers = 1;
+  std::int64_t forward_put_bytes = 0, backward_put_bytes = 0;  // of the last step
   std::vector<double> router, forward, backward, forward_busy, backward_busy, host;
   std::vector<std::vector<double>> forward_ops, backward_ops;
   std::vector<std::string> forward_names, backward_names;
@@ -175,6 +176,8 @@ struct ExecutorSamples {
       if ((seen - 1) % stride != 0) return;
     }
     if (host_seconds >= 0) host.push_back(host_seconds);
+    forward_put_bytes = r.forward_put_bytes;
+    backward_put_bytes = r.backward_put_bytes;
     router.push_back(r.router_seconds);
     forward.push_back(r.dispatch_to_combine_seconds);
     backward.push_back(r.backward_seconds);
@@ -442,6 +445,9 @@ void summarize_into(RunReport& rep, const ExecutorSamples& serialized, const Exe
   rep.backward_time = summarize(serialized.backward);
   rep.serialized_busy = summarize(serialized.forward_busy);
   rep.serialized_backward_busy = summarize(serialized.backward_busy);
+  const ExecutorSamples& any = interleaved.forward.empty() ? serialized : interleaved;
+  rep.forward_put_bytes = any.forward_put_bytes;
+  rep.backward_put_bytes = any.backward_put_bytes;
 }
 
 double peak_rss_bytes() { return status_bytes("VmHWM:"); }
@@ -908,6 +914,8 @@ nlohmann::json to_json(const RunReport& r) {
   for (const auto& [name, s] : r.forward_ops) ops.push_back({{"name", name}, {"pass", "forward"}, {"time", summary_json(s)}});
   for (const auto& [name, s] : r.backward_ops) ops.push_back({{"name", name}, {"pass", "backward"}, {"time", summary_json(s)}});
   j["operators"] = ops;
+  j["exchange_bytes"] = {{"forward", r.forward_put_bytes}, {"backward", r.backward_put_bytes},
+                         {"exchange", to_string(r.config.exchange)}, {"scope", r.sharded ? "this process" : "all ranks"}};
   if (r.interleaved) {
     nlohmann::json host = nlohmann::json::object();
     for (const auto& [name, s] : r.interleaved_ops) host[name] = summary_json(s);
@@ -1074,6 +1082,13 @@ std::string format_report(const RunReport& r) {
     o << "serialized backward " << ms(r.backward_time.median) << " ms (min " << ms(r.backward_time.min) << ", max "
       << ms(r.backward_time.max) << "), " << rate(r.backward_flops, r.backward_time.median)
       << busy_idle(r.serialized_backward_busy) << "\n";
+  if (r.config.ranks > 1) {
+    o << std::setprecision(2) << "exchange " << double(r.forward_put_bytes) / 1e6 << " MB forward";
+    if (r.backward) o << " + " << double(r.backward_put_bytes) / 1e6 << " MB backward";
+    o << " put to other ranks per step (" << to_string(r.config.exchange) << " exchange, dispatch "
+      << to_string(r.config.dispatch_dtype) << (r.sharded ? "; this process's rank" : "; all ranks") << ")\n"
+      << std::setprecision(1);
+  }
   if (r.sharded) {
     o << "proof    " << (r.verified_per_rank ? "each rank proved its own program against the exchanged counts (per-rank check)"
                                           : "every process verified all ranks' programs (--verify-all-ranks)")

@@ -120,6 +120,8 @@ Summary summarize(std::vector<double> samples);
 
 struct RunReport {
   LayerConfig config;
+  // Bytes the last step's puts carried to other ranks (StepResult).
+  std::int64_t forward_put_bytes = 0, backward_put_bytes = 0;
   // The CPU and its FMA peak, measured at the start of the run: every GFLOP/s
   // figure is also given as a share of peak_cores x the peak per core.
   FmaPeak peak;

@@ -129,6 +129,20 @@ void Interleaved<T>::pack_part(std::int64_t i, const LayerWeights& w, bool backw
   }
 }
 
+namespace {
+// Bytes the puts of `ranks`' programs carry to other ranks.
+std::int64_t put_bytes_to_others(const std::vector<taskflow::Program>& set, const std::vector<int>& ranks) {
+  const auto& table = taskflow::AccessTable::standard();
+  double bytes = 0;
+  for (const int r : ranks) {
+    const taskflow::Program& p = set[static_cast<std::size_t>(r)];
+    for (const auto& t : p.tasks)
+      if (taskflow::is_put(t.kind) && t.peer != p.rank) bytes += table.work(p, t).bytes;
+  }
+  return static_cast<std::int64_t>(bytes);
+}
+}  // namespace
+
 template <class T>
 void Interleaved<T>::forward(MatrixView x, std::span<const std::int32_t> forced, StepResult& res) {
   set_tokens(x);
@@ -161,6 +175,7 @@ void Interleaved<T>::forward(MatrixView x, std::span<const std::int32_t> forced,
   if (opt_.after_compile) opt_.after_compile(programs);
   auto t2 = Clock::now();
   res.forward_ops.push_back({"compile", seconds(t1, t2)});
+  res.forward_put_bytes = put_bytes_to_others(programs, local_);
   if (opt_.verify_programs) {
     const auto report = verify(programs);
     if (!report.ok) throw Error("the compiled program failed verification: " + report.error);
@@ -191,6 +206,7 @@ void Interleaved<T>::backward(MatrixView d_out, StepResult& res) {
   }
   auto b1 = Clock::now();
   res.backward_ops.push_back({"compile", seconds(b0, b1)});
+  res.backward_put_bytes = put_bytes_to_others(backward_programs, local_);
   if (opt_.verify_programs) {
     const auto report = verify(backward_programs);
     if (!report.ok) throw Error("the compiled backward program failed verification: " + report.error);

@@ -33,6 +33,12 @@ python3 -c "import json, sys; j = json.load(open(sys.argv[1])); sys.exit('serial
 # Placement as data: a placement file, uneven experts per rank, verified.
 echo '{"experts_of_rank": [[7, 0, 3], [5, 1], [2, 6, 4]]}' > "$tmp/placement.json"
 "$HPMOE" run -P 3 --backward --iters 1 --placement "$tmp/placement.json" | grep -q "bit-identical"
+# The per-rank exchange: verified, bit-identical, and fewer bytes put to other ranks.
+"$HPMOE" run -P 3 --set top_k=4 --backward --iters 1 --exchange rank > "$tmp/rank.txt"
+"$HPMOE" run -P 3 --set top_k=4 --backward --iters 1 > "$tmp/assignment.txt"
+grep -q "verify   PASS" "$tmp/rank.txt" && grep -q "bit-identical, all" "$tmp/rank.txt"
+python3 -c "import re, sys; mb = lambda f: sum(map(float, re.search(r'exchange ([0-9.]+) MB forward \+ ([0-9.]+) MB backward', open(f).read()).groups())); \
+sys.exit(not mb(sys.argv[1]) < mb(sys.argv[2]))" "$tmp/rank.txt" "$tmp/assignment.txt"
 # Load-aware placement: plan replicas of the hot expert, then run with them
 # (quota plan per step, verified, both executors bit-identical).
 "$HPMOE" plan -P 4 --set routed_experts=16 -T 128 --routing hot:0.3 --machine "$HPMOE_SOURCE_DIR/machines/cpu-local.json" \

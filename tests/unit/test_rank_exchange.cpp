@@ -280,6 +280,13 @@ TEST_P(RankExchangeExecution, IsBitIdenticalAcrossSchedulesAndMatchesTheOracle) 
   StepResult o;
   per_assignment.step(in, forced, o);
   EXPECT_TRUE(bit_identical(o.out, b.out)) << "the forward gathers exactly the rows the per-assignment exchange puts";
+  if (ranks > 1) {  // the dispatch's bytes to other ranks shrink; the combine's stay
+    EXPECT_LT(b.forward_put_bytes, o.forward_put_bytes);
+    EXPECT_LT(b.backward_put_bytes, o.backward_put_bytes);
+    EXPECT_GT(b.forward_put_bytes, 0);
+  } else {
+    EXPECT_EQ(b.forward_put_bytes + b.backward_put_bytes, 0) << "one rank puts nothing to others";
+  }
   if (dtype == DType::fp32 && !c.staged_grad_dispatch()) {
     EXPECT_TRUE(bit_identical(o.grads, b.grads)) << "fp32 dy: gate * dout either side";
   }
