@@ -6,7 +6,9 @@
 # fp8 (e4m3 + one fp32 scale per 128 channels: --dispatch-dtype fp8). The
 # DeepEP-style baseline always dispatches in fp8 (baselines.deepep) and runs
 # no decode; the fused schedule pays its decode tasks. Cross-node MB: bytes
-# leaving the nodes in the forward pass, all ranks.
+# leaving the nodes in the forward pass, all ranks. The last row of each EP
+# sends fp8 under the per-rank exchange (--exchange rank: a token once per
+# destination rank, gathered there; the combine still a row per expert).
 #   bench/dispatch_dtype_sweep.sh [build/hpmoe] [machine]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,13 +20,14 @@ layer="--preset deepseek-v3 --set shared_experts=0 --dtype bf16 --kernel-scope -
 source bench/record_header.sh
 record_header "bench/dispatch_dtype_sweep.sh $hpmoe $machine"
 echo
-echo "| EP | dispatch | serialized ms | DeepEP-style ms | fused ms, critical-path | fused ms, ratr | best fused vs serialized | best fused vs DeepEP-style | fwd cross-node MB fused / DeepEP-style |"
+echo "| EP | exchange, dispatch | serialized ms | DeepEP-style ms | fused ms, critical-path | fused ms, ratr | best fused vs serialized | best fused vs DeepEP-style | fwd cross-node MB fused / DeepEP-style |"
 echo "|---|---|---|---|---|---|---|---|---|"
 for P in 8 16 32 64; do
-  for d in layer fp8; do
-    "$hpmoe" simulate --machine "$machine" $layer -P "$P" --dispatch-dtype "$d" --backward --schedule ratr --json "$tmp/r.json" > /dev/null
-    "$hpmoe" simulate --machine "$machine" $layer -P "$P" --dispatch-dtype "$d" --backward --schedule critical-path --json "$tmp/c.json" > /dev/null
-    python3 - "$tmp/r.json" "$tmp/c.json" "$P" "$d" <<'PY'
+  for xd in assignment/layer assignment/fp8 rank/fp8; do
+    x=${xd%/*} d=${xd#*/}
+    "$hpmoe" simulate --machine "$machine" $layer -P "$P" --exchange "$x" --dispatch-dtype "$d" --backward --schedule ratr --json "$tmp/r.json" > /dev/null
+    "$hpmoe" simulate --machine "$machine" $layer -P "$P" --exchange "$x" --dispatch-dtype "$d" --backward --schedule critical-path --json "$tmp/c.json" > /dev/null
+    python3 - "$tmp/r.json" "$tmp/c.json" "$P" "$x, $d" <<'PY'
 import json, sys
 r, c, P, d = json.load(open(sys.argv[1])), json.load(open(sys.argv[2])), sys.argv[3], sys.argv[4]
 tot = lambda j, k: (j["forward"][k] + j["backward"][k]) * 1e3
