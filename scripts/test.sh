@@ -88,7 +88,7 @@ if [ "${HPMOE_SKIP_SANITIZERS:-0}" != 1 ]; then
   # (P, W, pass, policy and dtype all swept) do not already run.
   TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
     ctest --test-dir build-tsan -j "$jobs" --output-on-failure \
-      -R 'Interleaved|Serialized|WorkerActivity|Placement|ReplicaExecution|SplitExecution|Layer' \
+      -R 'Interleaved|Serialized|WorkerActivity|Placement|ReplicaExecution|SplitExecution|Layer|RankExchangeExecution' \
       -E '(Interleaved(Forward|Backward)|SerializedVsOracleSweep|SerializedBaseline)\..*_trace'
   stage "tsan tests"
 fi
