@@ -159,14 +159,25 @@ RankRoutes rank_routes(const LayerConfig& c, const Exchange& ex, std::int64_t s,
       auto& f = first_of[static_cast<std::size_t>(r.row_token[static_cast<std::size_t>(row)])];
       if (f < 0 || ex.instance_slot(i) < ex.instance_slot(f)) f = i;
     });
-    std::int64_t next = 0;
-    for (const std::int64_t i : placement.instances_of(d))
-      for (std::int64_t t = 0; t < T; ++t)
-        if (first_of[static_cast<std::size_t>(t)] == i) {
-          at[static_cast<std::size_t>(t)] = next++;
-          r.tokens.push_back(static_cast<std::int32_t>(t));
-          ++r.first[static_cast<std::size_t>(i)];
-        }
+    // A counting sort by first instance: sub-blocks in slot order, each in
+    // token order, in O(T) per destination.
+    const auto homes = placement.instances_of(d);
+    for (std::int64_t t = 0; t < T; ++t)
+      if (const std::int64_t f = first_of[static_cast<std::size_t>(t)]; f >= 0) ++r.first[static_cast<std::size_t>(f)];
+    std::vector<std::int64_t> next(homes.size());
+    std::int64_t total = 0;
+    for (std::size_t j = 0; j < homes.size(); ++j) {
+      next[j] = total;
+      total += r.first[static_cast<std::size_t>(homes[j])];
+    }
+    const std::size_t base = r.tokens.size();
+    r.tokens.resize(base + static_cast<std::size_t>(total));
+    for (std::int64_t t = 0; t < T; ++t)
+      if (const std::int64_t f = first_of[static_cast<std::size_t>(t)]; f >= 0) {
+        const std::int64_t row = next[static_cast<std::size_t>(ex.instance_slot(f))]++;
+        at[static_cast<std::size_t>(t)] = row;
+        r.tokens[base + static_cast<std::size_t>(row)] = static_cast<std::int32_t>(t);
+      }
     rows_to(d, [&](std::int64_t row, std::int64_t) {
       r.position[static_cast<std::size_t>(row)] = static_cast<std::int32_t>(at[static_cast<std::size_t>(r.row_token[static_cast<std::size_t>(row)])]);
     });
