@@ -108,20 +108,25 @@ void declare_buffers(Program& p, const LayerConfig& c, const Exchange& ex, Pass 
   add_buffer(p, BufferId::h1, recv, 2 * I, 4, local);
   add_buffer(p, BufferId::a, recv, I, elem, local);
   add_buffer(p, BufferId::y, recv, H, elem, local);
-  add_buffer(p, BufferId::comb, send, H, elem, sym);
+  const bool by_rank = c.exchange == ExchangeMode::rank;
+  if (!by_rank) add_buffer(p, BufferId::comb, send, H, elem, sym);
   add_buffer(p, BufferId::out, T, H, 4, bound);
   if (staged_in(c, Pass::forward)) add_buffer(p, BufferId::recv_staged, recv, c.dispatch_row_bytes(), 1, sym);
-  const bool by_rank = c.exchange == ExchangeMode::rank;
+  const std::int64_t list = by_rank && ex.has_rank_tokens() ? ex.token_send_offset(rank, ex.ranks()) : 0;
   if (by_rank) {
     if (!ex.has_rank_tokens())
       throw Error("the per-rank exchange needs each source's token count per destination rank (rank_token_counts); "
                   "this exchange was built from expert counts alone");
     const std::int64_t blocks = ex.token_recv_rows(rank);
-    add_buffer(p, BufferId::rank_token, ex.token_send_offset(rank, ex.ranks()), 1, 4, local);
+    add_buffer(p, BufferId::rank_token, list, 1, 4, local);
     add_buffer(p, BufferId::rank_route, send, 2, 4, local);
     if (c.staged_dispatch()) add_buffer(p, BufferId::recv_tok, blocks, c.dispatch_row_bytes(), 1, sym);
     else add_buffer(p, BufferId::recv_tok, blocks, H, elem, sym);
     add_buffer(p, BufferId::recv_route, recv, 2, 4, sym);
+    add_buffer(p, BufferId::rank_comb, list, 2 * K, 4, local);
+    add_buffer(p, BufferId::recv_comb, blocks, 2 * K, 4, sym);
+    add_buffer(p, BufferId::comb_rank, list, H, elem, sym);
+    add_buffer(p, BufferId::rank_slot, T, c.ranks, 8, local);
   }
   if (shared) {
     add_buffer(p, BufferId::sh_h, T, 2 * Is, 4, local);
@@ -146,7 +151,12 @@ void declare_buffers(Program& p, const LayerConfig& c, const Exchange& ex, Pass 
   add_buffer(p, BufferId::dhp, kpad, panel_width(2 * I), elem, local, Layout::panels);
   add_buffer(p, BufferId::xt, H, kpad, elem, local);
   add_buffer(p, BufferId::dw1, L * H, 2 * I, 4, bound);
-  add_buffer(p, BufferId::dcomb, send, H, elem, sym);
+  if (by_rank) {
+    add_buffer(p, BufferId::gw_rank, list, K, 4, sym);
+    add_buffer(p, BufferId::dcomb_rank, list, H, elem, sym);
+  } else {
+    add_buffer(p, BufferId::dcomb, send, H, elem, sym);
+  }
   if (staged_in(c, Pass::backward)) add_buffer(p, BufferId::dy_staged, recv, 2 * H, 1, sym);
   if (by_rank) {
     if (c.staged_grad_dispatch()) add_buffer(p, BufferId::dy_tok, ex.token_recv_rows(rank), 2 * H, 1, sym);
@@ -189,7 +199,8 @@ bool staged_in(const LayerConfig& c, Pass pass) {
 
 EventBases event_bases(const LayerConfig& c, const Exchange& ex, Pass pass, std::int64_t rank) {
   return EventBases(pass, ex.row_tiles(rank), ex.placement().local_count(rank), ceil_div(c.tokens_per_rank, ex.tile_rows()),
-                    staged_in(c, pass), c.exchange == ExchangeMode::rank ? c.ranks * ex.placement().local_count(rank) : 0);
+                    staged_in(c, pass), c.exchange == ExchangeMode::rank ? c.ranks * ex.placement().local_count(rank) : 0,
+                    c.exchange == ExchangeMode::rank);
 }
 
 namespace {
@@ -227,6 +238,10 @@ void puts_to_experts(const LayerConfig& c, const Exchange& ex, std::int64_t tile
                         .row_begin = ex.expert_start(i) + ex.source_offset(rank, i), .rows = ex.count(rank, i),
                         .col_begin = 0, .cols = 2, .src_row = ex.send_offset(rank, i), .trigger_event = slot_event});
       }
+      if (forward)  // the combine list of the block, counted with its first sub-block
+        emit(TaskSpec{.kind = TaskKind::combine_route_put, .src = BufferId::rank_comb, .dst = BufferId::recv_comb, .peer = d,
+                      .row_begin = ex.token_start(rank, d), .rows = ex.rank_tokens(rank, d), .col_begin = 0,
+                      .cols = 2 * c.top_k, .src_row = ex.token_send_offset(rank, d), .trigger_event = tok});
     }
     return;
   }
@@ -279,12 +294,48 @@ void gathers_of_tile(const LayerConfig& c, const Exchange& ex, const Program& p,
 // Puts of `rank`'s expert outputs (forward) or their input gradients
 // (backward) back to each source (only `only_source` when it is >= 0), split
 // at this rank's row tiles; each piece waits for the one tile it reads
-// (wait_base: the first of those events, -1 for pieces that wait for nothing).
-template <class Emit>
+// (wait_base: the first of those events, -1 for pieces that wait for nothing;
+// the per-rank combine's pieces wait for events whose counts
+// wait_count_of(event) gives).
+// Which of the per-rank combine's return puts to make.
+enum class ReturnPuts { all, gate_grads, sums };
+
+template <class Emit, class Required>
 void puts_to_sources(const LayerConfig& c, const Exchange& ex, std::int64_t tile_rows, Pass pass, std::int64_t rank,
-                     std::int64_t only_source, std::int64_t wait_base, std::int64_t wait_count, Emit&& emit) {
+                     std::int64_t only_source, std::int64_t wait_base, std::int64_t wait_count, Required&& wait_count_of,
+                     Emit&& emit, ReturnPuts which = ReturnPuts::all) {
   const bool forward = pass == Pass::forward;
   const std::int64_t TR = tile_rows;
+  if (c.exchange == ExchangeMode::rank) {
+    // One row per (token, rank): each source's block in pieces of a tile's
+    // rows, once every expert here is done (the sums read any of its rows);
+    // in the backward also the block's gate gradients, once its dy block
+    // (all sub-blocks) has arrived.
+    const EventBases own = event_bases(c, ex, pass, rank);
+    const std::int64_t L = ex.placement().local_count(rank);
+    for (std::int64_t s = 0; s < ex.ranks(); ++s) {
+      const std::int64_t n = ex.rank_tokens(s, rank);
+      if (n == 0 || (only_source >= 0 && s != only_source)) continue;
+      const EventBases source_events = event_bases(c, ex, pass, s);
+      for (std::int64_t r = 0; r < n; r += TR) {
+        const std::int64_t rows = std::min(TR, n - r), at = ex.token_send_offset(s, rank) + r, from = ex.token_start(s, rank) + r;
+        if (!forward && which != ReturnPuts::sums) {
+          const std::int64_t block = own.tok + s * L + L - 1;
+          emit(TaskSpec{.kind = TaskKind::gate_grad_put, .src = BufferId::dy_tok, .dst = BufferId::gw_rank, .peer = s,
+                        .row_begin = at, .rows = rows, .col_begin = 0, .cols = c.top_k, .src_row = from,
+                        .wait_event = wait_base < 0 ? -1 : block, .wait_count = wait_base < 0 ? 0 : wait_count_of(block),
+                        .trigger_event = source_events.gw_done});
+        }
+        if (which == ReturnPuts::gate_grads) continue;
+        emit(TaskSpec{.kind = forward ? TaskKind::combine_rank_put : TaskKind::grad_combine_rank_put,
+                      .src = forward ? BufferId::y : BufferId::dxe, .dst = forward ? BufferId::comb_rank : BufferId::dcomb_rank,
+                      .peer = s, .row_begin = at, .rows = rows, .col_begin = 0, .cols = c.hidden, .src_row = from,
+                      .wait_event = wait_base < 0 ? -1 : own.experts_done,
+                      .wait_count = wait_base < 0 ? 0 : wait_count_of(own.experts_done), .trigger_event = forward ? source_events.comb_done : source_events.dx_ready});
+      }
+    }
+    return;
+  }
   for (const std::int64_t i : ex.placement().instances_of(rank)) {
     const std::int64_t e = ex.placement().instance_expert(i);
     for (std::int64_t s = 0; s < ex.ranks(); ++s) {
@@ -340,6 +391,7 @@ void program_header(Program& p, const LayerConfig& c, const Exchange& ex, const 
   // reduction per split expert this rank's tokens chose.
   p.reductions.clear();
   for (const auto& sp : placement.splits()) {
+    if (c.exchange == ExchangeMode::rank) break;  // the per-rank combine sums the parts on their ranks
     const std::int64_t first = placement.first_instance(sp.expert), n = ex.count(rank, first);
     if (n > 0)
       p.reductions.push_back(Reduction{static_cast<std::int32_t>(sp.expert), static_cast<std::int32_t>(placement.parts(sp.expert)),
@@ -367,7 +419,7 @@ void interface_puts(const LayerConfig& c, const Exchange& ex, std::int64_t tile_
                        i32(s.rows), i32(s.col_begin), i32(s.cols), i32(s.src_row), -1, 0, i32(s.trigger_event)});
   };
   puts_to_experts(c, ex, tile_rows, pass, from, to, add);
-  puts_to_sources(c, ex, tile_rows, pass, from, to, -1, 0, add);
+  puts_to_sources(c, ex, tile_rows, pass, from, to, -1, 0, [](std::int64_t) { return std::int64_t{0}; }, add);
 }
 
 void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machine& m, Pass pass, std::int64_t rank) {
@@ -404,7 +456,8 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
       for (std::int64_t j = 0; j < L; ++j) {
         const std::int64_t i = homes[static_cast<std::size_t>(j)];
         const std::int64_t pieces = ceil_div(ex.first_tokens(s, i), TR), routes = pass == Pass::forward && ex.count(s, i) > 0;
-        b.event(ev.tok + s * L + j, static_cast<std::int32_t>(pieces + routes + (j > 0)),
+        const std::int64_t list = pass == Pass::forward && j == 0;  // the block's combine list
+        b.event(ev.tok + s * L + j, static_cast<std::int32_t>(pieces + routes + list + (j > 0)),
                 j + 1 < L ? relay : pass == Pass::forward ? TaskKind::dispatch_gather : TaskKind::grad_dispatch_gather,
                 mine[static_cast<std::size_t>(j)], -1);
       }
@@ -424,6 +477,15 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
     }
   };
 
+  // The per-rank combine: the pieces every rank returns to this one (one
+  // per tile of rows of each block this rank sent), and the count an event
+  // completes at.
+  const auto rank_pieces_into = [&] {
+    std::int64_t n = 0;
+    for (std::int64_t d = 0; d < c.ranks; ++d) n += ceil_div(ex.rank_tokens(rank, d), TR);
+    return n;
+  };
+  const auto required = [&](std::int64_t event) { return std::int64_t{p.events[static_cast<std::size_t>(event)].required}; };
   const auto gathers = [&](std::int64_t home, std::int64_t tile) {
     if (by_rank) gathers_of_tile(c, ex, p, pass, rank, home, tile, ev, emit);
   };
@@ -452,12 +514,13 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
         }
         b.event(ev.h + tb + i, static_cast<std::int32_t>(n_gate_up), TaskKind::swiglu, e, i);
         b.event(ev.a + tb + i, 1, TaskKind::gemm_down, e, i);
-        b.event(ev.y + tb + i, static_cast<std::int32_t>(n_down), TaskKind::combine_put, e, i);
+        if (!by_rank) b.event(ev.y + tb + i, static_cast<std::int32_t>(n_down), TaskKind::combine_put, e, i);
       }
     }
+    if (by_rank) b.event(ev.experts_done, static_cast<std::int32_t>(ex.row_tiles(rank) * n_down), TaskKind::combine_rank_put, -1, -1);
     b.event(ev.comb_done,
-            static_cast<std::int32_t>(ex.pieces_into(rank) + (shared ? token_tiles * n_down : 0)),
-            p.reductions.empty() ? TaskKind::combine_reduce : TaskKind::part_reduce, -1, -1);
+            static_cast<std::int32_t>((by_rank ? rank_pieces_into() : ex.pieces_into(rank)) + (shared ? token_tiles * n_down : 0)),
+            by_rank ? TaskKind::combine_rank_reduce : p.reductions.empty() ? TaskKind::combine_reduce : TaskKind::part_reduce, -1, -1);
     b.event(ev.reduced, static_cast<std::int32_t>(part_reduces(TaskKind::part_reduce, BufferId::comb, ev.comb_done, false)),
             TaskKind::combine_reduce, -1, -1);
     if (shared)
@@ -494,11 +557,11 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
         });
         b.task({.kind = TaskKind::swiglu, .src = BufferId::h1, .dst = BufferId::a, .expert = e, .row_begin = row0, .rows = rows, .col_begin = 0, .cols = Ie, .src_row = row0, .wait_event = ev.h + tb + i, .wait_count = n_gate_up, .trigger_event = ev.a + tb + i});
         b.gemm_tiles(rows, H, [&](std::int64_t, std::int64_t, std::int64_t j, std::int64_t n) {
-          b.task({.kind = TaskKind::gemm_down, .src = BufferId::a, .dst = BufferId::y, .expert = e, .row_begin = row0, .rows = rows, .col_begin = j, .cols = n, .src_row = row0, .wait_event = ev.a + tb + i, .wait_count = 1, .trigger_event = ev.y + tb + i});
+          b.task({.kind = TaskKind::gemm_down, .src = BufferId::a, .dst = BufferId::y, .expert = e, .row_begin = row0, .rows = rows, .col_begin = j, .cols = n, .src_row = row0, .wait_event = ev.a + tb + i, .wait_count = 1, .trigger_event = by_rank ? ev.experts_done : ev.y + tb + i});
         });
       }
     }
-    puts_to_sources(c, ex, TR, pass, rank, -1, ev.y, n_down, emit);
+    puts_to_sources(c, ex, TR, pass, rank, -1, ev.y, n_down, required, emit);
     part_reduces(TaskKind::part_reduce, BufferId::comb, ev.comb_done, true);
     // A reduce tile reads its tokens' rows by slot, scattered over every
     // expert's returned rows; counts alone do not say which pieces hold them,
@@ -507,7 +570,7 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
     const std::int64_t combined = p.reductions.empty() ? ev.comb_done : ev.reduced;
     for (std::int64_t t = 0; t < token_tiles; ++t) {
       const std::int64_t rows = std::min(TR, T - t * TR);
-      b.task({.kind = TaskKind::combine_reduce, .src = BufferId::comb, .dst = BufferId::out, .row_begin = t * TR, .rows = rows, .col_begin = 0, .cols = H, .src_row = t * TR, .wait_event = combined, .wait_count = p.events[static_cast<std::size_t>(combined)].required});
+      b.task({.kind = by_rank ? TaskKind::combine_rank_reduce : TaskKind::combine_reduce, .src = by_rank ? BufferId::comb_rank : BufferId::comb, .dst = BufferId::out, .row_begin = t * TR, .rows = rows, .col_begin = 0, .cols = H, .src_row = t * TR, .wait_event = combined, .wait_count = p.events[static_cast<std::size_t>(combined)].required});
     }
     return;
   }
@@ -528,7 +591,7 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
       }
       b.event(ev.da + tb + i, static_cast<std::int32_t>(n_inter), TaskKind::swiglu_bwd, e, i);
       b.event(ev.dh + tb + i, 1, TaskKind::gemm_gate_up_dgrad, e, i);
-      b.event(ev.dxe + tb + i, static_cast<std::int32_t>(n_down), TaskKind::grad_combine_put, e, i);
+      if (!by_rank) b.event(ev.dxe + tb + i, static_cast<std::int32_t>(n_down), TaskKind::grad_combine_put, e, i);
     }
     b.event(ev.dy_packed + le, static_cast<std::int32_t>(tiles), TaskKind::gemm_down_wgrad, e, -1);
     b.event(ev.dh_packed + le, static_cast<std::int32_t>(tiles), TaskKind::gemm_gate_up_wgrad, e, -1);
@@ -543,16 +606,27 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
     b.event(ev.sh_dout_packed, static_cast<std::int32_t>(token_tiles), TaskKind::shared_down_wgrad, -1, -1);
     b.event(ev.sh_dh_packed, static_cast<std::int32_t>(token_tiles), TaskKind::shared_gate_up_wgrad, -1, -1);
   }
-  b.event(ev.dx_ready, static_cast<std::int32_t>(ex.pieces_into(rank) + n_router_dgrad + n_shared_dgrad),
-          p.reductions.empty() ? TaskKind::grad_reduce : TaskKind::grad_part_reduce, -1, -1);
+  if (by_rank) {
+    b.event(ev.experts_done, static_cast<std::int32_t>(ex.row_tiles(rank) * n_down), TaskKind::grad_combine_rank_put, -1, -1);
+    b.event(ev.gw_done, static_cast<std::int32_t>(rank_pieces_into()), TaskKind::gate_grad_gather, -1, -1);
+  }
+  b.event(ev.dx_ready, static_cast<std::int32_t>((by_rank ? rank_pieces_into() : ex.pieces_into(rank)) + n_router_dgrad + n_shared_dgrad),
+          by_rank ? TaskKind::grad_rank_reduce : p.reductions.empty() ? TaskKind::grad_reduce : TaskKind::grad_part_reduce, -1, -1);
   b.event(ev.reduced, static_cast<std::int32_t>(part_reduces(TaskKind::grad_part_reduce, BufferId::dcomb, ev.dx_ready, false)),
           TaskKind::grad_reduce, -1, -1);
 
   puts_to_experts(c, ex, TR, pass, rank, -1, emit);
-  // Router: gate-weight gradients, logits gradients, then its GEMMs.
+  // Router: gate-weight gradients, logits gradients, then its GEMMs. Under
+  // the per-rank combine the gate gradients come back from the experts'
+  // ranks (and this rank's own puts of them are generated after the expert
+  // work): the router follows them.
+  const auto router = [&] {
   for (std::int64_t t = 0; t < token_tiles; ++t) {
     const std::int64_t rows = std::min(TR, T - t * TR);
-    b.task({.kind = TaskKind::gate_grad, .src = BufferId::comb, .dst = BufferId::gw, .row_begin = t * TR, .rows = rows, .col_begin = 0, .cols = c.top_k, .src_row = t * TR, .trigger_event = ev.gw + t});
+    if (by_rank)  // the gate gradients come back from the experts' ranks
+      b.task({.kind = TaskKind::gate_grad_gather, .src = BufferId::gw_rank, .dst = BufferId::gw, .row_begin = t * TR, .rows = rows, .col_begin = 0, .cols = c.top_k, .src_row = t * TR, .wait_event = ev.gw_done, .wait_count = required(ev.gw_done), .trigger_event = ev.gw + t});
+    else
+      b.task({.kind = TaskKind::gate_grad, .src = BufferId::comb, .dst = BufferId::gw, .row_begin = t * TR, .rows = rows, .col_begin = 0, .cols = c.top_k, .src_row = t * TR, .trigger_event = ev.gw + t});
     b.task({.kind = TaskKind::router_bwd, .src = BufferId::gw, .dst = BufferId::dlogits, .row_begin = t * TR, .rows = rows, .col_begin = 0, .cols = E, .src_row = t * TR, .wait_event = ev.gw + t, .wait_count = 1, .trigger_event = ev.dl_all});
   }
   b.gemm_tiles(T, H, [&](std::int64_t i, std::int64_t rows, std::int64_t j, std::int64_t n) {
@@ -561,6 +635,8 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
   b.weight_tiles(H, E, [&](std::int64_t i, std::int64_t rows, std::int64_t j, std::int64_t n) {
     b.task({.kind = TaskKind::router_wgrad, .src = BufferId::xtf, .dst = BufferId::dwg, .row_begin = i, .rows = rows, .col_begin = j, .cols = n, .src_row = 0, .wait_event = ev.dl_all, .wait_count = token_tiles});
   });
+  };
+  if (!by_rank) router();
   if (shared) {
     for (std::int64_t t = 0; t < token_tiles; ++t) {
       const std::int64_t rows = std::min(TR, T - t * TR);
@@ -599,7 +675,7 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
       b.task({.kind = TaskKind::pack_down_grad, .src = BufferId::dy, .dst = BufferId::dyp, .expert = e, .row_begin = row0, .rows = rows, .col_begin = 0, .cols = H, .src_row = row0, .wait_event = ev.dy + tb + i, .wait_count = arrivals, .trigger_event = ev.dy_packed + le});
       b.task({.kind = TaskKind::swiglu_bwd, .src = BufferId::da, .dst = BufferId::dh, .expert = e, .row_begin = row0, .rows = rows, .col_begin = 0, .cols = 2 * Ie, .src_row = row0, .wait_event = ev.da + tb + i, .wait_count = n_inter, .trigger_event = ev.dh + tb + i});
       b.gemm_tiles(rows, H, [&](std::int64_t, std::int64_t, std::int64_t j, std::int64_t n) {
-        b.task({.kind = TaskKind::gemm_gate_up_dgrad, .src = BufferId::dh, .dst = BufferId::dxe, .expert = e, .row_begin = row0, .rows = rows, .col_begin = j, .cols = n, .src_row = row0, .wait_event = ev.dh + tb + i, .wait_count = 1, .trigger_event = ev.dxe + tb + i});
+        b.task({.kind = TaskKind::gemm_gate_up_dgrad, .src = BufferId::dh, .dst = BufferId::dxe, .expert = e, .row_begin = row0, .rows = rows, .col_begin = j, .cols = n, .src_row = row0, .wait_event = ev.dh + tb + i, .wait_count = 1, .trigger_event = by_rank ? ev.experts_done : ev.dxe + tb + i});
       });
       b.task({.kind = TaskKind::pack_gate_up_grad, .src = BufferId::dh, .dst = BufferId::dhp, .expert = e, .row_begin = row0, .rows = rows, .col_begin = 0, .cols = 2 * Ie, .src_row = row0, .wait_event = ev.dh + tb + i, .wait_count = 1, .trigger_event = ev.dh_packed + le});
     }
@@ -611,12 +687,18 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
       b.task({.kind = TaskKind::gemm_gate_up_wgrad, .src = BufferId::xt, .dst = BufferId::dw1, .expert = e, .row_begin = le * H + i, .rows = rows, .col_begin = j, .cols = n, .src_row = start, .wait_event = ev.dh_packed + le, .wait_count = tiles});
     });
   }
-  puts_to_sources(c, ex, TR, pass, rank, -1, ev.dxe, n_down, emit);
+  if (by_rank) {
+    puts_to_sources(c, ex, TR, pass, rank, -1, ev.dxe, n_down, required, emit, ReturnPuts::gate_grads);
+    router();
+    puts_to_sources(c, ex, TR, pass, rank, -1, ev.dxe, n_down, required, emit, ReturnPuts::sums);
+  } else {
+    puts_to_sources(c, ex, TR, pass, rank, -1, ev.dxe, n_down, required, emit);
+  }
   part_reduces(TaskKind::grad_part_reduce, BufferId::dcomb, ev.dx_ready, true);
   const std::int64_t assembled = p.reductions.empty() ? ev.dx_ready : ev.reduced;
   for (std::int64_t t = 0; t < token_tiles; ++t) {
     const std::int64_t rows = std::min(TR, T - t * TR);
-    b.task({.kind = TaskKind::grad_reduce, .src = BufferId::dcomb, .dst = BufferId::dx, .row_begin = t * TR, .rows = rows, .col_begin = 0, .cols = H, .src_row = t * TR, .wait_event = assembled, .wait_count = p.events[static_cast<std::size_t>(assembled)].required});
+    b.task({.kind = by_rank ? TaskKind::grad_rank_reduce : TaskKind::grad_reduce, .src = by_rank ? BufferId::dcomb_rank : BufferId::dcomb, .dst = BufferId::dx, .row_begin = t * TR, .rows = rows, .col_begin = 0, .cols = H, .src_row = t * TR, .wait_event = assembled, .wait_count = p.events[static_cast<std::size_t>(assembled)].required});
   }
 }
 

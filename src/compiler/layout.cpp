@@ -146,6 +146,7 @@ RankRoutes rank_routes(const LayerConfig& c, const Exchange& ex, std::int64_t s,
   // Each token's first instance on each destination (lowest slot), then
   // the destination's block: sub-block by sub-block, each in token order.
   r.first.assign(static_cast<std::size_t>(N), 0);
+  r.list_slot.assign(static_cast<std::size_t>(T * P), -1);
   r.position.assign(static_cast<std::size_t>(send), -1);
   std::vector<std::int64_t> first_of(static_cast<std::size_t>(T)), at(static_cast<std::size_t>(T));
   const auto rows_to = [&](std::int64_t d, auto&& fn) {  // fn(send row, its instance) for every row s sends to d
@@ -178,8 +179,16 @@ RankRoutes rank_routes(const LayerConfig& c, const Exchange& ex, std::int64_t s,
         at[static_cast<std::size_t>(t)] = row;
         r.tokens[base + static_cast<std::size_t>(row)] = static_cast<std::int32_t>(t);
       }
-    rows_to(d, [&](std::int64_t row, std::int64_t) {
-      r.position[static_cast<std::size_t>(row)] = static_cast<std::int32_t>(at[static_cast<std::size_t>(r.row_token[static_cast<std::size_t>(row)])]);
+    r.comb_row.resize(r.tokens.size() * static_cast<std::size_t>(K), -1);
+    for (std::size_t j = base; j < r.tokens.size(); ++j)
+      r.list_slot[static_cast<std::size_t>(r.tokens[j] * P + d)] = static_cast<std::int64_t>(j);
+    rows_to(d, [&](std::int64_t row, std::int64_t i) {
+      const std::int64_t list_row = at[static_cast<std::size_t>(r.row_token[static_cast<std::size_t>(row)])];
+      r.position[static_cast<std::size_t>(row)] = static_cast<std::int32_t>(list_row);
+      // The row this send row fills on d, for the sum there of the token's choices.
+      const std::int64_t k = r.row_assign[static_cast<std::size_t>(row)] % K;
+      r.comb_row[(base + static_cast<std::size_t>(list_row)) * static_cast<std::size_t>(K) + static_cast<std::size_t>(k)] =
+          static_cast<std::int32_t>(ex.expert_start(i) + ex.source_offset(s, i) + (row - ex.send_offset(s, i)));
     });
   }
   return r;
@@ -270,7 +279,7 @@ template RoutingCounts routing_counts<float>(const LayerConfig&, const RouterOut
 template RoutingCounts routing_counts<double>(const LayerConfig&, const RouterOutput<double>&);
 
 EventBases::EventBases(Pass pass, std::int64_t row_tiles, std::int64_t local, std::int64_t token_tiles, bool staged_dispatch,
-                       std::int64_t token_sources) {
+                       std::int64_t token_sources, bool by_rank) {
   std::int64_t next = 0;
   auto take = [&](std::int64_t n) {
     const std::int64_t at = next;
@@ -305,6 +314,8 @@ EventBases::EventBases(Pass pass, std::int64_t row_tiles, std::int64_t local, st
     staged = take(staged_dispatch ? row_tiles : 0);
   }
   tok = take(token_sources);
+  experts_done = take(by_rank ? 1 : 0);
+  gw_done = take(by_rank && pass == Pass::backward ? 1 : 0);
   total = next;
 }
 

@@ -120,6 +120,11 @@ struct RankRoutes {
   std::vector<std::int32_t> tokens;      // [token_send_offset(s, P)]
   std::vector<std::int32_t> position;    // [send_rows]
   std::vector<std::int64_t> first;       // [N] tokens whose first instance on its rank is i
+  // The per-rank combine: for each row of the token list, the row each of
+  // the token's K choices fills on the list's destination (-1: elsewhere or
+  // dropped); for each token and rank, its row in the list (-1: none).
+  std::vector<std::int32_t> comb_row;    // [token list rows * K]
+  std::vector<std::int64_t> list_slot;   // [T * P]
 };
 // slot: the send row of each of s's assignments (send_slots, -1 dropped);
 // expert: their experts. `tokens` and `position` need the exchange's rank
@@ -139,14 +144,18 @@ struct EventBases {
   // staged: the pass's dispatch is encoded (staged_in), its pieces land in
   // `staged` tiles and a decode per tile fills `recv` (backward: `dy`).
   // token_sources: the per-rank exchange's (source, local slot) pairs (P L;
-  // 0 without it): `tok` + s L + j completes once s's sub-blocks 0..j and
+  // 0 without it; by_rank: it is in use): `tok` + s L + j completes once s's sub-blocks 0..j and
   // its routes for slot j have arrived.
   EventBases(Pass, std::int64_t row_tiles, std::int64_t local, std::int64_t token_tiles, bool staged,
-             std::int64_t token_sources = 0);
+             std::int64_t token_sources = 0, bool by_rank = false);
   // forward
   std::int64_t recv = 0, h = 0, a = 0, y = 0, comb_done = 0, sh_h = 0, sh_a = 0, staged = 0;
   // both passes, the per-rank exchange: source s's sub-blocks up to a slot (and routes) arrived
   std::int64_t tok = 0;
+  // both passes, the per-rank combine: every expert's output rows written
+  // (forward Y, backward DXE), which the sums per (token, rank) wait for;
+  // backward: every rank's gate gradients of this rank's tokens arrived
+  std::int64_t experts_done = 0, gw_done = 0;
   // both passes: the split experts' partial rows reduced (part_reduce tasks)
   std::int64_t reduced = 0;
   // backward

@@ -33,6 +33,10 @@ std::pair<TaskKind, TaskKind> remote_consumers(TaskKind put) {
     case TaskKind::dispatch_token_put:
     case TaskKind::dispatch_route_put: return {TaskKind::dispatch_gather, TaskKind::dispatch_gather};
     case TaskKind::grad_dispatch_token_put: return {TaskKind::grad_dispatch_gather, TaskKind::grad_dispatch_gather};
+    case TaskKind::combine_route_put: return {TaskKind::combine_rank_put, TaskKind::combine_rank_put};
+    case TaskKind::combine_rank_put: return {TaskKind::combine_rank_reduce, TaskKind::combine_rank_reduce};
+    case TaskKind::gate_grad_put: return {TaskKind::gate_grad_gather, TaskKind::gate_grad_gather};
+    case TaskKind::grad_combine_rank_put: return {TaskKind::grad_rank_reduce, TaskKind::grad_rank_reduce};
     default: return {TaskKind::grad_reduce, TaskKind::grad_part_reduce};
   }
 }
@@ -97,7 +101,9 @@ std::vector<std::int32_t> interleave_weight_gradients(const Program& p) {
     if (is_expert_chain(t.kind)) chain[le].push_back(i);
     else if (is_wgrad(t.kind)) wgrad[le].push_back(i);
     else if (t.kind == TaskKind::grad_combine_put) puts[le].push_back(i);
-    else if (t.kind == TaskKind::grad_reduce || t.kind == TaskKind::grad_part_reduce) tail.push_back(i);
+    else if (t.kind == TaskKind::grad_reduce || t.kind == TaskKind::grad_part_reduce || t.kind == TaskKind::grad_rank_reduce ||
+             t.kind == TaskKind::grad_combine_rank_put)
+      tail.push_back(i);
     else head.push_back(i);
   }
   std::vector<std::int32_t> order = head;
@@ -175,7 +181,7 @@ std::vector<std::int32_t> ratr_order(const Program& p) {
   for (std::int64_t i = 0; i < static_cast<std::int64_t>(p.tasks.size()); ++i) {
     const TaskKind k = p.tasks[static_cast<std::size_t>(i)].kind;
     if (k == TaskKind::combine_reduce || k == TaskKind::grad_reduce || k == TaskKind::part_reduce ||
-        k == TaskKind::grad_part_reduce) {
+        k == TaskKind::grad_part_reduce || k == TaskKind::combine_rank_reduce || k == TaskKind::grad_rank_reduce) {
       tail = i;
       break;
     }

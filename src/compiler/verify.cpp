@@ -39,11 +39,13 @@ std::string describe_event(const Program& p, std::int32_t ev) {
 bool is_input(Pass pass, BufferId b) {
   switch (b) {
     case BufferId::x: case BufferId::xf: case BufferId::slot: case BufferId::gate: case BufferId::send_token:
-    case BufferId::send_assign: case BufferId::rank_token: case BufferId::rank_route:
+    case BufferId::send_assign: case BufferId::rank_token: case BufferId::rank_route: case BufferId::rank_comb:
+    case BufferId::rank_slot:
       return true;
     case BufferId::recv: case BufferId::h1: case BufferId::a: case BufferId::y: case BufferId::comb:
     case BufferId::out: case BufferId::sh_h: case BufferId::sh_a: case BufferId::sh_y: case BufferId::dout:
     case BufferId::sh_dout: case BufferId::logits: case BufferId::recv_tok: case BufferId::recv_route:
+    case BufferId::recv_comb: case BufferId::comb_rank:
       return pass == Pass::backward;
     default:
       return false;
@@ -127,9 +129,13 @@ TaskKind remote_consumer(TaskKind put) {
     case TaskKind::dispatch_cast_put: return TaskKind::dispatch_decode;
     case TaskKind::grad_dispatch_put: return TaskKind::gemm_down_dgrad;
     case TaskKind::grad_dispatch_cast_put: return TaskKind::grad_dispatch_decode;
-    case TaskKind::dispatch_token_put: case TaskKind::dispatch_route_put: return TaskKind::dispatch_gather;
+    case TaskKind::dispatch_token_put: case TaskKind::dispatch_route_put: case TaskKind::combine_route_put:
+      return TaskKind::dispatch_gather;
     case TaskKind::grad_dispatch_token_put: return TaskKind::grad_dispatch_gather;
     case TaskKind::combine_put: return TaskKind::combine_reduce;
+    case TaskKind::combine_rank_put: return TaskKind::combine_rank_reduce;
+    case TaskKind::gate_grad_put: return TaskKind::gate_grad_gather;
+    case TaskKind::grad_combine_rank_put: return TaskKind::grad_rank_reduce;
     default: return TaskKind::grad_reduce;
   }
 }
@@ -138,8 +144,13 @@ std::int8_t put_level(TaskKind put) {
   switch (put) {
     case TaskKind::dispatch_put: case TaskKind::dispatch_cast_put: case TaskKind::grad_dispatch_put:
     case TaskKind::grad_dispatch_cast_put: case TaskKind::dispatch_token_put: case TaskKind::dispatch_route_put:
-    case TaskKind::grad_dispatch_token_put:
+    case TaskKind::grad_dispatch_token_put: case TaskKind::combine_route_put:
       return 0;
+    // The per-rank combine's backward returns twice: the gate gradients
+    // (which the router, and so dx, wait for) at level 1, the dx sums,
+    // which may be queued after the router, at level 2.
+    case TaskKind::grad_combine_rank_put:
+      return 2;
     default:
       return 1;
   }

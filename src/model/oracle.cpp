@@ -194,7 +194,11 @@ OracleResult oracle(const LayerConfig& c, const Weights& w, const Inputs& in, co
       if (!r.routing.kept[a]) continue;
       const auto ex = r.routing.expert[a];
       for (std::int64_t o = 0; o < hidden; ++o) {
-        d_weight[j] += double(dout[o]) * expert_act[j].y[o];
+        // Under the per-rank exchange the expert's rank computes it from
+        // the token's dout as it travelled (bf16 where the backward's
+        // dispatch is).
+        const double dout_sent = grad_in_bf16 && c.exchange == ExchangeMode::rank ? round_to_bf16(static_cast<float>(dout[o])) : double(dout[o]);
+        d_weight[j] += dout_sent * expert_act[j].y[o];
         dy[o] = r.routing.weight[a] * double(dout[o]);
         // Sent to the expert in bf16 (an fp32 layer's encoded backward
         // dispatch): the runtime's product in fp32, rounded; under the

@@ -67,6 +67,9 @@ enum class Extent : std::uint8_t {
   // a token row of the per-rank exchange as it travels (the pass's token
   // buffer: RECV_TOK forward, DY_TOK backward): its columns, its bytes
   token_cols, token_row_bytes,
+  // the per-rank combine: the ranks; all rows a rank receives; the rows of
+  // the rank's own token list (its COMB_RANK rows); a combine-list row (2 K words)
+  ranks, recv_rows, token_list, top_k2,
 };
 
 struct OperandRule {
@@ -203,6 +206,13 @@ inline std::int64_t AccessTable::extent(const Program& p, const Task& t, Extent 
       if (!b) return 0;
       return e == Extent::token_cols ? b->cols : b->cols * b->elem_bytes;
     }
+    case Extent::ranks: return p.ranks;
+    case Extent::recv_rows: return p.expert_begin.empty() ? 0 : p.expert_begin.back();
+    case Extent::token_list: {
+      const BufferLayout* b = p.buffer(BufferId::rank_token);
+      return b ? b->rows : 0;
+    }
+    case Extent::top_k2: return 2 * d.top_k;
     case Extent::inter: return d.inter;
     case Extent::inter2: return 2 * d.inter;
     case Extent::shared_inter: return d.shared_inter;

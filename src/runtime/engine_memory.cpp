@@ -133,6 +133,18 @@ void Interleaved<T>::prepare_forward(StepResult& res) {
         const float g = res.routing.weight[static_cast<std::size_t>(i * T_ * K + routes.row_assign[row])];
         std::memcpy(&route[2 * row + 1], &g, sizeof g);
       }
+      // The combine lists: each list row's K receive rows on its
+      // destination, then the token's K gates; each token's list rows.
+      auto* list = base<std::int32_t>(r, BufferId::rank_comb);
+      for (std::size_t j = 0; j < routes.tokens.size(); ++j) {
+        const std::int64_t t = routes.tokens[j];
+        for (std::int64_t k = 0; k < K; ++k) {
+          const float g = res.routing.weight[static_cast<std::size_t>(i * T_ * K + t * K + k)];
+          list[static_cast<std::int64_t>(j) * 2 * K + k] = routes.comb_row[j * static_cast<std::size_t>(K) + static_cast<std::size_t>(k)];
+          std::memcpy(&list[static_cast<std::int64_t>(j) * 2 * K + K + k], &g, sizeof g);
+        }
+      }
+      std::copy(routes.list_slot.begin(), routes.list_slot.end(), base<std::int64_t>(r, BufferId::rank_slot));
     }
     if constexpr (!std::is_same_v<T, float>)
       for (std::int64_t t = 0; t < T_; ++t) kernels::store<T>(x_.row(i * T_ + t), base<T>(r, BufferId::x) + t * H, H);

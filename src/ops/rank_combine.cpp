@@ -1,0 +1,222 @@
+// The per-rank combine (LayerConfig::exchange rank): one row per (token,
+// rank) travels back instead of one per (token, expert). With its tokens
+// each source sends a destination the token's combine list: for each of its
+// K choices, the row the choice fills on the destination (-1 where the
+// choice lives elsewhere or was dropped), then the K gates. Once its
+// experts are done, the destination sums, per token of a source's block,
+// the gate-weighted expert rows in k order and puts one row into the
+// source's COMB_RANK; the source adds its ranks' rows in rank order (and
+// the shared experts' row). The backward mirrors it: the destination sums a
+// token's dx rows in k order, and computes the gate gradients (the token's
+// output gradient, which arrived once, against each expert row), because
+// the source no longer holds the expert rows to do it; the source adds both
+// over ranks in rank order.
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "ops/op.hpp"
+
+namespace hpmoe::ops {
+namespace {
+using namespace rules;
+
+// A combine list's row, checked against the rows its rank received.
+struct ListRow {
+  const std::int32_t* words;
+  std::int64_t K;
+  std::int64_t row(const Task& t, std::int64_t k, std::int64_t recv_rows) const {
+    const std::int64_t r = words[k];
+    if (r < -1 || r >= recv_rows)
+      throw Error(std::string(taskflow::name(t.kind)) + ": a combine list names receive row " + std::to_string(r) +
+                  " of " + std::to_string(recv_rows) + ": the list does not match the exchange (a corrupt put)");
+    return r;
+  }
+  float gate(std::int64_t k) const {
+    float g = 0;
+    std::memcpy(&g, words + K + k, sizeof g);
+    return g;
+  }
+};
+
+// The source's combine list for one destination, into its RECV_COMB.
+template <class T>
+bool list_put(const Tile<T>& tile) {
+  const Rect& src = tile.read(0);
+  const Rect& dst = tile.write(0);
+  const std::int64_t words = 2 * tile.dims().top_k;
+  tile.need(src, tile.rows(), words);
+  tile.need(dst, tile.rows(), words);
+  std::memcpy(static_cast<void*>(tile.host.put_target(dst)), tile.template at<std::byte>(src),
+              static_cast<std::size_t>(tile.rows() * words) * 4);
+  return tile.host.send_put(dst);
+}
+
+// One row per token of a source's block: sum over k of weight_k ROWS[row k]
+// (weights: the gates, or 1), in the layer's dtype, put into `dst`.
+template <class T>
+bool sum_put(const Tile<T>& tile, BufferId rows_buffer, bool gated) {
+  const std::int64_t H = tile.dims().hidden, K = tile.dims().top_k, rows = tile.rows();
+  const Rect& list = tile.in(BufferId::recv_comb);
+  const Rect& from = tile.in(rows_buffer);
+  const Rect& dst = tile.write(0);
+  tile.need(list, rows, 2 * K);
+  tile.need(dst, rows, H);
+  const auto* words = tile.template at<std::int32_t>(list);
+  const T* y = tile.template at<T>(from);
+  const std::int64_t ld_list = tile.ld(BufferId::recv_comb), ld = tile.ld(rows_buffer);
+  T* to = tile.host.put_target(dst);
+  thread_local std::vector<float> acc;
+  acc.resize(static_cast<std::size_t>(H));
+  for (std::int64_t j = 0; j < rows; ++j) {
+    const ListRow entry{words + j * ld_list, K};
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (std::int64_t k = 0; k < K; ++k)
+      if (const std::int64_t r = entry.row(tile.task, k, from.rows()); r >= 0)
+        kernels::axpy<T>(gated ? entry.gate(k) : 1.0f, y + r * ld, acc.data(), H);
+    kernels::store<T>(acc.data(), to + j * H, H);
+  }
+  return tile.host.send_put(dst);
+}
+
+template <class T>
+bool combine_put(const Tile<T>& tile) {
+  return sum_put(tile, BufferId::y, true);
+}
+template <class T>
+bool dx_put(const Tile<T>& tile) {
+  return sum_put(tile, BufferId::dxe, false);
+}
+
+// The gate gradients of a source's tokens on this rank: <dout, Y[row k]>
+// for each choice that lives here, 0 for the others.
+template <class T>
+bool gate_grad_put(const Tile<T>& tile) {
+  const std::int64_t H = tile.dims().hidden, K = tile.dims().top_k, rows = tile.rows();
+  const Rect& list = tile.in(BufferId::recv_comb);
+  const Rect& block = tile.in(BufferId::dy_tok);
+  const Rect& from = tile.in(BufferId::y);
+  const Rect& dst = tile.write(0);
+  tile.need(list, rows, 2 * K);
+  tile.need(block, rows, 1);
+  tile.need(dst, rows, K);
+  const auto* words = tile.template at<std::int32_t>(list);
+  const T* y = tile.template at<T>(from);
+  const std::int64_t ld_list = tile.ld(BufferId::recv_comb), ld = tile.ld(BufferId::y), ld_block = tile.ld(BufferId::dy_tok);
+  const bool encoded = tile.host.layout(BufferId::dy_tok).elem_bytes == 1;  // bf16 bytes under an fp32 layer
+  auto* to = reinterpret_cast<float*>(static_cast<void*>(tile.host.put_target(dst)));
+  thread_local std::vector<float> dout;
+  dout.resize(static_cast<std::size_t>(H));
+  for (std::int64_t j = 0; j < rows; ++j) {
+    if (encoded)
+      kernels::load<bf16>(reinterpret_cast<const bf16*>(tile.template at<std::uint8_t>(block) + j * ld_block), dout.data(), H);
+    else kernels::load<T>(tile.template at<T>(block) + j * ld_block, dout.data(), H);
+    const ListRow entry{words + j * ld_list, K};
+    for (std::int64_t k = 0; k < K; ++k) {
+      const std::int64_t r = entry.row(tile.task, k, from.rows());
+      to[j * K + k] = r >= 0 ? kernels::dot<T>(dout.data(), y + r * ld, H) : 0.0f;
+    }
+  }
+  return tile.host.send_put(dst);
+}
+
+// The source's side: each token's rows from its ranks, in rank order.
+template <class T>
+bool rank_reduce(const Tile<T>& tile) {
+  const std::int64_t H = tile.dims().hidden, P = tile.program.ranks;
+  const std::int64_t* slots = tile.template at<std::int64_t>(tile.in(BufferId::rank_slot));
+  const T* rows = tile.template at<T>(tile.in(BufferId::comb_rank));
+  const float* shared = tile.dims().shared_inter > 0 ? tile.template at<float>(tile.in(BufferId::sh_y)) : nullptr;
+  float* out = tile.template at<float>(tile.out(BufferId::out));
+  const std::int64_t ld = tile.ld(BufferId::out);
+  for (std::int64_t j = 0; j < tile.rows(); ++j)
+    kernels::combine_row<T>(out + j * ld, H, P, slots + j * P, nullptr, rows, {shared ? shared + j * H : nullptr});
+  return false;
+}
+
+template <class T>
+bool grad_rank_reduce(const Tile<T>& tile) {
+  const std::int64_t H = tile.dims().hidden, P = tile.program.ranks;
+  const std::int64_t* slots = tile.template at<std::int64_t>(tile.in(BufferId::rank_slot));
+  const T* rows = tile.template at<T>(tile.in(BufferId::dcomb_rank));
+  const float* rdx = tile.template at<float>(tile.in(BufferId::rdx));
+  const float* sdx = tile.dims().shared_inter > 0 ? tile.template at<float>(tile.in(BufferId::sdx)) : nullptr;
+  float* dx = tile.template at<float>(tile.out(BufferId::dx));
+  const std::int64_t ld = tile.ld(BufferId::dx);
+  for (std::int64_t j = 0; j < tile.rows(); ++j)
+    kernels::combine_row<T>(dx + j * ld, H, P, slots + j * P, nullptr, rows, {rdx + j * H, sdx ? sdx + j * H : nullptr});
+  return false;
+}
+
+template <class T>
+bool gate_grad_gather(const Tile<T>& tile) {
+  const std::int64_t K = tile.dims().top_k, P = tile.program.ranks;
+  const std::int64_t* slots = tile.template at<std::int64_t>(tile.in(BufferId::rank_slot));
+  const float* parts = tile.template at<float>(tile.in(BufferId::gw_rank));
+  float* gw = tile.template at<float>(tile.out(BufferId::gw));
+  const std::int64_t ld = tile.ld(BufferId::gw);
+  for (std::int64_t j = 0; j < tile.rows(); ++j) {
+    float* g = gw + j * ld;
+    std::fill(g, g + K, 0.0f);
+    for (std::int64_t d = 0; d < P; ++d)
+      if (const std::int64_t at = slots[j * P + d]; at >= 0)
+        for (std::int64_t k = 0; k < K; ++k) g[k] += parts[at * K + k];
+  }
+  return false;
+}
+
+constexpr KindAccess as_put(KindAccess a) {
+  a.put = true;
+  return a;
+}
+
+// A put's bytes are what it carries (the step's put bytes and the
+// simulator's wire count them). The sums' reads of up to K expert rows per
+// token are not among them: the simulator's put issue time leaves them out.
+constexpr ByteTerm kList{X::top_k2, 1, 4, X::none};
+constexpr ByteTerm kRow{X::hidden, 1, kElem, X::none};
+constexpr auto kListRows = Span::source_rows;
+
+constexpr OpKind kKinds[] = {
+    {TaskKind::combine_route_put, "combine_route_put", Pass::forward, 5,
+     as_put(vector_kind({op(B::rank_comb, R, Span::source_rows, X::none, Span::whole, X::top_k2), tile(B::recv_comb, Side::peer)},
+                        {kList})),
+     list_put<float>, list_put<bf16>},
+    {TaskKind::combine_rank_put, "combine_rank_put", Pass::forward, 75,
+     as_put(vector_kind({op(B::recv_comb, R, kListRows, X::none, Span::whole, X::top_k2),
+                         op(B::y, R, Span::whole, X::recv_rows, Span::whole, X::hidden), tile(B::comb_rank, Side::peer)},
+                        {kRow})),
+     combine_put<float>, combine_put<bf16>},
+    {TaskKind::combine_rank_reduce, "combine_rank_reduce", Pass::forward, 95,
+     vector_kind({op(B::comb_rank, R, Span::whole, X::token_list, Span::whole, X::hidden), band(B::rank_slot, X::ranks),
+                  op(B::sh_y, R, Span::task_rows, X::none, Span::whole, X::hidden, Side::own, true), tile(B::out)},
+                 {{X::hidden, 1, kElem, X::ranks}, {X::hidden, 1, 4, X::none}}),
+     rank_reduce<float>, rank_reduce<bf16>},
+    {TaskKind::gate_grad_put, "gate_grad_put", Pass::backward, -3,
+     as_put(vector_kind({op(B::recv_comb, R, kListRows, X::none, Span::whole, X::top_k2),
+                         op(B::dy_tok, R, Span::source_rows, X::none, Span::whole, X::token_cols),
+                         op(B::y, R, Span::whole, X::recv_rows, Span::whole, X::hidden), tile(B::gw_rank, Side::peer)},
+                        {{X::top_k, 1, 4, X::none}})),
+     gate_grad_put<float>, gate_grad_put<bf16>},
+    {TaskKind::gate_grad_gather, "gate_grad_gather", Pass::backward, -2,
+     vector_kind({op(B::gw_rank, R, Span::whole, X::token_list, Span::whole, X::top_k), band(B::rank_slot, X::ranks),
+                  tile(B::gw)},
+                 {{X::top_k, 1, 4, X::ranks}}),
+     gate_grad_gather<float>, gate_grad_gather<bf16>},
+    {TaskKind::grad_combine_rank_put, "grad_combine_rank_put", Pass::backward, 195,
+     as_put(vector_kind({op(B::recv_comb, R, kListRows, X::none, Span::whole, X::top_k2),
+                         op(B::dxe, R, Span::whole, X::recv_rows, Span::whole, X::hidden), tile(B::dcomb_rank, Side::peer)},
+                        {kRow})),
+     dx_put<float>, dx_put<bf16>},
+    {TaskKind::grad_rank_reduce, "grad_rank_reduce", Pass::backward, 215,
+     vector_kind({op(B::dcomb_rank, R, Span::whole, X::token_list, Span::whole, X::hidden), band(B::rank_slot, X::ranks),
+                  band(B::rdx, X::hidden), op(B::sdx, R, Span::task_rows, X::none, Span::whole, X::hidden, Side::own, true),
+                  tile(B::dx)},
+                 {{X::hidden, 1, kElem, X::ranks}, {X::hidden, 3, 4, X::none}}),
+     grad_rank_reduce<float>, grad_rank_reduce<bf16>},
+};
+}  // namespace
+
+Family rank_combine_family() { return {"rank_combine", kKinds}; }
+
+}  // namespace hpmoe::ops
