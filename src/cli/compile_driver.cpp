@@ -37,7 +37,7 @@ CompileReport compile_layer(const CompileRequest& req) {
   rep.routing_stats = routing_stats(c, placement, routing);
   auto counts = taskflow::routing_counts(c, routing);
   if (c.exchange == ExchangeMode::rank)
-    counts.first_tokens = taskflow::first_token_counts(c, placement, counts, routing, machine.tile_rows);
+    counts.token_counts = taskflow::rank_token_counts(c, placement, counts, routing, machine.tile_rows);
   for (auto pass : {taskflow::Pass::forward, taskflow::Pass::backward}) {
     if ((pass == taskflow::Pass::forward && !req.forward) || (pass == taskflow::Pass::backward && !req.backward)) continue;
     CompiledPass cp;

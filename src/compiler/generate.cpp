@@ -123,8 +123,8 @@ void declare_buffers(Program& p, const LayerConfig& c, const Exchange& ex, Pass 
     if (c.staged_dispatch()) add_buffer(p, BufferId::recv_tok, blocks, c.dispatch_row_bytes(), 1, sym);
     else add_buffer(p, BufferId::recv_tok, blocks, H, elem, sym);
     add_buffer(p, BufferId::recv_route, recv, 2, 4, sym);
-    add_buffer(p, BufferId::rank_comb, list, 2 * K, 4, local);
-    add_buffer(p, BufferId::recv_comb, blocks, 2 * K, 4, sym);
+    add_buffer(p, BufferId::rank_comb, list, 2 * K + 1, 4, local);
+    add_buffer(p, BufferId::recv_comb, blocks, 2 * K + 1, 4, sym);
     add_buffer(p, BufferId::comb_rank, list, H, elem, sym);
     add_buffer(p, BufferId::rank_slot, T, c.ranks, 8, local);
   }
@@ -241,7 +241,7 @@ void puts_to_experts(const LayerConfig& c, const Exchange& ex, std::int64_t tile
       if (forward)  // the combine list of the block, counted with its first sub-block
         emit(TaskSpec{.kind = TaskKind::combine_route_put, .src = BufferId::rank_comb, .dst = BufferId::recv_comb, .peer = d,
                       .row_begin = ex.token_start(rank, d), .rows = ex.rank_tokens(rank, d), .col_begin = 0,
-                      .cols = 2 * c.top_k, .src_row = ex.token_send_offset(rank, d), .trigger_event = tok});
+                      .cols = 2 * c.top_k + 1, .src_row = ex.token_send_offset(rank, d), .trigger_event = tok});
     }
     return;
   }
@@ -307,31 +307,36 @@ void puts_to_sources(const LayerConfig& c, const Exchange& ex, std::int64_t tile
   const bool forward = pass == Pass::forward;
   const std::int64_t TR = tile_rows;
   if (c.exchange == ExchangeMode::rank) {
-    // One row per (token, rank): each source's block in pieces of a tile's
-    // rows, once every expert here is done (the sums read any of its rows);
-    // in the backward also the block's gate gradients, once its dy block
-    // (all sub-blocks) has arrived.
+    // One row per (token, rank): each source's list in pieces of a tile's
+    // rows, each sub-list (the tokens whose last instance here is slot j)
+    // once the instances up to j are done; in the backward first the gate
+    // gradients of the whole list, once its dy block has all arrived.
     const EventBases own = event_bases(c, ex, pass, rank);
     const std::int64_t L = ex.placement().local_count(rank);
+    const auto waits = [&](std::int64_t event) { return wait_base < 0 ? std::pair<std::int64_t, std::int64_t>{-1, 0} : std::pair{event, wait_count_of(event)}; };
     for (std::int64_t s = 0; s < ex.ranks(); ++s) {
       const std::int64_t n = ex.rank_tokens(s, rank);
       if (n == 0 || (only_source >= 0 && s != only_source)) continue;
       const EventBases source_events = event_bases(c, ex, pass, s);
-      for (std::int64_t r = 0; r < n; r += TR) {
-        const std::int64_t rows = std::min(TR, n - r), at = ex.token_send_offset(s, rank) + r, from = ex.token_start(s, rank) + r;
-        if (!forward && which != ReturnPuts::sums) {
-          const std::int64_t block = own.tok + s * L + L - 1;
+      const std::int64_t list = ex.token_send_offset(s, rank), block = ex.token_start(s, rank);
+      if (!forward && which != ReturnPuts::sums)
+        for (std::int64_t r = 0; r < n; r += TR) {
+          const auto [event, count] = waits(own.tok + s * L + L - 1);
           emit(TaskSpec{.kind = TaskKind::gate_grad_put, .src = BufferId::dy_tok, .dst = BufferId::gw_rank, .peer = s,
-                        .row_begin = at, .rows = rows, .col_begin = 0, .cols = c.top_k, .src_row = from,
-                        .wait_event = wait_base < 0 ? -1 : block, .wait_count = wait_base < 0 ? 0 : wait_count_of(block),
-                        .trigger_event = source_events.gw_done});
+                        .row_begin = list + r, .rows = std::min(TR, n - r), .col_begin = 0, .cols = c.top_k, .src_row = block + r,
+                        .wait_event = event, .wait_count = count, .trigger_event = source_events.gw_done});
         }
-        if (which == ReturnPuts::gate_grads) continue;
-        emit(TaskSpec{.kind = forward ? TaskKind::combine_rank_put : TaskKind::grad_combine_rank_put,
-                      .src = forward ? BufferId::y : BufferId::dxe, .dst = forward ? BufferId::comb_rank : BufferId::dcomb_rank,
-                      .peer = s, .row_begin = at, .rows = rows, .col_begin = 0, .cols = c.hidden, .src_row = from,
-                      .wait_event = wait_base < 0 ? -1 : own.experts_done,
-                      .wait_count = wait_base < 0 ? 0 : wait_count_of(own.experts_done), .trigger_event = forward ? source_events.comb_done : source_events.dx_ready});
+      if (which == ReturnPuts::gate_grads) continue;
+      for (const std::int64_t i : ex.placement().instances_of(rank)) {
+        const std::int64_t m = ex.last_tokens(s, i), within = ex.sub_list_offset(s, i);
+        const auto [event, count] = waits(own.slot_done + ex.instance_slot(i));
+        for (std::int64_t r = 0; r < m; r += TR)
+          emit(TaskSpec{.kind = forward ? TaskKind::combine_rank_put : TaskKind::grad_combine_rank_put,
+                        .src = forward ? BufferId::y : BufferId::dxe, .dst = forward ? BufferId::comb_rank : BufferId::dcomb_rank,
+                        .expert = ex.placement().instance_expert(i), .peer = s, .row_begin = list + within + r,
+                        .rows = std::min(TR, m - r), .col_begin = 0, .cols = c.hidden, .src_row = block + within + r,
+                        .wait_event = event, .wait_count = count,
+                        .trigger_event = forward ? source_events.comb_done : source_events.dx_ready});
       }
     }
     return;
@@ -480,12 +485,28 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
   // The per-rank combine: the pieces every rank returns to this one (one
   // per tile of rows of each block this rank sent), and the count an event
   // completes at.
-  const auto rank_pieces_into = [&] {
+  // pieces of whole lists (the gate gradients) or of each sub-list (the sums).
+  const auto rank_pieces_into = [&](bool by_sub_list) {
     std::int64_t n = 0;
-    for (std::int64_t d = 0; d < c.ranks; ++d) n += ceil_div(ex.rank_tokens(rank, d), TR);
+    for (std::int64_t i = 0; i < ex.instances(); ++i) n += by_sub_list ? ceil_div(ex.last_tokens(rank, i), TR) : 0;
+    for (std::int64_t d = 0; d < c.ranks && !by_sub_list; ++d) n += ceil_div(ex.rank_tokens(rank, d), TR);
     return n;
   };
   const auto required = [&](std::int64_t event) { return std::int64_t{p.events[static_cast<std::size_t>(event)].required}; };
+  // Slot j's outputs written, and through a relay slot j - 1's: what the
+  // sums of the tokens whose last instance here is j wait for.
+  const auto slot_done_events = [&](TaskKind consumer) {
+    for (std::int64_t j = 0; j < L; ++j)
+      b.event(ev.slot_done + j, static_cast<std::int32_t>(ex.tiles_of(homes[static_cast<std::size_t>(j)]) * n_down + (j > 0)),
+              consumer, mine[static_cast<std::size_t>(j)], -1);
+  };
+  // The relay into slot j + 1, after slot j's tasks in generation order.
+  const auto slot_relay = [&](std::int64_t j) {
+    if (!by_rank || j + 1 >= L) return;
+    const std::int64_t need = required(ev.slot_done + j);
+    b.task({.kind = pass == Pass::forward ? TaskKind::combine_relay : TaskKind::grad_combine_relay, .peer = -1,
+            .wait_event = need > 0 ? ev.slot_done + j : -1, .wait_count = need, .trigger_event = ev.slot_done + j + 1});
+  };
   const auto gathers = [&](std::int64_t home, std::int64_t tile) {
     if (by_rank) gathers_of_tile(c, ex, p, pass, rank, home, tile, ev, emit);
   };
@@ -517,9 +538,9 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
         if (!by_rank) b.event(ev.y + tb + i, static_cast<std::int32_t>(n_down), TaskKind::combine_put, e, i);
       }
     }
-    if (by_rank) b.event(ev.experts_done, static_cast<std::int32_t>(ex.row_tiles(rank) * n_down), TaskKind::combine_rank_put, -1, -1);
+    if (by_rank) slot_done_events(TaskKind::combine_rank_put);
     b.event(ev.comb_done,
-            static_cast<std::int32_t>((by_rank ? rank_pieces_into() : ex.pieces_into(rank)) + (shared ? token_tiles * n_down : 0)),
+            static_cast<std::int32_t>((by_rank ? rank_pieces_into(true) : ex.pieces_into(rank)) + (shared ? token_tiles * n_down : 0)),
             by_rank ? TaskKind::combine_rank_reduce : p.reductions.empty() ? TaskKind::combine_reduce : TaskKind::part_reduce, -1, -1);
     b.event(ev.reduced, static_cast<std::int32_t>(part_reduces(TaskKind::part_reduce, BufferId::comb, ev.comb_done, false)),
             TaskKind::combine_reduce, -1, -1);
@@ -557,9 +578,10 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
         });
         b.task({.kind = TaskKind::swiglu, .src = BufferId::h1, .dst = BufferId::a, .expert = e, .row_begin = row0, .rows = rows, .col_begin = 0, .cols = Ie, .src_row = row0, .wait_event = ev.h + tb + i, .wait_count = n_gate_up, .trigger_event = ev.a + tb + i});
         b.gemm_tiles(rows, H, [&](std::int64_t, std::int64_t, std::int64_t j, std::int64_t n) {
-          b.task({.kind = TaskKind::gemm_down, .src = BufferId::a, .dst = BufferId::y, .expert = e, .row_begin = row0, .rows = rows, .col_begin = j, .cols = n, .src_row = row0, .wait_event = ev.a + tb + i, .wait_count = 1, .trigger_event = by_rank ? ev.experts_done : ev.y + tb + i});
+          b.task({.kind = TaskKind::gemm_down, .src = BufferId::a, .dst = BufferId::y, .expert = e, .row_begin = row0, .rows = rows, .col_begin = j, .cols = n, .src_row = row0, .wait_event = ev.a + tb + i, .wait_count = 1, .trigger_event = by_rank ? ev.slot_done + le : ev.y + tb + i});
         });
       }
+      slot_relay(le);
     }
     puts_to_sources(c, ex, TR, pass, rank, -1, ev.y, n_down, required, emit);
     part_reduces(TaskKind::part_reduce, BufferId::comb, ev.comb_done, true);
@@ -607,10 +629,10 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
     b.event(ev.sh_dh_packed, static_cast<std::int32_t>(token_tiles), TaskKind::shared_gate_up_wgrad, -1, -1);
   }
   if (by_rank) {
-    b.event(ev.experts_done, static_cast<std::int32_t>(ex.row_tiles(rank) * n_down), TaskKind::grad_combine_rank_put, -1, -1);
-    b.event(ev.gw_done, static_cast<std::int32_t>(rank_pieces_into()), TaskKind::gate_grad_gather, -1, -1);
+    slot_done_events(TaskKind::grad_combine_rank_put);
+    b.event(ev.gw_done, static_cast<std::int32_t>(rank_pieces_into(false)), TaskKind::gate_grad_gather, -1, -1);
   }
-  b.event(ev.dx_ready, static_cast<std::int32_t>((by_rank ? rank_pieces_into() : ex.pieces_into(rank)) + n_router_dgrad + n_shared_dgrad),
+  b.event(ev.dx_ready, static_cast<std::int32_t>((by_rank ? rank_pieces_into(true) : ex.pieces_into(rank)) + n_router_dgrad + n_shared_dgrad),
           by_rank ? TaskKind::grad_rank_reduce : p.reductions.empty() ? TaskKind::grad_reduce : TaskKind::grad_part_reduce, -1, -1);
   b.event(ev.reduced, static_cast<std::int32_t>(part_reduces(TaskKind::grad_part_reduce, BufferId::dcomb, ev.dx_ready, false)),
           TaskKind::grad_reduce, -1, -1);
@@ -675,10 +697,11 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
       b.task({.kind = TaskKind::pack_down_grad, .src = BufferId::dy, .dst = BufferId::dyp, .expert = e, .row_begin = row0, .rows = rows, .col_begin = 0, .cols = H, .src_row = row0, .wait_event = ev.dy + tb + i, .wait_count = arrivals, .trigger_event = ev.dy_packed + le});
       b.task({.kind = TaskKind::swiglu_bwd, .src = BufferId::da, .dst = BufferId::dh, .expert = e, .row_begin = row0, .rows = rows, .col_begin = 0, .cols = 2 * Ie, .src_row = row0, .wait_event = ev.da + tb + i, .wait_count = n_inter, .trigger_event = ev.dh + tb + i});
       b.gemm_tiles(rows, H, [&](std::int64_t, std::int64_t, std::int64_t j, std::int64_t n) {
-        b.task({.kind = TaskKind::gemm_gate_up_dgrad, .src = BufferId::dh, .dst = BufferId::dxe, .expert = e, .row_begin = row0, .rows = rows, .col_begin = j, .cols = n, .src_row = row0, .wait_event = ev.dh + tb + i, .wait_count = 1, .trigger_event = by_rank ? ev.experts_done : ev.dxe + tb + i});
+        b.task({.kind = TaskKind::gemm_gate_up_dgrad, .src = BufferId::dh, .dst = BufferId::dxe, .expert = e, .row_begin = row0, .rows = rows, .col_begin = j, .cols = n, .src_row = row0, .wait_event = ev.dh + tb + i, .wait_count = 1, .trigger_event = by_rank ? ev.slot_done + le : ev.dxe + tb + i});
       });
       b.task({.kind = TaskKind::pack_gate_up_grad, .src = BufferId::dh, .dst = BufferId::dhp, .expert = e, .row_begin = row0, .rows = rows, .col_begin = 0, .cols = 2 * Ie, .src_row = row0, .wait_event = ev.dh + tb + i, .wait_count = 1, .trigger_event = ev.dh_packed + le});
     }
+    slot_relay(le);
     // Weight gradients of expert e: one task per output tile, K = all its rows.
     b.weight_tiles(Ie, H, [&](std::int64_t i, std::int64_t rows, std::int64_t j, std::int64_t n) {
       b.task({.kind = TaskKind::gemm_down_wgrad, .src = BufferId::at, .dst = BufferId::dw2, .expert = e, .row_begin = le * I + i, .rows = rows, .col_begin = j, .cols = n, .src_row = start, .wait_event = ev.dy_packed + le, .wait_count = tiles});

@@ -75,16 +75,17 @@ Exchange::Exchange(const LayerConfig& c, const ExpertPlacement& placement, const
     std::int64_t j = 0;
     for (const std::int64_t i : placement_.instances_of(d)) instance_slot_[static_cast<std::size_t>(i)] = j++;
   }
-  if (!counts.first_tokens.empty()) set_first_tokens(counts.first_tokens, c.tokens_per_rank);
+  if (!counts.token_counts.empty()) set_rank_tokens(counts.token_counts, c.tokens_per_rank);
 }
 
-void Exchange::set_first_tokens(std::vector<std::int64_t> first, std::int64_t tokens_per_rank) {
+void Exchange::set_rank_tokens(std::vector<std::int64_t> first, std::int64_t tokens_per_rank) {
   const std::int64_t P = ranks_, N = instances_;
-  if (first.size() != static_cast<std::size_t>(P * N))
-    throw Error("the per-rank exchange's token counts are for " + std::to_string(first.size()) +
-                " (source, expert instance) pairs, the layer has " + std::to_string(P * N));
+  if (first.size() != static_cast<std::size_t>(2 * P * N))
+    throw Error("the per-rank exchange's token counts are " + std::to_string(first.size()) +
+                " values; the layer needs two per (source, expert instance) pair, " + std::to_string(2 * P * N));
   rank_tokens_.assign(static_cast<std::size_t>(P * P), 0);
   sub_offset_.assign(static_cast<std::size_t>(P * N), 0);
+  list_offset_.assign(static_cast<std::size_t>(P * N), 0);
   for (std::int64_t s = 0; s < P; ++s)
     for (std::int64_t d = 0; d < P; ++d) {
       std::int64_t rows = 0, n = 0;  // what s sends to d's instances: at least one token iff any row
@@ -97,6 +98,18 @@ void Exchange::set_first_tokens(std::vector<std::int64_t> first, std::int64_t to
         rows += count(s, i);
         n += f;
       }
+      std::int64_t by_last = 0;  // the same tokens again, by their last instance
+      for (const std::int64_t i : placement_.instances_of(d)) {
+        const std::int64_t l = first[static_cast<std::size_t>(P * N + s * N + i)];
+        if (l < 0 || l > count(s, i))
+          throw Error("rank " + std::to_string(s) + " reports " + std::to_string(l) + " tokens last sent to expert instance " +
+                      std::to_string(i) + ", which takes " + std::to_string(count(s, i)) + " of its rows");
+        list_offset_[static_cast<std::size_t>(s * N + i)] = by_last;
+        by_last += l;
+      }
+      if (by_last != n)
+        throw Error("rank " + std::to_string(s) + " reports " + std::to_string(n) + " tokens for rank " + std::to_string(d) +
+                    " by their first expert there but " + std::to_string(by_last) + " by their last");
       if (n > tokens_per_rank || (rows > 0) != (n > 0))
         throw Error("rank " + std::to_string(s) + " reports " + std::to_string(n) + " tokens for rank " + std::to_string(d) +
                     ", impossible with " + std::to_string(rows) + " rows for it and " + std::to_string(tokens_per_rank) +
@@ -145,10 +158,11 @@ RankRoutes rank_routes(const LayerConfig& c, const Exchange& ex, std::int64_t s,
                   ": the send slots do not match the exchange's counts");
   // Each token's first instance on each destination (lowest slot), then
   // the destination's block: sub-block by sub-block, each in token order.
-  r.first.assign(static_cast<std::size_t>(N), 0);
+  r.first.assign(static_cast<std::size_t>(2 * N), 0);
   r.list_slot.assign(static_cast<std::size_t>(T * P), -1);
   r.position.assign(static_cast<std::size_t>(send), -1);
-  std::vector<std::int64_t> first_of(static_cast<std::size_t>(T)), at(static_cast<std::size_t>(T));
+  std::vector<std::int64_t> first_of(static_cast<std::size_t>(T)), last_of(static_cast<std::size_t>(T)),
+      at(static_cast<std::size_t>(T)), list_at(static_cast<std::size_t>(T));
   const auto rows_to = [&](std::int64_t d, auto&& fn) {  // fn(send row, its instance) for every row s sends to d
     for (std::int64_t i = 0; i < N; ++i)
       if (placement.instance_rank(i) == d)
@@ -156,9 +170,11 @@ RankRoutes rank_routes(const LayerConfig& c, const Exchange& ex, std::int64_t s,
   };
   for (std::int64_t d = 0; d < P; ++d) {
     std::fill(first_of.begin(), first_of.end(), -1);
+    std::fill(last_of.begin(), last_of.end(), -1);
     rows_to(d, [&](std::int64_t row, std::int64_t i) {
-      auto& f = first_of[static_cast<std::size_t>(r.row_token[static_cast<std::size_t>(row)])];
-      if (f < 0 || ex.instance_slot(i) < ex.instance_slot(f)) f = i;
+      const auto t = static_cast<std::size_t>(r.row_token[static_cast<std::size_t>(row)]);
+      if (first_of[t] < 0 || ex.instance_slot(i) < ex.instance_slot(first_of[t])) first_of[t] = i;
+      if (last_of[t] < 0 || ex.instance_slot(i) > ex.instance_slot(last_of[t])) last_of[t] = i;
     });
     // A counting sort by first instance: sub-blocks in slot order, each in
     // token order, in O(T) per destination.
@@ -179,12 +195,28 @@ RankRoutes rank_routes(const LayerConfig& c, const Exchange& ex, std::int64_t s,
         at[static_cast<std::size_t>(t)] = row;
         r.tokens[base + static_cast<std::size_t>(row)] = static_cast<std::int32_t>(t);
       }
+    // The combine's list: the same tokens by last instance, each sub-list
+    // in token order.
+    for (std::int64_t t = 0; t < T; ++t)
+      if (const std::int64_t l = last_of[static_cast<std::size_t>(t)]; l >= 0) ++r.first[static_cast<std::size_t>(N + l)];
+    total = 0;
+    for (std::size_t j = 0; j < homes.size(); ++j) {
+      next[j] = total;
+      total += r.first[static_cast<std::size_t>(N + homes[j])];
+    }
+    r.list_block.resize(r.tokens.size());
+    for (std::int64_t t = 0; t < T; ++t)
+      if (const std::int64_t l = last_of[static_cast<std::size_t>(t)]; l >= 0) {
+        const std::int64_t row = next[static_cast<std::size_t>(ex.instance_slot(l))]++;
+        list_at[static_cast<std::size_t>(t)] = row;
+        r.list_block[base + static_cast<std::size_t>(row)] = static_cast<std::int32_t>(at[static_cast<std::size_t>(t)]);
+        r.list_slot[static_cast<std::size_t>(t * P + d)] = static_cast<std::int64_t>(base) + row;
+      }
     r.comb_row.resize(r.tokens.size() * static_cast<std::size_t>(K), -1);
-    for (std::size_t j = base; j < r.tokens.size(); ++j)
-      r.list_slot[static_cast<std::size_t>(r.tokens[j] * P + d)] = static_cast<std::int64_t>(j);
     rows_to(d, [&](std::int64_t row, std::int64_t i) {
-      const std::int64_t list_row = at[static_cast<std::size_t>(r.row_token[static_cast<std::size_t>(row)])];
-      r.position[static_cast<std::size_t>(row)] = static_cast<std::int32_t>(list_row);
+      const auto t = static_cast<std::size_t>(r.row_token[static_cast<std::size_t>(row)]);
+      const std::int64_t list_row = list_at[t];
+      r.position[static_cast<std::size_t>(row)] = static_cast<std::int32_t>(at[t]);
       // The row this send row fills on d, for the sum there of the token's choices.
       const std::int64_t k = r.row_assign[static_cast<std::size_t>(row)] % K;
       r.comb_row[(base + static_cast<std::size_t>(list_row)) * static_cast<std::size_t>(K) + static_cast<std::size_t>(k)] =
@@ -258,19 +290,21 @@ RoutingCounts routing_counts(const LayerConfig& c, std::span<const std::int32_t>
   return rc;
 }
 
-std::vector<std::int64_t> first_token_counts(const LayerConfig& c, const ExpertPlacement& placement, const RoutingCounts& counts,
+std::vector<std::int64_t> rank_token_counts(const LayerConfig& c, const ExpertPlacement& placement, const RoutingCounts& counts,
                                              const RouterOutput<float>& r, std::int64_t tile_rows) {
   const Exchange ex(c, placement, counts, tile_rows);
   const std::int64_t P = c.ranks, n = c.tokens_per_rank * c.top_k;
   std::vector<int> all(static_cast<std::size_t>(P));
   for (std::int64_t q = 0; q < P; ++q) all[static_cast<std::size_t>(q)] = static_cast<int>(q);
   const std::vector<std::int64_t> slot = send_slots(c, ex, r, all);
-  std::vector<std::int64_t> tokens;
+  const std::int64_t N = ex.instances();
+  std::vector<std::int64_t> tokens(static_cast<std::size_t>(2 * P * N));
   for (std::int64_t s = 0; s < P; ++s) {
     const auto first = static_cast<std::size_t>(s * n);
     const RankRoutes routes = rank_routes(c, ex, s, std::span<const std::int64_t>(slot).subspan(first, static_cast<std::size_t>(n)),
                                           std::span<const std::int32_t>(r.expert).subspan(first, static_cast<std::size_t>(n)));
-    tokens.insert(tokens.end(), routes.first.begin(), routes.first.end());
+    std::copy(routes.first.begin(), routes.first.begin() + N, tokens.begin() + s * N);
+    std::copy(routes.first.begin() + N, routes.first.end(), tokens.begin() + (P + s) * N);
   }
   return tokens;
 }
@@ -314,7 +348,7 @@ EventBases::EventBases(Pass pass, std::int64_t row_tiles, std::int64_t local, st
     staged = take(staged_dispatch ? row_tiles : 0);
   }
   tok = take(token_sources);
-  experts_done = take(by_rank ? 1 : 0);
+  slot_done = take(by_rank ? local : 0);
   gw_done = take(by_rank && pass == Pass::backward ? 1 : 0);
   total = next;
 }

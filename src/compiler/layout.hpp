@@ -78,7 +78,11 @@ class Exchange {
   // tokens those are depends on the routing, not only its counts: every
   // rank's sources report theirs (first_token_counts), [s * N + i] tokens of
   // s whose first instance on instance i's rank is i.
-  void set_first_tokens(std::vector<std::int64_t> first, std::int64_t tokens_per_rank);
+  // The same tokens cut by their last instance on the destination make the
+  // combine's list (RankRoutes::list_block): their sums can go once the
+  // instances up to it are done. `counts`: [s N + i] by first instance,
+  // then [P N + s N + i] by last.
+  void set_rank_tokens(std::vector<std::int64_t> counts, std::int64_t tokens_per_rank);
   bool has_rank_tokens() const { return !first_tokens_.empty(); }
   // Tokens of s in the sub-block of instance i.
   std::int64_t first_tokens(std::int64_t s, std::int64_t i) const { return first_tokens_[static_cast<std::size_t>(s * instances_ + i)]; }
@@ -93,6 +97,12 @@ class Exchange {
   }
   // Row of the sub-block of (s, i) within s's block for i's rank.
   std::int64_t sub_block_offset(std::int64_t s, std::int64_t i) const { return sub_offset_[static_cast<std::size_t>(s * instances_ + i)]; }
+  // Tokens of s whose last instance on i's rank is i, and the row of their
+  // sub-list within s's combine list for that rank.
+  std::int64_t last_tokens(std::int64_t s, std::int64_t i) const {
+    return first_tokens_[static_cast<std::size_t>((ranks_ + s) * instances_ + i)];
+  }
+  std::int64_t sub_list_offset(std::int64_t s, std::int64_t i) const { return list_offset_[static_cast<std::size_t>(s * instances_ + i)]; }
   // Slot of instance i on its rank.
   std::int64_t instance_slot(std::int64_t i) const { return instance_slot_[static_cast<std::size_t>(i)]; }
 
@@ -105,7 +115,7 @@ class Exchange {
   std::vector<std::int64_t> expert_start_, tile_start_, kpad_start_;  // [i]
   std::vector<std::int64_t> recv_rows_, row_tiles_, kpad_rows_;       // [d]
   std::vector<std::int64_t> instance_slot_;                           // [i]
-  std::vector<std::int64_t> first_tokens_, sub_offset_;                // the per-rank exchange: [s * N + i]
+  std::vector<std::int64_t> first_tokens_, sub_offset_, list_offset_;  // the per-rank exchange: [s * N + i] (first_tokens_: then by last)
   std::vector<std::int64_t> rank_tokens_, token_start_, token_send_;
 };
 
@@ -119,10 +129,14 @@ struct RankRoutes {
   std::vector<std::int64_t> row_assign;  // [send_rows]: assignment t K + k
   std::vector<std::int32_t> tokens;      // [token_send_offset(s, P)]
   std::vector<std::int32_t> position;    // [send_rows]
-  std::vector<std::int64_t> first;       // [N] tokens whose first instance on its rank is i
-  // The per-rank combine: for each row of the token list, the row each of
-  // the token's K choices fills on the list's destination (-1: elsewhere or
-  // dropped); for each token and rank, its row in the list (-1: none).
+  std::vector<std::int64_t> first;       // [2 N] tokens whose first instance on its rank is i, then whose last is
+  // The per-rank combine's list, one per destination like the token list
+  // and as long, but cut by each token's last instance there (sub-lists in
+  // slot order, each in token order): for each list row, the token's row
+  // in its block and the row each of its K choices fills on the
+  // destination (-1: elsewhere or dropped); for each token and rank, its
+  // row in the lists (-1: none).
+  std::vector<std::int32_t> list_block;  // [token list rows]
   std::vector<std::int32_t> comb_row;    // [token list rows * K]
   std::vector<std::int64_t> list_slot;   // [T * P]
 };
@@ -152,10 +166,11 @@ struct EventBases {
   std::int64_t recv = 0, h = 0, a = 0, y = 0, comb_done = 0, sh_h = 0, sh_a = 0, staged = 0;
   // both passes, the per-rank exchange: source s's sub-blocks up to a slot (and routes) arrived
   std::int64_t tok = 0;
-  // both passes, the per-rank combine: every expert's output rows written
-  // (forward Y, backward DXE), which the sums per (token, rank) wait for;
-  // backward: every rank's gate gradients of this rank's tokens arrived
-  std::int64_t experts_done = 0, gw_done = 0;
+  // both passes, the per-rank combine: `slot_done` + j completes once the
+  // output rows (forward Y, backward DXE) of the instances in slots 0..j
+  // are written, which the sums of the tokens whose last instance is j wait
+  // for; backward: every rank's gate gradients of this rank's tokens arrived
+  std::int64_t slot_done = 0, gw_done = 0;
   // both passes: the split experts' partial rows reduced (part_reduce tasks)
   std::int64_t reduced = 0;
   // backward

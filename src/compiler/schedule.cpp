@@ -219,6 +219,9 @@ std::vector<std::int32_t> ratr_order(const Program& p) {
       if (later < tile_start.size()) k = double(tile_start[later]) - 0.5;
       else if (t.expert >= 0) k = std::max(double(i), double(expert_work_end) - 0.5);
     }
+    // A relay of the per-rank combine follows the (moved) GEMMs it counts.
+    if ((t.kind == TaskKind::combine_relay || t.kind == TaskKind::grad_combine_relay) && t.wait_event >= 0)
+      k = std::max(k, filled[static_cast<std::size_t>(t.wait_event)] + 0.125);
     if (t.trigger_event >= 0 && t.peer == p.rank)
       filled[static_cast<std::size_t>(t.trigger_event)] = std::max(filled[static_cast<std::size_t>(t.trigger_event)], k);
     rest.emplace_back(k, 0, i);

@@ -25,19 +25,20 @@ struct RoutingCounts {
   std::int64_t ranks = 0, experts = 0;
   std::vector<std::int64_t> counts;
   // The per-rank exchange: [s * N + i] tokens of s whose first instance on
-  // instance i's rank is i (N: the placement's instances; RankRoutes::first
-  // of each source); empty where unknown.
-  std::vector<std::int64_t> first_tokens;
+  // instance i's rank is i, then [P N + s N + i] those whose last instance
+  // there is i (N: the placement's instances; RankRoutes::first of each
+  // source); empty where unknown.
+  std::vector<std::int64_t> token_counts;
   std::int64_t at(std::int64_t s, std::int64_t e) const { return counts[s * experts + e]; }
 };
 
 // Kept rows per (source rank, expert) of a routed step.
 template <class Real>
 RoutingCounts routing_counts(const LayerConfig&, const RouterOutput<Real>&);
-// The per-rank exchange's tokens of each source by first instance
-// ([s * N + i], RoutingCounts::first_tokens) under a routing of every
+// The per-rank exchange's tokens of each source by first and by last
+// instance (RoutingCounts::token_counts) under a routing of every
 // rank's tokens; `counts` are its routing_counts.
-std::vector<std::int64_t> first_token_counts(const LayerConfig&, const ExpertPlacement&, const RoutingCounts& counts,
+std::vector<std::int64_t> rank_token_counts(const LayerConfig&, const ExpertPlacement&, const RoutingCounts& counts,
                                             const RouterOutput<float>&, std::int64_t tile_rows);
 // Of expert choices with nothing dropped ([tokens, K], e.g. forced_selection).
 RoutingCounts routing_counts(const LayerConfig&, std::span<const std::int32_t> expert_ids);

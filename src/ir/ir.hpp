@@ -70,10 +70,12 @@ enum class TaskKind : std::uint8_t {
   grad_dispatch_gather,     // DY[rows] = gate * DY_TOK[block + route row]: one source's piece of a tile
   // the per-rank combine: one row per (token, rank) back, summed on the expert side
   combine_route_put,    // the source's combine list for a destination (recv rows and gates per token) into its RECV_COMB, signal
-  combine_rank_put,     // sum_k gate Y[recv row k] per token of a source's block, put into the source's COMB_RANK, signal
+  combine_relay,        // the instances up to slot j are done: count it towards slot j + 1 (no data)
+  combine_rank_put,     // sum_k gate Y[recv row k] per token of a source's sub-list, put into the source's COMB_RANK, signal
   combine_rank_reduce,  // OUT[tokens] = sum_d COMB_RANK[rank slot d] (+ SH_Y), fixed rank order
   gate_grad_put,        // <DY_TOK[token], Y[recv row k]> per token of a source's block, put into the source's GW_RANK, signal
-  grad_combine_rank_put,  // sum_k DXE[recv row k] per token of a source's block, put into the source's DCOMB_RANK, signal
+  grad_combine_relay,   // the same relay for the backward's dx rows
+  grad_combine_rank_put,  // sum_k DXE[recv row k] per token of a source's sub-list, put into the source's DCOMB_RANK, signal
   gate_grad_gather,     // GW[tokens] = sum_d GW_RANK[rank slot d], fixed rank order
   grad_rank_reduce,     // DX[tokens] = sum_d DCOMB_RANK[rank slot d] + RDX + SDX, fixed order
   count
@@ -106,9 +108,10 @@ enum class BufferId : std::uint8_t {
   // rank receives (by source; encoded bytes where the dispatch is), the
   // routes of its received rows; the backward's token blocks of DOUT
   rank_token, rank_route, recv_tok, recv_route, dy_tok,
-  // the per-rank combine: the source's combine list (per token of each
-  // destination's block: the recv row on it of each of the token's K
-  // choices or -1, then their gates; int32 words), the list as received;
+  // the per-rank combine: the source's combine lists (per token of each
+  // destination's list: its row in its block, the recv row there of each
+  // of the token's K choices or -1, then their gates; int32 words), the
+  // lists as received;
   // the source's rows back, one per (token, rank) of its list; each token's
   // row there for each rank (int64, -1: none); the backward's gate
   // gradients (K per list row, fp32) and dx partials back

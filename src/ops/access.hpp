@@ -50,6 +50,8 @@ enum class Span : std::uint8_t {
   task_rows_padded,   // the task's token rows; the last tile also covers the tokens' K padding row
   reduction_parts,    // the task's rows in parts 1..k-1 of the declared reduction holding them (one band over all)
   token_block,        // the per-rank exchange: source s = src_row's sub-blocks 0..slot of the task's expert: [token_begin[s L], token_begin[s L + slot + 1])
+  peer_block,         // the per-rank combine: the whole token block of the put's target: [token_begin[peer L], token_begin[peer L + L])
+  expert_prefix,      // the rows of the rank's slots up to the task's expert's: [0, expert_begin[slot + 1])
 };
 
 // Layer sizes an operand rule or a GEMM can name.
@@ -68,8 +70,8 @@ enum class Extent : std::uint8_t {
   // buffer: RECV_TOK forward, DY_TOK backward): its columns, its bytes
   token_cols, token_row_bytes,
   // the per-rank combine: the ranks; all rows a rank receives; the rows of
-  // the rank's own token list (its COMB_RANK rows); a combine-list row (2 K words)
-  ranks, recv_rows, token_list, top_k2,
+  // the rank's own token list (its COMB_RANK rows); a combine-list row (2 K + 1 words)
+  ranks, recv_rows, token_list, comb_words,
 };
 
 struct OperandRule {
@@ -212,7 +214,7 @@ inline std::int64_t AccessTable::extent(const Program& p, const Task& t, Extent 
       const BufferLayout* b = p.buffer(BufferId::rank_token);
       return b ? b->rows : 0;
     }
-    case Extent::top_k2: return 2 * d.top_k;
+    case Extent::comb_words: return 2 * d.top_k + 1;
     case Extent::inter: return d.inter;
     case Extent::inter2: return 2 * d.inter;
     case Extent::shared_inter: return d.shared_inter;
@@ -267,6 +269,20 @@ inline std::pair<std::int64_t, std::int64_t> AccessTable::span_of(const AccessTa
                     "'s token block for expert " + std::to_string(t.expert) + ", which this program's token blocks do not hold");
       const auto at = [&](std::int64_t k) { return p.token_begin[static_cast<std::size_t>(k)]; };
       return {at(src * L), at(src * L + slot + 1)};
+    }
+    case Span::peer_block: {
+      const std::int64_t L = static_cast<std::int64_t>(p.local_experts.size()), peer = t.peer;
+      if (L == 0 || peer < 0 || peer >= p.ranks || static_cast<std::int64_t>(p.token_begin.size()) != p.ranks * L + 1)
+        throw Error("rank " + std::to_string(p.rank) + " task " + name(t.kind) + " reads rank " + std::to_string(t.peer) +
+                    "'s token block, which this program's token blocks do not hold");
+      return {p.token_begin[static_cast<std::size_t>(peer * L)], p.token_begin[static_cast<std::size_t>(peer * L + L)]};
+    }
+    case Span::expert_prefix: {
+      const std::int64_t slot = p.slot_of(t.expert);
+      if (slot < 0)
+        throw Error("rank " + std::to_string(p.rank) + " task " + name(t.kind) + " names expert " +
+                    std::to_string(t.expert) + ", which this rank does not hold");
+      return {0, p.expert_begin[static_cast<std::size_t>(slot + 1)]};
     }
     case Span::expert_kpad:
     case Span::kpad_task_rows:

@@ -3,7 +3,7 @@
 // each source sends a destination the token's combine list: for each of its
 // K choices, the row the choice fills on the destination (-1 where the
 // choice lives elsewhere or was dropped), then the K gates. Once its
-// experts are done, the destination sums, per token of a source's block,
+// experts are done, the destination sums, per token of a source's list,
 // the gate-weighted expert rows in k order and puts one row into the
 // source's COMB_RANK; the source adds its ranks' rows in rank order (and
 // the shared experts' row). The backward mirrors it: the destination sums a
@@ -22,11 +22,19 @@ namespace {
 using namespace rules;
 
 // A combine list's row, checked against the rows its rank received.
+// Its words: the token's row in its block, the receive row of each of its
+// K choices (-1: none here), their K gates.
 struct ListRow {
   const std::int32_t* words;
   std::int64_t K;
+  std::int64_t block_row(const Task& t, std::int64_t block_rows) const {
+    if (words[0] < 0 || words[0] >= block_rows)
+      throw Error(std::string(taskflow::name(t.kind)) + ": a combine list names row " + std::to_string(words[0]) +
+                  " of a token block of " + std::to_string(block_rows) + " rows (a corrupt put)");
+    return words[0];
+  }
   std::int64_t row(const Task& t, std::int64_t k, std::int64_t recv_rows) const {
-    const std::int64_t r = words[k];
+    const std::int64_t r = words[1 + k];
     if (r < -1 || r >= recv_rows)
       throw Error(std::string(taskflow::name(t.kind)) + ": a combine list names receive row " + std::to_string(r) +
                   " of " + std::to_string(recv_rows) + ": the list does not match the exchange (a corrupt put)");
@@ -34,7 +42,7 @@ struct ListRow {
   }
   float gate(std::int64_t k) const {
     float g = 0;
-    std::memcpy(&g, words + K + k, sizeof g);
+    std::memcpy(&g, words + 1 + K + k, sizeof g);
     return g;
   }
 };
@@ -44,7 +52,7 @@ template <class T>
 bool list_put(const Tile<T>& tile) {
   const Rect& src = tile.read(0);
   const Rect& dst = tile.write(0);
-  const std::int64_t words = 2 * tile.dims().top_k;
+  const std::int64_t words = 2 * tile.dims().top_k + 1;
   tile.need(src, tile.rows(), words);
   tile.need(dst, tile.rows(), words);
   std::memcpy(static_cast<void*>(tile.host.put_target(dst)), tile.template at<std::byte>(src),
@@ -60,7 +68,7 @@ bool sum_put(const Tile<T>& tile, BufferId rows_buffer, bool gated) {
   const Rect& list = tile.in(BufferId::recv_comb);
   const Rect& from = tile.in(rows_buffer);
   const Rect& dst = tile.write(0);
-  tile.need(list, rows, 2 * K);
+  tile.need(list, rows, 2 * K + 1);
   tile.need(dst, rows, H);
   const auto* words = tile.template at<std::int32_t>(list);
   const T* y = tile.template at<T>(from);
@@ -97,8 +105,7 @@ bool gate_grad_put(const Tile<T>& tile) {
   const Rect& block = tile.in(BufferId::dy_tok);
   const Rect& from = tile.in(BufferId::y);
   const Rect& dst = tile.write(0);
-  tile.need(list, rows, 2 * K);
-  tile.need(block, rows, 1);
+  tile.need(list, rows, 2 * K + 1);
   tile.need(dst, rows, K);
   const auto* words = tile.template at<std::int32_t>(list);
   const T* y = tile.template at<T>(from);
@@ -108,10 +115,11 @@ bool gate_grad_put(const Tile<T>& tile) {
   thread_local std::vector<float> dout;
   dout.resize(static_cast<std::size_t>(H));
   for (std::int64_t j = 0; j < rows; ++j) {
-    if (encoded)
-      kernels::load<bf16>(reinterpret_cast<const bf16*>(tile.template at<std::uint8_t>(block) + j * ld_block), dout.data(), H);
-    else kernels::load<T>(tile.template at<T>(block) + j * ld_block, dout.data(), H);
     const ListRow entry{words + j * ld_list, K};
+    const std::int64_t at = entry.block_row(tile.task, block.rows());
+    if (encoded)
+      kernels::load<bf16>(reinterpret_cast<const bf16*>(tile.template at<std::uint8_t>(block) + at * ld_block), dout.data(), H);
+    else kernels::load<T>(tile.template at<T>(block) + at * ld_block, dout.data(), H);
     for (std::int64_t k = 0; k < K; ++k) {
       const std::int64_t r = entry.row(tile.task, k, from.rows());
       to[j * K + k] = r >= 0 ? kernels::dot<T>(dout.data(), y + r * ld, H) : 0.0f;
@@ -165,6 +173,13 @@ bool gate_grad_gather(const Tile<T>& tile) {
   return false;
 }
 
+// A relay moves nothing: its trigger says that the event it waited for
+// completed (the instances up to a slot are done).
+template <class T>
+bool relay(const Tile<T>&) {
+  return false;
+}
+
 constexpr KindAccess as_put(KindAccess a) {
   a.put = true;
   return a;
@@ -173,46 +188,51 @@ constexpr KindAccess as_put(KindAccess a) {
 // A put's bytes are what it carries (the step's put bytes and the
 // simulator's wire count them). The sums' reads of up to K expert rows per
 // token are not among them: the simulator's put issue time leaves them out.
-constexpr ByteTerm kList{X::top_k2, 1, 4, X::none};
+constexpr ByteTerm kList{X::comb_words, 1, 4, X::none};
 constexpr ByteTerm kRow{X::hidden, 1, kElem, X::none};
+// The source reads a token's row from each rank it went to: at most K of them.
+constexpr ByteTerm kRowsOfRanks{X::hidden, 1, kElem, X::top_k};
+constexpr ByteTerm kSlots{X::ranks, 1, 8, X::none};
 constexpr auto kListRows = Span::source_rows;
 
 constexpr OpKind kKinds[] = {
     {TaskKind::combine_route_put, "combine_route_put", Pass::forward, 5,
-     as_put(vector_kind({op(B::rank_comb, R, Span::source_rows, X::none, Span::whole, X::top_k2), tile(B::recv_comb, Side::peer)},
+     as_put(vector_kind({op(B::rank_comb, R, Span::source_rows, X::none, Span::whole, X::comb_words), tile(B::recv_comb, Side::peer)},
                         {kList})),
      list_put<float>, list_put<bf16>},
+    {TaskKind::combine_relay, "combine_relay", Pass::forward, 72, vector_kind({}, {}), relay<float>, relay<bf16>},
     {TaskKind::combine_rank_put, "combine_rank_put", Pass::forward, 75,
-     as_put(vector_kind({op(B::recv_comb, R, kListRows, X::none, Span::whole, X::top_k2),
-                         op(B::y, R, Span::whole, X::recv_rows, Span::whole, X::hidden), tile(B::comb_rank, Side::peer)},
-                        {kRow})),
+     as_put(vector_kind({op(B::recv_comb, R, kListRows, X::none, Span::whole, X::comb_words),
+                         op(B::y, R, Span::expert_prefix, X::none, Span::whole, X::hidden), tile(B::comb_rank, Side::peer)},
+                        {kRow}, kOwn)),
      combine_put<float>, combine_put<bf16>},
     {TaskKind::combine_rank_reduce, "combine_rank_reduce", Pass::forward, 95,
      vector_kind({op(B::comb_rank, R, Span::whole, X::token_list, Span::whole, X::hidden), band(B::rank_slot, X::ranks),
                   op(B::sh_y, R, Span::task_rows, X::none, Span::whole, X::hidden, Side::own, true), tile(B::out)},
-                 {{X::hidden, 1, kElem, X::ranks}, {X::hidden, 1, 4, X::none}}),
+                 {kRowsOfRanks, kSlots, {X::hidden, 1, 4, X::none}}),
      rank_reduce<float>, rank_reduce<bf16>},
     {TaskKind::gate_grad_put, "gate_grad_put", Pass::backward, -3,
-     as_put(vector_kind({op(B::recv_comb, R, kListRows, X::none, Span::whole, X::top_k2),
-                         op(B::dy_tok, R, Span::source_rows, X::none, Span::whole, X::token_cols),
+     as_put(vector_kind({op(B::recv_comb, R, kListRows, X::none, Span::whole, X::comb_words),
+                         op(B::dy_tok, R, Span::peer_block, X::none, Span::whole, X::token_cols),
                          op(B::y, R, Span::whole, X::recv_rows, Span::whole, X::hidden), tile(B::gw_rank, Side::peer)},
                         {{X::top_k, 1, 4, X::none}})),
      gate_grad_put<float>, gate_grad_put<bf16>},
     {TaskKind::gate_grad_gather, "gate_grad_gather", Pass::backward, -2,
      vector_kind({op(B::gw_rank, R, Span::whole, X::token_list, Span::whole, X::top_k), band(B::rank_slot, X::ranks),
                   tile(B::gw)},
-                 {{X::top_k, 1, 4, X::ranks}}),
+                 {{X::top_k, 1, 4, X::top_k}, kSlots}),
      gate_grad_gather<float>, gate_grad_gather<bf16>},
+    {TaskKind::grad_combine_relay, "grad_combine_relay", Pass::backward, 192, vector_kind({}, {}), relay<float>, relay<bf16>},
     {TaskKind::grad_combine_rank_put, "grad_combine_rank_put", Pass::backward, 195,
-     as_put(vector_kind({op(B::recv_comb, R, kListRows, X::none, Span::whole, X::top_k2),
-                         op(B::dxe, R, Span::whole, X::recv_rows, Span::whole, X::hidden), tile(B::dcomb_rank, Side::peer)},
-                        {kRow})),
+     as_put(vector_kind({op(B::recv_comb, R, kListRows, X::none, Span::whole, X::comb_words),
+                         op(B::dxe, R, Span::expert_prefix, X::none, Span::whole, X::hidden), tile(B::dcomb_rank, Side::peer)},
+                        {kRow}, kOwn)),
      dx_put<float>, dx_put<bf16>},
     {TaskKind::grad_rank_reduce, "grad_rank_reduce", Pass::backward, 215,
      vector_kind({op(B::dcomb_rank, R, Span::whole, X::token_list, Span::whole, X::hidden), band(B::rank_slot, X::ranks),
                   band(B::rdx, X::hidden), op(B::sdx, R, Span::task_rows, X::none, Span::whole, X::hidden, Side::own, true),
                   tile(B::dx)},
-                 {{X::hidden, 1, kElem, X::ranks}, {X::hidden, 3, 4, X::none}}),
+                 {kRowsOfRanks, kSlots, {X::hidden, 3, 4, X::none}}),
      grad_rank_reduce<float>, grad_rank_reduce<bf16>},
 };
 }  // namespace

@@ -133,17 +133,23 @@ void Interleaved<T>::prepare_forward(StepResult& res) {
         const float g = res.routing.weight[static_cast<std::size_t>(i * T_ * K + routes.row_assign[row])];
         std::memcpy(&route[2 * row + 1], &g, sizeof g);
       }
-      // The combine lists: each list row's K receive rows on its
-      // destination, then the token's K gates; each token's list rows.
+      // The combine lists: per list row, the token's row in its block, the
+      // receive row of each of its K choices on the list's destination, and
+      // their gates; each token's list rows.
       auto* list = base<std::int32_t>(r, BufferId::rank_comb);
-      for (std::size_t j = 0; j < routes.tokens.size(); ++j) {
-        const std::int64_t t = routes.tokens[j];
-        for (std::int64_t k = 0; k < K; ++k) {
-          const float g = res.routing.weight[static_cast<std::size_t>(i * T_ * K + t * K + k)];
-          list[static_cast<std::int64_t>(j) * 2 * K + k] = routes.comb_row[j * static_cast<std::size_t>(K) + static_cast<std::size_t>(k)];
-          std::memcpy(&list[static_cast<std::int64_t>(j) * 2 * K + K + k], &g, sizeof g);
+      const std::int64_t words = 2 * K + 1;
+      for (std::int64_t d = 0, row = 0; d < c_.ranks; ++d)
+        for (const std::int64_t block = ex_->token_send_offset(r, d); row < ex_->token_send_offset(r, d + 1); ++row) {
+          std::int32_t* w = list + row * words;
+          const std::int32_t at = routes.list_block[static_cast<std::size_t>(row)];
+          const std::int64_t t = routes.tokens[static_cast<std::size_t>(block + at)];
+          w[0] = at;
+          for (std::int64_t k = 0; k < K; ++k) {
+            w[1 + k] = routes.comb_row[static_cast<std::size_t>(row * K + k)];
+            const float g = res.routing.weight[static_cast<std::size_t>(i * T_ * K + t * K + k)];
+            std::memcpy(&w[1 + K + k], &g, sizeof g);
+          }
         }
-      }
       std::copy(routes.list_slot.begin(), routes.list_slot.end(), base<std::int64_t>(r, BufferId::rank_slot));
     }
     if constexpr (!std::is_same_v<T, float>)

@@ -300,29 +300,35 @@ template <class T>
 void Interleaved<T>::exchange_rank_tokens(const StepResult& res) {
   const std::int64_t P = c_.ranks, N = ex_->instances(), n = c_.tokens_per_rank * c_.top_k;
   routes_.resize(local_.size());
-  std::vector<std::int64_t> first(static_cast<std::size_t>(P * N), 0);
+  std::vector<std::int64_t> first(static_cast<std::size_t>(2 * P * N), 0);
   for (std::size_t i = 0; i < local_.size(); ++i) {
     const auto at = static_cast<std::size_t>(i) * static_cast<std::size_t>(n);
     routes_[i] = taskflow::rank_routes(c_, *ex_, local_[i], std::span<const std::int64_t>(slot_).subspan(at, static_cast<std::size_t>(n)),
                                        std::span<const std::int32_t>(res.routing.expert).subspan(at, static_cast<std::size_t>(n)));
-    std::copy(routes_[i].first.begin(), routes_[i].first.end(), first.begin() + local_[i] * N);
+    const std::int64_t s = local_[i];
+    std::copy(routes_[i].first.begin(), routes_[i].first.begin() + N, first.begin() + s * N);
+    std::copy(routes_[i].first.begin() + N, routes_[i].first.end(), first.begin() + (P + s) * N);
   }
-  if (sharded()) {  // one row per rank: its tokens by first instance (set_first_tokens checks them)
+  if (sharded()) {  // one row per rank: its tokens by first instance, then by last (set_rank_tokens checks them)
     const int me = local_.front();
-    std::vector<std::uint64_t> block(static_cast<std::size_t>(P * N));
-    for (std::int64_t i = 0; i < N; ++i)
-      block[static_cast<std::size_t>(me * N + i)] = static_cast<std::uint64_t>(first[static_cast<std::size_t>(me * N + i)]);
-    tr_->allgather(std::as_writable_bytes(std::span<std::uint64_t>(block)), static_cast<std::size_t>(N) * 8);
+    std::vector<std::uint64_t> block(static_cast<std::size_t>(2 * P * N));
+    for (std::int64_t i = 0; i < N; ++i) {
+      block[static_cast<std::size_t>(me * 2 * N + i)] = static_cast<std::uint64_t>(first[static_cast<std::size_t>(me * N + i)]);
+      block[static_cast<std::size_t>(me * 2 * N + N + i)] = static_cast<std::uint64_t>(first[static_cast<std::size_t>((P + me) * N + i)]);
+    }
+    tr_->allgather(std::as_writable_bytes(std::span<std::uint64_t>(block)), static_cast<std::size_t>(2 * N) * 8);
     for (std::size_t k = 0; k < block.size(); ++k) {
+      const std::size_t q = k / static_cast<std::size_t>(2 * N), i = k % static_cast<std::size_t>(2 * N);
       if (block[k] > static_cast<std::uint64_t>(c_.tokens_per_rank))
-        throw Error("rank " + std::to_string(k / static_cast<std::size_t>(N)) + " reports " + std::to_string(block[k]) +
-                    " tokens for expert instance " + std::to_string(k % static_cast<std::size_t>(N)) + ", more than its " +
-                    std::to_string(c_.tokens_per_rank));
-      first[k] = static_cast<std::int64_t>(block[k]);
+        throw Error("rank " + std::to_string(q) + " reports " + std::to_string(block[k]) + " tokens for expert instance " +
+                    std::to_string(i % static_cast<std::size_t>(N)) + ", more than its " + std::to_string(c_.tokens_per_rank));
+      const std::size_t at = i < static_cast<std::size_t>(N) ? q * static_cast<std::size_t>(N) + i
+                                                             : (static_cast<std::size_t>(P) + q) * static_cast<std::size_t>(N) + i - static_cast<std::size_t>(N);
+      first[at] = static_cast<std::int64_t>(block[k]);
     }
   }
-  ex_->set_first_tokens(first, c_.tokens_per_rank);
-  counts_.first_tokens = std::move(first);
+  ex_->set_rank_tokens(first, c_.tokens_per_rank);
+  counts_.token_counts = std::move(first);
 }
 
 // Instantiations of the members above.

@@ -95,7 +95,7 @@ SimReport simulate(const MachineModel& m, const SimRequest& req) {
   // DeepEP- and MindSpore-style baselines move rows their own way and take
   // the rest of their operators from the per-assignment programs.
   const bool by_rank = c.exchange == ExchangeMode::rank;
-  if (by_rank) counts.first_tokens = taskflow::first_token_counts(c, placement, counts, routing, machine.tile_rows);
+  if (by_rank) counts.token_counts = taskflow::rank_token_counts(c, placement, counts, routing, machine.tile_rows);
   LayerConfig per_assignment = c;
   per_assignment.exchange = ExchangeMode::assignment;
   const double matrix_units = double(c.ranks) * (m.accelerator ? m.matrix_units : m.workers);

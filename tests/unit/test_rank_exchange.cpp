@@ -46,7 +46,7 @@ RoutingCounts rank_counts(const LayerConfig& c, const ExpertPlacement& placement
                           std::int64_t tile_rows) {
   const auto r = routing_of(c, spec);
   RoutingCounts counts = routing_counts(c, r);
-  counts.first_tokens = first_token_counts(c, placement, counts, r, tile_rows);
+  counts.token_counts = rank_token_counts(c, placement, counts, r, tile_rows);
   return counts;
 }
 
@@ -79,7 +79,7 @@ TEST(RankExchange, EachTokenTravelsOnceToEachRankAndItsRoutesPointAtIt) {
     const auto r = routing_of(c, "zipf:1.2");
     const auto counts = routing_counts(c, r);
     taskflow::Exchange ex(c, placement, counts, 32);
-    ex.set_first_tokens(first_token_counts(c, placement, counts, r, 32), c.tokens_per_rank);
+    ex.set_rank_tokens(rank_token_counts(c, placement, counts, r, 32), c.tokens_per_rank);
     const std::vector<int> all{0, 1, 2};
     const auto slot = send_slots(c, ex, r, all);
     const std::int64_t n = c.tokens_per_rank * c.top_k;
@@ -104,13 +104,28 @@ TEST(RankExchange, EachTokenTravelsOnceToEachRankAndItsRoutesPointAtIt) {
           }
         }
         EXPECT_EQ(sent, needed) << "the block holds exactly the tokens with a row on rank " << d;
+        // The combine list: the block's tokens again, by last instance; a
+        // sub-list's sums read only the rows of the instances up to its own.
+        std::set<std::int32_t> listed;
+        for (const std::int64_t i : placement.instances_of(d))
+          for (std::int64_t j = ex.sub_list_offset(s, i); j < ex.sub_list_offset(s, i) + ex.last_tokens(s, i); ++j) {
+            const auto row = static_cast<std::size_t>(block + j);
+            listed.insert(routes.tokens[static_cast<std::size_t>(block) + static_cast<std::size_t>(routes.list_block[row])]);
+            EXPECT_EQ(routes.list_slot[static_cast<std::size_t>(routes.tokens[static_cast<std::size_t>(block + routes.list_block[row])] * c.ranks + d)],
+                      block + j);
+            for (std::int64_t k = 0; k < c.top_k; ++k)
+              EXPECT_LT(routes.comb_row[row * static_cast<std::size_t>(c.top_k) + static_cast<std::size_t>(k)],
+                        ex.expert_start(i) + ex.expert_rows(i))
+                  << "a sum of the sub-list of instance " << i << " reads a later instance's row";
+          }
+        EXPECT_EQ(listed, sent);
       }
     }
     for (std::int64_t d = 0; d < c.ranks; ++d) EXPECT_LE(ex.token_recv_rows(d), ex.recv_rows(d));
-    auto wrong = first_token_counts(c, placement, counts, r, 32);
+    auto wrong = rank_token_counts(c, placement, counts, r, 32);
     wrong[0] = c.tokens_per_rank + 1;
-    EXPECT_THROW(ex.set_first_tokens(wrong, c.tokens_per_rank), Error);
-    EXPECT_THROW(ex.set_first_tokens(std::vector<std::int64_t>(3, 0), c.tokens_per_rank), Error);
+    EXPECT_THROW(ex.set_rank_tokens(wrong, c.tokens_per_rank), Error);
+    EXPECT_THROW(ex.set_rank_tokens(std::vector<std::int64_t>(3, 0), c.tokens_per_rank), Error);
   }
 }
 

@@ -83,7 +83,9 @@ TEST(AccessTable, WorkAndOperandsOfAGemmTile) {
     const auto kind = static_cast<TaskKind>(k);
     // Every kind reads and writes, but the per-rank exchange's relays, which
     // only pass on that an event completed.
-    if (kind == TaskKind::dispatch_relay || kind == TaskKind::grad_dispatch_relay) EXPECT_EQ(table[kind].operand_count, 0);
+    if (kind == TaskKind::dispatch_relay || kind == TaskKind::grad_dispatch_relay || kind == TaskKind::combine_relay ||
+        kind == TaskKind::grad_combine_relay)
+      EXPECT_EQ(table[kind].operand_count, 0);
     else EXPECT_GT(table[kind].operand_count, 1) << name(kind);
     EXPECT_EQ(table[kind].queue == QueueClass::matrix, table[kind].gemm_k != Extent::none) << name(kind);
   }
