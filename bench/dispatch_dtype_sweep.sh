@@ -8,7 +8,7 @@
 # no decode; the fused schedule pays its decode tasks. Cross-node MB: bytes
 # leaving the nodes in the forward pass, all ranks. The last row of each EP
 # sends fp8 under the per-rank exchange (--exchange rank: a token once per
-# destination rank, gathered there; the combine still a row per expert).
+# destination rank, gathered there; one row per token and rank back).
 #   bench/dispatch_dtype_sweep.sh [build/hpmoe] [machine]
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -76,7 +76,7 @@ class Exchange {
   // instance on the destination (in slot order), each in token order, so
   // the rows of the instance in slot j read only sub-blocks 0..j. Which
   // tokens those are depends on the routing, not only its counts: every
-  // rank's sources report theirs (first_token_counts), [s * N + i] tokens of
+  // rank's sources report theirs (rank_token_counts), [s * N + i] tokens of
   // s whose first instance on instance i's rank is i.
   // The same tokens cut by their last instance on the destination make the
   // combine's list (RankRoutes::list_block): their sums can go once the
