@@ -42,8 +42,8 @@ class Builder {
                             i32(s.wait_event), i32(s.wait_count), i32(s.trigger_event)});
     const TaskWork w = table_.work(p_, p_.tasks.back());
     const double seconds = access.queue == QueueClass::matrix ? w.flops / m_.matrix_flops
-                           : access.put                       ? w.bytes / m_.put_bytes_per_s
-                                                              : w.bytes / m_.vector_bytes_per_s;
+                           : access.put ? w.bytes / m_.put_bytes_per_s + w.local_bytes / m_.vector_bytes_per_s
+                                        : w.bytes / m_.vector_bytes_per_s;
     p_.cost.push_back(static_cast<float>(seconds + m_.task_overhead_s));
   }
 

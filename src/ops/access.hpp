@@ -95,6 +95,10 @@ struct ByteTerm {
   std::uint8_t per_row_multiple = 1;  // e.g. K rows read per token
   std::uint8_t bytes = 0;             // element size; 0: the layer's dtype
   Extent times = Extent::none;        // a second extent factor (none: 1)
+  // A put's bytes are what it carries; a term marked local is what its
+  // issuing unit reads besides (the per-rank combine's sums): vector work,
+  // not wire bytes (TaskWork::local_bytes).
+  bool local = false;
 };
 
 inline constexpr int kMaxOperands = 5;
@@ -140,6 +144,7 @@ struct TaskWork {
   double bytes = 0;
   std::int64_t k = 0;
   bool timed = true;  // false: outside a simulation's scope (takes no time; its events still fire)
+  double local_bytes = 0;  // a put's reads besides what it carries (vector work on the sender)
 };
 
 // Rows of a GEMM's K operand as the kernels need them: even for bf16.
@@ -339,8 +344,8 @@ inline TaskWork AccessTable::work(const Program& p, const Task& t) const {
   for (int i = 0; i < a.traffic_terms; ++i) {
     const ByteTerm& term = a.traffic[static_cast<std::size_t>(i)];
     const double element = term.bytes == 0 ? double(p.dims.elem_bytes) : double(term.bytes);
-    w.bytes += double(t.rows) * term.per_row_multiple * double(extent(p, t, term.extent)) *
-               double(extent(p, t, term.times)) * element;
+    (term.local ? w.local_bytes : w.bytes) +=
+        double(t.rows) * term.per_row_multiple * double(extent(p, t, term.extent)) * double(extent(p, t, term.times)) * element;
   }
   return w;
 }

@@ -186,10 +186,16 @@ constexpr KindAccess as_put(KindAccess a) {
 }
 
 // A put's bytes are what it carries (the step's put bytes and the
-// simulator's wire count them). The sums' reads of up to K expert rows per
-// token are not among them: the simulator's put issue time leaves them out.
+// simulator's wire count them); the sums' reads of the expert rows, and of
+// the list, are the sending unit's vector work (local). A token has 1 to K
+// rows on a rank, which the task's fields do not say: one row per token is
+// charged, exact where a token has one expert on the rank (the common case
+// at EP 16 and beyond for DeepSeek-V3: 1.25 on average), an under-estimate
+// where it has more (3 on average at 2 ranks of top-6 of 16).
 constexpr ByteTerm kList{X::comb_words, 1, 4, X::none};
 constexpr ByteTerm kRow{X::hidden, 1, kElem, X::none};
+constexpr ByteTerm kRowsRead{X::hidden, 1, kElem, X::none, true};
+constexpr ByteTerm kListRead{X::comb_words, 1, 4, X::none, true};
 // The source reads a token's row from each rank it went to: at most K of them.
 constexpr ByteTerm kRowsOfRanks{X::hidden, 1, kElem, X::top_k};
 constexpr ByteTerm kSlots{X::ranks, 1, 8, X::none};
@@ -204,7 +210,7 @@ constexpr OpKind kKinds[] = {
     {TaskKind::combine_rank_put, "combine_rank_put", Pass::forward, 75,
      as_put(vector_kind({op(B::recv_comb, R, kListRows, X::none, Span::whole, X::comb_words),
                          op(B::y, R, Span::expert_prefix, X::none, Span::whole, X::hidden), tile(B::comb_rank, Side::peer)},
-                        {kRow}, kOwn)),
+                        {kRow, kRowsRead, kListRead}, kOwn)),
      combine_put<float>, combine_put<bf16>},
     {TaskKind::combine_rank_reduce, "combine_rank_reduce", Pass::forward, 95,
      vector_kind({op(B::comb_rank, R, Span::whole, X::token_list, Span::whole, X::hidden), band(B::rank_slot, X::ranks),
@@ -215,7 +221,7 @@ constexpr OpKind kKinds[] = {
      as_put(vector_kind({op(B::recv_comb, R, kListRows, X::none, Span::whole, X::comb_words),
                          op(B::dy_tok, R, Span::peer_block, X::none, Span::whole, X::token_cols),
                          op(B::y, R, Span::whole, X::recv_rows, Span::whole, X::hidden), tile(B::gw_rank, Side::peer)},
-                        {{X::top_k, 1, 4, X::none}})),
+                        {{X::top_k, 1, 4, X::none}, kRowsRead, kListRead, {X::token_row_bytes, 1, 1, X::none, true}})),
      gate_grad_put<float>, gate_grad_put<bf16>},
     {TaskKind::gate_grad_gather, "gate_grad_gather", Pass::backward, -2,
      vector_kind({op(B::gw_rank, R, Span::whole, X::token_list, Span::whole, X::top_k), band(B::rank_slot, X::ranks),
@@ -226,7 +232,7 @@ constexpr OpKind kKinds[] = {
     {TaskKind::grad_combine_rank_put, "grad_combine_rank_put", Pass::backward, 195,
      as_put(vector_kind({op(B::recv_comb, R, kListRows, X::none, Span::whole, X::comb_words),
                          op(B::dxe, R, Span::expert_prefix, X::none, Span::whole, X::hidden), tile(B::dcomb_rank, Side::peer)},
-                        {kRow}, kOwn)),
+                        {kRow, kRowsRead, kListRead}, kOwn)),
      dx_put<float>, dx_put<bf16>},
     {TaskKind::grad_rank_reduce, "grad_rank_reduce", Pass::backward, 215,
      vector_kind({op(B::dcomb_rank, R, Span::whole, X::token_list, Span::whole, X::hidden), band(B::rank_slot, X::ranks),

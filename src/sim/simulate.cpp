@@ -103,7 +103,8 @@ class Durations {
     if (!work.timed) return 0;
     if (t.queue == QueueClass::matrix) return gemm(t.rows, t.cols, std::max<std::int64_t>(1, work.k), weight_reuse(p, t)) + overhead_;
     if (is_put(t.kind))  // the issue (and a core's or vector unit's own copy); the wire comes after
-      return m_.put_issue_s + (m_.put_copy_bytes_per_s > 0 ? work.bytes / m_.put_copy_bytes_per_s : 0.0) + overhead_;
+      return m_.put_issue_s + (m_.put_copy_bytes_per_s > 0 ? work.bytes / m_.put_copy_bytes_per_s : 0.0) +
+             work.local_bytes / m_.vector_rate(t.kind) + overhead_;
     return work.bytes / m_.vector_rate(t.kind) + overhead_;
   }
 
