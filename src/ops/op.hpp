@@ -220,6 +220,17 @@ constexpr KindAccess vector_kind(std::initializer_list<OperandRule> ops, std::in
   for (const auto& t : traffic) a.traffic[a.traffic_terms++] = t;
   return a;
 }
+// The same access with its task a put (its bytes then count as sent).
+constexpr KindAccess as_put(KindAccess a) {
+  a.put = true;
+  return a;
+}
+// A relay's body moves nothing: its trigger says that the event it waited
+// for completed (the per-rank exchange's chains of slots).
+template <class T>
+bool relay(const Tile<T>&) {
+  return false;
+}
 // A put moves its rows of the hidden width.
 constexpr KindAccess put_kind(std::initializer_list<OperandRule> ops, ExpertHome home) {
   KindAccess a = vector_kind(ops, {ByteTerm{X::hidden, 1, 0, X::none}}, home);

@@ -173,18 +173,6 @@ bool gate_grad_gather(const Tile<T>& tile) {
   return false;
 }
 
-// A relay moves nothing: its trigger says that the event it waited for
-// completed (the instances up to a slot are done).
-template <class T>
-bool relay(const Tile<T>&) {
-  return false;
-}
-
-constexpr KindAccess as_put(KindAccess a) {
-  a.put = true;
-  return a;
-}
-
 // A put's bytes are what it carries (the step's put bytes and the
 // simulator's wire count them); the sums' reads of the expert rows, and of
 // the list, are the sending unit's vector work (local). A token has 1 to K

@@ -156,18 +156,6 @@ bool grad_gather(const Tile<T>& tile) {
   return false;
 }
 
-// A relay moves nothing: its trigger says that the event it waited for
-// completed (a source's sub-blocks up to a slot have arrived).
-template <class T>
-bool relay(const Tile<T>&) {
-  return false;
-}
-
-constexpr KindAccess as_put(KindAccess a) {
-  a.put = true;
-  return a;
-}
-
 constexpr ByteTerm kTokenRow{X::token_row_bytes, 1, 1, X::none};
 constexpr ByteTerm kRoute{X::route, 1, 4, X::none};
 
