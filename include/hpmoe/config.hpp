@@ -69,6 +69,14 @@ struct LayerConfig {
   DispatchDType dispatch_dtype = DispatchDType::layer;
   GradDispatchDType grad_dispatch_dtype = GradDispatchDType::automatic;
   ExchangeMode exchange = ExchangeMode::assignment;
+  // Ranks per node (0: all ranks in one node). With the per-rank exchange
+  // and 1 < ranks_per_node < ranks, a token crosses to another node once,
+  // to the rank there with its own local index, which forwards it to the
+  // ranks of its node that need it (forwards()).
+  std::int64_t ranks_per_node = 0;
+  // Whether the per-rank exchange forwards inside nodes (false: every token
+  // goes straight to each rank, across nodes too; to compare the two).
+  bool node_forwarding = true;
 
   // Whether the dispatch sends tokens narrower than the layer's dtype (a
   // quantize on the source, a decode on arrival), and the bytes of one
@@ -81,6 +89,11 @@ struct LayerConfig {
     return shared_experts * (shared_inter > 0 ? shared_inter : expert_inter);
   }
   std::int64_t total_tokens() const { return tokens_per_rank * ranks; }
+  // Ranks per node as used (ranks when unset) and the nodes.
+  std::int64_t node_ranks() const { return ranks_per_node > 0 ? ranks_per_node : ranks; }
+  std::int64_t nodes() const { return ranks / node_ranks(); }
+  // Whether the dispatch forwards tokens inside destination nodes.
+  bool forwards() const { return exchange == ExchangeMode::rank && node_forwarding && node_ranks() > 1 && node_ranks() < ranks; }
   // Capacity per (rank, expert); -1 when dropless.
   std::int64_t expert_capacity() const;
 

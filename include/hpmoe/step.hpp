@@ -51,6 +51,9 @@ struct StepResult {
   // exchange's payload as the hosted ranks' programs declare it (rows x row
   // bytes; over MPI this process's ranks only).
   std::int64_t forward_put_bytes = 0, backward_put_bytes = 0;
+  // Of those, the bytes to ranks of other nodes (LayerConfig::ranks_per_node;
+  // all of them when the ranks are one node: none).
+  std::int64_t forward_cross_node_bytes = 0, backward_cross_node_bytes = 0;
   std::vector<TraceSlice> trace;   // when tracing
 };
 

@@ -151,6 +151,7 @@ Verification verify(const RunRequest& req, const LayerWeights& w, const LayerInp
 struct ExecutorSamples {
   double workers = 1;
   std::int64_t forward_put_bytes = 0, backward_put_bytes = 0;  // of the last step
+  std::int64_t forward_cross_node_bytes = 0, backward_cross_node_bytes = 0;
   std::vector<double> router, forward, backward, forward_busy, backward_busy, host;
   std::vector<std::vector<double>> forward_ops, backward_ops;
   std::vector<std::string> forward_names, backward_names;
@@ -178,6 +179,8 @@ struct ExecutorSamples {
     if (host_seconds >= 0) host.push_back(host_seconds);
     forward_put_bytes = r.forward_put_bytes;
     backward_put_bytes = r.backward_put_bytes;
+    forward_cross_node_bytes = r.forward_cross_node_bytes;
+    backward_cross_node_bytes = r.backward_cross_node_bytes;
     router.push_back(r.router_seconds);
     forward.push_back(r.dispatch_to_combine_seconds);
     backward.push_back(r.backward_seconds);
@@ -448,6 +451,8 @@ void summarize_into(RunReport& rep, const ExecutorSamples& serialized, const Exe
   const ExecutorSamples& any = interleaved.forward.empty() ? serialized : interleaved;
   rep.forward_put_bytes = any.forward_put_bytes;
   rep.backward_put_bytes = any.backward_put_bytes;
+  rep.forward_cross_node_bytes = any.forward_cross_node_bytes;
+  rep.backward_cross_node_bytes = any.backward_cross_node_bytes;
 }
 
 double peak_rss_bytes() { return status_bytes("VmHWM:"); }
@@ -532,6 +537,7 @@ Verification verify_own_tokens(const RunRequest& req, const LayerWeights& held, 
                                const StepResult& res, int me, const Checkpoint* checkpoint) {
   LayerConfig lc = req.config;
   lc.ranks = 1;
+  lc.ranks_per_node = 0;
   Verification v;
   OracleOptions opt;
   if (!plan_oracle(req, lc, res, 1e9, me, v, opt)) return v;
@@ -916,6 +922,9 @@ nlohmann::json to_json(const RunReport& r) {
   j["operators"] = ops;
   j["exchange_bytes"] = {{"forward", r.forward_put_bytes}, {"backward", r.backward_put_bytes},
                          {"exchange", to_string(r.config.exchange)}, {"scope", r.sharded ? "this process" : "all ranks"}};
+  if (r.config.nodes() > 1)
+    j["exchange_bytes"]["cross_node"] = {{"forward", r.forward_cross_node_bytes}, {"backward", r.backward_cross_node_bytes},
+                                         {"ranks_per_node", r.config.node_ranks()}};
   if (r.interleaved) {
     nlohmann::json host = nlohmann::json::object();
     for (const auto& [name, s] : r.interleaved_ops) host[name] = summary_json(s);
@@ -1086,8 +1095,13 @@ std::string format_report(const RunReport& r) {
     o << std::setprecision(2) << "exchange " << double(r.forward_put_bytes) / 1e6 << " MB forward";
     if (r.backward) o << " + " << double(r.backward_put_bytes) / 1e6 << " MB backward";
     o << " put to other ranks per step (" << to_string(r.config.exchange) << " exchange, dispatch "
-      << to_string(r.config.dispatch_dtype) << (r.sharded ? "; this process's rank" : "; all ranks") << ")\n"
-      << std::setprecision(1);
+      << to_string(r.config.dispatch_dtype) << (r.sharded ? "; this process's rank" : "; all ranks") << ")\n";
+    if (r.config.nodes() > 1) {
+      o << "         of which " << double(r.forward_cross_node_bytes) / 1e6 << " MB forward";
+      if (r.backward) o << " + " << double(r.backward_cross_node_bytes) / 1e6 << " MB backward";
+      o << " cross nodes of " << r.config.node_ranks() << " ranks" << (r.config.forwards() ? " (forwarded inside them)" : "") << "\n";
+    }
+    o << std::setprecision(1);
   }
   if (r.sharded) {
     o << "proof    " << (r.verified_per_rank ? "each rank proved its own program against the exchanged counts (per-rank check)"

@@ -81,6 +81,10 @@ nlohmann::json to_json(const Program& p) {
   j["kpad_begin"] = p.kpad_begin;
   j["send_rows"] = p.send_rows;
   if (!p.token_begin.empty()) j["token_begin"] = p.token_begin;  // the per-rank exchange
+  if (!p.node_begin.empty()) {  // the per-node exchange
+    j["node_begin"] = p.node_begin;
+    j["node_route_begin"] = p.node_route_begin;
+  }
   // Tensor-parallel splits (absent: every slot computes its whole expert).
   const bool split = !p.reductions.empty() ||
                      std::any_of(p.slot_parts.begin(), p.slot_parts.end(), [](const SlotPart& s) { return s.parts > 1; });
@@ -206,6 +210,16 @@ Program program_from_json(const nlohmann::json& j) {
           !std::is_sorted(p.token_begin.begin(), p.token_begin.end()) || p.token_begin.back() > (std::int64_t{1} << 40))
         throw Error("program dump: token_begin must be ranks x local experts + 1 increasing rows from 0");
     }
+    for (const auto& [key, field] : {std::pair{"node_begin", &Program::node_begin}, std::pair{"node_route_begin", &Program::node_route_begin}}) {
+      if (!j.contains(key)) continue;
+      auto& v = p.*field;
+      v = j.at(key).get<std::vector<std::int64_t>>();
+      if (v.size() != static_cast<std::size_t>(p.ranks) + 1 || v.front() != 0 || !std::is_sorted(v.begin(), v.end()) ||
+          v.back() > (std::int64_t{1} << 40))
+        throw Error(std::string("program dump: ") + key + " must be ranks + 1 increasing rows from 0");
+    }
+    if (p.node_begin.empty() != p.node_route_begin.empty())
+      throw Error("program dump: node_begin and node_route_begin come together (the per-node exchange)");
     if (j.contains("slot_parts")) {
       const auto& parts = j.at("slot_parts");
       if (!parts.is_array() || parts.size() != p.local_experts.size())

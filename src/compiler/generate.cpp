@@ -4,23 +4,11 @@
 #include "hpmoe/error.hpp"
 #include "compiler/taskflow.hpp"
 #include "compiler/layout.hpp"
+#include "compiler/generate_parts.hpp"
 
 namespace hpmoe::taskflow {
 
 namespace {
-
-std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
-
-// A task as the generator writes it: named fields, 64-bit arithmetic, and
-// defaults for what most tasks do not use.
-struct TaskSpec {
-  TaskKind kind = TaskKind::count;
-  BufferId src = BufferId::none, dst = BufferId::none;
-  std::int64_t expert = -1;
-  std::int64_t peer = -1;  // -1: the generating rank
-  std::int64_t row_begin = 0, rows = 0, col_begin = 0, cols = 0, src_row = 0;
-  std::int64_t wait_event = -1, wait_count = 0, trigger_event = -1;
-};
 
 class Builder {
  public:
@@ -127,6 +115,13 @@ void declare_buffers(Program& p, const LayerConfig& c, const Exchange& ex, Pass 
     add_buffer(p, BufferId::recv_comb, blocks, 2 * K + 1, 4, sym);
     add_buffer(p, BufferId::comb_rank, list, H, elem, sym);
     add_buffer(p, BufferId::rank_slot, T, c.ranks, 8, local);
+    if (ex.forwards()) {  // the per-node exchange: lists of the source, blocks and routes of the forwarder
+      add_buffer(p, BufferId::node_token, ex.node_send_offset(rank, ex.nodes()), 1, 4, local);
+      add_buffer(p, BufferId::node_index, list, 1, 4, local);
+      if (c.staged_dispatch()) add_buffer(p, BufferId::node_tok, ex.node_recv_rows(rank), c.dispatch_row_bytes(), 1, sym);
+      else add_buffer(p, BufferId::node_tok, ex.node_recv_rows(rank), H, elem, sym);
+      add_buffer(p, BufferId::node_route, ex.node_route_recv_rows(rank), 1, 4, sym);
+    }
   }
   if (shared) {
     add_buffer(p, BufferId::sh_h, T, 2 * Is, 4, local);
@@ -161,6 +156,10 @@ void declare_buffers(Program& p, const LayerConfig& c, const Exchange& ex, Pass 
   if (by_rank) {
     if (c.staged_grad_dispatch()) add_buffer(p, BufferId::dy_tok, ex.token_recv_rows(rank), 2 * H, 1, sym);
     else add_buffer(p, BufferId::dy_tok, ex.token_recv_rows(rank), H, elem, sym);
+    if (ex.forwards()) {
+      if (c.staged_grad_dispatch()) add_buffer(p, BufferId::node_dy, ex.node_recv_rows(rank), 2 * H, 1, sym);
+      else add_buffer(p, BufferId::node_dy, ex.node_recv_rows(rank), H, elem, sym);
+    }
   }
   if (shared) {
     add_buffer(p, BufferId::sh_dout, T, H, elem, local);
@@ -200,7 +199,7 @@ bool staged_in(const LayerConfig& c, Pass pass) {
 EventBases event_bases(const LayerConfig& c, const Exchange& ex, Pass pass, std::int64_t rank) {
   return EventBases(pass, ex.row_tiles(rank), ex.placement().local_count(rank), ceil_div(c.tokens_per_rank, ex.tile_rows()),
                     staged_in(c, pass), c.exchange == ExchangeMode::rank ? c.ranks * ex.placement().local_count(rank) : 0,
-                    c.exchange == ExchangeMode::rank);
+                    c.exchange == ExchangeMode::rank, c.forwards() ? c.ranks : 0);
 }
 
 namespace {
@@ -208,43 +207,12 @@ namespace {
 // Puts of `rank`'s tokens (forward) or output gradients (backward) to every
 // expert's owner (only `only_peer`'s when it is >= 0), split at the owner's
 // row tiles so that each piece signals exactly the tile it fills.
-template <class Emit>
+template <class EmitFn>
 void puts_to_experts(const LayerConfig& c, const Exchange& ex, std::int64_t tile_rows, Pass pass, std::int64_t rank,
-                     std::int64_t only_peer, Emit&& emit) {
+                     std::int64_t only_peer, EmitFn&& emit) {
   const bool forward = pass == Pass::forward;
   const std::int64_t TR = tile_rows;
-  if (c.exchange == ExchangeMode::rank) {
-    // Each token once per destination rank: each sub-block (the tokens
-    // whose first instance there is i) in pieces of a tile's rows, then
-    // (forward) the routes of the rows for i; both complete the source's
-    // `tok` event of i's slot on the destination.
-    const std::int64_t cols = forward ? (c.staged_dispatch() ? c.dispatch_row_bytes() : c.hidden)
-                                      : (c.staged_grad_dispatch() ? 2 * c.hidden : c.hidden);
-    for (std::int64_t d = 0; d < ex.ranks(); ++d) {
-      if (ex.rank_tokens(rank, d) == 0 || (only_peer >= 0 && d != only_peer)) continue;
-      const std::int64_t L = ex.placement().local_count(d), tok = event_bases(c, ex, pass, d).tok + rank * L;
-      for (const std::int64_t i : ex.placement().instances_of(d)) {
-        const std::int64_t n = ex.first_tokens(rank, i), within = ex.sub_block_offset(rank, i);
-        const std::int64_t slot_event = tok + ex.instance_slot(i);
-        for (std::int64_t r = 0; r < n; r += TR)
-          emit(TaskSpec{.kind = forward ? TaskKind::dispatch_token_put : TaskKind::grad_dispatch_token_put,
-                        .src = forward ? BufferId::x : BufferId::dout, .dst = forward ? BufferId::recv_tok : BufferId::dy_tok,
-                        .expert = ex.placement().instance_expert(i), .peer = d, .row_begin = ex.token_start(rank, d) + within + r, .rows = std::min(TR, n - r),
-                        .col_begin = 0, .cols = cols, .src_row = ex.token_send_offset(rank, d) + within + r,
-                        .trigger_event = slot_event});
-        if (forward && ex.count(rank, i) > 0)  // the backward reads the forward's routes
-          emit(TaskSpec{.kind = TaskKind::dispatch_route_put, .src = BufferId::rank_route, .dst = BufferId::recv_route,
-                        .expert = ex.placement().instance_expert(i), .peer = d,
-                        .row_begin = ex.expert_start(i) + ex.source_offset(rank, i), .rows = ex.count(rank, i),
-                        .col_begin = 0, .cols = 2, .src_row = ex.send_offset(rank, i), .trigger_event = slot_event});
-      }
-      if (forward)  // the combine list of the block, counted with its first sub-block
-        emit(TaskSpec{.kind = TaskKind::combine_route_put, .src = BufferId::rank_comb, .dst = BufferId::recv_comb, .peer = d,
-                      .row_begin = ex.token_start(rank, d), .rows = ex.rank_tokens(rank, d), .col_begin = 0,
-                      .cols = 2 * c.top_k + 1, .src_row = ex.token_send_offset(rank, d), .trigger_event = tok});
-    }
-    return;
-  }
+  if (c.exchange == ExchangeMode::rank) return rank_puts_to_experts(c, ex, tile_rows, pass, rank, only_peer, emit);
   const bool staged = staged_in(c, pass);
   const TaskKind kind = forward ? (staged ? TaskKind::dispatch_cast_put : TaskKind::dispatch_put)
                                 : (staged ? TaskKind::grad_dispatch_cast_put : TaskKind::grad_dispatch_put);
@@ -267,80 +235,20 @@ void puts_to_experts(const LayerConfig& c, const Exchange& ex, std::int64_t tile
   }
 }
 
-// The per-rank exchange on the destination: one gather per source piece of
-// row tile `tile` of instance `home` (the pieces the per-assignment
-// exchange puts), each once its source's sub-blocks up to the instance's
-// slot have arrived.
-template <class Emit>
-void gathers_of_tile(const LayerConfig& c, const Exchange& ex, const Program& p, Pass pass, std::int64_t rank,
-                     std::int64_t home, std::int64_t tile, const EventBases& ev, Emit&& emit) {
-  const bool forward = pass == Pass::forward;
-  const std::int64_t TR = ex.tile_rows(), lo = tile * TR, hi = lo + TR;
-  const std::int64_t e = ex.placement().instance_expert(home);
-  for (std::int64_t s = 0; s < ex.ranks(); ++s) {
-    const std::int64_t first = ex.source_offset(s, home), n = ex.count(s, home);
-    const std::int64_t r0 = std::max(first, lo), r1 = std::min(first + n, hi);
-    if (r0 >= r1) continue;
-    const std::int64_t tok = ev.tok + s * ex.placement().local_count(rank) + ex.instance_slot(home);
-    emit(TaskSpec{.kind = forward ? TaskKind::dispatch_gather : TaskKind::grad_dispatch_gather,
-                  .src = forward ? BufferId::recv_tok : BufferId::dy_tok, .dst = forward ? BufferId::recv : BufferId::dy,
-                  .expert = e, .row_begin = ex.expert_start(home) + r0, .rows = r1 - r0, .col_begin = 0, .cols = c.hidden,
-                  .src_row = s, .wait_event = tok,
-                  .wait_count = p.events[static_cast<std::size_t>(tok)].required,
-                  .trigger_event = (forward ? ev.recv : ev.dy) + ex.tile_start(home) + tile});
-  }
-}
-
 // Puts of `rank`'s expert outputs (forward) or their input gradients
 // (backward) back to each source (only `only_source` when it is >= 0), split
 // at this rank's row tiles; each piece waits for the one tile it reads
 // (wait_base: the first of those events, -1 for pieces that wait for nothing;
 // the per-rank combine's pieces wait for events whose counts
 // wait_count_of(event) gives).
-// Which of the per-rank combine's return puts to make.
-enum class ReturnPuts { all, gate_grads, sums };
-
-template <class Emit, class Required>
+template <class EmitFn, class Required>
 void puts_to_sources(const LayerConfig& c, const Exchange& ex, std::int64_t tile_rows, Pass pass, std::int64_t rank,
                      std::int64_t only_source, std::int64_t wait_base, std::int64_t wait_count, Required&& wait_count_of,
-                     Emit&& emit, ReturnPuts which = ReturnPuts::all) {
+                     EmitFn&& emit, ReturnPuts which = ReturnPuts::all) {
   const bool forward = pass == Pass::forward;
   const std::int64_t TR = tile_rows;
-  if (c.exchange == ExchangeMode::rank) {
-    // One row per (token, rank): each source's list in pieces of a tile's
-    // rows, each sub-list (the tokens whose last instance here is slot j)
-    // once the instances up to j are done; in the backward first the gate
-    // gradients of the whole list, once its dy block has all arrived.
-    const EventBases own = event_bases(c, ex, pass, rank);
-    const std::int64_t L = ex.placement().local_count(rank);
-    const auto waits = [&](std::int64_t event) { return wait_base < 0 ? std::pair<std::int64_t, std::int64_t>{-1, 0} : std::pair{event, wait_count_of(event)}; };
-    for (std::int64_t s = 0; s < ex.ranks(); ++s) {
-      const std::int64_t n = ex.rank_tokens(s, rank);
-      if (n == 0 || (only_source >= 0 && s != only_source)) continue;
-      const EventBases source_events = event_bases(c, ex, pass, s);
-      const std::int64_t list = ex.token_send_offset(s, rank), block = ex.token_start(s, rank);
-      if (!forward && which != ReturnPuts::sums)
-        for (std::int64_t r = 0; r < n; r += TR) {
-          const auto [event, count] = waits(own.tok + s * L + L - 1);
-          emit(TaskSpec{.kind = TaskKind::gate_grad_put, .src = BufferId::dy_tok, .dst = BufferId::gw_rank, .peer = s,
-                        .row_begin = list + r, .rows = std::min(TR, n - r), .col_begin = 0, .cols = c.top_k, .src_row = block + r,
-                        .wait_event = event, .wait_count = count, .trigger_event = source_events.gw_done});
-        }
-      if (which == ReturnPuts::gate_grads) continue;
-      for (const std::int64_t i : ex.placement().instances_of(rank)) {
-        const std::int64_t m = ex.last_tokens(s, i), within = ex.sub_list_offset(s, i);
-        const auto [event, count] = waits(own.slot_done + ex.instance_slot(i));
-        for (std::int64_t r = 0; r < m; r += TR)
-          emit(TaskSpec{.kind = forward ? TaskKind::combine_rank_put : TaskKind::grad_combine_rank_put,
-                        .src = forward ? BufferId::y : BufferId::dxe, .dst = forward ? BufferId::comb_rank : BufferId::dcomb_rank,
-                        .expert = ex.placement().instance_expert(i), .peer = s, .row_begin = list + within + r,
-                        .rows = std::min(TR, m - r), .col_begin = 0, .cols = c.hidden, .src_row = block + within + r,
-                        .wait_event = event, .wait_count = count,
-                        .trigger_event = forward ? source_events.comb_done : source_events.dx_ready});
-      }
-    }
-    return;
-  }
+  if (c.exchange == ExchangeMode::rank)
+    return rank_puts_to_sources(c, ex, tile_rows, pass, rank, only_source, wait_base >= 0, wait_count_of, emit, which);
   for (const std::int64_t i : ex.placement().instances_of(rank)) {
     const std::int64_t e = ex.placement().instance_expert(i);
     for (std::int64_t s = 0; s < ex.ranks(); ++s) {
@@ -413,6 +321,21 @@ void program_header(Program& p, const LayerConfig& c, const Exchange& ex, const 
       for (const std::int64_t i : placement.instances_of(rank)) p.token_begin.push_back(ex.token_start(s, rank) + ex.sub_block_offset(s, i));
     p.token_begin.push_back(ex.token_recv_rows(rank));
   }
+  p.node_begin.clear();
+  p.node_route_begin.clear();
+  if (ex.forwards() && ex.has_rank_tokens()) {  // the node blocks of the sources forwarding through this rank
+    const std::int64_t b = ex.node_of(rank);
+    std::int64_t rows = 0, routes = 0;
+    for (std::int64_t s = 0; s < c.ranks; ++s) {
+      p.node_begin.push_back(rows);
+      p.node_route_begin.push_back(routes);
+      if (!ex.forwards_through(s, rank)) continue;
+      rows += ex.node_tokens(s, b);
+      routes += ex.node_route_rows(s, b);
+    }
+    p.node_begin.push_back(rows);
+    p.node_route_begin.push_back(routes);
+  }
   declare_buffers(p, c, ex, pass, rank);
 }
 
@@ -425,6 +348,7 @@ void interface_puts(const LayerConfig& c, const Exchange& ex, std::int64_t tile_
   };
   puts_to_experts(c, ex, tile_rows, pass, from, to, add);
   puts_to_sources(c, ex, tile_rows, pass, from, to, -1, 0, [](std::int64_t) { return std::int64_t{0}; }, add);
+  node_forwards(c, ex, tile_rows, pass, from, to, false, [](std::int64_t) { return std::int64_t{0}; }, add);
 }
 
 void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machine& m, Pass pass, std::int64_t rank) {
@@ -468,6 +392,9 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
       }
     }
   }
+  node_events(c, ex, TR, pass, rank, [&](std::int64_t id, std::int64_t need) {
+    b.event(id, static_cast<std::int32_t>(need), pass == Pass::forward ? TaskKind::dispatch_forward : TaskKind::grad_dispatch_forward, -1, -1);
+  });
   // The relays into slot j, emitted just before slot j's gathers: in
   // generation order (which is topological) after the puts and relays that
   // feed them, and in a worker's queue no earlier than the work they release.
@@ -508,7 +435,7 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
             .wait_event = need > 0 ? ev.slot_done + j : -1, .wait_count = need, .trigger_event = ev.slot_done + j + 1});
   };
   const auto gathers = [&](std::int64_t home, std::int64_t tile) {
-    if (by_rank) gathers_of_tile(c, ex, p, pass, rank, home, tile, ev, emit);
+    if (by_rank) rank_gathers_of_tile(c, ex, p, pass, rank, home, tile, ev, emit);
   };
   // Split experts' partial rows, reduced in place once every piece is back:
   // one task per row tile of each declared reduction's target block.
@@ -551,6 +478,7 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
       }
 
     puts_to_experts(c, ex, TR, pass, rank, -1, emit);
+    node_forwards(c, ex, TR, pass, rank, -1, true, required, emit);
     if (shared) {
       for (std::int64_t t = 0; t < token_tiles; ++t) {
         const std::int64_t rows = std::min(TR, T - t * TR);
@@ -638,6 +566,7 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
           TaskKind::grad_reduce, -1, -1);
 
   puts_to_experts(c, ex, TR, pass, rank, -1, emit);
+  node_forwards(c, ex, TR, pass, rank, -1, true, required, emit);
   // Router: gate-weight gradients, logits gradients, then its GEMMs. Under
   // the per-rank combine the gate gradients come back from the experts'
   // ranks (and this rank's own puts of them are generated after the expert

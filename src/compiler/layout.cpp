@@ -15,7 +15,9 @@ Exchange::Exchange(const LayerConfig& c, const ExpertPlacement& placement, const
       ranks_(c.ranks),
       experts_(c.routed_experts),
       tile_rows_(tile_rows),
-      pad_pairs_(c.dtype == DType::bf16) {
+      pad_pairs_(c.dtype == DType::bf16),
+      node_ranks_(c.node_ranks()),
+      forwards_(c.forwards()) {
   placement_.check_fits(experts_, ranks_, c.expert_inter);
   if (counts.ranks != ranks_ || counts.experts != experts_ ||
       counts.counts.size() != static_cast<std::size_t>(ranks_ * experts_))
@@ -79,10 +81,11 @@ Exchange::Exchange(const LayerConfig& c, const ExpertPlacement& placement, const
 }
 
 void Exchange::set_rank_tokens(std::vector<std::int64_t> first, std::int64_t tokens_per_rank) {
-  const std::int64_t P = ranks_, N = instances_;
-  if (first.size() != static_cast<std::size_t>(2 * P * N))
+  const std::int64_t P = ranks_, N = instances_, B = forwards_ ? nodes() : 0;
+  if (first.size() != static_cast<std::size_t>(2 * P * N + P * B))
     throw Error("the per-rank exchange's token counts are " + std::to_string(first.size()) +
-                " values; the layer needs two per (source, expert instance) pair, " + std::to_string(2 * P * N));
+                " values; the layer needs two per (source, expert instance) pair" +
+                (forwards_ ? " and one per (source, node), " : ", ") + std::to_string(2 * P * N + P * B));
   rank_tokens_.assign(static_cast<std::size_t>(P * P), 0);
   sub_offset_.assign(static_cast<std::size_t>(P * N), 0);
   list_offset_.assign(static_cast<std::size_t>(P * N), 0);
@@ -116,6 +119,7 @@ void Exchange::set_rank_tokens(std::vector<std::int64_t> first, std::int64_t tok
                     " tokens per rank");
       rank_tokens_[static_cast<std::size_t>(s * P + d)] = n;
     }
+  if (forwards_) set_node_tokens(std::span<const std::int64_t>(first).subspan(static_cast<std::size_t>(2 * P * N)), tokens_per_rank);
   first_tokens_ = std::move(first);
   token_start_.assign(static_cast<std::size_t>((P + 1) * P), 0);
   token_send_.assign(static_cast<std::size_t>(P * (P + 1)), 0);
@@ -126,6 +130,68 @@ void Exchange::set_rank_tokens(std::vector<std::int64_t> first, std::int64_t tok
     for (std::int64_t d = 0; d < P; ++d)
       token_send_[static_cast<std::size_t>(s * (P + 1) + d + 1)] = token_send_offset(s, d) + rank_tokens(s, d);
 }
+
+void Exchange::set_node_tokens(std::span<const std::int64_t> counts, std::int64_t tokens_per_rank) {
+  const std::int64_t P = ranks_, B = nodes(), R = node_ranks_;
+  node_tokens_.assign(counts.begin(), counts.end());
+  node_send_.assign(static_cast<std::size_t>(P * (B + 1)), 0);
+  node_start_.assign(static_cast<std::size_t>(P * B), 0);
+  route_start_.assign(static_cast<std::size_t>(P * B), 0);
+  node_recv_.assign(static_cast<std::size_t>(P), 0);
+  route_recv_.assign(static_cast<std::size_t>(P), 0);
+  for (std::int64_t s = 0; s < P; ++s)
+    for (std::int64_t b = 0; b < B; ++b) {
+      // A node block holds each token any rank of the node needs, once.
+      std::int64_t most = 0, sum = 0;
+      for (std::int64_t d = b * R; d < (b + 1) * R; ++d) {
+        most = std::max(most, rank_tokens(s, d));
+        sum += rank_tokens(s, d);
+      }
+      const std::int64_t n = node_tokens(s, b);
+      if (b == node_of(s) ? n != 0 : (n < most || n > std::min(sum, tokens_per_rank)))
+        throw Error("rank " + std::to_string(s) + " reports " + std::to_string(n) + " tokens for node " + std::to_string(b) +
+                    (b == node_of(s) ? ", its own node (which takes none through a forwarder)"
+                                     : ", impossible when its ranks take " + std::to_string(most) + " at most and " +
+                                           std::to_string(sum) + " in all of its " + std::to_string(tokens_per_rank)));
+      node_send_[static_cast<std::size_t>(s * (B + 1) + b + 1)] = node_send_offset(s, b) + n;
+    }
+  // On each forwarder, its sources' blocks in source order.
+  for (std::int64_t s = 0; s < P; ++s)
+    for (std::int64_t b = 0; b < B; ++b) {
+      if (b == node_of(s)) continue;
+      const auto f = static_cast<std::size_t>(forwarder(s, b));
+      node_start_[static_cast<std::size_t>(s * B + b)] = node_recv_[f];
+      route_start_[static_cast<std::size_t>(s * B + b)] = route_recv_[f];
+      node_recv_[f] += node_tokens(s, b);
+      for (std::int64_t d = b * R; d < (b + 1) * R; ++d) route_recv_[f] += rank_tokens(s, d);
+    }
+}
+
+namespace {
+// The per-node exchange's lists of source s (RankRoutes::node_*), from its
+// token list (list_begin: each destination's rows there).
+void node_lists(const Exchange& ex, std::int64_t s, std::int64_t T, std::span<const std::size_t> list_begin, RankRoutes& r) {
+  const std::int64_t B = ex.nodes(), R = ex.ranks() / B;
+  r.node_count.assign(static_cast<std::size_t>(B), 0);
+  r.node_tokens.clear();
+  r.node_index.assign(r.tokens.size(), -1);
+  std::vector<std::int32_t> at(static_cast<std::size_t>(T));
+  for (std::int64_t b = 0; b < B; ++b) {
+    if (b == ex.node_of(s)) continue;
+    const std::size_t lo = list_begin[static_cast<std::size_t>(b * R)], hi = list_begin[static_cast<std::size_t>((b + 1) * R)];
+    std::fill(at.begin(), at.end(), -1);
+    for (std::size_t row = lo; row < hi; ++row) at[static_cast<std::size_t>(r.tokens[row])] = 0;
+    const std::size_t base = r.node_tokens.size();
+    for (std::int64_t t = 0; t < T; ++t)  // the node block in token order
+      if (at[static_cast<std::size_t>(t)] == 0) {
+        at[static_cast<std::size_t>(t)] = static_cast<std::int32_t>(r.node_tokens.size() - base);
+        r.node_tokens.push_back(static_cast<std::int32_t>(t));
+      }
+    r.node_count[static_cast<std::size_t>(b)] = static_cast<std::int64_t>(r.node_tokens.size() - base);
+    for (std::size_t row = lo; row < hi; ++row) r.node_index[row] = at[static_cast<std::size_t>(r.tokens[row])];
+  }
+}
+}  // namespace
 
 RankRoutes rank_routes(const LayerConfig& c, const Exchange& ex, std::int64_t s, std::span<const std::int64_t> slot,
                        std::span<const std::int32_t> expert) {
@@ -168,7 +234,9 @@ RankRoutes rank_routes(const LayerConfig& c, const Exchange& ex, std::int64_t s,
       if (placement.instance_rank(i) == d)
         for (std::int64_t row = ex.send_offset(s, i); row < ex.send_offset(s, i) + ex.count(s, i); ++row) fn(row, i);
   };
+  std::vector<std::size_t> list_begin(static_cast<std::size_t>(P + 1), 0);  // each destination's rows in the token list
   for (std::int64_t d = 0; d < P; ++d) {
+    list_begin[static_cast<std::size_t>(d)] = r.tokens.size();
     std::fill(first_of.begin(), first_of.end(), -1);
     std::fill(last_of.begin(), last_of.end(), -1);
     rows_to(d, [&](std::int64_t row, std::int64_t i) {
@@ -223,6 +291,8 @@ RankRoutes rank_routes(const LayerConfig& c, const Exchange& ex, std::int64_t s,
           static_cast<std::int32_t>(ex.expert_start(i) + ex.source_offset(s, i) + (row - ex.send_offset(s, i)));
     });
   }
+  list_begin[static_cast<std::size_t>(P)] = r.tokens.size();
+  if (c.forwards()) node_lists(ex, s, T, list_begin, r);
   return r;
 }
 
@@ -298,13 +368,15 @@ std::vector<std::int64_t> rank_token_counts(const LayerConfig& c, const ExpertPl
   for (std::int64_t q = 0; q < P; ++q) all[static_cast<std::size_t>(q)] = static_cast<int>(q);
   const std::vector<std::int64_t> slot = send_slots(c, ex, r, all);
   const std::int64_t N = ex.instances();
-  std::vector<std::int64_t> tokens(static_cast<std::size_t>(2 * P * N));
+  const std::int64_t B = c.forwards() ? c.nodes() : 0;
+  std::vector<std::int64_t> tokens(static_cast<std::size_t>(2 * P * N + P * B));
   for (std::int64_t s = 0; s < P; ++s) {
     const auto first = static_cast<std::size_t>(s * n);
     const RankRoutes routes = rank_routes(c, ex, s, std::span<const std::int64_t>(slot).subspan(first, static_cast<std::size_t>(n)),
                                           std::span<const std::int32_t>(r.expert).subspan(first, static_cast<std::size_t>(n)));
     std::copy(routes.first.begin(), routes.first.begin() + N, tokens.begin() + s * N);
     std::copy(routes.first.begin() + N, routes.first.end(), tokens.begin() + (P + s) * N);
+    std::copy(routes.node_count.begin(), routes.node_count.end(), tokens.begin() + 2 * P * N + s * B);
   }
   return tokens;
 }
@@ -313,7 +385,7 @@ template RoutingCounts routing_counts<float>(const LayerConfig&, const RouterOut
 template RoutingCounts routing_counts<double>(const LayerConfig&, const RouterOutput<double>&);
 
 EventBases::EventBases(Pass pass, std::int64_t row_tiles, std::int64_t local, std::int64_t token_tiles, bool staged_dispatch,
-                       std::int64_t token_sources, bool by_rank) {
+                       std::int64_t token_sources, bool by_rank, std::int64_t node_sources) {
   std::int64_t next = 0;
   auto take = [&](std::int64_t n) {
     const std::int64_t at = next;
@@ -350,6 +422,7 @@ EventBases::EventBases(Pass pass, std::int64_t row_tiles, std::int64_t local, st
   tok = take(token_sources);
   slot_done = take(by_rank ? local : 0);
   gw_done = take(by_rank && pass == Pass::backward ? 1 : 0);
+  node = take(node_sources);
   total = next;
 }
 

@@ -106,6 +106,39 @@ class Exchange {
   // Slot of instance i on its rank.
   std::int64_t instance_slot(std::int64_t i) const { return instance_slot_[static_cast<std::size_t>(i)]; }
 
+  // The per-node exchange (LayerConfig::forwards): with ranks in nodes of
+  // R, a token of source s crosses to node b != s's once, to the rank of b
+  // with s's local index (its forwarder), in s's node block for b: the
+  // tokens any rank of b needs, in token order. With it, s puts the node's
+  // routes: for each row of its token list for each rank of b, that
+  // token's row in the node block. The forwarder puts each rank's token
+  // block from the node block, into the place and with the events that s's
+  // own put would have had. Routes and combine lists still go from s.
+  // Counts: [2 P N + s B + b] the tokens of s node b needs.
+  bool forwards() const { return forwards_; }
+  std::int64_t nodes() const { return ranks_ / node_ranks_; }
+  std::int64_t node_of(std::int64_t r) const { return r / node_ranks_; }
+  std::int64_t forwarder(std::int64_t s, std::int64_t b) const { return b * node_ranks_ + s % node_ranks_; }
+  // Whether s's tokens reach d through d's node's forwarder.
+  bool forwarded(std::int64_t s, std::int64_t d) const { return forwards_ && node_of(s) != node_of(d); }
+  // Whether s's node blocks for f's node land on f.
+  bool forwards_through(std::int64_t s, std::int64_t f) const {
+    return forwards_ && node_of(s) != node_of(f) && s % node_ranks_ == f % node_ranks_;
+  }
+  std::int64_t node_tokens(std::int64_t s, std::int64_t b) const { return node_tokens_[static_cast<std::size_t>(s * nodes() + b)]; }
+  // Row of s's block for node b in its node list (b = B: its length).
+  std::int64_t node_send_offset(std::int64_t s, std::int64_t b) const { return node_send_[static_cast<std::size_t>(s * (nodes() + 1) + b)]; }
+  // Row of s's node block (and of its routes) on its forwarder in node b.
+  std::int64_t node_start(std::int64_t s, std::int64_t b) const { return node_start_[static_cast<std::size_t>(s * nodes() + b)]; }
+  std::int64_t node_route_start(std::int64_t s, std::int64_t b) const { return route_start_[static_cast<std::size_t>(s * nodes() + b)]; }
+  // The rows of s's routes for node b: its token list's rows for b's ranks.
+  std::int64_t node_route_rows(std::int64_t s, std::int64_t b) const {
+    return token_send_offset(s, (b + 1) * node_ranks_) - token_send_offset(s, b * node_ranks_);
+  }
+  // Rows a forwarder receives: node blocks, routes.
+  std::int64_t node_recv_rows(std::int64_t f) const { return node_recv_[static_cast<std::size_t>(f)]; }
+  std::int64_t node_route_recv_rows(std::int64_t f) const { return route_recv_[static_cast<std::size_t>(f)]; }
+
  private:
   ExpertPlacement placement_;
   std::int64_t ranks_, experts_, tile_rows_, instances_ = 0;
@@ -117,6 +150,10 @@ class Exchange {
   std::vector<std::int64_t> instance_slot_;                           // [i]
   std::vector<std::int64_t> first_tokens_, sub_offset_, list_offset_;  // the per-rank exchange: [s * N + i] (first_tokens_: then by last)
   std::vector<std::int64_t> rank_tokens_, token_start_, token_send_;
+  std::int64_t node_ranks_ = 1;
+  bool forwards_ = false;
+  std::vector<std::int64_t> node_tokens_, node_send_, node_start_, route_start_, node_recv_, route_recv_;
+  void set_node_tokens(std::span<const std::int64_t> counts, std::int64_t tokens_per_rank);
 };
 
 // The per-rank exchange of one source rank: the token of each of its send
@@ -139,6 +176,13 @@ struct RankRoutes {
   std::vector<std::int32_t> list_block;  // [token list rows]
   std::vector<std::int32_t> comb_row;    // [token list rows * K]
   std::vector<std::int64_t> list_slot;   // [T * P]
+  // The per-node exchange: the tokens each other node needs (B, 0 for its
+  // own), its node list (each node block in token order) and, per token
+  // list row for a rank of another node, the token's row in that node's
+  // block (-1 for its own node's ranks).
+  std::vector<std::int64_t> node_count;  // [B]
+  std::vector<std::int32_t> node_tokens;  // [node_send_offset(s, B)]
+  std::vector<std::int32_t> node_index;   // [token list rows]
 };
 // slot: the send row of each of s's assignments (send_slots, -1 dropped);
 // expert: their experts. `tokens` and `position` need the exchange's rank
@@ -161,7 +205,7 @@ struct EventBases {
   // 0 without it; by_rank: it is in use): `tok` + s L + j completes once s's sub-blocks 0..j and
   // its routes for slot j have arrived.
   EventBases(Pass, std::int64_t row_tiles, std::int64_t local, std::int64_t token_tiles, bool staged,
-             std::int64_t token_sources = 0, bool by_rank = false);
+             std::int64_t token_sources = 0, bool by_rank = false, std::int64_t node_sources = 0);
   // forward
   std::int64_t recv = 0, h = 0, a = 0, y = 0, comb_done = 0, sh_h = 0, sh_a = 0, staged = 0;
   // both passes, the per-rank exchange: source s's sub-blocks up to a slot (and routes) arrived
@@ -171,6 +215,9 @@ struct EventBases {
   // are written, which the sums of the tokens whose last instance is j wait
   // for; backward: every rank's gate gradients of this rank's tokens arrived
   std::int64_t slot_done = 0, gw_done = 0;
+  // both passes, the per-node exchange on a forwarder: `node` + s completes
+  // once source s's node block (and forward, its routes) arrived
+  std::int64_t node = 0;
   // both passes: the split experts' partial rows reduced (part_reduce tasks)
   std::int64_t reduced = 0;
   // backward

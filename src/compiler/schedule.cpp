@@ -32,7 +32,12 @@ std::pair<TaskKind, TaskKind> remote_consumers(TaskKind put) {
     case TaskKind::grad_dispatch_cast_put: return {TaskKind::grad_dispatch_decode, TaskKind::grad_dispatch_decode};
     case TaskKind::dispatch_token_put:
     case TaskKind::dispatch_route_put: return {TaskKind::dispatch_gather, TaskKind::dispatch_gather};
-    case TaskKind::grad_dispatch_token_put: return {TaskKind::grad_dispatch_gather, TaskKind::grad_dispatch_gather};
+    case TaskKind::grad_dispatch_token_put:
+    case TaskKind::grad_dispatch_forward: return {TaskKind::grad_dispatch_gather, TaskKind::grad_dispatch_gather};
+    case TaskKind::dispatch_forward: return {TaskKind::dispatch_gather, TaskKind::dispatch_gather};
+    case TaskKind::dispatch_node_put:
+    case TaskKind::dispatch_node_route_put: return {TaskKind::dispatch_forward, TaskKind::dispatch_forward};
+    case TaskKind::grad_dispatch_node_put: return {TaskKind::grad_dispatch_forward, TaskKind::grad_dispatch_forward};
     case TaskKind::combine_route_put: return {TaskKind::combine_rank_put, TaskKind::combine_rank_put};
     case TaskKind::combine_rank_put: return {TaskKind::combine_rank_reduce, TaskKind::combine_rank_reduce};
     case TaskKind::gate_grad_put: return {TaskKind::gate_grad_gather, TaskKind::gate_grad_gather};
@@ -358,6 +363,43 @@ std::vector<Program> compile(const LayerConfig& c, const ExpertPlacement& placem
     schedule(programs[static_cast<std::size_t>(r)], policy, scratch);
   }
   return programs;
+}
+
+std::vector<TaskKind> layer_operators(const LayerConfig& c, bool has_splits, Pass pass) {
+  const bool by_rank = c.exchange == ExchangeMode::rank, shared = c.shared_experts > 0;
+  const bool staged = !by_rank && (pass == Pass::forward ? c.staged_dispatch() : c.staged_grad_dispatch());
+  const auto may_emit = [&](TaskKind k) {
+    switch (k) {
+      case TaskKind::dispatch_put: case TaskKind::grad_dispatch_put: return !by_rank && !staged;
+      case TaskKind::dispatch_cast_put: case TaskKind::dispatch_decode: case TaskKind::grad_dispatch_cast_put:
+      case TaskKind::grad_dispatch_decode:
+        return staged;
+      case TaskKind::combine_put: case TaskKind::combine_reduce: case TaskKind::gate_grad: case TaskKind::grad_combine_put:
+      case TaskKind::grad_reduce:
+        return !by_rank;
+      case TaskKind::part_reduce: case TaskKind::grad_part_reduce: return !by_rank && has_splits;
+      case TaskKind::dispatch_token_put: case TaskKind::dispatch_route_put: case TaskKind::combine_route_put:
+      case TaskKind::dispatch_relay: case TaskKind::dispatch_gather: case TaskKind::grad_dispatch_token_put:
+      case TaskKind::grad_dispatch_relay: case TaskKind::grad_dispatch_gather: case TaskKind::combine_relay:
+      case TaskKind::combine_rank_put: case TaskKind::combine_rank_reduce: case TaskKind::gate_grad_put:
+      case TaskKind::gate_grad_gather: case TaskKind::grad_combine_relay: case TaskKind::grad_combine_rank_put:
+      case TaskKind::grad_rank_reduce:
+        return by_rank;
+      case TaskKind::dispatch_node_put: case TaskKind::dispatch_node_route_put: case TaskKind::dispatch_forward:
+      case TaskKind::grad_dispatch_node_put: case TaskKind::grad_dispatch_forward:
+        return c.forwards();
+      case TaskKind::shared_gate_up: case TaskKind::shared_swiglu: case TaskKind::shared_down:
+      case TaskKind::shared_down_dgrad: case TaskKind::pack_shared_down_grad: case TaskKind::shared_down_wgrad:
+      case TaskKind::shared_swiglu_bwd: case TaskKind::shared_gate_up_dgrad: case TaskKind::pack_shared_gate_up_grad:
+      case TaskKind::shared_gate_up_wgrad:
+        return shared;
+      default: return true;
+    }
+  };
+  std::vector<TaskKind> kinds;
+  for (const TaskKind k : operator_order(pass))
+    if (may_emit(k)) kinds.push_back(k);
+  return kinds;
 }
 
 }  // namespace hpmoe::taskflow

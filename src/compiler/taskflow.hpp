@@ -53,6 +53,11 @@ Program generate(const LayerConfig&, const ExpertPlacement&, const RoutingCounts
 // a rank recompiles every step and allocates nothing once warm).
 void generate_into(Program&, const LayerConfig&, const ExpertPlacement&, const RoutingCounts&, const Machine&, Pass,
                    std::int64_t rank);
+// The serialized baseline's operators for a layer: operator_order's kinds
+// that the generator may emit for it (its exchange, encoded dispatches,
+// shared experts, split experts: `has_splits`), so that no barrier is
+// spent on an operator the layer never runs. The same on every rank.
+std::vector<TaskKind> layer_operators(const LayerConfig&, bool has_splits, Pass);
 // Scratch space of the scheduler, kept between steps.
 struct ScheduleScratch {
   std::vector<std::int32_t> order, worker_of, fill;

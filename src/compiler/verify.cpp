@@ -40,12 +40,12 @@ bool is_input(Pass pass, BufferId b) {
   switch (b) {
     case BufferId::x: case BufferId::xf: case BufferId::slot: case BufferId::gate: case BufferId::send_token:
     case BufferId::send_assign: case BufferId::rank_token: case BufferId::rank_route: case BufferId::rank_comb:
-    case BufferId::rank_slot:
+    case BufferId::rank_slot: case BufferId::node_token: case BufferId::node_index:
       return true;
     case BufferId::recv: case BufferId::h1: case BufferId::a: case BufferId::y: case BufferId::comb:
     case BufferId::out: case BufferId::sh_h: case BufferId::sh_a: case BufferId::sh_y: case BufferId::dout:
     case BufferId::sh_dout: case BufferId::logits: case BufferId::recv_tok: case BufferId::recv_route:
-    case BufferId::recv_comb: case BufferId::comb_rank:
+    case BufferId::recv_comb: case BufferId::comb_rank: case BufferId::node_tok: case BufferId::node_route:
       return pass == Pass::backward;
     default:
       return false;
@@ -131,7 +131,10 @@ TaskKind remote_consumer(TaskKind put) {
     case TaskKind::grad_dispatch_cast_put: return TaskKind::grad_dispatch_decode;
     case TaskKind::dispatch_token_put: case TaskKind::dispatch_route_put: case TaskKind::combine_route_put:
       return TaskKind::dispatch_gather;
-    case TaskKind::grad_dispatch_token_put: return TaskKind::grad_dispatch_gather;
+    case TaskKind::grad_dispatch_token_put: case TaskKind::grad_dispatch_forward: return TaskKind::grad_dispatch_gather;
+    case TaskKind::dispatch_forward: return TaskKind::dispatch_gather;
+    case TaskKind::dispatch_node_put: case TaskKind::dispatch_node_route_put: return TaskKind::dispatch_forward;
+    case TaskKind::grad_dispatch_node_put: return TaskKind::grad_dispatch_forward;
     case TaskKind::combine_put: return TaskKind::combine_reduce;
     case TaskKind::combine_rank_put: return TaskKind::combine_rank_reduce;
     case TaskKind::gate_grad_put: return TaskKind::gate_grad_gather;
@@ -144,13 +147,21 @@ std::int8_t put_level(TaskKind put) {
   switch (put) {
     case TaskKind::dispatch_put: case TaskKind::dispatch_cast_put: case TaskKind::grad_dispatch_put:
     case TaskKind::grad_dispatch_cast_put: case TaskKind::dispatch_token_put: case TaskKind::dispatch_route_put:
-    case TaskKind::grad_dispatch_token_put: case TaskKind::combine_route_put:
+    case TaskKind::grad_dispatch_token_put: case TaskKind::combine_route_put: case TaskKind::dispatch_node_put:
+    case TaskKind::dispatch_node_route_put: case TaskKind::grad_dispatch_node_put:
       return 0;
-    // The per-rank combine's backward returns twice: the gate gradients
-    // (which the router, and so dx, wait for) at level 1, the dx sums,
-    // which may be queued after the router, at level 2.
-    case TaskKind::grad_combine_rank_put:
+    // The per-node exchange's second hop: a forwarder's puts wait for
+    // node blocks that other ranks put.
+    case TaskKind::dispatch_forward: case TaskKind::grad_dispatch_forward:
+      return 1;
+    // The per-rank combine returns after rows that may have come through a
+    // forwarder: the sums and the gate gradients (which the router, and so
+    // dx, wait for) at level 2, the backward's dx sums, which may be queued
+    // after the router, at level 3.
+    case TaskKind::combine_rank_put: case TaskKind::gate_grad_put:
       return 2;
+    case TaskKind::grad_combine_rank_put:
+      return 3;
     default:
       return 1;
   }

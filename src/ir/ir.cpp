@@ -16,7 +16,8 @@ constexpr std::array<const char*, static_cast<std::size_t>(BufferId::count)> kBu
     "dwg", "dy", "da", "dyp", "at", "dw2", "dh", "dxe", "dhp", "xt", "dw1", "dcomb", "sh_da", "sh_doutp", "sh_at",
     "sh_xt", "dws2", "sh_dh", "sdx", "sh_dhp", "dws1", "dx", "xf", "slot", "gate", "send_token", "send_assign",
     "logits", "sh_dout", "recv_staged", "dy_staged", "rank_token", "rank_route", "recv_tok", "recv_route",
-    "dy_tok", "rank_comb", "recv_comb", "comb_rank", "rank_slot", "gw_rank", "dcomb_rank"};
+    "dy_tok", "rank_comb", "recv_comb", "comb_rank", "rank_slot", "gw_rank", "dcomb_rank", "node_token", "node_index",
+    "node_tok", "node_route", "node_dy"};
 constexpr std::array<const char*, 3> kRegionNames = {"symmetric", "local", "bound"};
 constexpr std::array<const char*, 2> kLayoutNames = {"row_major", "panels"};
 

@@ -78,6 +78,13 @@ enum class TaskKind : std::uint8_t {
   grad_combine_rank_put,  // sum_k DXE[recv row k] per token of a source's sub-list, put into the source's DCOMB_RANK, signal
   gate_grad_gather,     // GW[tokens] = sum_d GW_RANK[rank slot d], fixed rank order
   grad_rank_reduce,     // DX[tokens] = sum_d DCOMB_RANK[rank slot d] + RDX + SDX, fixed order
+  // the per-node exchange (LayerConfig::forwards): a token crosses to another node once, to the rank there with
+  // its own local index, which forwards it to the ranks of its node
+  dispatch_node_put,        // x rows by the rank's node list (encoded where the dispatch is) into the forwarder's NODE_TOK, signal
+  dispatch_node_route_put,  // the node-block row of each row of the node's ranks' blocks into the forwarder's NODE_ROUTE, signal
+  dispatch_forward,         // NODE_TOK[route] rows as they are into a node rank's RECV_TOK, signal (as the source's token put would)
+  grad_dispatch_node_put,   // DOUT rows by the node list (layer dtype, or bf16) into the forwarder's NODE_DY, signal
+  grad_dispatch_forward,    // NODE_DY[route] rows into a node rank's DY_TOK, signal
   count
 };
 
@@ -116,6 +123,12 @@ enum class BufferId : std::uint8_t {
   // row there for each rank (int64, -1: none); the backward's gate
   // gradients (K per list row, fp32) and dx partials back
   rank_comb, recv_comb, comb_rank, rank_slot, gw_rank, dcomb_rank,
+  // the per-node exchange: the source's token list per destination node
+  // (int32) and, per row of its token list, that token's row in its node
+  // block (int32, rows for its own node unused); the node blocks a forwarder
+  // receives (by source; as RECV_TOK rows), their routes (int32), the
+  // backward's node blocks of DOUT (as DY_TOK rows)
+  node_token, node_index, node_tok, node_route, node_dy,
   count
 };
 
@@ -263,6 +276,10 @@ struct Program {
   // The per-rank exchange: [P + 1] rows of each source's token block in
   // RECV_TOK (and DY_TOK); empty under the per-assignment exchange.
   std::vector<std::int64_t> token_begin;
+  // The per-node exchange, on a forwarder: [P + 1] rows of each source's
+  // node block in NODE_TOK (and NODE_DY) and of its routes in NODE_ROUTE
+  // (empty blocks for ranks that do not forward through it); empty without.
+  std::vector<std::int64_t> node_begin, node_route_begin;
   std::vector<Reduction> reductions;        // split experts' partial rows in COMB / DCOMB, by row_begin
   std::vector<Task> tasks;
   std::vector<float> cost;                // seconds per task (cost model)

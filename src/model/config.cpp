@@ -112,6 +112,8 @@ const std::map<std::string, Setter, std::less<>>& setters() {
     t["bias_update_rate"] = real(&LayerConfig::bias_update_rate);
     t["tokens_per_rank"] = integer(&LayerConfig::tokens_per_rank);
     t["ranks"] = integer(&LayerConfig::ranks);
+    t["ranks_per_node"] = integer(&LayerConfig::ranks_per_node);
+    t["node_forwarding"] = boolean(&LayerConfig::node_forwarding);
     t["dtype"] = [](LayerConfig& c, std::string_view f, std::string_view v) {
       if (v == "fp32") c.dtype = DType::fp32;
       else if (v == "bf16") c.dtype = DType::bf16;
@@ -192,6 +194,9 @@ void LayerConfig::validate() const {
   // Expert parallelism beyond any cluster hpmoe models (compile and
   // simulation time grow about as P^3: EP 4096 took minutes).
   require(ranks <= 1024, "ranks", "must be at most 1024 (got " + std::to_string(ranks) + ")");
+  require(ranks_per_node >= 0 && ranks_per_node <= ranks && (ranks_per_node == 0 || ranks % ranks_per_node == 0),
+          "ranks_per_node", "must divide the " + std::to_string(ranks) + " ranks into whole nodes (got " +
+                                std::to_string(ranks_per_node) + "; 0: one node)");
   require(routed_experts <= 16384, "routed_experts", "must be at most 16384 (got " + std::to_string(routed_experts) + ")");
   // The name goes into reports and JSON: printable ASCII only.
   require(name.size() <= 256 && std::all_of(name.begin(), name.end(), [](char ch) { return ch >= 0x20 && ch < 0x7f; }),
@@ -277,7 +282,9 @@ nlohmann::json to_json(const LayerConfig& c) {
                         {"dtype", to_string(c.dtype)},
                         {"dispatch_dtype", to_string(c.dispatch_dtype)},
                         {"grad_dispatch_dtype", to_string(c.grad_dispatch_dtype)},
-                        {"exchange", to_string(c.exchange)}};
+                        {"exchange", to_string(c.exchange)},
+                        {"ranks_per_node", c.ranks_per_node},
+                        {"node_forwarding", c.node_forwarding}};
 }
 
 namespace {
@@ -420,6 +427,8 @@ LayerConfig config_from_model_json(const nlohmann::json& j, const LayerConfig& b
     if (!j.contains("dispatch_dtype")) own.dispatch_dtype = base.dispatch_dtype;
     if (!j.contains("grad_dispatch_dtype")) own.grad_dispatch_dtype = base.grad_dispatch_dtype;
     if (!j.contains("exchange")) own.exchange = base.exchange;
+    if (!j.contains("ranks_per_node")) own.ranks_per_node = base.ranks_per_node;
+    if (!j.contains("node_forwarding")) own.node_forwarding = base.node_forwarding;
     return own;
   }
   if (j.contains("dim") && j.contains("moe_inter_dim")) {  // DeepSeek inference config

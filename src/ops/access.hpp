@@ -6,6 +6,7 @@
 // It is the one description of what a task does to memory: the verifier's
 // coverage, race and conflict checks, the CPU executor's operand addresses,
 // the simulator's costs and the scheduler's cost model all come from it.
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <string>
@@ -52,6 +53,7 @@ enum class Span : std::uint8_t {
   token_block,        // the per-rank exchange: source s = src_row's sub-blocks 0..slot of the task's expert: [token_begin[s L], token_begin[s L + slot + 1])
   peer_block,         // the per-rank combine: the whole token block of the put's target: [token_begin[peer L], token_begin[peer L + L])
   expert_prefix,      // the rows of the rank's slots up to the task's expert's: [0, expert_begin[slot + 1])
+  node_block,         // the per-node exchange on a forwarder: the node block of the source whose routes hold rows [src_row, src_row + rows)
 };
 
 // Layer sizes an operand rule or a GEMM can name.
@@ -281,6 +283,19 @@ inline std::pair<std::int64_t, std::int64_t> AccessTable::span_of(const AccessTa
         throw Error("rank " + std::to_string(p.rank) + " task " + name(t.kind) + " reads rank " + std::to_string(t.peer) +
                     "'s token block, which this program's token blocks do not hold");
       return {p.token_begin[static_cast<std::size_t>(peer * L)], p.token_begin[static_cast<std::size_t>(peer * L + L)]};
+    }
+    case Span::node_block: {
+      const auto& routes = p.node_route_begin;
+      const std::int64_t P = p.ranks, first = t.src_row, end = first + t.rows;
+      if (static_cast<std::int64_t>(routes.size()) != P + 1 || static_cast<std::int64_t>(p.node_begin.size()) != P + 1 ||
+          first < 0 || end > routes.back() || t.rows < 1)
+        throw Error("rank " + std::to_string(p.rank) + " task " + name(t.kind) + " forwards node routes [" + std::to_string(first) +
+                    ", " + std::to_string(end) + "), which this program's node blocks do not hold");
+      const auto s = static_cast<std::size_t>(std::upper_bound(routes.begin(), routes.end(), first) - routes.begin() - 1);
+      if (end > routes[s + 1])
+        throw Error("rank " + std::to_string(p.rank) + " task " + name(t.kind) + " forwards node routes [" + std::to_string(first) +
+                    ", " + std::to_string(end) + "), which span two sources' node blocks");
+      return {p.node_begin[s], p.node_begin[s + 1]};
     }
     case Span::expert_prefix: {
       const std::int64_t slot = p.slot_of(t.expert);

@@ -11,6 +11,9 @@
 // sub-blocks up to it arrived, and an expert's gathers need not wait for the
 // whole block. The backward sends each token's output gradient once the
 // same way; its gather applies the gate.
+// With ranks in nodes (LayerConfig::forwards) a token crosses to another
+// node once: the source puts its node block to the rank there with its own
+// local index, which forwards each rank's block from it (node_exchange).
 #include <cstring>
 #include <string>
 #include <vector>
@@ -22,14 +25,15 @@ namespace hpmoe::ops {
 namespace {
 using namespace rules;
 
-// x rows of the rank's token list (encoded where the dispatch is) into the
-// destination's token block.
-template <class T>
+// x rows of the rank's token list (kList: per destination rank, or per
+// destination node) (encoded where the dispatch is) into the destination's
+// token block (or the forwarder's node block).
+template <class T, BufferId kList = BufferId::rank_token>
 bool token_put(const Tile<T>& tile) {
   const taskflow::Dims& d = tile.dims();
   const std::int64_t H = d.hidden, rows = tile.rows();
   const Rect& dst = tile.write(0);
-  const std::int32_t* tokens = tile.template at<std::int32_t>(tile.in(BufferId::rank_token));
+  const std::int32_t* tokens = tile.template at<std::int32_t>(tile.in(kList));
   const T* x = tile.template base<T>(BufferId::x);
   const std::int64_t ldx = tile.ld(BufferId::x);
   if (d.dispatch_row_bytes > 0) {
@@ -109,12 +113,12 @@ bool grad_tokens_encoded(const Tile<T>& tile) {
 }
 
 // DOUT rows of the rank's token list (the layer's dtype, or bf16) into the
-// destination's block.
-template <class T>
+// destination's block (or, kList node_token, the forwarder's node block).
+template <class T, BufferId kList = BufferId::rank_token>
 bool grad_token_put(const Tile<T>& tile) {
   const std::int64_t H = tile.dims().hidden, rows = tile.rows();
   const Rect& dst = tile.write(0);
-  const std::int32_t* tokens = tile.template at<std::int32_t>(tile.in(BufferId::rank_token));
+  const std::int32_t* tokens = tile.template at<std::int32_t>(tile.in(kList));
   const float* dout = tile.template base<float>(BufferId::dout);
   const std::int64_t ld = tile.ld(BufferId::dout);
   if (grad_tokens_encoded(tile)) {
@@ -156,6 +160,46 @@ bool grad_gather(const Tile<T>& tile) {
   return false;
 }
 
+// The per-node exchange's routes: one int32 per row (its token's row in the
+// node block), as they are.
+template <class T>
+bool node_route_put(const Tile<T>& tile) {
+  const Rect& src = tile.read(0);
+  const Rect& dst = tile.write(0);
+  tile.need(src, tile.rows(), 1);
+  tile.need(dst, tile.rows(), 1);
+  std::memcpy(static_cast<void*>(tile.host.put_target(dst)), tile.template at<std::byte>(src),
+              static_cast<std::size_t>(tile.rows()) * 4);
+  return tile.host.send_put(dst);
+}
+
+// A forwarder's put of one piece of a source's token block for a rank of
+// its node: each row from the source's node block (by its route), bytes as
+// they arrived (encoded or not), so the rank receives what the source's
+// own put would have sent.
+template <class T>
+bool forward_rows(const Tile<T>& tile) {
+  const Rect& routes = tile.read(0);
+  const Rect& block = tile.read(1);
+  const Rect& dst = tile.write(0);
+  const taskflow::BufferLayout& layout = tile.host.layout(block.buffer);
+  const std::int64_t rows = tile.rows(), row_bytes = layout.cols * layout.elem_bytes;
+  tile.need(routes, rows, 1);
+  tile.need(dst, rows, layout.cols);
+  const auto* route = tile.template at<std::int32_t>(routes);
+  const auto* from = tile.template at<std::byte>(block);
+  auto* to = reinterpret_cast<std::byte*>(tile.host.put_target(dst));
+  for (std::int64_t j = 0; j < rows; ++j) {
+    const std::int64_t at = route[j];
+    if (at < 0 || at >= block.rows())
+      throw Error(std::string(taskflow::name(tile.task.kind)) + ": the route of node row " + std::to_string(tile.task.src_row + j) +
+                  " names row " + std::to_string(at) + " of a node block of " + std::to_string(block.rows()) +
+                  " rows: the routes do not match the blocks (a corrupt put)");
+    std::memcpy(to + j * row_bytes, from + at * row_bytes, static_cast<std::size_t>(row_bytes));
+  }
+  return tile.host.send_put(dst);
+}
+
 constexpr ByteTerm kTokenRow{X::token_row_bytes, 1, 1, X::none};
 constexpr ByteTerm kRoute{X::route, 1, 4, X::none};
 
@@ -188,8 +232,37 @@ constexpr OpKind kKinds[] = {
                  {kTokenRow, ByteTerm{X::hidden, 1, kElem, X::none}, kRoute}, kOwn),
      grad_gather<float>, grad_gather<bf16>},
 };
+// The per-node exchange: a source's node blocks and their routes to the
+// forwarders, the forwarders' puts on to the ranks of their node.
+constexpr OpKind kNodeKinds[] = {
+    {TaskKind::dispatch_node_put, "dispatch_node_put", Pass::forward, -3,
+     as_put(vector_kind({op(B::node_token, R, Span::source_rows, X::none, Span::whole, X::one),
+                         op(B::x, R, Span::whole, X::tokens, Span::whole, X::hidden), tile(B::node_tok, Side::peer)},
+                        {kTokenRow})),
+     token_put<float, B::node_token>, token_put<bf16, B::node_token>},
+    {TaskKind::dispatch_node_route_put, "dispatch_node_route_put", Pass::forward, -2,
+     as_put(vector_kind({op(B::node_index, R, Span::source_rows, X::none, Span::whole, X::one), tile(B::node_route, Side::peer)},
+                        {ByteTerm{X::one, 1, 4, X::none}})),
+     node_route_put<float>, node_route_put<bf16>},
+    {TaskKind::dispatch_forward, "dispatch_forward", Pass::forward, -1,
+     as_put(vector_kind({op(B::node_route, R, Span::source_rows, X::none, Span::whole, X::one),
+                         op(B::node_tok, R, Span::node_block, X::none, Span::whole, X::token_cols), tile(B::recv_tok, Side::peer)},
+                        {kTokenRow}, kPeer)),
+     forward_rows<float>, forward_rows<bf16>},
+    {TaskKind::grad_dispatch_node_put, "grad_dispatch_node_put", Pass::backward, -8,
+     as_put(vector_kind({op(B::node_token, R, Span::source_rows, X::none, Span::whole, X::one),
+                         op(B::dout, R, Span::whole, X::tokens, Span::whole, X::hidden), tile(B::node_dy, Side::peer)},
+                        {kTokenRow})),
+     grad_token_put<float, B::node_token>, grad_token_put<bf16, B::node_token>},
+    {TaskKind::grad_dispatch_forward, "grad_dispatch_forward", Pass::backward, -7,
+     as_put(vector_kind({op(B::node_route, R, Span::source_rows, X::none, Span::whole, X::one),
+                         op(B::node_dy, R, Span::node_block, X::none, Span::whole, X::token_cols), tile(B::dy_tok, Side::peer)},
+                        {kTokenRow}, kPeer)),
+     forward_rows<float>, forward_rows<bf16>},
+};
 }  // namespace
 
 Family token_exchange_family() { return {"token_exchange", kKinds}; }
+Family node_exchange_family() { return {"node_exchange", kNodeKinds}; }
 
 }  // namespace hpmoe::ops

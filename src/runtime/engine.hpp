@@ -106,6 +106,7 @@ class Interleaved final : public InterleavedExecutor::Impl {
   static LayerConfig hosted_config(const LayerConfig& c, const std::vector<int>& local) {
     LayerConfig lc = c;
     lc.ranks = static_cast<std::int64_t>(local.size());
+    lc.ranks_per_node = 0;  // the hosted ranks alone are no whole nodes; the exchange keeps the layer's
     return lc;
   }
   // Ranks spread over processes: this one holds only its own rank's tokens,
@@ -352,6 +353,8 @@ class Interleaved final : public InterleavedExecutor::Impl {
   std::vector<std::vector<Span>> spans_;  // per worker, when tracing
   std::vector<double> busy_;              // per worker: seconds in tasks this launch
   std::vector<std::int32_t> phase_fill_;  // phased: scratch of the per-operator placement
+  // phased: the operators of the layer, forward and backward (a barrier after each)
+  std::array<std::vector<TaskKind>, 2> phases_;
   std::vector<double> phase_end_;         // phased: [worker][operator] seconds from the launch's start to its barrier
   Clock::time_point launch_start_;
   Clock::time_point step_start_;

@@ -10,7 +10,7 @@ template <class T>
 double Interleaved<T>::launch(std::vector<taskflow::Program>& set, StepResult& res) {
   current_ = &set;
   // Phased: one barrier counter per operator after the program's events.
-  const auto& order = taskflow::operator_order(pass_of(set));
+  const auto& order = pass_of(set) == taskflow::Pass::forward ? phases_[0] : phases_[1];
   const std::size_t barriers = opt_.phased ? order.size() : 0;
   std::vector<std::int64_t> events(static_cast<std::size_t>(c_.ranks));
   launch_events_.resize(static_cast<std::size_t>(c_.ranks));
@@ -186,7 +186,7 @@ std::string Interleaved<T>::describe_waiters() const {
         const auto& p = (*current_)[r];
         const std::size_t k = static_cast<std::size_t>(-2 - id), e = p.events.size() + k;
         text += (text.empty() ? "" : "; ") + std::string("rank ") + std::to_string(r) + " worker " + std::to_string(w) +
-                " at the barrier after operator " + taskflow::name(taskflow::operator_order(p.pass)[k]) + " at " +
+                " at the barrier after operator " + taskflow::name(phases_[p.pass == taskflow::Pass::forward ? 0 : 1][k]) + " at " +
                 std::to_string(ranks_[r].counters[e].value.load() - ranks_[r].base_count[e]) + " of " +
                 std::to_string(c_.ranks * opt_.workers_per_rank);
         continue;
@@ -275,7 +275,7 @@ void Interleaved<T>::run_phased(int r, int w, std::size_t slot) {
       signal_rank(q, static_cast<std::int32_t>(launch_events_[static_cast<std::size_t>(q)] + static_cast<std::int64_t>(k)), -1);
     const auto barrier = static_cast<std::int32_t>(p.events.size() + k);
     Task wait_all{};
-    wait_all.kind = taskflow::operator_order(p.pass)[k];
+    wait_all.kind = phases_[p.pass == taskflow::Pass::forward ? 0 : 1][k];
     wait_all.wait_event = barrier;
     wait_all.wait_count = static_cast<std::int32_t>(c_.ranks * W);
     wait(r, slot, -2 - static_cast<std::int32_t>(k), wait_all);  // -2 - k: the barrier after operator k

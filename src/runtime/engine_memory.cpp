@@ -151,6 +151,10 @@ void Interleaved<T>::prepare_forward(StepResult& res) {
           }
         }
       std::copy(routes.list_slot.begin(), routes.list_slot.end(), base<std::int64_t>(r, BufferId::rank_slot));
+      if (c_.forwards()) {  // the per-node exchange's node lists and routes
+        std::copy(routes.node_tokens.begin(), routes.node_tokens.end(), base<std::int32_t>(r, BufferId::node_token));
+        std::copy(routes.node_index.begin(), routes.node_index.end(), base<std::int32_t>(r, BufferId::node_index));
+      }
     }
     if constexpr (!std::is_same_v<T, float>)
       for (std::int64_t t = 0; t < T_; ++t) kernels::store<T>(x_.row(i * T_ + t), base<T>(r, BufferId::x) + t * H, H);

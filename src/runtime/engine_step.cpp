@@ -1,6 +1,8 @@
 // The engine's step: hosting and packing at construction, the batch's
 // token count, routing, the count exchange, compile and verify, forward and
 // backward as the caller makes them.
+#include <tuple>
+
 #include "runtime/engine.hpp"
 
 namespace hpmoe::detail {
@@ -45,6 +47,8 @@ Interleaved<T>::Interleaved(const LayerConfig& c, const LayerWeights& w, Runtime
                 std::to_string(local_.size()) + ")");
   placement_.check_fits(c.routed_experts, c.ranks, c.expert_inter);
   if (placement_.has_splits()) pack_split_parts(opt.backward);
+  phases_ = {taskflow::layer_operators(c, placement_.has_splits(), taskflow::Pass::forward),
+             taskflow::layer_operators(c, placement_.has_splits(), taskflow::Pass::backward)};
   fingerprint_ = layer_fingerprint(c, placement_, w);
   tr_->watch_workers(&activity_);
 }
@@ -130,16 +134,22 @@ void Interleaved<T>::pack_part(std::int64_t i, const LayerWeights& w, bool backw
 }
 
 namespace {
-// Bytes the puts of `ranks`' programs carry to other ranks.
-std::int64_t put_bytes_to_others(const std::vector<taskflow::Program>& set, const std::vector<int>& ranks) {
+// Bytes the puts of `ranks`' programs carry to other ranks, and of those
+// to ranks of other nodes (nodes of `node_ranks`).
+std::pair<std::int64_t, std::int64_t> put_bytes_to_others(const std::vector<taskflow::Program>& set, const std::vector<int>& ranks,
+                                                          std::int64_t node_ranks) {
   const auto& table = taskflow::AccessTable::standard();
-  double bytes = 0;
+  double bytes = 0, cross = 0;
   for (const int r : ranks) {
     const taskflow::Program& p = set[static_cast<std::size_t>(r)];
     for (const auto& t : p.tasks)
-      if (taskflow::is_put(t.kind) && t.peer != p.rank) bytes += table.work(p, t).bytes;
+      if (taskflow::is_put(t.kind) && t.peer != p.rank) {
+        const double b = table.work(p, t).bytes;
+        bytes += b;
+        if (t.peer / node_ranks != p.rank / node_ranks) cross += b;
+      }
   }
-  return static_cast<std::int64_t>(bytes);
+  return {static_cast<std::int64_t>(bytes), static_cast<std::int64_t>(cross)};
 }
 }  // namespace
 
@@ -175,7 +185,7 @@ void Interleaved<T>::forward(MatrixView x, std::span<const std::int32_t> forced,
   if (opt_.after_compile) opt_.after_compile(programs);
   auto t2 = Clock::now();
   res.forward_ops.push_back({"compile", seconds(t1, t2)});
-  res.forward_put_bytes = put_bytes_to_others(programs, local_);
+  std::tie(res.forward_put_bytes, res.forward_cross_node_bytes) = put_bytes_to_others(programs, local_, c_.node_ranks());
   if (opt_.verify_programs) {
     const auto report = verify(programs);
     if (!report.ok) throw Error("the compiled program failed verification: " + report.error);
@@ -206,7 +216,7 @@ void Interleaved<T>::backward(MatrixView d_out, StepResult& res) {
   }
   auto b1 = Clock::now();
   res.backward_ops.push_back({"compile", seconds(b0, b1)});
-  res.backward_put_bytes = put_bytes_to_others(backward_programs, local_);
+  std::tie(res.backward_put_bytes, res.backward_cross_node_bytes) = put_bytes_to_others(backward_programs, local_, c_.node_ranks());
   if (opt_.verify_programs) {
     const auto report = verify(backward_programs);
     if (!report.ok) throw Error("the compiled backward program failed verification: " + report.error);
@@ -298,33 +308,35 @@ void Interleaved<T>::exchange_counts(StepResult& res) {
 
 template <class T>
 void Interleaved<T>::exchange_rank_tokens(const StepResult& res) {
-  const std::int64_t P = c_.ranks, N = ex_->instances(), n = c_.tokens_per_rank * c_.top_k;
+  // Per source: its tokens by first instance [s N + i], then by last
+  // [P N + s N + i], then (the per-node exchange) per node [2 P N + s B + b].
+  const std::int64_t P = c_.ranks, N = ex_->instances(), n = c_.tokens_per_rank * c_.top_k, B = c_.forwards() ? c_.nodes() : 0;
   routes_.resize(local_.size());
-  std::vector<std::int64_t> first(static_cast<std::size_t>(2 * P * N), 0);
+  std::vector<std::int64_t> first(static_cast<std::size_t>(2 * P * N + P * B), 0);
+  const auto place = [&](std::int64_t s, std::int64_t k) {  // value k of source s's 2 N + B
+    return static_cast<std::size_t>(k < N ? s * N + k : k < 2 * N ? (P + s) * N + k - N : 2 * P * N + s * B + k - 2 * N);
+  };
   for (std::size_t i = 0; i < local_.size(); ++i) {
     const auto at = static_cast<std::size_t>(i) * static_cast<std::size_t>(n);
     routes_[i] = taskflow::rank_routes(c_, *ex_, local_[i], std::span<const std::int64_t>(slot_).subspan(at, static_cast<std::size_t>(n)),
                                        std::span<const std::int32_t>(res.routing.expert).subspan(at, static_cast<std::size_t>(n)));
     const std::int64_t s = local_[i];
-    std::copy(routes_[i].first.begin(), routes_[i].first.begin() + N, first.begin() + s * N);
-    std::copy(routes_[i].first.begin() + N, routes_[i].first.end(), first.begin() + (P + s) * N);
+    for (std::int64_t k = 0; k < 2 * N; ++k) first[place(s, k)] = routes_[i].first[static_cast<std::size_t>(k)];
+    for (std::int64_t k = 0; k < B; ++k) first[place(s, 2 * N + k)] = routes_[i].node_count[static_cast<std::size_t>(k)];
   }
-  if (sharded()) {  // one row per rank: its tokens by first instance, then by last (set_rank_tokens checks them)
+  if (sharded()) {  // one row per rank (set_rank_tokens checks the values against each other)
     const int me = local_.front();
-    std::vector<std::uint64_t> block(static_cast<std::size_t>(2 * P * N));
-    for (std::int64_t i = 0; i < N; ++i) {
-      block[static_cast<std::size_t>(me * 2 * N + i)] = static_cast<std::uint64_t>(first[static_cast<std::size_t>(me * N + i)]);
-      block[static_cast<std::size_t>(me * 2 * N + N + i)] = static_cast<std::uint64_t>(first[static_cast<std::size_t>((P + me) * N + i)]);
-    }
-    tr_->allgather(std::as_writable_bytes(std::span<std::uint64_t>(block)), static_cast<std::size_t>(2 * N) * 8);
+    const std::int64_t W = 2 * N + B;
+    std::vector<std::uint64_t> block(static_cast<std::size_t>(P * W));
+    for (std::int64_t k = 0; k < W; ++k) block[static_cast<std::size_t>(me * W + k)] = static_cast<std::uint64_t>(first[place(me, k)]);
+    tr_->allgather(std::as_writable_bytes(std::span<std::uint64_t>(block)), static_cast<std::size_t>(W) * 8);
     for (std::size_t k = 0; k < block.size(); ++k) {
-      const std::size_t q = k / static_cast<std::size_t>(2 * N), i = k % static_cast<std::size_t>(2 * N);
+      const std::int64_t q = static_cast<std::int64_t>(k) / W, i = static_cast<std::int64_t>(k) % W;
       if (block[k] > static_cast<std::uint64_t>(c_.tokens_per_rank))
-        throw Error("rank " + std::to_string(q) + " reports " + std::to_string(block[k]) + " tokens for expert instance " +
-                    std::to_string(i % static_cast<std::size_t>(N)) + ", more than its " + std::to_string(c_.tokens_per_rank));
-      const std::size_t at = i < static_cast<std::size_t>(N) ? q * static_cast<std::size_t>(N) + i
-                                                             : (static_cast<std::size_t>(P) + q) * static_cast<std::size_t>(N) + i - static_cast<std::size_t>(N);
-      first[at] = static_cast<std::int64_t>(block[k]);
+        throw Error("rank " + std::to_string(q) + " reports " + std::to_string(block[k]) + " tokens for " +
+                    (i < 2 * N ? "expert instance " + std::to_string(i % N) : "node " + std::to_string(i - 2 * N)) +
+                    ", more than its " + std::to_string(c_.tokens_per_rank));
+      first[place(q, i)] = static_cast<std::int64_t>(block[k]);
     }
   }
   ex_->set_rank_tokens(first, c_.tokens_per_rank);

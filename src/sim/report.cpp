@@ -77,8 +77,14 @@ DeepEpExchange deepep_exchange(const LayerConfig& c, const ExpertPlacement& plac
 }
 
 SimReport simulate(const MachineModel& m, const SimRequest& req) {
-  const LayerConfig& c = req.config;
+  // The layer's ranks sit in the machine's nodes: the per-rank exchange
+  // forwards through them as the runtime would on that cluster.
+  LayerConfig c = req.config;
   c.validate();
+  if (c.ranks_per_node == 0 && m.ranks_per_node > 1 && c.ranks % m.ranks_per_node == 0) c.ranks_per_node = m.ranks_per_node;
+  if (c.ranks_per_node != 0 && c.ranks_per_node != m.ranks_per_node && !(m.ranks_per_node <= 1 && c.ranks_per_node == c.ranks))
+    throw Error("the layer's ranks_per_node (" + std::to_string(c.ranks_per_node) + ") is not machine '" + m.name + "''s " +
+                std::to_string(m.ranks_per_node) + ": leave it unset to use the machine's");
   SimReport rep;
   rep.config = c;
   rep.machine = m;

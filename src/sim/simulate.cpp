@@ -671,7 +671,8 @@ std::vector<Operator> operators(taskflow::Pass pass) {
     ops.push_back({k, exchange,
                    exchange && (k == TaskKind::dispatch_put || k == TaskKind::dispatch_cast_put || k == TaskKind::grad_dispatch_put ||
                                 k == TaskKind::grad_dispatch_cast_put || k == TaskKind::dispatch_token_put ||
-                                k == TaskKind::grad_dispatch_token_put)});
+                                k == TaskKind::grad_dispatch_token_put || k == TaskKind::dispatch_node_put ||
+                                k == TaskKind::grad_dispatch_node_put)});
   }
   return ops;
 }

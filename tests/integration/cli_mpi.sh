@@ -89,6 +89,11 @@ check 3 shared --set routed_experts=8 -T 64 --backward --routing hot:0.45 --plac
   --iters 2 --count-exchange collective
 check 3 network --set hidden=256 -T 64 --backward --routing zipf:1.2 --dispatch-dtype fp8 --exchange rank --iters 1 \
   --count-exchange one-sided --verify-all-ranks
+# The per-node exchange: 4 ranks in 2 nodes, a token once per node through
+# the forwarder there (checked against the in-process run bit for bit).
+check 4 network --set hidden=256 -T 48 --set top_k=4 --set routed_experts=16 --set ranks_per_node=2 --backward \
+  --routing zipf:1.2 --dispatch-dtype fp8 --exchange rank --iters 2 --verify-all-ranks
+check 4 shared -T 48 --set ranks_per_node=2 --backward --dtype bf16 --routing "$trace" --exchange rank --iters 1
 
 # The count exchange as a collective (the default on shared memory is one-sided stores).
 check 3 shared -T 64 --backward --routing zipf:1.2 --iters 3 --count-exchange collective

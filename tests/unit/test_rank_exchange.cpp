@@ -17,7 +17,7 @@
 #include "hpmoe/error.hpp"
 #include "hpmoe/reference.hpp"
 #include "runtime/interleaved.hpp"
-#include "taskflow_cases.hpp"
+#include "exchange_cases.hpp"
 
 using namespace hpmoe;
 using namespace hpmoe::testing;
@@ -33,21 +33,6 @@ LayerConfig rank_layer(std::int64_t ranks, std::int64_t tokens, std::int64_t exp
   c.exchange = ExchangeMode::rank;
   c.validate();
   return c;
-}
-
-RouterOutput<float> routing_of(const LayerConfig& c, const std::string& spec, std::uint64_t seed = 1) {
-  const auto ids = forced_selection(c, parse_routing_spec(spec, seed));
-  std::vector<float> logits(static_cast<std::size_t>(c.total_tokens() * c.routed_experts), 0.0f);
-  return route<float>(c, logits, std::vector<float>(static_cast<std::size_t>(c.routed_experts), 0.0f), ids);
-}
-
-// Counts with the per-rank exchange's token counts, for a placement.
-RoutingCounts rank_counts(const LayerConfig& c, const ExpertPlacement& placement, const std::string& spec,
-                          std::int64_t tile_rows) {
-  const auto r = routing_of(c, spec);
-  RoutingCounts counts = routing_counts(c, r);
-  counts.token_counts = rank_token_counts(c, placement, counts, r, tile_rows);
-  return counts;
 }
 
 ExpertPlacement replicated_and_split(const LayerConfig& c) {
@@ -172,20 +157,9 @@ TEST(RankExchange, MutationsOfThePerRankExchangeAreRejected) {
   const auto backward = compile(c, placement, counts, m, Pass::backward, Policy::critical_path);
   expect_ok(backward);
   const auto rejected = [&](const std::vector<Program>& programs, const char* what) {
-    const auto whole = verify(programs);
-    EXPECT_FALSE(whole.ok) << what << ": the whole-set check accepted it";
-    Verifier verifier;
-    std::string alone;
-    for (const auto& p : programs)
-      if (const auto r = verifier.verify_rank(p, c, placement, counts, m); !r.ok && alone.empty()) alone = r.error;
-    EXPECT_NE(alone, "") << what << ": every rank alone accepted it (whole set: " << whole.error << ")";
+    expect_rejected(programs, c, placement, counts, m, what);
   };
-  const auto remote = [](Program& p, TaskKind kind) -> Task& {
-    for (auto& t : p.tasks)
-      if (t.kind == kind && t.peer != p.rank) return t;
-    ADD_FAILURE() << "no remote " << name(kind);
-    return p.tasks.front();
-  };
+  const auto remote = remote_task;
   {
     auto programs = forward;
     programs[1].tasks[first_task(programs[1], TaskKind::dispatch_gather)].wait_count -= 1;

@@ -355,11 +355,14 @@ TEST_P(SerializedBaseline, IsIndependentOfWorkersAndNamesOperatorsByKind) {
           kind != taskflow::TaskKind::combine_rank_put && kind != taskflow::TaskKind::combine_rank_reduce &&
           kind != taskflow::TaskKind::gate_grad_put && kind != taskflow::TaskKind::gate_grad_gather &&
           kind != taskflow::TaskKind::grad_combine_rank_put && kind != taskflow::TaskKind::grad_rank_reduce &&
-          kind != taskflow::TaskKind::combine_relay && kind != taskflow::TaskKind::grad_combine_relay)
+          kind != taskflow::TaskKind::combine_relay && kind != taskflow::TaskKind::grad_combine_relay &&
+          kind != taskflow::TaskKind::dispatch_node_put && kind != taskflow::TaskKind::dispatch_node_route_put &&
+          kind != taskflow::TaskKind::dispatch_forward && kind != taskflow::TaskKind::grad_dispatch_node_put &&
+          kind != taskflow::TaskKind::grad_dispatch_forward)
         expected.push_back(taskflow::name(kind));
     // tiny has shared experts: every operator has tasks but the split
     // experts' reduction, the encoded dispatches' four and the per-rank
-    // exchange's sixteen
+    // exchange's sixteen and the per-node exchange's five
     EXPECT_EQ(names, expected);
   }
 }

@@ -1,0 +1,54 @@
+#pragma once
+// Internal to the generator: a task as it writes one, and the emitters of
+// the per-rank and per-node exchanges (generate_rank.cpp), which
+// generate.cpp calls for a rank's program and for the interface between
+// two ranks' programs.
+#include <cstdint>
+#include <functional>
+
+#include "hpmoe/config.hpp"
+#include "compiler/layout.hpp"
+
+namespace hpmoe::taskflow {
+
+inline std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
+
+// A task as the generator writes it: named fields, 64-bit arithmetic, and
+// defaults for what most tasks do not use.
+struct TaskSpec {
+  TaskKind kind = TaskKind::count;
+  BufferId src = BufferId::none, dst = BufferId::none;
+  std::int64_t expert = -1;
+  std::int64_t peer = -1;  // -1: the generating rank
+  std::int64_t row_begin = 0, rows = 0, col_begin = 0, cols = 0, src_row = 0;
+  std::int64_t wait_event = -1, wait_count = 0, trigger_event = -1;
+};
+using Emit = std::function<void(const TaskSpec&)>;
+// The count an event of the generating rank completes at.
+using RequiredOf = std::function<std::int64_t(std::int64_t)>;
+
+// Puts of `rank`'s tokens (forward) or output gradients (backward) under
+// the per-rank exchange: its token blocks to the ranks of its node, its
+// node blocks to the forwarders of other nodes, the routes and combine
+// lists to every destination (only those into `only_peer` when >= 0).
+void rank_puts_to_experts(const LayerConfig&, const Exchange&, std::int64_t tile_rows, Pass, std::int64_t rank,
+                          std::int64_t only_peer, const Emit&);
+// The forwards `rank` makes as a forwarder (only into `only_peer` when >=
+// 0); with_waits: each waits for its source's node event.
+void node_forwards(const LayerConfig&, const Exchange&, std::int64_t tile_rows, Pass, std::int64_t rank, std::int64_t only_peer,
+                   bool with_waits, const RequiredOf&, const Emit&);
+// The forwarder's events of its sources' node blocks (with `event(id, required)`).
+void node_events(const LayerConfig&, const Exchange&, std::int64_t tile_rows, Pass, std::int64_t rank,
+                 const std::function<void(std::int64_t, std::int64_t)>& event);
+// The per-rank exchange on the destination: one gather per source piece of
+// row tile `tile` of instance `home`.
+void rank_gathers_of_tile(const LayerConfig&, const Exchange&, const Program&, Pass, std::int64_t rank, std::int64_t home,
+                          std::int64_t tile, const EventBases&, const Emit&);
+// Which of the per-rank combine's return puts to make.
+enum class ReturnPuts { all, gate_grads, sums };
+// The per-rank combine's return puts from `rank` (only to `only_source`
+// when >= 0); with_waits: each waits for the event its rows need.
+void rank_puts_to_sources(const LayerConfig&, const Exchange&, std::int64_t tile_rows, Pass, std::int64_t rank,
+                          std::int64_t only_source, bool with_waits, const RequiredOf&, const Emit&, ReturnPuts);
+
+}  // namespace hpmoe::taskflow

@@ -1,0 +1,185 @@
+// The generator's per-rank and per-node exchanges (generate_parts.hpp): a
+// token once per destination rank, once per destination node through a
+// forwarder there, and the per-rank combine's return puts.
+#include <algorithm>
+#include <utility>
+
+#include "ops/access.hpp"
+#include "compiler/taskflow.hpp"
+#include "compiler/generate_parts.hpp"
+
+namespace hpmoe::taskflow {
+
+namespace {
+
+// Columns of a token row as it travels in a pass (RECV_TOK / DY_TOK, and
+// the node blocks, alike).
+std::int64_t token_cols(const LayerConfig& c, Pass pass) {
+  return pass == Pass::forward ? (c.staged_dispatch() ? c.dispatch_row_bytes() : c.hidden)
+                               : (c.staged_grad_dispatch() ? 2 * c.hidden : c.hidden);
+}
+
+// The pieces of s's token block for d, each sub-block (the tokens whose
+// first instance there is i) in pieces of a tile's rows: fn(instance, row
+// within the block, rows, d's `tok` event of the instance's slot).
+template <class Fn>
+void block_pieces(const LayerConfig& c, const Exchange& ex, std::int64_t TR, Pass pass, std::int64_t s, std::int64_t d, Fn&& fn) {
+  const std::int64_t L = ex.placement().local_count(d), tok = event_bases(c, ex, pass, d).tok + s * L;
+  for (const std::int64_t i : ex.placement().instances_of(d)) {
+    const std::int64_t n = ex.first_tokens(s, i), within = ex.sub_block_offset(s, i);
+    for (std::int64_t r = 0; r < n; r += TR) fn(i, within + r, std::min(TR, n - r), tok + ex.instance_slot(i));
+  }
+}
+
+}  // namespace
+
+void rank_puts_to_experts(const LayerConfig& c, const Exchange& ex, std::int64_t TR, Pass pass, std::int64_t rank,
+                          std::int64_t only_peer, const Emit& emit) {
+  // Each token once per destination rank: its block's pieces (through the
+  // destination node's forwarder when it is another node's), then
+  // (forward) the routes of the rows for each instance; both complete the
+  // source's `tok` event of the instance's slot on the destination.
+  const bool forward = pass == Pass::forward;
+  const std::int64_t cols = token_cols(c, pass);
+  for (std::int64_t d = 0; d < ex.ranks(); ++d) {
+    if (ex.rank_tokens(rank, d) == 0 || (only_peer >= 0 && d != only_peer)) continue;
+    const std::int64_t L = ex.placement().local_count(d), tok = event_bases(c, ex, pass, d).tok + rank * L;
+    for (const std::int64_t i : ex.placement().instances_of(d)) {
+      const std::int64_t n = ex.first_tokens(rank, i), within = ex.sub_block_offset(rank, i);
+      const std::int64_t slot_event = tok + ex.instance_slot(i);
+      for (std::int64_t r = 0; r < n && !ex.forwarded(rank, d); r += TR)
+        emit(TaskSpec{.kind = forward ? TaskKind::dispatch_token_put : TaskKind::grad_dispatch_token_put,
+                      .src = forward ? BufferId::x : BufferId::dout, .dst = forward ? BufferId::recv_tok : BufferId::dy_tok,
+                      .expert = ex.placement().instance_expert(i), .peer = d, .row_begin = ex.token_start(rank, d) + within + r,
+                      .rows = std::min(TR, n - r), .col_begin = 0, .cols = cols,
+                      .src_row = ex.token_send_offset(rank, d) + within + r, .trigger_event = slot_event});
+      if (forward && ex.count(rank, i) > 0)  // the backward reads the forward's routes
+        emit(TaskSpec{.kind = TaskKind::dispatch_route_put, .src = BufferId::rank_route, .dst = BufferId::recv_route,
+                      .expert = ex.placement().instance_expert(i), .peer = d,
+                      .row_begin = ex.expert_start(i) + ex.source_offset(rank, i), .rows = ex.count(rank, i),
+                      .col_begin = 0, .cols = 2, .src_row = ex.send_offset(rank, i), .trigger_event = slot_event});
+    }
+    if (!forward) continue;
+    // The combine list of the block, counted with its first sub-block.
+    emit(TaskSpec{.kind = TaskKind::combine_route_put, .src = BufferId::rank_comb, .dst = BufferId::recv_comb, .peer = d,
+                  .row_begin = ex.token_start(rank, d), .rows = ex.rank_tokens(rank, d), .col_begin = 0,
+                  .cols = 2 * c.top_k + 1, .src_row = ex.token_send_offset(rank, d), .trigger_event = tok});
+  }
+  if (!ex.forwards()) return;
+  // Each other node's block once, to its forwarder, in pieces of a tile's
+  // rows; forward also its routes. All count towards the forwarder's
+  // `node` event of this source.
+  for (std::int64_t b = 0; b < ex.nodes(); ++b) {
+    const std::int64_t n = ex.node_tokens(rank, b), f = ex.forwarder(rank, b);
+    if (n == 0 || (only_peer >= 0 && f != only_peer)) continue;
+    const std::int64_t node_event = event_bases(c, ex, pass, f).node + rank;
+    for (std::int64_t r = 0; r < n; r += TR)
+      emit(TaskSpec{.kind = forward ? TaskKind::dispatch_node_put : TaskKind::grad_dispatch_node_put,
+                    .src = forward ? BufferId::x : BufferId::dout, .dst = forward ? BufferId::node_tok : BufferId::node_dy,
+                    .peer = f, .row_begin = ex.node_start(rank, b) + r, .rows = std::min(TR, n - r), .col_begin = 0,
+                    .cols = cols, .src_row = ex.node_send_offset(rank, b) + r, .trigger_event = node_event});
+    if (forward)
+      emit(TaskSpec{.kind = TaskKind::dispatch_node_route_put, .src = BufferId::node_index, .dst = BufferId::node_route,
+                    .peer = f, .row_begin = ex.node_route_start(rank, b), .rows = ex.node_route_rows(rank, b), .col_begin = 0,
+                    .cols = 1, .src_row = ex.token_send_offset(rank, b * (ex.ranks() / ex.nodes())),
+                    .trigger_event = node_event});
+  }
+}
+
+void node_events(const LayerConfig& c, const Exchange& ex, std::int64_t TR, Pass pass, std::int64_t rank,
+                 const std::function<void(std::int64_t, std::int64_t)>& event) {
+  const EventBases ev = event_bases(c, ex, pass, rank);
+  const std::int64_t b = ex.node_of(rank);
+  for (std::int64_t s = 0; s < ex.ranks(); ++s)
+    if (ex.forwards_through(s, rank) && ex.node_tokens(s, b) > 0)
+      event(ev.node + s, ceil_div(ex.node_tokens(s, b), TR) + (pass == Pass::forward ? 1 : 0));
+}
+
+void node_forwards(const LayerConfig& c, const Exchange& ex, std::int64_t TR, Pass pass, std::int64_t rank, std::int64_t only_peer,
+                   bool with_waits, const RequiredOf& required, const Emit& emit) {
+  // Each source's rows for each rank of this node, piece by piece as its
+  // own put would have sent them, once its node block has arrived.
+  if (!ex.forwards()) return;
+  const bool forward = pass == Pass::forward;
+  const std::int64_t b = ex.node_of(rank), R = ex.ranks() / ex.nodes(), cols = token_cols(c, pass);
+  const EventBases own = event_bases(c, ex, pass, rank);
+  for (std::int64_t s = 0; s < ex.ranks(); ++s) {
+    if (!ex.forwards_through(s, rank) || ex.node_tokens(s, b) == 0) continue;
+    const std::int64_t node_event = own.node + s;
+    for (std::int64_t d = b * R; d < (b + 1) * R; ++d) {
+      if (ex.rank_tokens(s, d) == 0 || (only_peer >= 0 && d != only_peer)) continue;
+      // d's rows in s's routes for this node, which follow s's token list.
+      const std::int64_t routes = ex.node_route_start(s, b) + ex.token_send_offset(s, d) - ex.token_send_offset(s, b * R);
+      block_pieces(c, ex, TR, pass, s, d, [&](std::int64_t i, std::int64_t at, std::int64_t rows, std::int64_t event) {
+        emit(TaskSpec{.kind = forward ? TaskKind::dispatch_forward : TaskKind::grad_dispatch_forward,
+                      .src = forward ? BufferId::node_tok : BufferId::node_dy, .dst = forward ? BufferId::recv_tok : BufferId::dy_tok,
+                      .expert = ex.placement().instance_expert(i), .peer = d, .row_begin = ex.token_start(s, d) + at,
+                      .rows = rows, .col_begin = 0, .cols = cols, .src_row = routes + at,
+                      .wait_event = with_waits ? node_event : -1, .wait_count = with_waits ? required(node_event) : 0,
+                      .trigger_event = event});
+      });
+    }
+  }
+}
+
+// The per-rank exchange on the destination: one gather per source piece of
+// row tile `tile` of instance `home` (the pieces the per-assignment
+// exchange puts), each once its source's sub-blocks up to the instance's
+// slot have arrived.
+void rank_gathers_of_tile(const LayerConfig& c, const Exchange& ex, const Program& p, Pass pass, std::int64_t rank,
+                     std::int64_t home, std::int64_t tile, const EventBases& ev, const Emit& emit) {
+  const bool forward = pass == Pass::forward;
+  const std::int64_t TR = ex.tile_rows(), lo = tile * TR, hi = lo + TR;
+  const std::int64_t e = ex.placement().instance_expert(home);
+  for (std::int64_t s = 0; s < ex.ranks(); ++s) {
+    const std::int64_t first = ex.source_offset(s, home), n = ex.count(s, home);
+    const std::int64_t r0 = std::max(first, lo), r1 = std::min(first + n, hi);
+    if (r0 >= r1) continue;
+    const std::int64_t tok = ev.tok + s * ex.placement().local_count(rank) + ex.instance_slot(home);
+    emit(TaskSpec{.kind = forward ? TaskKind::dispatch_gather : TaskKind::grad_dispatch_gather,
+                  .src = forward ? BufferId::recv_tok : BufferId::dy_tok, .dst = forward ? BufferId::recv : BufferId::dy,
+                  .expert = e, .row_begin = ex.expert_start(home) + r0, .rows = r1 - r0, .col_begin = 0, .cols = c.hidden,
+                  .src_row = s, .wait_event = tok,
+                  .wait_count = p.events[static_cast<std::size_t>(tok)].required,
+                  .trigger_event = (forward ? ev.recv : ev.dy) + ex.tile_start(home) + tile});
+  }
+}
+
+void rank_puts_to_sources(const LayerConfig& c, const Exchange& ex, std::int64_t TR, Pass pass, std::int64_t rank,
+                          std::int64_t only_source, bool with_waits, const RequiredOf& required, const Emit& emit, ReturnPuts which) {
+  const bool forward = pass == Pass::forward;
+  // One row per (token, rank): each source's list in pieces of a tile's
+  // rows, each sub-list (the tokens whose last instance here is slot j)
+  // once the instances up to j are done; in the backward first the gate
+  // gradients of the whole list, once its dy block has all arrived.
+  const EventBases own = event_bases(c, ex, pass, rank);
+  const std::int64_t L = ex.placement().local_count(rank);
+  const auto waits = [&](std::int64_t event) { return !with_waits ? std::pair<std::int64_t, std::int64_t>{-1, 0} : std::pair{event, required(event)}; };
+  for (std::int64_t s = 0; s < ex.ranks(); ++s) {
+    const std::int64_t n = ex.rank_tokens(s, rank);
+    if (n == 0 || (only_source >= 0 && s != only_source)) continue;
+    const EventBases source_events = event_bases(c, ex, pass, s);
+    const std::int64_t list = ex.token_send_offset(s, rank), block = ex.token_start(s, rank);
+    if (!forward && which != ReturnPuts::sums)
+      for (std::int64_t r = 0; r < n; r += TR) {
+        const auto [event, count] = waits(own.tok + s * L + L - 1);
+        emit(TaskSpec{.kind = TaskKind::gate_grad_put, .src = BufferId::dy_tok, .dst = BufferId::gw_rank, .peer = s,
+                      .row_begin = list + r, .rows = std::min(TR, n - r), .col_begin = 0, .cols = c.top_k, .src_row = block + r,
+                      .wait_event = event, .wait_count = count, .trigger_event = source_events.gw_done});
+      }
+    if (which == ReturnPuts::gate_grads) continue;
+    for (const std::int64_t i : ex.placement().instances_of(rank)) {
+      const std::int64_t m = ex.last_tokens(s, i), within = ex.sub_list_offset(s, i);
+      const auto [event, count] = waits(own.slot_done + ex.instance_slot(i));
+      for (std::int64_t r = 0; r < m; r += TR)
+        emit(TaskSpec{.kind = forward ? TaskKind::combine_rank_put : TaskKind::grad_combine_rank_put,
+                      .src = forward ? BufferId::y : BufferId::dxe, .dst = forward ? BufferId::comb_rank : BufferId::dcomb_rank,
+                      .expert = ex.placement().instance_expert(i), .peer = s, .row_begin = list + within + r,
+                      .rows = std::min(TR, m - r), .col_begin = 0, .cols = c.hidden, .src_row = block + within + r,
+                      .wait_event = event, .wait_count = count,
+                      .trigger_event = forward ? source_events.comb_done : source_events.dx_ready});
+    }
+  }
+}
+
+}  // namespace hpmoe::taskflow

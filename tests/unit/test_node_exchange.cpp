@@ -1,0 +1,299 @@
+// The per-node exchange (LayerConfig::ranks_per_node under exchange rank):
+// a token crosses to another node once, to the rank there with its own
+// local index, which forwards each rank's block from that one copy. The
+// layout (node blocks and routes), the config field, the programs (proved
+// whole and per rank, fewer bytes across nodes), the mutation corpus of the
+// new kinds, and the runtime: bit for bit the per-rank exchange's results
+// (the same bytes land in the same places), serialized = interleaved, and
+// the fp64 oracle's checks.
+#include <gtest/gtest.h>
+
+#include <set>
+
+#include "bit_identity.hpp"
+#include "oracle_checks.hpp"
+#include "compiler/layout.hpp"
+#include <nlohmann/json.hpp>
+#include "hpmoe/error.hpp"
+#include "hpmoe/reference.hpp"
+#include "runtime/interleaved.hpp"
+#include "exchange_cases.hpp"
+
+using namespace hpmoe;
+using namespace hpmoe::testing;
+using hpmoe::testing::bit_identical;
+
+namespace {
+
+LayerConfig node_layer(std::int64_t ranks, std::int64_t per_node, std::int64_t tokens) {
+  LayerConfig c = small(ranks, tokens);
+  c.hidden = 256;  // two fp8 scale blocks
+  c.routed_experts = 16;
+  c.top_k = 4;
+  c.exchange = ExchangeMode::rank;
+  c.ranks_per_node = per_node;
+  c.validate();
+  return c;
+}
+
+// Four ranks: expert 0 split over ranks 0 and 2 (two nodes), expert 5
+// replicated on ranks 1 and 3.
+ExpertPlacement split_and_replicated(const LayerConfig& c) {
+  const nlohmann::json j{{"experts_of_rank", {{0, 1, 2, 3, 4}, {5, 6, 7, 8}, {0, 9, 10, 11}, {5, 12, 13, 14, 15}}},
+                         {"replicas", true},
+                         {"splits", {{{"expert", 0}, {"columns", {0, 48, 96}}}}}};
+  return placement_from_json(j, c.routed_experts, c.ranks, "test placement");
+}
+
+bool carries_tokens(TaskKind k) {
+  return k == TaskKind::dispatch_token_put || k == TaskKind::dispatch_node_put || k == TaskKind::dispatch_forward ||
+         k == TaskKind::grad_dispatch_token_put || k == TaskKind::grad_dispatch_node_put || k == TaskKind::grad_dispatch_forward;
+}
+
+// Bytes of token rows the programs put to ranks of other nodes.
+double cross_node_token_bytes(const std::vector<Program>& set, std::int64_t per_node) {
+  double bytes = 0;
+  for (const auto& p : set)
+    for (const auto& t : p.tasks)
+      if (carries_tokens(t.kind) && t.peer / per_node != p.rank / per_node) bytes += AccessTable::standard().work(p, t).bytes;
+  return bytes;
+}
+
+}  // namespace
+
+TEST(NodeExchange, ConfigFieldMustDivideTheRanks) {
+  LayerConfig c = preset("tiny");
+  c.ranks = 4;
+  c.exchange = ExchangeMode::rank;
+  c.set("ranks_per_node", "2");
+  EXPECT_TRUE(c.forwards());
+  EXPECT_EQ(c.nodes(), 2);
+  EXPECT_EQ(to_json(c).at("ranks_per_node"), 2);
+  EXPECT_EQ(config_from_json(to_json(c)).ranks_per_node, 2);
+  for (const char* bad : {"3", "5", "-1"}) {
+    c.set("ranks_per_node", bad);
+    try {
+      c.validate();
+      FAIL() << "accepted ranks_per_node=" << bad << " for 4 ranks";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("ranks_per_node"), std::string::npos) << e.what();
+    }
+  }
+  c.set("ranks_per_node", "4");  // one node: nothing to forward
+  EXPECT_FALSE(c.forwards());
+  c.set("ranks_per_node", "2");
+  c.set("node_forwarding", "false");
+  EXPECT_FALSE(c.forwards()) << "asked not to";
+  c.set("node_forwarding", "true");
+  c.exchange = ExchangeMode::assignment;
+  EXPECT_FALSE(c.forwards()) << "the per-assignment exchange sends rows, not tokens";
+}
+
+TEST(NodeExchange, EachTokenCrossesOnceToEachNodeAndItsRoutesPointAtIt) {
+  const LayerConfig c = node_layer(4, 2, 90);
+  for (const auto& placement : {contiguous(c), split_and_replicated(c)}) {
+    const auto r = routing_of(c, "zipf:1.2");
+    const auto counts = routing_counts(c, r);
+    taskflow::Exchange ex(c, placement, counts, 32);
+    const auto tokens = rank_token_counts(c, placement, counts, r, 32);
+    ex.set_rank_tokens(tokens, c.tokens_per_rank);
+    const std::vector<int> all{0, 1, 2, 3};
+    const auto slot = send_slots(c, ex, r, all);
+    const std::int64_t n = c.tokens_per_rank * c.top_k;
+    for (std::int64_t s = 0; s < c.ranks; ++s) {
+      const auto routes = taskflow::rank_routes(c, ex, s, std::span(slot).subspan(static_cast<std::size_t>(s * n), static_cast<std::size_t>(n)),
+                                                std::span(r.expert).subspan(static_cast<std::size_t>(s * n), static_cast<std::size_t>(n)));
+      for (std::int64_t b = 0; b < ex.nodes(); ++b) {
+        const std::int64_t begin = ex.node_send_offset(s, b), rows = ex.node_tokens(s, b);
+        if (b == ex.node_of(s)) {
+          EXPECT_EQ(rows, 0) << "a source's own node takes its tokens straight";
+          continue;
+        }
+        const std::set<std::int32_t> block(routes.node_tokens.begin() + begin, routes.node_tokens.begin() + begin + rows);
+        EXPECT_EQ(static_cast<std::int64_t>(block.size()), rows) << "a token twice in one node block";
+        std::set<std::int32_t> needed;
+        for (std::int64_t d = b * 2; d < b * 2 + 2; ++d)
+          for (std::int64_t row = ex.token_send_offset(s, d); row < ex.token_send_offset(s, d + 1); ++row) {
+            const std::int32_t at = routes.node_index[static_cast<std::size_t>(row)];
+            ASSERT_GE(at, 0);
+            ASSERT_LT(at, rows);
+            EXPECT_EQ(routes.node_tokens[static_cast<std::size_t>(begin + at)], routes.tokens[static_cast<std::size_t>(row)])
+                << "rank " << d << "'s row " << row << " forwarded from another token's node row";
+            needed.insert(routes.tokens[static_cast<std::size_t>(row)]);
+          }
+        EXPECT_EQ(block, needed) << "node " << b << "'s block holds exactly the tokens its ranks need";
+      }
+    }
+    // Forwarders' blocks do not overlap and cover what their sources send.
+    for (std::int64_t f = 0; f < c.ranks; ++f) {
+      std::int64_t rows = 0;
+      for (std::int64_t s = 0; s < c.ranks; ++s)
+        if (ex.forwards_through(s, f)) {
+          EXPECT_EQ(ex.node_start(s, ex.node_of(f)), rows);
+          rows += ex.node_tokens(s, ex.node_of(f));
+        }
+      EXPECT_EQ(ex.node_recv_rows(f), rows);
+    }
+    auto wrong = tokens;
+    const std::size_t first_node_count = tokens.size() - static_cast<std::size_t>(c.ranks * ex.nodes());
+    wrong[first_node_count + 1] += c.tokens_per_rank;  // rank 0 claims more tokens for node 1 than it has
+    EXPECT_THROW(ex.set_rank_tokens(wrong, c.tokens_per_rank), Error);
+    wrong = tokens;
+    wrong[first_node_count] = 1;  // rank 0 claims tokens for its own node
+    EXPECT_THROW(ex.set_rank_tokens(wrong, c.tokens_per_rank), Error);
+    wrong.resize(first_node_count);  // without the node counts
+    EXPECT_THROW(ex.set_rank_tokens(wrong, c.tokens_per_rank), Error);
+  }
+}
+
+TEST(NodeExchange, ProgramsAreProvedWholeAndPerRankAndCrossNodesLess) {
+  const LayerConfig c = node_layer(4, 2, 90);
+  LayerConfig by_rank = c;
+  by_rank.node_forwarding = false;
+  const Machine m = parse_machine("cpu:2:32x64");
+  for (const auto& placement : {contiguous(c), split_and_replicated(c)}) {
+    const auto counts = rank_counts(c, placement, "uniform", m.tile_rows);
+    const auto direct_counts = rank_counts(by_rank, placement, "uniform", m.tile_rows);
+    for (const Pass pass : {Pass::forward, Pass::backward}) {
+      const auto programs = compile_checked(c, placement, counts, m, pass, Policy::critical_path);
+      const auto direct = compile(by_rank, placement, direct_counts, m, pass, Policy::critical_path);
+      // Top-4 of 16 on 4 ranks of 4 experts, 2 per node: a token reaches
+      // each rank of the other node with probability 1 - C(12,4)/C(16,4)
+      // = 0.73 (1.46 rows), that node with 1 - C(8,4)/C(16,4) = 0.96: about
+      // 0.66 of the bytes cross.
+      const double ratio = cross_node_token_bytes(programs, 2) / cross_node_token_bytes(direct, 2);
+      EXPECT_LT(ratio, 0.75) << (pass == Pass::forward ? "forward" : "backward");
+      EXPECT_GT(ratio, 0.55) << (pass == Pass::forward ? "forward" : "backward");
+    }
+  }
+}
+
+TEST(NodeExchange, MutationsOfTheForwardingAreRejected) {
+  const LayerConfig c = node_layer(4, 2, 100);
+  const Machine m = parse_machine("cpu:2:32x64");
+  const auto placement = contiguous(c);
+  const auto counts = rank_counts(c, placement, "uniform", m.tile_rows);
+  const auto forward = compile(c, placement, counts, m, Pass::forward, Policy::critical_path);
+  expect_ok(forward);
+  const auto backward = compile(c, placement, counts, m, Pass::backward, Policy::critical_path);
+  expect_ok(backward);
+  const auto rejected = [&](const std::vector<Program>& programs, const char* what) {
+    expect_rejected(programs, c, placement, counts, m, what);
+  };
+  const auto remote = remote_task;
+  {
+    auto programs = forward;
+    remote(programs[0], TaskKind::dispatch_forward).row_begin += 1;
+    rejected(programs, "a forwarded piece one row down: a row sent twice, another not at all");
+  }
+  {
+    auto programs = forward;
+    remote(programs[1], TaskKind::dispatch_forward).rows -= 1;
+    rejected(programs, "a forwarded piece one row short: a block row the gathers read is never written");
+  }
+  {
+    auto programs = forward;
+    auto& p = programs[0];
+    const auto i = static_cast<std::size_t>(first_task(p, TaskKind::dispatch_forward));
+    p.tasks.push_back(p.tasks[i]);  // the same piece forwarded twice
+    p.cost.push_back(p.cost[i]);
+    p.queue_tasks.push_back(static_cast<std::int32_t>(p.tasks.size() - 1));
+    p.queue_begin.back() += 1;
+    rejected(programs, "a forwarded piece sent twice");
+  }
+  {
+    auto programs = forward;
+    auto& t = remote(programs[2], TaskKind::dispatch_forward);
+    t.wait_event = -1, t.wait_count = 0;
+    rejected(programs, "a forward that does not wait: it reads the node block before it lands");
+  }
+  {
+    auto programs = forward;
+    remote(programs[1], TaskKind::dispatch_node_put).rows -= 1;
+    rejected(programs, "a node piece one row short: the forwarder sends a row that never came");
+  }
+  {
+    auto programs = forward;
+    remote(programs[3], TaskKind::dispatch_node_route_put).rows -= 1;
+    rejected(programs, "node routes one row short: a row is forwarded through an unwritten route");
+  }
+  {
+    auto programs = forward;
+    remote(programs[0], TaskKind::dispatch_node_put).trigger_event += 1;
+    rejected(programs, "a node piece that counts towards another source's node block");
+  }
+  {
+    // Rank 0 forwards rank 2's tokens; its own node put waits for them: a
+    // level-0 put after a remote-fed level-0 event (and, with rank 2 doing
+    // the same, a cycle).
+    auto programs = forward;
+    for (const int r : {0, 2}) {
+      auto& p = programs[static_cast<std::size_t>(r)];
+      const Task fwd = p.tasks[static_cast<std::size_t>(first_task(p, TaskKind::dispatch_forward))];
+      auto& t = remote(p, TaskKind::dispatch_node_put);
+      t.wait_event = fwd.wait_event;
+      t.wait_count = fwd.wait_count;
+    }
+    rejected(programs, "a node put that waits for the node blocks it forwards: a level violation through the forwarder");
+  }
+  {
+    auto programs = backward;
+    remote(programs[1], TaskKind::grad_dispatch_forward).row_begin += 1;
+    rejected(programs, "the backward's forwarded dy piece one row down");
+  }
+  {
+    auto programs = backward;
+    remote(programs[0], TaskKind::grad_dispatch_node_put).rows -= 1;
+    rejected(programs, "the backward's node piece one row short");
+  }
+}
+
+// The per-rank exchange's results bit for bit: the forwarder copies the
+// bytes the source would have sent into the same rows, and the events
+// count as many pieces.
+class NodeExchangeExecution : public ::testing::TestWithParam<std::tuple<DType, DispatchDType, std::string, bool>> {};
+
+TEST_P(NodeExchangeExecution, IsTheRankExchangeBitForBitAndMatchesTheOracle) {
+  const auto [dtype, dispatch, routing, placed] = GetParam();
+  LayerConfig c = node_layer(4, 2, 37);
+  c.dtype = dtype;
+  c.dispatch_dtype = dispatch;
+  c.validate();
+  LayerConfig by_rank = c;
+  by_rank.node_forwarding = false;
+  const auto w = random_weights(c, 71);
+  const auto in = random_inputs(c, 71);
+  const auto forced = forced_selection(c, parse_routing_spec(routing, 5));
+  const ExpertPlacement placement = placed ? split_and_replicated(c) : contiguous(c);
+  const RuntimeOptions serial_opt = serialized_schedule(RuntimeOptions{.workers_per_rank = 2, .backward = true, .pin = false, .placement = placement});
+  const RuntimeOptions inter_opt{.workers_per_rank = 2, .backward = true, .policy = taskflow::Policy::ratr, .pin = false, .placement = placement};
+  InterleavedExecutor serial(c, w, serial_opt), inter(c, w, inter_opt), direct(by_rank, w, inter_opt);
+  StepResult a, b, d;
+  serial.step(in, forced, a);
+  inter.step(in, forced, b);
+  direct.step(in, forced, d);
+  EXPECT_TRUE(bit_identical(a.out, b.out));
+  EXPECT_TRUE(bit_identical(a.grads, b.grads));
+  EXPECT_TRUE(bit_identical(d.out, b.out)) << "forwarded = sent straight";
+  EXPECT_TRUE(bit_identical(d.grads, b.grads)) << "forwarded = sent straight";
+  const auto ref = reference_layer(c, w, in, oracle_options_of(b));
+  for (const auto& cmp : checks_against(ref, b, dtype, 4)) EXPECT_TRUE(cmp.pass) << cmp.tensor << ": rel L2 " << cmp.rel_l2;
+  EXPECT_GT(b.forward_cross_node_bytes, 0);
+  EXPECT_LT(b.forward_cross_node_bytes, d.forward_cross_node_bytes);
+  EXPECT_LT(b.backward_cross_node_bytes, d.backward_cross_node_bytes);
+  inter.step(in, forced, b);
+  EXPECT_TRUE(bit_identical(a.out, b.out)) << "second step";
+  EXPECT_TRUE(bit_identical(a.grads, b.grads)) << "second step";
+}
+
+std::string node_case_name(const ::testing::TestParamInfo<NodeExchangeExecution::ParamType>& info) {
+  const auto& [dtype, dispatch, routing, placed] = info.param;
+  return to_string(dtype) + "_" + to_string(dispatch) + "_" + routing.substr(0, routing.find(':')) + (placed ? "_split_replicated" : "");
+}
+
+INSTANTIATE_TEST_SUITE_P(All, NodeExchangeExecution,
+                         ::testing::Values(std::tuple{DType::fp32, DispatchDType::layer, std::string("zipf:1.2"), false},
+                                           std::tuple{DType::fp32, DispatchDType::fp8, std::string("uniform"), true},
+                                           std::tuple{DType::bf16, DispatchDType::layer, std::string("hot:0.2"), true},
+                                           std::tuple{DType::bf16, DispatchDType::fp8, std::string("zipf:1.2"), false}),
+                         node_case_name);
