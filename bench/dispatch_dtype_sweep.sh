@@ -8,7 +8,10 @@
 # no decode; the fused schedule pays its decode tasks. Cross-node MB: bytes
 # leaving the nodes in the forward pass, all ranks. The last row of each EP
 # sends fp8 under the per-rank exchange (--exchange rank: a token once per
-# destination rank, gathered there; one row per token and rank back).
+# destination rank, gathered there; one row per token and rank back),
+# first straight to every rank (node_forwarding=false), then once per
+# destination node, forwarded there by the rank with the source's local
+# index (the machine's ranks per node).
 #   bench/dispatch_dtype_sweep.sh [build/hpmoe] [machine]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,11 +26,15 @@ echo
 echo "| EP | exchange, dispatch | serialized ms | DeepEP-style ms | fused ms, critical-path | fused ms, ratr | best fused vs serialized | best fused vs DeepEP-style | fwd cross-node MB fused / DeepEP-style |"
 echo "|---|---|---|---|---|---|---|---|---|"
 for P in 8 16 32 64; do
-  for xd in assignment/layer assignment/fp8 rank/fp8; do
-    x=${xd%/*} d=${xd#*/}
-    "$hpmoe" simulate --machine "$machine" $layer -P "$P" --exchange "$x" --dispatch-dtype "$d" --backward --schedule ratr --json "$tmp/r.json" > /dev/null
-    "$hpmoe" simulate --machine "$machine" $layer -P "$P" --exchange "$x" --dispatch-dtype "$d" --backward --schedule critical-path --json "$tmp/c.json" > /dev/null
-    python3 - "$tmp/r.json" "$tmp/c.json" "$P" "$x, $d" <<'PY'
+  for xd in assignment/layer assignment/fp8 rank/fp8 node/fp8; do
+    x=${xd%/*} d=${xd#*/} fw=false
+    [ "$x" = node ] && x=rank fw=true
+    label="$x, $d"; [ "$x" = rank ] && label="$x ($([ $fw = true ] && echo "once per node" || echo "straight")), $d"
+    for s in ratr critical-path; do
+      "$hpmoe" simulate --machine "$machine" $layer -P "$P" --exchange "$x" --set node_forwarding=$fw --dispatch-dtype "$d" --backward \
+        --schedule $s --json "$tmp/$s.json" > /dev/null
+    done
+    python3 - "$tmp/ratr.json" "$tmp/critical-path.json" "$P" "$label" <<'PY'
 import json, sys
 r, c, P, d = json.load(open(sys.argv[1])), json.load(open(sys.argv[2])), sys.argv[3], sys.argv[4]
 tot = lambda j, k: (j["forward"][k] + j["backward"][k]) * 1e3

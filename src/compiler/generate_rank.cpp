@@ -44,6 +44,13 @@ void rank_puts_to_experts(const LayerConfig& c, const Exchange& ex, std::int64_t
   for (std::int64_t d = 0; d < ex.ranks(); ++d) {
     if (ex.rank_tokens(rank, d) == 0 || (only_peer >= 0 && d != only_peer)) continue;
     const std::int64_t L = ex.placement().local_count(d), tok = event_bases(c, ex, pass, d).tok + rank * L;
+    // The combine list of the block first (it is small, and counted with
+    // the first sub-block: sent after the block, it would hold slot 0's
+    // gathers back until the whole block had arrived).
+    if (forward)
+      emit(TaskSpec{.kind = TaskKind::combine_route_put, .src = BufferId::rank_comb, .dst = BufferId::recv_comb, .peer = d,
+                    .row_begin = ex.token_start(rank, d), .rows = ex.rank_tokens(rank, d), .col_begin = 0,
+                    .cols = 2 * c.top_k + 1, .src_row = ex.token_send_offset(rank, d), .trigger_event = tok});
     for (const std::int64_t i : ex.placement().instances_of(d)) {
       const std::int64_t n = ex.first_tokens(rank, i), within = ex.sub_block_offset(rank, i);
       const std::int64_t slot_event = tok + ex.instance_slot(i);
@@ -59,11 +66,6 @@ void rank_puts_to_experts(const LayerConfig& c, const Exchange& ex, std::int64_t
                       .row_begin = ex.expert_start(i) + ex.source_offset(rank, i), .rows = ex.count(rank, i),
                       .col_begin = 0, .cols = 2, .src_row = ex.send_offset(rank, i), .trigger_event = slot_event});
     }
-    if (!forward) continue;
-    // The combine list of the block, counted with its first sub-block.
-    emit(TaskSpec{.kind = TaskKind::combine_route_put, .src = BufferId::rank_comb, .dst = BufferId::recv_comb, .peer = d,
-                  .row_begin = ex.token_start(rank, d), .rows = ex.rank_tokens(rank, d), .col_begin = 0,
-                  .cols = 2 * c.top_k + 1, .src_row = ex.token_send_offset(rank, d), .trigger_event = tok});
   }
   if (!ex.forwards()) return;
   // Each other node's block once, to its forwarder, in pieces of a tile's

@@ -77,7 +77,9 @@ Exchange::Exchange(const LayerConfig& c, const ExpertPlacement& placement, const
     std::int64_t j = 0;
     for (const std::int64_t i : placement_.instances_of(d)) instance_slot_[static_cast<std::size_t>(i)] = j++;
   }
-  if (!counts.token_counts.empty()) set_rank_tokens(counts.token_counts, c.tokens_per_rank);
+  // Token counts serve the per-rank exchange only (a baseline built from
+  // the same counts under the per-assignment exchange ignores them).
+  if (!counts.token_counts.empty() && c.exchange == ExchangeMode::rank) set_rank_tokens(counts.token_counts, c.tokens_per_rank);
 }
 
 void Exchange::set_rank_tokens(std::vector<std::int64_t> first, std::int64_t tokens_per_rank) {

@@ -120,8 +120,13 @@ SimReport simulate(const MachineModel& m, const SimRequest& req) {
       auto work = task_work(set);
       if (req.kernel_scope)
         for (std::size_t r = 0; r < set.size(); ++r)
-          for (std::size_t i = 0; i < set[r].tasks.size(); ++i)
+          for (std::size_t i = 0; i < set[r].tasks.size(); ++i) {
             if (outside_kernel_scope(set[r].tasks[i].kind)) work[r][i].timed = false;
+            // The per-rank combine computes the gate gradients where the
+            // expert rows live and puts K values per token: the products are
+            // gate_grad's work, outside the scope as there; the put is inside.
+            if (set[r].tasks[i].kind == taskflow::TaskKind::gate_grad_put) work[r][i].local_bytes = 0;
+          }
       return work;
     };
     const auto work = work_of(programs);
