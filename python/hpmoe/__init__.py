@@ -123,16 +123,23 @@ class MoELayer(nn.Module):
     exchange: how tokens travel to their experts (hpmoe run --exchange): None keeps the config's
     ("assignment": a row per token and expert), "rank" (each token once per rank that holds one of its
     experts, the experts' rows gathered there). Same results as "assignment" in fp32; fewer bytes.
+    ranks_per_node: with exchange="rank", the ranks in each node (must divide ranks): a token crosses to
+    another node once, to the rank there with its own local index, which forwards it inside the node.
+    Bit for bit the results without it. None keeps the config's (one node).
     """
 
     def __init__(self, config, ranks=1, workers=1, executor="interleaved", schedule="critical-path",
-                 dispatch_dtype=None, exchange=None):
+                 dispatch_dtype=None, exchange=None, ranks_per_node=None):
         super().__init__()
         cfg = dict(preset(config) if isinstance(config, str) else config)
         if dispatch_dtype is not None:
             cfg["dispatch_dtype"] = dispatch_dtype
         if exchange is not None:
             cfg["exchange"] = exchange
+        if ranks_per_node is not None:
+            if not isinstance(ranks_per_node, int) or isinstance(ranks_per_node, bool):
+                raise ValueError(f"ranks_per_node must be an integer, got {ranks_per_node!r}")
+            cfg["ranks_per_node"] = ranks_per_node
         if not isinstance(ranks, int) or ranks < 1:
             raise ValueError(f"ranks must be a positive integer, got {ranks!r}")
         cfg["ranks"] = ranks

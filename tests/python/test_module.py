@@ -203,6 +203,24 @@ def test_rank_exchange_matches_the_assignment_exchange_and_its_serialized_run():
         hpmoe.MoELayer(small(), exchange="node")
 
 
+def test_node_exchange_is_the_rank_exchange_bit_for_bit():
+    """ranks_per_node forwards each token inside its destination node from one copy sent across: the same bytes
+    land in the same rows, so outputs and every gradient are bit-identical to exchange="rank" alone; a
+    ranks_per_node that does not divide the ranks is a ValueError."""
+    torch.manual_seed(8)
+    cfg = small(top_k=3, shared_experts=1)
+    a = hpmoe.MoELayer(cfg, ranks=4, workers=1, exchange="rank", ranks_per_node=2)
+    b = hpmoe.MoELayer(cfg, ranks=4, workers=1, exchange="rank")
+    assert a.config["ranks_per_node"] == 2
+    b.load_state_dict(a.state_dict())
+    x, d_out = torch.randn(64, 48), torch.randn(64, 48)
+    ra, rb = run(a, x, d_out), run(b, x, d_out)
+    assert torch.equal(ra[0], rb[0]) and torch.equal(ra[1], rb[1])
+    assert all(torch.equal(ra[2][n], rb[2][n]) for n in ra[2])
+    with pytest.raises(ValueError, match="ranks_per_node"):
+        hpmoe.MoELayer(cfg, ranks=4, exchange="rank", ranks_per_node=3)
+
+
 def test_executors_bit_identical():
     torch.manual_seed(1)
     cfg = small(shared_experts=1)
