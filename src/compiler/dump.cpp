@@ -99,7 +99,9 @@ nlohmann::json to_json(const Program& p) {
     buffers.push_back({{"id", name(b.id)}, {"rows", b.rows}, {"cols", b.cols}, {"elem_bytes", b.elem_bytes},
                        {"offset_bytes", b.offset_bytes}, {"region", name(b.region)}, {"layout", name(b.layout)}});
   auto& events = j["events"] = nlohmann::json::array();
-  for (const auto& e : p.events) events.push_back({e.required, name(e.consumer), e.expert, e.tile});
+  // An event no task counts (a source that sends this rank nothing) has no consumer: "none".
+  for (const auto& e : p.events)
+    events.push_back({e.required, e.consumer == TaskKind::count ? "none" : name(e.consumer), e.expert, e.tile});
   j["task_fields"] = {"kind", "src", "dst", "expert", "peer", "row_begin", "rows", "col_begin", "cols", "src_row",
                       "wait_event", "wait_count", "trigger_event", "cost_s"};
   auto& tasks = j["tasks"] = nlohmann::json::array();
@@ -214,9 +216,10 @@ Program program_from_json(const nlohmann::json& j) {
       if (!j.contains(key)) continue;
       auto& v = p.*field;
       v = j.at(key).get<std::vector<std::int64_t>>();
-      if (v.size() != static_cast<std::size_t>(p.ranks) + 1 || v.front() != 0 || !std::is_sorted(v.begin(), v.end()) ||
-          v.back() > (std::int64_t{1} << 40))
-        throw Error(std::string("program dump: ") + key + " must be ranks + 1 increasing rows from 0");
+      // node_begin: ranks x node slots + 1; node_route_begin: ranks x node ranks x node slots + 1.
+      if (v.empty() || (v.size() - 1) % static_cast<std::size_t>(p.ranks) != 0 || v.size() > (std::size_t{1} << 24) ||
+          v.front() != 0 || !std::is_sorted(v.begin(), v.end()) || v.back() > (std::int64_t{1} << 40))
+        throw Error(std::string("program dump: ") + key + " must be a multiple of ranks + 1 increasing rows from 0");
     }
     if (p.node_begin.empty() != p.node_route_begin.empty())
       throw Error("program dump: node_begin and node_route_begin come together (the per-node exchange)");
@@ -249,7 +252,9 @@ Program program_from_json(const nlohmann::json& j) {
                                        enum_from<Layout>(2, b.at("layout").get<std::string>(), "layout")});
     for (const auto& e : j.at("events")) {
       if (!e.is_array() || e.size() != 4) throw Error("program dump: an event must be [required, consumer, expert, tile]");
-      p.events.push_back(Event{e[0].get<std::int32_t>(), enum_from<TaskKind>(std::size_t(TaskKind::count), e[1].get<std::string>(), "task kind"),
+      const std::string consumer = e[1].get<std::string>();
+      p.events.push_back(Event{e[0].get<std::int32_t>(),
+                               consumer == "none" ? TaskKind::count : enum_from<TaskKind>(std::size_t(TaskKind::count), consumer, "task kind"),
                                e[2].get<std::int32_t>(), e[3].get<std::int32_t>()});
       if (p.events.back().required < 0) throw Error("program dump: negative required count");
     }

@@ -199,7 +199,7 @@ bool staged_in(const LayerConfig& c, Pass pass) {
 EventBases event_bases(const LayerConfig& c, const Exchange& ex, Pass pass, std::int64_t rank) {
   return EventBases(pass, ex.row_tiles(rank), ex.placement().local_count(rank), ceil_div(c.tokens_per_rank, ex.tile_rows()),
                     staged_in(c, pass), c.exchange == ExchangeMode::rank ? c.ranks * ex.placement().local_count(rank) : 0,
-                    c.exchange == ExchangeMode::rank, c.forwards() ? c.ranks : 0);
+                    c.exchange == ExchangeMode::rank, ex.forwards() ? c.ranks * ex.node_slots() : 0);
 }
 
 namespace {
@@ -324,14 +324,21 @@ void program_header(Program& p, const LayerConfig& c, const Exchange& ex, const 
   p.node_begin.clear();
   p.node_route_begin.clear();
   if (ex.forwards() && ex.has_rank_tokens()) {  // the node blocks of the sources forwarding through this rank
-    const std::int64_t b = ex.node_of(rank);
+    const std::int64_t b = ex.node_of(rank), S = ex.node_slots(), R = c.ranks / ex.nodes();
     std::int64_t rows = 0, routes = 0;
     for (std::int64_t s = 0; s < c.ranks; ++s) {
-      p.node_begin.push_back(rows);
-      p.node_route_begin.push_back(routes);
-      if (!ex.forwards_through(s, rank)) continue;
-      rows += ex.node_tokens(s, b);
-      routes += ex.node_route_rows(s, b);
+      const bool through = ex.forwards_through(s, rank);
+      for (std::int64_t j = 0; j < S; ++j) {
+        p.node_begin.push_back(rows);
+        if (through) rows += ex.node_first(s, b, j);
+      }
+      for (std::int64_t d = b * R; d < (b + 1) * R; ++d) {
+        const auto homes = placement.instances_of(d);
+        for (std::int64_t j = 0; j < S; ++j) {
+          p.node_route_begin.push_back(routes);
+          if (through && j < static_cast<std::int64_t>(homes.size())) routes += ex.first_tokens(s, homes[static_cast<std::size_t>(j)]);
+        }
+      }
     }
     p.node_begin.push_back(rows);
     p.node_route_begin.push_back(routes);

@@ -68,58 +68,77 @@ void rank_puts_to_experts(const LayerConfig& c, const Exchange& ex, std::int64_t
     }
   }
   if (!ex.forwards()) return;
-  // Each other node's block once, to its forwarder, in pieces of a tile's
-  // rows; forward also its routes. All count towards the forwarder's
-  // `node` event of this source.
+  // Each other node's block once, to its forwarder, sub-block by sub-block
+  // in pieces of a tile's rows (each counting towards the forwarder's
+  // `node` event of this source and sub-block); forward also its routes,
+  // counted with sub-block 0.
+  const std::int64_t S = ex.node_slots();
   for (std::int64_t b = 0; b < ex.nodes(); ++b) {
-    const std::int64_t n = ex.node_tokens(rank, b), f = ex.forwarder(rank, b);
-    if (n == 0 || (only_peer >= 0 && f != only_peer)) continue;
-    const std::int64_t node_event = event_bases(c, ex, pass, f).node + rank;
-    for (std::int64_t r = 0; r < n; r += TR)
-      emit(TaskSpec{.kind = forward ? TaskKind::dispatch_node_put : TaskKind::grad_dispatch_node_put,
-                    .src = forward ? BufferId::x : BufferId::dout, .dst = forward ? BufferId::node_tok : BufferId::node_dy,
-                    .peer = f, .row_begin = ex.node_start(rank, b) + r, .rows = std::min(TR, n - r), .col_begin = 0,
-                    .cols = cols, .src_row = ex.node_send_offset(rank, b) + r, .trigger_event = node_event});
+    const std::int64_t f = ex.forwarder(rank, b);
+    if (ex.node_tokens(rank, b) == 0 || (only_peer >= 0 && f != only_peer)) continue;
+    const std::int64_t node_event = event_bases(c, ex, pass, f).node + rank * S;
     if (forward)
       emit(TaskSpec{.kind = TaskKind::dispatch_node_route_put, .src = BufferId::node_index, .dst = BufferId::node_route,
                     .peer = f, .row_begin = ex.node_route_start(rank, b), .rows = ex.node_route_rows(rank, b), .col_begin = 0,
                     .cols = 1, .src_row = ex.token_send_offset(rank, b * (ex.ranks() / ex.nodes())),
                     .trigger_event = node_event});
+    for (std::int64_t j = 0; j < S; ++j) {
+      const std::int64_t n = ex.node_first(rank, b, j), within = ex.node_sub_offset(rank, b, j);
+      for (std::int64_t r = 0; r < n; r += TR)
+        emit(TaskSpec{.kind = forward ? TaskKind::dispatch_node_put : TaskKind::grad_dispatch_node_put,
+                      .src = forward ? BufferId::x : BufferId::dout, .dst = forward ? BufferId::node_tok : BufferId::node_dy,
+                      .peer = f, .row_begin = ex.node_start(rank, b) + within + r, .rows = std::min(TR, n - r), .col_begin = 0,
+                      .cols = cols, .src_row = ex.node_send_offset(rank, b) + within + r, .trigger_event = node_event + j});
+    }
   }
 }
 
 void node_events(const LayerConfig& c, const Exchange& ex, std::int64_t TR, Pass pass, std::int64_t rank,
                  const std::function<void(std::int64_t, std::int64_t)>& event) {
+  // Source s's sub-block j, (forward) with sub-block 0 its routes, and
+  // from j > 0 the relay from j - 1: complete once sub-blocks 0..j are in.
   const EventBases ev = event_bases(c, ex, pass, rank);
-  const std::int64_t b = ex.node_of(rank);
+  const std::int64_t b = ex.node_of(rank), S = ex.node_slots();
   for (std::int64_t s = 0; s < ex.ranks(); ++s)
     if (ex.forwards_through(s, rank) && ex.node_tokens(s, b) > 0)
-      event(ev.node + s, ceil_div(ex.node_tokens(s, b), TR) + (pass == Pass::forward ? 1 : 0));
+      for (std::int64_t j = 0; j < S; ++j)
+        event(ev.node + s * S + j, ceil_div(ex.node_first(s, b, j), TR) + (pass == Pass::forward && j == 0) + (j > 0));
 }
 
 void node_forwards(const LayerConfig& c, const Exchange& ex, std::int64_t TR, Pass pass, std::int64_t rank, std::int64_t only_peer,
                    bool with_waits, const RequiredOf& required, const Emit& emit) {
   // Each source's rows for each rank of this node, piece by piece as its
-  // own put would have sent them, once its node block has arrived.
+  // own put would have sent them: a rank's sub-block j once the source's
+  // node sub-blocks 0..j have arrived (relays chain them; a token's node
+  // slot is at most its slot on any rank of the node).
   if (!ex.forwards()) return;
   const bool forward = pass == Pass::forward;
-  const std::int64_t b = ex.node_of(rank), R = ex.ranks() / ex.nodes(), cols = token_cols(c, pass);
+  const std::int64_t b = ex.node_of(rank), R = ex.ranks() / ex.nodes(), S = ex.node_slots(), cols = token_cols(c, pass);
   const EventBases own = event_bases(c, ex, pass, rank);
   for (std::int64_t s = 0; s < ex.ranks(); ++s) {
     if (!ex.forwards_through(s, rank) || ex.node_tokens(s, b) == 0) continue;
-    const std::int64_t node_event = own.node + s;
-    for (std::int64_t d = b * R; d < (b + 1) * R; ++d) {
-      if (ex.rank_tokens(s, d) == 0 || (only_peer >= 0 && d != only_peer)) continue;
-      // d's rows in s's routes for this node, which follow s's token list.
-      const std::int64_t routes = ex.node_route_start(s, b) + ex.token_send_offset(s, d) - ex.token_send_offset(s, b * R);
-      block_pieces(c, ex, TR, pass, s, d, [&](std::int64_t i, std::int64_t at, std::int64_t rows, std::int64_t event) {
-        emit(TaskSpec{.kind = forward ? TaskKind::dispatch_forward : TaskKind::grad_dispatch_forward,
-                      .src = forward ? BufferId::node_tok : BufferId::node_dy, .dst = forward ? BufferId::recv_tok : BufferId::dy_tok,
-                      .expert = ex.placement().instance_expert(i), .peer = d, .row_begin = ex.token_start(s, d) + at,
-                      .rows = rows, .col_begin = 0, .cols = cols, .src_row = routes + at,
-                      .wait_event = with_waits ? node_event : -1, .wait_count = with_waits ? required(node_event) : 0,
-                      .trigger_event = event});
-      });
+    const std::int64_t node_event = own.node + s * S;
+    for (std::int64_t j = 0; j < S; ++j) {
+      if (j > 0 && only_peer < 0)
+        emit(TaskSpec{.kind = forward ? TaskKind::dispatch_node_relay : TaskKind::grad_dispatch_node_relay, .src_row = s,
+                      .wait_event = with_waits ? node_event + j - 1 : -1,
+                      .wait_count = with_waits ? required(node_event + j - 1) : 0, .trigger_event = node_event + j});
+      for (std::int64_t d = b * R; d < (b + 1) * R; ++d) {
+        if (ex.rank_tokens(s, d) == 0 || (only_peer >= 0 && d != only_peer)) continue;
+        const auto homes = ex.placement().instances_of(d);
+        if (j >= static_cast<std::int64_t>(homes.size())) continue;
+        const std::int64_t i = homes[static_cast<std::size_t>(j)], n = ex.first_tokens(s, i), within = ex.sub_block_offset(s, i);
+        // d's rows in s's routes for this node, which follow s's token list.
+        const std::int64_t routes = ex.node_route_start(s, b) + ex.token_send_offset(s, d) - ex.token_send_offset(s, b * R);
+        const std::int64_t tok = event_bases(c, ex, pass, d).tok + s * ex.placement().local_count(d) + j;
+        for (std::int64_t r = 0; r < n; r += TR)
+          emit(TaskSpec{.kind = forward ? TaskKind::dispatch_forward : TaskKind::grad_dispatch_forward,
+                        .src = forward ? BufferId::node_tok : BufferId::node_dy, .dst = forward ? BufferId::recv_tok : BufferId::dy_tok,
+                        .expert = ex.placement().instance_expert(i), .peer = d, .row_begin = ex.token_start(s, d) + within + r,
+                        .rows = std::min(TR, n - r), .col_begin = 0, .cols = cols, .src_row = routes + within + r,
+                        .wait_event = with_waits ? node_event + j : -1, .wait_count = with_waits ? required(node_event + j) : 0,
+                        .trigger_event = tok});
+      }
     }
   }
 }

@@ -18,6 +18,8 @@ Exchange::Exchange(const LayerConfig& c, const ExpertPlacement& placement, const
       pad_pairs_(c.dtype == DType::bf16),
       node_ranks_(c.node_ranks()),
       forwards_(c.forwards()) {
+  // Node slots: as many as the most instances a rank holds.
+  for (std::int64_t d = 0; d < ranks_ && forwards_; ++d) node_slots_ = std::max(node_slots_, placement_.local_count(d));
   placement_.check_fits(experts_, ranks_, c.expert_inter);
   if (counts.ranks != ranks_ || counts.experts != experts_ ||
       counts.counts.size() != static_cast<std::size_t>(ranks_ * experts_))
@@ -83,11 +85,11 @@ Exchange::Exchange(const LayerConfig& c, const ExpertPlacement& placement, const
 }
 
 void Exchange::set_rank_tokens(std::vector<std::int64_t> first, std::int64_t tokens_per_rank) {
-  const std::int64_t P = ranks_, N = instances_, B = forwards_ ? nodes() : 0;
+  const std::int64_t P = ranks_, N = instances_, B = forwards_ ? nodes() * node_slots_ : 0;
   if (first.size() != static_cast<std::size_t>(2 * P * N + P * B))
     throw Error("the per-rank exchange's token counts are " + std::to_string(first.size()) +
                 " values; the layer needs two per (source, expert instance) pair" +
-                (forwards_ ? " and one per (source, node), " : ", ") + std::to_string(2 * P * N + P * B));
+                (forwards_ ? " and one per (source, node, node slot), " : ", ") + std::to_string(2 * P * N + P * B));
   rank_tokens_.assign(static_cast<std::size_t>(P * P), 0);
   sub_offset_.assign(static_cast<std::size_t>(P * N), 0);
   list_offset_.assign(static_cast<std::size_t>(P * N), 0);
@@ -134,8 +136,18 @@ void Exchange::set_rank_tokens(std::vector<std::int64_t> first, std::int64_t tok
 }
 
 void Exchange::set_node_tokens(std::span<const std::int64_t> counts, std::int64_t tokens_per_rank) {
-  const std::int64_t P = ranks_, B = nodes(), R = node_ranks_;
-  node_tokens_.assign(counts.begin(), counts.end());
+  const std::int64_t P = ranks_, B = nodes(), R = node_ranks_, S = node_slots_;
+  node_first_.assign(counts.begin(), counts.end());
+  node_sub_.assign(static_cast<std::size_t>(P * B * (S + 1)), 0);
+  for (std::int64_t s = 0; s < P; ++s)
+    for (std::int64_t b = 0; b < B; ++b)
+      for (std::int64_t j = 0; j < S; ++j) {
+        const std::int64_t n = node_first(s, b, j);
+        if (n < 0 || n > tokens_per_rank)
+          throw Error("rank " + std::to_string(s) + " reports " + std::to_string(n) + " tokens in node slot " + std::to_string(j) +
+                      " of node " + std::to_string(b) + ", impossible with " + std::to_string(tokens_per_rank) + " tokens per rank");
+        node_sub_[static_cast<std::size_t>((s * B + b) * (S + 1) + j + 1)] = node_sub_offset(s, b, j) + n;
+      }
   node_send_.assign(static_cast<std::size_t>(P * (B + 1)), 0);
   node_start_.assign(static_cast<std::size_t>(P * B), 0);
   route_start_.assign(static_cast<std::size_t>(P * B), 0);
@@ -173,23 +185,40 @@ namespace {
 // The per-node exchange's lists of source s (RankRoutes::node_*), from its
 // token list (list_begin: each destination's rows there).
 void node_lists(const Exchange& ex, std::int64_t s, std::int64_t T, std::span<const std::size_t> list_begin, RankRoutes& r) {
-  const std::int64_t B = ex.nodes(), R = ex.ranks() / B;
-  r.node_count.assign(static_cast<std::size_t>(B), 0);
+  const std::int64_t B = ex.nodes(), R = ex.ranks() / B, S = ex.node_slots();
+  r.node_count.assign(static_cast<std::size_t>(B * S), 0);
   r.node_tokens.clear();
   r.node_index.assign(r.tokens.size(), -1);
   std::vector<std::int32_t> at(static_cast<std::size_t>(T));
+  std::vector<std::int64_t> slot_of(static_cast<std::size_t>(T)), next(static_cast<std::size_t>(S));
   for (std::int64_t b = 0; b < B; ++b) {
     if (b == ex.node_of(s)) continue;
-    const std::size_t lo = list_begin[static_cast<std::size_t>(b * R)], hi = list_begin[static_cast<std::size_t>((b + 1) * R)];
-    std::fill(at.begin(), at.end(), -1);
-    for (std::size_t row = lo; row < hi; ++row) at[static_cast<std::size_t>(r.tokens[row])] = 0;
-    const std::size_t base = r.node_tokens.size();
-    for (std::int64_t t = 0; t < T; ++t)  // the node block in token order
-      if (at[static_cast<std::size_t>(t)] == 0) {
-        at[static_cast<std::size_t>(t)] = static_cast<std::int32_t>(r.node_tokens.size() - base);
-        r.node_tokens.push_back(static_cast<std::int32_t>(t));
+    // Each token's node slot: its lowest slot over the node's ranks (a
+    // rank's list runs sub-block by sub-block, r.first[i] rows each).
+    std::fill(slot_of.begin(), slot_of.end(), S);
+    for (std::int64_t d = b * R; d < (b + 1) * R; ++d) {
+      std::size_t row = list_begin[static_cast<std::size_t>(d)];
+      for (const std::int64_t i : ex.placement().instances_of(d))
+        for (std::int64_t k = 0; k < r.first[static_cast<std::size_t>(i)]; ++k, ++row) {
+          auto& j = slot_of[static_cast<std::size_t>(r.tokens[row])];
+          j = std::min(j, ex.instance_slot(i));
+        }
+    }
+    // A counting sort by node slot, each sub-block in token order.
+    std::int64_t* count = r.node_count.data() + b * S;
+    for (std::int64_t t = 0; t < T; ++t)
+      if (const std::int64_t j = slot_of[static_cast<std::size_t>(t)]; j < S) ++count[j];
+    const auto base = static_cast<std::int64_t>(r.node_tokens.size());
+    std::int64_t total = 0;
+    for (std::int64_t j = 0; j < S; ++j) next[static_cast<std::size_t>(j)] = total, total += count[j];
+    r.node_tokens.resize(static_cast<std::size_t>(base + total));
+    for (std::int64_t t = 0; t < T; ++t)
+      if (const std::int64_t j = slot_of[static_cast<std::size_t>(t)]; j < S) {
+        const std::int64_t row = next[static_cast<std::size_t>(j)]++;
+        at[static_cast<std::size_t>(t)] = static_cast<std::int32_t>(row);
+        r.node_tokens[static_cast<std::size_t>(base + row)] = static_cast<std::int32_t>(t);
       }
-    r.node_count[static_cast<std::size_t>(b)] = static_cast<std::int64_t>(r.node_tokens.size() - base);
+    const std::size_t lo = list_begin[static_cast<std::size_t>(b * R)], hi = list_begin[static_cast<std::size_t>((b + 1) * R)];
     for (std::size_t row = lo; row < hi; ++row) r.node_index[row] = at[static_cast<std::size_t>(r.tokens[row])];
   }
 }
@@ -370,7 +399,7 @@ std::vector<std::int64_t> rank_token_counts(const LayerConfig& c, const ExpertPl
   for (std::int64_t q = 0; q < P; ++q) all[static_cast<std::size_t>(q)] = static_cast<int>(q);
   const std::vector<std::int64_t> slot = send_slots(c, ex, r, all);
   const std::int64_t N = ex.instances();
-  const std::int64_t B = c.forwards() ? c.nodes() : 0;
+  const std::int64_t B = c.forwards() ? c.nodes() * ex.node_slots() : 0;
   std::vector<std::int64_t> tokens(static_cast<std::size_t>(2 * P * N + P * B));
   for (std::int64_t s = 0; s < P; ++s) {
     const auto first = static_cast<std::size_t>(s * n);

@@ -114,8 +114,20 @@ class Exchange {
   // token's row in the node block. The forwarder puts each rank's token
   // block from the node block, into the place and with the events that s's
   // own put would have had. Routes and combine lists still go from s.
-  // Counts: [2 P N + s B + b] the tokens of s node b needs.
+  // A node block is cut into node sub-blocks by each token's node slot:
+  // its lowest first-instance slot over the node's ranks that take it, so
+  // that rank d's sub-block j needs node sub-blocks 0..j only (a token's
+  // node slot is at most its slot on d). Counts: [2 P N + (s B + b) S + j]
+  // the tokens of s in node b's sub-block j, S = node_slots().
   bool forwards() const { return forwards_; }
+  std::int64_t node_slots() const { return node_slots_; }
+  std::int64_t node_first(std::int64_t s, std::int64_t b, std::int64_t j) const {
+    return node_first_[static_cast<std::size_t>((s * nodes() + b) * node_slots_ + j)];
+  }
+  // Row of node sub-block j within s's node block for b (j = S: the block's rows).
+  std::int64_t node_sub_offset(std::int64_t s, std::int64_t b, std::int64_t j) const {
+    return node_sub_[static_cast<std::size_t>((s * nodes() + b) * (node_slots_ + 1) + j)];
+  }
   std::int64_t nodes() const { return ranks_ / node_ranks_; }
   std::int64_t node_of(std::int64_t r) const { return r / node_ranks_; }
   std::int64_t forwarder(std::int64_t s, std::int64_t b) const { return b * node_ranks_ + s % node_ranks_; }
@@ -125,7 +137,7 @@ class Exchange {
   bool forwards_through(std::int64_t s, std::int64_t f) const {
     return forwards_ && node_of(s) != node_of(f) && s % node_ranks_ == f % node_ranks_;
   }
-  std::int64_t node_tokens(std::int64_t s, std::int64_t b) const { return node_tokens_[static_cast<std::size_t>(s * nodes() + b)]; }
+  std::int64_t node_tokens(std::int64_t s, std::int64_t b) const { return node_sub_offset(s, b, node_slots_); }
   // Row of s's block for node b in its node list (b = B: its length).
   std::int64_t node_send_offset(std::int64_t s, std::int64_t b) const { return node_send_[static_cast<std::size_t>(s * (nodes() + 1) + b)]; }
   // Row of s's node block (and of its routes) on its forwarder in node b.
@@ -150,9 +162,9 @@ class Exchange {
   std::vector<std::int64_t> instance_slot_;                           // [i]
   std::vector<std::int64_t> first_tokens_, sub_offset_, list_offset_;  // the per-rank exchange: [s * N + i] (first_tokens_: then by last)
   std::vector<std::int64_t> rank_tokens_, token_start_, token_send_;
-  std::int64_t node_ranks_ = 1;
+  std::int64_t node_ranks_ = 1, node_slots_ = 0;
   bool forwards_ = false;
-  std::vector<std::int64_t> node_tokens_, node_send_, node_start_, route_start_, node_recv_, route_recv_;
+  std::vector<std::int64_t> node_first_, node_sub_, node_send_, node_start_, route_start_, node_recv_, route_recv_;
   void set_node_tokens(std::span<const std::int64_t> counts, std::int64_t tokens_per_rank);
 };
 
@@ -176,11 +188,12 @@ struct RankRoutes {
   std::vector<std::int32_t> list_block;  // [token list rows]
   std::vector<std::int32_t> comb_row;    // [token list rows * K]
   std::vector<std::int64_t> list_slot;   // [T * P]
-  // The per-node exchange: the tokens each other node needs (B, 0 for its
-  // own), its node list (each node block in token order) and, per token
+  // The per-node exchange: the tokens each other node needs (0 for its
+  // own), its node list (each node block by node slot, then in token
+  // order) and, per token
   // list row for a rank of another node, the token's row in that node's
   // block (-1 for its own node's ranks).
-  std::vector<std::int64_t> node_count;  // [B]
+  std::vector<std::int64_t> node_count;  // [B S]: per node, its sub-blocks' tokens
   std::vector<std::int32_t> node_tokens;  // [node_send_offset(s, B)]
   std::vector<std::int32_t> node_index;   // [token list rows]
 };
@@ -215,8 +228,9 @@ struct EventBases {
   // are written, which the sums of the tokens whose last instance is j wait
   // for; backward: every rank's gate gradients of this rank's tokens arrived
   std::int64_t slot_done = 0, gw_done = 0;
-  // both passes, the per-node exchange on a forwarder: `node` + s completes
-  // once source s's node block (and forward, its routes) arrived
+  // both passes, the per-node exchange on a forwarder: `node` + s S + j
+  // completes once source s's node sub-blocks 0..j (and forward, its
+  // routes) arrived
   std::int64_t node = 0;
   // both passes: the split experts' partial rows reduced (part_reduce tasks)
   std::int64_t reduced = 0;

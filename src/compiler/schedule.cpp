@@ -386,7 +386,8 @@ std::vector<TaskKind> layer_operators(const LayerConfig& c, bool has_splits, Pas
       case TaskKind::grad_rank_reduce:
         return by_rank;
       case TaskKind::dispatch_node_put: case TaskKind::dispatch_node_route_put: case TaskKind::dispatch_forward:
-      case TaskKind::grad_dispatch_node_put: case TaskKind::grad_dispatch_forward:
+      case TaskKind::grad_dispatch_node_put: case TaskKind::grad_dispatch_forward: case TaskKind::dispatch_node_relay:
+      case TaskKind::grad_dispatch_node_relay:
         return c.forwards();
       case TaskKind::shared_gate_up: case TaskKind::shared_swiglu: case TaskKind::shared_down:
       case TaskKind::shared_down_dgrad: case TaskKind::pack_shared_down_grad: case TaskKind::shared_down_wgrad:

@@ -85,6 +85,8 @@ enum class TaskKind : std::uint8_t {
   dispatch_forward,         // NODE_TOK[route] rows as they are into a node rank's RECV_TOK, signal (as the source's token put would)
   grad_dispatch_node_put,   // DOUT rows by the node list (layer dtype, or bf16) into the forwarder's NODE_DY, signal
   grad_dispatch_forward,    // NODE_DY[route] rows into a node rank's DY_TOK, signal
+  dispatch_node_relay,      // a source's node sub-blocks up to j arrived: count it towards j + 1 (no data)
+  grad_dispatch_node_relay, // the same for the backward's node blocks
   count
 };
 
@@ -276,9 +278,11 @@ struct Program {
   // The per-rank exchange: [P + 1] rows of each source's token block in
   // RECV_TOK (and DY_TOK); empty under the per-assignment exchange.
   std::vector<std::int64_t> token_begin;
-  // The per-node exchange, on a forwarder: [P + 1] rows of each source's
-  // node block in NODE_TOK (and NODE_DY) and of its routes in NODE_ROUTE
-  // (empty blocks for ranks that do not forward through it); empty without.
+  // The per-node exchange, on a forwarder (S node slots, R ranks a node):
+  // [P S + 1] rows of each source's node sub-blocks in NODE_TOK (and
+  // NODE_DY), and [P R S + 1] rows in NODE_ROUTE of the routes of each
+  // source's sub-block j for each rank of the node (empty for ranks that
+  // do not forward through it); empty without.
   std::vector<std::int64_t> node_begin, node_route_begin;
   std::vector<Reduction> reductions;        // split experts' partial rows in COMB / DCOMB, by row_begin
   std::vector<Task> tasks;

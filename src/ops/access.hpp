@@ -53,7 +53,7 @@ enum class Span : std::uint8_t {
   token_block,        // the per-rank exchange: source s = src_row's sub-blocks 0..slot of the task's expert: [token_begin[s L], token_begin[s L + slot + 1])
   peer_block,         // the per-rank combine: the whole token block of the put's target: [token_begin[peer L], token_begin[peer L + L])
   expert_prefix,      // the rows of the rank's slots up to the task's expert's: [0, expert_begin[slot + 1])
-  node_block,         // the per-node exchange on a forwarder: the node block of the source whose routes hold rows [src_row, src_row + rows)
+  node_prefix,        // the per-node exchange on a forwarder: source s's node sub-blocks 0..j, where rows [src_row, src_row + rows) of the routes are of s's sub-block j for a rank of the node
 };
 
 // Layer sizes an operand rule or a GEMM can name.
@@ -284,18 +284,24 @@ inline std::pair<std::int64_t, std::int64_t> AccessTable::span_of(const AccessTa
                     "'s token block, which this program's token blocks do not hold");
       return {p.token_begin[static_cast<std::size_t>(peer * L)], p.token_begin[static_cast<std::size_t>(peer * L + L)]};
     }
-    case Span::node_block: {
+    case Span::node_prefix: {
+      // The routes [src_row, src_row + rows) lie in one (source s, node
+      // rank, sub-block j) segment; a token of rank's sub-block j has its
+      // node slot at most j, so they read s's node sub-blocks 0..j.
       const auto& routes = p.node_route_begin;
       const std::int64_t P = p.ranks, first = t.src_row, end = first + t.rows;
-      if (static_cast<std::int64_t>(routes.size()) != P + 1 || static_cast<std::int64_t>(p.node_begin.size()) != P + 1 ||
-          first < 0 || end > routes.back() || t.rows < 1)
+      const std::int64_t S = p.node_begin.empty() ? 0 : static_cast<std::int64_t>(p.node_begin.size() - 1) / P;
+      const std::int64_t RS = routes.empty() ? 0 : static_cast<std::int64_t>(routes.size() - 1) / P;
+      if (S < 1 || RS < S || RS % S != 0 || static_cast<std::int64_t>(p.node_begin.size()) != P * S + 1 ||
+          static_cast<std::int64_t>(routes.size()) != P * RS + 1 || first < 0 || end > routes.back() || t.rows < 1)
         throw Error("rank " + std::to_string(p.rank) + " task " + name(t.kind) + " forwards node routes [" + std::to_string(first) +
                     ", " + std::to_string(end) + "), which this program's node blocks do not hold");
-      const auto s = static_cast<std::size_t>(std::upper_bound(routes.begin(), routes.end(), first) - routes.begin() - 1);
-      if (end > routes[s + 1])
+      const auto k = static_cast<std::int64_t>(std::upper_bound(routes.begin(), routes.end(), first) - routes.begin() - 1);
+      if (end > routes[static_cast<std::size_t>(k + 1)])
         throw Error("rank " + std::to_string(p.rank) + " task " + name(t.kind) + " forwards node routes [" + std::to_string(first) +
-                    ", " + std::to_string(end) + "), which span two sources' node blocks");
-      return {p.node_begin[s], p.node_begin[s + 1]};
+                    ", " + std::to_string(end) + "), which span two sub-blocks' routes");
+      const std::int64_t s = k / RS, j = k % S;
+      return {p.node_begin[static_cast<std::size_t>(s * S)], p.node_begin[static_cast<std::size_t>(s * S + j + 1)]};
     }
     case Span::expert_prefix: {
       const std::int64_t slot = p.slot_of(t.expert);

@@ -309,8 +309,10 @@ void Interleaved<T>::exchange_counts(StepResult& res) {
 template <class T>
 void Interleaved<T>::exchange_rank_tokens(const StepResult& res) {
   // Per source: its tokens by first instance [s N + i], then by last
-  // [P N + s N + i], then (the per-node exchange) per node [2 P N + s B + b].
-  const std::int64_t P = c_.ranks, N = ex_->instances(), n = c_.tokens_per_rank * c_.top_k, B = c_.forwards() ? c_.nodes() : 0;
+  // [P N + s N + i], then (the per-node exchange) per node and node slot
+  // [2 P N + s B S + b S + j] (B below: B S).
+  const std::int64_t P = c_.ranks, N = ex_->instances(), n = c_.tokens_per_rank * c_.top_k,
+                     B = c_.forwards() ? c_.nodes() * ex_->node_slots() : 0;
   routes_.resize(local_.size());
   std::vector<std::int64_t> first(static_cast<std::size_t>(2 * P * N + P * B), 0);
   const auto place = [&](std::int64_t s, std::int64_t k) {  // value k of source s's 2 N + B
@@ -334,7 +336,7 @@ void Interleaved<T>::exchange_rank_tokens(const StepResult& res) {
       const std::int64_t q = static_cast<std::int64_t>(k) / W, i = static_cast<std::int64_t>(k) % W;
       if (block[k] > static_cast<std::uint64_t>(c_.tokens_per_rank))
         throw Error("rank " + std::to_string(q) + " reports " + std::to_string(block[k]) + " tokens for " +
-                    (i < 2 * N ? "expert instance " + std::to_string(i % N) : "node " + std::to_string(i - 2 * N)) +
+                    (i < 2 * N ? "expert instance " + std::to_string(i % N) : "node sub-block " + std::to_string(i - 2 * N)) +
                     ", more than its " + std::to_string(c_.tokens_per_rank));
       first[place(q, i)] = static_cast<std::int64_t>(block[k]);
     }

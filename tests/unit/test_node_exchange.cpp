@@ -117,6 +117,13 @@ TEST(NodeExchange, EachTokenCrossesOnceToEachNodeAndItsRoutesPointAtIt) {
             const std::int32_t at = routes.node_index[static_cast<std::size_t>(row)];
             ASSERT_GE(at, 0);
             ASSERT_LT(at, rows);
+            // Rank d's sub-block j needs node sub-blocks 0..j only.
+            std::int64_t j = 0;
+            while (ex.sub_block_offset(s, placement.instances_of(d)[static_cast<std::size_t>(j)]) +
+                       ex.first_tokens(s, placement.instances_of(d)[static_cast<std::size_t>(j)]) <=
+                   row - ex.token_send_offset(s, d))
+              ++j;
+            EXPECT_LT(at, ex.node_sub_offset(s, b, j + 1)) << "rank " << d << "'s sub-block " << j << " reads a later node sub-block";
             EXPECT_EQ(routes.node_tokens[static_cast<std::size_t>(begin + at)], routes.tokens[static_cast<std::size_t>(row)])
                 << "rank " << d << "'s row " << row << " forwarded from another token's node row";
             needed.insert(routes.tokens[static_cast<std::size_t>(row)]);
@@ -135,11 +142,12 @@ TEST(NodeExchange, EachTokenCrossesOnceToEachNodeAndItsRoutesPointAtIt) {
       EXPECT_EQ(ex.node_recv_rows(f), rows);
     }
     auto wrong = tokens;
-    const std::size_t first_node_count = tokens.size() - static_cast<std::size_t>(c.ranks * ex.nodes());
-    wrong[first_node_count + 1] += c.tokens_per_rank;  // rank 0 claims more tokens for node 1 than it has
+    const std::size_t S = static_cast<std::size_t>(ex.node_slots()),
+                      first_node_count = tokens.size() - static_cast<std::size_t>(c.ranks * ex.nodes()) * S;
+    wrong[first_node_count + S] += c.tokens_per_rank;  // rank 0 claims more tokens for node 1 than it has
     EXPECT_THROW(ex.set_rank_tokens(wrong, c.tokens_per_rank), Error);
     wrong = tokens;
-    wrong[first_node_count] = 1;  // rank 0 claims tokens for its own node
+    wrong[first_node_count] = 1;  // rank 0 claims tokens for its own node (node 0, sub-block 0)
     EXPECT_THROW(ex.set_rank_tokens(wrong, c.tokens_per_rank), Error);
     wrong.resize(first_node_count);  // without the node counts
     EXPECT_THROW(ex.set_rank_tokens(wrong, c.tokens_per_rank), Error);
@@ -156,6 +164,12 @@ TEST(NodeExchange, ProgramsAreProvedWholeAndPerRankAndCrossNodesLess) {
     const auto direct_counts = rank_counts(by_rank, placement, "uniform", m.tile_rows);
     for (const Pass pass : {Pass::forward, Pass::backward}) {
       const auto programs = compile_checked(c, placement, counts, m, pass, Policy::critical_path);
+      for (const auto& p : programs) {  // the node tables survive a dump
+        const Program back = program_from_json(to_json(p));
+        EXPECT_EQ(back.node_begin, p.node_begin);
+        EXPECT_EQ(back.node_route_begin, p.node_route_begin);
+        EXPECT_FALSE(p.node_begin.empty());
+      }
       const auto direct = compile(by_rank, placement, direct_counts, m, pass, Policy::critical_path);
       // Top-4 of 16 on 4 ranks of 4 experts, 2 per node: a token reaches
       // each rank of the other node with probability 1 - C(12,4)/C(16,4)
@@ -206,6 +220,38 @@ TEST(NodeExchange, MutationsOfTheForwardingAreRejected) {
     auto& t = remote(programs[2], TaskKind::dispatch_forward);
     t.wait_event = -1, t.wait_count = 0;
     rejected(programs, "a forward that does not wait: it reads the node block before it lands");
+  }
+  {
+    // A forward of a later sub-block that waits only for the node
+    // sub-blocks before its own: it may read rows still on the wire.
+    auto programs = forward;
+    auto& p = programs[2];
+    bool changed = false;
+    std::set<std::int32_t> relayed;  // node events a relay feeds: sub-blocks after the first
+    for (const auto& t : p.tasks)
+      if (t.kind == TaskKind::dispatch_node_relay) relayed.insert(t.trigger_event);
+    for (auto& t : p.tasks)
+      if (t.kind == TaskKind::dispatch_forward && t.peer != p.rank && relayed.count(t.wait_event) > 0) {
+        t.wait_event -= 1;
+        t.wait_count = p.events[static_cast<std::size_t>(t.wait_event)].required;
+        changed = true;
+        break;
+      }
+    EXPECT_TRUE(changed) << "no forward of a later node sub-block";
+    rejected(programs, "a forward that waits for an earlier node sub-block than the ones it reads");
+  }
+  {
+    auto programs = forward;
+    auto& p = programs[1];
+    auto& t = p.tasks[static_cast<std::size_t>(first_task(p, TaskKind::dispatch_node_relay))];
+    t.wait_event = -1, t.wait_count = 0;
+    rejected(programs, "a node relay that does not wait: the next sub-block's forwards may read rows before they land");
+  }
+  {
+    auto programs = forward;
+    auto& p = programs[3];
+    p.tasks[static_cast<std::size_t>(first_task(p, TaskKind::dispatch_node_relay))].trigger_event += 1;
+    rejected(programs, "a node relay that passes its sub-block on to the one after the next");
   }
   {
     auto programs = forward;

@@ -81,10 +81,10 @@ TEST(AccessTable, WorkAndOperandsOfAGemmTile) {
   EXPECT_THROW(table.operand(p, t, BufferId::y, Use::write), Error);
   for (std::size_t k = 0; k < static_cast<std::size_t>(TaskKind::count); ++k) {
     const auto kind = static_cast<TaskKind>(k);
-    // Every kind reads and writes, but the per-rank exchange's relays, which
+    // Every kind reads and writes, but the per-rank and per-node exchanges' relays, which
     // only pass on that an event completed.
     if (kind == TaskKind::dispatch_relay || kind == TaskKind::grad_dispatch_relay || kind == TaskKind::combine_relay ||
-        kind == TaskKind::grad_combine_relay)
+        kind == TaskKind::grad_combine_relay || kind == TaskKind::dispatch_node_relay || kind == TaskKind::grad_dispatch_node_relay)
       EXPECT_EQ(table[kind].operand_count, 0);
     else EXPECT_GT(table[kind].operand_count, 1) << name(kind);
     EXPECT_EQ(table[kind].queue == QueueClass::matrix, table[kind].gemm_k != Extent::none) << name(kind);
