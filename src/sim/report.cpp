@@ -83,8 +83,8 @@ SimReport simulate(const MachineModel& m, const SimRequest& req) {
   c.validate();
   if (c.ranks_per_node == 0 && m.ranks_per_node > 1 && c.ranks % m.ranks_per_node == 0) c.ranks_per_node = m.ranks_per_node;
   if (c.ranks_per_node != 0 && c.ranks_per_node != m.ranks_per_node && !(m.ranks_per_node <= 1 && c.ranks_per_node == c.ranks))
-    throw Error("the layer's ranks_per_node (" + std::to_string(c.ranks_per_node) + ") is not machine '" + m.name + "''s " +
-                std::to_string(m.ranks_per_node) + ": leave it unset to use the machine's");
+    throw Error("the layer's ranks_per_node (" + std::to_string(c.ranks_per_node) + ") differs from the " +
+                std::to_string(m.ranks_per_node) + " of machine '" + m.name + "': leave it unset to use the machine's");
   SimReport rep;
   rep.config = c;
   rep.machine = m;
