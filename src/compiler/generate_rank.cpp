@@ -3,6 +3,7 @@
 // forwarder there, and the per-rank combine's return puts.
 #include <algorithm>
 #include <utility>
+#include <vector>
 
 #include "ops/access.hpp"
 #include "compiler/taskflow.hpp"
@@ -115,6 +116,8 @@ void node_forwards(const LayerConfig& c, const Exchange& ex, std::int64_t TR, Pa
   const bool forward = pass == Pass::forward;
   const std::int64_t b = ex.node_of(rank), R = ex.ranks() / ex.nodes(), S = ex.node_slots(), cols = token_cols(c, pass);
   const EventBases own = event_bases(c, ex, pass, rank);
+  std::vector<std::int64_t> tok_base(static_cast<std::size_t>(R));  // the node's ranks' first `tok` events
+  for (std::int64_t d = b * R; d < (b + 1) * R; ++d) tok_base[static_cast<std::size_t>(d - b * R)] = event_bases(c, ex, pass, d).tok;
   for (std::int64_t s = 0; s < ex.ranks(); ++s) {
     if (!ex.forwards_through(s, rank) || ex.node_tokens(s, b) == 0) continue;
     const std::int64_t node_event = own.node + s * S;
@@ -130,7 +133,7 @@ void node_forwards(const LayerConfig& c, const Exchange& ex, std::int64_t TR, Pa
         const std::int64_t i = homes[static_cast<std::size_t>(j)], n = ex.first_tokens(s, i), within = ex.sub_block_offset(s, i);
         // d's rows in s's routes for this node, which follow s's token list.
         const std::int64_t routes = ex.node_route_start(s, b) + ex.token_send_offset(s, d) - ex.token_send_offset(s, b * R);
-        const std::int64_t tok = event_bases(c, ex, pass, d).tok + s * ex.placement().local_count(d) + j;
+        const std::int64_t tok = tok_base[static_cast<std::size_t>(d - b * R)] + s * static_cast<std::int64_t>(homes.size()) + j;
         for (std::int64_t r = 0; r < n; r += TR)
           emit(TaskSpec{.kind = forward ? TaskKind::dispatch_forward : TaskKind::grad_dispatch_forward,
                         .src = forward ? BufferId::node_tok : BufferId::node_dy, .dst = forward ? BufferId::recv_tok : BufferId::dy_tok,

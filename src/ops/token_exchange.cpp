@@ -54,15 +54,17 @@ bool token_put(const Tile<T>& tile) {
   return tile.host.send_put(dst);
 }
 
-// The routes (row in the token block, gate) of the rows sent to one instance.
-template <class T>
+// Route words as they are: kWords int32 words a row. The per-rank
+// exchange's routes of the rows sent to one instance (row in the token
+// block, gate: 2 words), the per-node exchange's node-block rows (1 word).
+template <class T, int kWords = 2>
 bool route_put(const Tile<T>& tile) {
   const Rect& src = tile.read(0);
   const Rect& dst = tile.write(0);
-  tile.need(src, tile.rows(), 2);
-  tile.need(dst, tile.rows(), 2);
+  tile.need(src, tile.rows(), kWords);
+  tile.need(dst, tile.rows(), kWords);
   std::memcpy(static_cast<void*>(tile.host.put_target(dst)), tile.template at<std::byte>(src),
-              static_cast<std::size_t>(tile.rows()) * 8);
+              static_cast<std::size_t>(tile.rows()) * 4 * kWords);
   return tile.host.send_put(dst);
 }
 
@@ -160,19 +162,6 @@ bool grad_gather(const Tile<T>& tile) {
   return false;
 }
 
-// The per-node exchange's routes: one int32 per row (its token's row in the
-// node block), as they are.
-template <class T>
-bool node_route_put(const Tile<T>& tile) {
-  const Rect& src = tile.read(0);
-  const Rect& dst = tile.write(0);
-  tile.need(src, tile.rows(), 1);
-  tile.need(dst, tile.rows(), 1);
-  std::memcpy(static_cast<void*>(tile.host.put_target(dst)), tile.template at<std::byte>(src),
-              static_cast<std::size_t>(tile.rows()) * 4);
-  return tile.host.send_put(dst);
-}
-
 // A forwarder's put of one piece of a source's token block for a rank of
 // its node: each row from the source's node block (by its route), bytes as
 // they arrived (encoded or not), so the rank receives what the source's
@@ -243,7 +232,7 @@ constexpr OpKind kNodeKinds[] = {
     {TaskKind::dispatch_node_route_put, "dispatch_node_route_put", Pass::forward, -3,
      as_put(vector_kind({op(B::node_index, R, Span::source_rows, X::none, Span::whole, X::one), tile(B::node_route, Side::peer)},
                         {ByteTerm{X::one, 1, 4, X::none}})),
-     node_route_put<float>, node_route_put<bf16>},
+     route_put<float, 1>, route_put<bf16, 1>},
     {TaskKind::dispatch_forward, "dispatch_forward", Pass::forward, -1,
      as_put(vector_kind({op(B::node_route, R, Span::source_rows, X::none, Span::whole, X::one),
                          op(B::node_tok, R, Span::node_prefix, X::none, Span::whole, X::token_cols), tile(B::recv_tok, Side::peer)},

@@ -4,6 +4,7 @@
 // corpus's two checks (the whole set and each rank alone).
 #include <gtest/gtest.h>
 
+#include <span>
 #include <string>
 #include <vector>
 
@@ -44,6 +45,31 @@ inline Task& remote_task(Program& p, TaskKind kind) {
     if (t.kind == kind && t.peer != p.rank) return t;
   ADD_FAILURE() << "no remote " << name(kind);
   return p.tasks.front();
+}
+
+// One change to the first remote put of a kind in one rank's program.
+struct PutMutation {
+  Pass pass;
+  int rank;
+  TaskKind kind;
+  void (*change)(Task&, const Program&);
+  const char* what;
+};
+inline void shorter(Task& t, const Program&) { t.rows -= 1; }
+inline void shifted(Task& t, const Program&) { t.row_begin += 1; }
+inline void unwaited(Task& t, const Program&) { t.wait_event = -1, t.wait_count = 0; }
+inline void next_event(Task& t, const Program&) { t.trigger_event += 1; }
+
+// Each mutation of the forward or backward set, rejected both ways.
+template <class Rejected>
+void expect_put_mutations_rejected(std::span<const PutMutation> mutations, const std::vector<Program>& forward,
+                                   const std::vector<Program>& backward, Rejected&& rejected) {
+  for (const auto& m : mutations) {
+    auto programs = m.pass == Pass::forward ? forward : backward;
+    auto& p = programs[static_cast<std::size_t>(m.rank)];
+    m.change(remote_task(p, m.kind), p);
+    rejected(programs, m.what);
+  }
 }
 
 }  // namespace hpmoe::testing

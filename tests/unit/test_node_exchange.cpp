@@ -195,16 +195,17 @@ TEST(NodeExchange, MutationsOfTheForwardingAreRejected) {
     expect_rejected(programs, c, placement, counts, m, what);
   };
   const auto remote = remote_task;
-  {
-    auto programs = forward;
-    remote(programs[0], TaskKind::dispatch_forward).row_begin += 1;
-    rejected(programs, "a forwarded piece one row down: a row sent twice, another not at all");
-  }
-  {
-    auto programs = forward;
-    remote(programs[1], TaskKind::dispatch_forward).rows -= 1;
-    rejected(programs, "a forwarded piece one row short: a block row the gathers read is never written");
-  }
+  const PutMutation put_mutations[] = {
+      {Pass::forward, 0, TaskKind::dispatch_forward, shifted, "a forwarded piece one row down: a row sent twice, another not at all"},
+      {Pass::forward, 1, TaskKind::dispatch_forward, shorter, "a forwarded piece one row short: a block row the gathers read is never written"},
+      {Pass::forward, 2, TaskKind::dispatch_forward, unwaited, "a forward that does not wait: it reads the node block before it lands"},
+      {Pass::forward, 1, TaskKind::dispatch_node_put, shorter, "a node piece one row short: the forwarder sends a row that never came"},
+      {Pass::forward, 3, TaskKind::dispatch_node_route_put, shorter, "node routes one row short: a row is forwarded through an unwritten route"},
+      {Pass::forward, 0, TaskKind::dispatch_node_put, next_event, "a node piece that counts towards another source's node block"},
+      {Pass::backward, 1, TaskKind::grad_dispatch_forward, shifted, "the backward's forwarded dy piece one row down"},
+      {Pass::backward, 0, TaskKind::grad_dispatch_node_put, shorter, "the backward's node piece one row short"},
+  };
+  expect_put_mutations_rejected(put_mutations, forward, backward, rejected);
   {
     auto programs = forward;
     auto& p = programs[0];
@@ -214,12 +215,6 @@ TEST(NodeExchange, MutationsOfTheForwardingAreRejected) {
     p.queue_tasks.push_back(static_cast<std::int32_t>(p.tasks.size() - 1));
     p.queue_begin.back() += 1;
     rejected(programs, "a forwarded piece sent twice");
-  }
-  {
-    auto programs = forward;
-    auto& t = remote(programs[2], TaskKind::dispatch_forward);
-    t.wait_event = -1, t.wait_count = 0;
-    rejected(programs, "a forward that does not wait: it reads the node block before it lands");
   }
   {
     // A forward of a later sub-block that waits only for the node
@@ -254,21 +249,6 @@ TEST(NodeExchange, MutationsOfTheForwardingAreRejected) {
     rejected(programs, "a node relay that passes its sub-block on to the one after the next");
   }
   {
-    auto programs = forward;
-    remote(programs[1], TaskKind::dispatch_node_put).rows -= 1;
-    rejected(programs, "a node piece one row short: the forwarder sends a row that never came");
-  }
-  {
-    auto programs = forward;
-    remote(programs[3], TaskKind::dispatch_node_route_put).rows -= 1;
-    rejected(programs, "node routes one row short: a row is forwarded through an unwritten route");
-  }
-  {
-    auto programs = forward;
-    remote(programs[0], TaskKind::dispatch_node_put).trigger_event += 1;
-    rejected(programs, "a node piece that counts towards another source's node block");
-  }
-  {
     // Rank 0 forwards rank 2's tokens; its own node put waits for them: a
     // level-0 put after a remote-fed level-0 event (and, with rank 2 doing
     // the same, a cycle).
@@ -281,16 +261,6 @@ TEST(NodeExchange, MutationsOfTheForwardingAreRejected) {
       t.wait_count = fwd.wait_count;
     }
     rejected(programs, "a node put that waits for the node blocks it forwards: a level violation through the forwarder");
-  }
-  {
-    auto programs = backward;
-    remote(programs[1], TaskKind::grad_dispatch_forward).row_begin += 1;
-    rejected(programs, "the backward's forwarded dy piece one row down");
-  }
-  {
-    auto programs = backward;
-    remote(programs[0], TaskKind::grad_dispatch_node_put).rows -= 1;
-    rejected(programs, "the backward's node piece one row short");
   }
 }
 

@@ -234,18 +234,9 @@ TEST(RankExchange, MutationsOfThePerRankExchangeAreRejected) {
     rejected(programs, "a dy piece one row short");
   }
   // The per-rank combine: a remote put of one rank's program, changed.
-  const auto shorter = [](Task& t, const Program&) { t.rows -= 1; };
-  const auto unwaited = [](Task& t, const Program&) { t.wait_event = -1, t.wait_count = 0; };
   const auto first_sub_block = [](Task& t, const Program& p) {  // the block's first sub-block only
     t.wait_event -= static_cast<std::int32_t>(p.local_experts.size()) - 1;
     t.wait_count = p.events[static_cast<std::size_t>(t.wait_event)].required;
-  };
-  struct PutMutation {
-    Pass pass;
-    int rank;
-    TaskKind kind;
-    void (*change)(Task&, const Program&);
-    const char* what;
   };
   const PutMutation put_mutations[] = {
       {Pass::forward, 0, TaskKind::combine_route_put, shorter, "a combine list one token short: a sum reads a list row nothing wrote"},
@@ -255,12 +246,7 @@ TEST(RankExchange, MutationsOfThePerRankExchangeAreRejected) {
       {Pass::backward, 0, TaskKind::gate_grad_put, shorter, "a gate-gradient piece one row short: the router reads gradients that never came"},
       {Pass::backward, 0, TaskKind::grad_combine_rank_put, unwaited, "a dx sum that does not wait for the experts' dx rows"},
   };
-  for (const auto& m : put_mutations) {
-    auto programs = m.pass == Pass::forward ? forward : backward;
-    auto& p = programs[static_cast<std::size_t>(m.rank)];
-    m.change(remote(p, m.kind), p);
-    rejected(programs, m.what);
-  }
+  expect_put_mutations_rejected(put_mutations, forward, backward, rejected);
   {
     auto programs = forward;
     auto& p = programs[0];
