@@ -124,8 +124,10 @@ class MoELayer(nn.Module):
     ("assignment": a row per token and expert), "rank" (each token once per rank that holds one of its
     experts, the experts' rows gathered there). Same results as "assignment" in fp32; fewer bytes.
     ranks_per_node: with exchange="rank", the ranks in each node (must divide ranks): a token crosses to
-    another node once, to the rank there with its own local index, which forwards it inside the node.
-    Bit for bit the results without it. None keeps the config's (one node).
+    another node once, to the rank there with its own local index, which forwards it inside the node and
+    sums the node's ranks' outputs (and dx) for it before one row goes back. The source adds each node's
+    sum in node order, so the results differ from one node's only in that order (bit for bit those of
+    config node_forwarding=False, which sends the same rows straight). None keeps the config's (one node).
     """
 
     def __init__(self, config, ranks=1, workers=1, executor="interleaved", schedule="critical-path",

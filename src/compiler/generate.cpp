@@ -101,6 +101,8 @@ void declare_buffers(Program& p, const LayerConfig& c, const Exchange& ex, Pass 
   add_buffer(p, BufferId::out, T, H, 4, bound);
   if (staged_in(c, Pass::forward)) add_buffer(p, BufferId::recv_staged, recv, c.dispatch_row_bytes(), 1, sym);
   const std::int64_t list = by_rank && ex.has_rank_tokens() ? ex.token_send_offset(rank, ex.ranks()) : 0;
+  // The rows its sums come back to (Exchange::sum_rows).
+  const std::int64_t sums = by_rank && ex.has_rank_tokens() ? ex.sum_rows(rank) : 0;
   if (by_rank) {
     if (!ex.has_rank_tokens())
       throw Error("the per-rank exchange needs each source's token count per destination rank (rank_token_counts); "
@@ -113,14 +115,15 @@ void declare_buffers(Program& p, const LayerConfig& c, const Exchange& ex, Pass 
     add_buffer(p, BufferId::recv_route, recv, 2, 4, sym);
     add_buffer(p, BufferId::rank_comb, list, 2 * K + 1, 4, local);
     add_buffer(p, BufferId::recv_comb, blocks, 2 * K + 1, 4, sym);
-    add_buffer(p, BufferId::comb_rank, list, H, elem, sym);
-    add_buffer(p, BufferId::rank_slot, T, c.ranks, 8, local);
-    if (ex.forwards()) {  // the per-node exchange: lists of the source, blocks and routes of the forwarder
+    add_buffer(p, BufferId::comb_rank, sums, H, elem, sym);
+    add_buffer(p, BufferId::rank_slot, T, 2 * c.ranks + ex.nodes(), 8, local);
+    if (ex.forwards()) {  // the per-node exchange: lists of the source, blocks, routes and sums of the forwarder
       add_buffer(p, BufferId::node_token, ex.node_send_offset(rank, ex.nodes()), 1, 4, local);
-      add_buffer(p, BufferId::node_index, list, 1, 4, local);
+      add_buffer(p, BufferId::node_index, list, 2, 4, local);
       if (c.staged_dispatch()) add_buffer(p, BufferId::node_tok, ex.node_recv_rows(rank), c.dispatch_row_bytes(), 1, sym);
       else add_buffer(p, BufferId::node_tok, ex.node_recv_rows(rank), H, elem, sym);
-      add_buffer(p, BufferId::node_route, ex.node_route_recv_rows(rank), 1, 4, sym);
+      add_buffer(p, BufferId::node_route, ex.node_route_recv_rows(rank), 2, 4, sym);
+      add_buffer(p, BufferId::node_comb, ex.node_route_recv_rows(rank), H, elem, sym);
     }
   }
   if (shared) {
@@ -148,7 +151,7 @@ void declare_buffers(Program& p, const LayerConfig& c, const Exchange& ex, Pass 
   add_buffer(p, BufferId::dw1, L * H, 2 * I, 4, bound);
   if (by_rank) {
     add_buffer(p, BufferId::gw_rank, list, K, 4, sym);
-    add_buffer(p, BufferId::dcomb_rank, list, H, elem, sym);
+    add_buffer(p, BufferId::dcomb_rank, sums, H, elem, sym);
   } else {
     add_buffer(p, BufferId::dcomb, send, H, elem, sym);
   }
@@ -159,6 +162,7 @@ void declare_buffers(Program& p, const LayerConfig& c, const Exchange& ex, Pass 
     if (ex.forwards()) {
       if (c.staged_grad_dispatch()) add_buffer(p, BufferId::node_dy, ex.node_recv_rows(rank), 2 * H, 1, sym);
       else add_buffer(p, BufferId::node_dy, ex.node_recv_rows(rank), H, elem, sym);
+      add_buffer(p, BufferId::node_dcomb, ex.node_route_recv_rows(rank), H, elem, sym);
     }
   }
   if (shared) {
@@ -199,7 +203,7 @@ bool staged_in(const LayerConfig& c, Pass pass) {
 EventBases event_bases(const LayerConfig& c, const Exchange& ex, Pass pass, std::int64_t rank) {
   return EventBases(pass, ex.row_tiles(rank), ex.placement().local_count(rank), ceil_div(c.tokens_per_rank, ex.tile_rows()),
                     staged_in(c, pass), c.exchange == ExchangeMode::rank ? c.ranks * ex.placement().local_count(rank) : 0,
-                    c.exchange == ExchangeMode::rank, ex.forwards() ? c.ranks * ex.node_slots() : 0);
+                    c.exchange == ExchangeMode::rank, ex.forwards() ? c.ranks * ex.node_slots() : 0, ex.forwards() ? c.ranks : 0);
 }
 
 namespace {
@@ -356,6 +360,7 @@ void interface_puts(const LayerConfig& c, const Exchange& ex, std::int64_t tile_
   puts_to_experts(c, ex, tile_rows, pass, from, to, add);
   puts_to_sources(c, ex, tile_rows, pass, from, to, -1, 0, [](std::int64_t) { return std::int64_t{0}; }, add);
   node_forwards(c, ex, tile_rows, pass, from, to, false, [](std::int64_t) { return std::int64_t{0}; }, add);
+  node_combines(c, ex, tile_rows, pass, from, to, false, [](std::int64_t) { return std::int64_t{0}; }, add);
 }
 
 void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machine& m, Pass pass, std::int64_t rank) {
@@ -402,6 +407,9 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
   node_events(c, ex, TR, pass, rank, [&](std::int64_t id, std::int64_t need) {
     b.event(id, static_cast<std::int32_t>(need), pass == Pass::forward ? TaskKind::dispatch_forward : TaskKind::grad_dispatch_forward, -1, -1);
   });
+  node_sum_events(c, ex, TR, rank, ev, [&](std::int64_t id, std::int64_t need) {
+    b.event(id, static_cast<std::int32_t>(need), pass == Pass::forward ? TaskKind::combine_node_put : TaskKind::grad_combine_node_put, -1, -1);
+  });
   // The relays into slot j, emitted just before slot j's gathers: in
   // generation order (which is topological) after the puts and relays that
   // feed them, and in a worker's queue no earlier than the work they release.
@@ -420,10 +428,9 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
   // per tile of rows of each block this rank sent), and the count an event
   // completes at.
   // pieces of whole lists (the gate gradients) or of each sub-list (the sums).
-  const auto rank_pieces_into = [&](bool by_sub_list) {
+  const auto gate_grad_pieces_into = [&] {
     std::int64_t n = 0;
-    for (std::int64_t i = 0; i < ex.instances(); ++i) n += by_sub_list ? ceil_div(ex.last_tokens(rank, i), TR) : 0;
-    for (std::int64_t d = 0; d < c.ranks && !by_sub_list; ++d) n += ceil_div(ex.rank_tokens(rank, d), TR);
+    for (std::int64_t d = 0; d < c.ranks; ++d) n += ceil_div(ex.rank_tokens(rank, d), TR);
     return n;
   };
   const auto required = [&](std::int64_t event) { return std::int64_t{p.events[static_cast<std::size_t>(event)].required}; };
@@ -474,7 +481,7 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
     }
     if (by_rank) slot_done_events(TaskKind::combine_rank_put);
     b.event(ev.comb_done,
-            static_cast<std::int32_t>((by_rank ? rank_pieces_into(true) : ex.pieces_into(rank)) + (shared ? token_tiles * n_down : 0)),
+            static_cast<std::int32_t>((by_rank ? sum_pieces_into(ex, TR, rank) : ex.pieces_into(rank)) + (shared ? token_tiles * n_down : 0)),
             by_rank ? TaskKind::combine_rank_reduce : p.reductions.empty() ? TaskKind::combine_reduce : TaskKind::part_reduce, -1, -1);
     b.event(ev.reduced, static_cast<std::int32_t>(part_reduces(TaskKind::part_reduce, BufferId::comb, ev.comb_done, false)),
             TaskKind::combine_reduce, -1, -1);
@@ -519,6 +526,7 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
       slot_relay(le);
     }
     puts_to_sources(c, ex, TR, pass, rank, -1, ev.y, n_down, required, emit);
+    node_combines(c, ex, TR, pass, rank, -1, true, required, emit);
     part_reduces(TaskKind::part_reduce, BufferId::comb, ev.comb_done, true);
     // A reduce tile reads its tokens' rows by slot, scattered over every
     // expert's returned rows; counts alone do not say which pieces hold them,
@@ -565,9 +573,9 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
   }
   if (by_rank) {
     slot_done_events(TaskKind::grad_combine_rank_put);
-    b.event(ev.gw_done, static_cast<std::int32_t>(rank_pieces_into(false)), TaskKind::gate_grad_gather, -1, -1);
+    b.event(ev.gw_done, static_cast<std::int32_t>(gate_grad_pieces_into()), TaskKind::gate_grad_gather, -1, -1);
   }
-  b.event(ev.dx_ready, static_cast<std::int32_t>((by_rank ? rank_pieces_into(true) : ex.pieces_into(rank)) + n_router_dgrad + n_shared_dgrad),
+  b.event(ev.dx_ready, static_cast<std::int32_t>((by_rank ? sum_pieces_into(ex, TR, rank) : ex.pieces_into(rank)) + n_router_dgrad + n_shared_dgrad),
           by_rank ? TaskKind::grad_rank_reduce : p.reductions.empty() ? TaskKind::grad_reduce : TaskKind::grad_part_reduce, -1, -1);
   b.event(ev.reduced, static_cast<std::int32_t>(part_reduces(TaskKind::grad_part_reduce, BufferId::dcomb, ev.dx_ready, false)),
           TaskKind::grad_reduce, -1, -1);
@@ -650,6 +658,7 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
     puts_to_sources(c, ex, TR, pass, rank, -1, ev.dxe, n_down, required, emit, ReturnPuts::gate_grads);
     router();
     puts_to_sources(c, ex, TR, pass, rank, -1, ev.dxe, n_down, required, emit, ReturnPuts::sums);
+    node_combines(c, ex, TR, pass, rank, -1, true, required, emit);
   } else {
     puts_to_sources(c, ex, TR, pass, rank, -1, ev.dxe, n_down, required, emit);
   }

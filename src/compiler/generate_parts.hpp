@@ -44,11 +44,23 @@ void node_events(const LayerConfig&, const Exchange&, std::int64_t tile_rows, Pa
 // row tile `tile` of instance `home`.
 void rank_gathers_of_tile(const LayerConfig&, const Exchange&, const Program&, Pass, std::int64_t rank, std::int64_t home,
                           std::int64_t tile, const EventBases&, const Emit&);
+// The per-node combine: the pieces that return to `rank` (its own node's
+// ranks' sums and its forwarders'), the pieces a forwarder `f` waits for
+// from its node's ranks for source s, its events (node_comb + s), and its
+// puts of each source's node sums (only to `only_peer` when >= 0;
+// with_waits: each waits for its source's node_comb event).
+std::int64_t sum_pieces_into(const Exchange&, std::int64_t tile_rows, std::int64_t rank);
+std::int64_t node_sum_pieces(const Exchange&, std::int64_t tile_rows, std::int64_t s, std::int64_t f);
+void node_sum_events(const LayerConfig&, const Exchange&, std::int64_t tile_rows, std::int64_t rank, const EventBases&,
+                     const std::function<void(std::int64_t, std::int64_t)>& event);
+void node_combines(const LayerConfig&, const Exchange&, std::int64_t tile_rows, Pass, std::int64_t rank, std::int64_t only_peer,
+                   bool with_waits, const RequiredOf&, const Emit&);
 // Which of the per-rank combine's return puts to make.
 enum class ReturnPuts { all, gate_grads, sums };
-// The per-rank combine's return puts from `rank` (only to `only_source`
-// when >= 0); with_waits: each waits for the event its rows need.
+// The per-rank combine's return puts from `rank` (only those into
+// `only_peer` when >= 0: a source, or the forwarder of a source of another
+// node); with_waits: each waits for the event its rows need.
 void rank_puts_to_sources(const LayerConfig&, const Exchange&, std::int64_t tile_rows, Pass, std::int64_t rank,
-                          std::int64_t only_source, bool with_waits, const RequiredOf&, const Emit&, ReturnPuts);
+                          std::int64_t only_peer, bool with_waits, const RequiredOf&, const Emit&, ReturnPuts);
 
 }  // namespace hpmoe::taskflow

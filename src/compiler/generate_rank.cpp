@@ -81,7 +81,7 @@ void rank_puts_to_experts(const LayerConfig& c, const Exchange& ex, std::int64_t
     if (forward)
       emit(TaskSpec{.kind = TaskKind::dispatch_node_route_put, .src = BufferId::node_index, .dst = BufferId::node_route,
                     .peer = f, .row_begin = ex.node_route_start(rank, b), .rows = ex.node_route_rows(rank, b), .col_begin = 0,
-                    .cols = 1, .src_row = ex.token_send_offset(rank, b * (ex.ranks() / ex.nodes())),
+                    .cols = 2, .src_row = ex.token_send_offset(rank, b * (ex.ranks() / ex.nodes())),
                     .trigger_event = node_event});
     for (std::int64_t j = 0; j < S; ++j) {
       const std::int64_t n = ex.node_first(rank, b, j), within = ex.node_sub_offset(rank, b, j);
@@ -169,39 +169,100 @@ void rank_gathers_of_tile(const LayerConfig& c, const Exchange& ex, const Progra
   }
 }
 
+std::int64_t sum_pieces_into(const Exchange& ex, std::int64_t TR, std::int64_t rank) {
+  std::int64_t n = 0;
+  for (std::int64_t i = 0; i < ex.instances(); ++i)
+    if (!ex.forwarded(rank, ex.placement().instance_rank(i))) n += ceil_div(ex.last_tokens(rank, i), TR);
+  for (std::int64_t b = 0; b < ex.nodes() && ex.forwards(); ++b)
+    if (b != ex.node_of(rank)) n += ceil_div(ex.node_tokens(rank, b), TR);
+  return n;
+}
+
+// The sums a node's ranks put on forwarder f for source s: every piece of
+// their sub-lists of s's tokens.
+std::int64_t node_sum_pieces(const Exchange& ex, std::int64_t TR, std::int64_t s, std::int64_t f) {
+  const std::int64_t b = ex.node_of(f), R = ex.ranks() / ex.nodes();
+  std::int64_t n = 0;
+  for (std::int64_t d = b * R; d < (b + 1) * R; ++d)
+    for (const std::int64_t i : ex.placement().instances_of(d)) n += ceil_div(ex.last_tokens(s, i), TR);
+  return n;
+}
+
+void node_sum_events(const LayerConfig&, const Exchange& ex, std::int64_t TR, std::int64_t rank, const EventBases& ev,
+                     const std::function<void(std::int64_t, std::int64_t)>& event) {
+  if (!ex.forwards()) return;
+  for (std::int64_t s = 0; s < ex.ranks(); ++s)
+    if (ex.forwards_through(s, rank) && ex.node_tokens(s, ex.node_of(rank)) > 0)
+      event(ev.node_comb + s, node_sum_pieces(ex, TR, s, rank));
+}
+
+void node_combines(const LayerConfig& c, const Exchange& ex, std::int64_t TR, Pass pass, std::int64_t rank, std::int64_t only_peer,
+                   bool with_waits, const RequiredOf& required, const Emit& emit) {
+  // Each source's node block in pieces of a tile's rows, once every rank
+  // of the node has put its sums of the source's tokens: each row the sum
+  // of the token's rows over the node's ranks, in rank order, into the
+  // source's rows of the node block (Exchange::node_sum_start).
+  if (!ex.forwards()) return;
+  const bool forward = pass == Pass::forward;
+  const std::int64_t b = ex.node_of(rank);
+  const EventBases own = event_bases(c, ex, pass, rank);
+  for (std::int64_t s = 0; s < ex.ranks(); ++s) {
+    const std::int64_t n = ex.node_tokens(s, b);
+    if (!ex.forwards_through(s, rank) || n == 0 || (only_peer >= 0 && s != only_peer)) continue;
+    const EventBases source_events = event_bases(c, ex, pass, s);
+    const std::int64_t at = ex.node_sum_start(s, b), wait = own.node_comb + s;
+    for (std::int64_t r = 0; r < n; r += TR)
+      emit(TaskSpec{.kind = forward ? TaskKind::combine_node_put : TaskKind::grad_combine_node_put,
+                    .src = forward ? BufferId::node_comb : BufferId::node_dcomb, .dst = forward ? BufferId::comb_rank : BufferId::dcomb_rank,
+                    .peer = s, .row_begin = at + r, .rows = std::min(TR, n - r), .col_begin = 0, .cols = c.hidden, .src_row = r,
+                    .wait_event = with_waits ? wait : -1, .wait_count = with_waits ? required(wait) : 0,
+                    .trigger_event = forward ? source_events.comb_done : source_events.dx_ready});
+  }
+}
+
 void rank_puts_to_sources(const LayerConfig& c, const Exchange& ex, std::int64_t TR, Pass pass, std::int64_t rank,
-                          std::int64_t only_source, bool with_waits, const RequiredOf& required, const Emit& emit, ReturnPuts which) {
+                          std::int64_t only_peer, bool with_waits, const RequiredOf& required, const Emit& emit, ReturnPuts which) {
   const bool forward = pass == Pass::forward;
   // One row per (token, rank): each source's list in pieces of a tile's
   // rows, each sub-list (the tokens whose last instance here is slot j)
   // once the instances up to j are done; in the backward first the gate
-  // gradients of the whole list, once its dy block has all arrived.
+  // gradients of the whole list, once its dy block has all arrived. A
+  // source of another node gets its sums through its forwarder here (the
+  // per-node combine), which adds the node's ranks' rows first.
   const EventBases own = event_bases(c, ex, pass, rank);
-  const std::int64_t L = ex.placement().local_count(rank);
+  const std::int64_t L = ex.placement().local_count(rank), b = ex.node_of(rank), R = ex.ranks() / ex.nodes();
   const auto waits = [&](std::int64_t event) { return !with_waits ? std::pair<std::int64_t, std::int64_t>{-1, 0} : std::pair{event, required(event)}; };
   for (std::int64_t s = 0; s < ex.ranks(); ++s) {
     const std::int64_t n = ex.rank_tokens(s, rank);
-    if (n == 0 || (only_source >= 0 && s != only_source)) continue;
+    const bool through = ex.forwarded(s, rank);
+    const std::int64_t f = through ? ex.forwarder(s, b) : s;
+    if (n == 0 || (only_peer >= 0 && s != only_peer && f != only_peer)) continue;
     const EventBases source_events = event_bases(c, ex, pass, s);
     const std::int64_t list = ex.token_send_offset(s, rank), block = ex.token_start(s, rank);
-    if (!forward && which != ReturnPuts::sums)
+    // Where the sums go: the source's rows, or the forwarder's node rows
+    // of this rank's list (laid out as the node routes).
+    const std::int64_t sums_at = through ? ex.node_route_start(s, b) + list - ex.token_send_offset(s, b * R) : ex.sum_start(s, rank);
+    const std::int64_t sums_event = through ? event_bases(c, ex, pass, f).node_comb + s
+                                            : forward ? source_events.comb_done : source_events.dx_ready;
+    if (!forward && which != ReturnPuts::sums && (only_peer < 0 || s == only_peer))
       for (std::int64_t r = 0; r < n; r += TR) {
         const auto [event, count] = waits(own.tok + s * L + L - 1);
         emit(TaskSpec{.kind = TaskKind::gate_grad_put, .src = BufferId::dy_tok, .dst = BufferId::gw_rank, .peer = s,
                       .row_begin = list + r, .rows = std::min(TR, n - r), .col_begin = 0, .cols = c.top_k, .src_row = block + r,
                       .wait_event = event, .wait_count = count, .trigger_event = source_events.gw_done});
       }
-    if (which == ReturnPuts::gate_grads) continue;
+    if (which == ReturnPuts::gate_grads || (only_peer >= 0 && f != only_peer)) continue;
+    const TaskKind kind = through ? (forward ? TaskKind::combine_node_part_put : TaskKind::grad_combine_node_part_put)
+                                  : (forward ? TaskKind::combine_rank_put : TaskKind::grad_combine_rank_put);
+    const BufferId dst = through ? (forward ? BufferId::node_comb : BufferId::node_dcomb) : (forward ? BufferId::comb_rank : BufferId::dcomb_rank);
     for (const std::int64_t i : ex.placement().instances_of(rank)) {
       const std::int64_t m = ex.last_tokens(s, i), within = ex.sub_list_offset(s, i);
       const auto [event, count] = waits(own.slot_done + ex.instance_slot(i));
       for (std::int64_t r = 0; r < m; r += TR)
-        emit(TaskSpec{.kind = forward ? TaskKind::combine_rank_put : TaskKind::grad_combine_rank_put,
-                      .src = forward ? BufferId::y : BufferId::dxe, .dst = forward ? BufferId::comb_rank : BufferId::dcomb_rank,
-                      .expert = ex.placement().instance_expert(i), .peer = s, .row_begin = list + within + r,
+        emit(TaskSpec{.kind = kind, .src = forward ? BufferId::y : BufferId::dxe, .dst = dst,
+                      .expert = ex.placement().instance_expert(i), .peer = f, .row_begin = sums_at + within + r,
                       .rows = std::min(TR, m - r), .col_begin = 0, .cols = c.hidden, .src_row = block + within + r,
-                      .wait_event = event, .wait_count = count,
-                      .trigger_event = forward ? source_events.comb_done : source_events.dx_ready});
+                      .wait_event = event, .wait_count = count, .trigger_event = sums_event});
     }
   }
 }

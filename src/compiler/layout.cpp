@@ -188,7 +188,7 @@ void node_lists(const Exchange& ex, std::int64_t s, std::int64_t T, std::span<co
   const std::int64_t B = ex.nodes(), R = ex.ranks() / B, S = ex.node_slots();
   r.node_count.assign(static_cast<std::size_t>(B * S), 0);
   r.node_tokens.clear();
-  r.node_index.assign(r.tokens.size(), -1);
+  r.node_index.assign(2 * r.tokens.size(), -1);
   std::vector<std::int32_t> at(static_cast<std::size_t>(T));
   std::vector<std::int64_t> slot_of(static_cast<std::size_t>(T)), next(static_cast<std::size_t>(S));
   for (std::int64_t b = 0; b < B; ++b) {
@@ -218,8 +218,23 @@ void node_lists(const Exchange& ex, std::int64_t s, std::int64_t T, std::span<co
         at[static_cast<std::size_t>(t)] = static_cast<std::int32_t>(row);
         r.node_tokens[static_cast<std::size_t>(base + row)] = static_cast<std::int32_t>(t);
       }
-    const std::size_t lo = list_begin[static_cast<std::size_t>(b * R)], hi = list_begin[static_cast<std::size_t>((b + 1) * R)];
-    for (std::size_t row = lo; row < hi; ++row) r.node_index[row] = at[static_cast<std::size_t>(r.tokens[row])];
+    // Per row of the node's ranks' token lists, and of their combine lists
+    // (a destination's list holds its block's tokens in another order),
+    // the token's row in the node block; each token's row among the sums
+    // the forwarder returns (after the token lists' rows).
+    // (Exchange::node_sum_start, from this list's own offsets.)
+    const std::int64_t cols = 2 * ex.ranks() + B, own = ex.node_of(s);
+    const auto own_list = static_cast<std::int64_t>(list_begin[static_cast<std::size_t>((own + 1) * R)] - list_begin[static_cast<std::size_t>(own * R)]);
+    for (std::int64_t d = b * R; d < (b + 1) * R; ++d) {
+      const std::size_t lo = list_begin[static_cast<std::size_t>(d)], hi = list_begin[static_cast<std::size_t>(d + 1)];
+      for (std::size_t row = lo; row < hi; ++row) {
+        r.node_index[2 * row] = at[static_cast<std::size_t>(r.tokens[row])];
+        r.node_index[2 * row + 1] = at[static_cast<std::size_t>(r.tokens[lo + static_cast<std::size_t>(r.list_block[row])])];
+      }
+    }
+    for (std::int64_t j = 0; j < total; ++j)
+      r.list_slot[static_cast<std::size_t>(r.node_tokens[static_cast<std::size_t>(base + j)] * cols + 2 * ex.ranks() + b)] =
+          own_list + base + j;
   }
 }
 }  // namespace
@@ -256,7 +271,8 @@ RankRoutes rank_routes(const LayerConfig& c, const Exchange& ex, std::int64_t s,
   // Each token's first instance on each destination (lowest slot), then
   // the destination's block: sub-block by sub-block, each in token order.
   r.first.assign(static_cast<std::size_t>(2 * N), 0);
-  r.list_slot.assign(static_cast<std::size_t>(T * P), -1);
+  const std::int64_t slot_cols = 2 * P + ex.nodes();  // each token's list rows, sum rows by rank, sum rows by node
+  r.list_slot.assign(static_cast<std::size_t>(T * slot_cols), -1);
   r.position.assign(static_cast<std::size_t>(send), -1);
   std::vector<std::int64_t> first_of(static_cast<std::size_t>(T)), last_of(static_cast<std::size_t>(T)),
       at(static_cast<std::size_t>(T)), list_at(static_cast<std::size_t>(T));
@@ -309,7 +325,12 @@ RankRoutes rank_routes(const LayerConfig& c, const Exchange& ex, std::int64_t s,
         const std::int64_t row = next[static_cast<std::size_t>(ex.instance_slot(l))]++;
         list_at[static_cast<std::size_t>(t)] = row;
         r.list_block[base + static_cast<std::size_t>(row)] = static_cast<std::int32_t>(at[static_cast<std::size_t>(t)]);
-        r.list_slot[static_cast<std::size_t>(t * P + d)] = static_cast<std::int64_t>(base) + row;
+        r.list_slot[static_cast<std::size_t>(t * slot_cols + d)] = static_cast<std::int64_t>(base) + row;
+        // Its sum's row (Exchange::sum_start, from this list's own offsets:
+        // the exchange may not hold the token counts yet).
+        if (!ex.forwarded(s, d))
+          r.list_slot[static_cast<std::size_t>(t * slot_cols + P + d)] =
+              static_cast<std::int64_t>(base - (ex.forwards() ? list_begin[static_cast<std::size_t>(ex.node_of(s) * (P / ex.nodes()))] : 0)) + row;
       }
     r.comb_row.resize(r.tokens.size() * static_cast<std::size_t>(K), -1);
     rows_to(d, [&](std::int64_t row, std::int64_t i) {
@@ -416,7 +437,7 @@ template RoutingCounts routing_counts<float>(const LayerConfig&, const RouterOut
 template RoutingCounts routing_counts<double>(const LayerConfig&, const RouterOutput<double>&);
 
 EventBases::EventBases(Pass pass, std::int64_t row_tiles, std::int64_t local, std::int64_t token_tiles, bool staged_dispatch,
-                       std::int64_t token_sources, bool by_rank, std::int64_t node_sources) {
+                       std::int64_t token_sources, bool by_rank, std::int64_t node_sources, std::int64_t node_sums) {
   std::int64_t next = 0;
   auto take = [&](std::int64_t n) {
     const std::int64_t at = next;
@@ -454,6 +475,7 @@ EventBases::EventBases(Pass pass, std::int64_t row_tiles, std::int64_t local, st
   slot_done = take(by_rank ? local : 0);
   gw_done = take(by_rank && pass == Pass::backward ? 1 : 0);
   node = take(node_sources);
+  node_comb = take(node_sums);
   total = next;
 }
 

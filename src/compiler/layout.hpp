@@ -147,6 +147,22 @@ class Exchange {
   std::int64_t node_route_rows(std::int64_t s, std::int64_t b) const {
     return token_send_offset(s, (b + 1) * node_ranks_) - token_send_offset(s, b * node_ranks_);
   }
+  // The rows the per-rank combine's sums come back to on source s
+  // (COMB_RANK, DCOMB_RANK): those of each rank whose sums come straight,
+  // in its list's order (with the per-node combine, only its own node's
+  // ranks'), then those of each node block it sent, one per token (the
+  // forwarders' sums).
+  std::int64_t sum_start(std::int64_t s, std::int64_t d) const {
+    return token_send_offset(s, d) - (forwards_ ? token_send_offset(s, node_of(s) * node_ranks_) : 0);
+  }
+  std::int64_t node_sum_start(std::int64_t s, std::int64_t b) const { return own_node_list(s) + node_send_offset(s, b); }
+  std::int64_t sum_rows(std::int64_t s) const {
+    return forwards_ ? node_sum_start(s, nodes()) : token_send_offset(s, ranks_);
+  }
+  std::int64_t own_node_list(std::int64_t s) const {
+    const std::int64_t b = node_of(s);
+    return token_send_offset(s, (b + 1) * node_ranks_) - token_send_offset(s, b * node_ranks_);
+  }
   // Rows a forwarder receives: node blocks, routes.
   std::int64_t node_recv_rows(std::int64_t f) const { return node_recv_[static_cast<std::size_t>(f)]; }
   std::int64_t node_route_recv_rows(std::int64_t f) const { return route_recv_[static_cast<std::size_t>(f)]; }
@@ -183,19 +199,22 @@ struct RankRoutes {
   // and as long, but cut by each token's last instance there (sub-lists in
   // slot order, each in token order): for each list row, the token's row
   // in its block and the row each of its K choices fills on the
-  // destination (-1: elsewhere or dropped); for each token and rank, its
-  // row in the lists (-1: none).
+  // destination (-1: elsewhere or dropped); for each token (2 P + B
+  // columns): its row in the lists for each rank (-1: none), the row each
+  // rank's sum comes back to (Exchange::sum_start; -1: none, or through a
+  // forwarder), and the row each node's sum comes back to (the per-node
+  // combine's forwarders'; -1: none, or straight).
   std::vector<std::int32_t> list_block;  // [token list rows]
   std::vector<std::int32_t> comb_row;    // [token list rows * K]
-  std::vector<std::int64_t> list_slot;   // [T * P]
+  std::vector<std::int64_t> list_slot;   // [T * (2 P + B)]
   // The per-node exchange: the tokens each other node needs (0 for its
   // own), its node list (each node block by node slot, then in token
-  // order) and, per token
-  // list row for a rank of another node, the token's row in that node's
-  // block (-1 for its own node's ranks).
+  // order) and, per token list row for a rank of another node, the
+  // token's row in that node's block, then the same for the token of that
+  // row of the combine list (-1 for its own node's ranks).
   std::vector<std::int64_t> node_count;  // [B S]: per node, its sub-blocks' tokens
   std::vector<std::int32_t> node_tokens;  // [node_send_offset(s, B)]
-  std::vector<std::int32_t> node_index;   // [token list rows]
+  std::vector<std::int32_t> node_index;   // [token list rows * 2]
 };
 // slot: the send row of each of s's assignments (send_slots, -1 dropped);
 // expert: their experts. `tokens` and `position` need the exchange's rank
@@ -218,7 +237,7 @@ struct EventBases {
   // 0 without it; by_rank: it is in use): `tok` + s L + j completes once s's sub-blocks 0..j and
   // its routes for slot j have arrived.
   EventBases(Pass, std::int64_t row_tiles, std::int64_t local, std::int64_t token_tiles, bool staged,
-             std::int64_t token_sources = 0, bool by_rank = false, std::int64_t node_sources = 0);
+             std::int64_t token_sources = 0, bool by_rank = false, std::int64_t node_sources = 0, std::int64_t node_sums = 0);
   // forward
   std::int64_t recv = 0, h = 0, a = 0, y = 0, comb_done = 0, sh_h = 0, sh_a = 0, staged = 0;
   // both passes, the per-rank exchange: source s's sub-blocks up to a slot (and routes) arrived
@@ -232,6 +251,10 @@ struct EventBases {
   // completes once source s's node sub-blocks 0..j (and forward, its
   // routes) arrived
   std::int64_t node = 0;
+  // both passes, the per-node combine on a forwarder: `node_comb` + s
+  // completes once its node's ranks have put all their sums of source s's
+  // tokens (forward Y, backward DXE)
+  std::int64_t node_comb = 0;
   // both passes: the split experts' partial rows reduced (part_reduce tasks)
   std::int64_t reduced = 0;
   // backward

@@ -42,6 +42,10 @@ std::pair<TaskKind, TaskKind> remote_consumers(TaskKind put) {
     case TaskKind::combine_rank_put: return {TaskKind::combine_rank_reduce, TaskKind::combine_rank_reduce};
     case TaskKind::gate_grad_put: return {TaskKind::gate_grad_gather, TaskKind::gate_grad_gather};
     case TaskKind::grad_combine_rank_put: return {TaskKind::grad_rank_reduce, TaskKind::grad_rank_reduce};
+    case TaskKind::combine_node_part_put: return {TaskKind::combine_node_put, TaskKind::combine_node_put};
+    case TaskKind::combine_node_put: return {TaskKind::combine_rank_reduce, TaskKind::combine_rank_reduce};
+    case TaskKind::grad_combine_node_part_put: return {TaskKind::grad_combine_node_put, TaskKind::grad_combine_node_put};
+    case TaskKind::grad_combine_node_put: return {TaskKind::grad_rank_reduce, TaskKind::grad_rank_reduce};
     default: return {TaskKind::grad_reduce, TaskKind::grad_part_reduce};
   }
 }
@@ -107,7 +111,8 @@ std::vector<std::int32_t> interleave_weight_gradients(const Program& p) {
     else if (is_wgrad(t.kind)) wgrad[le].push_back(i);
     else if (t.kind == TaskKind::grad_combine_put) puts[le].push_back(i);
     else if (t.kind == TaskKind::grad_reduce || t.kind == TaskKind::grad_part_reduce || t.kind == TaskKind::grad_rank_reduce ||
-             t.kind == TaskKind::grad_combine_rank_put)
+             t.kind == TaskKind::grad_combine_rank_put || t.kind == TaskKind::grad_combine_node_part_put ||
+             t.kind == TaskKind::grad_combine_node_put)
       tail.push_back(i);
     else head.push_back(i);
   }
@@ -246,6 +251,30 @@ std::vector<std::int32_t> ratr_order(const Program& p) {
   return order;
 }
 
+// A forwarder's node sums (the per-node combine) wait for what its node's
+// ranks put at the level of their own return puts: queued before any of
+// this rank's returns, they would make the ranks wait on each other. Under
+// every policy they go right after the last other put (nothing local waits
+// on them, and the reductions that wait for what they feed come later).
+void sink_node_sums(const Program& p, std::vector<std::int32_t>& order) {
+  const auto node_sums = [&](std::int32_t i) {
+    const TaskKind k = p.tasks[static_cast<std::size_t>(i)].kind;
+    return k == TaskKind::combine_node_put || k == TaskKind::grad_combine_node_put;
+  };
+  std::vector<std::int32_t> sums, rest;
+  std::size_t after = 0;  // in `rest`: one past the last other put
+  for (const std::int32_t i : order) {
+    if (node_sums(i)) sums.push_back(i);
+    else {
+      rest.push_back(i);
+      if (is_put(p.tasks[static_cast<std::size_t>(i)].kind)) after = rest.size();
+    }
+  }
+  if (sums.empty()) return;
+  rest.insert(rest.begin() + static_cast<std::ptrdiff_t>(after), sums.begin(), sums.end());
+  order.swap(rest);
+}
+
 // LSD radix sort of 64-bit keys, 16 bits a pass (stable, linear time).
 void radix_sort(std::vector<std::uint64_t>& keys, std::vector<std::uint64_t>& tmp) {
   tmp.resize(keys.size());
@@ -297,6 +326,7 @@ void schedule(Program& p, Policy policy, ScheduleScratch& scratch) {
     rotate_puts(p, order);
   }
   if (policy == Policy::ratr) order = ratr_order(p);
+  sink_node_sums(p, order);
 
   // Placement. Fill: round-robin over the workers that take the class.
   // Otherwise list scheduling on the cost model: each task, in order, goes to
@@ -387,7 +417,8 @@ std::vector<TaskKind> layer_operators(const LayerConfig& c, bool has_splits, Pas
         return by_rank;
       case TaskKind::dispatch_node_put: case TaskKind::dispatch_node_route_put: case TaskKind::dispatch_forward:
       case TaskKind::grad_dispatch_node_put: case TaskKind::grad_dispatch_forward: case TaskKind::dispatch_node_relay:
-      case TaskKind::grad_dispatch_node_relay:
+      case TaskKind::grad_dispatch_node_relay: case TaskKind::combine_node_part_put: case TaskKind::combine_node_put:
+      case TaskKind::grad_combine_node_part_put: case TaskKind::grad_combine_node_put:
         return c.forwards();
       case TaskKind::shared_gate_up: case TaskKind::shared_swiglu: case TaskKind::shared_down:
       case TaskKind::shared_down_dgrad: case TaskKind::pack_shared_down_grad: case TaskKind::shared_down_wgrad:

@@ -139,6 +139,10 @@ TaskKind remote_consumer(TaskKind put) {
     case TaskKind::combine_rank_put: return TaskKind::combine_rank_reduce;
     case TaskKind::gate_grad_put: return TaskKind::gate_grad_gather;
     case TaskKind::grad_combine_rank_put: return TaskKind::grad_rank_reduce;
+    case TaskKind::combine_node_part_put: return TaskKind::combine_node_put;
+    case TaskKind::combine_node_put: return TaskKind::combine_rank_reduce;
+    case TaskKind::grad_combine_node_part_put: return TaskKind::grad_combine_node_put;
+    case TaskKind::grad_combine_node_put: return TaskKind::grad_rank_reduce;
     default: return TaskKind::grad_reduce;
   }
 }
@@ -158,10 +162,14 @@ std::int8_t put_level(TaskKind put) {
     // forwarder: the sums and the gate gradients (which the router, and so
     // dx, wait for) at level 2, the backward's dx sums, which may be queued
     // after the router, at level 3.
-    case TaskKind::combine_rank_put: case TaskKind::gate_grad_put:
+    // The per-node combine's sums go to the forwarder at the level of the
+    // per-rank sums, and the forwarder's return one level up.
+    case TaskKind::combine_rank_put: case TaskKind::gate_grad_put: case TaskKind::combine_node_part_put:
       return 2;
-    case TaskKind::grad_combine_rank_put:
+    case TaskKind::grad_combine_rank_put: case TaskKind::combine_node_put: case TaskKind::grad_combine_node_part_put:
       return 3;
+    case TaskKind::grad_combine_node_put:
+      return 4;
     default:
       return 1;
   }

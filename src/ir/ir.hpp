@@ -87,6 +87,12 @@ enum class TaskKind : std::uint8_t {
   grad_dispatch_forward,    // NODE_DY[route] rows into a node rank's DY_TOK, signal
   dispatch_node_relay,      // a source's node sub-blocks up to j arrived: count it towards j + 1 (no data)
   grad_dispatch_node_relay, // the same for the backward's node blocks
+  // the per-node combine: a node's ranks sum a source's tokens on the source's forwarder there, which returns
+  // one row per (token, node)
+  combine_node_part_put,       // as combine_rank_put, into the forwarder's NODE_COMB (laid out as NODE_ROUTE), signal
+  combine_node_put,            // sum over the node's ranks, in rank order, of NODE_COMB rows per node-block token, into the source's COMB_RANK, signal
+  grad_combine_node_part_put,  // as grad_combine_rank_put, into the forwarder's NODE_DCOMB, signal
+  grad_combine_node_put,       // the same sum of NODE_DCOMB rows into the source's DCOMB_RANK, signal
   count
 };
 
@@ -121,16 +127,21 @@ enum class BufferId : std::uint8_t {
   // destination's list: its row in its block, the recv row there of each
   // of the token's K choices or -1, then their gates; int32 words), the
   // lists as received;
-  // the source's rows back, one per (token, rank) of its list; each token's
-  // row there for each rank (int64, -1: none); the backward's gate
-  // gradients (K per list row, fp32) and dx partials back
+  // the source's rows back, one per (token, rank) of its list, then (the
+  // per-node combine) one per (token, node) of its node list; each token's
+  // row there for each rank, then for each node (int64, -1: none; P + B
+  // columns); the backward's gate gradients (K per list row, fp32) and dx
+  // partials back, laid out as the forward's rows
   rank_comb, recv_comb, comb_rank, rank_slot, gw_rank, dcomb_rank,
   // the per-node exchange: the source's token list per destination node
   // (int32) and, per row of its token list, that token's row in its node
-  // block (int32, rows for its own node unused); the node blocks a forwarder
-  // receives (by source; as RECV_TOK rows), their routes (int32), the
-  // backward's node blocks of DOUT (as DY_TOK rows)
-  node_token, node_index, node_tok, node_route, node_dy,
+  // block, then the same for the token of that row of its combine list
+  // (int32 x 2, rows for its own node unused); the node blocks a forwarder
+  // receives (by source; as RECV_TOK rows), their routes (int32 x 2), the
+  // backward's node blocks of DOUT (as DY_TOK rows); on a forwarder, the
+  // sums its node's ranks return for each source, one row per (token,
+  // rank), laid out as NODE_ROUTE (forward, backward)
+  node_token, node_index, node_tok, node_route, node_dy, node_comb, node_dcomb,
   count
 };
 

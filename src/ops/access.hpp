@@ -54,6 +54,7 @@ enum class Span : std::uint8_t {
   peer_block,         // the per-rank combine: the whole token block of the put's target: [token_begin[peer L], token_begin[peer L + L])
   expert_prefix,      // the rows of the rank's slots up to the task's expert's: [0, expert_begin[slot + 1])
   node_prefix,        // the per-node exchange on a forwarder: source s's node sub-blocks 0..j, where rows [src_row, src_row + rows) of the routes are of s's sub-block j for a rank of the node
+  node_source,        // the per-node combine on a forwarder: every route row (and NODE_COMB row) of source s = peer, for all the node's ranks
 };
 
 // Layer sizes an operand rule or a GEMM can name.
@@ -74,6 +75,9 @@ enum class Extent : std::uint8_t {
   // the per-rank combine: the ranks; all rows a rank receives; the rows of
   // the rank's own token list (its COMB_RANK rows); a combine-list row (2 K + 1 words)
   ranks, recv_rows, token_list, comb_words,
+  // the rows a source's sums come back to (COMB_RANK: its token list, then
+  // its node list), and the columns of its slots (RANK_SLOT: P + B)
+  comb_rows, slot_cols,
 };
 
 struct OperandRule {
@@ -222,6 +226,11 @@ inline std::int64_t AccessTable::extent(const Program& p, const Task& t, Extent 
       return b ? b->rows : 0;
     }
     case Extent::comb_words: return 2 * d.top_k + 1;
+    case Extent::comb_rows:
+    case Extent::slot_cols: {
+      const BufferLayout* b = p.buffer(e == Extent::comb_rows ? BufferId::comb_rank : BufferId::rank_slot);
+      return !b ? 0 : e == Extent::comb_rows ? b->rows : b->cols;
+    }
     case Extent::inter: return d.inter;
     case Extent::inter2: return 2 * d.inter;
     case Extent::shared_inter: return d.shared_inter;
@@ -302,6 +311,15 @@ inline std::pair<std::int64_t, std::int64_t> AccessTable::span_of(const AccessTa
                     ", " + std::to_string(end) + "), which span two sub-blocks' routes");
       const std::int64_t s = k / RS, j = k % S;
       return {p.node_begin[static_cast<std::size_t>(s * S)], p.node_begin[static_cast<std::size_t>(s * S + j + 1)]};
+    }
+    case Span::node_source: {
+      const auto& routes = p.node_route_begin;
+      const std::int64_t P = p.ranks, peer = t.peer;
+      const std::int64_t RS = routes.empty() ? 0 : static_cast<std::int64_t>(routes.size() - 1) / P;
+      if (RS < 1 || static_cast<std::int64_t>(routes.size()) != P * RS + 1 || peer < 0 || peer >= P)
+        throw Error("rank " + std::to_string(p.rank) + " task " + name(t.kind) + " sums rank " + std::to_string(t.peer) +
+                    "'s node rows, which this program's node blocks do not hold");
+      return {routes[static_cast<std::size_t>(peer * RS)], routes[static_cast<std::size_t>((peer + 1) * RS)]};
     }
     case Span::expert_prefix: {
       const std::int64_t slot = p.slot_of(t.expert);

@@ -11,7 +11,9 @@
 // output gradient, which arrived once, against each expert row), because
 // the source no longer holds the expert rows to do it; the source adds both
 // over ranks in rank order.
+#include <algorithm>
 #include <cstring>
+#include <initializer_list>
 #include <string>
 #include <vector>
 
@@ -128,37 +130,86 @@ bool gate_grad_put(const Tile<T>& tile) {
   return tile.host.send_put(dst);
 }
 
-// The source's side: each token's rows from its ranks, in rank order.
+// The source's side: each token's rows from its ranks, node by node. Its
+// own node's ranks' rows are added one by one, in rank order; another
+// node's come as one row, the sum over that node's ranks in rank order,
+// rounded to the layer's dtype: its forwarder's (the per-node combine), or
+// summed here the same way when the rows came straight. Either way the
+// additions are the same, so forwarding the combine changes no bit; with
+// one node (or one rank a node) it is the plain rank order.
+// `slots`: the token's sum rows, P by rank then B by node (RANK_SLOT's
+// columns after the list rows).
+template <class T>
+void sum_by_node(float* out, std::int64_t H, const Program& p, std::int64_t nodes, const std::int64_t* all_slots, const T* rows,
+                 std::initializer_list<const float*> extra) {
+  const std::int64_t P = p.ranks, R = P / nodes, own = p.rank / R;
+  const std::int64_t* slots = all_slots + P;
+  thread_local std::vector<float> partial;
+  thread_local std::vector<T> rounded;
+  std::fill(out, out + H, 0.0f);
+  for (std::int64_t b = 0; b < nodes; ++b) {
+    if (b == own) {
+      for (std::int64_t d = b * R; d < (b + 1) * R; ++d)
+        if (slots[d] >= 0) kernels::axpy<T>(1.0f, rows + slots[d] * H, out, H);
+    } else if (slots[P + b] >= 0) {
+      kernels::axpy<T>(1.0f, rows + slots[P + b] * H, out, H);
+    } else {
+      partial.assign(static_cast<std::size_t>(H), 0.0f);
+      bool any = false;
+      for (std::int64_t d = b * R; d < (b + 1) * R; ++d)
+        if (slots[d] >= 0) kernels::axpy<T>(1.0f, rows + slots[d] * H, partial.data(), H), any = true;
+      if (!any) continue;
+      rounded.resize(static_cast<std::size_t>(H));
+      kernels::store<T>(partial.data(), rounded.data(), H);
+      kernels::axpy<T>(1.0f, rounded.data(), out, H);
+    }
+  }
+  for (const float* e : extra)
+    if (e) kernels::axpy<float>(1.0f, e, out, H);
+}
+
+std::int64_t slot_nodes(const Program& p, const Rect& slots) {
+  const std::int64_t nodes = slots.cols() - 2 * p.ranks;
+  if (nodes < 1 || p.ranks % nodes != 0)
+    throw Error("rank_slot has " + std::to_string(slots.cols()) + " columns for " + std::to_string(p.ranks) +
+                " ranks: it needs two per rank and one per node, and the nodes must divide the ranks");
+  return nodes;
+}
+
 template <class T>
 bool rank_reduce(const Tile<T>& tile) {
-  const std::int64_t H = tile.dims().hidden, P = tile.program.ranks;
-  const std::int64_t* slots = tile.template at<std::int64_t>(tile.in(BufferId::rank_slot));
+  const std::int64_t H = tile.dims().hidden;
+  const Rect& slot_rect = tile.in(BufferId::rank_slot);
+  const std::int64_t nodes = slot_nodes(tile.program, slot_rect), ld_slot = tile.ld(BufferId::rank_slot);
+  const std::int64_t* slots = tile.template at<std::int64_t>(slot_rect);
   const T* rows = tile.template at<T>(tile.in(BufferId::comb_rank));
   const float* shared = tile.dims().shared_inter > 0 ? tile.template at<float>(tile.in(BufferId::sh_y)) : nullptr;
   float* out = tile.template at<float>(tile.out(BufferId::out));
   const std::int64_t ld = tile.ld(BufferId::out);
   for (std::int64_t j = 0; j < tile.rows(); ++j)
-    kernels::combine_row<T>(out + j * ld, H, P, slots + j * P, nullptr, rows, {shared ? shared + j * H : nullptr});
+    sum_by_node<T>(out + j * ld, H, tile.program, nodes, slots + j * ld_slot, rows, {shared ? shared + j * H : nullptr});
   return false;
 }
 
 template <class T>
 bool grad_rank_reduce(const Tile<T>& tile) {
-  const std::int64_t H = tile.dims().hidden, P = tile.program.ranks;
-  const std::int64_t* slots = tile.template at<std::int64_t>(tile.in(BufferId::rank_slot));
+  const std::int64_t H = tile.dims().hidden;
+  const Rect& slot_rect = tile.in(BufferId::rank_slot);
+  const std::int64_t nodes = slot_nodes(tile.program, slot_rect), ld_slot = tile.ld(BufferId::rank_slot);
+  const std::int64_t* slots = tile.template at<std::int64_t>(slot_rect);
   const T* rows = tile.template at<T>(tile.in(BufferId::dcomb_rank));
   const float* rdx = tile.template at<float>(tile.in(BufferId::rdx));
   const float* sdx = tile.dims().shared_inter > 0 ? tile.template at<float>(tile.in(BufferId::sdx)) : nullptr;
   float* dx = tile.template at<float>(tile.out(BufferId::dx));
   const std::int64_t ld = tile.ld(BufferId::dx);
   for (std::int64_t j = 0; j < tile.rows(); ++j)
-    kernels::combine_row<T>(dx + j * ld, H, P, slots + j * P, nullptr, rows, {rdx + j * H, sdx ? sdx + j * H : nullptr});
+    sum_by_node<T>(dx + j * ld, H, tile.program, nodes, slots + j * ld_slot, rows, {rdx + j * H, sdx ? sdx + j * H : nullptr});
   return false;
 }
 
 template <class T>
 bool gate_grad_gather(const Tile<T>& tile) {
-  const std::int64_t K = tile.dims().top_k, P = tile.program.ranks;
+  const std::int64_t K = tile.dims().top_k, P = tile.program.ranks, ld_slot = tile.ld(BufferId::rank_slot);
   const std::int64_t* slots = tile.template at<std::int64_t>(tile.in(BufferId::rank_slot));
   const float* parts = tile.template at<float>(tile.in(BufferId::gw_rank));
   float* gw = tile.template at<float>(tile.out(BufferId::gw));
@@ -167,10 +218,54 @@ bool gate_grad_gather(const Tile<T>& tile) {
     float* g = gw + j * ld;
     std::fill(g, g + K, 0.0f);
     for (std::int64_t d = 0; d < P; ++d)
-      if (const std::int64_t at = slots[j * P + d]; at >= 0)
+      if (const std::int64_t at = slots[j * ld_slot + d]; at >= 0)
         for (std::int64_t k = 0; k < K; ++k) g[k] += parts[at * K + k];
   }
   return false;
+}
+
+// The per-node combine on a forwarder: one row per token of a piece of
+// source s's node block (rows [src_row, src_row + rows) of it), the sum of
+// the rows its node's ranks put for it, in rank order (the NODE_COMB rows
+// of s follow its routes: rank by rank, each in its list's order, with the
+// token's node-block row in the routes' second column), rounded to the
+// layer's dtype and put into the source's rows after its lists.
+template <class T>
+bool node_sum_put(const Tile<T>& tile, BufferId parts_buffer) {
+  const std::int64_t H = tile.dims().hidden, first = tile.task.src_row, rows = tile.rows();
+  const Rect& routes = tile.in(BufferId::node_route);
+  const Rect& parts = tile.in(parts_buffer);
+  const Rect& dst = tile.write(0);
+  tile.need(dst, rows, H);
+  const std::int64_t ld_route = tile.ld(BufferId::node_route), ld = tile.ld(parts_buffer);
+  const auto* route = tile.template at<std::int32_t>(routes);
+  const T* from = tile.template at<T>(parts);
+  // s's node block: its rows on this forwarder (node_begin, by sub-block).
+  const std::int64_t S = static_cast<std::int64_t>(tile.program.node_begin.size() - 1) / tile.program.ranks;
+  const std::int64_t block = tile.program.node_begin[static_cast<std::size_t>((tile.task.peer + 1) * S)] -
+                             tile.program.node_begin[static_cast<std::size_t>(tile.task.peer * S)];
+  thread_local std::vector<float> acc;
+  acc.assign(static_cast<std::size_t>(rows * H), 0.0f);
+  for (std::int64_t r = 0; r < routes.rows(); ++r) {
+    const std::int64_t at = route[r * ld_route + 1];
+    if (at < 0 || at >= block)
+      throw Error(std::string(taskflow::name(tile.task.kind)) + ": node row " + std::to_string(routes.r0 + r) + " names row " +
+                  std::to_string(at) + " of a node block of " + std::to_string(block) +
+                  " rows: the routes do not match the blocks (a corrupt put)");
+    if (at >= first && at < first + rows) kernels::axpy<T>(1.0f, from + r * ld, acc.data() + (at - first) * H, H);
+  }
+  T* to = tile.host.put_target(dst);
+  for (std::int64_t j = 0; j < rows; ++j) kernels::store<T>(acc.data() + j * H, to + j * H, H);
+  return tile.host.send_put(dst);
+}
+
+template <class T>
+bool combine_node_put(const Tile<T>& tile) {
+  return node_sum_put(tile, BufferId::node_comb);
+}
+template <class T>
+bool grad_combine_node_put(const Tile<T>& tile) {
+  return node_sum_put(tile, BufferId::node_dcomb);
 }
 
 // A put's bytes are what it carries (the step's put bytes and the
@@ -186,7 +281,7 @@ constexpr ByteTerm kRowsRead{X::hidden, 1, kElem, X::none, true};
 constexpr ByteTerm kListRead{X::comb_words, 1, 4, X::none, true};
 // The source reads a token's row from each rank it went to: at most K of them.
 constexpr ByteTerm kRowsOfRanks{X::hidden, 1, kElem, X::top_k};
-constexpr ByteTerm kSlots{X::ranks, 1, 8, X::none};
+constexpr ByteTerm kSlots{X::slot_cols, 1, 8, X::none};
 constexpr auto kListRows = Span::source_rows;
 
 constexpr OpKind kKinds[] = {
@@ -201,7 +296,7 @@ constexpr OpKind kKinds[] = {
                         {kRow, kRowsRead, kListRead}, kOwn)),
      combine_put<float>, combine_put<bf16>},
     {TaskKind::combine_rank_reduce, "combine_rank_reduce", Pass::forward, 95,
-     vector_kind({op(B::comb_rank, R, Span::whole, X::token_list, Span::whole, X::hidden), band(B::rank_slot, X::ranks),
+     vector_kind({op(B::comb_rank, R, Span::whole, X::comb_rows, Span::whole, X::hidden), band(B::rank_slot, X::slot_cols),
                   op(B::sh_y, R, Span::task_rows, X::none, Span::whole, X::hidden, Side::own, true), tile(B::out)},
                  {kRowsOfRanks, kSlots, {X::hidden, 1, 4, X::none}}),
      rank_reduce<float>, rank_reduce<bf16>},
@@ -212,7 +307,7 @@ constexpr OpKind kKinds[] = {
                         {{X::top_k, 1, 4, X::none}, kRowsRead, kListRead, {X::token_row_bytes, 1, 1, X::none, true}})),
      gate_grad_put<float>, gate_grad_put<bf16>},
     {TaskKind::gate_grad_gather, "gate_grad_gather", Pass::backward, -2,
-     vector_kind({op(B::gw_rank, R, Span::whole, X::token_list, Span::whole, X::top_k), band(B::rank_slot, X::ranks),
+     vector_kind({op(B::gw_rank, R, Span::whole, X::token_list, Span::whole, X::top_k), band(B::rank_slot, X::slot_cols),
                   tile(B::gw)},
                  {{X::top_k, 1, 4, X::top_k}, kSlots}),
      gate_grad_gather<float>, gate_grad_gather<bf16>},
@@ -223,14 +318,43 @@ constexpr OpKind kKinds[] = {
                         {kRow, kRowsRead, kListRead}, kOwn)),
      dx_put<float>, dx_put<bf16>},
     {TaskKind::grad_rank_reduce, "grad_rank_reduce", Pass::backward, 215,
-     vector_kind({op(B::dcomb_rank, R, Span::whole, X::token_list, Span::whole, X::hidden), band(B::rank_slot, X::ranks),
+     vector_kind({op(B::dcomb_rank, R, Span::whole, X::comb_rows, Span::whole, X::hidden), band(B::rank_slot, X::slot_cols),
                   band(B::rdx, X::hidden), op(B::sdx, R, Span::task_rows, X::none, Span::whole, X::hidden, Side::own, true),
                   tile(B::dx)},
                  {kRowsOfRanks, kSlots, {X::hidden, 3, 4, X::none}}),
      grad_rank_reduce<float>, grad_rank_reduce<bf16>},
 };
+// The per-node combine: a node's ranks put their sums of another node's
+// source's tokens on the source's forwarder there (as the per-rank
+// combine's, into NODE_COMB), which sums them per token and puts one row
+// per (token, node) back. The forwarder reads, per token, the rows of the
+// node's ranks that hold it: one row per row charged, as above.
+constexpr ByteTerm kNodeRoutesRead{X::route, 1, 4, X::none, true};
+constexpr OpKind kNodeKinds[] = {
+    {TaskKind::combine_node_part_put, "combine_node_part_put", Pass::forward, 76,
+     as_put(vector_kind({op(B::recv_comb, R, kListRows, X::none, Span::whole, X::comb_words),
+                         op(B::y, R, Span::expert_prefix, X::none, Span::whole, X::hidden), tile(B::node_comb, Side::peer)},
+                        {kRow, kRowsRead, kListRead}, kOwn)),
+     combine_put<float>, combine_put<bf16>},
+    {TaskKind::combine_node_put, "combine_node_put", Pass::forward, 78,
+     as_put(vector_kind({op(B::node_route, R, Span::node_source, X::none, Span::whole, X::route),
+                         op(B::node_comb, R, Span::node_source, X::none, Span::whole, X::hidden), tile(B::comb_rank, Side::peer)},
+                        {kRow, kRowsRead, kNodeRoutesRead})),
+     combine_node_put<float>, combine_node_put<bf16>},
+    {TaskKind::grad_combine_node_part_put, "grad_combine_node_part_put", Pass::backward, 196,
+     as_put(vector_kind({op(B::recv_comb, R, kListRows, X::none, Span::whole, X::comb_words),
+                         op(B::dxe, R, Span::expert_prefix, X::none, Span::whole, X::hidden), tile(B::node_dcomb, Side::peer)},
+                        {kRow, kRowsRead, kListRead}, kOwn)),
+     dx_put<float>, dx_put<bf16>},
+    {TaskKind::grad_combine_node_put, "grad_combine_node_put", Pass::backward, 198,
+     as_put(vector_kind({op(B::node_route, R, Span::node_source, X::none, Span::whole, X::route),
+                         op(B::node_dcomb, R, Span::node_source, X::none, Span::whole, X::hidden), tile(B::dcomb_rank, Side::peer)},
+                        {kRow, kRowsRead, kNodeRoutesRead})),
+     grad_combine_node_put<float>, grad_combine_node_put<bf16>},
+};
 }  // namespace
 
 Family rank_combine_family() { return {"rank_combine", kKinds}; }
+Family node_combine_family() { return {"node_combine", kNodeKinds}; }
 
 }  // namespace hpmoe::ops

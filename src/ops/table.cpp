@@ -14,6 +14,7 @@ Family exchange_family();
 Family token_exchange_family();
 Family node_exchange_family();
 Family rank_combine_family();
+Family node_combine_family();
 Family expert_gemm_family();
 Family weight_grad_family();
 Family swiglu_family();
@@ -25,7 +26,8 @@ Family reduction_family();
 namespace {
 
 struct Index {
-  std::array<Family, 11> families{exchange_family(), token_exchange_family(), node_exchange_family(), rank_combine_family(), expert_gemm_family(),
+  std::array<Family, 12> families{exchange_family(), token_exchange_family(), node_exchange_family(), rank_combine_family(),
+                                  node_combine_family(), expert_gemm_family(),
                                   weight_grad_family(), swiglu_family(), pack_family(), combine_family(), router_family(),
                                   reduction_family()};
   std::array<const OpKind*, static_cast<std::size_t>(TaskKind::count)> by_kind{};

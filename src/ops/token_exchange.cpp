@@ -56,7 +56,8 @@ bool token_put(const Tile<T>& tile) {
 
 // Route words as they are: kWords int32 words a row. The per-rank
 // exchange's routes of the rows sent to one instance (row in the token
-// block, gate: 2 words), the per-node exchange's node-block rows (1 word).
+// block, gate: 2 words), the per-node exchange's node-block rows (2 words:
+// of the token list's row, of the combine list's).
 template <class T, int kWords = 2>
 bool route_put(const Tile<T>& tile) {
   const Rect& src = tile.read(0);
@@ -176,10 +177,11 @@ bool forward_rows(const Tile<T>& tile) {
   tile.need(routes, rows, 1);
   tile.need(dst, rows, layout.cols);
   const auto* route = tile.template at<std::int32_t>(routes);
+  const std::int64_t ld_route = tile.ld(routes.buffer);
   const auto* from = tile.template at<std::byte>(block);
   auto* to = reinterpret_cast<std::byte*>(tile.host.put_target(dst));
   for (std::int64_t j = 0; j < rows; ++j) {
-    const std::int64_t at = route[j];
+    const std::int64_t at = route[j * ld_route];
     if (at < 0 || at >= block.rows())
       throw Error(std::string(taskflow::name(tile.task.kind)) + ": the route of node row " + std::to_string(tile.task.src_row + j) +
                   " names row " + std::to_string(at) + " of a node block of " + std::to_string(block.rows()) +
@@ -230,9 +232,9 @@ constexpr OpKind kNodeKinds[] = {
                         {kTokenRow})),
      token_put<float, B::node_token>, token_put<bf16, B::node_token>},
     {TaskKind::dispatch_node_route_put, "dispatch_node_route_put", Pass::forward, -3,
-     as_put(vector_kind({op(B::node_index, R, Span::source_rows, X::none, Span::whole, X::one), tile(B::node_route, Side::peer)},
-                        {ByteTerm{X::one, 1, 4, X::none}})),
-     route_put<float, 1>, route_put<bf16, 1>},
+     as_put(vector_kind({op(B::node_index, R, Span::source_rows, X::none, Span::whole, X::route), tile(B::node_route, Side::peer)},
+                        {kRoute})),
+     route_put<float>, route_put<bf16>},
     {TaskKind::dispatch_forward, "dispatch_forward", Pass::forward, -1,
      as_put(vector_kind({op(B::node_route, R, Span::source_rows, X::none, Span::whole, X::one),
                          op(B::node_tok, R, Span::node_prefix, X::none, Span::whole, X::token_cols), tile(B::recv_tok, Side::peer)},

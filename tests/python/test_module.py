@@ -204,19 +204,30 @@ def test_rank_exchange_matches_the_assignment_exchange_and_its_serialized_run():
 
 
 def test_node_exchange_is_the_rank_exchange_bit_for_bit():
-    """ranks_per_node forwards each token inside its destination node from one copy sent across: the same bytes
-    land in the same rows, so outputs and every gradient are bit-identical to exchange="rank" alone; a
-    ranks_per_node that does not divide the ranks is a ValueError."""
+    """ranks_per_node forwards each token inside its destination node from one copy sent across, and sums the
+    node's ranks' rows on the forwarder before one row returns: outputs and every gradient are bit-identical
+    to the same exchange sent straight (node_forwarding False: the source adds a node's rows first, as the
+    forwarder would), and within fp32 rounding of one node; a ranks_per_node that does not divide the
+    ranks is a ValueError."""
     torch.manual_seed(8)
     cfg = small(top_k=3, shared_experts=1)
+    straight = dict(cfg, node_forwarding=False)
     a = hpmoe.MoELayer(cfg, ranks=4, workers=1, exchange="rank", ranks_per_node=2)
-    b = hpmoe.MoELayer(cfg, ranks=4, workers=1, exchange="rank")
-    assert a.config["ranks_per_node"] == 2
+    b = hpmoe.MoELayer(straight, ranks=4, workers=1, exchange="rank", ranks_per_node=2)
+    one = hpmoe.MoELayer(cfg, ranks=4, workers=1, exchange="rank")
+    assert a.config["ranks_per_node"] == 2 and a.config["node_forwarding"] and not b.config["node_forwarding"]
     b.load_state_dict(a.state_dict())
+    one.load_state_dict(a.state_dict())
     x, d_out = torch.randn(64, 48), torch.randn(64, 48)
-    ra, rb = run(a, x, d_out), run(b, x, d_out)
+    ra, rb, r1 = run(a, x, d_out), run(b, x, d_out), run(one, x, d_out)
     assert torch.equal(ra[0], rb[0]) and torch.equal(ra[1], rb[1])
     assert all(torch.equal(ra[2][n], rb[2][n]) for n in ra[2])
+
+    def rel(p, q):
+        return float((p - q).norm() / q.norm())
+
+    assert rel(ra[0], r1[0]) < 1e-6 and rel(ra[1], r1[1]) < 1e-6
+    assert all(rel(ra[2][n], r1[2][n]) < 1e-5 for n in ra[2])
     with pytest.raises(ValueError, match="ranks_per_node"):
         hpmoe.MoELayer(cfg, ranks=4, exchange="rank", ranks_per_node=3)
 

@@ -8,6 +8,8 @@
 // the fp64 oracle's checks.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <initializer_list>
 #include <set>
 
 #include "bit_identity.hpp"
@@ -50,13 +52,22 @@ bool carries_tokens(TaskKind k) {
          k == TaskKind::grad_dispatch_token_put || k == TaskKind::grad_dispatch_node_put || k == TaskKind::grad_dispatch_forward;
 }
 
-// Bytes of token rows the programs put to ranks of other nodes.
-double cross_node_token_bytes(const std::vector<Program>& set, std::int64_t per_node) {
+// The combine's sums: one row per (token, rank), or per (token, node).
+bool carries_sums(TaskKind k) {
+  return k == TaskKind::combine_rank_put || k == TaskKind::combine_node_part_put || k == TaskKind::combine_node_put ||
+         k == TaskKind::grad_combine_rank_put || k == TaskKind::grad_combine_node_part_put || k == TaskKind::grad_combine_node_put;
+}
+
+// Bytes of token rows (or of sums) the programs put to ranks of other nodes.
+double cross_node_bytes(const std::vector<Program>& set, std::int64_t per_node, bool (*carries)(TaskKind)) {
   double bytes = 0;
   for (const auto& p : set)
     for (const auto& t : p.tasks)
-      if (carries_tokens(t.kind) && t.peer / per_node != p.rank / per_node) bytes += AccessTable::standard().work(p, t).bytes;
+      if (carries(t.kind) && t.peer / per_node != p.rank / per_node) bytes += AccessTable::standard().work(p, t).bytes;
   return bytes;
+}
+double cross_node_token_bytes(const std::vector<Program>& set, std::int64_t per_node) {
+  return cross_node_bytes(set, per_node, carries_tokens);
 }
 
 }  // namespace
@@ -114,7 +125,16 @@ TEST(NodeExchange, EachTokenCrossesOnceToEachNodeAndItsRoutesPointAtIt) {
         std::set<std::int32_t> needed;
         for (std::int64_t d = b * 2; d < b * 2 + 2; ++d)
           for (std::int64_t row = ex.token_send_offset(s, d); row < ex.token_send_offset(s, d + 1); ++row) {
-            const std::int32_t at = routes.node_index[static_cast<std::size_t>(row)];
+            const std::int32_t at = routes.node_index[static_cast<std::size_t>(2 * row)];
+            // The second column: the node row of the token of this row of
+            // d's combine list, which the forwarder's sums follow.
+            const std::int32_t list_token =
+                routes.tokens[static_cast<std::size_t>(ex.token_send_offset(s, d) + routes.list_block[static_cast<std::size_t>(row)])];
+            const std::int32_t list_at = routes.node_index[static_cast<std::size_t>(2 * row + 1)];
+            ASSERT_GE(list_at, 0);
+            ASSERT_LT(list_at, rows);
+            EXPECT_EQ(routes.node_tokens[static_cast<std::size_t>(begin + list_at)], list_token)
+                << "rank " << d << "'s combine list row " << row << " sums into another token's node row";
             ASSERT_GE(at, 0);
             ASSERT_LT(at, rows);
             // Rank d's sub-block j needs node sub-blocks 0..j only.
@@ -178,6 +198,10 @@ TEST(NodeExchange, ProgramsAreProvedWholeAndPerRankAndCrossNodesLess) {
       const double ratio = cross_node_token_bytes(programs, 2) / cross_node_token_bytes(direct, 2);
       EXPECT_LT(ratio, 0.75) << (pass == Pass::forward ? "forward" : "backward");
       EXPECT_GT(ratio, 0.55) << (pass == Pass::forward ? "forward" : "backward");
+      // The sums come back the same way: one row per (token, node).
+      const double sums = cross_node_bytes(programs, 2, carries_sums) / cross_node_bytes(direct, 2, carries_sums);
+      EXPECT_LT(sums, 0.75) << (pass == Pass::forward ? "forward" : "backward") << " sums";
+      EXPECT_GT(sums, 0.55) << (pass == Pass::forward ? "forward" : "backward") << " sums";
     }
   }
 }
@@ -204,6 +228,16 @@ TEST(NodeExchange, MutationsOfTheForwardingAreRejected) {
       {Pass::forward, 0, TaskKind::dispatch_node_put, next_event, "a node piece that counts towards another source's node block"},
       {Pass::backward, 1, TaskKind::grad_dispatch_forward, shifted, "the backward's forwarded dy piece one row down"},
       {Pass::backward, 0, TaskKind::grad_dispatch_node_put, shorter, "the backward's node piece one row short"},
+      // The per-node combine: a node rank's sums on the forwarder, the
+      // forwarder's sums back to the source.
+      {Pass::forward, 0, TaskKind::combine_node_part_put, shorter, "a node rank's sums one row short: the forwarder adds a row that never came"},
+      {Pass::forward, 1, TaskKind::combine_node_part_put, next_event, "a node rank's sums counted for another source: the forwarder's sum may miss a rank"},
+      {Pass::forward, 2, TaskKind::combine_node_part_put, unwaited, "a node rank's sums that do not wait for its experts"},
+      {Pass::forward, 0, TaskKind::combine_node_put, unwaited, "a forwarder's sum that does not wait for its node's ranks: a reduction that misses a rank"},
+      {Pass::forward, 3, TaskKind::combine_node_put, shorter, "a forwarder's sums one row short: the source adds a node row that never came"},
+      {Pass::forward, 1, TaskKind::combine_node_put, shifted, "a forwarder's sums one row down: a node row written twice, another never"},
+      {Pass::backward, 2, TaskKind::grad_combine_node_part_put, shorter, "the backward's node rank dx sums one row short"},
+      {Pass::backward, 0, TaskKind::grad_combine_node_put, unwaited, "the backward's forwarder dx sum that does not wait for its node's ranks"},
   };
   expect_put_mutations_rejected(put_mutations, forward, backward, rejected);
   {
@@ -261,6 +295,39 @@ TEST(NodeExchange, MutationsOfTheForwardingAreRejected) {
       t.wait_count = fwd.wait_count;
     }
     rejected(programs, "a node put that waits for the node blocks it forwards: a level violation through the forwarder");
+  }
+  {
+    // A forwarder's sum that waits for one piece fewer than its node's
+    // ranks put: it may add before the last rank's rows land.
+    auto programs = forward;
+    auto& t = remote(programs[2], TaskKind::combine_node_put);
+    t.wait_count -= 1;
+    rejected(programs, "a forwarder's sum that waits for one piece fewer than its node's ranks send");
+  }
+  {
+    // A forwarder's sum queued before one of its rank's own return puts on
+    // the same worker: the sum waits for what the node's ranks return at
+    // that level, so the ranks could wait on each other (a level violation
+    // through the forwarder's combine).
+    auto programs = forward;
+    bool moved = false;
+    for (auto& p : programs) {
+      for (std::size_t w = 0; w + 1 < p.queue_begin.size() && !moved; ++w) {
+        const auto first = p.queue_tasks.begin() + p.queue_begin[w], last = p.queue_tasks.begin() + p.queue_begin[w + 1];
+        const auto is = [&](std::int32_t id, std::initializer_list<TaskKind> kinds) {
+          const Task& t = p.tasks[static_cast<std::size_t>(id)];
+          return t.peer != p.rank && std::find(kinds.begin(), kinds.end(), t.kind) != kinds.end();
+        };
+        const auto put = std::find_if(first, last, [&](std::int32_t id) { return is(id, {TaskKind::combine_rank_put, TaskKind::combine_node_part_put}); });
+        const auto sum = std::find_if(first, last, [&](std::int32_t id) { return is(id, {TaskKind::combine_node_put}); });
+        if (put == last || sum == last || sum < put) continue;
+        std::rotate(put, sum, sum + 1);  // the sum now runs just before the put
+        moved = true;
+      }
+      if (moved) break;
+    }
+    ASSERT_TRUE(moved) << "no worker queues a forwarder's sum after a return put";
+    rejected(programs, "forwarder sums queued before the rank's own returns: a level violation through the forwarder's combine");
   }
 }
 

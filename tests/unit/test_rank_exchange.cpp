@@ -96,7 +96,7 @@ TEST(RankExchange, EachTokenTravelsOnceToEachRankAndItsRoutesPointAtIt) {
           for (std::int64_t j = ex.sub_list_offset(s, i); j < ex.sub_list_offset(s, i) + ex.last_tokens(s, i); ++j) {
             const auto row = static_cast<std::size_t>(block + j);
             listed.insert(routes.tokens[static_cast<std::size_t>(block) + static_cast<std::size_t>(routes.list_block[row])]);
-            EXPECT_EQ(routes.list_slot[static_cast<std::size_t>(routes.tokens[static_cast<std::size_t>(block + routes.list_block[row])] * c.ranks + d)],
+            EXPECT_EQ(routes.list_slot[static_cast<std::size_t>(routes.tokens[static_cast<std::size_t>(block + routes.list_block[row])] * (2 * c.ranks + c.nodes()) + d)],
                       block + j);
             for (std::int64_t k = 0; k < c.top_k; ++k)
               EXPECT_LT(routes.comb_row[row * static_cast<std::size_t>(c.top_k) + static_cast<std::size_t>(k)],
