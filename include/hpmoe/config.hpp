@@ -18,6 +18,9 @@ enum class DispatchDType { layer, fp32, bf16, fp8 };
 // under an fp32 layer whose forward dispatch is encoded, the layer's dtype
 // otherwise.
 enum class GradDispatchDType { automatic, layer, bf16 };
+// What the per-rank combine's sums (and the backward's dx sums) travel in:
+// the layer's dtype, or bf16 under an fp32 layer.
+enum class CombineDType { layer, bf16 };
 // How tokens travel to their experts: one row per (token, expert) pair, or
 // each token once per destination rank, the rank's experts gathering their
 // rows from the one copy (the backward sends dy the same way).
@@ -28,6 +31,7 @@ std::string to_string(DType);
 std::string to_string(DropPolicy);
 std::string to_string(DispatchDType);
 std::string to_string(GradDispatchDType);
+std::string to_string(CombineDType);
 std::string to_string(ExchangeMode);
 
 // One expert-parallel MoE FFN layer and how it is run: sizes, router, balancing
@@ -69,6 +73,7 @@ struct LayerConfig {
   DispatchDType dispatch_dtype = DispatchDType::layer;
   GradDispatchDType grad_dispatch_dtype = GradDispatchDType::automatic;
   ExchangeMode exchange = ExchangeMode::assignment;
+  CombineDType combine_dtype = CombineDType::layer;
   // Ranks per node (0: all ranks in one node). With the per-rank exchange
   // and 1 < ranks_per_node < ranks, a token crosses to another node once,
   // to the rank there with its own local index, which forwards it to the
@@ -85,6 +90,9 @@ struct LayerConfig {
   std::int64_t dispatch_row_bytes() const;
   // Whether the backward sends dy in bf16 under an fp32 layer.
   bool staged_grad_dispatch() const;
+  // Whether the per-rank combine's sums travel in bf16 under an fp32 layer
+  // (the forward's sums and the backward's dx sums; gate gradients stay fp32).
+  bool narrow_combine() const { return combine_dtype == CombineDType::bf16 && dtype == DType::fp32; }
   std::int64_t shared_inter_total() const {
     return shared_experts * (shared_inter > 0 ? shared_inter : expert_inter);
   }

@@ -128,16 +128,21 @@ class MoELayer(nn.Module):
     sums the node's ranks' outputs (and dx) for it before one row goes back. The source adds each node's
     sum in node order, so the results differ from one node's only in that order (bit for bit those of
     config node_forwarding=False, which sends the same rows straight). None keeps the config's (one node).
+    combine_dtype: with exchange="rank", what the combine's sums (and the backward's dx sums) travel in:
+    None keeps the config's ("layer"), "bf16" halves their bytes (each rank's and node's sum rounded to bf16:
+    results within bf16's tolerance of the float32 path).
     """
 
     def __init__(self, config, ranks=1, workers=1, executor="interleaved", schedule="critical-path",
-                 dispatch_dtype=None, exchange=None, ranks_per_node=None):
+                 dispatch_dtype=None, exchange=None, ranks_per_node=None, combine_dtype=None):
         super().__init__()
         cfg = dict(preset(config) if isinstance(config, str) else config)
         if dispatch_dtype is not None:
             cfg["dispatch_dtype"] = dispatch_dtype
         if exchange is not None:
             cfg["exchange"] = exchange
+        if combine_dtype is not None:
+            cfg["combine_dtype"] = combine_dtype
         if ranks_per_node is not None:
             if not isinstance(ranks_per_node, int) or isinstance(ranks_per_node, bool):
                 raise ValueError(f"ranks_per_node must be an integer, got {ranks_per_node!r}")

@@ -131,7 +131,9 @@ Verification verify(const RunRequest& req, const LayerWeights& w, const LayerInp
   OracleOptions opt;
   if (!plan_oracle(req, c, res, 4e9, 0, v, opt)) return v;
   const OracleResult ref = reference_layer(c, w, in, opt);
-  check_tokens(v, ref, res, c.dtype, req.backward);
+  // A bf16 combine rounds each rank's (and node's) sums, which the oracle
+  // does not: out and dx are held to bf16's tolerance then.
+  check_tokens(v, ref, res, c.narrow_combine() ? DType::bf16 : c.dtype, req.backward);
   if (req.backward) {
     if (v.mode == "full") {
       v.checks.push_back(compare("grad.router", res.grads.router.data, ref.d_router, c.dtype));
@@ -603,7 +605,7 @@ Verification verify_own_tokens(const RunRequest& req, const LayerWeights& held, 
     batch.push_back(t);
   }
   flush();
-  check_tokens(v, ref, res, lc.dtype, req.backward);
+  check_tokens(v, ref, res, lc.narrow_combine() ? DType::bf16 : lc.dtype, req.backward);
   for (const auto& ch : v.checks) v.pass = v.pass && ch.pass;
   return v;
 }

@@ -75,6 +75,7 @@ void declare_buffers(Program& p, const LayerConfig& c, const Exchange& ex, Pass 
   const std::int64_t H = c.hidden, I = c.expert_inter, Is = c.shared_inter_total(), T = c.tokens_per_rank,
                      E = c.routed_experts, K = c.top_k, L = ex.placement().local_count(rank);
   const std::int64_t elem = c.dtype == DType::bf16 ? 2 : 4;
+  const std::int64_t comb_elem = c.narrow_combine() ? 2 : elem;  // the per-rank combine's sums as they travel
   const bool shared = c.shared_experts > 0;
   // Every buffer is sized for this rank's own rows; put targets are in the
   // symmetric region (the segment peers write into), and a put addresses the
@@ -115,7 +116,7 @@ void declare_buffers(Program& p, const LayerConfig& c, const Exchange& ex, Pass 
     add_buffer(p, BufferId::recv_route, recv, 2, 4, sym);
     add_buffer(p, BufferId::rank_comb, list, 2 * K + 1, 4, local);
     add_buffer(p, BufferId::recv_comb, blocks, 2 * K + 1, 4, sym);
-    add_buffer(p, BufferId::comb_rank, sums, H, elem, sym);
+    add_buffer(p, BufferId::comb_rank, sums, H, comb_elem, sym);
     add_buffer(p, BufferId::rank_slot, T, 2 * c.ranks + ex.nodes(), 8, local);
     if (ex.forwards()) {  // the per-node exchange: lists of the source, blocks, routes and sums of the forwarder
       add_buffer(p, BufferId::node_token, ex.node_send_offset(rank, ex.nodes()), 1, 4, local);
@@ -123,7 +124,7 @@ void declare_buffers(Program& p, const LayerConfig& c, const Exchange& ex, Pass 
       if (c.staged_dispatch()) add_buffer(p, BufferId::node_tok, ex.node_recv_rows(rank), c.dispatch_row_bytes(), 1, sym);
       else add_buffer(p, BufferId::node_tok, ex.node_recv_rows(rank), H, elem, sym);
       add_buffer(p, BufferId::node_route, ex.node_route_recv_rows(rank), 2, 4, sym);
-      add_buffer(p, BufferId::node_comb, ex.node_route_recv_rows(rank), H, elem, sym);
+      add_buffer(p, BufferId::node_comb, ex.node_route_recv_rows(rank), H, comb_elem, sym);
     }
   }
   if (shared) {
@@ -151,7 +152,7 @@ void declare_buffers(Program& p, const LayerConfig& c, const Exchange& ex, Pass 
   add_buffer(p, BufferId::dw1, L * H, 2 * I, 4, bound);
   if (by_rank) {
     add_buffer(p, BufferId::gw_rank, list, K, 4, sym);
-    add_buffer(p, BufferId::dcomb_rank, sums, H, elem, sym);
+    add_buffer(p, BufferId::dcomb_rank, sums, H, comb_elem, sym);
   } else {
     add_buffer(p, BufferId::dcomb, send, H, elem, sym);
   }
@@ -162,7 +163,7 @@ void declare_buffers(Program& p, const LayerConfig& c, const Exchange& ex, Pass 
     if (ex.forwards()) {
       if (c.staged_grad_dispatch()) add_buffer(p, BufferId::node_dy, ex.node_recv_rows(rank), 2 * H, 1, sym);
       else add_buffer(p, BufferId::node_dy, ex.node_recv_rows(rank), H, elem, sym);
-      add_buffer(p, BufferId::node_dcomb, ex.node_route_recv_rows(rank), H, elem, sym);
+      add_buffer(p, BufferId::node_dcomb, ex.node_route_recv_rows(rank), H, comb_elem, sym);
     }
   }
   if (shared) {

@@ -32,6 +32,8 @@ std::string to_string(GradDispatchDType d) {
 }
 std::string to_string(ExchangeMode m) { return m == ExchangeMode::rank ? "rank" : "assignment"; }
 
+std::string to_string(CombineDType d) { return d == CombineDType::bf16 ? "bf16" : "layer"; }
+
 std::string to_string(DispatchDType d) {
   switch (d) {
     case DispatchDType::layer: return "layer";
@@ -132,6 +134,11 @@ const std::map<std::string, Setter, std::less<>>& setters() {
       else if (v == "bf16") c.grad_dispatch_dtype = GradDispatchDType::bf16;
       else throw Error("config field '" + std::string(f) + "': '" + std::string(v) + "' is not auto, layer or bf16");
     };
+    t["combine_dtype"] = [](LayerConfig& c, std::string_view f, std::string_view v) {
+      if (v == "layer") c.combine_dtype = CombineDType::layer;
+      else if (v == "bf16") c.combine_dtype = CombineDType::bf16;
+      else throw Error("config field '" + std::string(f) + "': '" + std::string(v) + "' is not layer or bf16");
+    };
     t["exchange"] = [](LayerConfig& c, std::string_view f, std::string_view v) {
       if (v == "assignment") c.exchange = ExchangeMode::assignment;
       else if (v == "rank") c.exchange = ExchangeMode::rank;
@@ -226,6 +233,8 @@ void LayerConfig::validate() const {
           "times top_k must stay below 2^31 assignments per rank");
   require(!(dispatch_dtype == DispatchDType::fp32 && dtype == DType::bf16), "dispatch_dtype",
           "fp32 is wider than the layer's bf16: dispatch in bf16 (layer) or fp8");
+  require(combine_dtype == CombineDType::layer || exchange == ExchangeMode::rank, "combine_dtype",
+          "bf16 needs exchange rank (the per-assignment combine returns rows in the layer's dtype)");
   require(dispatch_dtype != DispatchDType::fp8 || hidden % kFp8BlockChannels == 0, "hidden",
           quoted(hidden) + " must be a multiple of " + std::to_string(kFp8BlockChannels) +
               " for fp8 dispatch (one scale per " + std::to_string(kFp8BlockChannels) + " channels)");
@@ -283,6 +292,7 @@ nlohmann::json to_json(const LayerConfig& c) {
                         {"dispatch_dtype", to_string(c.dispatch_dtype)},
                         {"grad_dispatch_dtype", to_string(c.grad_dispatch_dtype)},
                         {"exchange", to_string(c.exchange)},
+                        {"combine_dtype", to_string(c.combine_dtype)},
                         {"ranks_per_node", c.ranks_per_node},
                         {"node_forwarding", c.node_forwarding}};
 }
@@ -427,6 +437,7 @@ LayerConfig config_from_model_json(const nlohmann::json& j, const LayerConfig& b
     if (!j.contains("dispatch_dtype")) own.dispatch_dtype = base.dispatch_dtype;
     if (!j.contains("grad_dispatch_dtype")) own.grad_dispatch_dtype = base.grad_dispatch_dtype;
     if (!j.contains("exchange")) own.exchange = base.exchange;
+    if (!j.contains("combine_dtype")) own.combine_dtype = base.combine_dtype;
     if (!j.contains("ranks_per_node")) own.ranks_per_node = base.ranks_per_node;
     if (!j.contains("node_forwarding")) own.node_forwarding = base.node_forwarding;
     return own;

@@ -78,6 +78,8 @@ enum class Extent : std::uint8_t {
   // the rows a source's sums come back to (COMB_RANK: its token list, then
   // its node list), and the columns of its slots (RANK_SLOT: P + B)
   comb_rows, slot_cols,
+  // bytes of one sum as it travels (COMB_RANK's row: the layer's dtype, or bf16)
+  comb_row_bytes,
 };
 
 struct OperandRule {
@@ -226,6 +228,10 @@ inline std::int64_t AccessTable::extent(const Program& p, const Task& t, Extent 
       return b ? b->rows : 0;
     }
     case Extent::comb_words: return 2 * d.top_k + 1;
+    case Extent::comb_row_bytes: {
+      const BufferLayout* b = p.buffer(BufferId::comb_rank);
+      return b ? b->cols * b->elem_bytes : d.hidden * d.elem_bytes;
+    }
     case Extent::comb_rows:
     case Extent::slot_cols: {
       const BufferLayout* b = p.buffer(e == Extent::comb_rows ? BufferId::comb_rank : BufferId::rank_slot);

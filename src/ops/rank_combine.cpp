@@ -15,6 +15,7 @@
 #include <cstring>
 #include <initializer_list>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "ops/op.hpp"
@@ -62,10 +63,19 @@ bool list_put(const Tile<T>& tile) {
   return tile.host.send_put(dst);
 }
 
-// One row per token of a source's block: sum over k of weight_k ROWS[row k]
-// (weights: the gates, or 1), in the layer's dtype, put into `dst`.
+// Whether a buffer of sums holds bf16 under an fp32 layer
+// (LayerConfig::narrow_combine: the sums travel in bf16); U below is the
+// type of its rows.
 template <class T>
-bool sum_put(const Tile<T>& tile, BufferId rows_buffer, bool gated) {
+bool narrow_sums(const Tile<T>& tile, BufferId sums) {
+  if constexpr (std::is_same_v<T, float>) return tile.host.layout(sums).elem_bytes == 2;
+  else return (void)tile, (void)sums, false;
+}
+
+// One row per token of a source's block: sum over k of weight_k ROWS[row k]
+// (weights: the gates, or 1), in the dtype the sums travel in (U), put into `dst`.
+template <class T, class U>
+bool sum_put_as(const Tile<T>& tile, BufferId rows_buffer, bool gated) {
   const std::int64_t H = tile.dims().hidden, K = tile.dims().top_k, rows = tile.rows();
   const Rect& list = tile.in(BufferId::recv_comb);
   const Rect& from = tile.in(rows_buffer);
@@ -75,7 +85,7 @@ bool sum_put(const Tile<T>& tile, BufferId rows_buffer, bool gated) {
   const auto* words = tile.template at<std::int32_t>(list);
   const T* y = tile.template at<T>(from);
   const std::int64_t ld_list = tile.ld(BufferId::recv_comb), ld = tile.ld(rows_buffer);
-  T* to = tile.host.put_target(dst);
+  U* to = reinterpret_cast<U*>(tile.host.put_target(dst));
   thread_local std::vector<float> acc;
   acc.resize(static_cast<std::size_t>(H));
   for (std::int64_t j = 0; j < rows; ++j) {
@@ -84,9 +94,14 @@ bool sum_put(const Tile<T>& tile, BufferId rows_buffer, bool gated) {
     for (std::int64_t k = 0; k < K; ++k)
       if (const std::int64_t r = entry.row(tile.task, k, from.rows()); r >= 0)
         kernels::axpy<T>(gated ? entry.gate(k) : 1.0f, y + r * ld, acc.data(), H);
-    kernels::store<T>(acc.data(), to + j * H, H);
+    kernels::store<U>(acc.data(), to + j * H, H);
   }
   return tile.host.send_put(dst);
+}
+
+template <class T>
+bool sum_put(const Tile<T>& tile, BufferId rows_buffer, bool gated) {
+  return narrow_sums(tile, tile.write(0).buffer) ? sum_put_as<T, bf16>(tile, rows_buffer, gated) : sum_put_as<T, T>(tile, rows_buffer, gated);
 }
 
 template <class T>
@@ -133,7 +148,7 @@ bool gate_grad_put(const Tile<T>& tile) {
 // The source's side: each token's rows from its ranks, node by node. Its
 // own node's ranks' rows are added one by one, in rank order; another
 // node's come as one row, the sum over that node's ranks in rank order,
-// rounded to the layer's dtype: its forwarder's (the per-node combine), or
+// rounded to the dtype the sums travel in: its forwarder's (the per-node combine), or
 // summed here the same way when the rows came straight. Either way the
 // additions are the same, so forwarding the combine changes no bit; with
 // one node (or one rank a node) it is the plain rank order.
@@ -176,34 +191,38 @@ std::int64_t slot_nodes(const Program& p, const Rect& slots) {
   return nodes;
 }
 
-template <class T>
-bool rank_reduce(const Tile<T>& tile) {
+// Each token's rows back (COMB_RANK or DCOMB_RANK, rows of U), node by
+// node, plus the extra fp32 rows (the shared experts', the router's dx).
+template <class T, class U>
+void reduce_rows(const Tile<T>& tile, BufferId sums, BufferId out_buffer, std::initializer_list<BufferId> extras) {
   const std::int64_t H = tile.dims().hidden;
   const Rect& slot_rect = tile.in(BufferId::rank_slot);
   const std::int64_t nodes = slot_nodes(tile.program, slot_rect), ld_slot = tile.ld(BufferId::rank_slot);
   const std::int64_t* slots = tile.template at<std::int64_t>(slot_rect);
-  const T* rows = tile.template at<T>(tile.in(BufferId::comb_rank));
-  const float* shared = tile.dims().shared_inter > 0 ? tile.template at<float>(tile.in(BufferId::sh_y)) : nullptr;
-  float* out = tile.template at<float>(tile.out(BufferId::out));
-  const std::int64_t ld = tile.ld(BufferId::out);
-  for (std::int64_t j = 0; j < tile.rows(); ++j)
-    sum_by_node<T>(out + j * ld, H, tile.program, nodes, slots + j * ld_slot, rows, {shared ? shared + j * H : nullptr});
+  const U* rows = tile.template at<U>(tile.in(sums));
+  std::vector<const float*> extra;
+  for (const BufferId b : extras)
+    extra.push_back((b == BufferId::sh_y || b == BufferId::sdx) && tile.dims().shared_inter == 0 ? nullptr : tile.template at<float>(tile.in(b)));
+  float* out = tile.template at<float>(tile.out(out_buffer));
+  const std::int64_t ld = tile.ld(out_buffer);
+  for (std::int64_t j = 0; j < tile.rows(); ++j) {
+    const float* a = extra.size() > 0 && extra[0] ? extra[0] + j * H : nullptr;
+    const float* b = extra.size() > 1 && extra[1] ? extra[1] + j * H : nullptr;
+    sum_by_node<U>(out + j * ld, H, tile.program, nodes, slots + j * ld_slot, rows, {a, b});
+  }
+}
+
+template <class T>
+bool rank_reduce(const Tile<T>& tile) {
+  if (narrow_sums(tile, BufferId::comb_rank)) reduce_rows<T, bf16>(tile, BufferId::comb_rank, BufferId::out, {BufferId::sh_y});
+  else reduce_rows<T, T>(tile, BufferId::comb_rank, BufferId::out, {BufferId::sh_y});
   return false;
 }
 
 template <class T>
 bool grad_rank_reduce(const Tile<T>& tile) {
-  const std::int64_t H = tile.dims().hidden;
-  const Rect& slot_rect = tile.in(BufferId::rank_slot);
-  const std::int64_t nodes = slot_nodes(tile.program, slot_rect), ld_slot = tile.ld(BufferId::rank_slot);
-  const std::int64_t* slots = tile.template at<std::int64_t>(slot_rect);
-  const T* rows = tile.template at<T>(tile.in(BufferId::dcomb_rank));
-  const float* rdx = tile.template at<float>(tile.in(BufferId::rdx));
-  const float* sdx = tile.dims().shared_inter > 0 ? tile.template at<float>(tile.in(BufferId::sdx)) : nullptr;
-  float* dx = tile.template at<float>(tile.out(BufferId::dx));
-  const std::int64_t ld = tile.ld(BufferId::dx);
-  for (std::int64_t j = 0; j < tile.rows(); ++j)
-    sum_by_node<T>(dx + j * ld, H, tile.program, nodes, slots + j * ld_slot, rows, {rdx + j * H, sdx ? sdx + j * H : nullptr});
+  if (narrow_sums(tile, BufferId::dcomb_rank)) reduce_rows<T, bf16>(tile, BufferId::dcomb_rank, BufferId::dx, {BufferId::rdx, BufferId::sdx});
+  else reduce_rows<T, T>(tile, BufferId::dcomb_rank, BufferId::dx, {BufferId::rdx, BufferId::sdx});
   return false;
 }
 
@@ -230,8 +249,8 @@ bool gate_grad_gather(const Tile<T>& tile) {
 // of s follow its routes: rank by rank, each in its list's order, with the
 // token's node-block row in the routes' second column), rounded to the
 // layer's dtype and put into the source's rows after its lists.
-template <class T>
-bool node_sum_put(const Tile<T>& tile, BufferId parts_buffer) {
+template <class T, class U>
+bool node_sum_put_as(const Tile<T>& tile, BufferId parts_buffer) {
   const std::int64_t H = tile.dims().hidden, first = tile.task.src_row, rows = tile.rows();
   const Rect& routes = tile.in(BufferId::node_route);
   const Rect& parts = tile.in(parts_buffer);
@@ -239,7 +258,7 @@ bool node_sum_put(const Tile<T>& tile, BufferId parts_buffer) {
   tile.need(dst, rows, H);
   const std::int64_t ld_route = tile.ld(BufferId::node_route), ld = tile.ld(parts_buffer);
   const auto* route = tile.template at<std::int32_t>(routes);
-  const T* from = tile.template at<T>(parts);
+  const U* from = tile.template at<U>(parts);
   // s's node block: its rows on this forwarder (node_begin, by sub-block).
   const std::int64_t S = static_cast<std::int64_t>(tile.program.node_begin.size() - 1) / tile.program.ranks;
   const std::int64_t block = tile.program.node_begin[static_cast<std::size_t>((tile.task.peer + 1) * S)] -
@@ -252,11 +271,16 @@ bool node_sum_put(const Tile<T>& tile, BufferId parts_buffer) {
       throw Error(std::string(taskflow::name(tile.task.kind)) + ": node row " + std::to_string(routes.r0 + r) + " names row " +
                   std::to_string(at) + " of a node block of " + std::to_string(block) +
                   " rows: the routes do not match the blocks (a corrupt put)");
-    if (at >= first && at < first + rows) kernels::axpy<T>(1.0f, from + r * ld, acc.data() + (at - first) * H, H);
+    if (at >= first && at < first + rows) kernels::axpy<U>(1.0f, from + r * ld, acc.data() + (at - first) * H, H);
   }
-  T* to = tile.host.put_target(dst);
-  for (std::int64_t j = 0; j < rows; ++j) kernels::store<T>(acc.data() + j * H, to + j * H, H);
+  U* to = reinterpret_cast<U*>(tile.host.put_target(dst));
+  for (std::int64_t j = 0; j < rows; ++j) kernels::store<U>(acc.data() + j * H, to + j * H, H);
   return tile.host.send_put(dst);
+}
+
+template <class T>
+bool node_sum_put(const Tile<T>& tile, BufferId parts_buffer) {
+  return narrow_sums(tile, parts_buffer) ? node_sum_put_as<T, bf16>(tile, parts_buffer) : node_sum_put_as<T, T>(tile, parts_buffer);
 }
 
 template <class T>
@@ -276,11 +300,12 @@ bool grad_combine_node_put(const Tile<T>& tile) {
 // at EP 16 and beyond for DeepSeek-V3: 1.25 on average), an under-estimate
 // where it has more (3 on average at 2 ranks of top-6 of 16).
 constexpr ByteTerm kList{X::comb_words, 1, 4, X::none};
-constexpr ByteTerm kRow{X::hidden, 1, kElem, X::none};
+// A sum as it travels: the layer's dtype, or bf16 (LayerConfig::narrow_combine).
+constexpr ByteTerm kRow{X::comb_row_bytes, 1, 1, X::none};
 constexpr ByteTerm kRowsRead{X::hidden, 1, kElem, X::none, true};
 constexpr ByteTerm kListRead{X::comb_words, 1, 4, X::none, true};
 // The source reads a token's row from each rank it went to: at most K of them.
-constexpr ByteTerm kRowsOfRanks{X::hidden, 1, kElem, X::top_k};
+constexpr ByteTerm kRowsOfRanks{X::comb_row_bytes, 1, 1, X::top_k};
 constexpr ByteTerm kSlots{X::slot_cols, 1, 8, X::none};
 constexpr auto kListRows = Span::source_rows;
 
@@ -330,6 +355,7 @@ constexpr OpKind kKinds[] = {
 // per (token, node) back. The forwarder reads, per token, the rows of the
 // node's ranks that hold it: one row per row charged, as above.
 constexpr ByteTerm kNodeRoutesRead{X::route, 1, 4, X::none, true};
+constexpr ByteTerm kSumsRead{X::comb_row_bytes, 1, 1, X::none, true};
 constexpr OpKind kNodeKinds[] = {
     {TaskKind::combine_node_part_put, "combine_node_part_put", Pass::forward, 76,
      as_put(vector_kind({op(B::recv_comb, R, kListRows, X::none, Span::whole, X::comb_words),
@@ -339,7 +365,7 @@ constexpr OpKind kNodeKinds[] = {
     {TaskKind::combine_node_put, "combine_node_put", Pass::forward, 78,
      as_put(vector_kind({op(B::node_route, R, Span::node_source, X::none, Span::whole, X::route),
                          op(B::node_comb, R, Span::node_source, X::none, Span::whole, X::hidden), tile(B::comb_rank, Side::peer)},
-                        {kRow, kRowsRead, kNodeRoutesRead})),
+                        {kRow, kSumsRead, kNodeRoutesRead})),
      combine_node_put<float>, combine_node_put<bf16>},
     {TaskKind::grad_combine_node_part_put, "grad_combine_node_part_put", Pass::backward, 196,
      as_put(vector_kind({op(B::recv_comb, R, kListRows, X::none, Span::whole, X::comb_words),
@@ -349,7 +375,7 @@ constexpr OpKind kNodeKinds[] = {
     {TaskKind::grad_combine_node_put, "grad_combine_node_put", Pass::backward, 198,
      as_put(vector_kind({op(B::node_route, R, Span::node_source, X::none, Span::whole, X::route),
                          op(B::node_dcomb, R, Span::node_source, X::none, Span::whole, X::hidden), tile(B::dcomb_rank, Side::peer)},
-                        {kRow, kRowsRead, kNodeRoutesRead})),
+                        {kRow, kSumsRead, kNodeRoutesRead})),
      grad_combine_node_put<float>, grad_combine_node_put<bf16>},
 };
 }  // namespace

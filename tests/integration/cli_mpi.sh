@@ -90,9 +90,10 @@ check 3 shared --set routed_experts=8 -T 64 --backward --routing hot:0.45 --plac
 check 3 network --set hidden=256 -T 64 --backward --routing zipf:1.2 --dispatch-dtype fp8 --exchange rank --iters 1 \
   --count-exchange one-sided --verify-all-ranks
 # The per-node exchange: 4 ranks in 2 nodes, a token once per node through
-# the forwarder there (checked against the in-process run bit for bit).
+# the forwarder there, its sums back through it (checked against the
+# in-process run bit for bit), with bf16 sums on the network path.
 check 4 network --set hidden=256 -T 48 --set top_k=4 --set routed_experts=16 --set ranks_per_node=2 --backward \
-  --routing zipf:1.2 --dispatch-dtype fp8 --exchange rank --iters 2 --verify-all-ranks
+  --routing zipf:1.2 --dispatch-dtype fp8 --combine-dtype bf16 --exchange rank --iters 2 --verify-all-ranks
 check 4 shared -T 48 --set ranks_per_node=2 --backward --dtype bf16 --routing "$trace" --exchange rank --iters 1
 
 # The count exchange as a collective (the default on shared memory is one-sided stores).

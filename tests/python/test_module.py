@@ -232,6 +232,33 @@ def test_node_exchange_is_the_rank_exchange_bit_for_bit():
         hpmoe.MoELayer(cfg, ranks=4, exchange="rank", ranks_per_node=3)
 
 
+def test_bf16_combine_halves_the_sums_and_stays_close():
+    """combine_dtype="bf16" under exchange="rank": the sums travel in bf16, so the output and dx are within bf16's
+    tolerance of the float32 combine (the weight gradients do not see it); interleaved = serialized bit for bit;
+    without exchange="rank", or with another dtype name, a ValueError."""
+    torch.manual_seed(9)
+    cfg = small(top_k=3)
+    a = hpmoe.MoELayer(cfg, ranks=4, workers=1, exchange="rank", ranks_per_node=2, combine_dtype="bf16")
+    s = hpmoe.MoELayer(cfg, ranks=4, workers=1, exchange="rank", ranks_per_node=2, combine_dtype="bf16",
+                       executor="serialized")
+    f = hpmoe.MoELayer(cfg, ranks=4, workers=1, exchange="rank", ranks_per_node=2)
+    assert a.config["combine_dtype"] == "bf16" and f.config["combine_dtype"] == "layer"
+    s.load_state_dict(a.state_dict())
+    f.load_state_dict(a.state_dict())
+    x, d_out = torch.randn(64, 48), torch.randn(64, 48)
+    ra, rs, rf = run(a, x, d_out), run(s, x, d_out), run(f, x, d_out)
+    assert torch.equal(ra[0], rs[0]) and torch.equal(ra[1], rs[1])
+
+    def rel(p, q):
+        return float((p - q).norm() / q.norm())
+
+    assert 0 < rel(ra[0], rf[0]) < 1e-2 and 0 < rel(ra[1], rf[1]) < 1e-2
+    with pytest.raises(ValueError, match="combine_dtype"):
+        hpmoe.MoELayer(cfg, ranks=2, combine_dtype="bf16")
+    with pytest.raises(ValueError, match="combine_dtype"):
+        hpmoe.MoELayer(cfg, ranks=2, exchange="rank", combine_dtype="fp8")
+
+
 def test_executors_bit_identical():
     torch.manual_seed(1)
     cfg = small(shared_experts=1)

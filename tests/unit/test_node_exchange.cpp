@@ -334,13 +334,16 @@ TEST(NodeExchange, MutationsOfTheForwardingAreRejected) {
 // The per-rank exchange's results bit for bit: the forwarder copies the
 // bytes the source would have sent into the same rows, and the events
 // count as many pieces.
-class NodeExchangeExecution : public ::testing::TestWithParam<std::tuple<DType, DispatchDType, std::string, bool>> {};
+// narrow: the sums travel in bf16 (combine_dtype bf16 under an fp32 layer),
+// held to bf16's tolerance against the oracle, which does not round them.
+class NodeExchangeExecution : public ::testing::TestWithParam<std::tuple<DType, DispatchDType, std::string, bool, bool>> {};
 
 TEST_P(NodeExchangeExecution, IsTheRankExchangeBitForBitAndMatchesTheOracle) {
-  const auto [dtype, dispatch, routing, placed] = GetParam();
+  const auto [dtype, dispatch, routing, placed, narrow] = GetParam();
   LayerConfig c = node_layer(4, 2, 37);
   c.dtype = dtype;
   c.dispatch_dtype = dispatch;
+  if (narrow) c.combine_dtype = CombineDType::bf16;
   c.validate();
   LayerConfig by_rank = c;
   by_rank.node_forwarding = false;
@@ -360,7 +363,17 @@ TEST_P(NodeExchangeExecution, IsTheRankExchangeBitForBitAndMatchesTheOracle) {
   EXPECT_TRUE(bit_identical(d.out, b.out)) << "forwarded = sent straight";
   EXPECT_TRUE(bit_identical(d.grads, b.grads)) << "forwarded = sent straight";
   const auto ref = reference_layer(c, w, in, oracle_options_of(b));
-  for (const auto& cmp : checks_against(ref, b, dtype, 4)) EXPECT_TRUE(cmp.pass) << cmp.tensor << ": rel L2 " << cmp.rel_l2;
+  for (const auto& cmp : checks_against(ref, b, narrow ? DType::bf16 : dtype, 4)) EXPECT_TRUE(cmp.pass) << cmp.tensor << ": rel L2 " << cmp.rel_l2;
+  if (narrow) {  // half the sums' bytes, and a result that is not the fp32 combine's
+    LayerConfig wide = c;
+    wide.combine_dtype = CombineDType::layer;
+    InterleavedExecutor fp32_sums(wide, w, inter_opt);
+    StepResult f;
+    fp32_sums.step(in, forced, f);
+    EXPECT_FALSE(bit_identical(f.out, b.out)) << "the bf16 sums are rounded";
+    EXPECT_LT(b.forward_cross_node_bytes, f.forward_cross_node_bytes);
+    EXPECT_LT(b.backward_cross_node_bytes, f.backward_cross_node_bytes);
+  }
   EXPECT_GT(b.forward_cross_node_bytes, 0);
   EXPECT_LT(b.forward_cross_node_bytes, d.forward_cross_node_bytes);
   EXPECT_LT(b.backward_cross_node_bytes, d.backward_cross_node_bytes);
@@ -370,13 +383,16 @@ TEST_P(NodeExchangeExecution, IsTheRankExchangeBitForBitAndMatchesTheOracle) {
 }
 
 std::string node_case_name(const ::testing::TestParamInfo<NodeExchangeExecution::ParamType>& info) {
-  const auto& [dtype, dispatch, routing, placed] = info.param;
-  return to_string(dtype) + "_" + to_string(dispatch) + "_" + routing.substr(0, routing.find(':')) + (placed ? "_split_replicated" : "");
+  const auto& [dtype, dispatch, routing, placed, narrow] = info.param;
+  return to_string(dtype) + "_" + to_string(dispatch) + "_" + routing.substr(0, routing.find(':')) + (placed ? "_split_replicated" : "") +
+         (narrow ? "_bf16_sums" : "");
 }
 
 INSTANTIATE_TEST_SUITE_P(All, NodeExchangeExecution,
-                         ::testing::Values(std::tuple{DType::fp32, DispatchDType::layer, std::string("zipf:1.2"), false},
-                                           std::tuple{DType::fp32, DispatchDType::fp8, std::string("uniform"), true},
-                                           std::tuple{DType::bf16, DispatchDType::layer, std::string("hot:0.2"), true},
-                                           std::tuple{DType::bf16, DispatchDType::fp8, std::string("zipf:1.2"), false}),
+                         ::testing::Values(std::tuple{DType::fp32, DispatchDType::layer, std::string("zipf:1.2"), false, false},
+                                           std::tuple{DType::fp32, DispatchDType::fp8, std::string("uniform"), true, false},
+                                           std::tuple{DType::bf16, DispatchDType::layer, std::string("hot:0.2"), true, false},
+                                           std::tuple{DType::bf16, DispatchDType::fp8, std::string("zipf:1.2"), false, false},
+                                           std::tuple{DType::fp32, DispatchDType::fp8, std::string("zipf:1.2"), true, true},
+                                           std::tuple{DType::fp32, DispatchDType::layer, std::string("uniform"), false, true}),
                          node_case_name);

@@ -67,7 +67,7 @@ struct LayerOptions {
   std::string config_file;
   std::vector<std::string> sets;
   std::optional<std::int64_t> ranks, tokens;
-  std::optional<std::string> dtype, dispatch_dtype, exchange;
+  std::optional<std::string> dtype, dispatch_dtype, exchange, combine_dtype;
   std::string placement = "contiguous";
 
   void add_to(CLI::App& app, bool with_placement = true) {
@@ -84,6 +84,9 @@ struct LayerOptions {
     app.add_option("--exchange", exchange,
                    "how tokens travel to their experts: assignment (default: a row per token and expert) | rank (each "
                    "token once per destination rank; its experts there gather their rows from it)");
+    app.add_option("--combine-dtype", combine_dtype,
+                   "what the per-rank combine's sums and the backward's dx sums travel in: layer (default) | bf16 "
+                   "(fp32 layers; needs --exchange rank)");
     if (with_placement)
       app.add_option("--placement", placement,
                    "where the experts live: contiguous | round-robin | random[:SEED] | FILE.json "
@@ -115,6 +118,7 @@ struct LayerOptions {
     if (dtype) c.set("dtype", *dtype);
     if (dispatch_dtype) c.set("dispatch_dtype", *dispatch_dtype);
     if (exchange) c.set("exchange", *exchange);
+    if (combine_dtype) c.set("combine_dtype", *combine_dtype);
     c.validate();
     return c;
   }
