@@ -155,12 +155,16 @@ class WorkerActivity {
 std::shared_ptr<Transport> make_inprocess_transport(int ranks);
 
 // MPI: one rank per process. `path` is how rows reach a peer:
-//   auto    shared memory if all processes are on one machine, else network
+//   auto    shared memory if all processes are on one machine, else hybrid
+//           where a machine holds several, else network
 //   shared  MPI-3 shared-memory windows: workers store into the peer's
 //           segment and add to its counters directly
 //   network put+signal as one message, sent and applied by a progress
 //           thread per process that makes all MPI calls (works over TCP)
-enum class MpiPath { automatic, shared, network };
+//   hybrid  shared-memory windows among the ranks of a node (the layer's
+//           ranks_per_node consecutive ranks, or the processes of a machine
+//           when it has none), network messages between nodes
+enum class MpiPath { automatic, shared, network, hybrid };
 MpiPath parse_mpi_path(const std::string&);
 
 // MPI_Init_thread / MPI_Finalize for the process's lifetime.
@@ -193,6 +197,9 @@ struct MpiOptions {
   // the network path.
   enum class CountExchange { automatic, one_sided, collective };
   CountExchange count_exchange = CountExchange::automatic;
+  // Hybrid path: ranks a node (consecutive ranks; they must share a
+  // machine); 0: the processes of each machine.
+  int ranks_per_node = 0;
 };
 std::shared_ptr<Transport> make_mpi_transport(const MpiSession&, int ranks, const MpiOptions& = {});
 

@@ -78,7 +78,8 @@ MpiPath parse_mpi_path(const std::string& s) {
   if (s == "auto") return MpiPath::automatic;
   if (s == "shared") return MpiPath::shared;
   if (s == "network") return MpiPath::network;
-  throw Error("unknown MPI path '" + s + "' (use auto, shared or network)");
+  if (s == "hybrid") return MpiPath::hybrid;
+  throw Error("unknown MPI path '" + s + "' (use auto, shared, network or hybrid)");
 }
 
 }  // namespace hpmoe

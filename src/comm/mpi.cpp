@@ -114,8 +114,26 @@ class Mpi final : public Transport {
     const bool one_node = node_size == size_;
     if (path == MpiPath::shared && !one_node)
       throw Error("--mpi-path shared needs every process on one machine; these " + std::to_string(size_) +
-                  " processes span several (use --mpi-path network or auto)");
+                  " processes span several (use --mpi-path network, hybrid or auto)");
+    int largest_machine = 0;
+    MPI_Allreduce(&node_size, &largest_machine, 1, MPI_INT, MPI_MAX, comm_);
     shared_ = path == MpiPath::shared || (path == MpiPath::automatic && one_node);
+    hybrid_ = path == MpiPath::hybrid || (path == MpiPath::automatic && !one_node && largest_machine > 1);
+    share_ = node_;  // the ranks whose segments and counters this process maps
+    if (hybrid_) join_node(options.ranks_per_node);
+    {
+      int n = 0;
+      MPI_Comm_size(share_, &n);
+      MPI_Group shared_group, world_group;
+      MPI_Comm_group(share_, &shared_group);
+      MPI_Comm_group(comm_, &world_group);
+      std::vector<int> mine(static_cast<std::size_t>(n)), world(static_cast<std::size_t>(n));
+      for (int i = 0; i < n; ++i) mine[static_cast<std::size_t>(i)] = i;
+      MPI_Group_translate_ranks(shared_group, n, mine.data(), world_group, world.data());
+      MPI_Group_free(&shared_group);
+      MPI_Group_free(&world_group);
+      share_members_ = world;
+    }
     one_sided_exchange_ = exchange == MpiOptions::CountExchange::one_sided ||
                           (exchange == MpiOptions::CountExchange::automatic && shared_);
     segments_.assign(static_cast<std::size_t>(size_), nullptr);
@@ -149,13 +167,18 @@ class Mpi final : public Transport {
       if (!done) MPI_Request_free(&s.request);
     }
     free_windows();
+    if (share_ != node_) MPI_Comm_free(&share_);
     MPI_Comm_free(&node_);
     MPI_Comm_free(&comm_);
   }
 
   std::string describe() const override {
-    return std::string("mpi ") + (shared_ ? "shared-memory windows" : "network messages") + ", " +
-           std::to_string(size_) + " processes";
+    return std::string("mpi ") +
+           (shared_   ? "shared-memory windows"
+            : hybrid_ ? "hybrid: shared-memory windows inside nodes of " + std::to_string(share_members_.size()) +
+                            ", network messages across"
+                      : "network messages") +
+           ", " + std::to_string(size_) + " processes";
   }
   int ranks() const override { return size_; }
   bool hosts(int rank) const override { return rank == rank_; }
@@ -175,6 +198,14 @@ class Mpi final : public Transport {
     for (int r = 0; r < size_; ++r) seg_bytes_[r] = round64(bytes[r] + bytes[r] / 2);
     if (shared_) {
       run_once([this] { allocate_shared(data_win_, seg_bytes_, segments_); });
+    } else if (hybrid_) {  // the node's segments mapped, rows from other nodes received into this one
+      run_once([this] {
+        std::lock_guard lock(apply_mutex_);
+        if (pending_arrivals_.load(std::memory_order_relaxed) > 0)
+          throw Error("internal: the segment is being resized while rows from a peer are still arriving");
+        allocate_shared(data_win_, seg_bytes_, segments_);
+        local_bytes_ = seg_bytes_[rank_];
+      });
     } else {
       std::lock_guard lock(apply_mutex_);
       if (pending_arrivals_.load(std::memory_order_relaxed) > 0)
@@ -191,12 +222,16 @@ class Mpi final : public Transport {
     for (int r = 0; r < size_; ++r) grow = grow || event_capacity_[r] < events[r];
     if (!grow) return;
     for (int r = 0; r < size_; ++r) event_capacity_[r] = std::max(event_capacity_[r], events[r] * 2);
-    if (shared_) {
+    if (shared_ || hybrid_) {
       std::vector<std::int64_t> bytes(event_capacity_.size());
       for (std::size_t r = 0; r < bytes.size(); ++r) bytes[r] = event_capacity_[r] * std::int64_t{sizeof(EventCounter)};
-      std::vector<std::byte*> bases(bytes.size());
-      run_once([&] { allocate_shared(event_win_, bytes, bases); });
-      for (std::size_t r = 0; r < bases.size(); ++r) counters_[r] = reinterpret_cast<EventCounter*>(bases[r]);
+      std::vector<std::byte*> bases(bytes.size(), nullptr);
+      run_once([&] {
+        std::lock_guard lock(apply_mutex_);  // hybrid: puts from other nodes count into these
+        allocate_shared(event_win_, bytes, bases);
+        for (std::size_t r = 0; r < bases.size(); ++r) counters_[r] = reinterpret_cast<EventCounter*>(bases[r]);
+        local_events_ = event_capacity_[rank_];
+      });
     } else {
       // A fresh array while the progress thread may touch the old one: swap under the lock.
       auto fresh = std::make_unique<EventCounter[]>(static_cast<std::size_t>(event_capacity_[rank_]));
@@ -578,8 +613,31 @@ class Mpi final : public Transport {
     return done != 0;
   }
 
-  // Progress thread, collective over the node: a fresh shared window whose
-  // rank r part holds bytes[r]; bases[r] is where this process sees it.
+  // The hybrid path's node: consecutive ranks_per_node ranks (0: this
+  // machine's processes), which must share a machine.
+  void join_node(int ranks_per_node) {
+    if (ranks_per_node <= 0) return;  // the machine's processes (node_)
+    if (size_ % ranks_per_node != 0)
+      throw Error("--mpi-path hybrid: ranks_per_node " + std::to_string(ranks_per_node) + " does not divide the " +
+                  std::to_string(size_) + " processes");
+    check_mpi(MPI_Comm_split(comm_, rank_ / ranks_per_node, rank_, &share_), "Comm_split");
+    MPI_Comm same_machine = MPI_COMM_NULL;
+    check_mpi(MPI_Comm_split_type(share_, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, &same_machine), "Comm_split_type");
+    int together = 0, local_ok = 0, all_ok = 0;
+    MPI_Comm_size(same_machine, &together);
+    MPI_Comm_free(&same_machine);
+    local_ok = together == ranks_per_node ? 1 : 0;
+    MPI_Allreduce(&local_ok, &all_ok, 1, MPI_INT, MPI_MIN, comm_);
+    if (!all_ok)
+      throw Error("--mpi-path hybrid: the layer's ranks_per_node " + std::to_string(ranks_per_node) +
+                  " groups ranks that are not on one machine (launch ranks_per_node consecutive ranks per host, e.g. "
+                  "mpirun --map-by ppr:" + std::to_string(ranks_per_node) + ":node)");
+  }
+
+  // Progress thread, collective over the ranks this process maps (the
+  // machine's on the shared path, the node's on the hybrid path): a fresh
+  // shared window whose rank r part holds bytes[r]; bases[r] is where this
+  // process sees it (untouched for ranks outside).
   void allocate_shared(MPI_Win& win, std::span<const std::int64_t> bytes, std::span<std::byte*> bases) {
     if (win != MPI_WIN_NULL) {
       MPI_Win_unlock_all(win);
@@ -591,20 +649,20 @@ class Mpi final : public Transport {
     void* mine = nullptr;
     // 64 bytes spare: each part is aligned up to a cache line (a part's
     // offset within its page is the same in every process's mapping).
-    check_mpi(MPI_Win_allocate_shared(static_cast<MPI_Aint>(bytes[rank_] + 64), 1, info, node_, &mine, &win),
+    check_mpi(MPI_Win_allocate_shared(static_cast<MPI_Aint>(bytes[rank_] + 64), 1, info, share_, &mine, &win),
               "Win_allocate_shared (is /dev/shm large enough?)");
     MPI_Info_free(&info);
     check_mpi(MPI_Win_lock_all(MPI_MODE_NOCHECK, win), "Win_lock_all");
     std::memset(mine, 0, static_cast<std::size_t>(bytes[rank_] + 64));
-    for (int r = 0; r < size_; ++r) {
+    for (std::size_t i = 0; i < share_members_.size(); ++i) {
       MPI_Aint size = 0;
       int unit = 0;
       void* base = nullptr;
-      check_mpi(MPI_Win_shared_query(win, r, &size, &unit, &base), "Win_shared_query");
+      check_mpi(MPI_Win_shared_query(win, static_cast<int>(i), &size, &unit, &base), "Win_shared_query");
       const auto address = reinterpret_cast<std::uintptr_t>(base);
-      bases[r] = static_cast<std::byte*>(base) + ((64 - address % 64) % 64);
+      bases[static_cast<std::size_t>(share_members_[i])] = static_cast<std::byte*>(base) + ((64 - address % 64) % 64);
     }
-    MPI_Barrier(node_);  // every part zeroed before anyone signals into it
+    MPI_Barrier(share_);  // every part zeroed before anyone signals into it
   }
 
   void free_windows() {
@@ -802,6 +860,9 @@ class Mpi final : public Transport {
 
   int rank_ = 0, size_ = 1, node_index_ = 0;
   bool shared_ = true;
+  bool hybrid_ = false;  // shared windows inside the node (share_), messages across
+  MPI_Comm share_ = MPI_COMM_NULL;  // the ranks whose windows this process maps (node_, or the layer's node)
+  std::vector<int> share_members_;  // their world ranks, in share_'s order
   double peer_timeout_;
   std::int64_t outbox_limit_;
   std::atomic<std::int64_t> pending_bytes_{0};  // puts queued or in flight
@@ -818,7 +879,7 @@ class Mpi final : public Transport {
   std::mutex spare_mutex_;  // completed puts' buffers, for message_buffer
   std::vector<std::vector<std::byte>> spare_;
   std::int64_t spare_bytes_ = 0;
-  std::vector<Line> local_;  // network path: this rank's segment
+  std::vector<Line> local_;  // network path: this rank's segment (hybrid: in the node's window)
   std::unique_ptr<EventCounter[]> local_counters_;
   std::int64_t local_bytes_ = 0, local_events_ = 0;
   std::mutex apply_mutex_;  // network path: counters swapped while puts are applied

@@ -110,9 +110,11 @@ std::vector<std::int32_t> interleave_weight_gradients(const Program& p) {
     if (is_expert_chain(t.kind)) chain[le].push_back(i);
     else if (is_wgrad(t.kind)) wgrad[le].push_back(i);
     else if (t.kind == TaskKind::grad_combine_put) puts[le].push_back(i);
+    // The per-rank combine's relays wait for the slots' dx rows: with the
+    // sums they count towards, after the chains.
     else if (t.kind == TaskKind::grad_reduce || t.kind == TaskKind::grad_part_reduce || t.kind == TaskKind::grad_rank_reduce ||
              t.kind == TaskKind::grad_combine_rank_put || t.kind == TaskKind::grad_combine_node_part_put ||
-             t.kind == TaskKind::grad_combine_node_put)
+             t.kind == TaskKind::grad_combine_node_put || t.kind == TaskKind::grad_combine_relay)
       tail.push_back(i);
     else head.push_back(i);
   }
@@ -275,6 +277,46 @@ void sink_node_sums(const Program& p, std::vector<std::int32_t>& order) {
   order.swap(rest);
 }
 
+// A forwarder's forwards (the per-node exchange's second hop, level 1)
+// wait only for node blocks other ranks put; the gathers and relays that
+// wait on `tok` events may wait for other forwarders' forwards (level 1
+// too): queued before this rank's own forwards, the forwarders could wait
+// on each other. Under every policy the forwards and node relays go, in
+// their order, after the rank's own dispatch puts and before its first
+// gather or relay.
+void hoist_forwards(const Program& p, std::vector<std::int32_t>& order) {
+  const auto kind = [&](std::int32_t i) { return p.tasks[static_cast<std::size_t>(i)].kind; };
+  const auto forwarding = [](TaskKind k) {
+    return k == TaskKind::dispatch_forward || k == TaskKind::dispatch_node_relay || k == TaskKind::grad_dispatch_forward ||
+           k == TaskKind::grad_dispatch_node_relay;
+  };
+  const auto dispatch_put = [](TaskKind k) {
+    return k == TaskKind::dispatch_token_put || k == TaskKind::dispatch_route_put || k == TaskKind::combine_route_put ||
+           k == TaskKind::dispatch_node_put || k == TaskKind::dispatch_node_route_put || k == TaskKind::grad_dispatch_token_put ||
+           k == TaskKind::grad_dispatch_node_put;
+  };
+  const auto token_consumer = [](TaskKind k) {
+    return k == TaskKind::dispatch_relay || k == TaskKind::dispatch_gather || k == TaskKind::grad_dispatch_relay ||
+           k == TaskKind::grad_dispatch_gather;
+  };
+  std::vector<std::int32_t> forwards, rest;
+  std::size_t after_puts = 0, first_consumer = std::numeric_limits<std::size_t>::max();
+  for (const std::int32_t i : order) {
+    const TaskKind k = kind(i);
+    if (forwarding(k)) {
+      forwards.push_back(i);
+      continue;
+    }
+    rest.push_back(i);
+    if (dispatch_put(k)) after_puts = rest.size();
+    if (token_consumer(k) && first_consumer == std::numeric_limits<std::size_t>::max()) first_consumer = rest.size() - 1;
+  }
+  if (forwards.empty()) return;
+  const std::size_t at = std::max(after_puts, std::min(first_consumer, rest.size()));
+  rest.insert(rest.begin() + static_cast<std::ptrdiff_t>(at), forwards.begin(), forwards.end());
+  order.swap(rest);
+}
+
 // LSD radix sort of 64-bit keys, 16 bits a pass (stable, linear time).
 void radix_sort(std::vector<std::uint64_t>& keys, std::vector<std::uint64_t>& tmp) {
   tmp.resize(keys.size());
@@ -326,6 +368,7 @@ void schedule(Program& p, Policy policy, ScheduleScratch& scratch) {
     rotate_puts(p, order);
   }
   if (policy == Policy::ratr) order = ratr_order(p);
+  hoist_forwards(p, order);
   sink_node_sums(p, order);
 
   // Placement. Fill: round-robin over the workers that take the class.

@@ -21,7 +21,8 @@ trace="trace:$HPMOE_SOURCE_DIR/data/routing/mixtral-8x7b/coding.json:8"
 mpi() {  # mpi NP PATH ARGS...
   local np=$1 path=$2; shift 2
   local btl=()
-  [ "$path" = network ] && btl=(--mca btl self,tcp)  # no shared memory at all between the processes
+  # network: no shared memory at all between the processes; hybrid: the messages across nodes over TCP too
+  [ "$path" = network ] || [ "$path" = hybrid ] && btl=(--mca btl self,tcp)
   timeout 120 "$MPIRUN" -np "$np" --oversubscribe "${btl[@]}" "$HPMOE" run -P "$np" --transport mpi --mpi-path "$path" --check-inprocess "$@"
 }
 
@@ -95,6 +96,13 @@ check 3 network --set hidden=256 -T 64 --backward --routing zipf:1.2 --dispatch-
 check 4 network --set hidden=256 -T 48 --set top_k=4 --set routed_experts=16 --set ranks_per_node=2 --backward \
   --routing zipf:1.2 --dispatch-dtype fp8 --combine-dtype bf16 --exchange rank --iters 2 --verify-all-ranks
 check 4 shared -T 48 --set ranks_per_node=2 --backward --dtype bf16 --routing "$trace" --exchange rank --iters 1
+# The hybrid path: shared windows inside each node of the layer's 2 ranks,
+# messages across (the per-node exchange's two hops, and the per-assignment
+# exchange over the same split).
+check 4 hybrid -T 48 --set top_k=4 --set routed_experts=16 --set ranks_per_node=2 --backward --routing zipf:1.2 \
+  --exchange rank --iters 2
+grep -q "hybrid: shared-memory windows inside nodes of 2" "$tmp/out.txt"
+check 4 hybrid -T 48 --set ranks_per_node=2 --backward --dtype bf16 --routing "$trace" --iters 1
 
 # The count exchange as a collective (the default on shared memory is one-sided stores).
 check 3 shared -T 64 --backward --routing zipf:1.2 --iters 3 --count-exchange collective

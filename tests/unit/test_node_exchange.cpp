@@ -206,6 +206,35 @@ TEST(NodeExchange, ProgramsAreProvedWholeAndPerRankAndCrossNodesLess) {
   }
 }
 
+// Every policy queues a forwarder's forwards before the gathers and relays
+// that may wait for other forwarders' (found over MPI: the tiny preset's
+// cheap tiles let the critical-path order put a relay first, a level
+// violation the per-rank check rejected), and its node sums after its
+// other puts; and (one node too) the backward's combine relays after the
+// chains whose dx rows they wait for (interleave-wgrad had queued them
+// first: a deadlock).
+TEST(NodeExchange, EveryPolicyQueuesTheForwarderLevelsInOrder) {
+  LayerConfig c = preset("tiny");
+  c.ranks = 4;
+  c.tokens_per_rank = 48;
+  c.top_k = 4;
+  c.routed_experts = 16;
+  c.exchange = ExchangeMode::rank;
+  for (const std::int64_t per_node : {2, 0})
+  for (const char* machine : {"cpu:1", "cpu:2"}) {
+    c.ranks_per_node = per_node;
+    c.validate();
+    const auto placement = contiguous(c);
+    const Machine m = parse_machine(machine);
+    const auto counts = rank_counts(c, placement, "zipf:1.2", m.tile_rows);
+    for (const Policy policy : {Policy::fill, Policy::rank_rotated, Policy::critical_path, Policy::interleave_wgrad, Policy::ratr})
+      for (const Pass pass : {Pass::forward, Pass::backward}) {
+        SCOPED_TRACE(std::to_string(per_node) + " a node, " + machine + " " + name(policy) + (pass == Pass::forward ? " forward" : " backward"));
+        compile_checked(c, placement, counts, m, pass, policy);
+      }
+  }
+}
+
 TEST(NodeExchange, MutationsOfTheForwardingAreRejected) {
   const LayerConfig c = node_layer(4, 2, 100);
   const Machine m = parse_machine("cpu:2:32x64");

@@ -262,7 +262,10 @@ struct RunCommand {
     run->add_option("--transport", transport,
                     "inprocess | mpi (mpi: one rank per process, `mpirun -np P hpmoe run --transport mpi ...`)");
     run->add_option("--mpi-path", mpi_path,
-                    "auto | shared | network: shared-memory windows on one machine, or put+signal messages (TCP)");
+                    "auto | shared | network | hybrid: shared-memory windows on one machine, put+signal messages (TCP), "
+                    "or windows inside each node (the layer's ranks_per_node consecutive ranks, else each machine's "
+                    "processes) and messages across; auto: shared on one machine, hybrid where machines hold several "
+                    "processes, else network");
     run->add_option("--watchdog", req.watchdog_seconds, "seconds without progress before a launch stops with an error")
         ->check(CLI::Range(0.01, 86400.0));
     run->add_option("--mpi-outbox", outbox_bytes,
@@ -319,7 +322,8 @@ struct RunCommand {
                                 .outbox_bytes = outbox_bytes,
                                 .count_exchange = count_exchange == "one-sided"    ? MpiOptions::CountExchange::one_sided
                                                   : count_exchange == "collective" ? MpiOptions::CountExchange::collective
-                                                                                   : MpiOptions::CountExchange::automatic},
+                                                                                   : MpiOptions::CountExchange::automatic,
+                                .ranks_per_node = static_cast<int>(req.config.ranks_per_node)},
                      json_file);
     // Progress on stderr for anything that takes more than a couple of
     // seconds: always for large layers, otherwise once two seconds have passed.
