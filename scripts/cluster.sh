@@ -144,7 +144,14 @@ mpirun_args=(--hostfile "$tmp/hostfile" -np "$hosts" --mca plm_rsh_agent "$tmp/a
   # all-to-all of 6 MB each way at the A3 ratio took 440 ms instead of 240.
   --mca btl_tcp_eager_limit "$eager" --mca btl_tcp_rndv_eager_limit "$eager")
 set +e
-timeout -k 5 "$time_limit" mpirun "${mpirun_args[@]}" "$(realpath "$hpmoe")" run -P "$hosts" --transport mpi --mpi-path network "$@" &
+# Open MPI's daemons, one per host but all with this machine's hostname, now
+# and then race on their session directories and fail to start (orte_init,
+# before any rank runs); such a launch is tried once more, fresh.
+for attempt in 1 2; do
+rm -rf "$tmp/ompi" && mkdir -p "$tmp/ompi"
+: > "$tmp/launch.err"
+timeout -k 5 "$time_limit" mpirun "${mpirun_args[@]}" "$(realpath "$hpmoe")" run -P "$hosts" --transport mpi --mpi-path network "$@" \
+  2> >(tee -a "$tmp/launch.err" >&2) &
 run=$!
 if [ -n "$fault" ]; then
   IFS=: read -r kind host after <<< "$fault"
@@ -166,6 +173,17 @@ if [ -n "$fault" ]; then
 fi
 wait $run
 status=$?
+sleep 0.2  # the tee's last lines
+if [ $status -ne 0 ] && [ $attempt = 1 ] && [ -z "$fault" ] &&
+   grep -qE "orte_init failed|orte_session_dir failed|ORTE was unable to reliably start" "$tmp/launch.err"; then
+  echo "cluster: Open MPI's daemons failed to start (a session-directory race); launching once more" >&2
+  for i in $(seq 0 $((hosts - 1))); do
+    for pid in $(ip netns pids "${prefix}h$i"); do kill -9 "$pid" 2>/dev/null; done
+  done
+  continue
+fi
+break
+done
 # What crossed each host's link (the bridge side's counters: received from
 # the host = what it sent, and the reverse), TCP/IP headers included.
 for ((i = 0; i < hosts; ++i)); do
