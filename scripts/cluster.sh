@@ -119,12 +119,16 @@ done
 
 # The launch agent: mpirun calls it as `agent HOST COMMAND...` (in place of
 # ssh); it runs the command inside HOST's namespace, pinned to HOST's core.
+# Each host's daemon gets its own session directory base: they all have
+# this machine's hostname, and sharing one base they race on creating the
+# same directories (orte_init fails with "File exists" or "No such file").
 cat > "$tmp/agent" <<EOF
 #!/bin/sh
 host=\$1; shift
 set -- \$(grep "^\$host " "$tmp/hosts") "\$@"
 ns=\$2; core=\$3; shift 3
-exec ip netns exec "\$ns" taskset -c "\$core" sh -c "\$*"
+mkdir -p "$tmp/ompi/\$ns"
+exec ip netns exec "\$ns" taskset -c "\$core" sh -c "\$(printf "%s" "\$*" | sed "s|$tmp/ompi|$tmp/ompi/\$ns|g")"
 EOF
 chmod +x "$tmp/agent"
 
