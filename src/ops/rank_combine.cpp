@@ -192,37 +192,36 @@ std::int64_t slot_nodes(const Program& p, const Rect& slots) {
 }
 
 // Each token's rows back (COMB_RANK or DCOMB_RANK, rows of U), node by
-// node, plus the extra fp32 rows (the shared experts', the router's dx).
+// node, plus up to two fp32 rows of the task's tokens (`first`, `second`:
+// the shared experts', the router's dx; null: none).
 template <class T, class U>
-void reduce_rows(const Tile<T>& tile, BufferId sums, BufferId out_buffer, std::initializer_list<BufferId> extras) {
+void reduce_rows(const Tile<T>& tile, BufferId sums, BufferId out_buffer, const float* first, const float* second) {
   const std::int64_t H = tile.dims().hidden;
   const Rect& slot_rect = tile.in(BufferId::rank_slot);
   const std::int64_t nodes = slot_nodes(tile.program, slot_rect), ld_slot = tile.ld(BufferId::rank_slot);
   const std::int64_t* slots = tile.template at<std::int64_t>(slot_rect);
   const U* rows = tile.template at<U>(tile.in(sums));
-  std::vector<const float*> extra;
-  for (const BufferId b : extras)
-    extra.push_back((b == BufferId::sh_y || b == BufferId::sdx) && tile.dims().shared_inter == 0 ? nullptr : tile.template at<float>(tile.in(b)));
   float* out = tile.template at<float>(tile.out(out_buffer));
   const std::int64_t ld = tile.ld(out_buffer);
-  for (std::int64_t j = 0; j < tile.rows(); ++j) {
-    const float* a = extra.size() > 0 && extra[0] ? extra[0] + j * H : nullptr;
-    const float* b = extra.size() > 1 && extra[1] ? extra[1] + j * H : nullptr;
-    sum_by_node<U>(out + j * ld, H, tile.program, nodes, slots + j * ld_slot, rows, {a, b});
-  }
+  for (std::int64_t j = 0; j < tile.rows(); ++j)
+    sum_by_node<U>(out + j * ld, H, tile.program, nodes, slots + j * ld_slot, rows,
+                   {first ? first + j * H : nullptr, second ? second + j * H : nullptr});
 }
 
 template <class T>
 bool rank_reduce(const Tile<T>& tile) {
-  if (narrow_sums(tile, BufferId::comb_rank)) reduce_rows<T, bf16>(tile, BufferId::comb_rank, BufferId::out, {BufferId::sh_y});
-  else reduce_rows<T, T>(tile, BufferId::comb_rank, BufferId::out, {BufferId::sh_y});
+  const float* shared = tile.dims().shared_inter > 0 ? tile.template at<float>(tile.in(BufferId::sh_y)) : nullptr;
+  if (narrow_sums(tile, BufferId::comb_rank)) reduce_rows<T, bf16>(tile, BufferId::comb_rank, BufferId::out, shared, nullptr);
+  else reduce_rows<T, T>(tile, BufferId::comb_rank, BufferId::out, shared, nullptr);
   return false;
 }
 
 template <class T>
 bool grad_rank_reduce(const Tile<T>& tile) {
-  if (narrow_sums(tile, BufferId::dcomb_rank)) reduce_rows<T, bf16>(tile, BufferId::dcomb_rank, BufferId::dx, {BufferId::rdx, BufferId::sdx});
-  else reduce_rows<T, T>(tile, BufferId::dcomb_rank, BufferId::dx, {BufferId::rdx, BufferId::sdx});
+  const float* rdx = tile.template at<float>(tile.in(BufferId::rdx));
+  const float* sdx = tile.dims().shared_inter > 0 ? tile.template at<float>(tile.in(BufferId::sdx)) : nullptr;
+  if (narrow_sums(tile, BufferId::dcomb_rank)) reduce_rows<T, bf16>(tile, BufferId::dcomb_rank, BufferId::dx, rdx, sdx);
+  else reduce_rows<T, T>(tile, BufferId::dcomb_rank, BufferId::dx, rdx, sdx);
   return false;
 }
 
