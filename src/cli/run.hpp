@@ -4,6 +4,7 @@
 #include <functional>
 #include <nlohmann/json_fwd.hpp>
 #include <span>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -146,6 +147,10 @@ struct RunReport {
   // the rest is waiting at events or barriers.
   Summary serialized_busy, serialized_backward_busy, interleaved_busy, interleaved_backward_busy;
   double forward_flops = 0, backward_flops = 0;  // expert + shared (+ router in backward), this routing
+  // FLOPs per step of each matrix operator (the phased executor's operator
+  // names: gemm_gate_up, router_wgrad, ...), all ranks, this routing: the
+  // operator table gives each its rate and share of the peak.
+  std::map<std::string, double> operator_flops;
   double bias_update_max = 0;                    // largest |delta| of the aux-loss-free bias update
   Verification verification;
   // Over MPI: each process held only its rank; times are the maximum over
