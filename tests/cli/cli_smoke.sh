@@ -4,9 +4,13 @@
 set -euo pipefail
 : "${HPMOE:?}" "${HPMOE_SOURCE_DIR:?}"
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
-"$HPMOE" presets | grep -q "deepseek-v3: hidden 7168"
-"$HPMOE" config --config "$HPMOE_SOURCE_DIR/data/model-configs/deepseek-config_671B.json" | grep -q '"routed_experts": 256'
-"$HPMOE" config --preset qwen3-30b-a3b --set top_k=4 | grep -q '"top_k": 4'
+# `cmd | grep -q` lets grep exit at its first match while cmd still writes:
+# cmd then dies of SIGPIPE and pipefail fails the script (now and then: the
+# presets line below failed it twice in a day). `has` reads all its input.
+has() { local input; input=$(cat); grep -q "$@" <<< "$input"; }
+"$HPMOE" presets | has "deepseek-v3: hidden 7168"
+"$HPMOE" config --config "$HPMOE_SOURCE_DIR/data/model-configs/deepseek-config_671B.json" | has '"routed_experts": 256'
+"$HPMOE" config --preset qwen3-30b-a3b --set top_k=4 | has '"top_k": 4'
 for dtype in fp32 bf16; do
   "$HPMOE" run --dtype $dtype --backward --iters 2 --json "$tmp/$dtype.json" > "$tmp/$dtype.txt"
   grep -q "verify   PASS" "$tmp/$dtype.txt"
@@ -20,11 +24,11 @@ for dtype in fp32 bf16; do
   python3 -c "import json, sys; c = json.load(open(sys.argv[1]))['cpu']; sys.exit(not (c['fp32_fma_flops_per_core'] > 1e9 and c['cores'] >= 1 and c['model']))" "$tmp/$dtype.json"
 done
 "$HPMOE" run -P 4 -W 2 --routing "trace:$HPMOE_SOURCE_DIR/data/routing/mixtral-8x7b/writing.json:12" --backward \
-  | grep -q "verify   PASS"
-"$HPMOE" run --routing zipf:1.2 --set capacity_factor=1.0 --backward | grep -q "verify   PASS"
+  | has "verify   PASS"
+"$HPMOE" run --routing zipf:1.2 --set capacity_factor=1.0 --backward | has "verify   PASS"
 # Both executors: one bit-identity line for the whole step (out, dx, router,
 # shared w1/w2, 8 x (w1, w2) of the tiny preset).
-"$HPMOE" run --backward --iters 1 | grep -q "interleaved = serialized: bit-identical, all 21 tensors"
+"$HPMOE" run --backward --iters 1 | has "interleaved = serialized: bit-identical, all 21 tensors"
 # The interleaved runtime alone reports no serialized figures (no 0 ms, no inf).
 "$HPMOE" run --mode interleaved --backward --iters 1 --json "$tmp/int.json" > "$tmp/int.txt"
 grep -q "interleaved backward" "$tmp/int.txt"
@@ -32,7 +36,7 @@ if grep -q "serialized\|inf GFLOP" "$tmp/int.txt"; then echo "interleaved-only r
 python3 -c "import json, sys; j = json.load(open(sys.argv[1])); sys.exit('serialized' in j)" "$tmp/int.json"
 # Placement as data: a placement file, uneven experts per rank, verified.
 echo '{"experts_of_rank": [[7, 0, 3], [5, 1], [2, 6, 4]]}' > "$tmp/placement.json"
-"$HPMOE" run -P 3 --backward --iters 1 --placement "$tmp/placement.json" | grep -q "bit-identical"
+"$HPMOE" run -P 3 --backward --iters 1 --placement "$tmp/placement.json" | has "bit-identical"
 # The per-rank exchange: verified, bit-identical, and fewer bytes put to other ranks.
 "$HPMOE" run -P 3 --set top_k=4 --backward --iters 1 --exchange rank > "$tmp/rank.txt"
 "$HPMOE" run -P 3 --set top_k=4 --backward --iters 1 > "$tmp/assignment.txt"
@@ -58,7 +62,7 @@ grep -q '"splits"' "$tmp/split.json"
   > "$tmp/split-run.txt"
 grep -q "verify   PASS" "$tmp/split-run.txt" && grep -q "bit-identical, all" "$tmp/split-run.txt"
 "$HPMOE" simulate -P 4 --set routed_experts=16 -T 128 --routing hot:0.3 --machine nmp-mesh --backward --placement "$tmp/split.json" \
-  | grep -q "backward"
+  | has "backward"
 "$HPMOE" run --seed 5 --backward --save "$tmp/run" > "$tmp/a.txt"
 test -s "$tmp/run/weights.safetensors" && test -s "$tmp/run/outputs.safetensors" && test -s "$tmp/run/routing.safetensors"
 "$HPMOE" run --seed 99 --backward --load "$tmp/run" --save "$tmp/again" > "$tmp/b.txt"
@@ -69,10 +73,10 @@ cmp "$tmp/run/outputs.safetensors" "$tmp/again/outputs.safetensors"
   --dump "$tmp/prog" --json "$tmp/compile.json" > "$tmp/compile.txt"
 test "$(grep -c 'verify   PASS' "$tmp/compile.txt")" -eq 2
 grep -q '"generate_and_schedule_per_rank_s"' "$tmp/compile.json"
-"$HPMOE" verify "$tmp/prog.forward.json" | grep -q "PASS"
-"$HPMOE" verify --list "$tmp/prog.backward.json" | grep -q "gemm_gate_up_wgrad"
+"$HPMOE" verify "$tmp/prog.forward.json" | has "PASS"
+"$HPMOE" verify --list "$tmp/prog.backward.json" | has "gemm_gate_up_wgrad"
 "$HPMOE" compile --preset deepseek-v2-lite -P 2 -T 256 --routing "trace:$HPMOE_SOURCE_DIR/data/routing/mixtral-8x7b/coding.json:4" \
-  --set routed_experts=8 --set top_k=2 --set shared_experts=0 --machine accel:2:4:128x128 | grep -q "verify   PASS"
+  --set routed_experts=8 --set top_k=2 --set shared_experts=0 --machine accel:2:4:128x128 | has "verify   PASS"
 sed 's/"ranks":4/"ranks":5/' "$tmp/prog.forward.json" > "$tmp/broken.json"
 set +e
 "$HPMOE" verify "$tmp/broken.json" > "$tmp/broken.txt"
