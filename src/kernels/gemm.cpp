@@ -377,14 +377,28 @@ void pack_rhs_panels(const S* src, std::int64_t ld_src, std::int64_t k, std::int
                      std::int64_t panel_begin, std::int64_t panel_end) {
   const std::int64_t kp = weight_padded_k<T>(k);
   const bool vnni = sizeof(T) == 2;  // see panel_view
+  // Reads run along src's rows: a training step repacks every weight, and
+  // reading a transposed source down its columns took most of a small
+  // layer's step (16 experts of 256 x 256: 21% of a bf16 forward's time).
+  // Transposed sources go in blocks of kRows rows of K, so the panel lines
+  // a block writes stay in L1 while each column's run of K is read.
+  constexpr std::int64_t kRows = 128;
   for (std::int64_t p = panel_begin; p < panel_end; ++p) {
     T* panel = dst + p * kp * kTileCols;
-    for (std::int64_t r = 0; r < kp; ++r) {
-      for (std::int64_t j = 0; j < kTileCols; ++j) {
-        const std::int64_t col = p * kTileCols + j;
-        T v{};
-        if (r < k && col < n) v = convert<T>(transposed ? src[col * ld_src + r] : src[r * ld_src + col]);
-        panel[rhs_index(r, j, kTileCols, vnni)] = v;
+    std::fill(panel, panel + kp * kTileCols, T{});  // padding rows and columns past N stay zero
+    const std::int64_t c0 = p * kTileCols, width = std::clamp<std::int64_t>(n - c0, 0, kTileCols);
+    if (!transposed) {
+      for (std::int64_t r = 0; r < k; ++r) {
+        const S* row = src + r * ld_src + c0;
+        for (std::int64_t j = 0; j < width; ++j) panel[rhs_index(r, j, kTileCols, vnni)] = convert<T>(row[j]);
+      }
+      continue;
+    }
+    for (std::int64_t r0 = 0; r0 < k; r0 += kRows) {
+      const std::int64_t r1 = std::min(k, r0 + kRows);
+      for (std::int64_t j = 0; j < width; ++j) {
+        const S* column = src + (c0 + j) * ld_src;  // src^T's column c0 + j: a row of src
+        for (std::int64_t r = r0; r < r1; ++r) panel[rhs_index(r, j, kTileCols, vnni)] = convert<T>(column[r]);
       }
     }
   }
