@@ -19,6 +19,9 @@ forward and in backward. The output directory gets:
   - metrics.json: every figure above;
   - checkpoint.safetensors: the hpmoe model and its optimiser state, at
     --save-every steps and at the end.
+--dtype bfloat16 trains in mixed precision: float32 master weights and
+optimiser state, the compute in bf16 (hpmoe's FFNs made with dtype="bf16",
+the rest of both models under torch.autocast).
 --resume continues from a checkpoint (bit for bit the curve a run without
 the stop gives; --check-resume verifies that in one go).
 
@@ -168,8 +171,11 @@ def build(args, torch_twin=False):
         model = LM(args, lambda: TorchMoE(config), timer)
     else:
         executor = "reference" if args.dtype == "float64" else "interleaved"
-        model = LM(args, lambda: hpmoe.MoELayer(config, ranks=args.ranks, workers=args.workers, executor=executor), timer)
-    model = model.to(getattr(torch, args.dtype))
+        dtype = "bf16" if args.dtype == "bfloat16" else None
+        model = LM(args, lambda: hpmoe.MoELayer(config, ranks=args.ranks, workers=args.workers, executor=executor,
+                                                dtype=dtype), timer)
+    # bfloat16: float32 master weights (and optimiser state), the compute in bf16 (autocast in train())
+    model = model.to(torch.float32 if args.dtype == "bfloat16" else getattr(torch, args.dtype))
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     return model, opt, timer
 
@@ -204,7 +210,11 @@ def train(model, opt, timer, data, args, first, last, log, ckpt=None):
     for step in range(first, last):
         x, y = batch(data, step, args)
         t0 = time.perf_counter()
-        loss = F.cross_entropy(model(x).reshape(-1, 256), y.reshape(-1))
+        # bfloat16: PyTorch's CPU autocast runs the dense layers in bf16 (the twin's experts too); hpmoe's
+        # FFNs were made with dtype="bf16" and take the float32 or bfloat16 activations they are given.
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.dtype == "bfloat16"):
+            logits = model(x)
+        loss = F.cross_entropy(logits.float().reshape(-1, 256), y.reshape(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -272,8 +282,10 @@ def main():
     ap.add_argument("--save-every", type=int, default=0)
     ap.add_argument("--out", default="train-out")
     ap.add_argument("--resume", help="a checkpoint.safetensors of this example to continue from")
-    ap.add_argument("--dtype", choices=["float32", "float64"], default="float32",
-                    help="float64: both models in double, hpmoe's FFNs by its fp64 oracle (executor=reference; "
+    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float64"], default="float32",
+                    help="bfloat16: mixed precision, float32 master weights and optimiser state, the compute in "
+                         "bf16 (hpmoe's FFNs with dtype='bf16', the rest under torch.autocast); "
+                         "float64: both models in double, hpmoe's FFNs by its fp64 oracle (executor=reference; "
                          "plain loops, for small models): shows how closely the two curves follow each other "
                          "when rounding is not amplified")
     ap.add_argument("--no-twin", action="store_true", help="train the hpmoe model only")

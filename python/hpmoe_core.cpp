@@ -17,6 +17,8 @@
 #include <pybind11/stl.h>
 
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <algorithm>
 #include <atomic>
 #include <exception>
@@ -154,19 +156,49 @@ py::dict hf_gradients(const LayerConfig& c, Grad&& grad) {
 
 using KeptArrays = std::vector<std::pair<std::string, Array>>;  // alive while views of them are read
 
+// A parameter as a float32 array: float arrays as they are (other float
+// types converted), bfloat16 ones widened, exactly (bf16 is float32's upper
+// half). NumPy has no bfloat16, so hpmoe.MoELayer passes those as their
+// int16 bits; no other integer array is a parameter.
+Array float_array(const py::handle& h, const std::string& name) {
+  const auto a = py::reinterpret_borrow<py::array>(h);
+  if (a.dtype().kind() != 'i' && a.dtype().kind() != 'u') return h.cast<Array>();
+  if (a.itemsize() != 2) throw Error("parameter '" + name + "' is an integer array; hpmoe needs floating-point parameters");
+  const auto bits = py::array_t<std::int16_t, py::array::c_style | py::array::forcecast>::ensure(h);
+  Array out(std::vector<py::ssize_t>(a.shape(), a.shape() + a.ndim()));
+  const std::int16_t* src = bits.data();
+  float* dst = out.mutable_data();
+  for (py::ssize_t i = 0; i < out.size(); ++i) {
+    const std::uint32_t word = std::uint32_t(std::uint16_t(src[i])) << 16;
+    std::memcpy(dst + i, &word, sizeof word);
+  }
+  return out;
+}
+
 // A parameter by Hugging Face name as a view ([out, in]), its array kept.
 MatrixView param_view(const py::dict& params, const std::string& name, std::int64_t rows, std::int64_t cols,
                       KeptArrays& keep) {
   if (!params.contains(name)) throw Error("parameter '" + name + "' is missing");
-  keep.emplace_back(name, params[py::str(name)].cast<Array>());
+  keep.emplace_back(name, float_array(params[py::str(name)], name));
   return view_of(keep.back().second, rows, cols, "parameter '" + name + "'");
 }
 
 void check_finite(std::span<const std::pair<std::string, Array>> keep) {
-  for (const auto& [name, a] : keep)
-    for (py::ssize_t i = 0; i < a.size(); ++i)
-      if (!std::isfinite(a.data()[i]))
-        throw Error("parameter '" + name + "' holds NaN or Inf at flat index " + std::to_string(i));
+  for (const auto& [name, a] : keep) {
+    const float* v = a.data();
+    const py::ssize_t n = a.size();
+    // A NaN or Inf has every exponent bit set: tested on the bits (an integer reduction, which vectorises;
+    // a training step checks every parameter), the index sought only when one is there.
+    std::uint32_t bad = 0;
+    for (py::ssize_t i = 0; i < n; ++i) {
+      std::uint32_t bits;
+      std::memcpy(&bits, v + i, sizeof bits);
+      bad |= static_cast<std::uint32_t>((bits & 0x7f800000u) == 0x7f800000u);
+    }
+    if (!bad) continue;
+    for (py::ssize_t i = 0; i < n; ++i)
+      if (!std::isfinite(v[i])) throw Error("parameter '" + name + "' holds NaN or Inf at flat index " + std::to_string(i));
+  }
 }
 
 HfMlp expert_views(const LayerConfig& c, const py::dict& params, std::int64_t e, KeptArrays& keep) {
@@ -196,7 +228,7 @@ LayerWeights weights_of(const LayerConfig& c, const py::dict& params, bool exper
     b.shared = {get(projection(shared, gate_proj), Is, H), get(projection(shared, up_proj), Is, H),
                 get(projection(shared, down_proj), H, Is)};
   if (params.contains(expert_bias)) {
-    keep.emplace_back(expert_bias, params[py::str(expert_bias)].cast<Array>());
+    keep.emplace_back(expert_bias, float_array(params[py::str(expert_bias)], expert_bias));
     const Array& bias = keep.back().second;
     if (bias.ndim() != 1 || bias.shape(0) != E)
       throw Error("parameter 'gate.e_score_correction_bias' must have shape [" + std::to_string(E) + "]");

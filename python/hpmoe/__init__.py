@@ -72,24 +72,28 @@ def from_hf_config(path, base=None):
 class _Function(torch.autograd.Function):
     @staticmethod
     def forward(ctx, module, names, x, *params):
-        arrays = {n: p.detach().numpy() for n, p in zip(names, params)}
+        arrays = {n: _array(p) for n, p in zip(names, params)}
         # (storage address, version counter): which parameters changed since the last forward, so that
         # the kept layer converts and repacks only those
         versions = {n: (p.data_ptr(), p._version) for n, p in zip(names, params)}
         if module.gate_bias is not None:
-            arrays["gate.e_score_correction_bias"] = module.gate_bias.detach().numpy()
+            arrays["gate.e_score_correction_bias"] = _array(module.gate_bias)
             versions["gate.e_score_correction_bias"] = (module.gate_bias.data_ptr(), module.gate_bias._version)
-        out, aux, z, load, step = module._core.forward(x.detach().numpy(), arrays, versions)
+        # bfloat16 tokens go in widened to float32 (exact); the layer rounds them as its dtype says
+        wide = x.detach().float() if x.dtype == torch.bfloat16 else x.detach()
+        out, aux, z, load, step = module._core.forward(wide.numpy(), arrays, versions)
         ctx.module, ctx.names, ctx.tokens, ctx.dtype, ctx.step = module, names, x.shape[0], x.dtype, step
+        ctx.param_dtypes = [p.dtype for p in params]
         ctx.load = module.last_load = torch.from_numpy(load)
-        return torch.from_numpy(out), torch.tensor(aux, dtype=x.dtype), torch.tensor(z, dtype=x.dtype)
+        return torch.from_numpy(out).to(x.dtype), torch.tensor(aux, dtype=x.dtype), torch.tensor(z, dtype=x.dtype)
 
     @staticmethod
     def backward(ctx, d_out, d_aux, d_z):
         module = ctx.module
         if d_out is None:  # only the losses were used
             d_out = torch.zeros(ctx.tokens, module.config["hidden"], dtype=ctx.dtype)
-        grads = ctx.step.backward(d_out.to(ctx.dtype).contiguous().numpy())
+        wide = torch.float64 if ctx.dtype == torch.float64 else torch.float32
+        grads = ctx.step.backward(d_out.to(wide).contiguous().numpy())
         if module.executor != "reference":
             ctx.step = None  # its one backward has run: free the packed weights and activations
         if module.gate_bias is not None:  # DeepSeek-V3's aux-loss-free update, after the step
@@ -101,9 +105,17 @@ class _Function(torch.autograd.Function):
         # An expert that computed nothing this step gets no gradient (None), as in a PyTorch MoE where it
         # is not in the graph: optimisers then leave it alone (Adam's momentum does not move an idle expert).
         idle = {str(e) for e, n in enumerate(ctx.load.sum(dim=0).tolist()) if n == 0}
-        return (None, None, torch.from_numpy(grads["x"])) + tuple(
-            None if n.startswith("experts.") and n.split(".")[1] in idle else torch.from_numpy(grads[n])
-            for n in ctx.names)
+        # Gradients come in float32 (fp32 accumulation) and leave in each tensor's own dtype.
+        return (None, None, torch.from_numpy(grads["x"]).to(ctx.dtype)) + tuple(
+            None if n.startswith("experts.") and n.split(".")[1] in idle else torch.from_numpy(grads[n]).to(dt)
+            for n, dt in zip(ctx.names, ctx.param_dtypes))
+
+
+def _array(p):
+    """A parameter as NumPy sees it: float arrays as they are; bfloat16 (which NumPy lacks) as its int16
+    bits, which the C++ side widens exactly."""
+    p = p.detach()
+    return p.view(torch.int16).numpy() if p.dtype == torch.bfloat16 else p.numpy()
 
 
 class MoELayer(nn.Module):
@@ -112,8 +124,14 @@ class MoELayer(nn.Module):
     config: a dict (``hpmoe.preset(name)``, ``hpmoe.from_hf_config(path)``) or a preset name;
     ranks: expert-parallel ranks in this process; workers: threads per rank;
     executor: "interleaved" (the single-launch taskflow) or "serialized" (operator by operator),
-    both float32; or "reference", the fp64 oracle on float64 tensors (call ``.double()``), for
-    gradient checks tighter than float32 allows (plain loops: slow);
+    both float32 unless dtype="bf16"; or "reference", the fp64 oracle on float64 tensors (call
+    ``.double()``), for gradient checks tighter than float32 allows (plain loops: slow);
+    dtype: None keeps the config's ("fp32" unless set); "bf16" computes in bf16 with float32
+    accumulation (AMX where the CPU has it, AVX512-BF16 or widened to FMA elsewhere). Parameters may
+    then be float32 (master weights: rounded to bf16 when packed, gradients float32, the usual mixed
+    precision) or bfloat16 (``.bfloat16()``: gradients bfloat16); tokens float32 or bfloat16, the
+    output and dx in the tokens' dtype. Within bf16's tolerance of the float64 reference on the same
+    rounded values (relative L2 <= 1e-2);
     schedule: the interleaved runtime's task order per worker ("critical-path", "fill",
     "rank-rotated", "interleave-wgrad", "ratr"; hpmoe run --policy). Results are bit-identical for all.
     dispatch_dtype: what the dispatch sends tokens to their experts in (hpmoe run --dispatch-dtype):
@@ -134,9 +152,13 @@ class MoELayer(nn.Module):
     """
 
     def __init__(self, config, ranks=1, workers=1, executor="interleaved", schedule="critical-path",
-                 dispatch_dtype=None, exchange=None, ranks_per_node=None, combine_dtype=None):
+                 dispatch_dtype=None, exchange=None, ranks_per_node=None, combine_dtype=None, dtype=None):
         super().__init__()
         cfg = dict(preset(config) if isinstance(config, str) else config)
+        if dtype is not None:
+            if dtype not in ("fp32", "bf16"):
+                raise ValueError(f"dtype must be 'fp32' or 'bf16', got {dtype!r}")
+            cfg["dtype"] = dtype
         if dispatch_dtype is not None:
             cfg["dispatch_dtype"] = dispatch_dtype
         if exchange is not None:
@@ -171,14 +193,20 @@ class MoELayer(nn.Module):
 
     def forward(self, x):
         H = self.config["hidden"]
-        dtype = torch.float64 if self.executor == "reference" else torch.float32
-        if not isinstance(x, torch.Tensor) or x.dtype != dtype or x.device.type != "cpu":
-            raise ValueError(f"hpmoe.MoELayer(executor={self.executor!r}) takes {dtype} CPU tensors, got "
+        if self.executor == "reference":
+            dtypes, fix = (torch.float64,), "call .double() on the module"
+        elif self.config["dtype"] == "bf16":
+            dtypes, fix = (torch.bfloat16, torch.float32), "call .bfloat16() or .float() on the module"
+        else:
+            dtypes, fix = (torch.float32,), "call .float() on the module, or make it with dtype='bf16'"
+        takes = " or ".join(str(d) for d in dtypes)
+        name = f"hpmoe.MoELayer(executor={self.executor!r}, dtype={self.config['dtype']!r})"
+        if not isinstance(x, torch.Tensor) or x.dtype not in dtypes or x.device.type != "cpu":
+            raise ValueError(f"{name} takes {takes} CPU tensors, got "
                              f"{getattr(x, 'dtype', type(x))} on {getattr(x, 'device', '?')}")
         for n, p in self.named_parameters():
-            if p.dtype != dtype:
-                raise ValueError(f"parameter '{n}' is {p.dtype}; hpmoe.MoELayer(executor={self.executor!r}) "
-                                 f"needs {dtype} parameters (call .float() or .double() on the module)")
+            if p.dtype not in dtypes:
+                raise ValueError(f"parameter '{n}' is {p.dtype}; {name} needs {takes} parameters ({fix})")
         if x.dim() < 1 or x.shape[-1] != H:
             raise ValueError(f"hpmoe.MoELayer needs inputs of shape [..., {H}] (hidden {H}), got {list(x.shape)}")
         flat = x.reshape(-1, H).contiguous()

@@ -73,7 +73,7 @@ def moe(config, x, router, experts, shared=None, bias=None, ranks=1, load=None):
         if load is not None:
             load.append(rows.numel())
         if rows.numel():
-            y = y.index_add(0, rows, swiglu(mlp, x[rows]) * w[rows, slot].unsqueeze(1))
+            y = y.index_add(0, rows, (swiglu(mlp, x[rows]) * w[rows, slot].unsqueeze(1)).to(y.dtype))  # autocast: bf16 products
     if shared is not None:
         y = y + swiglu(shared, x)
     return y

@@ -259,6 +259,59 @@ def test_bf16_combine_halves_the_sums_and_stays_close():
         hpmoe.MoELayer(cfg, ranks=2, exchange="rank", combine_dtype="fp8")
 
 
+def within_bf16_standards(fast, ref, what):
+    """hpmoe's bf16 standard: relative L2 <= 1e-2 and max-abs error <= 2% of the reference's max."""
+    fast, ref = fast.double(), ref.double()
+    assert rel(fast, ref) <= 1e-2, (what, rel(fast, ref))
+    assert float((fast - ref).abs().max()) <= 0.02 * float(ref.abs().max()), what
+
+
+@pytest.mark.parametrize("params", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("executor", ["interleaved", "serialized"])
+def test_bf16_within_the_standards_of_the_float64_reference(params, executor):
+    """dtype="bf16": bf16 compute with float32 master parameters (gradients float32) or bfloat16 parameters
+    (gradients bfloat16), bfloat16 tokens in and out; the output, dx and every parameter's gradient within the
+    bf16 standards of the float64 oracle run on the same bf16-rounded values."""
+    torch.manual_seed(3)
+    cfg = CASES["softmax_normalised_shared"]
+    m = hpmoe.MoELayer(cfg, ranks=2, workers=1, executor=executor, dtype="bf16").to(params)
+    assert m.config["dtype"] == "bf16"
+    ref = hpmoe.MoELayer(cfg, ranks=2, executor="reference").double()
+    ref.load_state_dict({k: v.to(torch.bfloat16).double() for k, v in m.state_dict().items()})
+    x, d_out = torch.randn(40, 48).to(torch.bfloat16), torch.randn(40, 48).to(torch.bfloat16)
+    y, dx, grads = run(m, x, d_out)
+    assert y.dtype == torch.bfloat16 and dx.dtype == torch.bfloat16
+    yr, dxr, grads_r = run(ref, x.double(), d_out.double())
+    within_bf16_standards(y, yr, "out")
+    within_bf16_standards(dx, dxr, "dx")
+    for n, p in m.named_parameters():
+        assert grads[n].dtype == params, n
+        if grads_r[n].norm() > 0:
+            within_bf16_standards(grads[n], grads_r[n], n)
+    # float32 tokens into the bf16 layer: rounded to bf16 inside, so the same output, in float32
+    y32 = m(x.float()).detach()
+    assert y32.dtype == torch.float32 and torch.equal(y32.to(torch.bfloat16), y)
+
+
+def test_bf16_executors_bit_identical_and_dtype_errors():
+    torch.manual_seed(4)
+    a = hpmoe.MoELayer(small(), ranks=2, dtype="bf16").bfloat16()
+    s = hpmoe.MoELayer(small(), ranks=2, dtype="bf16", executor="serialized").bfloat16()
+    s.load_state_dict(a.state_dict())
+    x, d_out = torch.randn(32, 48).to(torch.bfloat16), torch.randn(32, 48).to(torch.bfloat16)
+    ra, rs = run(a, x, d_out), run(s, x, d_out)
+    assert torch.equal(ra[0], rs[0]) and torch.equal(ra[1], rs[1])
+    assert all(torch.equal(ra[2][n], rs[2][n]) for n in ra[2])
+    with pytest.raises(ValueError, match="dtype must be 'fp32' or 'bf16'"):
+        hpmoe.MoELayer(small(), dtype="fp16")
+    with pytest.raises(ValueError, match="takes torch.bfloat16 or torch.float32 CPU tensors, got torch.float16"):
+        a(x.half())
+    with pytest.raises(ValueError, match="parameter 'gate.weight' is torch.float16"):
+        hpmoe.MoELayer(small(), dtype="bf16").half()(x)
+    with pytest.raises(ValueError, match="dtype='fp32'.* takes torch.float32 CPU tensors, got torch.bfloat16"):
+        hpmoe.MoELayer(small())(x)
+
+
 def test_executors_bit_identical():
     torch.manual_seed(1)
     cfg = small(shared_experts=1)
@@ -407,6 +460,24 @@ def test_training_example_float64_curves_agree(tmp_path):
     assert m["resume_bit_identical"]
     assert m["max_loss_difference"] <= 1e-12
     assert m["hpmoe"]["loss"][-1] < m["hpmoe"]["loss"][0]
+
+
+def test_training_example_bfloat16_trains_and_resumes(tmp_path):
+    """--dtype bfloat16 (float32 masters, bf16 compute: hpmoe's FFNs with dtype="bf16", the rest under autocast):
+    the loss falls, follows the twin's within bf16's rounding, and the checkpoint resumes bit for bit."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = subprocess.run([sys.executable, os.path.join(root, "examples", "train_moe_lm.py"), "--dtype", "bfloat16",
+                        "--steps", "12", "--layers", "1", "--d", "32", "--heads", "2", "--inter", "32", "--experts", "4",
+                        "--seq", "16", "--batch", "4", "--out", str(tmp_path), "--check-resume"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    m = json.load(open(tmp_path / "metrics.json"))
+    assert m["resume_bit_identical"]
+    assert m["hpmoe"]["loss"][-1] < m["hpmoe"]["loss"][0]
+    assert 0 < m["max_loss_difference"] <= 2e-2 * max(m["hpmoe"]["loss"])
 
 
 def test_training_example_refuses_bad_input(tmp_path):
