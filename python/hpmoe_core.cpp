@@ -135,12 +135,13 @@ Array64 transposed(const std::vector<double>& m, std::int64_t rows, std::int64_t
 // The Hugging Face names of a layer's gradients, from a function that gives
 // each as (name, math-layout matrix id, first column, columns).
 template <class Grad>
-py::dict hf_gradients(const LayerConfig& c, Grad&& grad) {
+py::dict hf_gradients(const LayerConfig& c, Grad&& grad, const std::vector<std::int32_t>* held = nullptr) {
   const std::int64_t I = c.expert_inter, Is = c.shared_inter_total(), H = c.hidden;
   py::dict out;
   using namespace hf_name;
   out[py::str(router)] = grad("router", -1, 0, c.routed_experts);
   for (std::int64_t e = 0; e < c.routed_experts; ++e) {
+    if (held && !std::binary_search(held->begin(), held->end(), static_cast<std::int32_t>(e))) continue;
     const std::string mlp = expert(e);
     out[py::str(projection(mlp, gate_proj))] = grad("w1", e, 0, I);
     out[py::str(projection(mlp, up_proj))] = grad("w1", e, I, I);
@@ -212,7 +213,9 @@ HfMlp expert_views(const LayerConfig& c, const py::dict& params, std::int64_t e,
 
 // The parameters by Hugging Face name ([out, in] matrices), checked finite;
 // without the routed experts when `experts` is false.
-LayerWeights weights_of(const LayerConfig& c, const py::dict& params, bool experts = true) {
+// `held`: the experts this process holds (sharded over processes); null: all.
+LayerWeights weights_of(const LayerConfig& c, const py::dict& params, bool experts = true,
+                        const std::vector<std::int32_t>* held = nullptr) {
   KeptArrays keep;
   auto get = [&](const std::string& name, std::int64_t rows, std::int64_t cols) {
     return param_view(params, name, rows, cols, keep);
@@ -223,7 +226,9 @@ LayerWeights weights_of(const LayerConfig& c, const py::dict& params, bool exper
   b.gate = get(router, E, H);
   b.experts.resize(static_cast<std::size_t>(E));  // all views empty: not converted
   if (experts)
-    for (std::int64_t e = 0; e < E; ++e) b.experts[static_cast<std::size_t>(e)] = expert_views(c, params, e, keep);
+    for (std::int64_t e = 0; e < E; ++e)
+      if (!held || std::binary_search(held->begin(), held->end(), static_cast<std::int32_t>(e)))
+        b.experts[static_cast<std::size_t>(e)] = expert_views(c, params, e, keep);
   if (c.shared_experts > 0)
     b.shared = {get(projection(shared, gate_proj), Is, H), get(projection(shared, up_proj), Is, H),
                 get(projection(shared, down_proj), H, Is)};
@@ -295,8 +300,8 @@ class Step {
 // the input and output arrays it reads and writes in place.
 class FastStep final : public Step {
  public:
-  FastStep(const LayerConfig& c, hpmoe::Layer& layer, const Array& x)
-      : config_(c), x_(x), out_(new_array(x.shape(0), c.hidden)) {
+  FastStep(const LayerConfig& c, hpmoe::Layer& layer, const Array& x, const std::vector<std::int32_t>* held)
+      : config_(c), x_(x), out_(new_array(x.shape(0), c.hidden)), held_(held) {
     const std::int64_t N = x.shape(0), H = c.hidden;
     const MatrixView xv = view_of(x_, N, H, "x");
     py::gil_scoped_release release;
@@ -336,7 +341,7 @@ class FastStep final : public Step {
       Array a({cols, src.rows});
       fills.push_back({&src, c0, cols, a.mutable_data()});
       return a;
-    });
+    }, held_);
     {
       py::gil_scoped_release release;
       on_cores(fills.size(), [&](std::size_t i) {
@@ -352,6 +357,7 @@ class FastStep final : public Step {
  private:
   LayerConfig config_;
   Array x_, out_;  // x is read in place until backward
+  const std::vector<std::int32_t>* held_;  // over MPI: this process's experts (their gradients only)
   std::optional<hpmoe::Layer::Step> step_;
 };
 
@@ -411,9 +417,17 @@ class ReferenceStep final : public Step {
 // optimizer's step, load_state_dict's copy_) increments.
 using ParamVersion = std::pair<std::int64_t, std::int64_t>;
 
+// The process's MPI session: MPI_Init_thread at the first layer made with
+// ep="mpi" (the process was started by mpirun), MPI_Finalize at exit.
+const MpiSession& mpi_session() {
+  static MpiSession session(nullptr, nullptr);
+  return session;
+}
+
 class ModuleLayer {
  public:
-  ModuleLayer(const std::string& config_json, int workers, const std::string& executor, const std::string& schedule)
+  ModuleLayer(const std::string& config_json, int workers, const std::string& executor, const std::string& schedule,
+              const std::string& transport)
       : config_(config_from_json(nlohmann::json::parse(config_json))), workers_(workers),
         policy_(taskflow::parse_policy(schedule)) {
     if (executor != "interleaved" && executor != "serialized" && executor != "reference")
@@ -425,6 +439,34 @@ class ModuleLayer {
     LayerConfig probe = config_;
     if (probe.tokens_per_rank <= 0) probe.tokens_per_rank = 1;
     probe.validate();
+    if (transport == "mpi") {
+      if (reference_) throw Error("executor=\"reference\" runs in one process; use ep=\"mpi\" with \"interleaved\" or \"serialized\"");
+      const MpiSession& session = mpi_session();
+      if (session.size() != config_.ranks)
+        throw Error("the layer has " + std::to_string(config_.ranks) + " expert-parallel ranks but " +
+                    std::to_string(session.size()) + " MPI processes were started: one process per rank (mpirun -np " +
+                    std::to_string(config_.ranks) + ")");
+      MpiOptions options;
+      options.ranks_per_node = static_cast<int>(config_.ranks_per_node);
+      transport_ = make_mpi_transport(session, static_cast<int>(config_.ranks), options);
+      rank_ = session.rank();
+      const ExpertPlacement placement = ExpertPlacement::contiguous(config_.routed_experts, config_.ranks);
+      const auto mine = placement.experts_of(rank_);
+      held_.assign(mine.begin(), mine.end());
+      std::sort(held_.begin(), held_.end());
+    } else if (transport != "inprocess") {
+      throw Error("ep must be \"inprocess\" (every rank a thread group of this process) or \"mpi\" (one process per rank), got \"" +
+                  transport + "\"");
+    }
+  }
+
+  // Over MPI: this process's rank and the experts it holds; in process: rank 0 and every expert.
+  int rank() const { return rank_; }
+  std::vector<std::int32_t> held_experts() const {
+    if (transport_) return held_;
+    std::vector<std::int32_t> all(static_cast<std::size_t>(config_.routed_experts));
+    for (std::size_t e = 0; e < all.size(); ++e) all[e] = static_cast<std::int32_t>(e);
+    return all;
   }
 
   const LayerConfig& config() const { return config_; }
@@ -438,11 +480,13 @@ class ModuleLayer {
     if (x.ndim() != 2 || x.shape(1) != H)
       throw Error("x must have shape [tokens, " + std::to_string(H) + "] (hidden " + std::to_string(H) + ")");
     const std::int64_t N = x.shape(0);
-    if (N <= 0 || N % P != 0)
+    // Over MPI, x is this process's own tokens (one rank's); in process, all ranks' tokens.
+    const std::int64_t hosted = transport_ ? 1 : P;
+    if (N <= 0 || N % hosted != 0)
       throw Error("x has " + std::to_string(N) + " tokens, which the " + std::to_string(P) +
                   " ranks cannot share evenly (tokens must be a positive multiple of ranks)");
     LayerConfig c = config_;
-    c.tokens_per_rank = N / P;
+    c.tokens_per_rank = N / hosted;
     c.validate();
     if (reference_) {
       auto step = std::make_unique<ReferenceStep>(c, x.cast<Array64>(), params);
@@ -450,7 +494,7 @@ class ModuleLayer {
       return py::make_tuple(o[0], o[1], o[2], o[3], py::cast(std::unique_ptr<Step>(std::move(step))));
     }
     sync_weights(c, params, versions);
-    auto step = std::make_unique<FastStep>(c, *layer_, x.cast<Array>());
+    auto step = std::make_unique<FastStep>(c, *layer_, x.cast<Array>(), transport_ ? &held_ : nullptr);
     const py::tuple o = step->outputs();
     return py::make_tuple(o[0], o[1], o[2], o[3], py::cast(std::unique_ptr<Step>(std::move(step))));
   }
@@ -465,12 +509,13 @@ class ModuleLayer {
   // parameters changed (by version), in place.
   void sync_weights(const LayerConfig& c, const py::dict& params, const std::map<std::string, ParamVersion>& versions) {
     if (!layer_) {
-      LayerWeights w = weights_of(c, params);
+      LayerWeights w = weights_of(c, params, true, transport_ ? &held_ : nullptr);
       py::gil_scoped_release release;
       Parallel p;
       p.workers_per_rank = workers_;
       p.schedule = interleaved_ ? Schedule::interleaved : Schedule::serialized;
       p.policy = policy_;
+      p.transport = transport_;
       p.pin = false;  // a Python process's threads are its framework's
       layer_.emplace(c, std::move(w), p);
       versions_ = versions;
@@ -517,6 +562,9 @@ class ModuleLayer {
   taskflow::Policy policy_;
   bool interleaved_ = true;
   bool reference_ = false;
+  std::shared_ptr<Transport> transport_;  // null: every rank in this process
+  int rank_ = 0;
+  std::vector<std::int32_t> held_;  // over MPI: this process's experts, sorted
   std::optional<hpmoe::Layer> layer_;  // made at the first forward, from its parameters
   std::map<std::string, ParamVersion> versions_;
   std::int64_t conversions_ = 0;
@@ -557,8 +605,11 @@ PYBIND11_MODULE(_core, m) {
   });
   py::class_<Step>(m, "Step").def("backward", &Step::backward, py::arg("d_out"));
   py::class_<ModuleLayer>(m, "Layer")
-      .def(py::init<const std::string&, int, const std::string&, const std::string&>(), py::arg("config_json"),
-           py::arg("workers"), py::arg("executor"), py::arg("schedule"))
+      .def(py::init<const std::string&, int, const std::string&, const std::string&, const std::string&>(),
+           py::arg("config_json"), py::arg("workers"), py::arg("executor"), py::arg("schedule"),
+           py::arg("transport") = "inprocess")
+      .def_property_readonly("rank", &ModuleLayer::rank)
+      .def_property_readonly("held_experts", &ModuleLayer::held_experts)
       .def("forward", &ModuleLayer::forward, py::arg("x"), py::arg("params"), py::arg("versions"))
       .def_property_readonly("conversions", &ModuleLayer::conversions)
       .def_property_readonly("engines", &ModuleLayer::engines)

@@ -111,6 +111,20 @@ class _Function(torch.autograd.Function):
             for n, dt in zip(ctx.names, ctx.param_dtypes))
 
 
+def _promote_mpi():
+    """Open MPI loads its components as plugins that look up libmpi's symbols globally; a Python extension's
+    libraries are loaded locally, so make libmpi global first (as mpi4py does)."""
+    import ctypes
+    import ctypes.util
+    for name in ("libmpi.so.40", ctypes.util.find_library("mpi")):
+        if name:
+            try:
+                ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)
+                return
+            except OSError:
+                continue
+
+
 def _array(p):
     """A parameter as NumPy sees it: float arrays as they are; bfloat16 (which NumPy lacks) as its int16
     bits, which the C++ side widens exactly."""
@@ -126,6 +140,10 @@ class MoELayer(nn.Module):
     executor: "interleaved" (the single-launch taskflow) or "serialized" (operator by operator),
     both float32 unless dtype="bf16"; or "reference", the fp64 oracle on float64 tensors (call
     ``.double()``), for gradient checks tighter than float32 allows (plain loops: slow);
+    ep: "inprocess" (the ranks are thread groups of this process, each holding every expert) or "mpi" (one
+    process per rank under ``mpirun -np ranks``: this process holds only its experts, the contiguous block
+    ``held_experts``, under their global names ``experts.{e}.*``, and passes only its own tokens; bit for bit
+    the in-process layer);
     dtype: None keeps the config's ("fp32" unless set); "bf16" computes in bf16 with float32
     accumulation (AMX where the CPU has it, AVX512-BF16 or widened to FMA elsewhere). Parameters may
     then be float32 (master weights: rounded to bf16 when packed, gradients float32, the usual mixed
@@ -152,8 +170,11 @@ class MoELayer(nn.Module):
     """
 
     def __init__(self, config, ranks=1, workers=1, executor="interleaved", schedule="critical-path",
-                 dispatch_dtype=None, exchange=None, ranks_per_node=None, combine_dtype=None, dtype=None):
+                 dispatch_dtype=None, exchange=None, ranks_per_node=None, combine_dtype=None, dtype=None,
+                 ep="inprocess"):
         super().__init__()
+        if ep == "mpi":
+            _promote_mpi()
         cfg = dict(preset(config) if isinstance(config, str) else config)
         if dtype is not None:
             if dtype not in ("fp32", "bf16"):
@@ -173,14 +194,21 @@ class MoELayer(nn.Module):
             raise ValueError(f"ranks must be a positive integer, got {ranks!r}")
         cfg["ranks"] = ranks
         cfg["tokens_per_rank"] = max(1, int(cfg.get("tokens_per_rank", 1)))
-        self._core = _core.Layer(json.dumps(cfg), int(workers), executor, schedule)
+        self._core = _core.Layer(json.dumps(cfg), int(workers), executor, schedule, ep)
         self.config = json.loads(self._core.config_json)
         self.executor = executor
+        self.ep = ep
+        self.rank = self._core.rank  # over MPI: this process's rank; in process: 0
         H, I, E = self.config["hidden"], self.config["expert_inter"], self.config["routed_experts"]
         self.gate = nn.Linear(H, E, bias=False)
         if self.config["expert_bias"]:
             self.gate.register_buffer("e_score_correction_bias", torch.zeros(E))
-        self.experts = nn.ModuleList([SwiGLU(H, I) for _ in range(E)])
+        if ep == "mpi":  # only this process's experts, under their global indices (experts.{e}.*)
+            self.held_experts = list(self._core.held_experts)
+            self.experts = nn.ModuleDict({str(e): SwiGLU(H, I) for e in self.held_experts})
+        else:
+            self.held_experts = list(range(E))
+            self.experts = nn.ModuleList([SwiGLU(H, I) for _ in range(E)])
         shared = self.config["shared_experts"]
         if shared > 0:
             self.shared_experts = SwiGLU(H, shared * (self.config["shared_inter"] or I))

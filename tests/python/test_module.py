@@ -302,6 +302,8 @@ def test_bf16_executors_bit_identical_and_dtype_errors():
     ra, rs = run(a, x, d_out), run(s, x, d_out)
     assert torch.equal(ra[0], rs[0]) and torch.equal(ra[1], rs[1])
     assert all(torch.equal(ra[2][n], rs[2][n]) for n in ra[2])
+    with pytest.raises(ValueError, match='ep must be "inprocess"'):
+        hpmoe.MoELayer(small(), ep="nccl")
     with pytest.raises(ValueError, match="dtype must be 'fp32' or 'bf16'"):
         hpmoe.MoELayer(small(), dtype="fp16")
     with pytest.raises(ValueError, match="takes torch.bfloat16 or torch.float32 CPU tensors, got torch.float16"):
