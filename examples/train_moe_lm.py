@@ -22,6 +22,11 @@ forward and in backward. The output directory gets:
 --dtype bfloat16 trains in mixed precision: float32 master weights and
 optimiser state, the compute in bf16 (hpmoe's FFNs made with dtype="bf16",
 the rest of both models under torch.autocast).
+Under mpirun -np N (N = --ranks) each process holds its experts (hpmoe's
+ep="mpi") and one shard of the batch; the dense parts are data-parallel over
+torch.distributed (gloo), their gradients summed in rank order, so the loss
+curve is the one-process run's bit for bit. Each process writes its shard
+of the checkpoint and rank 0 an index (checkpoint.index.json).
 --resume continues from a checkpoint (bit for bit the curve a run without
 the stop gives; --check-resume verifies that in one go).
 
@@ -120,14 +125,20 @@ class Block(nn.Module):
         self.heads = heads
         self.ffn = TimedFfn(ffn, timer)
 
-    def forward(self, x):
+    def attend(self, x):
         B, S, D = x.shape
         q, k, v = self.qkv(self.ln1(x)).view(B, S, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
         att = (q @ k.transpose(-1, -2)) / math.sqrt(D // self.heads)
         att = att.masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), float("-inf")).softmax(-1)
-        x = x + self.proj((att @ v).transpose(1, 2).reshape(B, S, D))
-        h = self.ln2(x)
-        return x + self.ffn(h.reshape(B * S, D)).view(B, S, D)
+        return x + self.proj((att @ v).transpose(1, 2).reshape(B, S, D))
+
+    def forward(self, xs):
+        """xs: this process's shards of the batch (one per expert-parallel rank it hosts). The dense parts run
+        shard by shard, as each rank's process runs its own; the FFN takes all the shards' tokens at once."""
+        xs = [self.attend(x) for x in xs]
+        hs = [self.ln2(x).reshape(-1, x.shape[-1]) for x in xs]
+        ys = self.ffn(torch.cat(hs)).split([h.shape[0] for h in hs])
+        return [x + y.view_as(x) for x, y in zip(xs, ys)]
 
 
 class LM(nn.Module):
@@ -139,11 +150,12 @@ class LM(nn.Module):
         self.blocks = nn.ModuleList([Block(args.d, args.heads, make_ffn(), timer) for _ in range(args.layers)])
         self.ln = nn.LayerNorm(args.d)
 
-    def forward(self, tokens):
-        x = self.embed(tokens) + self.pos[: tokens.shape[1]]
+    def forward(self, shards):
+        """shards: token blocks [b, S], one per rank this process hosts; their logits, in the same order."""
+        xs = [self.embed(t) + self.pos[: t.shape[1]] for t in shards]
         for b in self.blocks:
-            x = b(x)
-        return self.head(self.ln(x))
+            xs = b(xs)
+        return [self.head(self.ln(x)) for x in xs]
 
     def moe_layers(self):
         return [b.ffn.ffn for b in self.blocks]
@@ -163,7 +175,7 @@ def moe_config(args):
                              bias_update_rate=args.bias_rate, aux_loss_coef=0, z_loss_coef=0, capacity_factor=0)
 
 
-def build(args, torch_twin=False):
+def build(args, torch_twin=False, ep="inprocess"):
     torch.manual_seed(args.seed)
     timer = Timer()
     config = moe_config(args)
@@ -173,7 +185,10 @@ def build(args, torch_twin=False):
         executor = "reference" if args.dtype == "float64" else "interleaved"
         dtype = "bf16" if args.dtype == "bfloat16" else None
         model = LM(args, lambda: hpmoe.MoELayer(config, ranks=args.ranks, workers=args.workers, executor=executor,
-                                                dtype=dtype), timer)
+                                                dtype=dtype, ep=ep), timer)
+    if ep == "mpi":  # the one-process model's initial weights, this process's share of them
+        own = model.state_dict().keys()
+        model.load_state_dict({k: v for k, v in build(args)[0].state_dict().items() if k in own})
     # bfloat16: float32 master weights (and optimiser state), the compute in bf16 (autocast in train())
     model = model.to(torch.float32 if args.dtype == "bfloat16" else getattr(torch, args.dtype))
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
@@ -193,9 +208,45 @@ def state_of(model, opt, step):
     return tensors, {"step": str(step)}
 
 
+def save_checkpoint(path, model, opt, step):
+    """One file from one process. From several: each process its own file (its experts, the replicated
+    parameters, its optimiser state), then rank 0 an index naming them (path's .index.json); returns what
+    --resume takes."""
+    dist = Distributed.get()
+    tensors, meta = state_of(model, opt, step)
+    if dist.world == 1:
+        save_safetensors(path, tensors, meta)
+        return path
+    base = path[: -len(".safetensors")]
+    files = [f"{os.path.basename(base)}.rank{r}-of-{dist.world}.safetensors" for r in range(dist.world)]
+    save_safetensors(os.path.join(os.path.dirname(path), files[dist.rank]), tensors, meta)
+    dist.td.barrier()  # every shard is whole before the index names it
+    index = base + ".index.json"
+    if dist.rank == 0:
+        with open(index + ".tmp", "w") as f:
+            json.dump({"processes": dist.world, "step": step, "files": files}, f, indent=1)
+        os.replace(index + ".tmp", index)
+    dist.td.barrier()
+    return index
+
+
 def restore(model, opt, path):
-    tensors, meta = load_safetensors(path)
-    model.load_state_dict({k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")})
+    """A checkpoint (one file, or an index of per-process files) into this model: the tensors it holds. A
+    sharded checkpoint resumes on one process, and a one-file checkpoint on several (each takes its share)."""
+    files = [path]
+    if path.endswith(".index.json"):
+        with open(path) as f:
+            files = [os.path.join(os.path.dirname(path), name) for name in json.load(f)["files"]]
+    tensors, meta = {}, None
+    for name in files:
+        t, m = load_safetensors(name)
+        tensors.update(t)
+        meta = meta or m
+    own = model.state_dict()
+    missing = [k for k in own if "model." + k not in tensors]
+    if missing:
+        raise KeyError(f"it has no tensor model.{missing[0]}")
+    model.load_state_dict({k: tensors["model." + k] for k in own})
     for n, p in model.named_parameters():
         if "opt.exp_avg." + n in tensors:
             opt.state[p] = {"step": torch.tensor(float(tensors["opt.step." + n][0])),
@@ -203,23 +254,81 @@ def restore(model, opt, path):
     return int(meta["step"])
 
 
+class Distributed:
+    """The processes of an mpirun (one per expert-parallel rank), or just this one. hpmoe's layers exchange
+    tokens over MPI and reduce their replicated parameters' gradients themselves; the dense parts around
+    them are data-parallel over torch.distributed (gloo), their gradients summed in rank order."""
+    _instance = None
+
+    def __init__(self):
+        self.rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", 0))
+        self.world = int(os.environ.get("OMPI_COMM_WORLD_SIZE", 1))
+        if self.world > 1:
+            import torch.distributed as td
+            self.td = td
+            # a file beside the run, named by the mpirun job: every process of the job finds it, and no other job
+            self.init_file = os.path.abspath(os.path.join(Distributed.out, f".dist-init-{os.environ.get('PMIX_NAMESPACE', 'job')}"))
+            td.init_process_group("gloo", init_method="file://" + self.init_file, rank=self.rank, world_size=self.world)
+
+    @classmethod
+    def get(cls):
+        if cls._instance is None:
+            cls._instance = Distributed()
+        return cls._instance
+
+    def gather(self, t):
+        parts = [torch.empty_like(t) for _ in range(self.world)]
+        self.td.all_gather(parts, t.contiguous())
+        total = parts[0]
+        for p in parts[1:]:  # rank order: the order one process's autograd adds the shards in
+            total = total + p
+        return total
+
+    def sum_dense_gradients(self, model):
+        if self.world == 1:
+            return
+        moe = {id(p) for m in model.moe_layers() for p in m.parameters()}  # hpmoe's: already reduced or its own
+        for p in model.parameters():
+            if id(p) not in moe and p.grad is not None:
+                p.grad = self.gather(p.grad)
+
+    def sum_scalar(self, t):
+        return (self.gather(t.reshape(1)) if self.world > 1 else t).item()
+
+    def finish(self):
+        if self.world > 1:
+            self.td.barrier()
+            if self.rank == 0 and os.path.exists(self.init_file):
+                os.remove(self.init_file)
+
+
 def train(model, opt, timer, data, args, first, last, log, ckpt=None):
     """Steps [first, last); returns the loss of every step and the per-layer load max/mean of every step."""
     losses, loads, step_s = [], [], []
     model.train()
+    dist = Distributed.get()
     for step in range(first, last):
         x, y = batch(data, step, args)
+        # The batch's rows in one shard per expert-parallel rank; this process takes the shards of its ranks.
+        xs, ys = x.chunk(args.ranks), y.chunk(args.ranks)
+        mine = range(args.ranks) if dist.world == 1 else [dist.rank]
         t0 = time.perf_counter()
         # bfloat16: PyTorch's CPU autocast runs the dense layers in bf16 (the twin's experts too); hpmoe's
         # FFNs were made with dtype="bf16" and take the float32 or bfloat16 activations they are given.
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.dtype == "bfloat16"):
-            logits = model(x)
-        loss = F.cross_entropy(logits.float().reshape(-1, 256), y.reshape(-1))
+            logits = model([xs[r] for r in mine])
+        # The mean over the batch as the sum over shards of each shard's mean / ranks, in rank order: what
+        # the processes of a data-parallel run sum, so one process and several give the same bits.
+        parts = [F.cross_entropy(l.float().reshape(-1, 256), ys[r].reshape(-1)) / args.ranks for l, r in zip(logits, mine)]
+        loss = parts[0]
+        for part in parts[1:]:
+            loss = loss + part
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        dist.sum_dense_gradients(model)
         opt.step()
         step_s.append(time.perf_counter() - t0)
-        losses.append(loss.item())
+        losses.append(dist.sum_scalar(loss.detach()))
         per_layer = []
         for moe in model.moe_layers():
             load = moe.last_load.reshape(-1, args.experts).sum(0).float()
@@ -228,7 +337,7 @@ def train(model, opt, timer, data, args, first, last, log, ckpt=None):
         if log and (step % args.log_every == 0 or step == last - 1):
             log(step, losses[-1], per_layer)
         if ckpt and args.save_every and (step + 1) % args.save_every == 0:
-            save_safetensors(ckpt, *state_of(model, opt, step + 1))
+            save_checkpoint(ckpt, model, opt, step + 1)
     return losses, loads, step_s
 
 
@@ -292,18 +401,29 @@ def main():
     ap.add_argument("--check-resume", action="store_true",
                     help="also train to half the steps, save, load into a fresh model and finish: the losses must match bit for bit")
     args = ap.parse_args()
-    if args.steps < 1 or args.batch * args.seq % args.ranks:
-        ap.error("--steps must be >= 1 and --batch x --seq divisible by --ranks")  # one line, exit code 2
-    torch.set_num_threads(args.threads)
+    if args.steps < 1 or args.batch % args.ranks:
+        ap.error("--steps must be >= 1 and --batch divisible by --ranks (a shard of the batch per rank)")  # exit code 2
+    Distributed.out = args.out
     os.makedirs(args.out, exist_ok=True)
+    dist = Distributed.get()
+    ep = "mpi" if dist.world > 1 else "inprocess"
+    if dist.world > 1 and args.ranks != dist.world:
+        ap.error(f"mpirun started {dist.world} processes; run one per expert-parallel rank (--ranks {dist.world}), "
+                 f"got --ranks {args.ranks}")
+    if dist.world > 1:
+        args.no_twin = True  # the twin runs in one process
+    root = dist.rank == 0
+    say = print if root else (lambda *a, **k: None)
+    torch.set_num_threads(args.threads)
     data, names = load_text()
     cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), platform.processor())
-    print(f"CPU: {cpu}; {args.threads} threads; text: {len(names)} files of {TEXT_DIR}, {data.numel()} bytes", flush=True)
-    print(f"model: {args.layers} layers, d {args.d}, {args.experts} experts top-{args.top_k} + 1 shared (inter {args.inter}), "
-          f"{args.batch} x {args.seq} bytes a step; hpmoe on {args.ranks} ranks x {args.workers} workers", flush=True)
+    say(f"CPU: {cpu}; {args.threads} threads; text: {len(names)} files of {TEXT_DIR}, {data.numel()} bytes", flush=True)
+    say(f"model: {args.layers} layers, d {args.d}, {args.experts} experts top-{args.top_k} + 1 shared (inter {args.inter}), "
+        f"{args.batch} x {args.seq} bytes a step; hpmoe on {args.ranks} ranks x {args.workers} workers"
+        + (f", one process each (mpirun), the dense parts data-parallel (gloo)" if dist.world > 1 else ""), flush=True)
 
     ckpt = os.path.join(args.out, "checkpoint.safetensors")
-    model, opt, timer = build(args)
+    model, opt, timer = build(args, ep=ep)
     try:
         first = restore(model, opt, args.resume) if args.resume else 0
     except (OSError, ValueError, KeyError, TypeError, AttributeError, RuntimeError) as e:
@@ -312,14 +432,17 @@ def main():
         ap.error(f"the checkpoint is at step {first}, not before --steps {args.steps}")
 
     def log(name):
+        if not root:
+            return None
         return lambda step, loss, lm: print(f"{name:7s} step {step:5d}  loss {loss:.4f}  load max/mean "
                                             + " ".join(f"{v:.2f}" for v in lm), flush=True)
 
     losses, loads, step_s = train(model, opt, timer, data, args, first, args.steps, log("hpmoe"), ckpt)
-    save_safetensors(ckpt, *state_of(model, opt, args.steps))
+    written = save_checkpoint(ckpt, model, opt, args.steps)
     tokens = args.batch * args.seq
     n = args.steps - first
-    metrics = {"cpu": cpu, "threads": args.threads, "args": vars(args), "text_bytes": data.numel(), "first_step": first,
+    metrics = {"cpu": cpu, "threads": args.threads, "processes": dist.world, "args": vars(args), "text_bytes": data.numel(),
+               "first_step": first, "checkpoint": os.path.basename(written),
                "hpmoe": {"loss": losses, "load_max_over_mean": loads, "tokens_per_s": tokens * n / sum(step_s),
                          "moe_forward_s_per_step": timer.forward / n, "moe_backward_s_per_step": timer.backward / n}}
     curves = {"hpmoe": losses}
@@ -336,31 +459,33 @@ def main():
         curves["PyTorch twin"] = tl
         h, p = metrics["hpmoe"], metrics["pytorch"]
         hm, pm = h["moe_forward_s_per_step"] + h["moe_backward_s_per_step"], p["moe_forward_s_per_step"] + p["moe_backward_s_per_step"]
-        print(f"losses: largest difference {diff:.2e} over {n} steps (first {losses[0]:.4f} -> last {losses[-1]:.4f})")
-        print(f"tokens/s: hpmoe {h['tokens_per_s']:.0f}, PyTorch twin {p['tokens_per_s']:.0f}; MoE layers per step "
-              f"(forward + backward, layer timers): hpmoe {hm * 1e3:.1f} ms, PyTorch {pm * 1e3:.1f} ms ({pm / hm:.2f}x)")
+        say(f"losses: largest difference {diff:.2e} over {n} steps (first {losses[0]:.4f} -> last {losses[-1]:.4f})")
+        say(f"tokens/s: hpmoe {h['tokens_per_s']:.0f}, PyTorch twin {p['tokens_per_s']:.0f}; MoE layers per step "
+            f"(forward + backward, layer timers): hpmoe {hm * 1e3:.1f} ms, PyTorch {pm * 1e3:.1f} ms ({pm / hm:.2f}x)")
         metrics["moe_speedup"] = pm / hm
     if args.check_resume:
         half = first + n // 2
-        m2, o2, t2 = build(args)
+        m2, o2, t2 = build(args, ep=ep)
         if args.resume:
             restore(m2, o2, args.resume)
         train(m2, o2, t2, data, args, first, half, None)
-        part = os.path.join(args.out, "resume-check.safetensors")
-        save_safetensors(part, *state_of(m2, o2, half))
-        m3, o3, t3 = build(args)
+        part = save_checkpoint(os.path.join(args.out, "resume-check.safetensors"), m2, o2, half)
+        m3, o3, t3 = build(args, ep=ep)
         step = restore(m3, o3, part)
         rest, _, _ = train(m3, o3, t3, data, args, step, args.steps, None)
         same = rest == losses[half - first:]
         metrics["resume_bit_identical"] = same
-        print(f"resume at step {half}: the remaining {len(rest)} losses are {'bit-identical' if same else 'DIFFERENT'}")
+        say(f"resume at step {half}: the remaining {len(rest)} losses are {'bit-identical' if same else 'DIFFERENT'}")
         if not same:
             sys.exit(1)
+    dist.finish()
+    if not root:
+        return
     plots(args.out, list(range(first, args.steps)), curves, loads)
     with open(os.path.join(args.out, "metrics.json.tmp"), "w") as f:
         json.dump(metrics, f, indent=1)
     os.replace(os.path.join(args.out, "metrics.json.tmp"), os.path.join(args.out, "metrics.json"))
-    print(f"wrote {args.out}/loss.png, load.png, metrics.json, checkpoint.safetensors")
+    print(f"wrote {args.out}/loss.png, load.png, metrics.json, {os.path.basename(written)}")
 
 
 if __name__ == "__main__":
