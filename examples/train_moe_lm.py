@@ -42,9 +42,25 @@ import platform
 import sys
 import time
 
-import torch
-from torch import nn
-import torch.nn.functional as F
+
+def _blas_threads_from_argv():
+    """OpenBLAS (Debian torch's BLAS) reads its thread count once, when loaded, and a GEMM's bits depend on
+    it (it splits the reduction across threads): so --threads sets it too, before torch is imported, and a
+    run's curve depends only on its arguments (under mpirun, each process is bound to a core, and OpenBLAS
+    would otherwise take one thread there and two in a one-process run)."""
+    for i, a in enumerate(sys.argv):
+        if a == "--threads" and i + 1 < len(sys.argv):
+            return sys.argv[i + 1]
+        if a.startswith("--threads="):
+            return a.split("=", 1)[1]
+    return "2"  # the default of --threads
+
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", _blas_threads_from_argv())
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 try:
     import hpmoe
@@ -185,7 +201,7 @@ def build(args, torch_twin=False, ep="inprocess"):
         executor = "reference" if args.dtype == "float64" else "interleaved"
         dtype = "bf16" if args.dtype == "bfloat16" else None
         model = LM(args, lambda: hpmoe.MoELayer(config, ranks=args.ranks, workers=args.workers, executor=executor,
-                                                dtype=dtype, ep=ep), timer)
+                                                dtype=dtype, ep=ep, mpi_path=args.mpi_path), timer)
     if ep == "mpi":  # the one-process model's initial weights, this process's share of them
         own = model.state_dict().keys()
         model.load_state_dict({k: v for k, v in build(args)[0].state_dict().items() if k in own})
@@ -398,6 +414,8 @@ def main():
                          "plain loops, for small models): shows how closely the two curves follow each other "
                          "when rounding is not amplified")
     ap.add_argument("--no-twin", action="store_true", help="train the hpmoe model only")
+    ap.add_argument("--mpi-path", default="auto", choices=["auto", "shared", "network", "hybrid"],
+                    help="under mpirun: how hpmoe's rows reach other processes (network: over TCP, as between hosts)")
     ap.add_argument("--check-resume", action="store_true",
                     help="also train to half the steps, save, load into a fresh model and finish: the losses must match bit for bit")
     args = ap.parse_args()

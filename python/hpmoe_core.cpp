@@ -427,7 +427,7 @@ const MpiSession& mpi_session() {
 class ModuleLayer {
  public:
   ModuleLayer(const std::string& config_json, int workers, const std::string& executor, const std::string& schedule,
-              const std::string& transport)
+              const std::string& transport, const std::string& mpi_path)
       : config_(config_from_json(nlohmann::json::parse(config_json))), workers_(workers),
         policy_(taskflow::parse_policy(schedule)) {
     if (executor != "interleaved" && executor != "serialized" && executor != "reference")
@@ -447,6 +447,7 @@ class ModuleLayer {
                     std::to_string(session.size()) + " MPI processes were started: one process per rank (mpirun -np " +
                     std::to_string(config_.ranks) + ")");
       MpiOptions options;
+      options.path = parse_mpi_path(mpi_path);
       options.ranks_per_node = static_cast<int>(config_.ranks_per_node);
       transport_ = make_mpi_transport(session, static_cast<int>(config_.ranks), options);
       rank_ = session.rank();
@@ -605,9 +606,9 @@ PYBIND11_MODULE(_core, m) {
   });
   py::class_<Step>(m, "Step").def("backward", &Step::backward, py::arg("d_out"));
   py::class_<ModuleLayer>(m, "Layer")
-      .def(py::init<const std::string&, int, const std::string&, const std::string&, const std::string&>(),
+      .def(py::init<const std::string&, int, const std::string&, const std::string&, const std::string&, const std::string&>(),
            py::arg("config_json"), py::arg("workers"), py::arg("executor"), py::arg("schedule"),
-           py::arg("transport") = "inprocess")
+           py::arg("transport") = "inprocess", py::arg("mpi_path") = "auto")
       .def_property_readonly("rank", &ModuleLayer::rank)
       .def_property_readonly("held_experts", &ModuleLayer::held_experts)
       .def("forward", &ModuleLayer::forward, py::arg("x"), py::arg("params"), py::arg("versions"))

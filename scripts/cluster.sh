@@ -23,11 +23,15 @@
 #                          a daemon behind a dead link never answers
 #     --eager-bytes B      messages up to B bytes go without a rendezvous (default
 #                          4194304; Open MPI's own default is 65536)
+#     --exec               the arguments after -- are a command to run on every host
+#                          (mpirun runs it once per host, PYTHONPATH passed on,
+#                          gloo on the host's eth0) instead of hpmoe run's arguments
 #   Example (2 hosts, H800-like FLOP per byte, forward+backward):
 #     scripts/cluster.sh --flop-per-byte 15000 -- --preset deepseek-v2-lite -T 256 --backward
+#     scripts/cluster.sh --exec -- /usr/bin/python3 examples/train_moe_lm.py --mpi-path network
 set -euo pipefail
 cd "$(dirname "$0")/.."
-hosts=2 rate_gbit="" fpb="" delay_us=0 slow="" fault="" keep_going=0 time_limit=1800 eager=4194304
+hosts=2 rate_gbit="" fpb="" delay_us=0 slow="" fault="" keep_going=0 time_limit=1800 eager=4194304 exec_mode=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --hosts) hosts=$2; shift 2 ;;
@@ -39,7 +43,8 @@ while [ $# -gt 0 ]; do
     --keep-going) keep_going=1; shift ;;
     --time-limit) time_limit=$2; shift 2 ;;
     --eager-bytes) eager=$2; shift 2 ;;
-    -h|--help) sed -n '2,26s/^# \{0,1\}//p' "$0"; exit 0 ;;
+    --exec) exec_mode=1; shift ;;
+    -h|--help) sed -n '2,30s/^# \{0,1\}//p' "$0"; exit 0 ;;
     --) shift; break ;;
     *) echo "error: unknown option '$1' (see the header of scripts/cluster.sh)" >&2; exit 2 ;;
   esac
@@ -147,6 +152,15 @@ mpirun_args=(--hostfile "$tmp/hostfile" -np "$hosts" --mca plm_rsh_agent "$tmp/a
   # the other direction's data on the same connection and shaped link: an
   # all-to-all of 6 MB each way at the A3 ratio took 440 ms instead of 240.
   --mca btl_tcp_eager_limit "$eager" --mca btl_tcp_rndv_eager_limit "$eager")
+if [ "$exec_mode" = 1 ]; then
+  [ $# -gt 0 ] || { echo "error: --exec needs a command after --" >&2; exit 2; }
+  command=("$@")
+  mpirun_args+=(-x GLOO_SOCKET_IFNAME=eth0)  # torch.distributed's gloo on the host's link
+  [ -n "${PYTHONPATH:-}" ] && mpirun_args+=(-x PYTHONPATH)
+else
+  command=("$(realpath "$hpmoe")" run -P "$hosts" --transport mpi --mpi-path network "$@")
+fi
+rank_process=$(basename "${command[0]}")  # what --fault looks for in a host's namespace
 set +e
 # Open MPI's daemons, one per host but all with this machine's hostname, now
 # and then race on their session directories and fail to start (orte_init,
@@ -154,7 +168,7 @@ set +e
 for attempt in 1 2; do
 rm -rf "$tmp/ompi" && mkdir -p "$tmp/ompi"
 : > "$tmp/launch.err"
-timeout -k 5 "$time_limit" mpirun "${mpirun_args[@]}" "$(realpath "$hpmoe")" run -P "$hosts" --transport mpi --mpi-path network "$@" \
+timeout -k 5 "$time_limit" mpirun "${mpirun_args[@]}" "${command[@]}" \
   2> >(tee -a "$tmp/launch.err" >&2) &
 run=$!
 if [ -n "$fault" ]; then
@@ -162,13 +176,13 @@ if [ -n "$fault" ]; then
   # The fault's seconds count from the moment the host's rank runs: a loaded
   # machine (or a sanitizer build) can take seconds to start it.
   for ((i = 0; i < 300; ++i)); do
-    for pid in $(ip netns pids "${prefix}h$host"); do [ "$(ps -o comm= -p "$pid")" = hpmoe ] && break 2; done
+    for pid in $(ip netns pids "${prefix}h$host"); do [ "$(ps -o comm= -p "$pid")" = "$rank_process" ] && break 2; done
     sleep 0.2
   done
   sleep "$after"
   case "$kind" in
     kill) for pid in $(ip netns pids "${prefix}h$host"); do
-            [ "$(ps -o comm= -p "$pid")" = hpmoe ] && kill -9 "$pid" 2>/dev/null
+            [ "$(ps -o comm= -p "$pid")" = "$rank_process" ] && kill -9 "$pid" 2>/dev/null
           done
           echo "cluster: killed host $host's rank" >&2 ;;
     linkdown) ip link set "${prefix}v$host" down; echo "cluster: took host $host's link down" >&2 ;;

@@ -143,7 +143,9 @@ class MoELayer(nn.Module):
     ep: "inprocess" (the ranks are thread groups of this process, each holding every expert) or "mpi" (one
     process per rank under ``mpirun -np ranks``: this process holds only its experts, the contiguous block
     ``held_experts``, under their global names ``experts.{e}.*``, and passes only its own tokens; bit for bit
-    the in-process layer);
+    the in-process layer); mpi_path: with ep="mpi", how rows reach a peer (hpmoe run --mpi-path): "auto"
+    (shared memory on one machine, hybrid where machines hold several processes, else network), "shared",
+    "network" (messages over TCP), "hybrid";
     dtype: None keeps the config's ("fp32" unless set); "bf16" computes in bf16 with float32
     accumulation (AMX where the CPU has it, AVX512-BF16 or widened to FMA elsewhere). Parameters may
     then be float32 (master weights: rounded to bf16 when packed, gradients float32, the usual mixed
@@ -171,7 +173,7 @@ class MoELayer(nn.Module):
 
     def __init__(self, config, ranks=1, workers=1, executor="interleaved", schedule="critical-path",
                  dispatch_dtype=None, exchange=None, ranks_per_node=None, combine_dtype=None, dtype=None,
-                 ep="inprocess"):
+                 ep="inprocess", mpi_path="auto"):
         super().__init__()
         if ep == "mpi":
             _promote_mpi()
@@ -194,7 +196,7 @@ class MoELayer(nn.Module):
             raise ValueError(f"ranks must be a positive integer, got {ranks!r}")
         cfg["ranks"] = ranks
         cfg["tokens_per_rank"] = max(1, int(cfg.get("tokens_per_rank", 1)))
-        self._core = _core.Layer(json.dumps(cfg), int(workers), executor, schedule, ep)
+        self._core = _core.Layer(json.dumps(cfg), int(workers), executor, schedule, ep, mpi_path)
         self.config = json.loads(self._core.config_json)
         self.executor = executor
         self.ep = ep
