@@ -89,6 +89,9 @@ load_safetensors = hpmoe.io.load_safetensors
 class Timer:
     def __init__(self):
         self.forward = self.backward = 0.0
+        self.parts = {}  # hpmoe's own account of its layers' time, "forward.launch" etc. (MoELayer.last_times)
+        self.host_shares = []  # per step after the first: the share of the MoE layers' time outside their launches
+        self.moe_before = 0.0
 
 
 class _Mark(torch.autograd.Function):
@@ -345,6 +348,16 @@ def train(model, opt, timer, data, args, first, last, log, ckpt=None):
         opt.step()
         step_s.append(time.perf_counter() - t0)
         losses.append(dist.sum_scalar(loss.detach()))
+        launch = 0.0
+        for moe in model.moe_layers():
+            for pass_, parts_ in (getattr(moe, "last_times", None) or {}).items():
+                for name, sec in parts_.items():
+                    timer.parts[f"{pass_}.{name}"] = timer.parts.get(f"{pass_}.{name}", 0.0) + sec
+                launch += parts_.get("launch", 0.0)
+        moe_now = timer.forward + timer.backward
+        if timer.parts and step > first:  # the first step allocates and packs everything: a warm-up
+            timer.host_shares.append(1 - launch / (moe_now - timer.moe_before))
+        timer.moe_before = moe_now
         per_layer = []
         for moe in model.moe_layers():
             load = moe.last_load.reshape(-1, args.experts).sum(0).float()
@@ -464,6 +477,16 @@ def main():
                "hpmoe": {"loss": losses, "load_max_over_mean": loads, "tokens_per_s": tokens * n / sum(step_s),
                          "moe_forward_s_per_step": timer.forward / n, "moe_backward_s_per_step": timer.backward / n}}
     curves = {"hpmoe": losses}
+    if timer.parts:  # the launches are the layers' work; everything else in their timers is the host's
+        moe_s = timer.forward + timer.backward
+        launch = timer.parts.get("forward.launch", 0.0) + timer.parts.get("backward.launch", 0.0)
+        metrics["hpmoe"]["moe_parts_s_per_step"] = {k: v / n for k, v in sorted(timer.parts.items())}
+        share = sorted(timer.host_shares)[len(timer.host_shares) // 2] if timer.host_shares else 1 - launch / moe_s
+        metrics["hpmoe"]["moe_host_share_median"] = share
+        top = sorted(((v, k) for k, v in timer.parts.items() if not k.endswith(".launch")), reverse=True)[:4]
+        say(f"hpmoe's MoE layers: {moe_s / n * 1e3:.1f} ms a step, of which launches {launch / n * 1e3:.1f} ms; host work "
+            f"{100 * share:.0f}% of a step (median after the first; largest parts on average: "
+            + ", ".join(f"{k} {v / n * 1e3:.1f} ms" for v, k in top) + ", the rest PyTorch glue)")
     if not args.no_twin:
         twin, topt, ttimer = build(args, torch_twin=True)
         twin.load_state_dict(build(args)[0].state_dict())  # the same initial weights as the hpmoe model

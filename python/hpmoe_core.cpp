@@ -20,9 +20,11 @@
 #include <cstdint>
 #include <cstring>
 #include <algorithm>
+#include <chrono>
 #include <atomic>
 #include <exception>
 #include <map>
+#include <unordered_map>
 #include <mutex>
 #include <span>
 #include <thread>
@@ -126,7 +128,59 @@ void on_cores(std::size_t n, Job&& job) {
   if (failure) std::rethrow_exception(failure);
 }
 
-Array new_array(std::int64_t rows, std::int64_t cols) { return Array({rows, cols}); }
+// The memory of the arrays a step hands to PyTorch (its output, dx, every
+// weight's gradient), kept when PyTorch frees them and handed out again at
+// the next step: in a training loop the same sizes come back every step,
+// and fresh blocks of a few hundred KiB are mapped by malloc one by one, so
+// filling them took a page fault per 4 KiB (20 ms of a 38 ms backward on a
+// small layer in this VM, against 2 ms in reused memory). Arrays are made
+// and freed with the GIL held, which serialises the pool. Free blocks are
+// kept up to kKeepBytes; beyond it they go back to the system.
+class ArrayPool {
+ public:
+  static ArrayPool& get() {
+    static ArrayPool* pool = new ArrayPool;  // never destroyed: an array may outlive the module's teardown
+    return *pool;
+  }
+  Array make(std::int64_t rows, std::int64_t cols) {
+    const auto n = static_cast<std::size_t>(rows * cols);
+    float* p = take(n);
+    py::capsule owner(p, [](void* q) { ArrayPool::get().give(static_cast<float*>(q)); });
+    return Array({rows, cols}, {cols * std::int64_t(sizeof(float)), std::int64_t(sizeof(float))}, p, owner);
+  }
+
+ private:
+  static constexpr std::size_t kKeepBytes = std::size_t{2} << 30;
+  float* take(std::size_t n) {
+    auto& list = free_[n];
+    float* p = nullptr;
+    if (!list.empty()) {
+      p = list.back();
+      list.pop_back();
+      kept_bytes_ -= n * sizeof(float);
+    } else {
+      p = static_cast<float*>(::operator new(std::max<std::size_t>(n, 1) * sizeof(float), std::align_val_t{64}));
+    }
+    size_of_[p] = n;
+    return p;
+  }
+  void give(float* p) {
+    const auto it = size_of_.find(p);
+    const std::size_t n = it->second;
+    size_of_.erase(it);
+    if (kept_bytes_ + n * sizeof(float) > kKeepBytes) {
+      ::operator delete(p, std::align_val_t{64});
+      return;
+    }
+    free_[n].push_back(p);
+    kept_bytes_ += n * sizeof(float);
+  }
+  std::unordered_map<std::size_t, std::vector<float*>> free_;
+  std::unordered_map<float*, std::size_t> size_of_;
+  std::size_t kept_bytes_ = 0;
+};
+
+Array new_array(std::int64_t rows, std::int64_t cols) { return ArrayPool::get().make(rows, cols); }
 
 Array64 transposed(const std::vector<double>& m, std::int64_t rows, std::int64_t c0, std::int64_t cols) {
   return transposed_columns(m.data(), rows, static_cast<std::int64_t>(m.size()) / rows, c0, cols);
@@ -294,7 +348,15 @@ class Step {
  public:
   virtual ~Step() = default;
   virtual py::dict backward(const py::array& d_out) = 0;
+  // Seconds by part, {"forward": {...}, "backward": {...}} (the fast executors; empty for the oracle).
+  virtual py::dict times() const { return py::dict(); }
 };
+
+py::dict seconds_of(const std::vector<OperatorTime>& ops) {
+  py::dict d;
+  for (const auto& op : ops) d[py::str(op.name)] = op.seconds;
+  return d;
+}
 
 // The fast executors' step: a step of the layer's kept hpmoe::Layer, with
 // the input and output arrays it reads and writes in place.
@@ -306,6 +368,17 @@ class FastStep final : public Step {
     const MatrixView xv = view_of(x_, N, H, "x");
     py::gil_scoped_release release;
     step_.emplace(layer.forward(xv, {}, MutableMatrixView{out_.mutable_data(), N, H, H}));
+    forward_ops_ = step_->result().forward_ops;
+  }
+
+  // The host's part before the step: the changed parameters converted and repacked (ModuleLayer::forward).
+  void set_sync_seconds(double s) { forward_ops_.insert(forward_ops_.begin(), OperatorTime{"convert_and_repack", s}); }
+
+  py::dict times() const override {
+    py::dict d;
+    d["forward"] = seconds_of(forward_ops_);
+    d["backward"] = seconds_of(backward_ops_);
+    return d;
   }
 
   py::tuple outputs() const {
@@ -328,6 +401,8 @@ class FastStep final : public Step {
       step_->backward(dv, MutableMatrixView{dx.mutable_data(), N, H, H});
     }
     const LayerGradients& g = step_->gradients();
+    backward_ops_ = step_->result().backward_ops;
+    const auto fill_start = std::chrono::steady_clock::now();
     // The arrays are made with the GIL held, and filled on every core without it.
     struct Fill {
       const Matrix* src;
@@ -338,7 +413,7 @@ class FastStep final : public Step {
     py::dict out = hf_gradients(config_, [&](const std::string& m, std::int64_t e, std::int64_t c0, std::int64_t cols) {
       const Matrix& src = m == "router" ? g.router : m == "w1" ? g.w1[e] : m == "w2" ? g.w2[e]
                           : m == "shared_w1" ? g.shared_w1 : g.shared_w2;
-      Array a({cols, src.rows});
+      Array a = new_array(cols, src.rows);
       fills.push_back({&src, c0, cols, a.mutable_data()});
       return a;
     }, held_);
@@ -350,6 +425,7 @@ class FastStep final : public Step {
       });
     }
     out["x"] = dx;
+    backward_ops_.push_back({"gradients_to_hf", std::chrono::duration<double>(std::chrono::steady_clock::now() - fill_start).count()});
     step_.reset();  // its buffers go back to the layer for the next step
     return out;
   }
@@ -357,6 +433,7 @@ class FastStep final : public Step {
  private:
   LayerConfig config_;
   Array x_, out_;  // x is read in place until backward
+  std::vector<OperatorTime> forward_ops_, backward_ops_;
   const std::vector<std::int32_t>* held_;  // over MPI: this process's experts (their gradients only)
   std::optional<hpmoe::Layer::Step> step_;
 };
@@ -494,8 +571,11 @@ class ModuleLayer {
       const py::tuple o = step->outputs();
       return py::make_tuple(o[0], o[1], o[2], o[3], py::cast(std::unique_ptr<Step>(std::move(step))));
     }
+    const auto sync_start = std::chrono::steady_clock::now();
     sync_weights(c, params, versions);
+    const double sync_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - sync_start).count();
     auto step = std::make_unique<FastStep>(c, *layer_, x.cast<Array>(), transport_ ? &held_ : nullptr);
+    step->set_sync_seconds(sync_seconds);
     const py::tuple o = step->outputs();
     return py::make_tuple(o[0], o[1], o[2], o[3], py::cast(std::unique_ptr<Step>(std::move(step))));
   }
@@ -604,7 +684,7 @@ PYBIND11_MODULE(_core, m) {
       PyErr_SetString(PyExc_ValueError, (std::string("config JSON: ") + e.what()).c_str());
     }
   });
-  py::class_<Step>(m, "Step").def("backward", &Step::backward, py::arg("d_out"));
+  py::class_<Step>(m, "Step").def("backward", &Step::backward, py::arg("d_out")).def("times", &Step::times);
   py::class_<ModuleLayer>(m, "Layer")
       .def(py::init<const std::string&, int, const std::string&, const std::string&, const std::string&, const std::string&>(),
            py::arg("config_json"), py::arg("workers"), py::arg("executor"), py::arg("schedule"),

@@ -85,6 +85,7 @@ class _Function(torch.autograd.Function):
         ctx.module, ctx.names, ctx.tokens, ctx.dtype, ctx.step = module, names, x.shape[0], x.dtype, step
         ctx.param_dtypes = [p.dtype for p in params]
         ctx.load = module.last_load = torch.from_numpy(load)
+        module.last_times = step.times()
         return torch.from_numpy(out).to(x.dtype), torch.tensor(aux, dtype=x.dtype), torch.tensor(z, dtype=x.dtype)
 
     @staticmethod
@@ -94,6 +95,7 @@ class _Function(torch.autograd.Function):
             d_out = torch.zeros(ctx.tokens, module.config["hidden"], dtype=ctx.dtype)
         wide = torch.float64 if ctx.dtype == torch.float64 else torch.float32
         grads = ctx.step.backward(d_out.to(wide).contiguous().numpy())
+        module.last_times = ctx.step.times()
         if module.executor != "reference":
             ctx.step = None  # its one backward has run: free the packed weights and activations
         if module.gate_bias is not None:  # DeepSeek-V3's aux-loss-free update, after the step
@@ -216,6 +218,10 @@ class MoELayer(nn.Module):
             self.shared_experts = SwiGLU(H, shared * (self.config["shared_inter"] or I))
         self.last_load = None  # [ranks, experts] kept rows of the last forward
         self.last_losses = None  # Losses(aux, z) of the last forward
+        # Seconds by part of the last forward (and, once it ran, its backward): {"forward": {"convert_and_repack",
+        # "router", "compile", "verify", "prepare", "launch", ...}, "backward": {..., "gradients_to_hf"}};
+        # "launch" is the layer's own work, the rest the host's. Empty for executor="reference".
+        self.last_times = None
 
     @property
     def gate_bias(self):

@@ -196,12 +196,17 @@ class Interleaved final : public InterleavedExecutor::Impl {
     };
     std::unique_ptr<std::byte[], Free> data;
     std::int64_t size = 0;
+    // Grows with headroom, as the transports' segments do: the need follows
+    // the routing, and growing to the exact need made a training loop whose
+    // routing changes every step reallocate, zero and copy the region at
+    // every other forward (62 ms of a 80 ms forward, hidden 256, 16 experts).
     void reserve(std::int64_t n) {
       if (n <= size) return;
-      std::unique_ptr<std::byte[], Free> grown(new (std::align_val_t{64}) std::byte[static_cast<std::size_t>(n)]());
+      const std::int64_t grown_size = n + n / 2;
+      std::unique_ptr<std::byte[], Free> grown(new (std::align_val_t{64}) std::byte[static_cast<std::size_t>(grown_size)]());
       if (size > 0) std::memcpy(grown.get(), data.get(), static_cast<std::size_t>(size));
       data = std::move(grown);
-      size = n;
+      size = grown_size;
     }
   };
 
