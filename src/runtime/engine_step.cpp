@@ -285,8 +285,9 @@ void Interleaved<T>::exchange_counts(StepResult& res) {
     const std::uint64_t* block = count_block_.data() + q * width;
     if (block[0] != fingerprint_)
       throw Error("rank " + std::to_string(q) + " runs a different layer, placement or checkpoint than rank " +
-                  std::to_string(me) + " (fingerprint " + hex(block[0]) + " vs " + hex(fingerprint_) +
-                  "): start every rank with the same configuration, --placement and --load");
+                  std::to_string(me) + ", or another number of tokens (fingerprint " + hex(block[0]) + " vs " +
+                  hex(fingerprint_) + "): start every rank with the same configuration, --placement and --load, and "
+                  "give every rank the same number of tokens");
     double term = 0;
     std::memcpy(&term, &block[1], sizeof(double));
     aux += term;

@@ -59,6 +59,11 @@ def main():
         raise AssertionError("a layer of more ranks than processes was accepted")
     except ValueError as e:
         assert "one process per rank" in str(e), e
+    try:  # every process must pass the same number of tokens: one clear error on each, no hang
+        sharded(torch.randn(T if me == 0 else T - 8, 48))
+        raise AssertionError("processes with different token counts were accepted")
+    except ValueError as e:
+        assert "the same number of tokens" in str(e), e
     print(f"rank {me}: {executor}: 3 steps bit-identical to the in-process layer ({len(experts)} experts held)", flush=True)
 
 
