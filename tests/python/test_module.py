@@ -446,19 +446,23 @@ def test_training_example_runs_matches_its_twin_and_resumes(tmp_path):
     assert (tmp_path / "loss.png").stat().st_size > 1000 and (tmp_path / "load.png").stat().st_size > 1000
 
 
-def test_training_example_float64_curves_agree(tmp_path):
-    """--dtype float64 (hpmoe's fp64 oracle against the twin in double): the loss curves agree to 1e-12,
-    and the float64 checkpoint resumes bit for bit."""
+def train_example(tmp_path, *args):
+    """examples/train_moe_lm.py run with `args` into tmp_path: (the completed process, its metrics.json or None)."""
     import os
     import subprocess
     import sys
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    r = subprocess.run([sys.executable, os.path.join(root, "examples", "train_moe_lm.py"), "--dtype", "float64",
-                        "--steps", "12", "--layers", "2", "--d", "32", "--heads", "2", "--inter", "32", "--experts", "8",
-                        "--seq", "16", "--batch", "4", "--out", str(tmp_path), "--check-resume"],
+    r = subprocess.run([sys.executable, os.path.join(root, "examples", "train_moe_lm.py"), *args, "--out", str(tmp_path)],
                        capture_output=True, text=True)
+    return r, (json.load(open(tmp_path / "metrics.json")) if r.returncode == 0 else None)
+
+
+def test_training_example_float64_curves_agree(tmp_path):
+    """--dtype float64 (hpmoe's fp64 oracle against the twin in double): the loss curves agree to 1e-12,
+    and the float64 checkpoint resumes bit for bit."""
+    r, m = train_example(tmp_path, "--dtype", "float64", "--steps", "12", "--layers", "2", "--d", "32", "--heads", "2",
+                         "--inter", "32", "--experts", "8", "--seq", "16", "--batch", "4", "--check-resume")
     assert r.returncode == 0, r.stdout + r.stderr
-    m = json.load(open(tmp_path / "metrics.json"))
     assert m["resume_bit_identical"]
     assert m["max_loss_difference"] <= 1e-12
     assert m["hpmoe"]["loss"][-1] < m["hpmoe"]["loss"][0]
@@ -467,16 +471,9 @@ def test_training_example_float64_curves_agree(tmp_path):
 def test_training_example_bfloat16_trains_and_resumes(tmp_path):
     """--dtype bfloat16 (float32 masters, bf16 compute: hpmoe's FFNs with dtype="bf16", the rest under autocast):
     the loss falls, follows the twin's within bf16's rounding, and the checkpoint resumes bit for bit."""
-    import os
-    import subprocess
-    import sys
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    r = subprocess.run([sys.executable, os.path.join(root, "examples", "train_moe_lm.py"), "--dtype", "bfloat16",
-                        "--steps", "12", "--layers", "1", "--d", "32", "--heads", "2", "--inter", "32", "--experts", "4",
-                        "--seq", "16", "--batch", "4", "--out", str(tmp_path), "--check-resume"],
-                       capture_output=True, text=True)
+    r, m = train_example(tmp_path, "--dtype", "bfloat16", "--steps", "12", "--layers", "1", "--d", "32", "--heads", "2",
+                         "--inter", "32", "--experts", "4", "--seq", "16", "--batch", "4", "--check-resume")
     assert r.returncode == 0, r.stdout + r.stderr
-    m = json.load(open(tmp_path / "metrics.json"))
     assert m["resume_bit_identical"]
     assert m["hpmoe"]["loss"][-1] < m["hpmoe"]["loss"][0]
     assert 0 < m["max_loss_difference"] <= 2e-2 * max(m["hpmoe"]["loss"])

@@ -9,25 +9,24 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+def mpi_env(tmp_path):
+    """mpirun as root, its session directories apart from other mpiruns on the machine."""
+    (tmp_path / "ompi").mkdir(exist_ok=True)
+    return dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+                OMPI_MCA_orte_tmpdir_base=str(tmp_path / "ompi"))
+
+
 @pytest.mark.parametrize("executor", ["interleaved", "serialized"])
 def test_two_processes_are_the_in_process_layer_bit_for_bit(tmp_path, executor):
     mpirun = shutil.which("mpirun")
     if mpirun is None:
         pytest.skip("no mpirun (Debian: openmpi-bin)")
-    (tmp_path / "ompi").mkdir()
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               OMPI_MCA_orte_tmpdir_base=str(tmp_path / "ompi"))  # apart from other mpiruns on the machine
+    env = mpi_env(tmp_path)
     r = subprocess.run([mpirun, "-np", "2", "--oversubscribe", sys.executable, os.path.join(HERE, "mpi_module.py"),
                         executor], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     for rank in (0, 1):
         assert f"rank {rank}: {executor}: 3 steps bit-identical" in r.stdout, r.stdout + r.stderr
-
-
-def mpi_env(tmp_path):
-    (tmp_path / "ompi").mkdir(exist_ok=True)
-    return dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-                OMPI_MCA_orte_tmpdir_base=str(tmp_path / "ompi"))
 
 
 def test_training_example_two_processes_are_one_bit_for_bit(tmp_path):
