@@ -193,6 +193,7 @@ class ModuleLayer {
     LayerConfig probe = config_;
     if (probe.tokens_per_rank <= 0) probe.tokens_per_rank = 1;
     probe.validate();
+    const MpiPath path = parse_mpi_path(mpi_path);  // checked whatever the transport: a bad value is never ignored
     if (transport == "mpi") {
       if (reference_) throw Error("executor=\"reference\" runs in one process; use ep=\"mpi\" with \"interleaved\" or \"serialized\"");
       const MpiSession& session = mpi_session();
@@ -201,7 +202,7 @@ class ModuleLayer {
                     std::to_string(session.size()) + " MPI processes were started: one process per rank (mpirun -np " +
                     std::to_string(config_.ranks) + ")");
       MpiOptions options;
-      options.path = parse_mpi_path(mpi_path);
+      options.path = path;
       options.ranks_per_node = static_cast<int>(config_.ranks_per_node);
       transport_ = make_mpi_transport(session, static_cast<int>(config_.ranks), options);
       rank_ = session.rank();

@@ -55,6 +55,9 @@ done
 if [ -n "$fault" ] && ! [[ "$fault" =~ ^(kill|linkdown):[0-9]+:[0-9.]+$ && ${fault#*:} =~ ^([0-9]+): && ${BASH_REMATCH[1]} -lt $hosts ]]; then
   echo "error: --fault takes kill:HOST:SECONDS or linkdown:HOST:SECONDS with HOST < $hosts (got '$fault')" >&2; exit 2
 fi
+if [ "$exec_mode" = 1 ] && [ $# -eq 0 ]; then
+  echo "error: --exec needs a command after -- (scripts/cluster.sh --exec -- COMMAND ARGS...)" >&2; exit 2
+fi
 if [ -n "$slow" ] && ! [[ "$slow" =~ ^([0-9]+):[0-9.]+$ && ${BASH_REMATCH[1]} -lt $hosts ]]; then
   echo "error: --slow-host takes HOST:GBIT with HOST < $hosts (got '$slow')" >&2; exit 2
 fi
@@ -153,7 +156,6 @@ mpirun_args=(--hostfile "$tmp/hostfile" -np "$hosts" --mca plm_rsh_agent "$tmp/a
   # all-to-all of 6 MB each way at the A3 ratio took 440 ms instead of 240.
   --mca btl_tcp_eager_limit "$eager" --mca btl_tcp_rndv_eager_limit "$eager")
 if [ "$exec_mode" = 1 ]; then
-  [ $# -gt 0 ] || { echo "error: --exec needs a command after --" >&2; exit 2; }
   command=("$@")
   mpirun_args+=(-x GLOO_SOCKET_IFNAME=eth0)  # torch.distributed's gloo on the host's link
   [ -n "${PYTHONPATH:-}" ] && mpirun_args+=(-x PYTHONPATH)

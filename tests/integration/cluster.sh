@@ -25,6 +25,13 @@ for bad in "--bogus" "--hosts 0" "--hosts x" "--fault explode:1:1" "--fault kill
   fi
 done
 
+# --exec without a command: the same one line and exit 2, before anything is made.
+rc=0
+scripts/cluster.sh --exec -- > "$tmp/bad.out" 2> "$tmp/bad.err" || rc=$?
+if [ $rc -ne 2 ] || [ "$(wc -l < "$tmp/bad.err")" -ne 1 ] || ! grep -q '^error: --exec needs a command' "$tmp/bad.err"; then
+  echo "cluster.sh --exec --: exit $rc, stderr:"; cat "$tmp/bad.err"; exit 1
+fi
+
 # expect FILE PATTERN [COUNT]: FILE has PATTERN (COUNT times); else show it and fail.
 expect() {
   local n; n=$(grep -cE "$2" "$1" || true)

@@ -304,6 +304,8 @@ def test_bf16_executors_bit_identical_and_dtype_errors():
     assert all(torch.equal(ra[2][n], rs[2][n]) for n in ra[2])
     with pytest.raises(ValueError, match='ep must be "inprocess"'):
         hpmoe.MoELayer(small(), ep="nccl")
+    with pytest.raises(ValueError, match="unknown MPI path 'infiniband'"):  # checked whatever the transport
+        hpmoe.MoELayer(small(), mpi_path="infiniband")
     with pytest.raises(ValueError, match="dtype must be 'fp32' or 'bf16'"):
         hpmoe.MoELayer(small(), dtype="fp16")
     with pytest.raises(ValueError, match="takes torch.bfloat16 or torch.float32 CPU tensors, got torch.float16"):
