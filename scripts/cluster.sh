@@ -80,7 +80,7 @@ cleanup() {
   set +e
   for i in $(seq 0 $((hosts - 1))); do
     ns=${prefix}h$i
-    if ip netns list | grep -qw "$ns"; then
+    if ip netns list | grep -w "$ns" > /dev/null; then
       for pid in $(ip netns pids "$ns"); do kill -9 "$pid" 2>/dev/null; done
       ip netns del "$ns"
     fi

@@ -11,7 +11,7 @@ packages=(cmake ninja-build g++ pkg-config ccache libxsmm-dev nlohmann-json3-dev
   python3-venv python3-pip python3-wheel)  # pip install . (pyproject.toml) into a venv that sees Debian's torch
 missing=()
 for p in "${packages[@]}"; do
-  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep "install ok installed" > /dev/null || missing+=("$p")
 done
 if ((${#missing[@]})); then
   echo "setup: installing ${missing[*]}"

@@ -8,11 +8,14 @@
 # gradient bit for bit against the whole layer run in process on rank 0.
 # Then faults on purpose: a rank that dies, one that freezes, one that stalls
 # must end the job with an error within seconds, never hang.
-set -euo pipefail
+set -Eeuo pipefail
 : "${HPMOE:?}" "${HPMOE_SOURCE_DIR:?}" "${MPIRUN:?}"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 export ASAN_OPTIONS="${ASAN_OPTIONS:-}:detect_leaks=0"  # Open MPI's own allocations at exit
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
+# A failed assertion (a grep -q, a test) says which line failed and shows the
+# run it looked at, instead of ending the script silently.
+trap 'rc=$?; echo "cli_mpi.sh: line $LINENO failed (exit $rc): $BASH_COMMAND"; for f in "$tmp"/*.txt; do [ -f "$f" ] && { echo "== $f"; tail -n 60 "$f"; }; done; exit $rc' ERR
 # Session directories apart from other mpiruns on this machine (tests/integration/cluster.sh runs alongside).
 mkdir -p "$tmp/ompi"
 export OMPI_MCA_orte_tmpdir_base="$tmp/ompi"
@@ -122,7 +125,8 @@ check 2 shared -T 48 --backward --iters 1 --load "$tmp/ckpt"
 check 3 network -T 40 --set routed_experts=8 --placement round-robin --backward --iters 1 --save "$tmp/sharded"
 for f in model.safetensors.index.json weights-rank2-of-3.safetensors inputs-rank1-of-3.safetensors \
          outputs-rank0-of-3.safetensors routing-rank2-of-3.safetensors; do test -s "$tmp/sharded/$f"; done
-"$HPMOE" run -P 3 -T 40 --set routed_experts=8 --backward --iters 1 --warmup 0 --load "$tmp/sharded" | grep -q "verify   PASS"
+"$HPMOE" run -P 3 -T 40 --set routed_experts=8 --backward --iters 1 --warmup 0 --load "$tmp/sharded" > "$tmp/load.txt"
+grep -q "verify   PASS" "$tmp/load.txt"
 check 3 shared -T 40 --set routed_experts=8 --backward --iters 1 --load "$tmp/sharded"
 
 # Ranks started with different layers (here: other seeds, so other router

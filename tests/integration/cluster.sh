@@ -41,7 +41,7 @@ expect() {
 }
 
 left_behind() {  # nothing of any cluster may remain
-  if ip netns list | grep -q '^hpmoe-c' || ip link show | grep -q 'hpmoe-c'; then
+  if ip netns list | grep '^hpmoe-c' > /dev/null || ip link show | grep 'hpmoe-c' > /dev/null; then
     echo "the cluster left namespaces or interfaces behind:"; ip netns list; ip link show | grep hpmoe-c; exit 1
   fi
 }
