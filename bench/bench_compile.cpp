@@ -145,7 +145,7 @@ void BM_PlanQuotas(benchmark::State& state) {
   const auto replicated = ExpertPlacement::from_rank_lists(c.routed_experts, lists,
                                                            ExpertPlacement::Rules{.replicas = true, .slots_per_rank = 5});
   for (auto _ : state) {
-    auto q = plan_quotas(replicated, rc.counts, 64);
+    auto q = plan_quotas(replicated, rc.counts);
     benchmark::DoNotOptimize(q.data());
   }
   state.counters["instances"] = static_cast<double>(replicated.instances());

@@ -1,17 +1,19 @@
 // The per-step quota plan against an exact solver on small cases
-// (docs/results/placement.md). The plan's objective is the slowest rank's load in
-// rows rounded up to whole tiles (unreplicated experts fixed, each home of a
-// replicated expert paying for the tiles of the rows it takes). Only each
-// home's tile count matters, so the exact optimum enumerates every way to
-// split each replicated expert's tiles among its homes. Random cases:
-// P = 2..4, 4..8 experts, one to three replicated experts with two or three
-// homes, Zipf-like counts, 16- or 64-row tiles.
+// (docs/results/placement.md). The plan's objective is the slowest rank's
+// load in rows (unreplicated experts fixed, each home of a replicated expert
+// paying for the rows it takes; quotas end mid-tile where that helps). The
+// exact optimum is the least level W for which the replicated experts' rows
+// fit under W on every rank: a flow problem (expert -> its homes' ranks ->
+// W minus the rank's fixed rows), whose integral maximum flow gives integer
+// quotas, so bisection over W with a max-flow check finds it. Random cases:
+// P = 2..6, 4..12 experts, one to four replicated experts with two to four
+// homes, Zipf-like counts.
 //
 //   build/bench/quota_gap [CASES] [SEED]
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
-#include <functional>
+#include <limits>
 #include <random>
 #include <vector>
 
@@ -24,85 +26,92 @@ namespace {
 struct Case {
   ExpertPlacement placement;
   std::vector<std::int64_t> counts;  // P x E
-  std::int64_t tile_rows;
 };
 
-std::int64_t tiles(std::int64_t rows, std::int64_t tr) { return (rows + tr - 1) / tr; }
-
-// The slowest rank's padded rows under the plan's quotas.
+// The slowest rank's rows under the plan's quotas.
 std::int64_t planned(const Case& k) {
   const auto& p = k.placement;
-  const auto q = plan_quotas(p, k.counts, k.tile_rows);
+  const auto q = plan_quotas(p, k.counts);
   const std::int64_t P = p.ranks(), N = p.instances();
   std::vector<std::int64_t> load(static_cast<std::size_t>(P), 0);
-  for (std::int64_t i = 0; i < N; ++i) {
-    std::int64_t rows = 0;
-    for (std::int64_t s = 0; s < P; ++s) rows += q[static_cast<std::size_t>(s * N + i)];
-    load[static_cast<std::size_t>(p.instance_rank(i))] += tiles(rows, k.tile_rows) * k.tile_rows;
-  }
+  for (std::int64_t i = 0; i < N; ++i)
+    for (std::int64_t s = 0; s < P; ++s) load[static_cast<std::size_t>(p.instance_rank(i))] += q[static_cast<std::size_t>(s * N + i)];
   return *std::max_element(load.begin(), load.end());
 }
 
-// The optimum: every split of each replicated expert's tiles among its homes.
+// Maximum flow (Edmonds-Karp) on a dense capacity matrix: the graphs here
+// have at most 2 + 12 + 6 nodes.
+std::int64_t max_flow(std::vector<std::vector<std::int64_t>> cap, std::size_t src, std::size_t sink) {
+  const std::size_t n = cap.size();
+  std::int64_t flow = 0;
+  for (;;) {
+    std::vector<std::int64_t> parent(n, -1);
+    parent[src] = static_cast<std::int64_t>(src);
+    std::vector<std::size_t> queue{src};
+    for (std::size_t at = 0; at < queue.size() && parent[sink] < 0; ++at)
+      for (std::size_t v = 0; v < n; ++v)
+        if (parent[v] < 0 && cap[queue[at]][v] > 0) parent[v] = static_cast<std::int64_t>(queue[at]), queue.push_back(v);
+    if (parent[sink] < 0) return flow;
+    std::int64_t push = std::numeric_limits<std::int64_t>::max();
+    for (std::size_t v = sink; v != src; v = static_cast<std::size_t>(parent[v])) push = std::min(push, cap[static_cast<std::size_t>(parent[v])][v]);
+    for (std::size_t v = sink; v != src; v = static_cast<std::size_t>(parent[v])) {
+      cap[static_cast<std::size_t>(parent[v])][v] -= push;
+      cap[v][static_cast<std::size_t>(parent[v])] += push;
+    }
+    flow += push;
+  }
+}
+
+// The optimum: the least W at which every replicated row fits.
 std::int64_t exact(const Case& k) {
   const auto& p = k.placement;
   const std::int64_t P = p.ranks(), E = p.experts();
-  std::vector<std::int64_t> fixed(static_cast<std::size_t>(P), 0), need;
-  std::vector<std::int32_t> replicated;
+  std::vector<std::int64_t> fixed(static_cast<std::size_t>(P), 0), total(static_cast<std::size_t>(E), 0);
+  std::int64_t replicated_rows = 0;
   for (std::int64_t e = 0; e < E; ++e) {
-    std::int64_t rows = 0;
-    for (std::int64_t s = 0; s < P; ++s) rows += k.counts[static_cast<std::size_t>(s * E + e)];
-    if (p.home_count(e) == 1) {
-      fixed[static_cast<std::size_t>(p.owner(e))] += tiles(rows, k.tile_rows);
-    } else {
-      replicated.push_back(static_cast<std::int32_t>(e));
-      need.push_back(tiles(rows, k.tile_rows));
-    }
+    for (std::int64_t s = 0; s < P; ++s) total[static_cast<std::size_t>(e)] += k.counts[static_cast<std::size_t>(s * E + e)];
+    if (p.home_count(e) == 1) fixed[static_cast<std::size_t>(p.owner(e))] += total[static_cast<std::size_t>(e)];
+    else replicated_rows += total[static_cast<std::size_t>(e)];
   }
-  std::int64_t best = -1;
-  std::vector<std::int64_t> load = fixed;
-  std::function<void(std::size_t)> expert = [&](std::size_t x) {
-    if (x == replicated.size()) {
-      const std::int64_t worst = *std::max_element(load.begin(), load.end());
-      if (best < 0 || worst < best) best = worst;
-      return;
+  // Nodes: 0 source, 1..E experts, E+1..E+P ranks, E+P+1 sink.
+  const auto fits = [&](std::int64_t level) {
+    const auto n = static_cast<std::size_t>(E + P + 2), sink = n - 1;
+    std::vector<std::vector<std::int64_t>> cap(n, std::vector<std::int64_t>(n, 0));
+    for (std::int64_t e = 0; e < E; ++e) {
+      if (p.home_count(e) == 1) continue;
+      cap[0][static_cast<std::size_t>(1 + e)] = total[static_cast<std::size_t>(e)];
+      for (std::int64_t j = 0; j < p.home_count(e); ++j)
+        cap[static_cast<std::size_t>(1 + e)][static_cast<std::size_t>(1 + E + p.instance_rank(p.first_instance(e) + j))] = replicated_rows;
     }
-    const std::int32_t e = replicated[x];
-    const std::int64_t h = p.home_count(e), first = p.first_instance(e);
-    std::function<void(std::int64_t, std::int64_t)> home = [&](std::int64_t j, std::int64_t left) {
-      const auto r = static_cast<std::size_t>(p.instance_rank(first + j));
-      if (j == h - 1) {
-        load[r] += left;
-        expert(x + 1);
-        load[r] -= left;
-        return;
-      }
-      for (std::int64_t t = 0; t <= left; ++t) {
-        load[r] += t;
-        home(j + 1, left - t);
-        load[r] -= t;
-      }
-    };
-    home(0, need[x]);
+    for (std::int64_t r = 0; r < P; ++r) {
+      if (fixed[static_cast<std::size_t>(r)] > level) return false;
+      cap[static_cast<std::size_t>(1 + E + r)][sink] = level - fixed[static_cast<std::size_t>(r)];
+    }
+    return max_flow(std::move(cap), 0, sink) == replicated_rows;
   };
-  expert(0);
-  return best * k.tile_rows;
+  std::int64_t lo = *std::max_element(fixed.begin(), fixed.end()), hi = lo + replicated_rows;
+  while (lo < hi) {
+    const std::int64_t mid = lo + (hi - lo) / 2;
+    if (fits(mid)) hi = mid;
+    else lo = mid + 1;
+  }
+  return lo;
 }
 
 Case random_case(std::mt19937_64& rng) {
   auto pick = [&](std::int64_t lo, std::int64_t hi) { return lo + static_cast<std::int64_t>(rng() % static_cast<std::uint64_t>(hi - lo + 1)); };
-  const std::int64_t P = pick(2, 4), E = pick(4, 8);
+  const std::int64_t P = pick(2, 6), E = pick(std::max<std::int64_t>(4, P), 12);
   std::vector<std::vector<std::int64_t>> lists(static_cast<std::size_t>(P));
   for (std::int64_t e = 0; e < E; ++e) lists[static_cast<std::size_t>(e % P)].push_back(e);
-  const std::int64_t copies = pick(1, 3);
+  const std::int64_t copies = pick(1, 4);
   for (std::int64_t c = 0; c < copies; ++c) {
-    const std::int64_t e = pick(0, E - 1), extra = pick(1, std::min<std::int64_t>(2, P - 1));
+    const std::int64_t e = pick(0, E - 1), extra = pick(1, std::min<std::int64_t>(3, P - 1));
     for (std::int64_t k = 1; k <= extra; ++k) {
       auto& l = lists[static_cast<std::size_t>((e % P + k) % P)];
       if (std::find(l.begin(), l.end(), e) == l.end()) l.push_back(e);
     }
   }
-  Case k{ExpertPlacement::from_rank_lists(E, lists, ExpertPlacement::Rules{.replicas = true}), {}, pick(0, 1) ? 64 : 16};
+  Case k{ExpertPlacement::from_rank_lists(E, lists, ExpertPlacement::Rules{.replicas = true}), {}};
   // Zipf-like: expert e draws about 1 / (rank of e) of a source's rows.
   std::vector<std::int64_t> perm(static_cast<std::size_t>(E));
   for (std::int64_t e = 0; e < E; ++e) perm[static_cast<std::size_t>(e)] = e;
@@ -128,7 +137,7 @@ int main(int argc, char** argv) {
     sum_gap += gap;
     max_gap = std::max(max_gap, gap);
   }
-  std::printf("quota plan vs exact optimum (slowest rank's padded rows), %d random small cases\n", cases);
+  std::printf("quota plan vs exact optimum (slowest rank's rows), %d random small cases\n", cases);
   std::printf("optimal in %d (%.1f%%); mean gap %.2f%%, worst gap %.2f%%\n", optimal, 100.0 * optimal / cases,
               100.0 * sum_gap / cases, 100.0 * max_gap);
   return 0;

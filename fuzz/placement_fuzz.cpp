@@ -51,7 +51,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     // Counts from the input's bytes; every row goes to exactly one home.
     std::vector<std::int64_t> counts(static_cast<std::size_t>(ranks * experts));
     for (std::size_t i = 0; i < counts.size(); ++i) counts[i] = data[i % size] % 97;
-    const auto quota = hpmoe::plan_quotas(p, counts, 1 + data[size - 1] % 64);
+    const auto quota = hpmoe::plan_quotas(p, counts);
     const std::int64_t N = p.instances();
     for (std::int64_t s = 0; s < ranks; ++s)
       for (std::int64_t e = 0; e < experts; ++e) {

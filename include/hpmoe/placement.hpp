@@ -150,18 +150,20 @@ ExpertPlacement parse_placement(const std::string& spec, std::int64_t experts, s
 
 // The per-step quota plan: rows of each (source rank, expert) count
 // (counts[s E + e]) given to each of the expert's instances, [s N + i].
-// Each expert's rows go to its homes so as to even out the ranks' loads
-// (rows rounded up to whole tiles of `tile_rows`, the unreplicated experts'
-// loads fixed first, then replicated experts with the fewest homes, the
-// heaviest first among equals, each water-filled in whole tiles); a source's rows
+// Each expert's rows go to its homes so as to even out the ranks' loads in
+// rows: the unreplicated experts' loads fixed first, then replicated experts
+// with the fewest homes, the heaviest first among equals, each water-filled
+// row by row over its homes (a home's share may end mid-tile: the executors
+// run the last tile short, and a short tile costs its rows). A source's rows
 // go first to a home on its own rank, then to the others in home order. A
-// pure function of its arguments in integers: every rank computes the same
-// plan with no communication (TopoEP's property).
-std::vector<std::int64_t> plan_quotas(const ExpertPlacement&, std::span<const std::int64_t> counts, std::int64_t tile_rows);
+// pure function of its arguments in integers, independent of the compute
+// tile: every rank computes the same plan with no communication (TopoEP's
+// property).
+std::vector<std::int64_t> plan_quotas(const ExpertPlacement&, std::span<const std::int64_t> counts);
 // Rows each instance runs in a step ([instances]): the quota plan's, summed
 // over sources (without replicas or splits, instance e is expert e and runs
 // all its rows; a split expert's every part runs every row). The one place
 // the routing statistics, the planner and the run report take loads from.
-std::vector<std::int64_t> instance_rows(const ExpertPlacement&, std::span<const std::int64_t> counts, std::int64_t tile_rows);
+std::vector<std::int64_t> instance_rows(const ExpertPlacement&, std::span<const std::int64_t> counts);
 
 }  // namespace hpmoe

@@ -25,7 +25,8 @@ struct RoutingSpec {
   std::string trace_layer = "0";
   std::uint64_t seed = 1;
   // Steps of one synthetic routing share its popularity (which experts are
-  // hot, from `seed`) and differ in the draws (step 0: as before steps).
+  // hot, from `seed`) and differ in the draws (step 0: as before steps); a
+  // trace's step k reads its k-th window of tokens (wrapping at its end).
   std::uint64_t step = 0;
   // Contiguous blocks of E/P experts (ranks, under the contiguous placement)
   // that get no tokens: bit r for block r (blocks past 63 always get some).
@@ -100,10 +101,6 @@ struct RoutingStats {
   std::int64_t dropped = 0;
   std::int64_t assignments = 0;
 };
-
-// The tile height the quota plan rounds to when statistics place replicated
-// experts' rows (the CPU runtime's tile).
-inline constexpr std::int64_t kQuotaTileRows = 64;
 
 // tokens_per_rank counts rows by the rank that computes them: the owner of
 // each expert, or for a replicated one where the quota plan sends them.

@@ -18,11 +18,17 @@ ExpertCostModel ExpertCostModel::from(const sim::MachineModel& m, const LayerCon
   const double units = std::max(1, m.accelerator ? m.matrix_units : m.workers);
   // Forward: gate/up [TR, 2I] x H and down [TR, H] x I; the backward's
   // data and weight gradients are twice that again.
-  const auto pass = [&](double reuse) {
-    return m.gemm_seconds(TR, 2 * I, H, c.dtype, reuse) + m.gemm_seconds(TR, H, I, c.dtype, reuse);
+  const auto pass = [&](std::int64_t rows, double reuse) {
+    return m.gemm_seconds(rows, 2 * I, H, c.dtype, reuse) + m.gemm_seconds(rows, H, I, c.dtype, reuse);
   };
-  cost.first_tile_s = 3.0 * pass(1.0) / units;
-  cost.tile_s = 3.0 * pass(1e9) / units;
+  cost.first_tile_rows_s.assign(static_cast<std::size_t>(TR + 1), 0.0);
+  cost.tile_rows_s.assign(static_cast<std::size_t>(TR + 1), 0.0);
+  for (std::int64_t r = 1; r <= TR; ++r) {
+    cost.first_tile_rows_s[static_cast<std::size_t>(r)] = 3.0 * pass(r, 1.0) / units;
+    cost.tile_rows_s[static_cast<std::size_t>(r)] = 3.0 * pass(r, 1e9) / units;
+  }
+  cost.first_tile_s = cost.first_tile_rows_s.back();
+  cost.tile_s = cost.tile_rows_s.back();
   if (training) {
     const double bytes = 3.0 * double(H) * double(I) * (c.dtype == DType::bf16 ? 2.0 : 4.0)  // weights refreshed
                          + 3.0 * double(H) * double(I) * 4.0;                                 // fp32 gradient reduced
@@ -42,8 +48,13 @@ ExpertCostModel ExpertCostModel::from(const sim::MachineModel& m, const LayerCon
 
 double ExpertCostModel::instance_seconds(std::int64_t rows) const {
   if (rows <= 0) return 0.0;
-  const std::int64_t tiles = (rows + tile_rows - 1) / tile_rows;
-  return first_tile_s + double(tiles - 1) * tile_s;
+  const std::int64_t full = rows / tile_rows, rest = rows % tile_rows;
+  // Without per-row tables (a model built by hand), a short tile costs a whole one.
+  const auto short_tile = [&](const std::vector<double>& by_rows, double whole) {
+    return by_rows.size() == static_cast<std::size_t>(tile_rows + 1) ? by_rows[static_cast<std::size_t>(rest)] : whole;
+  };
+  if (full == 0) return short_tile(first_tile_rows_s, first_tile_s);
+  return first_tile_s + double(full - 1) * tile_s + (rest > 0 ? short_tile(tile_rows_s, tile_s) : 0.0);
 }
 
 namespace {
@@ -56,7 +67,7 @@ std::int64_t split_inter(const ExpertPlacement& p, std::int64_t e) {
 std::vector<double> rank_seconds(const ExpertPlacement& p, std::span<const std::int64_t> counts, const ExpertCostModel& cost) {
   const std::int64_t P = p.ranks(), N = p.instances();
   std::vector<double> t(static_cast<std::size_t>(P), 0.0);
-  const std::vector<std::int64_t> rows = instance_rows(p, counts, cost.tile_rows);
+  const std::vector<std::int64_t> rows = instance_rows(p, counts);
   for (std::int64_t i = 0; i < N; ++i) {
     auto& rank = t[static_cast<std::size_t>(p.instance_rank(i))];
     const std::int64_t e = p.instance_expert(i), n = rows[static_cast<std::size_t>(i)];
@@ -105,11 +116,9 @@ Score evaluate(const ExpertPlacement& p, const History& h, const ExpertCostModel
     double over = 0;
     for (const double x : t) over += std::max(0.0, x - mean);
     overload.push_back(over);
-    ExpertCostModel rows_only;  // rows as the cost: the imbalance figure
-    rows_only.tile_rows = cost.tile_rows;
     // Rows a rank computes; a split part's rows count by its share of the columns.
     std::vector<double> rows(static_cast<std::size_t>(P), 0.0);
-    const auto per_instance = instance_rows(p, counts, cost.tile_rows);
+    const auto per_instance = instance_rows(p, counts);
     for (std::int64_t i = 0; i < p.instances(); ++i) {
       const std::int64_t e = p.instance_expert(i);
       double share = 1.0;

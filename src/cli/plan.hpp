@@ -16,8 +16,8 @@ namespace hpmoe {
 // The time a rank spends on its experts in one step (TEMPO's max-affine
 // shape): an instance of N rows costs its first row tile at the rate with
 // weights streamed from memory and every further tile at the reused rate,
-// so weight streaming dominates small batches and tile rounding large
-// ones; a rank's time is the sum over its instances. In training a replica
+// the last tile at its true (short) rows, so weight streaming dominates
+// small batches; a rank's time is the sum over its instances. In training a replica
 // also costs its rank the refresh of its weights from the owner and the
 // reduction of its gradient into the owner's, over the link between them.
 // A part of a tensor-parallel split expert costs its share of the columns
@@ -27,7 +27,12 @@ namespace hpmoe {
 // gradients); it needs no weight refresh or gradient reduction.
 struct ExpertCostModel {
   std::int64_t tile_rows = 64;
-  double first_tile_s = 0, tile_s = 0;  // forward + backward GEMMs of one row tile of an expert, on a rank's units
+  double first_tile_s = 0, tile_s = 0;  // forward + backward GEMMs of one full row tile of an expert, on a rank's units
+  // The same for a tile of r rows ([r], r = 0..tile_rows): a short tile
+  // (the last of an instance, or a quota that ends mid-tile) costs its true
+  // time, affine in its rows at a fixed weight panel (the machine model's
+  // interpolation), not a whole tile's.
+  std::vector<double> first_tile_rows_s, tile_rows_s;
   double replica_s = 0;                 // per replica per step (training), 0 for inference
   double part_row_s = 0;                // per row of each split part beyond the first: its extra link traffic
   static ExpertCostModel from(const sim::MachineModel&, const LayerConfig&, bool training);

@@ -535,7 +535,7 @@ std::vector<std::int32_t> owned_by(const ExpertPlacement& placement, int rank) {
 // Rows a rank computes in a step: its experts' rows, a replicated expert's
 // as the quota plan divides them.
 std::int64_t rows_into(const ExpertPlacement& placement, std::span<const std::int64_t> counts, int rank) {
-  const auto per_instance = instance_rows(placement, counts, kQuotaTileRows);
+  const auto per_instance = instance_rows(placement, counts);
   std::int64_t rows = 0;
   for (std::int64_t i = 0; i < placement.instances(); ++i)
     if (placement.instance_rank(i) == rank) rows += per_instance[static_cast<std::size_t>(i)];

@@ -39,7 +39,7 @@ Exchange::Exchange(const LayerConfig& c, const ExpertPlacement& placement, const
   instances_ = placement_.instances();
   const bool planned_rows = instances_ > experts_;
   const std::vector<std::int64_t> planned =
-      planned_rows ? plan_quotas(placement_, counts.counts, tile_rows_) : std::vector<std::int64_t>{};
+      planned_rows ? plan_quotas(placement_, counts.counts) : std::vector<std::int64_t>{};
   const std::vector<std::int64_t>& rows_of = planned_rows ? planned : counts.counts;
   const auto N = static_cast<std::size_t>(instances_);
   source_prefix_.assign(static_cast<std::size_t>(ranks_ + 1) * N, 0);

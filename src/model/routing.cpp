@@ -222,8 +222,13 @@ std::vector<std::int32_t> forced_selection(const LayerConfig& c, const RoutingSp
   if (s.source == RoutingSource::trace) {
     std::int64_t trace_tokens = 0;
     const auto trace = load_trace(s.trace_path, s.trace_layer, k, e, &trace_tokens);
+    // Step k reads the trace's next window of tokens (wrapping around at its
+    // end), so a history of steps sees the recording's drift, not one window
+    // again and again.
+    const auto first = static_cast<std::int64_t>((s.step % static_cast<std::uint64_t>(trace_tokens)) *
+                                                 static_cast<std::uint64_t>(n % trace_tokens) % static_cast<std::uint64_t>(trace_tokens));
     for (std::int64_t t = 0; t < n; ++t)
-      for (std::int64_t j = 0; j < k; ++j) ids[t * k + j] = trace[(t % trace_tokens) * k + j];
+      for (std::int64_t j = 0; j < k; ++j) ids[t * k + j] = trace[((first + t) % trace_tokens) * k + j];
     return ids;
   }
   std::vector<double> weights(static_cast<std::size_t>(e), 1.0);
@@ -450,7 +455,7 @@ RoutingStats routing_stats(const LayerConfig& c, const ExpertPlacement& placemen
     // A replicated expert's rows go where the step's quota plan sends them;
     // a split expert's part counts its rows times its share of the columns.
     const std::int64_t N = placement.instances();
-    const auto rows = instance_rows(placement, counts, kQuotaTileRows);
+    const auto rows = instance_rows(placement, counts);
     for (std::int64_t i = 0; i < N; ++i) {
       const auto [c0, c1] = placement.part_columns(i, c.expert_inter);
       st.tokens_per_rank[static_cast<std::size_t>(placement.instance_rank(i))] +=

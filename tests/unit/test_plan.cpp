@@ -41,8 +41,15 @@ TEST(Plan, ReplicatesTheHotExpertWithinTheBudgetAndDeterministically) {
   const auto cost = ExpertCostModel::from(sim::load_machine(req.machine), req.config, true);
   EXPECT_GT(cost.first_tile_s, cost.tile_s);
   EXPECT_EQ(cost.instance_seconds(0), 0.0);
-  EXPECT_DOUBLE_EQ(cost.instance_seconds(1), cost.first_tile_s);
-  EXPECT_DOUBLE_EQ(cost.instance_seconds(cost.tile_rows + 1), cost.first_tile_s + cost.tile_s);
+  EXPECT_DOUBLE_EQ(cost.instance_seconds(cost.tile_rows), cost.first_tile_s);
+  EXPECT_DOUBLE_EQ(cost.instance_seconds(2 * cost.tile_rows), cost.first_tile_s + cost.tile_s);
+  // A short tile costs its true rows: less than a whole tile, more than
+  // nothing, and more rows cost more (row-granular quotas end mid-tile).
+  EXPECT_LT(cost.instance_seconds(1), cost.first_tile_s);
+  EXPECT_GT(cost.instance_seconds(1), 0.0);
+  EXPECT_LT(cost.instance_seconds(cost.tile_rows + 1), cost.first_tile_s + cost.tile_s);
+  EXPECT_GT(cost.instance_seconds(cost.tile_rows + 1), cost.first_tile_s);
+  EXPECT_LT(cost.instance_seconds(cost.tile_rows + 10), cost.instance_seconds(cost.tile_rows + 11));
 }
 
 // `hpmoe plan --splits --no-replicas`: a static hybrid TP/EP mapping. The hot

@@ -193,6 +193,16 @@ TEST(TraceRouting, ReplaysMixtralTraceAndRejectsMisfits) {
   const auto raw = load_trace(trace_file(), "3", 2, 8, &tokens);
   EXPECT_GT(tokens, 10000);
   EXPECT_TRUE(std::equal(ids.begin(), ids.end(), raw.begin()));
+  // Step k replays the trace's k-th window of 200 tokens, wrapping at its end.
+  auto spec = parse_routing_spec("trace:" + trace_file() + ":3", 1);
+  spec.step = 2;
+  const auto later = forced_selection(c, spec);
+  EXPECT_TRUE(std::equal(later.begin(), later.end(), raw.begin() + 2 * 400));
+  spec.step = static_cast<std::uint64_t>(tokens);  // k * 200 tokens past a multiple of the trace's length
+  const auto wrapped = forced_selection(c, spec);
+  for (std::int64_t t = 0; t < 200; ++t)
+    for (std::int64_t j = 0; j < 2; ++j)
+      ASSERT_EQ(wrapped[static_cast<std::size_t>(t * 2 + j)], raw[static_cast<std::size_t>(((tokens * 200 + t) % tokens) * 2 + j)]);
   EXPECT_THROW(load_trace(trace_file(), "3", 3, 8), Error);     // width differs from top_k
   EXPECT_THROW(load_trace(trace_file(), "3", 2, 4), Error);     // ids beyond the experts
   EXPECT_THROW(load_trace(trace_file(), "99", 2, 8), Error);    // no such layer

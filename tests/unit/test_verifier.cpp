@@ -328,9 +328,9 @@ TEST(ReplicaPrograms, QuotasCoverEveryRowEvenOutRanksAndAreDeterministic) {
   const auto pl = ExpertPlacement::from_rank_lists(8, {{0, 1, 2}, {0, 3, 1}, {0, 4, 5}, {0, 6, 7}},
                                                    ExpertPlacement::Rules{.replicas = true});
   ASSERT_EQ(pl.instances(), 8 + 3 + 1);
-  // Rows as the unit (tile height 1): the plan evens out rows themselves.
-  const auto q = plan_quotas(pl, counts.counts, 1);
-  EXPECT_EQ(q, plan_quotas(pl, counts.counts, 1));  // the same on every rank
+  // Rows are the unit, independent of the compute tile.
+  const auto q = plan_quotas(pl, counts.counts);
+  EXPECT_EQ(q, plan_quotas(pl, counts.counts));  // the same on every rank
   const std::int64_t N = pl.instances();
   std::vector<std::int64_t> load(4, 0), plain(4, 0);
   for (std::int64_t s = 0; s < 4; ++s)
@@ -349,22 +349,37 @@ TEST(ReplicaPrograms, QuotasCoverEveryRowEvenOutRanksAndAreDeterministic) {
   };
   EXPECT_GT(ratio(plain), 2.0);  // the hot expert's rank carries most rows
   EXPECT_LT(ratio(load), 1.05) << "rank max/mean after the quota plan";
-  // With 64-row tiles the plan balances padded rows: never worse than placing
-  // every replica's rows on the owner.
-  const auto tiled = plan_quotas(pl, counts.counts, 64);
-  std::vector<std::int64_t> padded(4, 0);
-  for (std::int64_t i = 0; i < N; ++i) {
-    std::int64_t rows = 0;
-    for (std::int64_t s = 0; s < 4; ++s) rows += tiled[static_cast<std::size_t>(s * N + i)];
-    padded[static_cast<std::size_t>(pl.instance_rank(i))] += (rows + 63) / 64 * 64;
-  }
-  EXPECT_LT(ratio(padded), 1.15) << "padded rank max/mean";
   // A source's rows go to its own rank's home first.
   for (std::int64_t s = 0; s < 4; ++s) EXPECT_GT(q[static_cast<std::size_t>(s * N + pl.instance_on(0, s))], 0);
   for (auto pass : {Pass::forward, Pass::backward})
     for (auto policy : {Policy::fill, Policy::critical_path, Policy::interleave_wgrad, Policy::ratr})
       for (const char* machine : {"cpu:2", "accel:2:3"})
         compile_checked(c, pl, counts, parse_machine(machine), pass, policy);
+}
+
+// Row-granular quotas: a home's share ends mid-tile where that evens the
+// ranks out, to the row. Rank 0 holds expert 0 (300 rows) and expert 1
+// (a replica with rank 1); rank 1 holds expert 2 (100 rows) and expert 1's
+// other home. Expert 1's 301 rows bring the two ranks to 701 rows: level
+// 350 and one row over, which goes to the earliest home (rank 0): rank 0
+// takes 51 rows, rank 1 takes 250.
+TEST(ReplicaPrograms, QuotasSplitRowsMidTileToTheRow) {
+  const auto pl = ExpertPlacement::from_rank_lists(3, {{0, 1}, {2, 1}}, ExpertPlacement::Rules{.replicas = true});
+  // counts[s E + e]: source 0 sends 300 rows to expert 0 and 301 to expert 1; source 1 sends 100 to expert 2.
+  const std::vector<std::int64_t> counts = {300, 301, 0, 0, 0, 100};
+  const auto q = plan_quotas(pl, counts);
+  const std::int64_t N = pl.instances();
+  const auto rows_of = [&](std::int64_t i) { return q[static_cast<std::size_t>(i)] + q[static_cast<std::size_t>(N + i)]; };
+  const std::int64_t on0 = rows_of(pl.instance_on(1, 0)), on1 = rows_of(pl.instance_on(1, 1));
+  EXPECT_EQ(on0 + on1, 301);
+  // Loads 300 + on0 and 100 + on1 differ by at most one row: 701 rows over two ranks.
+  EXPECT_EQ(300 + on0, 351);
+  EXPECT_EQ(100 + on1, 350);
+  EXPECT_NE(on1 % 64, 0);  // not a whole number of any usual tile
+  // A rank already above the level takes nothing.
+  const std::vector<std::int64_t> light = {300, 20, 0, 0, 0, 100};
+  const auto q2 = plan_quotas(pl, light);
+  EXPECT_EQ(q2[static_cast<std::size_t>(pl.instance_on(1, 0))] + q2[static_cast<std::size_t>(N + pl.instance_on(1, 0))], 0);
 }
 
 // A placement feature goes through the proof: a dispatch put sent to another
