@@ -4,6 +4,8 @@
 #include <iomanip>
 #include <nlohmann/json.hpp>
 #include <numeric>
+#include <optional>
+#include <queue>
 #include <sstream>
 
 #include "hpmoe/error.hpp"
@@ -43,6 +45,8 @@ ExpertCostModel ExpertCostModel::from(const sim::MachineModel& m, const LayerCon
                                                 : m.put_copy_bytes_per_s * units;
   const double row_bytes = double(H) * (c.dtype == DType::bf16 ? 2.0 : 4.0) * (training ? 4.0 : 2.0);
   cost.part_row_s = link > 0 ? row_bytes / link : 0.0;
+  // A new home of an expert (online placement) receives its weights once.
+  cost.move_s = link > 0 ? 3.0 * double(H) * double(I) * (c.dtype == DType::bf16 ? 2.0 : 4.0) / link : 0.0;
   return cost;
 }
 
@@ -88,7 +92,26 @@ namespace {
 
 struct History {
   std::vector<std::vector<std::int64_t>> counts;  // per step, P x E kept counts
+  // Rows per expert, summed over the steps and source ranks.
+  std::vector<double> expert_rows(const LayerConfig& c) const {
+    std::vector<double> rows(static_cast<std::size_t>(c.routed_experts), 0.0);
+    for (const auto& step : counts)
+      for (std::int64_t s = 0; s < c.ranks; ++s)
+        for (std::int64_t e = 0; e < c.routed_experts; ++e)
+          rows[static_cast<std::size_t>(e)] += double(step[static_cast<std::size_t>(s * c.routed_experts + e)]);
+    return rows;
+  }
 };
+
+// The `n` experts with the most rows per home (ties: the lower id).
+std::vector<std::int64_t> heaviest_per_home(const ExpertPlacement& p, const std::vector<double>& rows, std::int64_t n) {
+  std::vector<std::int64_t> order(rows.size());
+  std::iota(order.begin(), order.end(), 0);
+  const auto per_home = [&](std::int64_t e) { return rows[static_cast<std::size_t>(e)] / double(p.home_count(e)); };
+  std::stable_sort(order.begin(), order.end(), [&](auto a, auto b) { return per_home(a) > per_home(b); });
+  order.resize(static_cast<std::size_t>(std::min<std::int64_t>(n, static_cast<std::int64_t>(order.size()))));
+  return order;
+}
 
 double mean_of(const std::vector<double>& v) { return v.empty() ? 0.0 : std::accumulate(v.begin(), v.end(), 0.0) / double(v.size()); }
 
@@ -187,16 +210,11 @@ Greedy greedy(const LayerConfig& c, const ExpertPlacement& start, const History&
   auto lists = lists_of(start);
   ExpertPlacement current = ExpertPlacement::from_rank_lists(c.routed_experts, lists, rules, "plan");
   Score best = evaluate(current, h, cost);
-  // Mean rows per expert over the history: candidates are the heaviest.
-  std::vector<double> load(static_cast<std::size_t>(c.routed_experts), 0.0);
-  for (const auto& counts : h.counts)
-    for (std::int64_t s = 0; s < c.ranks; ++s)
-      for (std::int64_t e = 0; e < c.routed_experts; ++e) load[static_cast<std::size_t>(e)] += double(counts[static_cast<std::size_t>(s * c.routed_experts + e)]);
-  std::vector<std::int64_t> heavy(static_cast<std::size_t>(c.routed_experts));
-  std::iota(heavy.begin(), heavy.end(), 0);
-  std::stable_sort(heavy.begin(), heavy.end(), [&](auto a, auto b) { return load[static_cast<std::size_t>(a)] > load[static_cast<std::size_t>(b)]; });
-  heavy.resize(static_cast<std::size_t>(std::min<std::int64_t>(c.routed_experts, 16)));
+  const std::vector<double> load = h.expert_rows(c);
   for (;;) {
+    // Candidates: the 16 experts with the most rows per home now (a hot
+    // expert with many replicas already may no longer be the one to help).
+    const std::vector<std::int64_t> heavy = heaviest_per_home(current, load, 16);
     // Ranks with a free slot, least loaded first (first step's prediction).
     const auto t = rank_seconds(current, h.counts.front(), cost);
     std::vector<std::int64_t> free;
@@ -244,7 +262,224 @@ Greedy greedy(const LayerConfig& c, const ExpertPlacement& start, const History&
   return out;
 }
 
+// One change at a time, the best that lowers the objective: a replica of
+// one of the experts with the most rows per home added on one of the 4
+// least loaded ranks with a free slot; a replica (never an owner: its
+// gradient and optimizer state stay put) of one of the 8 experts with the
+// fewest rows per home dropped; or such a replica handed over, on the same
+// rank, to one of the 8 with the most. A new home costs its weights' bytes
+// over the link once, spread over `horizon` steps. With `keep_owners` no
+// home is added below an expert's owner (the lowest home owns it), so the
+// owners stay where they are.
+Revision local_search(const LayerConfig& c, const ExpertPlacement& from, const History& h, const ExpertCostModel& cost,
+                      std::int64_t budget, std::int64_t max_changes, double horizon, bool keep_owners) {
+  Revision out{from};
+  auto rules = ExpertPlacement::Rules{.allow_empty_ranks = from.allows_empty_ranks(), .replicas = true,
+                                      .slots_per_rank = budget, .splits = from.splits()};
+  auto lists = lists_of(from);
+  const double weight_bytes = 3.0 * double(c.hidden) * double(c.expert_inter) * (c.dtype == DType::bf16 ? 2.0 : 4.0);
+  // An owner that moves takes its fp32 master weights and Adam's two
+  // moments along (12 bytes a parameter) besides the weights themselves.
+  const double owner_bytes = weight_bytes + 3.0 * double(c.hidden) * double(c.expert_inter) * 12.0;
+  const double new_home_s = horizon > 0 ? cost.move_s / horizon : 0.0;
+  const double new_owner_s = horizon > 0 ? cost.move_s * owner_bytes / weight_bytes / horizon : 0.0;
+  Score best = evaluate(from, h, cost);
+  const std::vector<double> load = h.expert_rows(c);
+  for (std::int64_t change = 0; change < max_changes; ++change) {
+    const ExpertPlacement& current = out.placement;
+    const auto t = rank_seconds(current, h.counts.back(), cost);
+    const std::vector<std::int64_t> heavy = heaviest_per_home(current, load, 8);
+    std::vector<std::int64_t> light;
+    for (const auto e : heaviest_per_home(current, load, c.routed_experts))
+      if (current.home_count(e) > 1 && !current.is_split(e)) light.push_back(e);
+    std::reverse(light.begin(), light.end());
+    light.resize(std::min<std::size_t>(light.size(), 8));
+    Score candidate = best;
+    std::vector<std::vector<std::int64_t>> pick;
+    int pick_kind = -1;  // 0 add, 1 drop, 2 move (to another expert), 3 relocate (an owner moves)
+    const auto consider = [&](std::vector<std::vector<std::int64_t>> trial, int kind) {
+      Score here = evaluate(ExpertPlacement::from_rank_lists(c.routed_experts, trial, rules, "plan"), h, cost);
+      if (kind == 0 || kind == 2) here.slowest += new_home_s;  // the new home's weights, once
+      if (kind == 3) here.slowest += new_owner_s;                 // and an owner's optimizer state
+      if (here.better_than(candidate)) candidate = here, pick = std::move(trial), pick_kind = kind;
+    };
+    std::vector<std::int64_t> open;  // ranks with a free slot, least loaded first
+    for (std::int64_t r = 0; r < c.ranks; ++r)
+      if (static_cast<std::int64_t>(lists[static_cast<std::size_t>(r)].size()) < budget) open.push_back(r);
+    std::stable_sort(open.begin(), open.end(), [&](auto a, auto b) { return t[static_cast<std::size_t>(a)] < t[static_cast<std::size_t>(b)]; });
+    for (const auto e : heavy) {
+      if (current.is_split(e)) continue;
+      int tried = 0;
+      for (const auto r : open) {
+        if (current.instance_on(e, r) >= 0 || (keep_owners && r < current.owner(e))) continue;
+        auto trial = lists;
+        trial[static_cast<std::size_t>(r)].push_back(e);
+        consider(std::move(trial), 0);
+        if (++tried == 4) break;
+      }
+    }
+    for (const auto d : light) {
+      // d's replicas (not its owner), least loaded rank first: where a hot expert's new home helps most.
+      std::vector<std::int64_t> homes;
+      for (std::int64_t j = 1; j < current.home_count(d); ++j) homes.push_back(current.instance_rank(current.first_instance(d) + j));
+      std::stable_sort(homes.begin(), homes.end(), [&](auto a, auto b) { return t[static_cast<std::size_t>(a)] < t[static_cast<std::size_t>(b)]; });
+      homes.resize(std::min<std::size_t>(homes.size(), 2));
+      for (const auto r : homes) {
+        auto dropped = lists;
+        std::erase(dropped[static_cast<std::size_t>(r)], d);
+        for (const auto e : heavy) {
+          if (e == d || current.is_split(e) || current.instance_on(e, r) >= 0 || (keep_owners && r < current.owner(e))) continue;
+          auto trial = dropped;
+          trial[static_cast<std::size_t>(r)].push_back(e);
+          consider(std::move(trial), 2);
+        }
+        if (!dropped[static_cast<std::size_t>(r)].empty() || rules.allow_empty_ranks) consider(std::move(dropped), 1);
+      }
+    }
+    // Or an expert relocated from one of the 2 most loaded ranks to one of
+    // the 4 least loaded with a free slot: no replica to pay for, in a
+    // static plan (online, an owner's move carries its optimizer state).
+    std::vector<std::int64_t> by_load(static_cast<std::size_t>(c.ranks));
+    std::iota(by_load.begin(), by_load.end(), 0);
+    std::stable_sort(by_load.begin(), by_load.end(), [&](auto a, auto b) { return t[static_cast<std::size_t>(a)] > t[static_cast<std::size_t>(b)]; });
+    for (std::size_t x = 0; x < std::min<std::size_t>(2, by_load.size()); ++x) {
+      const std::int64_t a = by_load[x];
+      if (lists[static_cast<std::size_t>(a)].size() < 2 && !rules.allow_empty_ranks) continue;
+      for (const auto e : lists[static_cast<std::size_t>(a)]) {
+        if (current.is_split(e)) continue;
+        int tried = 0;
+        for (const auto b : open) {
+          if (current.instance_on(e, b) >= 0) continue;
+          auto trial = lists;
+          std::erase(trial[static_cast<std::size_t>(a)], e);
+          trial[static_cast<std::size_t>(b)].push_back(e);
+          consider(std::move(trial), current.owner(e) == a || (keep_owners && b < current.owner(e)) ? 3 : 2);
+          if (++tried == 4) break;
+        }
+      }
+    }
+    if (pick_kind < 0) break;
+    lists = std::move(pick);
+    out.placement = ExpertPlacement::from_rank_lists(c.routed_experts, lists, rules, "plan");
+    best = candidate;
+    (pick_kind == 0 ? out.added : pick_kind == 1 ? out.dropped : pick_kind == 2 ? out.moved : out.relocated) += 1;
+    if (pick_kind == 0 || pick_kind == 2) out.bytes_moved += weight_bytes;
+    if (pick_kind == 3) out.bytes_moved += owner_bytes;
+    // The next change is judged on the placement alone; its own new home pays again.
+    best = evaluate(out.placement, h, cost);
+  }
+  return out;
+}
+
+// EPLB's construction from `start`: `extra` new homes handed out one at a
+// time to the expert with the most rows per home (split experts keep
+// theirs), then placed heaviest home first on the rank with a free slot
+// and the fewest expected rows (each home carrying its expert's rows over
+// its homes; the per-step quota plan then evens out the real ones).
+ExpertPlacement eplb_seed(const LayerConfig& c, const ExpertPlacement& start, const std::vector<double>& rows,
+                          std::int64_t budget, std::int64_t extra) {
+  const std::int64_t P = c.ranks, E = c.routed_experts;
+  auto lists = lists_of(start);
+  std::vector<std::int64_t> homes(static_cast<std::size_t>(E)), add(static_cast<std::size_t>(E), 0);
+  for (std::int64_t e = 0; e < E; ++e) homes[static_cast<std::size_t>(e)] = start.home_count(e);
+  const auto per_home = [&](std::int64_t e) { return rows[static_cast<std::size_t>(e)] / double(homes[static_cast<std::size_t>(e)]); };
+  const auto before = [&](std::int64_t a, std::int64_t b) { return per_home(a) != per_home(b) ? per_home(a) < per_home(b) : a > b; };
+  std::priority_queue<std::int64_t, std::vector<std::int64_t>, decltype(before)> queue(before);
+  for (std::int64_t e = 0; e < E; ++e)
+    if (!start.is_split(e)) queue.push(e);
+  for (std::int64_t k = 0; k < extra && !queue.empty(); ++k) {
+    const std::int64_t e = queue.top();
+    queue.pop();
+    if (homes[static_cast<std::size_t>(e)] >= P) continue;
+    ++homes[static_cast<std::size_t>(e)], ++add[static_cast<std::size_t>(e)];
+    queue.push(e);
+  }
+  std::vector<double> expected(static_cast<std::size_t>(P), 0.0);
+  for (std::int64_t r = 0; r < P; ++r)
+    for (const auto e : lists[static_cast<std::size_t>(r)]) expected[static_cast<std::size_t>(r)] += per_home(e);
+  std::vector<std::int64_t> items;
+  for (std::int64_t e = 0; e < E; ++e) items.insert(items.end(), static_cast<std::size_t>(add[static_cast<std::size_t>(e)]), e);
+  std::stable_sort(items.begin(), items.end(), [&](auto a, auto b) { return per_home(a) > per_home(b); });
+  for (const auto e : items) {
+    std::int64_t best = -1;
+    for (std::int64_t r = 0; r < P; ++r) {
+      const auto& list = lists[static_cast<std::size_t>(r)];
+      if (static_cast<std::int64_t>(list.size()) >= budget || std::find(list.begin(), list.end(), e) != list.end()) continue;
+      if (best < 0 || expected[static_cast<std::size_t>(r)] < expected[static_cast<std::size_t>(best)]) best = r;
+    }
+    if (best < 0) continue;
+    lists[static_cast<std::size_t>(best)].push_back(e);
+    expected[static_cast<std::size_t>(best)] += per_home(e);
+  }
+  return ExpertPlacement::from_rank_lists(E, lists,
+                                          ExpertPlacement::Rules{.allow_empty_ranks = start.allows_empty_ranks(), .replicas = true,
+                                                                 .slots_per_rank = budget, .splits = start.splits()},
+                                          "plan");
+}
+
+// Replicas only: the greedy from the start, and the greedy from EPLB's
+// construction with a quarter, half, three quarters or all of the free
+// slots filled (the best of those on the cost model); the better on the
+// cost model is kept. At large EP the greedy alone adds one replica per
+// move from a short candidate list and stops far from balance (33-41% of
+// the force-balanced ideal at EP 256); the construction fills many slots at
+// once, and the greedy's moves then refine it.
+Greedy replica_plan(const LayerConfig& c, const ExpertPlacement& start, const History& h, const ExpertCostModel& cost,
+                    std::int64_t budget) {
+  Greedy from_start = greedy(c, start, h, cost, budget, true, false);
+  std::int64_t free = 0;
+  for (std::int64_t r = 0; r < c.ranks; ++r) free += budget - static_cast<std::int64_t>(start.experts_of(r).size());
+  if (free <= 0) return from_start;
+  const std::vector<double> rows = h.expert_rows(c);
+  std::optional<ExpertPlacement> seed;
+  Score seed_score;
+  for (const std::int64_t quarter : {1, 2, 3, 4}) {
+    auto trial = eplb_seed(c, start, rows, budget, (free * quarter + 3) / 4);
+    const Score here = evaluate(trial, h, cost);
+    if (!seed || here.better_than(seed_score)) seed = std::move(trial), seed_score = here;
+  }
+  Greedy from_seed = greedy(c, *seed, h, cost, budget, true, false);
+  // Then up to 64 adds, drops or moves (a static plan: no weights move while it runs).
+  for (Greedy* g : {&from_start, &from_seed}) g->placement = local_search(c, g->placement, h, cost, budget, 64, 0, false).placement;
+  Greedy& kept = evaluate(from_seed.placement, h, cost).better_than(evaluate(from_start.placement, h, cost)) ? from_seed : from_start;
+  kept.replicas = kept.placement.instances() - start.instances();
+  return kept;
+}
+
 }  // namespace
+
+namespace {
+History history_of(const LayerConfig& c, std::span<const std::vector<std::int64_t>> steps, const char* what) {
+  if (steps.empty()) throw Error(std::string(what) + ": no steps of counts");
+  History h;
+  for (const auto& counts : steps) {
+    if (static_cast<std::int64_t>(counts.size()) != c.ranks * c.routed_experts)
+      throw Error(std::string(what) + ": a step has " + std::to_string(counts.size()) + " counts, expected ranks x experts = " +
+                  std::to_string(c.ranks * c.routed_experts));
+    h.counts.push_back(counts);
+  }
+  return h;
+}
+}  // namespace
+
+ExpertPlacement plan_replicas(const LayerConfig& c, const ExpertPlacement& start,
+                              std::span<const std::vector<std::int64_t>> history, const ExpertCostModel& cost,
+                              std::int64_t slots_per_rank) {
+  if (slots_per_rank < start.max_local_count())
+    throw Error("plan_replicas: a budget of " + std::to_string(slots_per_rank) + " slots is below the " +
+                std::to_string(start.max_local_count()) + " experts the start already puts on one rank");
+  return replica_plan(c, start, history_of(c, history, "plan_replicas"), cost, slots_per_rank).placement;
+}
+
+Revision revise_placement(const LayerConfig& c, const ExpertPlacement& current,
+                          std::span<const std::vector<std::int64_t>> window, const ExpertCostModel& cost,
+                          std::int64_t slots_per_rank, std::int64_t max_changes, double horizon) {
+  if (slots_per_rank < current.max_local_count())
+    throw Error("revise_placement: a budget of " + std::to_string(slots_per_rank) + " slots is below the " +
+                std::to_string(current.max_local_count()) + " experts the placement already puts on one rank");
+  if (max_changes < 0 || !(horizon >= 0)) throw Error("revise_placement: max_changes and horizon must not be negative");
+  return local_search(c, current, history_of(c, window, "revise_placement"), cost, slots_per_rank, max_changes, horizon, true);
+}
 
 PlanReport plan_placement(const PlanRequest& req) {
   const LayerConfig& c = req.config;
@@ -276,14 +511,15 @@ PlanReport plan_placement(const PlanRequest& req) {
   const Score start = evaluate(rep.before, h, cost);
   rep.cost_before = start.slowest;
   rep.imbalance_before = start.imbalance;
-  Greedy chosen = greedy(c, rep.before, h, cost, budget, req.replicas, req.splits);
+  Greedy chosen = req.replicas && !req.splits ? replica_plan(c, rep.before, h, cost, budget)
+                                              : greedy(c, rep.before, h, cost, budget, req.replicas, req.splits);
   if (req.replicas && req.splits) {
     // The cost model prices a split's rows on its own rank only; every
     // source sends them, and the simulator sees the links they share. So
     // with both kinds of move allowed, the simulator (on the history's last
     // step, which the plan has seen) decides between the hybrid plan and
     // the replicas-only one.
-    const Greedy only = greedy(c, rep.before, h, cost, budget, true, false);
+    const Greedy only = replica_plan(c, rep.before, h, cost, budget);
     rep.sim_hybrid = simulate_step(machine, req, chosen.placement, true, req.steps - 1);
     rep.sim_replicas_only = simulate_step(machine, req, only.placement, true, req.steps - 1);
     if (rep.sim_replicas_only <= rep.sim_hybrid) chosen = only;

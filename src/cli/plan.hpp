@@ -3,6 +3,7 @@
 // cost model taken from a machine model, and its predicted effect.
 #include <cstdint>
 #include <nlohmann/json_fwd.hpp>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -35,6 +36,7 @@ struct ExpertCostModel {
   std::vector<double> first_tile_rows_s, tile_rows_s;
   double replica_s = 0;                 // per replica per step (training), 0 for inference
   double part_row_s = 0;                // per row of each split part beyond the first: its extra link traffic
+  double move_s = 0;                    // once, to give a rank a new home of an expert: its weights over the link
   static ExpertCostModel from(const sim::MachineModel&, const LayerConfig&, bool training);
   double instance_seconds(std::int64_t rows) const;
 };
@@ -42,6 +44,14 @@ struct ExpertCostModel {
 // Each rank's predicted time in one step under a placement (the step's quota
 // plan decides where replicated experts' rows run).
 std::vector<double> rank_seconds(const ExpertPlacement&, std::span<const std::int64_t> counts, const ExpertCostModel&);
+
+// A revision of a placement: what it changed and the weight bytes the new
+// homes take over the link.
+struct Revision {
+  ExpertPlacement placement;
+  std::int64_t added = 0, dropped = 0, moved = 0, relocated = 0;  // relocated: an owner moved, optimizer state and all
+  double bytes_moved = 0;
+};
 
 struct PlanRequest {
   LayerConfig config;
@@ -73,6 +83,28 @@ struct PlanReport {
   // replicas-only plan, of which the faster was kept.
   double sim_hybrid = 0, sim_replicas_only = 0;
 };
+
+// Replicas for a layer from a history of steps' counts (each P x E): the
+// better on the cost model of the greedy from `start` and the greedy from
+// EPLB's construction, each refined by up to 64 adds, drops or moves of
+// replicas (plan_placement's search with replicas only).
+ExpertPlacement plan_replicas(const LayerConfig&, const ExpertPlacement& start,
+                              std::span<const std::vector<std::int64_t>> history, const ExpertCostModel&,
+                              std::int64_t slots_per_rank);
+
+// Online placement: one revision between steps, from a sliding window of
+// recent steps' counts. At most `max_changes` changes, each the best that
+// lowers the window's mean slowest-rank time: a replica added in a free
+// slot, dropped, or handed over to another expert on the same rank, or an
+// expert relocated from a loaded rank to a free slot. A new home costs its
+// weights' bytes over the link once, and a moved owner its fp32 master and
+// Adam moments too, spread over `horizon` steps (how long the revision is
+// expected to hold). A pure function of its
+// arguments: every rank computes the same revision from the same counts,
+// with no round of agreement.
+Revision revise_placement(const LayerConfig&, const ExpertPlacement& current,
+                          std::span<const std::vector<std::int64_t>> window, const ExpertCostModel&,
+                          std::int64_t slots_per_rank, std::int64_t max_changes, double horizon);
 
 // Greedy (EPLB-like, on the cost model): while a rank has a free slot and a
 // replica of some expert on some rank lowers the mean slowest-rank time over

@@ -5,6 +5,7 @@
 #include "source_dir.hpp"
 #include "cli/plan.hpp"
 #include "hpmoe/error.hpp"
+#include "hpmoe/routing.hpp"
 
 using namespace hpmoe;
 
@@ -77,4 +78,89 @@ TEST(Plan, SplitsTheHotExpertIntoColumnParts) {
   // The split's cost: a part's share of the columns, plus its rows' link time.
   const auto cost = ExpertCostModel::from(sim::load_machine(req.machine), req.config, true);
   EXPECT_GT(cost.part_row_s, 0.0);
+}
+
+namespace {
+// A step's counts (P x E) of a routing.
+std::vector<std::int64_t> counts_of(const LayerConfig& c, const std::string& routing, std::uint64_t seed, std::uint64_t step = 0) {
+  RoutingSpec spec = parse_routing_spec(routing, seed);
+  spec.step = step;
+  const auto ids = forced_selection(c, spec);
+  std::vector<std::int64_t> counts(static_cast<std::size_t>(c.ranks * c.routed_experts), 0);
+  for (std::int64_t t = 0; t < c.total_tokens(); ++t)
+    for (std::int64_t j = 0; j < c.top_k; ++j) ++counts[static_cast<std::size_t>((t / c.tokens_per_rank) * c.routed_experts + ids[static_cast<std::size_t>(t * c.top_k + j)])];
+  return counts;
+}
+// A tiny layer with `experts` experts top-4 on `ranks` ranks, and the H800 model's expert costs.
+LayerConfig tiny_layer(std::int64_t ranks, std::int64_t experts, std::int64_t tokens_per_rank) {
+  LayerConfig c = preset("tiny");
+  c.ranks = ranks;
+  c.routed_experts = experts;
+  c.top_k = 4;
+  c.tokens_per_rank = tokens_per_rank;
+  return c;
+}
+ExpertCostModel h800_cost(const LayerConfig& c, bool training) {
+  return ExpertCostModel::from(sim::load_machine(std::string(HPMOE_SOURCE_DIR) + "/machines/h800.json"), c, training);
+}
+double rank_max_over_mean_rows(const ExpertPlacement& p, const std::vector<std::int64_t>& counts) {
+  const auto rows = instance_rows(p, counts);
+  std::vector<double> rank(static_cast<std::size_t>(p.ranks()), 0.0);
+  double total = 0;
+  for (std::int64_t i = 0; i < p.instances(); ++i) rank[static_cast<std::size_t>(p.instance_rank(i))] += double(rows[static_cast<std::size_t>(i)]), total += double(rows[static_cast<std::size_t>(i)]);
+  return *std::max_element(rank.begin(), rank.end()) * double(p.ranks()) / total;
+}
+}  // namespace
+
+// Many experts on many ranks under Zipf (the EP 256 shape, small): the
+// search fills many slots at once (EPLB's construction) and refines them,
+// where one replica per move from a short candidate list stopped far from
+// balance. One spare slot per rank evens the rows out to within 10%.
+TEST(Plan, BalancesZipfAtLargeEpWithOneSpareSlot) {
+  const LayerConfig c = tiny_layer(32, 64, 512);
+  const auto cost = h800_cost(c, false);
+  std::vector<std::vector<std::int64_t>> history;
+  for (std::uint64_t k = 0; k < 4; ++k) history.push_back(counts_of(c, "zipf:1.2", 5, k));
+  const auto start = ExpertPlacement::contiguous(c.routed_experts, c.ranks);
+  const auto plan = plan_replicas(c, start, history, cost, start.max_local_count() + 1);
+  EXPECT_LE(plan.max_local_count(), start.max_local_count() + 1);
+  const auto held_out = counts_of(c, "zipf:1.2", 5, 9);
+  EXPECT_GT(rank_max_over_mean_rows(start, held_out), 2.0);
+  EXPECT_LT(rank_max_over_mean_rows(plan, held_out), 1.10);
+  EXPECT_EQ(plan, plan_replicas(c, start, history, cost, start.max_local_count() + 1));  // a pure function
+  EXPECT_THROW(plan_replicas(c, start, history, cost, start.max_local_count() - 1), Error);  // below what the start holds
+}
+
+// Online placement: after the routing drifts (another popularity), a
+// revision from a window of the new steps gives the new hot experts homes,
+// within the budget and the change limit, with their weights' bytes
+// counted, and without moving an owner unless it says so; every rank gets
+// the same revision from the same counts.
+TEST(Plan, RevisesThePlacementAfterTheRoutingDrifts) {
+  const LayerConfig c = tiny_layer(8, 32, 1024);
+  const auto cost = h800_cost(c, true);
+  const auto start = ExpertPlacement::contiguous(c.routed_experts, c.ranks);
+  const std::int64_t budget = start.max_local_count() + 1;
+  std::vector<std::vector<std::int64_t>> before, after;
+  for (std::uint64_t k = 0; k < 4; ++k) before.push_back(counts_of(c, "zipf:1.3", 1, k));
+  for (std::uint64_t k = 0; k < 4; ++k) after.push_back(counts_of(c, "zipf:1.3", 2, k));  // other hot experts
+  const auto fixed = plan_replicas(c, start, before, cost, budget);
+  const Revision r = revise_placement(c, fixed, after, cost, budget, 8, 10);
+  EXPECT_GT(r.added + r.moved + r.relocated, 0);
+  EXPECT_LE(r.added + r.dropped + r.moved + r.relocated, 8);
+  EXPECT_LE(r.placement.max_local_count(), budget);
+  EXPECT_GT(r.bytes_moved, 0.0);
+  if (r.relocated == 0)
+    for (std::int64_t e = 0; e < c.routed_experts; ++e) EXPECT_EQ(r.placement.owner(e), fixed.owner(e)) << "expert " << e;
+  double fixed_rows = 0, revised_rows = 0;
+  for (const auto& counts : after) fixed_rows += rank_max_over_mean_rows(fixed, counts), revised_rows += rank_max_over_mean_rows(r.placement, counts);
+  EXPECT_LT(revised_rows, fixed_rows);
+  EXPECT_EQ(r.placement, revise_placement(c, fixed, after, cost, budget, 8, 10).placement);
+  EXPECT_EQ(revise_placement(c, fixed, after, cost, budget, 0, 10).placement, fixed);  // no change allowed
+  // Bad input: a budget the placement already exceeds, an empty window,
+  // counts of the wrong shape, a negative horizon.
+  EXPECT_THROW(revise_placement(c, fixed, after, cost, budget - 1, 8, 10), Error);
+  EXPECT_THROW(revise_placement(c, fixed, {}, cost, budget, 8, 10), Error);
+  EXPECT_THROW(revise_placement(c, fixed, std::vector<std::vector<std::int64_t>>{{1, 2, 3}}, cost, budget, 8, 10), Error);
+  EXPECT_THROW(revise_placement(c, fixed, after, cost, budget, 8, -1), Error);
 }

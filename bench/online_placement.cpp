@@ -1,0 +1,162 @@
+// Online placement against static placement on drifting sequences
+// (docs/results/placement.md). Two scenarios:
+//   traces  Mixtral-8x7B (bf16) at EP 4, TOKENS per rank, built from the
+//           recorded routing: 10 segments of SEGMENT steps, each a MT-Bench
+//           category and layer (five categories, layers 7, 15 and 23);
+//           within a segment step k replays the trace's k-th window of
+//           tokens (wrapping at its end).
+//   zipf    deepseek-v3 (bf16, no shared expert) at EP 64, TOKENS per rank:
+//           6 segments of SEGMENT steps of Zipf 1.2 routing, each segment a
+//           new popularity (other hot experts), each step new draws.
+// Each step is priced by the planner's cost model (hpmoe plan's: the
+// slowest rank's expert GEMMs and, in training, replicas' weight refresh
+// and gradient reduction) on a machine model. Four policies:
+//   none      the contiguous placement
+//   static    hpmoe plan's replicas from the sequence's first WINDOW steps, kept
+//   online    the static plan, revised every REVISE steps from the last WINDOW
+//             steps (revise_placement: at most CHANGES adds, drops, moves or
+//             relocations); a revision's new homes receive their weights (a
+//             moved owner its optimizer state too) over the link before the
+//             next step, charged to that step in full
+//   per-step  for the step, the plan made from that step alone and free to
+//             move any weights (a bound no causal policy reaches); at EP 64
+//             computed on every REVISE-th step only (the ratios compare all
+//             policies on those steps)
+// Prints each policy's mean step time (the slowest rank's expert time,
+// milliseconds), its ratio to the per-step bound, and the online policy's
+// bytes moved per step.
+//
+//   build/bench/online_placement traces|zipf [MACHINE] [SEGMENT] [WINDOW] [REVISE] [CHANGES] [TOKENS] [training|inference]
+//   (defaults: h800 200 16 10 2 4096 training; run from the repository root: it reads data/routing)
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "cli/plan.hpp"
+#include "compiler/taskflow.hpp"
+#include "hpmoe/config.hpp"
+#include "hpmoe/routing.hpp"
+#include "sim/sim.hpp"
+
+using namespace hpmoe;
+
+namespace {
+
+double slowest(const ExpertPlacement& p, const std::vector<std::int64_t>& counts, const ExpertCostModel& cost) {
+  const auto t = rank_seconds(p, counts, cost);
+  double m = 0;
+  for (const double x : t) m = std::max(m, x);
+  return m;
+}
+
+// The counts of every step of the sequence.
+std::vector<std::vector<std::int64_t>> drifting_sequence(const LayerConfig& c, const std::string& data, std::int64_t segment) {
+  const char* categories[] = {"coding", "roleplay", "writing", "extraction", "humanities"};
+  const char* layers[] = {"7", "15", "23"};
+  std::vector<std::vector<std::int64_t>> steps;
+  const std::int64_t n = c.total_tokens(), k = c.top_k;
+  for (int s = 0; s < 10; ++s) {
+    std::int64_t tokens = 0;
+    const auto trace = load_trace(data + "/" + categories[s % 5] + ".json", layers[s % 3], k, c.routed_experts, &tokens);
+    for (std::int64_t step = 0; step < segment; ++step) {
+      std::vector<std::int32_t> ids(static_cast<std::size_t>(n * k));
+      const std::int64_t first = (step * n) % tokens;
+      for (std::int64_t t = 0; t < n; ++t)
+        for (std::int64_t j = 0; j < k; ++j)
+          ids[static_cast<std::size_t>(t * k + j)] = trace[static_cast<std::size_t>(((first + t) % tokens) * k + j)];
+      steps.push_back(taskflow::routing_counts(c, ids).counts);
+    }
+  }
+  return steps;
+}
+
+std::vector<std::vector<std::int64_t>> zipf_sequence(const LayerConfig& c, std::int64_t segment) {
+  std::vector<std::vector<std::int64_t>> steps;
+  for (std::uint64_t s = 0; s < 6; ++s) {
+    RoutingSpec spec = parse_routing_spec("zipf:1.2", 11 + s * 101);  // a new popularity per segment
+    for (std::int64_t step = 0; step < segment; ++step) {
+      spec.step = static_cast<std::uint64_t>(step);
+      steps.push_back(taskflow::routing_counts(c, forced_selection(c, spec)).counts);
+    }
+  }
+  return steps;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::string scenario = argc > 1 ? argv[1] : "traces";
+  const std::string machine_name = argc > 2 ? argv[2] : "h800";
+  const std::int64_t segment = argc > 3 ? std::atoll(argv[3]) : 200, window = argc > 4 ? std::atoll(argv[4]) : 16;
+  const std::int64_t revise = argc > 5 ? std::atoll(argv[5]) : 10, changes = argc > 6 ? std::atoll(argv[6]) : 2;
+  const std::int64_t tokens_per_rank = argc > 7 ? std::atoll(argv[7]) : 4096;
+  const bool training = argc > 8 ? std::string(argv[8]) != "inference" : true;
+  if ((scenario != "traces" && scenario != "zipf") || segment < 1 || window < 1 || revise < 1 || changes < 0 || tokens_per_rank < 1) {
+    std::fprintf(stderr, "online_placement: the scenario is traces or zipf; SEGMENT, WINDOW, REVISE and TOKENS must be positive, CHANGES not negative\n");
+    return 2;
+  }
+  const bool traces = scenario == "traces";
+  LayerConfig c = preset(traces ? "mixtral-8x7b" : "deepseek-v3");
+  c.ranks = traces ? 4 : 64;
+  c.shared_experts = 0;
+  c.tokens_per_rank = tokens_per_rank;
+  c.dtype = DType::bf16;
+  c.validate();
+  const sim::MachineModel machine = sim::load_machine(machine_name);
+  const ExpertCostModel cost = ExpertCostModel::from(machine, c, training);
+  const auto steps = traces ? drifting_sequence(c, "data/routing/mixtral-8x7b", segment) : zipf_sequence(c, segment);
+  const std::int64_t sample = traces ? 1 : revise;  // steps between per-step bounds
+  const auto S = static_cast<std::int64_t>(steps.size());
+  const ExpertPlacement contiguous = ExpertPlacement::contiguous(c.routed_experts, c.ranks);
+  const std::int64_t budget = contiguous.max_local_count() + 1;
+  const std::span<const std::vector<std::int64_t>> all(steps);
+  const ExpertPlacement fixed = plan_replicas(c, contiguous, all.subspan(0, static_cast<std::size_t>(std::min(window, S))), cost, budget);
+
+  double none = 0, stat = 0, online = 0, bytes = 0, move_s = 0;
+  double none_at = 0, stat_at = 0, online_at = 0, bound_at = 0;  // on the steps with a bound
+  std::int64_t added = 0, dropped = 0, moved = 0, relocated = 0, sampled = 0;
+  const double weight_bytes = 3.0 * double(c.hidden) * double(c.expert_inter) * 2.0;  // bf16
+  ExpertPlacement current = fixed;
+  double pending = 0;  // seconds of weight transfer before the next step
+  for (std::int64_t t = 0; t < S; ++t) {
+    const auto& counts = steps[static_cast<std::size_t>(t)];
+    const double n = slowest(contiguous, counts, cost), f = slowest(fixed, counts, cost);
+    const double o = slowest(current, counts, cost) + pending;
+    none += n, stat += f, online += o;
+    move_s += pending;
+    pending = 0;
+    if (t % sample == 0) {
+      bound_at += slowest(plan_replicas(c, contiguous, all.subspan(static_cast<std::size_t>(t), 1), cost, budget), counts, cost);
+      none_at += n, stat_at += f, online_at += o;
+      ++sampled;
+    }
+    if ((t + 1) % revise == 0) {
+      const std::int64_t from = std::max<std::int64_t>(0, t + 1 - window);
+      const Revision r = revise_placement(c, current, all.subspan(static_cast<std::size_t>(from), static_cast<std::size_t>(t + 1 - from)),
+                                          cost, budget, changes, double(revise));
+      current = r.placement;
+      added += r.added, dropped += r.dropped, moved += r.moved, relocated += r.relocated;
+      bytes += r.bytes_moved;
+      pending = r.bytes_moved / weight_bytes * cost.move_s;
+    }
+  }
+  const auto ms = [&](double total) { return total / double(S) * 1e3; };
+  std::printf("%s bf16, EP %lld, %lld tokens/rank, %s, %lld steps (%s), machine %s\n", c.name.c_str(),
+              static_cast<long long>(c.ranks), static_cast<long long>(tokens_per_rank), training ? "training" : "inference",
+              static_cast<long long>(S), traces ? "10 segments: category and layer switch" : "6 segments of Zipf 1.2: the hot experts change",
+              machine.name.c_str());
+  std::printf("window %lld steps, revision every %lld steps, at most %lld changes each, %lld slots per rank; bound on %lld steps\n",
+              static_cast<long long>(window), static_cast<long long>(revise), static_cast<long long>(changes),
+              static_cast<long long>(budget), static_cast<long long>(sampled));
+  std::printf("| policy | mean step (ms, cost model) | over the per-step bound |\n|---|---|---|\n");
+  std::printf("| none (contiguous) | %.3f | %.3fx |\n", ms(none), none_at / bound_at);
+  std::printf("| static (first %lld steps) | %.3f | %.3fx |\n", static_cast<long long>(window), ms(stat), stat_at / bound_at);
+  std::printf("| online | %.3f | %.3fx |\n", ms(online), online_at / bound_at);
+  std::printf("| per-step bound | %.3f | 1.000x |\n", bound_at / double(sampled) * 1e3);
+  std::printf("online: %lld replicas added, %lld dropped, %lld moved, %lld experts relocated; %.2f MB of weights (and moved owners' optimizer state) per step (%.3f ms of link per step, included)\n",
+              static_cast<long long>(added), static_cast<long long>(dropped), static_cast<long long>(moved),
+              static_cast<long long>(relocated), bytes / double(S) / 1e6,
+              ms(move_s));
+  return 0;
+}
