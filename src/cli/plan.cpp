@@ -478,7 +478,33 @@ Revision revise_placement(const LayerConfig& c, const ExpertPlacement& current,
     throw Error("revise_placement: a budget of " + std::to_string(slots_per_rank) + " slots is below the " +
                 std::to_string(current.max_local_count()) + " experts the placement already puts on one rank");
   if (max_changes < 0 || !(horizon >= 0)) throw Error("revise_placement: max_changes and horizon must not be negative");
-  return local_search(c, current, history_of(c, window, "revise_placement"), cost, slots_per_rank, max_changes, horizon, true);
+  const History h = history_of(c, window, "revise_placement");
+  Revision local = local_search(c, current, h, cost, slots_per_rank, max_changes, horizon, true);
+  if (current.has_splits() || max_changes == 0) return local;
+  // A whole new plan from the owners alone (after a large drift one change
+  // at a time from the old plan stays far off): taken when it is within the
+  // change limit and better, net of everything it moves.
+  std::vector<std::vector<std::int64_t>> owners(static_cast<std::size_t>(c.ranks));
+  for (std::int64_t e = 0; e < c.routed_experts; ++e) owners[static_cast<std::size_t>(current.owner(e))].push_back(e);
+  const auto owner_rules = ExpertPlacement::Rules{.allow_empty_ranks = true, .replicas = true, .slots_per_rank = slots_per_rank};
+  const ExpertPlacement from_owners = ExpertPlacement::from_rank_lists(c.routed_experts, owners, owner_rules, "revise_placement");
+  Revision fresh{replica_plan(c, from_owners, h, cost, slots_per_rank).placement};
+  const double weight_bytes = 3.0 * double(c.hidden) * double(c.expert_inter) * (c.dtype == DType::bf16 ? 2.0 : 4.0);
+  const double owner_bytes = weight_bytes + 3.0 * double(c.hidden) * double(c.expert_inter) * 12.0;
+  for (std::int64_t e = 0; e < c.routed_experts; ++e) {
+    for (std::int64_t r = 0; r < c.ranks; ++r) {
+      const bool was = current.instance_on(e, r) >= 0, is = fresh.placement.instance_on(e, r) >= 0;
+      if (is && !was) ++fresh.added, fresh.bytes_moved += weight_bytes;
+      if (was && !is) ++fresh.dropped;
+    }
+    if (fresh.placement.owner(e) != current.owner(e)) ++fresh.relocated, fresh.bytes_moved += owner_bytes - weight_bytes;
+  }
+  if (fresh.added + fresh.dropped > max_changes) return local;
+  const double per_byte = weight_bytes > 0 && horizon > 0 ? cost.move_s / weight_bytes / horizon : 0.0;
+  Score a = evaluate(local.placement, h, cost), b = evaluate(fresh.placement, h, cost);
+  a.slowest += local.bytes_moved * per_byte;
+  b.slowest += fresh.bytes_moved * per_byte;
+  return b.better_than(a) ? fresh : local;
 }
 
 PlanReport plan_placement(const PlanRequest& req) {
