@@ -1,4 +1,5 @@
 #include <algorithm>
+#include <numeric>
 
 #include "ops/access.hpp"
 #include "hpmoe/error.hpp"
@@ -449,6 +450,28 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
     b.task({.kind = pass == Pass::forward ? TaskKind::combine_relay : TaskKind::grad_combine_relay, .peer = -1,
             .wait_event = need > 0 ? ev.slot_done + j : -1, .wait_count = need, .trigger_event = ev.slot_done + j + 1});
   };
+  // Row tiles in the order their rows arrive, not in row order. An
+  // instance's rows are its sources' blocks in rank order, and source s puts
+  // to its destinations in rotated order, reaching this rank after
+  // (rank - s) mod P of its other puts (this rank's own rows first). In row
+  // order every destination would compute source 0's rows first and return
+  // them first: at large EP every rank's returns converge on one source at
+  // a time, and each first tile waits for the put that arrives last. A tile
+  // is keyed by its latest source; ties keep row order. Tiles are
+  // independent (each writes its own rows; the weight gradients sum in row
+  // order whatever the queue order), so the bits do not change.
+  const auto tile_order = [&](std::int64_t home) {
+    const std::int64_t tiles = ex.tiles_of(home);
+    std::vector<std::int64_t> key(static_cast<std::size_t>(tiles), 0), order(static_cast<std::size_t>(tiles));
+    for (std::int64_t s = 0; s < c.ranks; ++s) {
+      const std::int64_t begin = ex.source_offset(s, home), end = ex.source_offset(s + 1, home);
+      for (std::int64_t t = begin / TR; begin < end && t <= (end - 1) / TR; ++t)
+        key[static_cast<std::size_t>(t)] = std::max(key[static_cast<std::size_t>(t)], (rank - s + c.ranks) % c.ranks);
+    }
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](auto a, auto b) { return key[static_cast<std::size_t>(a)] < key[static_cast<std::size_t>(b)]; });
+    return order;
+  };
   const auto gathers = [&](std::int64_t home, std::int64_t tile) {
     if (by_rank) rank_gathers_of_tile(c, ex, p, pass, rank, home, tile, ev, emit);
   };
@@ -511,7 +534,7 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
       const std::int64_t n_e = ex.expert_rows(home), start = ex.expert_start(home), tb = ex.tile_start(home);
       const std::int64_t Ie = inter_of(le), n_gate_up = ceil_div(2 * Ie, TC);
       relays_into(le);
-      for (std::int64_t i = 0; i * TR < n_e; ++i) {
+      for (const std::int64_t i : tile_order(home)) {
         const std::int64_t rows = std::min(TR, n_e - i * TR), row0 = start + i * TR;
         gathers(home, i);
         if (staged)
@@ -630,7 +653,7 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
     const std::int64_t tb = ex.tile_start(home), tiles = ex.tiles_of(home);
     relays_into(le);
     const std::int64_t Ie = inter_of(le), n_inter = ceil_div(Ie, TC);
-    for (std::int64_t i = 0; i < tiles; ++i) {
+    for (const std::int64_t i : tile_order(home)) {
       const std::int64_t rows = std::min(TR, n_e - i * TR), row0 = start + i * TR;
       gathers(home, i);
       if (staged)
