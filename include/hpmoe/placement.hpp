@@ -155,7 +155,8 @@ ExpertPlacement parse_placement(const std::string& spec, std::int64_t experts, s
 // with the fewest homes, the heaviest first among equals, each water-filled
 // row by row over its homes (a home's share may end mid-tile: the executors
 // run the last tile short, and a short tile costs its rows). A source's rows
-// go first to a home on its own rank, then to the others in home order. A
+// go first to a home on its own rank; the rest spread over the homes in
+// proportion to what each can still take (largest remainders). A
 // pure function of its arguments in integers, independent of the compute
 // tile: every rank computes the same plan with no communication (TopoEP's
 // property).

@@ -131,8 +131,35 @@ std::vector<std::int64_t> plan_quotas(const ExpertPlacement& placement, std::spa
       g[static_cast<std::size_t>(j)] -= n;
     };
     for (std::int64_t j = 0; j < h; ++j) take(placement.instance_rank(first + j), j);
-    for (std::int64_t s = 0; s < P; ++s)
-      for (std::int64_t j = 0; j < h && left[static_cast<std::size_t>(s)] > 0; ++j) take(s, j);
+    // The rest of each source's rows spread over the homes in proportion to
+    // what each can still take (largest remainders, ties to the earlier
+    // home), so that every home's rows come from many sources in small
+    // blocks rather than from one or two sources' large ones, which the
+    // rotated put order may deliver last.
+    std::int64_t remaining = 0;
+    for (std::int64_t j = 0; j < h; ++j) remaining += g[static_cast<std::size_t>(j)];
+    std::vector<std::int64_t> share(static_cast<std::size_t>(h));
+    std::vector<std::pair<std::int64_t, std::int64_t>> rest(static_cast<std::size_t>(h));  // (remainder, home)
+    for (std::int64_t s = 0; s < P && remaining > 0; ++s) {
+      const std::int64_t n = left[static_cast<std::size_t>(s)];
+      if (n == 0) continue;
+      std::int64_t given = 0;
+      for (std::int64_t j = 0; j < h; ++j) {
+        const std::int64_t scaled = n * g[static_cast<std::size_t>(j)];
+        share[static_cast<std::size_t>(j)] = scaled / remaining;
+        rest[static_cast<std::size_t>(j)] = {scaled % remaining, j};
+        given += share[static_cast<std::size_t>(j)];
+      }
+      std::stable_sort(rest.begin(), rest.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+      for (std::int64_t k = 0; given < n; ++k, ++given) ++share[static_cast<std::size_t>(rest[static_cast<std::size_t>(k)].second)];
+      for (std::int64_t j = 0; j < h; ++j) {
+        const std::int64_t q = share[static_cast<std::size_t>(j)];
+        quota[static_cast<std::size_t>(s * N + first + j)] += q;
+        g[static_cast<std::size_t>(j)] -= q;
+      }
+      left[static_cast<std::size_t>(s)] = 0;
+      remaining -= n;
+    }
   }
   return quota;
 }
