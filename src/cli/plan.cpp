@@ -323,7 +323,7 @@ Revision local_search(const LayerConfig& c, const ExpertPlacement& from, const H
       std::vector<std::int64_t> homes;
       for (std::int64_t j = 1; j < current.home_count(d); ++j) homes.push_back(current.instance_rank(current.first_instance(d) + j));
       std::stable_sort(homes.begin(), homes.end(), [&](auto a, auto b) { return t[static_cast<std::size_t>(a)] < t[static_cast<std::size_t>(b)]; });
-      homes.resize(std::min<std::size_t>(homes.size(), 2));
+      if (homes.size() > 2) homes.erase(homes.begin() + 2, homes.end());
       for (const auto r : homes) {
         auto dropped = lists;
         std::erase(dropped[static_cast<std::size_t>(r)], d);
