@@ -116,7 +116,6 @@ int main(int argc, char** argv) {
   double none = 0, stat = 0, online = 0, bytes = 0, move_s = 0;
   double bound_at = 0;  // the bound, on the steps it is computed for
   std::int64_t added = 0, dropped = 0, moved = 0, relocated = 0, sampled = 0;
-  const double weight_bytes = 3.0 * double(c.hidden) * double(c.expert_inter) * 2.0;  // bf16
   ExpertPlacement current = fixed;
   double pending = 0;  // seconds of weight transfer before the next step
   for (std::int64_t t = 0; t < S; ++t) {
@@ -137,7 +136,7 @@ int main(int argc, char** argv) {
       current = r.placement;
       added += r.added, dropped += r.dropped, moved += r.moved, relocated += r.relocated;
       bytes += r.bytes_moved;
-      pending = r.bytes_moved / weight_bytes * cost.move_s;
+      pending = r.bytes_moved / cost.weight_bytes * cost.move_s;
     }
   }
   const auto ms = [&](double total) { return total / double(S) * 1e3; };

@@ -45,8 +45,12 @@ ExpertCostModel ExpertCostModel::from(const sim::MachineModel& m, const LayerCon
                                                 : m.put_copy_bytes_per_s * units;
   const double row_bytes = double(H) * (c.dtype == DType::bf16 ? 2.0 : 4.0) * (training ? 4.0 : 2.0);
   cost.part_row_s = link > 0 ? row_bytes / link : 0.0;
-  // A new home of an expert (online placement) receives its weights once.
-  cost.move_s = link > 0 ? 3.0 * double(H) * double(I) * (c.dtype == DType::bf16 ? 2.0 : 4.0) / link : 0.0;
+  // A new home of an expert (online placement) receives its weights once;
+  // an owner that moves takes its fp32 master weights and Adam's two
+  // moments along (12 bytes a parameter) besides the weights themselves.
+  cost.weight_bytes = 3.0 * double(H) * double(I) * (c.dtype == DType::bf16 ? 2.0 : 4.0);
+  cost.owner_bytes = cost.weight_bytes + 3.0 * double(H) * double(I) * 12.0;
+  cost.move_s = link > 0 ? cost.weight_bytes / link : 0.0;
   return cost;
 }
 
@@ -277,10 +281,7 @@ Revision local_search(const LayerConfig& c, const ExpertPlacement& from, const H
   auto rules = ExpertPlacement::Rules{.allow_empty_ranks = from.allows_empty_ranks(), .replicas = true,
                                       .slots_per_rank = budget, .splits = from.splits()};
   auto lists = lists_of(from);
-  const double weight_bytes = 3.0 * double(c.hidden) * double(c.expert_inter) * (c.dtype == DType::bf16 ? 2.0 : 4.0);
-  // An owner that moves takes its fp32 master weights and Adam's two
-  // moments along (12 bytes a parameter) besides the weights themselves.
-  const double owner_bytes = weight_bytes + 3.0 * double(c.hidden) * double(c.expert_inter) * 12.0;
+  const double weight_bytes = cost.weight_bytes, owner_bytes = cost.owner_bytes;
   const double new_home_s = horizon > 0 ? cost.move_s / horizon : 0.0;
   const double new_owner_s = horizon > 0 ? cost.move_s * owner_bytes / weight_bytes / horizon : 0.0;
   Score best = evaluate(from, h, cost);
@@ -361,7 +362,6 @@ Revision local_search(const LayerConfig& c, const ExpertPlacement& from, const H
     if (pick_kind < 0) break;
     lists = std::move(pick);
     out.placement = ExpertPlacement::from_rank_lists(c.routed_experts, lists, rules, "plan");
-    best = candidate;
     (pick_kind == 0 ? out.added : pick_kind == 1 ? out.dropped : pick_kind == 2 ? out.moved : out.relocated) += 1;
     if (pick_kind == 0 || pick_kind == 2) out.bytes_moved += weight_bytes;
     if (pick_kind == 3) out.bytes_moved += owner_bytes;
@@ -489,8 +489,7 @@ Revision revise_placement(const LayerConfig& c, const ExpertPlacement& current,
   const auto owner_rules = ExpertPlacement::Rules{.allow_empty_ranks = true, .replicas = true, .slots_per_rank = slots_per_rank};
   const ExpertPlacement from_owners = ExpertPlacement::from_rank_lists(c.routed_experts, owners, owner_rules, "revise_placement");
   Revision fresh{replica_plan(c, from_owners, h, cost, slots_per_rank).placement};
-  const double weight_bytes = 3.0 * double(c.hidden) * double(c.expert_inter) * (c.dtype == DType::bf16 ? 2.0 : 4.0);
-  const double owner_bytes = weight_bytes + 3.0 * double(c.hidden) * double(c.expert_inter) * 12.0;
+  const double weight_bytes = cost.weight_bytes, owner_bytes = cost.owner_bytes;
   for (std::int64_t e = 0; e < c.routed_experts; ++e) {
     for (std::int64_t r = 0; r < c.ranks; ++r) {
       const bool was = current.instance_on(e, r) >= 0, is = fresh.placement.instance_on(e, r) >= 0;

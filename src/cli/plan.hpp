@@ -37,6 +37,8 @@ struct ExpertCostModel {
   double replica_s = 0;                 // per replica per step (training), 0 for inference
   double part_row_s = 0;                // per row of each split part beyond the first: its extra link traffic
   double move_s = 0;                    // once, to give a rank a new home of an expert: its weights over the link
+  double weight_bytes = 0;              // an expert's weights in the layer's dtype (what a new home receives)
+  double owner_bytes = 0;               // what a moved owner takes along: its weights, fp32 master and Adam's two moments
   static ExpertCostModel from(const sim::MachineModel&, const LayerConfig&, bool training);
   double instance_seconds(std::int64_t rows) const;
 };
