@@ -168,17 +168,27 @@ enum class MpiPath { automatic, shared, network, hybrid };
 MpiPath parse_mpi_path(const std::string&);
 
 // MPI_Init_thread / MPI_Finalize for the process's lifetime.
+//
+// Start-up (MPI_Init and the transport's first collectives) makes blocking
+// calls that a frozen or missing peer never lets return, before any
+// heartbeat runs. With `startup_limit_s` > 0 a guard ends the process with
+// one error line and exit code 2 unless started() is called within that
+// many seconds.
 class MpiSession {
  public:
-  MpiSession(int* argc, char*** argv);
+  MpiSession(int* argc, char*** argv, double startup_limit_s = 0);
   ~MpiSession();
   MpiSession(const MpiSession&) = delete;
   MpiSession& operator=(const MpiSession&) = delete;
   int rank() const { return rank_; }
   int size() const { return size_; }
   static bool available();  // built with MPI
+  // Start-up is over (the transport is built): the guard stands down.
+  void started();
 
  private:
+  struct StartupGuard;
+  std::unique_ptr<StartupGuard> guard_;
   int rank_ = 0, size_ = 1;
 };
 

@@ -1,4 +1,5 @@
 #include "cli/run.hpp"
+#include "cli/run_agree.hpp"
 #include "common/stats.hpp"
 
 #include <algorithm>
@@ -716,6 +717,7 @@ RunReport run_sharded(const RunRequest& req, const std::function<void(const std:
   Transport& tr = *req.transport;
   int me = 0;
   while (!tr.hosts(me)) ++me;
+  agree_on_request(tr, me, req);
   const ExpertPlacement placement = placement_or_contiguous(req.placement, c.routed_experts, c.ranks);
   const auto held = experts_of(placement, me), owned = owned_by(placement, me);
   const std::vector<int> mine{me};

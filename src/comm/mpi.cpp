@@ -27,6 +27,8 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <utility>
 #include <exception>
@@ -45,10 +47,12 @@ namespace hpmoe {
 
 #ifndef HPMOE_HAVE_MPI
 
-MpiSession::MpiSession(int*, char***) {
+struct MpiSession::StartupGuard {};
+MpiSession::MpiSession(int*, char***, double) {
   throw Error("this hpmoe was built without MPI; install libopenmpi-dev and rebuild, or use --transport inprocess");
 }
 MpiSession::~MpiSession() = default;
+void MpiSession::started() {}
 bool MpiSession::available() { return false; }
 std::shared_ptr<Transport> make_mpi_transport(const MpiSession&, int, const MpiOptions&) {
   throw Error("this hpmoe was built without MPI");
@@ -197,9 +201,9 @@ class Mpi final : public Transport {
     if (!change) return;
     for (int r = 0; r < size_; ++r) seg_bytes_[r] = round64(bytes[r] + bytes[r] / 2);
     if (shared_) {
-      run_once([this] { allocate_shared(data_win_, seg_bytes_, segments_); });
+      run_collective(share_, [this] { allocate_shared(data_win_, seg_bytes_, segments_); });
     } else if (hybrid_) {  // the node's segments mapped, rows from other nodes received into this one
-      run_once([this] {
+      run_collective(share_, [this] {
         std::lock_guard lock(apply_mutex_);
         if (pending_arrivals_.load(std::memory_order_relaxed) > 0)
           throw Error("internal: the segment is being resized while rows from a peer are still arriving");
@@ -226,7 +230,7 @@ class Mpi final : public Transport {
       std::vector<std::int64_t> bytes(event_capacity_.size());
       for (std::size_t r = 0; r < bytes.size(); ++r) bytes[r] = event_capacity_[r] * std::int64_t{sizeof(EventCounter)};
       std::vector<std::byte*> bases(bytes.size(), nullptr);
-      run_once([&] {
+      run_collective(share_, [&] {
         std::lock_guard lock(apply_mutex_);  // hybrid: puts from other nodes count into these
         allocate_shared(event_win_, bytes, bases);
         for (std::size_t r = 0; r < bases.size(); ++r) counters_[r] = reinterpret_cast<EventCounter*>(bases[r]);
@@ -439,8 +443,18 @@ class Mpi final : public Transport {
     job_ = nullptr;
     if (failed_) std::rethrow_exception(failure_);
   }
-  void run_once(const std::function<void()>& fn) {
-    run([&](bool) {
+  // A blocking collective over `comm` (a window's allocation) on the
+  // progress thread, entered only once every member has reached it: a
+  // non-blocking barrier is polled first, with heartbeats applied in
+  // between, so a peer that froze or died before it is named by its
+  // silence instead of holding this thread inside MPI for good.
+  void run_collective(MPI_Comm comm, const std::function<void()>& fn) {
+    MPI_Request arrived = MPI_REQUEST_NULL;
+    run([&](bool first) {
+      if (first) check_mpi(MPI_Ibarrier(comm, &arrived), "Ibarrier (before a collective)");
+      int done = 0;
+      check_mpi(MPI_Test(&arrived, &done, MPI_STATUS_IGNORE), "Test (before a collective)");
+      if (!done) return false;
       fn();
       return true;
     });
@@ -542,7 +556,7 @@ class Mpi final : public Transport {
     if (area > control_area_) {  // collective: every rank asks with the same block
       control_area_ = area;
       std::vector<std::int64_t> bytes(P, static_cast<std::int64_t>(64 + 2 * area));
-      run_once([&] { allocate_shared(control_win_, bytes, control_); });
+      run_collective(share_, [&] { allocate_shared(control_win_, bytes, control_); });
       control_calls_ = 0;
     }
     // Two areas of the window's size, whatever this call's block: a peer one
@@ -902,7 +916,45 @@ class Mpi final : public Transport {
 
 }  // namespace
 
-MpiSession::MpiSession(int* argc, char*** argv) {
+// A thread that waits for started() and, past the limit, says which phase
+// did not finish and ends the process: nothing else can, since the main
+// thread is inside a blocking MPI call that only the missing peer releases.
+struct MpiSession::StartupGuard {
+  std::mutex mutex;
+  std::condition_variable cv;
+  bool done = false;
+  std::atomic<bool> initialised{false};
+  std::thread thread;
+
+  explicit StartupGuard(double limit_s) {
+    thread = std::thread([this, limit_s] {
+      std::unique_lock lock(mutex);
+      if (cv.wait_for(lock, std::chrono::duration<double>(limit_s), [this] { return done; })) return;
+      std::fprintf(stderr,
+                   "error: MPI start-up did not finish within %.0f s (%s): a peer process did not start, or froze while "
+                   "starting; check every host of the job (the limit is 10 x --peer-timeout)\n",
+                   limit_s, initialised.load() ? "building the transport" : "in MPI_Init");
+      std::fflush(stderr);
+      std::_Exit(2);
+    });
+  }
+  void stand_down() {
+    {
+      std::lock_guard lock(mutex);
+      done = true;
+    }
+    cv.notify_all();
+    if (thread.joinable()) thread.join();
+  }
+  ~StartupGuard() { stand_down(); }
+};
+
+void MpiSession::started() {
+  if (guard_) guard_->stand_down();
+}
+
+MpiSession::MpiSession(int* argc, char*** argv, double startup_limit_s) {
+  if (startup_limit_s > 0) guard_ = std::make_unique<StartupGuard>(startup_limit_s);
   int provided = 0;
   check_mpi(MPI_Init_thread(argc, argv, MPI_THREAD_SERIALIZED, &provided), "Init_thread");
   if (provided < MPI_THREAD_SERIALIZED) {
@@ -911,9 +963,13 @@ MpiSession::MpiSession(int* argc, char*** argv) {
   }
   MPI_Comm_rank(MPI_COMM_WORLD, &rank_);
   MPI_Comm_size(MPI_COMM_WORLD, &size_);
+  if (guard_) guard_->initialised = true;
 }
 
-MpiSession::~MpiSession() { MPI_Finalize(); }
+MpiSession::~MpiSession() {
+  guard_.reset();
+  MPI_Finalize();
+}
 
 bool MpiSession::available() { return true; }
 

@@ -44,14 +44,21 @@ extern "C" void remove_temporaries_and_reraise(int signal_number) {
 void install_handlers_once() {
   static std::once_flag once;
   std::call_once(once, [] {
-    for (const int s : {SIGINT, SIGTERM, SIGHUP}) {
+    // Every signal whose default action ends the process and that can be
+    // caught; the host's own handlers (Python's) are left alone.
+    for (const int s : {SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGPIPE, SIGUSR1, SIGUSR2, SIGALRM, SIGXCPU, SIGVTALRM, SIGPROF}) {
       struct sigaction current {};
-      if (::sigaction(s, nullptr, &current) != 0 || current.sa_handler != SIG_DFL) continue;  // a host's own (Python's)
+      if (::sigaction(s, nullptr, &current) != 0 || current.sa_handler != SIG_DFL) continue;
       struct sigaction action {};
       action.sa_handler = remove_temporaries_and_reraise;
       sigemptyset(&action.sa_mask);
       ::sigaction(s, &action, nullptr);
     }
+    // Past the file-size limit, a write fails with EFBIG (and the output
+    // reports it, removing its temporary) instead of the process ending
+    // with SIGXFSZ and no word.
+    struct sigaction current {};
+    if (::sigaction(SIGXFSZ, nullptr, &current) == 0 && current.sa_handler == SIG_DFL) std::signal(SIGXFSZ, SIG_IGN);
   });
 }
 
@@ -80,8 +87,13 @@ AtomicFile::AtomicFile(std::string path, std::string what) : path_(std::move(pat
   struct stat st {};
   if (::stat(path_.c_str(), &st) == 0 && !S_ISREG(st.st_mode)) {
     if (S_ISDIR(st.st_mode)) fail("it is a directory");
-    fd_ = ::open(path_.c_str(), O_WRONLY | O_CLOEXEC);  // a device or pipe: straight through
+    // A device or pipe: straight through. Opened without blocking, so a
+    // FIFO that nobody reads is an error rather than a wait without end.
+    fd_ = ::open(path_.c_str(), O_WRONLY | O_CLOEXEC | O_NONBLOCK);
+    if (fd_ < 0 && errno == ENXIO) fail("it is a FIFO (named pipe) with no reader");
     if (fd_ < 0) fail(std::strerror(errno));
+    if (const int flags = ::fcntl(fd_, F_GETFL); flags < 0 || ::fcntl(fd_, F_SETFL, flags & ~O_NONBLOCK) != 0)
+      fail(std::strerror(errno));
     return;
   }
   temporary_ = path_ + ".partial-" + std::to_string(::getpid());

@@ -12,9 +12,12 @@ namespace hpmoe {
 // an exception), it removes the temporary, so a failure leaves the previous
 // file or none. While a temporary exists it is registered for removal on
 // SIGINT, SIGTERM and SIGHUP (where those still have their default action),
-// so a signal never leaves a truncated file or a stray temporary either.
-// A target that exists and is not a regular file (a device such as
-// /dev/stdout or /dev/full, a pipe) is written straight through and checked.
+// so a signal never leaves a truncated file or a stray temporary either;
+// the same for SIGQUIT, SIGPIPE, SIGUSR1/2, SIGALRM, SIGXCPU, SIGVTALRM and
+// SIGPROF, and SIGXFSZ is ignored so that a write past the file-size limit
+// fails and is reported. A target that exists and is not a regular file (a
+// device such as /dev/stdout or /dev/full, a pipe) is written straight
+// through and checked; a FIFO without a reader is an error, not a wait.
 class AtomicFile {
  public:
   // `what` names the output in errors ("JSON results", "the trace").

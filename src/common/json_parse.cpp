@@ -4,6 +4,7 @@
 #include <fstream>
 #include <istream>
 
+#include "common/input_file.hpp"
 #include "hpmoe/error.hpp"
 
 namespace hpmoe {
@@ -39,10 +40,9 @@ nlohmann::json parse_json(const std::string& text, const std::string& what, bool
 }
 
 nlohmann::json parse_json_file(const std::string& path, const std::string& what, const std::string& open_error) {
-  std::error_code ec;
-  if (std::filesystem::is_directory(path, ec)) throw Error(what + " is a directory, not a file");
-  std::ifstream in(path);
-  if (!in) throw Error(open_error.empty() ? "cannot open " + what : open_error);
+  struct stat st {};
+  if (!open_error.empty() && ::stat(path.c_str(), &st) != 0) throw Error(open_error);
+  std::ifstream in = open_input(path, what);
   return parse_with_limits(in, what, false);
 }
 

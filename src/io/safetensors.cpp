@@ -11,6 +11,7 @@
 #include <utility>
 
 #include "common/atomic_file.hpp"
+#include "common/input_file.hpp"
 #include "hpmoe/bf16.hpp"
 #include "hpmoe/error.hpp"
 #include "common/json_parse.hpp"
@@ -84,8 +85,7 @@ void SafetensorsWriter::write(const std::string& path) const {
 }
 
 SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
-  std::ifstream in(path, std::ios::binary | std::ios::ate);
-  if (!in) throw Error("cannot open '" + path + "'");
+  std::ifstream in = open_input(path, "'" + path + "'", std::ios::in | std::ios::binary | std::ios::ate);
   const auto size = static_cast<std::uint64_t>(in.tellg());
   in.seekg(0);
   std::uint64_t header_size = 0;
@@ -363,7 +363,7 @@ Checkpoint::Checkpoint(const std::string& location) {
     if (!fs::exists(index))
       throw Error("'" + dir_ + "' holds no checkpoint: expected weights.safetensors, model.safetensors or "
                   "model.safetensors.index.json (with the files it names)");
-    std::ifstream in(index);
+    std::ifstream in = open_input(index.string(), "the checkpoint index '" + index.string() + "'");
     const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
     std::map<std::string, std::size_t> opened;
     for (const auto& [tensor, file] : parse_weight_map(text, index.string())) {

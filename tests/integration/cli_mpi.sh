@@ -129,12 +129,31 @@ for f in model.safetensors.index.json weights-rank2-of-3.safetensors inputs-rank
 grep -q "verify   PASS" "$tmp/load.txt"
 check 3 shared -T 40 --set routed_experts=8 --backward --iters 1 --load "$tmp/sharded"
 
-# Ranks started with different layers (here: other seeds, so other router
-# weights) are caught by the fingerprint exchanged with the counts: every
-# rank stops with one line and exit 2, no hang.
-if timeout 60 "$MPIRUN" --oversubscribe -np 1 "$HPMOE" run -P 2 --transport mpi -T 32 --seed 1 : \
-     -np 1 "$HPMOE" run -P 2 --transport mpi -T 32 --seed 2 > "$tmp/fp.txt" 2>&1; then exit 1; fi
-test "$(grep -o "runs a different layer, placement or checkpoint" "$tmp/fp.txt" | wc -l)" -eq 2 || { cat "$tmp/fp.txt"; exit 1; }
+# Ranks started with different options (other seeds, so other router
+# weights; one pass or two; the in-process check on one rank only; another
+# routing; a save on one rank only or to another folder; another step
+# count) are caught before anything runs: every rank stops with one line
+# naming the option and exit 2, no hang.
+disagree() {  # disagree OPTION ARGS-OF-RANK-0 -- ARGS-OF-RANK-1
+  local name=$1; shift
+  local a=() b=()
+  while [ "$1" != "--" ]; do a+=("$1"); shift; done; shift
+  b=("$@")
+  if timeout 60 "$MPIRUN" --oversubscribe -np 1 "$HPMOE" run -P 2 --transport mpi -T 32 "${a[@]}" : \
+       -np 1 "$HPMOE" run -P 2 --transport mpi -T 32 "${b[@]}" > "$tmp/fp.txt" 2>&1; then
+    echo "ranks disagreeing on $name ran"; exit 1
+  fi
+  test "$(grep -c "^error: rank [01]: rank 1 was started with another $name than rank 0" "$tmp/fp.txt")" -eq 2 ||
+    { cat "$tmp/fp.txt"; echo "disagreeing on $name: not two error lines naming it"; exit 1; }
+}
+disagree --seed --seed 1 -- --seed 2
+disagree --backward --backward --
+disagree --check-inprocess -- --check-inprocess
+disagree --routing --routing zipf:1.2 -- --routing uniform
+disagree --save --save "$tmp/s0" --
+disagree --save --save "$tmp/s0" -- --save "$tmp/s1"
+disagree --iters --iters 2 -- --iters 3
+test ! -e "$tmp/s0" && test ! -e "$tmp/s1"  # nothing saved by ranks that disagreed
 
 # One rank per process: the process count must match P.
 if "$MPIRUN" -np 2 --oversubscribe "$HPMOE" run -P 4 --transport mpi > "$tmp/np.txt" 2>&1; then exit 1; fi
@@ -148,6 +167,30 @@ fault() {  # fault PATH KIND EXPECTED: the job ends with an error within 30 s
   [ $((SECONDS - start)) -lt 30 ] || { echo "fault $2 took $((SECONDS - start)) s"; exit 1; }
   grep -q "$3" "$tmp/f.txt" || { cat "$tmp/f.txt"; echo "fault $2: no '$3'"; exit 1; }
 }
+# A rank that freezes in its first fraction of a second (in MPI_Init, or
+# while the first shared window is allocated): the others stop with an
+# error, never a hang.
+freeze_early() {  # freeze_early PATH DELAY: rank 1 is stopped DELAY s after it starts
+  cat > "$tmp/freeze.sh" <<'EOS'
+#!/usr/bin/env bash
+"$@" &
+pid=$!
+if [ "${OMPI_COMM_WORLD_RANK:-}" = 1 ]; then sleep "$FREEZE_DELAY"; kill -STOP $pid; sleep 60; kill -KILL $pid; fi
+wait $pid
+EOS
+  chmod +x "$tmp/freeze.sh"
+  local start=$SECONDS
+  if FREEZE_DELAY=$2 timeout 90 "$MPIRUN" --oversubscribe -np 2 -x FREEZE_DELAY "$tmp/freeze.sh" "$HPMOE" run -P 2 \
+       --transport mpi --mpi-path "$1" -T 512 --backward --iters 2000 --warmup 0 --verify off --watchdog 3 --peer-timeout 1 \
+       > "$tmp/fe.txt" 2>&1; then
+    echo "an early freeze ($1, $2 s) did not fail the run"; exit 1
+  fi
+  [ $((SECONDS - start)) -lt 45 ] || { echo "an early freeze ($1, $2 s) took $((SECONDS - start)) s"; exit 1; }
+  grep -q "^error: .*\(MPI start-up did not finish\|has not been heard from\)" "$tmp/fe.txt" ||
+    { cat "$tmp/fe.txt"; echo "an early freeze ($1, $2 s): no error naming it"; exit 1; }
+}
+for delay in 0.05 0.25 0.45; do freeze_early shared $delay; done  # the run takes seconds: each lands before its end
+freeze_early network 0.25
 for path in shared network; do
   fault $path exit "exited"
   fault $path freeze "rank 1 has not been heard from"

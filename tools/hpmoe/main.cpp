@@ -195,9 +195,10 @@ struct ProgressLine {
 // rather than unwinding into collectives that a failed peer never joins;
 // mpirun then stops the others.
 int run_mpi(int argc, char** argv, RunRequest req, const MpiOptions& options, const std::string& json_file) {
-  MpiSession mpi(&argc, &argv);
+  MpiSession mpi(&argc, &argv, 10 * options.peer_timeout_seconds);
   try {
     req.transport = make_mpi_transport(mpi, static_cast<int>(req.config.ranks), options);
+    mpi.started();
     const bool root = req.transport->is_root();
     const auto start = std::chrono::steady_clock::now();
     ProgressLine line;
