@@ -29,6 +29,12 @@ mkdir -p "$tmp/a_directory"
 echo '{"hidden": 64}' > "$tmp/missing_keys.json"  # an hpmoe config without expert_inter, routed_experts, top_k
 echo '{"hidden": 64, "expert_inter": 18446744073709551615, "routed_experts": 8, "top_k": 2}' > "$tmp/u64_field.json"
 echo '{"hidden_size": 18446744073709551615, "moe_intermediate_size": 8, "num_experts": 8, "num_experts_per_tok": 2}' > "$tmp/u64_hf.json"
+# FIFOs given as inputs (each would block open() until a writer came) and
+# as an output nobody reads; a checkpoint index that is a directory.
+mkfifo "$tmp/fifo.json"
+mkdir -p "$tmp/fifo_single" "$tmp/fifo_index" "$tmp/fifo_shard" "$tmp/index_dir/model.safetensors.index.json"
+mkfifo "$tmp/fifo_single/weights.safetensors" "$tmp/fifo_index/model.safetensors.index.json" "$tmp/fifo_shard/w.safetensors"
+echo '{"weight_map": {"mlp.gate.weight": "w.safetensors"}}' > "$tmp/fifo_shard/model.safetensors.index.json"
 mkdir -p "$tmp/save_blocked/outputs.safetensors"  # --save would have to replace a directory with a file
 # Replicas: over the slot budget, one rank listing an expert twice, a replica
 # losing an expert, a budget that is not a positive integer.
@@ -358,6 +364,17 @@ cases=(
   "compile --json /dev/full"
   "compile --pass both --dump $tmp/no/such/dir/dump.json"
   "run --json $tmp"
+  "config --config $tmp/fifo.json"
+  "run --placement $tmp/fifo.json"
+  "run --routing trace:$tmp/fifo.json"
+  "simulate --machine $tmp/fifo.json"
+  "verify $tmp/fifo.json"
+  "plan --machine h800 --routing trace:$tmp/fifo.json"
+  "run --load $tmp/fifo_single"
+  "run --load $tmp/fifo_index"
+  "run --load $tmp/fifo_shard"
+  "run --load $tmp/index_dir"
+  "run --json $tmp/fifo.json"
   "run --save $tmp/save_blocked"
   "run --trace $tmp/no/such/dir/t.json"
   "plan --machine h800 --out $tmp/no/such/dir/p.json"
@@ -366,7 +383,7 @@ cases=(
 failed=0
 for c in "${cases[@]}"; do
   # shellcheck disable=SC2086
-  "$HPMOE" $c > "$tmp/stdout" 2> "$tmp/stderr"
+  timeout 120 "$HPMOE" $c > "$tmp/stdout" 2> "$tmp/stderr"  # 124: a hang
   rc=$?
   lines=$(wc -l < "$tmp/stderr")
   if [ "$rc" -ne 2 ] || [ "$lines" -ne 1 ] || ! grep -q '^error: ' "$tmp/stderr"; then
