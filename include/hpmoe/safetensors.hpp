@@ -2,6 +2,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <string_view>
 #include <memory>
 #include <span>
 #include <string>
@@ -21,6 +22,8 @@ class SafetensorsWriter {
   void add(const std::string& name, std::vector<std::int64_t> shape, std::span<const std::int32_t> values);
   void add(const std::string& name, std::vector<std::int64_t> shape, std::span<const std::uint8_t> values);
   void write(const std::string& path) const;
+  // The file's bytes, in order, handed to `sink` piece by piece.
+  void write_into(const std::function<void(std::string_view)>& sink) const;
 
  private:
   struct Entry {
@@ -99,6 +102,34 @@ class Checkpoint {
 //   inputs.safetensors   x, d_out
 //   routing.safetensors  expert_ids, gate_weights, kept
 //   outputs.safetensors  out and, after backward, grad.x and grad.<weight name>
+// Files written into a folder as one set: each is written and synced beside
+// its target as it is added; commit() then renames them all into place. A
+// set destroyed uncommitted (a full disk, a file-size limit, an exception,
+// a caught signal) removes its temporaries and leaves the folder as it was.
+class SaveSet {
+ public:
+  explicit SaveSet(std::string dir);  // creates the folder
+  ~SaveSet();
+  SaveSet(SaveSet&&) noexcept;
+  SaveSet& operator=(SaveSet&&) noexcept;
+  void add(const std::string& name, const SafetensorsWriter&);
+  void add_text(const std::string& name, std::string_view text);
+  void commit();
+  const std::string& dir() const { return dir_; }
+
+ private:
+  struct Staged;
+  std::string dir_;
+  std::vector<std::unique_ptr<Staged>> files_;
+};
+
+// The whole run's set (weights, inputs, routing, outputs) as one SaveSet;
+// once it is in place, the files of an earlier sharded save there (its
+// index and its per-rank files) are removed, so a later --load reads this
+// save and nothing older. A failed save leaves the earlier checkpoint whole.
+void save_layer(const std::string& dir, const LayerConfig&, const LayerWeights&, const LayerInputs&,
+                const RouterOutput<float>& routing, const Matrix& out, const LayerGradients* grads);
+// Each file alone (atomically), for callers that write one kind.
 void save_weights(const std::string& dir, const LayerConfig&, const LayerWeights&);
 void save_inputs(const std::string& dir, const LayerInputs&);
 void save_routing(const std::string& dir, const LayerConfig&, const RouterOutput<float>&);
@@ -122,6 +153,14 @@ struct RankTensors {
   const LayerGradients* grads = nullptr;                      // optional: its gradients
 };
 void save_rank(const std::string& dir, const RankTensors&);
+// A sharded save in two phases, for a caller that agrees across ranks in
+// between: every rank stages its files (stage_rank; nothing is in place
+// yet), and only once all ranks have staged theirs does each commit; then
+// rank 0 calls finish_sharded_save, which checks that it sees every rank's
+// files (the folder must be shared), writes the index and removes an
+// earlier save's files of another kind or rank count.
+SaveSet stage_rank(const std::string& dir, const RankTensors&);
+void finish_sharded_save(const std::string& dir, const LayerConfig&, const ExpertPlacement&);
 
 // `dir` may be DIR:PREFIX to pick one layer of a whole model's checkpoint.
 LayerWeights load_weights(const std::string& dir, const LayerConfig&);
@@ -132,8 +171,13 @@ void load_expert(const Checkpoint&, const LayerConfig&, std::int64_t e, LayerWei
 // The "weight_map" of a model.safetensors.index.json (tensor name -> file
 // in the same directory); Error naming `source` and the field otherwise.
 std::map<std::string, std::string> parse_weight_map(const std::string& text, const std::string& source);
-LayerInputs load_inputs(const std::string& dir, const LayerConfig&);
+// The tokens of a save: inputs.safetensors, or a sharded save's per-rank
+// files (at the rank count its index names, which may differ from the
+// layer's: rows are read across files). A missing d_out reads as zeros,
+// or is an error naming the file where a backward pass needs it.
+enum class DOut { optional, required };
+LayerInputs load_inputs(const std::string& dir, const LayerConfig&, DOut = DOut::optional);
 // Rank `rank`'s tokens only: [T, H].
-LayerInputs load_inputs(const std::string& dir, const LayerConfig&, std::int64_t rank);
+LayerInputs load_inputs(const std::string& dir, const LayerConfig&, std::int64_t rank, DOut = DOut::optional);
 
 }  // namespace hpmoe

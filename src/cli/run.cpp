@@ -708,6 +708,30 @@ StepResult gather_step(Transport& tr, int me, const LayerConfig& c, const Expert
   return all;
 }
 
+// A sharded save in two phases: every rank stages its files, the ranks
+// agree that all succeeded, and only then is anything put in place (rank 0
+// writing the index last). A rank that could not write (a full disk, a
+// file-size limit) leaves the folder's earlier checkpoint whole on all.
+void save_sharded(Transport& tr, int me, const std::string& dir, const RankTensors& t, const ExpertPlacement& placement) {
+  std::optional<SaveSet> staged;
+  std::string failure;
+  try {
+    staged.emplace(stage_rank(dir, t));
+  } catch (const std::exception& e) {
+    failure = e.what();
+  }
+  const auto staged_everywhere = allgather_doubles(tr, me, {failure.empty() ? 1.0 : 0.0});
+  const std::string unchanged = ": nothing of this save was put in place, and the checkpoint there before is unchanged";
+  if (!failure.empty()) throw Error(failure + unchanged);
+  for (std::size_t q = 0; q < staged_everywhere.size(); ++q)
+    if (staged_everywhere[q][0] == 0)
+      throw Error("rank " + std::to_string(q) + " could not write its part of the save to '" + dir + "' (its error says why)" +
+                  unchanged);
+  staged->commit();
+  allgather_doubles(tr, me, {1.0});  // every rank's files in place before rank 0 writes the index
+  if (me == 0) finish_sharded_save(dir, t.config, placement);
+}
+
 // Over MPI, one rank per process: the process holds its rank's tokens,
 // the replicated parameters and its own experts (raw weights released once
 // packed), routes its own tokens, exchanges counts, compiles and launches
@@ -727,7 +751,7 @@ RunReport run_sharded(const RunRequest& req, const std::function<void(const std:
   std::optional<Checkpoint> checkpoint;  // opened once: each expert is read from it by seeking
   if (!req.load_dir.empty()) checkpoint.emplace(req.load_dir);
   LayerWeights w = req.load_dir.empty() ? random_weights(c, req.seed, {}) : load_weights(req.load_dir, c, {});
-  LayerInputs in = req.load_dir.empty() ? random_inputs(c, req.seed, mine) : load_inputs(req.load_dir, c, me);
+  LayerInputs in = req.load_dir.empty() ? random_inputs(c, req.seed, mine) : load_inputs(req.load_dir, c, me, req.backward ? DOut::required : DOut::optional);
   StepChoices choices(c, req.routing, me);
   const RoutingSpec last_routing = choices.spec_of(req.warmup + req.iterations - 1);
   say("generating and packing this rank's experts for the tile kernels");
@@ -796,7 +820,7 @@ RunReport run_sharded(const RunRequest& req, const std::function<void(const std:
     if (tr.is_root()) {
       say("running the whole layer in process on the root as the reference");
       whole = req.load_dir.empty() ? random_weights(c, req.seed) : load_weights(req.load_dir, c);
-      whole_in = req.load_dir.empty() ? random_inputs(c, req.seed) : load_inputs(req.load_dir, c);
+      whole_in = req.load_dir.empty() ? random_inputs(c, req.seed) : load_inputs(req.load_dir, c, req.backward ? DOut::required : DOut::optional);
       RuntimeOptions opt;
       opt.workers_per_rank = req.workers_per_rank;
       opt.backward = req.backward;
@@ -828,7 +852,7 @@ RunReport run_sharded(const RunRequest& req, const std::function<void(const std:
     t.routing = &shown.routing;
     t.out = &shown.out;
     t.grads = req.backward ? &shown.grads : nullptr;
-    save_rank(req.save_dir, t);
+    save_sharded(tr, me, req.save_dir, t, placement);
   }
   if (x.trace && tr.is_root()) {
     std::vector<TracedRun> runs;
@@ -859,7 +883,7 @@ RunReport run_layer(const RunRequest& req, const std::function<void(const std::s
 
   say(req.load_dir.empty() ? "generating weights and inputs" : "loading weights and inputs from " + req.load_dir);
   LayerWeights w = req.load_dir.empty() ? random_weights(c, req.seed) : load_weights(req.load_dir, c);
-  LayerInputs in = req.load_dir.empty() ? random_inputs(c, req.seed) : load_inputs(req.load_dir, c);
+  LayerInputs in = req.load_dir.empty() ? random_inputs(c, req.seed) : load_inputs(req.load_dir, c, req.backward ? DOut::required : DOut::optional);
   check_shapes(c, w, in);
   StepChoices choices(c, req.routing, -1);
   const ExpertPlacement placement = placement_or_contiguous(req.placement, c.routed_experts, c.ranks);
@@ -893,10 +917,7 @@ RunReport run_layer(const RunRequest& req, const std::function<void(const std::s
   }
   if (!req.save_dir.empty()) {
     say("saving tensors to " + req.save_dir);
-    save_weights(req.save_dir, c, w);
-    save_inputs(req.save_dir, in);
-    save_routing(req.save_dir, c, last.routing);
-    save_outputs(req.save_dir, c, last.out, req.backward ? &last.grads : nullptr);
+    save_layer(req.save_dir, c, w, in, last.routing, last.out, req.backward ? &last.grads : nullptr);
   }
   return rep;
 }

@@ -129,19 +129,17 @@ void AtomicFile::write(std::string_view bytes) {
   }
 }
 
-void AtomicFile::commit() {
-  if (temporary_.empty()) {  // written through
-    const int fd = fd_;
-    fd_ = -1;
-    if (::close(fd) != 0) fail(std::strerror(errno));
-    committed_ = true;
-    return;
-  }
-  if (::fsync(fd_) != 0) fail(std::strerror(errno));
+void AtomicFile::finish() {
+  if (fd_ < 0) return;
+  if (!temporary_.empty() && ::fsync(fd_) != 0) fail(std::strerror(errno));
   const int fd = fd_;
   fd_ = -1;
   if (::close(fd) != 0) fail(std::strerror(errno));
-  if (::rename(temporary_.c_str(), path_.c_str()) != 0) fail(std::strerror(errno));
+}
+
+void AtomicFile::commit() {
+  finish();
+  if (!temporary_.empty() && ::rename(temporary_.c_str(), path_.c_str()) != 0) fail(std::strerror(errno));
   committed_ = true;
 }
 

@@ -27,6 +27,10 @@ class AtomicFile {
   AtomicFile& operator=(const AtomicFile&) = delete;
 
   void write(std::string_view bytes);
+  // Syncs and closes the temporary, which stays until commit() renames it
+  // into place (or the destructor removes it): a set of files can be
+  // written whole before any of them replaces its target.
+  void finish();
   void commit();
 
  private:

@@ -64,7 +64,7 @@ void SafetensorsWriter::add(const std::string& name, std::vector<std::int64_t> s
   entries_[name] = Entry{"U8", std::move(shape), raw_bytes(v)};
 }
 
-void SafetensorsWriter::write(const std::string& path) const {
+void SafetensorsWriter::write_into(const std::function<void(std::string_view)>& sink) const {
   nlohmann::json header = nlohmann::json::object();
   header["__metadata__"] = {{"format", "pt"}, {"producer", "hpmoe"}};
   std::size_t offset = 0;
@@ -74,13 +74,17 @@ void SafetensorsWriter::write(const std::string& path) const {
   }
   std::string text = header.dump();
   while (text.size() % 8) text += ' ';  // keeps the data aligned
+  const std::uint64_t size = text.size();
+  sink(std::string_view(reinterpret_cast<const char*>(&size), 8));
+  sink(text);
+  for (const auto& [name, e] : entries_) sink(std::string_view(e.bytes.data(), e.bytes.size()));
+}
+
+void SafetensorsWriter::write(const std::string& path) const {
   // Written beside the target and renamed over it: a reader never sees a
   // half-written file, and a failed write leaves the old one.
   AtomicFile out(path, "the safetensors file");
-  const std::uint64_t size = text.size();
-  out.write(std::string_view(reinterpret_cast<const char*>(&size), 8));
-  out.write(text);
-  for (const auto& [name, e] : entries_) out.write(std::string_view(e.bytes.data(), e.bytes.size()));
+  write_into([&](std::string_view bytes) { out.write(bytes); });
   out.commit();
 }
 
@@ -267,79 +271,6 @@ std::vector<std::int32_t> SafetensorsFile::ints(const std::string& name, const s
   return out;
 }
 
-namespace {
-
-std::string file_in(const std::string& dir, const char* name) { return (std::filesystem::path(dir) / name).string(); }
-
-void ensure_dir(const std::string& dir) {
-  std::error_code ec;
-  std::filesystem::create_directories(dir, ec);
-  if (ec) throw Error("cannot create directory '" + dir + "': " + ec.message());
-}
-
-// HF stores Linear weights as [out, in]; hpmoe computes x W with W [in, out].
-std::vector<float> columns_as_rows(const Matrix& m, std::int64_t col0, std::int64_t cols) {
-  std::vector<float> out(static_cast<std::size_t>(cols * m.rows));
-  for (std::int64_t j = 0; j < cols; ++j)
-    for (std::int64_t i = 0; i < m.rows; ++i) out[j * m.rows + i] = m.at(i, col0 + j);
-  return out;
-}
-
-void add_mlp(SafetensorsWriter& w, const std::string& prefix, const Matrix& w1, const Matrix& w2) {
-  const std::int64_t h = w1.rows, inter = w2.rows;
-  w.add(hf_name::projection(prefix, hf_name::gate_proj), {inter, h}, columns_as_rows(w1, 0, inter));
-  w.add(hf_name::projection(prefix, hf_name::up_proj), {inter, h}, columns_as_rows(w1, inter, inter));
-  w.add(hf_name::projection(prefix, hf_name::down_proj), {h, inter}, columns_as_rows(w2, 0, h));
-}
-
-void add_weights(SafetensorsWriter& w, const std::string& prefix, const LayerConfig& c, const Matrix& router,
-                 const std::vector<Matrix>& w1, const std::vector<Matrix>& w2, const Matrix& sw1, const Matrix& sw2) {
-  w.add(prefix + "mlp." + hf_name::router, {c.routed_experts, c.hidden}, columns_as_rows(router, 0, c.routed_experts));
-  for (std::int64_t e = 0; e < c.routed_experts; ++e)
-    add_mlp(w, prefix + "mlp." + hf_name::expert(e), w1[e], w2[e]);
-  if (c.shared_experts > 0) add_mlp(w, prefix + "mlp." + hf_name::shared, sw1, sw2);
-}
-
-}  // namespace
-
-void save_weights(const std::string& dir, const LayerConfig& c, const LayerWeights& lw) {
-  ensure_dir(dir);
-  std::error_code ec;  // a sharded save's index here would shadow this file
-  std::filesystem::remove(std::filesystem::path(dir) / "model.safetensors.index.json", ec);
-  SafetensorsWriter w;
-  add_weights(w, "", c, lw.router, lw.w1, lw.w2, lw.shared_w1, lw.shared_w2);
-  w.add("mlp." + hf_name::expert_bias, {c.routed_experts}, lw.expert_bias);
-  w.write(file_in(dir, "weights.safetensors"));
-}
-
-void save_inputs(const std::string& dir, const LayerInputs& in) {
-  ensure_dir(dir);
-  SafetensorsWriter w;
-  w.add("x", {in.x.rows, in.x.cols}, in.x.data);
-  w.add("d_out", {in.d_out.rows, in.d_out.cols}, in.d_out.data);
-  w.write(file_in(dir, "inputs.safetensors"));
-}
-
-void save_routing(const std::string& dir, const LayerConfig& c, const RouterOutput<float>& r) {
-  ensure_dir(dir);
-  SafetensorsWriter w;
-  w.add("expert_ids", {c.total_tokens(), c.top_k}, r.expert);
-  w.add("gate_weights", {c.total_tokens(), c.top_k}, r.weight);
-  w.add("kept", {c.total_tokens(), c.top_k}, r.kept);
-  w.write(file_in(dir, "routing.safetensors"));
-}
-
-void save_outputs(const std::string& dir, const LayerConfig& c, const Matrix& out, const LayerGradients* g) {
-  ensure_dir(dir);
-  SafetensorsWriter w;
-  w.add("out", {out.rows, out.cols}, out.data);
-  if (g) {
-    w.add("grad.x", {g->x.rows, g->x.cols}, g->x.data);
-    add_weights(w, "grad.", c, g->router, g->w1, g->w2, g->shared_w1, g->shared_w2);
-  }
-  w.write(file_in(dir, "outputs.safetensors"));
-}
-
 Checkpoint::Checkpoint(const std::string& location) {
   namespace fs = std::filesystem;
   // DIR or DIR:PREFIX (the layer's tensor names in a whole model's checkpoint).
@@ -416,75 +347,6 @@ void load_expert(const Checkpoint& ck, const LayerConfig& c, std::int64_t e, Lay
                  w);
 }
 
-std::string rank_file(const char* kind, std::int64_t rank, std::int64_t ranks) {
-  return std::string(kind) + "-rank" + std::to_string(rank) + "-of-" + std::to_string(ranks) + ".safetensors";
-}
-
-void save_rank(const std::string& dir, const RankTensors& t) {
-  const LayerConfig& c = t.config;
-  const std::int64_t r = t.rank, P = c.ranks;
-  ensure_dir(dir);
-  const auto& owned = t.experts;
-  // Weights: the rank's experts, and on rank 0 the replicated parameters;
-  // rank 0 also writes the index that names every tensor's file.
-  {
-    SafetensorsWriter w;
-    for (const auto e : owned) {
-      LayerWeights one;
-      t.expert(e, one);
-      add_mlp(w, "mlp." + hf_name::expert(e), one.w1[static_cast<std::size_t>(e)], one.w2[static_cast<std::size_t>(e)]);
-    }
-    if (r == 0) {
-      w.add("mlp." + hf_name::router, {c.routed_experts, c.hidden}, columns_as_rows(t.weights->router, 0, c.routed_experts));
-      w.add("mlp." + hf_name::expert_bias, {c.routed_experts}, t.weights->expert_bias);
-      if (c.shared_experts > 0) add_mlp(w, "mlp." + hf_name::shared, t.weights->shared_w1, t.weights->shared_w2);
-    }
-    w.write(file_in(dir, rank_file("weights", r, P).c_str()));
-  }
-  if (r == 0) {
-    nlohmann::json map = nlohmann::json::object();
-    auto mlp_names = [&](const std::string& prefix, const std::string& file) {
-      for (const auto* part : {&hf_name::gate_proj, &hf_name::up_proj, &hf_name::down_proj})
-        map[hf_name::projection(prefix, *part)] = file;
-    };
-    for (std::int64_t e = 0; e < c.routed_experts; ++e)
-      mlp_names("mlp." + hf_name::expert(e), rank_file("weights", t.placement->owner(e), P));
-    map["mlp." + hf_name::router] = map["mlp." + hf_name::expert_bias] = rank_file("weights", 0, P);
-    if (c.shared_experts > 0) mlp_names("mlp." + hf_name::shared, rank_file("weights", 0, P));
-    const std::string index = file_in(dir, "model.safetensors.index.json");
-    write_file_atomically(
-        index, nlohmann::json{{"metadata", {{"producer", "hpmoe"}, {"ranks", P}}}, {"weight_map", map}}.dump(1) + "\n",
-        "the checkpoint index");
-    std::error_code ec;  // an in-process save's single file here would be read instead of the index
-    std::filesystem::remove(std::filesystem::path(dir) / "weights.safetensors", ec);
-  }
-  SafetensorsWriter in;
-  in.add("x", {t.inputs->x.rows, t.inputs->x.cols}, t.inputs->x.data);
-  in.add("d_out", {t.inputs->d_out.rows, t.inputs->d_out.cols}, t.inputs->d_out.data);
-  in.write(file_in(dir, rank_file("inputs", r, P).c_str()));
-  if (t.routing) {
-    SafetensorsWriter w;
-    w.add("expert_ids", {c.tokens_per_rank, c.top_k}, t.routing->expert);
-    w.add("gate_weights", {c.tokens_per_rank, c.top_k}, t.routing->weight);
-    w.add("kept", {c.tokens_per_rank, c.top_k}, t.routing->kept);
-    w.write(file_in(dir, rank_file("routing", r, P).c_str()));
-  }
-  if (t.out) {
-    SafetensorsWriter w;
-    w.add("out", {t.out->rows, t.out->cols}, t.out->data);
-    if (const LayerGradients* g = t.grads) {
-      w.add("grad.x", {g->x.rows, g->x.cols}, g->x.data);
-      for (const auto e : owned)
-        add_mlp(w, "grad.mlp." + hf_name::expert(e), g->w1[static_cast<std::size_t>(e)], g->w2[static_cast<std::size_t>(e)]);
-      if (r == 0) {
-        w.add("grad.mlp." + hf_name::router, {c.routed_experts, c.hidden}, columns_as_rows(g->router, 0, c.routed_experts));
-        if (c.shared_experts > 0) add_mlp(w, "grad.mlp." + hf_name::shared, g->shared_w1, g->shared_w2);
-      }
-    }
-    w.write(file_in(dir, rank_file("outputs", r, P).c_str()));
-  }
-}
-
 LayerWeights load_weights(const std::string& dir, const LayerConfig& c) {
   std::vector<std::int32_t> all(static_cast<std::size_t>(c.routed_experts));
   for (std::size_t e = 0; e < all.size(); ++e) all[e] = static_cast<std::int32_t>(e);
@@ -516,50 +378,6 @@ LayerWeights load_weights(const std::string& location, const LayerConfig& c, std
   LayerWeights w = weights_from_hf(c, hf);
   for (const std::int32_t e : experts) load_expert(ck, c, e, w);
   return w;
-}
-
-LayerInputs load_inputs(const std::string& dir, const LayerConfig& c) {
-  if (!std::filesystem::exists(file_in(dir, "inputs.safetensors")) &&
-      std::filesystem::exists(file_in(dir, rank_file("inputs", 0, c.ranks).c_str()))) {
-    LayerInputs all{Matrix(c.total_tokens(), c.hidden), Matrix(c.total_tokens(), c.hidden)};
-    const auto n = static_cast<std::ptrdiff_t>(c.tokens_per_rank * c.hidden);
-    for (std::int64_t r = 0; r < c.ranks; ++r) {  // a sharded save's per-rank files
-      const LayerInputs part = load_inputs(dir, c, r);
-      std::copy(part.x.data.begin(), part.x.data.end(), all.x.data.begin() + r * n);
-      std::copy(part.d_out.data.begin(), part.d_out.data.end(), all.d_out.data.begin() + r * n);
-    }
-    return all;
-  }
-  SafetensorsFile f(file_in(dir, "inputs.safetensors"));
-  LayerInputs in;
-  in.x = Matrix(c.total_tokens(), c.hidden);
-  in.x.data = f.floats("x", {c.total_tokens(), c.hidden});
-  in.d_out = Matrix(c.total_tokens(), c.hidden);
-  in.d_out.data = f.has("d_out") ? f.floats("d_out", {c.total_tokens(), c.hidden})
-                                 : std::vector<float>(in.d_out.data.size(), 0.0f);
-  if (c.dtype == DType::bf16) round_to_bf16(in);
-  return in;
-}
-
-LayerInputs load_inputs(const std::string& dir, const LayerConfig& c, std::int64_t rank) {
-  const std::int64_t T = c.tokens_per_rank;
-  if (const std::string own = file_in(dir, rank_file("inputs", rank, c.ranks).c_str());
-      !std::filesystem::exists(file_in(dir, "inputs.safetensors")) && std::filesystem::exists(own)) {
-    SafetensorsFile f(own);
-    LayerInputs in{Matrix(T, c.hidden), Matrix(T, c.hidden)};
-    in.x.data = f.floats("x", {T, c.hidden});
-    in.d_out.data = f.floats("d_out", {T, c.hidden});
-    if (c.dtype == DType::bf16) round_to_bf16(in);
-    return in;
-  }
-  SafetensorsFile f(file_in(dir, "inputs.safetensors"));
-  LayerInputs in;
-  in.x = Matrix(T, c.hidden);
-  in.x.data = f.rows("x", {c.total_tokens(), c.hidden}, rank * T, T);
-  in.d_out = Matrix(T, c.hidden);
-  if (f.has("d_out")) in.d_out.data = f.rows("d_out", {c.total_tokens(), c.hidden}, rank * T, T);
-  if (c.dtype == DType::bf16) round_to_bf16(in);
-  return in;
 }
 
 }  // namespace hpmoe

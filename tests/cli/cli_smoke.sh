@@ -67,6 +67,26 @@ grep -q "verify   PASS" "$tmp/split-run.txt" && grep -q "bit-identical, all" "$t
 test -s "$tmp/run/weights.safetensors" && test -s "$tmp/run/outputs.safetensors" && test -s "$tmp/run/routing.safetensors"
 "$HPMOE" run --seed 99 --backward --load "$tmp/run" --save "$tmp/again" > "$tmp/b.txt"
 cmp "$tmp/run/outputs.safetensors" "$tmp/again/outputs.safetensors"
+# A save that fails (here: the file-size limit) leaves the folder's earlier
+# checkpoint whole and no temporary; it still loads and reproduces its run.
+cp -r "$tmp/run" "$tmp/before"
+if (ulimit -f 40; "$HPMOE" run --seed 6 --backward --save "$tmp/run" > /dev/null 2> "$tmp/fsize.txt"); then exit 1; fi
+grep -q "^error: .*File too large.*checkpoint there before is unchanged" "$tmp/fsize.txt"
+! ls "$tmp/run"/*.partial-* > /dev/null 2>&1
+for f in weights inputs routing outputs; do cmp "$tmp/before/$f.safetensors" "$tmp/run/$f.safetensors"; done
+# --load with --backward needs d_out: inputs without it are an error, not zeros.
+python3 - "$tmp/run/inputs.safetensors" "$tmp/no_dout" <<'PY'
+import json, os, struct, sys
+b = open(sys.argv[1], "rb").read(); n = struct.unpack("<Q", b[:8])[0]; h = json.loads(b[8:8 + n])
+lo, hi = h["x"]["data_offsets"]; data = b[8 + n + lo:8 + n + hi]
+head = json.dumps({"x": {"dtype": "F32", "shape": h["x"]["shape"], "data_offsets": [0, len(data)]}}).encode()
+head += b" " * (-len(head) % 8)
+os.makedirs(sys.argv[2]); open(os.path.join(sys.argv[2], "inputs.safetensors"), "wb").write(struct.pack("<Q", len(head)) + head + data)
+PY
+cp "$tmp/run/weights.safetensors" "$tmp/no_dout/"
+"$HPMOE" run --iters 1 --load "$tmp/no_dout" | has "verify   PASS"
+if "$HPMOE" run --iters 1 --backward --load "$tmp/no_dout" > /dev/null 2> "$tmp/dout.txt"; then exit 1; fi
+grep -q "^error: .*has no tensor 'd_out', which --backward needs" "$tmp/dout.txt"
 # The taskflow compiler: both passes, dumps that `hpmoe verify` accepts, and a
 # dump made inconsistent on purpose that it rejects (exit 1).
 "$HPMOE" compile -P 4 --pass both --routing zipf:1.2 --machine cpu:2 --schedule interleave-wgrad \

@@ -128,6 +128,33 @@ for f in model.safetensors.index.json weights-rank2-of-3.safetensors inputs-rank
 "$HPMOE" run -P 3 -T 40 --set routed_experts=8 --backward --iters 1 --warmup 0 --load "$tmp/sharded" > "$tmp/load.txt"
 grep -q "verify   PASS" "$tmp/load.txt"
 check 3 shared -T 40 --set routed_experts=8 --backward --iters 1 --load "$tmp/sharded"
+# ... and at another rank count (the rows are read across the saved files).
+check 2 shared -T 60 --set routed_experts=8 --backward --iters 1 --load "$tmp/sharded"
+# A sharded save into a folder that held a single-process save replaces it
+# whole: the single save's files are gone, so a load reads the new tokens.
+"$HPMOE" run -T 40 -P 3 --set routed_experts=8 --seed 9 --backward --iters 1 --warmup 0 --save "$tmp/mixed" > /dev/null
+check 3 shared -T 40 --set routed_experts=8 --backward --iters 1 --save "$tmp/mixed"
+for f in weights inputs routing outputs; do test ! -e "$tmp/mixed/$f.safetensors"; done
+cmp "$tmp/mixed/inputs-rank1-of-3.safetensors" "$tmp/sharded/inputs-rank1-of-3.safetensors"
+# A rank that cannot write its part (the file-size limit on rank 1) fails
+# the save on every rank, and the earlier sharded checkpoint stays whole.
+cp -r "$tmp/sharded" "$tmp/sharded_before"
+cat > "$tmp/fsize.sh" <<'EOS'
+#!/usr/bin/env bash
+[ "${OMPI_COMM_WORLD_RANK:-}" = 1 ] && ulimit -f 8
+exec "$@"
+EOS
+chmod +x "$tmp/fsize.sh"
+# (The network path: a file-size limit also stops MPI's shared-memory files.)
+if timeout 120 "$MPIRUN" -np 3 --oversubscribe --mca btl self,tcp "$tmp/fsize.sh" "$HPMOE" run -P 3 --transport mpi \
+     --mpi-path network -T 40 --set routed_experts=8 \
+     --seed 4 --backward --iters 1 --warmup 0 --save "$tmp/sharded" > "$tmp/fsave.txt" 2>&1; then
+  echo "a save that rank 1 could not write succeeded"; exit 1
+fi
+grep -q "^error: rank 1: .*File too large.*checkpoint there before is unchanged" "$tmp/fsave.txt" || { cat "$tmp/fsave.txt"; exit 1; }
+grep -q "^error: rank 0: rank 1 could not write its part of the save" "$tmp/fsave.txt" || { cat "$tmp/fsave.txt"; exit 1; }
+! ls "$tmp/sharded"/*.partial-* > /dev/null 2>&1
+diff -r "$tmp/sharded_before" "$tmp/sharded"
 
 # Ranks started with different options (other seeds, so other router
 # weights; one pass or two; the in-process check on one rank only; another
