@@ -39,13 +39,20 @@ py::dict seconds_of(const std::vector<OperatorTime>& ops) {
 // the input and output arrays it reads and writes in place.
 class FastStep final : public Step {
  public:
-  FastStep(const LayerConfig& c, hpmoe::Layer& layer, const Array& x, const std::vector<std::int32_t>* held)
-      : config_(c), x_(x), out_(new_array(x.shape(0), c.hidden)), held_(held) {
+  // `check`: x and d_out refused where they hold NaN or Inf, and out and dx
+  // where they overflowed (as the CLI and the reference executor do).
+  FastStep(const LayerConfig& c, hpmoe::Layer& layer, const Array& x, const std::vector<std::int32_t>* held, bool check)
+      : config_(c), x_(x), out_(new_array(x.shape(0), c.hidden)), held_(held), check_(check) {
     const std::int64_t N = x.shape(0), H = c.hidden;
     const MatrixView xv = view_of(x_, N, H, "x");
     py::gil_scoped_release release;
+    if (check_) check_tokens_finite(x_.data(), N, H, "x", kCheckOff);
     step_.emplace(layer.forward(xv, {}, MutableMatrixView{out_.mutable_data(), N, H, H}));
     forward_ops_ = step_->result().forward_ops;
+    if (check_)
+      check_tokens_finite(out_.data(), N, H, "the layer's output",
+                          " although x is finite: the inputs or weights are too large for float32 (it overflowed)" +
+                              std::string(kCheckOff));
   }
 
   // The host's part before the step: the changed parameters converted and repacked (ModuleLayer::forward).
@@ -75,7 +82,12 @@ class FastStep final : public Step {
     Array dx = new_array(N, H);
     {
       py::gil_scoped_release release;
+      if (check_) check_tokens_finite(dy.data(), N, H, "d_out (the gradient reaching the layer)", kCheckOff);
       step_->backward(dv, MutableMatrixView{dx.mutable_data(), N, H, H});
+      if (check_)
+        check_tokens_finite(dx.data(), N, H, "the gradient of x",
+                            " although d_out is finite: the values are too large for float32 (it overflowed)" +
+                                std::string(kCheckOff));
     }
     const LayerGradients& g = step_->gradients();
     backward_ops_ = step_->result().backward_ops;
@@ -109,9 +121,11 @@ class FastStep final : public Step {
 
  private:
   LayerConfig config_;
+  static constexpr const char* kCheckOff = " (MoELayer(check_finite=False) skips this check)";
   Array x_, out_;  // x is read in place until backward
   std::vector<OperatorTime> forward_ops_, backward_ops_;
   const std::vector<std::int32_t>* held_;  // over MPI: this process's experts (their gradients only)
+  bool check_ = true;
   std::optional<hpmoe::Layer::Step> step_;
 };
 
@@ -252,7 +266,7 @@ class ModuleLayer {
     const auto sync_start = std::chrono::steady_clock::now();
     sync_weights(c, params, versions);
     const double sync_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - sync_start).count();
-    auto step = std::make_unique<FastStep>(c, *layer_, x.cast<Array>(), transport_ ? &held_ : nullptr);
+    auto step = std::make_unique<FastStep>(c, *layer_, x.cast<Array>(), transport_ ? &held_ : nullptr, check_finite_);
     step->set_sync_seconds(sync_seconds);
     const py::tuple o = step->outputs();
     return py::make_tuple(o[0], o[1], o[2], o[3], py::cast(std::unique_ptr<Step>(std::move(step))));
@@ -325,6 +339,11 @@ class ModuleLayer {
   int rank_ = 0;
   std::vector<std::int32_t> held_;  // over MPI: this process's experts, sorted
   std::optional<hpmoe::Layer> layer_;  // made at the first forward, from its parameters
+
+ public:
+  bool check_finite_ = true;  // the fast executors' token checks (FastStep)
+
+ private:
   std::map<std::string, ParamVersion> versions_;
   std::int64_t conversions_ = 0;
 };
@@ -339,6 +358,7 @@ std::string config_file_json(const std::string& path, const std::string& base_js
 std::string config_with(const std::string& config_json, const std::map<std::string, std::string>& fields) {
   LayerConfig c = config_from_json(nlohmann::json::parse(config_json));
   for (const auto& [k, v] : fields) c.set(k, v);
+  c.validate();  // a field out of range is refused here, not when a module is built from it
   return to_json(c).dump();
 }
 
@@ -369,6 +389,7 @@ PYBIND11_MODULE(_core, m) {
            py::arg("transport") = "inprocess", py::arg("mpi_path") = "auto")
       .def_property_readonly("rank", &ModuleLayer::rank)
       .def_property_readonly("held_experts", &ModuleLayer::held_experts)
+      .def_readwrite("check_finite", &ModuleLayer::check_finite_)
       .def("forward", &ModuleLayer::forward, py::arg("x"), py::arg("params"), py::arg("versions"))
       .def_property_readonly("conversions", &ModuleLayer::conversions)
       .def_property_readonly("engines", &ModuleLayer::engines)

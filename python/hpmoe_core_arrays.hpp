@@ -230,22 +230,34 @@ MatrixView param_view(const py::dict& params, const std::string& name, std::int6
   return view_of(keep.back().second, rows, cols, "parameter '" + name + "'");
 }
 
-void check_finite(std::span<const std::pair<std::string, Array>> keep) {
-  for (const auto& [name, a] : keep) {
-    const float* v = a.data();
-    const py::ssize_t n = a.size();
-    // A NaN or Inf has every exponent bit set: tested on the bits (an integer reduction, which vectorises;
-    // a training step checks every parameter), the index sought only when one is there.
-    std::uint32_t bad = 0;
-    for (py::ssize_t i = 0; i < n; ++i) {
-      std::uint32_t bits;
-      std::memcpy(&bits, v + i, sizeof bits);
-      bad |= static_cast<std::uint32_t>((bits & 0x7f800000u) == 0x7f800000u);
-    }
-    if (!bad) continue;
-    for (py::ssize_t i = 0; i < n; ++i)
-      if (!std::isfinite(v[i])) throw Error("parameter '" + name + "' holds NaN or Inf at flat index " + std::to_string(i));
+// The flat index of the first NaN or Inf among v[0, n), or -1. A NaN or Inf
+// has every exponent bit set: tested on the bits (an integer reduction,
+// which vectorises; a training step checks every parameter and its tokens),
+// the index sought only when one is there.
+std::int64_t first_non_finite(const float* v, std::int64_t n) {
+  std::uint32_t bad = 0;
+  for (std::int64_t i = 0; i < n; ++i) {
+    std::uint32_t bits;
+    std::memcpy(&bits, v + i, sizeof bits);
+    bad |= static_cast<std::uint32_t>((bits & 0x7f800000u) == 0x7f800000u);
   }
+  if (!bad) return -1;
+  for (std::int64_t i = 0; i < n; ++i)
+    if (!std::isfinite(v[i])) return i;
+  return -1;
+}
+
+void check_finite(std::span<const std::pair<std::string, Array>> keep) {
+  for (const auto& [name, a] : keep)
+    if (const std::int64_t i = first_non_finite(a.data(), a.size()); i >= 0)
+      throw Error("parameter '" + name + "' holds NaN or Inf at flat index " + std::to_string(i));
+}
+
+// A [tokens, H] float32 token matrix checked finite. `what` names it, `why`
+// says what it means when it fails (an input given, an output that overflowed).
+void check_tokens_finite(const float* v, std::int64_t tokens, std::int64_t H, const std::string& what, const std::string& why) {
+  if (const std::int64_t i = first_non_finite(v, tokens * H); i >= 0)
+    throw Error(what + " holds NaN or Inf at token " + std::to_string(i / H) + ", channel " + std::to_string(i % H) + why);
 }
 
 HfMlp expert_views(const LayerConfig& c, const py::dict& params, std::int64_t e, KeptArrays& keep) {

@@ -31,6 +31,7 @@ storage changed since the last one (an optimizer's step changes them all;
 evaluation and gradient accumulation change none). Errors from C++ arrive as
 ValueError with hpmoe's message.
 """
+import copy
 import json
 from typing import NamedTuple
 
@@ -69,6 +70,14 @@ def from_hf_config(path, base=None):
     return json.loads(_core.config_file_json(str(path), json.dumps(base or preset("mixtral-8x7b"))))
 
 
+def _rebuild(init_args, state, training):
+    """A pickled MoELayer made again: the same arguments, then its parameters."""
+    layer = MoELayer(**init_args)
+    layer.load_state_dict(state)
+    layer.train(training)
+    return layer
+
+
 class _Function(torch.autograd.Function):
     @staticmethod
     def forward(ctx, module, names, x, *params):
@@ -91,6 +100,16 @@ class _Function(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out, d_aux, d_z):
         module = ctx.module
+        # Grad mode is on in a backward only under create_graph=True: hpmoe's backward is not itself
+        # differentiable, so a double backward (a gradient penalty, Hessian-vector products) is an error,
+        # not a silently dropped second-order term.
+        if torch.is_grad_enabled():
+            raise ValueError("hpmoe.MoELayer's backward is not differentiable: create_graph=True (double backward, "
+                             "gradient penalties) is not supported")
+        if ctx.step is None:
+            raise ValueError("this forward's backward has already run (the float32 executors run one backward "
+                             "per forward: call backward once, or use executor='reference' for repeated "
+                             "backwards with retain_graph=True)")
         if d_out is None:  # only the losses were used
             d_out = torch.zeros(ctx.tokens, module.config["hidden"], dtype=ctx.dtype)
         wide = torch.float64 if ctx.dtype == torch.float64 else torch.float32
@@ -171,12 +190,26 @@ class MoELayer(nn.Module):
     combine_dtype: with exchange="rank", what the combine's sums (and the backward's dx sums) travel in:
     None keeps the config's ("layer"), "bf16" halves their bytes (each rank's and node's sum rounded to bf16:
     results within bf16's tolerance of the float32 path).
+    check_finite: the fast executors refuse (ValueError) tokens x and gradients d_out holding NaN or Inf, and
+    an output or dx that overflowed, as the CLI and the reference executor do; a bits test that vectorises,
+    well under 1% of a step. False skips it (a measured training loop that checks its loss itself).
+
+    The module is deep-copyable and picklable (``copy.deepcopy``, ``torch.save(module)``): a copy is a new
+    layer with the same arguments and a copy of the parameters (in process only; ep="mpi" refuses).
     """
 
     def __init__(self, config, ranks=1, workers=1, executor="interleaved", schedule="critical-path",
                  dispatch_dtype=None, exchange=None, ranks_per_node=None, combine_dtype=None, dtype=None,
-                 ep="inprocess", mpi_path="auto"):
+                 ep="inprocess", mpi_path="auto", check_finite=True):
         super().__init__()
+        self._init_args = dict(config=config, ranks=ranks, workers=workers, executor=executor, schedule=schedule,
+                               dispatch_dtype=dispatch_dtype, exchange=exchange, ranks_per_node=ranks_per_node,
+                               combine_dtype=combine_dtype, dtype=dtype, ep=ep, mpi_path=mpi_path,
+                               check_finite=check_finite)
+        if not isinstance(workers, int) or isinstance(workers, bool) or not 1 <= workers <= 256:
+            raise ValueError(f"workers must be an integer from 1 to 256 (threads per rank), got {workers!r}")
+        if not isinstance(check_finite, bool):
+            raise ValueError(f"check_finite must be True or False, got {check_finite!r}")
         if ep == "mpi":
             _promote_mpi()
         cfg = dict(preset(config) if isinstance(config, str) else config)
@@ -199,6 +232,7 @@ class MoELayer(nn.Module):
         cfg["ranks"] = ranks
         cfg["tokens_per_rank"] = max(1, int(cfg.get("tokens_per_rank", 1)))
         self._core = _core.Layer(json.dumps(cfg), int(workers), executor, schedule, ep, mpi_path)
+        self._core.check_finite = check_finite
         self.config = json.loads(self._core.config_json)
         self.executor = executor
         self.ep = ep
@@ -222,6 +256,20 @@ class MoELayer(nn.Module):
         # "router", "compile", "verify", "prepare", "launch", ...}, "backward": {..., "gradients_to_hf"}};
         # "launch" is the layer's own work, the rest the host's. Empty for executor="reference".
         self.last_times = None
+
+    def __deepcopy__(self, memo):
+        if self.ep == "mpi":
+            raise ValueError("an hpmoe.MoELayer with ep='mpi' cannot be copied: each copy would be another set "
+                             "of MPI ranks; copy its state_dict() instead")
+        twin = MoELayer(**self._init_args)
+        twin.load_state_dict(copy.deepcopy(self.state_dict(), memo))
+        twin.train(self.training)
+        return twin
+
+    def __reduce__(self):
+        if self.ep == "mpi":
+            raise ValueError("an hpmoe.MoELayer with ep='mpi' cannot be pickled; save its state_dict() instead")
+        return (_rebuild, (self._init_args, self.state_dict(), self.training))
 
     @property
     def gate_bias(self):

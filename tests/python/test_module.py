@@ -2,7 +2,9 @@
 
 Run: PYTHONPATH=build/python /usr/bin/python3 -m pytest tests/python
 """
+import copy
 import json
+import pickle
 
 import pytest
 import torch
@@ -574,3 +576,67 @@ def test_io_round_trip_and_refuses_malformed_files(tmp_path):
             hpmoe.io.load_safetensors(bad)
         except ValueError:
             pass
+
+
+@pytest.mark.parametrize("executor", ["interleaved", "serialized"])
+def test_non_finite_tokens_and_gradients_are_refused(executor):
+    """The fast executors refuse NaN/Inf in x and d_out, and an output or dx that overflowed, as the CLI and
+    the reference executor do; check_finite=False skips the check (issue 43)."""
+    torch.manual_seed(0)
+    moe = hpmoe.MoELayer("tiny", ranks=2, executor=executor)
+    x = torch.randn(8, moe.config["hidden"])
+    bad = x.clone()
+    bad[3, 5] = float("nan")
+    with pytest.raises(ValueError, match="x holds NaN or Inf at token 3, channel 5"):
+        moe(bad)
+    bad[3, 5] = float("-inf")
+    with pytest.raises(ValueError, match="x holds NaN or Inf at token 3"):
+        moe(bad)
+    with pytest.raises(ValueError, match="overflowed"):
+        moe(x * 1e38)
+    y = moe(x)
+    d = torch.ones_like(y)
+    d[1, 2] = float("nan")
+    with pytest.raises(ValueError, match=r"d_out .* holds NaN or Inf at token 1, channel 2"):
+        y.backward(d)
+    # The expert bias is not moved by a refused step.
+    biased = hpmoe.MoELayer(hpmoe.with_fields(hpmoe.preset("tiny"), expert_bias=True), ranks=2, executor=executor)
+    before = biased.gate_bias.clone()
+    with pytest.raises(ValueError, match="x holds NaN"):
+        biased(bad).sum().backward()
+    assert torch.equal(before, biased.gate_bias)
+    unchecked = hpmoe.MoELayer("tiny", ranks=2, executor=executor, check_finite=False)
+    unchecked.load_state_dict(moe.state_dict())
+    assert not torch.isfinite(unchecked(bad)).all()
+    with pytest.raises(ValueError, match="check_finite must be True or False"):
+        hpmoe.MoELayer("tiny", check_finite=1)
+
+
+def test_second_and_double_backward_are_errors():
+    moe = hpmoe.MoELayer("tiny", ranks=2)
+    x = torch.randn(8, moe.config["hidden"], requires_grad=True)
+    y = moe(x)
+    y.sum().backward(retain_graph=True)
+    with pytest.raises(ValueError, match="backward has already run"):
+        y.sum().backward()
+    y = moe(x)
+    with pytest.raises(ValueError, match="not differentiable: create_graph=True"):
+        torch.autograd.grad(y.sum(), x, create_graph=True)
+
+
+def test_constructor_arguments_are_checked_and_the_module_copies():
+    with pytest.raises(ValueError, match="workers must be an integer from 1 to 256"):
+        hpmoe.MoELayer("tiny", workers=10**12)
+    with pytest.raises(ValueError, match="workers must be an integer"):
+        hpmoe.MoELayer("tiny", workers=2.5)
+    with pytest.raises(ValueError, match="hidden must be positive"):
+        hpmoe.with_fields(hpmoe.preset("tiny"), hidden=-1)
+    torch.manual_seed(1)
+    moe = hpmoe.MoELayer("tiny", ranks=2, schedule="fill")
+    x = torch.randn(8, moe.config["hidden"])
+    twin = copy.deepcopy(moe)
+    assert twin is not moe and torch.equal(twin(x), moe(x))
+    twin.gate.weight.data.add_(1.0)  # a copy, not a view
+    assert not torch.equal(twin.gate.weight, moe.gate.weight)
+    restored = pickle.loads(pickle.dumps(moe))
+    assert torch.equal(restored(x), moe(x)) and restored._init_args["schedule"] == "fill"
