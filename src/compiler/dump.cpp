@@ -29,6 +29,16 @@ T integer(const nlohmann::json& v, const std::string& what) {
               " bits");
 }
 
+// A list of integers of a dump, each read as integer<T>.
+template <class T>
+std::vector<T> integers(const nlohmann::json& v, const std::string& what) {
+  if (!v.is_array()) throw Error("program dump: " + what + " must be a list of integers");
+  std::vector<T> out;
+  out.reserve(v.size());
+  for (std::size_t i = 0; i < v.size(); ++i) out.push_back(integer<T>(v[i], what + "[" + std::to_string(i) + "]"));
+  return out;
+}
+
 // The value of an enum (of n values) whose name() is s.
 template <class Enum>
 Enum enum_from(std::size_t n, const std::string& s, const char* what) {
@@ -187,7 +197,7 @@ Program program_from_json(const nlohmann::json& j) {
     }
     if (p.dims.experts < 1 || p.dims.experts > (1 << 20))
       throw Error("program dump: dims.experts must be between 1 and 1048576");
-    p.local_experts = j.at("local_experts").get<std::vector<std::int32_t>>();
+    p.local_experts = integers<std::int32_t>(j.at("local_experts"), "local_experts");
     p.expert_slot.assign(static_cast<std::size_t>(p.dims.experts), -1);
     for (std::size_t le = 0; le < p.local_experts.size(); ++le) {
       const std::int32_t e = p.local_experts[le];
@@ -198,16 +208,16 @@ Program program_from_json(const nlohmann::json& j) {
         throw Error("program dump: local_experts lists expert " + std::to_string(e) + " twice");
       p.expert_slot[static_cast<std::size_t>(e)] = static_cast<std::int32_t>(le);
     }
-    p.expert_begin = j.at("expert_begin").get<std::vector<std::int64_t>>();
+    p.expert_begin = integers<std::int64_t>(j.at("expert_begin"), "expert_begin");
     if (p.expert_begin.size() != p.local_experts.size() + 1)
       throw Error("program dump: expert_begin must have one entry more than local_experts");
-    p.kpad_begin = j.at("kpad_begin").get<std::vector<std::int64_t>>();
+    p.kpad_begin = integers<std::int64_t>(j.at("kpad_begin"), "kpad_begin");
     if (p.kpad_begin.size() != p.expert_begin.size())
       throw Error("program dump: kpad_begin must have one entry more than local_experts");
     p.send_rows = integer<std::int64_t>(j.at("send_rows"), "send_rows");
     if (p.send_rows < 0 || p.send_rows > (std::int64_t{1} << 40)) throw Error("program dump: send_rows is impossible");
     if (j.contains("token_begin")) {
-      p.token_begin = j.at("token_begin").get<std::vector<std::int64_t>>();
+      p.token_begin = integers<std::int64_t>(j.at("token_begin"), "token_begin");
       if (p.token_begin.size() != static_cast<std::size_t>(p.ranks) * p.local_experts.size() + 1 || p.token_begin.front() != 0 ||
           !std::is_sorted(p.token_begin.begin(), p.token_begin.end()) || p.token_begin.back() > (std::int64_t{1} << 40))
         throw Error("program dump: token_begin must be ranks x local experts + 1 increasing rows from 0");
@@ -215,7 +225,7 @@ Program program_from_json(const nlohmann::json& j) {
     for (const auto& [key, field] : {std::pair{"node_begin", &Program::node_begin}, std::pair{"node_route_begin", &Program::node_route_begin}}) {
       if (!j.contains(key)) continue;
       auto& v = p.*field;
-      v = j.at(key).get<std::vector<std::int64_t>>();
+      v = integers<std::int64_t>(j.at(key), key);
       // node_begin: ranks x node slots + 1; node_route_begin: ranks x node ranks x node slots + 1.
       if (v.empty() || (v.size() - 1) % static_cast<std::size_t>(p.ranks) != 0 || v.size() > (std::size_t{1} << 24) ||
           v.front() != 0 || !std::is_sorted(v.begin(), v.end()) || v.back() > (std::int64_t{1} << 40))
@@ -229,8 +239,10 @@ Program program_from_json(const nlohmann::json& j) {
         throw Error("program dump: slot_parts must have one [inter_begin, inter, part, parts] per local expert");
       for (const auto& s : parts) {
         if (!s.is_array() || s.size() != 4) throw Error("program dump: a slot part must be [inter_begin, inter, part, parts]");
-        p.slot_parts.push_back(SlotPart{s[0].get<std::int64_t>(), s[1].get<std::int64_t>(), s[2].get<std::int32_t>(),
-                                        s[3].get<std::int32_t>()});
+        p.slot_parts.push_back(SlotPart{integer<std::int64_t>(s[0], "slot_parts inter_begin"),
+                                        integer<std::int64_t>(s[1], "slot_parts inter"),
+                                        integer<std::int32_t>(s[2], "slot_parts part"),
+                                        integer<std::int32_t>(s[3], "slot_parts parts")});
       }
     } else {
       p.slot_parts.assign(p.local_experts.size(), SlotPart{0, p.dims.inter, 0, 1});
@@ -240,22 +252,27 @@ Program program_from_json(const nlohmann::json& j) {
       if (!reds.is_array()) throw Error("program dump: reductions must be a list of [expert, parts, row_begin, rows]");
       for (const auto& r : reds) {
         if (!r.is_array() || r.size() != 4) throw Error("program dump: a reduction must be [expert, parts, row_begin, rows]");
-        p.reductions.push_back(Reduction{r[0].get<std::int32_t>(), r[1].get<std::int32_t>(), r[2].get<std::int64_t>(),
-                                         r[3].get<std::int64_t>()});
+        p.reductions.push_back(Reduction{integer<std::int32_t>(r[0], "reduction expert"),
+                                         integer<std::int32_t>(r[1], "reduction parts"),
+                                         integer<std::int64_t>(r[2], "reduction row_begin"),
+                                         integer<std::int64_t>(r[3], "reduction rows")});
       }
     }
     for (const auto& b : j.at("buffers"))
       p.buffers.push_back(BufferLayout{enum_from<BufferId>(std::size_t(BufferId::count), b.at("id").get<std::string>(), "buffer"),
-                                       b.at("rows").get<std::int64_t>(), b.at("cols").get<std::int64_t>(),
-                                       b.at("elem_bytes").get<std::int64_t>(), b.at("offset_bytes").get<std::int64_t>(),
+                                       integer<std::int64_t>(b.at("rows"), "buffer rows"),
+                                       integer<std::int64_t>(b.at("cols"), "buffer cols"),
+                                       integer<std::int64_t>(b.at("elem_bytes"), "buffer elem_bytes"),
+                                       integer<std::int64_t>(b.at("offset_bytes"), "buffer offset_bytes"),
                                        enum_from<Region>(3, b.at("region").get<std::string>(), "region"),
                                        enum_from<Layout>(2, b.at("layout").get<std::string>(), "layout")});
     for (const auto& e : j.at("events")) {
       if (!e.is_array() || e.size() != 4) throw Error("program dump: an event must be [required, consumer, expert, tile]");
       const std::string consumer = e[1].get<std::string>();
-      p.events.push_back(Event{e[0].get<std::int32_t>(),
+      const std::string which = "event " + std::to_string(p.events.size());
+      p.events.push_back(Event{integer<std::int32_t>(e[0], which + " required"),
                                consumer == "none" ? TaskKind::count : enum_from<TaskKind>(std::size_t(TaskKind::count), consumer, "task kind"),
-                               e[2].get<std::int32_t>(), e[3].get<std::int32_t>()});
+                               integer<std::int32_t>(e[2], which + " expert"), integer<std::int32_t>(e[3], which + " tile")});
       if (p.events.back().required < 0) throw Error("program dump: negative required count");
     }
     for (const auto& t : j.at("tasks")) {
@@ -281,7 +298,7 @@ Program program_from_json(const nlohmann::json& j) {
     p.queue_begin.push_back(0);
     for (const auto& q : j.at("queues")) {
       for (const auto& id : q) {
-        const auto v = id.get<std::int32_t>();
+        const auto v = integer<std::int32_t>(id, "a queue's task");
         if (v < 0 || v >= static_cast<std::int32_t>(p.tasks.size())) throw Error("program dump: queue names task " + std::to_string(v) + " which does not exist");
         p.queue_tasks.push_back(v);
       }

@@ -117,6 +117,13 @@ mutate("dump_rows_u32", lambda p: p["tasks"][0].__setitem__(6, 4294967296 + 3))
 mutate("dump_hidden_negative", lambda p: p["dims"].__setitem__("hidden", -5))
 mutate("dump_src_row_overflow", lambda p: p["tasks"][0].__setitem__(9, 2**31 - 1))
 mutate("dump_rank_huge", lambda p: p.__setitem__("rank", 2**40))
+# Events, queues, expert lists, buffers read at 64 bits: 2^32 + 2 is not 2.
+mutate("dump_event_u32", lambda p: p["events"][0].__setitem__(0, 2**32 + 2))
+mutate("dump_event_tile_u32", lambda p: p["events"][0].__setitem__(3, 2**32))
+mutate("dump_queue_u32", lambda p: p["queues"][0].__setitem__(0, 2**32 + 1))
+mutate("dump_local_expert_u32", lambda p: p["local_experts"].__setitem__(0, 2**32))
+mutate("dump_buffer_rows_u64", lambda p: p["buffers"][0].__setitem__("rows", 2**64 - 1))
+mutate("dump_expert_begin_str", lambda p: p["expert_begin"].__setitem__(0, "0"))
 j = json.load(open(f"{tmp}/dump.json")); j["version"] = 99; json.dump(j, open(f"{tmp}/dump_version.json", "w"))
 PY
 # Sharded checkpoints (model.safetensors.index.json) that cannot be read.
@@ -316,6 +323,12 @@ cases=(
   "verify $tmp/dump_hidden_negative.json"
   "verify $tmp/dump_src_row_overflow.json"
   "verify $tmp/dump_rank_huge.json"
+  "verify $tmp/dump_event_u32.json"
+  "verify $tmp/dump_event_tile_u32.json"
+  "verify $tmp/dump_queue_u32.json"
+  "verify $tmp/dump_local_expert_u32.json"
+  "verify $tmp/dump_buffer_rows_u64.json"
+  "verify $tmp/dump_expert_begin_str.json"
   "verify $tmp/dump_version.json"
   "verify $tmp/dump_expert_twice.json"
   "verify $tmp/dump_kpad_length.json"
