@@ -19,11 +19,14 @@
 #include <unordered_map>
 
 #include "hpmoe/bf16.hpp"
+#include "common/memory.hpp"
 #include "common/stats.hpp"
 #include "kernels/kernels.hpp"
 #include "runtime/interleaved.hpp"
 #include "kernels/peak.hpp"
 #include "cli/calibrate.hpp"
+
+#include "common/memory.hpp"
 #include "sim/sim.hpp"
 #include "runtime/worker_pool.hpp"
 #include "comm/event_wait.hpp"
@@ -203,6 +206,15 @@ json calibrate(const CalibrateOptions& opt, const std::function<void(const std::
   json rates = json::array();
   say("tile GEMM rates");
   const std::int64_t cold_bytes = opt.quick ? std::int64_t{96} << 20 : beyond_cache_bytes();
+  // One worker per core is what the model describes and what can be
+  // measured; each takes two regions beyond the caches.
+  const unsigned cores = std::thread::hardware_concurrency();
+  if (cores > 0 && W > static_cast<int>(cores))
+    throw Error("calibrate -W " + std::to_string(W) + ": this machine runs " + std::to_string(cores) +
+                " threads at once, and calibration measures one worker per core (use -W " + std::to_string(cores) + " or fewer)");
+  require_memory(double(W) * 2.0 * double(cold_bytes), "calibrate -W " + std::to_string(W),
+                 std::to_string(W) + " workers x 2 x " + gib_text(double(cold_bytes)) + " beyond the caches",
+                 "use fewer workers (-W) or --quick");
   std::vector<TileMemory> memory;
   for (int w = 0; w < W; ++w) memory.emplace_back(cold_bytes);
   // Shapes the layers' tiles have: full and partial row tiles; K from the

@@ -276,7 +276,8 @@ Greedy greedy(const LayerConfig& c, const ExpertPlacement& start, const History&
 // home is added below an expert's owner (the lowest home owns it), so the
 // owners stay where they are.
 Revision local_search(const LayerConfig& c, const ExpertPlacement& from, const History& h, const ExpertCostModel& cost,
-                      std::int64_t budget, std::int64_t max_changes, double horizon, bool keep_owners) {
+                      std::int64_t budget, std::int64_t max_changes, double horizon, bool keep_owners,
+                      const PlanProgress& progress = {}) {
   Revision out{from};
   auto rules = ExpertPlacement::Rules{.allow_empty_ranks = from.allows_empty_ranks(), .replicas = true,
                                       .slots_per_rank = budget, .splits = from.splits()};
@@ -287,6 +288,7 @@ Revision local_search(const LayerConfig& c, const ExpertPlacement& from, const H
   Score best = evaluate(from, h, cost);
   const std::vector<double> load = h.expert_rows(c);
   for (std::int64_t change = 0; change < max_changes; ++change) {
+    if (progress) progress("change " + std::to_string(change + 1) + " of up to " + std::to_string(max_changes) + " (local search)");
     const ExpertPlacement& current = out.placement;
     const auto t = rank_seconds(current, h.counts.back(), cost);
     const std::vector<std::int64_t> heavy = heaviest_per_home(current, load, 8);
@@ -425,7 +427,8 @@ ExpertPlacement eplb_seed(const LayerConfig& c, const ExpertPlacement& start, co
 // the force-balanced ideal at EP 256); the construction fills many slots at
 // once, and the greedy's moves then refine it.
 Greedy replica_plan(const LayerConfig& c, const ExpertPlacement& start, const History& h, const ExpertCostModel& cost,
-                    std::int64_t budget) {
+                    std::int64_t budget, const PlanProgress& progress = {}) {
+  if (progress) progress("searching: the greedy from the starting placement");
   Greedy from_start = greedy(c, start, h, cost, budget, true, false);
   std::int64_t free = 0;
   for (std::int64_t r = 0; r < c.ranks; ++r) free += budget - static_cast<std::int64_t>(start.experts_of(r).size());
@@ -438,9 +441,11 @@ Greedy replica_plan(const LayerConfig& c, const ExpertPlacement& start, const Hi
     const Score here = evaluate(trial, h, cost);
     if (!seed || here.better_than(seed_score)) seed = std::move(trial), seed_score = here;
   }
+  if (progress) progress("searching: the greedy from EPLB's construction");
   Greedy from_seed = greedy(c, *seed, h, cost, budget, true, false);
   // Then up to 64 adds, drops or moves (a static plan: no weights move while it runs).
-  for (Greedy* g : {&from_start, &from_seed}) g->placement = local_search(c, g->placement, h, cost, budget, 64, 0, false).placement;
+  for (Greedy* g : {&from_start, &from_seed})
+    g->placement = local_search(c, g->placement, h, cost, budget, 64, 0, false, progress).placement;
   Greedy& kept = evaluate(from_seed.placement, h, cost).better_than(evaluate(from_start.placement, h, cost)) ? from_seed : from_start;
   kept.replicas = kept.placement.instances() - start.instances();
   return kept;
@@ -506,7 +511,7 @@ Revision revise_placement(const LayerConfig& c, const ExpertPlacement& current,
   return b.better_than(a) ? fresh : local;
 }
 
-PlanReport plan_placement(const PlanRequest& req) {
+PlanReport plan_placement(const PlanRequest& req, const PlanProgress& progress) {
   const LayerConfig& c = req.config;
   c.validate();
   if (req.steps < 1 || req.steps > 10000) throw Error("--steps must be between 1 and 10000 (got " + std::to_string(req.steps) + ")");
@@ -525,6 +530,7 @@ PlanReport plan_placement(const PlanRequest& req) {
                 " experts the starting placement already puts on one rank");
   History h;
   for (std::int64_t k = 0; k < req.steps; ++k) {
+    if (progress) progress("step " + std::to_string(k + 1) + " of " + std::to_string(req.steps) + " of load history routed");
     RoutingSpec spec = req.routing;  // the same popularity every step, other draws
     spec.step = static_cast<std::uint64_t>(k);
     if (spec.source == RoutingSource::router) {
@@ -536,7 +542,8 @@ PlanReport plan_placement(const PlanRequest& req) {
   const Score start = evaluate(rep.before, h, cost);
   rep.cost_before = start.slowest;
   rep.imbalance_before = start.imbalance;
-  Greedy chosen = req.replicas && !req.splits ? replica_plan(c, rep.before, h, cost, budget)
+  if (progress && !(req.replicas && !req.splits)) progress("searching: the greedy");
+  Greedy chosen = req.replicas && !req.splits ? replica_plan(c, rep.before, h, cost, budget, progress)
                                               : greedy(c, rep.before, h, cost, budget, req.replicas, req.splits);
   if (req.replicas && req.splits) {
     // The cost model prices a split's rows on its own rank only; every
@@ -544,7 +551,8 @@ PlanReport plan_placement(const PlanRequest& req) {
     // with both kinds of move allowed, the simulator (on the history's last
     // step, which the plan has seen) decides between the hybrid plan and
     // the replicas-only one.
-    const Greedy only = replica_plan(c, rep.before, h, cost, budget);
+    const Greedy only = replica_plan(c, rep.before, h, cost, budget, progress);
+    if (progress) progress("simulating the hybrid and the replicas-only plans");
     rep.sim_hybrid = simulate_step(machine, req, chosen.placement, true, req.steps - 1);
     rep.sim_replicas_only = simulate_step(machine, req, only.placement, true, req.steps - 1);
     if (rep.sim_replicas_only <= rep.sim_hybrid) chosen = only;
@@ -556,6 +564,7 @@ PlanReport plan_placement(const PlanRequest& req) {
   const Score after = evaluate(current, h, cost);
   rep.cost_after = after.slowest;
   rep.imbalance_after = after.imbalance;
+  if (progress) progress("simulating the step before and after");
   rep.sim_serialized_before = simulate_step(machine, req, rep.before, false);
   rep.sim_interleaved_before = simulate_step(machine, req, rep.before, true);
   rep.sim_serialized_after = simulate_step(machine, req, rep.after, false);

@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <nlohmann/json_fwd.hpp>
 #include <span>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -117,7 +118,10 @@ Revision revise_placement(const LayerConfig&, const ExpertPlacement& current,
 // (HDA-MoE's hybrid), priced the same way; with both kinds of move allowed,
 // the search runs with and without splits and the simulator keeps the
 // faster plan.
-PlanReport plan_placement(const PlanRequest&);
+// Progress lines for long plans (a history of thousands of steps, EP 256):
+// phases, and per step or per change a line the caller may thin out.
+using PlanProgress = std::function<void(const std::string&)>;
+PlanReport plan_placement(const PlanRequest&, const PlanProgress& progress = {});
 std::string format_report(const PlanReport&);
 nlohmann::json to_json(const PlanReport&);
 

@@ -742,6 +742,7 @@ RunReport run_sharded(const RunRequest& req, const std::function<void(const std:
   int me = 0;
   while (!tr.hosts(me)) ++me;
   agree_on_request(tr, me, req);
+  check_run_memory(req, true);
   const ExpertPlacement placement = placement_or_contiguous(req.placement, c.routed_experts, c.ranks);
   const auto held = experts_of(placement, me), owned = owned_by(placement, me);
   const std::vector<int> mine{me};
@@ -881,6 +882,7 @@ RunReport run_layer(const RunRequest& req, const std::function<void(const std::s
     throw Error("--verify-all-ranks audits the per-rank proof of an MPI run (in process the whole set is always verified); "
                 "use it with --transport mpi");
 
+  check_run_memory(req, false);
   say(req.load_dir.empty() ? "generating weights and inputs" : "loading weights and inputs from " + req.load_dir);
   LayerWeights w = req.load_dir.empty() ? random_weights(c, req.seed) : load_weights(req.load_dir, c);
   LayerInputs in = req.load_dir.empty() ? random_inputs(c, req.seed) : load_inputs(req.load_dir, c, req.backward ? DOut::required : DOut::optional);

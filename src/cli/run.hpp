@@ -119,6 +119,11 @@ struct Summary {
 };
 Summary summarize(std::vector<double> samples);
 
+// Refuses (Error naming the parts and what to change) a run whose estimated
+// memory exceeds what this machine has available, before anything is
+// allocated. `sharded`: one MPI process's share.
+void check_run_memory(const RunRequest& req, bool sharded);
+
 struct RunReport {
   LayerConfig config;
   // Bytes the last step's puts carried to other ranks (StepResult).

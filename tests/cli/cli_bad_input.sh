@@ -364,6 +364,11 @@ cases=(
   "simulate --machine $HPMOE_SOURCE_DIR/machines/h800.json --routing trace:$tmp/out_of_range.json"
   "calibrate --out /nonexistent/dir/m.json --quick"
   "calibrate -W 0"
+  # Memory that cannot be had: refused with one line before it is taken
+  # (a no-swap machine would otherwise OOM-kill the process).
+  "calibrate -W 256 --quick"
+  "run -T 4194304 --set hidden=256"
+  "run -T 4194304 --set hidden=256 --mode interleaved --verify off"
   "simulate --machine $HPMOE_SOURCE_DIR/machines/h800.json --schedule random"
   "simulate --machine $HPMOE_SOURCE_DIR/machines/h800.json --dtype fp8"
   "config --preset nope"

@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
 
@@ -180,12 +181,18 @@ int parse_rank(const std::string& text, std::int64_t ranks) {
 
 // Progress on stderr: every phase, but the per-step lines of a long run at
 // most every 5 s (3,000 iterations printed 1,690 lines, burying errors).
+// Counted lines ("step 12 of 3000 ...", "change 3 of up to 64 ...") at most
+// every 5 s per kind.
 struct ProgressLine {
-  double last_step_s = -1e9;
+  std::map<std::string, double> last_s;  // by the line's first word
   void say(const std::string& what, double elapsed) {
-    if (what.rfind("step ", 0) == 0) {
-      if (elapsed - last_step_s < 5.0) return;
-      last_step_s = elapsed;
+    const std::string first = what.substr(0, what.find(' '));
+    if (first == "step" || first == "change") {
+      auto [it, fresh] = last_s.emplace(first, elapsed);
+      if (!fresh) {
+        if (elapsed - it->second < 5.0) return;
+        it->second = elapsed;
+      }
     }
     std::fprintf(stderr, "hpmoe: %s (%.1f s)\n", what.c_str(), elapsed);
   }
@@ -432,7 +439,13 @@ struct PlanCommand {
     req.replicas = !no_replicas;
     if (!out.empty()) check_writable(out, "the placement");
     if (!json_file.empty()) check_writable(json_file, "JSON results");
-    const PlanReport report = plan_placement(req);
+    // Progress on stderr once a plan has run two seconds (a long history at EP 256 takes minutes).
+    const auto start = std::chrono::steady_clock::now();
+    ProgressLine line;
+    const PlanReport report = plan_placement(req, [&](const std::string& what) {
+      const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      if (elapsed >= 2.0) line.say(what, elapsed);
+    });
     std::cout << format_report(report);
     if (!out.empty()) {
       write_file_atomically(out, to_json(report.after).dump(1) + "\n", "the placement");
@@ -629,7 +642,7 @@ int main(int argc, char** argv) {
   } catch (const hpmoe::Error& e) {
     print_error(e.what());
   } catch (const std::bad_alloc&) {
-    print_error("out of memory: the layer does not fit this machine; use fewer tokens or ranks");
+    print_error("out of memory: what this command was asked to hold does not fit this machine (use fewer tokens, ranks, experts, workers or steps)");
   } catch (const std::exception& e) {
     print_error(e.what());
   }
