@@ -3,6 +3,8 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <set>
+#include <string>
 #include <nlohmann/json.hpp>
 
 #include "hpmoe/error.hpp"
@@ -177,8 +179,48 @@ json tile_json(const MachineModel& m) {
 }
 }  // namespace
 
+// Every field a machine model may hold; under an open path any key is
+// allowed (sources, the measured peak's notes, per-kind and per-EP tables).
+// A key outside both is a typo whose figure would silently not be used.
+void check_known_fields(const json& j, const std::string& prefix = "") {
+  static const std::set<std::string> known = {
+      "name", "description", "kind", "signal_latency_s", "task_overhead_s",
+      "units", "units.matrix", "units.vector", "units.workers",
+      "tile", "tile.rows", "tile.cols", "tile.weight_rows", "tile.weight_cols",
+      "matrix", "matrix.tile_rates", "vector", "vector.bytes_per_s", "vector.by_kind",
+      "put", "put.engine", "put.in_flight", "put.issue_s", "put.copy_bytes_per_s", "put.receive",
+      "put.receive.per_put_s", "put.receive.bytes_per_s", "put.stream_per_peer",
+      "links", "links.intra", "links.intra.bytes_per_s", "links.intra.latency_s", "links.intra.by_ep",
+      "links.inter", "links.inter.bytes_per_s", "links.inter.latency_s", "links.ranks_per_node",
+      "mesh", "mesh.cols", "mesh.hop_latency_s", "mesh.link_bytes_per_s",
+      "serialized", "serialized.task_overhead_s", "serialized.operator_launch_s", "serialized.collective_sync_s",
+      "serialized.matrix_units",
+      "baselines", "baselines.deepep", "baselines.deepep.kernel_launch_s", "baselines.deepep.fp8_dispatch",
+      "baselines.mindspore", "baselines.mindspore.host_sync_s",
+      "peak", "sources"};
+  static const std::set<std::string> open = {"vector.by_kind", "links.intra.by_ep", "put.stream_per_peer",
+                                             "baselines.deepep.fp8_dispatch", "peak", "sources"};
+  for (const auto& [key, value] : j.items()) {
+    const std::string path = prefix.empty() ? key : prefix + "." + key;
+    if (!known.count(path))
+      throw Error("machine model: unknown field '" + path + "' (a typo? docs/simulator.md lists the fields)");
+    if (value.is_object() && !open.count(path)) check_known_fields(value, path);
+  }
+}
+
+// A name or description goes into reports and terminals: printable text only.
+void check_printable(const json& j, const char* field) {
+  if (!j.contains(field) || !j[field].is_string()) return;
+  for (const char ch : j[field].get<std::string>())
+    if (static_cast<unsigned char>(ch) < 0x20 || ch == 0x7f)
+      throw Error(std::string("machine model: '") + field + "' holds a control character");
+}
+
 MachineModel machine_from_json(const json& j) {
   if (!j.is_object()) throw Error("machine model: expected a JSON object");
+  check_known_fields(j);
+  check_printable(j, "name");
+  check_printable(j, "description");
   MachineModel m;
   const json& name = at(j, "name");
   if (!name.is_string() || name.get<std::string>().empty()) throw Error("machine model: 'name' must be a non-empty string");

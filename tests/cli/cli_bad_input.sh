@@ -69,7 +69,10 @@ for name, path, value in [("m_latency", ("signal_latency_s",), 1e308), ("m_overh
     ("m_host_sync", ("baselines", "mindspore", "host_sync_s"), -1),
     ("m_ser_overhead", ("serialized", "task_overhead_s"), -1e-6), ("m_stream", ("put", "stream_per_peer"), True),
     # vector kinds at their own rates: a matrix kind, and a rate that is not one
-    ("m_by_kind", ("vector", "by_kind"), {"gemm_down": 1e10}), ("m_by_kind_rate", ("vector", "by_kind"), {"swiglu": "fast"})]:
+    ("m_by_kind", ("vector", "by_kind"), {"gemm_down": 1e10}), ("m_by_kind_rate", ("vector", "by_kind"), {"swiglu": "fast"}),
+    # a misspelt field (its figure would silently not be used), a control character in the name
+    ("m_unknown", ("units", "matrx"), 8), ("m_unknown_top", ("link",), {"intra": {}}),
+    ("m_name_control", ("name",), "h800\u001b[31m")]:
     m = json.load(open(src))
     d = m
     for k in path[:-1]: d = d.setdefault(k, {})
@@ -348,6 +351,9 @@ cases=(
   "simulate --machine $tmp/nolinks.json"
   "simulate --machine $tmp/negunits.json"
   "simulate --machine $tmp/m_engine.json"
+  "simulate --machine $tmp/m_unknown.json"
+  "simulate --machine $tmp/m_unknown_top.json"
+  "simulate --machine $tmp/m_name_control.json"
   "simulate --machine $tmp/m_in_flight.json"
   "simulate --machine $tmp/m_receive.json"
   "simulate --machine $tmp/m_by_ep.json"
