@@ -156,7 +156,7 @@ row ascend-a3 "hyper-parallel EP4 (32 experts, H 7168, I 2048)" \
   "--preset deepseek-v3 --set routed_experts=32 --set shared_experts=0 --set groups=1 --set groups_kept=1" 4 2048 uniform
 row ascend-a3 "hyper-parallel EP8 (48 experts, H 5120, I 1792)" \
   "--preset deepseek-v3 --set routed_experts=48 --set hidden=5120 --set expert_inter=1792 --set shared_experts=0 --set groups=1 --set groups_kept=1" 8 4096 uniform
-for routing in uniform "trace:$trace:15"; do
+for routing in uniform "trace:$trace:15:repeat"; do  # 8 x 4096 tokens: the recording (12,138) repeated
   row ascend-a3 "Mixtral-8x7B sizes, natural routing" "--preset mixtral-8x7b" 8 4096 "$routing"
 done
 echo

@@ -23,6 +23,9 @@ struct RoutingSpec {
   std::int64_t hot_expert = 0;
   std::string trace_path;
   std::string trace_layer = "0";
+  // A trace with fewer tokens than a step needs is an error unless the spec
+  // asks for it to be repeated (trace:FILE[:LAYER]:repeat).
+  bool trace_repeat = false;
   std::uint64_t seed = 1;
   // Steps of one synthetic routing share its popularity (which experts are
   // hot, from `seed`) and differ in the draws (step 0: as before steps); a

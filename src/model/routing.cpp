@@ -21,7 +21,7 @@ std::string RoutingSpec::describe() const {
     case RoutingSource::balanced: return "balanced";
     case RoutingSource::zipf: return "zipf:" + std::to_string(zipf_exponent).substr(0, 5);
     case RoutingSource::hot: return "hot:" + std::to_string(hot_share).substr(0, 5);
-    case RoutingSource::trace: return "trace:" + trace_path + ":" + trace_layer;
+    case RoutingSource::trace: return "trace:" + trace_path + ":" + trace_layer + (trace_repeat ? ":repeat" : "");
     case RoutingSource::mixed: return "mixed (a new routing every step)";
   }
   return "?";
@@ -80,7 +80,7 @@ RoutingSpec parse_routing_spec(const std::string& text, std::uint64_t seed) {
   s.seed = seed;
   const auto colon = text.find(':');
   const std::string kind = text.substr(0, colon);
-  const std::string rest = colon == std::string::npos ? "" : text.substr(colon + 1);
+  std::string rest = colon == std::string::npos ? "" : text.substr(colon + 1);
   if (kind == "router" && rest.empty()) {
     s.source = RoutingSource::router;
   } else if (kind == "uniform" && rest.empty()) {
@@ -102,6 +102,10 @@ RoutingSpec parse_routing_spec(const std::string& text, std::uint64_t seed) {
     s.source = RoutingSource::mixed;
   } else if (kind == "trace" && !rest.empty()) {
     s.source = RoutingSource::trace;
+    if (rest.size() > 7 && rest.compare(rest.size() - 7, 7, ":repeat") == 0) {
+      s.trace_repeat = true;
+      rest.resize(rest.size() - 7);
+    }
     const auto last = rest.rfind(':');
     const std::string tail = last == std::string::npos ? "" : rest.substr(last + 1);
     const bool signed_number = tail.size() > 1 && (tail[0] == '-' || tail[0] == '+') &&
@@ -114,9 +118,9 @@ RoutingSpec parse_routing_spec(const std::string& text, std::uint64_t seed) {
     } else {
       s.trace_path = rest;
     }
-    if (s.trace_path.empty()) throw Error("routing '" + text + "': give the trace file (trace:FILE[:LAYER])");
+    if (s.trace_path.empty()) throw Error("routing '" + text + "': give the trace file (trace:FILE[:LAYER][:repeat])");
   } else {
-    throw Error("unknown routing '" + text + "' (use router, uniform, balanced, zipf[:S], hot[:SHARE], trace:FILE[:LAYER] or mixed)");
+    throw Error("unknown routing '" + text + "' (use router, uniform, balanced, zipf[:S], hot[:SHARE], trace:FILE[:LAYER][:repeat] or mixed)");
   }
   return s;
 }
@@ -222,6 +226,10 @@ std::vector<std::int32_t> forced_selection(const LayerConfig& c, const RoutingSp
   if (s.source == RoutingSource::trace) {
     std::int64_t trace_tokens = 0;
     const auto trace = load_trace(s.trace_path, s.trace_layer, k, e, &trace_tokens);
+    if (trace_tokens < n && !s.trace_repeat)
+      throw Error("routing trace '" + s.trace_path + "' layer " + s.trace_layer + " has " + std::to_string(trace_tokens) +
+                  " tokens, fewer than the " + std::to_string(n) + " a step routes (ranks x tokens per rank): use fewer "
+                  "tokens, or trace:" + s.trace_path + ":" + s.trace_layer + ":repeat to repeat the recording");
     // Step k reads the trace's next window of tokens (wrapping around at its
     // end), so a history of steps sees the recording's drift, not one window
     // again and again.

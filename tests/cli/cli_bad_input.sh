@@ -370,6 +370,9 @@ cases=(
   "simulate --machine $HPMOE_SOURCE_DIR/machines/h800.json --routing trace:$tmp/out_of_range.json"
   "calibrate --out /nonexistent/dir/m.json --quick"
   "calibrate -W 0"
+  # A recording shorter than a step (2 x 8192 tokens against 12,138) is not repeated unasked.
+  "simulate --machine h800 -T 8192 --routing trace:$trace:3"
+  "run -T 8192 --routing trace:$trace:3 --iters 1"
   # Memory that cannot be had: refused with one line before it is taken
   # (a no-swap machine would otherwise OOM-kill the process).
   "calibrate -W 256 --quick"

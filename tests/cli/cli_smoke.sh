@@ -67,6 +67,9 @@ grep -q "verify   PASS" "$tmp/split-run.txt" && grep -q "bit-identical, all" "$t
 test -s "$tmp/run/weights.safetensors" && test -s "$tmp/run/outputs.safetensors" && test -s "$tmp/run/routing.safetensors"
 "$HPMOE" run --seed 99 --backward --load "$tmp/run" --save "$tmp/again" > "$tmp/b.txt"
 cmp "$tmp/run/outputs.safetensors" "$tmp/again/outputs.safetensors"
+# A recording shorter than a step is repeated when the spec asks for it.
+"$HPMOE" simulate --machine h800 -T 8192 --routing "trace:$HPMOE_SOURCE_DIR/data/routing/mixtral-8x7b/coding.json:3:repeat" \
+  | has "coding.json:3:repeat"
 # A save that fails (here: the file-size limit) leaves the folder's earlier
 # checkpoint whole and no temporary; it still loads and reproduces its run.
 cp -r "$tmp/run" "$tmp/before"
