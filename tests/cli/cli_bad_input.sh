@@ -31,6 +31,7 @@ echo '{"hidden": 64, "expert_inter": 18446744073709551615, "routed_experts": 8, 
 echo '{"hidden_size": 18446744073709551615, "moe_intermediate_size": 8, "num_experts": 8, "num_experts_per_tok": 2}' > "$tmp/u64_hf.json"
 # FIFOs given as inputs (each would block open() until a writer came) and
 # as an output nobody reads; a checkpoint index that is a directory.
+"$HPMOE" config --preset tiny > "$tmp/tiny_config.json"
 mkfifo "$tmp/fifo.json"
 mkdir -p "$tmp/fifo_single" "$tmp/fifo_index" "$tmp/fifo_shard" "$tmp/index_dir/model.safetensors.index.json"
 mkfifo "$tmp/fifo_single/weights.safetensors" "$tmp/fifo_index/model.safetensors.index.json" "$tmp/fifo_shard/w.safetensors"
@@ -402,6 +403,13 @@ cases=(
   "run --load $tmp/fifo_shard"
   "run --load $tmp/index_dir"
   "run --json $tmp/fifo.json"
+  # Outputs that would overwrite each other, the save, or an input.
+  "run --json $tmp/same.json --trace $tmp/same.json"
+  "run --save $tmp --json $tmp/weights.safetensors"
+  "run --save $tmp --trace $tmp/model.safetensors.index.json"
+  "run --config $tmp/tiny_config.json --json $tmp/tiny_config.json"
+  "simulate --machine h800 --json $tmp/s.json --timeline $tmp/./s.json"
+  "plan --machine h800 --out $tmp/p.json --json $tmp/p.json"
   "run --save $tmp/save_blocked"
   "run --trace $tmp/no/such/dir/t.json"
   "plan --machine h800 --out $tmp/no/such/dir/p.json"

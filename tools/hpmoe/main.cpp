@@ -14,6 +14,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <regex>
 
 #include "common/atomic_file.hpp"
 #include "cli/compile_driver.hpp"
@@ -127,6 +128,37 @@ struct LayerOptions {
 
 // Fails now, before the work, if `path` cannot be written later; creates
 // nothing (a probe file would be left behind by an interrupted run).
+// Outputs of one command that would overwrite each other or one of its
+// inputs (--json X --trace X; --json D/weights.safetensors with --save D;
+// --json over the --config read): refused before anything runs. Each entry
+// is (flag, path); `save_dir` is the folder --save fills; inputs as given.
+void check_distinct_outputs(const std::vector<std::pair<std::string, std::string>>& outputs, const std::string& save_dir,
+                            const std::vector<std::pair<std::string, std::string>>& inputs = {}) {
+  namespace fs = std::filesystem;
+  auto canonical = [](const std::string& p) {
+    std::error_code ec;
+    const fs::path c = fs::weakly_canonical(fs::absolute(p), ec);
+    return ec ? fs::absolute(p).lexically_normal() : c;
+  };
+  std::vector<std::pair<std::string, fs::path>> seen;
+  for (const auto& [flag, path] : outputs) {
+    if (path.empty()) continue;
+    const fs::path c = canonical(path);
+    for (const auto& [other, p] : seen)
+      if (p == c) throw Error(flag + " and " + other + " both write '" + path + "': give each output its own file");
+    for (const auto& [in_flag, in_path] : inputs)
+      if (!in_path.empty() && canonical(in_path) == c)
+        throw Error(flag + " would overwrite '" + path + "', which " + in_flag + " reads: write the output elsewhere");
+    if (!save_dir.empty() && c.parent_path() == canonical(save_dir)) {
+      static const std::regex saved("(weights|inputs|routing|outputs)(-rank[0-9]+-of-[0-9]+)?\\.safetensors|"
+                                    "model\\.safetensors\\.index\\.json");
+      if (std::regex_match(c.filename().string(), saved))
+        throw Error(flag + " '" + path + "' is a file that --save " + save_dir + " writes: give it another name or folder");
+    }
+    seen.emplace_back(flag, c);
+  }
+}
+
 void check_writable(const std::string& path, const std::string& what) {
   std::error_code ec;
   const auto status = std::filesystem::status(path, ec);
@@ -322,6 +354,9 @@ struct RunCommand {
     for (const auto& [file, what] : {std::pair<const std::string&, const char*>{json_file, "JSON results"},
                                      {req.trace_file, "the trace"}, {req.timeline_file, "the timeline"}})
       if (!file.empty()) check_writable(file, what);
+    check_distinct_outputs({{"--json", json_file}, {"--trace", req.trace_file}, {"--timeline", req.timeline_file}},
+                           req.save_dir, {{"--config", layer.config_file}, {"--placement", layer.placement},
+                                          {"--routing", req.routing.trace_path}});
     if (!req.save_dir.empty()) check_save_dir(req.save_dir);
     if (transport == "mpi")
       return run_mpi(argc, argv, req,
@@ -390,6 +425,9 @@ struct SimulateCommand {
     for (const auto& [file, what] : {std::pair<const std::string&, const char*>{sim_json, "JSON results"},
                                      {sim_trace, "the trace"}, {sim_timeline, "the timeline"}})
       if (!file.empty()) check_writable(file, what);
+    check_distinct_outputs({{"--json", sim_json}, {"--trace", sim_trace}, {"--timeline", sim_timeline}}, "",
+                           {{"--config", layer.config_file}, {"--placement", layer.placement}, {"--machine", sim_machine},
+                            {"--routing", sreq.routing.trace_path}});
     const sim::SimReport report = sim::simulate(model, sreq);
     std::cout << sim::format_report(report);
     if (!sim_json.empty()) write_json(sim_json, sim::to_json(report));
@@ -439,6 +477,8 @@ struct PlanCommand {
     req.replicas = !no_replicas;
     if (!out.empty()) check_writable(out, "the placement");
     if (!json_file.empty()) check_writable(json_file, "JSON results");
+    check_distinct_outputs({{"--out", out}, {"--json", json_file}}, "",
+                           {{"--config", layer.config_file}, {"--placement", layer.placement}, {"--routing", req.routing.trace_path}});
     // Progress on stderr once a plan has run two seconds (a long history at EP 256 takes minutes).
     const auto start = std::chrono::steady_clock::now();
     ProgressLine line;
