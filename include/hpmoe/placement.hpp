@@ -106,8 +106,9 @@ class ExpertPlacement {
 
   // Throws Error unless this placement fits a layer of `experts` experts on
   // `ranks` ranks (and, given the expert's intermediate size, unless every
-  // split's parts tile [0, inter)).
-  void check_fits(std::int64_t experts, std::int64_t ranks, std::int64_t inter = 0) const;
+  // split's parts tile [0, inter)). `column_unit`: every split boundary a
+  // multiple of it (2 for a bf16 layer, whose kernels take K in pairs).
+  void check_fits(std::int64_t experts, std::int64_t ranks, std::int64_t inter = 0, std::int64_t column_unit = 1) const;
 
   friend bool operator==(const ExpertPlacement& a, const ExpertPlacement& b) {
     return a.ranks_ == b.ranks_ && a.local_begin_ == b.local_begin_ && a.local_ == b.local_ &&

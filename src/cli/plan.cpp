@@ -169,9 +169,12 @@ std::vector<std::vector<std::int64_t>> lists_of(const ExpertPlacement& p) {
 }
 
 // Sets expert e's split to `parts` even column parts (on 64-column
-// boundaries where the size allows); false if the dimension cannot take them.
-bool even_split(std::vector<ExpertPlacement::Split>& splits, std::int64_t e, std::int64_t parts, std::int64_t inter) {
-  const std::int64_t unit = inter >= 64 * parts ? 64 : 1;
+// boundaries where the size allows, else on multiples of `min_unit`: 2 in
+// bf16); false if the dimension cannot take them.
+bool even_split(std::vector<ExpertPlacement::Split>& splits, std::int64_t e, std::int64_t parts, std::int64_t inter,
+                std::int64_t min_unit) {
+  const std::int64_t unit = inter >= 64 * parts ? 64 : min_unit;
+  if (inter % min_unit != 0) return false;
   if (inter < parts * unit) return false;
   ExpertPlacement::Split sp{e, {0}};
   for (std::int64_t j = 1; j < parts; ++j) sp.columns.push_back((inter / unit) * j / parts * unit);
@@ -234,7 +237,8 @@ Greedy greedy(const LayerConfig& c, const ExpertPlacement& start, const History&
       auto trial = lists;
       for (const auto r : ranks) trial[static_cast<std::size_t>(r)].push_back(e);
       auto trial_rules = rules;
-      if (split && !even_split(trial_rules.splits, e, current.parts(e) + static_cast<std::int64_t>(ranks.size()), c.expert_inter))
+      if (split && !even_split(trial_rules.splits, e, current.parts(e) + static_cast<std::int64_t>(ranks.size()), c.expert_inter,
+                                 c.dtype == DType::bf16 ? 2 : 1))
         return;
       const auto p = ExpertPlacement::from_rank_lists(c.routed_experts, trial, trial_rules, "plan");
       const Score here = evaluate(p, h, cost);

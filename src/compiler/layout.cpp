@@ -20,7 +20,7 @@ Exchange::Exchange(const LayerConfig& c, const ExpertPlacement& placement, const
       forwards_(c.forwards()) {
   // Node slots: as many as the most instances a rank holds.
   for (std::int64_t d = 0; d < ranks_ && forwards_; ++d) node_slots_ = std::max(node_slots_, placement_.local_count(d));
-  placement_.check_fits(experts_, ranks_, c.expert_inter);
+  placement_.check_fits(experts_, ranks_, c.expert_inter, c.dtype == DType::bf16 ? 2 : 1);
   if (counts.ranks != ranks_ || counts.experts != experts_ ||
       counts.counts.size() != static_cast<std::size_t>(ranks_ * experts_))
     throw Error("routing counts are for " + std::to_string(counts.ranks) + " ranks x " +

@@ -186,7 +186,7 @@ std::int64_t ExpertPlacement::max_local_count() const {
   return most;
 }
 
-void ExpertPlacement::check_fits(std::int64_t experts, std::int64_t ranks, std::int64_t inter) const {
+void ExpertPlacement::check_fits(std::int64_t experts, std::int64_t ranks, std::int64_t inter, std::int64_t column_unit) const {
   if (this->experts() != experts || ranks_ != ranks)
     throw Error("the expert placement is for " + text(this->experts()) + " experts on " + text(ranks_) +
                 " ranks, the layer has " + text(experts) + " experts on " + text(ranks) + " ranks");
@@ -195,6 +195,13 @@ void ExpertPlacement::check_fits(std::int64_t experts, std::int64_t ranks, std::
       if (sp.columns.back() != inter)
         throw Error("the split of expert " + text(sp.expert) + " does not tile the intermediate dimension: its columns end at " +
                     text(sp.columns.back()) + ", the layer's expert_inter is " + text(inter));
+  if (column_unit > 1)
+    for (const Split& sp : splits_)
+      for (const auto b : sp.columns)
+        if (b % column_unit != 0)
+          throw Error("the split of expert " + text(sp.expert) + " cuts at column " + text(b) + ": a bf16 layer's split " +
+                      "boundaries must be multiples of " + text(column_unit) + " (its kernels take the intermediate "
+                      "dimension in pairs); plan with --dtype bf16, or move the cut");
 }
 
 std::pair<std::int64_t, std::int64_t> ExpertPlacement::part_columns(std::int64_t instance, std::int64_t inter) const {

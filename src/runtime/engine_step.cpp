@@ -45,7 +45,7 @@ Interleaved<T>::Interleaved(const LayerConfig& c, const LayerWeights& w, Runtime
   if (sharded() && local_.size() != 1)
     throw Error("a transport that spreads ranks over processes must host one rank per process (this one hosts " +
                 std::to_string(local_.size()) + ")");
-  placement_.check_fits(c.routed_experts, c.ranks, c.expert_inter);
+  placement_.check_fits(c.routed_experts, c.ranks, c.expert_inter, c.dtype == DType::bf16 ? 2 : 1);
   if (placement_.has_splits()) pack_split_parts(opt.backward);
   phases_ = {taskflow::layer_operators(c, placement_.has_splits(), taskflow::Pass::forward),
              taskflow::layer_operators(c, placement_.has_splits(), taskflow::Pass::backward)};
