@@ -6,6 +6,7 @@
 #include <cstring>
 #include <filesystem>
 #include <cmath>
+#include <limits>
 #include <fstream>
 #include <optional>
 #include <iomanip>
@@ -63,6 +64,10 @@ Comparison compare(const std::string& tensor, std::span<const float> fast, std::
     c.ref_max = std::max(c.ref_max, std::abs(ref[i]));
   }
   c.rel_l2 = ref2 > 0 ? std::sqrt(diff2 / ref2) : std::sqrt(diff2);
+  if (!finite) {  // std::max drops a NaN difference: say infinite, not 0 (and the report prints "inf", not "-nan")
+    c.max_abs = std::numeric_limits<double>::infinity();
+    c.rel_l2 = std::numeric_limits<double>::infinity();
+  }
   if (dtype == DType::fp32) c.pass = finite && c.rel_l2 <= 1e-5;
   else c.pass = finite && c.rel_l2 <= 1e-2 && c.max_abs <= 0.02 * c.ref_max + 1e-30;
   return c;

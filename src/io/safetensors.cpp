@@ -218,6 +218,12 @@ std::vector<float> SafetensorsFile::rows(const std::string& name, const std::vec
     for (std::size_t i = 0; i < n; ++i) {
       double d;
       std::memcpy(&d, p + i * 8, 8);
+      if (std::isfinite(d) && std::fabs(d) > double(std::numeric_limits<float>::max())) {
+        const std::size_t at = per_row * static_cast<std::size_t>(row0) + i;
+        throw Error("'" + path_ + "' tensor '" + name + "' holds " + std::to_string(d).substr(0, 24) + " at element " +
+                    std::to_string(at) + ", a finite F64 value beyond float32's range (3.4e38): hpmoe computes in "
+                    "float32 or bf16; scale or fix the tensor");
+      }
       out[i] = static_cast<float>(d);
     }
   } else if (e.dtype == "BF16") {
