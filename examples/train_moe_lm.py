@@ -35,6 +35,7 @@ The text: the licence texts Debian ships in /usr/share/common-licenses
 permit verbatim copying). Bytes are tokens (a vocabulary of 256).
 """
 import argparse
+import io
 import json
 import math
 import os
@@ -214,6 +215,29 @@ def build(args, torch_twin=False, ep="inprocess"):
     return model, opt, timer
 
 
+class OneLineErrors(argparse.ArgumentParser):
+    """Bad flags as one "error:" line and exit code 2 (hpmoe's promise for every surface), not the usage."""
+
+    def error(self, message):
+        print(f"error: {message} (see --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+def write_atomically(path, data):
+    """data (bytes or str) to path through a temporary beside it, removed if anything fails: a full disk or a
+    signal leaves the previous file (or none), never a truncated one or a stray .tmp."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
 def state_of(model, opt, step):
     tensors = {"model." + k: v for k, v in model.state_dict().items()}
     names = {id(p): n for n, p in model.named_parameters()}
@@ -242,9 +266,7 @@ def save_checkpoint(path, model, opt, step):
     dist.td.barrier()  # every shard is whole before the index names it
     index = base + ".index.json"
     if dist.rank == 0:
-        with open(index + ".tmp", "w") as f:
-            json.dump({"processes": dist.world, "step": step, "files": files}, f, indent=1)
-        os.replace(index + ".tmp", index)
+        write_atomically(index, json.dumps({"processes": dist.world, "step": step, "files": files}, indent=1))
     dist.td.barrier()
     return index
 
@@ -265,12 +287,33 @@ def restore(model, opt, path):
     missing = [k for k in own if "model." + k not in tensors]
     if missing:
         raise KeyError(f"it has no tensor model.{missing[0]}")
+    if not isinstance(meta, dict) or "step" not in meta:
+        raise ValueError("its header has no step")
+    try:
+        step = int(meta["step"])
+    except ValueError:
+        raise ValueError(f"its header's step {meta['step']!r} is not an integer") from None
+    if step < 0:
+        raise ValueError(f"its header's step is {step}, not a step count (0 or more)")
+    for k in own:
+        t = tensors["model." + k]
+        if t.is_floating_point() and not torch.isfinite(t).all():
+            raise ValueError(f"tensor model.{k} holds NaN or Inf")
     model.load_state_dict({k: tensors["model." + k] for k in own})
     for n, p in model.named_parameters():
         if "opt.exp_avg." + n in tensors:
-            opt.state[p] = {"step": torch.tensor(float(tensors["opt.step." + n][0])),
+            if "opt.step." + n not in tensors or "opt.exp_avg_sq." + n not in tensors:
+                raise KeyError(f"it has opt.exp_avg.{n} without its opt.step or opt.exp_avg_sq")
+            adam_step = int(tensors["opt.step." + n].reshape(-1)[0])
+            if adam_step < 0 or adam_step > step:
+                raise ValueError(f"opt.step.{n} is {adam_step}, outside 0..{step} (the checkpoint's step)")
+            for kind in ("exp_avg", "exp_avg_sq"):
+                if tensors[f"opt.{kind}.{n}"].shape != p.shape:
+                    raise ValueError(f"opt.{kind}.{n} has shape {list(tensors[f'opt.{kind}.{n}'].shape)}, "
+                                     f"the parameter {list(p.shape)}")
+            opt.state[p] = {"step": torch.tensor(float(adam_step)),
                             "exp_avg": tensors["opt.exp_avg." + n], "exp_avg_sq": tensors["opt.exp_avg_sq." + n]}
-    return int(meta["step"])
+    return step
 
 
 class Distributed:
@@ -376,8 +419,9 @@ def plots(out, steps, curves, loads):
     import matplotlib.pyplot as plt
     def save(fig, name):  # whole or not at all
         fig.tight_layout()
-        fig.savefig(os.path.join(out, name + ".tmp"), format="png", dpi=110)
-        os.replace(os.path.join(out, name + ".tmp"), os.path.join(out, name))
+        png = io.BytesIO()
+        fig.savefig(png, format="png", dpi=110)
+        write_atomically(os.path.join(out, name), png.getvalue())
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for label, ls in curves.items():
@@ -399,7 +443,7 @@ def plots(out, steps, curves, loads):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = OneLineErrors(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--d", type=int, default=256)
@@ -432,8 +476,30 @@ def main():
     ap.add_argument("--check-resume", action="store_true",
                     help="also train to half the steps, save, load into a fresh model and finish: the losses must match bit for bit")
     args = ap.parse_args()
-    if args.steps < 1 or args.batch % args.ranks:
-        ap.error("--steps must be >= 1 and --batch divisible by --ranks (a shard of the batch per rank)")  # exit code 2
+    # Every number in range before anything is built (ap.error: one line, exit code 2).
+    for flag, value, low in [("--steps", args.steps, 1), ("--layers", args.layers, 1), ("--d", args.d, 1),
+                             ("--heads", args.heads, 1), ("--inter", args.inter, 1), ("--experts", args.experts, 1),
+                             ("--top-k", args.top_k, 1), ("--seq", args.seq, 1), ("--batch", args.batch, 1),
+                             ("--ranks", args.ranks, 1), ("--workers", args.workers, 1), ("--threads", args.threads, 1),
+                             ("--seed", args.seed, 0), ("--log-every", args.log_every, 1), ("--save-every", args.save_every, 0)]:
+        if value < low:
+            ap.error(f"{flag} must be at least {low}, got {value}")
+    for flag, value, high in [("--workers", args.workers, 256), ("--threads", args.threads, 256), ("--steps", args.steps, 10**7),
+                              ("--d", args.d, 65536), ("--inter", args.inter, 1 << 20), ("--layers", args.layers, 1024),
+                              ("--experts", args.experts, 4096), ("--seq", args.seq, 1 << 20), ("--batch", args.batch, 1 << 20),
+                              ("--seed", args.seed, 2**63 - 1)]:
+        if value > high:
+            ap.error(f"{flag} must be at most {high}, got {value}")
+    if args.d % args.heads:
+        ap.error(f"--d {args.d} must be a multiple of --heads {args.heads}")
+    if args.top_k > args.experts:
+        ap.error(f"--top-k {args.top_k} must not exceed --experts {args.experts}")
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        ap.error(f"--lr must be a positive finite number, got {args.lr}")
+    if not (math.isfinite(args.bias_rate) and args.bias_rate >= 0):
+        ap.error(f"--bias-rate must be a finite number >= 0, got {args.bias_rate}")
+    if args.batch % args.ranks:
+        ap.error("--batch must be divisible by --ranks (a shard of the batch per rank)")
     Distributed.out = args.out
     os.makedirs(args.out, exist_ok=True)
     dist = Distributed.get()
@@ -523,11 +589,24 @@ def main():
     if not root:
         return
     plots(args.out, list(range(first, args.steps)), curves, loads)
-    with open(os.path.join(args.out, "metrics.json.tmp"), "w") as f:
-        json.dump(metrics, f, indent=1)
-    os.replace(os.path.join(args.out, "metrics.json.tmp"), os.path.join(args.out, "metrics.json"))
+    write_atomically(os.path.join(args.out, "metrics.json"), json.dumps(metrics, indent=1))
     print(f"wrote {args.out}/loss.png, load.png, metrics.json, {os.path.basename(written)}")
 
 
+def _exit_on_signal(signum, frame):
+    """SIGTERM/SIGHUP as an exit that runs the cleanups (a checkpoint's temporary is removed, not left)."""
+    sys.exit(128 + signum)
+
+
 if __name__ == "__main__":
-    main()
+    import signal
+    for _s in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(_s, _exit_on_signal)
+    try:
+        main()
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except (ValueError, OSError, KeyError, RuntimeError, TypeError, IndexError, json.JSONDecodeError) as e:
+        # hpmoe's own checks and the file system's say what is wrong: one line, exit code 2, no traceback
+        print(f"error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", file=sys.stderr)
+        sys.exit(2)

@@ -491,11 +491,59 @@ def test_training_example_refuses_bad_input(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     garbage = tmp_path / "garbage.safetensors"
     garbage.write_bytes(os.urandom(100))
-    for extra in (["--resume", str(garbage)], ["--steps", "0"], ["--batch", "3", "--seq", "5"], ["--dtype", "float16"]):
+    flags = [["--resume", str(garbage)], ["--steps", "0"], ["--batch", "3", "--seq", "5"], ["--dtype", "float16"],
+             # issue 43: every number in range, one line (no usage block, no traceback)
+             ["--heads", "0"], ["--d", "250", "--heads", "4"], ["--lr", "nan"], ["--lr", "-1"], ["--bias-rate", "inf"],
+             ["--top-k", "20"], ["--workers", "1000"], ["--threads", "0"], ["--seq", "0"], ["--log-every", "0"],
+             ["--save-every", "-1"], ["--experts", "0"], ["--layers", "0"], ["--inter", "0"], ["--seed", "-1"],
+             ["--ranks", "0"], ["--steps", "x"], ["--bogus"], ["--resume", str(tmp_path)]]
+    for extra in flags:
         r = subprocess.run([sys.executable, os.path.join(root, "examples", "train_moe_lm.py"), "--out", str(tmp_path)] + extra,
                            capture_output=True, text=True)
-        assert r.returncode == 2, r.stderr
-        assert "error:" in r.stderr.strip().splitlines()[-1] and "Traceback" not in r.stderr
+        assert r.returncode == 2, (extra, r.stderr)
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error:"), (extra, r.stderr)
+
+
+def test_training_example_refuses_corrupt_checkpoints_and_leaves_no_temporaries(tmp_path):
+    """A checkpoint that parses but is wrong (a negative step, NaN weights) is one error line and exit code 2;
+    a SIGTERM while the example writes leaves no temporary file behind."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    example = os.path.join(root, "examples", "train_moe_lm.py")
+    tiny = ["--layers", "1", "--d", "32", "--heads", "2", "--inter", "32", "--experts", "4", "--seq", "16", "--batch", "4",
+            "--no-twin"]
+    r = subprocess.run([sys.executable, example, "--steps", "2", *tiny, "--out", str(tmp_path / "a")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    tensors, meta = hpmoe.io.load_safetensors(tmp_path / "a" / "checkpoint.safetensors")
+    bad_step = dict(meta, step="-5")
+    hpmoe.io.save_safetensors(tmp_path / "neg.safetensors", tensors, bad_step)
+    poisoned = dict(tensors)
+    name = next(k for k in poisoned if k.startswith("model.") and poisoned[k].is_floating_point())
+    poisoned[name] = poisoned[name].clone()
+    poisoned[name].view(-1)[0] = float("nan")
+    hpmoe.io.save_safetensors(tmp_path / "nan.safetensors", poisoned, meta)
+    for ckpt, says in (("neg", "step is -5"), ("nan", "holds NaN or Inf")):
+        r = subprocess.run([sys.executable, example, "--steps", "4", *tiny, "--resume", str(tmp_path / f"{ckpt}.safetensors"),
+                            "--out", str(tmp_path / ckpt)], capture_output=True, text=True)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1 and says in lines[0], r.stderr
+    # SIGTERM at several moments of a run that saves every step: no .tmp files, and what is there loads.
+    for delay in (1.0, 2.0, 3.0):
+        out = tmp_path / f"term{delay}"
+        p = subprocess.Popen([sys.executable, example, "--steps", "400", *tiny, "--save-every", "1", "--out", str(out)],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(delay)
+        p.send_signal(signal.SIGTERM)
+        p.wait(timeout=60)
+        if out.exists():
+            assert not [f for f in os.listdir(out) if ".tmp" in f], os.listdir(out)
+            if (out / "checkpoint.safetensors").exists():
+                hpmoe.io.load_safetensors(out / "checkpoint.safetensors")
 
 
 @pytest.mark.parametrize("executor", ["interleaved", "serialized"])
