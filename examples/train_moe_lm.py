@@ -83,6 +83,7 @@ def load_text():
 
 save_safetensors = hpmoe.io.save_safetensors
 load_safetensors = hpmoe.io.load_safetensors
+write_atomically = hpmoe.io.write_atomically  # the index, metrics and pictures: whole or not at all
 
 
 # --- timers around a module: forward and backward seconds ---
@@ -221,21 +222,6 @@ class OneLineErrors(argparse.ArgumentParser):
     def error(self, message):
         print(f"error: {message} (see --help)", file=sys.stderr)
         sys.exit(2)
-
-
-def write_atomically(path, data):
-    """data (bytes or str) to path through a temporary beside it, removed if anything fails: a full disk or a
-    signal leaves the previous file (or none), never a truncated one or a stray .tmp."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data.encode() if isinstance(data, str) else data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def state_of(model, opt, step):

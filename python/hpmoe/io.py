@@ -80,12 +80,20 @@ def save_safetensors(path, tensors, metadata=None):
         offset += len(raw)
     head = json.dumps(header).encode()
     head += b" " * (-len(head) % 8)
-    tmp = path + ".tmp"
+    write_atomically(path, [struct.pack("<Q", len(head)) + head, *blobs])
+
+
+def write_atomically(path, data):
+    """data (bytes, str, or a list of byte chunks) to path through a temporary beside it (synced, then renamed
+    over path), removed if anything fails: a full disk, a file-size limit or an exception (a signal that
+    Python turns into one) leaves the previous file, or none, and no stray temporary."""
+    path = os.fspath(path)
+    chunks = [data] if isinstance(data, (bytes, bytearray, str)) else data
+    tmp = f"{path}.tmp-{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
-            f.write(struct.pack("<Q", len(head)) + head)
-            for b in blobs:
-                f.write(b)
+            for c in chunks:
+                f.write(c.encode() if isinstance(c, str) else c)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
