@@ -204,7 +204,6 @@ json calibrate(const CalibrateOptions& opt, const std::function<void(const std::
   kernels::init();
   const int W = opt.workers, reps = opt.quick ? 1 : 5;
   json rates = json::array();
-  say("tile GEMM rates");
   const std::int64_t cold_bytes = opt.quick ? std::int64_t{96} << 20 : beyond_cache_bytes();
   // One worker per core is what the model describes and what can be
   // measured; each takes two regions beyond the caches.
@@ -215,6 +214,7 @@ json calibrate(const CalibrateOptions& opt, const std::function<void(const std::
   require_memory(double(W) * 2.0 * double(cold_bytes), "calibrate -W " + std::to_string(W),
                  std::to_string(W) + " workers x 2 x " + gib_text(double(cold_bytes)) + " beyond the caches",
                  "use fewer workers (-W) or --quick");
+  say("tile GEMM rates");
   std::vector<TileMemory> memory;
   for (int w = 0; w < W; ++w) memory.emplace_back(cold_bytes);
   // Shapes the layers' tiles have: full and partial row tiles; K from the
