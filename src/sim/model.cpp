@@ -197,7 +197,7 @@ void check_known_fields(const json& j, const std::string& prefix = "") {
       "serialized.matrix_units",
       "baselines", "baselines.deepep", "baselines.deepep.kernel_launch_s", "baselines.deepep.fp8_dispatch",
       "baselines.mindspore", "baselines.mindspore.host_sync_s",
-      "peak", "sources"};
+      "memory", "memory.bytes_per_rank", "peak", "sources"};
   static const std::set<std::string> open = {"vector.by_kind", "links.intra.by_ep", "put.stream_per_peer",
                                              "baselines.deepep.fp8_dispatch", "peak", "sources"};
   for (const auto& [key, value] : j.items()) {
@@ -367,6 +367,7 @@ MachineModel machine_from_json(const json& j) {
   m.bf16_peak_per_core = rate(j, "peak.bf16_dot_flops_per_core", 0, kMaxFlops, true);
   if (j.contains("peak") && j["peak"].is_object() && j["peak"].contains("cpu") && j["peak"]["cpu"].is_string())
     m.cpu = j["peak"]["cpu"].get<std::string>();
+  if (j.contains("memory")) m.memory_bytes_per_rank = rate(j, "memory.bytes_per_rank", 1e6, 1e15);
   const json& sources = at(j, "sources");
   if (!sources.is_object() || sources.empty())
     throw Error("machine model: 'sources' must say where the figures come from (an object of field: source)");
@@ -445,6 +446,7 @@ json to_json(const MachineModel& m) {
   if (m.mindspore.enabled) j["baselines"]["mindspore"] = {{"host_sync_s", m.mindspore.host_sync_s}};
   if (m.mesh_cols > 0)
     j["mesh"] = {{"cols", m.mesh_cols}, {"link_bytes_per_s", m.mesh_link_bytes_per_s}, {"hop_latency_s", m.mesh_hop_latency_s}};
+  if (m.memory_bytes_per_rank > 0) j["memory"] = {{"bytes_per_rank", m.memory_bytes_per_rank}};
   j["sources"] = json::object();
   for (const auto& [field, source] : m.sources) j["sources"][field] = source;
   return j;

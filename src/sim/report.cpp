@@ -1,5 +1,7 @@
+#include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <iomanip>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -76,6 +78,50 @@ DeepEpExchange deepep_exchange(const LayerConfig& c, const ExpertPlacement& plac
   return ex;
 }
 
+namespace {
+
+// The rank that holds the most for the routing given, what its programs
+// would declare under the worst routing, and the capacity check: the
+// routing given must fit (an Error names the parts and the shortfall); the
+// worst case is reported.
+MemoryUse memory_check(const MachineModel& m, const LayerConfig& c, const ExpertPlacement& placement,
+                       const taskflow::Machine& machine, const std::vector<double>& rank_buffers, bool backward,
+                       bool optimizer_state) {
+  MemoryUse most;
+  for (std::int64_t r = 0; r < c.ranks; ++r) {
+    MemoryUse here = parameter_bytes(c, placement, r, backward, optimizer_state);
+    here.buffers = rank_buffers[static_cast<std::size_t>(r)];
+    if (r == 0 || here.total() > most.total()) most = here;
+  }
+  // The worst routing, on the per-assignment exchange (the most rows a rank can receive).
+  LayerConfig per_assignment = c;
+  per_assignment.exchange = ExchangeMode::assignment;
+  const auto worst = taskflow::routing_counts(per_assignment, worst_routing_for(c, placement, most.rank));
+  taskflow::ScheduleScratch scratch;
+  for (auto pass : {taskflow::Pass::forward, taskflow::Pass::backward}) {
+    if (pass == taskflow::Pass::backward && !backward) break;
+    most.worst_buffers = std::max(most.worst_buffers,
+                                  declared_bytes(taskflow::generate(per_assignment, placement, worst, machine, pass, most.rank)));
+  }
+  most.worst_buffers = std::max(most.worst_buffers, most.buffers);
+  most.capacity = m.memory_bytes_per_rank;
+  if (most.capacity > 0 && most.total() > most.capacity) {
+    const auto gb = [](double b) {
+      char t[32];
+      std::snprintf(t, sizeof t, "%.1f GB", b / 1e9);
+      return std::string(t);
+    };
+    throw Error("rank " + std::to_string(most.rank) + " needs " + gb(most.total()) + " (weights " + gb(most.weights) +
+                ", gradients " + gb(most.gradients) + ", optimizer state " + gb(most.optimizer) + ", buffers " +
+                gb(most.buffers) + ") but machine '" + m.name + "' has " + gb(most.capacity) + " per rank: " +
+                gb(most.total() - most.capacity) + " short; use more ranks, fewer tokens per rank, or a placement "
+                "with fewer experts per rank");
+  }
+  return most;
+}
+
+}  // namespace
+
 SimReport simulate(const MachineModel& m, const SimRequest& req) {
   // The layer's ranks sit in the machine's nodes: the per-rank exchange
   // forwards through them as the runtime would on that cluster.
@@ -108,6 +154,7 @@ SimReport simulate(const MachineModel& m, const SimRequest& req) {
   const double vector_units = double(c.ranks) * (m.accelerator ? m.vector_units : m.workers);
   taskflow::ScheduleScratch scratch;
   DeepEpExchange deepep, rank_rows;
+  std::vector<double> rank_buffers(static_cast<std::size_t>(c.ranks), 0.0);  // the larger pass's, per rank
   for (auto pass : {taskflow::Pass::forward, taskflow::Pass::backward}) {
     if (pass == taskflow::Pass::backward && !req.backward) break;
     const auto c0 = Clock::now();
@@ -130,6 +177,10 @@ SimReport simulate(const MachineModel& m, const SimRequest& req) {
       return work;
     };
     const auto work = work_of(programs);
+    for (const auto& p : programs)
+      rank_buffers[static_cast<std::size_t>(p.rank)] = std::max(rank_buffers[static_cast<std::size_t>(p.rank)], declared_bytes(p));
+    // Refused before the pass is simulated where it cannot fit (the report's figures follow the loop).
+    rep.memory = memory_check(m, c, placement, machine, rank_buffers, req.backward, req.optimizer_state);
     std::vector<taskflow::Program> baseline_programs;
     if (by_rank && (m.deepep.enabled || m.mindspore.enabled))
       for (std::int64_t r = 0; r < c.ranks; ++r) {
@@ -182,6 +233,7 @@ SimReport simulate(const MachineModel& m, const SimRequest& req) {
       for (auto s : inter.trace) s.start += shift_i, s.end += shift_i, rep.interleaved_trace.push_back(std::move(s));
     }
   }
+  rep.memory = memory_check(m, c, placement, machine, rank_buffers, req.backward, req.optimizer_state);
   return rep;
 }
 
@@ -225,6 +277,24 @@ std::string format_report(const SimReport& r) {
     };
     mindspore("forward", r.forward);
     if (r.has_backward) mindspore("backward", r.backward);
+  }
+  {
+    const MemoryUse& mu = r.memory;
+    const auto gb = [](double b) {
+      std::ostringstream t;
+      t << std::fixed << std::setprecision(b < 1e9 ? 3 : 1) << b / 1e9 << " GB";
+      return t.str();
+    };
+    o << "memory   rank " << mu.rank << " holds the most: weights " << gb(mu.weights);
+    if (mu.gradients > 0) o << ", gradients " << gb(mu.gradients);
+    if (mu.optimizer > 0) o << ", optimizer state " << gb(mu.optimizer);
+    o << ", buffers " << gb(mu.buffers) << " = " << gb(mu.total());
+    if (mu.capacity > 0) o << " of " << gb(mu.capacity) << " (" << std::fixed << std::setprecision(0) << 100 * mu.total() / mu.capacity << "%)";
+    o << std::defaultfloat << "\n         worst routing (every token's choices on its experts): buffers " << gb(mu.worst_buffers) << " = "
+      << gb(mu.worst_total());
+    if (mu.capacity > 0)
+      o << (mu.worst_total() <= mu.capacity ? ": fits" : ": does NOT fit, " + gb(mu.worst_total() - mu.capacity) + " short");
+    o << "\n";
   }
   o << std::setprecision(2) << "simulated " << r.simulated_tasks << " task executions in " << r.simulate_seconds
     << " s (" << std::setprecision(1) << double(r.simulated_tasks) / std::max(r.simulate_seconds, 1e-9) / 1e6
@@ -271,6 +341,17 @@ nlohmann::json to_json(const SimReport& r) {
       }
   j["kernel_scope"] = r.kernel_scope;
   j["put_engine"] = name(r.machine.put_engine);
+  const MemoryUse& mu = r.memory;
+  j["memory"] = {{"rank", mu.rank},
+                 {"weights_bytes", mu.weights},
+                 {"gradients_bytes", mu.gradients},
+                 {"optimizer_bytes", mu.optimizer},
+                 {"buffers_bytes", mu.buffers},
+                 {"total_bytes", mu.total()},
+                 {"worst_routing_buffers_bytes", mu.worst_buffers},
+                 {"worst_routing_total_bytes", mu.worst_total()},
+                 {"capacity_bytes", mu.capacity}};
+  if (mu.capacity > 0) j["memory"]["worst_routing_fits"] = mu.worst_total() <= mu.capacity;
   return j;
 }
 

@@ -133,6 +133,9 @@ struct MachineModel {
   // (0 where the model has none) and the CPU it was measured on.
   double fma_peak_fp32_per_core = 0, bf16_peak_per_core = 0;
   std::string cpu;
+  // Device memory of one rank ("memory.bytes_per_rank", an HBM size); 0:
+  // unknown, no capacity check.
+  double memory_bytes_per_rank = 0;
   // Where each figure comes from ("sources": field -> URL, paper section,
   // measurement command, or "estimate" with its reasoning).
   std::vector<std::pair<std::string, std::string>> sources;
@@ -165,6 +168,23 @@ struct SimRequest {
   // and the CPU runtime's pack (transpose) tasks take no time (their
   // dependencies stay).
   bool kernel_scope = false;
+  // Count Adam's fp32 master weights and two moments (12 bytes a
+  // parameter) in the memory check.
+  bool optimizer_state = false;
+};
+
+// What one rank holds (bytes), for the rank that holds the most: its
+// weights (experts and replicas, split parts by their share, the replicated
+// router and shared experts) in the layer's dtype, fp32 gradients in a
+// backward, the optimizer's state if asked, and the buffers its programs
+// declare for the routing given (every declared buffer, forward and
+// backward) and for the worst routing (every token's choices on its
+// experts). `capacity`: the machine's memory per rank (0: unknown).
+struct MemoryUse {
+  double weights = 0, gradients = 0, optimizer = 0, buffers = 0, worst_buffers = 0, capacity = 0;
+  std::int64_t rank = 0;  // the rank with the most, for the routing given
+  double total() const { return weights + gradients + optimizer + buffers; }
+  double worst_total() const { return weights + gradients + optimizer + worst_buffers; }
 };
 
 struct PassResult {
@@ -196,8 +216,19 @@ struct SimReport {
   double simulate_seconds = 0;  // host time spent simulating
   double compile_seconds = 0;
   std::int64_t simulated_tasks = 0;
+  MemoryUse memory;
   std::vector<TraceSlice> serialized_trace, interleaved_trace;
 };
+
+// The bytes of the buffers a rank's program declares (the layout the
+// runtime allocates: symmetric segment and local region).
+double declared_bytes(const taskflow::Program&);
+// The weights, gradients and optimizer state of rank r (MemoryUse's terms).
+MemoryUse parameter_bytes(const LayerConfig&, const ExpertPlacement&, std::int64_t r, bool backward, bool optimizer_state);
+// Expert choices that send every token's top_k rows to rank r's experts
+// (those it alone holds first), as far as it holds top_k of them: the
+// routing that fills r's receive buffers most.
+std::vector<std::int32_t> worst_routing_for(const LayerConfig&, const ExpertPlacement&, std::int64_t r);
 
 SimReport simulate(const MachineModel&, const SimRequest&);
 std::string format_report(const SimReport&);

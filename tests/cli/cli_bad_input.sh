@@ -355,6 +355,8 @@ cases=(
   "simulate --machine $tmp/negunits.json"
   "simulate --machine $tmp/m_engine.json"
   "simulate --machine $tmp/m_unknown.json"
+  # A layer whose rank cannot hold its weights and buffers in the machine's memory (issue 42, item 3).
+  "simulate --machine h800 --preset deepseek-v3 -P 8 -T 65536 --backward"
   "simulate --machine $tmp/m_unknown_top.json"
   "simulate --machine $tmp/m_name_control.json"
   "simulate --machine $tmp/m_in_flight.json"

@@ -566,3 +566,37 @@ TEST(Simulator, EveryCommittedModelSurvivesARoundTrip) {
     }
   }
 }
+
+TEST(Memory, TheRankThatHoldsTheMostIsCheckedAgainstTheMachine) {
+  // deepseek-v2-lite (64 experts, H 2048, I 1408, 2 shared experts) on 2 ranks in bf16:
+  // each rank holds 32 experts; the router and shared experts are on both.
+  MachineModel m = load_machine(std::string(HPMOE_SOURCE_DIR) + "/machines/h800.json");
+  ASSERT_EQ(m.memory_bytes_per_rank, 80e9);
+  SimRequest req = bf16_step("deepseek-v2-lite", 2, 256);
+  const LayerConfig& c = req.config;
+  const double params = 32.0 * 3 * 2048 * 1408 + 64.0 * 2048 + 3.0 * 2048 * double(c.shared_inter_total());
+  const SimReport r = simulate(m, req);
+  EXPECT_DOUBLE_EQ(r.memory.weights, 2 * params);  // bf16
+  EXPECT_DOUBLE_EQ(r.memory.gradients, 4 * params);  // fp32, a backward
+  EXPECT_EQ(r.memory.optimizer, 0);
+  EXPECT_GT(r.memory.buffers, 0);
+  // The worst routing sends every token's choices to one rank (twice its average rows here; the
+  // token-sized buffers stay as they are).
+  EXPECT_GT(r.memory.worst_buffers, 1.2 * r.memory.buffers);
+  EXPECT_EQ(r.memory.capacity, 80e9);
+  req.optimizer_state = true;
+  EXPECT_DOUBLE_EQ(simulate(m, req).memory.optimizer, 12 * params);
+  // A machine too small for the layer: one error naming the shortfall.
+  m.memory_bytes_per_rank = r.memory.total() * 0.9;
+  req.optimizer_state = false;
+  try {
+    simulate(m, req);
+    FAIL() << "a layer that does not fit was simulated";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("short"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("per rank"), std::string::npos) << e.what();
+  }
+  // Without a capacity, no check (CPU models).
+  m.memory_bytes_per_rank = 0;
+  EXPECT_NO_THROW(simulate(m, req));
+}

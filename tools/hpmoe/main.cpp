@@ -400,6 +400,8 @@ struct SimulateCommand {
     simulate->add_option("--routing", sim_routing, "uniform | balanced | zipf[:S] | hot[:SHARE] | trace:FILE[:LAYER][:repeat] | router");
     simulate->add_option("--seed", sreq.seed, "seed of synthetic routing")->check(kSeedValidator);
     simulate->add_flag("--backward", sreq.backward, "simulate the backward pass too");
+    simulate->add_flag("--optimizer-state", sreq.optimizer_state,
+                       "count Adam's fp32 master weights and moments (12 bytes a parameter) in the memory check");
     simulate->add_option("--schedule", sim_schedule,
                          "fill | rank-rotated | critical-path | interleave-wgrad | ratr (default: ratr on accelerator models, whose "
                          "puts in flight are bounded; critical-path on CPU models, as the runtime does)");
