@@ -283,9 +283,10 @@ std::vector<float> input_rows(const std::string& dir, const LayerConfig& c, cons
   }
   const std::int64_t P = saved > 0 ? saved : c.ranks;  // no hpmoe index: the layer's own count
   if (!fs::exists(file_in(dir, rank_file("inputs", 0, P)))) {
-    if (!fs::exists(file_in(dir, kIndex)))
+    if (saved == 0)  // no hpmoe index: a model's own checkpoint, or nothing
       throw Error("'" + dir + "' holds no inputs: expected inputs.safetensors, or a sharded save's " +
-                  rank_file("inputs", 0, P) + " and " + kIndex);
+                  rank_file("inputs", 0, P) + " and " + kIndex + " (a model's checkpoint holds weights only; a run's "
+                  "inputs come from a folder written by --save)");
     throw Error("'" + dir + "' is a sharded save of " + std::to_string(P) + " ranks but has no " +
                 rank_file("inputs", 0, P) + " (the save is incomplete)");
   }
