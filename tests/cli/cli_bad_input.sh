@@ -75,7 +75,10 @@ for name, path, value in [("m_latency", ("signal_latency_s",), 1e308), ("m_overh
     ("m_by_kind", ("vector", "by_kind"), {"gemm_down": 1e10}), ("m_by_kind_rate", ("vector", "by_kind"), {"swiglu": "fast"}),
     # a misspelt field (its figure would silently not be used), a control character in the name
     ("m_unknown", ("units", "matrx"), 8), ("m_unknown_top", ("link",), {"intra": {}}),
-    ("m_name_control", ("name",), "h800\u001b[31m")]:
+    ("m_name_control", ("name",), "h800\u001b[31m"),
+    # the memory per rank (issue 42): not a number, negative, beyond any device
+    ("m_memory_string", ("memory", "bytes_per_rank"), "80GB"), ("m_memory_negative", ("memory", "bytes_per_rank"), -1),
+    ("m_memory_huge", ("memory", "bytes_per_rank"), 1e300)]:
     m = json.load(open(src))
     d = m
     for k in path[:-1]: d = d.setdefault(k, {})
@@ -355,6 +358,9 @@ cases=(
   "simulate --machine $tmp/negunits.json"
   "simulate --machine $tmp/m_engine.json"
   "simulate --machine $tmp/m_unknown.json"
+  "simulate --machine $tmp/m_memory_string.json"
+  "simulate --machine $tmp/m_memory_negative.json"
+  "simulate --machine $tmp/m_memory_huge.json"
   # A layer whose rank cannot hold its weights and buffers in the machine's memory (issue 42, item 3).
   "simulate --machine h800 --preset deepseek-v3 -P 8 -T 65536 --backward"
   "simulate --machine $tmp/m_unknown_top.json"
