@@ -233,8 +233,7 @@ SimReport simulate(const MachineModel& m, const SimRequest& req) {
       for (auto s : inter.trace) s.start += shift_i, s.end += shift_i, rep.interleaved_trace.push_back(std::move(s));
     }
   }
-  rep.memory = memory_check(m, c, placement, machine, rank_buffers, req.backward, req.optimizer_state);
-  return rep;
+  return rep;  // rep.memory: checked in the last pass, on every pass's buffers
 }
 
 std::string format_report(const SimReport& r) {
