@@ -198,7 +198,9 @@ SimReport simulate(const MachineModel& m, const SimRequest& req) {
     rep.simulated_tasks += 2 * out.tasks;
     if (m.deepep.enabled) {
       if (pass == taskflow::Pass::forward) deepep = deepep_exchange(c, placement, routing, m.ranks_per_node);
-      out.deepep_s = simulate_deepep(m, baseline, baseline_work, c.dtype, deepep).makespan;
+      const Timeline t = simulate_deepep(m, baseline, baseline_work, c.dtype, deepep);
+      out.deepep_s = t.makespan;
+      out.deepep_exposed_comm = t.exposed_comm;
       rep.simulated_tasks += out.tasks;  // every task once more
       // Dispatch (fp8 in the forward pass where so configured) and combine cross the nodes once each way.
       const double h = double(c.hidden), elem = c.dtype == DType::bf16 ? 2.0 : 4.0;
@@ -207,7 +209,9 @@ SimReport simulate(const MachineModel& m, const SimRequest& req) {
     }
     if (m.mindspore.enabled) {
       if (pass == taskflow::Pass::forward) rank_rows = deepep_exchange(c, placement, routing, static_cast<int>(c.ranks));
-      out.mindspore_s = simulate_mindspore(m, baseline, baseline_work, c.dtype, rank_rows).makespan;
+      const Timeline t = simulate_mindspore(m, baseline, baseline_work, c.dtype, rank_rows);
+      out.mindspore_s = t.makespan;
+      out.mindspore_exposed_comm = t.exposed_comm;
       rep.simulated_tasks += out.tasks;
     }
     rep.simulate_seconds += since(s0);

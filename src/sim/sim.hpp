@@ -203,6 +203,8 @@ struct PassResult {
   double cross_node_bytes = 0, deepep_cross_node_bytes = 0;
   double deepep_s = 0;
   double mindspore_s = 0;  // > 0 only where the machine has that baseline
+  // Their exchanges' share of their makespans (nothing overlaps an exchange there).
+  double deepep_exposed_comm = 0, mindspore_exposed_comm = 0;
 };
 
 struct SimReport {

@@ -70,6 +70,21 @@ cmp "$tmp/run/outputs.safetensors" "$tmp/again/outputs.safetensors"
 # An odd split boundary runs in fp32 (the bf16 layer refuses it: cli_bad_input).
 echo '{"experts_of_rank": [[0, 1, 2, 3], [0, 4, 5, 6, 7]], "splits": [{"expert": 0, "columns": [0, 7, 16]}]}' > "$tmp/split_odd.json"
 "$HPMOE" run --placement "$tmp/split_odd.json" --backward --iters 1 | has "verify   PASS"
+# A training step of a whole model: every way, its JSON, speedups against the machine's framework exchange.
+"$HPMOE" step --machine ascend-a3 --preset deepseek-v2-lite -P 4 -T 512 --layers 8 --dense-layers 1 --json "$tmp/step.json" \
+  --chart "$tmp/step.svg" > "$tmp/step.txt"
+grep -q "<svg" "$tmp/step.svg" && grep -q "fused (hpmoe) + 2 micro-batches" "$tmp/step.svg"
+grep -q "fused (hpmoe) + 2 micro-batches" "$tmp/step.txt" && grep -q "vs MindSpore-style" "$tmp/step.txt"
+python3 - "$tmp/step.json" <<'PY'
+import json, sys
+j = json.load(open(sys.argv[1]))
+names = [w["name"] for w in j["ways"]]
+assert names == ["serialized", "serialized + 2 micro-batches", "MindSpore-style", "MindSpore-style + 2 micro-batches",
+                 "fused (hpmoe)", "fused (hpmoe) + 2 micro-batches"], names
+for w in j["ways"]:
+    assert abs(w["step_s"] - w["forward_s"] - w["backward_s"]) < 1e-12 and w["step_s"] > 0
+assert j["layers"] == 8 and j["dense_layers"] == 1 and j["baseline"] == "MindSpore-style"
+PY
 # A recording shorter than a step is repeated when the spec asks for it.
 "$HPMOE" simulate --machine h800 -T 8192 --routing "trace:$HPMOE_SOURCE_DIR/data/routing/mixtral-8x7b/coding.json:3:repeat" \
   | has "coding.json:3:repeat"

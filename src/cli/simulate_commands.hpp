@@ -1,0 +1,141 @@
+#pragma once
+// The front end's model commands: `hpmoe simulate` (one MoE layer's step on
+// a machine model) and `hpmoe step` (a training step of a whole model).
+#include <CLI/CLI.hpp>
+#include <iostream>
+#include <string>
+
+#include "cli/trace.hpp"
+#include "sim/sim.hpp"
+#include "sim/step.hpp"
+#include "cli/options.hpp"
+
+namespace hpmoe::front {
+
+struct SimulateCommand {
+  CLI::App* app = nullptr;
+  LayerOptions layer;
+  sim::SimRequest sreq;
+  std::string sim_machine, sim_routing = "uniform", sim_schedule, sim_json, sim_trace, sim_timeline;
+  int sim_workers = 0;
+
+  void add(CLI::App& parent) {
+    app = parent.add_subcommand("simulate", "predict a layer step on a machine model (serialized vs interleaved)");
+    CLI::App* simulate = app;
+    layer.add_to(*simulate);
+    simulate->add_option("--machine", sim_machine, "machine model: a file, or a name in machines/ (cpu-local, ascend-a3, h800, h200, nmp-mesh)")
+        ->required();
+    simulate->add_option("--routing", sim_routing, "uniform | balanced | zipf[:S] | hot[:SHARE] | trace:FILE[:LAYER][:repeat] | router");
+    simulate->add_option("--seed", sreq.seed, "seed of synthetic routing")->check(kSeedValidator);
+    simulate->add_flag("--backward", sreq.backward, "simulate the backward pass too");
+    simulate->add_flag("--optimizer-state", sreq.optimizer_state,
+                       "count Adam's fp32 master weights and moments (12 bytes a parameter) in the memory check");
+    simulate->add_option("--schedule", sim_schedule,
+                         "fill | rank-rotated | critical-path | interleave-wgrad | ratr (default: ratr on accelerator models, whose "
+                         "puts in flight are bounded; critical-path on CPU models, as the runtime does)");
+    simulate->add_flag("--kernel-scope", sreq.kernel_scope,
+                       "time only what a fused MoE kernel does (as the paper measures): router backward and pack tasks take no time");
+    simulate->add_option("--json", sim_json, "write the prediction as JSON");
+    simulate->add_option("--workers,-W", sim_workers, "cpu models: workers per rank (default: the model's)")->check(CLI::Range(1, 256));
+    simulate->add_option("--trace", sim_trace, "write the simulated timelines as a Chrome/Perfetto trace");
+    simulate->add_option("--timeline", sim_timeline, "write the simulated timelines as an SVG Gantt chart");
+  }
+
+  int execute() {
+    sim::MachineModel model = sim::load_machine(sim_machine);
+    if (sim_workers > 0) {
+      if (model.accelerator) throw Error("--workers applies to cpu models; " + model.name + " has matrix and vector units");
+      model.workers = sim_workers;
+    }
+    sreq.config = layer.resolve();
+    sreq.placement = layer.resolve_placement(sreq.config);
+    sreq.routing = parse_routing_spec(sim_routing, sreq.seed);
+    sreq.policy = sim_schedule.empty() ? sim::default_policy(model) : taskflow::parse_policy(sim_schedule);
+    sreq.trace = !sim_trace.empty() || !sim_timeline.empty();
+    for (const auto& [file, what] : {std::pair<const std::string&, const char*>{sim_json, "JSON results"},
+                                     {sim_trace, "the trace"}, {sim_timeline, "the timeline"}})
+      if (!file.empty()) check_writable(file, what);
+    check_distinct_outputs({{"--json", sim_json}, {"--trace", sim_trace}, {"--timeline", sim_timeline}}, "",
+                           {{"--config", layer.config_file}, {"--placement", layer.placement}, {"--machine", sim_machine},
+                            {"--routing", sreq.routing.trace_path}});
+    const sim::SimReport report = sim::simulate(model, sreq);
+    std::cout << sim::format_report(report);
+    if (!sim_json.empty()) write_json(sim_json, sim::to_json(report));
+    if (sreq.trace) {
+      StepResult serialized, interleaved;
+      serialized.trace = report.serialized_trace;
+      interleaved.trace = report.interleaved_trace;
+      const std::vector<TracedRun> runs{{"serialized (simulated on " + model.name + ")", &serialized},
+                                        {"interleaved (simulated on " + model.name + ")", &interleaved}};
+      if (!sim_trace.empty()) write_chrome_trace(sim_trace, runs);
+      if (!sim_timeline.empty()) write_timeline_svg(sim_timeline, runs);
+    }
+    return 0;
+  }
+};
+
+
+struct StepCommand {
+  CLI::App* app = nullptr;
+  LayerOptions layer;
+  sim::StepRequest req;
+  std::string machine, routing = "uniform", schedule, json_file, chart_file;
+  double attention_ms = -1, dense_ms = -1, other_ms = 0;
+
+  void add(CLI::App& parent) {
+    app = parent.add_subcommand("step", "predict a training step of a whole model (attention, dense and MoE layers, forward and "
+                                        "backward): serialized, micro-batch overlap, fused, and fused with micro-batch overlap");
+    layer.add_to(*app);
+    app->add_option("--machine", machine, "machine model: a file, or a name in machines/ (cpu-local, ascend-a3, h800, h200, nmp-mesh)")
+        ->required();
+    app->add_option("--layers", req.layers, "transformer layers on a rank")->required()->check(CLI::Range(1, 100000));
+    app->add_option("--dense-layers", req.dense_layers, "of them, the first ones with a dense FFN instead of the MoE layer (default 0)")
+        ->check(CLI::Range(0, 100000));
+    app->add_option("--dense-inter", req.dense_inter, "the dense FFN's intermediate width (default: 4 x hidden)")->check(CLI::Range(1, 1 << 24));
+    app->add_option("--seq-len", req.seq_len, "tokens of one sequence: the attention's context (default 4096)")->check(CLI::Range(1, 1 << 24));
+    app->add_option("--attention-params", req.attention_params, "weights of one attention block (default: 4 x hidden^2)")
+        ->check(CLI::Range(1.0, 1e13));
+    app->add_option("--attention-width", req.attention_width, "heads x head dim of the attention scores (default: hidden)")
+        ->check(CLI::Range(1, 1 << 24));
+    app->add_option("--attention-ms", attention_ms, "measured forward time of one attention block at -T tokens (replaces the FLOP estimate)")
+        ->check(CLI::Range(0.0, 1e7));
+    app->add_option("--dense-ms", dense_ms, "measured forward time of one dense FFN at -T tokens (replaces the FLOP estimate)")
+        ->check(CLI::Range(0.0, 1e7));
+    app->add_option("--comm-share", req.comm_share,
+                    "share of the compute units one micro-batch's exchange takes while it overlaps the other's compute "
+                    "(default 0.152: DeepSeek-V3's 20 of 132 SMs)")
+        ->check(CLI::Range(0.0, 0.99));
+    app->add_option("--other-ms", other_ms, "time of the rest of the step, the same for every way (optimizer, gradient reduction; default 0)")
+        ->check(CLI::Range(0.0, 1e9));
+    app->add_option("--routing", routing, "uniform | balanced | zipf[:S] | hot[:SHARE] | trace:FILE[:LAYER][:repeat] | router");
+    app->add_option("--seed", req.moe.seed, "seed of synthetic routing")->check(kSeedValidator);
+    app->add_option("--schedule", schedule, "the fused schedule's policy (default: the machine's, as for simulate)");
+    app->add_flag("--optimizer-state", req.moe.optimizer_state,
+                  "count Adam's fp32 master weights and moments in the MoE layer's memory check");
+    app->add_option("--json", json_file, "write the prediction as JSON");
+    app->add_option("--chart", chart_file, "draw every way's step as an SVG bar chart");
+  }
+
+  int execute() {
+    const sim::MachineModel model = sim::load_machine(machine);
+    req.moe.config = layer.resolve();
+    req.moe.placement = layer.resolve_placement(req.moe.config);
+    req.moe.routing = parse_routing_spec(routing, req.moe.seed);
+    req.moe.policy = schedule.empty() ? sim::default_policy(model) : taskflow::parse_policy(schedule);
+    req.attention_s = attention_ms < 0 ? -1 : attention_ms * 1e-3;
+    req.dense_s = dense_ms < 0 ? -1 : dense_ms * 1e-3;
+    req.other_s = other_ms * 1e-3;
+    if (!json_file.empty()) check_writable(json_file, "JSON results");
+    if (!chart_file.empty()) check_writable(chart_file, "the chart");
+    check_distinct_outputs({{"--json", json_file}, {"--chart", chart_file}}, "",
+                           {{"--config", layer.config_file}, {"--placement", layer.placement}, {"--machine", machine},
+                            {"--routing", req.moe.routing.trace_path}});
+    const sim::StepReport report = sim::simulate_step(model, req);
+    std::cout << sim::format_step_report(report);
+    if (!json_file.empty()) write_json(json_file, sim::to_json(report));
+    if (!chart_file.empty()) write_file_atomically(chart_file, sim::step_chart_svg(report), "the chart");
+    return 0;
+  }
+};
+
+}  // namespace hpmoe::front

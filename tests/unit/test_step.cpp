@@ -1,0 +1,117 @@
+// The training-step model (sim/step.hpp): the ways it compares add up from
+// the simulated MoE layer and the costed blocks, and it refuses what it
+// cannot model.
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+
+#include "hpmoe/error.hpp"
+#include "sim/step.hpp"
+
+using namespace hpmoe;
+using namespace hpmoe::sim;
+
+namespace {
+
+StepRequest small_step(std::int64_t layers, std::int64_t dense) {
+  StepRequest req;
+  req.moe.config = preset("tiny");
+  req.moe.config.set("ranks", "2");
+  req.moe.config.set("tokens_per_rank", "64");
+  req.moe.config.validate();
+  req.moe.routing = parse_routing_spec("uniform", 1);
+  req.layers = layers;
+  req.dense_layers = dense;
+  req.seq_len = 256;
+  return req;
+}
+
+const StepWay& way(const StepReport& r, const std::string& name) {
+  for (const auto& w : r.ways)
+    if (w.name == name) return w;
+  throw Error("no way " + name);
+}
+
+}  // namespace
+
+TEST(StepModel, UnoverlappedWaysAreTheBlocksPlusTheSimulatedLayer) {
+  const MachineModel m = load_machine("ascend-a3");
+  StepRequest req = small_step(6, 2);
+  req.other_s = 1e-3;
+  const StepReport r = simulate_step(m, req);
+  // serialized, MindSpore-style and fused, each alone and with micro-batches
+  ASSERT_EQ(r.ways.size(), 6u);
+  EXPECT_EQ(r.baseline, "MindSpore-style");
+  const double blocks_fwd = 6 * r.attention.total() + 2 * r.dense.total();
+  const auto& ser = way(r, "serialized");
+  EXPECT_NEAR(ser.forward_s, blocks_fwd + 4 * r.layer.forward.serialized_s, 1e-12);
+  EXPECT_NEAR(ser.backward_s, 2 * blocks_fwd + 4 * r.layer.backward.serialized_s + 1e-3, 1e-12);
+  const auto& fused = way(r, "fused (hpmoe)");
+  EXPECT_NEAR(fused.forward_s, blocks_fwd + 4 * r.layer.forward.interleaved_s, 1e-12);
+  EXPECT_NEAR(way(r, "MindSpore-style").moe_forward_s, r.layer.forward.mindspore_s, 1e-15);
+  for (const auto& w : r.ways) EXPECT_NEAR(w.step_s(), w.forward_s + w.backward_s, 1e-15);
+}
+
+TEST(StepModel, MicroBatchesHideTheExchangeUnderTheOtherMicroBatchsCompute) {
+  const MachineModel m = load_machine("ascend-a3");
+  StepRequest req = small_step(1, 0);
+  req.comm_share = 0;
+  const StepReport r = simulate_step(m, req);
+  const PassResult& half = r.half.forward;
+  const double attention = r.attention_half.total();
+  const double exchange = half.serialized_exposed_comm * half.serialized_s;
+  const double compute = attention + half.serialized_s - exchange;
+  ASSERT_GT(exchange, 0);
+  // Two phases of max(compute, exchange): the exchange is hidden unless it is longer.
+  EXPECT_NEAR(way(r, "serialized + 2 micro-batches").forward_s, 2 * std::max(compute, exchange), 1e-12);
+  // The share of units the exchange takes slows the overlapped compute.
+  req.comm_share = 0.5;
+  const StepReport slowed = simulate_step(m, req);
+  EXPECT_NEAR(way(slowed, "serialized + 2 micro-batches").forward_s,
+              2 * std::max(compute + 0.5 * std::min(exchange, compute), exchange), 1e-12);
+}
+
+TEST(StepModel, LayersThatAreAlikeShareOneSimulation) {
+  const MachineModel m = load_machine("h800");
+  const StepReport one = simulate_step(m, small_step(1, 0));
+  const StepReport many = simulate_step(m, small_step(64, 0));
+  for (std::size_t i = 0; i < one.ways.size(); ++i) EXPECT_NEAR(many.ways[i].step_s(), 64 * one.ways[i].step_s(), 1e-9);
+  EXPECT_EQ(many.baseline, "DeepEP-style");
+  const auto j = to_json(many);
+  EXPECT_EQ(j["ways"].size(), many.ways.size());
+  EXPECT_EQ(j["layers"], 64);
+}
+
+TEST(StepModel, MeasuredBlockTimesReplaceTheEstimate) {
+  const MachineModel m = load_machine("cpu-local");
+  StepRequest req = small_step(2, 1);
+  req.attention_s = 4e-3;
+  req.dense_s = 2e-3;
+  EXPECT_DOUBLE_EQ(attention_cost(m, req, 64).total(), 4e-3);
+  EXPECT_DOUBLE_EQ(attention_cost(m, req, 32).total(), 2e-3);  // in proportion to the tokens
+  EXPECT_DOUBLE_EQ(dense_cost(m, req, 64).total(), 2e-3);
+  req.attention_s = -1;
+  const double small = attention_cost(m, req, 64).total();
+  req.attention_params = 64.0 * 4 * req.moe.config.hidden * req.moe.config.hidden;
+  EXPECT_GT(attention_cost(m, req, 64).total(), small);
+}
+
+TEST(StepModel, RefusesWhatItCannotModel) {
+  const MachineModel m = load_machine("cpu-local");
+  auto expect_error = [&](StepRequest req, const char* needle) {
+    try {
+      simulate_step(m, req);
+      ADD_FAILURE() << "accepted, expected an error naming " << needle;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  expect_error(small_step(0, 0), "--layers");
+  expect_error(small_step(2, 3), "--dense-layers");
+  StepRequest one_token = small_step(2, 0);
+  one_token.moe.config.tokens_per_rank = 1;
+  expect_error(one_token, "2 tokens");
+  StepRequest share = small_step(2, 0);
+  share.comm_share = 1;
+  expect_error(share, "--comm-share");
+}
