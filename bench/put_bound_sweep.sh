@@ -15,33 +15,28 @@ shift $(( $# > 2 ? 2 : $# ))
 bounds=("$@")
 [ ${#bounds[@]} -gt 0 ] || bounds=(4 8 16 20 32 64 1000000)
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
-model=$machine; [ -f "$model" ] || model=machines/$machine.json
-layer="--preset deepseek-v3 --set shared_experts=0 --dtype bf16 --kernel-scope -T 4096 --routing uniform"
+values=$(IFS=,; echo "${bounds[*]}")
 
 source bench/record_header.sh
 record_header "bench/put_bound_sweep.sh $hpmoe $machine ${bounds[*]}"
 echo
-echo "| EP | put.in_flight | serialized ms | DeepEP-style ms | fused ms, critical-path | fused ms, ratr | best fused vs serialized | best fused vs DeepEP-style |"
-echo "|---|---|---|---|---|---|---|---|"
-for P in 16 32 64; do
-  for b in "${bounds[@]}"; do
-    python3 - "$model" "$b" "$tmp/m.json" <<'PY'
-import json, sys
-m = json.load(open(sys.argv[1]))
-m["put"]["in_flight"] = int(sys.argv[2])
-json.dump(m, open(sys.argv[3], "w"))
+# One `hpmoe sweep` over EP x bound x schedule (in parallel over the cores), then the table.
+"$hpmoe" sweep --machine "$machine" --model deepseek-v3 --set shared_experts=0 --dtype bf16 --kernel-scope -T 4096 \
+  --routing uniform -P 16,32,64 --backward --schedule ratr,critical-path --vary "put.in_flight=$values" \
+  --out "$tmp/sweep" > /dev/null 2>&1
+python3 - "$tmp/sweep/sweep.csv" <<'PY'
+import csv, sys
+rows = list(csv.DictReader(open(sys.argv[1])))
+print("| EP | put.in_flight | serialized ms | DeepEP-style ms | fused ms, critical-path | fused ms, ratr | best fused vs serialized | best fused vs DeepEP-style |")
+print("|---|---|---|---|---|---|---|---|")
+at = {(r["ranks"], r["put.in_flight"], r["schedule"]): r for r in rows}
+tot = lambda r, k: float(r[f"forward_{k}_ms"]) + float(r[f"backward_{k}_ms"]) if r[f"forward_{k}_ms"] else float("nan")
+for (P, b, schedule), r in at.items():
+    if schedule != "ratr":
+        continue
+    c = at[(P, b, "critical-path")]
+    s, i, cp, d = tot(r, "serialized"), tot(r, "fused"), tot(c, "fused"), tot(r, "baseline")
+    best = min(i, cp)
+    label = "unbounded" if int(b) >= 1000000 else b
+    print(f"| {P} | {label} | {s:.2f} | {d:.2f} | {cp:.2f} | {i:.2f} | {s / best:.2f}x | {d / best:.2f}x |")
 PY
-    "$hpmoe" simulate --machine "$tmp/m.json" $layer -P "$P" --backward --schedule ratr --json "$tmp/r.json" > /dev/null
-    "$hpmoe" simulate --machine "$tmp/m.json" $layer -P "$P" --backward --schedule critical-path --json "$tmp/c.json" > /dev/null
-    python3 - "$tmp/r.json" "$tmp/c.json" "$P" "$b" <<'PY'
-import json, sys
-r, c, P, b = json.load(open(sys.argv[1])), json.load(open(sys.argv[2])), sys.argv[3], int(sys.argv[4])
-tot = lambda j, k: (j["forward"][k] + j["backward"][k]) * 1e3
-s, i, cp = tot(r, "serialized_s"), tot(r, "interleaved_s"), tot(c, "interleaved_s")
-d = tot(r, "deepep_s") if "deepep_s" in r["forward"] else float("nan")
-best = min(i, cp)
-label = "unbounded" if b >= 1000000 else str(b)
-print(f"| {P} | {label} | {s:.2f} | {d:.2f} | {cp:.2f} | {i:.2f} | {s / best:.2f}x | {d / best:.2f}x |")
-PY
-  done
-done

@@ -2,9 +2,11 @@
 // The front end's model commands: `hpmoe simulate` (one MoE layer's step on
 // a machine model) and `hpmoe step` (a training step of a whole model).
 #include <CLI/CLI.hpp>
+#include <chrono>
 #include <iostream>
 #include <string>
 
+#include "cli/sweep.hpp"
 #include "cli/trace.hpp"
 #include "sim/sim.hpp"
 #include "sim/step.hpp"
@@ -75,12 +77,49 @@ struct SimulateCommand {
 };
 
 
+// The step model's options (hpmoe step, and hpmoe sweep with --layers).
+struct StepModelOptions {
+  sim::StepRequest req;
+  double attention_ms = -1, dense_ms = -1, other_ms = 0;
+
+  void add_to(CLI::App& app, bool layers_required) {
+    auto* layers = app.add_option("--layers", req.layers, "transformer layers on a rank")->check(CLI::Range(1, 100000));
+    if (layers_required) layers->required();
+    app.add_option("--dense-layers", req.dense_layers, "of them, the first ones with a dense FFN instead of the MoE layer (default 0)")
+        ->check(CLI::Range(0, 100000));
+    app.add_option("--dense-inter", req.dense_inter, "the dense FFN's intermediate width (default: 4 x hidden)")->check(CLI::Range(1, 1 << 24));
+    app.add_option("--seq-len", req.seq_len, "tokens of one sequence: the attention's context (default 4096)")->check(CLI::Range(1, 1 << 24));
+    app.add_option("--attention-params", req.attention_params, "weights of one attention block (default: 4 x hidden^2)")
+        ->check(CLI::Range(1.0, 1e13));
+    app.add_option("--attention-width", req.attention_width, "heads x head dim of the attention scores (default: hidden)")
+        ->check(CLI::Range(1, 1 << 24));
+    app.add_option("--attention-ms", attention_ms, "measured forward time of one attention block at -T tokens (replaces the FLOP estimate)")
+        ->check(CLI::Range(0.0, 1e7));
+    app.add_option("--dense-ms", dense_ms, "measured forward time of one dense FFN at -T tokens (replaces the FLOP estimate)")
+        ->check(CLI::Range(0.0, 1e7));
+    app.add_option("--comm-share", req.comm_share,
+                   "share of the compute units one micro-batch's exchange takes while it overlaps the other's compute "
+                   "(default 0.152: DeepSeek-V3's 20 of 132 SMs)")
+        ->check(CLI::Range(0.0, 0.99));
+    app.add_option("--other-ms", other_ms, "time of the rest of the step, the same for every way (optimizer, gradient reduction; default 0)")
+        ->check(CLI::Range(0.0, 1e9));
+  }
+  // The request with the times in seconds.
+  sim::StepRequest resolve() const {
+    sim::StepRequest r = req;
+    r.attention_s = attention_ms < 0 ? -1 : attention_ms * 1e-3;
+    r.dense_s = dense_ms < 0 ? -1 : dense_ms * 1e-3;
+    r.other_s = other_ms * 1e-3;
+    return r;
+  }
+};
+
 struct StepCommand {
   CLI::App* app = nullptr;
   LayerOptions layer;
+  StepModelOptions model_options;
   sim::StepRequest req;
   std::string machine, routing = "uniform", schedule, json_file, chart_file;
-  double attention_ms = -1, dense_ms = -1, other_ms = 0;
 
   void add(CLI::App& parent) {
     app = parent.add_subcommand("step", "predict a training step of a whole model (attention, dense and MoE layers, forward and "
@@ -88,25 +127,7 @@ struct StepCommand {
     layer.add_to(*app);
     app->add_option("--machine", machine, "machine model: a file, or a name in machines/ (cpu-local, ascend-a3, h800, h200, nmp-mesh)")
         ->required();
-    app->add_option("--layers", req.layers, "transformer layers on a rank")->required()->check(CLI::Range(1, 100000));
-    app->add_option("--dense-layers", req.dense_layers, "of them, the first ones with a dense FFN instead of the MoE layer (default 0)")
-        ->check(CLI::Range(0, 100000));
-    app->add_option("--dense-inter", req.dense_inter, "the dense FFN's intermediate width (default: 4 x hidden)")->check(CLI::Range(1, 1 << 24));
-    app->add_option("--seq-len", req.seq_len, "tokens of one sequence: the attention's context (default 4096)")->check(CLI::Range(1, 1 << 24));
-    app->add_option("--attention-params", req.attention_params, "weights of one attention block (default: 4 x hidden^2)")
-        ->check(CLI::Range(1.0, 1e13));
-    app->add_option("--attention-width", req.attention_width, "heads x head dim of the attention scores (default: hidden)")
-        ->check(CLI::Range(1, 1 << 24));
-    app->add_option("--attention-ms", attention_ms, "measured forward time of one attention block at -T tokens (replaces the FLOP estimate)")
-        ->check(CLI::Range(0.0, 1e7));
-    app->add_option("--dense-ms", dense_ms, "measured forward time of one dense FFN at -T tokens (replaces the FLOP estimate)")
-        ->check(CLI::Range(0.0, 1e7));
-    app->add_option("--comm-share", req.comm_share,
-                    "share of the compute units one micro-batch's exchange takes while it overlaps the other's compute "
-                    "(default 0.152: DeepSeek-V3's 20 of 132 SMs)")
-        ->check(CLI::Range(0.0, 0.99));
-    app->add_option("--other-ms", other_ms, "time of the rest of the step, the same for every way (optimizer, gradient reduction; default 0)")
-        ->check(CLI::Range(0.0, 1e9));
+    model_options.add_to(*app, true);
     app->add_option("--routing", routing, "uniform | balanced | zipf[:S] | hot[:SHARE] | trace:FILE[:LAYER][:repeat] | router");
     app->add_option("--seed", req.moe.seed, "seed of synthetic routing")->check(kSeedValidator);
     app->add_option("--schedule", schedule, "the fused schedule's policy (default: the machine's, as for simulate)");
@@ -118,13 +139,15 @@ struct StepCommand {
 
   int execute() {
     const sim::MachineModel model = sim::load_machine(machine);
+    const std::uint64_t seed = req.moe.seed;
+    const bool optimizer_state = req.moe.optimizer_state;
+    req = model_options.resolve();
+    req.moe.seed = seed;
+    req.moe.optimizer_state = optimizer_state;
     req.moe.config = layer.resolve();
     req.moe.placement = layer.resolve_placement(req.moe.config);
     req.moe.routing = parse_routing_spec(routing, req.moe.seed);
     req.moe.policy = schedule.empty() ? sim::default_policy(model) : taskflow::parse_policy(schedule);
-    req.attention_s = attention_ms < 0 ? -1 : attention_ms * 1e-3;
-    req.dense_s = dense_ms < 0 ? -1 : dense_ms * 1e-3;
-    req.other_s = other_ms * 1e-3;
     if (!json_file.empty()) check_writable(json_file, "JSON results");
     if (!chart_file.empty()) check_writable(chart_file, "the chart");
     check_distinct_outputs({{"--json", json_file}, {"--chart", chart_file}}, "",
@@ -136,6 +159,89 @@ struct StepCommand {
     if (!chart_file.empty()) write_file_atomically(chart_file, sim::step_chart_svg(report), "the chart");
     return 0;
   }
+};
+
+struct SweepCommand {
+  CLI::App* app = nullptr;
+  SweepRequest req;
+  StepModelOptions model_options;
+  std::string out;
+
+  void add(CLI::App& parent) {
+    app = parent.add_subcommand("sweep", "simulate a grid of machines, models, EP degrees, tokens, routings, schedules and "
+                                         "machine-model parameters in parallel; CSV, JSON and a markdown report");
+    app->add_option("--machine", req.machines, "machine models, comma-separated (names in machines/ or files)")
+        ->required()->delimiter(',');
+    app->add_option("--model", req.models, "presets or layer config files, comma-separated")->required()->delimiter(',');
+    app->add_option("--ranks,-P", req.ranks, "EP degrees, comma-separated")->required()->delimiter(',')->check(CLI::Range(1, 1 << 20));
+    app->add_option("--tokens,-T", req.tokens, "tokens per rank, comma-separated")->required()->delimiter(',')
+        ->check(CLI::Range(1, 1 << 30));
+    app->add_option("--routing", req.routings, "routings, comma-separated (uniform, zipf:1.2, hot:0.3, trace:FILE:LAYER, ...)")
+        ->delimiter(',');
+    app->add_option("--schedule", req.schedules, "fused schedule policies, comma-separated (default: each machine's)")->delimiter(',');
+    app->add_option("--vary", vary_specs,
+                    "a machine-model field over values: PATH=V1,V2,... (dotted path into the model file, * for every array "
+                    "element; a value is a number or xF, the file's value times F); repeatable, the grid takes every combination");
+    app->add_option("--set", req.sets, "override a layer field in every model: --set shared_experts=0 (repeatable)");
+    app->add_option("--dtype", req.dtype, "fp32 or bf16");
+    app->add_option("--dispatch-dtype", req.dispatch_dtype, "layer | bf16 | fp8 | fp32");
+    app->add_option("--exchange", req.exchange, "assignment | rank");
+    app->add_option("--combine-dtype", req.combine_dtype, "layer | bf16");
+    app->add_option("--placement", req.placement, "contiguous | round-robin | random[:SEED] (a file fits one EP degree only)");
+    app->add_option("--seed", req.seed, "seed of synthetic routing")->check(kSeedValidator);
+    app->add_flag("--backward", req.backward, "simulate the backward pass too");
+    app->add_flag("--kernel-scope", req.kernel_scope, "time only what a fused MoE kernel does (the paper's scope)");
+    app->add_flag("--optimizer-state", req.optimizer_state, "count Adam's state in the memory check");
+    model_options.add_to(*app, false);
+    app->add_option("--jobs,-j", req.jobs, "points simulated at once (default: the hardware threads)")->check(CLI::Range(1, 1024));
+    app->add_option("--out", out, "folder for sweep.csv, sweep.json and report.md")->required();
+  }
+
+  int execute(const std::string& command) {
+    if (req.routings.empty()) req.routings = {"uniform"};
+    for (const auto& spec : vary_specs) {
+      const auto eq = spec.find('=');
+      if (eq == std::string::npos || eq == 0 || eq + 1 == spec.size())
+        throw Error("--vary expects PATH=V1,V2,..., got '" + spec + "'");
+      std::vector<std::string> values;
+      std::stringstream list(spec.substr(eq + 1));
+      for (std::string v; std::getline(list, v, ',');) {
+        if (v.empty()) throw Error("--vary " + spec + ": an empty value");
+        values.push_back(v);
+      }
+      req.vary.emplace_back(spec.substr(0, eq), std::move(values));
+    }
+    if (model_options.req.layers > 0) req.step = model_options.resolve();
+    else if (model_options.req.dense_layers > 0 || model_options.attention_ms >= 0 || model_options.dense_ms >= 0 ||
+             model_options.other_ms > 0 || model_options.req.dense_inter > 0 || model_options.req.attention_params > 0 ||
+             model_options.req.attention_width > 0)
+      throw Error("the step options (--dense-layers, --attention-*, ...) need --layers: a sweep of whole steps");
+    std::error_code ec;
+    if (std::filesystem::exists(out, ec) && !std::filesystem::is_directory(out, ec))
+      throw Error("--out '" + out + "' is a file: the sweep writes a folder (sweep.csv, sweep.json, report.md)");
+    check_save_dir(out);
+    const auto points = sweep_points(req);
+    const auto start = std::chrono::steady_clock::now();
+    auto last = start;
+    const auto rows = run_sweep(req, points, [&](std::size_t k, std::size_t n) {
+      const auto now = std::chrono::steady_clock::now();
+      if (k == n || now - last > std::chrono::seconds(5)) {
+        last = now;
+        std::cerr << "sweep: " << k << " of " << n << " points, "
+                  << std::chrono::duration_cast<std::chrono::seconds>(now - start).count() << " s\n";
+      }
+    });
+    write_sweep(out, req, rows, command);
+    std::size_t failed = 0;
+    for (const auto& r : rows) failed += r.error.empty() ? 0 : 1;
+    std::cout << "sweep: " << rows.size() << " points";
+    if (failed) std::cout << " (" << failed << " not simulated: see the error column)";
+    std::cout << " -> " << out << "/sweep.csv, sweep.json, report.md\n";
+    return 0;
+  }
+
+ private:
+  std::vector<std::string> vary_specs;
 };
 
 }  // namespace hpmoe::front

@@ -383,7 +383,7 @@ taskflow::Policy default_policy(const MachineModel& m) {
   return m.accelerator && m.put_in_flight > 0 ? taskflow::Policy::ratr : taskflow::Policy::critical_path;
 }
 
-MachineModel load_machine(const std::string& spec) {
+json load_machine_json(const std::string& spec, std::string* resolved_path) {
   namespace fs = std::filesystem;
   std::string path = spec;
   if (!fs::exists(path)) {
@@ -394,9 +394,15 @@ MachineModel load_machine(const std::string& spec) {
         break;
       }
   }
-  const json j = parse_json_file(path, "machine model '" + path + "'",
-                                 "cannot open the machine model '" + spec +
-                                     "' (a file, or a name in machines/: cpu-local, ascend-a3, h800, h200, nmp-mesh)");
+  if (resolved_path) *resolved_path = path;
+  return parse_json_file(path, "machine model '" + path + "'",
+                         "cannot open the machine model '" + spec +
+                             "' (a file, or a name in machines/: cpu-local, ascend-a3, h800, h200, nmp-mesh)");
+}
+
+MachineModel load_machine(const std::string& spec) {
+  std::string path;
+  const json j = load_machine_json(spec, &path);
   try {
     return machine_from_json(j);
   } catch (const Error& e) {

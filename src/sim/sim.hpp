@@ -148,6 +148,9 @@ struct MachineModel {
 
 MachineModel machine_from_json(const nlohmann::json&);  // Error naming what is missing or wrong
 MachineModel load_machine(const std::string& path_or_name);  // a file, or a name in machines/
+// The model file's JSON as written (for tools that edit a field before
+// machine_from_json); `resolved_path`: the file it was read from.
+nlohmann::json load_machine_json(const std::string& path_or_name, std::string* resolved_path = nullptr);
 // The schedule a machine runs by default: ratr where an accelerator bounds
 // its puts in flight (its order keeps the few puts on the wire the ones the
 // next GEMMs wait for; critical-path issues them in an order that a bound

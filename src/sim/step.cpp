@@ -95,8 +95,7 @@ BlockCost dense_cost(const MachineModel& m, const StepRequest& req, std::int64_t
   return cost;
 }
 
-StepReport simulate_step(const MachineModel& m, const StepRequest& req) {
-  const auto t0 = std::chrono::steady_clock::now();
+void check_step_request(const StepRequest& req) {
   const LayerConfig& c = req.moe.config;
   if (req.layers < 1) throw Error("--layers must be at least 1 (the transformer layers of the model on a rank)");
   if (req.dense_layers < 0 || req.dense_layers > req.layers)
@@ -111,6 +110,12 @@ StepReport simulate_step(const MachineModel& m, const StepRequest& req) {
   if (std::isnan(req.attention_s) || std::isinf(req.attention_s)) throw Error("--attention-ms must be a finite time >= 0");
   if (std::isnan(req.dense_s) || std::isinf(req.dense_s)) throw Error("--dense-ms must be a finite time >= 0");
   if (!(req.other_s >= 0) || !std::isfinite(req.other_s)) throw Error("--other-ms must be a finite time >= 0");
+}
+
+StepReport simulate_step(const MachineModel& m, const StepRequest& req) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const LayerConfig& c = req.moe.config;
+  check_step_request(req);
   StepReport rep;
   rep.request = req;
   SimRequest full = req.moe, half = req.moe;

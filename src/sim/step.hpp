@@ -64,6 +64,9 @@ struct StepReport {
 };
 
 StepReport simulate_step(const MachineModel&, const StepRequest&);
+// What simulate_step refuses (layers, shares, times; at least 2 tokens a
+// rank for two micro-batches): Error naming the option.
+void check_step_request(const StepRequest&);
 std::string format_step_report(const StepReport&);
 nlohmann::json to_json(const StepReport&);
 // The ways' steps as an SVG bar chart (forward, backward, the rest), to scale.

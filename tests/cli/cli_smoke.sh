@@ -85,6 +85,17 @@ for w in j["ways"]:
     assert abs(w["step_s"] - w["forward_s"] - w["backward_s"]) < 1e-12 and w["step_s"] > 0
 assert j["layers"] == 8 and j["dense_layers"] == 1 and j["baseline"] == "MindSpore-style"
 PY
+# A sweep: the grid in parallel, written as CSV, JSON and markdown, and its pictures.
+"$HPMOE" sweep --machine ascend-a3,h800 --model tiny -P 2,4 -T 64 --routing uniform,zipf:1.2 --backward \
+  --vary put.in_flight=4,x2 -j 2 --out "$tmp/sweep" > "$tmp/sweep.txt" 2> "$tmp/sweep.err"
+grep -q "sweep: 16 points" "$tmp/sweep.txt"
+test "$(wc -l < "$tmp/sweep/sweep.csv")" -eq 17 && grep -q "^| ascend-a3 | tiny | 2 |" "$tmp/sweep/report.md"
+python3 -c "import json,sys; j=json.load(open(sys.argv[1])); assert len(j['points']) == 16 and j['points'][0]['layer']['forward']" \
+  "$tmp/sweep/sweep.json"
+if python3 -c "import matplotlib" 2> /dev/null; then
+  python3 "$HPMOE_SOURCE_DIR/bench/sweep_plot.py" "$tmp/sweep" | grep -q "speedup_vs_ep.png, memory_per_rank.png"
+  test -s "$tmp/sweep/speedup_vs_ep.png" && test -s "$tmp/sweep/memory_per_rank.png"
+fi
 # A recording shorter than a step is repeated when the spec asks for it.
 "$HPMOE" simulate --machine h800 -T 8192 --routing "trace:$HPMOE_SOURCE_DIR/data/routing/mixtral-8x7b/coding.json:3:repeat" \
   | has "coding.json:3:repeat"

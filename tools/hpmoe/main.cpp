@@ -421,6 +421,7 @@ int run_main(int argc, char** argv) {
   RunCommand run;
   SimulateCommand simulate;
   StepCommand step;
+  SweepCommand sweep;
   CalibrateCommand calibrate;
   PlanCommand plan;
   ConfigCommand config;
@@ -429,6 +430,7 @@ int run_main(int argc, char** argv) {
   run.add(app);
   simulate.add(app);
   step.add(app);
+  sweep.add(app);
   calibrate.add(app);
   plan.add(app);
   config.add(app);
@@ -467,6 +469,11 @@ int run_main(int argc, char** argv) {
   if (verify.app->parsed()) return verify.execute();
   if (simulate.app->parsed()) return simulate.execute();
   if (step.app->parsed()) return step.execute();
+  if (sweep.app->parsed()) {
+    std::string command = "hpmoe";
+    for (int i = 1; i < argc; ++i) command += std::string(" ") + argv[i];
+    return sweep.execute(command);
+  }
   if (calibrate.app->parsed()) return calibrate.execute();
   if (plan.app->parsed()) return plan.execute();
   if (config.app->parsed()) return config.execute();

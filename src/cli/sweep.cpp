@@ -1,0 +1,379 @@
+// hpmoe sweep: the simulator over a grid, in parallel, as CSV, JSON and markdown.
+#include "cli/sweep.hpp"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <ctime>
+#include <filesystem>
+#include <iomanip>
+#include <map>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <thread>
+
+#include "hpmoe/error.hpp"
+#include "hpmoe/placement.hpp"
+#include "hpmoe/safetensors.hpp"
+#include "hpmoe/schedule.hpp"
+
+namespace hpmoe {
+namespace {
+
+using nlohmann::json;
+
+LayerConfig resolve_model(const SweepRequest& req, const std::string& model, std::int64_t ranks, std::int64_t tokens) {
+  const auto names = preset_names();
+  LayerConfig c;
+  if (std::find(names.begin(), names.end(), model) != names.end()) {
+    c = preset(model);
+  } else if (std::filesystem::exists(model)) {
+    c = load_config_file(model, preset("tiny"));
+  } else {
+    std::string list;
+    for (const auto& n : names) list += (list.empty() ? "" : ", ") + n;
+    throw Error("--model '" + model + "' is neither a preset (" + list + ") nor a layer config file");
+  }
+  for (const auto& s : req.sets) {
+    const auto eq = s.find('=');
+    if (eq == std::string::npos || eq == 0) throw Error("--set expects field=value, got '" + s + "'");
+    c.set(s.substr(0, eq), s.substr(eq + 1));
+  }
+  c.set("ranks", std::to_string(ranks));
+  c.set("tokens_per_rank", std::to_string(tokens));
+  if (req.dtype) c.set("dtype", *req.dtype);
+  if (req.dispatch_dtype) c.set("dispatch_dtype", *req.dispatch_dtype);
+  if (req.exchange) c.set("exchange", *req.exchange);
+  if (req.combine_dtype) c.set("combine_dtype", *req.combine_dtype);
+  c.validate();
+  return c;
+}
+
+// Sets `path` (dotted; "*" every element of an array) in `j` to `value`
+// ("xF": the value there times F). Error naming the path where it does not
+// lead to a number.
+void set_field(json& j, const std::string& path, std::size_t from, const std::string& value, const std::string& whole) {
+  const std::size_t dot = path.find('.', from);
+  const std::string key = path.substr(from, dot == std::string::npos ? std::string::npos : dot - from);
+  const bool last = dot == std::string::npos;
+  const auto apply = [&](json& target) {
+    if (!last) return set_field(target, path, dot + 1, value, whole);
+    if (!target.is_number())
+      throw Error("--vary " + whole + ": the machine model's '" + whole + "' is not a number (it is " + target.type_name() + ")");
+    double v = 0;
+    std::size_t used = 0;
+    const bool scale = !value.empty() && value[0] == 'x';
+    try {
+      v = std::stod(value.substr(scale ? 1 : 0), &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used == 0 || used != value.size() - (scale ? 1 : 0) || !std::isfinite(v))
+      throw Error("--vary " + whole + "=" + value + ": a value is a number, or xF (the model's value times F)");
+    const double result = scale ? target.get<double>() * v : v;
+    if (target.is_number_integer() && !scale && result == std::floor(result)) target = static_cast<std::int64_t>(result);
+    else target = result;
+  };
+  if (key == "*") {
+    if (!j.is_array()) throw Error("--vary " + whole + ": '*' stands for the elements of an array, and there is none there");
+    for (auto& e : j) apply(e);
+    return;
+  }
+  if (!j.is_object() || !j.contains(key))
+    throw Error("--vary " + whole + ": the machine model has no field '" + key + "' there (see its file in machines/)");
+  apply(j[key]);
+}
+
+std::string csv_field(const std::string& s) {
+  if (s.find_first_of(",\"\n") == std::string::npos) return s;
+  std::string out = "\"";
+  for (char ch : s) out += ch == '"' ? std::string("\"\"") : std::string(1, ch);
+  return out + "\"";
+}
+
+std::string fixed(double v, int digits = 3) {
+  std::ostringstream o;
+  o << std::fixed << std::setprecision(digits) << v;
+  return o.str();
+}
+
+// The machine's framework exchange (the baseline its figures compare against), if it has one.
+const char* baseline_of(const sim::MachineModel& m) {
+  return m.deepep.enabled ? "DeepEP-style" : m.mindspore.enabled ? "MindSpore-style" : "";
+}
+double baseline_s(const sim::MachineModel& m, const sim::PassResult& p) {
+  return m.deepep.enabled ? p.deepep_s : m.mindspore.enabled ? p.mindspore_s : 0;
+}
+
+const sim::StepWay* way(const sim::StepReport& r, const std::string& name) {
+  for (const auto& w : r.ways)
+    if (w.name == name) return &w;
+  return nullptr;
+}
+
+// One row's columns, by name, in CSV order.
+std::vector<std::pair<std::string, std::string>> columns(const SweepRequest& req, const SweepRow& row) {
+  const auto& p = row.point;
+  std::vector<std::pair<std::string, std::string>> c = {{"machine", p.machine}, {"model", p.model},
+                                                        {"ranks", std::to_string(p.ranks)}, {"tokens", std::to_string(p.tokens)},
+                                                        {"routing", p.routing}, {"schedule", p.schedule}};
+  for (std::size_t i = 0; i < req.vary.size(); ++i) c.emplace_back(req.vary[i].first, p.vary_values[i]);
+  c.emplace_back("error", row.error);
+  const bool ok = row.error.empty();
+  const auto& L = row.layer;
+  const auto ms = [&](double s) { return ok ? fixed(s * 1e3) : std::string(); };
+  const auto ratio = [&](double a, double b) { return ok && b > 0 && a > 0 ? fixed(a / b) : std::string(); };
+  const std::string base = ok ? baseline_of(L.machine) : "";
+  c.emplace_back("baseline", base);
+  for (const auto& [pass, r] : {std::pair<const char*, const sim::PassResult*>{"forward", &L.forward}, {"backward", &L.backward}}) {
+    if (std::string(pass) == "backward" && !req.backward && !req.step) continue;
+    const std::string pre = std::string(pass) + "_";
+    c.emplace_back(pre + "serialized_ms", ms(r->serialized_s));
+    c.emplace_back(pre + "fused_ms", ms(r->interleaved_s));
+    c.emplace_back(pre + "speedup", ratio(r->serialized_s, r->interleaved_s));
+    c.emplace_back(pre + "baseline_ms", ok && !base.empty() ? ms(baseline_s(L.machine, *r)) : "");
+    c.emplace_back(pre + "fused_vs_baseline", ok && !base.empty() ? ratio(baseline_s(L.machine, *r), r->interleaved_s) : "");
+    c.emplace_back(pre + "exposed_comm_serialized", ok ? fixed(r->serialized_exposed_comm) : "");
+    c.emplace_back(pre + "exposed_comm_fused", ok ? fixed(r->interleaved_exposed_comm) : "");
+  }
+  const auto gb = [&](double b) { return ok ? fixed(b / 1e9, 2) : std::string(); };
+  c.emplace_back("memory_gb", gb(L.memory.total()));
+  c.emplace_back("worst_memory_gb", gb(L.memory.worst_total()));
+  c.emplace_back("capacity_gb", ok && L.memory.capacity > 0 ? gb(L.memory.capacity) : "");
+  c.emplace_back("worst_fits", ok && L.memory.capacity > 0 ? (L.memory.worst_total() <= L.memory.capacity ? "yes" : "no") : "");
+  if (req.step) {
+    const std::string b = ok && row.step ? row.step->baseline : "";
+    const auto step_ms = [&](const std::string& name) {
+      const sim::StepWay* w = ok && row.step ? way(*row.step, name) : nullptr;
+      return w ? fixed(w->step_s() * 1e3) : std::string();
+    };
+    c.emplace_back("step_serialized_ms", step_ms("serialized"));
+    c.emplace_back("step_serialized_micro_ms", step_ms("serialized + 2 micro-batches"));
+    c.emplace_back("step_baseline_ms", b == "serialized" ? "" : step_ms(b));
+    c.emplace_back("step_baseline_micro_ms", b == "serialized" ? "" : step_ms(b + " + 2 micro-batches"));
+    c.emplace_back("step_fused_ms", step_ms("fused (hpmoe)"));
+    c.emplace_back("step_fused_micro_ms", step_ms("fused (hpmoe) + 2 micro-batches"));
+    std::string best;
+    if (ok && row.step)
+      best = std::min_element(row.step->ways.begin(), row.step->ways.end(), [](const sim::StepWay& a, const sim::StepWay& x) {
+               return a.step_s() < x.step_s();
+             })->name;
+    c.emplace_back("step_fastest", best);
+  }
+  c.emplace_back("simulate_s", ok ? fixed(L.simulate_seconds + L.compile_seconds, 2) : "");
+  return c;
+}
+
+std::string utc_now() {
+  const std::time_t t = std::time(nullptr);
+  std::tm tm{};
+  gmtime_r(&t, &tm);
+  char buf[32];
+  std::strftime(buf, sizeof buf, "%Y-%m-%d %H:%M UTC", &tm);
+  return buf;
+}
+
+}  // namespace
+
+std::vector<SweepPoint> sweep_points(const SweepRequest& req) {
+  const auto need = [](bool ok, const char* what) {
+    if (!ok) throw Error(std::string("the sweep needs at least one ") + what);
+  };
+  need(!req.machines.empty(), "--machine");
+  need(!req.models.empty(), "--model");
+  need(!req.ranks.empty(), "-P value");
+  need(!req.tokens.empty(), "-T value");
+  need(!req.routings.empty(), "--routing");
+  for (const auto& [path, values] : req.vary)
+    if (values.empty()) throw Error("--vary " + path + " names no values (--vary PATH=V1,V2,...)");
+  // The varied fields' value lists, as a mixed-radix counter.
+  std::vector<std::vector<std::string>> combos{{}};
+  for (const auto& [path, values] : req.vary) {
+    std::vector<std::vector<std::string>> next;
+    for (const auto& prefix : combos)
+      for (const auto& v : values) {
+        next.push_back(prefix);
+        next.back().push_back(v);
+      }
+    combos = std::move(next);
+  }
+  std::vector<SweepPoint> points;
+  for (const auto& machine : req.machines) {
+    const sim::MachineModel model = sim::load_machine(machine);  // checked once per machine
+    const std::vector<std::string> schedules =
+        req.schedules.empty() ? std::vector<std::string>{name(sim::default_policy(model))} : req.schedules;
+    for (const auto& s : schedules) (void)taskflow::parse_policy(s);
+    for (const auto& m : req.models)
+      for (const std::int64_t P : req.ranks)
+        for (const std::int64_t T : req.tokens) {
+          LayerConfig c;
+          try {
+            c = resolve_model(req, m, P, T);
+            parse_placement(req.placement, c.routed_experts, c.ranks).check_fits(c.routed_experts, c.ranks, c.expert_inter);
+          } catch (const Error& e) {
+            throw Error("sweep point " + m + " at -P " + std::to_string(P) + " -T " + std::to_string(T) + ": " + e.what());
+          }
+          if (req.step) {
+            sim::StepRequest step = *req.step;
+            step.moe.config = c;
+            check_step_request(step);
+          }
+          for (const auto& routing : req.routings) {
+            (void)parse_routing_spec(routing, req.seed);
+            for (const auto& schedule : schedules)
+              for (const auto& values : combos) points.push_back({machine, m, routing, schedule, P, T, values, c});
+          }
+        }
+  }
+  if (points.size() > 100000) throw Error("the sweep has " + std::to_string(points.size()) + " points; at most 100000");
+  // Each machine with its varied fields is a valid model: checked before any point runs.
+  std::map<std::string, bool> checked;
+  for (const auto& p : points) {
+    std::string key = p.machine;
+    for (const auto& v : p.vary_values) key += "\x1f" + v;
+    if (checked.emplace(key, true).second) (void)sweep_machine(req, p);
+  }
+  return points;
+}
+
+sim::MachineModel sweep_machine(const SweepRequest& req, const SweepPoint& p) {
+  if (req.vary.empty()) return sim::load_machine(p.machine);
+  std::string path;
+  json j = sim::load_machine_json(p.machine, &path);
+  for (std::size_t i = 0; i < req.vary.size(); ++i) set_field(j, req.vary[i].first, 0, p.vary_values[i], req.vary[i].first);
+  try {
+    return sim::machine_from_json(j);
+  } catch (const Error& e) {
+    std::string values;
+    for (std::size_t i = 0; i < req.vary.size(); ++i) values += " " + req.vary[i].first + "=" + p.vary_values[i];
+    throw Error(std::string(e.what()) + " (in " + path + " with" + values + ")");
+  }
+}
+
+std::vector<SweepRow> run_sweep(const SweepRequest& req, const std::vector<SweepPoint>& points,
+                                const std::function<void(std::size_t, std::size_t)>& done) {
+  std::vector<SweepRow> rows(points.size());
+  std::atomic<std::size_t> next{0}, finished{0};
+  std::mutex report;
+  const auto worker = [&] {
+    for (std::size_t i; (i = next.fetch_add(1)) < points.size();) {
+      SweepRow& row = rows[i];
+      row.point = points[i];
+      try {
+        const sim::MachineModel m = sweep_machine(req, row.point);
+        sim::SimRequest sreq;
+        sreq.config = row.point.config;
+        sreq.placement = parse_placement(req.placement, sreq.config.routed_experts, sreq.config.ranks);
+        sreq.placement.check_fits(sreq.config.routed_experts, sreq.config.ranks, sreq.config.expert_inter);
+        sreq.routing = parse_routing_spec(row.point.routing, req.seed);
+        sreq.seed = req.seed;
+        sreq.backward = req.backward;
+        sreq.kernel_scope = req.kernel_scope;
+        sreq.optimizer_state = req.optimizer_state;
+        sreq.policy = taskflow::parse_policy(row.point.schedule);
+        if (req.step) {
+          sim::StepRequest step = *req.step;
+          step.moe = sreq;
+          row.step = sim::simulate_step(m, step);
+          row.layer = row.step->layer;
+        } else {
+          row.layer = sim::simulate(m, sreq);
+        }
+      } catch (const Error& e) {
+        row.error = one_line(e.what());
+      }
+      const std::size_t k = ++finished;
+      if (done) {
+        std::lock_guard<std::mutex> lock(report);
+        done(k, points.size());
+      }
+    }
+  };
+  const unsigned hardware = std::max(1u, std::thread::hardware_concurrency());
+  const std::size_t jobs =
+      std::min<std::size_t>(points.size(), req.jobs > 0 ? static_cast<std::size_t>(req.jobs) : hardware);
+  std::vector<std::thread> threads;
+  for (std::size_t t = 1; t < jobs; ++t) threads.emplace_back(worker);
+  worker();
+  for (auto& t : threads) t.join();
+  return rows;
+}
+
+std::string sweep_csv(const SweepRequest& req, const std::vector<SweepRow>& rows) {
+  std::ostringstream o;
+  bool header = true;
+  for (const auto& row : rows) {
+    const auto c = columns(req, row);
+    if (header) {
+      for (std::size_t i = 0; i < c.size(); ++i) o << (i ? "," : "") << csv_field(c[i].first);
+      o << "\n";
+      header = false;
+    }
+    for (std::size_t i = 0; i < c.size(); ++i) o << (i ? "," : "") << csv_field(c[i].second);
+    o << "\n";
+  }
+  return o.str();
+}
+
+void write_sweep(const std::string& dir, const SweepRequest& req, const std::vector<SweepRow>& rows, const std::string& command) {
+  json j;
+  j["command"] = command;
+  j["date"] = utc_now();
+  j["points"] = json::array();
+  for (const auto& row : rows) {
+    json point;
+    for (const auto& [k, v] : columns(req, row)) point[k] = v;
+    if (row.error.empty()) point["layer"] = sim::to_json(row.layer);
+    if (row.error.empty() && row.step) point["step"] = sim::to_json(*row.step);
+    j["points"].push_back(std::move(point));
+  }
+  // The report: the grid as a table of the CSV's main columns.
+  std::ostringstream md;
+  md << "# hpmoe sweep\n\nPredicted by the simulator (machine models in machines/; figures marked ESTIMATE there are "
+        "estimates), "
+     << utc_now() << ". Command: `" << command << "`.\n\n";
+  std::size_t failed = 0;
+  for (const auto& row : rows) failed += row.error.empty() ? 0 : 1;
+  md << rows.size() << " points";
+  if (failed) md << ", " << failed << " not simulated (the error column says why)";
+  md << ". Columns: times in ms; speedups are the serialized (or the machine's framework baseline) time over the fused "
+        "one.\n\n";
+  std::vector<std::string> keep = {"machine", "model", "ranks", "tokens", "routing", "schedule"};
+  for (const auto& v : req.vary) keep.push_back(v.first);
+  for (const char* k : {"forward_serialized_ms", "forward_fused_ms", "forward_speedup", "baseline", "forward_fused_vs_baseline",
+                        "backward_speedup", "backward_fused_vs_baseline", "memory_gb", "capacity_gb", "step_fused_ms",
+                        "step_fastest", "error"})
+    keep.emplace_back(k);
+  if (!rows.empty()) {
+    const auto first = columns(req, rows.front());
+    std::vector<std::string> shown;
+    for (const auto& k : keep)
+      if (std::any_of(first.begin(), first.end(), [&](const auto& c) { return c.first == k; })) shown.push_back(k);
+    md << "|";
+    for (const auto& k : shown) md << " " << k << " |";
+    md << "\n|";
+    for (std::size_t i = 0; i < shown.size(); ++i) md << "---|";
+    md << "\n";
+    for (const auto& row : rows) {
+      const auto c = columns(req, row);
+      md << "|";
+      for (const auto& k : shown)
+        for (const auto& [name, value] : c)
+          if (name == k) {
+            std::string v = value;
+            std::replace(v.begin(), v.end(), '|', '/');
+            md << " " << v << " |";
+          }
+      md << "\n";
+    }
+  }
+  SaveSet set(dir);
+  set.add_text("sweep.csv", sweep_csv(req, rows));
+  set.add_text("sweep.json", j.dump(2) + "\n");
+  set.add_text("report.md", md.str());
+  set.commit();
+}
+
+}  // namespace hpmoe
