@@ -18,7 +18,7 @@ ratio() {  # ratio MODEL LINK(intra|inter)
   python3 - "$1" "$2" <<'PY'
 import json, sys
 m = json.load(open(f"machines/{sys.argv[1]}.json"))
-flops = m["units"]["matrix"] * max(t["bf16_flops"] for t in m["matrix"]["tile_rates"])
+flops = m["units"]["matrix"] * max(t.get("bf16_flops") or t["efficiency"] * m["matrix"]["peak"]["bf16_flops"] for t in m["matrix"]["tile_rates"])
 print(round(flops / m["links"][sys.argv[2]]["bytes_per_s"]))
 PY
 }

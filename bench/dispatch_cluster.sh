@@ -23,7 +23,7 @@ tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
 h800=$(python3 - <<'PY'
 import json
 m = json.load(open("machines/h800.json"))
-print(round(m["units"]["matrix"] * max(t["bf16_flops"] for t in m["matrix"]["tile_rates"]) / m["links"]["inter"]["bytes_per_s"]))
+print(round(m["units"]["matrix"] * max(t.get("bf16_flops") or t["efficiency"] * m["matrix"]["peak"]["bf16_flops"] for t in m["matrix"]["tile_rates"]) / m["links"]["inter"]["bytes_per_s"]))
 PY
 )
 layer="--preset deepseek-v2-lite --set routed_experts=16 -T 256 --routing uniform --backward --warmup 1 --verify off"

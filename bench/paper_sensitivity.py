@@ -10,9 +10,9 @@ together, and prints the range of the predicted speedup (serialized operators / 
 backward) at EP 4, 8 and 16 beside the paper's. Deterministic: the simulator, not this machine, sets the figures.
 
     bench/paper_sensitivity.py [build/hpmoe] >> docs/results/simulation.md
+
+It is one `hpmoe sweep` with the three estimates as --vary axes.
 """
-import copy
-import itertools
 import json
 import os
 import subprocess
@@ -21,83 +21,58 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HPMOE = sys.argv[1] if len(sys.argv) > 1 else os.path.join(ROOT, "build", "hpmoe")
-LAYER = ["--preset", "deepseek-v3", "--set", "shared_experts=0", "--dtype", "bf16", "--kernel-scope", "-T", "4096",
+LAYER = ["--model", "deepseek-v3", "--set", "shared_experts=0", "--dtype", "bf16", "--kernel-scope", "-T", "4096",
          "--routing", "uniform", "--schedule", "ratr", "--backward"]
 PAPER = {4: (16.3 + 27.9) / (10.2 + 19.4), 8: (17.3 + 29.8) / (10.3 + 19.6), 16: (18.4 + 30.5) / (11.2 + 19.9)}
 
-# The plausible range of each estimate, as factors of (or values for) the nominal figure.
-# - GEMM efficiency: nominal 65-70% of the cube's peak; the paper's own fused times imply >= 78% (its whole
-#   fused step is shorter than the model's GEMM time alone), so the range runs from 0.9x (about 60%) to 1.3x
-#   (about 90%) of the nominal tile rates.
+# The plausible range of each estimate, as factors of (or values for) the nominal figure, and the model
+# fields `hpmoe sweep --vary` sets for it.
+# - GEMM efficiency: nominal 65-70% of the cube's peak (matrix.tile_rates[].efficiency); the paper's own fused
+#   times imply >= 78% (its whole fused step is shorter than the model's GEMM time alone), so the range runs
+#   from 0.9x (about 60%) to 1.3x (about 90%) of the nominal efficiencies.
 # - puts in flight: nominal 8 (a third of the 24 AIV pairs' vector units); 4 to 16.
-# - fabric rate: DeepEP-Ascend's measured combine bandwidth per EP, 0.8x to 1.2x.
+# - fabric rate: DeepEP-Ascend's measured combine bandwidth per EP (links.intra, its rate and its by-EP
+#   table together), 0.8x to 1.2x.
 RANGES = {
-    "GEMM efficiency (x nominal tile rates)": ("gemm", [0.9, 1.0, 1.15, 1.3]),
-    "puts in flight": ("in_flight", [4, 8, 16]),
-    "fabric rate (x DeepEP-Ascend's)": ("links", [0.8, 1.0, 1.2]),
+    "GEMM efficiency (x nominal tile rates)": ("matrix.tile_rates.*.efficiency", ["x0.9", "x1.0", "x1.15", "x1.3"], "x1.0"),
+    "puts in flight": ("put.in_flight", ["4", "8", "16"], "8"),
+    "fabric rate (x DeepEP-Ascend's)": ("links.intra.bytes_per_s+links.intra.by_ep.*.bytes_per_s",
+                                        ["x0.8", "x1.0", "x1.2"], "x1.0"),
 }
 
 
-def variant(base, gemm=1.0, in_flight=None, links=1.0):
-    m = copy.deepcopy(base)
-    for r in m["matrix"]["tile_rates"]:
-        for k in list(r):
-            if k.endswith("flops"):
-                r[k] *= gemm
-    if in_flight is not None:
-        m["put"]["in_flight"] = in_flight
-    intra = m["links"]["intra"]
-    intra["bytes_per_s"] *= links
-    for row in intra.get("by_ep", []):
-        row["bytes_per_s"] *= links
-    m["name"] = f"{base['name']} (gemm x{gemm}, in flight {in_flight}, links x{links})"
-    return m
-
-
-def speedups(machine, P, tmp):
-    path = os.path.join(tmp, "machine.json")
-    with open(path, "w") as f:
-        json.dump(machine, f)
-    out = os.path.join(tmp, "sim.json")
-    subprocess.run([HPMOE, "simulate", "--machine", path, *LAYER, "-P", str(P), "--json", out], check=True,
-                   stdout=subprocess.DEVNULL)
-    j = json.load(open(out))
-    tot = lambda k: j["forward"][k] + j["backward"][k]
-    return tot("serialized_s") / tot("interleaved_s"), tot("mindspore_s") / tot("interleaved_s")
-
-
 def main():
-    base = json.load(open(os.path.join(ROOT, "machines", "ascend-a3.json")))
-    nominal_flight = base["put"]["in_flight"]
+    # One sweep over every combination (108 points, in parallel over the cores); the rows that vary one
+    # estimate alone are its points with the other two at their nominal values.
     with tempfile.TemporaryDirectory() as tmp:
-        rows = []
-        for label, (knob, values) in RANGES.items():
-            cells = []
-            for P in (4, 8, 16):
-                got = []
-                for v in values:
-                    kw = {"gemm": 1.0, "in_flight": nominal_flight, "links": 1.0}
-                    kw[knob] = v
-                    got.append(speedups(variant(base, **kw), P, tmp))
-                cells.append(got)
-            rows.append((label, ", ".join(str(v) for v in values), cells))
-        joint = []
-        for P in (4, 8, 16):
-            got = [speedups(variant(base, gemm=g, in_flight=f, links=l), P, tmp)
-                   for g, f, l in itertools.product(RANGES["GEMM efficiency (x nominal tile rates)"][1],
-                                                    RANGES["puts in flight"][1],
-                                                    RANGES["fabric rate (x DeepEP-Ascend's)"][1])]
-            joint.append(got)
-        nominal = [speedups(variant(base, in_flight=nominal_flight), P, tmp) for P in (4, 8, 16)]
+        vary = []
+        for path, values, _ in RANGES.values():
+            vary += ["--vary", f"{path}={','.join(values)}"]
+        subprocess.run([HPMOE, "sweep", "--machine", "ascend-a3", *LAYER, "-P", "4,8,16", *vary, "--out", tmp],
+                       check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+        rows = json.load(open(os.path.join(tmp, "sweep.json")))["points"]  # full precision (the CSV rounds to us)
+    for r in rows:
+        if r["error"]:
+            sys.exit(f"a point did not run: {r['error']}")
+    tot = lambda r, k: r["layer"]["forward"][k] + r["layer"]["backward"][k]
+    speedups = lambda r: (tot(r, "serialized_s") / tot(r, "interleaved_s"), tot(r, "mindspore_s") / tot(r, "interleaved_s"))
+    paths = {label: (path, nominal) for label, (path, _, nominal) in RANGES.items()}
+
+    def points(P, free=None):  # the points at EP P with every estimate but `free` nominal (free "all": none)
+        return [speedups(r) for r in rows if int(r["ranks"]) == P and all(
+            r[path] == nominal for label, (path, nominal) in paths.items() if free != "all" and label != free)]
+
     span = lambda got, i: f"{min(g[i] for g in got):.2f}-{max(g[i] for g in got):.2f}x"
     print("| estimate varied | values | EP 4: over serialized / MindSpore-style | EP 8 | EP 16 |")
     print("|---|---|---|---|---|")
     print("| none (the model as committed) | nominal | " +
-          " | ".join(f"{s:.2f}x / {m:.2f}x" for s, m in nominal) + " |")
-    for label, values, cells in rows:
-        print(f"| {label} | {values} | " + " | ".join(f"{span(c, 0)} / {span(c, 1)}" for c in cells) + " |")
+          " | ".join(f"{s:.2f}x / {m:.2f}x" for s, m in (points(P)[0] for P in (4, 8, 16))) + " |")
+    for label, (_, values, _) in RANGES.items():
+        shown = ", ".join(v.lstrip("x") for v in values)
+        print(f"| {label} | {shown} | " + " | ".join(f"{span(points(P, label), 0)} / {span(points(P, label), 1)}"
+                                                    for P in (4, 8, 16)) + " |")
     print("| all three at once (36 combinations) | the ranges above | " +
-          " | ".join(f"{span(c, 0)} / {span(c, 1)}" for c in joint) + " |")
+          " | ".join(f"{span(points(P, 'all'), 0)} / {span(points(P, 'all'), 1)}" for P in (4, 8, 16)) + " |")
     print("| **the paper** | | " + " | ".join(f"{PAPER[P]:.2f}x" for P in (4, 8, 16)) + " |")
 
 

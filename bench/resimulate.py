@@ -34,8 +34,10 @@ def main():
     print("|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         for line in open(table):
-            config, args, P, W, T, routing = line.rstrip("\n").split("\t")
-            run = json.load(open(os.path.join(runs, f"{config}-run.json")))
+            config, args, P, W, T, routing = line.rstrip("\n").split("\t")[:6]
+            # The first round's run (kept as run-ID-ROUND.json; an older sweep kept ID-run.json).
+            first = os.path.join(runs, f"run-{config}-1.json")
+            run = json.load(open(first if os.path.exists(first) else os.path.join(runs, f"{config}-run.json")))
             out = os.path.join(tmp, "sim.json")
             subprocess.run([hpmoe, "simulate", "--machine", os.path.abspath(model), *args.split(), "-P", P, "-W", W, "-T", T,
                             "--routing", routing, "--backward", "--json", out], check=True, stdout=subprocess.DEVNULL, cwd=root)

@@ -168,4 +168,12 @@ inline void check_save_dir(const std::string& dir) {
 
 inline void write_json(const std::string& path, const nlohmann::json& j) { write_file_atomically(path, j.dump(2) + "\n", "JSON results"); }
 
+// --gemm-dtype: "layer" (the layer's dtype) or "fp8" (a bf16 layer's GEMMs at
+// the machine model's fp8 rates; the simulator only).
+inline bool fp8_gemms_from(const std::string& gemm_dtype) {
+  if (gemm_dtype == "layer" || gemm_dtype == "bf16") return false;
+  if (gemm_dtype == "fp8") return true;
+  throw Error("--gemm-dtype '" + gemm_dtype + "': use layer (the layer's dtype) or fp8 (a bf16 layer's GEMMs at the machine's fp8 rates)");
+}
+
 }  // namespace hpmoe::front

@@ -18,7 +18,7 @@ struct SimulateCommand {
   CLI::App* app = nullptr;
   LayerOptions layer;
   sim::SimRequest sreq;
-  std::string sim_machine, sim_routing = "uniform", sim_schedule, sim_json, sim_trace, sim_timeline;
+  std::string sim_machine, sim_routing = "uniform", sim_schedule, sim_json, sim_trace, sim_timeline, gemm_dtype = "layer";
   int sim_workers = 0;
 
   void add(CLI::App& parent) {
@@ -37,6 +37,7 @@ struct SimulateCommand {
                          "puts in flight are bounded; critical-path on CPU models, as the runtime does)");
     simulate->add_flag("--kernel-scope", sreq.kernel_scope,
                        "time only what a fused MoE kernel does (as the paper measures): router backward and pack tasks take no time");
+    simulate->add_option("--gemm-dtype", gemm_dtype, "what the GEMMs compute in: layer (default) | fp8 (a bf16 layer's GEMMs at the machine model's fp8 rates, as DeepSeek-V3 trains; H800/H200 models)");
     simulate->add_option("--json", sim_json, "write the prediction as JSON");
     simulate->add_option("--workers,-W", sim_workers, "cpu models: workers per rank (default: the model's)")->check(CLI::Range(1, 256));
     simulate->add_option("--trace", sim_trace, "write the simulated timelines as a Chrome/Perfetto trace");
@@ -52,6 +53,7 @@ struct SimulateCommand {
     sreq.config = layer.resolve();
     sreq.placement = layer.resolve_placement(sreq.config);
     sreq.routing = parse_routing_spec(sim_routing, sreq.seed);
+    sreq.fp8_gemms = fp8_gemms_from(gemm_dtype);
     sreq.policy = sim_schedule.empty() ? sim::default_policy(model) : taskflow::parse_policy(sim_schedule);
     sreq.trace = !sim_trace.empty() || !sim_timeline.empty();
     for (const auto& [file, what] : {std::pair<const std::string&, const char*>{sim_json, "JSON results"},
@@ -119,7 +121,7 @@ struct StepCommand {
   LayerOptions layer;
   StepModelOptions model_options;
   sim::StepRequest req;
-  std::string machine, routing = "uniform", schedule, json_file, chart_file;
+  std::string machine, routing = "uniform", schedule, json_file, chart_file, gemm_dtype = "layer";
 
   void add(CLI::App& parent) {
     app = parent.add_subcommand("step", "predict a training step of a whole model (attention, dense and MoE layers, forward and "
@@ -133,6 +135,7 @@ struct StepCommand {
     app->add_option("--schedule", schedule, "the fused schedule's policy (default: the machine's, as for simulate)");
     app->add_flag("--optimizer-state", req.moe.optimizer_state,
                   "count Adam's fp32 master weights and moments in the MoE layer's memory check");
+    app->add_option("--gemm-dtype", gemm_dtype, "what the GEMMs compute in: layer (default) | fp8 (a bf16 layer's GEMMs at the machine model's fp8 rates, as DeepSeek-V3 trains; H800/H200 models)");
     app->add_option("--json", json_file, "write the prediction as JSON");
     app->add_option("--chart", chart_file, "draw every way's step as an SVG bar chart");
   }
@@ -147,6 +150,7 @@ struct StepCommand {
     req.moe.config = layer.resolve();
     req.moe.placement = layer.resolve_placement(req.moe.config);
     req.moe.routing = parse_routing_spec(routing, req.moe.seed);
+    req.moe.fp8_gemms = fp8_gemms_from(gemm_dtype);
     req.moe.policy = schedule.empty() ? sim::default_policy(model) : taskflow::parse_policy(schedule);
     if (!json_file.empty()) check_writable(json_file, "JSON results");
     if (!chart_file.empty()) check_writable(chart_file, "the chart");
@@ -181,7 +185,8 @@ struct SweepCommand {
     app->add_option("--schedule", req.schedules, "fused schedule policies, comma-separated (default: each machine's)")->delimiter(',');
     app->add_option("--vary", vary_specs,
                     "a machine-model field over values: PATH=V1,V2,... (dotted path into the model file, * for every array "
-                    "element; a value is a number or xF, the file's value times F); repeatable, the grid takes every combination");
+                    "element, A+B for two fields together; a value is a number or xF, the file's value times F); repeatable, "
+                    "the grid takes every combination");
     app->add_option("--set", req.sets, "override a layer field in every model: --set shared_experts=0 (repeatable)");
     app->add_option("--dtype", req.dtype, "fp32 or bf16");
     app->add_option("--dispatch-dtype", req.dispatch_dtype, "layer | bf16 | fp8 | fp32");
@@ -192,6 +197,7 @@ struct SweepCommand {
     app->add_flag("--backward", req.backward, "simulate the backward pass too");
     app->add_flag("--kernel-scope", req.kernel_scope, "time only what a fused MoE kernel does (the paper's scope)");
     app->add_flag("--optimizer-state", req.optimizer_state, "count Adam's state in the memory check");
+    app->add_option("--gemm-dtype", gemm_dtype, "what the GEMMs compute in: layer (default) | fp8 (a bf16 layer's GEMMs at the machine model's fp8 rates, as DeepSeek-V3 trains; H800/H200 models)");
     model_options.add_to(*app, false);
     app->add_option("--jobs,-j", req.jobs, "points simulated at once (default: the hardware threads)")->check(CLI::Range(1, 1024));
     app->add_option("--out", out, "folder for sweep.csv, sweep.json and report.md")->required();
@@ -199,6 +205,7 @@ struct SweepCommand {
 
   int execute(const std::string& command) {
     if (req.routings.empty()) req.routings = {"uniform"};
+    req.fp8_gemms = fp8_gemms_from(gemm_dtype);
     for (const auto& spec : vary_specs) {
       const auto eq = spec.find('=');
       if (eq == std::string::npos || eq == 0 || eq + 1 == spec.size())
@@ -242,6 +249,7 @@ struct SweepCommand {
 
  private:
   std::vector<std::string> vary_specs;
+  std::string gemm_dtype = "layer";
 };
 
 }  // namespace hpmoe::front

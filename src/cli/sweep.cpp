@@ -202,6 +202,7 @@ std::vector<SweepPoint> sweep_points(const SweepRequest& req) {
   std::vector<SweepPoint> points;
   for (const auto& machine : req.machines) {
     const sim::MachineModel model = sim::load_machine(machine);  // checked once per machine
+    if (req.fp8_gemms) (void)model.with_fp8_gemms();
     const std::vector<std::string> schedules =
         req.schedules.empty() ? std::vector<std::string>{name(sim::default_policy(model))} : req.schedules;
     for (const auto& s : schedules) (void)taskflow::parse_policy(s);
@@ -215,6 +216,8 @@ std::vector<SweepPoint> sweep_points(const SweepRequest& req) {
           } catch (const Error& e) {
             throw Error("sweep point " + m + " at -P " + std::to_string(P) + " -T " + std::to_string(T) + ": " + e.what());
           }
+          if (req.fp8_gemms && c.dtype != DType::bf16)
+            throw Error("sweep point " + m + ": --gemm-dtype fp8 models a bf16 layer's GEMMs: use --dtype bf16");
           if (req.step) {
             sim::StepRequest step = *req.step;
             step.moe.config = c;
@@ -242,7 +245,17 @@ sim::MachineModel sweep_machine(const SweepRequest& req, const SweepPoint& p) {
   if (req.vary.empty()) return sim::load_machine(p.machine);
   std::string path;
   json j = sim::load_machine_json(p.machine, &path);
-  for (std::size_t i = 0; i < req.vary.size(); ++i) set_field(j, req.vary[i].first, 0, p.vary_values[i], req.vary[i].first);
+  for (std::size_t i = 0; i < req.vary.size(); ++i) {
+    // "A+B": fields varied together (one figure the model gives in two places).
+    const std::string& paths = req.vary[i].first;
+    for (std::size_t from = 0; from <= paths.size();) {
+      const std::size_t plus = std::min(paths.find('+', from), paths.size());
+      const std::string path = paths.substr(from, plus - from);
+      if (path.empty()) throw Error("--vary " + paths + ": an empty field path");
+      set_field(j, path, 0, p.vary_values[i], path);
+      from = plus + 1;
+    }
+  }
   try {
     return sim::machine_from_json(j);
   } catch (const Error& e) {
@@ -272,6 +285,7 @@ std::vector<SweepRow> run_sweep(const SweepRequest& req, const std::vector<Sweep
         sreq.backward = req.backward;
         sreq.kernel_scope = req.kernel_scope;
         sreq.optimizer_state = req.optimizer_state;
+        sreq.fp8_gemms = req.fp8_gemms;
         sreq.policy = taskflow::parse_policy(row.point.schedule);
         if (req.step) {
           sim::StepRequest step = *req.step;

@@ -24,8 +24,8 @@ struct SweepRequest {
   std::vector<std::string> schedules;  // empty: each machine's default
   // Machine-model fields varied, each over its values: a dotted path into
   // the model file ("put.in_flight"; "*" stands for every element of an
-  // array: "matrix.tile_rates.*.bf16_flops"), a value either a number or
-  // "xF", the file's value times F.
+  // array: "matrix.tile_rates.*.efficiency"; "A+B": both fields together), a
+  // value either a number or "xF", the file's value times F.
   std::vector<std::pair<std::string, std::vector<std::string>>> vary;
   // Applied to every model: --set fields, then these where given.
   std::vector<std::string> sets;
@@ -33,6 +33,7 @@ struct SweepRequest {
   std::string placement = "contiguous";
   std::uint64_t seed = 1;
   bool backward = false, kernel_scope = false, optimizer_state = false;
+  bool fp8_gemms = false;  // --gemm-dtype fp8
   // With a step (layers > 0): every point a whole training step of the
   // model, the step's MoE layer the point's (its `moe` is filled per point).
   std::optional<sim::StepRequest> step;

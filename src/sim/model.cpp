@@ -170,6 +170,23 @@ double MachineModel::gemm_seconds(std::int64_t m, std::int64_t n, std::int64_t k
   return hot + (seconds_of(true) - hot) / std::max(reuse, 1.0);
 }
 
+bool MachineModel::has_fp8() const {
+  return !tile_rates.empty() &&
+         std::all_of(tile_rates.begin(), tile_rates.end(), [](const TileRate& r) { return r.fp8_flops > 0; });
+}
+
+MachineModel MachineModel::with_fp8_gemms() const {
+  if (!has_fp8())
+    throw Error("machine model '" + name + "' has no fp8 GEMM rate (matrix.peak.fp8_flops, or fp8_flops for every tile rate)");
+  MachineModel m = *this;
+  for (auto& r : m.tile_rates) {
+    r.bf16_flops = r.fp8_flops;
+    r.bf16_streamed_flops = 0;  // no streamed fp8 rate is modelled
+  }
+  m.peak_bf16_flops = peak_fp8_flops;
+  return m;
+}
+
 namespace {
 json tile_json(const MachineModel& m) {
   json t{{"rows", m.tile_rows}, {"cols", m.tile_cols}};
@@ -187,7 +204,8 @@ void check_known_fields(const json& j, const std::string& prefix = "") {
       "name", "description", "kind", "signal_latency_s", "task_overhead_s",
       "units", "units.matrix", "units.vector", "units.workers",
       "tile", "tile.rows", "tile.cols", "tile.weight_rows", "tile.weight_cols",
-      "matrix", "matrix.tile_rates", "vector", "vector.bytes_per_s", "vector.by_kind",
+      "matrix", "matrix.tile_rates", "matrix.peak", "matrix.peak.fp32_flops", "matrix.peak.bf16_flops",
+      "matrix.peak.fp8_flops", "vector", "vector.bytes_per_s", "vector.by_kind",
       "put", "put.engine", "put.in_flight", "put.issue_s", "put.copy_bytes_per_s", "put.receive",
       "put.receive.per_put_s", "put.receive.bytes_per_s", "put.stream_per_peer",
       "links", "links.intra", "links.intra.bytes_per_s", "links.intra.latency_s", "links.intra.by_ep",
@@ -248,16 +266,36 @@ MachineModel machine_from_json(const json& j) {
   }
   const json& rates = at(j, "matrix.tile_rates");
   if (!rates.is_array() || rates.empty()) throw Error("machine model: 'matrix.tile_rates' must be a non-empty array");
+  if (const json& matrix = at(j, "matrix"); matrix.is_object() && matrix.contains("peak")) {
+    if (!matrix["peak"].is_object()) throw Error("machine model: 'matrix.peak' must be an object of FLOP/s per precision");
+    m.peak_fp32_flops = rate(j, "matrix.peak.fp32_flops", 0, kMaxFlops, true);
+    m.peak_bf16_flops = rate(j, "matrix.peak.bf16_flops", 0, kMaxFlops, true);
+    m.peak_fp8_flops = rate(j, "matrix.peak.fp8_flops", 0, kMaxFlops, true);
+  }
   for (std::size_t i = 0; i < rates.size(); ++i) {
     const std::string p = "matrix.tile_rates." + std::to_string(i);
     json wrapped = {{"matrix", {{"tile_rates", {{std::to_string(i), rates[i]}}}}}};
     TileRate r;
     r.m = count(wrapped, p + ".m", 1);
     r.k = count(wrapped, p + ".k", 1);
-    r.fp32_flops = rate(wrapped, p + ".fp32_flops", 1, kMaxFlops);
-    r.bf16_flops = rate(wrapped, p + ".bf16_flops", 1, kMaxFlops);
-    r.fp32_streamed_flops = rate(wrapped, p + ".fp32_streamed_flops", 0, kMaxFlops, true);
-    r.bf16_streamed_flops = rate(wrapped, p + ".bf16_streamed_flops", 0, kMaxFlops, true);
+    if (rates[i].is_object() && rates[i].contains("efficiency")) {
+      // A share of the peak, for every precision the peak gives; no FLOP/s beside it.
+      r.efficiency = number(wrapped, p + ".efficiency", 0.001, false, 1.0);
+      for (const char* key : {"fp32_flops", "bf16_flops", "fp8_flops", "fp32_streamed_flops", "bf16_streamed_flops"})
+        if (rates[i].contains(key))
+          throw Error("machine model: '" + p + "' gives both an efficiency and '" + key + "': give one or the other");
+      if (m.peak_fp32_flops <= 0 || m.peak_bf16_flops <= 0)
+        throw Error("machine model: '" + p + ".efficiency' needs 'matrix.peak.fp32_flops' and 'matrix.peak.bf16_flops'");
+      r.fp32_flops = r.efficiency * m.peak_fp32_flops;
+      r.bf16_flops = r.efficiency * m.peak_bf16_flops;
+      r.fp8_flops = r.efficiency * m.peak_fp8_flops;
+    } else {
+      r.fp32_flops = rate(wrapped, p + ".fp32_flops", 1, kMaxFlops);
+      r.bf16_flops = rate(wrapped, p + ".bf16_flops", 1, kMaxFlops);
+      r.fp32_streamed_flops = rate(wrapped, p + ".fp32_streamed_flops", 0, kMaxFlops, true);
+      r.bf16_streamed_flops = rate(wrapped, p + ".bf16_streamed_flops", 0, kMaxFlops, true);
+      r.fp8_flops = rate(wrapped, p + ".fp8_flops", 0, kMaxFlops, true);
+    }
     m.tile_rates.push_back(r);
   }
   m.vector_bytes_per_s = rate(j, "vector.bytes_per_s", 1, kMaxBytesPerS);
@@ -412,9 +450,15 @@ MachineModel load_machine(const std::string& spec) {
 
 json to_json(const MachineModel& m) {
   json rates = json::array();
-  for (const auto& r : m.tile_rates)
+  for (const auto& r : m.tile_rates) {
+    if (r.efficiency > 0) {  // as the file gives it: a share of matrix.peak (the rates follow from it)
+      rates.push_back({{"m", r.m}, {"k", r.k}, {"efficiency", r.efficiency}});
+      continue;
+    }
     rates.push_back({{"m", r.m}, {"k", r.k}, {"fp32_flops", r.fp32_flops}, {"bf16_flops", r.bf16_flops},
                      {"fp32_streamed_flops", r.fp32_streamed_flops}, {"bf16_streamed_flops", r.bf16_streamed_flops}});
+    if (r.fp8_flops > 0) rates.back()["fp8_flops"] = r.fp8_flops;
+  }
   json j = {{"name", m.name},
             {"description", m.description},
             {"kind", m.accelerator ? "accelerator" : "cpu"},
@@ -453,6 +497,12 @@ json to_json(const MachineModel& m) {
   if (m.mesh_cols > 0)
     j["mesh"] = {{"cols", m.mesh_cols}, {"link_bytes_per_s", m.mesh_link_bytes_per_s}, {"hop_latency_s", m.mesh_hop_latency_s}};
   if (m.memory_bytes_per_rank > 0) j["memory"] = {{"bytes_per_rank", m.memory_bytes_per_rank}};
+  if (m.peak_fp32_flops > 0 || m.peak_bf16_flops > 0 || m.peak_fp8_flops > 0) {
+    auto& peak = j["matrix"]["peak"] = json::object();
+    if (m.peak_fp32_flops > 0) peak["fp32_flops"] = m.peak_fp32_flops;
+    if (m.peak_bf16_flops > 0) peak["bf16_flops"] = m.peak_bf16_flops;
+    if (m.peak_fp8_flops > 0) peak["fp8_flops"] = m.peak_fp8_flops;
+  }
   j["sources"] = json::object();
   for (const auto& [field, source] : m.sources) j["sources"][field] = source;
   return j;

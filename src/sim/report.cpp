@@ -122,11 +122,14 @@ MemoryUse memory_check(const MachineModel& m, const LayerConfig& c, const Expert
 
 }  // namespace
 
-SimReport simulate(const MachineModel& m, const SimRequest& req) {
+SimReport simulate(const MachineModel& given, const SimRequest& req) {
   // The layer's ranks sit in the machine's nodes: the per-rank exchange
   // forwards through them as the runtime would on that cluster.
   LayerConfig c = req.config;
   c.validate();
+  if (req.fp8_gemms && c.dtype != DType::bf16)
+    throw Error("--gemm-dtype fp8 models a bf16 layer whose GEMMs take fp8 operands: use --dtype bf16");
+  const MachineModel m = req.fp8_gemms ? given.with_fp8_gemms() : given;
   if (c.ranks_per_node == 0 && m.ranks_per_node > 1 && c.ranks % m.ranks_per_node == 0) c.ranks_per_node = m.ranks_per_node;
   if (c.ranks_per_node != 0 && c.ranks_per_node != m.ranks_per_node && !(m.ranks_per_node <= 1 && c.ranks_per_node == c.ranks))
     throw Error("the layer's ranks_per_node (" + std::to_string(c.ranks_per_node) + ") differs from the " +
@@ -138,6 +141,7 @@ SimReport simulate(const MachineModel& m, const SimRequest& req) {
   rep.policy = taskflow::name(req.policy);
   rep.has_backward = req.backward;
   rep.kernel_scope = req.kernel_scope;
+  rep.fp8_gemms = req.fp8_gemms;
   const ExpertPlacement placement = placement_or_contiguous(req.placement, c.routed_experts, c.ranks);
   const auto routing = route_step(c, req.routing, req.seed);
   rep.stats = routing_stats(c, placement, routing);
@@ -246,7 +250,7 @@ std::string format_report(const SimReport& r) {
   o << "machine  " << r.machine.name << (r.machine.description.empty() ? "" : ": " + r.machine.description) << "\n";
   o << "layer    " << c.name << ": hidden " << c.hidden << ", expert inter " << c.expert_inter << ", experts "
     << c.routed_experts << " routed / " << c.shared_experts << " shared, top-" << c.top_k << ", " << to_string(c.dtype)
-    << "\n";
+    << (r.fp8_gemms ? " (GEMMs at the machine's fp8 rates)" : "") << "\n";
   o << "run      EP " << c.ranks << ", " << c.tokens_per_rank << " tokens/rank, routing " << r.routing
     << " (rank max/mean " << std::setprecision(3) << r.stats.rank_max_over_mean << ", expert max/mean "
     << r.stats.expert_max_over_mean << "), schedule " << r.policy << "\n";
@@ -343,6 +347,7 @@ nlohmann::json to_json(const SimReport& r) {
         j[key]["mindspore_speedup"] = p->mindspore_s / p->interleaved_s;
       }
   j["kernel_scope"] = r.kernel_scope;
+  j["gemm_dtype"] = r.fp8_gemms ? "fp8" : to_string(r.config.dtype);
   j["put_engine"] = name(r.machine.put_engine);
   const MemoryUse& mu = r.memory;
   j["memory"] = {{"rank", mu.rank},

@@ -23,10 +23,17 @@ namespace hpmoe::sim {
 // GEMM tile throughput of one matrix unit at one shape (measured or cited):
 // with the weight panel already near the unit (reused by the tile before),
 // and streamed from memory (its first use). 0 streamed: same as reused.
+//
+// A rate is given as FLOP/s (measured: `hpmoe calibrate`), or as an
+// efficiency: the share of the unit's peak (MachineModel::peak_*) this tile
+// shape reaches, for every precision the peak gives (accelerator models,
+// whose efficiencies are estimates; docs/simulator.md).
 struct TileRate {
   std::int64_t m = 64, k = 2048;
   double fp32_flops = 0, bf16_flops = 0;  // per second, one unit
   double fp32_streamed_flops = 0, bf16_streamed_flops = 0;
+  double fp8_flops = 0;   // 0: the machine has no fp8 GEMM rate
+  double efficiency = 0;  // > 0: the rates above are this share of the peak
 };
 
 // Who moves a put's bytes.
@@ -88,6 +95,14 @@ struct MachineModel {
   std::int64_t weight_tile_rows = 0;  // rows of weight-gradient tiles ("tile.weight_rows"; 0: tile_rows)
   std::int64_t weight_tile_cols = 0;  // columns of a weight-gradient task ("tile.weight_cols", a multiple of cols; 0: cols)
   std::vector<TileRate> tile_rates;  // nearest shape wins
+  // One matrix unit's peak FLOP/s ("matrix.peak"; 0: not given), which
+  // tile rates given as an efficiency are a share of.
+  double peak_fp32_flops = 0, peak_bf16_flops = 0, peak_fp8_flops = 0;
+  // Every tile shape has an fp8 rate.
+  bool has_fp8() const;
+  // This machine with its GEMMs at their fp8 rates (a bf16 layer whose
+  // GEMMs take fp8 operands, as DeepSeek-V3 trains): Error where it has none.
+  MachineModel with_fp8_gemms() const;
   double vector_bytes_per_s = 0;     // per vector (or unified) unit
   // Where measured ("vector.by_kind", from `hpmoe calibrate`): a vector
   // kind's own rate, in the bytes its access-table traffic terms count per
@@ -174,6 +189,9 @@ struct SimRequest {
   // Count Adam's fp32 master weights and two moments (12 bytes a
   // parameter) in the memory check.
   bool optimizer_state = false;
+  // The GEMMs at the machine's fp8 rates (a bf16 layer only; the runtime has
+  // no fp8 GEMM, the simulator models what one would do).
+  bool fp8_gemms = false;
 };
 
 // What one rank holds (bytes), for the rank that holds the most: its
@@ -218,6 +236,7 @@ struct SimReport {
   PassResult forward, backward;
   bool has_backward = false;
   bool kernel_scope = false;
+  bool fp8_gemms = false;  // GEMMs at the machine's fp8 rates (machine: as simulated, fp8 rates in the bf16 columns)
   double simulate_seconds = 0;  // host time spent simulating
   double compile_seconds = 0;
   std::int64_t simulated_tasks = 0;

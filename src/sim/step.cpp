@@ -69,8 +69,10 @@ BlockCost attention_cost(const MachineModel& m, const StepRequest& req, std::int
   const double params = req.attention_params > 0 ? req.attention_params : 4.0 * double(h) * double(h);
   const std::int64_t width = req.attention_width > 0 ? req.attention_width : h;
   BlockCost cost;
-  // Q, K, V, O projections: 2 params FLOPs a token, as one GEMM with K = hidden.
-  cost.gemm_s = gemm_time(m, tokens, static_cast<std::int64_t>(std::llround(params / double(h))), h, c.dtype) +
+  // Q, K, V, O projections: 2 params FLOPs a token, as one GEMM with K = hidden
+  // (at the fp8 rates where the step's GEMMs take fp8; the scores stay bf16).
+  const MachineModel projections = req.moe.fp8_gemms ? m.with_fp8_gemms() : m;
+  cost.gemm_s = gemm_time(projections, tokens, static_cast<std::int64_t>(std::llround(params / double(h))), h, c.dtype) +
                 4 * m.operator_launch_s;
   // Scores and their weighted sum (causal: a token sees half the sequence on
   // average), heads of 128 each: 2 x 2 x context x width FLOPs a token.
@@ -89,8 +91,9 @@ BlockCost dense_cost(const MachineModel& m, const StepRequest& req, std::int64_t
   const LayerConfig& c = req.moe.config;
   if (req.dense_s >= 0) return {req.dense_s * double(tokens) / double(c.tokens_per_rank), 0};
   const std::int64_t h = c.hidden, inter = req.dense_inter > 0 ? req.dense_inter : 4 * h;
+  const MachineModel g = req.moe.fp8_gemms ? m.with_fp8_gemms() : m;
   BlockCost cost;
-  cost.gemm_s = gemm_time(m, tokens, 2 * inter, h, c.dtype) + gemm_time(m, tokens, h, inter, c.dtype) + 2 * m.operator_launch_s;
+  cost.gemm_s = gemm_time(g, tokens, 2 * inter, h, c.dtype) + gemm_time(g, tokens, h, inter, c.dtype) + 2 * m.operator_launch_s;
   cost.vector_s = vector_time(m, double(tokens) * 3.0 * double(inter) * elem_bytes(c.dtype), 1);  // SwiGLU
   return cost;
 }

@@ -79,11 +79,16 @@ for name, path, value in [("m_latency", ("signal_latency_s",), 1e308), ("m_overh
     ("m_name_control", ("name",), "h800\u001b[31m"),
     # the memory per rank (issue 42): not a number, negative, beyond any device
     ("m_memory_string", ("memory", "bytes_per_rank"), "80GB"), ("m_memory_negative", ("memory", "bytes_per_rank"), -1),
-    ("m_memory_huge", ("memory", "bytes_per_rank"), 1e300)]:
+    ("m_memory_huge", ("memory", "bytes_per_rank"), 1e300),
+    # GEMM efficiency (issue 42): above the peak, beside a FLOP/s figure, without the peak it is a share of
+    ("m_efficiency", ("matrix", "tile_rates", 0, "efficiency"), 1.5),
+    ("m_efficiency_and_rate", ("matrix", "tile_rates", 0, "bf16_flops"), 1e12),
+    ("m_no_peak", ("matrix", "peak"), None)]:
     m = json.load(open(src))
     d = m
-    for k in path[:-1]: d = d.setdefault(k, {})
-    d[path[-1]] = value
+    for k in path[:-1]: d = d[k] if isinstance(k, int) else d.setdefault(k, {})
+    if value is None: del d[path[-1]]
+    else: d[path[-1]] = value
     json.dump(m, open(f"{tmp}/{name}.json", "w"))
 PY
 "$HPMOE" run --save "$tmp/saved" > /dev/null
@@ -191,6 +196,16 @@ cases=(
   "run --check-every 0"
   "run --routing mixed:3"
   "simulate --machine h800 --seed -5"
+  # fp8 GEMM rates (issue 42, item 4): a bf16 layer on a machine that has them
+  "simulate --machine h800 --gemm-dtype fp4"
+  "simulate --machine h800 --gemm-dtype fp8"
+  "simulate --machine ascend-a3 --dtype bf16 --gemm-dtype fp8"
+  "step --machine ascend-a3 --layers 2 --dtype bf16 --gemm-dtype fp8"
+  "sweep --machine h800,ascend-a3 --model tiny -P 2 -T 64 --dtype bf16 --gemm-dtype fp8 --out $tmp/sw"
+  "sweep --machine h800 --model tiny -P 2 -T 64 --gemm-dtype fp8 --out $tmp/sw"
+  "simulate --machine $tmp/m_efficiency.json"
+  "simulate --machine $tmp/m_efficiency_and_rate.json"
+  "simulate --machine $tmp/m_no_peak.json"
   # hpmoe step (issue 42, item 2)
   "step --machine h800"
   "step --layers 4"

@@ -168,3 +168,85 @@ TEST(Peak, MeasuredAndCarriedByTheMachineModel) {
   j["peak"]["fp32_fma_flops_per_core"] = -1;
   EXPECT_THROW(sim::machine_from_json(j), Error);
 }
+
+// GEMM efficiency as an explicit field (issue 42, item 1): a tile class's
+// rate is its share of the unit's peak, for every precision the peak gives;
+// fp8 rates where the peak has one (item 4).
+TEST(MachineModel, TileRatesAsAShareOfThePeak) {
+  const MachineModel h800 = load_machine("h800");
+  ASSERT_GT(h800.peak_bf16_flops, 0);
+  for (const auto& r : h800.tile_rates) {
+    EXPECT_GT(r.efficiency, 0.1);
+    EXPECT_LT(r.efficiency, 0.8);
+    EXPECT_DOUBLE_EQ(r.bf16_flops, r.efficiency * h800.peak_bf16_flops);
+    EXPECT_DOUBLE_EQ(r.fp32_flops, r.efficiency * h800.peak_fp32_flops);
+    EXPECT_DOUBLE_EQ(r.fp8_flops, r.efficiency * h800.peak_fp8_flops);
+  }
+  EXPECT_TRUE(h800.has_fp8());
+  const MachineModel fp8 = h800.with_fp8_gemms();
+  EXPECT_NEAR(fp8.gemm_seconds(128, 256, 7168, DType::bf16),
+              h800.gemm_seconds(128, 256, 7168, DType::bf16) * h800.peak_bf16_flops / h800.peak_fp8_flops, 1e-15);
+  // The A3 die's cubes have no fp8 format: asked for, it is an error naming the field.
+  const MachineModel a3 = load_machine("ascend-a3");
+  EXPECT_FALSE(a3.has_fp8());
+  try {
+    (void)a3.with_fp8_gemms();
+    ADD_FAILURE() << "the A3 model gave fp8 rates";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("matrix.peak.fp8_flops"), std::string::npos) << e.what();
+  }
+  // The model written back as JSON reads back the same.
+  const MachineModel again = machine_from_json(to_json(h800));
+  ASSERT_EQ(again.tile_rates.size(), h800.tile_rates.size());
+  EXPECT_DOUBLE_EQ(again.tile_rates[0].bf16_flops, h800.tile_rates[0].bf16_flops);
+  EXPECT_DOUBLE_EQ(again.tile_rates[0].fp8_flops, h800.tile_rates[0].fp8_flops);
+}
+
+TEST(MachineModel, EfficiencyFieldsAreChecked) {
+  const auto good = nlohmann::json::parse(std::ifstream(std::string(HPMOE_SOURCE_DIR) + "/machines/h800.json"));
+  auto expect_error = [&](nlohmann::json j, const std::string& says) {
+    try {
+      machine_from_json(j);
+      ADD_FAILURE() << "accepted a bad model; expected an error saying " << says;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(says), std::string::npos) << e.what();
+    }
+  };
+  auto j = good;
+  j["matrix"]["tile_rates"][0]["efficiency"] = 1.5;  // above the peak
+  expect_error(j, "matrix.tile_rates.0.efficiency");
+  j = good;
+  j["matrix"]["tile_rates"][0]["efficiency"] = 0;
+  expect_error(j, "matrix.tile_rates.0.efficiency");
+  j = good;
+  j["matrix"]["tile_rates"][0]["bf16_flops"] = 1e12;  // both forms at once
+  expect_error(j, "gives both");
+  j = good;
+  j["matrix"].erase("peak");
+  expect_error(j, "matrix.peak");
+  j = good;
+  j["matrix"]["peak"]["bf16_flops"] = -1;
+  expect_error(j, "matrix.peak.bf16_flops");
+  j = good;
+  j["matrix"]["peak"]["fp4_flops"] = 1e15;  // a typo or an unknown precision
+  expect_error(j, "matrix.peak.fp4_flops");
+}
+
+TEST(Simulator, Fp8GemmsNeedABf16LayerAndAMachineThatHasThem) {
+  SimRequest req;
+  req.config = preset("tiny");
+  req.config.set("ranks", "2");
+  req.config.set("tokens_per_rank", "128");
+  req.config.set("dtype", "bf16");
+  req.fp8_gemms = true;
+  const MachineModel h800 = load_machine("h800");
+  const SimReport fp8 = simulate(h800, req);
+  req.fp8_gemms = false;
+  const SimReport bf16 = simulate(h800, req);
+  EXPECT_LE(fp8.forward.serialized_s, bf16.forward.serialized_s);
+  EXPECT_TRUE(fp8.fp8_gemms);
+  req.fp8_gemms = true;
+  EXPECT_THROW(simulate(load_machine("ascend-a3"), req), Error);
+  req.config.set("dtype", "fp32");
+  EXPECT_THROW(simulate(h800, req), Error);
+}

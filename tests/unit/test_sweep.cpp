@@ -58,16 +58,31 @@ TEST(Sweep, TheGridIsEveryCombination) {
 
 TEST(Sweep, VariedFieldsSetOrScaleTheModelsValue) {
   SweepRequest req = small_grid();
-  req.vary = {{"put.in_flight", {"5"}}, {"matrix.tile_rates.*.bf16_flops", {"x0.5"}}};
+  req.vary = {{"put.in_flight", {"5"}}, {"matrix.tile_rates.*.efficiency", {"x0.5"}}};
   const auto points = sweep_points(req);
   const sim::MachineModel base = sim::load_machine(points.front().machine);
   const sim::MachineModel varied = sweep_machine(req, points.front());
   EXPECT_EQ(varied.put_in_flight, 5);
   ASSERT_EQ(varied.tile_rates.size(), base.tile_rates.size());
   for (std::size_t i = 0; i < base.tile_rates.size(); ++i) {
+    EXPECT_DOUBLE_EQ(varied.tile_rates[i].efficiency, 0.5 * base.tile_rates[i].efficiency);
     EXPECT_DOUBLE_EQ(varied.tile_rates[i].bf16_flops, 0.5 * base.tile_rates[i].bf16_flops);
-    EXPECT_DOUBLE_EQ(varied.tile_rates[i].fp32_flops, base.tile_rates[i].fp32_flops);
+    EXPECT_DOUBLE_EQ(varied.tile_rates[i].fp32_flops, 0.5 * base.tile_rates[i].fp32_flops);
   }
+}
+
+TEST(Sweep, FieldsJoinedByPlusVaryTogether) {
+  SweepRequest req = small_grid();
+  req.machines = {"ascend-a3"};
+  req.vary = {{"links.intra.bytes_per_s+links.intra.by_ep.*.bytes_per_s", {"x2"}}};
+  const auto points = sweep_points(req);
+  const sim::MachineModel base = sim::load_machine("ascend-a3");
+  const sim::MachineModel varied = sweep_machine(req, points.front());
+  EXPECT_DOUBLE_EQ(varied.intra_bytes_per_s, 2 * base.intra_bytes_per_s);
+  ASSERT_FALSE(base.intra_by_ep.empty());
+  EXPECT_DOUBLE_EQ(varied.intra_by_ep.back().bytes_per_s, 2 * base.intra_by_ep.back().bytes_per_s);
+  req.vary = {{"put.in_flight+", {"2"}}};
+  EXPECT_NE(error_of(req).find("empty field path"), std::string::npos);
 }
 
 TEST(Sweep, BadGridsAreRefusedNamingWhatIsWrong) {
