@@ -42,17 +42,21 @@ TEST(Calibrate, EveryVectorKindOfALayerGetsItsRate) {
   EXPECT_EQ(m.vector_rate(TaskKind::gate_grad), by_kind["gate_grad"].get<double>());
 }
 
+namespace {
+// The loader refuses `j` with an error that says `says`.
+void expect_error(const nlohmann::json& j, const std::string& says) {
+  try {
+    machine_from_json(j);
+    ADD_FAILURE() << "accepted a bad model; expected an error saying " << says;
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(says), std::string::npos) << e.what();
+  }
+}
+}  // namespace
+
 TEST(Simulator, RejectsBadModels) {
   const auto good = nlohmann::json::parse(std::ifstream(std::string(HPMOE_SOURCE_DIR) + "/machines/h800.json"));
   EXPECT_NO_THROW(machine_from_json(good));
-  auto expect_error = [&](nlohmann::json j, const std::string& says) {
-    try {
-      machine_from_json(j);
-      ADD_FAILURE() << "accepted a bad model; expected an error saying " << says;
-    } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find(says), std::string::npos) << e.what();
-    }
-  };
   auto j = good;
   j.erase("vector");
   expect_error(j, "vector.bytes_per_s");
@@ -204,14 +208,6 @@ TEST(MachineModel, TileRatesAsAShareOfThePeak) {
 
 TEST(MachineModel, EfficiencyFieldsAreChecked) {
   const auto good = nlohmann::json::parse(std::ifstream(std::string(HPMOE_SOURCE_DIR) + "/machines/h800.json"));
-  auto expect_error = [&](nlohmann::json j, const std::string& says) {
-    try {
-      machine_from_json(j);
-      ADD_FAILURE() << "accepted a bad model; expected an error saying " << says;
-    } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find(says), std::string::npos) << e.what();
-    }
-  };
   auto j = good;
   j["matrix"]["tile_rates"][0]["efficiency"] = 1.5;  // above the peak
   expect_error(j, "matrix.tile_rates.0.efficiency");
