@@ -17,7 +17,12 @@
 //             steps (revise_placement: at most CHANGES adds, drops, moves or
 //             relocations); a revision's new homes receive their weights (a
 //             moved owner its optimizer state too) over the link before the
-//             next step, charged to that step in full
+//             next step, charged to that step in full. With DRIFT > 0, also
+//             at once after a step whose slowest rank took more than 1 +
+//             DRIFT times what the placement gave over its window when it
+//             was last revised: then from that step alone, and later windows
+//             start no earlier (the drift made the older steps stale). Every
+//             rank sees the same counts, so every rank detects the same drift.
 //   per-step  for the step, the plan made from that step alone and free to
 //             move any weights (a bound no causal policy reaches); at EP 64
 //             computed on every REVISE-th step only, mid-way between
@@ -26,8 +31,8 @@
 // milliseconds), its ratio to the per-step bound, and the online policy's
 // bytes moved per step.
 //
-//   build/bench/online_placement traces|zipf [MACHINE] [SEGMENT] [WINDOW] [REVISE] [CHANGES] [TOKENS] [training|inference]
-//   (defaults: h800 200 16 10 2 4096 training; run from the repository root: it reads data/routing)
+//   build/bench/online_placement traces|zipf [MACHINE] [SEGMENT] [WINDOW] [REVISE] [CHANGES] [TOKENS] [training|inference] [DRIFT]
+//   (defaults: h800 200 16 10 2 4096 training 0; run from the repository root: it reads data/routing)
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -92,8 +97,10 @@ int main(int argc, char** argv) {
   const std::int64_t revise = argc > 5 ? std::atoll(argv[5]) : 10, changes = argc > 6 ? std::atoll(argv[6]) : 2;
   const std::int64_t tokens_per_rank = argc > 7 ? std::atoll(argv[7]) : 4096;
   const bool training = argc > 8 ? std::string(argv[8]) != "inference" : true;
-  if ((scenario != "traces" && scenario != "zipf") || segment < 1 || window < 1 || revise < 1 || changes < 0 || tokens_per_rank < 1) {
-    std::fprintf(stderr, "online_placement: the scenario is traces or zipf; SEGMENT, WINDOW, REVISE and TOKENS must be positive, CHANGES not negative\n");
+  const double drift = argc > 9 ? std::atof(argv[9]) : 0.0;
+  if ((scenario != "traces" && scenario != "zipf") || segment < 1 || window < 1 || revise < 1 || changes < 0 || tokens_per_rank < 1 ||
+      !(drift >= 0)) {
+    std::fprintf(stderr, "online_placement: the scenario is traces or zipf; SEGMENT, WINDOW, REVISE and TOKENS must be positive, CHANGES and DRIFT not negative\n");
     return 2;
   }
   const bool traces = scenario == "traces";
@@ -115,13 +122,23 @@ int main(int argc, char** argv) {
 
   double none = 0, stat = 0, online = 0, bytes = 0, move_s = 0;
   double bound_at = 0;  // the bound, on the steps it is computed for
-  std::int64_t added = 0, dropped = 0, moved = 0, relocated = 0, sampled = 0;
+  std::int64_t added = 0, dropped = 0, moved = 0, relocated = 0, sampled = 0, reactions = 0;
   ExpertPlacement current = fixed;
   double pending = 0;  // seconds of weight transfer before the next step
+  // The placement's mean slowest rank over the window it was revised from
+  // (what a step should take while the routing holds), and the first step
+  // windows may reach back to.
+  const auto window_mean = [&](const ExpertPlacement& p, std::int64_t from, std::int64_t to) {
+    double sum = 0;
+    for (std::int64_t k = from; k < to; ++k) sum += slowest(p, steps[static_cast<std::size_t>(k)], cost);
+    return sum / double(std::max<std::int64_t>(1, to - from));
+  };
+  double expected = window_mean(current, 0, std::min(window, S));
+  std::int64_t fresh_from = 0;
   for (std::int64_t t = 0; t < S; ++t) {
     const auto& counts = steps[static_cast<std::size_t>(t)];
     const double n = slowest(contiguous, counts, cost), f = slowest(fixed, counts, cost);
-    const double o = slowest(current, counts, cost) + pending;
+    const double own = slowest(current, counts, cost), o = own + pending;
     none += n, stat += f, online += o;
     move_s += pending;
     pending = 0;
@@ -129,14 +146,17 @@ int main(int argc, char** argv) {
       bound_at += slowest(plan_replicas(c, contiguous, all.subspan(static_cast<std::size_t>(t), 1), cost, budget), counts, cost);
       ++sampled;
     }
-    if ((t + 1) % revise == 0) {
-      const std::int64_t from = std::max<std::int64_t>(0, t + 1 - window);
+    const bool drifted = drift > 0 && own > (1 + drift) * expected;
+    if (drifted) fresh_from = t, ++reactions;
+    if ((t + 1) % revise == 0 || drifted) {
+      const std::int64_t from = std::max({std::int64_t{0}, t + 1 - window, fresh_from});
       const Revision r = revise_placement(c, current, all.subspan(static_cast<std::size_t>(from), static_cast<std::size_t>(t + 1 - from)),
                                           cost, budget, changes, double(revise));
       current = r.placement;
       added += r.added, dropped += r.dropped, moved += r.moved, relocated += r.relocated;
       bytes += r.bytes_moved;
       pending = r.bytes_moved / cost.weight_bytes * cost.move_s;
+      expected = window_mean(current, from, t + 1);
     }
   }
   const auto ms = [&](double total) { return total / double(S) * 1e3; };
@@ -147,6 +167,9 @@ int main(int argc, char** argv) {
   std::printf("window %lld steps, revision every %lld steps, at most %lld changes each, %lld slots per rank; bound on %lld steps\n",
               static_cast<long long>(window), static_cast<long long>(revise), static_cast<long long>(changes),
               static_cast<long long>(budget), static_cast<long long>(sampled));
+  if (drift > 0)
+    std::printf("revised at once after a step over %.2fx its placement's expected time: %lld times\n", 1 + drift,
+                static_cast<long long>(reactions));
   std::printf("| policy | mean step (ms, cost model) | over the per-step bound |\n|---|---|---|\n");
   const double bound_ms = bound_at / double(sampled) * 1e3;
   std::printf("| none (contiguous) | %.3f | %.3fx |\n", ms(none), ms(none) / bound_ms);

@@ -185,6 +185,15 @@ StepReport simulate_step(const MachineModel& m, const StepRequest& req) {
   add_way("fused (hpmoe)", L.forward, L.backward, H.forward, H.backward, &PassResult::interleaved_s,
           &PassResult::interleaved_exposed_comm);
   for (auto& w : rep.ways) w.backward_s += req.other_s;  // after the backward, the same for every way
+  {
+    const double h = double(c.hidden);
+    const double attention = req.attention_params > 0 ? req.attention_params : 4.0 * h * h;
+    const double dense = 3.0 * h * double(req.dense_inter > 0 ? req.dense_inter : 4 * c.hidden);
+    const double per_parameter = elem_bytes(c.dtype) + 4.0 + (req.moe.optimizer_state ? 12.0 : 0.0);
+    const MemoryUse& moe = rep.layer.memory;
+    rep.stack_parameter_bytes = moe_layers * (moe.weights + moe.gradients + moe.optimizer) +
+                                (double(req.layers) * attention + dense_layers * dense) * per_parameter;
+  }
   rep.simulate_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return rep;
 }
@@ -224,6 +233,16 @@ std::string format_step_report(const StepReport& r) {
   o << "fastest  " << best->name << ": " << base.step_s() / best->step_s() << "x the " << r.baseline << " step";
   const double moe_share = (req.layers - req.dense_layers) * (base.moe_forward_s + base.moe_backward_s) / base.step_s();
   o << "; MoE layers are " << std::setprecision(0) << moe_share * 100 << "% of the " << r.baseline << " step\n";
+  const double capacity = r.layer.memory.capacity;
+  o << std::setprecision(1) << "memory   the stack's parameters (weights, fp32 gradients"
+    << (req.moe.optimizer_state ? ", Adam's state" : "") << "; activations not counted) need " << r.stack_parameter_bytes / 1e9
+    << " GB on the fullest rank";
+  if (capacity > 0)
+    o << " of " << capacity / 1e9 << " GB: "
+      << (r.stack_parameter_bytes <= capacity ? std::string("fits")
+                                              : "does NOT fit (" + std::to_string(static_cast<long long>(std::ceil(r.stack_parameter_bytes / capacity))) +
+                                                    " pipeline stages or more, or optimizer state sharded over data-parallel ranks; neither modelled)");
+  o << "\n";
   o << std::setprecision(2) << "simulated in " << r.simulate_seconds << " s (one MoE layer at " << c.tokens_per_rank << " and at "
     << c.tokens_per_rank / 2 << " tokens, shared by the " << req.layers - req.dense_layers << " MoE layers)\n";
   return o.str();
@@ -260,6 +279,8 @@ nlohmann::json to_json(const StepReport& r) {
                          {"speedup", base.step_s() / w.step_s()}});
   j["moe_layer"] = to_json(r.layer);
   j["moe_layer_micro_batch"] = to_json(r.half);
+  j["stack_parameter_bytes"] = r.stack_parameter_bytes;
+  j["capacity_bytes"] = r.layer.memory.capacity;
   j["simulate_seconds"] = r.simulate_seconds;
   return j;
 }

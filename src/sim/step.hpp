@@ -60,6 +60,12 @@ struct StepReport {
   BlockCost attention, attention_half, dense, dense_half;
   std::vector<StepWay> ways;
   std::string baseline;       // the way speedups are against: the machine's framework exchange
+  // The whole stack's parameters on the fullest rank: every MoE layer's
+  // share (as the layer's memory check counts it), every attention block
+  // and dense FFN (replicated: data-parallel attention); weights in the
+  // layer's dtype, fp32 gradients, Adam's state where asked. A lower bound
+  // of what the step needs: activations are not counted.
+  double stack_parameter_bytes = 0;
   double simulate_seconds = 0;
 };
 

@@ -115,3 +115,18 @@ TEST(StepModel, RefusesWhatItCannotModel) {
   share.comm_share = 1;
   expect_error(share, "--comm-share");
 }
+
+TEST(StepModel, TheStacksParametersAreCountedAgainstTheRanksMemory) {
+  const MachineModel m = load_machine("h800");
+  StepRequest req = small_step(4, 1);
+  const StepReport r = simulate_step(m, req);
+  const auto& moe = r.layer.memory;
+  const double h = double(req.moe.config.hidden);
+  // bf16? tiny is fp32: 4 bytes a weight and 4 a gradient, attention 4 h^2, dense 3 h 4h.
+  const double per = 4.0 + 4.0;
+  const double expected = 3 * (moe.weights + moe.gradients + moe.optimizer) + (4 * 4 * h * h + 1 * 3 * h * 4 * h) * per;
+  EXPECT_NEAR(r.stack_parameter_bytes, expected, 1e-6 * expected);
+  req.moe.optimizer_state = true;
+  EXPECT_GT(simulate_step(m, req).stack_parameter_bytes, r.stack_parameter_bytes);
+  EXPECT_NE(format_step_report(r).find("activations not counted"), std::string::npos);
+}
