@@ -186,10 +186,16 @@ bool even_split(std::vector<ExpertPlacement::Split>& splits, std::int64_t e, std
   return true;
 }
 
-// The simulator's forward + backward makespan of routing step `step` (by
-// default req.steps: a step the plan did not see).
-double simulate_step(const sim::MachineModel& m, const PlanRequest& req, const ExpertPlacement& p, bool interleaved,
-                     std::int64_t step = -1) {
+// The simulator's forward + backward makespans of routing step `step` (by
+// default req.steps: a step the plan did not see), serialized and
+// interleaved, and the fullest rank's memory. A placement that does not fit
+// the machine's memory is simulated all the same (the unbalanced start of a
+// plan often does not; the report says so).
+struct PlanSimulation {
+  double serialized = 0, interleaved = 0;
+  sim::MemoryUse memory;
+};
+PlanSimulation simulate_step(const sim::MachineModel& m, const PlanRequest& req, const ExpertPlacement& p, std::int64_t step = -1) {
   sim::SimRequest s;
   s.config = req.config;
   s.routing = req.routing;
@@ -198,9 +204,10 @@ double simulate_step(const sim::MachineModel& m, const PlanRequest& req, const E
   s.seed = req.seed;
   s.backward = true;
   s.policy = sim::default_policy(m);
+  s.refuse_over_memory = false;
   const auto rep = sim::simulate(m, s);
-  return interleaved ? rep.forward.interleaved_s + rep.backward.interleaved_s
-                     : rep.forward.serialized_s + rep.backward.serialized_s;
+  return {rep.forward.serialized_s + rep.backward.serialized_s, rep.forward.interleaved_s + rep.backward.interleaved_s,
+          rep.memory};
 }
 
 // The greedy search from `start` (see plan_placement): replica moves,
@@ -557,8 +564,8 @@ PlanReport plan_placement(const PlanRequest& req, const PlanProgress& progress) 
     // the replicas-only one.
     const Greedy only = replica_plan(c, rep.before, h, cost, budget, progress);
     if (progress) progress("simulating the hybrid and the replicas-only plans");
-    rep.sim_hybrid = simulate_step(machine, req, chosen.placement, true, req.steps - 1);
-    rep.sim_replicas_only = simulate_step(machine, req, only.placement, true, req.steps - 1);
+    rep.sim_hybrid = simulate_step(machine, req, chosen.placement, req.steps - 1).interleaved;
+    rep.sim_replicas_only = simulate_step(machine, req, only.placement, req.steps - 1).interleaved;
     if (rep.sim_replicas_only <= rep.sim_hybrid) chosen = only;
   }
   rep.replicas = chosen.replicas;
@@ -569,10 +576,13 @@ PlanReport plan_placement(const PlanRequest& req, const PlanProgress& progress) 
   rep.cost_after = after.slowest;
   rep.imbalance_after = after.imbalance;
   if (progress) progress("simulating the step before and after");
-  rep.sim_serialized_before = simulate_step(machine, req, rep.before, false);
-  rep.sim_interleaved_before = simulate_step(machine, req, rep.before, true);
-  rep.sim_serialized_after = simulate_step(machine, req, rep.after, false);
-  rep.sim_interleaved_after = simulate_step(machine, req, rep.after, true);
+  const PlanSimulation before = simulate_step(machine, req, rep.before), after_sim = simulate_step(machine, req, rep.after);
+  rep.sim_serialized_before = before.serialized;
+  rep.sim_interleaved_before = before.interleaved;
+  rep.sim_serialized_after = after_sim.serialized;
+  rep.sim_interleaved_after = after_sim.interleaved;
+  rep.memory_before = before.memory;
+  rep.memory_after = after_sim.memory;
   return rep;
 }
 
@@ -593,6 +603,12 @@ std::string format_report(const PlanReport& r) {
   row("cost model: slowest rank's experts (ms)", r.cost_before * 1e3, r.cost_after * 1e3, 3);
   row("simulated fwd+bwd, serialized (ms)", r.sim_serialized_before * 1e3, r.sim_serialized_after * 1e3, 3);
   row("simulated fwd+bwd, interleaved (ms)", r.sim_interleaved_before * 1e3, r.sim_interleaved_after * 1e3, 3);
+  if (r.memory_after.capacity > 0) {
+    row("simulated fullest rank's memory (GB)", r.memory_before.total() / 1e9, r.memory_after.total() / 1e9, 1);
+    const auto fits = [&](const sim::MemoryUse& m) { return m.total() <= m.capacity ? "fits" : "does NOT fit"; };
+    o << "         of " << std::setprecision(1) << r.memory_after.capacity / 1e9 << " GB a rank: before " << fits(r.memory_before)
+      << ", after " << fits(r.memory_after) << "\n";
+  }
   if (r.sim_hybrid > 0)
     o << "         the simulator chose " << (r.after.has_splits() ? "the hybrid plan" : "replicas only") << " (interleaved, a seen step: hybrid "
       << std::setprecision(3) << r.sim_hybrid * 1e3 << " ms, replicas only " << r.sim_replicas_only * 1e3 << " ms)\n";
@@ -613,9 +629,11 @@ nlohmann::json to_json(const PlanReport& r) {
           {"experts_split", r.after.splits().size()},
           {"placement", to_json(r.after)},
           {"before", {{"rank_max_over_mean", r.imbalance_before}, {"cost_model_s", r.cost_before},
-                      {"simulated_serialized_s", r.sim_serialized_before}, {"simulated_interleaved_s", r.sim_interleaved_before}}},
+                      {"simulated_serialized_s", r.sim_serialized_before}, {"simulated_interleaved_s", r.sim_interleaved_before},
+                      {"memory_bytes", r.memory_before.total()}}},
           {"after", {{"rank_max_over_mean", r.imbalance_after}, {"cost_model_s", r.cost_after},
-                     {"simulated_serialized_s", r.sim_serialized_after}, {"simulated_interleaved_s", r.sim_interleaved_after}}}};
+                     {"simulated_serialized_s", r.sim_serialized_after}, {"simulated_interleaved_s", r.sim_interleaved_after},
+                     {"memory_bytes", r.memory_after.total()}}}};
 }
 
 }  // namespace hpmoe

@@ -85,6 +85,9 @@ struct PlanReport {
   // makespan (history's last step) of the hybrid plan and of the
   // replicas-only plan, of which the faster was kept.
   double sim_hybrid = 0, sim_replicas_only = 0;
+  // The fullest rank's memory on that step, before and after (capacity 0:
+  // the machine model gives none). Not refused: the start often does not fit.
+  sim::MemoryUse memory_before, memory_after;
 };
 
 // Replicas for a layer from a history of steps' counts (each P x E): the

@@ -86,7 +86,7 @@ namespace {
 // worst case is reported.
 MemoryUse memory_check(const MachineModel& m, const LayerConfig& c, const ExpertPlacement& placement,
                        const taskflow::Machine& machine, const std::vector<double>& rank_buffers, bool backward,
-                       bool optimizer_state) {
+                       bool optimizer_state, bool refuse) {
   MemoryUse most;
   for (std::int64_t r = 0; r < c.ranks; ++r) {
     MemoryUse here = parameter_bytes(c, placement, r, backward, optimizer_state);
@@ -105,7 +105,7 @@ MemoryUse memory_check(const MachineModel& m, const LayerConfig& c, const Expert
   }
   most.worst_buffers = std::max(most.worst_buffers, most.buffers);
   most.capacity = m.memory_bytes_per_rank;
-  if (most.capacity > 0 && most.total() > most.capacity) {
+  if (refuse && most.capacity > 0 && most.total() > most.capacity) {
     const auto gb = [](double b) {
       char t[32];
       std::snprintf(t, sizeof t, "%.1f GB", b / 1e9);
@@ -184,7 +184,7 @@ SimReport simulate(const MachineModel& given, const SimRequest& req) {
     for (const auto& p : programs)
       rank_buffers[static_cast<std::size_t>(p.rank)] = std::max(rank_buffers[static_cast<std::size_t>(p.rank)], declared_bytes(p));
     // Refused before the pass is simulated where it cannot fit (the report's figures follow the loop).
-    rep.memory = memory_check(m, c, placement, machine, rank_buffers, req.backward, req.optimizer_state);
+    rep.memory = memory_check(m, c, placement, machine, rank_buffers, req.backward, req.optimizer_state, req.refuse_over_memory);
     std::vector<taskflow::Program> baseline_programs;
     if (by_rank && (m.deepep.enabled || m.mindspore.enabled))
       for (std::int64_t r = 0; r < c.ranks; ++r) {

@@ -192,6 +192,10 @@ struct SimRequest {
   // The GEMMs at the machine's fp8 rates (a bf16 layer only; the runtime has
   // no fp8 GEMM, the simulator models what one would do).
   bool fp8_gemms = false;
+  // Refuse a layer whose fullest rank does not fit the machine's memory
+  // (off: report it in SimReport::memory and simulate anyway, as a planner
+  // comparing a placement that does not fit with one that does needs).
+  bool refuse_over_memory = true;
 };
 
 // What one rank holds (bytes), for the rank that holds the most: its

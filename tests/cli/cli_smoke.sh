@@ -96,6 +96,11 @@ if python3 -c "import matplotlib" 2> /dev/null; then
   python3 "$HPMOE_SOURCE_DIR/bench/sweep_plot.py" "$tmp/sweep" | grep -q "speedup_vs_ep.png, memory_per_rank.png"
   test -s "$tmp/sweep/speedup_vs_ep.png" && test -s "$tmp/sweep/memory_per_rank.png"
 fi
+# A plan whose start does not fit the machine's memory still plans, and says so (EP 256 under Zipf did not).
+python3 -c "import json,sys; m=json.load(open(sys.argv[1])); m['memory']['bytes_per_rank']=1e8; json.dump(m, open(sys.argv[2],'w'))" \
+  "$HPMOE_SOURCE_DIR/machines/h800.json" "$tmp/h800-small.json"
+"$HPMOE" plan --machine "$tmp/h800-small.json" --preset deepseek-v2-lite -P 4 -T 256 --routing zipf:1.2 --steps 2 \
+  | grep -q "before does NOT fit, after does NOT fit"
 # A recording shorter than a step is repeated when the spec asks for it.
 "$HPMOE" simulate --machine h800 -T 8192 --routing "trace:$HPMOE_SOURCE_DIR/data/routing/mixtral-8x7b/coding.json:3:repeat" \
   | has "coding.json:3:repeat"
