@@ -38,6 +38,7 @@
 #include <string>
 #include <vector>
 
+#include "cli/online.hpp"
 #include "cli/plan.hpp"
 #include "compiler/taskflow.hpp"
 #include "hpmoe/config.hpp"
@@ -122,23 +123,15 @@ int main(int argc, char** argv) {
 
   double none = 0, stat = 0, online = 0, bytes = 0, move_s = 0;
   double bound_at = 0;  // the bound, on the steps it is computed for
-  std::int64_t added = 0, dropped = 0, moved = 0, relocated = 0, sampled = 0, reactions = 0;
-  ExpertPlacement current = fixed;
+  std::int64_t added = 0, dropped = 0, moved = 0, relocated = 0, sampled = 0;
+  // The online policy (cli/online.hpp): revisions every REVISE steps and, with DRIFT, after a drifted step.
+  OnlinePlacement policy(c, fixed, cost,
+                         {.window = window, .every = revise, .max_changes = changes, .drift = drift, .slots_per_rank = budget});
   double pending = 0;  // seconds of weight transfer before the next step
-  // The placement's mean slowest rank over the window it was revised from
-  // (what a step should take while the routing holds), and the first step
-  // windows may reach back to.
-  const auto window_mean = [&](const ExpertPlacement& p, std::int64_t from, std::int64_t to) {
-    double sum = 0;
-    for (std::int64_t k = from; k < to; ++k) sum += slowest(p, steps[static_cast<std::size_t>(k)], cost);
-    return sum / double(std::max<std::int64_t>(1, to - from));
-  };
-  double expected = window_mean(current, 0, std::min(window, S));
-  std::int64_t fresh_from = 0;
   for (std::int64_t t = 0; t < S; ++t) {
     const auto& counts = steps[static_cast<std::size_t>(t)];
     const double n = slowest(contiguous, counts, cost), f = slowest(fixed, counts, cost);
-    const double own = slowest(current, counts, cost), o = own + pending;
+    const double o = slowest(policy.placement(), counts, cost) + pending;
     none += n, stat += f, online += o;
     move_s += pending;
     pending = 0;
@@ -146,19 +139,13 @@ int main(int argc, char** argv) {
       bound_at += slowest(plan_replicas(c, contiguous, all.subspan(static_cast<std::size_t>(t), 1), cost, budget), counts, cost);
       ++sampled;
     }
-    const bool drifted = drift > 0 && own > (1 + drift) * expected;
-    if (drifted) fresh_from = t, ++reactions;
-    if ((t + 1) % revise == 0 || drifted) {
-      const std::int64_t from = std::max({std::int64_t{0}, t + 1 - window, fresh_from});
-      const Revision r = revise_placement(c, current, all.subspan(static_cast<std::size_t>(from), static_cast<std::size_t>(t + 1 - from)),
-                                          cost, budget, changes, double(revise));
-      current = r.placement;
-      added += r.added, dropped += r.dropped, moved += r.moved, relocated += r.relocated;
-      bytes += r.bytes_moved;
-      pending = r.bytes_moved / cost.weight_bytes * cost.move_s;
-      expected = window_mean(current, from, t + 1);
+    if (const auto r = policy.observe(counts)) {
+      added += r->added, dropped += r->dropped, moved += r->moved, relocated += r->relocated;
+      bytes += r->bytes_moved;
+      pending = r->bytes_moved / cost.weight_bytes * cost.move_s;
     }
   }
+  const std::int64_t reactions = policy.drifts();
   const auto ms = [&](double total) { return total / double(S) * 1e3; };
   std::printf("%s bf16, EP %lld, %lld tokens/rank, %s, %lld steps (%s), machine %s\n", c.name.c_str(),
               static_cast<long long>(c.ranks), static_cast<long long>(tokens_per_rank), training ? "training" : "inference",

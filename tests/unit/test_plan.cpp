@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include "source_dir.hpp"
+#include "cli/online.hpp"
 #include "cli/plan.hpp"
 #include "hpmoe/error.hpp"
 #include "hpmoe/routing.hpp"
@@ -166,4 +167,41 @@ TEST(Plan, RevisesThePlacementAfterTheRoutingDrifts) {
   EXPECT_THROW(revise_placement(c, fixed, {}, cost, budget, 8, 10), Error);
   EXPECT_THROW(revise_placement(c, fixed, std::vector<std::vector<std::int64_t>>{{1, 2, 3}}, cost, budget, 8, 10), Error);
   EXPECT_THROW(revise_placement(c, fixed, after, cost, budget, 8, -1), Error);
+}
+
+// The online policy (cli/online.hpp): revisions on its schedule and, after a
+// step that took far longer than the placement was expected to, at once and
+// from that step alone; two policies fed the same counts make the same
+// revisions (what every rank relies on).
+TEST(Plan, OnlinePolicyRevisesOnScheduleAndAfterADrift) {
+  const LayerConfig c = tiny_layer(8, 32, 1024);
+  const auto cost = h800_cost(c, true);
+  std::vector<std::vector<std::int64_t>> steps;
+  for (std::uint64_t k = 0; k < 12; ++k) steps.push_back(counts_of(c, "zipf:1.3", 1, k));
+  for (std::uint64_t k = 0; k < 12; ++k) steps.push_back(counts_of(c, "zipf:1.3", 2, k));  // other hot experts
+  const auto contiguous = ExpertPlacement::contiguous(c.routed_experts, c.ranks);
+  const auto start = plan_replicas(c, contiguous, std::span(steps).subspan(0, 4), cost, contiguous.max_local_count() + 1);
+  const OnlinePlacement::Options options{.window = 4, .every = 10, .max_changes = 64, .drift = 0.25, .slots_per_rank = 0};
+  OnlinePlacement a(c, start, cost, options), b(c, start, cost, options);
+  std::vector<std::int64_t> revised_at;
+  double after_drift = 0, at_drift = 0;
+  for (std::size_t t = 0; t < steps.size(); ++t) {
+    const auto ra = a.observe(steps[t]);
+    const auto rb = b.observe(steps[t]);
+    ASSERT_EQ(ra.has_value(), rb.has_value());
+    if (ra) {
+      EXPECT_EQ(ra->placement, rb->placement);
+      EXPECT_LE(ra->placement.max_local_count(), start.max_local_count());
+      revised_at.push_back(static_cast<std::int64_t>(t + 1));
+    }
+    if (t == 12) at_drift = a.last_step_s();
+    if (t == 13) after_drift = a.last_step_s();
+  }
+  // Scheduled at steps 10 and 20, and once after the popularity changed at step 13.
+  EXPECT_EQ(a.drifts(), 1);
+  EXPECT_EQ(revised_at, (std::vector<std::int64_t>{10, 13, 20}));
+  EXPECT_LT(after_drift, at_drift);  // the step after the revision runs on a placement for the new routing
+  // Bad input: a window of no steps, counts of the wrong shape.
+  EXPECT_THROW(OnlinePlacement(c, start, cost, {.window = 0}), Error);
+  EXPECT_THROW(a.observe(std::vector<std::int64_t>{1, 2, 3}), Error);
 }
