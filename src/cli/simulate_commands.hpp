@@ -206,18 +206,7 @@ struct SweepCommand {
   int execute(const std::string& command) {
     if (req.routings.empty()) req.routings = {"uniform"};
     req.fp8_gemms = fp8_gemms_from(gemm_dtype);
-    for (const auto& spec : vary_specs) {
-      const auto eq = spec.find('=');
-      if (eq == std::string::npos || eq == 0 || eq + 1 == spec.size())
-        throw Error("--vary expects PATH=V1,V2,..., got '" + spec + "'");
-      std::vector<std::string> values;
-      std::stringstream list(spec.substr(eq + 1));
-      for (std::string v; std::getline(list, v, ',');) {
-        if (v.empty()) throw Error("--vary " + spec + ": an empty value");
-        values.push_back(v);
-      }
-      req.vary.emplace_back(spec.substr(0, eq), std::move(values));
-    }
+    for (const auto& spec : vary_specs) req.vary.push_back(parse_vary(spec));
     if (model_options.req.layers > 0) req.step = model_options.resolve();
     else if (model_options.req.dense_layers > 0 || model_options.attention_ms >= 0 || model_options.dense_ms >= 0 ||
              model_options.other_ms > 0 || model_options.req.dense_inter > 0 || model_options.req.attention_params > 0 ||

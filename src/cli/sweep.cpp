@@ -51,41 +51,6 @@ LayerConfig resolve_model(const SweepRequest& req, const std::string& model, std
   return c;
 }
 
-// Sets `path` (dotted; "*" every element of an array) in `j` to `value`
-// ("xF": the value there times F). Error naming the path where it does not
-// lead to a number.
-void set_field(json& j, const std::string& path, std::size_t from, const std::string& value, const std::string& whole) {
-  const std::size_t dot = path.find('.', from);
-  const std::string key = path.substr(from, dot == std::string::npos ? std::string::npos : dot - from);
-  const bool last = dot == std::string::npos;
-  const auto apply = [&](json& target) {
-    if (!last) return set_field(target, path, dot + 1, value, whole);
-    if (!target.is_number())
-      throw Error("--vary " + whole + ": the machine model's '" + whole + "' is not a number (it is " + target.type_name() + ")");
-    double v = 0;
-    std::size_t used = 0;
-    const bool scale = !value.empty() && value[0] == 'x';
-    try {
-      v = std::stod(value.substr(scale ? 1 : 0), &used);
-    } catch (const std::exception&) {
-      used = 0;
-    }
-    if (used == 0 || used != value.size() - (scale ? 1 : 0) || !std::isfinite(v))
-      throw Error("--vary " + whole + "=" + value + ": a value is a number, or xF (the model's value times F)");
-    const double result = scale ? target.get<double>() * v : v;
-    if (target.is_number_integer() && !scale && result == std::floor(result)) target = static_cast<std::int64_t>(result);
-    else target = result;
-  };
-  if (key == "*") {
-    if (!j.is_array()) throw Error("--vary " + whole + ": '*' stands for the elements of an array, and there is none there");
-    for (auto& e : j) apply(e);
-    return;
-  }
-  if (!j.is_object() || !j.contains(key))
-    throw Error("--vary " + whole + ": the machine model has no field '" + key + "' there (see its file in machines/)");
-  apply(j[key]);
-}
-
 std::string csv_field(const std::string& s) {
   if (s.find_first_of(",\"\n") == std::string::npos) return s;
   std::string out = "\"";
@@ -242,27 +207,7 @@ std::vector<SweepPoint> sweep_points(const SweepRequest& req) {
 }
 
 sim::MachineModel sweep_machine(const SweepRequest& req, const SweepPoint& p) {
-  if (req.vary.empty()) return sim::load_machine(p.machine);
-  std::string path;
-  json j = sim::load_machine_json(p.machine, &path);
-  for (std::size_t i = 0; i < req.vary.size(); ++i) {
-    // "A+B": fields varied together (one figure the model gives in two places).
-    const std::string& paths = req.vary[i].first;
-    for (std::size_t from = 0; from <= paths.size();) {
-      const std::size_t plus = std::min(paths.find('+', from), paths.size());
-      const std::string path = paths.substr(from, plus - from);
-      if (path.empty()) throw Error("--vary " + paths + ": an empty field path");
-      set_field(j, path, 0, p.vary_values[i], path);
-      from = plus + 1;
-    }
-  }
-  try {
-    return sim::machine_from_json(j);
-  } catch (const Error& e) {
-    std::string values;
-    for (std::size_t i = 0; i < req.vary.size(); ++i) values += " " + req.vary[i].first + "=" + p.vary_values[i];
-    throw Error(std::string(e.what()) + " (in " + path + " with" + values + ")");
-  }
+  return varied_machine(p.machine, req.vary, p.vary_values);
 }
 
 std::vector<SweepRow> run_sweep(const SweepRequest& req, const std::vector<SweepPoint>& points,

@@ -12,6 +12,8 @@
 #include <utility>
 #include <vector>
 
+#include <nlohmann/json_fwd.hpp>
+
 #include "sim/step.hpp"
 
 namespace hpmoe {
@@ -59,6 +61,15 @@ struct SweepRow {
 std::vector<SweepPoint> sweep_points(const SweepRequest&);
 // The machine model of a point: the file with the point's varied fields set.
 sim::MachineModel sweep_machine(const SweepRequest&, const SweepPoint&);
+// --vary's pieces (sweep_vary.cpp): "PATH=V1,V2,..." split; a model file's
+// JSON with each varied field set to its value (Error naming a path that
+// leads to no number, or a value that is neither a number nor xF); the
+// machine model so varied.
+std::pair<std::string, std::vector<std::string>> parse_vary(const std::string& spec);
+nlohmann::json vary_machine_json(nlohmann::json model, const std::vector<std::pair<std::string, std::vector<std::string>>>& vary,
+                                 const std::vector<std::string>& values);
+sim::MachineModel varied_machine(const std::string& machine, const std::vector<std::pair<std::string, std::vector<std::string>>>& vary,
+                                 const std::vector<std::string>& values);
 // Simulates every point, `jobs` at once; `done(k, n)` after each.
 std::vector<SweepRow> run_sweep(const SweepRequest&, const std::vector<SweepPoint>&,
                                 const std::function<void(std::size_t, std::size_t)>& done = {});
