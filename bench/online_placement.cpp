@@ -131,15 +131,16 @@ int main(int argc, char** argv) {
   for (std::int64_t t = 0; t < S; ++t) {
     const auto& counts = steps[static_cast<std::size_t>(t)];
     const double n = slowest(contiguous, counts, cost), f = slowest(fixed, counts, cost);
-    const double o = slowest(policy.placement(), counts, cost) + pending;
-    none += n, stat += f, online += o;
-    move_s += pending;
-    pending = 0;
     if (t % sample == sample / 2) {  // mid-way between revisions: not only the steps that pay for a revision's moves
       bound_at += slowest(plan_replicas(c, contiguous, all.subspan(static_cast<std::size_t>(t), 1), cost, budget), counts, cost);
       ++sampled;
     }
-    if (const auto r = policy.observe(counts)) {
+    // The policy prices the step on the placement it ran with (last_step_s), then may revise.
+    const auto r = policy.observe(counts);
+    none += n, stat += f, online += policy.last_step_s() + pending;
+    move_s += pending;
+    pending = 0;
+    if (r) {
       added += r->added, dropped += r->dropped, moved += r->moved, relocated += r->relocated;
       bytes += r->bytes_moved;
       pending = r->bytes_moved / cost.weight_bytes * cost.move_s;

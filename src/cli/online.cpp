@@ -43,17 +43,14 @@ std::optional<Revision> OnlinePlacement::observe(std::span<const std::int64_t> c
   }
   recent_.emplace_back(counts.begin(), counts.end());
   while (static_cast<std::int64_t>(recent_.size()) > options_.window) recent_.pop_front();
-  const std::vector<std::vector<std::int64_t>> window(recent_.begin(), recent_.end());
-  const std::span<const std::vector<std::int64_t>> history(window);
-  if (!drifted && steps_ % options_.every != 0) {
-    if (expected_s_ < 0) {  // before the first revision: what the start gives over what it has seen
-      double sum = 0;
-      for (const auto& step : window) sum += slowest(current_, step, cost_);
-      expected_s_ = sum / double(window.size());
-    }
+  const bool scheduled = steps_ % options_.every == 0;
+  if (!drifted && !scheduled) {
+    if (expected_s_ < 0) expected_s_ = last_s_;  // before the first revision: what the start gave the first step
     return std::nullopt;
   }
-  Revision r = revise_placement(config_, current_, history, cost_, options_.slots_per_rank, options_.max_changes,
+  // Only a revision needs the window as a contiguous history.
+  const std::vector<std::vector<std::int64_t>> window(recent_.begin(), recent_.end());
+  Revision r = revise_placement(config_, current_, window, cost_, options_.slots_per_rank, options_.max_changes,
                                 double(options_.every));
   current_ = r.placement;
   double sum = 0;

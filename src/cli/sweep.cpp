@@ -1,5 +1,6 @@
 // hpmoe sweep: the simulator over a grid, in parallel, as CSV, JSON and markdown.
 #include "cli/sweep.hpp"
+#include "cli/options.hpp"
 
 #include <algorithm>
 #include <atomic>
@@ -24,31 +25,29 @@ namespace {
 
 using nlohmann::json;
 
-LayerConfig resolve_model(const SweepRequest& req, const std::string& model, std::int64_t ranks, std::int64_t tokens) {
+// The point's layer options, as `hpmoe simulate` would take them: the model
+// (a preset or a config file), the overrides, -P, -T, the placement.
+front::LayerOptions layer_options(const SweepRequest& req, const std::string& model, std::int64_t ranks, std::int64_t tokens) {
   const auto names = preset_names();
-  LayerConfig c;
+  front::LayerOptions o;
   if (std::find(names.begin(), names.end(), model) != names.end()) {
-    c = preset(model);
+    o.preset_name = model;
   } else if (std::filesystem::exists(model)) {
-    c = load_config_file(model, preset("tiny"));
+    o.config_file = model;
   } else {
     std::string list;
     for (const auto& n : names) list += (list.empty() ? "" : ", ") + n;
     throw Error("--model '" + model + "' is neither a preset (" + list + ") nor a layer config file");
   }
-  for (const auto& s : req.sets) {
-    const auto eq = s.find('=');
-    if (eq == std::string::npos || eq == 0) throw Error("--set expects field=value, got '" + s + "'");
-    c.set(s.substr(0, eq), s.substr(eq + 1));
-  }
-  c.set("ranks", std::to_string(ranks));
-  c.set("tokens_per_rank", std::to_string(tokens));
-  if (req.dtype) c.set("dtype", *req.dtype);
-  if (req.dispatch_dtype) c.set("dispatch_dtype", *req.dispatch_dtype);
-  if (req.exchange) c.set("exchange", *req.exchange);
-  if (req.combine_dtype) c.set("combine_dtype", *req.combine_dtype);
-  c.validate();
-  return c;
+  o.sets = req.sets;
+  o.ranks = ranks;
+  o.tokens = tokens;
+  o.dtype = req.dtype;
+  o.dispatch_dtype = req.dispatch_dtype;
+  o.exchange = req.exchange;
+  o.combine_dtype = req.combine_dtype;
+  o.placement = req.placement;
+  return o;
 }
 
 std::string csv_field(const std::string& s) {
@@ -176,8 +175,9 @@ std::vector<SweepPoint> sweep_points(const SweepRequest& req) {
         for (const std::int64_t T : req.tokens) {
           LayerConfig c;
           try {
-            c = resolve_model(req, m, P, T);
-            parse_placement(req.placement, c.routed_experts, c.ranks).check_fits(c.routed_experts, c.ranks, c.expert_inter);
+            const front::LayerOptions options = layer_options(req, m, P, T);
+            c = options.resolve();
+            (void)options.resolve_placement(c);
           } catch (const Error& e) {
             throw Error("sweep point " + m + " at -P " + std::to_string(P) + " -T " + std::to_string(T) + ": " + e.what());
           }
@@ -223,8 +223,7 @@ std::vector<SweepRow> run_sweep(const SweepRequest& req, const std::vector<Sweep
         const sim::MachineModel m = sweep_machine(req, row.point);
         sim::SimRequest sreq;
         sreq.config = row.point.config;
-        sreq.placement = parse_placement(req.placement, sreq.config.routed_experts, sreq.config.ranks);
-        sreq.placement.check_fits(sreq.config.routed_experts, sreq.config.ranks, sreq.config.expert_inter);
+        sreq.placement = layer_options(req, row.point.model, row.point.ranks, row.point.tokens).resolve_placement(sreq.config);
         sreq.routing = parse_routing_spec(row.point.routing, req.seed);
         sreq.seed = req.seed;
         sreq.backward = req.backward;

@@ -1,5 +1,5 @@
 // A training step: attention and dense blocks from their FLOPs and bytes,
-// MoE layers simulated tile by tile, five ways to run the MoE layers.
+// MoE layers simulated tile by tile, six ways to run the MoE layers.
 #include "sim/step.hpp"
 
 #include <algorithm>
@@ -44,12 +44,15 @@ double vector_time(const MachineModel& m, double bytes, int operators) {
   return bytes / (framework_vector_units(m) * m.vector_bytes_per_s) + operators * m.operator_launch_s;
 }
 
-// One MoE layer's pass as a way runs it: the layer's time, and the part in
-// which a rank only waits for its exchange (what a second micro-batch's
-// compute can hide).
-struct MoePass {
-  double time = 0, exposed = 0;
-};
+// The blocks' weights: one attention block (default Q, K, V, O: 4 hidden^2)
+// and one dense FFN (gate, up, down: 3 hidden x inter, default inter 4 hidden).
+double attention_weights(const StepRequest& req) {
+  const double h = double(req.moe.config.hidden);
+  return req.attention_params > 0 ? req.attention_params : 4.0 * h * h;
+}
+std::int64_t dense_inter(const StepRequest& req) {
+  return req.dense_inter > 0 ? req.dense_inter : 4 * req.moe.config.hidden;
+}
 
 // Two micro-batches per layer, each `compute` on the units and `exchange`
 // exposed: one's exchange runs under the other's compute, which loses the
@@ -66,7 +69,7 @@ BlockCost attention_cost(const MachineModel& m, const StepRequest& req, std::int
   const LayerConfig& c = req.moe.config;
   if (req.attention_s >= 0) return {req.attention_s * double(tokens) / double(c.tokens_per_rank), 0};
   const std::int64_t h = c.hidden;
-  const double params = req.attention_params > 0 ? req.attention_params : 4.0 * double(h) * double(h);
+  const double params = attention_weights(req);
   const std::int64_t width = req.attention_width > 0 ? req.attention_width : h;
   BlockCost cost;
   // Q, K, V, O projections: 2 params FLOPs a token, as one GEMM with K = hidden
@@ -90,7 +93,7 @@ BlockCost attention_cost(const MachineModel& m, const StepRequest& req, std::int
 BlockCost dense_cost(const MachineModel& m, const StepRequest& req, std::int64_t tokens) {
   const LayerConfig& c = req.moe.config;
   if (req.dense_s >= 0) return {req.dense_s * double(tokens) / double(c.tokens_per_rank), 0};
-  const std::int64_t h = c.hidden, inter = req.dense_inter > 0 ? req.dense_inter : 4 * h;
+  const std::int64_t h = c.hidden, inter = dense_inter(req);
   const MachineModel g = req.moe.fp8_gemms ? m.with_fp8_gemms() : m;
   BlockCost cost;
   cost.gemm_s = gemm_time(g, tokens, 2 * inter, h, c.dtype) + gemm_time(g, tokens, h, inter, c.dtype) + 2 * m.operator_launch_s;
@@ -141,8 +144,12 @@ StepReport simulate_step(const MachineModel& m, const StepRequest& req) {
   const auto pass_rest = [&](bool backward) {
     return (backward ? 2.0 : 1.0) * (double(req.layers) * rep.attention.total() + dense_layers * rep.dense.total());
   };
-  const auto add_way = [&](const std::string& name, const PassResult& fwd, const PassResult& bwd, const PassResult& fwd_half,
-                           const PassResult& bwd_half, double PassResult::*time, double PassResult::*exposed) {
+  // A way: the MoE layer's time in each pass (a member of PassResult), and
+  // its exposed exchange's share of it; alone at T tokens, then as two
+  // micro-batches of T / 2.
+  const auto add_way = [&](const std::string& name, double PassResult::*time, double PassResult::*exposed) {
+    const PassResult &fwd = rep.layer.forward, &bwd = rep.layer.backward;
+    const PassResult &fwd_half = rep.half.forward, &bwd_half = rep.half.backward;
     {
       StepWay w;
       w.name = name;
@@ -158,8 +165,8 @@ StepReport simulate_step(const MachineModel& m, const StepRequest& req) {
     // Per MoE layer: each micro-batch's attention and its MoE layer's
     // compute on the units, its exchange's exposed part under the other's.
     const auto layer = [&](const PassResult& p, double attention) {
-      const MoePass moe{p.*time, p.*exposed * p.*time};
-      return overlapped(attention + moe.time - moe.exposed, moe.exposed, req.comm_share);
+      const double exchange = p.*exposed * p.*time;
+      return overlapped(attention + p.*time - exchange, exchange, req.comm_share);
     };
     w.moe_forward_s = layer(fwd_half, 0);
     w.moe_backward_s = layer(bwd_half, 0);
@@ -169,26 +176,20 @@ StepReport simulate_step(const MachineModel& m, const StepRequest& req) {
     w.backward_s = 2 * dense_layers * (attn_b + 2 * rep.dense_half.total()) + moe_layers * layer(bwd_half, attn_b);
     rep.ways.push_back(w);
   };
-  const auto& L = rep.layer;
-  const auto& H = rep.half;
-  add_way("serialized", L.forward, L.backward, H.forward, H.backward, &PassResult::serialized_s, &PassResult::serialized_exposed_comm);
+  add_way("serialized", &PassResult::serialized_s, &PassResult::serialized_exposed_comm);
   rep.baseline = "serialized";
   if (m.deepep.enabled) {
-    add_way("DeepEP-style", L.forward, L.backward, H.forward, H.backward, &PassResult::deepep_s, &PassResult::deepep_exposed_comm);
+    add_way("DeepEP-style", &PassResult::deepep_s, &PassResult::deepep_exposed_comm);
     rep.baseline = "DeepEP-style";
   }
   if (m.mindspore.enabled) {
-    add_way("MindSpore-style", L.forward, L.backward, H.forward, H.backward, &PassResult::mindspore_s,
-            &PassResult::mindspore_exposed_comm);
+    add_way("MindSpore-style", &PassResult::mindspore_s, &PassResult::mindspore_exposed_comm);
     rep.baseline = "MindSpore-style";
   }
-  add_way("fused (hpmoe)", L.forward, L.backward, H.forward, H.backward, &PassResult::interleaved_s,
-          &PassResult::interleaved_exposed_comm);
+  add_way("fused (hpmoe)", &PassResult::interleaved_s, &PassResult::interleaved_exposed_comm);
   for (auto& w : rep.ways) w.backward_s += req.other_s;  // after the backward, the same for every way
   {
-    const double h = double(c.hidden);
-    const double attention = req.attention_params > 0 ? req.attention_params : 4.0 * h * h;
-    const double dense = 3.0 * h * double(req.dense_inter > 0 ? req.dense_inter : 4 * c.hidden);
+    const double attention = attention_weights(req), dense = 3.0 * double(c.hidden) * double(dense_inter(req));
     const double per_parameter = elem_bytes(c.dtype) + 4.0 + (req.moe.optimizer_state ? 12.0 : 0.0);
     const MemoryUse& moe = rep.layer.memory;
     rep.stack_parameter_bytes = moe_layers * (moe.weights + moe.gradients + moe.optimizer) +
