@@ -82,6 +82,17 @@ struct LayerConfig {
   // Whether the per-rank exchange forwards inside nodes (false: every token
   // goes straight to each rank, across nodes too; to compare the two).
   bool node_forwarding = true;
+  // Weights instead of tokens (MoE-Prefill): each step, where a rank's own
+  // rows for a remote expert reach a threshold, the expert's owner puts its
+  // weights to that rank and the rows stay home (ExpertPlacement::Lend).
+  // 0: never; kLendAuto: where the rows would move more bytes than the
+  // weights (lend_threshold()); N >= 1: where a rank has N rows or more.
+  static constexpr std::int64_t kLendAuto = -1;
+  std::int64_t lend_weights = 0;
+  // Rows of one (rank, expert) from which its weights are lent (0: never).
+  // Auto: the rows' dispatch and return in one pass against the expert's
+  // three weight matrices, both in the bytes they travel in.
+  std::int64_t lend_threshold() const;
 
   // Whether the dispatch sends tokens narrower than the layer's dtype (a
   // quantize on the source, a decode on arrival), and the bytes of one

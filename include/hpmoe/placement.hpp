@@ -104,6 +104,33 @@ class ExpertPlacement {
   // Rank r's instances in slot order (their experts are experts_of(r)).
   std::vector<std::int64_t> instances_of(std::int64_t rank) const;
 
+  // Weights instead of tokens (MoE-Prefill): a *lent* home holds its
+  // expert for one step only. The expert's owner puts the packed weights
+  // to it as declared tasks, and it computes exactly its own rank's rows of
+  // the expert (the quota plan gives it nothing else), so those rows never
+  // leave their rank. A lent home is the last slot(s) of its rank, after
+  // the rank's own experts, in the order given; it does not move the owner
+  // (who keeps the gradient: a lent home's weight gradient is a replica's
+  // partial) and does not count against the slot budget.
+  struct Lend {
+    std::int64_t expert = 0, rank = 0;
+    friend bool operator==(const Lend&, const Lend&) = default;
+  };
+  // This placement with `lends` added. Throws Error naming the expert when
+  // it is split, already on that rank, lent there twice, or not in range.
+  ExpertPlacement with_lent(std::span<const Lend> lends) const;
+  bool is_lent(std::int64_t instance) const {
+    return !lent_.empty() && lent_[static_cast<std::size_t>(instance)] != 0;
+  }
+  bool has_lent() const { return !lends_.empty(); }
+  const std::vector<Lend>& lends() const { return lends_; }
+  // Lent homes on `rank`, in slot order, and the index of a lent instance
+  // among them (its block in the rank's lent weights); -1 if not lent.
+  std::int64_t lent_count(std::int64_t rank) const;
+  std::int64_t lent_block(std::int64_t instance) const;
+  // The placement without its lent homes.
+  ExpertPlacement without_lent() const;
+
   // Throws Error unless this placement fits a layer of `experts` experts on
   // `ranks` ranks (and, given the expert's intermediate size, unless every
   // split's parts tile [0, inter)). `column_unit`: every split boundary a
@@ -112,7 +139,7 @@ class ExpertPlacement {
 
   friend bool operator==(const ExpertPlacement& a, const ExpertPlacement& b) {
     return a.ranks_ == b.ranks_ && a.local_begin_ == b.local_begin_ && a.local_ == b.local_ &&
-           a.slots_per_rank_ == b.slots_per_rank_ && a.split_columns_ == b.split_columns_;
+           a.slots_per_rank_ == b.slots_per_rank_ && a.split_columns_ == b.split_columns_ && a.lends_ == b.lends_;
   }
 
  private:
@@ -128,6 +155,9 @@ class ExpertPlacement {
   std::vector<std::int32_t> instance_rank_, instance_expert_;  // [instances]
   std::vector<std::int64_t> local_begin_;   // [P + 1] into local_
   std::vector<std::int32_t> local_;         // [E] experts by rank, slot order
+  std::vector<Lend> lends_;                 // the lent homes, as given to with_lent
+  std::vector<std::uint8_t> lent_;          // [instances]: 1 for a lent home (empty without)
+  std::vector<std::int64_t> lent_block_;    // [instances]: its block on its rank, -1 otherwise (empty without)
 };
 
 // `p` checked against the layer's sizes, or the contiguous placement when p

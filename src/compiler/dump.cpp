@@ -91,6 +91,7 @@ nlohmann::json to_json(const Program& p) {
   j["kpad_begin"] = p.kpad_begin;
   j["send_rows"] = p.send_rows;
   if (!p.token_begin.empty()) j["token_begin"] = p.token_begin;  // the per-rank exchange
+  if (!p.lent_block.empty()) j["lent_block"] = p.lent_block;     // weights lent to this rank
   if (!p.node_begin.empty()) {  // the per-node exchange
     j["node_begin"] = p.node_begin;
     j["node_route_begin"] = p.node_route_begin;
@@ -221,6 +222,15 @@ Program program_from_json(const nlohmann::json& j) {
       if (p.token_begin.size() != static_cast<std::size_t>(p.ranks) * p.local_experts.size() + 1 || p.token_begin.front() != 0 ||
           !std::is_sorted(p.token_begin.begin(), p.token_begin.end()) || p.token_begin.back() > (std::int64_t{1} << 40))
         throw Error("program dump: token_begin must be ranks x local experts + 1 increasing rows from 0");
+    }
+    if (j.contains("lent_block")) {
+      p.lent_block = integers<std::int32_t>(j.at("lent_block"), "lent_block");
+      if (p.lent_block.size() != p.local_experts.size() ||
+          std::any_of(p.lent_block.begin(), p.lent_block.end(), [&](std::int32_t b) {
+            return b < -1 || b >= 2 * static_cast<std::int32_t>(p.local_experts.size());
+          }))
+        throw Error("program dump: lent_block must give each local expert its LENT_W row (-1: not lent), below twice "
+                    "the local experts");
     }
     for (const auto& [key, field] : {std::pair{"node_begin", &Program::node_begin}, std::pair{"node_route_begin", &Program::node_route_begin}}) {
       if (!j.contains(key)) continue;

@@ -95,6 +95,10 @@ void declare_buffers(Program& p, const LayerConfig& c, const Exchange& ex, Pass 
   add_buffer(p, BufferId::send_token, send, 1, 4, local);
   add_buffer(p, BufferId::send_assign, send, 1, 8, local);
   add_buffer(p, BufferId::recv, recv, H, elem, sym);
+  // Lent weights: a row per lent slot for each pass (forward rows first), so
+  // that neither pass's puts land where the other reads.
+  if (const std::int64_t lent = ex.placement().lent_count(rank); lent > 0)
+    add_buffer(p, BufferId::lent_w, 2 * lent, lent_block_width(c), 1, sym);
   add_buffer(p, BufferId::h1, recv, 2 * I, 4, local);
   add_buffer(p, BufferId::a, recv, I, elem, local);
   add_buffer(p, BufferId::y, recv, H, elem, local);
@@ -203,9 +207,12 @@ bool staged_in(const LayerConfig& c, Pass pass) {
 }
 
 EventBases event_bases(const LayerConfig& c, const Exchange& ex, Pass pass, std::int64_t rank) {
-  return EventBases(pass, ex.row_tiles(rank), ex.placement().local_count(rank), ceil_div(c.tokens_per_rank, ex.tile_rows()),
-                    staged_in(c, pass), c.exchange == ExchangeMode::rank ? c.ranks * ex.placement().local_count(rank) : 0,
-                    c.exchange == ExchangeMode::rank, ex.forwards() ? c.ranks * ex.node_slots() : 0, ex.forwards() ? c.ranks : 0);
+  EventBases b(pass, ex.row_tiles(rank), ex.placement().local_count(rank), ceil_div(c.tokens_per_rank, ex.tile_rows()),
+               staged_in(c, pass), c.exchange == ExchangeMode::rank ? c.ranks * ex.placement().local_count(rank) : 0,
+               c.exchange == ExchangeMode::rank, ex.forwards() ? c.ranks * ex.node_slots() : 0, ex.forwards() ? c.ranks : 0);
+  b.lent = b.total;  // the lent blocks' events last, one per block
+  b.total += ex.placement().lent_count(rank);
+  return b;
 }
 
 namespace {
@@ -318,6 +325,9 @@ void program_header(Program& p, const LayerConfig& c, const Exchange& ex, const 
   }
   std::sort(p.reductions.begin(), p.reductions.end(),
             [](const Reduction& a, const Reduction& b) { return a.row_begin < b.row_begin; });
+  p.lent_block.clear();
+  if (placement.lent_count(rank) > 0)
+    for (const std::int64_t i : placement.instances_of(rank)) p.lent_block.push_back(static_cast<std::int32_t>(lent_row(ex, pass, i)));
   p.expert_begin.push_back(ex.recv_rows(rank));
   p.kpad_begin.push_back(ex.kpad_rows(rank));
   p.send_rows = ex.send_rows(rank);
@@ -359,6 +369,7 @@ void interface_puts(const LayerConfig& c, const Exchange& ex, std::int64_t tile_
     out.push_back(Task{s.kind, queue_class(s.kind), s.src, s.dst, i32(s.expert), i32(s.peer), i32(s.row_begin),
                        i32(s.rows), i32(s.col_begin), i32(s.cols), i32(s.src_row), -1, 0, i32(s.trigger_event)});
   };
+  lent_weight_puts(c, ex, pass, from, to, add);
   puts_to_experts(c, ex, tile_rows, pass, from, to, add);
   puts_to_sources(c, ex, tile_rows, pass, from, to, -1, 0, [](std::int64_t) { return std::int64_t{0}; }, add);
   node_forwards(c, ex, tile_rows, pass, from, to, false, [](std::int64_t) { return std::int64_t{0}; }, add);
@@ -389,6 +400,13 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
   const auto inter_of = [&](std::int64_t le) { return p.slot_parts[static_cast<std::size_t>(le)].inter; };
   const auto emit = [&](const TaskSpec& s) { b.task(s); };
   const bool by_rank = c.exchange == ExchangeMode::rank;
+  // Lent weights: their blocks' events, and one more arrival of each lent
+  // slot's row tiles (after the tiles' own events are set).
+  const auto lend_events = [&] {
+    lent_events(c, ex, pass, rank, ev, [&](std::int64_t id, std::int64_t need, std::int64_t e) {
+      b.event(id, static_cast<std::int32_t>(need), pass == Pass::forward ? TaskKind::weight_relay : TaskKind::grad_weight_relay, e, -1);
+    }, [&](std::int64_t id) { ++p.events[static_cast<std::size_t>(id)].required; });
+  };
   if (by_rank) {
     // Source s's `tok` event of slot j: its sub-block j (and forward, the
     // routes of its rows for slot j), and the relay from slot j - 1, so that
@@ -503,6 +521,7 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
         if (!by_rank) b.event(ev.y + tb + i, static_cast<std::int32_t>(n_down), TaskKind::combine_put, e, i);
       }
     }
+    lend_events();
     if (by_rank) slot_done_events(TaskKind::combine_rank_put);
     b.event(ev.comb_done,
             static_cast<std::int32_t>((by_rank ? sum_pieces_into(ex, TR, rank) : ex.pieces_into(rank)) + (shared ? token_tiles * n_down : 0)),
@@ -515,6 +534,7 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
         b.event(ev.sh_a + t, 1, TaskKind::shared_down, -1, t);
       }
 
+    lent_weight_puts(c, ex, pass, rank, -1, emit);
     puts_to_experts(c, ex, TR, pass, rank, -1, emit);
     node_forwards(c, ex, TR, pass, rank, -1, true, required, emit);
     if (shared) {
@@ -534,6 +554,7 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
       const std::int64_t n_e = ex.expert_rows(home), start = ex.expert_start(home), tb = ex.tile_start(home);
       const std::int64_t Ie = inter_of(le), n_gate_up = ceil_div(2 * Ie, TC);
       relays_into(le);
+      lent_relays(c, ex, pass, home, ev, emit);
       for (const std::int64_t i : tile_order(home)) {
         const std::int64_t rows = std::min(TR, n_e - i * TR), row0 = start + i * TR;
         gathers(home, i);
@@ -585,6 +606,7 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
     b.event(ev.dy_packed + le, static_cast<std::int32_t>(tiles), TaskKind::gemm_down_wgrad, e, -1);
     b.event(ev.dh_packed + le, static_cast<std::int32_t>(tiles), TaskKind::gemm_gate_up_wgrad, e, -1);
   }
+  lend_events();
   for (std::int64_t t = 0; t < token_tiles; ++t) b.event(ev.gw + t, 1, TaskKind::router_bwd, -1, t);
   b.event(ev.dl_all, static_cast<std::int32_t>(token_tiles), TaskKind::router_dgrad, -1, -1);
   if (shared) {
@@ -604,6 +626,7 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
   b.event(ev.reduced, static_cast<std::int32_t>(part_reduces(TaskKind::grad_part_reduce, BufferId::dcomb, ev.dx_ready, false)),
           TaskKind::grad_reduce, -1, -1);
 
+  lent_weight_puts(c, ex, pass, rank, -1, emit);
   puts_to_experts(c, ex, TR, pass, rank, -1, emit);
   node_forwards(c, ex, TR, pass, rank, -1, true, required, emit);
   // Router: gate-weight gradients, logits gradients, then its GEMMs. Under
@@ -652,6 +675,7 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
     const std::int64_t n_e = ex.expert_rows(home), start = ex.expert_start(home);
     const std::int64_t tb = ex.tile_start(home), tiles = ex.tiles_of(home);
     relays_into(le);
+    lent_relays(c, ex, pass, home, ev, emit);
     const std::int64_t Ie = inter_of(le), n_inter = ceil_div(Ie, TC);
     for (const std::int64_t i : tile_order(home)) {
       const std::int64_t rows = std::min(TR, n_e - i * TR), row0 = start + i * TR;

@@ -5,6 +5,8 @@
 // two ranks' programs.
 #include <cstdint>
 #include <functional>
+#include <utility>
+#include <vector>
 
 #include "hpmoe/config.hpp"
 #include "compiler/layout.hpp"
@@ -62,5 +64,24 @@ enum class ReturnPuts { all, gate_grads, sums };
 // node); with_waits: each waits for the event its rows need.
 void rank_puts_to_sources(const LayerConfig&, const Exchange&, std::int64_t tile_rows, Pass, std::int64_t rank,
                           std::int64_t only_peer, bool with_waits, const RequiredOf&, const Emit&, ReturnPuts);
+
+// Weights instead of tokens (generate_lend.cpp). The byte ranges of a lent
+// block's pieces in a pass; the width of LENT_W (the larger pass's block);
+// a lent instance's row in its rank's LENT_W in a pass (-1: not lent);
+// whether it takes weights this step (lent, with rows).
+std::vector<std::pair<std::int64_t, std::int64_t>> lent_pieces(const LayerConfig&, Pass);
+std::int64_t lent_block_width(const LayerConfig&);
+std::int64_t lent_row(const Exchange&, Pass, std::int64_t instance);
+bool lends_weights(const Exchange&, std::int64_t instance);
+// The weight puts `from` makes as the owner of lent experts (only into
+// `only_to` when >= 0).
+void lent_weight_puts(const LayerConfig&, const Exchange&, Pass, std::int64_t from, std::int64_t only_to, const Emit&);
+// On `rank`: each lent block's event (`event(id, required, expert)`), and
+// one more arrival (`one_more(id)`) for each row tile event of a lent slot.
+void lent_events(const LayerConfig&, const Exchange&, Pass, std::int64_t rank, const EventBases&,
+                 const std::function<void(std::int64_t, std::int64_t, std::int64_t)>& event,
+                 const std::function<void(std::int64_t)>& one_more);
+// The relays of a lent instance's row tiles, before its GEMMs.
+void lent_relays(const LayerConfig&, const Exchange&, Pass, std::int64_t instance, const EventBases&, const Emit&);
 
 }  // namespace hpmoe::taskflow

@@ -9,9 +9,24 @@
 
 namespace hpmoe::taskflow {
 
+std::vector<ExpertPlacement::Lend> choose_lends(const LayerConfig& c, const ExpertPlacement& placement,
+                                               const RoutingCounts& counts) {
+  std::vector<ExpertPlacement::Lend> lends;
+  const std::int64_t threshold = c.lend_threshold();
+  if (threshold <= 0 || placement.has_lent()) return lends;
+  if (counts.ranks != placement.ranks() || counts.experts != placement.experts() ||
+      counts.counts.size() != static_cast<std::size_t>(counts.ranks * counts.experts))
+    return lends;  // the Exchange's own checks name the mismatch
+  for (std::int64_t r = 0; r < counts.ranks; ++r)
+    for (std::int64_t e = 0; e < counts.experts; ++e)
+      if (counts.at(r, e) >= threshold && !placement.is_split(e) && placement.instance_on(e, r) < 0)
+        lends.push_back({e, r});
+  return lends;
+}
+
 Exchange::Exchange(const LayerConfig& c, const ExpertPlacement& placement, const RoutingCounts& counts,
                    std::int64_t tile_rows)
-    : placement_(placement),
+    : placement_(c.lend_weights != 0 && !placement.has_lent() ? placement.with_lent(choose_lends(c, placement, counts)) : placement),
       ranks_(c.ranks),
       experts_(c.routed_experts),
       tile_rows_(tile_rows),

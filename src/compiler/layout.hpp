@@ -22,6 +22,11 @@ namespace hpmoe::taskflow {
 // the quota plan (plan_quotas), in home order within the source's block of
 // that expert. Without replicas instance e is expert e. Every method below
 // that names an instance takes an instance id.
+//
+// Weights instead of tokens (LayerConfig::lend_weights): the exchange lends
+// an expert to every rank whose own rows of it reach the threshold
+// (choose_lends, a pure function of the counts: every rank lends alike), and
+// placement() is then the step's placement with those lent homes.
 class Exchange {
  public:
   Exchange(const LayerConfig&, const ExpertPlacement&, const RoutingCounts&, std::int64_t tile_rows);
@@ -184,6 +189,12 @@ class Exchange {
   void set_node_tokens(std::span<const std::int64_t> counts, std::int64_t tokens_per_rank);
 };
 
+// The (expert, rank) pairs whose weights a step lends under the layer's
+// lend_weights: every rank's own rows of a remote, unsplit expert at or over
+// the threshold, in rank then expert order. Empty when lending is off or the
+// placement already has lent homes.
+std::vector<ExpertPlacement::Lend> choose_lends(const LayerConfig&, const ExpertPlacement&, const RoutingCounts&);
+
 // The per-rank exchange of one source rank: the token of each of its send
 // rows (a split expert's rows repeated in every part's block), the token
 // list it sends (each destination's block: its sub-blocks by first
@@ -257,6 +268,9 @@ struct EventBases {
   std::int64_t node_comb = 0;
   // both passes: the split experts' partial rows reduced (part_reduce tasks)
   std::int64_t reduced = 0;
+  // both passes, weights instead of tokens: `lent` + b completes once every
+  // piece of the weights lent into LENT_W block b has arrived
+  std::int64_t lent = 0;
   // backward
   std::int64_t dy = 0, da = 0, dh = 0, dxe = 0, dy_packed = 0, dh_packed = 0, gw = 0, dl_all = 0, sh_da = 0, sh_dh = 0,
                sh_dout_packed = 0, sh_dh_packed = 0, dx_ready = 0;

@@ -463,6 +463,9 @@ std::vector<TaskKind> layer_operators(const LayerConfig& c, bool has_splits, Pas
       case TaskKind::grad_dispatch_node_relay: case TaskKind::combine_node_part_put: case TaskKind::combine_node_put:
       case TaskKind::grad_combine_node_part_put: case TaskKind::grad_combine_node_put:
         return c.forwards();
+      case TaskKind::weight_put: case TaskKind::weight_relay: case TaskKind::grad_weight_put:
+      case TaskKind::grad_weight_relay:
+        return c.lend_weights != 0;
       case TaskKind::shared_gate_up: case TaskKind::shared_swiglu: case TaskKind::shared_down:
       case TaskKind::shared_down_dgrad: case TaskKind::pack_shared_down_grad: case TaskKind::shared_down_wgrad:
       case TaskKind::shared_swiglu_bwd: case TaskKind::shared_gate_up_dgrad: case TaskKind::pack_shared_gate_up_grad:

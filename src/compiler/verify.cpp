@@ -143,6 +143,8 @@ TaskKind remote_consumer(TaskKind put) {
     case TaskKind::combine_node_put: return TaskKind::combine_rank_reduce;
     case TaskKind::grad_combine_node_part_put: return TaskKind::grad_combine_node_put;
     case TaskKind::grad_combine_node_put: return TaskKind::grad_rank_reduce;
+    case TaskKind::weight_put: return TaskKind::weight_relay;
+    case TaskKind::grad_weight_put: return TaskKind::grad_weight_relay;
     default: return TaskKind::grad_reduce;
   }
 }
@@ -153,6 +155,8 @@ std::int8_t put_level(TaskKind put) {
     case TaskKind::grad_dispatch_cast_put: case TaskKind::dispatch_token_put: case TaskKind::dispatch_route_put:
     case TaskKind::grad_dispatch_token_put: case TaskKind::combine_route_put: case TaskKind::dispatch_node_put:
     case TaskKind::dispatch_node_route_put: case TaskKind::grad_dispatch_node_put:
+    // Lent weights wait for nothing: they travel with the dispatch.
+    case TaskKind::weight_put: case TaskKind::grad_weight_put:
       return 0;
     // The per-node exchange's second hop: a forwarder's puts wait for
     // node blocks that other ranks put.

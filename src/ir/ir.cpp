@@ -17,7 +17,7 @@ constexpr std::array<const char*, static_cast<std::size_t>(BufferId::count)> kBu
     "sh_xt", "dws2", "sh_dh", "sdx", "sh_dhp", "dws1", "dx", "xf", "slot", "gate", "send_token", "send_assign",
     "logits", "sh_dout", "recv_staged", "dy_staged", "rank_token", "rank_route", "recv_tok", "recv_route",
     "dy_tok", "rank_comb", "recv_comb", "comb_rank", "rank_slot", "gw_rank", "dcomb_rank", "node_token", "node_index",
-    "node_tok", "node_route", "node_dy", "node_comb", "node_dcomb"};
+    "node_tok", "node_route", "node_dy", "node_comb", "node_dcomb", "lent_w"};
 constexpr std::array<const char*, 3> kRegionNames = {"symmetric", "local", "bound"};
 constexpr std::array<const char*, 2> kLayoutNames = {"row_major", "panels"};
 

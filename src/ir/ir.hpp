@@ -93,6 +93,11 @@ enum class TaskKind : std::uint8_t {
   combine_node_put,            // sum over the node's ranks, in rank order, of NODE_COMB rows per node-block token, into the source's COMB_RANK, signal
   grad_combine_node_part_put,  // as grad_combine_rank_put, into the forwarder's NODE_DCOMB, signal
   grad_combine_node_put,       // the same sum of NODE_DCOMB rows into the source's DCOMB_RANK, signal
+  // weights instead of tokens (LayerConfig::lend_weights): an expert lent to a rank for one step
+  weight_put,          // on the owner: a piece of the expert's packed W1 | W2 into the lent rank's LENT_W block, signal
+  weight_relay,        // the lent weights arrived: count it towards a row tile's event, as one more arrival (no data)
+  grad_weight_put,     // the same with the transposed W2^T | W1^T the backward's data gradients read
+  grad_weight_relay,   // the same relay for the backward's row tiles
   count
 };
 
@@ -142,6 +147,10 @@ enum class BufferId : std::uint8_t {
   // sums its node's ranks return for each source, one row per (token,
   // rank), laid out as NODE_ROUTE (forward, backward)
   node_token, node_index, node_tok, node_route, node_dy, node_comb, node_dcomb,
+  // weights instead of tokens: the packed weights of the experts lent to
+  // this rank for the step, one row of bytes per lent slot (forward W1 then
+  // W2, backward W2^T then W1^T, each in a region of lent_region_bytes)
+  lent_w,
   count
 };
 
@@ -273,6 +282,23 @@ struct Dims {
   std::int64_t dispatch_format = 0;
 };
 
+// Bytes of the region of one packed weight [k, n] in a lent slot's block:
+// every kernel layout's packing fits (K padded to 32, the most any engine
+// pads: oneDNN's AMX layout; N to whole column panels), 64-byte aligned.
+inline std::int64_t lent_region_bytes(std::int64_t k, std::int64_t n, std::int64_t elem_bytes) {
+  return ((k + 31) / 32 * 32) * ((n + kPanelCols - 1) / kPanelCols * kPanelCols) * elem_bytes;
+}
+// A lent block: the pass's two weights (forward [H, 2I] then [I, H];
+// backward W2^T [H, I] then W1^T [2I, H]) and where the second starts.
+inline std::int64_t lent_second_region(const Dims& d, Pass pass) {
+  return pass == Pass::forward ? lent_region_bytes(d.hidden, 2 * d.inter, d.elem_bytes)
+                               : lent_region_bytes(d.hidden, d.inter, d.elem_bytes);
+}
+inline std::int64_t lent_block_bytes(const Dims& d, Pass pass) {
+  return pass == Pass::forward ? lent_second_region(d, pass) + lent_region_bytes(d.inter, d.hidden, d.elem_bytes)
+                               : lent_second_region(d, pass) + lent_region_bytes(2 * d.inter, d.hidden, d.elem_bytes);
+}
+
 // A rank's program for one pass of one step.
 struct Program {
   int version = kFormatVersion;
@@ -285,6 +311,10 @@ struct Program {
   std::vector<std::int64_t> expert_begin;   // [L + 1] rows of each local slot in RECV
   std::vector<std::int64_t> kpad_begin;     // [L + 1] the same in the weight-gradient operands (bf16: even counts)
   std::vector<SlotPart> slot_parts;         // [L] what each local slot computes
+  // [L] each slot's block in LENT_W for an expert lent to this rank for the
+  // step (its weights arrive by weight_put tasks), -1 for the rank's own
+  // experts; empty when nothing is lent here.
+  std::vector<std::int32_t> lent_block;
   std::int64_t send_rows = 0;               // rows this rank's tokens send (COMB rows)
   // The per-rank exchange: [P + 1] rows of each source's token block in
   // RECV_TOK (and DY_TOK); empty under the per-assignment exchange.
@@ -319,6 +349,11 @@ struct Program {
     if (it == reductions.begin()) return nullptr;
     --it;
     return row < it->row_begin + it->rows ? &*it : nullptr;
+  }
+  // The LENT_W block of `expert`'s slot here, -1 unless it is lent to this rank.
+  std::int64_t lent_block_of(std::int64_t expert) const {
+    const std::int64_t slot = slot_of(expert);
+    return slot < 0 || lent_block.empty() ? -1 : lent_block[static_cast<std::size_t>(slot)];
   }
   // Slot of `expert` on this rank; -1 if it is not here (or not an expert).
   std::int64_t slot_of(std::int64_t expert) const {

@@ -116,6 +116,11 @@ const std::map<std::string, Setter, std::less<>>& setters() {
     t["ranks"] = integer(&LayerConfig::ranks);
     t["ranks_per_node"] = integer(&LayerConfig::ranks_per_node);
     t["node_forwarding"] = boolean(&LayerConfig::node_forwarding);
+    t["lend_weights"] = [](LayerConfig& c, std::string_view f, std::string_view v) {
+      if (v == "off") c.lend_weights = 0;
+      else if (v == "auto") c.lend_weights = LayerConfig::kLendAuto;
+      else c.lend_weights = parse_int(f, v);
+    };
     t["dtype"] = [](LayerConfig& c, std::string_view f, std::string_view v) {
       if (v == "fp32") c.dtype = DType::fp32;
       else if (v == "bf16") c.dtype = DType::bf16;
@@ -204,6 +209,8 @@ void LayerConfig::validate() const {
   require(ranks_per_node >= 0 && ranks_per_node <= ranks && (ranks_per_node == 0 || ranks % ranks_per_node == 0),
           "ranks_per_node", "must divide the " + std::to_string(ranks) + " ranks into whole nodes (got " +
                                 std::to_string(ranks_per_node) + "; 0: one node)");
+  require(lend_weights == kLendAuto || lend_weights >= 0, "lend_weights",
+          "must be off, auto or a count of rows >= 1 (got " + std::to_string(lend_weights) + ")");
   require(routed_experts <= 16384, "routed_experts", "must be at most 16384 (got " + std::to_string(routed_experts) + ")");
   // The name goes into reports and JSON: printable ASCII only.
   require(name.size() <= 256 && std::all_of(name.begin(), name.end(), [](char ch) { return ch >= 0x20 && ch < 0x7f; }),
@@ -261,6 +268,15 @@ bool LayerConfig::staged_grad_dispatch() const {
          (grad_dispatch_dtype == GradDispatchDType::automatic && staged_dispatch());
 }
 
+std::int64_t LayerConfig::lend_threshold() const {
+  if (lend_weights != kLendAuto) return lend_weights;
+  const std::int64_t elem = dtype == DType::bf16 ? 2 : 4;
+  const std::int64_t combine_row = narrow_combine() ? 2 * hidden : elem * hidden;
+  const std::int64_t weight_bytes = 3 * hidden * expert_inter * elem;
+  const std::int64_t row_bytes = dispatch_row_bytes() + combine_row;
+  return (weight_bytes + row_bytes - 1) / row_bytes;
+}
+
 double LayerConfig::forward_flops() const {
   const double n = double(total_tokens());
   return n * double(top_k) * 6.0 * double(hidden) * double(expert_inter) +
@@ -294,7 +310,10 @@ nlohmann::json to_json(const LayerConfig& c) {
                         {"exchange", to_string(c.exchange)},
                         {"combine_dtype", to_string(c.combine_dtype)},
                         {"ranks_per_node", c.ranks_per_node},
-                        {"node_forwarding", c.node_forwarding}};
+                        {"node_forwarding", c.node_forwarding},
+                        {"lend_weights", c.lend_weights == 0                      ? nlohmann::json("off")
+                                         : c.lend_weights == LayerConfig::kLendAuto ? nlohmann::json("auto")
+                                                                                   : nlohmann::json(c.lend_weights)}};
 }
 
 namespace {
@@ -440,6 +459,7 @@ LayerConfig config_from_model_json(const nlohmann::json& j, const LayerConfig& b
     if (!j.contains("combine_dtype")) own.combine_dtype = base.combine_dtype;
     if (!j.contains("ranks_per_node")) own.ranks_per_node = base.ranks_per_node;
     if (!j.contains("node_forwarding")) own.node_forwarding = base.node_forwarding;
+    if (!j.contains("lend_weights")) own.lend_weights = base.lend_weights;
     return own;
   }
   if (j.contains("dim") && j.contains("moe_inter_dim")) {  // DeepSeek inference config

@@ -134,6 +134,61 @@ std::vector<std::int64_t> ExpertPlacement::instances_of(std::int64_t rank) const
   return out;
 }
 
+ExpertPlacement ExpertPlacement::with_lent(std::span<const Lend> lends) const {
+  if (lends.empty()) return *this;
+  if (has_lent()) throw Error("lend: this placement already has lent homes; lend from the placement without them");
+  const std::int64_t E = experts();
+  std::vector<std::vector<std::int64_t>> lists(static_cast<std::size_t>(ranks_));
+  for (std::int64_t r = 0; r < ranks_; ++r)
+    for (const std::int32_t e : experts_of(r)) lists[static_cast<std::size_t>(r)].push_back(e);
+  for (const Lend& l : lends) {
+    if (l.expert < 0 || l.expert >= E || l.rank < 0 || l.rank >= ranks_)
+      throw Error("lend: expert " + text(l.expert) + " to rank " + text(l.rank) + " is outside the layer's " + text(E) +
+                  " experts and " + text(ranks_) + " ranks");
+    if (is_split(l.expert))
+      throw Error("lend: expert " + text(l.expert) + " is split (tensor-parallel); a split expert is not lent");
+    auto& list = lists[static_cast<std::size_t>(l.rank)];
+    if (std::find(list.begin(), list.end(), l.expert) != list.end())
+      throw Error("lend: expert " + text(l.expert) + " is already on rank " + text(l.rank) +
+                  " (a home, or lent there twice); a rank holds an expert once");
+    list.push_back(l.expert);
+  }
+  Rules rules{allow_empty_ranks_, true, 0, splits_};
+  ExpertPlacement p = build(E, lists, rules, "lent placement");
+  p.slots_per_rank_ = slots_per_rank_;  // lent homes are outside the budget
+  p.replicated_experts_ = replicated_experts_;
+  p.owner_ = owner_;  // the owner keeps the gradient, whatever rank the lent home is on
+  p.lends_.assign(lends.begin(), lends.end());
+  p.lent_.assign(static_cast<std::size_t>(p.instances()), 0);
+  for (const Lend& l : lends) p.lent_[static_cast<std::size_t>(p.instance_on(l.expert, l.rank))] = 1;
+  p.lent_block_.assign(static_cast<std::size_t>(p.instances()), -1);
+  for (std::int64_t r = 0; r < ranks_; ++r) {
+    std::int64_t block = 0;
+    for (const std::int64_t i : p.instances_of(r))
+      if (p.is_lent(i)) p.lent_block_[static_cast<std::size_t>(i)] = block++;
+  }
+  return p;
+}
+
+std::int64_t ExpertPlacement::lent_count(std::int64_t rank) const {
+  std::int64_t n = 0;
+  for (const Lend& l : lends_) n += l.rank == rank ? 1 : 0;
+  return n;
+}
+
+std::int64_t ExpertPlacement::lent_block(std::int64_t instance) const {
+  return lent_block_.empty() ? -1 : lent_block_[static_cast<std::size_t>(instance)];
+}
+
+ExpertPlacement ExpertPlacement::without_lent() const {
+  if (!has_lent()) return *this;
+  std::vector<std::vector<std::int64_t>> lists(static_cast<std::size_t>(ranks_));
+  for (std::int64_t r = 0; r < ranks_; ++r)
+    for (const std::int64_t i : instances_of(r))
+      if (!is_lent(i)) lists[static_cast<std::size_t>(r)].push_back(instance_expert(i));
+  return build(experts(), lists, Rules{allow_empty_ranks_, replicated_experts_ > 0, slots_per_rank_, splits_}, "placement");
+}
+
 ExpertPlacement ExpertPlacement::contiguous(std::int64_t experts, std::int64_t ranks) {
   check_every_rank_has_one(experts, ranks, "contiguous placement");
   std::vector<std::vector<std::int64_t>> lists(static_cast<std::size_t>(ranks));

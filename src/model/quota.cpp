@@ -42,18 +42,35 @@ void water_fill(std::span<const std::int64_t> load, std::int64_t rows, std::span
 }
 }  // namespace
 
-std::vector<std::int64_t> plan_quotas(const ExpertPlacement& placement, std::span<const std::int64_t> counts) {
+std::vector<std::int64_t> plan_quotas(const ExpertPlacement& placement, std::span<const std::int64_t> counts_in) {
   const std::int64_t P = placement.ranks(), E = placement.experts(), N = placement.instances();
-  if (static_cast<std::int64_t>(counts.size()) != P * E)
-    throw Error("plan_quotas: " + std::to_string(counts.size()) + " counts for " + std::to_string(P) + " ranks x " +
+  if (static_cast<std::int64_t>(counts_in.size()) != P * E)
+    throw Error("plan_quotas: " + std::to_string(counts_in.size()) + " counts for " + std::to_string(P) + " ranks x " +
                 std::to_string(E) + " experts");
   std::vector<std::int64_t> quota(static_cast<std::size_t>(P * N), 0), total(static_cast<std::size_t>(E), 0);
   // Each rank's load in rows: a row costs the same wherever it runs, and a
   // short last tile costs its rows (the GEMM kernels run it short), so the
   // unit of balance is the row, not the compute tile.
   std::vector<std::int64_t> load(static_cast<std::size_t>(P), 0);
+  // A lent home takes exactly its own rank's rows of its expert (they stay
+  // home: that is what its weights travelled for); the expert's other
+  // homes share the rest. `homes[e]`: the instances that do.
+  std::vector<std::int64_t> counts(counts_in.begin(), counts_in.end());
+  std::vector<std::vector<std::int64_t>> homes(static_cast<std::size_t>(E));
+  for (std::int64_t i = 0; i < N; ++i) {
+    const std::int64_t e = placement.instance_expert(i), r = placement.instance_rank(i);
+    if (!placement.is_lent(i)) {
+      homes[static_cast<std::size_t>(e)].push_back(i);
+      continue;
+    }
+    auto& own = counts[static_cast<std::size_t>(r * E + e)];
+    quota[static_cast<std::size_t>(r * N + i)] = own;
+    load[static_cast<std::size_t>(r)] += own;
+    own = 0;
+  }
   std::vector<std::int32_t> replicated;
   for (std::int64_t e = 0; e < E; ++e) {
+    const auto& h = homes[static_cast<std::size_t>(e)];
     for (std::int64_t s = 0; s < P; ++s) total[static_cast<std::size_t>(e)] += counts[static_cast<std::size_t>(s * E + e)];
     if (placement.is_split(e)) {
       // Every part of a split expert takes all of its rows: its load is its
@@ -68,19 +85,21 @@ std::vector<std::int64_t> plan_quotas(const ExpertPlacement& placement, std::spa
       }
       continue;
     }
-    if (placement.home_count(e) > 1) {
+    if (h.size() > 1) {
       replicated.push_back(static_cast<std::int32_t>(e));
       continue;
     }
-    const std::int64_t i = placement.first_instance(e);
+    const std::int64_t i = h.front();
     for (std::int64_t s = 0; s < P; ++s)
       quota[static_cast<std::size_t>(s * N + i)] = counts[static_cast<std::size_t>(s * E + e)];
     load[static_cast<std::size_t>(placement.instance_rank(i))] += total[static_cast<std::size_t>(e)];
   }
+  const auto home_count = [&](std::int64_t e) { return static_cast<std::int64_t>(homes[static_cast<std::size_t>(e)].size()); };
+  const auto home = [&](std::int64_t e, std::int64_t j) { return homes[static_cast<std::size_t>(e)][static_cast<std::size_t>(j)]; };
   // The most constrained replicated experts first (fewest homes), then the
   // heaviest; ties by id. Experts with many homes fill what is left evenly.
   std::sort(replicated.begin(), replicated.end(), [&](std::int32_t a, std::int32_t b) {
-    const auto ha = placement.home_count(a), hb = placement.home_count(b);
+    const auto ha = home_count(a), hb = home_count(b);
     if (ha != hb) return ha < hb;
     return total[static_cast<std::size_t>(a)] != total[static_cast<std::size_t>(b)]
                ? total[static_cast<std::size_t>(a)] > total[static_cast<std::size_t>(b)]
@@ -101,19 +120,19 @@ std::vector<std::int64_t> plan_quotas(const ExpertPlacement& placement, std::spa
     changed = 0;
     for (std::size_t x = 0; x < replicated.size(); ++x) {
       const std::int32_t e = replicated[x];
-      const std::int64_t first = placement.first_instance(e), h = placement.home_count(e);
+      const std::int64_t h = home_count(e);
       auto& g = give[x];
       if (g.empty()) g.assign(static_cast<std::size_t>(h), 0);
       home_load.assign(static_cast<std::size_t>(h), 0);
       for (std::int64_t j = 0; j < h; ++j) {
-        auto& rank_load = load[static_cast<std::size_t>(placement.instance_rank(first + j))];
+        auto& rank_load = load[static_cast<std::size_t>(placement.instance_rank(home(e, j)))];
         rank_load -= g[static_cast<std::size_t>(j)];
         home_load[static_cast<std::size_t>(j)] = rank_load;
       }
       before = g;
       water_fill(home_load, total[static_cast<std::size_t>(e)], g);
       changed |= static_cast<int>(before != g);
-      for (std::int64_t j = 0; j < h; ++j) load[static_cast<std::size_t>(placement.instance_rank(first + j))] += g[static_cast<std::size_t>(j)];
+      for (std::int64_t j = 0; j < h; ++j) load[static_cast<std::size_t>(placement.instance_rank(home(e, j)))] += g[static_cast<std::size_t>(j)];
     }
   }
   // Sources: rows first to a home on the source's own rank, then to the
@@ -121,16 +140,16 @@ std::vector<std::int64_t> plan_quotas(const ExpertPlacement& placement, std::spa
   std::vector<std::int64_t> left(static_cast<std::size_t>(P));
   for (std::size_t x = 0; x < replicated.size(); ++x) {
     const std::int32_t e = replicated[x];
-    const std::int64_t first = placement.first_instance(e), h = placement.home_count(e);
+    const std::int64_t h = home_count(e);
     auto& g = give[x];
     for (std::int64_t s = 0; s < P; ++s) left[static_cast<std::size_t>(s)] = counts[static_cast<std::size_t>(s * E + e)];
     const auto take = [&](std::int64_t s, std::int64_t j) {
       const std::int64_t n = std::min(left[static_cast<std::size_t>(s)], g[static_cast<std::size_t>(j)]);
-      quota[static_cast<std::size_t>(s * N + first + j)] += n;
+      quota[static_cast<std::size_t>(s * N + home(e, j))] += n;
       left[static_cast<std::size_t>(s)] -= n;
       g[static_cast<std::size_t>(j)] -= n;
     };
-    for (std::int64_t j = 0; j < h; ++j) take(placement.instance_rank(first + j), j);
+    for (std::int64_t j = 0; j < h; ++j) take(placement.instance_rank(home(e, j)), j);
     // The rest of each source's rows spread over the homes in proportion to
     // what each can still take (largest remainders, ties to the earlier
     // home), so that every home's rows come from many sources in small
@@ -154,7 +173,7 @@ std::vector<std::int64_t> plan_quotas(const ExpertPlacement& placement, std::spa
       for (std::int64_t k = 0; given < n; ++k, ++given) ++share[static_cast<std::size_t>(rest[static_cast<std::size_t>(k)].second)];
       for (std::int64_t j = 0; j < h; ++j) {
         const std::int64_t q = share[static_cast<std::size_t>(j)];
-        quota[static_cast<std::size_t>(s * N + first + j)] += q;
+        quota[static_cast<std::size_t>(s * N + home(e, j))] += q;
         g[static_cast<std::size_t>(j)] -= q;
       }
       left[static_cast<std::size_t>(s)] = 0;

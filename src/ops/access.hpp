@@ -55,6 +55,7 @@ enum class Span : std::uint8_t {
   expert_prefix,      // the rows of the rank's slots up to the task's expert's: [0, expert_begin[slot + 1])
   node_prefix,        // the per-node exchange on a forwarder: source s's node sub-blocks 0..j, where rows [src_row, src_row + rows) of the routes are of s's sub-block j for a rank of the node
   node_source,        // the per-node combine on a forwarder: every route row (and NODE_COMB row) of source s = peer, for all the node's ranks
+  lent_block,         // weights instead of tokens: the LENT_W row of the task's expert's slot, lent to this rank
 };
 
 // Layer sizes an operand rule or a GEMM can name.
@@ -80,6 +81,9 @@ enum class Extent : std::uint8_t {
   comb_rows, slot_cols,
   // bytes of one sum as it travels (COMB_RANK's row: the layer's dtype, or bf16)
   comb_row_bytes,
+  // weights instead of tokens: one lent slot's block of packed weights (this
+  // pass's); a task's own columns (a weight put's bytes)
+  lent_block_bytes, task_cols,
 };
 
 struct OperandRule {
@@ -91,6 +95,9 @@ struct OperandRule {
   Span cols = Span::task_cols;
   Extent col_extent = Extent::none;
   bool only_with_shared_experts = false;
+  // Only for a task whose expert is lent to its rank this step (its GEMMs
+  // then read the lent weights, which they must wait for).
+  bool only_for_lent_slot = false;
   // Rows added at the rectangle's end: zero in the standard table; the
   // perturbation tests widen a rule with it.
   std::int32_t grow_rows = 0;
@@ -212,6 +219,8 @@ inline std::int64_t AccessTable::extent(const Program& p, const Task& t, Extent 
       return p.kpad_begin[static_cast<std::size_t>(slot + 1)] - p.kpad_begin[static_cast<std::size_t>(slot)];
     }
     case Extent::hidden: return d.hidden;
+    case Extent::lent_block_bytes: return lent_block_bytes(d, p.pass);
+    case Extent::task_cols: return t.cols;
     case Extent::dispatch_row_bytes: return d.dispatch_row_bytes;
     case Extent::grad_dispatch_row_bytes: return 2 * d.hidden;
     case Extent::route: return 2;
@@ -327,6 +336,13 @@ inline std::pair<std::int64_t, std::int64_t> AccessTable::span_of(const AccessTa
                     "'s node rows, which this program's node blocks do not hold");
       return {routes[static_cast<std::size_t>(peer * RS)], routes[static_cast<std::size_t>((peer + 1) * RS)]};
     }
+    case Span::lent_block: {
+      const std::int64_t block = p.lent_block_of(t.expert);
+      if (block < 0)
+        throw Error("rank " + std::to_string(p.rank) + " task " + name(t.kind) + " reads the lent weights of expert " +
+                    std::to_string(t.expert) + ", which is not lent to this rank");
+      return {block, block + 1};
+    }
     case Span::expert_prefix: {
       const std::int64_t slot = p.slot_of(t.expert);
       if (slot < 0)
@@ -368,6 +384,7 @@ inline void AccessTable::visit(const Program& p, const Task& t, bool filter, Use
     const OperandRule& rule = a.operands[static_cast<std::size_t>(i)];
     if ((filter && rule.use != only && rule.use != Use::accumulate) || (rule.only_with_shared_experts && p.dims.shared_inter == 0))
       continue;
+    if (rule.only_for_lent_slot && (p.lent_block.empty() || p.lent_block_of(t.expert) < 0)) continue;
     // The task's own tile, most operands' span, without the general switch.
     const auto [r0, r1] = rule.rows == Span::task_rows ? std::pair<std::int64_t, std::int64_t>{t.row_begin, std::int64_t{t.row_begin} + t.rows}
                                                        : span_of(*this, p, t, rule.rows, rule.row_extent, true);

@@ -60,6 +60,9 @@ class TileHost {
   virtual T* put_target(const Rect& peer_rect) = 0;
   virtual bool send_put(const Rect& peer_rect) = 0;
   virtual RhsView<T> weight(Weight, std::int32_t expert) const = 0;
+  // The packed storage behind weight(w, expert) on the expert's owner: what
+  // a weight put lends (elements of T, as bytes).
+  virtual std::span<const std::byte> packed_weight(Weight, std::int32_t expert) const = 0;
   virtual RhsView<float> router_transposed() const = 0;
   // The router's backward reads the step's routing: the layer as hosted
   // here, the routing of the hosted tokens, and this rank's first token in it.
@@ -200,7 +203,14 @@ inline constexpr std::uint8_t kElem = 0;  // bytes of the layer's dtype
 // Rules read as: buffer, use, side, rows (span, extent), columns (span, extent).
 constexpr OperandRule op(B b, Use u, Span rows, X row_extent, Span cols, X col_extent, Side side = Side::own,
                          bool only_with_shared = false) {
-  return OperandRule{b, u, side, rows, row_extent, cols, col_extent, only_with_shared, 0};
+  return OperandRule{b, u, side, rows, row_extent, cols, col_extent, only_with_shared, false, 0};
+}
+// A GEMM's read of its expert's lent weights: the whole block of the slot,
+// for a slot lent to the task's rank only.
+constexpr OperandRule lent_weights() {
+  OperandRule r = op(B::lent_w, R, Span::lent_block, X::none, Span::whole, X::lent_block_bytes);
+  r.only_for_lent_slot = true;
+  return r;
 }
 // The common cases: a task's row band of a buffer, all its columns; the
 // task's own output rectangle.

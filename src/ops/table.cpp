@@ -22,12 +22,13 @@ Family pack_family();
 Family combine_family();
 Family router_family();
 Family reduction_family();
+Family lend_family();
 
 namespace {
 
 struct Index {
-  std::array<Family, 12> families{exchange_family(), token_exchange_family(), node_exchange_family(), rank_combine_family(),
-                                  node_combine_family(), expert_gemm_family(),
+  std::array<Family, 13> families{exchange_family(), token_exchange_family(), node_exchange_family(), rank_combine_family(),
+                                  node_combine_family(), lend_family(), expert_gemm_family(),
                                   weight_grad_family(), swiglu_family(), pack_family(), combine_family(), router_family(),
                                   reduction_family()};
   std::array<const OpKind*, static_cast<std::size_t>(TaskKind::count)> by_kind{};

@@ -14,13 +14,15 @@ std::vector<float>& Interleaved<T>::replica_partial(int r, std::int32_t e, bool 
 
 template <class T>
 void Interleaved<T>::reduce_replica_gradients(StepResult& res) {
+  // The step's placement: its lent homes computed partials like replicas'.
+  const ExpertPlacement& placement = ex_->placement();
   for (std::int64_t e = 0; e < c_.routed_experts; ++e) {
-    if (placement_.home_count(e) < 2 || placement_.is_split(e)) continue;
+    if (placement.home_count(e) < 2 || placement.is_split(e)) continue;
     for (const bool w1 : {true, false}) {
       const auto n = static_cast<std::size_t>(c_.hidden * c_.expert_inter * (w1 ? 2 : 1));
-      const int owner = placement_.owner(e);
+      const int owner = placement.owner(e);
       const auto contribution = [&](int r) -> const float* {
-        if (placement_.instance_on(e, r) < 0) return nullptr;
+        if (placement.instance_on(e, r) < 0) return nullptr;
         if (r == owner) return (w1 ? res.grads.w1 : res.grads.w2)[static_cast<std::size_t>(e)].data.data();
         return replica_partial(r, static_cast<std::int32_t>(e), w1).data();
       };
@@ -35,8 +37,8 @@ void Interleaved<T>::reduce_replica_gradients(StepResult& res) {
       float* dst = (w1 ? res.grads.w1 : res.grads.w2)[static_cast<std::size_t>(e)].data.data();
       for (std::size_t i = 0; i < n; ++i) {
         float sum = 0;
-        for (std::int64_t j = 0; j < placement_.home_count(e); ++j)
-          sum += contribution(placement_.instance_rank(placement_.first_instance(e) + j))[i];
+        for (std::int64_t j = 0; j < placement.home_count(e); ++j)
+          sum += contribution(placement.instance_rank(placement.first_instance(e) + j))[i];
         dst[i] = sum;
       }
     }

@@ -38,6 +38,16 @@ class Interleaved<T>::TileHost final : public ops::TileHost<T> {
     }
     throw Error("a task asks for a weight the layer does not pack");
   }
+  std::span<const std::byte> packed_weight(ops::Weight w, std::int32_t expert) const override {
+    const PackedLayer<T>& pk = *e_.packed_;
+    const std::vector<Operand<T>>* of = w == ops::Weight::w1 ? &pk.w1 : w == ops::Weight::w2 ? &pk.w2
+                                        : w == ops::Weight::w1_t ? &pk.w1_t : w == ops::Weight::w2_t ? &pk.w2_t : nullptr;
+    if (!of || expert < 0 || static_cast<std::size_t>(expert) >= of->size() || (*of)[static_cast<std::size_t>(expert)].storage.empty())
+      throw Error("rank " + std::to_string(r_) + " lends expert " + std::to_string(expert) +
+                  "'s weights, which this process does not hold packed (its owner lends them)");
+    const auto& storage = (*of)[static_cast<std::size_t>(expert)].storage;
+    return std::as_bytes(std::span<const T>(storage.data(), storage.size()));
+  }
   RhsView<float> router_transposed() const override { return e_.packed_->router_t.view(); }
   const LayerConfig& hosted_layer() const override { return e_.lc_; }
   const RouterOutput<float>& routing() const override { return e_.res_->routing; }
