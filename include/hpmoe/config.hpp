@@ -127,6 +127,14 @@ struct LayerConfig {
   double forward_flops() const;
 };
 
+// Bytes of a weight [k, n] packed for the tile kernels, in any of their
+// layouts: columns in whole panels of 64, and in bf16 K padded to 32 (the
+// most any engine pads: oneDNN's AMX layout). What a lent weight travels as.
+inline std::int64_t packed_weight_bytes(std::int64_t k, std::int64_t n, DType dtype) {
+  const std::int64_t padded_k = dtype == DType::bf16 ? (k + 31) / 32 * 32 : k;
+  return padded_k * ((n + 63) / 64 * 64) * (dtype == DType::bf16 ? 2 : 4);
+}
+
 // Every field name set() understands, for help texts.
 std::vector<std::string> config_fields();
 

@@ -54,6 +54,11 @@ struct StepResult {
   // Of those, the bytes to ranks of other nodes (LayerConfig::ranks_per_node;
   // all of them when the ranks are one node: none).
   std::int64_t forward_cross_node_bytes = 0, backward_cross_node_bytes = 0;
+  // Weights instead of tokens (LayerConfig::lend_weights): the (expert,
+  // rank) pairs this step lent (every rank's), and of the put bytes above
+  // those that carried lent weights.
+  std::int64_t lent_experts = 0;
+  std::int64_t forward_lent_bytes = 0, backward_lent_bytes = 0;
   std::vector<TraceSlice> trace;   // when tracing
 };
 

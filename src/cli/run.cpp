@@ -160,6 +160,7 @@ struct ExecutorSamples {
   double workers = 1;
   std::int64_t forward_put_bytes = 0, backward_put_bytes = 0;  // of the last step
   std::int64_t forward_cross_node_bytes = 0, backward_cross_node_bytes = 0;
+  std::int64_t lent_experts = 0, forward_lent_bytes = 0, backward_lent_bytes = 0;
   std::vector<double> router, forward, backward, forward_busy, backward_busy, host;
   std::vector<std::vector<double>> forward_ops, backward_ops;
   std::vector<std::string> forward_names, backward_names;
@@ -189,6 +190,9 @@ struct ExecutorSamples {
     backward_put_bytes = r.backward_put_bytes;
     forward_cross_node_bytes = r.forward_cross_node_bytes;
     backward_cross_node_bytes = r.backward_cross_node_bytes;
+    lent_experts = r.lent_experts;
+    forward_lent_bytes = r.forward_lent_bytes;
+    backward_lent_bytes = r.backward_lent_bytes;
     router.push_back(r.router_seconds);
     forward.push_back(r.dispatch_to_combine_seconds);
     backward.push_back(r.backward_seconds);
@@ -473,6 +477,9 @@ void summarize_into(RunReport& rep, const ExecutorSamples& serialized, const Exe
   rep.backward_put_bytes = any.backward_put_bytes;
   rep.forward_cross_node_bytes = any.forward_cross_node_bytes;
   rep.backward_cross_node_bytes = any.backward_cross_node_bytes;
+  rep.lent_experts = any.lent_experts;
+  rep.forward_lent_bytes = any.forward_lent_bytes;
+  rep.backward_lent_bytes = any.backward_lent_bytes;
 }
 
 double peak_rss_bytes() { return status_bytes("VmHWM:"); }

@@ -128,6 +128,7 @@ struct RunReport {
   LayerConfig config;
   // Bytes the last step's puts carried to other ranks (StepResult).
   std::int64_t forward_put_bytes = 0, backward_put_bytes = 0;
+  std::int64_t lent_experts = 0, forward_lent_bytes = 0, backward_lent_bytes = 0;  // weights instead of tokens, last step
   std::int64_t forward_cross_node_bytes = 0, backward_cross_node_bytes = 0;  // of those, to other nodes' ranks
   // The CPU and its FMA peak, measured at the start of the run: every GFLOP/s
   // figure is also given as a share of peak_cores x the peak per core.

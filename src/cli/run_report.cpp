@@ -63,6 +63,9 @@ nlohmann::json to_json(const RunReport& r) {
   j["operators"] = ops;
   j["exchange_bytes"] = {{"forward", r.forward_put_bytes}, {"backward", r.backward_put_bytes},
                          {"exchange", to_string(r.config.exchange)}, {"scope", r.sharded ? "this process" : "all ranks"}};
+  if (r.config.lend_weights != 0)
+    j["exchange_bytes"]["lent"] = {{"experts", r.lent_experts}, {"forward", r.forward_lent_bytes}, {"backward", r.backward_lent_bytes},
+                                   {"threshold_rows", r.config.lend_threshold()}};
   if (r.config.nodes() > 1)
     j["exchange_bytes"]["cross_node"] = {{"forward", r.forward_cross_node_bytes}, {"backward", r.backward_cross_node_bytes},
                                          {"ranks_per_node", r.config.node_ranks()}};
@@ -240,6 +243,12 @@ std::string format_report(const RunReport& r) {
     if (r.backward) o << " + " << double(r.backward_put_bytes) / 1e6 << " MB backward";
     o << " put to other ranks per step (" << to_string(r.config.exchange) << " exchange, dispatch "
       << to_string(r.config.dispatch_dtype) << (r.sharded ? "; this process's rank" : "; all ranks") << ")\n";
+    if (r.config.lend_weights != 0) {
+      o << "         of which " << double(r.forward_lent_bytes) / 1e6 << " MB forward";
+      if (r.backward) o << " + " << double(r.backward_lent_bytes) / 1e6 << " MB backward";
+      o << " lent weights: " << r.lent_experts << " (expert, rank) pairs lent in the last step (a rank's own rows of an expert >= "
+        << r.config.lend_threshold() << ")\n";
+    }
     if (r.config.nodes() > 1) {
       o << "         of which " << double(r.forward_cross_node_bytes) / 1e6 << " MB forward";
       if (r.backward) o << " + " << double(r.backward_cross_node_bytes) / 1e6 << " MB backward";

@@ -427,7 +427,7 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
   node_events(c, ex, TR, pass, rank, [&](std::int64_t id, std::int64_t need) {
     b.event(id, static_cast<std::int32_t>(need), pass == Pass::forward ? TaskKind::dispatch_forward : TaskKind::grad_dispatch_forward, -1, -1);
   });
-  node_sum_events(c, ex, TR, rank, ev, [&](std::int64_t id, std::int64_t need) {
+  node_sum_events(c, ex, TR, pass, rank, ev, [&](std::int64_t id, std::int64_t need) {
     b.event(id, static_cast<std::int32_t>(need), pass == Pass::forward ? TaskKind::combine_node_put : TaskKind::grad_combine_node_put, -1, -1);
   });
   // The relays into slot j, emitted just before slot j's gathers: in

@@ -53,7 +53,7 @@ void rank_gathers_of_tile(const LayerConfig&, const Exchange&, const Program&, P
 // with_waits: each waits for its source's node_comb event).
 std::int64_t sum_pieces_into(const Exchange&, std::int64_t tile_rows, std::int64_t rank);
 std::int64_t node_sum_pieces(const Exchange&, std::int64_t tile_rows, std::int64_t s, std::int64_t f);
-void node_sum_events(const LayerConfig&, const Exchange&, std::int64_t tile_rows, std::int64_t rank, const EventBases&,
+void node_sum_events(const LayerConfig&, const Exchange&, std::int64_t tile_rows, Pass, std::int64_t rank, const EventBases&,
                      const std::function<void(std::int64_t, std::int64_t)>& event);
 void node_combines(const LayerConfig&, const Exchange&, std::int64_t tile_rows, Pass, std::int64_t rank, std::int64_t only_peer,
                    bool with_waits, const RequiredOf&, const Emit&);

@@ -121,6 +121,14 @@ void node_forwards(const LayerConfig& c, const Exchange& ex, std::int64_t TR, Pa
   for (std::int64_t s = 0; s < ex.ranks(); ++s) {
     if (!ex.forwards_through(s, rank) || ex.node_tokens(s, b) == 0) continue;
     const std::int64_t node_event = own.node + s * S;
+    // The forwarder's sums of s's tokens read s's routes (NODE_ROUTE): its
+    // node_comb event counts their arrival too, through a relay, and does
+    // not rely on its own part sums (a forwarder may hold none of s's
+    // tokens, and the node's other ranks' sums say nothing a rank's own
+    // proof can see of when the routes landed).
+    if (forward && only_peer < 0)
+      emit(TaskSpec{.kind = TaskKind::dispatch_node_relay, .src_row = s, .wait_event = with_waits ? node_event : -1,
+                    .wait_count = with_waits ? required(node_event) : 0, .trigger_event = own.node_comb + s});
     for (std::int64_t j = 0; j < S; ++j) {
       if (j > 0 && only_peer < 0)
         emit(TaskSpec{.kind = forward ? TaskKind::dispatch_node_relay : TaskKind::grad_dispatch_node_relay, .src_row = s,
@@ -188,12 +196,14 @@ std::int64_t node_sum_pieces(const Exchange& ex, std::int64_t TR, std::int64_t s
   return n;
 }
 
-void node_sum_events(const LayerConfig&, const Exchange& ex, std::int64_t TR, std::int64_t rank, const EventBases& ev,
+void node_sum_events(const LayerConfig&, const Exchange& ex, std::int64_t TR, Pass pass, std::int64_t rank, const EventBases& ev,
                      const std::function<void(std::int64_t, std::int64_t)>& event) {
   if (!ex.forwards()) return;
+  // Forward: one more arrival, the relay that passes on that the source's
+  // routes are here (node_forwards).
   for (std::int64_t s = 0; s < ex.ranks(); ++s)
     if (ex.forwards_through(s, rank) && ex.node_tokens(s, ex.node_of(rank)) > 0)
-      event(ev.node_comb + s, node_sum_pieces(ex, TR, s, rank));
+      event(ev.node_comb + s, node_sum_pieces(ex, TR, s, rank) + (pass == Pass::forward ? 1 : 0));
 }
 
 void node_combines(const LayerConfig& c, const Exchange& ex, std::int64_t TR, Pass pass, std::int64_t rank, std::int64_t only_peer,

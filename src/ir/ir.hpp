@@ -5,6 +5,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "hpmoe/config.hpp"
 #include "model/format.hpp"
 
 // The taskflow IR: tasks (44-byte tiles of work), event counters, declared
@@ -283,10 +284,9 @@ struct Dims {
 };
 
 // Bytes of the region of one packed weight [k, n] in a lent slot's block:
-// every kernel layout's packing fits (K padded to 32, the most any engine
-// pads: oneDNN's AMX layout; N to whole column panels), 64-byte aligned.
+// what any kernel layout's packing takes (hpmoe::packed_weight_bytes).
 inline std::int64_t lent_region_bytes(std::int64_t k, std::int64_t n, std::int64_t elem_bytes) {
-  return ((k + 31) / 32 * 32) * ((n + kPanelCols - 1) / kPanelCols * kPanelCols) * elem_bytes;
+  return packed_weight_bytes(k, n, elem_bytes == 2 ? DType::bf16 : DType::fp32);
 }
 // A lent block: the pass's two weights (forward [H, 2I] then [I, H];
 // backward W2^T [H, I] then W1^T [2I, H]) and where the second starts.

@@ -272,7 +272,8 @@ std::int64_t LayerConfig::lend_threshold() const {
   if (lend_weights != kLendAuto) return lend_weights;
   const std::int64_t elem = dtype == DType::bf16 ? 2 : 4;
   const std::int64_t combine_row = narrow_combine() ? 2 * hidden : elem * hidden;
-  const std::int64_t weight_bytes = 3 * hidden * expert_inter * elem;
+  const std::int64_t weight_bytes =
+      packed_weight_bytes(hidden, 2 * expert_inter, dtype) + packed_weight_bytes(expert_inter, hidden, dtype);
   const std::int64_t row_bytes = dispatch_row_bytes() + combine_row;
   return (weight_bytes + row_bytes - 1) / row_bytes;
 }

@@ -136,10 +136,11 @@ void Interleaved<T>::pack_part(std::int64_t i, const LayerWeights& w, bool backw
 namespace {
 // Bytes the puts of `ranks`' programs carry to other ranks, and of those
 // to ranks of other nodes (nodes of `node_ranks`).
-std::pair<std::int64_t, std::int64_t> put_bytes_to_others(const std::vector<taskflow::Program>& set, const std::vector<int>& ranks,
-                                                          std::int64_t node_ranks) {
+// (and of all, those that lend weights).
+std::tuple<std::int64_t, std::int64_t, std::int64_t> put_bytes_to_others(const std::vector<taskflow::Program>& set,
+                                                                        const std::vector<int>& ranks, std::int64_t node_ranks) {
   const auto& table = taskflow::AccessTable::standard();
-  double bytes = 0, cross = 0;
+  double bytes = 0, cross = 0, lent = 0;
   for (const int r : ranks) {
     const taskflow::Program& p = set[static_cast<std::size_t>(r)];
     for (const auto& t : p.tasks)
@@ -147,9 +148,10 @@ std::pair<std::int64_t, std::int64_t> put_bytes_to_others(const std::vector<task
         const double b = table.work(p, t).bytes;
         bytes += b;
         if (t.peer / node_ranks != p.rank / node_ranks) cross += b;
+        if (t.kind == TaskKind::weight_put || t.kind == TaskKind::grad_weight_put) lent += b;
       }
   }
-  return {static_cast<std::int64_t>(bytes), static_cast<std::int64_t>(cross)};
+  return {static_cast<std::int64_t>(bytes), static_cast<std::int64_t>(cross), static_cast<std::int64_t>(lent)};
 }
 }  // namespace
 
@@ -185,7 +187,9 @@ void Interleaved<T>::forward(MatrixView x, std::span<const std::int32_t> forced,
   if (opt_.after_compile) opt_.after_compile(programs);
   auto t2 = Clock::now();
   res.forward_ops.push_back({"compile", seconds(t1, t2)});
-  std::tie(res.forward_put_bytes, res.forward_cross_node_bytes) = put_bytes_to_others(programs, local_, c_.node_ranks());
+  std::tie(res.forward_put_bytes, res.forward_cross_node_bytes, res.forward_lent_bytes) =
+      put_bytes_to_others(programs, local_, c_.node_ranks());
+  res.lent_experts = static_cast<std::int64_t>(ex_->placement().lends().size());
   if (opt_.verify_programs) {
     const auto report = verify(programs);
     if (!report.ok) throw Error("the compiled program failed verification: " + report.error);
@@ -216,7 +220,8 @@ void Interleaved<T>::backward(MatrixView d_out, StepResult& res) {
   }
   auto b1 = Clock::now();
   res.backward_ops.push_back({"compile", seconds(b0, b1)});
-  std::tie(res.backward_put_bytes, res.backward_cross_node_bytes) = put_bytes_to_others(backward_programs, local_, c_.node_ranks());
+  std::tie(res.backward_put_bytes, res.backward_cross_node_bytes, res.backward_lent_bytes) =
+      put_bytes_to_others(backward_programs, local_, c_.node_ranks());
   if (opt_.verify_programs) {
     const auto report = verify(backward_programs);
     if (!report.ok) throw Error("the compiled backward program failed verification: " + report.error);

@@ -301,8 +301,12 @@ TEST(NodeExchange, MutationsOfTheForwardingAreRejected) {
   {
     auto programs = forward;
     auto& p = programs[1];
-    auto& t = p.tasks[static_cast<std::size_t>(first_task(p, TaskKind::dispatch_node_relay))];
-    t.wait_event = -1, t.wait_count = 0;
+    auto it = std::find_if(p.tasks.begin(), p.tasks.end(), [&](const Task& t) {  // a relay of the sub-block chain
+      return t.kind == TaskKind::dispatch_node_relay && t.wait_event >= 0 &&
+             p.events[static_cast<std::size_t>(t.trigger_event)].consumer == TaskKind::dispatch_forward;
+    });
+    ASSERT_NE(it, p.tasks.end());
+    it->wait_event = -1, it->wait_count = 0;
     rejected(programs, "a node relay that does not wait: the next sub-block's forwards may read rows before they land");
   }
   {

@@ -1,0 +1,322 @@
+// Weights instead of tokens (LayerConfig::lend_weights): the lent homes of a
+// placement, the quota plan that keeps a lent rank's rows home, the choice
+// of what to lend, the programs (proved whole and per rank, every exchange),
+// the verifier's mutation corpus for the lend kinds, and the runtime:
+// serialized = interleaved bit for bit, the fp64 oracle's checks, and the
+// forward's output bit for bit what it is without lending.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <nlohmann/json.hpp>
+#include <numeric>
+
+#include "bit_identity.hpp"
+#include "compiler/layout.hpp"
+#include "exchange_cases.hpp"
+#include "hpmoe/error.hpp"
+#include "hpmoe/reference.hpp"
+#include "oracle_checks.hpp"
+#include "runtime/interleaved.hpp"
+
+using namespace hpmoe;
+using namespace hpmoe::testing;
+using hpmoe::testing::bit_identical;
+
+namespace {
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+// A layer whose zipf routing makes a few experts hot on every rank: with a
+// threshold of 20 rows some (expert, rank) pairs are lent, others not.
+LayerConfig lend_layer(std::int64_t ranks, std::int64_t tokens, ExchangeMode exchange = ExchangeMode::assignment) {
+  LayerConfig c = small(ranks, tokens);
+  c.hidden = 128;
+  c.expert_inter = 64;
+  c.exchange = exchange;
+  c.lend_weights = 20;
+  c.validate();
+  return c;
+}
+
+}  // namespace
+
+TEST(Lend, PlacementAddsLentHomesAndKeepsTheOwner) {
+  const auto base = ExpertPlacement::contiguous(8, 4);  // rank r owns 2r, 2r + 1
+  const ExpertPlacement::Lend lends[] = {{7, 0}, {0, 3}, {1, 3}};
+  const auto p = base.with_lent(lends);
+  EXPECT_TRUE(p.has_lent());
+  EXPECT_EQ(p.instances(), 11);
+  EXPECT_EQ(p.owner(7), 3) << "lent to a lower rank, expert 7 keeps its owner";
+  EXPECT_EQ(p.owner(0), 0);
+  EXPECT_EQ(p.local_count(3), 4);
+  EXPECT_EQ(std::vector<std::int32_t>(p.experts_of(3).begin(), p.experts_of(3).end()), (std::vector<std::int32_t>{6, 7, 0, 1}))
+      << "lent homes follow the rank's own experts";
+  EXPECT_EQ(p.lent_count(3), 2);
+  EXPECT_EQ(p.lent_count(1), 0);
+  EXPECT_TRUE(p.is_lent(p.instance_on(0, 3)));
+  EXPECT_FALSE(p.is_lent(p.instance_on(0, 0)));
+  EXPECT_EQ(p.lent_block(p.instance_on(0, 3)), 0);
+  EXPECT_EQ(p.lent_block(p.instance_on(1, 3)), 1);
+  EXPECT_EQ(p.lent_block(p.instance_on(7, 0)), 0);
+  EXPECT_EQ(p.lent_block(p.instance_on(7, 3)), -1);
+  EXPECT_EQ(p.without_lent(), base);
+  EXPECT_NE(p, base);
+  // Refusals name the expert.
+  const ExpertPlacement::Lend home[] = {{2, 1}};
+  EXPECT_NE(error_of([&] { (void)base.with_lent(home); }).find("expert 2 is already on rank 1"), std::string::npos);
+  const ExpertPlacement::Lend twice[] = {{2, 0}, {2, 0}};
+  EXPECT_NE(error_of([&] { (void)base.with_lent(twice); }).find("expert 2"), std::string::npos);
+  const ExpertPlacement::Lend outside[] = {{9, 0}};
+  EXPECT_NE(error_of([&] { (void)base.with_lent(outside); }).find("expert 9"), std::string::npos);
+  const nlohmann::json split{{"experts_of_rank", {{0, 1}, {0, 2}, {3, 4}, {5, 6, 7}}}, {"splits", {{{"expert", 0}, {"columns", {0, 32, 64}}}}}};
+  const auto with_split = placement_from_json(split, 8, 4, "test");
+  const ExpertPlacement::Lend lend_split[] = {{0, 2}};
+  EXPECT_NE(error_of([&] { (void)with_split.with_lent(lend_split); }).find("expert 0 is split"), std::string::npos);
+}
+
+TEST(Lend, QuotaKeepsALentRanksRowsHome) {
+  // Expert 0 replicated on ranks 0 and 1, lent to rank 3; expert 5 lent to rank 0.
+  const nlohmann::json j{{"experts_of_rank", {{0, 1, 2}, {0, 3}, {4, 5}, {6, 7}}}, {"replicas", true}};
+  const auto base = placement_from_json(j, 8, 4, "test");
+  const ExpertPlacement::Lend lends[] = {{0, 3}, {5, 0}};
+  const auto p = base.with_lent(lends);
+  const std::int64_t P = 4, E = 8, N = p.instances();
+  std::vector<std::int64_t> counts(static_cast<std::size_t>(P * E));
+  for (std::int64_t s = 0; s < P; ++s)
+    for (std::int64_t e = 0; e < E; ++e) counts[static_cast<std::size_t>(s * E + e)] = 10 + 7 * s + 3 * e;
+  const auto quota = plan_quotas(p, counts);
+  const auto q = [&](std::int64_t s, std::int64_t i) { return quota[static_cast<std::size_t>(s * N + i)]; };
+  for (const auto& l : lends) {
+    const std::int64_t lent = p.instance_on(l.expert, l.rank);
+    for (std::int64_t s = 0; s < P; ++s)
+      EXPECT_EQ(q(s, lent), s == l.rank ? counts[static_cast<std::size_t>(s * E + l.expert)] : 0)
+          << "a lent home takes its own rank's rows, all of them, and nothing else";
+  }
+  // Every source's rows of every expert are given out exactly once.
+  for (std::int64_t s = 0; s < P; ++s)
+    for (std::int64_t e = 0; e < E; ++e) {
+      std::int64_t given = 0;
+      for (std::int64_t h = 0; h < p.home_count(e); ++h) given += q(s, p.first_instance(e) + h);
+      EXPECT_EQ(given, counts[static_cast<std::size_t>(s * E + e)]) << "source " << s << " expert " << e;
+    }
+}
+
+TEST(Lend, ChoosesWhereARanksOwnRowsReachTheThreshold) {
+  LayerConfig c = preset("tiny");
+  c.ranks = 2;
+  c.tokens_per_rank = 64;
+  EXPECT_EQ(c.lend_threshold(), 0) << "off by default";
+  c.set("lend_weights", "auto");
+  // fp32 tiny: W1 [32, 32] and W2 [16, 32] packed in 64-column panels (12 KiB)
+  // against 256 bytes a row there and back.
+  EXPECT_EQ(c.lend_threshold(), (32 * 64 * 4 + 16 * 64 * 4 + 255) / 256);
+  c.set("lend_weights", "7");
+  EXPECT_EQ(c.lend_threshold(), 7);
+  c.set("lend_weights", "-3");
+  EXPECT_NE(error_of([&] { c.validate(); }).find("lend_weights"), std::string::npos);
+  c.lend_weights = 7;
+  RoutingCounts counts{2, 8, std::vector<std::int64_t>(16, 0), {}};
+  counts.counts[0 * 8 + 5] = 7;  // rank 0, expert 5 (rank 1's): lent
+  counts.counts[0 * 8 + 6] = 6;  // under the threshold
+  counts.counts[1 * 8 + 5] = 30;  // its own: never lent
+  counts.counts[1 * 8 + 2] = 9;  // rank 1, expert 2 (rank 0's): lent
+  const auto lends = choose_lends(c, contiguous(c), counts);
+  EXPECT_EQ(lends, (std::vector<ExpertPlacement::Lend>{{5, 0}, {2, 1}}));
+  const Exchange ex(c, contiguous(c), counts, 32);
+  EXPECT_EQ(ex.placement().lends(), lends) << "the exchange lends what the choice says";
+  EXPECT_EQ(ex.count(0, ex.placement().instance_on(5, 0)), 7);
+  EXPECT_EQ(ex.count(0, ex.placement().instance_on(5, 1)), 0) << "rank 0's rows of expert 5 stay home";
+}
+
+TEST(Lend, ProgramsAreProvedWholeAndPerRankInEveryExchange) {
+  const Machine m = parse_machine("cpu:2:32x64");
+  for (const ExchangeMode mode : {ExchangeMode::assignment, ExchangeMode::rank}) {
+    for (const std::int64_t per_node : {0, 2}) {
+      LayerConfig c = lend_layer(4, 96, mode);
+      if (per_node > 0 && mode == ExchangeMode::assignment) continue;
+      c.ranks_per_node = per_node;
+      const auto counts = rank_counts(c, contiguous(c), "zipf:1.5", m.tile_rows);
+      const Exchange ex(c, contiguous(c), counts, m.tile_rows);
+      const auto lent = static_cast<std::int64_t>(ex.placement().lends().size());
+      ASSERT_GT(lent, 0) << "the case must lend";
+      for (const Pass pass : {Pass::forward, Pass::backward}) {
+        const auto programs = compile_checked(c, contiguous(c), counts, m, pass, Policy::critical_path);
+        std::int64_t puts = 0, bytes = 0;
+        for (const auto& p : programs)
+          for (const auto& t : p.tasks)
+            if (t.kind == TaskKind::weight_put || t.kind == TaskKind::grad_weight_put) {
+              ++puts;
+              bytes += t.cols;
+              EXPECT_NE(t.peer, p.rank) << "a rank is never lent its own expert";
+            }
+        const Dims d{c.hidden, c.expert_inter, 0, c.routed_experts, c.top_k, c.tokens_per_rank, 4};
+        EXPECT_EQ(bytes, lent * lent_block_bytes(d, pass)) << "each lent expert's block, whole, once";
+        EXPECT_GE(puts, lent * 2) << "two weights a block";
+      }
+    }
+  }
+}
+
+TEST(Lend, MutationsOfTheLentWeightsAreRejected) {
+  const LayerConfig c = lend_layer(2, 120);
+  const Machine m = parse_machine("cpu:2:32x64");
+  const auto placement = contiguous(c);
+  const auto counts = rank_counts(c, placement, "zipf:1.5", m.tile_rows);
+  ASSERT_FALSE(Exchange(c, placement, counts, m.tile_rows).placement().lends().empty());
+  const auto forward = compile(c, placement, counts, m, Pass::forward, Policy::critical_path);
+  expect_ok(forward);
+  const auto backward = compile(c, placement, counts, m, Pass::backward, Policy::critical_path);
+  expect_ok(backward);
+  const auto rejected = [&](const std::vector<Program>& programs, const char* what) {
+    expect_rejected(programs, c, placement, counts, m, what);
+  };
+  const PutMutation puts[] = {
+      {Pass::forward, 0, TaskKind::weight_put, [](Task& t, const Program&) { t.cols -= 64; },
+       "a weight piece 64 bytes short: the GEMM reads lent weights nothing wrote"},
+      {Pass::forward, 0, TaskKind::weight_put, [](Task& t, const Program&) { t.col_begin += 64; },
+       "a weight piece written 64 bytes along, over the next region"},
+      {Pass::forward, 0, TaskKind::weight_put, next_event, "a weight piece that signals another event than its block's"},
+      {Pass::forward, 0, TaskKind::weight_put, [](Task& t, const Program&) { t.row_begin += 1; },
+       "a weight piece into the backward's row of the block"},
+      {Pass::backward, 0, TaskKind::grad_weight_put, [](Task& t, const Program&) { t.cols -= 64; },
+       "a transposed weight piece short: the data gradient reads unwritten weights"},
+  };
+  // Not every case has rank 0 lending; mutate the rank that does.
+  for (const auto& mu : puts) {
+    auto programs = mu.pass == Pass::forward ? forward : backward;
+    bool done = false;
+    for (auto& p : programs)
+      for (auto& t : p.tasks)
+        if (!done && t.kind == mu.kind && t.peer != p.rank) {
+          mu.change(t, p);
+          done = true;
+        }
+    ASSERT_TRUE(done) << mu.what;
+    rejected(programs, mu.what);
+  }
+  const auto with_relay = [&](const std::vector<Program>& set, TaskKind relay) -> std::pair<std::size_t, std::int32_t> {
+    for (std::size_t r = 0; r < set.size(); ++r)
+      if (const std::int32_t id = first_task(set[r], relay); id >= 0) return {r, id};
+    ADD_FAILURE() << "no " << name(relay);
+    return {0, 0};
+  };
+  {
+    auto programs = forward;
+    const auto [r, id] = with_relay(programs, TaskKind::weight_relay);
+    programs[r].tasks[static_cast<std::size_t>(id)].wait_event = -1;
+    programs[r].tasks[static_cast<std::size_t>(id)].wait_count = 0;
+    rejected(programs, "a relay that does not wait for the weights: the GEMM may read them before they land");
+  }
+  {
+    auto programs = forward;
+    const auto [r, id] = with_relay(programs, TaskKind::weight_relay);
+    programs[r].tasks[static_cast<std::size_t>(id)].wait_count -= 1;
+    rejected(programs, "a relay that passes on the block one piece early");
+  }
+  {
+    auto programs = backward;
+    const auto [r, id] = with_relay(programs, TaskKind::grad_weight_relay);
+    programs[r].tasks[static_cast<std::size_t>(id)].trigger_event += 1;
+    rejected(programs, "a backward relay that counts towards the next tile instead of its own");
+  }
+  {
+    // The lent slot's GEMMs wait for one arrival fewer: before the relay.
+    auto programs = forward;
+    const auto [r, id] = with_relay(programs, TaskKind::weight_relay);
+    auto& p = programs[r];
+    const std::int32_t ev = p.tasks[static_cast<std::size_t>(id)].trigger_event;
+    p.events[static_cast<std::size_t>(ev)].required -= 1;
+    for (auto& t : p.tasks)
+      if (t.wait_event == ev) t.wait_count -= 1;
+    p.tasks[static_cast<std::size_t>(id)].trigger_event = -1;
+    rejected(programs, "a lent slot's tile that does not count the weights among its arrivals");
+  }
+}
+
+// Found by lending: with the per-node exchange a forwarder may hold none of
+// a source's tokens once that source's rows of a hot expert stay home, and
+// then only the relay that passes on the source's routes orders the
+// forwarder's sums after them; a rank's own proof sees no other chain.
+TEST(Lend, TheForwardersSumsWaitForTheRoutesThemselves) {
+  LayerConfig c = lend_layer(4, 96, ExchangeMode::rank);
+  c.ranks_per_node = 2;
+  const Machine m = parse_machine("cpu:2:32x64");
+  const auto placement = contiguous(c);
+  const auto counts = rank_counts(c, placement, "zipf:1.5", m.tile_rows);
+  auto programs = compile_checked(c, placement, counts, m, Pass::forward, Policy::critical_path);
+  bool rejected_alone = false;
+  for (auto& p : programs)
+    for (auto& t : p.tasks)
+      if (t.kind == TaskKind::dispatch_node_relay && t.trigger_event >= 0 &&
+          p.events[static_cast<std::size_t>(t.trigger_event)].consumer == TaskKind::combine_node_put) {
+        const Task kept = t;
+        t.wait_event = -1, t.wait_count = 0;
+        Verifier verifier;
+        rejected_alone |= !verifier.verify_rank(p, c, placement, counts, m).ok;
+        t = kept;
+      }
+  EXPECT_TRUE(rejected_alone) << "some forwarder's sums race its routes without the relay";
+}
+
+// Serialized and interleaved bit for bit, the oracle's checks, and the
+// forward's output (and, per assignment, dx) bit for bit the layer's
+// without lending: a row's arithmetic does not depend on where it runs.
+class LendExecution : public ::testing::TestWithParam<std::tuple<DType, ExchangeMode, int, std::string>> {};
+
+TEST_P(LendExecution, IsBitIdenticalAcrossSchedulesAndToTheLayerWithoutLending) {
+  const auto [dtype, exchange, ranks, routing] = GetParam();
+  LayerConfig c = lend_layer(ranks, 240 / ranks, exchange);
+  c.dtype = dtype;
+  c.validate();
+  const auto w = random_weights(c, 17);
+  const auto in = random_inputs(c, 17);
+  const auto forced = forced_selection(c, parse_routing_spec(routing, 3));
+  const RuntimeOptions serial_opt = serialized_schedule(RuntimeOptions{.workers_per_rank = 2, .backward = true, .pin = false});
+  const RuntimeOptions inter_opt{.workers_per_rank = 2, .backward = true, .policy = taskflow::Policy::critical_path, .pin = false};
+  InterleavedExecutor serial(c, w, serial_opt), inter(c, w, inter_opt);
+  StepResult a, b;
+  serial.step(in, forced, a);
+  inter.step(in, forced, b);
+  ASSERT_GT(b.lent_experts, 0) << "the case must lend";
+  EXPECT_GT(b.forward_lent_bytes, 0);
+  EXPECT_TRUE(bit_identical(a.out, b.out));
+  EXPECT_TRUE(bit_identical(a.grads, b.grads));
+  const auto ref = reference_layer(c, w, in, oracle_options_of(b));
+  for (const auto& cmp : checks_against(ref, b, dtype, 4)) EXPECT_TRUE(cmp.pass) << cmp.tensor << ": rel L2 " << cmp.rel_l2;
+  LayerConfig off = c;
+  off.lend_weights = 0;
+  InterleavedExecutor plain(off, w, inter_opt);
+  StepResult o;
+  plain.step(in, forced, o);
+  EXPECT_EQ(o.lent_experts, 0);
+  if (exchange == ExchangeMode::assignment) {
+    // Per assignment the combine sums a token's K rows in k order wherever
+    // they ran: the same bits. (The per-rank combine sums per rank first,
+    // and a lent row is summed on its own rank: rounding differs.)
+    EXPECT_TRUE(bit_identical(o.out, b.out)) << "lending moves where rows run, not what they compute";
+    EXPECT_TRUE(bit_identical(o.grads.x, b.grads.x));
+  }
+  inter.step(in, forced, b);
+  EXPECT_TRUE(bit_identical(a.out, b.out)) << "second step";
+  EXPECT_TRUE(bit_identical(a.grads, b.grads)) << "second step";
+}
+
+std::string lend_case_name(const ::testing::TestParamInfo<LendExecution::ParamType>& info) {
+  const auto& [dtype, exchange, ranks, routing] = info.param;
+  return to_string(dtype) + "_" + to_string(exchange) + "_P" + std::to_string(ranks) + "_" + routing.substr(0, routing.find(':'));
+}
+
+INSTANTIATE_TEST_SUITE_P(All, LendExecution,
+                         ::testing::Values(std::tuple{DType::fp32, ExchangeMode::assignment, 2, std::string("zipf:1.5")},
+                                           std::tuple{DType::fp32, ExchangeMode::assignment, 4, std::string("hot:0.3")},
+                                           std::tuple{DType::bf16, ExchangeMode::assignment, 3, std::string("zipf:1.5")},
+                                           std::tuple{DType::fp32, ExchangeMode::rank, 4, std::string("zipf:1.5")},
+                                           std::tuple{DType::bf16, ExchangeMode::rank, 2, std::string("hot:0.3")}),
+                         lend_case_name);
