@@ -5,10 +5,12 @@
 
 #include <gtest/gtest.h>
 
+#include <functional>
 #include <string>
 #include <vector>
 
 #include "compiler/taskflow.hpp"
+#include "hpmoe/error.hpp"
 
 namespace hpmoe::testing {
 
@@ -84,6 +86,16 @@ inline std::int32_t first_task(const Program& p, TaskKind kind) {
     if (p.tasks[i].kind == kind) return static_cast<std::int32_t>(i);
   ADD_FAILURE() << "no " << name(kind) << " task";
   return 0;
+}
+
+// The message of the Error f throws ("" if none).
+inline std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
 }
 
 inline bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }

@@ -24,15 +24,6 @@ using hpmoe::testing::bit_identical;
 
 namespace {
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
-
 // A layer whose zipf routing makes a few experts hot on every rank: with a
 // threshold of 20 rows some (expert, rank) pairs are lent, others not.
 LayerConfig lend_layer(std::int64_t ranks, std::int64_t tokens, ExchangeMode exchange = ExchangeMode::assignment) {

@@ -5,6 +5,7 @@
 
 #include "source_dir.hpp"
 #include "bit_identity.hpp"
+#include "taskflow_cases.hpp"
 
 #include <algorithm>
 #include <cstring>
@@ -20,16 +21,8 @@ using hpmoe::testing::bit_identical;
 
 namespace {
 
-bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using hpmoe::testing::contains;
+using hpmoe::testing::error_of;
 
 std::string mixtral_trace() { return "trace:" + std::string(HPMOE_SOURCE_DIR) + "/data/routing/mixtral-8x7b/coding.json:12"; }
 
