@@ -27,6 +27,9 @@ class Step {
   virtual py::dict backward(const py::array& d_out) = 0;
   // Seconds by part, {"forward": {...}, "backward": {...}} (the fast executors; empty for the oracle).
   virtual py::dict times() const { return py::dict(); }
+  // What the exchange moved: put bytes to other ranks, the weights lent
+  // (LayerConfig::lend_weights) and their bytes (the fast executors).
+  virtual py::dict exchange() const { return py::dict(); }
 };
 
 py::dict seconds_of(const std::vector<OperatorTime>& ops) {
@@ -62,6 +65,17 @@ class FastStep final : public Step {
     py::dict d;
     d["forward"] = seconds_of(forward_ops_);
     d["backward"] = seconds_of(backward_ops_);
+    return d;
+  }
+
+  py::dict exchange() const override {
+    const StepResult& r = step_->result();
+    py::dict d;
+    d["forward_put_bytes"] = r.forward_put_bytes;
+    d["backward_put_bytes"] = r.backward_put_bytes;
+    d["lent_experts"] = r.lent_experts;
+    d["forward_lent_bytes"] = r.forward_lent_bytes;
+    d["backward_lent_bytes"] = r.backward_lent_bytes;
     return d;
   }
 
@@ -382,7 +396,7 @@ PYBIND11_MODULE(_core, m) {
       PyErr_SetString(PyExc_ValueError, (std::string("config JSON: ") + e.what()).c_str());
     }
   });
-  py::class_<Step>(m, "Step").def("backward", &Step::backward, py::arg("d_out")).def("times", &Step::times);
+  py::class_<Step>(m, "Step").def("backward", &Step::backward, py::arg("d_out")).def("times", &Step::times).def("exchange", &Step::exchange);
   py::class_<ModuleLayer>(m, "Layer")
       .def(py::init<const std::string&, int, const std::string&, const std::string&, const std::string&, const std::string&>(),
            py::arg("config_json"), py::arg("workers"), py::arg("executor"), py::arg("schedule"),

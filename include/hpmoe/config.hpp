@@ -86,12 +86,14 @@ struct LayerConfig {
   // rows for a remote expert reach a threshold, the expert's owner puts its
   // weights to that rank and the rows stay home (ExpertPlacement::Lend).
   // 0: never; kLendAuto: where the rows would move more bytes than the
-  // weights (lend_threshold()); N >= 1: where a rank has N rows or more.
+  // weights on every link direction (lend_threshold()); N >= 1: where a
+  // rank has N rows or more.
   static constexpr std::int64_t kLendAuto = -1;
   std::int64_t lend_weights = 0;
   // Rows of one (rank, expert) from which its weights are lent (0: never).
-  // Auto: the rows' dispatch and return in one pass against the expert's
-  // three weight matrices, both in the bytes they travel in.
+  // Auto: where the rows' narrower leg (dispatch or return, in the bytes
+  // they travel in) outweighs the expert's packed weights, so that no link
+  // direction at either end carries more than the rows would have.
   std::int64_t lend_threshold() const;
 
   // Whether the dispatch sends tokens narrower than the layer's dtype (a

@@ -95,6 +95,7 @@ class _Function(torch.autograd.Function):
         ctx.param_dtypes = [p.dtype for p in params]
         ctx.load = module.last_load = torch.from_numpy(load)
         module.last_times = step.times()
+        module.last_exchange = step.exchange()
         return torch.from_numpy(out).to(x.dtype), torch.tensor(aux, dtype=x.dtype), torch.tensor(z, dtype=x.dtype)
 
     @staticmethod
@@ -115,6 +116,7 @@ class _Function(torch.autograd.Function):
         wide = torch.float64 if ctx.dtype == torch.float64 else torch.float32
         grads = ctx.step.backward(d_out.to(wide).contiguous().numpy())
         module.last_times = ctx.step.times()
+        module.last_exchange = ctx.step.exchange()
         if module.executor != "reference":
             ctx.step = None  # its one backward has run: free the packed weights and activations
         if module.gate_bias is not None:  # DeepSeek-V3's aux-loss-free update, after the step
@@ -190,6 +192,11 @@ class MoELayer(nn.Module):
     combine_dtype: with exchange="rank", what the combine's sums (and the backward's dx sums) travel in:
     None keeps the config's ("layer"), "bf16" halves their bytes (each rank's and node's sum rounded to bf16:
     results within bf16's tolerance of the float32 path).
+    lend_weights: weights instead of tokens (hpmoe run --lend): None keeps the config's ("off"); "auto" lends an
+    expert's weights for the step to every rank whose own rows of it would carry more bytes than the weights,
+    and those rows stay home; an integer N lends where a rank has N rows or more. Outputs are bit-identical to
+    not lending (the per-assignment exchange; the per-rank one to rounding), gradients to rounding (a lent
+    copy's weight gradient is summed onto the owner). ``last_exchange`` says what was lent.
     check_finite: the fast executors refuse (ValueError) tokens x and gradients d_out holding NaN or Inf, and
     an output or dx that overflowed, as the CLI and the reference executor do; a bits test that vectorises,
     well under 1% of a step. False skips it (a measured training loop that checks its loss itself).
@@ -200,12 +207,12 @@ class MoELayer(nn.Module):
 
     def __init__(self, config, ranks=1, workers=1, executor="interleaved", schedule="critical-path",
                  dispatch_dtype=None, exchange=None, ranks_per_node=None, combine_dtype=None, dtype=None,
-                 ep="inprocess", mpi_path="auto", check_finite=True):
+                 ep="inprocess", mpi_path="auto", check_finite=True, lend_weights=None):
         super().__init__()
         self._init_args = dict(config=config, ranks=ranks, workers=workers, executor=executor, schedule=schedule,
                                dispatch_dtype=dispatch_dtype, exchange=exchange, ranks_per_node=ranks_per_node,
                                combine_dtype=combine_dtype, dtype=dtype, ep=ep, mpi_path=mpi_path,
-                               check_finite=check_finite)
+                               check_finite=check_finite, lend_weights=lend_weights)
         if not isinstance(workers, int) or isinstance(workers, bool) or not 1 <= workers <= 256:
             raise ValueError(f"workers must be an integer from 1 to 256 (threads per rank), got {workers!r}")
         if not isinstance(check_finite, bool):
@@ -223,6 +230,11 @@ class MoELayer(nn.Module):
             cfg["exchange"] = exchange
         if combine_dtype is not None:
             cfg["combine_dtype"] = combine_dtype
+        if lend_weights is not None:
+            if lend_weights not in ("off", "auto") and (not isinstance(lend_weights, int) or isinstance(lend_weights, bool)
+                                                          or lend_weights < 1):
+                raise ValueError(f"lend_weights must be 'off', 'auto' or a count of rows >= 1, got {lend_weights!r}")
+            cfg["lend_weights"] = lend_weights
         if ranks_per_node is not None:
             if not isinstance(ranks_per_node, int) or isinstance(ranks_per_node, bool):
                 raise ValueError(f"ranks_per_node must be an integer, got {ranks_per_node!r}")
@@ -256,6 +268,9 @@ class MoELayer(nn.Module):
         # "router", "compile", "verify", "prepare", "launch", ...}, "backward": {..., "gradients_to_hf"}};
         # "launch" is the layer's own work, the rest the host's. Empty for executor="reference".
         self.last_times = None
+        # What the last step's exchange moved: {"forward_put_bytes", "backward_put_bytes", "lent_experts",
+        # "forward_lent_bytes", "backward_lent_bytes"} (the fast executors; over MPI this process's rank).
+        self.last_exchange = None
 
     def __deepcopy__(self, memo):
         if self.ep == "mpi":

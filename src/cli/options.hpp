@@ -38,7 +38,7 @@ struct LayerOptions {
   std::string config_file;
   std::vector<std::string> sets;
   std::optional<std::int64_t> ranks, tokens;
-  std::optional<std::string> dtype, dispatch_dtype, exchange, combine_dtype;
+  std::optional<std::string> dtype, dispatch_dtype, exchange, combine_dtype, lend;
   std::string placement = "contiguous";
 
   void add_to(CLI::App& app, bool with_placement = true) {
@@ -58,6 +58,9 @@ struct LayerOptions {
     app.add_option("--combine-dtype", combine_dtype,
                    "what the per-rank combine's sums and the backward's dx sums travel in: layer (default) | bf16 "
                    "(fp32 layers; needs --exchange rank)");
+    app.add_option("--lend", lend,
+                   "weights instead of tokens: off (default) | auto (lend an expert's weights to a rank whose own rows of "
+                   "it would move more bytes there and back) | ROWS (lend where a rank has ROWS rows or more)");
     if (with_placement)
       app.add_option("--placement", placement,
                    "where the experts live: contiguous | round-robin | random[:SEED] | FILE.json "
@@ -90,6 +93,12 @@ struct LayerOptions {
     if (dispatch_dtype) c.set("dispatch_dtype", *dispatch_dtype);
     if (exchange) c.set("exchange", *exchange);
     if (combine_dtype) c.set("combine_dtype", *combine_dtype);
+    if (lend) {
+      if (*lend != "off" && *lend != "auto" && (lend->empty() || lend->find_first_not_of("0123456789") != std::string::npos ||
+                                                lend->size() > 9 || std::stoll(*lend) < 1))
+        throw Error("--lend '" + *lend + "': give off, auto or a count of rows from 1 to 999999999");
+      c.set("lend_weights", *lend);
+    }
     c.validate();
     return c;
   }

@@ -183,6 +183,8 @@ struct SweepCommand {
     app->add_option("--routing", req.routings, "routings, comma-separated (uniform, zipf:1.2, hot:0.3, trace:FILE:LAYER, ...)")
         ->delimiter(',');
     app->add_option("--schedule", req.schedules, "fused schedule policies, comma-separated (default: each machine's)")->delimiter(',');
+    app->add_option("--lend", req.lends, "weights instead of tokens, comma-separated: off | auto | ROWS (see `hpmoe simulate --help`)")
+        ->delimiter(',');
     app->add_option("--vary", vary_specs,
                     "a machine-model field over values: PATH=V1,V2,... (dotted path into the model file, * for every array "
                     "element, A+B for two fields together; a value is a number or xF, the file's value times F); repeatable, "

@@ -27,7 +27,8 @@ using nlohmann::json;
 
 // The point's layer options, as `hpmoe simulate` would take them: the model
 // (a preset or a config file), the overrides, -P, -T, the placement.
-front::LayerOptions layer_options(const SweepRequest& req, const std::string& model, std::int64_t ranks, std::int64_t tokens) {
+front::LayerOptions layer_options(const SweepRequest& req, const std::string& model, std::int64_t ranks, std::int64_t tokens,
+                                  const std::string& lend) {
   const auto names = preset_names();
   front::LayerOptions o;
   if (std::find(names.begin(), names.end(), model) != names.end()) {
@@ -46,6 +47,7 @@ front::LayerOptions layer_options(const SweepRequest& req, const std::string& mo
   o.dispatch_dtype = req.dispatch_dtype;
   o.exchange = req.exchange;
   o.combine_dtype = req.combine_dtype;
+  if (!lend.empty()) o.lend = lend;
   o.placement = req.placement;
   return o;
 }
@@ -83,6 +85,7 @@ std::vector<std::pair<std::string, std::string>> columns(const SweepRequest& req
   std::vector<std::pair<std::string, std::string>> c = {{"machine", p.machine}, {"model", p.model},
                                                         {"ranks", std::to_string(p.ranks)}, {"tokens", std::to_string(p.tokens)},
                                                         {"routing", p.routing}, {"schedule", p.schedule}};
+  if (!req.lends.empty()) c.emplace_back("lend", p.lend);
   for (std::size_t i = 0; i < req.vary.size(); ++i) c.emplace_back(req.vary[i].first, p.vary_values[i]);
   c.emplace_back("error", row.error);
   const bool ok = row.error.empty();
@@ -101,6 +104,11 @@ std::vector<std::pair<std::string, std::string>> columns(const SweepRequest& req
     c.emplace_back(pre + "fused_vs_baseline", ok && !base.empty() ? ratio(baseline_s(L.machine, *r), r->interleaved_s) : "");
     c.emplace_back(pre + "exposed_comm_serialized", ok ? fixed(r->serialized_exposed_comm) : "");
     c.emplace_back(pre + "exposed_comm_fused", ok ? fixed(r->interleaved_exposed_comm) : "");
+    c.emplace_back(pre + "put_mb", ok ? fixed(r->put_bytes / 1e6, 1) : "");
+    if (!req.lends.empty()) {
+      c.emplace_back(pre + "lent", ok ? std::to_string(r->lent) : "");
+      c.emplace_back(pre + "lent_mb", ok ? fixed(r->lent_bytes / 1e6, 1) : "");
+    }
   }
   const auto gb = [&](double b) { return ok ? fixed(b / 1e9, 2) : std::string(); };
   c.emplace_back("memory_gb", gb(L.memory.total()));
@@ -170,12 +178,14 @@ std::vector<SweepPoint> sweep_points(const SweepRequest& req) {
     const std::vector<std::string> schedules =
         req.schedules.empty() ? std::vector<std::string>{name(sim::default_policy(model))} : req.schedules;
     for (const auto& s : schedules) (void)taskflow::parse_policy(s);
+    const std::vector<std::string> lends = req.lends.empty() ? std::vector<std::string>{""} : req.lends;
     for (const auto& m : req.models)
       for (const std::int64_t P : req.ranks)
-        for (const std::int64_t T : req.tokens) {
+        for (const std::int64_t T : req.tokens)
+        for (const auto& lend : lends) {
           LayerConfig c;
           try {
-            const front::LayerOptions options = layer_options(req, m, P, T);
+            const front::LayerOptions options = layer_options(req, m, P, T, lend);
             c = options.resolve();
             (void)options.resolve_placement(c);
           } catch (const Error& e) {
@@ -191,7 +201,7 @@ std::vector<SweepPoint> sweep_points(const SweepRequest& req) {
           for (const auto& routing : req.routings) {
             (void)parse_routing_spec(routing, req.seed);
             for (const auto& schedule : schedules)
-              for (const auto& values : combos) points.push_back({machine, m, routing, schedule, P, T, values, c});
+              for (const auto& values : combos) points.push_back({machine, m, routing, schedule, lend, P, T, values, c});
           }
         }
   }
@@ -223,7 +233,7 @@ std::vector<SweepRow> run_sweep(const SweepRequest& req, const std::vector<Sweep
         const sim::MachineModel m = sweep_machine(req, row.point);
         sim::SimRequest sreq;
         sreq.config = row.point.config;
-        sreq.placement = layer_options(req, row.point.model, row.point.ranks, row.point.tokens).resolve_placement(sreq.config);
+        sreq.placement = layer_options(req, row.point.model, row.point.ranks, row.point.tokens, row.point.lend).resolve_placement(sreq.config);
         sreq.routing = parse_routing_spec(row.point.routing, req.seed);
         sreq.seed = req.seed;
         sreq.backward = req.backward;
@@ -298,9 +308,9 @@ void write_sweep(const std::string& dir, const SweepRequest& req, const std::vec
   if (failed) md << ", " << failed << " not simulated (the error column says why)";
   md << ". Columns: times in ms; speedups are the serialized (or the machine's framework baseline) time over the fused "
         "one.\n\n";
-  std::vector<std::string> keep = {"machine", "model", "ranks", "tokens", "routing", "schedule"};
+  std::vector<std::string> keep = {"machine", "model", "ranks", "tokens", "routing", "schedule", "lend"};
   for (const auto& v : req.vary) keep.push_back(v.first);
-  for (const char* k : {"forward_serialized_ms", "forward_fused_ms", "forward_speedup", "baseline", "forward_fused_vs_baseline",
+  for (const char* k : {"forward_serialized_ms", "forward_fused_ms", "forward_speedup", "forward_lent", "forward_put_mb", "baseline", "forward_fused_vs_baseline",
                         "backward_speedup", "backward_fused_vs_baseline", "memory_gb", "capacity_gb", "step_fused_ms",
                         "step_fastest", "error"})
     keep.emplace_back(k);

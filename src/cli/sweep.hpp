@@ -24,6 +24,7 @@ struct SweepRequest {
   std::vector<std::int64_t> ranks, tokens;
   std::vector<std::string> routings;
   std::vector<std::string> schedules;  // empty: each machine's default
+  std::vector<std::string> lends;      // weights instead of tokens: off | auto | ROWS each (empty: the layer's own)
   // Machine-model fields varied, each over its values: a dotted path into
   // the model file ("put.in_flight"; "*" stands for every element of an
   // array: "matrix.tile_rates.*.efficiency"; "A+B": both fields together), a
@@ -44,6 +45,7 @@ struct SweepRequest {
 
 struct SweepPoint {
   std::string machine, model, routing, schedule;  // schedule: as given, or the machine's default
+  std::string lend;                               // as given ("" where the grid has no --lend)
   std::int64_t ranks = 0, tokens = 0;
   std::vector<std::string> vary_values;  // one per SweepRequest::vary
   LayerConfig config;                    // resolved

@@ -274,6 +274,26 @@ void gemm_one_panel(const T* a, std::int64_t lda, RhsView<T> b, std::int64_t col
     }
   }
 #endif
+  // A panel's last columns (N not a multiple of 64) run as the whole
+  // panel (its columns past N are the packing's zeros) into a scratch
+  // tile: libxsmm's kernels for narrow N keep K in several accumulators
+  // when M is small, so a row's bits would depend on how many rows its tile
+  // has, and the tile's rows depend on the placement (replicas' quotas, lent
+  // experts). At the full panel width every tile height gives each row the
+  // same bits.
+  if (n < kTileCols && b.ld == kTileCols && col0 % kTileCols == 0) {
+    thread_local AlignedVector<float> wide;
+    wide.resize(static_cast<std::size_t>(m * kTileCols));
+    if (accumulate)
+      for (std::int64_t i = 0; i < m; ++i) {
+        std::memcpy(wide.data() + i * kTileCols, c + i * ldc, static_cast<std::size_t>(n) * sizeof(float));
+        std::memset(wide.data() + i * kTileCols + n, 0, static_cast<std::size_t>(kTileCols - n) * sizeof(float));
+      }
+    gemm_one_panel<T>(a, lda, b, col0, wide.data(), kTileCols, m, kTileCols, k, accumulate);
+    for (std::int64_t i = 0; i < m; ++i)
+      std::memcpy(c + i * ldc, wide.data() + i * kTileCols, static_cast<std::size_t>(n) * sizeof(float));
+    return;
+  }
   const std::int64_t blocks = k / kBlockK, rest = k % kBlockK;
   for (std::int64_t first = 0; first < blocks; first += kChunkBlocks)
     batch_reduce<T>(a + first * kBlockK, lda, rhs + first * kBlockK * b.ld, b.ld, c, ldc, m, n, kBlockK,

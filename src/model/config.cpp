@@ -119,6 +119,8 @@ const std::map<std::string, Setter, std::less<>>& setters() {
     t["lend_weights"] = [](LayerConfig& c, std::string_view f, std::string_view v) {
       if (v == "off") c.lend_weights = 0;
       else if (v == "auto") c.lend_weights = LayerConfig::kLendAuto;
+      else if (v.empty() || v.find_first_not_of("0123456789") != std::string_view::npos || v.size() > 18)
+        throw Error("config field '" + std::string(f) + "': '" + std::string(v) + "' is not off, auto or a count of rows");
       else c.lend_weights = parse_int(f, v);
     };
     t["dtype"] = [](LayerConfig& c, std::string_view f, std::string_view v) {
@@ -270,11 +272,16 @@ bool LayerConfig::staged_grad_dispatch() const {
 
 std::int64_t LayerConfig::lend_threshold() const {
   if (lend_weights != kLendAuto) return lend_weights;
+  // Per link direction: the owner sends the weights where it would have
+  // sent the rows' outputs back, and the borrower receives them where it
+  // would have received those outputs (and sends no rows out). Lending
+  // moves no more bytes either way on either end when the rows' narrower
+  // leg alone outweighs the weights.
   const std::int64_t elem = dtype == DType::bf16 ? 2 : 4;
   const std::int64_t combine_row = narrow_combine() ? 2 * hidden : elem * hidden;
   const std::int64_t weight_bytes =
       packed_weight_bytes(hidden, 2 * expert_inter, dtype) + packed_weight_bytes(expert_inter, hidden, dtype);
-  const std::int64_t row_bytes = dispatch_row_bytes() + combine_row;
+  const std::int64_t row_bytes = std::min(dispatch_row_bytes(), combine_row);
   return (weight_bytes + row_bytes - 1) / row_bytes;
 }
 

@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "hpmoe/error.hpp"
+#include "compiler/layout.hpp"
 #include "sim/sim.hpp"
 
 namespace hpmoe::sim {
@@ -152,8 +153,11 @@ SimReport simulate(const MachineModel& given, const SimRequest& req) {
   // the rest of their operators from the per-assignment programs.
   const bool by_rank = c.exchange == ExchangeMode::rank;
   if (by_rank) counts.token_counts = taskflow::rank_token_counts(c, placement, counts, routing, machine.tile_rows);
+  // The frameworks' exchanges lend no weights: their baselines run the layer without.
   LayerConfig per_assignment = c;
   per_assignment.exchange = ExchangeMode::assignment;
+  per_assignment.lend_weights = 0;
+  const bool lends = c.lend_weights != 0;
   const double matrix_units = double(c.ranks) * (m.accelerator ? m.matrix_units : m.workers);
   const double vector_units = double(c.ranks) * (m.accelerator ? m.vector_units : m.workers);
   taskflow::ScheduleScratch scratch;
@@ -186,16 +190,26 @@ SimReport simulate(const MachineModel& given, const SimRequest& req) {
     // Refused before the pass is simulated where it cannot fit (the report's figures follow the loop).
     rep.memory = memory_check(m, c, placement, machine, rank_buffers, req.backward, req.optimizer_state, req.refuse_over_memory);
     std::vector<taskflow::Program> baseline_programs;
-    if (by_rank && (m.deepep.enabled || m.mindspore.enabled))
+    if ((by_rank || lends) && (m.deepep.enabled || m.mindspore.enabled))
       for (std::int64_t r = 0; r < c.ranks; ++r) {
         baseline_programs.push_back(taskflow::generate(per_assignment, placement, counts, machine, pass, r));
         taskflow::schedule(baseline_programs.back(), req.policy, scratch);
       }
-    const auto& baseline = by_rank ? baseline_programs : programs;
-    const auto baseline_work = by_rank ? work_of(baseline) : work;
+    const bool own_baseline = !baseline_programs.empty();
+    const auto& baseline = own_baseline ? baseline_programs : programs;
+    const auto baseline_work = own_baseline ? work_of(baseline) : work;
     rep.compile_seconds += since(c0);
     PassResult& out = pass == taskflow::Pass::forward ? rep.forward : rep.backward;
-    for (const auto& p : programs) out.tasks += static_cast<std::int64_t>(p.tasks.size());
+    for (const auto& p : programs) {
+      out.tasks += static_cast<std::int64_t>(p.tasks.size());
+      for (const auto& t : p.tasks)
+        if (taskflow::is_put(t.kind) && t.peer != p.rank) {
+          const double b = taskflow::AccessTable::standard().work(p, t).bytes;
+          out.put_bytes += b;
+          if (t.kind == taskflow::TaskKind::weight_put || t.kind == taskflow::TaskKind::grad_weight_put) out.lent_bytes += b;
+        }
+    }
+    if (lends) out.lent = static_cast<std::int64_t>(taskflow::Exchange(c, placement, counts, machine.tile_rows).placement().lends().size());
     const auto s0 = Clock::now();
     const Timeline ser = simulate_serialized(m, programs, work, c.dtype, req.trace);
     const Timeline inter = simulate_interleaved(m, programs, work, c.dtype, req.trace);
@@ -268,6 +282,15 @@ std::string format_report(const SimReport& r) {
   row("forward", r.forward);
   if (r.has_backward) row("backward", r.backward);
   if (r.kernel_scope) o << "scope    the fused kernel's: router backward and pack tasks take no time\n";
+  o << std::setprecision(1) << "puts     " << r.forward.put_bytes / 1e6 << " MB forward";
+  if (r.has_backward) o << " + " << r.backward.put_bytes / 1e6 << " MB backward";
+  o << " to other ranks (all ranks)\n";
+  if (r.config.lend_weights != 0) {
+    o << "lend     " << r.forward.lent << " (expert, rank) pairs lent (a rank's own rows >= " << r.config.lend_threshold()
+      << "); their weights " << r.forward.lent_bytes / 1e6 << " MB forward";
+    if (r.has_backward) o << " + " << r.backward.lent_bytes / 1e6 << " MB backward";
+    o << " of the puts; the framework baselines lend none\n";
+  }
   if (r.machine.deepep.enabled) {
     auto deepep = [&](const char* pass, const PassResult& p) {
       o << std::setprecision(3) << "  " << std::left << std::setw(9) << pass << std::right << "DeepEP-style " << p.deepep_s * 1e3
@@ -321,7 +344,10 @@ nlohmann::json to_json(const SimReport& r) {
                           {"serialized_exposed_comm", p.serialized_exposed_comm},
                           {"interleaved_exposed_comm", p.interleaved_exposed_comm},
                           {"tasks", p.tasks},
-                          {"cross_node_bytes", p.cross_node_bytes}};
+                          {"cross_node_bytes", p.cross_node_bytes},
+                          {"put_bytes", p.put_bytes},
+                          {"lent_bytes", p.lent_bytes},
+                          {"lent", p.lent}};
   };
   nlohmann::json j = {{"machine", r.machine.name},
                       {"layer", hpmoe::to_json(r.config)},

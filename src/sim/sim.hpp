@@ -226,6 +226,11 @@ struct PassResult {
   // and as the DeepEP-style baseline does (deepep_s > 0 only where the
   // machine has that baseline).
   double cross_node_bytes = 0, deepep_cross_node_bytes = 0;
+  // Bytes the fused schedule's puts carry to other ranks (all ranks), and
+  // of those the lent weights' (LayerConfig::lend_weights); the (expert,
+  // rank) pairs lent.
+  double put_bytes = 0, lent_bytes = 0;
+  std::int64_t lent = 0;
   double deepep_s = 0;
   double mindspore_s = 0;  // > 0 only where the machine has that baseline
   // Their exchanges' share of their makespans (nothing overlaps an exchange there).

@@ -107,6 +107,15 @@ check 4 hybrid -T 48 --set top_k=4 --set routed_experts=16 --set ranks_per_node=
 grep -q "hybrid: shared-memory windows inside nodes of 2" "$tmp/out.txt"
 check 4 hybrid -T 48 --set ranks_per_node=2 --backward --dtype bf16 --routing "$trace" --iters 1
 
+# Weights instead of tokens: hot experts' weights lent to the ranks whose own
+# rows of them reach 20, the lent copies' GEMMs on weights that came by puts
+# (a process holds only its own experts), bit for bit as in process; the
+# per-assignment exchange on the network path, the per-node one on shared memory.
+check 4 network --set hidden=128 --set expert_inter=64 -T 96 --backward --routing zipf:1.5 --lend 20 --iters 2
+grep -q "lent weights:" "$tmp/out.txt"
+check 4 shared --set hidden=128 --set expert_inter=64 -T 96 --backward --dtype bf16 --routing zipf:1.5 --lend 20 \
+  --exchange rank --set ranks_per_node=2 --iters 1 --verify-all-ranks
+
 # The count exchange as a collective (the default on shared memory is one-sided stores).
 check 3 shared -T 64 --backward --routing zipf:1.2 --iters 3 --count-exchange collective
 # ... and on the network path sent straight to every peer (the default there is the collective).

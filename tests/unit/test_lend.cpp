@@ -106,11 +106,12 @@ TEST(Lend, ChoosesWhereARanksOwnRowsReachTheThreshold) {
   EXPECT_EQ(c.lend_threshold(), 0) << "off by default";
   c.set("lend_weights", "auto");
   // fp32 tiny: W1 [32, 32] and W2 [16, 32] packed in 64-column panels (12 KiB)
-  // against 256 bytes a row there and back.
-  EXPECT_EQ(c.lend_threshold(), (32 * 64 * 4 + 16 * 64 * 4 + 255) / 256);
+  // against 128 bytes a row each way.
+  EXPECT_EQ(c.lend_threshold(), (32 * 64 * 4 + 16 * 64 * 4 + 127) / 128);
   c.set("lend_weights", "7");
   EXPECT_EQ(c.lend_threshold(), 7);
-  c.set("lend_weights", "-3");
+  EXPECT_NE(error_of([&] { c.set("lend_weights", "-3"); }).find("lend_weights"), std::string::npos);
+  c.lend_weights = -3;
   EXPECT_NE(error_of([&] { c.validate(); }).find("lend_weights"), std::string::npos);
   c.lend_weights = 7;
   RoutingCounts counts{2, 8, std::vector<std::int64_t>(16, 0), {}};
