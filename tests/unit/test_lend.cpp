@@ -125,6 +125,17 @@ TEST(Lend, ChoosesWhereARanksOwnRowsReachTheThreshold) {
   EXPECT_EQ(ex.placement().lends(), lends) << "the exchange lends what the choice says";
   EXPECT_EQ(ex.count(0, ex.placement().instance_on(5, 0)), 7);
   EXPECT_EQ(ex.count(0, ex.placement().instance_on(5, 1)), 0) << "rank 0's rows of expert 5 stay home";
+  // Only rank 1 borrows: rank 0 declares the lent weights too (no rows), as
+  // every put target is declared alike on every rank.
+  counts.counts[0 * 8 + 5] = 3;
+  ASSERT_EQ(choose_lends(c, contiguous(c), counts), (std::vector<ExpertPlacement::Lend>{{2, 1}}));
+  const Machine m = parse_machine("cpu:2:32x64");
+  for (const Pass pass : {Pass::forward, Pass::backward}) {
+    const auto programs = compile_checked(c, contiguous(c), counts, m, pass, Policy::critical_path);
+    ASSERT_NE(programs[0].buffer(BufferId::lent_w), nullptr);
+    EXPECT_EQ(programs[0].buffer(BufferId::lent_w)->rows, 0);
+    EXPECT_EQ(programs[1].buffer(BufferId::lent_w)->rows, 2);
+  }
 }
 
 TEST(Lend, ProgramsAreProvedWholeAndPerRankInEveryExchange) {
