@@ -16,12 +16,19 @@ namespace {
 // `load[j]`, so that the most loaded of them carries as little as possible.
 // The homes below the water level W take W - load[j] (W the floor of the
 // level, the remainder one row each to the earliest of them), the others
-// none: a home's share may end anywhere, mid-tile included.
-void water_fill(std::span<const std::int64_t> load, std::int64_t rows, std::span<std::int64_t> give) {
+// none: a home's share may end anywhere, mid-tile included. `order`:
+// scratch, kept by the caller (the plan fills hundreds of experts a step).
+void water_fill(std::span<const std::int64_t> load, std::int64_t rows, std::span<std::int64_t> give,
+                std::vector<std::int64_t>& order) {
   const auto h = static_cast<std::int64_t>(load.size());
-  std::vector<std::int64_t> order(static_cast<std::size_t>(h));
+  order.resize(static_cast<std::size_t>(h));
   std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(), [&](auto a, auto b) { return load[static_cast<std::size_t>(a)] < load[static_cast<std::size_t>(b)]; });
+  // A stable insertion sort by load: an expert has a few homes.
+  for (std::int64_t i = 1; i < h; ++i)
+    for (std::int64_t j = i; j > 0 && load[static_cast<std::size_t>(order[static_cast<std::size_t>(j)])] <
+                                          load[static_cast<std::size_t>(order[static_cast<std::size_t>(j - 1)])];
+         --j)
+      std::swap(order[static_cast<std::size_t>(j)], order[static_cast<std::size_t>(j - 1)]);
   std::int64_t k = 1, below = load[static_cast<std::size_t>(order[0])];  // the k lowest, and their summed load
   while (k < h) {
     const std::int64_t next = load[static_cast<std::size_t>(order[static_cast<std::size_t>(k)])];
@@ -31,15 +38,36 @@ void water_fill(std::span<const std::int64_t> load, std::int64_t rows, std::span
   }
   const std::int64_t level = (rows + below) / k;
   std::int64_t remainder = (rows + below) - level * k;
-  std::fill(give.begin(), give.end(), 0);
-  std::vector<bool> filled(static_cast<std::size_t>(h), false);
-  for (std::int64_t x = 0; x < k; ++x) filled[static_cast<std::size_t>(order[static_cast<std::size_t>(x)])] = true;
+  // The k lowest homes are filled, in home order (the remainder to the earliest).
+  std::fill(give.begin(), give.end(), -1);
+  for (std::int64_t x = 0; x < k; ++x) give[static_cast<std::size_t>(order[static_cast<std::size_t>(x)])] = 0;
   for (std::int64_t j = 0; j < h; ++j) {
-    if (!filled[static_cast<std::size_t>(j)]) continue;
-    give[static_cast<std::size_t>(j)] = level - load[static_cast<std::size_t>(j)] + (remainder > 0 ? 1 : 0);
+    auto& g = give[static_cast<std::size_t>(j)];
+    if (g < 0) {
+      g = 0;
+      continue;
+    }
+    g = level - load[static_cast<std::size_t>(j)] + (remainder > 0 ? 1 : 0);
     if (remainder > 0) --remainder;
   }
 }
+
+// floor(a / b) and a mod b for 0 <= a < 2^52, 0 < b, exact: a double
+// reciprocal's estimate, corrected in integers (two 64-bit divisions per
+// (source, home) were most of the plan's time at EP 64).
+struct Divider {
+  std::int64_t b;
+  double inverse;
+  explicit Divider(std::int64_t divisor) : b(divisor), inverse(1.0 / static_cast<double>(divisor)) {}
+  std::int64_t quotient(std::int64_t a, std::int64_t& rest) const {
+    std::int64_t q = static_cast<std::int64_t>(static_cast<double>(a) * inverse);
+    std::int64_t r = a - q * b;
+    while (r < 0) --q, r += b;
+    while (r >= b) ++q, r -= b;
+    rest = r;
+    return q;
+  }
+};
 }  // namespace
 
 std::vector<std::int64_t> plan_quotas(const ExpertPlacement& placement, std::span<const std::int64_t> counts_in) {
@@ -54,23 +82,32 @@ std::vector<std::int64_t> plan_quotas(const ExpertPlacement& placement, std::spa
   std::vector<std::int64_t> load(static_cast<std::size_t>(P), 0);
   // A lent home takes exactly its own rank's rows of its expert (they stay
   // home: that is what its weights travelled for); the expert's other
-  // homes share the rest. `homes[e]`: the instances that do.
-  std::vector<std::int64_t> counts(counts_in.begin(), counts_in.end());
-  std::vector<std::vector<std::int64_t>> homes(static_cast<std::size_t>(E));
-  for (std::int64_t i = 0; i < N; ++i) {
-    const std::int64_t e = placement.instance_expert(i), r = placement.instance_rank(i);
-    if (!placement.is_lent(i)) {
-      homes[static_cast<std::size_t>(e)].push_back(i);
-      continue;
+  // homes share the rest.
+  // Instances are numbered expert by expert: each expert's homes are a run
+  // of them, its lent ones left out.
+  std::vector<std::int64_t> lent_rows;  // the counts with each lent home's own rows taken out, where any
+  if (placement.has_lent()) lent_rows.assign(counts_in.begin(), counts_in.end());
+  const std::span<const std::int64_t> counts = lent_rows.empty() ? counts_in : std::span<const std::int64_t>(lent_rows);
+  std::vector<std::int64_t> home_list;
+  home_list.reserve(static_cast<std::size_t>(N));
+  std::vector<std::int64_t> home_begin(static_cast<std::size_t>(E + 1), 0);
+  for (std::int64_t e = 0; e < E; ++e) {
+    for (std::int64_t i = placement.first_instance(e); i < placement.first_instance(e) + placement.home_count(e); ++i) {
+      if (!placement.is_lent(i)) {
+        home_list.push_back(i);
+        continue;
+      }
+      const std::int64_t r = placement.instance_rank(i);
+      auto& own = lent_rows[static_cast<std::size_t>(r * E + e)];
+      quota[static_cast<std::size_t>(r * N + i)] = own;
+      load[static_cast<std::size_t>(r)] += own;
+      own = 0;
     }
-    auto& own = counts[static_cast<std::size_t>(r * E + e)];
-    quota[static_cast<std::size_t>(r * N + i)] = own;
-    load[static_cast<std::size_t>(r)] += own;
-    own = 0;
+    home_begin[static_cast<std::size_t>(e + 1)] = static_cast<std::int64_t>(home_list.size());
   }
   std::vector<std::int32_t> replicated;
   for (std::int64_t e = 0; e < E; ++e) {
-    const auto& h = homes[static_cast<std::size_t>(e)];
+    const std::int64_t homes_of_e = home_begin[static_cast<std::size_t>(e + 1)] - home_begin[static_cast<std::size_t>(e)];
     for (std::int64_t s = 0; s < P; ++s) total[static_cast<std::size_t>(e)] += counts[static_cast<std::size_t>(s * E + e)];
     if (placement.is_split(e)) {
       // Every part of a split expert takes all of its rows: its load is its
@@ -85,17 +122,21 @@ std::vector<std::int64_t> plan_quotas(const ExpertPlacement& placement, std::spa
       }
       continue;
     }
-    if (h.size() > 1) {
+    if (homes_of_e > 1) {
       replicated.push_back(static_cast<std::int32_t>(e));
       continue;
     }
-    const std::int64_t i = h.front();
+    const std::int64_t i = home_list[static_cast<std::size_t>(home_begin[static_cast<std::size_t>(e)])];
     for (std::int64_t s = 0; s < P; ++s)
       quota[static_cast<std::size_t>(s * N + i)] = counts[static_cast<std::size_t>(s * E + e)];
     load[static_cast<std::size_t>(placement.instance_rank(i))] += total[static_cast<std::size_t>(e)];
   }
-  const auto home_count = [&](std::int64_t e) { return static_cast<std::int64_t>(homes[static_cast<std::size_t>(e)].size()); };
-  const auto home = [&](std::int64_t e, std::int64_t j) { return homes[static_cast<std::size_t>(e)][static_cast<std::size_t>(j)]; };
+  const auto home_count = [&](std::int64_t e) {
+    return home_begin[static_cast<std::size_t>(e + 1)] - home_begin[static_cast<std::size_t>(e)];
+  };
+  const auto home = [&](std::int64_t e, std::int64_t j) {
+    return home_list[static_cast<std::size_t>(home_begin[static_cast<std::size_t>(e)] + j)];
+  };
   // The most constrained replicated experts first (fewest homes), then the
   // heaviest; ties by id. Experts with many homes fill what is left evenly.
   std::sort(replicated.begin(), replicated.end(), [&](std::int32_t a, std::int32_t b) {
@@ -114,7 +155,7 @@ std::vector<std::int64_t> plan_quotas(const ExpertPlacement& placement, std::spa
   // one changes nothing; a fixed bound keeps it a pure function.
   std::vector<std::vector<std::int64_t>> give(replicated.size());
   std::vector<std::int64_t> home_load;
-  std::vector<std::int64_t> before;
+  std::vector<std::int64_t> before, order;
   constexpr int kRounds = 8;
   for (int round = 0, changed = 1; round < kRounds && changed; ++round) {
     changed = 0;
@@ -130,14 +171,15 @@ std::vector<std::int64_t> plan_quotas(const ExpertPlacement& placement, std::spa
         home_load[static_cast<std::size_t>(j)] = rank_load;
       }
       before = g;
-      water_fill(home_load, total[static_cast<std::size_t>(e)], g);
+      water_fill(home_load, total[static_cast<std::size_t>(e)], g, order);
       changed |= static_cast<int>(before != g);
       for (std::int64_t j = 0; j < h; ++j) load[static_cast<std::size_t>(placement.instance_rank(home(e, j)))] += g[static_cast<std::size_t>(j)];
     }
   }
   // Sources: rows first to a home on the source's own rank, then to the
   // homes in order.
-  std::vector<std::int64_t> left(static_cast<std::size_t>(P));
+  std::vector<std::int64_t> left(static_cast<std::size_t>(P)), share;
+  std::vector<std::pair<std::int64_t, std::int64_t>> rest;  // (remainder, home)
   for (std::size_t x = 0; x < replicated.size(); ++x) {
     const std::int32_t e = replicated[x];
     const std::int64_t h = home_count(e);
@@ -157,19 +199,23 @@ std::vector<std::int64_t> plan_quotas(const ExpertPlacement& placement, std::spa
     // rotated put order may deliver last.
     std::int64_t remaining = 0;
     for (std::int64_t j = 0; j < h; ++j) remaining += g[static_cast<std::size_t>(j)];
-    std::vector<std::int64_t> share(static_cast<std::size_t>(h));
-    std::vector<std::pair<std::int64_t, std::int64_t>> rest(static_cast<std::size_t>(h));  // (remainder, home)
+    share.resize(static_cast<std::size_t>(h));
+    rest.resize(static_cast<std::size_t>(h));
     for (std::int64_t s = 0; s < P && remaining > 0; ++s) {
       const std::int64_t n = left[static_cast<std::size_t>(s)];
       if (n == 0) continue;
       std::int64_t given = 0;
+      const Divider by(remaining);
       for (std::int64_t j = 0; j < h; ++j) {
-        const std::int64_t scaled = n * g[static_cast<std::size_t>(j)];
-        share[static_cast<std::size_t>(j)] = scaled / remaining;
-        rest[static_cast<std::size_t>(j)] = {scaled % remaining, j};
+        std::int64_t r = 0;
+        share[static_cast<std::size_t>(j)] = by.quotient(n * g[static_cast<std::size_t>(j)], r);
+        rest[static_cast<std::size_t>(j)] = {r, j};
         given += share[static_cast<std::size_t>(j)];
       }
-      std::stable_sort(rest.begin(), rest.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+      // Largest remainders first, ties in home order: a stable insertion sort (a few homes).
+      for (std::int64_t i = 1; i < h; ++i)
+        for (std::int64_t j = i; j > 0 && rest[static_cast<std::size_t>(j)].first > rest[static_cast<std::size_t>(j - 1)].first; --j)
+          std::swap(rest[static_cast<std::size_t>(j)], rest[static_cast<std::size_t>(j - 1)]);
       for (std::int64_t k = 0; given < n; ++k, ++given) ++share[static_cast<std::size_t>(rest[static_cast<std::size_t>(k)].second)];
       for (std::int64_t j = 0; j < h; ++j) {
         const std::int64_t q = share[static_cast<std::size_t>(j)];
