@@ -82,13 +82,13 @@ if [ "${HPMOE_SKIP_SANITIZERS:-0}" != 1 ]; then
   cmake --build build-tsan -j "$jobs" --target hpmoe_tests
   stage "tsan build"
   # The tests that run threads: executors, workers, placements that change the
-  # exchange, the kept layer. The executor sweeps' recorded-trace cases are
+  # exchange (lent weights among them), the kept layer. The executor sweeps' recorded-trace cases are
   # left to the release and ASan runs: under TSan they took a third of the
   # stage and add no pattern of concurrency that the uniform and Zipf cases
   # (P, W, pass, policy and dtype all swept) do not already run.
   TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
     ctest --test-dir build-tsan -j "$jobs" --output-on-failure \
-      -R 'Interleaved|Serialized|WorkerActivity|Placement|ReplicaExecution|SplitExecution|Layer|RankExchangeExecution' \
+      -R 'Interleaved|Serialized|WorkerActivity|Placement|ReplicaExecution|SplitExecution|Layer|RankExchangeExecution|LendExecution' \
       -E '(Interleaved(Forward|Backward)|SerializedVsOracleSweep|SerializedBaseline)\..*_trace'
   stage "tsan tests"
 fi
