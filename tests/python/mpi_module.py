@@ -2,7 +2,11 @@
 dx and gradients (its experts', and the replicated router's, shared experts' and bias's) are bit for bit those of
 the same layer run in one process with every rank in it. Run by tests/python/test_mpi.py:
 
-    mpirun -np 2 python3 tests/python/mpi_module.py [interleaved|serialized]
+    mpirun -np 2 python3 tests/python/mpi_module.py [interleaved|serialized] [LEND]
+
+With LEND (lend_weights), hot experts' weights are lent to the other process for each step: a process computes its
+own rows of them on weights that came by puts (it holds only its own experts), refreshed every step after the
+optimizer's update.
 """
 import sys
 
@@ -22,13 +26,14 @@ def run(module, x, d_out):
 
 def main():
     executor = sys.argv[1] if len(sys.argv) > 1 else "interleaved"
+    lend = int(sys.argv[2]) if len(sys.argv) > 2 else None
     P, T = 2, 24
     cfg = hpmoe.with_fields(hpmoe.preset("mixtral-8x7b"), hidden=48, expert_inter=40, routed_experts=8, top_k=2,
                             shared_experts=1, shared_inter=32, scoring="sigmoid", normalize_topk=True,
                             expert_bias=True, aux_loss_coef=0.01, z_loss_coef=0.001)
-    sharded = hpmoe.MoELayer(cfg, ranks=P, workers=1, executor=executor, ep="mpi")
+    sharded = hpmoe.MoELayer(cfg, ranks=P, workers=1, executor=executor, ep="mpi", lend_weights=lend)
     me = sharded.rank
-    whole = hpmoe.MoELayer(cfg, ranks=P, workers=1, executor=executor)
+    whole = hpmoe.MoELayer(cfg, ranks=P, workers=1, executor=executor, lend_weights=lend)
     torch.manual_seed(0)  # the same on every process
     with torch.no_grad():
         for p in whole.parameters():
@@ -52,6 +57,8 @@ def main():
                 f"rank {me} step {step}: gradient of {n} differs"
         assert torch.equal(sharded.gate_bias, whole.gate_bias), f"rank {me} step {step}: bias differs"
         assert torch.equal(sharded.last_losses.aux, whole.last_losses.aux)
+        if lend:
+            assert whole.last_exchange["lent_experts"] > 0, f"step {step}: nothing was lent"
         opt_s.step()
         opt_w.step()
     try:
@@ -64,7 +71,9 @@ def main():
         raise AssertionError("processes with different token counts were accepted")
     except ValueError as e:
         assert "the same number of tokens" in str(e), e
-    print(f"rank {me}: {executor}: 3 steps bit-identical to the in-process layer ({len(experts)} experts held)", flush=True)
+    lent = f", lending at {lend} rows" if lend else ""
+    print(f"rank {me}: {executor}: 3 steps bit-identical to the in-process layer ({len(experts)} experts held{lent})",
+          flush=True)
 
 
 if __name__ == "__main__":

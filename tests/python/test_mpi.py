@@ -16,14 +16,15 @@ def mpi_env(tmp_path):
                 OMPI_MCA_orte_tmpdir_base=str(tmp_path / "ompi"))
 
 
-@pytest.mark.parametrize("executor", ["interleaved", "serialized"])
-def test_two_processes_are_the_in_process_layer_bit_for_bit(tmp_path, executor):
+@pytest.mark.parametrize("executor,lend", [("interleaved", None), ("serialized", None), ("interleaved", "4")])
+def test_two_processes_are_the_in_process_layer_bit_for_bit(tmp_path, executor, lend):
+    """With lend, hot experts' weights lent across the processes every step, through three training steps."""
     mpirun = shutil.which("mpirun")
     if mpirun is None:
         pytest.skip("no mpirun (Debian: openmpi-bin)")
     env = mpi_env(tmp_path)
     r = subprocess.run([mpirun, "-np", "2", "--oversubscribe", sys.executable, os.path.join(HERE, "mpi_module.py"),
-                        executor], capture_output=True, text=True, env=env, timeout=300)
+                        executor] + ([lend] if lend else []), capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     for rank in (0, 1):
         assert f"rank {rank}: {executor}: 3 steps bit-identical" in r.stdout, r.stdout + r.stderr
