@@ -60,6 +60,11 @@ class ExpertPlacement {
     bool replicas = false;            // an expert on several ranks (at most once per rank)
     std::int64_t slots_per_rank = 0;  // experts a rank may hold (0: no budget)
     std::vector<Split> splits = {};   // tensor-parallel experts (each listed on as many ranks as it has parts)
+    // Replicas whose weights their owner puts to them every step (as a lent
+    // home's: weight_put tasks the verifier proves) instead of being held:
+    // always the owner's current weights, nothing to load where a replica
+    // moves. Their quotas are a replica's.
+    bool fetch_replicas = false;
   };
   static ExpertPlacement from_rank_lists(std::int64_t experts, const std::vector<std::vector<std::int64_t>>& experts_of_rank,
                                          const Rules&, const std::string& source = "placement");
@@ -124,8 +129,14 @@ class ExpertPlacement {
   }
   bool has_lent() const { return !lends_.empty(); }
   const std::vector<Lend>& lends() const { return lends_; }
-  // Lent homes on `rank`, in slot order, and the index of a lent instance
-  // among them (its block in the rank's lent weights); -1 if not lent.
+  // Whether replicas fetch their weights (Rules::fetch_replicas), and the
+  // instances whose weights arrive by puts each step: lent homes and
+  // fetched replicas (borrowed, for short).
+  bool fetches_replicas() const { return fetch_replicas_; }
+  bool borrows(std::int64_t instance) const { return lent_block(instance) >= 0; }
+  bool has_borrowed() const { return !lent_block_.empty(); }
+  // Borrowed homes on `rank`, and the index of a borrowed instance among
+  // them in slot order (its block in the rank's lent weights); -1 if not.
   std::int64_t lent_count(std::int64_t rank) const;
   std::int64_t lent_block(std::int64_t instance) const;
   // The placement without its lent homes.
@@ -139,7 +150,8 @@ class ExpertPlacement {
 
   friend bool operator==(const ExpertPlacement& a, const ExpertPlacement& b) {
     return a.ranks_ == b.ranks_ && a.local_begin_ == b.local_begin_ && a.local_ == b.local_ &&
-           a.slots_per_rank_ == b.slots_per_rank_ && a.split_columns_ == b.split_columns_ && a.lends_ == b.lends_;
+           a.slots_per_rank_ == b.slots_per_rank_ && a.split_columns_ == b.split_columns_ && a.lends_ == b.lends_ &&
+           a.fetch_replicas_ == b.fetch_replicas_;
   }
 
  private:
@@ -157,7 +169,11 @@ class ExpertPlacement {
   std::vector<std::int32_t> local_;         // [E] experts by rank, slot order
   std::vector<Lend> lends_;                 // the lent homes, as given to with_lent
   std::vector<std::uint8_t> lent_;          // [instances]: 1 for a lent home (empty without)
-  std::vector<std::int64_t> lent_block_;    // [instances]: its block on its rank, -1 otherwise (empty without)
+  bool fetch_replicas_ = false;
+  std::vector<std::int64_t> lent_block_;    // [instances]: a borrowed home's block on its rank, -1 otherwise (empty: none)
+  std::vector<std::int64_t> lent_count_;    // [P]: borrowed homes per rank (empty: none)
+  // The blocks of the borrowed homes (lent ones, and fetched replicas).
+  void number_borrowed();
 };
 
 // `p` checked against the layer's sizes, or the contiguous placement when p

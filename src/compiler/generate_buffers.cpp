@@ -50,7 +50,7 @@ void declare_buffers(Program& p, const LayerConfig& c, const Exchange& ex, Pass 
   // Lent weights: a row per lent slot for each pass (forward rows first), so
   // that neither pass's puts land where the other reads; on every rank
   // once any lends (a put target is declared alike everywhere, rows apart).
-  if (ex.placement().has_lent())
+  if (ex.placement().has_borrowed())
     add_buffer(p, BufferId::lent_w, 2 * ex.placement().lent_count(rank), lent_block_width(c), 1, sym);
   add_buffer(p, BufferId::h1, recv, 2 * I, 4, local);
   add_buffer(p, BufferId::a, recv, I, elem, local);

@@ -1,5 +1,6 @@
-// Weights instead of tokens (LayerConfig::lend_weights): the tasks that lend
-// an expert's weights to a rank for one step. The owner puts the pass's
+// Weights instead of tokens (LayerConfig::lend_weights), and replicas that
+// fetch their weights (ExpertPlacement::Rules::fetch_replicas): the tasks
+// that lend an expert's weights to a rank for one step. The owner puts the pass's
 // packed weights into the lent rank's LENT_W block in pieces (weight_put),
 // each signalling the block's event there; on the lent rank a relay per row
 // tile of the lent slot waits for the whole block and counts as one more
@@ -49,13 +50,13 @@ std::int64_t lent_row(const Exchange& ex, Pass pass, std::int64_t instance) {
 }
 
 bool lends_weights(const Exchange& ex, std::int64_t instance) {
-  return ex.placement().is_lent(instance) && ex.expert_rows(instance) > 0;
+  return ex.placement().borrows(instance) && ex.expert_rows(instance) > 0;
 }
 
 void lent_weight_puts(const LayerConfig& c, const Exchange& ex, Pass pass, std::int64_t from, std::int64_t only_to,
                       const Emit& emit) {
   const ExpertPlacement& p = ex.placement();
-  if (!p.has_lent()) return;
+  if (!p.has_borrowed()) return;
   const auto pieces = lent_pieces(c, pass);
   const TaskKind kind = pass == Pass::forward ? TaskKind::weight_put : TaskKind::grad_weight_put;
   for (std::int64_t i = 0; i < p.instances(); ++i) {
@@ -72,12 +73,13 @@ void lent_events(const LayerConfig& c, const Exchange& ex, Pass pass, std::int64
                  const std::function<void(std::int64_t id, std::int64_t required, std::int64_t expert)>& event,
                  const std::function<void(std::int64_t id)>& one_more) {
   const ExpertPlacement& p = ex.placement();
-  if (!p.has_lent()) return;
+  if (!p.has_borrowed()) return;
   const auto pieces = static_cast<std::int64_t>(lent_pieces(c, pass).size());
   for (const std::int64_t i : p.instances_of(rank)) {
-    if (!p.is_lent(i)) continue;
-    // A lent slot without rows this step takes no weights; its event is
-    // complete at zero and nothing waits for it.
+    if (!p.borrows(i)) continue;
+    // A borrowed slot without rows this step (a fetched replica the quota
+    // plan gave nothing) takes no weights; its event is complete at zero
+    // and nothing waits for it.
     const bool lends = lends_weights(ex, i);
     event(ev.lent + p.lent_block(i), lends ? pieces : 0, p.instance_expert(i));
     if (!lends) continue;

@@ -438,7 +438,7 @@ std::vector<Program> compile(const LayerConfig& c, const ExpertPlacement& placem
   return programs;
 }
 
-std::vector<TaskKind> layer_operators(const LayerConfig& c, bool has_splits, Pass pass) {
+std::vector<TaskKind> layer_operators(const LayerConfig& c, bool has_splits, Pass pass, bool fetched_replicas) {
   const bool by_rank = c.exchange == ExchangeMode::rank, shared = c.shared_experts > 0;
   const bool staged = !by_rank && (pass == Pass::forward ? c.staged_dispatch() : c.staged_grad_dispatch());
   const auto may_emit = [&](TaskKind k) {
@@ -465,7 +465,7 @@ std::vector<TaskKind> layer_operators(const LayerConfig& c, bool has_splits, Pas
         return c.forwards();
       case TaskKind::weight_put: case TaskKind::weight_relay: case TaskKind::grad_weight_put:
       case TaskKind::grad_weight_relay:
-        return c.lend_weights != 0;
+        return c.lend_weights != 0 || fetched_replicas;
       case TaskKind::shared_gate_up: case TaskKind::shared_swiglu: case TaskKind::shared_down:
       case TaskKind::shared_down_dgrad: case TaskKind::pack_shared_down_grad: case TaskKind::shared_down_wgrad:
       case TaskKind::shared_swiglu_bwd: case TaskKind::shared_gate_up_dgrad: case TaskKind::pack_shared_gate_up_grad:

@@ -57,7 +57,7 @@ void generate_into(Program&, const LayerConfig&, const ExpertPlacement&, const R
 // that the generator may emit for it (its exchange, encoded dispatches,
 // shared experts, split experts: `has_splits`), so that no barrier is
 // spent on an operator the layer never runs. The same on every rank.
-std::vector<TaskKind> layer_operators(const LayerConfig&, bool has_splits, Pass);
+std::vector<TaskKind> layer_operators(const LayerConfig&, bool has_splits, Pass, bool fetched_replicas = false);
 // Scratch space of the scheduler, kept between steps.
 struct ScheduleScratch {
   std::vector<std::int32_t> order, worker_of, fill;

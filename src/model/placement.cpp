@@ -114,7 +114,28 @@ ExpertPlacement ExpertPlacement::build(std::int64_t experts, const std::vector<s
     }
     p.home_begin_.push_back(static_cast<std::int64_t>(p.instance_rank_.size()));
   }
+  if (rules.fetch_replicas && !allow_replicas)
+    throw Error(source + ": \"fetch_replicas\" is about replicas: set \"replicas\": true and list them");
+  p.fetch_replicas_ = rules.fetch_replicas;
+  p.number_borrowed();
   return p;
+}
+
+void ExpertPlacement::number_borrowed() {
+  lent_block_.clear();
+  lent_count_.clear();
+  const auto borrowed = [&](std::int64_t i) {
+    const std::int64_t e = instance_expert(i);
+    return is_lent(i) || (fetch_replicas_ && !is_split(e) && instance_rank(i) != owner(e));
+  };
+  bool any = false;
+  for (std::int64_t i = 0; i < instances() && !any; ++i) any = borrowed(i);
+  if (!any) return;
+  lent_block_.assign(static_cast<std::size_t>(instances()), -1);
+  lent_count_.assign(static_cast<std::size_t>(ranks_), 0);
+  for (std::int64_t r = 0; r < ranks_; ++r)
+    for (const std::int64_t i : instances_of(r))
+      if (borrowed(i)) lent_block_[static_cast<std::size_t>(i)] = lent_count_[static_cast<std::size_t>(r)]++;
 }
 
 ExpertPlacement ExpertPlacement::from_rank_lists(std::int64_t experts, const std::vector<std::vector<std::int64_t>>& lists,
@@ -153,7 +174,7 @@ ExpertPlacement ExpertPlacement::with_lent(std::span<const Lend> lends) const {
                   " (a home, or lent there twice); a rank holds an expert once");
     list.push_back(l.expert);
   }
-  Rules rules{allow_empty_ranks_, true, 0, splits_};
+  Rules rules{allow_empty_ranks_, true, 0, splits_, fetch_replicas_};
   ExpertPlacement p = build(E, lists, rules, "lent placement");
   p.slots_per_rank_ = slots_per_rank_;  // lent homes are outside the budget
   p.replicated_experts_ = replicated_experts_;
@@ -161,19 +182,12 @@ ExpertPlacement ExpertPlacement::with_lent(std::span<const Lend> lends) const {
   p.lends_.assign(lends.begin(), lends.end());
   p.lent_.assign(static_cast<std::size_t>(p.instances()), 0);
   for (const Lend& l : lends) p.lent_[static_cast<std::size_t>(p.instance_on(l.expert, l.rank))] = 1;
-  p.lent_block_.assign(static_cast<std::size_t>(p.instances()), -1);
-  for (std::int64_t r = 0; r < ranks_; ++r) {
-    std::int64_t block = 0;
-    for (const std::int64_t i : p.instances_of(r))
-      if (p.is_lent(i)) p.lent_block_[static_cast<std::size_t>(i)] = block++;
-  }
+  p.number_borrowed();  // with the owners restored: a lent home below its owner is no fetched replica
   return p;
 }
 
 std::int64_t ExpertPlacement::lent_count(std::int64_t rank) const {
-  std::int64_t n = 0;
-  for (const Lend& l : lends_) n += l.rank == rank ? 1 : 0;
-  return n;
+  return lent_count_.empty() ? 0 : lent_count_[static_cast<std::size_t>(rank)];
 }
 
 std::int64_t ExpertPlacement::lent_block(std::int64_t instance) const {
@@ -186,7 +200,9 @@ ExpertPlacement ExpertPlacement::without_lent() const {
   for (std::int64_t r = 0; r < ranks_; ++r)
     for (const std::int64_t i : instances_of(r))
       if (!is_lent(i)) lists[static_cast<std::size_t>(r)].push_back(instance_expert(i));
-  return build(experts(), lists, Rules{allow_empty_ranks_, replicated_experts_ > 0, slots_per_rank_, splits_}, "placement");
+  ExpertPlacement p = build(experts(), lists, Rules{allow_empty_ranks_, true, slots_per_rank_, splits_, fetch_replicas_}, "placement");
+  p.replicated_experts_ = replicated_experts_;
+  return p;
 }
 
 ExpertPlacement ExpertPlacement::contiguous(std::int64_t experts, std::int64_t ranks) {
@@ -302,6 +318,7 @@ nlohmann::json to_json(const ExpertPlacement& p) {
   nlohmann::json j{{"experts_of_rank", lists}};
   if (p.allows_empty_ranks()) j["allow_empty_ranks"] = true;
   if (p.has_replicas()) j["replicas"] = true;
+  if (p.fetches_replicas()) j["fetch_replicas"] = true;
   if (p.slots_per_rank() > 0) j["slots_per_rank"] = p.slots_per_rank();
   if (p.has_splits()) {
     nlohmann::json splits = nlohmann::json::array();
@@ -316,9 +333,9 @@ ExpertPlacement placement_from_json(const nlohmann::json& j, std::int64_t expert
   if (!j.is_object()) throw Error(source + ": a placement must be a JSON object with \"experts_of_rank\" or \"owner\"");
   for (const auto& [key, value] : j.items())
     if (key != "experts_of_rank" && key != "owner" && key != "allow_empty_ranks" && key != "replicas" &&
-        key != "slots_per_rank" && key != "splits")
+        key != "slots_per_rank" && key != "splits" && key != "fetch_replicas")
       throw Error(source + ": unknown key '" + key +
-                  "' (expected experts_of_rank, owner, allow_empty_ranks, replicas, slots_per_rank, splits)");
+                  "' (expected experts_of_rank, owner, allow_empty_ranks, replicas, fetch_replicas, slots_per_rank, splits)");
   if (j.contains("experts_of_rank") == j.contains("owner"))
     throw Error(source + ": give exactly one of \"experts_of_rank\" (a list per rank) and \"owner\" (a rank per expert)");
   bool allow_empty = false;
@@ -332,6 +349,11 @@ ExpertPlacement placement_from_json(const nlohmann::json& j, std::int64_t expert
     replicas = j["replicas"].get<bool>();
     if (replicas && j.contains("owner"))
       throw Error(source + ": \"owner\" gives each expert one home; list replicas in \"experts_of_rank\"");
+  }
+  bool fetch = false;
+  if (j.contains("fetch_replicas")) {
+    if (!j["fetch_replicas"].is_boolean()) throw Error(source + ": \"fetch_replicas\" must be true or false");
+    fetch = j["fetch_replicas"].get<bool>();
   }
   std::int64_t slots = 0;
   if (j.contains("slots_per_rank")) {
@@ -375,6 +397,7 @@ ExpertPlacement placement_from_json(const nlohmann::json& j, std::int64_t expert
     if (static_cast<std::int64_t>(list.size()) != experts)
       throw Error(source + ": \"owner\" lists " + text(static_cast<std::int64_t>(list.size())) +
                   " experts, the layer has " + text(experts));
+    if (fetch) throw Error(source + ": \"fetch_replicas\" is about replicas: list them in \"experts_of_rank\"");
     std::vector<std::int64_t> owner;
     for (std::size_t e = 0; e < list.size(); ++e) owner.push_back(integer(list[e], "owner[" + text(static_cast<std::int64_t>(e)) + "]"));
     p = ExpertPlacement::from_owners(ranks, owner, allow_empty, source);
@@ -398,8 +421,8 @@ ExpertPlacement placement_from_json(const nlohmann::json& j, std::int64_t expert
       for (std::size_t i = 0; i < lists[r].size(); ++i)
         parsed[r].push_back(integer(lists[r][i], where + "[" + text(static_cast<std::int64_t>(i)) + "]"));
     }
-    p = ExpertPlacement::from_rank_lists(experts, parsed, ExpertPlacement::Rules{allow_empty, replicas, slots, std::move(splits)},
-                                         source);
+    p = ExpertPlacement::from_rank_lists(experts, parsed,
+                                         ExpertPlacement::Rules{allow_empty, replicas, slots, std::move(splits), fetch}, source);
   }
   return p;
 }

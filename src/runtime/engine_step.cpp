@@ -36,7 +36,9 @@ Interleaved<T>::Interleaved(const LayerConfig& c, const LayerWeights& w, Runtime
   for (std::size_t i = 0; i < local_.size(); ++i) {
     index_of_[static_cast<std::size_t>(local_[i])] = static_cast<int>(i);
     for (const std::int32_t e : placement_.experts_of(local_[i])) {
-      if (!packed_->holds(e) && !placement_.is_split(e))  // a split expert's parts are packed below
+      // A split expert's parts are packed below; a fetched replica's
+      // weights come from its owner by puts every step.
+      if (!packed_->holds(e) && !placement_.is_split(e) && !placement_.borrows(placement_.instance_on(e, local_[i])))
         throw Error("rank " + std::to_string(local_[i]) + " owns expert " + std::to_string(e) +
                     " but this process holds no weights for it: give every process its own experts' weights");
       if (placement_.owner(e) == local_[i]) owned_.push_back(e);  // replicas: the owner holds the gradient
@@ -47,8 +49,8 @@ Interleaved<T>::Interleaved(const LayerConfig& c, const LayerWeights& w, Runtime
                 std::to_string(local_.size()) + ")");
   placement_.check_fits(c.routed_experts, c.ranks, c.expert_inter, c.dtype == DType::bf16 ? 2 : 1);
   if (placement_.has_splits()) pack_split_parts(opt.backward);
-  phases_ = {taskflow::layer_operators(c, placement_.has_splits(), taskflow::Pass::forward),
-             taskflow::layer_operators(c, placement_.has_splits(), taskflow::Pass::backward)};
+  phases_ = {taskflow::layer_operators(c, placement_.has_splits(), taskflow::Pass::forward, placement_.fetches_replicas()),
+             taskflow::layer_operators(c, placement_.has_splits(), taskflow::Pass::backward, placement_.fetches_replicas())};
   fingerprint_ = layer_fingerprint(c, placement_, w);
   tr_->watch_workers(&activity_);
 }

@@ -14,6 +14,8 @@ echo '{"hidden": 32, "expert_inter": 16, "routed_experts": 6, "top_k": 2, "ranks
 # Placements of the tiny preset's 8 experts on 2 ranks that cannot be run.
 echo '{"experts_of_rank": [[0, 1, 2], [3, 4, 5, 6]]}' > "$tmp/place_nowhere.json"
 echo '{"experts_of_rank": [[0, 1, 2, 3], [3, 4, 5, 6, 7]]}' > "$tmp/place_twice.json"
+echo '{"experts_of_rank": [[0, 1, 2, 3, 4], [4, 5, 6, 7]], "replicas": true, "fetch_replicas": 1}' > "$tmp/fetch_bool.json"
+echo '{"experts_of_rank": [[0, 1, 2, 3], [4, 5, 6, 7]], "fetch_replicas": true}' > "$tmp/fetch_alone.json"
 echo '{"experts_of_rank": [[0, 1, 2], [3, 4, 5], [6, 7]]}' > "$tmp/place_missing_rank.json"
 echo '{"owner": [0, 0, 0, 0, 1, 1, 1, 5]}' > "$tmp/place_owner_missing_rank.json"
 echo '{"experts_of_rank": [[0, 1, 2, 3, 4, 5, 6, 9], [7]]}' > "$tmp/place_no_such_expert.json"
@@ -332,6 +334,8 @@ cases=(
   "run --combine-dtype bf16"
   "run --set combine_dtype=half --exchange rank"
   "run --lend"
+  "run --placement $tmp/fetch_bool.json"
+  "run --placement $tmp/fetch_alone.json"
   "run --lend maybe"
   "run --lend 0"
   "run --lend -4"

@@ -116,6 +116,10 @@ grep -q "lent weights:" "$tmp/out.txt"
 check 4 shared --set hidden=128 --set expert_inter=64 -T 96 --backward --dtype bf16 --routing zipf:1.5 --lend 20 \
   --exchange rank --set ranks_per_node=2 --iters 1 --verify-all-ranks
 
+# Replicas that fetch their weights from their owners every step (a process holds only its own experts).
+printf '{"experts_of_rank": [[0, 1, 2, 7], [3, 4, 5, 0], [6, 7, 1]], "replicas": true, "fetch_replicas": true}' > "$tmp/fetch.json"
+check 3 network --set routed_experts=8 -T 64 --backward --routing hot:0.45 --placement "$tmp/fetch.json" --iters 2
+
 # The count exchange as a collective (the default on shared memory is one-sided stores).
 check 3 shared -T 64 --backward --routing zipf:1.2 --iters 3 --count-exchange collective
 # ... and on the network path sent straight to every peer (the default there is the collective).

@@ -323,3 +323,102 @@ INSTANTIATE_TEST_SUITE_P(All, LendExecution,
                                            std::tuple{DType::fp32, ExchangeMode::rank, 4, std::string("zipf:1.5")},
                                            std::tuple{DType::bf16, ExchangeMode::rank, 2, std::string("hot:0.3")}),
                          lend_case_name);
+
+// Replicas that fetch their weights from the owner every step (placement
+// "fetch_replicas"): the same puts and relays as a lent home's, a replica's
+// quota; the results are bit for bit those of replicas that hold their
+// weights (the same rows, tiles and sums), every tensor.
+namespace {
+ExpertPlacement replicas_of(const LayerConfig& c, bool fetch) {
+  const nlohmann::json j{{"experts_of_rank", {{0, 1, 2, 3, 8, 9}, {4, 5, 6, 7, 0, 1}, {8, 9, 10, 11, 4}, {12, 13, 14, 15, 8}}},
+                         {"replicas", true},
+                         {"fetch_replicas", fetch}};
+  return placement_from_json(j, c.routed_experts, c.ranks, "test placement");
+}
+}  // namespace
+
+TEST(FetchedReplicas, PlacementFileAndItsRefusals) {
+  LayerConfig c = lend_layer(4, 64);
+  c.routed_experts = 16;
+  const auto fetched = replicas_of(c, true), held = replicas_of(c, false);
+  EXPECT_TRUE(fetched.fetches_replicas());
+  EXPECT_FALSE(held.fetches_replicas() || held.has_borrowed());
+  EXPECT_NE(fetched, held);
+  EXPECT_TRUE(fetched.borrows(fetched.instance_on(0, 1))) << "expert 0's replica on rank 1";
+  EXPECT_FALSE(fetched.borrows(fetched.instance_on(0, 0))) << "its owner holds it";
+  EXPECT_EQ(fetched.lent_count(1), 2);
+  EXPECT_EQ(fetched.lent_count(3), 1);
+  EXPECT_EQ(placement_from_json(to_json(fetched), 16, 4, "round trip"), fetched);
+  const auto refused = [&](const nlohmann::json& j) { return error_of([&] { (void)placement_from_json(j, 16, 4, "p.json"); }); };
+  EXPECT_NE(refused({{"experts_of_rank", {{0, 1, 2, 3}, {4, 5, 6, 7}, {8, 9, 10, 11}, {12, 13, 14, 15}}}, {"fetch_replicas", true}})
+                .find("fetch_replicas"),
+            std::string::npos);
+  EXPECT_NE(refused({{"experts_of_rank", {{0, 1, 2, 3}, {4, 5, 6, 7}, {8, 9, 10, 11}, {12, 13, 14, 15}}}, {"replicas", true},
+                     {"fetch_replicas", "yes"}})
+                .find("\"fetch_replicas\" must be true or false"),
+            std::string::npos);
+  EXPECT_NE(refused({{"owner", {0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3}}, {"fetch_replicas", true}}).find("fetch_replicas"),
+            std::string::npos);
+}
+
+TEST(FetchedReplicas, ProgramsAreProvedAndMutationsRejected) {
+  const Machine m = parse_machine("cpu:2:32x64");
+  for (const ExchangeMode mode : {ExchangeMode::assignment, ExchangeMode::rank}) {
+    LayerConfig c = lend_layer(4, 64, mode);
+    c.routed_experts = 16;
+    c.lend_weights = 0;
+    const auto placement = replicas_of(c, true);
+    const auto counts = rank_counts(c, placement, "hot:0.4", m.tile_rows);
+    for (const Pass pass : {Pass::forward, Pass::backward}) {
+      const auto programs = compile_checked(c, placement, counts, m, pass, Policy::critical_path);
+      std::int64_t puts = 0;
+      for (const auto& p : programs)
+        for (const auto& t : p.tasks) puts += t.kind == TaskKind::weight_put || t.kind == TaskKind::grad_weight_put;
+      EXPECT_GT(puts, 0) << "the replicas with rows fetch their weights";
+      if (mode != ExchangeMode::assignment) continue;
+      auto mutated = programs;
+      for (auto& p : mutated)
+        for (auto& t : p.tasks)
+          if (t.kind == TaskKind::weight_relay || t.kind == TaskKind::grad_weight_relay) {
+            t.wait_event = -1, t.wait_count = 0;
+            break;
+          }
+      expect_rejected(mutated, c, placement, counts, m, "a fetched replica's relay that does not wait for its weights");
+    }
+  }
+}
+
+class FetchedReplicaExecution : public ::testing::TestWithParam<std::tuple<DType, ExchangeMode>> {};
+
+TEST_P(FetchedReplicaExecution, IsBitForBitTheLayerWithHeldReplicas) {
+  const auto [dtype, exchange] = GetParam();
+  LayerConfig c = lend_layer(4, 60, exchange);
+  c.routed_experts = 16;
+  c.lend_weights = 0;
+  c.dtype = dtype;
+  c.validate();
+  const auto w = random_weights(c, 23);
+  const auto in = random_inputs(c, 23);
+  const auto forced = forced_selection(c, parse_routing_spec("hot:0.4", 5));
+  StepResult held, fetched, serial;
+  for (auto [placement, result, phased] : {std::tuple{replicas_of(c, false), &held, false},
+                                           std::tuple{replicas_of(c, true), &fetched, false},
+                                           std::tuple{replicas_of(c, true), &serial, true}}) {
+    RuntimeOptions opt{.workers_per_rank = 2, .backward = true, .policy = taskflow::Policy::critical_path, .pin = false,
+                       .placement = placement};
+    InterleavedExecutor ex(c, w, phased ? serialized_schedule(opt) : opt);
+    ex.step(in, forced, *result);
+  }
+  EXPECT_GT(fetched.forward_put_bytes, held.forward_put_bytes) << "the weights travel";
+  EXPECT_TRUE(bit_identical(held.out, fetched.out));
+  EXPECT_TRUE(bit_identical(held.grads, fetched.grads));
+  EXPECT_TRUE(bit_identical(serial.out, fetched.out));
+  EXPECT_TRUE(bit_identical(serial.grads, fetched.grads));
+}
+
+INSTANTIATE_TEST_SUITE_P(All, FetchedReplicaExecution,
+                         ::testing::Values(std::tuple{DType::fp32, ExchangeMode::assignment}, std::tuple{DType::bf16, ExchangeMode::assignment},
+                                           std::tuple{DType::fp32, ExchangeMode::rank}),
+                         [](const auto& info) {
+                           return to_string(std::get<0>(info.param)) + "_" + to_string(std::get<1>(info.param));
+                         });
