@@ -124,6 +124,16 @@ class Layer {
   // weights(WeightChange::none())).
   void weights_changed(const WeightChange& change = {});
 
+  // A new expert placement from the next forward on: an online revision
+  // between steps (OnlinePlacement's, say). Steps in flight finish on the
+  // placement they started with; an idle engine is rebuilt on the new one
+  // when a forward takes it (the packing is kept). Over a transport every
+  // process must make the same change before the same step (a revision
+  // computed from the exchanged counts is), and a replica whose weights
+  // this process does not hold must fetch them ("fetch_replicas"). Throws
+  // Error, changing nothing, where it does not fit the layer.
+  void set_placement(const ExpertPlacement& placement);
+
   // Engines made so far (one per step in flight at once): a measure of reuse.
   std::size_t engines() const;
 

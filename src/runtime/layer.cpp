@@ -24,7 +24,9 @@ struct Layer::Shared {
     std::unique_ptr<InterleavedExecutor> executor;
     bool busy = false;
     const PackedWeights* packing = nullptr;  // the packing it reads (stale after a copy-on-write)
+    std::uint64_t placement_epoch = 0;       // the placement it was built on (set_placement counts them)
   };
+  std::uint64_t placement_epoch = 0;
   std::vector<Engine> engines;
   std::vector<StepResult> spare_results;  // dropped steps' buffers, reused by the next ones
 
@@ -96,14 +98,21 @@ struct Layer::Shared {
   std::size_t acquire() {
     for (std::size_t i = 0; i < engines.size(); ++i)
       if (!engines[i].busy) {
-        engines[i].busy = true;
+        Engine& e = engines[i];
+        if (e.placement_epoch != placement_epoch) {  // built on an older placement: rebuilt on the new one
+          e.executor.reset();  // first: over a transport the old engine lets go of it
+          e.executor = std::make_unique<InterleavedExecutor>(spec, weights, options());
+          e.packing = packed.get();
+          e.placement_epoch = placement_epoch;
+        }
+        e.busy = true;
         return i;
       }
     if (!engines.empty() && parallel.transport)
       throw Error("a layer on a transport runs one step at a time: run the backward of the step in flight (or drop "
                   "it) before the next forward");
     RuntimeOptions o = options();
-    engines.push_back(Engine{std::make_unique<InterleavedExecutor>(spec, weights, o), true, packed.get()});
+    engines.push_back(Engine{std::make_unique<InterleavedExecutor>(spec, weights, o), true, packed.get(), placement_epoch});
     return engines.size() - 1;
   }
 
@@ -169,6 +178,16 @@ LayerWeights& Layer::weights(const WeightChange& change) {
 }
 void Layer::weights_changed(const WeightChange& change) { s_->note(change); }
 std::size_t Layer::engines() const { return s_->engines.size(); }
+
+void Layer::set_placement(const ExpertPlacement& placement) {
+  if (!s_) throw Error("this Layer was moved from");
+  const LayerConfig& c = s_->spec;
+  const ExpertPlacement p = placement_or_contiguous(placement, c.routed_experts, c.ranks);
+  p.check_fits(c.routed_experts, c.ranks, c.expert_inter, c.dtype == DType::bf16 ? 2 : 1);
+  if (p == placement_or_contiguous(s_->parallel.placement, c.routed_experts, c.ranks)) return;
+  s_->parallel.placement = p;
+  ++s_->placement_epoch;
+}
 
 Layer::Step::Step(std::unique_ptr<State> s) : s_(std::move(s)) {}
 Layer::Step::Step(Step&&) noexcept = default;

@@ -171,6 +171,42 @@ TEST(LayerFace, SplitExpertsFollowAWeightUpdate) {
   EXPECT_TRUE(bit_identical(step.gradients(), fresh.r.grads));
 }
 
+// An online revision between steps: the kept layer takes a new placement
+// (new replicas fetch their weights from their owners, so nothing is loaded),
+// rebuilds its idle engine on it, and its next step is bit for bit a fresh
+// layer's on that placement, after a weight update too.
+TEST(LayerFace, TakesANewPlacementBetweenSteps) {
+  LayerConfig c = small_layer(DType::fp32);
+  c.ranks = 3;
+  c.routed_experts = 8;
+  const ExpertPlacement::Rules fetched{.replicas = true, .fetch_replicas = true};
+  const auto first = ExpertPlacement::from_rank_lists(8, {{0, 1, 2, 5}, {3, 4, 5, 0}, {6, 7, 1}}, fetched);
+  const auto revised = ExpertPlacement::from_rank_lists(8, {{0, 1, 2, 7}, {3, 4, 5, 6}, {6, 7, 0, 3}}, fetched);
+  auto w = random_weights(c, 17);
+  Layer layer(c, w, parallel_of(Schedule::interleaved, first));
+  const auto in = inputs(c, 30, 18);
+  layer.forward(in.x).backward(view(in.d_out));
+  update(layer.weights(WeightChange{}), 0.5f);
+  update(w, 0.5f);
+  layer.set_placement(revised);
+  EXPECT_EQ(layer.parallel().placement, revised);
+  Fresh fresh(c, w, 30, in, layer.parallel());
+  auto step = layer.forward(in.x);
+  step.backward(view(in.d_out));
+  EXPECT_TRUE(bit_identical(step.out(), fresh.r.out));
+  EXPECT_TRUE(bit_identical(step.gradients(), fresh.r.grads));
+  EXPECT_EQ(layer.engines(), 1u) << "the idle engine was rebuilt, not added";
+  // The step ran on the revised placement: its exchange is that one's, not the first's.
+  Parallel before = layer.parallel();
+  before.placement = first;
+  const Fresh old(c, w, 30, in, before);
+  EXPECT_NE(old.r.forward_put_bytes, fresh.r.forward_put_bytes);
+  EXPECT_EQ(step.result().forward_put_bytes, fresh.r.forward_put_bytes);
+  // One that does not fit the layer is refused, and nothing changes.
+  EXPECT_THROW(layer.set_placement(ExpertPlacement::contiguous(8, 2)), Error);
+  EXPECT_EQ(layer.parallel().placement, revised);
+}
+
 TEST(LayerFace, WritesIntoTheCallersMemoryAndReusesDroppedResults) {
   const LayerConfig c = small_layer(DType::fp32);
   const auto w = random_weights(c, 13);
