@@ -182,28 +182,28 @@ std::vector<SweepPoint> sweep_points(const SweepRequest& req) {
     for (const auto& m : req.models)
       for (const std::int64_t P : req.ranks)
         for (const std::int64_t T : req.tokens)
-        for (const auto& lend : lends) {
-          LayerConfig c;
-          try {
-            const front::LayerOptions options = layer_options(req, m, P, T, lend);
-            c = options.resolve();
-            (void)options.resolve_placement(c);
-          } catch (const Error& e) {
-            throw Error("sweep point " + m + " at -P " + std::to_string(P) + " -T " + std::to_string(T) + ": " + e.what());
+          for (const auto& lend : lends) {
+            LayerConfig c;
+            try {
+              const front::LayerOptions options = layer_options(req, m, P, T, lend);
+              c = options.resolve();
+              (void)options.resolve_placement(c);
+            } catch (const Error& e) {
+              throw Error("sweep point " + m + " at -P " + std::to_string(P) + " -T " + std::to_string(T) + ": " + e.what());
+            }
+            if (req.fp8_gemms && c.dtype != DType::bf16)
+              throw Error("sweep point " + m + ": --gemm-dtype fp8 models a bf16 layer's GEMMs: use --dtype bf16");
+            if (req.step) {
+              sim::StepRequest step = *req.step;
+              step.moe.config = c;
+              check_step_request(step);
+            }
+            for (const auto& routing : req.routings) {
+              (void)parse_routing_spec(routing, req.seed);
+              for (const auto& schedule : schedules)
+                for (const auto& values : combos) points.push_back({machine, m, routing, schedule, lend, P, T, values, c});
+            }
           }
-          if (req.fp8_gemms && c.dtype != DType::bf16)
-            throw Error("sweep point " + m + ": --gemm-dtype fp8 models a bf16 layer's GEMMs: use --dtype bf16");
-          if (req.step) {
-            sim::StepRequest step = *req.step;
-            step.moe.config = c;
-            check_step_request(step);
-          }
-          for (const auto& routing : req.routings) {
-            (void)parse_routing_spec(routing, req.seed);
-            for (const auto& schedule : schedules)
-              for (const auto& values : combos) points.push_back({machine, m, routing, schedule, lend, P, T, values, c});
-          }
-        }
   }
   if (points.size() > 100000) throw Error("the sweep has " + std::to_string(points.size()) + " points; at most 100000");
   // Each machine with its varied fields is a valid model: checked before any point runs.

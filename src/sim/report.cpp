@@ -158,6 +158,8 @@ SimReport simulate(const MachineModel& given, const SimRequest& req) {
   per_assignment.exchange = ExchangeMode::assignment;
   per_assignment.lend_weights = 0;
   const bool lends = c.lend_weights != 0;
+  // The (expert, rank) pairs the step lends: the exchange's own choice, from the counts.
+  const auto lent_pairs = static_cast<std::int64_t>(lends ? taskflow::choose_lends(c, placement, counts).size() : 0);
   const double matrix_units = double(c.ranks) * (m.accelerator ? m.matrix_units : m.workers);
   const double vector_units = double(c.ranks) * (m.accelerator ? m.vector_units : m.workers);
   taskflow::ScheduleScratch scratch;
@@ -209,7 +211,7 @@ SimReport simulate(const MachineModel& given, const SimRequest& req) {
           if (t.kind == taskflow::TaskKind::weight_put || t.kind == taskflow::TaskKind::grad_weight_put) out.lent_bytes += b;
         }
     }
-    if (lends) out.lent = static_cast<std::int64_t>(taskflow::Exchange(c, placement, counts, machine.tile_rows).placement().lends().size());
+    out.lent = lent_pairs;
     const auto s0 = Clock::now();
     const Timeline ser = simulate_serialized(m, programs, work, c.dtype, req.trace);
     const Timeline inter = simulate_interleaved(m, programs, work, c.dtype, req.trace);
