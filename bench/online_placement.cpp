@@ -27,14 +27,20 @@
 //             move any weights (a bound no causal policy reaches); at EP 64
 //             computed on every REVISE-th step only, mid-way between
 //             revisions (its mean over those steps is the reference)
+// With `fetched` (the 10th argument; `held` by default), replicas fetch their
+// weights from the owner every step (a placement's fetch_replicas, what the
+// PyTorch module's online placement uses over MPI): every policy's replicas
+// pay the weights of every pass each step, a revision moves nothing, and no
+// owner moves (its optimizer state stays).
 // Prints each policy's mean step time (the slowest rank's expert time,
 // milliseconds), its ratio to the per-step bound, and the online policy's
 // bytes moved per step.
 //
-//   build/bench/online_placement traces|zipf [MACHINE] [SEGMENT] [WINDOW] [REVISE] [CHANGES] [TOKENS] [training|inference] [DRIFT]
+//   build/bench/online_placement traces|zipf [MACHINE] [SEGMENT] [WINDOW] [REVISE] [CHANGES] [TOKENS] [training|inference] [DRIFT] [held|fetched]
 //   (defaults: h800 200 16 10 2 4096 training 0; run from the repository root: it reads data/routing)
 #include <cstdio>
 #include <cstdlib>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -99,9 +105,10 @@ int main(int argc, char** argv) {
   const std::int64_t tokens_per_rank = argc > 7 ? std::atoll(argv[7]) : 4096;
   const bool training = argc > 8 ? std::string(argv[8]) != "inference" : true;
   const double drift = argc > 9 ? std::atof(argv[9]) : 0.0;
+  const std::string replicas = argc > 10 ? argv[10] : "held";
   if ((scenario != "traces" && scenario != "zipf") || segment < 1 || window < 1 || revise < 1 || changes < 0 || tokens_per_rank < 1 ||
-      !(drift >= 0)) {
-    std::fprintf(stderr, "online_placement: the scenario is traces or zipf; SEGMENT, WINDOW, REVISE and TOKENS must be positive, CHANGES and DRIFT not negative\n");
+      !(drift >= 0) || (replicas != "held" && replicas != "fetched")) {
+    std::fprintf(stderr, "online_placement: the scenario is traces or zipf; SEGMENT, WINDOW, REVISE and TOKENS must be positive, CHANGES and DRIFT not negative; replicas held or fetched\n");
     return 2;
   }
   const bool traces = scenario == "traces";
@@ -112,21 +119,28 @@ int main(int argc, char** argv) {
   c.dtype = DType::bf16;
   c.validate();
   const sim::MachineModel machine = sim::load_machine(machine_name);
-  const ExpertCostModel cost = ExpertCostModel::from(machine, c, training);
+  const bool fetched = replicas == "fetched";
+  const ExpertCostModel cost = ExpertCostModel::from(machine, c, training, fetched);
   const auto steps = traces ? drifting_sequence(c, "data/routing/mixtral-8x7b", segment) : zipf_sequence(c, segment);
   const std::int64_t sample = traces ? 1 : revise;  // steps between per-step bounds
   const auto S = static_cast<std::int64_t>(steps.size());
   const ExpertPlacement contiguous = ExpertPlacement::contiguous(c.routed_experts, c.ranks);
   const std::int64_t budget = contiguous.max_local_count() + 1;
   const std::span<const std::vector<std::int64_t>> all(steps);
-  const ExpertPlacement fixed = plan_replicas(c, contiguous, all.subspan(0, static_cast<std::size_t>(std::min(window, S))), cost, budget);
+  ExpertPlacement fixed = plan_replicas(c, contiguous, all.subspan(0, static_cast<std::size_t>(std::min(window, S))), cost, budget);
+  if (fetched) {  // its revisions fetch too
+    nlohmann::json j = to_json(fixed);
+    j["replicas"] = j["fetch_replicas"] = true;
+    fixed = placement_from_json(j, c.routed_experts, c.ranks, "the static plan");
+  }
 
-  double none = 0, stat = 0, online = 0, bytes = 0, move_s = 0;
+  double none = 0, stat = 0, online = 0, bytes = 0, move_s = 0, fetched_bytes = 0;
   double bound_at = 0;  // the bound, on the steps it is computed for
   std::int64_t added = 0, dropped = 0, moved = 0, relocated = 0, sampled = 0;
   // The online policy (cli/online.hpp): revisions every REVISE steps and, with DRIFT, after a drifted step.
   OnlinePlacement policy(c, fixed, cost,
-                         {.window = window, .every = revise, .max_changes = changes, .drift = drift, .slots_per_rank = budget});
+                         {.window = window, .every = revise, .max_changes = changes, .drift = drift, .slots_per_rank = budget,
+                          .relocate = !fetched});
   double pending = 0;  // seconds of weight transfer before the next step
   for (std::int64_t t = 0; t < S; ++t) {
     const auto& counts = steps[static_cast<std::size_t>(t)];
@@ -135,6 +149,8 @@ int main(int argc, char** argv) {
       bound_at += slowest(plan_replicas(c, contiguous, all.subspan(static_cast<std::size_t>(t), 1), cost, budget), counts, cost);
       ++sampled;
     }
+    if (fetched)  // the replicas the step runs with take their weights for every pass
+      fetched_bytes += double(policy.placement().instances() - policy.placement().experts()) * cost.weight_bytes * (training ? 2.0 : 1.0);
     // The policy prices the step on the placement it ran with (last_step_s), then may revise.
     const auto r = policy.observe(counts);
     none += n, stat += f, online += policy.last_step_s() + pending;
@@ -148,8 +164,9 @@ int main(int argc, char** argv) {
   }
   const std::int64_t reactions = policy.drifts();
   const auto ms = [&](double total) { return total / double(S) * 1e3; };
-  std::printf("%s bf16, EP %lld, %lld tokens/rank, %s, %lld steps (%s), machine %s\n", c.name.c_str(),
+  std::printf("%s bf16, EP %lld, %lld tokens/rank, %s, replicas %s, %lld steps (%s), machine %s\n", c.name.c_str(),
               static_cast<long long>(c.ranks), static_cast<long long>(tokens_per_rank), training ? "training" : "inference",
+              fetched ? "fetched every step (owners stay)" : "held",
               static_cast<long long>(S), traces ? "10 segments: category and layer switch" : "6 segments of Zipf 1.2: the hot experts change",
               machine.name.c_str());
   std::printf("window %lld steps, revision every %lld steps, at most %lld changes each, %lld slots per rank; bound on %lld steps\n",
@@ -168,5 +185,7 @@ int main(int argc, char** argv) {
               static_cast<long long>(added), static_cast<long long>(dropped), static_cast<long long>(moved),
               static_cast<long long>(relocated), bytes / double(S) / 1e6,
               ms(move_s));
+  if (fetched)
+    std::printf("online: replicas fetched %.2f MB of weights per step (priced in each step's time)\n", fetched_bytes / double(S) / 1e6);
   return 0;
 }

@@ -16,6 +16,9 @@
 // recomputes the forward in backward; it is for checking, not for speed.
 #include "hpmoe_core_arrays.hpp"
 
+#include "cli/online.hpp"
+#include "sim/sim.hpp"
+
 namespace {
 
 // One forward's state until its backward. Each forward has its own, so
@@ -78,6 +81,9 @@ class FastStep final : public Step {
     d["backward_lent_bytes"] = r.backward_lent_bytes;
     return d;
   }
+
+  // Kept rows per (rank, expert), all ranks.
+  std::span<const std::int64_t> counts() const { return step_->result().expert_counts; }
 
   py::tuple outputs() const {
     const StepResult& r = step_->result();
@@ -206,10 +212,73 @@ const MpiSession& mpi_session() {
   return session;
 }
 
+// MoELayer(placement=...): a placement's JSON (an object, as a placement
+// file holds) or a spec hpmoe run --placement takes (contiguous,
+// round-robin, random[:SEED], a file's path). Empty: contiguous.
+ExpertPlacement module_placement(const std::string& text, const LayerConfig& c) {
+  if (text.empty()) return ExpertPlacement::contiguous(c.routed_experts, c.ranks);
+  if (text.front() == '{')
+    return placement_from_json(nlohmann::json::parse(text), c.routed_experts, c.ranks, "MoELayer(placement=...)");
+  return parse_placement(text, c.routed_experts, c.ranks);
+}
+
+// The same placement with replicas that fetch their weights (bit for bit the
+// results of held ones): over MPI a process holds only the experts it owns.
+// Fetching even without replicas yet, so that an online revision's fetch too.
+ExpertPlacement fetching(const ExpertPlacement& p, const LayerConfig& c) {
+  if (p.fetches_replicas()) return p;
+  nlohmann::json j = to_json(p);
+  j["replicas"] = true;
+  j["fetch_replicas"] = true;
+  return placement_from_json(j, c.routed_experts, c.ranks, "MoELayer(placement=...)");
+}
+
+// MoELayer(online=...): the online policy's settings, every key optional.
+struct OnlineSetup {
+  OnlinePlacement::Options options;
+  std::string machine = "cpu-local";  // the cost model's machine model
+  bool training = true;               // replicas pay their gradient reduction
+  std::optional<bool> fetch;          // replicas fetch their weights (unset: over MPI only)
+};
+
+OnlineSetup parse_online(const std::string& text) {
+  const nlohmann::json j = nlohmann::json::parse(text);
+  if (!j.is_object()) throw Error("online must be True or a dict of the online policy's settings");
+  OnlineSetup s;
+  const auto integer = [&](const std::string& key, std::int64_t& into, std::int64_t least) {
+    const auto& v = j.at(key);
+    if (!v.is_number_integer() || v.get<std::int64_t>() < least)
+      throw Error("online[\"" + key + "\"] must be an integer of at least " + std::to_string(least) + ", got " + v.dump());
+    into = v.get<std::int64_t>();
+  };
+  for (const auto& [key, v] : j.items()) {
+    if (key == "every") integer(key, s.options.every, 1);
+    else if (key == "window") integer(key, s.options.window, 1);
+    else if (key == "max_changes") integer(key, s.options.max_changes, 0);
+    else if (key == "slots_per_rank") integer(key, s.options.slots_per_rank, 0);
+    else if (key == "drift") {
+      if (!v.is_number() || !std::isfinite(v.get<double>()) || v.get<double>() < 0)
+        throw Error("online[\"drift\"] must be a number >= 0 (0: revise on schedule only), got " + v.dump());
+      s.options.drift = v.get<double>();
+    } else if (key == "machine") {
+      if (!v.is_string()) throw Error("online[\"machine\"] must be a machine model's name or file, got " + v.dump());
+      s.machine = v.get<std::string>();
+    } else if (key == "training" || key == "fetch") {
+      if (!v.is_boolean()) throw Error("online[\"" + key + "\"] must be True or False, got " + v.dump());
+      (key == "training" ? s.training : s.fetch.emplace()) = v.get<bool>();
+    } else {
+      throw Error("online has no setting \"" + key +
+                  "\" (every, window, drift, max_changes, slots_per_rank, machine, training, fetch)");
+    }
+  }
+  return s;
+}
+
 class ModuleLayer {
  public:
   ModuleLayer(const std::string& config_json, int workers, const std::string& executor, const std::string& schedule,
-              const std::string& transport, const std::string& mpi_path)
+              const std::string& transport, const std::string& mpi_path, const std::string& placement,
+              const std::string& online)
       : config_(config_from_json(nlohmann::json::parse(config_json))), workers_(workers),
         policy_(taskflow::parse_policy(schedule)) {
     if (executor != "interleaved" && executor != "serialized" && executor != "reference")
@@ -221,6 +290,12 @@ class ModuleLayer {
     LayerConfig probe = config_;
     if (probe.tokens_per_rank <= 0) probe.tokens_per_rank = 1;
     probe.validate();
+    if (reference_ && (!placement.empty() || !online.empty()))
+      throw Error("executor=\"reference\" computes every expert once, in one place: placement and online apply to "
+                  "the fast executors (\"interleaved\", \"serialized\")");
+    placement_ = module_placement(placement, probe);
+    placement_.check_fits(config_.routed_experts, config_.ranks, config_.expert_inter, config_.dtype == DType::bf16 ? 2 : 1);
+    if (transport == "mpi") placement_ = fetching(placement_, probe);
     const MpiPath path = parse_mpi_path(mpi_path);  // checked whatever the transport: a bad value is never ignored
     if (transport == "mpi") {
       if (reference_) throw Error("executor=\"reference\" runs in one process; use ep=\"mpi\" with \"interleaved\" or \"serialized\"");
@@ -234,13 +309,25 @@ class ModuleLayer {
       options.ranks_per_node = static_cast<int>(config_.ranks_per_node);
       transport_ = make_mpi_transport(session, static_cast<int>(config_.ranks), options);
       rank_ = session.rank();
-      const ExpertPlacement placement = ExpertPlacement::contiguous(config_.routed_experts, config_.ranks);
-      const auto mine = placement.experts_of(rank_);
-      held_.assign(mine.begin(), mine.end());
-      std::sort(held_.begin(), held_.end());
+      for (std::int64_t e = 0; e < config_.routed_experts; ++e)  // the experts it owns (replicas fetch theirs)
+        if (placement_.owner(e) == rank_) held_.push_back(static_cast<std::int32_t>(e));
     } else if (transport != "inprocess") {
       throw Error("ep must be \"inprocess\" (every rank a thread group of this process) or \"mpi\" (one process per rank), got \"" +
                   transport + "\"");
+    }
+    if (!online.empty()) {
+      // Owners stay: a process's parameters and their optimizer state are
+      // PyTorch's. Over MPI the replicas fetch their weights, so a revision
+      // has nothing to load; in process every rank reads the one copy.
+      const OnlineSetup s = parse_online(online);
+      if (transport_ && s.fetch == false)
+        throw Error("online[\"fetch\"] = False: over MPI a process holds only the experts it owns, so its replicas "
+                    "fetch their weights (leave \"fetch\" out)");
+      if (s.fetch == true) placement_ = fetching(placement_, probe);
+      OnlinePlacement::Options o = s.options;
+      o.relocate = false;
+      const bool fetched = placement_.fetches_replicas();
+      online_.emplace(config_, placement_, ExpertCostModel::from(sim::load_machine(s.machine), config_, s.training, fetched), o);
     }
   }
 
@@ -283,7 +370,23 @@ class ModuleLayer {
     auto step = std::make_unique<FastStep>(c, *layer_, x.cast<Array>(), transport_ ? &held_ : nullptr, check_finite_);
     step->set_sync_seconds(sync_seconds);
     const py::tuple o = step->outputs();
+    if (online_) observe(step->counts());
     return py::make_tuple(o[0], o[1], o[2], o[3], py::cast(std::unique_ptr<Step>(std::move(step))));
+  }
+
+  // The placement the next forward runs on, as a placement file holds it.
+  std::string placement_json() const { return to_json(placement_).dump(); }
+  // Revisions the online policy made, and the last one's changes.
+  std::int64_t revisions() const { return revisions_; }
+  py::object last_revision() const {
+    if (revisions_ == 0) return py::none();
+    py::dict d;
+    d["step"] = revised_at_;
+    d["added"] = last_.added;
+    d["dropped"] = last_.dropped;
+    d["moved"] = last_.moved;
+    d["bytes_moved"] = last_.bytes_moved;
+    return d;
   }
 
   // Parameters converted and repacked so far (a measure of what was reused).
@@ -304,6 +407,7 @@ class ModuleLayer {
       p.policy = policy_;
       p.transport = transport_;
       p.pin = false;  // a Python process's threads are its framework's
+      p.placement = placement_;
       layer_.emplace(c, std::move(w), p);
       versions_ = versions;
       conversions_ += static_cast<std::int64_t>(versions.size());
@@ -344,9 +448,26 @@ class ModuleLayer {
     }
   }
 
+  // A forward's counts fed to the online policy; a revision is the next
+  // forward's placement (this step and its backward finish on theirs).
+  // Every process feeds the same counts, so all revise alike.
+  void observe(std::span<const std::int64_t> counts) {
+    std::optional<Revision> r = online_->observe(counts);
+    if (!r || r->placement == placement_) return;
+    layer_->set_placement(r->placement);
+    placement_ = r->placement;
+    last_ = *r;
+    revised_at_ = online_->steps();
+    ++revisions_;
+  }
+
   LayerConfig config_;
   int workers_ = 1;
   taskflow::Policy policy_;
+  ExpertPlacement placement_;
+  std::optional<OnlinePlacement> online_;
+  Revision last_;
+  std::int64_t revisions_ = 0, revised_at_ = 0;
   bool interleaved_ = true;
   bool reference_ = false;
   std::shared_ptr<Transport> transport_;  // null: every rank in this process
@@ -398,15 +519,20 @@ PYBIND11_MODULE(_core, m) {
   });
   py::class_<Step>(m, "Step").def("backward", &Step::backward, py::arg("d_out")).def("times", &Step::times).def("exchange", &Step::exchange);
   py::class_<ModuleLayer>(m, "Layer")
-      .def(py::init<const std::string&, int, const std::string&, const std::string&, const std::string&, const std::string&>(),
+      .def(py::init<const std::string&, int, const std::string&, const std::string&, const std::string&, const std::string&,
+                    const std::string&, const std::string&>(),
            py::arg("config_json"), py::arg("workers"), py::arg("executor"), py::arg("schedule"),
-           py::arg("transport") = "inprocess", py::arg("mpi_path") = "auto")
+           py::arg("transport") = "inprocess", py::arg("mpi_path") = "auto", py::arg("placement") = "",
+           py::arg("online") = "")
       .def_property_readonly("rank", &ModuleLayer::rank)
       .def_property_readonly("held_experts", &ModuleLayer::held_experts)
       .def_readwrite("check_finite", &ModuleLayer::check_finite_)
       .def("forward", &ModuleLayer::forward, py::arg("x"), py::arg("params"), py::arg("versions"))
       .def_property_readonly("conversions", &ModuleLayer::conversions)
       .def_property_readonly("engines", &ModuleLayer::engines)
+      .def_property_readonly("placement_json", &ModuleLayer::placement_json)
+      .def_property_readonly("revisions", &ModuleLayer::revisions)
+      .def_property_readonly("last_revision", &ModuleLayer::last_revision)
       .def_property_readonly("config_json", [](const ModuleLayer& l) { return to_json(l.config()).dump(); });
   m.def("preset_json", &preset_json, py::arg("name"));
   m.def("preset_names", &preset_names);

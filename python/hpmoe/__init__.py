@@ -33,6 +33,7 @@ ValueError with hpmoe's message.
 """
 import copy
 import json
+import os
 from typing import NamedTuple
 
 import torch
@@ -155,6 +156,35 @@ def _array(p):
     return p.view(torch.int16).numpy() if p.dtype == torch.bfloat16 else p.numpy()
 
 
+def _json_of(name, value):
+    try:
+        return json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{name} must hold only JSON values (numbers, strings, lists, dicts): {e}") from None
+
+
+def _placement_text(placement):
+    if placement is None:
+        return ""
+    if isinstance(placement, dict):
+        return _json_of("placement", placement)
+    if isinstance(placement, (str, os.PathLike)) and str(placement):
+        return str(placement)
+    raise ValueError(f"placement must be None, a spec ('contiguous', 'round-robin', 'random:SEED'), a placement "
+                     f"file's path or a placement dict, got {placement!r}")
+
+
+def _online_text(online):
+    if online is None or online is False:
+        return ""
+    if online is True:
+        return "{}"
+    if isinstance(online, dict):
+        return _json_of("online", online)
+    raise ValueError(f"online must be None, True or a dict of settings (every, window, drift, max_changes, "
+                     f"slots_per_rank, machine, training), got {online!r}")
+
+
 class MoELayer(nn.Module):
     """An MoE FFN layer (router, routed experts with SwiGLU, shared experts) run by hpmoe.
 
@@ -197,6 +227,24 @@ class MoELayer(nn.Module):
     and those rows stay home; an integer N lends where a rank has N rows or more. Outputs are bit-identical to
     not lending (the per-assignment exchange; the per-rank one to rounding), gradients to rounding (a lent
     copy's weight gradient is summed onto the owner). ``last_exchange`` says what was lent.
+    placement: where the experts live (hpmoe run --placement): None (contiguous blocks of experts), a spec
+    ("contiguous", "round-robin", "random:SEED"), a placement file's path (``hpmoe plan`` writes them), or the
+    same JSON as a dict, replicas included. Over MPI a process holds the experts it owns (an expert's first
+    home) and its replicas fetch their weights from the owner every step (``"fetch_replicas": true``, set for
+    you: bit for bit the results of held replicas).
+    online: online placement (docs/placement.md): None or False (the placement stays), True (the defaults) or
+    a dict of settings: "every" (revise every N forwards, 10), "window" (from the last N forwards' loads, 8),
+    "drift" (also revise at once after a forward whose slowest rank was more than 1 + drift times what the
+    placement was expected to take; 0.25, 0 turns it off), "max_changes" (per revision, 16),
+    "slots_per_rank" (experts a rank may hold, 0: one more than the start's largest rank), "machine" (the
+    cost model's machine model, "cpu-local"), "training" (replicas pay their gradient reduction, True) and
+    "fetch" (replicas fetch their weights from their owner every step; always over MPI, off in process by
+    default, where every rank reads the process's one copy: True makes an in-process layer revise as an
+    MPI one does).
+    Every forward's expert load feeds the policy; a revision adds, drops or moves replicas (owners stay:
+    parameters and optimizer state do not move) and is the next forward's placement, proven like any
+    other. Every process computes the same revision from the same loads, with no extra communication.
+    ``placement`` is the current one, ``revisions`` and ``last_revision`` what the policy did.
     check_finite: the fast executors refuse (ValueError) tokens x and gradients d_out holding NaN or Inf, and
     an output or dx that overflowed, as the CLI and the reference executor do; a bits test that vectorises,
     well under 1% of a step. False skips it (a measured training loop that checks its loss itself).
@@ -207,12 +255,13 @@ class MoELayer(nn.Module):
 
     def __init__(self, config, ranks=1, workers=1, executor="interleaved", schedule="critical-path",
                  dispatch_dtype=None, exchange=None, ranks_per_node=None, combine_dtype=None, dtype=None,
-                 ep="inprocess", mpi_path="auto", check_finite=True, lend_weights=None):
+                 ep="inprocess", mpi_path="auto", check_finite=True, lend_weights=None, placement=None, online=None):
         super().__init__()
         self._init_args = dict(config=config, ranks=ranks, workers=workers, executor=executor, schedule=schedule,
                                dispatch_dtype=dispatch_dtype, exchange=exchange, ranks_per_node=ranks_per_node,
                                combine_dtype=combine_dtype, dtype=dtype, ep=ep, mpi_path=mpi_path,
-                               check_finite=check_finite, lend_weights=lend_weights)
+                               check_finite=check_finite, lend_weights=lend_weights, placement=placement,
+                               online=online)
         if not isinstance(workers, int) or isinstance(workers, bool) or not 1 <= workers <= 256:
             raise ValueError(f"workers must be an integer from 1 to 256 (threads per rank), got {workers!r}")
         if not isinstance(check_finite, bool):
@@ -243,7 +292,8 @@ class MoELayer(nn.Module):
             raise ValueError(f"ranks must be a positive integer, got {ranks!r}")
         cfg["ranks"] = ranks
         cfg["tokens_per_rank"] = max(1, int(cfg.get("tokens_per_rank", 1)))
-        self._core = _core.Layer(json.dumps(cfg), int(workers), executor, schedule, ep, mpi_path)
+        self._core = _core.Layer(json.dumps(cfg), int(workers), executor, schedule, ep, mpi_path,
+                                 _placement_text(placement), _online_text(online))
         self._core.check_finite = check_finite
         self.config = json.loads(self._core.config_json)
         self.executor = executor
@@ -272,11 +322,36 @@ class MoELayer(nn.Module):
         # "forward_lent_bytes", "backward_lent_bytes"} (the fast executors; over MPI this process's rank).
         self.last_exchange = None
 
+    @property
+    def placement(self):
+        """The placement the next forward runs on, as a placement file holds it (a dict)."""
+        return json.loads(self._core.placement_json)
+
+    @property
+    def revisions(self):
+        """How many times the online policy changed the placement."""
+        return self._core.revisions
+
+    @property
+    def last_revision(self):
+        """The online policy's last change: {"step" (the forward after which it was made), "added", "dropped",
+        "moved" (replicas), "bytes_moved" (what the change itself moved; fetched replicas pay every step
+        instead)}, or None."""
+        return self._core.last_revision
+
+    def _copy_args(self):
+        # A copy starts from the placement this layer has now (an online policy's revisions included); the
+        # policy's window of recent loads starts empty.
+        args = dict(self._init_args)
+        if args["placement"] is not None or args["online"]:
+            args["placement"] = self.placement
+        return args
+
     def __deepcopy__(self, memo):
         if self.ep == "mpi":
             raise ValueError("an hpmoe.MoELayer with ep='mpi' cannot be copied: each copy would be another set "
                              "of MPI ranks; copy its state_dict() instead")
-        twin = MoELayer(**self._init_args)
+        twin = MoELayer(**self._copy_args())
         twin.load_state_dict(copy.deepcopy(self.state_dict(), memo))
         twin.train(self.training)
         return twin
@@ -284,7 +359,7 @@ class MoELayer(nn.Module):
     def __reduce__(self):
         if self.ep == "mpi":
             raise ValueError("an hpmoe.MoELayer with ep='mpi' cannot be pickled; save its state_dict() instead")
-        return (_rebuild, (self._init_args, self.state_dict(), self.training))
+        return (_rebuild, (self._copy_args(), self.state_dict(), self.training))
 
     @property
     def gate_bias(self):

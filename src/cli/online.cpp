@@ -51,7 +51,7 @@ std::optional<Revision> OnlinePlacement::observe(std::span<const std::int64_t> c
   // Only a revision needs the window as a contiguous history.
   const std::vector<std::vector<std::int64_t>> window(recent_.begin(), recent_.end());
   Revision r = revise_placement(config_, current_, window, cost_, options_.slots_per_rank, options_.max_changes,
-                                double(options_.every));
+                                double(options_.every), options_.relocate);
   current_ = r.placement;
   double sum = 0;
   for (const auto& step : window) sum += slowest(current_, step, cost_);

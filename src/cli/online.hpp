@@ -5,8 +5,9 @@
 // 1 + `drift` times what the placement was expected to take (then from that
 // step alone: the drift made the older steps stale). Deterministic: every
 // rank feeds it the same counts and gets the same revisions, with no round
-// of agreement. The runtime does not move weights yet (docs/placement.md):
-// a caller applies a revision as a new placement.
+// of agreement. A caller applies a revision with Layer::set_placement; with
+// a fetching start (fetch_replicas) every revision fetches, so a replica that
+// appears or moves has nothing to load.
 #include <cstdint>
 #include <deque>
 #include <optional>
@@ -25,6 +26,11 @@ class OnlinePlacement {
     std::int64_t max_changes = 16;  // per revision (revise_placement's limit)
     double drift = 0.25;            // 0: no revision out of schedule
     std::int64_t slots_per_rank = 0;  // 0: one more than the start's largest rank
+    // Owners may move (their gradient and optimizer state with them). Off
+    // where the caller cannot move them (the PyTorch module: a process's
+    // parameters and their optimizer state are the framework's): replicas
+    // alone follow the load.
+    bool relocate = true;
   };
   OnlinePlacement(const LayerConfig&, ExpertPlacement start, ExpertCostModel, Options);
 

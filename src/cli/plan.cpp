@@ -13,8 +13,9 @@
 
 namespace hpmoe {
 
-ExpertCostModel ExpertCostModel::from(const sim::MachineModel& m, const LayerConfig& c, bool training) {
+ExpertCostModel ExpertCostModel::from(const sim::MachineModel& m, const LayerConfig& c, bool training, bool fetched) {
   ExpertCostModel cost;
+  cost.fetched = fetched;
   cost.tile_rows = m.tile_rows;
   const std::int64_t TR = m.tile_rows, H = c.hidden, I = c.expert_inter;
   const double units = std::max(1, m.accelerator ? m.matrix_units : m.workers);
@@ -31,9 +32,12 @@ ExpertCostModel ExpertCostModel::from(const sim::MachineModel& m, const LayerCon
   }
   cost.first_tile_s = cost.first_tile_rows_s.back();
   cost.tile_s = cost.tile_rows_s.back();
-  if (training) {
-    const double bytes = 3.0 * double(H) * double(I) * (c.dtype == DType::bf16 ? 2.0 : 4.0)  // weights refreshed
-                         + 3.0 * double(H) * double(I) * 4.0;                                 // fp32 gradient reduced
+  const double weights = 3.0 * double(H) * double(I) * (c.dtype == DType::bf16 ? 2.0 : 4.0);
+  if (training || fetched) {
+    // Held: the weights refreshed once a step after the update; fetched: the
+    // owner puts them for every pass (the backward takes its own layout).
+    // In training the fp32 gradient is reduced onto the owner either way.
+    const double bytes = (fetched ? (training ? 2.0 : 1.0) : 1.0) * weights + (training ? 3.0 * double(H) * double(I) * 4.0 : 0.0);
     const double link = m.intra_bytes_per_s > 0 ? m.intra_bytes_per_s : m.inter_bytes_per_s;
     cost.replica_s = link > 0 ? bytes / link : 0.0;
   }
@@ -48,7 +52,7 @@ ExpertCostModel ExpertCostModel::from(const sim::MachineModel& m, const LayerCon
   // A new home of an expert (online placement) receives its weights once;
   // an owner that moves takes its fp32 master weights and Adam's two
   // moments along (12 bytes a parameter) besides the weights themselves.
-  cost.weight_bytes = 3.0 * double(H) * double(I) * (c.dtype == DType::bf16 ? 2.0 : 4.0);
+  cost.weight_bytes = weights;
   cost.owner_bytes = cost.weight_bytes + 3.0 * double(H) * double(I) * 12.0;
   cost.move_s = link > 0 ? cost.weight_bytes / link : 0.0;
   return cost;
@@ -288,13 +292,13 @@ Greedy greedy(const LayerConfig& c, const ExpertPlacement& start, const History&
 // owners stay where they are.
 Revision local_search(const LayerConfig& c, const ExpertPlacement& from, const History& h, const ExpertCostModel& cost,
                       std::int64_t budget, std::int64_t max_changes, double horizon, bool keep_owners,
-                      const PlanProgress& progress = {}) {
+                      bool relocate = true, const PlanProgress& progress = {}) {
   Revision out{from};
   auto rules = ExpertPlacement::Rules{.allow_empty_ranks = from.allows_empty_ranks(), .replicas = true,
                                       .slots_per_rank = budget, .splits = from.splits()};
   auto lists = lists_of(from);
   const double weight_bytes = cost.weight_bytes, owner_bytes = cost.owner_bytes;
-  const double new_home_s = horizon > 0 ? cost.move_s / horizon : 0.0;
+  const double new_home_s = horizon > 0 && !cost.fetched ? cost.move_s / horizon : 0.0;  // fetched: paid every step in replica_s
   const double new_owner_s = horizon > 0 ? cost.move_s * owner_bytes / weight_bytes / horizon : 0.0;
   Score best = evaluate(from, h, cost);
   const std::vector<double> load = h.expert_rows(c);
@@ -312,6 +316,7 @@ Revision local_search(const LayerConfig& c, const ExpertPlacement& from, const H
     std::vector<std::vector<std::int64_t>> pick;
     int pick_kind = -1;  // 0 add, 1 drop, 2 move (to another expert), 3 relocate (an owner moves)
     const auto consider = [&](std::vector<std::vector<std::int64_t>> trial, int kind) {
+      if (kind == 3 && !relocate) return;
       Score here = evaluate(ExpertPlacement::from_rank_lists(c.routed_experts, trial, rules, "plan"), h, cost);
       if (kind == 0 || kind == 2) here.slowest += new_home_s;  // the new home's weights, once
       if (kind == 3) here.slowest += new_owner_s;                 // and an owner's optimizer state
@@ -376,7 +381,7 @@ Revision local_search(const LayerConfig& c, const ExpertPlacement& from, const H
     lists = std::move(pick);
     out.placement = ExpertPlacement::from_rank_lists(c.routed_experts, lists, rules, "plan");
     (pick_kind == 0 ? out.added : pick_kind == 1 ? out.dropped : pick_kind == 2 ? out.moved : out.relocated) += 1;
-    if (pick_kind == 0 || pick_kind == 2) out.bytes_moved += weight_bytes;
+    if ((pick_kind == 0 || pick_kind == 2) && !cost.fetched) out.bytes_moved += weight_bytes;
     if (pick_kind == 3) out.bytes_moved += owner_bytes;
     // The next change is judged on the placement alone; its own new home pays again.
     best = evaluate(out.placement, h, cost);
@@ -456,7 +461,7 @@ Greedy replica_plan(const LayerConfig& c, const ExpertPlacement& start, const Hi
   Greedy from_seed = greedy(c, *seed, h, cost, budget, true, false);
   // Then up to 64 adds, drops or moves (a static plan: no weights move while it runs).
   for (Greedy* g : {&from_start, &from_seed})
-    g->placement = local_search(c, g->placement, h, cost, budget, 64, 0, false, progress).placement;
+    g->placement = local_search(c, g->placement, h, cost, budget, 64, 0, false, true, progress).placement;
   Greedy& kept = evaluate(from_seed.placement, h, cost).better_than(evaluate(from_start.placement, h, cost)) ? from_seed : from_start;
   kept.replicas = kept.placement.instances() - start.instances();
   return kept;
@@ -489,13 +494,24 @@ ExpertPlacement plan_replicas(const LayerConfig& c, const ExpertPlacement& start
 
 Revision revise_placement(const LayerConfig& c, const ExpertPlacement& current,
                           std::span<const std::vector<std::int64_t>> window, const ExpertCostModel& cost,
-                          std::int64_t slots_per_rank, std::int64_t max_changes, double horizon) {
+                          std::int64_t slots_per_rank, std::int64_t max_changes, double horizon, bool relocate) {
   if (slots_per_rank < current.max_local_count())
     throw Error("revise_placement: a budget of " + std::to_string(slots_per_rank) + " slots is below the " +
                 std::to_string(current.max_local_count()) + " experts the placement already puts on one rank");
   if (max_changes < 0 || !(horizon >= 0)) throw Error("revise_placement: max_changes and horizon must not be negative");
   const History h = history_of(c, window, "revise_placement");
-  Revision local = local_search(c, current, h, cost, slots_per_rank, max_changes, horizon, true);
+  // The searches build placements from rank lists; a fetching placement's
+  // revision fetches too.
+  const auto keep_fetching = [&](Revision r) {
+    if (current.fetches_replicas() && !r.placement.fetches_replicas())
+      r.placement = ExpertPlacement::from_rank_lists(
+          c.routed_experts, lists_of(r.placement),
+          ExpertPlacement::Rules{.allow_empty_ranks = r.placement.allows_empty_ranks(), .replicas = true,
+                                 .slots_per_rank = slots_per_rank, .splits = r.placement.splits(), .fetch_replicas = true},
+          "revise_placement");
+    return r;
+  };
+  Revision local = keep_fetching(local_search(c, current, h, cost, slots_per_rank, max_changes, horizon, true, relocate));
   if (current.has_splits() || max_changes == 0) return local;
   // A whole new plan from the owners alone (after a large drift one change
   // at a time from the old plan stays far off): taken when it is within the
@@ -504,17 +520,18 @@ Revision revise_placement(const LayerConfig& c, const ExpertPlacement& current,
   for (std::int64_t e = 0; e < c.routed_experts; ++e) owners[static_cast<std::size_t>(current.owner(e))].push_back(e);
   const auto owner_rules = ExpertPlacement::Rules{.allow_empty_ranks = true, .replicas = true, .slots_per_rank = slots_per_rank};
   const ExpertPlacement from_owners = ExpertPlacement::from_rank_lists(c.routed_experts, owners, owner_rules, "revise_placement");
-  Revision fresh{replica_plan(c, from_owners, h, cost, slots_per_rank).placement};
+  Revision fresh = keep_fetching(Revision{replica_plan(c, from_owners, h, cost, slots_per_rank).placement});
   const double weight_bytes = cost.weight_bytes, owner_bytes = cost.owner_bytes;
   for (std::int64_t e = 0; e < c.routed_experts; ++e) {
     for (std::int64_t r = 0; r < c.ranks; ++r) {
       const bool was = current.instance_on(e, r) >= 0, is = fresh.placement.instance_on(e, r) >= 0;
-      if (is && !was) ++fresh.added, fresh.bytes_moved += weight_bytes;
+      if (is && !was) ++fresh.added, fresh.bytes_moved += cost.fetched ? 0.0 : weight_bytes;
       if (was && !is) ++fresh.dropped;
     }
-    if (fresh.placement.owner(e) != current.owner(e)) ++fresh.relocated, fresh.bytes_moved += owner_bytes - weight_bytes;
+    if (fresh.placement.owner(e) != current.owner(e))
+      ++fresh.relocated, fresh.bytes_moved += owner_bytes - (cost.fetched ? 0.0 : weight_bytes);
   }
-  if (fresh.added + fresh.dropped > max_changes) return local;
+  if (fresh.added + fresh.dropped > max_changes || (fresh.relocated > 0 && !relocate)) return local;
   const double per_byte = weight_bytes > 0 && horizon > 0 ? cost.move_s / weight_bytes / horizon : 0.0;
   Score a = evaluate(local.placement, h, cost), b = evaluate(fresh.placement, h, cost);
   a.slowest += local.bytes_moved * per_byte;

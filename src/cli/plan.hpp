@@ -40,7 +40,12 @@ struct ExpertCostModel {
   double move_s = 0;                    // once, to give a rank a new home of an expert: its weights over the link
   double weight_bytes = 0;              // an expert's weights in the layer's dtype (what a new home receives)
   double owner_bytes = 0;               // what a moved owner takes along: its weights, fp32 master and Adam's two moments
-  static ExpertCostModel from(const sim::MachineModel&, const LayerConfig&, bool training);
+  // Replicas fetch their weights from the owner every step (a placement's
+  // fetch_replicas): replica_s then pays the weights of every pass each step
+  // (in training the forward's and the backward's layouts, and the gradient
+  // reduction), and a new home costs nothing at the revision.
+  bool fetched = false;
+  static ExpertCostModel from(const sim::MachineModel&, const LayerConfig&, bool training, bool fetched = false);
   double instance_seconds(std::int64_t rows) const;
 };
 
@@ -105,12 +110,15 @@ ExpertPlacement plan_replicas(const LayerConfig&, const ExpertPlacement& start,
 // expert relocated from a loaded rank to a free slot. A new home costs its
 // weights' bytes over the link once, and a moved owner its fp32 master and
 // Adam moments too, spread over `horizon` steps (how long the revision is
-// expected to hold). A pure function of its
+// expected to hold). Without `relocate` no owner moves (the gradient and the
+// optimizer state stay where they are: only replicas are added, dropped or
+// handed over). A fetching placement's revision fetches too. A pure function of its
 // arguments: every rank computes the same revision from the same counts,
 // with no round of agreement.
 Revision revise_placement(const LayerConfig&, const ExpertPlacement& current,
                           std::span<const std::vector<std::int64_t>> window, const ExpertCostModel&,
-                          std::int64_t slots_per_rank, std::int64_t max_changes, double horizon);
+                          std::int64_t slots_per_rank, std::int64_t max_changes, double horizon,
+                          bool relocate = true);
 
 // Greedy (EPLB-like, on the cost model): while a rank has a free slot and a
 // replica of some expert on some rank lowers the mean slowest-rank time over

@@ -317,7 +317,7 @@ nlohmann::json to_json(const ExpertPlacement& p) {
   }
   nlohmann::json j{{"experts_of_rank", lists}};
   if (p.allows_empty_ranks()) j["allow_empty_ranks"] = true;
-  if (p.has_replicas()) j["replicas"] = true;
+  if (p.has_replicas() || p.fetches_replicas()) j["replicas"] = true;  // a fetching placement may have none yet
   if (p.fetches_replicas()) j["fetch_replicas"] = true;
   if (p.slots_per_rank() > 0) j["slots_per_rank"] = p.slots_per_rank();
   if (p.has_splits()) {

@@ -2,11 +2,13 @@
 dx and gradients (its experts', and the replicated router's, shared experts' and bias's) are bit for bit those of
 the same layer run in one process with every rank in it. Run by tests/python/test_mpi.py:
 
-    mpirun -np 2 python3 tests/python/mpi_module.py [interleaved|serialized] [LEND]
+    mpirun -np 2 python3 tests/python/mpi_module.py [interleaved|serialized] [LEND|online]
 
 With LEND (lend_weights), hot experts' weights are lent to the other process for each step: a process computes its
 own rows of them on weights that came by puts (it holds only its own experts), refreshed every step after the
-optimizer's update.
+optimizer's update. With online, both layers revise their placement after every forward (online placement): each
+process computes the same revision from the same loads, its new replicas fetch their weights from their owner, and
+every step stays bit for bit the in-process layer's, which revises alike.
 """
 import sys
 
@@ -26,14 +28,16 @@ def run(module, x, d_out):
 
 def main():
     executor = sys.argv[1] if len(sys.argv) > 1 else "interleaved"
-    lend = int(sys.argv[2]) if len(sys.argv) > 2 else None
+    mode = sys.argv[2] if len(sys.argv) > 2 else None
+    lend = int(mode) if mode and mode != "online" else None
+    online = dict(every=1, window=1, drift=0, fetch=True) if mode == "online" else None
     P, T = 2, 24
     cfg = hpmoe.with_fields(hpmoe.preset("mixtral-8x7b"), hidden=48, expert_inter=40, routed_experts=8, top_k=2,
                             shared_experts=1, shared_inter=32, scoring="sigmoid", normalize_topk=True,
                             expert_bias=True, aux_loss_coef=0.01, z_loss_coef=0.001)
-    sharded = hpmoe.MoELayer(cfg, ranks=P, workers=1, executor=executor, ep="mpi", lend_weights=lend)
+    sharded = hpmoe.MoELayer(cfg, ranks=P, workers=1, executor=executor, ep="mpi", lend_weights=lend, online=online)
     me = sharded.rank
-    whole = hpmoe.MoELayer(cfg, ranks=P, workers=1, executor=executor, lend_weights=lend)
+    whole = hpmoe.MoELayer(cfg, ranks=P, workers=1, executor=executor, lend_weights=lend, online=online)
     torch.manual_seed(0)  # the same on every process
     with torch.no_grad():
         for p in whole.parameters():
@@ -59,6 +63,8 @@ def main():
         assert torch.equal(sharded.last_losses.aux, whole.last_losses.aux)
         if lend:
             assert whole.last_exchange["lent_experts"] > 0, f"step {step}: nothing was lent"
+        assert sharded.placement["experts_of_rank"] == whole.placement["experts_of_rank"], \
+            f"rank {me} step {step}: the online revisions differ"
         opt_s.step()
         opt_w.step()
     try:
@@ -72,6 +78,10 @@ def main():
     except ValueError as e:
         assert "the same number of tokens" in str(e), e
     lent = f", lending at {lend} rows" if lend else ""
+    if online:
+        assert whole.revisions > 0 and sharded.revisions == whole.revisions, "no online revision"
+        assert sharded.placement.get("fetch_replicas") is True
+        lent = f", {whole.revisions} online revisions: {whole.placement['experts_of_rank']}"
     print(f"rank {me}: {executor}: 3 steps bit-identical to the in-process layer ({len(experts)} experts held{lent})",
           flush=True)
 

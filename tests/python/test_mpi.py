@@ -16,7 +16,8 @@ def mpi_env(tmp_path):
                 OMPI_MCA_orte_tmpdir_base=str(tmp_path / "ompi"))
 
 
-@pytest.mark.parametrize("executor,lend", [("interleaved", None), ("serialized", None), ("interleaved", "4")])
+@pytest.mark.parametrize("executor,lend", [("interleaved", None), ("serialized", None), ("interleaved", "4"),
+                                           ("interleaved", "online")])
 def test_two_processes_are_the_in_process_layer_bit_for_bit(tmp_path, executor, lend):
     """With lend, hot experts' weights lent across the processes every step, through three training steps."""
     mpirun = shutil.which("mpirun")

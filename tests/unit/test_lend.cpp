@@ -349,6 +349,12 @@ TEST(FetchedReplicas, PlacementFileAndItsRefusals) {
   EXPECT_EQ(fetched.lent_count(1), 2);
   EXPECT_EQ(fetched.lent_count(3), 1);
   EXPECT_EQ(placement_from_json(to_json(fetched), 16, 4, "round trip"), fetched);
+  // A fetching placement with no replica yet (an online policy's start) writes a file that reads back.
+  const nlohmann::json none_yet{{"experts_of_rank", {{0, 1, 2, 3}, {4, 5, 6, 7}, {8, 9, 10, 11}, {12, 13, 14, 15}}},
+                                {"replicas", true}, {"fetch_replicas", true}};
+  const auto start = placement_from_json(none_yet, 16, 4, "p.json");
+  EXPECT_TRUE(start.fetches_replicas() && !start.has_replicas());
+  EXPECT_EQ(placement_from_json(to_json(start), 16, 4, "round trip"), start);
   const auto refused = [&](const nlohmann::json& j) { return error_of([&] { (void)placement_from_json(j, 16, 4, "p.json"); }); };
   EXPECT_NE(refused({{"experts_of_rank", {{0, 1, 2, 3}, {4, 5, 6, 7}, {8, 9, 10, 11}, {12, 13, 14, 15}}}, {"fetch_replicas", true}})
                 .find("fetch_replicas"),

@@ -1,6 +1,7 @@
 // `hpmoe plan` (src/cli/plan.cpp): the greedy search for replicas and
 // tensor-parallel splits on a machine model's expert costs.
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include "source_dir.hpp"
 #include "cli/online.hpp"
@@ -167,6 +168,48 @@ TEST(Plan, RevisesThePlacementAfterTheRoutingDrifts) {
   EXPECT_THROW(revise_placement(c, fixed, {}, cost, budget, 8, 10), Error);
   EXPECT_THROW(revise_placement(c, fixed, std::vector<std::vector<std::int64_t>>{{1, 2, 3}}, cost, budget, 8, 10), Error);
   EXPECT_THROW(revise_placement(c, fixed, after, cost, budget, 8, -1), Error);
+}
+
+// Replicas that fetch their weights (fetch_replicas): the cost model charges
+// every pass's weights each step and nothing at the revision; without
+// relocation no owner moves (the PyTorch module's policy: parameters and
+// their optimizer state stay), a fetching placement's revision fetches, and
+// the revision still follows the drift.
+TEST(Plan, FetchedReplicasAreChargedEveryStepAndOwnersCanStay) {
+  const LayerConfig c = tiny_layer(8, 32, 1024);
+  const auto m = sim::load_machine(std::string(HPMOE_SOURCE_DIR) + "/machines/h800.json");
+  const auto held = ExpertCostModel::from(m, c, true), fetched = ExpertCostModel::from(m, c, true, true);
+  const auto held_inf = ExpertCostModel::from(m, c, false), fetched_inf = ExpertCostModel::from(m, c, false, true);
+  const double w = held.weight_bytes, link = w / held.move_s;  // the link the weights take
+  EXPECT_DOUBLE_EQ(held_inf.replica_s, 0.0);
+  EXPECT_NEAR(fetched_inf.replica_s, w / link, 1e-12 * w / link);
+  EXPECT_NEAR(fetched.replica_s - held.replica_s, w / link, 1e-9 * held.replica_s);  // the backward's own layout too
+  const auto start = ExpertPlacement::contiguous(c.routed_experts, c.ranks);
+  const std::int64_t budget = start.max_local_count() + 1;
+  std::vector<std::vector<std::int64_t>> before, after;
+  for (std::uint64_t k = 0; k < 4; ++k) before.push_back(counts_of(c, "zipf:1.3", 1, k));
+  for (std::uint64_t k = 0; k < 4; ++k) after.push_back(counts_of(c, "zipf:1.3", 2, k));
+  nlohmann::json j = to_json(plan_replicas(c, start, before, fetched, budget));
+  j["replicas"] = j["fetch_replicas"] = true;
+  const ExpertPlacement fixed = placement_from_json(j, c.routed_experts, c.ranks, "test");
+  const Revision free_owners = revise_placement(c, fixed, after, fetched, budget, 64, 10);
+  const Revision r = revise_placement(c, fixed, after, fetched, budget, 64, 10, /*relocate=*/false);
+  EXPECT_GT(free_owners.relocated, 0) << "the case must be one where relocating pays";
+  EXPECT_EQ(r.relocated, 0);
+  EXPECT_GT(r.added + r.moved, 0);
+  EXPECT_DOUBLE_EQ(r.bytes_moved, 0.0);  // fetched replicas pay every step instead
+  EXPECT_TRUE(r.placement.fetches_replicas());
+  for (std::int64_t e = 0; e < c.routed_experts; ++e) EXPECT_EQ(r.placement.owner(e), fixed.owner(e)) << "expert " << e;
+  double fixed_rows = 0, revised_rows = 0;
+  for (const auto& counts : after) fixed_rows += rank_max_over_mean_rows(fixed, counts), revised_rows += rank_max_over_mean_rows(r.placement, counts);
+  EXPECT_LT(revised_rows, fixed_rows);
+  // The policy with relocation off never moves an owner either.
+  OnlinePlacement policy(c, fixed, fetched, {.window = 2, .every = 2, .max_changes = 64, .drift = 0, .relocate = false});
+  for (const auto& counts : after)
+    if (const auto rev = policy.observe(counts)) {
+      EXPECT_EQ(rev->relocated, 0);
+    }
+  for (std::int64_t e = 0; e < c.routed_experts; ++e) EXPECT_EQ(policy.placement().owner(e), fixed.owner(e));
 }
 
 // The online policy (cli/online.hpp): revisions on its schedule and, after a
