@@ -89,6 +89,19 @@ EventBases event_bases(const LayerConfig& c, const Exchange& ex, Pass pass, std:
   return b;
 }
 
+std::vector<std::int64_t> arrival_tile_order(const LayerConfig& c, const Exchange& ex, std::int64_t home, std::int64_t rank) {
+  const std::int64_t TR = ex.tile_rows(), tiles = ex.tiles_of(home);
+  std::vector<std::int64_t> key(static_cast<std::size_t>(tiles), 0), order(static_cast<std::size_t>(tiles));
+  for (std::int64_t s = 0; s < c.ranks; ++s) {
+    const std::int64_t begin = ex.source_offset(s, home), end = ex.source_offset(s + 1, home);
+    for (std::int64_t t = begin / TR; begin < end && t <= (end - 1) / TR; ++t)
+      key[static_cast<std::size_t>(t)] = std::max(key[static_cast<std::size_t>(t)], (rank - s + c.ranks) % c.ranks);
+  }
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](auto a, auto b) { return key[static_cast<std::size_t>(a)] < key[static_cast<std::size_t>(b)]; });
+  return order;
+}
+
 namespace {
 
 // Puts of `rank`'s tokens (forward) or output gradients (backward) to every
@@ -105,21 +118,50 @@ void puts_to_experts(const LayerConfig& c, const Exchange& ex, std::int64_t tile
                                 : (staged ? TaskKind::grad_dispatch_cast_put : TaskKind::grad_dispatch_put);
   const BufferId target = forward ? (staged ? BufferId::recv_staged : BufferId::recv) : (staged ? BufferId::dy_staged : BufferId::dy);
   const std::int64_t cols = !staged ? c.hidden : forward ? c.dispatch_row_bytes() : 2 * c.hidden;
+  // The pieces go in the order their destinations compute them: a piece's
+  // key is where its tile stands in its destination's queue (its slot's
+  // rows before it, then the tile's place in arrival order), as a share of
+  // the destination's rows; ties by rotated destination. Every destination
+  // then receives its rows spread over the whole dispatch, in the order it
+  // uses them. Grouping by expert ordinal instead (each destination's first
+  // expert to all, then the second) makes, where a rank's slots differ in
+  // size (a hot expert's replica beside a cold owner, EP 256 under Zipf),
+  // each phase pour into the ranks with the large slots while the others
+  // wait: the fused step then overlapped little (docs/results/placement.md).
+  // Where the pieces are equal the two orders coincide.
+  std::vector<std::pair<std::pair<double, std::int64_t>, TaskSpec>> pieces;
+  std::vector<double> dest_rows(static_cast<std::size_t>(c.ranks), -1.0);
   for (std::int64_t i = 0; i < ex.instances(); ++i) {  // each expert's homes, in send order
     const std::int64_t e = ex.placement().instance_expert(i), d = ex.placement().instance_rank(i), n = ex.count(rank, i);
     if (n == 0 || (only_peer >= 0 && d != only_peer)) continue;
     const EventBases owner_events = event_bases(c, ex, pass, d);
     const std::int64_t base = staged ? owner_events.staged : forward ? owner_events.recv : owner_events.dy;
     const std::int64_t first = ex.source_offset(rank, i);
+    std::vector<std::int64_t> position;  // each tile's place in the destination's tile order
+    {
+      auto& total = dest_rows[static_cast<std::size_t>(d)];
+      if (total < 0) {
+        total = 0;
+        for (const auto h : ex.placement().instances_of(d)) total += double(ex.expert_rows(h));
+      }
+      const auto order = arrival_tile_order(c, ex, i, d);
+      position.resize(order.size());
+      for (std::size_t k = 0; k < order.size(); ++k) position[static_cast<std::size_t>(order[k])] = static_cast<std::int64_t>(k);
+    }
     for (std::int64_t r = first; r < first + n;) {
       const std::int64_t tile = r / TR, end = std::min(first + n, (tile + 1) * TR);
-      emit(TaskSpec{.kind = kind, .src = forward ? BufferId::x : BufferId::dout, .dst = target,
-                    .expert = e, .peer = d, .row_begin = ex.expert_start(i) + r, .rows = end - r, .col_begin = 0,
-                    .cols = cols, .src_row = ex.send_offset(rank, i) + (r - first),
-                    .trigger_event = base + ex.tile_start(i) + tile});
+      TaskSpec t{.kind = kind, .src = forward ? BufferId::x : BufferId::dout, .dst = target,
+                 .expert = e, .peer = d, .row_begin = ex.expert_start(i) + r, .rows = end - r, .col_begin = 0,
+                 .cols = cols, .src_row = ex.send_offset(rank, i) + (r - first),
+                 .trigger_event = base + ex.tile_start(i) + tile};
+      const double at = double(ex.expert_start(i) + position[static_cast<std::size_t>(tile)] * TR) /
+                        std::max(1.0, dest_rows[static_cast<std::size_t>(d)]);
+      pieces.push_back({{at, (d - rank + c.ranks) % c.ranks}, t});
       r = end;
     }
   }
+  std::stable_sort(pieces.begin(), pieces.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+  for (const auto& [key, t] : pieces) emit(t);
 }
 
 // Puts of `rank`'s expert outputs (forward) or their input gradients
@@ -352,18 +394,7 @@ void generate(Program& p, const LayerConfig& c, const Exchange& ex, const Machin
   // is keyed by its latest source; ties keep row order. Tiles are
   // independent (each writes its own rows; the weight gradients sum in row
   // order whatever the queue order), so the bits do not change.
-  const auto tile_order = [&](std::int64_t home) {
-    const std::int64_t tiles = ex.tiles_of(home);
-    std::vector<std::int64_t> key(static_cast<std::size_t>(tiles), 0), order(static_cast<std::size_t>(tiles));
-    for (std::int64_t s = 0; s < c.ranks; ++s) {
-      const std::int64_t begin = ex.source_offset(s, home), end = ex.source_offset(s + 1, home);
-      for (std::int64_t t = begin / TR; begin < end && t <= (end - 1) / TR; ++t)
-        key[static_cast<std::size_t>(t)] = std::max(key[static_cast<std::size_t>(t)], (rank - s + c.ranks) % c.ranks);
-    }
-    std::iota(order.begin(), order.end(), 0);
-    std::stable_sort(order.begin(), order.end(), [&](auto a, auto b) { return key[static_cast<std::size_t>(a)] < key[static_cast<std::size_t>(b)]; });
-    return order;
-  };
+  const auto tile_order = [&](std::int64_t home) { return arrival_tile_order(c, ex, home, rank); };
   const auto gathers = [&](std::int64_t home, std::int64_t tile) {
     if (by_rank) rank_gathers_of_tile(c, ex, p, pass, rank, home, tile, ev, emit);
   };

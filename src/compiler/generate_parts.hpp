@@ -70,6 +70,10 @@ void rank_puts_to_sources(const LayerConfig&, const Exchange&, std::int64_t tile
 // a lent instance's row in its rank's LENT_W in a pass (-1: not lent);
 // whether it takes weights this step (lent, with rows).
 std::vector<std::pair<std::int64_t, std::int64_t>> lent_pieces(const LayerConfig&, Pass);
+// The order in which `rank` computes the row tiles of its home `home`: the
+// order their rows arrive (each tile keyed by its latest source in the
+// rotated put order; ties in row order).
+std::vector<std::int64_t> arrival_tile_order(const LayerConfig&, const Exchange&, std::int64_t home, std::int64_t rank);
 std::int64_t lent_block_width(const LayerConfig&);
 std::int64_t lent_row(const Exchange&, Pass, std::int64_t instance);
 bool lends_weights(const Exchange&, std::int64_t instance);

@@ -139,7 +139,9 @@ std::vector<std::int32_t> interleave_weight_gradients(const Program& p) {
 // RATR (the hyper-parallel code's dispatch order): the first puts carry
 // every destination's first expert, destinations rotated by rank
 // ((i + rank) % P), so the first experts' rows land first everywhere and
-// their GEMMs start while the rest is on the wire. Then the expert work row
+// their GEMMs start while the rest is on the wire. (The per-assignment
+// dispatch refines that: each piece goes when its destination will compute
+// it, see puts_to_experts; where the pieces are equal it is this order.) Then the expert work row
 // tile by row tile, in generation order, except that a row tile's second
 // GEMM (down-projection; in the backward pass the gate/up data gradient) is
 // released `lookahead` row tiles later, once its vector step has had time to
@@ -242,7 +244,21 @@ std::vector<std::int32_t> ratr_order(const Program& p) {
     const Task& t = p.tasks[static_cast<std::size_t>(i)];
     rest.emplace_back(filled[static_cast<std::size_t>(t.wait_event)] + 0.25, 1 + rotated(t.peer), i);
   }
+  // The per-assignment dispatch puts keep the generator's order (each
+  // destination's pieces in the order it computes them, spread over the
+  // dispatch: generate.cpp puts_to_experts); the rest (lent weights, the
+  // per-rank and per-node exchanges' puts) first, by expert ordinal at the
+  // destination and rotated destination.
+  std::vector<std::tuple<std::int32_t, std::int32_t, std::int32_t>> keyed;
+  std::erase_if(first, [&](const auto& f) {
+    const TaskKind k = p.tasks[static_cast<std::size_t>(std::get<2>(f))].kind;
+    const bool dispatch = k == TaskKind::dispatch_put || k == TaskKind::dispatch_cast_put || k == TaskKind::grad_dispatch_put ||
+                          k == TaskKind::grad_dispatch_cast_put;
+    if (dispatch) keyed.push_back(f);
+    return dispatch;
+  });
   std::sort(first.begin(), first.end());
+  first.insert(first.end(), keyed.begin(), keyed.end());
   std::stable_sort(rest.begin(), rest.end(), [](const auto& a, const auto& b) {
     return std::get<0>(a) != std::get<0>(b) ? std::get<0>(a) < std::get<0>(b) : std::get<1>(a) < std::get<1>(b);
   });
