@@ -316,17 +316,21 @@ class ModuleLayer {
                   transport + "\"");
     }
     if (!online.empty()) {
-      // Owners stay: a process's parameters and their optimizer state are
-      // PyTorch's. Over MPI the replicas fetch their weights, so a revision
-      // has nothing to load; in process every rank reads the one copy.
+      // Over MPI owners stay: a process's parameters and their optimizer
+      // state are PyTorch's, and an expert's owner is its first home, so a
+      // replica can go only to a rank at or above its owner's; its weights
+      // are fetched, so a revision has nothing to load. In process every
+      // rank reads the module's one copy of every parameter: an owner may
+      // move (which rank sums the expert's gradient; nothing is copied),
+      // unless its replicas fetch as over MPI (online["fetch"]).
       const OnlineSetup s = parse_online(online);
       if (transport_ && s.fetch == false)
         throw Error("online[\"fetch\"] = False: over MPI a process holds only the experts it owns, so its replicas "
                     "fetch their weights (leave \"fetch\" out)");
       if (s.fetch == true) placement_ = fetching(placement_, probe);
+      const bool fetched = placement_.fetches_replicas();  // always over MPI
       OnlinePlacement::Options o = s.options;
-      o.relocate = false;
-      const bool fetched = placement_.fetches_replicas();
+      o.relocate = !fetched;
       online_.emplace(config_, placement_, ExpertCostModel::from(sim::load_machine(s.machine), config_, s.training, fetched), o);
     }
   }

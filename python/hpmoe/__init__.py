@@ -240,10 +240,11 @@ class MoELayer(nn.Module):
     cost model's machine model, "cpu-local"), "training" (replicas pay their gradient reduction, True) and
     "fetch" (replicas fetch their weights from their owner every step; always over MPI, off in process by
     default, where every rank reads the process's one copy: True makes an in-process layer revise as an
-    MPI one does).
-    Every forward's expert load feeds the policy; a revision adds, drops or moves replicas (owners stay:
-    parameters and optimizer state do not move) and is the next forward's placement, proven like any
-    other. Every process computes the same revision from the same loads, with no extra communication.
+    MPI one does, owners staying).
+    Every forward's expert load feeds the policy; a revision adds, drops or moves replicas (in process also
+    owners: which rank sums an expert's gradient; over MPI owners stay, so parameters and optimizer state
+    never move, and a replica goes only to a rank at or above its owner's) and is the next forward's
+    placement, proven like any other. Every process computes the same revision from the same loads, with no extra communication.
     ``placement`` is the current one, ``revisions`` and ``last_revision`` what the policy did.
     check_finite: the fast executors refuse (ValueError) tokens x and gradients d_out holding NaN or Inf, and
     an output or dx that overflowed, as the CLI and the reference executor do; a bits test that vectorises,

@@ -10,12 +10,12 @@ import hpmoe
 from test_module import run, small
 
 
-def hot_layer(**kwargs):
-    """A layer whose router sends most tokens to expert 0 (its gate row scaled up, the tokens' mean along it)."""
+def hot_layer(hot=0, **kwargs):
+    """A layer whose router sends most tokens to expert `hot` (its gate row along the tokens' mean)."""
     torch.manual_seed(3)
     m = hpmoe.MoELayer(small(), ranks=4, workers=1, **kwargs)
     with torch.no_grad():
-        m.gate.weight[0] = 0.3
+        m.gate.weight[hot] = 0.3
     return m
 
 
@@ -54,6 +54,24 @@ def test_online_revisions_run_bit_for_bit_as_a_layer_built_on_them(dtype):
     assert all(p == ran_on[0] for p in ran_on[:2]), "the placement changed before the first scheduled revision"
     twin = copy.deepcopy(online)  # a copy starts from the revised placement
     assert twin.placement == online.placement and twin.revisions == 0
+
+
+def test_in_process_owners_may_move_fetching_ones_stay():
+    """The last rank's hot expert: in process the policy may move its owner (which rank sums its gradient),
+    so the expert gets homes on other ranks; with fetch=True (how an MPI layer revises) owners stay, an owner
+    is its expert's first home, so a replica can only go to a rank at or above it: expert 7 stays on rank 3."""
+    torch.manual_seed(6)
+    batches = [hot_tokens(4 * 32) for _ in range(4)]
+    free = hot_layer(hot=7, online=dict(every=2, window=2, drift=0))
+    fixed = hot_layer(hot=7, online=dict(every=2, window=2, drift=0, fetch=True))
+    for x in batches:
+        free(x)
+        fixed(x)
+    homes = lambda m: [r for r, experts in enumerate(m.placement["experts_of_rank"]) if 7 in experts]
+    assert len(homes(free)) > 1 and free.revisions >= 1
+    assert homes(fixed) == [3] and fixed.placement["fetch_replicas"] is True
+    for r, experts in enumerate(fixed.placement["experts_of_rank"]):  # every owner where it was
+        assert [e for e in experts if e // 2 == r] == [2 * r, 2 * r + 1]
 
 
 def test_a_placement_with_replicas_from_pytorch():
