@@ -142,6 +142,17 @@ class ExpertPlacement {
   // The placement without its lent homes.
   ExpertPlacement without_lent() const;
 
+  // An expert's owner is its first (lowest-ranked) home unless given: this
+  // placement with `owners[e]` as expert e's owner, which must be one of
+  // its homes (not a lent one; a split expert's stays its first part's).
+  // The owner holds the expert's weights and sums its gradient; its other
+  // homes are replicas wherever they are, so a replica may sit below its
+  // owner (an online revision that keeps every owner where its parameters
+  // and optimizer state are). Throws Error naming the expert.
+  ExpertPlacement with_owners(std::span<const std::int32_t> owners) const;
+  // Whether some owner is not its expert's first home.
+  bool has_moved_owners() const;
+
   // Throws Error unless this placement fits a layer of `experts` experts on
   // `ranks` ranks (and, given the expert's intermediate size, unless every
   // split's parts tile [0, inter)). `column_unit`: every split boundary a
@@ -151,7 +162,7 @@ class ExpertPlacement {
   friend bool operator==(const ExpertPlacement& a, const ExpertPlacement& b) {
     return a.ranks_ == b.ranks_ && a.local_begin_ == b.local_begin_ && a.local_ == b.local_ &&
            a.slots_per_rank_ == b.slots_per_rank_ && a.split_columns_ == b.split_columns_ && a.lends_ == b.lends_ &&
-           a.fetch_replicas_ == b.fetch_replicas_;
+           a.fetch_replicas_ == b.fetch_replicas_ && a.owner_ == b.owner_;
   }
 
  private:

@@ -91,7 +91,7 @@ std::vector<double> rank_seconds(const ExpertPlacement& p, std::span<const std::
       continue;
     }
     rank += cost.instance_seconds(n);
-    if (i != p.first_instance(e)) rank += cost.replica_s;
+    if (p.instance_rank(i) != p.owner(e)) rank += cost.replica_s;
   }
   return t;
 }
@@ -290,6 +290,17 @@ Greedy greedy(const LayerConfig& c, const ExpertPlacement& start, const History&
 // over the link once, spread over `horizon` steps. With `keep_owners` no
 // home is added below an expert's owner (the lowest home owns it), so the
 // owners stay where they are.
+// `trial` with `current`'s owners wherever they still hold their expert
+// (an online revision moves replicas around owners that stay: a replica may
+// land below its owner); an owner whose home went (a relocation) is the
+// expert's first home.
+ExpertPlacement with_owners_of(const ExpertPlacement& trial, const ExpertPlacement& current) {
+  std::vector<std::int32_t> owners(static_cast<std::size_t>(trial.experts()));
+  for (std::int64_t e = 0; e < trial.experts(); ++e)
+    owners[static_cast<std::size_t>(e)] = trial.instance_on(e, current.owner(e)) >= 0 ? current.owner(e) : trial.owner(e);
+  return trial.with_owners(owners);
+}
+
 Revision local_search(const LayerConfig& c, const ExpertPlacement& from, const History& h, const ExpertCostModel& cost,
                       std::int64_t budget, std::int64_t max_changes, double horizon, bool keep_owners,
                       bool relocate = true, const PlanProgress& progress = {}) {
@@ -315,9 +326,15 @@ Revision local_search(const LayerConfig& c, const ExpertPlacement& from, const H
     Score candidate = best;
     std::vector<std::vector<std::int64_t>> pick;
     int pick_kind = -1;  // 0 add, 1 drop, 2 move (to another expert), 3 relocate (an owner moves)
+    // Online (keep_owners) every owner stays where it is unless the change
+    // relocates it; a plan from scratch takes first homes as owners.
+    const auto placed = [&](const std::vector<std::vector<std::int64_t>>& lists_) {
+      ExpertPlacement t = ExpertPlacement::from_rank_lists(c.routed_experts, lists_, rules, "plan");
+      return keep_owners ? with_owners_of(t, current) : t;
+    };
     const auto consider = [&](std::vector<std::vector<std::int64_t>> trial, int kind) {
       if (kind == 3 && !relocate) return;
-      Score here = evaluate(ExpertPlacement::from_rank_lists(c.routed_experts, trial, rules, "plan"), h, cost);
+      Score here = evaluate(placed(trial), h, cost);
       if (kind == 0 || kind == 2) here.slowest += new_home_s;  // the new home's weights, once
       if (kind == 3) here.slowest += new_owner_s;                 // and an owner's optimizer state
       if (here.better_than(candidate)) candidate = here, pick = std::move(trial), pick_kind = kind;
@@ -330,7 +347,7 @@ Revision local_search(const LayerConfig& c, const ExpertPlacement& from, const H
       if (current.is_split(e)) continue;
       int tried = 0;
       for (const auto r : open) {
-        if (current.instance_on(e, r) >= 0 || (keep_owners && r < current.owner(e))) continue;
+        if (current.instance_on(e, r) >= 0) continue;
         auto trial = lists;
         trial[static_cast<std::size_t>(r)].push_back(e);
         consider(std::move(trial), 0);
@@ -340,14 +357,15 @@ Revision local_search(const LayerConfig& c, const ExpertPlacement& from, const H
     for (const auto d : light) {
       // d's replicas (not its owner), least loaded rank first: where a hot expert's new home helps most.
       std::vector<std::int64_t> homes;
-      for (std::int64_t j = 1; j < current.home_count(d); ++j) homes.push_back(current.instance_rank(current.first_instance(d) + j));
+      for (std::int64_t j = 0; j < current.home_count(d); ++j)
+        if (const auto r = current.instance_rank(current.first_instance(d) + j); r != current.owner(d)) homes.push_back(r);
       std::stable_sort(homes.begin(), homes.end(), [&](auto a, auto b) { return t[static_cast<std::size_t>(a)] < t[static_cast<std::size_t>(b)]; });
       if (homes.size() > 2) homes.erase(homes.begin() + 2, homes.end());
       for (const auto r : homes) {
         auto dropped = lists;
         std::erase(dropped[static_cast<std::size_t>(r)], d);
         for (const auto e : heavy) {
-          if (e == d || current.is_split(e) || current.instance_on(e, r) >= 0 || (keep_owners && r < current.owner(e))) continue;
+          if (e == d || current.is_split(e) || current.instance_on(e, r) >= 0) continue;
           auto trial = dropped;
           trial[static_cast<std::size_t>(r)].push_back(e);
           consider(std::move(trial), 2);
@@ -372,14 +390,14 @@ Revision local_search(const LayerConfig& c, const ExpertPlacement& from, const H
           auto trial = lists;
           std::erase(trial[static_cast<std::size_t>(a)], e);
           trial[static_cast<std::size_t>(b)].push_back(e);
-          consider(std::move(trial), current.owner(e) == a || (keep_owners && b < current.owner(e)) ? 3 : 2);
+          consider(std::move(trial), current.owner(e) == a ? 3 : 2);
           if (++tried == 4) break;
         }
       }
     }
     if (pick_kind < 0) break;
     lists = std::move(pick);
-    out.placement = ExpertPlacement::from_rank_lists(c.routed_experts, lists, rules, "plan");
+    out.placement = placed(lists);
     (pick_kind == 0 ? out.added : pick_kind == 1 ? out.dropped : pick_kind == 2 ? out.moved : out.relocated) += 1;
     if ((pick_kind == 0 || pick_kind == 2) && !cost.fetched) out.bytes_moved += weight_bytes;
     if (pick_kind == 3) out.bytes_moved += owner_bytes;
@@ -504,11 +522,13 @@ Revision revise_placement(const LayerConfig& c, const ExpertPlacement& current,
   // revision fetches too.
   const auto keep_fetching = [&](Revision r) {
     if (current.fetches_replicas() && !r.placement.fetches_replicas())
-      r.placement = ExpertPlacement::from_rank_lists(
-          c.routed_experts, lists_of(r.placement),
-          ExpertPlacement::Rules{.allow_empty_ranks = r.placement.allows_empty_ranks(), .replicas = true,
-                                 .slots_per_rank = slots_per_rank, .splits = r.placement.splits(), .fetch_replicas = true},
-          "revise_placement");
+      r.placement = with_owners_of(
+          ExpertPlacement::from_rank_lists(
+              c.routed_experts, lists_of(r.placement),
+              ExpertPlacement::Rules{.allow_empty_ranks = r.placement.allows_empty_ranks(), .replicas = true,
+                                     .slots_per_rank = slots_per_rank, .splits = r.placement.splits(), .fetch_replicas = true},
+              "revise_placement"),
+          r.placement);
     return r;
   };
   Revision local = keep_fetching(local_search(c, current, h, cost, slots_per_rank, max_changes, horizon, true, relocate));
@@ -520,7 +540,7 @@ Revision revise_placement(const LayerConfig& c, const ExpertPlacement& current,
   for (std::int64_t e = 0; e < c.routed_experts; ++e) owners[static_cast<std::size_t>(current.owner(e))].push_back(e);
   const auto owner_rules = ExpertPlacement::Rules{.allow_empty_ranks = true, .replicas = true, .slots_per_rank = slots_per_rank};
   const ExpertPlacement from_owners = ExpertPlacement::from_rank_lists(c.routed_experts, owners, owner_rules, "revise_placement");
-  Revision fresh = keep_fetching(Revision{replica_plan(c, from_owners, h, cost, slots_per_rank).placement});
+  Revision fresh = keep_fetching(Revision{with_owners_of(replica_plan(c, from_owners, h, cost, slots_per_rank).placement, current)});
   const double weight_bytes = cost.weight_bytes, owner_bytes = cost.owner_bytes;
   for (std::int64_t e = 0; e < c.routed_experts; ++e) {
     for (std::int64_t r = 0; r < c.ranks; ++r) {

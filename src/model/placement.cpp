@@ -202,7 +202,35 @@ ExpertPlacement ExpertPlacement::without_lent() const {
       if (!is_lent(i)) lists[static_cast<std::size_t>(r)].push_back(instance_expert(i));
   ExpertPlacement p = build(experts(), lists, Rules{allow_empty_ranks_, true, slots_per_rank_, splits_, fetch_replicas_}, "placement");
   p.replicated_experts_ = replicated_experts_;
+  p.owner_ = owner_;  // a lent home is never an owner: every owner is still a home
+  p.number_borrowed();
   return p;
+}
+
+ExpertPlacement ExpertPlacement::with_owners(std::span<const std::int32_t> owners) const {
+  if (static_cast<std::int64_t>(owners.size()) != experts())
+    throw Error("owners: " + text(static_cast<std::int64_t>(owners.size())) + " given for " + text(experts()) +
+                " experts; give one rank per expert");
+  ExpertPlacement p = *this;
+  for (std::int64_t e = 0; e < experts(); ++e) {
+    const std::int32_t r = owners[static_cast<std::size_t>(e)];
+    const std::int64_t i = r >= 0 && r < ranks_ ? instance_on(e, r) : -1;
+    if (i < 0 || is_lent(i))
+      throw Error("owners: expert " + text(e) + "'s owner is given as rank " + text(r) + ", which is not one of its homes" +
+                  (i >= 0 ? " (it is lent there for the step)" : "") + "; an owner must hold the expert");
+    if (is_split(e) && r != owner_[static_cast<std::size_t>(e)])
+      throw Error("owners: expert " + text(e) + " is split; its owner is its first part's rank " +
+                  text(owner_[static_cast<std::size_t>(e)]));
+    p.owner_[static_cast<std::size_t>(e)] = r;
+  }
+  p.number_borrowed();
+  return p;
+}
+
+bool ExpertPlacement::has_moved_owners() const {
+  for (std::int64_t e = 0; e < experts(); ++e)
+    if (owner(e) != instance_rank(first_instance(e))) return true;
+  return false;
 }
 
 ExpertPlacement ExpertPlacement::contiguous(std::int64_t experts, std::int64_t ranks) {
@@ -320,6 +348,11 @@ nlohmann::json to_json(const ExpertPlacement& p) {
   if (p.has_replicas() || p.fetches_replicas()) j["replicas"] = true;  // a fetching placement may have none yet
   if (p.fetches_replicas()) j["fetch_replicas"] = true;
   if (p.slots_per_rank() > 0) j["slots_per_rank"] = p.slots_per_rank();
+  if (p.has_moved_owners()) {  // an owner that is not its expert's first home
+    std::vector<std::int32_t> owners;
+    for (std::int64_t e = 0; e < p.experts(); ++e) owners.push_back(p.owner(e));
+    j["owners"] = owners;
+  }
   if (p.has_splits()) {
     nlohmann::json splits = nlohmann::json::array();
     for (const auto& sp : p.splits()) splits.push_back({{"expert", sp.expert}, {"columns", sp.columns}});
@@ -333,9 +366,9 @@ ExpertPlacement placement_from_json(const nlohmann::json& j, std::int64_t expert
   if (!j.is_object()) throw Error(source + ": a placement must be a JSON object with \"experts_of_rank\" or \"owner\"");
   for (const auto& [key, value] : j.items())
     if (key != "experts_of_rank" && key != "owner" && key != "allow_empty_ranks" && key != "replicas" &&
-        key != "slots_per_rank" && key != "splits" && key != "fetch_replicas")
+        key != "slots_per_rank" && key != "splits" && key != "fetch_replicas" && key != "owners")
       throw Error(source + ": unknown key '" + key +
-                  "' (expected experts_of_rank, owner, allow_empty_ranks, replicas, fetch_replicas, slots_per_rank, splits)");
+                  "' (expected experts_of_rank, owner, owners, allow_empty_ranks, replicas, fetch_replicas, slots_per_rank, splits)");
   if (j.contains("experts_of_rank") == j.contains("owner"))
     throw Error(source + ": give exactly one of \"experts_of_rank\" (a list per rank) and \"owner\" (a rank per expert)");
   bool allow_empty = false;
@@ -423,6 +456,22 @@ ExpertPlacement placement_from_json(const nlohmann::json& j, std::int64_t expert
     }
     p = ExpertPlacement::from_rank_lists(experts, parsed,
                                          ExpertPlacement::Rules{allow_empty, replicas, slots, std::move(splits), fetch}, source);
+  }
+  if (j.contains("owners")) {
+    const auto& list = j["owners"];
+    if (j.contains("owner")) throw Error(source + ": \"owners\" names replicated experts' owners; with \"owner\" every expert has one home");
+    if (!list.is_array() || static_cast<std::int64_t>(list.size()) != experts)
+      throw Error(source + ": \"owners\" must be a list with one rank per expert (" + text(experts) + "), each one of its homes");
+    std::vector<std::int32_t> owners;
+    for (std::size_t e = 0; e < list.size(); ++e) {
+      const std::int64_t r = integer(list[e], "owners[" + text(static_cast<std::int64_t>(e)) + "]");
+      owners.push_back(static_cast<std::int32_t>(std::clamp<std::int64_t>(r, -1, ranks)));
+    }
+    try {
+      p = p.with_owners(owners);
+    } catch (const Error& e) {
+      throw Error(source + ": " + e.what());
+    }
   }
   return p;
 }

@@ -119,6 +119,10 @@ check 4 shared --set hidden=128 --set expert_inter=64 -T 96 --backward --dtype b
 # Replicas that fetch their weights from their owners every step (a process holds only its own experts).
 printf '{"experts_of_rank": [[0, 1, 2, 7], [3, 4, 5, 0], [6, 7, 1]], "replicas": true, "fetch_replicas": true}' > "$tmp/fetch.json"
 check 3 network --set routed_experts=8 -T 64 --backward --routing hot:0.45 --placement "$tmp/fetch.json" --iters 2
+# Owners that are not their experts' first homes: expert 7's owner is rank 2 (its replica on rank 0 sits
+# below it), expert 0's rank 1; each process holds the experts it owns and fetches the rest.
+printf '{"experts_of_rank": [[0, 1, 2, 7], [3, 4, 5, 0], [6, 7, 1]], "replicas": true, "fetch_replicas": true, "owners": [1, 0, 0, 1, 1, 1, 2, 2]}' > "$tmp/owners.json"
+check 3 network --set routed_experts=8 -T 64 --backward --routing hot:0.45 --placement "$tmp/owners.json" --iters 2
 
 # The count exchange as a collective (the default on shared memory is one-sided stores).
 check 3 shared -T 64 --backward --routing zipf:1.2 --iters 3 --count-exchange collective

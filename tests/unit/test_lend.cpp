@@ -329,10 +329,13 @@ INSTANTIATE_TEST_SUITE_P(All, LendExecution,
 // quota; the results are bit for bit those of replicas that hold their
 // weights (the same rows, tiles and sums), every tensor.
 namespace {
-ExpertPlacement replicas_of(const LayerConfig& c, bool fetch) {
-  const nlohmann::json j{{"experts_of_rank", {{0, 1, 2, 3, 8, 9}, {4, 5, 6, 7, 0, 1}, {8, 9, 10, 11, 4}, {12, 13, 14, 15, 8}}},
-                         {"replicas", true},
-                         {"fetch_replicas", fetch}};
+ExpertPlacement replicas_of(const LayerConfig& c, bool fetch, bool moved_owners = false) {
+  nlohmann::json j{{"experts_of_rank", {{0, 1, 2, 3, 8, 9}, {4, 5, 6, 7, 0, 1}, {8, 9, 10, 11, 4}, {12, 13, 14, 15, 8}}},
+                   {"replicas", true},
+                   {"fetch_replicas", fetch}};
+  // Owners that are not their expert's first home: replicas below them
+  // (expert 0 owned by rank 1, 8 and 9 by rank 2).
+  if (moved_owners) j["owners"] = {1, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3};
   return placement_from_json(j, c.routed_experts, c.ranks, "test placement");
 }
 }  // namespace
@@ -365,6 +368,21 @@ TEST(FetchedReplicas, PlacementFileAndItsRefusals) {
             std::string::npos);
   EXPECT_NE(refused({{"owner", {0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3}}, {"fetch_replicas", true}}).find("fetch_replicas"),
             std::string::npos);
+  // Owners given: each must be one of its expert's homes; the file round-trips; the borrowed homes follow the owners.
+  const auto moved = replicas_of(c, true, true);
+  EXPECT_TRUE(moved.has_moved_owners() && !fetched.has_moved_owners());
+  EXPECT_EQ(moved.owner(0), 1);
+  EXPECT_TRUE(moved.borrows(moved.instance_on(0, 0))) << "expert 0's replica is now on rank 0, below its owner";
+  EXPECT_FALSE(moved.borrows(moved.instance_on(0, 1)));
+  EXPECT_EQ(placement_from_json(to_json(moved), 16, 4, "round trip"), moved);
+  EXPECT_NE(moved, fetched);
+  nlohmann::json bad = to_json(moved);
+  bad["owners"][5] = 3;  // expert 5 lives on rank 1 only
+  EXPECT_NE(refused(bad).find("expert 5's owner is given as rank 3, which is not one of its homes"), std::string::npos);
+  bad["owners"] = {0, 1};
+  EXPECT_NE(refused(bad).find("\"owners\" must be a list with one rank per expert"), std::string::npos);
+  bad["owners"] = "rank 0";
+  EXPECT_NE(refused(bad).find("\"owners\""), std::string::npos);
 }
 
 TEST(FetchedReplicas, ProgramsAreProvedAndMutationsRejected) {
@@ -373,7 +391,8 @@ TEST(FetchedReplicas, ProgramsAreProvedAndMutationsRejected) {
     LayerConfig c = lend_layer(4, 64, mode);
     c.routed_experts = 16;
     c.lend_weights = 0;
-    const auto placement = replicas_of(c, true);
+    for (const bool moved_owners : {false, true}) {
+    const auto placement = replicas_of(c, true, moved_owners);
     const auto counts = rank_counts(c, placement, "hot:0.4", m.tile_rows);
     for (const Pass pass : {Pass::forward, Pass::backward}) {
       const auto programs = compile_checked(c, placement, counts, m, pass, Policy::critical_path);
@@ -391,6 +410,7 @@ TEST(FetchedReplicas, ProgramsAreProvedAndMutationsRejected) {
           }
       expect_rejected(mutated, c, placement, counts, m, "a fetched replica's relay that does not wait for its weights");
     }
+    }
   }
 }
 
@@ -406,10 +426,13 @@ TEST_P(FetchedReplicaExecution, IsBitForBitTheLayerWithHeldReplicas) {
   const auto w = random_weights(c, 23);
   const auto in = random_inputs(c, 23);
   const auto forced = forced_selection(c, parse_routing_spec("hot:0.4", 5));
-  StepResult held, fetched, serial;
+  StepResult held, fetched, serial, held_moved, fetched_moved, serial_moved;
   for (auto [placement, result, phased] : {std::tuple{replicas_of(c, false), &held, false},
                                            std::tuple{replicas_of(c, true), &fetched, false},
-                                           std::tuple{replicas_of(c, true), &serial, true}}) {
+                                           std::tuple{replicas_of(c, true), &serial, true},
+                                           std::tuple{replicas_of(c, false, true), &held_moved, false},
+                                           std::tuple{replicas_of(c, true, true), &fetched_moved, false},
+                                           std::tuple{replicas_of(c, true, true), &serial_moved, true}}) {
     RuntimeOptions opt{.workers_per_rank = 2, .backward = true, .policy = taskflow::Policy::critical_path, .pin = false,
                        .placement = placement};
     InterleavedExecutor ex(c, w, phased ? serialized_schedule(opt) : opt);
@@ -420,6 +443,14 @@ TEST_P(FetchedReplicaExecution, IsBitForBitTheLayerWithHeldReplicas) {
   EXPECT_TRUE(bit_identical(held.grads, fetched.grads));
   EXPECT_TRUE(bit_identical(serial.out, fetched.out));
   EXPECT_TRUE(bit_identical(serial.grads, fetched.grads));
+  // Owners that are not their experts' first homes (replicas below them):
+  // the same bits again (a replicated expert's partials are summed in
+  // rank order whichever home owns it), and its weights come from the owner.
+  for (const StepResult* r : {&held_moved, &fetched_moved, &serial_moved}) {
+    EXPECT_TRUE(bit_identical(held.out, r->out));
+    EXPECT_TRUE(bit_identical(held.grads, r->grads));
+  }
+  EXPECT_GT(fetched_moved.forward_put_bytes, held_moved.forward_put_bytes);
 }
 
 INSTANTIATE_TEST_SUITE_P(All, FetchedReplicaExecution,
