@@ -317,9 +317,9 @@ class ModuleLayer {
     }
     if (!online.empty()) {
       // Over MPI owners stay: a process's parameters and their optimizer
-      // state are PyTorch's, and an expert's owner is its first home, so a
-      // replica can go only to a rank at or above its owner's; its weights
-      // are fetched, so a revision has nothing to load. In process every
+      // state are PyTorch's (a replica may sit below its owner: the
+      // placement names such owners); its weights are fetched, so a
+      // revision has nothing to load. In process every
       // rank reads the module's one copy of every parameter: an owner may
       // move (which rank sums the expert's gradient; nothing is copied),
       // unless its replicas fetch as over MPI (online["fetch"]).

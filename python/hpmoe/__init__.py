@@ -243,7 +243,7 @@ class MoELayer(nn.Module):
     MPI one does, owners staying).
     Every forward's expert load feeds the policy; a revision adds, drops or moves replicas (in process also
     owners: which rank sums an expert's gradient; over MPI owners stay, so parameters and optimizer state
-    never move, and a replica goes only to a rank at or above its owner's) and is the next forward's
+    never move; replicas go anywhere, below their owner too) and is the next forward's
     placement, proven like any other. Every process computes the same revision from the same loads, with no extra communication.
     ``placement`` is the current one, ``revisions`` and ``last_revision`` what the policy did.
     check_finite: the fast executors refuse (ValueError) tokens x and gradients d_out holding NaN or Inf, and

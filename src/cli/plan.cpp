@@ -281,15 +281,6 @@ Greedy greedy(const LayerConfig& c, const ExpertPlacement& start, const History&
   return out;
 }
 
-// One change at a time, the best that lowers the objective: a replica of
-// one of the experts with the most rows per home added on one of the 4
-// least loaded ranks with a free slot; a replica (never an owner: its
-// gradient and optimizer state stay put) of one of the 8 experts with the
-// fewest rows per home dropped; or such a replica handed over, on the same
-// rank, to one of the 8 with the most. A new home costs its weights' bytes
-// over the link once, spread over `horizon` steps. With `keep_owners` no
-// home is added below an expert's owner (the lowest home owns it), so the
-// owners stay where they are.
 // `trial` with `current`'s owners wherever they still hold their expert
 // (an online revision moves replicas around owners that stay: a replica may
 // land below its owner); an owner whose home went (a relocation) is the
@@ -301,6 +292,15 @@ ExpertPlacement with_owners_of(const ExpertPlacement& trial, const ExpertPlaceme
   return trial.with_owners(owners);
 }
 
+// One change at a time, the best that lowers the objective: a replica of
+// one of the experts with the most rows per home added on one of the 4
+// least loaded ranks with a free slot; a replica (never an owner: its
+// gradient and optimizer state stay put) of one of the 8 experts with the
+// fewest rows per home dropped; or such a replica handed over, on the same
+// rank, to one of the 8 with the most. A new home costs its weights' bytes
+// over the link once, spread over `horizon` steps. With `keep_owners`
+// every owner stays where it is (a new home below it is a replica) unless
+// the change is a relocation; `relocate` false forbids those.
 Revision local_search(const LayerConfig& c, const ExpertPlacement& from, const History& h, const ExpertCostModel& cost,
                       std::int64_t budget, std::int64_t max_changes, double horizon, bool keep_owners,
                       bool relocate = true, const PlanProgress& progress = {}) {
