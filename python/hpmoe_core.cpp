@@ -316,13 +316,13 @@ class ModuleLayer {
                   transport + "\"");
     }
     if (!online.empty()) {
-      // Over MPI owners stay: a process's parameters and their optimizer
-      // state are PyTorch's (a replica may sit below its owner: the
-      // placement names such owners); its weights are fetched, so a
-      // revision has nothing to load. In process every
-      // rank reads the module's one copy of every parameter: an owner may
-      // move (which rank sums the expert's gradient; nothing is copied),
-      // unless its replicas fetch as over MPI (online["fetch"]).
+      // Over MPI owners stay (a process's parameters and their optimizer
+      // state are PyTorch's) and replicas fetch their weights, so a
+      // revision has nothing to load; a replica may sit below its owner
+      // (the placement then names its owners). In process every rank reads
+      // the module's one copy of every parameter, so an owner may move
+      // (which rank sums the expert's gradient; nothing is copied), unless
+      // the replicas fetch as over MPI (online["fetch"]).
       const OnlineSetup s = parse_online(online);
       if (transport_ && s.fetch == false)
         throw Error("online[\"fetch\"] = False: over MPI a process holds only the experts it owns, so its replicas "

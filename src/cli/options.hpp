@@ -64,7 +64,7 @@ struct LayerOptions {
     if (with_placement)
       app.add_option("--placement", placement,
                    "where the experts live: contiguous | round-robin | random[:SEED] | FILE.json "
-                   "({\"experts_of_rank\": [[...], ...]} or {\"owner\": [...]}; \"replicas\", \"fetch_replicas\", \"slots_per_rank\", "
+                   "({\"experts_of_rank\": [[...], ...]} or {\"owner\": [...]}; \"replicas\", \"owners\", \"fetch_replicas\", \"slots_per_rank\", "
                    "\"splits\": docs/placement.schema.json)");
   }
 
