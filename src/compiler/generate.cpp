@@ -89,14 +89,35 @@ EventBases event_bases(const LayerConfig& c, const Exchange& ex, Pass pass, std:
   return b;
 }
 
-std::vector<std::int64_t> arrival_tile_order(const LayerConfig& c, const Exchange& ex, std::int64_t home, std::int64_t rank) {
-  const std::int64_t TR = ex.tile_rows(), tiles = ex.tiles_of(home);
-  std::vector<std::int64_t> key(static_cast<std::size_t>(tiles), 0), order(static_cast<std::size_t>(tiles));
-  for (std::int64_t s = 0; s < c.ranks; ++s) {
-    const std::int64_t begin = ex.source_offset(s, home), end = ex.source_offset(s + 1, home);
-    for (std::int64_t t = begin / TR; begin < end && t <= (end - 1) / TR; ++t)
-      key[static_cast<std::size_t>(t)] = std::max(key[static_cast<std::size_t>(t)], (rank - s + c.ranks) % c.ranks);
+void arrival_keys(const LayerConfig& c, const Exchange& ex, std::int64_t home, std::int64_t rank, std::vector<std::int64_t>& key) {
+  const std::int64_t TR = ex.tile_rows(), P = c.ranks, rows = ex.expert_rows(home);
+  key.assign(static_cast<std::size_t>(ex.tiles_of(home)), 0);
+  // The source whose block holds row x of the home (blocks in rank order).
+  const auto source_of = [&](std::int64_t x) {
+    std::int64_t lo = 0, hi = P - 1;
+    while (lo < hi) {
+      const std::int64_t mid = (lo + hi + 1) / 2;
+      if (ex.source_offset(mid, home) <= x) lo = mid;
+      else hi = mid - 1;
+    }
+    return lo;
+  };
+  // A tile's sources with rows are a run of ranks; (rank - s) mod P falls
+  // along it except past `rank`, where it jumps to P - 1 and falls again:
+  // its latest is the run's first source's, or the first after `rank`'s.
+  const std::int64_t after_rank = rank + 1 < P ? ex.source_offset(rank + 1, home) : rows;
+  for (std::int64_t t = 0; t < static_cast<std::int64_t>(key.size()); ++t) {
+    const std::int64_t a = t * TR, b = std::min(rows, a + TR);
+    const std::int64_t first = source_of(a);
+    std::int64_t k = (rank - first + P) % P;
+    if (first <= rank && after_rank < b) k = std::max(k, (rank - source_of(after_rank) + P) % P);
+    key[static_cast<std::size_t>(t)] = k;
   }
+}
+
+std::vector<std::int64_t> arrival_tile_order(const LayerConfig& c, const Exchange& ex, std::int64_t home, std::int64_t rank) {
+  std::vector<std::int64_t> key, order(static_cast<std::size_t>(ex.tiles_of(home)));
+  arrival_keys(c, ex, home, rank, key);
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(), [&](auto a, auto b) { return key[static_cast<std::size_t>(a)] < key[static_cast<std::size_t>(b)]; });
   return order;
@@ -131,30 +152,36 @@ void puts_to_experts(const LayerConfig& c, const Exchange& ex, std::int64_t tile
   // Where the pieces are equal the two orders coincide.
   std::vector<std::pair<std::pair<double, std::int64_t>, TaskSpec>> pieces;
   std::vector<double> dest_rows(static_cast<std::size_t>(c.ranks), -1.0);
+  std::vector<std::int64_t> keys;
   for (std::int64_t i = 0; i < ex.instances(); ++i) {  // each expert's homes, in send order
     const std::int64_t e = ex.placement().instance_expert(i), d = ex.placement().instance_rank(i), n = ex.count(rank, i);
     if (n == 0 || (only_peer >= 0 && d != only_peer)) continue;
     const EventBases owner_events = event_bases(c, ex, pass, d);
     const std::int64_t base = staged ? owner_events.staged : forward ? owner_events.recv : owner_events.dy;
     const std::int64_t first = ex.source_offset(rank, i);
-    std::vector<std::int64_t> position;  // each tile's place in the destination's tile order
-    {
-      auto& total = dest_rows[static_cast<std::size_t>(d)];
-      if (total < 0) {
-        total = 0;
-        for (const auto h : ex.placement().instances_of(d)) total += double(ex.expert_rows(h));
-      }
-      const auto order = arrival_tile_order(c, ex, i, d);
-      position.resize(order.size());
-      for (std::size_t k = 0; k < order.size(); ++k) position[static_cast<std::size_t>(order[k])] = static_cast<std::int64_t>(k);
+    auto& total = dest_rows[static_cast<std::size_t>(d)];
+    if (total < 0) {
+      total = 0;
+      for (const auto h : ex.placement().instances_of(d)) total += double(ex.expert_rows(h));
     }
+    // A tile's place in the destination's order (arrival_tile_order's:
+    // by latest source in rotated order, ties by index), counted for the
+    // few tiles this rank's block touches instead of sorting them all.
+    arrival_keys(c, ex, i, d, keys);
+    const auto position = [&](std::int64_t t) {
+      const std::int64_t k = keys[static_cast<std::size_t>(t)];
+      std::int64_t before = 0;
+      for (std::int64_t u = 0; u < static_cast<std::int64_t>(keys.size()); ++u)
+        before += keys[static_cast<std::size_t>(u)] < k || (keys[static_cast<std::size_t>(u)] == k && u < t);
+      return before;
+    };
     for (std::int64_t r = first; r < first + n;) {
       const std::int64_t tile = r / TR, end = std::min(first + n, (tile + 1) * TR);
       TaskSpec t{.kind = kind, .src = forward ? BufferId::x : BufferId::dout, .dst = target,
                  .expert = e, .peer = d, .row_begin = ex.expert_start(i) + r, .rows = end - r, .col_begin = 0,
                  .cols = cols, .src_row = ex.send_offset(rank, i) + (r - first),
                  .trigger_event = base + ex.tile_start(i) + tile};
-      const double at = double(ex.expert_start(i) + position[static_cast<std::size_t>(tile)] * TR) /
+      const double at = double(ex.expert_start(i) + position(tile) * TR) /
                         std::max(1.0, dest_rows[static_cast<std::size_t>(d)]);
       pieces.push_back({{at, (d - rank + c.ranks) % c.ranks}, t});
       r = end;

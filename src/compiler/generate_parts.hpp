@@ -74,6 +74,9 @@ std::vector<std::pair<std::int64_t, std::int64_t>> lent_pieces(const LayerConfig
 // order their rows arrive (each tile keyed by its latest source in the
 // rotated put order; ties in row order).
 std::vector<std::int64_t> arrival_tile_order(const LayerConfig&, const Exchange&, std::int64_t home, std::int64_t rank);
+// Each tile's key in that order: its latest source's place in `rank`'s
+// arrival order ((rank - source) mod P), into `key`.
+void arrival_keys(const LayerConfig&, const Exchange&, std::int64_t home, std::int64_t rank, std::vector<std::int64_t>& key);
 std::int64_t lent_block_width(const LayerConfig&);
 std::int64_t lent_row(const Exchange&, Pass, std::int64_t instance);
 bool lends_weights(const Exchange&, std::int64_t instance);
