@@ -40,7 +40,6 @@
 //   (defaults: h800 200 16 10 2 4096 training 0; run from the repository root: it reads data/routing)
 #include <cstdio>
 #include <cstdlib>
-#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -128,11 +127,7 @@ int main(int argc, char** argv) {
   const std::int64_t budget = contiguous.max_local_count() + 1;
   const std::span<const std::vector<std::int64_t>> all(steps);
   ExpertPlacement fixed = plan_replicas(c, contiguous, all.subspan(0, static_cast<std::size_t>(std::min(window, S))), cost, budget);
-  if (fetched) {  // its revisions fetch too
-    nlohmann::json j = to_json(fixed);
-    j["replicas"] = j["fetch_replicas"] = true;
-    fixed = placement_from_json(j, c.routed_experts, c.ranks, "the static plan");
-  }
+  if (fetched) fixed = fixed.with_fetched_replicas();  // its revisions fetch too
 
   double none = 0, stat = 0, online = 0, bytes = 0, move_s = 0, fetched_bytes = 0;
   double bound_at = 0;  // the bound, on the steps it is computed for

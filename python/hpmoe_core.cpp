@@ -222,17 +222,6 @@ ExpertPlacement module_placement(const std::string& text, const LayerConfig& c) 
   return parse_placement(text, c.routed_experts, c.ranks);
 }
 
-// The same placement with replicas that fetch their weights (bit for bit the
-// results of held ones): over MPI a process holds only the experts it owns.
-// Fetching even without replicas yet, so that an online revision's fetch too.
-ExpertPlacement fetching(const ExpertPlacement& p, const LayerConfig& c) {
-  if (p.fetches_replicas()) return p;
-  nlohmann::json j = to_json(p);
-  j["replicas"] = true;
-  j["fetch_replicas"] = true;
-  return placement_from_json(j, c.routed_experts, c.ranks, "MoELayer(placement=...)");
-}
-
 // MoELayer(online=...): the online policy's settings, every key optional.
 struct OnlineSetup {
   OnlinePlacement::Options options;
@@ -295,7 +284,9 @@ class ModuleLayer {
                   "the fast executors (\"interleaved\", \"serialized\")");
     placement_ = module_placement(placement, probe);
     placement_.check_fits(config_.routed_experts, config_.ranks, config_.expert_inter, config_.dtype == DType::bf16 ? 2 : 1);
-    if (transport == "mpi") placement_ = fetching(placement_, probe);
+    // Over MPI a process holds only the experts it owns: replicas fetch their
+    // weights (bit for bit held ones), and so do an online revision's.
+    if (transport == "mpi") placement_ = placement_.with_fetched_replicas();
     const MpiPath path = parse_mpi_path(mpi_path);  // checked whatever the transport: a bad value is never ignored
     if (transport == "mpi") {
       if (reference_) throw Error("executor=\"reference\" runs in one process; use ep=\"mpi\" with \"interleaved\" or \"serialized\"");
@@ -327,7 +318,7 @@ class ModuleLayer {
       if (transport_ && s.fetch == false)
         throw Error("online[\"fetch\"] = False: over MPI a process holds only the experts it owns, so its replicas "
                     "fetch their weights (leave \"fetch\" out)");
-      if (s.fetch == true) placement_ = fetching(placement_, probe);
+      if (s.fetch == true) placement_ = placement_.with_fetched_replicas();
       const bool fetched = placement_.fetches_replicas();  // always over MPI
       OnlinePlacement::Options o = s.options;
       o.relocate = !fetched;

@@ -152,6 +152,11 @@ class ExpertPlacement {
   ExpertPlacement with_owners(std::span<const std::int32_t> owners) const;
   // Whether some owner is not its expert's first home.
   bool has_moved_owners() const;
+  // This placement with replicas that fetch their weights (Rules::
+  // fetch_replicas), owners and slots as they are: where replicas will be
+  // added later (an online start) too. Split experts' parts are never
+  // fetched.
+  ExpertPlacement with_fetched_replicas() const;
 
   // Throws Error unless this placement fits a layer of `experts` experts on
   // `ranks` ranks (and, given the expert's intermediate size, unless every

@@ -521,14 +521,7 @@ Revision revise_placement(const LayerConfig& c, const ExpertPlacement& current,
   // The searches build placements from rank lists; a fetching placement's
   // revision fetches too.
   const auto keep_fetching = [&](Revision r) {
-    if (current.fetches_replicas() && !r.placement.fetches_replicas())
-      r.placement = with_owners_of(
-          ExpertPlacement::from_rank_lists(
-              c.routed_experts, lists_of(r.placement),
-              ExpertPlacement::Rules{.allow_empty_ranks = r.placement.allows_empty_ranks(), .replicas = true,
-                                     .slots_per_rank = slots_per_rank, .splits = r.placement.splits(), .fetch_replicas = true},
-              "revise_placement"),
-          r.placement);
+    if (current.fetches_replicas()) r.placement = r.placement.with_fetched_replicas();
     return r;
   };
   Revision local = keep_fetching(local_search(c, current, h, cost, slots_per_rank, max_changes, horizon, true, relocate));

@@ -227,6 +227,13 @@ ExpertPlacement ExpertPlacement::with_owners(std::span<const std::int32_t> owner
   return p;
 }
 
+ExpertPlacement ExpertPlacement::with_fetched_replicas() const {
+  ExpertPlacement p = *this;
+  p.fetch_replicas_ = true;
+  p.number_borrowed();
+  return p;
+}
+
 bool ExpertPlacement::has_moved_owners() const {
   for (std::int64_t e = 0; e < experts(); ++e)
     if (owner(e) != instance_rank(first_instance(e))) return true;
