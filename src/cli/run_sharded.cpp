@@ -257,7 +257,9 @@ StepResult gather_step(Transport& tr, int me, const LayerConfig& c, const Expert
 // A sharded save in two phases: every rank stages its files, the ranks
 // agree that all succeeded, and only then is anything put in place (rank 0
 // writing the index last). A rank that could not write (a full disk, a
-// file-size limit) leaves the folder's earlier checkpoint whole on all.
+// file-size limit) leaves the folder's earlier checkpoint whole on all, and
+// every rank's error carries its reason: the ranks exit together, and
+// mpirun may end the job before a slower process has printed its line.
 void save_sharded(Transport& tr, int me, const std::string& dir, const RankTensors& t,
                   const ExpertPlacement& placement) {
   std::optional<SaveSet> staged;
@@ -267,13 +269,17 @@ void save_sharded(Transport& tr, int me, const std::string& dir, const RankTenso
   } catch (const std::exception& e) {
     failure = e.what();
   }
-  const auto staged_everywhere = allgather_doubles(tr, me, {failure.empty() ? 1.0 : 0.0});
+  // Each rank's failure, at most kReason bytes of it (empty: staged).
+  constexpr std::size_t kReason = 512;
+  std::vector<char> reasons(kReason * static_cast<std::size_t>(tr.ranks()), '\0');
+  std::copy_n(failure.begin(), std::min(failure.size(), kReason - 1), reasons.begin() + static_cast<std::ptrdiff_t>(kReason * me));
+  tr.allgather(std::as_writable_bytes(std::span<char>(reasons)), kReason);
   const std::string unchanged = ": nothing of this save was put in place, and the checkpoint there before is unchanged";
   if (!failure.empty()) throw Error(failure + unchanged);
-  for (std::size_t q = 0; q < staged_everywhere.size(); ++q)
-    if (staged_everywhere[q][0] == 0)
-      throw Error("rank " + std::to_string(q) + " could not write its part of the save to '" + dir + "' (its error says why)" +
-                  unchanged);
+  for (std::size_t q = 0; q < static_cast<std::size_t>(tr.ranks()); ++q)
+    if (reasons[q * kReason] != '\0')
+      throw Error("rank " + std::to_string(q) + " could not write its part of the save to '" + dir +
+                  "': " + std::string(reasons.data() + q * kReason) + unchanged);
   staged->commit();
   allgather_doubles(tr, me, {1.0});  // every rank's files in place before rank 0 writes the index
   if (me == 0) finish_sharded_save(dir, t.config, placement);
