@@ -295,11 +295,12 @@ void sink_node_sums(const Program& p, std::vector<std::int32_t>& order) {
 
 // A forwarder's forwards (the per-node exchange's second hop, level 1)
 // wait only for node blocks other ranks put; the gathers and relays that
-// wait on `tok` events may wait for other forwarders' forwards (level 1
-// too): queued before this rank's own forwards, the forwarders could wait
-// on each other. Under every policy the forwards and node relays go, in
-// their order, after the rank's own dispatch puts and before its first
-// gather or relay.
+// wait on `tok` events, and any other task that waits on one (the
+// backward's gate-gradient puts, which RATR queues with the puts), may wait
+// for other forwarders' forwards (level 1 too): queued before this rank's
+// own forwards, the forwarders could wait on each other. Under every policy
+// the forwards and node relays go, in their order, after the rank's own
+// dispatch puts and before the first task that waits on a `tok` event.
 void hoist_forwards(const Program& p, std::vector<std::int32_t>& order) {
   const auto kind = [&](std::int32_t i) { return p.tasks[static_cast<std::size_t>(i)].kind; };
   const auto forwarding = [](TaskKind k) {
@@ -325,7 +326,9 @@ void hoist_forwards(const Program& p, std::vector<std::int32_t>& order) {
     }
     rest.push_back(i);
     if (dispatch_put(k)) after_puts = rest.size();
-    if (token_consumer(k) && first_consumer == std::numeric_limits<std::size_t>::max()) first_consumer = rest.size() - 1;
+    const std::int32_t wait = p.tasks[static_cast<std::size_t>(i)].wait_event;
+    const bool waits_on_tokens = token_consumer(k) || (wait >= 0 && token_consumer(p.events[static_cast<std::size_t>(wait)].consumer));
+    if (waits_on_tokens && first_consumer == std::numeric_limits<std::size_t>::max()) first_consumer = rest.size() - 1;
   }
   if (forwards.empty()) return;
   const std::size_t at = std::max(after_puts, std::min(first_consumer, rest.size()));

@@ -235,6 +235,24 @@ TEST(NodeExchange, EveryPolicyQueuesTheForwarderLevelsInOrder) {
   }
 }
 
+// The backward's gate-gradient puts wait on `tok` events too, and RATR
+// queues them with the puts: the forwards used to go after them (before
+// the first gather only), so a forwarder could wait on another's forwards
+// behind its own. Found at EP 256 on the H800 model, where the simulator
+// deadlocked; eight nodes of two ranks on an accelerator machine show it.
+TEST(NodeExchange, ForwardsGoBeforeEveryTaskThatWaitsOnTokens) {
+  for (const char* routing : {"uniform", "zipf:1.2"}) {
+    const LayerConfig c = node_layer(16, 2, 64);
+    const auto placement = contiguous(c);
+    const Machine m = parse_machine("accel:2:3");
+    const auto counts = rank_counts(c, placement, routing, m.tile_rows);
+    for (const Policy policy : {Policy::ratr, Policy::critical_path, Policy::fill}) {
+      SCOPED_TRACE(std::string(routing) + " " + name(policy));
+      compile_checked(c, placement, counts, m, Pass::backward, policy);
+    }
+  }
+}
+
 TEST(NodeExchange, MutationsOfTheForwardingAreRejected) {
   const LayerConfig c = node_layer(4, 2, 100);
   const Machine m = parse_machine("cpu:2:32x64");
