@@ -9,6 +9,7 @@
 #include "hpmoe/error.hpp"
 #include "compiler/taskflow.hpp"
 #include "compiler/layout.hpp"
+#include "compiler/levels.hpp"
 
 namespace hpmoe::taskflow {
 
@@ -336,6 +337,151 @@ void hoist_forwards(const Program& p, std::vector<std::int32_t>& order) {
   order.swap(rest);
 }
 
+// The per-rank proof's rule (compiler/levels.hpp): a put into a peer's
+// level-l event may not run after anything that waits, through its worker's
+// queue or the events it waits on, for what peers put at level l or above;
+// else two ranks could each hold back what the other waits for. The
+// policies and the passes above order the known cases (forwards, node
+// sums); this pass keeps the rule wherever an order still breaks it (the
+// compiler's fuzz target found a node's part sums queued behind a rank
+// reduce under critical-path). Each task's dependence is the highest level
+// of remote-fed event it waits on, directly or through local producers.
+// For each level l in turn, the puts of level l that lie after the first
+// task of dependence >= l move there, with the local tasks they wait on
+// from that point, in their order. Every put then precedes, in the order
+// and so in every queue, each task that depends on its level or above.
+// Nothing moves where the order keeps the rule, and a task moves with its
+// producers, so the order stays topological.
+// The levels of this rank's events that peers' puts feed (-1: only its
+// own triggers), by the kind of task that waits on them: from the kinds of
+// put this rank sends where they feed that kind (its peers' exchange
+// programs are made by the same rules: a forwarder's forwards exist only
+// where nodes forward), else from every kind that may feed it (lent and
+// fetched weights go one way only). Where several kinds feed one consumer,
+// the highest level stands for all.
+std::vector<std::int8_t> remote_levels(const Program& p) {
+  const std::size_t E = p.events.size(), K = static_cast<std::size_t>(TaskKind::count);
+  constexpr std::int8_t kUnknownLevel = 7;  // a remote-fed event whose feeders are unknown: assume the worst
+  std::vector<std::uint8_t> sends(K, 0);
+  for (const Task& t : p.tasks)
+    if (is_put(t.kind) && t.peer != p.rank) sends[static_cast<std::size_t>(t.kind)] = 1;
+  std::vector<std::int8_t> by_sent(K, -1), by_any(K, -1);
+  for (std::size_t k = 0; k < K; ++k) {
+    const auto put = static_cast<TaskKind>(k);
+    if (!is_put(put)) continue;
+    const auto [first, second] = remote_consumers(put);
+    for (const TaskKind c : {remote_consumer(put), first, second}) {
+      const auto i = static_cast<std::size_t>(c);
+      by_any[i] = std::max(by_any[i], put_level(put));
+      if (sends[k]) by_sent[i] = std::max(by_sent[i], put_level(put));
+    }
+  }
+  std::vector<std::int8_t> consumer_level(K);
+  for (std::size_t i = 0; i < K; ++i) consumer_level[i] = by_sent[i] >= 0 ? by_sent[i] : by_any[i];
+  // A relay's event counts the same puts as the gather (or forward) it chains.
+  const auto alias = [&](TaskKind relay, TaskKind of) {
+    consumer_level[static_cast<std::size_t>(relay)] =
+        std::max(consumer_level[static_cast<std::size_t>(relay)], consumer_level[static_cast<std::size_t>(of)]);
+  };
+  alias(TaskKind::dispatch_relay, TaskKind::dispatch_gather);
+  alias(TaskKind::grad_dispatch_relay, TaskKind::grad_dispatch_gather);
+  alias(TaskKind::dispatch_node_relay, TaskKind::dispatch_forward);
+  alias(TaskKind::grad_dispatch_node_relay, TaskKind::grad_dispatch_forward);
+  std::vector<std::int32_t> local(E, 0);
+  for (const Task& t : p.tasks)
+    if (t.trigger_event >= 0 && t.peer == p.rank) ++local[static_cast<std::size_t>(t.trigger_event)];
+  std::vector<std::int8_t> level(E, -1);
+  for (std::size_t e = 0; e < E; ++e)
+    if (p.events[e].required > local[e]) {
+      const std::int8_t l = consumer_level[static_cast<std::size_t>(p.events[e].consumer)];
+      level[e] = l >= 0 ? l : kUnknownLevel;
+    }
+  return level;
+}
+
+// Whether some put runs, in its queue, after a task that depends (through
+// the tasks before it in its queue, or the events it waits on) on peers'
+// puts of its level or above: the per-rank proof's check, on this rank's
+// estimate of its events' levels (`worker_of`: each position's worker).
+bool queues_break_levels(const Program& p, const std::vector<std::int32_t>& order, const std::vector<int>& worker_of,
+                         std::vector<std::int8_t> event_dep) {
+  std::vector<std::int8_t> queue_dep(static_cast<std::size_t>(p.machine.workers()), -1);
+  for (std::size_t i = 0; i < order.size(); ++i) {  // queues keep the order, and producers come first
+    const Task& t = p.tasks[static_cast<std::size_t>(order[i])];
+    auto& d = queue_dep[static_cast<std::size_t>(worker_of[i])];
+    if (t.wait_event >= 0) d = std::max(d, event_dep[static_cast<std::size_t>(t.wait_event)]);
+    if (is_put(t.kind) && t.peer != p.rank && d >= put_level(t.kind)) return true;
+    if (t.trigger_event >= 0 && t.peer == p.rank) {
+      auto& e = event_dep[static_cast<std::size_t>(t.trigger_event)];
+      e = std::max(e, d);
+    }
+  }
+  return false;
+}
+
+void keep_levels(const Program& p, std::vector<std::int32_t>& order, std::vector<std::int8_t> event_dep) {
+  const std::size_t n = p.tasks.size(), E = p.events.size();
+  std::vector<std::int32_t> local(E + 1, 0);  // each event's local producers, as CSR offsets
+  for (const Task& t : p.tasks)
+    if (t.trigger_event >= 0 && t.peer == p.rank) ++local[static_cast<std::size_t>(t.trigger_event) + 1];
+  // Dependence in order (topological: an event's producers come first).
+  std::vector<std::int8_t> dep(n, -1);
+  std::int8_t top = -1;
+  for (const std::int32_t id : order) {
+    const Task& t = p.tasks[static_cast<std::size_t>(id)];
+    const std::int8_t d = t.wait_event >= 0 ? event_dep[static_cast<std::size_t>(t.wait_event)] : std::int8_t{-1};
+    dep[static_cast<std::size_t>(id)] = d;
+    top = std::max(top, d);
+    if (t.trigger_event >= 0 && t.peer == p.rank) {
+      auto& e = event_dep[static_cast<std::size_t>(t.trigger_event)];
+      e = std::max(e, d);
+    }
+  }
+  if (top < 0) return;  // nothing waits on peers
+  // Each event's local producers (CSR), and each task's place in the order.
+  for (std::size_t e = 0; e < E; ++e) local[e + 1] += local[e];
+  std::vector<std::int32_t> producers(static_cast<std::size_t>(local[E])), fill(local.begin(), local.end() - 1);
+  for (std::size_t i = 0; i < n; ++i) {
+    const Task& t = p.tasks[i];
+    if (t.trigger_event >= 0 && t.peer == p.rank)
+      producers[static_cast<std::size_t>(fill[static_cast<std::size_t>(t.trigger_event)]++)] = static_cast<std::int32_t>(i);
+  }
+  std::vector<std::size_t> pos(n);
+  std::vector<std::uint8_t> moving(n, 0);
+  std::vector<std::int32_t> stack, moved, stay;
+  for (std::int8_t level = 0; level <= top; ++level) {
+    for (std::size_t i = 0; i < n; ++i) pos[static_cast<std::size_t>(order[i])] = i;
+    std::size_t first = n;
+    for (std::size_t i = 0; i < n && first == n; ++i)
+      if (dep[static_cast<std::size_t>(order[i])] >= level) first = i;
+    for (std::size_t i = first; i < n; ++i) {
+      const Task& t = p.tasks[static_cast<std::size_t>(order[i])];
+      if (is_put(t.kind) && t.peer != p.rank && put_level(t.kind) == level) stack.push_back(order[i]);
+    }
+    if (stack.empty()) continue;
+    for (const auto id : stack) moving[static_cast<std::size_t>(id)] = 1;
+    while (!stack.empty()) {  // and what they wait on, from `first` on
+      const Task& t = p.tasks[static_cast<std::size_t>(stack.back())];
+      stack.pop_back();
+      if (t.wait_event < 0) continue;
+      const auto e = static_cast<std::size_t>(t.wait_event);
+      for (auto k = local[e]; k < local[e + 1]; ++k) {
+        const auto u = static_cast<std::size_t>(producers[static_cast<std::size_t>(k)]);
+        if (pos[u] >= first && !moving[u]) {
+          moving[u] = 1;
+          stack.push_back(static_cast<std::int32_t>(u));
+        }
+      }
+    }
+    moved.clear();
+    stay.clear();
+    for (std::size_t i = first; i < n; ++i) (moving[static_cast<std::size_t>(order[i])] ? moved : stay).push_back(order[i]);
+    std::copy(moved.begin(), moved.end(), order.begin() + static_cast<std::ptrdiff_t>(first));
+    std::copy(stay.begin(), stay.end(), order.begin() + static_cast<std::ptrdiff_t>(first + moved.size()));
+    std::fill(moving.begin(), moving.end(), 0);
+  }
+}
+
 // LSD radix sort of 64-bit keys, 16 bits a pass (stable, linear time).
 void radix_sort(std::vector<std::uint64_t>& keys, std::vector<std::uint64_t>& tmp) {
   tmp.resize(keys.size());
@@ -354,46 +500,13 @@ void radix_sort(std::vector<std::uint64_t>& keys, std::vector<std::uint64_t>& tm
   }
 }
 
-}  // namespace
-
-void schedule(Program& p, Policy policy) {
-  ScheduleScratch scratch;
-  schedule(p, policy, scratch);
-}
-
-void schedule(Program& p, Policy policy, ScheduleScratch& scratch) {
+// Each position of `order` its worker (scratch.worker_of). Fill:
+// round-robin over the workers that take the class. Otherwise list
+// scheduling on the cost model: each task, in order, goes to the worker of
+// its class that is free first. Queues keep the global order, which is
+// topological, so the schedule cannot deadlock.
+void assign_workers(const Program& p, Policy policy, const std::vector<std::int32_t>& order, ScheduleScratch& scratch) {
   const int W = p.machine.workers();
-  if (W < 1) throw Error("a machine needs at least one worker");
-  if (p.cost.size() != p.tasks.size()) throw Error("program has no cost for some tasks");
-  auto& order = scratch.order;
-  order.resize(p.tasks.size());
-  std::iota(order.begin(), order.end(), 0);
-  if (policy == Policy::rank_rotated || policy == Policy::critical_path) rotate_puts(p, order);
-  if (policy == Policy::critical_path) {
-    // Descending bottom level, ties in the current order: sort packed keys
-    // (inverted float bits of the level, position) with a radix sort.
-    const auto bl = bottom_levels(p);
-    auto& keys = scratch.keys;
-    keys.resize(order.size());
-    for (std::size_t i = 0; i < order.size(); ++i) {
-      const auto bits = std::bit_cast<std::uint32_t>(static_cast<float>(bl[order[i]]));  // levels are >= 0
-      keys[i] = (std::uint64_t{~bits} << 32) | static_cast<std::uint32_t>(order[i]);
-    }
-    radix_sort(keys, scratch.keys_tmp);
-    for (std::size_t i = 0; i < order.size(); ++i) order[i] = static_cast<std::int32_t>(keys[i] & 0xffffffffu);
-  }
-  if (policy == Policy::interleave_wgrad) {
-    if (p.pass == Pass::backward) order = interleave_weight_gradients(p);
-    rotate_puts(p, order);
-  }
-  if (policy == Policy::ratr) order = ratr_order(p);
-  hoist_forwards(p, order);
-  sink_node_sums(p, order);
-
-  // Placement. Fill: round-robin over the workers that take the class.
-  // Otherwise list scheduling on the cost model: each task, in order, goes to
-  // the worker of its class that is free first. Queues keep the global order,
-  // which is topological, so the schedule cannot deadlock.
   std::vector<int> classes[3];  // matrix, vector, and the vector workers that carry puts
   for (int w = 0; w < W; ++w) {
     if (p.machine.takes(w, QueueClass::matrix)) classes[0].push_back(w);
@@ -434,6 +547,52 @@ void schedule(Program& p, Policy policy, ScheduleScratch& scratch) {
       worker_of[i] = best;
     }
   }
+}
+
+}  // namespace
+
+void schedule(Program& p, Policy policy) {
+  ScheduleScratch scratch;
+  schedule(p, policy, scratch);
+}
+
+void schedule(Program& p, Policy policy, ScheduleScratch& scratch) {
+  const int W = p.machine.workers();
+  if (W < 1) throw Error("a machine needs at least one worker");
+  if (p.cost.size() != p.tasks.size()) throw Error("program has no cost for some tasks");
+  auto& order = scratch.order;
+  order.resize(p.tasks.size());
+  std::iota(order.begin(), order.end(), 0);
+  if (policy == Policy::rank_rotated || policy == Policy::critical_path) rotate_puts(p, order);
+  if (policy == Policy::critical_path) {
+    // Descending bottom level, ties in the current order: sort packed keys
+    // (inverted float bits of the level, position) with a radix sort.
+    const auto bl = bottom_levels(p);
+    auto& keys = scratch.keys;
+    keys.resize(order.size());
+    for (std::size_t i = 0; i < order.size(); ++i) {
+      const auto bits = std::bit_cast<std::uint32_t>(static_cast<float>(bl[order[i]]));  // levels are >= 0
+      keys[i] = (std::uint64_t{~bits} << 32) | static_cast<std::uint32_t>(order[i]);
+    }
+    radix_sort(keys, scratch.keys_tmp);
+    for (std::size_t i = 0; i < order.size(); ++i) order[i] = static_cast<std::int32_t>(keys[i] & 0xffffffffu);
+  }
+  if (policy == Policy::interleave_wgrad) {
+    if (p.pass == Pass::backward) order = interleave_weight_gradients(p);
+    rotate_puts(p, order);
+  }
+  if (policy == Policy::ratr) order = ratr_order(p);
+  hoist_forwards(p, order);
+  sink_node_sums(p, order);
+
+  assign_workers(p, policy, order, scratch);
+  // Where the order still lets a put wait behind what depends on its level
+  // (the passes above cover the cases known), the level pass, then again.
+  if (const auto levels = remote_levels(p); queues_break_levels(p, order, scratch.worker_of, levels)) {
+    keep_levels(p, order, levels);
+    assign_workers(p, policy, order, scratch);
+  }
+  const auto& worker_of = scratch.worker_of;
   // Counting placement straight into the per-worker CSR queues.
   p.queue_begin.assign(static_cast<std::size_t>(W) + 1, 0);
   for (auto w : worker_of) ++p.queue_begin[static_cast<std::size_t>(w) + 1];

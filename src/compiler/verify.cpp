@@ -7,53 +7,7 @@
 #include "hpmoe/error.hpp"
 
 namespace hpmoe::taskflow {
-namespace verify_detail {
 
-std::string describe(const Program& p, std::int32_t id) {
-  const Task& t = p.tasks[static_cast<std::size_t>(id)];
-  std::ostringstream o;
-  o << "rank " << p.rank << " task #" << id << " (" << name(t.kind);
-  if (t.expert >= 0) o << " expert " << t.expert;
-  o << " rows [" << t.row_begin << ", " << t.row_begin + t.rows << ") cols [" << t.col_begin << ", "
-    << t.col_begin + t.cols << "))";
-  return o.str();
-}
-
-std::string describe_event(const Program& p, std::int32_t ev) {
-  const Event& e = p.events[static_cast<std::size_t>(ev)];
-  std::ostringstream o;
-  o << "event " << ev << " on rank " << p.rank << " (for " << name(e.consumer);
-  if (e.expert >= 0) o << ", expert " << e.expert;
-  if (e.tile >= 0) o << ", tile " << e.tile;
-  o << ")";
-  return o.str();
-}
-
-// What a pass starts from, written before the launch: the tokens and the
-// step's routing; in the backward also the forward's buffers (saved
-// activations), the router's logits and the output gradient.
-bool is_input(Pass pass, BufferId b) {
-  switch (b) {
-    case BufferId::x: case BufferId::xf: case BufferId::slot: case BufferId::gate: case BufferId::send_token:
-    case BufferId::send_assign: case BufferId::rank_token: case BufferId::rank_route: case BufferId::rank_comb:
-    case BufferId::rank_slot: case BufferId::node_token: case BufferId::node_index:
-      return true;
-    case BufferId::recv: case BufferId::h1: case BufferId::a: case BufferId::y: case BufferId::comb:
-    case BufferId::out: case BufferId::sh_h: case BufferId::sh_a: case BufferId::sh_y: case BufferId::dout:
-    case BufferId::sh_dout: case BufferId::logits: case BufferId::recv_tok: case BufferId::recv_route:
-    case BufferId::recv_comb: case BufferId::comb_rank: case BufferId::node_tok: case BufferId::node_route:
-      return pass == Pass::backward;
-    default:
-      return false;
-  }
-}
-
-// Levels of the events that other ranks' puts feed: the dispatch of rows to
-// experts (forward recv tiles, backward dy tiles) is level 0, the return of
-// expert outputs to their sources (comb_done, dx_ready) level 1. A put into a
-// peer's level-l event may depend only on local events and on remote-fed
-// events of levels below l (docs/architecture.md, the per-rank proof).
-// The kind of task that waits on the event a put signals at its peer.
 TaskKind remote_consumer(TaskKind put) {
   switch (put) {
     case TaskKind::dispatch_put: return TaskKind::gemm_gate_up;
@@ -110,11 +64,51 @@ std::int8_t put_level(TaskKind put) {
   }
 }
 
+namespace verify_detail {
+
+std::string describe(const Program& p, std::int32_t id) {
+  const Task& t = p.tasks[static_cast<std::size_t>(id)];
+  std::ostringstream o;
+  o << "rank " << p.rank << " task #" << id << " (" << name(t.kind);
+  if (t.expert >= 0) o << " expert " << t.expert;
+  o << " rows [" << t.row_begin << ", " << t.row_begin + t.rows << ") cols [" << t.col_begin << ", "
+    << t.col_begin + t.cols << "))";
+  return o.str();
+}
+
+std::string describe_event(const Program& p, std::int32_t ev) {
+  const Event& e = p.events[static_cast<std::size_t>(ev)];
+  std::ostringstream o;
+  o << "event " << ev << " on rank " << p.rank << " (for " << name(e.consumer);
+  if (e.expert >= 0) o << ", expert " << e.expert;
+  if (e.tile >= 0) o << ", tile " << e.tile;
+  o << ")";
+  return o.str();
+}
+
+// What a pass starts from, written before the launch: the tokens and the
+// step's routing; in the backward also the forward's buffers (saved
+// activations), the router's logits and the output gradient.
+bool is_input(Pass pass, BufferId b) {
+  switch (b) {
+    case BufferId::x: case BufferId::xf: case BufferId::slot: case BufferId::gate: case BufferId::send_token:
+    case BufferId::send_assign: case BufferId::rank_token: case BufferId::rank_route: case BufferId::rank_comb:
+    case BufferId::rank_slot: case BufferId::node_token: case BufferId::node_index:
+      return true;
+    case BufferId::recv: case BufferId::h1: case BufferId::a: case BufferId::y: case BufferId::comb:
+    case BufferId::out: case BufferId::sh_h: case BufferId::sh_a: case BufferId::sh_y: case BufferId::dout:
+    case BufferId::sh_dout: case BufferId::logits: case BufferId::recv_tok: case BufferId::recv_route:
+    case BufferId::recv_comb: case BufferId::comb_rank: case BufferId::node_tok: case BufferId::node_route:
+      return pass == Pass::backward;
+    default:
+      return false;
+  }
+}
+
 }  // namespace verify_detail
 
 using verify_detail::Checker;
 using verify_detail::ProgramSet;
-using verify_detail::remote_consumer;
 
 Verifier::Verifier() : Verifier(AccessTable::standard()) {}
 Verifier::Verifier(const AccessTable& table) : scratch_(std::make_unique<VerifierScratch>()), table_(&table) {}

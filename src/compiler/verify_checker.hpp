@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "compiler/levels.hpp"
 #include "compiler/taskflow.hpp"
 #include "ops/access.hpp"
 
@@ -89,15 +90,6 @@ class ProgramSet {
   std::vector<const Program*> ptr_;
 };
 
-// Levels of the events that other ranks' puts feed: the dispatch of rows to
-// experts (forward recv tiles, backward dy tiles) is level 0, the return of
-// expert outputs to their sources (comb_done, dx_ready) level 1. A put into a
-// peer's level-l event may depend only on local events and on remote-fed
-// events of levels below l (docs/architecture.md, the per-rank proof).
-// The kind of task that waits on the event a put signals at its peer.
-TaskKind remote_consumer(TaskKind put);
-
-std::int8_t put_level(TaskKind put);
 
 
 

@@ -253,6 +253,45 @@ TEST(NodeExchange, ForwardsGoBeforeEveryTaskThatWaitsOnTokens) {
   }
 }
 
+// Cases the compiler's fuzz target (fuzz/compile_fuzz.cpp) found: sets the
+// generator and scheduler made that the per-rank check rejected. Each is
+// the fuzzer's layer, placement, machine and routing.
+struct FoundCase {
+  const char* layer;
+  const char* placement;
+  const char* machine;
+  int put_workers;
+  const char* routing;
+  std::uint64_t seed;
+  Pass pass;
+  Policy policy;
+};
+
+TEST(NodeExchange, CasesTheCompilerFuzzerFoundAreProved) {
+  const FoundCase cases[] = {
+      // A node's part sums queued behind a forwarder's node sums (fill), lent weights and fetched replicas beside.
+      {R"({"capacity_factor":1.75,"combine_dtype":"bf16","dispatch_dtype":"fp32","dtype":"fp32","exchange":"rank",
+           "expert_inter":32,"grad_dispatch_dtype":"bf16","hidden":128,"lend_weights":"auto","ranks":12,"ranks_per_node":2,
+           "routed_experts":28,"shared_experts":1,"tokens_per_rank":42,"top_k":1})",
+       R"({"allow_empty_ranks":true,"experts_of_rank":[[0,1,4],[2,3],[4,5,6],[7,8],[9,10,0],[11,12,13],[14,15],[16,17],
+           [18,19,20],[21,22],[23,24],[25,26,27,18]],"fetch_replicas":true,"replicas":true})",
+       "accel:1:4:64x128", 0, "uniform", 0, Pass::forward, Policy::fill},
+  };
+  for (const auto& k : cases) {
+    const LayerConfig c = config_from_json(nlohmann::json::parse(k.layer));
+    c.validate();
+    const auto placement = placement_from_json(nlohmann::json::parse(k.placement), c.routed_experts, c.ranks, "case");
+    Machine m = parse_machine(k.machine);
+    m.put_workers = k.put_workers;
+    const auto ids = forced_selection(c, parse_routing_spec(k.routing, k.seed));
+    std::vector<float> logits(static_cast<std::size_t>(c.total_tokens() * c.routed_experts), 0.0f);
+    const auto routed = route<float>(c, logits, std::vector<float>(static_cast<std::size_t>(c.routed_experts), 0.0f), ids);
+    RoutingCounts counts = routing_counts(c, routed);
+    counts.token_counts = rank_token_counts(c, placement, counts, routed, m.tile_rows);
+    compile_checked(c, placement, counts, m, k.pass, k.policy);
+  }
+}
+
 TEST(NodeExchange, MutationsOfTheForwardingAreRejected) {
   const LayerConfig c = node_layer(4, 2, 100);
   const Machine m = parse_machine("cpu:2:32x64");

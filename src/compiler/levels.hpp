@@ -1,0 +1,22 @@
+// The levels of the per-rank proof (docs/architecture.md): the events other
+// ranks' puts feed have levels. The dispatch of rows to experts (forward
+// recv tiles, backward dy tiles) is level 0, the return of expert outputs
+// to their sources (comb_done, dx_ready) level 1, the per-rank and per-node
+// exchanges' later hops above. A put into a peer's level-l event may
+// depend only on local events and on remote-fed events of levels below l,
+// and nothing queued before it may wait on more: the verifier checks it,
+// the scheduler keeps it. Defined in verify.cpp.
+#pragma once
+
+#include <cstdint>
+
+#include "ir/ir.hpp"
+
+namespace hpmoe::taskflow {
+
+// The level of the event a put signals at its peer.
+std::int8_t put_level(TaskKind put);
+// The kind of task that waits on the event a put signals at its peer.
+TaskKind remote_consumer(TaskKind put);
+
+}  // namespace hpmoe::taskflow
