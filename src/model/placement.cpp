@@ -74,10 +74,15 @@ ExpertPlacement ExpertPlacement::build(std::int64_t experts, const std::vector<s
     if (list.empty() && !allow_empty_ranks)
       throw Error(source + ": rank " + text(r) + " has no experts; give it one, or set \"allow_empty_ranks\": true " +
                   "if a rank without experts is what you want");
-    if (slots_per_rank > 0 && static_cast<std::int64_t>(list.size()) > slots_per_rank)
+    if (slots_per_rank > 0 && static_cast<std::int64_t>(list.size()) > slots_per_rank) {
+      std::string beyond;  // the experts past the budget, in slot order: what a revision would have to drop
+      for (std::size_t i = static_cast<std::size_t>(slots_per_rank); i < list.size(); ++i)
+        beyond += (beyond.empty() ? "" : ", ") + text(list[i]);
       throw Error(source + ": rank " + text(r) + " holds " + text(static_cast<std::int64_t>(list.size())) +
-                  " experts, more than its budget of " + text(slots_per_rank) +
-                  " slots (\"slots_per_rank\"); move or drop replicas, or raise the budget");
+                  " experts, more than its budget of " + text(slots_per_rank) + " slots (\"slots_per_rank\"): expert" +
+                  (list.size() - static_cast<std::size_t>(slots_per_rank) > 1 ? "s " : " ") + beyond +
+                  " past it; move or drop replicas, or raise the budget");
+    }
     for (const std::int64_t e : list) {
       if (e < 0 || e >= experts)
         throw Error(source + ": rank " + text(r) + " lists expert " + text(e) + ", which does not exist (the layer has " +

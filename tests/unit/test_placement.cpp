@@ -209,7 +209,7 @@ TEST(PlacementFile, StatesReplicasAndBudgets) {
   EXPECT_EQ(placement_from_json(to_json(p), 4, 2, "round trip"), p);
   EXPECT_TRUE(contains(error(json{{"experts_of_rank", {{0, 1, 2}, {2, 3}}}}), "set \"replicas\": true")) << error(json{});
   EXPECT_TRUE(contains(error(json{{"experts_of_rank", {{0, 1, 2}, {2, 3}}}, {"replicas", true}, {"slots_per_rank", 2}}),
-                       "rank 0 holds 3 experts, more than its budget of 2 slots"));
+                       "rank 0 holds 3 experts, more than its budget of 2 slots (\"slots_per_rank\"): expert 2 past it"));
   EXPECT_TRUE(contains(error(json{{"experts_of_rank", {{0, 1, 1}, {2, 3}}}, {"replicas", true}}), "lists expert 1 twice"));
   EXPECT_TRUE(contains(error(json{{"experts_of_rank", {{0, 1}, {1, 2}}}, {"replicas", true}}), "expert 3 is placed on no rank"));
   EXPECT_TRUE(contains(error(json{{"owner", {0, 1, 1, 0}}, {"replicas", true}}), "list replicas in"));
