@@ -1,7 +1,8 @@
 // libFuzzer target: the compiler itself. The input picks a small layer (ranks,
 // nodes, tokens, experts, top-k, dtypes, exchange, lending, capacity), a
-// placement (contiguous, round-robin or random, with replicas that may fetch
-// their weights), a machine (CPU or accelerator, put workers, tile sizes),
+// placement (contiguous, round-robin or random, with an expert split over
+// two ranks, or replicas that may fetch their weights and owners that need
+// not be first homes), a machine (CPU or accelerator, put workers, tile sizes),
 // a routing, a pass and a schedule policy. Whatever the layer validation
 // refuses is skipped; anything the generator refuses must be an
 // hpmoe::Error. Every program set it does produce must be proved safe by
@@ -61,11 +62,24 @@ ExpertPlacement placement_from(FuzzedDataProvider& in, const LayerConfig& c) {
   const ExpertPlacement base = kind == 0   ? ExpertPlacement::contiguous(c.routed_experts, c.ranks)
                                : kind == 1 ? ExpertPlacement::round_robin(c.routed_experts, c.ranks)
                                            : ExpertPlacement::random(c.routed_experts, c.ranks, in.ConsumeIntegral<std::uint16_t>());
-  const int replicas = in.ConsumeIntegralInRange<int>(0, 4);
-  if (replicas == 0) return base;
   std::vector<std::vector<std::int64_t>> lists(static_cast<std::size_t>(c.ranks));
   for (std::int64_t r = 0; r < c.ranks; ++r)
     for (const auto i : base.instances_of(r)) lists[static_cast<std::size_t>(r)].push_back(base.instance_expert(i));
+  if (c.ranks > 1 && in.ConsumeBool()) {  // an expert split over two ranks (a tensor-parallel hybrid)
+    const auto e = in.ConsumeIntegralInRange<std::int64_t>(0, c.routed_experts - 1);
+    const auto owner = base.owner(e);
+    const auto other = (owner + in.ConsumeIntegralInRange<std::int64_t>(1, c.ranks - 1)) % c.ranks;
+    auto& list = lists[static_cast<std::size_t>(other)];
+    list.insert(list.begin() + static_cast<std::ptrdiff_t>(in.ConsumeIntegralInRange<std::size_t>(0, list.size())), e);
+    const std::int64_t cut = in.ConsumeIntegralInRange<std::int64_t>(1, c.expert_inter - 1);
+    // Parts go to their homes in rank order: the lower rank takes the first columns.
+    return ExpertPlacement::from_rank_lists(
+        c.routed_experts, lists,
+        ExpertPlacement::Rules{.allow_empty_ranks = true, .splits = {{.expert = e, .columns = {0, cut, c.expert_inter}}}},
+        "fuzz");
+  }
+  const int replicas = in.ConsumeIntegralInRange<int>(0, 4);
+  if (replicas == 0) return base;
   for (int k = 0; k < replicas; ++k) {
     const auto e = in.ConsumeIntegralInRange<std::int64_t>(0, c.routed_experts - 1);
     auto& list = lists[static_cast<std::size_t>(in.ConsumeIntegralInRange<std::int64_t>(0, c.ranks - 1))];
@@ -73,7 +87,14 @@ ExpertPlacement placement_from(FuzzedDataProvider& in, const LayerConfig& c) {
   }
   const ExpertPlacement replicated = ExpertPlacement::from_rank_lists(
       c.routed_experts, lists, ExpertPlacement::Rules{.allow_empty_ranks = true, .replicas = true}, "fuzz");
-  return in.ConsumeBool() ? replicated.with_fetched_replicas() : replicated;
+  const ExpertPlacement placed = in.ConsumeBool() ? replicated.with_fetched_replicas() : replicated;
+  if (!in.ConsumeBool()) return placed;
+  std::vector<std::int32_t> owners(static_cast<std::size_t>(c.routed_experts));  // owners that need not be first homes
+  for (std::int64_t e = 0; e < c.routed_experts; ++e) {
+    const auto home = placed.first_instance(e) + in.ConsumeIntegralInRange<std::int64_t>(0, placed.home_count(e) - 1);
+    owners[static_cast<std::size_t>(e)] = placed.instance_rank(home);
+  }
+  return placed.with_owners(owners);
 }
 
 taskflow::Machine machine_from(FuzzedDataProvider& in, std::string& spec) {

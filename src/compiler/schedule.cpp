@@ -337,21 +337,6 @@ void hoist_forwards(const Program& p, std::vector<std::int32_t>& order) {
   order.swap(rest);
 }
 
-// The per-rank proof's rule (compiler/levels.hpp): a put into a peer's
-// level-l event may not run after anything that waits, through its worker's
-// queue or the events it waits on, for what peers put at level l or above;
-// else two ranks could each hold back what the other waits for. The
-// policies and the passes above order the known cases (forwards, node
-// sums); this pass keeps the rule wherever an order still breaks it (the
-// compiler's fuzz target found a node's part sums queued behind a rank
-// reduce under critical-path). Each task's dependence is the highest level
-// of remote-fed event it waits on, directly or through local producers.
-// For each level l in turn, the puts of level l that lie after the first
-// task of dependence >= l move there, with the local tasks they wait on
-// from that point, in their order. Every put then precedes, in the order
-// and so in every queue, each task that depends on its level or above.
-// Nothing moves where the order keeps the rule, and a task moves with its
-// producers, so the order stays topological.
 // The levels of this rank's events that peers' puts feed (-1: only its
 // own triggers), by the kind of task that waits on them: from the kinds of
 // put this rank sends where they feed that kind (its peers' exchange
@@ -419,6 +404,21 @@ bool queues_break_levels(const Program& p, const std::vector<std::int32_t>& orde
   return false;
 }
 
+// The per-rank proof's rule (compiler/levels.hpp): a put into a peer's
+// level-l event may not run after anything that waits, through its worker's
+// queue or the events it waits on, for what peers put at level l or above;
+// else two ranks could each hold back what the other waits for. The
+// policies and the passes above order the known cases (forwards, node
+// sums); this pass keeps the rule wherever an order still breaks it (the
+// compiler's fuzz target found a node's part sums queued behind a rank
+// reduce under critical-path). Each task's dependence is the highest level
+// of remote-fed event it waits on, directly or through local producers.
+// For each level l in turn, the puts of level l that lie after the first
+// task of dependence >= l move there, with the local tasks they wait on
+// from that point, in their order. Every put then precedes, in the order
+// and so in every queue, each task that depends on its level or above.
+// Nothing moves where the order keeps the rule, and a task moves with its
+// producers, so the order stays topological.
 void keep_levels(const Program& p, std::vector<std::int32_t>& order, std::vector<std::int8_t> event_dep) {
   const std::size_t n = p.tasks.size(), E = p.events.size();
   std::vector<std::int32_t> local(E + 1, 0);  // each event's local producers, as CSR offsets
