@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds hpmoe's libFuzzer targets (one per parser: layer config, Hugging
 # Face config import, routing trace, program dump + verifier, the compiler
-# (every program it makes must be proved safe), machine model,
+# (every program it makes must be proved safe), the runtime (interleaved =
+# serialized bit for bit on small layers), machine model,
 # safetensors reader, checkpoint index, placement, sweep --vary specs) with clang under ASan +
 # UBSan, and runs each for a while from its seed corpus (fuzz/corpus/TARGET).
 # A crash, a sanitizer report, a timeout or an exception other than
@@ -14,7 +15,7 @@ cd "$(dirname "$0")/.."
 seconds=${1:-30}
 shift || true
 targets=("$@")
-[ ${#targets[@]} -gt 0 ] || targets=(layer_config hf_config trace program compile machine safetensors checkpoint_index placement vary)
+[ ${#targets[@]} -gt 0 ] || targets=(layer_config hf_config trace program compile runtime machine safetensors checkpoint_index placement vary)
 CC=clang CXX=clang++ cmake -S . -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DHPMOE_FUZZ=ON \
   -DHPMOE_BUILD_TESTS=OFF -DHPMOE_BUILD_BENCH=OFF -DHPMOE_MPI=OFF -DHPMOE_PYTHON=OFF > /dev/null
 cmake --build build-fuzz -j "$(nproc)" --target "${targets[@]/#/fuzz_}"

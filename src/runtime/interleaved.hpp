@@ -34,6 +34,8 @@ inline RuntimeOptions serialized_schedule(RuntimeOptions opt) {
 // shared experts) are then summed over ranks in rank order.
 class InterleavedExecutor {
  public:
+  // The executor reads the weights in place (weights_changed below): they
+  // must outlive it. hpmoe::Layer owns its copy.
   InterleavedExecutor(const LayerConfig&, const LayerWeights&, RuntimeOptions);
   ~InterleavedExecutor();
   InterleavedExecutor(const InterleavedExecutor&) = delete;
