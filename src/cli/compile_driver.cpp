@@ -9,6 +9,7 @@
 #include "hpmoe/error.hpp"
 #include "common/json_parse.hpp"
 #include "hpmoe/tensors.hpp"
+#include "sim/sim.hpp"
 
 namespace hpmoe {
 
@@ -17,15 +18,30 @@ namespace {
 using Clock = std::chrono::steady_clock;
 double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
+// The target as the compiler sees it: a cpu:W or accel:M:V spec, or a
+// machine model (a name in machines/ or a file) as `hpmoe simulate` runs it,
+// its units, put workers and tiles, and its ranks per node where the layer
+// sets none, so that the programs proved are the ones the simulator runs.
+taskflow::Machine target_machine(const std::string& spec, LayerConfig& c) {
+  if (spec.rfind("cpu:", 0) == 0 || spec.rfind("accel:", 0) == 0) return taskflow::parse_machine(spec);
+  const sim::MachineModel m = sim::load_machine(spec);
+  if (c.ranks_per_node == 0 && m.ranks_per_node > 1 && c.ranks % m.ranks_per_node == 0) c.ranks_per_node = m.ranks_per_node;
+  if (c.ranks_per_node != 0 && c.ranks_per_node != m.ranks_per_node && !(m.ranks_per_node <= 1 && c.ranks_per_node == c.ranks))
+    throw Error("the layer's ranks_per_node (" + std::to_string(c.ranks_per_node) + ") differs from the " +
+                std::to_string(m.ranks_per_node) + " of machine '" + m.name + "': leave it unset to use the machine's");
+  c.validate();
+  return m.compiler_machine();
+}
+
 }  // namespace
 
 
 CompileReport compile_layer(const CompileRequest& req) {
-  const LayerConfig& c = req.config;
+  LayerConfig c = req.config;
   c.validate();
   if (req.rank < 0 || req.rank >= c.ranks)
     throw Error("--rank " + std::to_string(req.rank) + " is outside 0.." + std::to_string(c.ranks - 1));
-  const taskflow::Machine machine = taskflow::parse_machine(req.machine);
+  const taskflow::Machine machine = target_machine(req.machine, c);
   CompileReport rep;
   rep.config = c;
   rep.routing = req.routing.describe();

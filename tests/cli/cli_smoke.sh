@@ -134,6 +134,13 @@ grep -q '"generate_and_schedule_per_rank_s"' "$tmp/compile.json"
 "$HPMOE" verify --list "$tmp/prog.backward.json" | has "gemm_gate_up_wgrad"
 "$HPMOE" compile --preset deepseek-v2-lite -P 2 -T 256 --routing "trace:$HPMOE_SOURCE_DIR/data/routing/mixtral-8x7b/coding.json:4" \
   --set routed_experts=8 --set top_k=2 --set shared_experts=0 --machine accel:2:4:128x128 | has "verify   PASS"
+# A machine model as the target: its units, put workers and 8 ranks a node,
+# so the per-node exchange forwards; both passes proved (RATR queued the
+# forwards behind the gate-gradient puts at EP 256 before the scheduler's fix).
+"$HPMOE" compile --preset tiny --set routed_experts=32 --set top_k=4 -P 16 -T 16 --machine h800 --exchange rank \
+  --pass both --schedule ratr > "$tmp/compile_h800.txt"
+test "$(grep -c 'verify   PASS' "$tmp/compile_h800.txt")" -eq 2
+grep -q "grad_dispatch_forward" "$tmp/compile_h800.txt"
 sed 's/"ranks":4/"ranks":5/' "$tmp/prog.forward.json" > "$tmp/broken.json"
 set +e
 "$HPMOE" verify "$tmp/broken.json" > "$tmp/broken.txt"

@@ -351,7 +351,7 @@ struct CompileCommand {
     layer.add_to(*compile);
     compile->add_option("--routing", compile_routing, "router | uniform | balanced | zipf[:S] | hot[:SHARE] | trace:FILE[:LAYER][:repeat]");
     compile->add_option("--seed", compile_seed, "seed of the router's weights and inputs, and of synthetic routing")->check(kSeedValidator);
-    compile->add_option("--machine", creq.machine, "cpu:W[:RxC] (W unified workers per rank) or accel:MATRIX:VECTOR[:RxC]");
+    compile->add_option("--machine", creq.machine, "cpu:W[:RxC] (W unified workers per rank), accel:MATRIX:VECTOR[:RxC], or a machine model as simulate takes it (a file, or a name in machines/: its units, put workers, tiles and ranks per node)");
     compile->add_option("--schedule", schedule, "fill | rank-rotated | critical-path | interleave-wgrad | ratr");
     compile->add_option("--pass", pass, "forward | backward | both");
     compile->add_option("--rank", creq.rank, "rank whose program the figures describe");
