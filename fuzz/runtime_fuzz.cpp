@@ -79,6 +79,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     what = std::string("layer ") + to_json(c).dump() + "\nplacement " + to_json(opt.placement).dump() + "\nrouting " + routing +
            " seed " + std::to_string(seed) + ", " + std::to_string(opt.workers_per_rank) + " workers a rank, " +
            taskflow::name(opt.policy) + (opt.backward ? ", forward and backward" : ", forward");
+    if (std::getenv("HPMOE_FUZZ_SAY")) std::fprintf(stderr, "%s\n", what.c_str());  // a crash's case, to reproduce it
     w = random_weights(c, seed + 1u);
     serialized = std::make_unique<InterleavedExecutor>(c, w, serialized_schedule(opt));
     interleaved = std::make_unique<InterleavedExecutor>(c, w, opt);

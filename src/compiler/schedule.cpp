@@ -273,20 +273,30 @@ std::vector<std::int32_t> ratr_order(const Program& p) {
 // A forwarder's node sums (the per-node combine) wait for what its node's
 // ranks put at the level of their own return puts: queued before any of
 // this rank's returns, they would make the ranks wait on each other. Under
-// every policy they go right after the last other put (nothing local waits
-// on them, and the reductions that wait for what they feed come later).
+// every policy they go right after the last other put and the last local
+// task that counts towards them (a node relay: the fuzz target found the
+// sums queued before one, an order no longer topological; nothing local
+// waits on them, and the reductions that wait for what they feed come later).
 void sink_node_sums(const Program& p, std::vector<std::int32_t>& order) {
   const auto node_sums = [&](std::int32_t i) {
     const TaskKind k = p.tasks[static_cast<std::size_t>(i)].kind;
     return k == TaskKind::combine_node_put || k == TaskKind::grad_combine_node_put;
   };
   std::vector<std::int32_t> sums, rest;
-  std::size_t after = 0;  // in `rest`: one past the last other put
+  // The events the sums wait on: their local producers (a node relay's
+  // count) must stay before them, or the order stops being topological.
+  std::vector<std::uint8_t> awaited(p.events.size(), 0);
+  for (const std::int32_t i : order)
+    if (node_sums(i) && p.tasks[static_cast<std::size_t>(i)].wait_event >= 0)
+      awaited[static_cast<std::size_t>(p.tasks[static_cast<std::size_t>(i)].wait_event)] = 1;
+  std::size_t after = 0;  // in `rest`: one past the last other put, and the sums' last producer
   for (const std::int32_t i : order) {
     if (node_sums(i)) sums.push_back(i);
     else {
       rest.push_back(i);
-      if (is_put(p.tasks[static_cast<std::size_t>(i)].kind)) after = rest.size();
+      const Task& t = p.tasks[static_cast<std::size_t>(i)];
+      if (is_put(t.kind) || (t.trigger_event >= 0 && t.peer == p.rank && awaited[static_cast<std::size_t>(t.trigger_event)]))
+        after = rest.size();
     }
   }
   if (sums.empty()) return;

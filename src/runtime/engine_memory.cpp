@@ -113,10 +113,12 @@ void Interleaved<T>::prepare_forward(StepResult& res) {
         send_token[row] = static_cast<std::int32_t>(a / K);
         send_assign[row] = a;
         // A split expert's rows go to every part: the same token in each
-        // part's block of the source's send order.
+        // part's block of the source's send order. The exchange numbers the
+        // step's instances (lent homes included, which shift the numbers of
+        // the experts after them), so its placement names the first part.
         const std::int32_t e = res.routing.expert[static_cast<std::size_t>(global)];
         if (placement_.is_split(e)) {
-          const std::int64_t n = ex_->count(r, placement_.first_instance(e));
+          const std::int64_t n = ex_->count(r, ex_->placement().first_instance(e));
           for (std::int64_t part = 1; part < placement_.parts(e); ++part) {
             send_token[row + part * n] = static_cast<std::int32_t>(a / K);
             send_assign[row + part * n] = a;

@@ -324,6 +324,37 @@ INSTANTIATE_TEST_SUITE_P(All, LendExecution,
                                            std::tuple{DType::bf16, ExchangeMode::rank, 2, std::string("hot:0.3")}),
                          lend_case_name);
 
+// A split expert beside lent homes (found by fuzz/runtime_fuzz.cpp): lent
+// homes of lower experts shift the step's instance numbers, and the host
+// wrote a split expert's send rows at its parts' places under the
+// placement's own numbering, so some rows' assignments were never written
+// (ASan: a wild read; without it, rows from whatever memory held). Both
+// schedules, and the oracle.
+TEST(Lend, BesideASplitExpertTheSplitRowsAreSent) {
+  LayerConfig c = config_from_json(nlohmann::json::parse(
+      R"({"capacity_factor":1.75,"dtype":"fp32","expert_inter":64,"grad_dispatch_dtype":"bf16","hidden":256,"lend_weights":2,
+          "ranks":5,"routed_experts":6,"shared_experts":0,"tokens_per_rank":18,"top_k":2})"));
+  c.validate();
+  const auto placement = placement_from_json(
+      nlohmann::json::parse(R"({"allow_empty_ranks":true,"experts_of_rank":[[5],[0],[4],[2],[4,3,1]],
+                                "splits":[{"columns":[0,8,64],"expert":4}]})"),
+      c.routed_experts, c.ranks, "test placement");
+  const auto w = random_weights(c, 44);
+  const auto in = random_inputs(c, 45);
+  const auto forced = forced_selection(c, parse_routing_spec("zipf:1.2", 43));
+  RuntimeOptions opt{.workers_per_rank = 2, .backward = true, .policy = taskflow::Policy::interleave_wgrad, .pin = false};
+  opt.placement = placement;
+  InterleavedExecutor serial(c, w, serialized_schedule(opt)), inter(c, w, opt);
+  StepResult a, b;
+  serial.step(in, forced, a);
+  inter.step(in, forced, b);
+  ASSERT_GT(b.lent_experts, 0) << "the case must lend";
+  EXPECT_TRUE(bit_identical(a.out, b.out));
+  EXPECT_TRUE(bit_identical(a.grads, b.grads));
+  const auto ref = reference_layer(c, w, in, oracle_options_of(b));
+  for (const auto& cmp : checks_against(ref, b, DType::bf16, 4)) EXPECT_TRUE(cmp.pass) << cmp.tensor << ": rel L2 " << cmp.rel_l2;
+}
+
 // Replicas that fetch their weights from the owner every step (placement
 // "fetch_replicas"): the same puts and relays as a lent home's, a replica's
 // quota; the results are bit for bit those of replicas that hold their

@@ -276,6 +276,13 @@ TEST(NodeExchange, CasesTheCompilerFuzzerFoundAreProved) {
        R"({"allow_empty_ranks":true,"experts_of_rank":[[0,1,4],[2,3],[4,5,6],[7,8],[9,10,0],[11,12,13],[14,15],[16,17],
            [18,19,20],[21,22],[23,24],[25,26,27,18]],"fetch_replicas":true,"replicas":true})",
        "accel:1:4:64x128", 0, "uniform", 0, Pass::forward, Policy::fill},
+      // A forwarder's node sums behind a rank reduce under RATR with put workers, a split expert and lent weights beside.
+      {R"({"capacity_factor":1.25,"combine_dtype":"bf16","dispatch_dtype":"fp8","dtype":"bf16","exchange":"rank",
+           "expert_inter":64,"hidden":256,"lend_weights":64,"ranks":12,"ranks_per_node":4,"routed_experts":26,
+           "shared_experts":0,"tokens_per_rank":1,"top_k":2})",
+       R"({"allow_empty_ranks":true,"experts_of_rank":[[0,12,24],[1,13,25],[2,14],[3,15],[4,16,12],[5,17],[6,18],[7,19],
+           [8,20],[9,21],[10,22],[11,23]],"splits":[{"columns":[0,6,64],"expert":12}]})",
+       "accel:3:3:64x128", 2, "hot:0.5", 194, Pass::forward, Policy::ratr},
   };
   for (const auto& k : cases) {
     const LayerConfig c = config_from_json(nlohmann::json::parse(k.layer));
