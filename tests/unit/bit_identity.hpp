@@ -7,7 +7,10 @@
 namespace hpmoe::testing {
 
 inline bool bit_identical(const Matrix& a, const Matrix& b) {
-  return a.data.size() == b.data.size() && std::memcmp(a.data.data(), b.data.data(), a.data.size() * sizeof(float)) == 0;
+  // Empty tensors (a layer without shared experts) have no storage: memcmp's
+  // pointers must not be null, even for zero bytes.
+  return a.data.size() == b.data.size() &&
+         (a.data.empty() || std::memcmp(a.data.data(), b.data.data(), a.data.size() * sizeof(float)) == 0);
 }
 
 inline bool bit_identical(const LayerGradients& a, const LayerGradients& b) {
