@@ -8,23 +8,27 @@
 // as a runtime does (a rank recompiles into the same storage every step).
 // Verification: the busiest rank's own program by the per-rank proof (what a
 // sharded run does), and all 64 ranks' programs at once (the
-// --verify-all-ranks audit), with a Verifier kept between steps.
+// --verify-all-ranks audit), with a Verifier kept between steps; each under
+// the per-assignment exchange and the per-rank one (`exchange` 1: a token
+// once per rank, its experts' rows gathered through relays on arrival).
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
 #include <chrono>
 
 #include "compiler/taskflow.hpp"
+#include "hpmoe/routing.hpp"
 
 using namespace hpmoe;
 using namespace hpmoe::taskflow;
 
 namespace {
 
-LayerConfig v3() {
+LayerConfig v3(std::int64_t exchange = 0) {
   LayerConfig c = preset("deepseek-v3");
   c.ranks = 64;
   c.tokens_per_rank = 4096;
+  c.exchange = exchange ? ExchangeMode::rank : ExchangeMode::assignment;
   return c;
 }
 
@@ -52,6 +56,15 @@ std::int64_t busiest(const RoutingCounts& rc, const LayerConfig& c) {
   return best;
 }
 
+// The per-rank exchange's counts carry each source's token blocks too.
+RoutingCounts counts_for(const LayerConfig& c, const RoutingCounts& rc, const Machine& m, int skew) {
+  if (c.exchange != ExchangeMode::rank) return rc;
+  RoutingCounts out = rc;
+  const auto routing = route_step(c, parse_routing_spec(skew ? "zipf:1.2" : "uniform", 1), 1);
+  out.token_counts = rank_token_counts(c, placement(), rc, routing, m.tile_rows);
+  return out;
+}
+
 // Machines: 0 = this CPU's layout (2 unified workers, 64 x 64 tiles);
 // 1 = an accelerator die in the Ascend A3 layout (24 matrix + 48 vector
 // workers) with 128 x 256 output tiles.
@@ -76,10 +89,11 @@ void BM_GenerateAndSchedule(benchmark::State& state) {
 }
 
 void BM_VerifyAllRanks(benchmark::State& state) {
-  const LayerConfig c = v3();
-  const auto& rc = counts(static_cast<int>(state.range(0)));
+  const LayerConfig c = v3(state.range(3));
+  const Machine m = machine(state.range(2));
+  const auto rc = counts_for(c, counts(static_cast<int>(state.range(0))), m, static_cast<int>(state.range(0)));
   const Pass pass = state.range(1) ? Pass::backward : Pass::forward;
-  const auto programs = compile(c, placement(), rc, machine(state.range(2)), pass, Policy::critical_path);
+  const auto programs = compile(c, placement(), rc, m, pass, Policy::critical_path);
   std::int64_t tasks = 0;
   for (const auto& p : programs) tasks += static_cast<std::int64_t>(p.tasks.size());
   double total = 0;
@@ -102,10 +116,10 @@ void BM_VerifyAllRanks(benchmark::State& state) {
 // rank's own program checked against the interface of the counts, with a
 // Verifier kept between steps; no other rank's program is generated.
 void BM_VerifyOwnRank(benchmark::State& state) {
-  const LayerConfig c = v3();
-  const auto& rc = counts(static_cast<int>(state.range(0)));
-  const Pass pass = state.range(1) ? Pass::backward : Pass::forward;
+  const LayerConfig c = v3(state.range(3));
   const Machine m = machine(state.range(2));
+  const auto rc = counts_for(c, counts(static_cast<int>(state.range(0))), m, static_cast<int>(state.range(0)));
+  const Pass pass = state.range(1) ? Pass::backward : Pass::forward;
   const std::int64_t rank = busiest(rc, c);
   Program p = generate(c, placement(), rc, m, pass, rank);
   schedule(p, Policy::critical_path);
@@ -155,16 +169,16 @@ void BM_PlanQuotas(benchmark::State& state) {
 
 BENCHMARK(BM_PlanQuotas)->ArgNames({"zipf"})->Arg(0)->Arg(1)->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_VerifyOwnRank)
-    ->ArgNames({"zipf", "backward", "accel"})
-    ->ArgsProduct({{0, 1}, {0, 1}, {0, 1}})
+    ->ArgNames({"zipf", "backward", "accel", "exchange"})
+    ->ArgsProduct({{0, 1}, {0, 1}, {0, 1}, {0, 1}})
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_GenerateAndSchedule)
     ->ArgNames({"zipf", "backward", "policy", "accel"})
     ->ArgsProduct({{0, 1}, {0, 1}, {0, 1, 2, 3}, {0, 1}})
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_VerifyAllRanks)
-    ->ArgNames({"zipf", "backward", "accel"})
-    ->ArgsProduct({{0, 1}, {0, 1}, {0, 1}})
+    ->ArgNames({"zipf", "backward", "accel", "exchange"})
+    ->ArgsProduct({{0, 1}, {0, 1}, {0, 1}, {0, 1}})
     ->Unit(benchmark::kMillisecond)
     ->UseManualTime();
 

@@ -229,6 +229,7 @@ class Checker {
   const AccessTable& table_;
   std::uint32_t stamp_ = 0;
   bool trigger_index_built_ = false;
+  std::int64_t reached_from_ = -1;  // the wait event whose ancestors visit_stamp == stamp_ marks (happens_before)
   std::int32_t focus_ = -1;
 };
 
