@@ -201,6 +201,18 @@ SimReport simulate(const MachineModel& given, const SimRequest& req) {
     const auto& baseline = own_baseline ? baseline_programs : programs;
     const auto baseline_work = own_baseline ? work_of(baseline) : work;
     rep.compile_seconds += since(c0);
+    if (req.verify) {
+      // A schedule that could deadlock or race must not be reported as a
+      // time: the simulator would show a hang as a slow step, or not at all.
+      const auto v0 = Clock::now();
+      const taskflow::VerifyReport proof = taskflow::verify(programs);
+      rep.verify_seconds += since(v0);
+      if (!proof.ok)
+        throw Error(std::string("simulate: the ") + (pass == taskflow::Pass::forward ? "forward" : "backward") +
+                    " programs of " + std::to_string(c.ranks) + " ranks (schedule " + rep.policy +
+                    ") failed the proof, so they are not simulated: " + proof.error +
+                    "; this is a compiler bug: please report it with this command");
+    }
     PassResult& out = pass == taskflow::Pass::forward ? rep.forward : rep.backward;
     for (const auto& p : programs) {
       out.tasks += static_cast<std::int64_t>(p.tasks.size());
@@ -257,6 +269,7 @@ SimReport simulate(const MachineModel& given, const SimRequest& req) {
       for (auto s : inter.trace) s.start += shift_i, s.end += shift_i, rep.interleaved_trace.push_back(std::move(s));
     }
   }
+  rep.verified = req.verify;
   return rep;  // rep.memory: checked in the last pass, on every pass's buffers
 }
 
@@ -330,7 +343,9 @@ std::string format_report(const SimReport& r) {
   }
   o << std::setprecision(2) << "simulated " << r.simulated_tasks << " task executions in " << r.simulate_seconds
     << " s (" << std::setprecision(1) << double(r.simulated_tasks) / std::max(r.simulate_seconds, 1e-9) / 1e6
-    << " M tasks/s); compile " << std::setprecision(2) << r.compile_seconds << " s\n";
+    << " M tasks/s); compile " << std::setprecision(2) << r.compile_seconds << " s";
+  if (r.verified) o << "; proved (whole set: no deadlock, every read covered) " << r.verify_seconds << " s";
+  o << "\n";
   return o.str();
 }
 
@@ -359,6 +374,8 @@ nlohmann::json to_json(const SimReport& r) {
                       {"forward", pass(r.forward)},
                       {"simulate_seconds", r.simulate_seconds},
                       {"compile_seconds", r.compile_seconds},
+                      {"verified", r.verified},
+                      {"verify_seconds", r.verify_seconds},
                       {"simulated_tasks", r.simulated_tasks}};
   if (r.has_backward) j["backward"] = pass(r.backward);
   if (r.machine.deepep.enabled)

@@ -196,6 +196,13 @@ struct SimRequest {
   // (off: report it in SimReport::memory and simulate anyway, as a planner
   // comparing a placement that does not fit with one that does needs).
   bool refuse_over_memory = true;
+  // Prove the fused schedule's programs (the whole set: events consistent,
+  // no deadlock under any timing, every read covered, no conflicting
+  // writes) before simulating them, as the runtime does before it launches
+  // them: a set the verifier rejects is an error naming the rank, task and
+  // event, not a timeline. Off only where the caller proves the same
+  // programs itself (a test timing the simulator alone).
+  bool verify = true;
 };
 
 // What one rank holds (bytes), for the rank that holds the most: its
@@ -248,6 +255,8 @@ struct SimReport {
   bool fp8_gemms = false;  // GEMMs at the machine's fp8 rates (machine: as simulated, fp8 rates in the bf16 columns)
   double simulate_seconds = 0;  // host time spent simulating
   double compile_seconds = 0;
+  double verify_seconds = 0;  // host time spent proving the programs (SimRequest::verify)
+  bool verified = false;      // every simulated program set was proved
   std::int64_t simulated_tasks = 0;
   MemoryUse memory;
   std::vector<TraceSlice> serialized_trace, interleaved_trace;

@@ -544,6 +544,15 @@ TEST(Simulator, CompiledLayerIsDeterministicAndInterleavingHelpsWhenCommunicatio
   EXPECT_GT(a.forward.serialized_s / a.forward.interleaved_s, 1.0);
   EXPECT_GT(a.forward.serialized_exposed_comm, a.forward.interleaved_exposed_comm);
   EXPECT_GT(a.forward.tasks, 0);
+  // The programs were proved before they were simulated (SimRequest::verify).
+  EXPECT_TRUE(a.verified);
+  EXPECT_GT(a.verify_seconds, 0.0);
+  EXPECT_NE(format_report(a).find("proved (whole set"), std::string::npos);
+  SimRequest unproved = req;
+  unproved.verify = false;
+  const SimReport c = simulate(m, unproved);
+  EXPECT_FALSE(c.verified);
+  EXPECT_EQ(c.forward.interleaved_s, a.forward.interleaved_s) << "the proof changes no prediction";
 }
 
 // A model written out and read back simulates the same, with its sources:
