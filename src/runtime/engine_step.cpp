@@ -268,6 +268,10 @@ template <class T>
 void Interleaved<T>::exchange_counts(StepResult& res) {
   const std::int64_t P = c_.ranks, E = c_.routed_experts;
   const auto local = taskflow::routing_counts(lc_, res.routing);  // [hosted ranks, E]
+  // A step's counts start empty: nothing of the last step's may reach this
+  // one's exchange (its per-rank token counts, sized and valued for the
+  // last routing, made the second step of a kept layer fail).
+  counts_ = taskflow::RoutingCounts{};
   counts_.ranks = P;
   counts_.experts = E;
   if (!sharded()) {

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include "bit_identity.hpp"
+#include "fresh_engine.hpp"
 
 #include "hpmoe/error.hpp"
 #include "hpmoe/hpmoe.hpp"
@@ -37,19 +38,8 @@ Parallel parallel_of(Schedule schedule, ExpertPlacement placement = {}) {
 // What a fresh engine computes for T tokens per rank: forward and backward.
 struct Fresh {
   StepResult r;
-  Fresh(LayerConfig c, const LayerWeights& w, std::int64_t T, const LayerInputs& in, const Parallel& p) {
-    c.tokens_per_rank = T;
-    RuntimeOptions o;
-    o.workers_per_rank = p.workers_per_rank;
-    o.backward = true;
-    o.pin = false;
-    o.placement = p.placement;
-    o.phased = p.schedule == Schedule::serialized;
-    o.policy = o.phased ? taskflow::Policy::fill : p.policy;
-    InterleavedExecutor ex(c, w, o);
-    ex.forward(view(in.x), {}, r);
-    ex.backward(view(in.d_out), r);
-  }
+  Fresh(const LayerConfig& c, const LayerWeights& w, std::int64_t, const LayerInputs& in, const Parallel& p)
+      : r(hpmoe::testing::fresh_step(c, w, p, in)) {}
 };
 
 LayerInputs inputs(LayerConfig c, std::int64_t T, std::uint64_t seed) {

@@ -1,0 +1,180 @@
+// A kept layer over several steps whose routing, token count and weights
+// change, for every exchange and placement feature: each step is bit for bit
+// what a fresh engine built for that step computes (forward and every
+// gradient). The first version of the per-rank exchange failed here at its
+// second step: the engine carried the last step's token counts into the
+// next step's exchange (issue 58, class 1). Tests that run one step per
+// layer cannot see such state.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <nlohmann/json.hpp>
+#include <numeric>
+#include <random>
+
+#include "bit_identity.hpp"
+#include "fresh_engine.hpp"
+
+#include "hpmoe/hpmoe.hpp"
+#include "runtime/interleaved.hpp"
+
+using namespace hpmoe;
+using hpmoe::testing::bit_identical;
+using hpmoe::testing::fresh_step;
+
+namespace {
+
+// One step of the sequence: its tokens per rank, how it is routed (the
+// router, or a forced routing that moves the load), and whether the
+// placement changes before it (an online revision).
+struct StepPlan {
+  std::int64_t tokens;
+  const char* routing;
+  bool revise = false;
+};
+
+constexpr StepPlan kSteps[] = {
+    {24, "router"}, {61, "zipf:1.5"}, {9, "hot:0.45", true}, {40, "router"}, {17, "uniform", true}, {33, "zipf:0.8"},
+};
+
+struct Case {
+  std::string name;
+  LayerConfig layer;
+  ExpertPlacement first, revised;  // empty: contiguous, and no revision
+  Schedule schedule = Schedule::interleaved;
+};
+void PrintTo(const Case& k, std::ostream* os) { *os << k.name; }
+
+LayerConfig base_layer(std::int64_t ranks, DType dtype) {
+  LayerConfig c = preset("tiny");
+  c.hidden = 96;
+  c.expert_inter = 48;
+  c.routed_experts = 8;
+  c.dtype = dtype;
+  c.ranks = ranks;
+  c.tokens_per_rank = 8;
+  return c;
+}
+
+std::vector<Case> cases() {
+  std::vector<Case> out;
+  const auto add = [&](std::string name, LayerConfig c, ExpertPlacement first = {}, ExpertPlacement revised = {},
+                       Schedule schedule = Schedule::interleaved) {
+    c.validate();
+    out.push_back({std::move(name), c, std::move(first), std::move(revised), schedule});
+  };
+  const auto rank = [](LayerConfig c, std::int64_t per_node = 0) {
+    c.exchange = ExchangeMode::rank;
+    c.ranks_per_node = per_node;
+    return c;
+  };
+  add("assignment", base_layer(2, DType::fp32));
+  add("assignment_serialized", base_layer(2, DType::fp32), {}, {}, Schedule::serialized);
+  add("rank", rank(base_layer(2, DType::fp32)));
+  add("rank_bf16", rank(base_layer(2, DType::bf16)));
+  add("rank_serialized", rank(base_layer(2, DType::fp32)), {}, {}, Schedule::serialized);
+  add("node", rank(base_layer(4, DType::fp32), 2));
+  {
+    LayerConfig c = rank(base_layer(4, DType::fp32), 2);
+    c.hidden = 128;  // fp8: one scale per 128 channels
+    c.dispatch_dtype = DispatchDType::fp8;
+    c.combine_dtype = CombineDType::bf16;
+    add("node_fp8_bf16_sums", c);
+  }
+  {
+    LayerConfig c = rank(base_layer(4, DType::fp32), 2);
+    c.node_forwarding = false;
+    add("rank_4_no_forwarding", c);
+  }
+  {
+    LayerConfig c = base_layer(2, DType::fp32);
+    c.lend_weights = 1;  // every pair lends: the lent pairs follow each step's counts
+    add("lend", c);
+    add("lend_rank", rank(c));
+  }
+  const ExpertPlacement::Rules held{.replicas = true};
+  const ExpertPlacement::Rules fetched{.replicas = true, .fetch_replicas = true};
+  const auto a_held = ExpertPlacement::from_rank_lists(8, {{0, 1, 2, 5}, {3, 4, 5, 0}, {6, 7, 1}}, held);
+  const auto b_held = ExpertPlacement::from_rank_lists(8, {{0, 1, 2, 7}, {3, 4, 5, 6}, {6, 7, 0, 3}}, held);
+  add("replicas", base_layer(3, DType::fp32), a_held);
+  add("replicas_rank", rank(base_layer(3, DType::fp32)), a_held);
+  const auto a_fetched = ExpertPlacement::from_rank_lists(8, {{0, 1, 2, 5}, {3, 4, 5, 0}, {6, 7, 1}}, fetched);
+  const auto b_fetched = ExpertPlacement::from_rank_lists(8, {{0, 1, 2, 7}, {3, 4, 5, 6}, {6, 7, 0, 3}}, fetched);
+  add("online_held", base_layer(3, DType::fp32), a_held, b_held);
+  add("online_fetched_rank", rank(base_layer(3, DType::fp32)), a_fetched, b_fetched);
+  add("online_fetched_bf16", base_layer(3, DType::bf16), a_fetched, b_fetched);
+  const nlohmann::json split{{"experts_of_rank", {{0, 1, 2}, {0, 3, 4}, {5, 6, 7}}},
+                             {"splits", {{{"expert", 0}, {"columns", {0, 16, 48}}}}}};
+  add("split", base_layer(3, DType::fp32), placement_from_json(split, 8, 3, "test"));
+  add("split_rank", rank(base_layer(3, DType::fp32)), placement_from_json(split, 8, 3, "test"));
+  return out;
+}
+
+Parallel parallel_of(const Case& k, const ExpertPlacement& placement) {
+  Parallel p;
+  p.workers_per_rank = 2;
+  p.schedule = k.schedule;
+  p.pin = false;
+  p.placement = placement;
+  return p;
+}
+
+// A training step's update: every weight moves, and the router's columns
+// are shuffled, so the next step routes differently even for the same tokens.
+void update(LayerWeights& w, std::int64_t experts, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> jitter(0.9f, 1.1f);
+  for (auto* group : {&w.w1, &w.w2})
+    for (auto& m : *group)
+      for (auto& v : m.data) v *= jitter(rng);
+  for (auto& v : w.shared_w1.data) v *= jitter(rng);
+  std::vector<std::int64_t> order(static_cast<std::size_t>(experts));
+  std::iota(order.begin(), order.end(), 0);
+  std::shuffle(order.begin(), order.end(), rng);
+  const Matrix before = w.router;
+  for (std::int64_t h = 0; h < before.rows; ++h)
+    for (std::int64_t e = 0; e < experts; ++e) w.router.at(h, e) = before.at(h, order[static_cast<std::size_t>(e)]);
+}
+
+}  // namespace
+
+class LayerAcrossSteps : public ::testing::TestWithParam<Case> {};
+
+TEST_P(LayerAcrossSteps, EveryStepIsBitIdenticalToAFreshEngine) {
+  const Case& k = GetParam();
+  const LayerConfig& c = k.layer;
+  auto w = random_weights(c, 31);
+  const bool online = k.revised.ranks() > 0;
+  ExpertPlacement current = k.first;
+  Layer layer(c, w, parallel_of(k, current));
+  std::uint64_t step_index = 0;
+  for (const StepPlan& s : kSteps) {
+    ++step_index;
+    SCOPED_TRACE("step " + std::to_string(step_index) + ": " + std::to_string(s.tokens) + " tokens per rank, routing " +
+                 s.routing);
+    if (online && s.revise) {
+      current = current == k.first ? k.revised : k.first;
+      layer.set_placement(current);
+    }
+    LayerConfig at = c;
+    at.tokens_per_rank = s.tokens;
+    const LayerInputs in = random_inputs(at, 200 + step_index);
+    const std::string spec = s.routing;
+    const auto forced = spec == "router" ? std::vector<std::int32_t>{}
+                                         : forced_selection(at, parse_routing_spec(spec, 300 + step_index));
+    const StepResult fresh = fresh_step(c, w, parallel_of(k, current), in, forced);
+    auto step = layer.forward(view(in.x), forced);
+    EXPECT_TRUE(bit_identical(step.out(), fresh.out));
+    EXPECT_EQ(step.result().expert_counts, fresh.expert_counts);
+    step.backward(view(in.d_out));
+    EXPECT_TRUE(bit_identical(step.gradients(), fresh.grads));
+    // The update after the step: the kept layer's weights and the fresh
+    // engines' copy move together.
+    update(layer.weights(WeightChange{}), c.routed_experts, 400 + step_index);
+    update(w, c.routed_experts, 400 + step_index);
+  }
+  EXPECT_EQ(layer.engines(), 1u);
+}
+
+INSTANTIATE_TEST_SUITE_P(Exchanges, LayerAcrossSteps, ::testing::ValuesIn(cases()),
+                         [](const auto& info) { return info.param.name; });
