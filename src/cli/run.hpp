@@ -92,9 +92,15 @@ struct RankSummary {
 // One tensor of a fast path compared against the oracle.
 // One tensor of a fast path compared against the oracle, or (bitwise) a
 // whole step of one executor compared bit for bit against another's.
+// The absolute floors of the oracle checks (per-element RMS): a check whose
+// reference's RMS is below its floor passes when the difference's RMS is
+// too, whatever their ratio.
+inline constexpr double kFp32AbsFloor = 1e-7, kBf16AbsFloor = 1e-4;
+
 struct Comparison {
   std::string tensor;
   double rel_l2 = 0, max_abs = 0, ref_max = 0;
+  double abs_floor = 0;  // see kFp32AbsFloor
   bool pass = false;
   bool bitwise = false;          // a bit-identity check of `tensors` tensors
   std::int64_t tensors = 0;

@@ -99,7 +99,7 @@ nlohmann::json to_json(const RunReport& r) {
     checks.push_back(c.bitwise ? nlohmann::json{{"tensor", c.tensor}, {"bit_identical", c.pass}, {"tensors", c.tensors},
                                                 {"differing", c.differing}, {"pass", c.pass}}
                                : nlohmann::json{{"tensor", c.tensor}, {"rel_l2", c.rel_l2}, {"max_abs", c.max_abs},
-                                                {"ref_max", c.ref_max}, {"pass", c.pass}});
+                                                {"ref_max", c.ref_max}, {"abs_floor", c.abs_floor}, {"pass", c.pass}});
   if (r.sharded) {
     j["proof"] = r.verified_per_rank ? "per-rank" : "all-ranks";
     nlohmann::json ranks = nlohmann::json::array();

@@ -403,10 +403,15 @@ void router_backward_token(const LayerConfig& c, const RouterOutput<Real>& r, st
   // Gate weights -> scores: w_j = scale * s_j (/ sum_k s_k).
   const Real scale = Real(c.route_scale);
   if (c.normalize_topk) {
-    Real total = 0, dot = 0;
+    // d w_j / d s_i = (delta_ij - g_j) / total with g_j = s_j / total, so
+    // ds_i = (dw_i - sum_j dw_j g_j) / total. In this form the terms cancel
+    // exactly where the math says they do: under top-1, g = s / s = 1 and
+    // dw - dw * 1 = 0 (dw / total - dot / total^2 left ~1e-7 of rounding,
+    // which a relative check on a zero reference cannot pass).
+    Real total = 0, mean = 0;
     for (std::int64_t j = 0; j < k; ++j) total += s[ids[j]];
-    for (std::int64_t j = 0; j < k; ++j) dot += dw[j] * s[ids[j]];
-    for (std::int64_t j = 0; j < k; ++j) ds[ids[j]] += scale * (dw[j] / total - dot / (total * total));
+    for (std::int64_t j = 0; j < k; ++j) mean += dw[j] * (s[ids[j]] / total);
+    for (std::int64_t j = 0; j < k; ++j) ds[ids[j]] += scale * ((dw[j] - mean) / total);
   } else {
     for (std::int64_t j = 0; j < k; ++j) ds[ids[j]] += scale * dw[j];
   }

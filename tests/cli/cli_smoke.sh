@@ -157,4 +157,18 @@ grep -q '<svg' "$tmp/timeline.svg" && grep -q 'interleaved' "$tmp/timeline.svg"
   --no-pin --json "$tmp/soak.json" > "$tmp/soak.txt"
 grep -q "soak     3 bit-identity spot checks, 0 mismatches" "$tmp/soak.txt"
 grep -q '"mismatches": 0' "$tmp/soak.json"
+# A kept layer across steps whose routing changes, per rank and per node: the
+# per-rank exchange once carried a step's token counts into the next and
+# stopped at step 2 (issue 58); every step's executors compared bit for bit.
+for node in 0 2; do
+  "$HPMOE" run -P 4 --set routed_experts=16 --set top_k=3 -T 24 --backward --routing mixed --exchange rank \
+    --set ranks_per_node=$node --iters 6 --warmup 0 --check-every 1 --no-pin > "$tmp/rank-steps.txt"
+  grep -q "soak     6 bit-identity spot checks, 0 mismatches" "$tmp/rank-steps.txt"
+  grep -q "verify   PASS" "$tmp/rank-steps.txt"
+done
+# Top-1 with normalised gates: the router's gate gradient is zero in exact
+# arithmetic, and computed so that it cancels exactly (it left 1e-7 of noise
+# that a relative check on a vanishing reference failed).
+"$HPMOE" run --set top_k=1 --backward > "$tmp/top1.txt"
+grep -q "verify   PASS" "$tmp/top1.txt"
 echo "cli smoke: all passed"
