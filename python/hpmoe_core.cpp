@@ -298,6 +298,14 @@ class ModuleLayer {
       MpiOptions options;
       options.path = path;
       options.ranks_per_node = static_cast<int>(config_.ranks_per_node);
+      // What every process must construct alike, compared before anything
+      // is built from it (a difference is one ValueError naming it).
+      options.agree = {{"MoELayer(workers=...)", std::to_string(workers)},
+                       {"MoELayer(executor=...)", executor},
+                       {"MoELayer(schedule=...)", schedule},
+                       {"MoELayer(placement=...)", placement},
+                       {"MoELayer(online=...)", online},
+                       {"the layer's config (MoELayer(config=...) and its dtype, exchange, ... arguments)", config_json}};
       transport_ = make_mpi_transport(session, static_cast<int>(config_.ranks), options);
       rank_ = session.rank();
       for (std::int64_t e = 0; e < config_.routed_experts; ++e)  // the experts it owns (replicas fetch theirs)
@@ -531,6 +539,11 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("config_json", [](const ModuleLayer& l) { return to_json(l.config()).dump(); });
   m.def("preset_json", &preset_json, py::arg("name"));
   m.def("preset_names", &preset_names);
+  // Ends the whole MPI job (hpmoe's excepthook under ep="mpi"): the line on
+  // stderr with this process's rank, then MPI_Abort, which mpirun turns into
+  // the end of every process.
+  m.def("mpi_abort", [](const std::string& message, int code) { mpi_session().abort(message, code); },
+        py::arg("message"), py::arg("code") = 2);
   m.def("config_file_json", &config_file_json, py::arg("path"), py::arg("base_json"));
   m.def("config_with", &config_with, py::arg("config_json"), py::arg("fields"));
   m.def("update_expert_bias", &bias_update, py::arg("bias"), py::arg("load"), py::arg("rate"));

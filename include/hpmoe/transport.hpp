@@ -8,6 +8,7 @@
 #include <mutex>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace hpmoe {
@@ -30,6 +31,11 @@ struct alignas(64) EventCounter {
 class Transport {
  public:
   virtual ~Transport() = default;
+  // Ends this process's part in the transport: peers are told it left (a
+  // peer that still waits for it then fails at once, naming it, instead of
+  // waiting for ever), the last barrier is met, and whatever runs in the
+  // background stops. Idempotent; the destructor does the same.
+  virtual void close() {}
   virtual std::string describe() const = 0;
   virtual int ranks() const = 0;
   virtual bool hosts(int rank) const = 0;
@@ -167,6 +173,8 @@ std::shared_ptr<Transport> make_inprocess_transport(int ranks);
 enum class MpiPath { automatic, shared, network, hybrid };
 MpiPath parse_mpi_path(const std::string&);
 
+struct MpiOptions;
+
 // MPI_Init_thread / MPI_Finalize for the process's lifetime.
 //
 // Start-up (MPI_Init and the transport's first collectives) makes blocking
@@ -185,11 +193,22 @@ class MpiSession {
   static bool available();  // built with MPI
   // Start-up is over (the transport is built): the guard stands down.
   void started();
+  // Ends the whole job now: `message` (one line, this process's rank in
+  // front) on stderr, then MPI_Abort with `code`, which makes mpirun stop
+  // every process. For an error on one process that the others would wait
+  // for (they are in a collective or a launch with it).
+  [[noreturn]] void abort(const std::string& message, int code = 2) const;
 
  private:
+  friend std::shared_ptr<Transport> make_mpi_transport(const MpiSession&, int, const MpiOptions&);
   struct StartupGuard;
   std::unique_ptr<StartupGuard> guard_;
   int rank_ = 0, size_ = 1;
+  // The transports made on this session that may still be alive: each is
+  // closed (its progress thread stopped, its windows freed) before
+  // MPI_Finalize, whatever still holds it (a Python object alive at exit).
+  mutable std::mutex open_mutex_;
+  mutable std::vector<std::weak_ptr<Transport>> open_;
 };
 
 struct MpiOptions {
@@ -210,6 +229,13 @@ struct MpiOptions {
   // Hybrid path: ranks a node (consecutive ranks; they must share a
   // machine); 0: the processes of each machine.
   int ranks_per_node = 0;
+  // Options every process must have been started with alike, beside the
+  // transport's own (path, count exchange, ranks per node): (the name the
+  // user typed, its value as text). The transport compares them across
+  // processes before it builds anything that depends on them, with plain
+  // blocking MPI on the world communicator, so a difference is one error
+  // naming the option on every process, never a hang in the path in dispute.
+  std::vector<std::pair<std::string, std::string>> agree;
 };
 std::shared_ptr<Transport> make_mpi_transport(const MpiSession&, int ranks, const MpiOptions& = {});
 

@@ -135,6 +135,39 @@ class _Function(torch.autograd.Function):
             for n, dt in zip(ctx.names, ctx.param_dtypes))
 
 
+_MPI_HOOKS = []
+
+
+def _end_job_on_uncaught_errors():
+    """Under ep="mpi" an exception that escapes on one process would leave the others waiting for it (in a
+    collective, or for its rows in a step) while its own exit waits for them in MPI_Finalize. An uncaught
+    exception, in the main thread or any other, ends the whole job instead: the traceback as usual, then
+    one line naming this process and the cause, then MPI_Abort (mpirun stops every process). Installed once,
+    in front of whatever hooks were there (they still run first)."""
+    if _MPI_HOOKS:
+        return
+    import sys
+    import threading
+    before, before_thread = sys.excepthook, threading.excepthook
+
+    def end(kind, value, tb, previous, *args):
+        try:
+            previous(*args)
+        finally:
+            if kind is not None and not issubclass(kind, SystemExit):
+                _core.mpi_abort(f"{kind.__name__}: {value} (uncaught; hpmoe ends the MPI job)", 2)
+
+    def hook(kind, value, tb):
+        end(kind, value, tb, before, kind, value, tb)
+
+    def thread_hook(args):
+        end(args.exc_type, args.exc_value, args.exc_traceback, before_thread, args)
+
+    sys.excepthook = hook
+    threading.excepthook = thread_hook
+    _MPI_HOOKS.append((hook, thread_hook))
+
+
 def _promote_mpi():
     """Open MPI loads its components as plugins that look up libmpi's symbols globally; a Python extension's
     libraries are loaded locally, so make libmpi global first (as mpi4py does)."""
@@ -293,6 +326,8 @@ class MoELayer(nn.Module):
             raise ValueError(f"ranks must be a positive integer, got {ranks!r}")
         cfg["ranks"] = ranks
         cfg["tokens_per_rank"] = max(1, int(cfg.get("tokens_per_rank", 1)))
+        if ep == "mpi":
+            _end_job_on_uncaught_errors()
         self._core = _core.Layer(json.dumps(cfg), int(workers), executor, schedule, ep, mpi_path,
                                  _placement_text(placement), _online_text(online))
         self._core.check_finite = check_finite

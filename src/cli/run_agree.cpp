@@ -35,6 +35,7 @@ std::vector<std::pair<std::string, std::string>> agreed_options(const RunRequest
       {"--routing", r.describe() + "|" + r.trace_path + "|" + r.trace_layer + "|" + std::to_string(r.seed)},
       {"--placement", req.placement.empty() ? std::string("contiguous") : to_json(req.placement).dump()},
       {"--backward", req.backward ? "on" : "off"},
+      {"--workers (-W)", std::to_string(req.workers_per_rank)},
       {"--iters", std::to_string(req.iterations)},
       {"--warmup", std::to_string(req.warmup)},
       {"--verify", std::to_string(static_cast<int>(req.verify)) + "/" + std::to_string(req.sample_tokens)},

@@ -34,6 +34,10 @@ MpiSession::MpiSession(int*, char***, double) {
 }
 MpiSession::~MpiSession() = default;
 void MpiSession::started() {}
+void MpiSession::abort(const std::string& message, int code) const {
+  std::fprintf(stderr, "error: %s\n", message.c_str());
+  std::_Exit(code);
+}
 bool MpiSession::available() { return false; }
 std::shared_ptr<Transport> make_mpi_transport(const MpiSession&, int, const MpiOptions&) {
   throw Error("this hpmoe was built without MPI");
@@ -55,6 +59,7 @@ Mpi::Mpi(int ranks, const MpiOptions& options)
                 std::to_string(ranks) + ")");
   check_mpi(MPI_Comm_dup(MPI_COMM_WORLD, &comm_), "Comm_dup");
   MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
+  agree_on_options(options);
   check_mpi(MPI_Comm_split_type(comm_, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, &node_), "Comm_split_type");
   int node_size = 0;
   MPI_Comm_rank(node_, &node_index_);
@@ -90,11 +95,22 @@ Mpi::Mpi(int ranks, const MpiOptions& options)
   seg_bytes_.assign(static_cast<std::size_t>(size_), 0);
   event_capacity_.assign(static_cast<std::size_t>(size_), 0);
   last_heard_.assign(static_cast<std::size_t>(size_), Clock::now());
+  left_.assign(static_cast<std::size_t>(size_), 0);
+  left_at_.assign(static_cast<std::size_t>(size_), Clock::now());
   progress_ = std::thread([this] { progress_loop(); });
 }
 
-Mpi::~Mpi() {
+Mpi::~Mpi() { close(); }
+
+void Mpi::close() {
+  if (closed_) return;
+  closed_ = true;
+  closing_.store(true, std::memory_order_release);
   try {
+    // Goodbye first: a peer that still waits for this process (in a
+    // collective, or for a put in a launch) fails at once naming it.
+    say_goodbye_.store(true, std::memory_order_release);
+    doorbell_.ring();
     if (!failed_) run([this](bool first) { return barrier_step(first); });
   } catch (...) {
   }
@@ -187,12 +203,88 @@ void Mpi::reserve_events(std::span<const std::int64_t> events) {
   run([this](bool first) { return barrier_step(first); });  // nobody signals into a counter not yet there
 }
 
+namespace {
+const char* path_name(MpiPath p) {
+  switch (p) {
+    case MpiPath::shared: return "shared";
+    case MpiPath::network: return "network";
+    case MpiPath::hybrid: return "hybrid";
+    case MpiPath::automatic: break;
+  }
+  return "auto";
+}
+const char* count_exchange_name(MpiOptions::CountExchange e) {
+  switch (e) {
+    case MpiOptions::CountExchange::one_sided: return "one-sided";
+    case MpiOptions::CountExchange::collective: return "collective";
+    case MpiOptions::CountExchange::automatic: break;
+  }
+  return "auto";
+}
+}  // namespace
+
+void Mpi::agree_on_options(const MpiOptions& options) {
+  // Each option as its text's FNV-1a hash and the text's first bytes (to
+  // name both values), gathered with a blocking MPI_Allgather on the world
+  // communicator: it needs nothing that the options choose.
+  std::vector<std::pair<std::string, std::string>> all = {
+      {"--mpi-path (module: mpi_path)", path_name(options.path)},
+      {"--count-exchange", count_exchange_name(options.count_exchange)},
+      {"ranks_per_node", std::to_string(options.ranks_per_node)},
+  };
+  all.insert(all.end(), options.agree.begin(), options.agree.end());
+  constexpr std::size_t kText = 56;
+  struct Entry {
+    std::uint64_t hash;
+    char text[kText];
+  };
+  const std::size_t n = all.size();
+  std::vector<Entry> mine(n), every(n * static_cast<std::size_t>(size_));
+  for (std::size_t i = 0; i < n; ++i) {
+    std::uint64_t h = 1469598103934665603ull;
+    for (const unsigned char ch : all[i].second) h = (h ^ ch) * 1099511628211ull;
+    mine[i].hash = h;
+    std::memset(mine[i].text, 0, kText);
+    std::memcpy(mine[i].text, all[i].second.data(), std::min(all[i].second.size(), kText - 1));
+  }
+  // The count first: processes whose lists differ in length must not read past each other's.
+  const int count = static_cast<int>(n);
+  std::vector<int> counts(static_cast<std::size_t>(size_));
+  check_mpi(MPI_Allgather(&count, 1, MPI_INT, counts.data(), 1, MPI_INT, comm_), "Allgather");
+  for (int q = 0; q < size_; ++q)
+    if (counts[static_cast<std::size_t>(q)] != count)
+      throw Error("rank " + std::to_string(q) + " checks " + std::to_string(counts[static_cast<std::size_t>(q)]) +
+                  " options and rank " + std::to_string(rank_) + " " + std::to_string(count) +
+                  ": start every process of the job with the same program and hpmoe");
+  check_mpi(MPI_Allgather(mine.data(), static_cast<int>(n * sizeof(Entry)), MPI_BYTE, every.data(),
+                          static_cast<int>(n * sizeof(Entry)), MPI_BYTE, comm_),
+            "Allgather");
+  for (int q = 1; q < size_; ++q)
+    for (std::size_t i = 0; i < n; ++i) {
+      const Entry& a = every[i];
+      const Entry& b = every[static_cast<std::size_t>(q) * n + i];
+      if (a.hash == b.hash) continue;
+      const auto shown = [](const Entry& e) {
+        const std::string t(e.text, strnlen(e.text, kText));
+        return t.size() + 1 >= kText ? t + "..." : t;
+      };
+      throw Error("rank " + std::to_string(q) + " was started with another " + all[i].first + " than rank 0 (" +
+                  shown(b) + " against " + shown(a) + "): start every process with the same options");
+    }
+}
+
 std::string Mpi::failed_peers() const {
   std::lock_guard lock(mutex_);
   std::string text;
   const auto now = Clock::now();
   for (int r = 0; r < size_; ++r) {
     if (r == rank_) continue;
+    if (left_[static_cast<std::size_t>(r)] && !closing_.load(std::memory_order_acquire) &&
+        now - left_at_[static_cast<std::size_t>(r)] > kLeaveGrace) {
+      text += (text.empty() ? "" : "; ") + std::string("rank ") + std::to_string(r) +
+              " has left the job (its process closed its transport: it failed or exited; its own output says why)";
+      continue;
+    }
     const double silent = std::chrono::duration<double>(now - last_heard_[r]).count();
     if (silent > peer_timeout_)
       text += (text.empty() ? "" : "; ") + std::string("rank ") + std::to_string(r) + " has not been heard from for " +
@@ -322,15 +414,37 @@ MpiSession::MpiSession(int* argc, char*** argv, double startup_limit_s) {
 
 MpiSession::~MpiSession() {
   guard_.reset();
+  // Transports still alive (held by objects that outlive the session, such
+  // as Python's at exit) stop before MPI does: a progress thread that
+  // probes after MPI_Finalize crashes the process.
+  std::vector<std::shared_ptr<Transport>> alive;
+  {
+    std::lock_guard lock(open_mutex_);
+    for (auto& w : open_)
+      if (auto t = w.lock()) alive.push_back(std::move(t));
+    open_.clear();
+  }
+  for (auto& t : alive) t->close();
   MPI_Finalize();
+}
+
+void MpiSession::abort(const std::string& message, int code) const {
+  std::fprintf(stderr, "error: rank %d: %s\n", rank_, message.c_str());
+  std::fflush(stderr);
+  MPI_Abort(MPI_COMM_WORLD, code);
+  std::_Exit(code);  // MPI_Abort does not return; should it, the process still ends
 }
 
 bool MpiSession::available() { return true; }
 
-std::shared_ptr<Transport> make_mpi_transport(const MpiSession&, int ranks, const MpiOptions& options) {
+std::shared_ptr<Transport> make_mpi_transport(const MpiSession& session, int ranks, const MpiOptions& options) {
   if (!(options.peer_timeout_seconds > 0)) throw Error("the peer timeout must be positive");
   if (options.outbox_bytes < 1) throw Error("the MPI outbox limit must be at least one byte");
-  return std::make_shared<Mpi>(ranks, options);
+  auto transport = std::make_shared<Mpi>(ranks, options);
+  std::lock_guard lock(session.open_mutex_);
+  std::erase_if(session.open_, [](const std::weak_ptr<Transport>& w) { return w.expired(); });
+  session.open_.push_back(transport);
+  return transport;
 }
 
 #endif

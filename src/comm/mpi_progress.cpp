@@ -195,6 +195,11 @@ void Mpi::progress_loop() {
       busy = receive(scratch) || busy;
       pending_arrivals_.store(static_cast<std::int64_t>(arriving_.size()), std::memory_order_relaxed);
       const auto now = Clock::now();
+      if (say_goodbye_.exchange(false, std::memory_order_acq_rel)) {
+        for (int r = 0; r < size_; ++r)
+          if (r != rank_) start_send(r, kBye, {});
+        busy = true;
+      }
       if (now - last_beat > std::chrono::milliseconds(100)) {
         last_beat = now;
         for (int r = 0; r < size_; ++r)
@@ -279,6 +284,7 @@ bool Mpi::receive(std::vector<std::byte>& scratch) {
     MPI_Status st;
     check_mpi(MPI_Iprobe(MPI_ANY_SOURCE, kPut, comm_, &flag, &st), "Iprobe");
     if (!flag) check_mpi(MPI_Iprobe(MPI_ANY_SOURCE, kBeat, comm_, &flag, &st), "Iprobe");
+    if (!flag) check_mpi(MPI_Iprobe(MPI_ANY_SOURCE, kBye, comm_, &flag, &st), "Iprobe");
     if (!flag) return any;
     any = true;
     int count = 0;
@@ -296,8 +302,12 @@ bool Mpi::receive(std::vector<std::byte>& scratch) {
     {
       std::lock_guard lock(mutex_);
       last_heard_[st.MPI_SOURCE] = Clock::now();
+      if (st.MPI_TAG == kBye) {
+        left_[static_cast<std::size_t>(st.MPI_SOURCE)] = 1;
+        left_at_[static_cast<std::size_t>(st.MPI_SOURCE)] = Clock::now();
+      }
     }
-    if (st.MPI_TAG == kBeat) continue;
+    if (st.MPI_TAG == kBeat || st.MPI_TAG == kBye) continue;
     // The segment and counters are swapped only between launches, when no
     // put is on its way (every counter of the launch completed).
     std::lock_guard lock(apply_mutex_);

@@ -41,7 +41,8 @@ inline void check_mpi(int code, const char* what) {
 
 // kPut carries a put's header, kRows its rows (a second message from the
 // same buffer, received straight into the segment).
-enum Tag : int { kPut = 101, kBeat = 102, kGather = 103, kSum = 104, kRows = 105, kCount = 106 };
+// kBye: the sender closed its transport (it finished, or failed).
+enum Tag : int { kPut = 101, kBeat = 102, kGather = 103, kSum = 104, kRows = 105, kCount = 106, kBye = 107 };
 
 // Rows up to this size travel in the header's message (one message, one
 // small copy out of it); larger ones in their own message, received in place.
@@ -57,6 +58,9 @@ inline constexpr auto kNapQuiet = std::chrono::milliseconds(10);
 // Completed puts' buffers kept for reuse, at most (message_buffer searches them).
 inline constexpr std::size_t kMaxSpareBuffers = 256;
 
+// How long after a peer's goodbye a wait for it fails (see Mpi::left_).
+inline constexpr auto kLeaveGrace = std::chrono::seconds(1);
+
 struct PutHeader {
   std::int64_t offset;  // into the target's segment
   std::int64_t bytes;   // of rows following in a kRows message (0: none)
@@ -69,6 +73,7 @@ class Mpi final : public Transport {
   Mpi(int ranks, const MpiOptions& options);
 
   ~Mpi() override;
+  void close() override;
 
   std::string describe() const override;
   int ranks() const override { return size_; }
@@ -181,6 +186,10 @@ class Mpi final : public Transport {
 
   bool has_pending_puts() const;
 
+  // Every process's transport options (and MpiOptions::agree) compared before
+  // anything is built from them; a difference is an Error naming the option.
+  void agree_on_options(const MpiOptions& options);
+
   bool barrier_step(bool first);
 
   // The hybrid path's node: consecutive ranks_per_node ranks (0: this
@@ -248,6 +257,15 @@ class Mpi final : public Transport {
   std::atomic<std::int64_t> pending_arrivals_{0};
   std::atomic<int> outbox_waiters_{0};  // workers waiting in wait_for_outbox_room
   std::vector<Clock::time_point> last_heard_;
+  // [rank]: its goodbye arrived, and when (under mutex_). A peer that left
+  // counts as failed a grace period later: one that finished a collective
+  // and closed may say goodbye before this process has seen the same
+  // collective complete.
+  std::vector<char> left_;
+  std::vector<Clock::time_point> left_at_;
+  bool closed_ = false;                      // close() ran (main thread only)
+  std::atomic<bool> closing_{false};         // in close(): peers' goodbyes are expected, not failures
+  std::atomic<bool> say_goodbye_{false};     // the progress thread sends kBye to every peer, once
 };
 
 }  // namespace hpmoe::mpi_detail

@@ -99,6 +99,12 @@ check 3 network --set hidden=256 -T 64 --backward --routing zipf:1.2 --dispatch-
 check 4 network --set hidden=256 -T 48 --set top_k=4 --set routed_experts=16 --set ranks_per_node=2 --backward \
   --routing zipf:1.2 --dispatch-dtype fp8 --combine-dtype bf16 --exchange rank --iters 2 --verify-all-ranks
 check 4 shared -T 48 --set ranks_per_node=2 --backward --dtype bf16 --routing "$trace" --exchange rank --iters 1
+# Several steps whose routing changes (a new one every step), per rank and
+# per node, with lent weights: nothing of one step's exchange may reach the
+# next (the per-rank exchange stopped at step 2 here once).
+check 3 network -T 48 --set top_k=3 --set routed_experts=12 --backward --routing mixed --exchange rank --iters 4 --warmup 0
+check 4 shared -T 48 --set top_k=3 --set routed_experts=16 --set ranks_per_node=2 --backward --routing mixed \
+  --exchange rank --lend 12 --iters 4 --warmup 0
 # The hybrid path: shared windows inside each node of the layer's 2 ranks,
 # messages across (the per-node exchange's two hops, and the per-assignment
 # exchange over the same split).
@@ -199,6 +205,12 @@ disagree --routing --routing zipf:1.2 -- --routing uniform
 disagree --save --save "$tmp/s0" --
 disagree --save --save "$tmp/s0" -- --save "$tmp/s1"
 disagree --iters --iters 2 -- --iters 3
+# The transport's own options are compared before the transport is built
+# from them (they hung in the agreement, which travelled by the path in
+# dispute), and the worker count before any launch (a watchdog named a barrier).
+disagree "--mpi-path (module: mpi_path)" --mpi-path shared -- --mpi-path network
+disagree --count-exchange --count-exchange one-sided -- --count-exchange collective
+disagree "--workers (-W)" -W 1 -- -W 2
 test ! -e "$tmp/s0" && test ! -e "$tmp/s1"  # nothing saved by ranks that disagreed
 
 # One rank per process: the process count must match P.

@@ -225,7 +225,8 @@ struct RunCommand {
                                 .count_exchange = count_exchange == "one-sided"    ? MpiOptions::CountExchange::one_sided
                                                   : count_exchange == "collective" ? MpiOptions::CountExchange::collective
                                                                                    : MpiOptions::CountExchange::automatic,
-                                .ranks_per_node = static_cast<int>(req.config.ranks_per_node)},
+                                .ranks_per_node = static_cast<int>(req.config.ranks_per_node),
+                                .agree = {}},
                      json_file);
     // Progress on stderr for anything that takes more than a couple of
     // seconds: always for large layers, otherwise once two seconds have passed.
