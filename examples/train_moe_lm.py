@@ -246,13 +246,29 @@ def save_checkpoint(path, model, opt, step):
     if dist.world == 1:
         save_safetensors(path, tensors, meta)
         return path
+    # Shards named by their step: a save that fails on some process (or a signal) leaves the index naming the
+    # last whole set, whose files this save did not touch; the old set goes once the new index is in place.
     base = path[: -len(".safetensors")]
-    files = [f"{os.path.basename(base)}.rank{r}-of-{dist.world}.safetensors" for r in range(dist.world)]
+    files = [f"{os.path.basename(base)}.step{step}.rank{r}-of-{dist.world}.safetensors" for r in range(dist.world)]
+    meta = dict(meta, shard=f"{dist.rank} of {dist.world}")
     save_safetensors(os.path.join(os.path.dirname(path), files[dist.rank]), tensors, meta)
     dist.td.barrier()  # every shard is whole before the index names it
     index = base + ".index.json"
     if dist.rank == 0:
+        before = []
+        if os.path.exists(index):
+            try:
+                with open(index) as f:
+                    before = [n for n in json.load(f).get("files", []) if n not in files]
+            except (OSError, ValueError, AttributeError):
+                before = []
         write_atomically(index, json.dumps({"processes": dist.world, "step": step, "files": files}, indent=1))
+        for name in before:  # the previous set, no longer named
+            if os.path.basename(name) == name and name.startswith(os.path.basename(base) + "."):
+                try:
+                    os.remove(os.path.join(os.path.dirname(path), name))
+                except FileNotFoundError:
+                    pass
     dist.td.barrier()
     return index
 
@@ -260,13 +276,31 @@ def save_checkpoint(path, model, opt, step):
 def restore(model, opt, path):
     """A checkpoint (one file, or an index of per-process files) into this model: the tensors it holds. A
     sharded checkpoint resumes on one process, and a one-file checkpoint on several (each takes its share)."""
-    files = [path]
+    files, index_step = [path], None
     if path.endswith(".index.json"):
         with open(path) as f:
-            files = [os.path.join(os.path.dirname(path), name) for name in json.load(f)["files"]]
+            index = json.load(f)
+        if not isinstance(index, dict) or not isinstance(index.get("files"), list) or not index["files"]:
+            raise ValueError("its index has no list of files")
+        if not isinstance(index.get("step"), int) or isinstance(index.get("step"), bool):
+            raise ValueError(f"its index's step {index.get('step')!r} is not an integer")
+        index_step = index["step"]
+        files = [os.path.join(os.path.dirname(path), str(name)) for name in index["files"]]
     tensors, meta = {}, None
-    for name in files:
+    for i, name in enumerate(files):
         t, m = load_safetensors(name)
+        # Every shard is of the index's step and its own place: a shard from another save (one that did not
+        # finish on every process) would mix two steps' parameters and optimiser state.
+        if index_step is not None:
+            shard_step = m.get("step") if isinstance(m, dict) else None
+            if shard_step != str(index_step):
+                raise ValueError(f"shard {os.path.basename(name)} is of step {shard_step}, its index of step "
+                                 f"{index_step}: the shards are not one save (resume from a checkpoint whose save "
+                                 "finished on every process)")
+            shard = m.get("shard")
+            if shard is not None and shard != f"{i} of {len(files)}":
+                raise ValueError(f"shard {os.path.basename(name)} says it is shard {shard}, the index lists it as "
+                                 f"{i} of {len(files)}")
         tensors.update(t)
         meta = meta or m
     own = model.state_dict()
@@ -297,6 +331,10 @@ def restore(model, opt, path):
                 if tensors[f"opt.{kind}.{n}"].shape != p.shape:
                     raise ValueError(f"opt.{kind}.{n} has shape {list(tensors[f'opt.{kind}.{n}'].shape)}, "
                                      f"the parameter {list(p.shape)}")
+                if not torch.isfinite(tensors[f"opt.{kind}.{n}"]).all():  # else blamed later on the parameter
+                    raise ValueError(f"tensor opt.{kind}.{n} holds NaN or Inf")
+            if (tensors[f"opt.exp_avg_sq.{n}"] < 0).any():
+                raise ValueError(f"tensor opt.exp_avg_sq.{n} holds negative values (a second moment cannot)")
             opt.state[p] = {"step": torch.tensor(float(adam_step)),
                             "exp_avg": tensors["opt.exp_avg." + n], "exp_avg_sq": tensors["opt.exp_avg_sq." + n]}
     return step

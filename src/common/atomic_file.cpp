@@ -27,6 +27,10 @@ enum SlotState : int { kFree = 0, kFilling = 1, kPublished = 2 };  // the handle
 struct CleanupTable {
   std::array<std::atomic<int>, kSlots> state{};
   std::array<std::array<char, kMaxPath>, kSlots> paths{};
+  // While a set of files is renamed into place (DeferTerminationSignals), a
+  // signal is noted here and acted on once the set is whole.
+  std::atomic<int> defer_depth{0};
+  std::atomic<int> pending_signal{0};
 };
 CleanupTable& cleanup_table() {
   static CleanupTable table;
@@ -35,6 +39,10 @@ CleanupTable& cleanup_table() {
 
 extern "C" void remove_temporaries_and_reraise(int signal_number) {
   CleanupTable& t = cleanup_table();
+  if (t.defer_depth.load() > 0) {
+    t.pending_signal.store(signal_number);
+    return;
+  }
   for (int i = 0; i < kSlots; ++i)
     if (t.state[static_cast<std::size_t>(i)].load() == kPublished) ::unlink(t.paths[static_cast<std::size_t>(i)].data());
   std::signal(signal_number, SIG_DFL);
@@ -141,6 +149,17 @@ void AtomicFile::commit() {
   finish();
   if (!temporary_.empty() && ::rename(temporary_.c_str(), path_.c_str()) != 0) fail(std::strerror(errno));
   committed_ = true;
+}
+
+DeferTerminationSignals::DeferTerminationSignals() {
+  install_handlers_once();
+  cleanup_table().defer_depth.fetch_add(1);
+}
+
+DeferTerminationSignals::~DeferTerminationSignals() {
+  CleanupTable& t = cleanup_table();
+  if (t.defer_depth.fetch_sub(1) != 1) return;
+  if (const int signal_number = t.pending_signal.exchange(0)) remove_temporaries_and_reraise(signal_number);
 }
 
 void write_file_atomically(const std::string& path, std::string_view bytes, const std::string& what) {

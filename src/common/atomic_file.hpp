@@ -41,6 +41,19 @@ class AtomicFile {
   bool committed_ = false;
 };
 
+// While one lives, a terminating signal (those AtomicFile cleans up after)
+// waits: it is noted, and acted on (temporaries removed, the signal raised
+// again) when the last one ends. Around the renames of a set of files and
+// what goes with them, so that a signal at any point leaves the old set or
+// the new one, never new files beside old ones. The section must be short.
+class DeferTerminationSignals {
+ public:
+  DeferTerminationSignals();
+  ~DeferTerminationSignals();
+  DeferTerminationSignals(const DeferTerminationSignals&) = delete;
+  DeferTerminationSignals& operator=(const DeferTerminationSignals&) = delete;
+};
+
 // The whole file at once.
 void write_file_atomically(const std::string& path, std::string_view bytes, const std::string& what);
 

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <regex>
 #include <string_view>
 #include <utility>
@@ -149,21 +150,26 @@ void SaveSet::add_text(const std::string& name, std::string_view text) {
 }
 
 void SaveSet::commit() {
+  const DeferTerminationSignals whole;  // a signal between two renames waits for the last
   for (auto& f : files_) f->file.commit();
 }
 
 void save_layer(const std::string& dir, const LayerConfig& c, const LayerWeights& w, const LayerInputs& in,
                 const RouterOutput<float>& routing, const Matrix& out, const LayerGradients* grads) {
+  std::optional<SaveSet> set;
   try {
-    SaveSet set(dir);
-    set.add("weights.safetensors", weights_file(c, w));
-    set.add("inputs.safetensors", inputs_file(in));
-    set.add("routing.safetensors", routing_file(routing, c.total_tokens(), c.top_k));
-    set.add("outputs.safetensors", outputs_file(c, out, grads));
-    set.commit();
+    set.emplace(dir);
+    set->add("weights.safetensors", weights_file(c, w));
+    set->add("inputs.safetensors", inputs_file(in));
+    set->add("routing.safetensors", routing_file(routing, c.total_tokens(), c.top_k));
+    set->add("outputs.safetensors", outputs_file(c, out, grads));
   } catch (const Error& e) {
     throw Error(std::string(e.what()) + ": nothing of this save was put in place, and the checkpoint there before is unchanged");
   }
+  // The renames and the removal of the files this set replaces, as one: a
+  // signal in between waits for both (the files were written above).
+  const DeferTerminationSignals whole;
+  set->commit();
   remove_stale(dir, [](const std::string& name) { return name == kIndex || ranks_of_rank_file(name) > 0; });
 }
 

@@ -229,3 +229,37 @@ TEST(AtomicFile, SignalDuringWriteLeavesThePreviousFileAndNoTemporary) {
   EXPECT_EQ(std::distance(std::filesystem::directory_iterator(dir), {}), 1);
   std::filesystem::remove_all(dir);
 }
+
+// A SIGTERM between the renames of a set of files (a save's weights, inputs,
+// ... or a sweep's CSV, JSON and report) waits until the set is in place:
+// never new files beside old ones (issue 58, class 4).
+TEST(AtomicFile, SignalBetweenTheRenamesOfASetLeavesTheWholeNewSet) {
+  const auto dir = std::filesystem::temp_directory_path() / ("hpmoe-atomic-set-" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  const auto a = dir / "a.json", b = dir / "b.json";
+  write_file_atomically(a.string(), "old", "the test file");
+  write_file_atomically(b.string(), "old", "the test file");
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    AtomicFile fa(a.string(), "the test file"), fb(b.string(), "the test file");
+    fa.write("new");
+    fb.write("new");
+    fa.finish();
+    fb.finish();
+    {
+      const DeferTerminationSignals whole;
+      fa.commit();
+      ::raise(SIGTERM);  // between the two renames: noted, acted on when the set is whole
+      fb.commit();
+    }
+    ::_exit(0);  // not reached: the signal ends the process when `whole` ends
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGTERM) << "the deferred signal was lost";
+  EXPECT_EQ(read_all(a), "new");
+  EXPECT_EQ(read_all(b), "new");
+  EXPECT_EQ(std::distance(std::filesystem::directory_iterator(dir), {}), 2);  // no temporaries
+  std::filesystem::remove_all(dir);
+}
