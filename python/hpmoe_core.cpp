@@ -205,6 +205,37 @@ class ReferenceStep final : public Step {
 // optimizer's step, load_state_dict's copy_) increments.
 using ParamVersion = std::pair<std::int64_t, std::int64_t>;
 
+// A parameter's bytes as one value: 32 interleaved 32-bit lanes, each
+// taking its words through x = (lane + w) K, lane = x ^ (x >> 16) (K odd),
+// then the lanes folded. Each step is a bijection of the lane for a given
+// word, so a change of any one word always changes the value; the shift
+// makes changes of the top bit (a sign flip, in every word: neg_) reach the
+// low bits, where a plain multiply-add let them cancel in pairs (2^31 times
+// an even count of odd numbers is 0 mod 2^32). The lanes are independent, so
+// the compiler vectorises them and the hash runs at memory speed.
+// What it catches are the writes PyTorch's version counter does not see:
+// through p.data, or NumPy on p.numpy().
+std::uint64_t content_hash(const std::byte* bytes, std::size_t n) {
+  constexpr std::uint32_t K = 0x9E3779B1u;
+  constexpr std::size_t kLanes = 32;
+  std::uint32_t lane[kLanes];
+  for (std::size_t j = 0; j < kLanes; ++j) lane[j] = static_cast<std::uint32_t>(j + 1);
+  const std::size_t blocks = n / (4 * kLanes);
+  for (std::size_t i = 0; i < blocks; ++i) {
+    std::uint32_t w[kLanes];
+    std::memcpy(w, bytes + i * 4 * kLanes, sizeof w);
+    for (std::size_t j = 0; j < kLanes; ++j) {
+      const std::uint32_t x = (lane[j] + w[j]) * K;
+      lane[j] = x ^ (x >> 16);  // high bits reach the low ones: sign flips in pairs no longer cancel
+    }
+  }
+  std::uint64_t h = n;
+  constexpr std::uint64_t K64 = 0x9E3779B97F4A7C15ull;
+  for (std::size_t b = blocks * 4 * kLanes; b < n; ++b) h = (h + static_cast<std::uint64_t>(bytes[b])) * K64;
+  for (const std::uint32_t l : lane) h = (h ^ l) * K64;
+  return h;
+}
+
 // The process's MPI session: MPI_Init_thread at the first layer made with
 // ep="mpi" (the process was started by mpirun), MPI_Finalize at exit.
 const MpiSession& mpi_session() {
@@ -400,7 +431,29 @@ class ModuleLayer {
   // The kept layer's weights brought up to the parameters: all of them the
   // first time, then only the experts and replicated tensors whose
   // parameters changed (by version), in place.
+  // Every parameter's content hash (check_parameters), on every core.
+  std::map<std::string, std::uint64_t> content_hashes(const py::dict& params,
+                                                      const std::map<std::string, ParamVersion>& versions) const {
+    std::map<std::string, std::uint64_t> out;
+    if (!check_parameters_) return out;
+    std::vector<std::pair<const std::byte*, std::size_t>> spans;
+    std::vector<py::array> keep;  // alive while hashed
+    for (const auto& [name, version] : versions) {
+      keep.push_back(py::reinterpret_borrow<py::array>(params[py::str(name)]));
+      spans.emplace_back(static_cast<const std::byte*>(keep.back().data()), static_cast<std::size_t>(keep.back().nbytes()));
+    }
+    std::vector<std::uint64_t> h(spans.size());
+    {
+      py::gil_scoped_release release;
+      on_cores(spans.size(), [&](std::size_t i) { h[i] = content_hash(spans[i].first, spans[i].second); });
+    }
+    std::size_t i = 0;
+    for (const auto& [name, version] : versions) out[name] = h[i++];
+    return out;
+  }
+
   void sync_weights(const LayerConfig& c, const py::dict& params, const std::map<std::string, ParamVersion>& versions) {
+    auto hashes = content_hashes(params, versions);
     if (!layer_) {
       LayerWeights w = weights_of(c, params, true, transport_ ? &held_ : nullptr);
       py::gil_scoped_release release;
@@ -413,6 +466,7 @@ class ModuleLayer {
       p.placement = placement_;
       layer_.emplace(c, std::move(w), p);
       versions_ = versions;
+      hashes_ = std::move(hashes);
       conversions_ += static_cast<std::int64_t>(versions.size());
       return;
     }
@@ -420,13 +474,16 @@ class ModuleLayer {
     std::vector<std::int32_t> experts;
     for (const auto& [name, version] : versions) {
       const auto seen = versions_.find(name);
-      if (seen != versions_.end() && seen->second == version) continue;
+      const auto content = hashes_.find(name);
+      const bool same_content = !check_parameters_ || (content != hashes_.end() && content->second == hashes[name]);
+      if (seen != versions_.end() && seen->second == version && same_content) continue;
       ++conversions_;
       if (name.rfind("experts.", 0) == 0) experts.push_back(static_cast<std::int32_t>(std::stol(name.substr(8))));
       else replicated = true;
     }
     if (versions.size() != versions_.size()) replicated = true;  // a tensor appeared or went (the bias buffer): the replicated ones again; new expert names are changed above
     versions_ = versions;
+    hashes_ = std::move(hashes);
     if (!replicated && experts.empty()) return;
     std::sort(experts.begin(), experts.end());
     experts.erase(std::unique(experts.begin(), experts.end()), experts.end());
@@ -480,9 +537,13 @@ class ModuleLayer {
 
  public:
   bool check_finite_ = true;  // the fast executors' token checks (FastStep)
+  // Hash every parameter's bytes at each forward, so that writes the version
+  // counters miss (p.data, NumPy) are converted too (MoELayer(check_parameters=...)).
+  bool check_parameters_ = true;
 
  private:
   std::map<std::string, ParamVersion> versions_;
+  std::map<std::string, std::uint64_t> hashes_;  // check_parameters: each parameter's content at its last conversion
   std::int64_t conversions_ = 0;
 };
 
@@ -530,6 +591,7 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("rank", &ModuleLayer::rank)
       .def_property_readonly("held_experts", &ModuleLayer::held_experts)
       .def_readwrite("check_finite", &ModuleLayer::check_finite_)
+      .def_readwrite("check_parameters", &ModuleLayer::check_parameters_)
       .def("forward", &ModuleLayer::forward, py::arg("x"), py::arg("params"), py::arg("versions"))
       .def_property_readonly("conversions", &ModuleLayer::conversions)
       .def_property_readonly("engines", &ModuleLayer::engines)

@@ -93,6 +93,10 @@ class _Function(torch.autograd.Function):
         wide = x.detach().float() if x.dtype == torch.bfloat16 else x.detach()
         out, aux, z, load, step = module._core.forward(wide.numpy(), arrays, versions)
         ctx.module, ctx.names, ctx.tokens, ctx.dtype, ctx.step = module, names, x.shape[0], x.dtype, step
+        # The backward reads the tokens where the forward found them (the router's and the shared experts'
+        # weight gradients): saved, so that PyTorch refuses a backward after they were changed in place
+        # ("modified by an inplace operation"), as it does for its own layers.
+        ctx.save_for_backward(x)
         ctx.param_dtypes = [p.dtype for p in params]
         ctx.load = module.last_load = torch.from_numpy(load)
         module.last_times = step.times()
@@ -112,6 +116,7 @@ class _Function(torch.autograd.Function):
             raise ValueError("this forward's backward has already run (the float32 executors run one backward "
                              "per forward: call backward once, or use executor='reference' for repeated "
                              "backwards with retain_graph=True)")
+        _ = ctx.saved_tensors  # raises PyTorch's error if the tokens changed in place since the forward
         if d_out is None:  # only the losses were used
             d_out = torch.zeros(ctx.tokens, module.config["hidden"], dtype=ctx.dtype)
         wide = torch.float64 if ctx.dtype == torch.float64 else torch.float32
@@ -283,25 +288,39 @@ class MoELayer(nn.Module):
     an output or dx that overflowed, as the CLI and the reference executor do; a bits test that vectorises,
     well under 1% of a step. False skips it (a measured training loop that checks its loss itself).
 
+    check_parameters: the layer keeps its parameters converted and packed between calls, and converts again
+    what changed. PyTorch's version counters see in-place updates (optimisers, ``load_state_dict``, ``p.add_``
+    under ``no_grad``) but not writes through ``p.data`` or NumPy; True (the default) also hashes every
+    parameter's bytes at each forward (at memory speed; ``last_times["forward"]["convert_and_repack"]``
+    includes it), so the layer always computes with the parameters as they are at the call. False trusts
+    the version counters alone. The tokens are saved for backward as PyTorch's layers save theirs: a backward
+    after they changed in place is PyTorch's "modified by an inplace operation" error.
+
     The module is deep-copyable and picklable (``copy.deepcopy``, ``torch.save(module)``): a copy is a new
     layer with the same arguments and a copy of the parameters (in process only; ep="mpi" refuses).
     """
 
     def __init__(self, config, ranks=1, workers=1, executor="interleaved", schedule="critical-path",
                  dispatch_dtype=None, exchange=None, ranks_per_node=None, combine_dtype=None, dtype=None,
-                 ep="inprocess", mpi_path="auto", check_finite=True, lend_weights=None, placement=None, online=None):
+                 ep="inprocess", mpi_path="auto", check_finite=True, lend_weights=None, placement=None, online=None,
+                 check_parameters=True):
         super().__init__()
         self._init_args = dict(config=config, ranks=ranks, workers=workers, executor=executor, schedule=schedule,
                                dispatch_dtype=dispatch_dtype, exchange=exchange, ranks_per_node=ranks_per_node,
                                combine_dtype=combine_dtype, dtype=dtype, ep=ep, mpi_path=mpi_path,
                                check_finite=check_finite, lend_weights=lend_weights, placement=placement,
-                               online=online)
+                               online=online, check_parameters=check_parameters)
         if not isinstance(workers, int) or isinstance(workers, bool) or not 1 <= workers <= 256:
             raise ValueError(f"workers must be an integer from 1 to 256 (threads per rank), got {workers!r}")
         if not isinstance(check_finite, bool):
             raise ValueError(f"check_finite must be True or False, got {check_finite!r}")
+        if not isinstance(check_parameters, bool):
+            raise ValueError(f"check_parameters must be True or False, got {check_parameters!r}")
         if ep == "mpi":
             _promote_mpi()
+        if not isinstance(config, (str, dict)):
+            raise ValueError(f"config must be a preset's name (hpmoe.preset_names()) or a layer config dict "
+                             f"(hpmoe.preset(...), hpmoe.from_hf_config(...)), got {type(config).__name__} {config!r}")
         cfg = dict(preset(config) if isinstance(config, str) else config)
         if dtype is not None:
             if dtype not in ("fp32", "bf16"):
@@ -331,6 +350,7 @@ class MoELayer(nn.Module):
         self._core = _core.Layer(json.dumps(cfg), int(workers), executor, schedule, ep, mpi_path,
                                  _placement_text(placement), _online_text(online))
         self._core.check_finite = check_finite
+        self._core.check_parameters = check_parameters
         self.config = json.loads(self._core.config_json)
         self.executor = executor
         self.ep = ep
