@@ -1,4 +1,5 @@
 #pragma once
+#include <set>
 // The front end's model commands: `hpmoe simulate` (one MoE layer's step on
 // a machine model) and `hpmoe step` (a training step of a whole model).
 #include <CLI/CLI.hpp>
@@ -209,6 +210,16 @@ struct SweepCommand {
     if (req.routings.empty()) req.routings = {"uniform"};
     req.fp8_gemms = fp8_gemms_from(gemm_dtype);
     for (const auto& spec : vary_specs) req.vary.push_back(parse_vary(spec));
+    {  // a field varied twice would run one value while the CSV shows both
+      std::set<std::string> fields;
+      for (const auto& [paths, values] : req.vary)
+        for (std::size_t from = 0; from <= paths.size();) {
+          const std::size_t plus = std::min(paths.find('+', from), paths.size());
+          if (const std::string path = paths.substr(from, plus - from); !fields.insert(path).second)
+            throw Error("--vary names the field '" + path + "' twice: give its values in one --vary (PATH=V1,V2,...)");
+          from = plus + 1;
+        }
+    }
     if (model_options.req.layers > 0) req.step = model_options.resolve();
     else if (model_options.req.dense_layers > 0 || model_options.attention_ms >= 0 || model_options.dense_ms >= 0 ||
              model_options.other_ms > 0 || model_options.req.dense_inter > 0 || model_options.req.attention_params > 0 ||
@@ -218,6 +229,23 @@ struct SweepCommand {
     if (std::filesystem::exists(out, ec) && !std::filesystem::is_directory(out, ec))
       throw Error("--out '" + out + "' is a file: the sweep writes a folder (sweep.csv, sweep.json, report.md)");
     check_save_dir(out);
+    // Its three files, checked before the work: each writable, none of them
+    // a file the sweep reads (a --model or --machine file in that folder).
+    const std::string csv = (std::filesystem::path(out) / "sweep.csv").string(),
+                      json = (std::filesystem::path(out) / "sweep.json").string(),
+                      md = (std::filesystem::path(out) / "report.md").string();
+    if (std::filesystem::is_directory(out, ec)) {  // else check_save_dir saw that it can be made
+      check_writable(csv, "the sweep's CSV");
+      check_writable(json, "the sweep's JSON");
+      check_writable(md, "the sweep's report");
+    }
+    std::vector<std::pair<std::string, std::string>> inputs;
+    for (const auto& m : req.models) inputs.emplace_back("--model", m);
+    for (const auto& m : req.machines) inputs.emplace_back("--machine", m);
+    inputs.emplace_back("--placement", req.placement);
+    for (const auto& r : req.routings)
+      if (r.rfind("trace:", 0) == 0) inputs.emplace_back("--routing", parse_routing_spec(r, req.seed).trace_path);
+    check_distinct_outputs({{"--out (sweep.csv)", csv}, {"--out (sweep.json)", json}, {"--out (report.md)", md}}, "", inputs);
     const auto points = sweep_points(req);
     const auto start = std::chrono::steady_clock::now();
     auto last = start;

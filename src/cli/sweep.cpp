@@ -160,6 +160,20 @@ std::vector<SweepPoint> sweep_points(const SweepRequest& req) {
   need(!req.routings.empty(), "--routing");
   for (const auto& [path, values] : req.vary)
     if (values.empty()) throw Error("--vary " + path + " names no values (--vary PATH=V1,V2,...)");
+  // The grid's size from its axes, before any point (or combination of
+  // varied values) is built: 64 million points used to be built, past 6 GB,
+  // before the cap was checked.
+  {
+    long double total = 1;
+    for (const std::size_t n : {req.machines.size(), req.models.size(), req.ranks.size(), req.tokens.size(),
+                                std::max<std::size_t>(req.lends.size(), 1), req.routings.size(),
+                                std::max<std::size_t>(req.schedules.size(), 1)})
+      total *= static_cast<long double>(n);
+    for (const auto& [path, values] : req.vary) total *= static_cast<long double>(values.size());
+    if (total > 100000)
+      throw Error("the sweep has " + std::to_string(static_cast<unsigned long long>(std::min<long double>(total, 1e19L))) +
+                  " points; at most 100000 (fewer values per axis, or several sweeps)");
+  }
   // The varied fields' value lists, as a mixed-radix counter.
   std::vector<std::vector<std::string>> combos{{}};
   for (const auto& [path, values] : req.vary) {

@@ -13,6 +13,22 @@ namespace {
 
 using nlohmann::json;
 
+// A --vary value: a finite number, or xF (the model's value times F).
+// Returns (F or the number, whether it scales).
+std::pair<double, bool> vary_value(const std::string& value, const std::string& whole) {
+  double v = 0;
+  std::size_t used = 0;
+  const bool scale = !value.empty() && value[0] == 'x';
+  try {
+    v = std::stod(value.substr(scale ? 1 : 0), &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used == 0 || used != value.size() - (scale ? 1 : 0) || !std::isfinite(v))
+    throw Error("--vary " + whole + "=" + value + ": a value is a finite number, or xF (the model's value times F)");
+  return {v, scale};
+}
+
 // Sets `path` (dotted; "*" every element of an array) in `j` to `value`
 // ("xF": the value there times F). Error naming the path where it does not
 // lead to a number.
@@ -24,18 +40,15 @@ void set_field(json& j, const std::string& path, std::size_t from, const std::st
     if (!last) return set_field(target, path, dot + 1, value, whole);
     if (!target.is_number())
       throw Error("--vary " + whole + ": the machine model's '" + whole + "' is not a number (it is " + target.type_name() + ")");
-    double v = 0;
-    std::size_t used = 0;
-    const bool scale = !value.empty() && value[0] == 'x';
-    try {
-      v = std::stod(value.substr(scale ? 1 : 0), &used);
-    } catch (const std::exception&) {
-      used = 0;
-    }
-    if (used == 0 || used != value.size() - (scale ? 1 : 0) || !std::isfinite(v))
-      throw Error("--vary " + whole + "=" + value + ": a value is a number, or xF (the model's value times F)");
+    const auto [v, scale] = vary_value(value, whole);
     const double result = scale ? target.get<double>() * v : v;
-    if (target.is_number_integer() && !scale && result == std::floor(result)) target = static_cast<std::int64_t>(result);
+    if (!std::isfinite(result))
+      throw Error("--vary " + whole + "=" + value + ": the model's value times " + value.substr(1) + " is not finite");
+    // An integer field stays an integer where the value is one it can hold
+    // (1e308 used to become -9223372036854775808).
+    constexpr double kInt64Limit = 9223372036854775808.0;  // 2^63
+    if (target.is_number_integer() && !scale && result == std::floor(result) && std::abs(result) < kInt64Limit)
+      target = static_cast<std::int64_t>(result);
     else target = result;
   };
   if (key == "*") {
@@ -57,6 +70,7 @@ std::pair<std::string, std::vector<std::string>> parse_vary(const std::string& s
   std::stringstream list(spec.substr(eq + 1));
   for (std::string v; std::getline(list, v, ',');) {
     if (v.empty()) throw Error("--vary " + spec + ": an empty value");
+    (void)vary_value(v, spec.substr(0, eq));  // refused here, not in its result row
     values.push_back(v);
   }
   if (values.empty() || spec.back() == ',') throw Error("--vary " + spec + ": an empty value");

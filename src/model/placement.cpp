@@ -402,13 +402,19 @@ ExpertPlacement placement_from_json(const nlohmann::json& j, std::int64_t expert
   }
   std::int64_t slots = 0;
   if (j.contains("slots_per_rank")) {
-    if (!j["slots_per_rank"].is_number_integer() || j["slots_per_rank"].get<std::int64_t>() < 1 ||
+    if (!j["slots_per_rank"].is_number_integer() ||
+        (j["slots_per_rank"].is_number_unsigned() && j["slots_per_rank"].get<std::uint64_t>() > (std::uint64_t{1} << 20)) ||
+        j["slots_per_rank"].get<std::int64_t>() < 1 ||
         j["slots_per_rank"].get<std::int64_t>() > (std::int64_t{1} << 20))
       throw Error(source + ": \"slots_per_rank\" must be a positive integer (the experts a rank may hold)");
     slots = j["slots_per_rank"].get<std::int64_t>();
   }
   auto integer = [&](const nlohmann::json& v, const std::string& where) {
     if (!v.is_number_integer()) throw Error(source + ": " + where + " must be an integer");
+    // An unsigned value past int64 (a u64 id) would wrap to a negative one
+    // and be reported as -1: name it as written.
+    if (v.is_number_unsigned() && v.get<std::uint64_t>() > static_cast<std::uint64_t>(INT64_MAX))
+      throw Error(source + ": " + where + " = " + v.dump() + " is out of range (an expert id, rank or column of this layer)");
     return v.get<std::int64_t>();
   };
   std::vector<ExpertPlacement::Split> splits;

@@ -1,5 +1,6 @@
 #include <string>
 
+#include "common/memory.hpp"
 #include "hpmoe/error.hpp"
 #include "hpmoe/routing.hpp"
 #include "hpmoe/tensors.hpp"
@@ -7,6 +8,13 @@
 namespace hpmoe {
 
 RouterOutput<float> route_step(const LayerConfig& c, const RoutingSpec& spec, std::uint64_t seed) {
+  // The step's logits, scores and routes live on this host whatever the
+  // machine modelled: refused before they are taken (millions of tokens per
+  // rank ran out of this host's memory after a long wait).
+  const double host = double(c.total_tokens()) * (double(c.routed_experts) * 4.0 * 3.0 + double(c.top_k) * 16.0);
+  require_memory(host, "routing the step", std::to_string(c.total_tokens()) + " tokens x " +
+                                               std::to_string(c.routed_experts) + " experts of logits and scores",
+                 "use fewer tokens per rank (-T) or ranks");
   const auto forced = forced_selection(c, spec);
   std::vector<float> logits(static_cast<std::size_t>(c.total_tokens() * c.routed_experts), 0.0f);
   const LayerWeights w = random_router(c, seed);

@@ -121,6 +121,47 @@ MemoryUse memory_check(const MachineModel& m, const LayerConfig& c, const Expert
   return most;
 }
 
+// Before the step is routed or any program generated: a lower bound of
+// what the fullest rank needs (its parameters; its own tokens in and out;
+// the rows it receives, at least the average T K, each through the hidden
+// width and the narrowest expert part's gate, up and SwiGLU columns). A
+// layer that cannot fit even so is refused at once: routing and generating
+// every rank's programs first took minutes and gigabytes of this host at
+// millions of tokens. max_r (a_r + b_r) >= max(max_r a_r, min_r a_r + mean b).
+void memory_precheck(const MachineModel& m, const LayerConfig& c, const ExpertPlacement& placement, bool backward,
+                     bool optimizer_state) {
+  if (m.memory_bytes_per_rank <= 0) return;
+  const double elem = c.dtype == DType::fp32 ? 4.0 : 2.0, H = double(c.hidden);
+  std::int64_t narrowest = c.expert_inter;
+  for (std::int64_t i = 0; i < placement.instances(); ++i) {
+    const auto [c0, c1] = placement.part_columns(i, c.expert_inter);
+    narrowest = std::min(narrowest, c1 - c0);
+  }
+  double most = 0, least = -1;
+  for (std::int64_t r = 0; r < c.ranks; ++r) {
+    const MemoryUse p = parameter_bytes(c, placement, r, backward, optimizer_state);
+    const double params = p.weights + p.gradients + p.optimizer;
+    most = std::max(most, params);
+    least = least < 0 ? params : std::min(least, params);
+  }
+  const double tokens = elem * 2.0 * double(c.tokens_per_rank) * H;
+  // Under a capacity factor experts drop rows: then no bound from the rows.
+  const double rows =
+      c.capacity_factor > 0 ? 0.0 : elem * double(c.tokens_per_rank * c.top_k) * (H + 3.0 * double(narrowest));
+  const double bound = std::max(most, least + rows) + tokens;
+  if (bound <= m.memory_bytes_per_rank) return;
+  const auto gb = [](double b) {
+    char t[32];
+    std::snprintf(t, sizeof t, "%.1f GB", b / 1e9);
+    return std::string(t);
+  };
+  throw Error("the fullest rank needs at least " + gb(bound) + " (parameters " + gb(most) + " on the rank holding the most, " +
+              "its tokens " + gb(tokens) + ", the rows it receives, at least " + gb(rows) + ") but machine '" + m.name +
+              "' has " + gb(m.memory_bytes_per_rank) + " per rank: " + gb(bound - m.memory_bytes_per_rank) +
+              " short; use more ranks, fewer tokens per rank, or a placement with fewer experts per rank (refused "
+              "before the step was routed)");
+}
+
 }  // namespace
 
 SimReport simulate(const MachineModel& given, const SimRequest& req) {
@@ -144,6 +185,7 @@ SimReport simulate(const MachineModel& given, const SimRequest& req) {
   rep.kernel_scope = req.kernel_scope;
   rep.fp8_gemms = req.fp8_gemms;
   const ExpertPlacement placement = placement_or_contiguous(req.placement, c.routed_experts, c.ranks);
+  if (req.refuse_over_memory) memory_precheck(m, c, placement, req.backward, req.optimizer_state);
   const auto routing = route_step(c, req.routing, req.seed);
   rep.stats = routing_stats(c, placement, routing);
   auto counts = taskflow::routing_counts(c, routing);

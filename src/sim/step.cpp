@@ -101,6 +101,13 @@ BlockCost dense_cost(const MachineModel& m, const StepRequest& req, std::int64_t
   return cost;
 }
 
+std::int64_t micro_batch_tokens(std::int64_t tokens_per_rank) {
+  // An odd T splits into (T + 1) / 2 and T / 2; the step waits for the
+  // larger (T / 2 modelled T = 3 as micro-batches of 1 token, a third less
+  // than the tokens it has).
+  return (tokens_per_rank + 1) / 2;
+}
+
 void check_step_request(const StepRequest& req) {
   const LayerConfig& c = req.moe.config;
   if (req.layers < 1) throw Error("--layers must be at least 1 (the transformer layers of the model on a rank)");
@@ -127,13 +134,13 @@ StepReport simulate_step(const MachineModel& m, const StepRequest& req) {
   SimRequest full = req.moe, half = req.moe;
   full.backward = half.backward = true;
   full.trace = half.trace = false;
-  half.config.tokens_per_rank = c.tokens_per_rank / 2;
+  half.config.tokens_per_rank = micro_batch_tokens(c.tokens_per_rank);
   // The two token counts are independent simulations: one on each of two cores.
   auto half_report = std::async(std::launch::async, [&] { return simulate(m, half); });
   rep.layer = simulate(m, full);
   rep.half = half_report.get();
 
-  const std::int64_t tokens = c.tokens_per_rank, tokens_half = c.tokens_per_rank / 2;
+  const std::int64_t tokens = c.tokens_per_rank, tokens_half = micro_batch_tokens(c.tokens_per_rank);
   rep.attention = attention_cost(m, req, tokens);
   rep.attention_half = attention_cost(m, req, tokens_half);
   rep.dense = dense_cost(m, req, tokens);
@@ -216,7 +223,8 @@ std::string format_step_report(const StepReport& r) {
   o << "model    " << req.layers << " layers (" << req.dense_layers << " dense, " << req.layers - req.dense_layers
     << " MoE: " << c.name << ", " << c.routed_experts << " experts top-" << c.top_k << ", hidden " << c.hidden << ", "
     << to_string(c.dtype) << "), sequence " << req.seq_len << "\n";
-  o << "run      EP " << c.ranks << ", " << c.tokens_per_rank << " tokens/rank (micro-batches of " << c.tokens_per_rank / 2 << "), routing "
+  o << "run      EP " << c.ranks << ", " << c.tokens_per_rank << " tokens/rank (micro-batches of " << micro_batch_tokens(c.tokens_per_rank)
+    << (c.tokens_per_rank % 2 ? " and " + std::to_string(c.tokens_per_rank / 2) + ", both modelled at the larger" : "") << "), routing "
     << r.layer.routing << ", schedule " << r.layer.policy << "\n";
   o << std::setprecision(3);
   o << "per layer (ms, forward)  attention " << r.attention.total() * 1e3 << " (GEMMs " << r.attention.gemm_s * 1e3
@@ -226,9 +234,12 @@ std::string format_step_report(const StepReport& r) {
   const StepWay& base = way_named(r, r.baseline);
   o << "step (ms)                              forward   backward       step   MoE layer fwd/bwd   vs " << r.baseline << "\n";
   for (const auto& w : r.ways) {
-    o << "  " << std::left << std::setw(34) << w.name << std::right << std::setw(10) << w.forward_s * 1e3 << std::setw(11)
-      << w.backward_s * 1e3 << std::setw(11) << w.step_s() * 1e3 << std::setw(10) << w.moe_forward_s * 1e3 << " / "
-      << std::setw(8) << w.moe_backward_s * 1e3 << std::setw(9) << base.step_s() / w.step_s() << "x\n";
+    // A space before every column: times past the widths (minutes of a
+    // step, in ms) used to run into each other.
+    o << "  " << std::left << std::setw(34) << w.name << std::right << ' ' << std::setw(9) << w.forward_s * 1e3 << ' '
+      << std::setw(10) << w.backward_s * 1e3 << ' ' << std::setw(10) << w.step_s() * 1e3 << ' ' << std::setw(9)
+      << w.moe_forward_s * 1e3 << " / " << std::setw(8) << w.moe_backward_s * 1e3 << ' ' << std::setw(8)
+      << base.step_s() / w.step_s() << "x\n";
   }
   const auto best = std::min_element(r.ways.begin(), r.ways.end(), [](const StepWay& a, const StepWay& b) { return a.step_s() < b.step_s(); });
   o << "fastest  " << best->name << ": " << base.step_s() / best->step_s() << "x the " << r.baseline << " step";
@@ -245,7 +256,7 @@ std::string format_step_report(const StepReport& r) {
                                                     " pipeline stages or more, or optimizer state sharded over data-parallel ranks; neither modelled)");
   o << "\n";
   o << std::setprecision(2) << "simulated in " << r.simulate_seconds << " s (one MoE layer at " << c.tokens_per_rank << " and at "
-    << c.tokens_per_rank / 2 << " tokens, shared by the " << req.layers - req.dense_layers << " MoE layers)\n";
+    << micro_batch_tokens(c.tokens_per_rank) << " tokens, shared by the " << req.layers - req.dense_layers << " MoE layers)\n";
   return o.str();
 }
 
@@ -314,9 +325,14 @@ std::string step_chart_svg(const StepReport& r) {
     << "\" font-family=\"sans-serif\" font-size=\"13\">\n";
   o << "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n";
   o << "<text x=\"10\" y=\"20\" font-size=\"15\" font-weight=\"bold\">" << xml_text(title.str()) << "</text>\n";
-  o << "<text x=\"10\" y=\"40\" fill=\"#555\">predicted by hpmoe step (simulated MoE layers; attention and dense blocks from "
-       "FLOPs); speedup against "
-    << xml_text(r.baseline) << "</text>\n";
+  // Where the attention and dense blocks' times came from: the user's, or
+  // the model's FLOPs and bytes (the chart said "from FLOPs" either way).
+  const auto& req = r.request;
+  const bool given = req.attention_s >= 0 && (req.dense_layers == 0 || req.dense_s >= 0);
+  const bool some_given = req.attention_s >= 0 || (req.dense_layers > 0 && req.dense_s >= 0);
+  o << "<text x=\"10\" y=\"40\" fill=\"#555\">predicted by hpmoe step (simulated MoE layers; attention and dense blocks "
+    << (given ? "as given" : some_given ? "as given where given, else from FLOPs" : "from FLOPs")
+    << (req.other_s > 0 ? "; the rest of the step as given" : "") << "); speedup against " << xml_text(r.baseline) << "</text>\n";
   const double scale = widest > 0 ? bar_w / widest : 0;
   int y = top;
   for (const auto& w : r.ways) {

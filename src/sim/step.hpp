@@ -72,6 +72,8 @@ struct StepReport {
 StepReport simulate_step(const MachineModel&, const StepRequest&);
 // What simulate_step refuses (layers, shares, times; at least 2 tokens a
 // rank for two micro-batches): Error naming the option.
+// The tokens of each of a step's two micro-batches: the larger half of T.
+std::int64_t micro_batch_tokens(std::int64_t tokens_per_rank);
 void check_step_request(const StepRequest&);
 std::string format_step_report(const StepReport&);
 nlohmann::json to_json(const StepReport&);

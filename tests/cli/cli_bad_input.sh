@@ -46,6 +46,13 @@ mkdir -p "$tmp/save_blocked/outputs.safetensors"  # --save would have to replace
 # Replicas: over the slot budget, one rank listing an expert twice, a replica
 # losing an expert, a budget that is not a positive integer.
 echo '{"experts_of_rank": [[0, 1, 2, 3, 4], [4, 5, 6, 7]], "replicas": true, "slots_per_rank": 4}' > "$tmp/place_over_budget.json"
+# Issue 58: every expert on every one of 16 ranks (the replicas' gradients did not count in run's estimate);
+# a u64 expert id; a config that an output would overwrite; a sweep folder holding one of its inputs.
+python3 -c 'import json, sys; json.dump({"experts_of_rank": [list(range(64))] * 16, "replicas": True}, open(sys.argv[1], "w"))' \
+  "$tmp/all_replicated.json"
+echo '{"experts_of_rank": [[0, 1, 2, 3], [4, 5, 6, 18446744073709551615]]}' > "$tmp/place_u64.json"
+"$HPMOE" config --preset tiny > "$tmp/in_and_out.json"
+mkdir -p "$tmp/sweep_in" && echo '{"hidden": 64}' > "$tmp/sweep_in/sweep.json"
 echo '{"experts_of_rank": [[0, 1, 2, 3, 3], [4, 5, 6, 7]], "replicas": true}' > "$tmp/place_twice_on_rank.json"
 echo '{"experts_of_rank": [[0, 1, 2, 4], [4, 5, 6, 7]], "replicas": true}' > "$tmp/place_replica_loses.json"
 echo '{"experts_of_rank": [[0, 1, 2, 3], [4, 5, 6, 7]], "slots_per_rank": 0}' > "$tmp/place_zero_budget.json"
@@ -251,6 +258,20 @@ cases=(
   "sweep --machine h800 --model tiny -P 2 -T 64 --vary put=1 --out $tmp/sw"
   "sweep --machine h800 --model tiny -P 2 -T 64 --vary nodots --out $tmp/sw"
   "sweep --machine h800 --model tiny -P 2 -T 64 --dense-layers 1 --out $tmp/sw"
+  # Issue 58: a grid past the cap is refused before it is built (64 million points took 6 GB first); a field
+  # varied twice; a value refused at parse time, not in its result row; an output over an input.
+  "sweep --machine h800 --model tiny -P 2 -T 64 --vary put.in_flight=$(seq -s, 1 400) --vary vector.bytes_per_s=$(seq -s, 1 400) --out $tmp/sw"
+  "sweep --machine h800 --model tiny -P 2 -T 64 --vary put.in_flight=1 --vary put.in_flight=2 --out $tmp/sw"
+  "sweep --machine h800 --model tiny -P 2 -T 64 --vary put.in_flight=1,x --out $tmp/sw"
+  "sweep --machine h800 --model $tmp/sweep_in/sweep.json -P 2 -T 64 --out $tmp/sweep_in"
+  "compile --config $tmp/in_and_out.json --json $tmp/in_and_out.json"
+  "compile --config $tmp/in_and_out.json --dump $tmp/in_and_out.json"
+  "run --placement $tmp/place_u64.json"
+  # Memory refused before it is taken: lent weights and replicas count in run's estimate; simulate refuses a
+  # layer its machine cannot hold before it builds any program (it took minutes at millions of tokens).
+  "run -P 16 --set hidden=2048 --set expert_inter=1024 --set routed_experts=64 -T 64 --backward --lend 1 --verify off"
+  "run -P 16 --set hidden=2048 --set expert_inter=1024 --set routed_experts=64 -T 64 --backward --placement $tmp/all_replicated.json --verify off"
+  "simulate --machine h800 --preset deepseek-v3 -P 8 -T 4000000 --backward"
   "sweep --machine h800 --model tiny -P 2 -T 1 --layers 2 --out $tmp/sw"
   "sweep --machine h800 --model tiny -P 2 -T 64 --set top_k=100 --out $tmp/sw"
   "sweep --machine h800 --model tiny -P 2 -T 64 -j 0 --out $tmp/sw"

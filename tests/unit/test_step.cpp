@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <nlohmann/json.hpp>
+#include <sstream>
 
 #include "hpmoe/error.hpp"
 #include "sim/step.hpp"
@@ -129,4 +130,38 @@ TEST(StepModel, TheStacksParametersAreCountedAgainstTheRanksMemory) {
   req.moe.optimizer_state = true;
   EXPECT_GT(simulate_step(m, req).stack_parameter_bytes, r.stack_parameter_bytes);
   EXPECT_NE(format_step_report(r).find("activations not counted"), std::string::npos);
+}
+
+// Issue 58, class 8: an odd T splits into micro-batches of (T + 1) / 2 and
+// T / 2, modelled at the larger (T = 3 was modelled as micro-batches of 1
+// token); the table keeps a space between columns however large the times;
+// the chart says where the blocks' times came from.
+TEST(StepModel, OddTokensLargeTimesAndGivenTimesAreReportedAsTheyAre) {
+  const MachineModel m = load_machine("ascend-a3");
+  StepRequest req = small_step(4, 1);
+  req.moe.config.tokens_per_rank = 3;
+  EXPECT_EQ(micro_batch_tokens(3), 2);
+  EXPECT_EQ(micro_batch_tokens(64), 32);
+  const StepReport odd = simulate_step(m, req);
+  EXPECT_EQ(odd.half.config.tokens_per_rank, 2);
+  EXPECT_NE(format_step_report(odd).find("micro-batches of 2 and 1, both modelled at the larger"), std::string::npos);
+  EXPECT_NE(step_chart_svg(odd).find("blocks from FLOPs"), std::string::npos);
+
+  req.moe.config.tokens_per_rank = 64;
+  req.attention_s = 5e3;  // 5,000 s a layer: every time in the table is wider than its column
+  req.dense_s = 5e3;
+  const StepReport slow = simulate_step(m, req);
+  const std::string table = format_step_report(slow);
+  for (const auto& w : slow.ways) {
+    const auto at = table.find("  " + w.name + " ");
+    ASSERT_NE(at, std::string::npos) << w.name;
+    const std::string line = table.substr(at, table.find('\n', at) - at);
+    // Between the numbers there is always a space: no two of them run together.
+    std::istringstream fields(line.substr(2 + 34));
+    int numbers = 0;
+    for (std::string f; fields >> f;)
+      if (f != "/") ++numbers;
+    EXPECT_EQ(numbers, 6) << line;
+  }
+  EXPECT_NE(step_chart_svg(slow).find("blocks as given"), std::string::npos);
 }

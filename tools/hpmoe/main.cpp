@@ -371,10 +371,16 @@ struct CompileCommand {
     creq.forward = pass != "backward";
     creq.backward = pass != "forward";
     if (!compile_json.empty()) check_writable(compile_json, "JSON results");
+    std::vector<std::pair<std::string, std::string>> outputs{{"--json", compile_json}};
     if (!dump_file.empty())
       for (const std::string& file : pass == "both" ? std::vector<std::string>{dump_file + ".forward.json", dump_file + ".backward.json"}
-                                                    : std::vector<std::string>{dump_file})
+                                                    : std::vector<std::string>{dump_file}) {
         check_writable(file, "the program dump");
+        outputs.emplace_back("--dump", file);
+      }
+    check_distinct_outputs(outputs, "",
+                           {{"--config", layer.config_file}, {"--placement", layer.placement}, {"--machine", creq.machine},
+                            {"--routing", creq.routing.trace_path}});
     const CompileReport report = compile_layer(creq);
     std::cout << format_report(report);
     if (!compile_json.empty()) write_json(compile_json, to_json(report));
