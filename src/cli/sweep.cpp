@@ -8,6 +8,7 @@
 #include <cmath>
 #include <ctime>
 #include <filesystem>
+#include <functional>
 #include <iomanip>
 #include <map>
 #include <mutex>
@@ -15,6 +16,7 @@
 #include <sstream>
 #include <thread>
 
+#include "common/memory.hpp"
 #include "hpmoe/error.hpp"
 #include "hpmoe/placement.hpp"
 #include "hpmoe/safetensors.hpp"
@@ -234,6 +236,56 @@ sim::MachineModel sweep_machine(const SweepRequest& req, const SweepPoint& p) {
   return varied_machine(p.machine, req.vary, p.vary_values);
 }
 
+std::size_t sweep_jobs(const SweepRequest& req, const std::vector<SweepPoint>& points) {
+  const unsigned hardware = std::max(1u, std::thread::hardware_concurrency());
+  return std::min<std::size_t>(points.size(), req.jobs > 0 ? static_cast<std::size_t>(req.jobs) : hardware);
+}
+
+double sweep_point_bytes(const SweepRequest& req, const SweepPoint& p) {
+  return sweep_point_bytes(sweep_machine(req, p), p, req.backward);
+}
+
+double sweep_point_bytes(const sim::MachineModel& m, const SweepPoint& p, bool backward) {
+  // The simulator holds every rank's programs of a pass (and the
+  // baselines'): about 290 bytes a task, measured (deepseek-v3 on h800,
+  // bf16 forward + backward: 230 MB at EP 16 for 812 k tasks, 626 MB at
+  // EP 64 for 2.19 M), counted here with a fifth more. Tasks: a row tile's
+  // GEMM column tiles and a dozen more (dispatch, SwiGLU, combine) per pass,
+  // and in backward each expert's weight-gradient tiles (within 1.2x of the
+  // counts measured there).
+  const LayerConfig& c = p.config;
+  const double tile_rows = double(std::max<std::int64_t>(m.tile_rows, 1)),
+               tile_cols = double(std::max<std::int64_t>(m.tile_cols, 1));
+  const double H = double(c.hidden), I = double(c.expert_inter);
+  const double row_tiles = std::ceil(double(c.ranks) * double(c.tokens_per_rank) * double(c.top_k) / tile_rows);
+  const double per_pass = row_tiles * (std::ceil((2.0 * I + H) / tile_cols) + 12.0);
+  const double wgrad = double(c.routed_experts) * 4.0 * I * H / (tile_rows * tile_cols);
+  const double tasks = backward ? 2.0 * per_pass + wgrad : per_pass;
+  return 350.0 * tasks + 16e6;
+}
+
+void check_sweep_memory(const SweepRequest& req, const std::vector<SweepPoint>& points) {
+  if (points.empty()) return;
+  // The largest `jobs` points running at once: what -j asks this host to hold.
+  std::vector<double> bytes;
+  bytes.reserve(points.size());
+  std::map<std::string, sim::MachineModel> machines;  // each machine with its varied fields, loaded once
+  for (const auto& p : points) {
+    std::string key = p.machine;
+    for (const auto& v : p.vary_values) key += "\x1f" + v;
+    auto it = machines.find(key);
+    if (it == machines.end()) it = machines.emplace(key, sweep_machine(req, p)).first;
+    bytes.push_back(sweep_point_bytes(it->second, p, req.backward));
+  }
+  const std::size_t jobs = sweep_jobs(req, points);
+  std::partial_sort(bytes.begin(), bytes.begin() + static_cast<std::ptrdiff_t>(jobs), bytes.end(), std::greater<>());
+  double total = 0;
+  for (std::size_t i = 0; i < jobs; ++i) total += bytes[i];
+  require_memory(total, "the sweep at -j " + std::to_string(jobs),
+                 std::to_string(jobs) + " points at once, the largest " + gib_text(bytes[0]),
+                 "use a smaller -j, or split the sweep so its largest points run apart");
+}
+
 std::vector<SweepRow> run_sweep(const SweepRequest& req, const std::vector<SweepPoint>& points,
                                 const std::function<void(std::size_t, std::size_t)>& done) {
   std::vector<SweepRow> rows(points.size());
@@ -273,9 +325,8 @@ std::vector<SweepRow> run_sweep(const SweepRequest& req, const std::vector<Sweep
       }
     }
   };
-  const unsigned hardware = std::max(1u, std::thread::hardware_concurrency());
-  const std::size_t jobs =
-      std::min<std::size_t>(points.size(), req.jobs > 0 ? static_cast<std::size_t>(req.jobs) : hardware);
+  const std::size_t jobs = sweep_jobs(req, points);
+  check_sweep_memory(req, points);
   std::vector<std::thread> threads;
   for (std::size_t t = 1; t < jobs; ++t) threads.emplace_back(worker);
   worker();

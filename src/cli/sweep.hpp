@@ -72,6 +72,15 @@ nlohmann::json vary_machine_json(nlohmann::json model, const std::vector<std::pa
                                  const std::vector<std::string>& values);
 sim::MachineModel varied_machine(const std::string& machine, const std::vector<std::pair<std::string, std::vector<std::string>>>& vary,
                                  const std::vector<std::string>& values);
+// Points simulated at once (SweepRequest::jobs, at most the points).
+std::size_t sweep_jobs(const SweepRequest&, const std::vector<SweepPoint>&);
+// The host memory one point's simulation takes, estimated from its layer and
+// machine; check_sweep_memory refuses (one line) a sweep whose `jobs`
+// largest points at once would not fit this machine.
+double sweep_point_bytes(const SweepRequest&, const SweepPoint&);
+double sweep_point_bytes(const sim::MachineModel&, const SweepPoint&, bool backward);
+void check_sweep_memory(const SweepRequest&, const std::vector<SweepPoint>&);
+
 // Simulates every point, `jobs` at once; `done(k, n)` after each.
 std::vector<SweepRow> run_sweep(const SweepRequest&, const std::vector<SweepPoint>&,
                                 const std::function<void(std::size_t, std::size_t)>& done = {});

@@ -262,6 +262,7 @@ cases=(
   # varied twice; a value refused at parse time, not in its result row; an output over an input.
   "sweep --machine h800 --model tiny -P 2 -T 64 --vary put.in_flight=$(seq -s, 1 400) --vary vector.bytes_per_s=$(seq -s, 1 400) --out $tmp/sw"
   "sweep --machine h800 --model tiny -P 2 -T 64 --vary put.in_flight=1 --vary put.in_flight=2 --out $tmp/sw"
+  "sweep --machine h800 --model deepseek-v3 -P 256 -T 8192,16384,32768 --backward -j 3 --out $tmp/sw"
   "sweep --machine h800 --model tiny -P 2 -T 64 --vary put.in_flight=1,x --out $tmp/sw"
   "sweep --machine h800 --model $tmp/sweep_in/sweep.json -P 2 -T 64 --out $tmp/sweep_in"
   "compile --config $tmp/in_and_out.json --json $tmp/in_and_out.json"
