@@ -43,8 +43,8 @@
 #include <string>
 #include <vector>
 
-#include "cli/online.hpp"
-#include "cli/plan.hpp"
+#include "hpmoe/planning.hpp"
+#include "placement/plan.hpp"
 #include "compiler/taskflow.hpp"
 #include "hpmoe/config.hpp"
 #include "hpmoe/routing.hpp"
@@ -119,7 +119,7 @@ int main(int argc, char** argv) {
   c.validate();
   const sim::MachineModel machine = sim::load_machine(machine_name);
   const bool fetched = replicas == "fetched";
-  const ExpertCostModel cost = ExpertCostModel::from(machine, c, training, fetched);
+  const ExpertCostModel cost = cost_model_of(machine, c, training, fetched);
   const auto steps = traces ? drifting_sequence(c, "data/routing/mixtral-8x7b", segment) : zipf_sequence(c, segment);
   const std::int64_t sample = traces ? 1 : revise;  // steps between per-step bounds
   const auto S = static_cast<std::int64_t>(steps.size());
@@ -132,7 +132,7 @@ int main(int argc, char** argv) {
   double none = 0, stat = 0, online = 0, bytes = 0, move_s = 0, fetched_bytes = 0;
   double bound_at = 0;  // the bound, on the steps it is computed for
   std::int64_t added = 0, dropped = 0, moved = 0, relocated = 0, sampled = 0;
-  // The online policy (cli/online.hpp): revisions every REVISE steps and, with DRIFT, after a drifted step.
+  // The online policy (hpmoe/planning.hpp): revisions every REVISE steps and, with DRIFT, after a drifted step.
   OnlinePlacement policy(c, fixed, cost,
                          {.window = window, .every = revise, .max_changes = changes, .drift = drift, .slots_per_rank = budget,
                           .relocate = !fetched});

@@ -16,8 +16,7 @@
 // recomputes the forward in backward; it is for checking, not for speed.
 #include "hpmoe_core_arrays.hpp"
 
-#include "cli/online.hpp"
-#include "sim/sim.hpp"
+#include "hpmoe/planning.hpp"
 
 namespace {
 
@@ -361,7 +360,7 @@ class ModuleLayer {
       const bool fetched = placement_.fetches_replicas();  // always over MPI
       OnlinePlacement::Options o = s.options;
       o.relocate = !fetched;
-      online_.emplace(config_, placement_, ExpertCostModel::from(sim::load_machine(s.machine), config_, s.training, fetched), o);
+      online_.emplace(config_, placement_, ExpertCostModel::from_machine(s.machine, config_, s.training, fetched), o);
     }
   }
 

@@ -4,7 +4,8 @@
 Each folder under src/ is a room; include/hpmoe/ holds the installed public
 headers, each belonging to a room. A file may include only headers of its own
 room and of the rooms below it, never another room's private header, and a
-public header only public headers (an installed header cannot reach src/).
+public header only public headers (an installed header cannot reach src/);
+the Python binding (python/) only public headers.
 Tests and benchmarks read internals on purpose and are not checked.
 
     scripts/check_layers.py [REPO]      exit 1, one line per violation
@@ -24,8 +25,10 @@ BELOW = {  # room -> the rooms it may read (itself included)
     "comm": {"common", "comm"},
     "runtime": {"common", "model", "ir", "kernels", "ops", "compiler", "comm", "runtime"},
     "sim": {"common", "model", "ir", "kernels", "ops", "compiler", "sim"},
-    "api": {"common", "model", "io", "ir", "kernels", "ops", "compiler", "comm", "runtime", "api"},
-    "cli": {"common", "model", "io", "ir", "kernels", "ops", "compiler", "comm", "runtime", "sim", "api", "cli"},
+    "placement": {"common", "model", "ir", "kernels", "ops", "compiler", "sim", "placement"},
+    "api": {"common", "model", "io", "ir", "kernels", "ops", "compiler", "comm", "runtime", "sim", "placement", "api"},
+    "cli": {"common", "model", "io", "ir", "kernels", "ops", "compiler", "comm", "runtime", "sim", "placement", "api",
+            "cli"},
 }
 PUBLIC = {  # include/hpmoe/<name>.hpp -> its room
     "error": "common", "bf16": "common",
@@ -35,6 +38,7 @@ PUBLIC = {  # include/hpmoe/<name>.hpp -> its room
     "transport": "comm",
     "safetensors": "io",
     "layer": "runtime",
+    "planning": "placement",
     "hpmoe": "api",
 }
 PRIVATE = {"runtime/executor_parts.hpp"}  # read by their own room only
@@ -80,6 +84,15 @@ def main():
                 errors.append(f"{rel}: the {room} room includes \"{name}\" of the {target} room above it")
             elif name in PRIVATE and target != room:
                 errors.append(f"{rel}: includes \"{name}\", private to the {target} room")
+    # The Python binding is a user of the installed library: public headers
+    # only (and its own files beside it).
+    for path in sorted((repo / "python").glob("*.[ch]pp")):
+        rel = path.relative_to(repo)
+        for name in INCLUDE.findall(path.read_text()):
+            if not name.startswith("hpmoe/") and not (path.parent / name).exists():
+                errors.append(f"{rel}: the Python binding includes \"{name}\", which is not a public header")
+            elif name.startswith("hpmoe/") and room_of_header(name) is None:
+                errors.append(f"{rel}: includes \"{name}\", which is not a public header")
     for e in errors:
         print("layering: " + e, file=sys.stderr)
     return 1 if errors else 0

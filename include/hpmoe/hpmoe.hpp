@@ -9,13 +9,15 @@
 //   step.backward(dy);                   // step.gradients(): dx and every weight's gradient
 //
 // What is here: the layer (hpmoe::Layer, its spec LayerConfig, weights and
-// parallel setting), expert placement, transports (in process, MPI), the
-// layer's math as an fp64 oracle, and safetensors checkpoints. The compiler,
+// parallel setting), expert placement and its planning (replicas from a
+// load history, revisions, the online policy), transports (in process,
+// MPI), the layer's math as an fp64 oracle, and safetensors checkpoints. The compiler,
 // the op table and the engine behind Layer are internal.
 #include "hpmoe/config.hpp"
 #include "hpmoe/error.hpp"
 #include "hpmoe/layer.hpp"
 #include "hpmoe/placement.hpp"
+#include "hpmoe/planning.hpp"
 #include "hpmoe/reference.hpp"
 #include "hpmoe/routing.hpp"
 #include "hpmoe/safetensors.hpp"

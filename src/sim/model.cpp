@@ -1,3 +1,5 @@
+#include <dlfcn.h>
+
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
@@ -421,12 +423,28 @@ taskflow::Policy default_policy(const MachineModel& m) {
   return m.accelerator && m.put_in_flight > 0 ? taskflow::Policy::ratr : taskflow::Policy::critical_path;
 }
 
+namespace {
+// share/hpmoe/machines beside the library (or program) this code is in:
+// <prefix>/lib/libhpmoe.so finds <prefix>/share/hpmoe/machines wherever the
+// package was installed.
+std::string machines_beside_this_binary() {
+  Dl_info info{};
+  if (::dladdr(reinterpret_cast<const void*>(&machines_beside_this_binary), &info) == 0 || !info.dli_fname) return {};
+  std::error_code ec;
+  const auto binary = std::filesystem::weakly_canonical(info.dli_fname, ec);
+  if (ec) return {};
+  return (binary.parent_path().parent_path() / "share" / "hpmoe" / "machines").string();
+}
+}  // namespace
+
 json load_machine_json(const std::string& spec, std::string* resolved_path) {
   namespace fs = std::filesystem;
   std::string path = spec;
   if (!fs::exists(path)) {
-    // A bare name: machines/NAME.json next to the working directory or the source tree.
-    for (const std::string& dir : {std::string("machines"), std::string(HPMOE_SOURCE_DIR) + "/machines"})
+    // A bare name: machines/NAME.json next to the working directory, the
+    // source tree, the installed package (relocated, or where it was built for).
+    for (const std::string& dir : {std::string("machines"), std::string(HPMOE_SOURCE_DIR) + "/machines",
+                                   machines_beside_this_binary(), std::string(HPMOE_INSTALLED_MACHINES)})
       if (fs::exists(dir + "/" + spec + ".json")) {
         path = dir + "/" + spec + ".json";
         break;

@@ -15,3 +15,7 @@ cmake --build "$tmp/build" > /dev/null
 out=$("$tmp/build/layer_step")
 echo "$out"
 [ "$(grep -c "tokens: out" <<< "$out")" = 2 ] || { echo "the example did not run both steps"; exit 1; }
+# Placement planning is in the installed library, its machine models found beside it (share/hpmoe/machines).
+grep -q "^placement: [0-9]* online revisions" <<< "$out" || { echo "the example's online placement did not run"; exit 1; }
+test -f "$tmp/prefix/share/hpmoe/machines/cpu-local.json"
+

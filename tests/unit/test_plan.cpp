@@ -1,11 +1,11 @@
-// `hpmoe plan` (src/cli/plan.cpp): the greedy search for replicas and
+// `hpmoe plan` (src/placement/plan.cpp): the greedy search for replicas and
 // tensor-parallel splits on a machine model's expert costs.
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
 #include "source_dir.hpp"
-#include "cli/online.hpp"
-#include "cli/plan.hpp"
+#include "hpmoe/planning.hpp"
+#include "placement/plan.hpp"
 #include "hpmoe/error.hpp"
 #include "hpmoe/routing.hpp"
 
@@ -41,7 +41,7 @@ TEST(Plan, ReplicatesTheHotExpertWithinTheBudgetAndDeterministically) {
   req.slots_per_rank = 3;  // below the 4 experts a rank already holds
   EXPECT_THROW(plan_placement(req), Error);
   // The cost model: weight streaming dominates one tile, tiles dominate many.
-  const auto cost = ExpertCostModel::from(sim::load_machine(req.machine), req.config, true);
+  const auto cost = cost_model_of(sim::load_machine(req.machine), req.config, true);
   EXPECT_GT(cost.first_tile_s, cost.tile_s);
   EXPECT_EQ(cost.instance_seconds(0), 0.0);
   EXPECT_DOUBLE_EQ(cost.instance_seconds(cost.tile_rows), cost.first_tile_s);
@@ -78,7 +78,7 @@ TEST(Plan, SplitsTheHotExpertIntoColumnParts) {
   EXPECT_NO_THROW(a.after.check_fits(16, 4, req.config.expert_inter));
   EXPECT_EQ(a.after, plan_placement(req).after);
   // The split's cost: a part's share of the columns, plus its rows' link time.
-  const auto cost = ExpertCostModel::from(sim::load_machine(req.machine), req.config, true);
+  const auto cost = cost_model_of(sim::load_machine(req.machine), req.config, true);
   EXPECT_GT(cost.part_row_s, 0.0);
 }
 
@@ -103,7 +103,7 @@ LayerConfig tiny_layer(std::int64_t ranks, std::int64_t experts, std::int64_t to
   return c;
 }
 ExpertCostModel h800_cost(const LayerConfig& c, bool training) {
-  return ExpertCostModel::from(sim::load_machine(std::string(HPMOE_SOURCE_DIR) + "/machines/h800.json"), c, training);
+  return cost_model_of(sim::load_machine(std::string(HPMOE_SOURCE_DIR) + "/machines/h800.json"), c, training);
 }
 double rank_max_over_mean_rows(const ExpertPlacement& p, const std::vector<std::int64_t>& counts) {
   const auto rows = instance_rows(p, counts);
@@ -178,8 +178,8 @@ TEST(Plan, RevisesThePlacementAfterTheRoutingDrifts) {
 TEST(Plan, FetchedReplicasAreChargedEveryStepAndOwnersCanStay) {
   const LayerConfig c = tiny_layer(8, 32, 1024);
   const auto m = sim::load_machine(std::string(HPMOE_SOURCE_DIR) + "/machines/h800.json");
-  const auto held = ExpertCostModel::from(m, c, true), fetched = ExpertCostModel::from(m, c, true, true);
-  const auto held_inf = ExpertCostModel::from(m, c, false), fetched_inf = ExpertCostModel::from(m, c, false, true);
+  const auto held = cost_model_of(m, c, true), fetched = cost_model_of(m, c, true, true);
+  const auto held_inf = cost_model_of(m, c, false), fetched_inf = cost_model_of(m, c, false, true);
   const double w = held.weight_bytes, link = w / held.move_s;  // the link the weights take
   EXPECT_DOUBLE_EQ(held_inf.replica_s, 0.0);
   EXPECT_NEAR(fetched_inf.replica_s, w / link, 1e-12 * w / link);
@@ -224,7 +224,7 @@ TEST(Plan, FetchedReplicasAreChargedEveryStepAndOwnersCanStay) {
   for (std::int64_t e = 0; e < c.routed_experts; ++e) EXPECT_EQ(policy.placement().owner(e), fixed.owner(e));
 }
 
-// The online policy (cli/online.hpp): revisions on its schedule and, after a
+// The online policy (hpmoe/planning.hpp): revisions on its schedule and, after a
 // step that took far longer than the placement was expected to, at once and
 // from that step alone; two policies fed the same counts make the same
 // revisions (what every rank relies on).

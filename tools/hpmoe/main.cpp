@@ -20,7 +20,7 @@
 #include "cli/compile_driver.hpp"
 #include "hpmoe/config.hpp"
 #include "hpmoe/error.hpp"
-#include "cli/plan.hpp"
+#include "placement/plan.hpp"
 #include "cli/run.hpp"
 #include "cli/calibrate.hpp"
 #include "sim/sim.hpp"

@@ -1,4 +1,4 @@
-#include "cli/plan.hpp"
+#include "placement/plan.hpp"
 
 #include <algorithm>
 #include <iomanip>
@@ -13,7 +13,12 @@
 
 namespace hpmoe {
 
-ExpertCostModel ExpertCostModel::from(const sim::MachineModel& m, const LayerConfig& c, bool training, bool fetched) {
+ExpertCostModel ExpertCostModel::from_machine(const std::string& machine, const LayerConfig& c, bool training,
+                                              bool fetched) {
+  return cost_model_of(sim::load_machine(machine), c, training, fetched);
+}
+
+ExpertCostModel cost_model_of(const sim::MachineModel& m, const LayerConfig& c, bool training, bool fetched) {
   ExpertCostModel cost;
   cost.fetched = fetched;
   cost.tile_rows = m.tile_rows;
@@ -558,7 +563,7 @@ PlanReport plan_placement(const PlanRequest& req, const PlanProgress& progress) 
   if (req.steps < 1 || req.steps > 10000) throw Error("--steps must be between 1 and 10000 (got " + std::to_string(req.steps) + ")");
   if (req.slots_per_rank < 0) throw Error("--slots-per-rank must be positive");
   const sim::MachineModel machine = sim::load_machine(req.machine);
-  const ExpertCostModel cost = ExpertCostModel::from(machine, c, req.training);
+  const ExpertCostModel cost = cost_model_of(machine, c, req.training);
   PlanReport rep;
   rep.config = c;
   rep.routing = req.routing.describe();

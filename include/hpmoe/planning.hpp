@@ -1,17 +1,29 @@
 #pragma once
-// `hpmoe plan`: a placement with replicas from load statistics, chosen on a
-// cost model taken from a machine model, and its predicted effect.
+// Placement planning, in the library: the per-rank cost model, replicas
+// planned from a history of loads, one revision between steps, and the
+// online policy that revises as the load moves. A C++ user of the installed
+// package plans and revises with these, and applies a placement with
+// hpmoe::Layer (Parallel::placement, Layer::set_placement). `hpmoe plan`
+// (the command's search with splits and the simulator's check) sits on top.
+//
+// Online placement (OnlinePlacement) is a policy fed every step's counts
+// (what each rank already exchanges): it revises the placement every
+// `every` steps from the last `window` steps, and at once after a step that
+// took more than 1 + `drift` times what the placement was expected to take
+// (then from that step alone: the drift made the older steps stale).
+// Deterministic: every rank feeds it the same counts and gets the same
+// revisions, with no round of agreement. With a fetching start
+// (fetch_replicas) every revision fetches, so a replica that appears or
+// moves has nothing to load.
 #include <cstdint>
-#include <nlohmann/json_fwd.hpp>
+#include <deque>
+#include <optional>
 #include <span>
-#include <functional>
 #include <string>
 #include <vector>
 
 #include "hpmoe/config.hpp"
 #include "hpmoe/placement.hpp"
-#include "hpmoe/routing.hpp"
-#include "sim/sim.hpp"
 
 namespace hpmoe {
 
@@ -45,7 +57,10 @@ struct ExpertCostModel {
   // (in training the forward's and the backward's layouts, and the gradient
   // reduction), and a new home costs nothing at the revision.
   bool fetched = false;
-  static ExpertCostModel from(const sim::MachineModel&, const LayerConfig&, bool training, bool fetched = false);
+  // From a machine model: a name in machines/ (cpu-local, h800, ascend-a3, ...; the installed copies too) or
+  // a model file's path; an Error names a model that is not one.
+  static ExpertCostModel from_machine(const std::string& machine, const LayerConfig&, bool training,
+                                      bool fetched = false);
   double instance_seconds(std::int64_t rows) const;
 };
 
@@ -59,40 +74,6 @@ struct Revision {
   ExpertPlacement placement;
   std::int64_t added = 0, dropped = 0, moved = 0, relocated = 0;  // relocated: an owner moved, optimizer state and all
   double bytes_moved = 0;
-};
-
-struct PlanRequest {
-  LayerConfig config;
-  RoutingSpec routing;
-  ExpertPlacement start;          // the placement to improve (empty: contiguous)
-  std::string machine = "cpu-local";
-  std::int64_t steps = 8;         // routed steps of load history (synthetic: one popularity, new draws each step)
-  std::uint64_t seed = 1;
-  std::int64_t slots_per_rank = 0;  // 0: one more than the start's largest rank
-  bool training = true;           // count replicas' weight refresh and gradient reduction
-  bool splits = false;            // also consider tensor-parallel splits of hot experts (in-process runs)
-  bool replicas = true;           // consider replicas (off with splits: a static hybrid TP/EP mapping)
-};
-
-struct PlanReport {
-  LayerConfig config;
-  std::string routing, machine;
-  ExpertPlacement before, after;
-  std::int64_t steps = 0, replicas = 0, split_parts = 0;  // replicas added; split parts added
-  // Means over the history's steps: rank max/mean of rows, and the cost
-  // model's slowest rank (seconds).
-  double imbalance_before = 0, imbalance_after = 0, cost_before = 0, cost_after = 0;
-  // The simulator on a step after the history (the same routing's next
-  // draw, which the plan did not see): serialized and interleaved makespans
-  // (forward + backward, seconds).
-  double sim_serialized_before = 0, sim_interleaved_before = 0, sim_serialized_after = 0, sim_interleaved_after = 0;
-  // With replicas and splits both allowed: the simulator's interleaved
-  // makespan (history's last step) of the hybrid plan and of the
-  // replicas-only plan, of which the faster was kept.
-  double sim_hybrid = 0, sim_replicas_only = 0;
-  // The fullest rank's memory on that step, before and after (capacity 0:
-  // the machine model gives none). Not refused: the start often does not fit.
-  sim::MemoryUse memory_before, memory_after;
 };
 
 // Replicas for a layer from a history of steps' counts (each P x E): the
@@ -120,20 +101,42 @@ Revision revise_placement(const LayerConfig&, const ExpertPlacement& current,
                           std::int64_t slots_per_rank, std::int64_t max_changes, double horizon,
                           bool relocate = true);
 
-// Greedy (EPLB-like, on the cost model): while a rank has a free slot and a
-// replica of some expert on some rank lowers the mean slowest-rank time over
-// the history (after each step's quota plan, and net of the replica's own
-// cost), add the best such replica (ties of the slowest rank broken by the
-// time ranks spend above the mean). With `splits`, a move may instead split
-// an unreplicated hot expert into one more even column part on that rank
-// (HDA-MoE's hybrid), priced the same way; with both kinds of move allowed,
-// the search runs with and without splits and the simulator keeps the
-// faster plan.
-// Progress lines for long plans (a history of thousands of steps, EP 256):
-// phases, and per step or per change a line the caller may thin out.
-using PlanProgress = std::function<void(const std::string&)>;
-PlanReport plan_placement(const PlanRequest&, const PlanProgress& progress = {});
-std::string format_report(const PlanReport&);
-nlohmann::json to_json(const PlanReport&);
+class OnlinePlacement {
+ public:
+  struct Options {
+    std::int64_t window = 8;        // steps a revision looks back over
+    std::int64_t every = 10;        // steps between scheduled revisions
+    std::int64_t max_changes = 16;  // per revision (revise_placement's limit)
+    double drift = 0.25;            // 0: no revision out of schedule
+    std::int64_t slots_per_rank = 0;  // 0: one more than the start's largest rank
+    // Owners may move (their gradient and optimizer state with them). Off
+    // where the caller cannot move them (the PyTorch module: a process's
+    // parameters and their optimizer state are the framework's): replicas
+    // alone follow the load.
+    bool relocate = true;
+  };
+  OnlinePlacement(const LayerConfig&, ExpertPlacement start, ExpertCostModel, Options);
+
+  // After a step: its counts (P x E). The revision to run the next step
+  // with, if this step calls for one (a scheduled one, or a drift).
+  std::optional<Revision> observe(std::span<const std::int64_t> counts);
+
+  const ExpertPlacement& placement() const { return current_; }
+  // The slowest rank's predicted time of the last observed step under the
+  // placement it ran with, and what the placement was expected to take.
+  double last_step_s() const { return last_s_; }
+  double expected_s() const { return expected_s_; }
+  std::int64_t steps() const { return steps_; }
+  std::int64_t drifts() const { return drifts_; }
+
+ private:
+  LayerConfig config_;
+  ExpertPlacement current_;
+  ExpertCostModel cost_;
+  Options options_;
+  std::deque<std::vector<std::int64_t>> recent_;  // the last `window` steps' counts (fewer after a drift)
+  std::int64_t steps_ = 0, drifts_ = 0;
+  double expected_s_ = -1, last_s_ = 0;
+};
 
 }  // namespace hpmoe

@@ -1,5 +1,5 @@
 // Online placement: revisions on a schedule and after a drift.
-#include "cli/online.hpp"
+#include "hpmoe/planning.hpp"
 
 #include <algorithm>
 #include <cmath>
