@@ -235,7 +235,7 @@ struct MpiOptions {
   // processes before it builds anything that depends on them, with plain
   // blocking MPI on the world communicator, so a difference is one error
   // naming the option on every process, never a hang in the path in dispute.
-  std::vector<std::pair<std::string, std::string>> agree;
+  std::vector<std::pair<std::string, std::string>> agree{};
 };
 std::shared_ptr<Transport> make_mpi_transport(const MpiSession&, int ranks, const MpiOptions& = {});
 

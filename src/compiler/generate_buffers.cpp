@@ -5,6 +5,7 @@
 
 #include "compiler/generate_parts.hpp"
 #include "compiler/layout.hpp"
+#include "ops/combine_list.hpp"
 
 namespace hpmoe::taskflow {
 
@@ -72,8 +73,8 @@ void declare_buffers(Program& p, const LayerConfig& c, const Exchange& ex, Pass 
     if (c.staged_dispatch()) add_buffer(p, BufferId::recv_tok, blocks, c.dispatch_row_bytes(), 1, sym);
     else add_buffer(p, BufferId::recv_tok, blocks, H, elem, sym);
     add_buffer(p, BufferId::recv_route, recv, 2, 4, sym);
-    add_buffer(p, BufferId::rank_comb, list, 2 * K + 1, 4, local);
-    add_buffer(p, BufferId::recv_comb, blocks, 2 * K + 1, 4, sym);
+    add_buffer(p, BufferId::rank_comb, list, ops::CombineList::words(K), 4, local);
+    add_buffer(p, BufferId::recv_comb, blocks, ops::CombineList::words(K), 4, sym);
     add_buffer(p, BufferId::comb_rank, sums, H, comb_elem, sym);
     add_buffer(p, BufferId::rank_slot, T, 2 * c.ranks + ex.nodes(), 8, local);
     if (ex.forwards()) {  // the per-node exchange: lists of the source, blocks, routes and sums of the forwarder

@@ -51,7 +51,7 @@ void rank_puts_to_experts(const LayerConfig& c, const Exchange& ex, std::int64_t
     if (forward)
       emit(TaskSpec{.kind = TaskKind::combine_route_put, .src = BufferId::rank_comb, .dst = BufferId::recv_comb, .peer = d,
                     .row_begin = ex.token_start(rank, d), .rows = ex.rank_tokens(rank, d), .col_begin = 0,
-                    .cols = 2 * c.top_k + 1, .src_row = ex.token_send_offset(rank, d), .trigger_event = tok});
+                    .cols = ops::CombineList::words(c.top_k), .src_row = ex.token_send_offset(rank, d), .trigger_event = tok});
     for (const std::int64_t i : ex.placement().instances_of(d)) {
       const std::int64_t n = ex.first_tokens(rank, i), within = ex.sub_block_offset(rank, i);
       const std::int64_t slot_event = tok + ex.instance_slot(i);

@@ -16,6 +16,7 @@
 #include "hpmoe/error.hpp"
 
 #include "ir/ir.hpp"
+#include "ops/combine_list.hpp"
 
 namespace hpmoe::taskflow {
 
@@ -236,7 +237,7 @@ inline std::int64_t AccessTable::extent(const Program& p, const Task& t, Extent 
       const BufferLayout* b = p.buffer(BufferId::rank_token);
       return b ? b->rows : 0;
     }
-    case Extent::comb_words: return 2 * d.top_k + 1;
+    case Extent::comb_words: return ops::CombineList::words(d.top_k);
     case Extent::comb_row_bytes: {
       const BufferLayout* b = p.buffer(BufferId::comb_rank);
       return b ? b->cols * b->elem_bytes : d.hidden * d.elem_bytes;

@@ -18,44 +18,19 @@
 #include <type_traits>
 #include <vector>
 
+#include "ops/combine_list.hpp"
 #include "ops/op.hpp"
 
 namespace hpmoe::ops {
 namespace {
 using namespace rules;
 
-// A combine list's row, checked against the rows its rank received.
-// Its words: the token's row in its block, the receive row of each of its
-// K choices (-1: none here), their K gates.
-struct ListRow {
-  const std::int32_t* words;
-  std::int64_t K;
-  std::int64_t block_row(const Task& t, std::int64_t block_rows) const {
-    if (words[0] < 0 || words[0] >= block_rows)
-      throw Error(std::string(taskflow::name(t.kind)) + ": a combine list names row " + std::to_string(words[0]) +
-                  " of a token block of " + std::to_string(block_rows) + " rows (a corrupt put)");
-    return words[0];
-  }
-  std::int64_t row(const Task& t, std::int64_t k, std::int64_t recv_rows) const {
-    const std::int64_t r = words[1 + k];
-    if (r < -1 || r >= recv_rows)
-      throw Error(std::string(taskflow::name(t.kind)) + ": a combine list names receive row " + std::to_string(r) +
-                  " of " + std::to_string(recv_rows) + ": the list does not match the exchange (a corrupt put)");
-    return r;
-  }
-  float gate(std::int64_t k) const {
-    float g = 0;
-    std::memcpy(&g, words + 1 + K + k, sizeof g);
-    return g;
-  }
-};
-
 // The source's combine list for one destination, into its RECV_COMB.
 template <class T>
 bool list_put(const Tile<T>& tile) {
   const Rect& src = tile.read(0);
   const Rect& dst = tile.write(0);
-  const std::int64_t words = 2 * tile.dims().top_k + 1;
+  const std::int64_t words = CombineList::words(tile.dims().top_k);
   tile.need(src, tile.rows(), words);
   tile.need(dst, tile.rows(), words);
   std::memcpy(static_cast<void*>(tile.host.put_target(dst)), tile.template at<std::byte>(src),
@@ -80,7 +55,7 @@ bool sum_put_as(const Tile<T>& tile, BufferId rows_buffer, bool gated) {
   const Rect& list = tile.in(BufferId::recv_comb);
   const Rect& from = tile.in(rows_buffer);
   const Rect& dst = tile.write(0);
-  tile.need(list, rows, 2 * K + 1);
+  tile.need(list, rows, CombineList::words(K));
   tile.need(dst, rows, H);
   const auto* words = tile.template at<std::int32_t>(list);
   const T* y = tile.template at<T>(from);
@@ -89,10 +64,10 @@ bool sum_put_as(const Tile<T>& tile, BufferId rows_buffer, bool gated) {
   thread_local std::vector<float> acc;
   acc.resize(static_cast<std::size_t>(H));
   for (std::int64_t j = 0; j < rows; ++j) {
-    const ListRow entry{words + j * ld_list, K};
+    const CombineList::Row entry{words + j * ld_list, K};
     std::fill(acc.begin(), acc.end(), 0.0f);
     for (std::int64_t k = 0; k < K; ++k)
-      if (const std::int64_t r = entry.row(tile.task, k, from.rows()); r >= 0)
+      if (const std::int64_t r = entry.row(taskflow::name(tile.task.kind), k, from.rows()); r >= 0)
         kernels::axpy<T>(gated ? entry.gate(k) : 1.0f, y + r * ld, acc.data(), H);
     kernels::store<U>(acc.data(), to + j * H, H);
   }
@@ -122,7 +97,7 @@ bool gate_grad_put(const Tile<T>& tile) {
   const Rect& block = tile.in(BufferId::dy_tok);
   const Rect& from = tile.in(BufferId::y);
   const Rect& dst = tile.write(0);
-  tile.need(list, rows, 2 * K + 1);
+  tile.need(list, rows, CombineList::words(K));
   tile.need(dst, rows, K);
   const auto* words = tile.template at<std::int32_t>(list);
   const T* y = tile.template at<T>(from);
@@ -132,13 +107,13 @@ bool gate_grad_put(const Tile<T>& tile) {
   thread_local std::vector<float> dout;
   dout.resize(static_cast<std::size_t>(H));
   for (std::int64_t j = 0; j < rows; ++j) {
-    const ListRow entry{words + j * ld_list, K};
-    const std::int64_t at = entry.block_row(tile.task, block.rows());
+    const CombineList::Row entry{words + j * ld_list, K};
+    const std::int64_t at = entry.block_row(taskflow::name(tile.task.kind), block.rows());
     if (encoded)
       kernels::load<bf16>(reinterpret_cast<const bf16*>(tile.template at<std::uint8_t>(block) + at * ld_block), dout.data(), H);
     else kernels::load<T>(tile.template at<T>(block) + at * ld_block, dout.data(), H);
     for (std::int64_t k = 0; k < K; ++k) {
-      const std::int64_t r = entry.row(tile.task, k, from.rows());
+      const std::int64_t r = entry.row(taskflow::name(tile.task.kind), k, from.rows());
       to[j * K + k] = r >= 0 ? kernels::dot<T>(dout.data(), y + r * ld, H) : 0.0f;
     }
   }

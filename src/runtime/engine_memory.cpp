@@ -1,6 +1,7 @@
 // The engine's memory: every rank's symmetric segment and local region for
 // a step's programs, each buffer bound to its memory (the caller's tensors
 // for the bound ones), and the host's part of the forward and backward.
+#include "ops/combine_list.hpp"
 #include "runtime/engine.hpp"
 
 namespace hpmoe::detail {
@@ -139,18 +140,16 @@ void Interleaved<T>::prepare_forward(StepResult& res) {
       // receive row of each of its K choices on the list's destination, and
       // their gates; each token's list rows.
       auto* list = base<std::int32_t>(r, BufferId::rank_comb);
-      const std::int64_t words = 2 * K + 1;
+      const std::int64_t words = ops::CombineList::words(K);
       for (std::int64_t d = 0, row = 0; d < c_.ranks; ++d)
         for (const std::int64_t block = ex_->token_send_offset(r, d); row < ex_->token_send_offset(r, d + 1); ++row) {
-          std::int32_t* w = list + row * words;
+          const ops::CombineList::Writer w{list + row * words, K};
           const std::int32_t at = routes.list_block[static_cast<std::size_t>(row)];
           const std::int64_t t = routes.tokens[static_cast<std::size_t>(block + at)];
-          w[0] = at;
-          for (std::int64_t k = 0; k < K; ++k) {
-            w[1 + k] = routes.comb_row[static_cast<std::size_t>(row * K + k)];
-            const float g = res.routing.weight[static_cast<std::size_t>(i * T_ * K + t * K + k)];
-            std::memcpy(&w[1 + K + k], &g, sizeof g);
-          }
+          w.block_row(at);
+          for (std::int64_t k = 0; k < K; ++k)
+            w.choice(k, routes.comb_row[static_cast<std::size_t>(row * K + k)],
+                     res.routing.weight[static_cast<std::size_t>(i * T_ * K + t * K + k)]);
         }
       std::copy(routes.list_slot.begin(), routes.list_slot.end(), base<std::int64_t>(r, BufferId::rank_slot));
       if (c_.forwards()) {  // the per-node exchange's node lists and routes
