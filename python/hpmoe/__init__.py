@@ -155,7 +155,7 @@ def _end_job_on_uncaught_errors():
     import threading
     before, before_thread = sys.excepthook, threading.excepthook
 
-    def end(kind, value, tb, previous, *args):
+    def end(kind, value, previous, *args):
         try:
             previous(*args)
         finally:
@@ -163,10 +163,10 @@ def _end_job_on_uncaught_errors():
                 _core.mpi_abort(f"{kind.__name__}: {value} (uncaught; hpmoe ends the MPI job)", 2)
 
     def hook(kind, value, tb):
-        end(kind, value, tb, before, kind, value, tb)
+        end(kind, value, before, kind, value, tb)
 
     def thread_hook(args):
-        end(args.exc_type, args.exc_value, args.exc_traceback, before_thread, args)
+        end(args.exc_type, args.exc_value, before_thread, args)
 
     sys.excepthook = hook
     threading.excepthook = thread_hook

@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/atomic_file.hpp"
+#include "common/fnv.hpp"
 #include "hpmoe/error.hpp"
 #include "cli/trace.hpp"
 
@@ -42,9 +43,7 @@ namespace {
 std::string colour_of(const std::string& name) {
   static const char* palette[] = {"#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1",
                                   "#ff9da7", "#9c755f", "#bab0ac", "#1f77b4", "#2ca02c", "#d62728", "#9467bd"};
-  std::size_t h = 1469598103934665603ull;
-  for (char c : name) h = (h ^ static_cast<unsigned char>(c)) * 1099511628211ull;
-  return palette[h % (sizeof(palette) / sizeof(palette[0]))];
+  return palette[fnv1a(name) % (sizeof(palette) / sizeof(palette[0]))];
 }
 
 std::string escape(const std::string& s) {

@@ -9,21 +9,12 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/fnv.hpp"
 #include "hpmoe/error.hpp"
 
 namespace hpmoe {
 
 namespace {
-
-// FNV-1a: the same bytes give the same value in every process.
-std::uint64_t hash_text(const std::string& text) {
-  std::uint64_t h = 1469598103934665603ull;
-  for (const unsigned char ch : text) {
-    h ^= ch;
-    h *= 1099511628211ull;
-  }
-  return h;
-}
 
 // Each option that must agree, by the name the user typed, with its value as
 // text (hashed before it travels).
@@ -56,7 +47,7 @@ void agree_on_request(Transport& tr, int me, const RunRequest& req) {
   const auto options = agreed_options(req);
   const std::size_t n = options.size(), P = static_cast<std::size_t>(tr.ranks());
   std::vector<std::uint64_t> all(n * P, 0);
-  for (std::size_t i = 0; i < n; ++i) all[static_cast<std::size_t>(me) * n + i] = hash_text(options[i].second);
+  for (std::size_t i = 0; i < n; ++i) all[static_cast<std::size_t>(me) * n + i] = fnv1a(options[i].second);
   tr.allgather(std::as_writable_bytes(std::span<std::uint64_t>(all)), n * sizeof(std::uint64_t));
   for (std::size_t q = 1; q < P; ++q)
     for (std::size_t i = 0; i < n; ++i)

@@ -213,12 +213,9 @@ struct SweepCommand {
     {  // a field varied twice would run one value while the CSV shows both
       std::set<std::string> fields;
       for (const auto& [paths, values] : req.vary)
-        for (std::size_t from = 0; from <= paths.size();) {
-          const std::size_t plus = std::min(paths.find('+', from), paths.size());
-          if (const std::string path = paths.substr(from, plus - from); !fields.insert(path).second)
+        for (const std::string& path : vary_fields(paths))
+          if (!fields.insert(path).second)
             throw Error("--vary names the field '" + path + "' twice: give its values in one --vary (PATH=V1,V2,...)");
-          from = plus + 1;
-        }
     }
     if (model_options.req.layers > 0) req.step = model_options.resolve();
     else if (model_options.req.dense_layers > 0 || model_options.attention_ms >= 0 || model_options.dense_ms >= 0 ||

@@ -149,6 +149,13 @@ std::string utc_now() {
   return buf;
 }
 
+// A point's machine with its varied values: points that share it share one model.
+std::string machine_key(const SweepPoint& p) {
+  std::string key = p.machine;
+  for (const auto& v : p.vary_values) key += "\x1f" + v;
+  return key;
+}
+
 }  // namespace
 
 std::vector<SweepPoint> sweep_points(const SweepRequest& req) {
@@ -224,11 +231,8 @@ std::vector<SweepPoint> sweep_points(const SweepRequest& req) {
   if (points.size() > 100000) throw Error("the sweep has " + std::to_string(points.size()) + " points; at most 100000");
   // Each machine with its varied fields is a valid model: checked before any point runs.
   std::map<std::string, bool> checked;
-  for (const auto& p : points) {
-    std::string key = p.machine;
-    for (const auto& v : p.vary_values) key += "\x1f" + v;
-    if (checked.emplace(key, true).second) (void)sweep_machine(req, p);
-  }
+  for (const auto& p : points)
+    if (checked.emplace(machine_key(p), true).second) (void)sweep_machine(req, p);
   return points;
 }
 
@@ -239,10 +243,6 @@ sim::MachineModel sweep_machine(const SweepRequest& req, const SweepPoint& p) {
 std::size_t sweep_jobs(const SweepRequest& req, const std::vector<SweepPoint>& points) {
   const unsigned hardware = std::max(1u, std::thread::hardware_concurrency());
   return std::min<std::size_t>(points.size(), req.jobs > 0 ? static_cast<std::size_t>(req.jobs) : hardware);
-}
-
-double sweep_point_bytes(const SweepRequest& req, const SweepPoint& p) {
-  return sweep_point_bytes(sweep_machine(req, p), p, req.backward);
 }
 
 double sweep_point_bytes(const sim::MachineModel& m, const SweepPoint& p, bool backward) {
@@ -271,8 +271,7 @@ void check_sweep_memory(const SweepRequest& req, const std::vector<SweepPoint>& 
   bytes.reserve(points.size());
   std::map<std::string, sim::MachineModel> machines;  // each machine with its varied fields, loaded once
   for (const auto& p : points) {
-    std::string key = p.machine;
-    for (const auto& v : p.vary_values) key += "\x1f" + v;
+    const std::string key = machine_key(p);
     auto it = machines.find(key);
     if (it == machines.end()) it = machines.emplace(key, sweep_machine(req, p)).first;
     bytes.push_back(sweep_point_bytes(it->second, p, req.backward));

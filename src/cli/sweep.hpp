@@ -68,6 +68,8 @@ sim::MachineModel sweep_machine(const SweepRequest&, const SweepPoint&);
 // leads to no number, or a value that is neither a number nor xF); the
 // machine model so varied.
 std::pair<std::string, std::vector<std::string>> parse_vary(const std::string& spec);
+// The fields of one --vary's PATH: "A+B" varies A and B together.
+std::vector<std::string> vary_fields(const std::string& paths);
 nlohmann::json vary_machine_json(nlohmann::json model, const std::vector<std::pair<std::string, std::vector<std::string>>>& vary,
                                  const std::vector<std::string>& values);
 sim::MachineModel varied_machine(const std::string& machine, const std::vector<std::pair<std::string, std::vector<std::string>>>& vary,
@@ -75,9 +77,8 @@ sim::MachineModel varied_machine(const std::string& machine, const std::vector<s
 // Points simulated at once (SweepRequest::jobs, at most the points).
 std::size_t sweep_jobs(const SweepRequest&, const std::vector<SweepPoint>&);
 // The host memory one point's simulation takes, estimated from its layer and
-// machine; check_sweep_memory refuses (one line) a sweep whose `jobs`
+// machine model; check_sweep_memory refuses (one line) a sweep whose `jobs`
 // largest points at once would not fit this machine.
-double sweep_point_bytes(const SweepRequest&, const SweepPoint&);
 double sweep_point_bytes(const sim::MachineModel&, const SweepPoint&, bool backward);
 void check_sweep_memory(const SweepRequest&, const std::vector<SweepPoint>&);
 

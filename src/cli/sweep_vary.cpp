@@ -77,18 +77,25 @@ std::pair<std::string, std::vector<std::string>> parse_vary(const std::string& s
   return {spec.substr(0, eq), std::move(values)};
 }
 
+std::vector<std::string> vary_fields(const std::string& paths) {
+  std::vector<std::string> fields;
+  for (std::size_t from = 0; from <= paths.size();) {
+    const std::size_t plus = std::min(paths.find('+', from), paths.size());
+    fields.push_back(paths.substr(from, plus - from));
+    from = plus + 1;
+  }
+  return fields;
+}
+
 nlohmann::json vary_machine_json(nlohmann::json model, const std::vector<std::pair<std::string, std::vector<std::string>>>& vary,
                                  const std::vector<std::string>& values) {
   if (values.size() != vary.size()) throw Error("--vary: one value per varied field");
   for (std::size_t i = 0; i < vary.size(); ++i) {
     // "A+B": fields varied together (one figure the model gives in two places).
     const std::string& paths = vary[i].first;
-    for (std::size_t from = 0; from <= paths.size();) {
-      const std::size_t plus = std::min(paths.find('+', from), paths.size());
-      const std::string path = paths.substr(from, plus - from);
+    for (const std::string& path : vary_fields(paths)) {
       if (path.empty()) throw Error("--vary " + paths + ": an empty field path");
       set_field(model, path, 0, values[i], path);
-      from = plus + 1;
     }
   }
   return model;

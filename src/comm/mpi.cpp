@@ -95,8 +95,7 @@ Mpi::Mpi(int ranks, const MpiOptions& options)
   seg_bytes_.assign(static_cast<std::size_t>(size_), 0);
   event_capacity_.assign(static_cast<std::size_t>(size_), 0);
   last_heard_.assign(static_cast<std::size_t>(size_), Clock::now());
-  left_.assign(static_cast<std::size_t>(size_), 0);
-  left_at_.assign(static_cast<std::size_t>(size_), Clock::now());
+  left_at_.assign(static_cast<std::size_t>(size_), std::nullopt);
   progress_ = std::thread([this] { progress_loop(); });
 }
 
@@ -241,9 +240,7 @@ void Mpi::agree_on_options(const MpiOptions& options) {
   const std::size_t n = all.size();
   std::vector<Entry> mine(n), every(n * static_cast<std::size_t>(size_));
   for (std::size_t i = 0; i < n; ++i) {
-    std::uint64_t h = 1469598103934665603ull;
-    for (const unsigned char ch : all[i].second) h = (h ^ ch) * 1099511628211ull;
-    mine[i].hash = h;
+    mine[i].hash = fnv1a(all[i].second);
     std::memset(mine[i].text, 0, kText);
     std::memcpy(mine[i].text, all[i].second.data(), std::min(all[i].second.size(), kText - 1));
   }
@@ -279,8 +276,8 @@ std::string Mpi::failed_peers() const {
   const auto now = Clock::now();
   for (int r = 0; r < size_; ++r) {
     if (r == rank_) continue;
-    if (left_[static_cast<std::size_t>(r)] && !closing_.load(std::memory_order_acquire) &&
-        now - left_at_[static_cast<std::size_t>(r)] > kLeaveGrace) {
+    const auto& left = left_at_[static_cast<std::size_t>(r)];
+    if (left && !closing_.load(std::memory_order_acquire) && now - *left > kLeaveGrace) {
       text += (text.empty() ? "" : "; ") + std::string("rank ") + std::to_string(r) +
               " has left the job (its process closed its transport: it failed or exited; its own output says why)";
       continue;

@@ -302,10 +302,7 @@ bool Mpi::receive(std::vector<std::byte>& scratch) {
     {
       std::lock_guard lock(mutex_);
       last_heard_[st.MPI_SOURCE] = Clock::now();
-      if (st.MPI_TAG == kBye) {
-        left_[static_cast<std::size_t>(st.MPI_SOURCE)] = 1;
-        left_at_[static_cast<std::size_t>(st.MPI_SOURCE)] = Clock::now();
-      }
+      if (st.MPI_TAG == kBye) left_at_[static_cast<std::size_t>(st.MPI_SOURCE)] = Clock::now();
     }
     if (st.MPI_TAG == kBeat || st.MPI_TAG == kBye) continue;
     // The segment and counters are swapped only between launches, when no

@@ -4,6 +4,7 @@
 // gathers, ordered sums and barriers.
 #pragma once
 
+#include "common/fnv.hpp"
 #include "hpmoe/transport.hpp"
 
 #include <unistd.h>
@@ -19,6 +20,7 @@
 #include <exception>
 #include <functional>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <vector>
 
@@ -257,12 +259,11 @@ class Mpi final : public Transport {
   std::atomic<std::int64_t> pending_arrivals_{0};
   std::atomic<int> outbox_waiters_{0};  // workers waiting in wait_for_outbox_room
   std::vector<Clock::time_point> last_heard_;
-  // [rank]: its goodbye arrived, and when (under mutex_). A peer that left
+  // [rank]: when its goodbye arrived, if it did (under mutex_). A peer that left
   // counts as failed a grace period later: one that finished a collective
   // and closed may say goodbye before this process has seen the same
   // collective complete.
-  std::vector<char> left_;
-  std::vector<Clock::time_point> left_at_;
+  std::vector<std::optional<Clock::time_point>> left_at_;
   bool closed_ = false;                      // close() ran (main thread only)
   std::atomic<bool> closing_{false};         // in close(): peers' goodbyes are expected, not failures
   std::atomic<bool> say_goodbye_{false};     // the progress thread sends kBye to every peer, once
