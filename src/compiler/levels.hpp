@@ -5,18 +5,19 @@
 // exchanges' later hops above. A put into a peer's level-l event may
 // depend only on local events and on remote-fed events of levels below l,
 // and nothing queued before it may wait on more: the verifier checks it,
-// the scheduler keeps it. Defined in verify.cpp.
+// the scheduler keeps it. Each put kind's level is part of its role in the
+// op table (ops/kind_role.hpp).
 #pragma once
 
 #include <cstdint>
 
-#include "ir/ir.hpp"
+#include "ops/access.hpp"
 
 namespace hpmoe::taskflow {
 
 // The level of the event a put signals at its peer.
-std::int8_t put_level(TaskKind put);
+inline std::int8_t put_level(TaskKind put) { return role(put).level; }
 // The kind of task that waits on the event a put signals at its peer.
-TaskKind remote_consumer(TaskKind put);
+inline TaskKind remote_consumer(TaskKind put) { return role(put).consumer; }
 
 }  // namespace hpmoe::taskflow

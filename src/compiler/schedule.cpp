@@ -15,40 +15,25 @@ namespace hpmoe::taskflow {
 
 namespace {
 
-bool is_wgrad(TaskKind k) { return k == TaskKind::gemm_down_wgrad || k == TaskKind::gemm_gate_up_wgrad; }
-
+// What the passes below ask of a kind: its role in the op table
+// (ops/kind_role.hpp), never its name.
+TileStep step(TaskKind k) { return role(k).step; }
+Place place(TaskKind k) { return role(k).place; }
+// A routed expert's tile (its rows on the expert's rank), not the shared
+// experts' or the router's.
+bool routed(TaskKind k) { return expert_home(k) == ExpertHome::own_rank; }
+bool is_wgrad(TaskKind k) { return step(k) == TileStep::weight_gradient && routed(k); }
+// The backward's data-gradient chain of a routed expert's row tile.
 bool is_expert_chain(TaskKind k) {
-  return k == TaskKind::gemm_down_dgrad || k == TaskKind::pack_down_grad || k == TaskKind::swiglu_bwd ||
-         k == TaskKind::gemm_gate_up_dgrad || k == TaskKind::pack_gate_up_grad;
+  const TileStep s = step(k);
+  return routed(k) && s != TileStep::none && s != TileStep::weight_gradient;
 }
 
 // What waits on the event a put signals at its peer: returned rows feed
 // the combine, or first a split expert's reduction.
 std::pair<TaskKind, TaskKind> remote_consumers(TaskKind put) {
-  switch (put) {
-    case TaskKind::dispatch_put: return {TaskKind::gemm_gate_up, TaskKind::gemm_gate_up};
-    case TaskKind::dispatch_cast_put: return {TaskKind::dispatch_decode, TaskKind::dispatch_decode};
-    case TaskKind::combine_put: return {TaskKind::combine_reduce, TaskKind::part_reduce};
-    case TaskKind::grad_dispatch_put: return {TaskKind::gemm_down_dgrad, TaskKind::gemm_down_dgrad};
-    case TaskKind::grad_dispatch_cast_put: return {TaskKind::grad_dispatch_decode, TaskKind::grad_dispatch_decode};
-    case TaskKind::dispatch_token_put:
-    case TaskKind::dispatch_route_put: return {TaskKind::dispatch_gather, TaskKind::dispatch_gather};
-    case TaskKind::grad_dispatch_token_put:
-    case TaskKind::grad_dispatch_forward: return {TaskKind::grad_dispatch_gather, TaskKind::grad_dispatch_gather};
-    case TaskKind::dispatch_forward: return {TaskKind::dispatch_gather, TaskKind::dispatch_gather};
-    case TaskKind::dispatch_node_put:
-    case TaskKind::dispatch_node_route_put: return {TaskKind::dispatch_forward, TaskKind::dispatch_forward};
-    case TaskKind::grad_dispatch_node_put: return {TaskKind::grad_dispatch_forward, TaskKind::grad_dispatch_forward};
-    case TaskKind::combine_route_put: return {TaskKind::combine_rank_put, TaskKind::combine_rank_put};
-    case TaskKind::combine_rank_put: return {TaskKind::combine_rank_reduce, TaskKind::combine_rank_reduce};
-    case TaskKind::gate_grad_put: return {TaskKind::gate_grad_gather, TaskKind::gate_grad_gather};
-    case TaskKind::grad_combine_rank_put: return {TaskKind::grad_rank_reduce, TaskKind::grad_rank_reduce};
-    case TaskKind::combine_node_part_put: return {TaskKind::combine_node_put, TaskKind::combine_node_put};
-    case TaskKind::combine_node_put: return {TaskKind::combine_rank_reduce, TaskKind::combine_rank_reduce};
-    case TaskKind::grad_combine_node_part_put: return {TaskKind::grad_combine_node_put, TaskKind::grad_combine_node_put};
-    case TaskKind::grad_combine_node_put: return {TaskKind::grad_rank_reduce, TaskKind::grad_rank_reduce};
-    default: return {TaskKind::grad_reduce, TaskKind::grad_part_reduce};
-  }
+  const KindRole& r = role(put);
+  return {fed_kind(r), fed_split_kind(r)};
 }
 
 // Puts go to peers in rotated order: rank r serves (i + r) mod P first, so
@@ -110,12 +95,11 @@ std::vector<std::int32_t> interleave_weight_gradients(const Program& p) {
     const std::int64_t le = p.slot_of(t.expert);
     if (is_expert_chain(t.kind)) chain[le].push_back(i);
     else if (is_wgrad(t.kind)) wgrad[le].push_back(i);
-    else if (t.kind == TaskKind::grad_combine_put) puts[le].push_back(i);
-    // The per-rank combine's relays wait for the slots' dx rows: with the
-    // sums they count towards, after the chains.
-    else if (t.kind == TaskKind::grad_reduce || t.kind == TaskKind::grad_part_reduce || t.kind == TaskKind::grad_rank_reduce ||
-             t.kind == TaskKind::grad_combine_rank_put || t.kind == TaskKind::grad_combine_node_part_put ||
-             t.kind == TaskKind::grad_combine_node_put || t.kind == TaskKind::grad_combine_relay)
+    else if (place(t.kind) == Place::expert_return) puts[le].push_back(i);
+    // The reductions, and the per-rank and per-node combines' sums and the
+    // relays that wait for the slots' dx rows: after the chains.
+    else if (const Place at = place(t.kind);
+             at == Place::reduction || at == Place::sum_return || at == Place::node_sum || at == Place::rank_relay)
       tail.push_back(i);
     else head.push_back(i);
   }
@@ -152,18 +136,9 @@ std::vector<std::int32_t> interleave_weight_gradients(const Program& p) {
 // the data-gradient chains and overlap the last return puts. Topological:
 // moved tasks only move later and their consumers follow them; dispatch puts
 // wait for nothing.
-bool is_weight_gradient(TaskKind k) {
-  return k == TaskKind::gemm_down_wgrad || k == TaskKind::gemm_gate_up_wgrad || k == TaskKind::router_wgrad ||
-         k == TaskKind::shared_down_wgrad || k == TaskKind::shared_gate_up_wgrad;
-}
-bool second_gemm(TaskKind k) {
-  return k == TaskKind::gemm_down || k == TaskKind::gemm_gate_up_dgrad || k == TaskKind::shared_down ||
-         k == TaskKind::shared_gate_up_dgrad;
-}
-bool first_gemm(TaskKind k) {
-  return k == TaskKind::gemm_gate_up || k == TaskKind::gemm_down_dgrad || k == TaskKind::shared_gate_up ||
-         k == TaskKind::shared_down_dgrad;
-}
+bool is_weight_gradient(TaskKind k) { return step(k) == TileStep::weight_gradient; }
+bool second_gemm(TaskKind k) { return step(k) == TileStep::second_gemm; }
+bool first_gemm(TaskKind k) { return step(k) == TileStep::first_gemm; }
 
 std::vector<std::int32_t> ratr_order(const Program& p) {
   const auto rotated = [&](std::int32_t peer) { return (peer - p.rank + p.ranks) % p.ranks; };
@@ -181,9 +156,7 @@ std::vector<std::int32_t> ratr_order(const Program& p) {
     }
     if (tile_start.size() == 1) {  // the first row tile's costs stand for all
       if (first_gemm(t.kind)) first_gemm_s += p.cost[static_cast<std::size_t>(i)];
-      if (t.kind == TaskKind::swiglu || t.kind == TaskKind::swiglu_bwd || t.kind == TaskKind::shared_swiglu ||
-          t.kind == TaskKind::shared_swiglu_bwd)
-        vector_step_s = p.cost[static_cast<std::size_t>(i)];
+      if (step(t.kind) == TileStep::vector_step) vector_step_s = p.cost[static_cast<std::size_t>(i)];
     }
   }
   int units = 0;
@@ -194,9 +167,7 @@ std::vector<std::int32_t> ratr_order(const Program& p) {
   // Where the final reductions begin (they wait for every return put).
   std::int64_t tail = static_cast<std::int64_t>(p.tasks.size());
   for (std::int64_t i = 0; i < static_cast<std::int64_t>(p.tasks.size()); ++i) {
-    const TaskKind k = p.tasks[static_cast<std::size_t>(i)].kind;
-    if (k == TaskKind::combine_reduce || k == TaskKind::grad_reduce || k == TaskKind::part_reduce ||
-        k == TaskKind::grad_part_reduce || k == TaskKind::combine_rank_reduce || k == TaskKind::grad_rank_reduce) {
+    if (place(p.tasks[static_cast<std::size_t>(i)].kind) == Place::reduction) {
       tail = i;
       break;
     }
@@ -235,7 +206,7 @@ std::vector<std::int32_t> ratr_order(const Program& p) {
       else if (t.expert >= 0) k = std::max(double(i), double(expert_work_end) - 0.5);
     }
     // A relay of the per-rank combine follows the (moved) GEMMs it counts.
-    if ((t.kind == TaskKind::combine_relay || t.kind == TaskKind::grad_combine_relay) && t.wait_event >= 0)
+    if (place(t.kind) == Place::rank_relay && t.wait_event >= 0)
       k = std::max(k, filled[static_cast<std::size_t>(t.wait_event)] + 0.125);
     if (t.trigger_event >= 0 && t.peer == p.rank)
       filled[static_cast<std::size_t>(t.trigger_event)] = std::max(filled[static_cast<std::size_t>(t.trigger_event)], k);
@@ -252,9 +223,7 @@ std::vector<std::int32_t> ratr_order(const Program& p) {
   // destination and rotated destination.
   std::vector<std::tuple<std::int32_t, std::int32_t, std::int32_t>> keyed;
   std::erase_if(first, [&](const auto& f) {
-    const TaskKind k = p.tasks[static_cast<std::size_t>(std::get<2>(f))].kind;
-    const bool dispatch = k == TaskKind::dispatch_put || k == TaskKind::dispatch_cast_put || k == TaskKind::grad_dispatch_put ||
-                          k == TaskKind::grad_dispatch_cast_put;
+    const bool dispatch = place(p.tasks[static_cast<std::size_t>(std::get<2>(f))].kind) == Place::expert_put;
     if (dispatch) keyed.push_back(f);
     return dispatch;
   });
@@ -278,10 +247,7 @@ std::vector<std::int32_t> ratr_order(const Program& p) {
 // sums queued before one, an order no longer topological; nothing local
 // waits on them, and the reductions that wait for what they feed come later).
 void sink_node_sums(const Program& p, std::vector<std::int32_t>& order) {
-  const auto node_sums = [&](std::int32_t i) {
-    const TaskKind k = p.tasks[static_cast<std::size_t>(i)].kind;
-    return k == TaskKind::combine_node_put || k == TaskKind::grad_combine_node_put;
-  };
+  const auto node_sums = [&](std::int32_t i) { return place(p.tasks[static_cast<std::size_t>(i)].kind) == Place::node_sum; };
   std::vector<std::int32_t> sums, rest;
   // The events the sums wait on: their local producers (a node relay's
   // count) must stay before them, or the order stops being topological.
@@ -314,19 +280,9 @@ void sink_node_sums(const Program& p, std::vector<std::int32_t>& order) {
 // dispatch puts and before the first task that waits on a `tok` event.
 void hoist_forwards(const Program& p, std::vector<std::int32_t>& order) {
   const auto kind = [&](std::int32_t i) { return p.tasks[static_cast<std::size_t>(i)].kind; };
-  const auto forwarding = [](TaskKind k) {
-    return k == TaskKind::dispatch_forward || k == TaskKind::dispatch_node_relay || k == TaskKind::grad_dispatch_forward ||
-           k == TaskKind::grad_dispatch_node_relay;
-  };
-  const auto dispatch_put = [](TaskKind k) {
-    return k == TaskKind::dispatch_token_put || k == TaskKind::dispatch_route_put || k == TaskKind::combine_route_put ||
-           k == TaskKind::dispatch_node_put || k == TaskKind::dispatch_node_route_put || k == TaskKind::grad_dispatch_token_put ||
-           k == TaskKind::grad_dispatch_node_put;
-  };
-  const auto token_consumer = [](TaskKind k) {
-    return k == TaskKind::dispatch_relay || k == TaskKind::dispatch_gather || k == TaskKind::grad_dispatch_relay ||
-           k == TaskKind::grad_dispatch_gather;
-  };
+  const auto forwarding = [](TaskKind k) { return place(k) == Place::forward; };
+  const auto dispatch_put = [](TaskKind k) { return place(k) == Place::token_put; };
+  const auto token_consumer = [](TaskKind k) { return place(k) == Place::token_wait; };
   std::vector<std::int32_t> forwards, rest;
   std::size_t after_puts = 0, first_consumer = std::numeric_limits<std::size_t>::max();
   for (const std::int32_t i : order) {
@@ -374,14 +330,9 @@ std::vector<std::int8_t> remote_levels(const Program& p) {
   std::vector<std::int8_t> consumer_level(K);
   for (std::size_t i = 0; i < K; ++i) consumer_level[i] = by_sent[i] >= 0 ? by_sent[i] : by_any[i];
   // A relay's event counts the same puts as the gather (or forward) it chains.
-  const auto alias = [&](TaskKind relay, TaskKind of) {
-    consumer_level[static_cast<std::size_t>(relay)] =
-        std::max(consumer_level[static_cast<std::size_t>(relay)], consumer_level[static_cast<std::size_t>(of)]);
-  };
-  alias(TaskKind::dispatch_relay, TaskKind::dispatch_gather);
-  alias(TaskKind::grad_dispatch_relay, TaskKind::grad_dispatch_gather);
-  alias(TaskKind::dispatch_node_relay, TaskKind::dispatch_forward);
-  alias(TaskKind::grad_dispatch_node_relay, TaskKind::grad_dispatch_forward);
+  for (std::size_t relay = 0; relay < K; ++relay)
+    if (const TaskKind of = role(static_cast<TaskKind>(relay)).relay_of; of != TaskKind::count)
+      consumer_level[relay] = std::max(consumer_level[relay], consumer_level[static_cast<std::size_t>(of)]);
   std::vector<std::int32_t> local(E, 0);
   for (const Task& t : p.tasks)
     if (t.trigger_event >= 0 && t.peer == p.rank) ++local[static_cast<std::size_t>(t.trigger_event)];
@@ -629,38 +580,20 @@ std::vector<Program> compile(const LayerConfig& c, const ExpertPlacement& placem
 std::vector<TaskKind> layer_operators(const LayerConfig& c, bool has_splits, Pass pass, bool fetched_replicas) {
   const bool by_rank = c.exchange == ExchangeMode::rank, shared = c.shared_experts > 0;
   const bool staged = !by_rank && (pass == Pass::forward ? c.staged_dispatch() : c.staged_grad_dispatch());
+  // The one place the run options choose the schemes a step's kinds come from.
   const auto may_emit = [&](TaskKind k) {
-    switch (k) {
-      case TaskKind::dispatch_put: case TaskKind::grad_dispatch_put: return !by_rank && !staged;
-      case TaskKind::dispatch_cast_put: case TaskKind::dispatch_decode: case TaskKind::grad_dispatch_cast_put:
-      case TaskKind::grad_dispatch_decode:
-        return staged;
-      case TaskKind::combine_put: case TaskKind::combine_reduce: case TaskKind::gate_grad: case TaskKind::grad_combine_put:
-      case TaskKind::grad_reduce:
-        return !by_rank;
-      case TaskKind::part_reduce: case TaskKind::grad_part_reduce: return !by_rank && has_splits;
-      case TaskKind::dispatch_token_put: case TaskKind::dispatch_route_put: case TaskKind::combine_route_put:
-      case TaskKind::dispatch_relay: case TaskKind::dispatch_gather: case TaskKind::grad_dispatch_token_put:
-      case TaskKind::grad_dispatch_relay: case TaskKind::grad_dispatch_gather: case TaskKind::combine_relay:
-      case TaskKind::combine_rank_put: case TaskKind::combine_rank_reduce: case TaskKind::gate_grad_put:
-      case TaskKind::gate_grad_gather: case TaskKind::grad_combine_relay: case TaskKind::grad_combine_rank_put:
-      case TaskKind::grad_rank_reduce:
-        return by_rank;
-      case TaskKind::dispatch_node_put: case TaskKind::dispatch_node_route_put: case TaskKind::dispatch_forward:
-      case TaskKind::grad_dispatch_node_put: case TaskKind::grad_dispatch_forward: case TaskKind::dispatch_node_relay:
-      case TaskKind::grad_dispatch_node_relay: case TaskKind::combine_node_part_put: case TaskKind::combine_node_put:
-      case TaskKind::grad_combine_node_part_put: case TaskKind::grad_combine_node_put:
-        return c.forwards();
-      case TaskKind::weight_put: case TaskKind::weight_relay: case TaskKind::grad_weight_put:
-      case TaskKind::grad_weight_relay:
-        return c.lend_weights != 0 || fetched_replicas;
-      case TaskKind::shared_gate_up: case TaskKind::shared_swiglu: case TaskKind::shared_down:
-      case TaskKind::shared_down_dgrad: case TaskKind::pack_shared_down_grad: case TaskKind::shared_down_wgrad:
-      case TaskKind::shared_swiglu_bwd: case TaskKind::shared_gate_up_dgrad: case TaskKind::pack_shared_gate_up_grad:
-      case TaskKind::shared_gate_up_wgrad:
-        return shared;
-      default: return true;
+    switch (role(k).scheme) {
+      case Scheme::layer: return true;
+      case Scheme::shared: return shared;
+      case Scheme::assignment: return !by_rank;
+      case Scheme::assignment_direct: return !by_rank && !staged;
+      case Scheme::assignment_staged: return staged;
+      case Scheme::assignment_splits: return !by_rank && has_splits;
+      case Scheme::rank: return by_rank;
+      case Scheme::node: return c.forwards();
+      case Scheme::lend: return c.lend_weights != 0 || fetched_replicas;
     }
+    return true;
   };
   std::vector<TaskKind> kinds;
   for (const TaskKind k : operator_order(pass))

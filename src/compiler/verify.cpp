@@ -8,62 +8,6 @@
 
 namespace hpmoe::taskflow {
 
-TaskKind remote_consumer(TaskKind put) {
-  switch (put) {
-    case TaskKind::dispatch_put: return TaskKind::gemm_gate_up;
-    case TaskKind::dispatch_cast_put: return TaskKind::dispatch_decode;
-    case TaskKind::grad_dispatch_put: return TaskKind::gemm_down_dgrad;
-    case TaskKind::grad_dispatch_cast_put: return TaskKind::grad_dispatch_decode;
-    case TaskKind::dispatch_token_put: case TaskKind::dispatch_route_put: case TaskKind::combine_route_put:
-      return TaskKind::dispatch_gather;
-    case TaskKind::grad_dispatch_token_put: case TaskKind::grad_dispatch_forward: return TaskKind::grad_dispatch_gather;
-    case TaskKind::dispatch_forward: return TaskKind::dispatch_gather;
-    case TaskKind::dispatch_node_put: case TaskKind::dispatch_node_route_put: return TaskKind::dispatch_forward;
-    case TaskKind::grad_dispatch_node_put: return TaskKind::grad_dispatch_forward;
-    case TaskKind::combine_put: return TaskKind::combine_reduce;
-    case TaskKind::combine_rank_put: return TaskKind::combine_rank_reduce;
-    case TaskKind::gate_grad_put: return TaskKind::gate_grad_gather;
-    case TaskKind::grad_combine_rank_put: return TaskKind::grad_rank_reduce;
-    case TaskKind::combine_node_part_put: return TaskKind::combine_node_put;
-    case TaskKind::combine_node_put: return TaskKind::combine_rank_reduce;
-    case TaskKind::grad_combine_node_part_put: return TaskKind::grad_combine_node_put;
-    case TaskKind::grad_combine_node_put: return TaskKind::grad_rank_reduce;
-    case TaskKind::weight_put: return TaskKind::weight_relay;
-    case TaskKind::grad_weight_put: return TaskKind::grad_weight_relay;
-    default: return TaskKind::grad_reduce;
-  }
-}
-
-std::int8_t put_level(TaskKind put) {
-  switch (put) {
-    case TaskKind::dispatch_put: case TaskKind::dispatch_cast_put: case TaskKind::grad_dispatch_put:
-    case TaskKind::grad_dispatch_cast_put: case TaskKind::dispatch_token_put: case TaskKind::dispatch_route_put:
-    case TaskKind::grad_dispatch_token_put: case TaskKind::combine_route_put: case TaskKind::dispatch_node_put:
-    case TaskKind::dispatch_node_route_put: case TaskKind::grad_dispatch_node_put:
-    // Lent weights wait for nothing: they travel with the dispatch.
-    case TaskKind::weight_put: case TaskKind::grad_weight_put:
-      return 0;
-    // The per-node exchange's second hop: a forwarder's puts wait for
-    // node blocks that other ranks put.
-    case TaskKind::dispatch_forward: case TaskKind::grad_dispatch_forward:
-      return 1;
-    // The per-rank combine returns after rows that may have come through a
-    // forwarder: the sums and the gate gradients (which the router, and so
-    // dx, wait for) at level 2, the backward's dx sums, which may be queued
-    // after the router, at level 3.
-    // The per-node combine's sums go to the forwarder at the level of the
-    // per-rank sums, and the forwarder's return one level up.
-    case TaskKind::combine_rank_put: case TaskKind::gate_grad_put: case TaskKind::combine_node_part_put:
-      return 2;
-    case TaskKind::grad_combine_rank_put: case TaskKind::combine_node_put: case TaskKind::grad_combine_node_part_put:
-      return 3;
-    case TaskKind::grad_combine_node_put:
-      return 4;
-    default:
-      return 1;
-  }
-}
-
 namespace verify_detail {
 
 std::string describe(const Program& p, std::int32_t id) {

@@ -95,7 +95,7 @@ void Checker::structure() {
       const Task& t = p.tasks[i];
       const auto id = static_cast<std::int32_t>(i);
       if (t.peer < 0 || t.peer >= P) fail(describe(p, id) + " targets rank " + std::to_string(t.peer) + " which does not exist");
-      if (t.kind == TaskKind::combine_put || t.kind == TaskKind::grad_combine_put) check_partial_put(p, id);
+      if (role(t.kind).place == Place::expert_return) check_partial_put(p, id);
       if (t.wait_event < -1 || t.wait_event >= static_cast<std::int32_t>(p.events.size()))
         fail(describe(p, id) + " waits on event " + std::to_string(t.wait_event) + " which does not exist");
       if (t.trigger_event < -1 || t.trigger_event >= static_cast<std::int32_t>(p_[t.peer].events.size()))

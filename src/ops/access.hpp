@@ -17,6 +17,7 @@
 
 #include "ir/ir.hpp"
 #include "ops/combine_list.hpp"
+#include "ops/kind_role.hpp"
 
 namespace hpmoe::taskflow {
 

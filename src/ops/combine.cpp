@@ -42,13 +42,15 @@ constexpr OpKind kKinds[] = {
                   band(B::gate, X::top_k), op(B::sh_y, R, Span::task_rows, X::none, Span::whole, X::hidden, Side::own, true),
                   tile(B::out)},
                  {{X::hidden, 1, kElem, X::top_k}, {X::hidden, 1, 4, X::none}}),
-     combine<float>, combine<bf16>},
+     combine<float>, combine<bf16>,
+     KindRole{.scheme = Scheme::assignment, .place = Place::reduction}},
     {TaskKind::grad_reduce, "grad_reduce", Pass::backward, 210,
      vector_kind({op(B::dcomb, R, Span::sent_rows, X::none, Span::whole, X::hidden), band(B::slot, X::top_k),
                   band(B::rdx, X::hidden), op(B::sdx, R, Span::task_rows, X::none, Span::whole, X::hidden, Side::own, true),
                   tile(B::dx)},
                  {{X::hidden, 1, kElem, X::top_k}, {X::hidden, 3, 4, X::none}}),
-     assemble_dx<float>, assemble_dx<bf16>},
+     assemble_dx<float>, assemble_dx<bf16>,
+     KindRole{.scheme = Scheme::assignment, .place = Place::reduction}},
 };
 }  // namespace
 

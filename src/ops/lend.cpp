@@ -53,10 +53,14 @@ constexpr KindAccess weight_put_kind() {
 constexpr OpKind kKinds[] = {
     // The weights go first: they are the largest puts of the step, and the
     // lent tiles' GEMMs wait for them.
-    {TaskKind::weight_put, "weight_put", Pass::forward, -10, weight_put_kind(), lend<float>, lend<bf16>},
-    {TaskKind::weight_relay, "weight_relay", Pass::forward, 8, vector_kind({}, {}), relay<float>, relay<bf16>},
-    {TaskKind::grad_weight_put, "grad_weight_put", Pass::backward, -12, weight_put_kind(), lend<float>, lend<bf16>},
-    {TaskKind::grad_weight_relay, "grad_weight_relay", Pass::backward, 45, vector_kind({}, {}), relay<float>, relay<bf16>},
+    {TaskKind::weight_put, "weight_put", Pass::forward, -10, weight_put_kind(), lend<float>, lend<bf16>,
+     KindRole{.scheme = Scheme::lend, .consumer = K::weight_relay, .level = 0}},
+    {TaskKind::weight_relay, "weight_relay", Pass::forward, 8, vector_kind({}, {}), relay<float>, relay<bf16>,
+     KindRole{.scheme = Scheme::lend}},
+    {TaskKind::grad_weight_put, "grad_weight_put", Pass::backward, -12, weight_put_kind(), lend<float>, lend<bf16>,
+     KindRole{.scheme = Scheme::lend, .consumer = K::grad_weight_relay, .level = 0}},
+    {TaskKind::grad_weight_relay, "grad_weight_relay", Pass::backward, 45, vector_kind({}, {}), relay<float>, relay<bf16>,
+     KindRole{.scheme = Scheme::lend}},
 };
 }  // namespace
 

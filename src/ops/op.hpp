@@ -4,11 +4,15 @@
 //
 // A kind is one `OpKind` entry: its name, the pass and place in the
 // serialized operator order, its access rule and cost (`KindAccess`: the
-// rectangles it reads and writes, the FLOPs or bytes it moves) and its body
-// for each dtype. Kinds come in families, one source file each in this
-// folder (exchange, expert_gemm, weight_grad, swiglu, pack, combine, router,
-// reduction); `table.cpp` lists the families and builds the one op table
-// that the verifier, generator, engine, scheduler and simulator read.
+// rectangles it reads and writes, the FLOPs or bytes it moves), its body
+// for each dtype, and its role (`KindRole`: the scheme that emits it, what a
+// put feeds at its peer and at which proof level, its place in the
+// schedule, the framework operator it stands for). Kinds come in families,
+// one source file each in this folder (exchange, token_exchange,
+// rank_combine, lend, expert_gemm, weight_grad, swiglu, pack, combine,
+// router, reduction); `table.cpp` lists the families and builds the one op
+// table that the verifier, generator, engine, scheduler and simulator read:
+// none of them names a kind to decide what to do with it.
 //
 // A body sees one `Tile`: its task, its program, the operands the access
 // rule resolved (in the rule's order), and the engine behind `TileHost`:
@@ -26,6 +30,7 @@
 #include "hpmoe/routing.hpp"
 #include "kernels/kernels.hpp"
 #include "ops/access.hpp"
+#include "ops/kind_role.hpp"
 
 namespace hpmoe::ops {
 
@@ -167,6 +172,9 @@ struct OpKind {
   KindAccess access;
   Body<float> body_f32 = nullptr;
   Body<bf16> body_bf16 = nullptr;
+  // Its part in the step: scheme, what a put feeds and at which level, its
+  // place in the schedule, its framework operator (ops/kind_role.hpp).
+  taskflow::KindRole role{};
 
   template <class T>
   Body<T> body() const {
@@ -196,6 +204,13 @@ using taskflow::QueueClass;
 using taskflow::Side;
 using taskflow::Span;
 using taskflow::Use;
+using taskflow::Collective;
+using taskflow::KernelScope;
+using taskflow::KindRole;
+using taskflow::Place;
+using taskflow::Scheme;
+using taskflow::TileStep;
+using K = taskflow::TaskKind;
 inline constexpr Use R = Use::read, W = Use::write, Acc = Use::accumulate;
 inline constexpr ExpertHome kOwn = ExpertHome::own_rank, kPeer = ExpertHome::peer;
 inline constexpr std::uint8_t kElem = 0;  // bytes of the layer's dtype

@@ -32,9 +32,11 @@ constexpr KindAccess parts_of(B buffer) {
 }
 
 constexpr OpKind kKinds[] = {
-    {TaskKind::part_reduce, "part_reduce", Pass::forward, 80, parts_of(B::comb), reduce_parts<float>, reduce_parts<bf16>},
+    {TaskKind::part_reduce, "part_reduce", Pass::forward, 80, parts_of(B::comb), reduce_parts<float>, reduce_parts<bf16>,
+     KindRole{.scheme = Scheme::assignment_splits, .place = Place::reduction}},
     {TaskKind::grad_part_reduce, "grad_part_reduce", Pass::backward, 200, parts_of(B::dcomb), reduce_parts<float>,
-     reduce_parts<bf16>},
+     reduce_parts<bf16>,
+     KindRole{.scheme = Scheme::assignment_splits, .place = Place::reduction}},
 };
 }  // namespace
 

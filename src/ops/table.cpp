@@ -26,6 +26,28 @@ Family lend_family();
 
 namespace {
 
+// A role that cannot be right: a put that feeds nothing at its peer, a
+// non-put that claims to, a level outside the proof's range. (What a kind
+// feeds is checked against the programs by the verifier.)
+void check_role(const OpKind& k, const Family& f) {
+  const auto& r = k.role;
+  const auto fail = [&](const std::string& what) {
+    throw Error(std::string("task kind '") + k.name + "' (family " + f.name + "): " + what);
+  };
+  constexpr auto none = TaskKind::count;
+  if (k.access.put) {
+    if (r.consumer == none) fail("a put names no consumer at its peer (KindRole::consumer)");
+    if (r.level < 0 || r.level > 6) fail("a put's level must lie in [0, 6]");
+    if (r.relay_of != none) fail("a put is no relay (KindRole::relay_of)");
+  } else {
+    if (r.consumer != none || r.feeds != none || r.feeds_split != none)
+      fail("only a put feeds a peer (KindRole::consumer, feeds)");
+    if (r.collective != taskflow::Collective::none || r.permute_first)
+      fail("only a put is a framework's all-to-all (KindRole::collective, permute_first)");
+    if (r.kernel_scope == taskflow::KernelScope::put_only) fail("put_only scope on a kind that is no put");
+  }
+}
+
 struct Index {
   std::array<Family, 13> families{exchange_family(), token_exchange_family(), node_exchange_family(), rank_combine_family(),
                                   node_combine_family(), lend_family(), expert_gemm_family(),
@@ -42,6 +64,7 @@ struct Index {
           throw Error(std::string("the op table lists task kind '") + k.name + "' twice or out of range (family " + f.name + ")");
         if (!k.body_f32 || !k.body_bf16)
           throw Error(std::string("task kind '") + k.name + "' has no body for every dtype (family " + f.name + ")");
+        check_role(k, f);
         by_kind[i] = &k;
         (k.pass == Pass::forward ? forward : backward).push_back(k.kind);
       }
@@ -83,6 +106,7 @@ const char* name(TaskKind k) {
 QueueClass queue_class(TaskKind k) { return ops::op(k).access.queue; }
 bool is_put(TaskKind k) { return ops::op(k).access.put; }
 ExpertHome expert_home(TaskKind k) { return ops::op(k).access.expert_home; }
+const KindRole& role(TaskKind k) { return ops::op(k).role; }
 const std::vector<TaskKind>& operator_order(Pass pass) {
   return pass == Pass::forward ? ops::index().forward : ops::index().backward;
 }

@@ -150,7 +150,7 @@ std::tuple<std::int64_t, std::int64_t, std::int64_t> put_bytes_to_others(const s
         const double b = table.work(p, t).bytes;
         bytes += b;
         if (t.peer / node_ranks != p.rank / node_ranks) cross += b;
-        if (t.kind == TaskKind::weight_put || t.kind == TaskKind::grad_weight_put) lent += b;
+        if (taskflow::role(t.kind).scheme == taskflow::Scheme::lend) lent += b;
       }
   }
   return {static_cast<std::int64_t>(bytes), static_cast<std::int64_t>(cross), static_cast<std::int64_t>(lent)};

@@ -28,11 +28,7 @@ std::vector<Operator> operators(taskflow::Pass pass) {
   std::vector<Operator> ops;
   for (TaskKind k : taskflow::operator_order(pass)) {
     const bool exchange = is_put(k);
-    ops.push_back({k, exchange,
-                   exchange && (k == TaskKind::dispatch_put || k == TaskKind::dispatch_cast_put || k == TaskKind::grad_dispatch_put ||
-                                k == TaskKind::grad_dispatch_cast_put || k == TaskKind::dispatch_token_put ||
-                                k == TaskKind::grad_dispatch_token_put || k == TaskKind::dispatch_node_put ||
-                                k == TaskKind::grad_dispatch_node_put)});
+    ops.push_back({k, exchange, exchange && taskflow::role(k).permute_first});
   }
   return ops;
 }
@@ -47,8 +43,9 @@ namespace {
 double run_deepep_exchange(const MachineModel& m, const DeepEpExchange& ex, TaskKind kind, const taskflow::Dims& dims,
                        double now, Links& links, std::vector<int>& resources) {
   const int P = ex.ranks;
-  const bool dispatch = kind == TaskKind::dispatch_put || kind == TaskKind::dispatch_cast_put;
-  const bool to_experts = dispatch || kind == TaskKind::grad_dispatch_put || kind == TaskKind::grad_dispatch_cast_put;
+  const taskflow::Collective op = taskflow::role(kind).collective;
+  const bool dispatch = op == taskflow::Collective::dispatch;
+  const bool to_experts = dispatch || op == taskflow::Collective::grad_dispatch;
   // Forward dispatch optionally in fp8 with one fp32 scale per 128 elements; the rest in the layer's dtype.
   const double row_bytes = dispatch && m.deepep.fp8_dispatch
                                ? double(dims.hidden) + 4.0 * double((dims.hidden + 127) / 128)
@@ -140,9 +137,8 @@ std::vector<FrameworkOp> mindspore_ops(TaskKind kind, const std::vector<Program>
     ops.push_back(vec([&](std::size_t r) { return sent[r] * H * f + 2 * N * H * f; }));  // index_add
     ops.push_back(vec([&](std::size_t) { return N * H * (f + el); }));  // cast to bf16
   };
-  switch (kind) {
-    case TaskKind::dispatch_put:
-    case TaskKind::dispatch_cast_put: {
+  switch (taskflow::role(kind).collective) {
+    case taskflow::Collective::dispatch: {
       ops.push_back(vec([&](std::size_t) { return 3 * N * E * el; }));  // routing map: zeros, scatter, transpose
       FrameworkOp map;
       map.pair_bytes = N * E / P * el;  // the (ep, N, local E) map, all to all
@@ -160,10 +156,9 @@ std::vector<FrameworkOp> mindspore_ops(TaskKind kind, const std::vector<Program>
       ops.push_back(vec([&](std::size_t r) { return (received[r] + expert[r]) * H * el; }));  // index_select for the GMM
       break;
     }
-    case TaskKind::combine_put: combine_like(false); break;
-    case TaskKind::grad_dispatch_put:
-    case TaskKind::grad_dispatch_cast_put: combine_like(true); break;
-    default:  // grad_combine_put: the dispatch's gathers, mirrored
+    case taskflow::Collective::combine: combine_like(false); break;
+    case taskflow::Collective::grad_dispatch: combine_like(true); break;
+    default:  // the backward's combine (and any other put): the dispatch's gathers, mirrored
       ops.push_back(vec([&](std::size_t r) { return received[r] * H * el + (received[r] + expert[r]) * H * el; }));  // zeros + scatter-add
       ops.push_back(exchange_back);
       ops.push_back(vec([&](std::size_t) { return N * H * el; }));  // zeros
@@ -236,7 +231,8 @@ Timeline serialized(const MachineModel& m, const std::vector<Program>& programs,
     // DeepEP's dispatch format is its own (baselines.deepep.fp8_dispatch),
     // and its fp8 rows go to the GEMM with their scales: it runs no decode,
     // whatever format hpmoe's programs dispatch in.
-    if (baseline == Baseline::deepep && (op.kind == TaskKind::dispatch_decode || op.kind == TaskKind::grad_dispatch_decode))
+    if (baseline == Baseline::deepep && taskflow::role(op.kind).scheme == taskflow::Scheme::assignment_staged &&
+        !is_put(op.kind))
       continue;
     bool any = false;
     for (int r = 0; r < P && !any; ++r)

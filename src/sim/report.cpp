@@ -17,26 +17,6 @@ namespace {
 using Clock = std::chrono::steady_clock;
 double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
-// Outside the fused MoE kernel the paper times: the router's backward and
-// the CPU runtime's transposing packs (an accelerator's matrix unit reads
-// transposed operands directly).
-bool outside_kernel_scope(taskflow::TaskKind k) {
-  using K = taskflow::TaskKind;
-  switch (k) {
-    case K::gate_grad:
-    case K::router_bwd:
-    case K::router_dgrad:
-    case K::router_wgrad:
-    case K::pack_down_grad:
-    case K::pack_gate_up_grad:
-    case K::pack_shared_down_grad:
-    case K::pack_shared_gate_up_grad:
-      return true;
-    default:
-      return false;
-  }
-}
-
 }  // namespace
 
 double DeepEpExchange::cross_node_rows() const {
@@ -220,11 +200,14 @@ SimReport simulate(const MachineModel& given, const SimRequest& req) {
       if (req.kernel_scope)
         for (std::size_t r = 0; r < set.size(); ++r)
           for (std::size_t i = 0; i < set[r].tasks.size(); ++i) {
-            if (outside_kernel_scope(set[r].tasks[i].kind)) work[r][i].timed = false;
             // The per-rank combine computes the gate gradients where the
             // expert rows live and puts K values per token: the products are
             // gate_grad's work, outside the scope as there; the put is inside.
-            if (set[r].tasks[i].kind == taskflow::TaskKind::gate_grad_put) work[r][i].local_bytes = 0;
+            switch (taskflow::role(set[r].tasks[i].kind).kernel_scope) {
+              case taskflow::KernelScope::inside: break;
+              case taskflow::KernelScope::outside: work[r][i].timed = false; break;
+              case taskflow::KernelScope::put_only: work[r][i].local_bytes = 0; break;
+            }
           }
       return work;
     };
@@ -262,7 +245,7 @@ SimReport simulate(const MachineModel& given, const SimRequest& req) {
         if (taskflow::is_put(t.kind) && t.peer != p.rank) {
           const double b = taskflow::AccessTable::standard().work(p, t).bytes;
           out.put_bytes += b;
-          if (t.kind == taskflow::TaskKind::weight_put || t.kind == taskflow::TaskKind::grad_weight_put) out.lent_bytes += b;
+          if (taskflow::role(t.kind).scheme == taskflow::Scheme::lend) out.lent_bytes += b;
         }
     }
     out.lent = lent_pairs;

@@ -66,20 +66,16 @@ class HugePageArray {
 // Other GEMMs (weight gradients, router) reuse their small operand widely.
 inline double weight_reuse(const Program& p, const Task& t) {
   const std::int64_t tile = p.machine.tile_rows;
-  switch (t.kind) {
-    case TaskKind::gemm_gate_up:
-    case TaskKind::gemm_down:
-    case TaskKind::gemm_down_dgrad:
-    case TaskKind::gemm_gate_up_dgrad: {
+  const taskflow::KindRole& role = taskflow::role(t.kind);
+  if (role.step != taskflow::TileStep::first_gemm && role.step != taskflow::TileStep::second_gemm) return 1e9;
+  switch (role.scheme) {
+    case taskflow::Scheme::layer: {
       const std::int64_t le = p.slot_of(t.expert);
       if (le < 0 || le + 1 >= static_cast<std::int64_t>(p.expert_begin.size())) return 1;
       const std::int64_t rows = p.expert_begin[static_cast<std::size_t>(le + 1)] - p.expert_begin[static_cast<std::size_t>(le)];
       return double(std::max<std::int64_t>(1, (rows + tile - 1) / tile));
     }
-    case TaskKind::shared_gate_up:
-    case TaskKind::shared_down:
-    case TaskKind::shared_down_dgrad:
-    case TaskKind::shared_gate_up_dgrad:
+    case taskflow::Scheme::shared:
       return double(std::max<std::int64_t>(1, (p.dims.tokens + tile - 1) / tile));
     default:
       return 1e9;
