@@ -1,8 +1,9 @@
 #pragma once
 // Internal to the generator: a task as it writes one, and the emitters of
-// the per-rank and per-node exchanges (generate_rank.cpp), which
-// generate.cpp calls for a rank's program and for the interface between
-// two ranks' programs.
+// each exchange scheme (per assignment: generate_assignment.cpp; per rank
+// and per node: generate_rank.cpp; lent weights: generate_lend.cpp), which
+// the step's generator (generate_step.cpp) calls for a rank's program and
+// generate.cpp for the interface between two ranks' programs.
 #include <cstdint>
 #include <functional>
 #include <utility>
@@ -64,6 +65,24 @@ enum class ReturnPuts { all, gate_grads, sums };
 // node); with_waits: each waits for the event its rows need.
 void rank_puts_to_sources(const LayerConfig&, const Exchange&, std::int64_t tile_rows, Pass, std::int64_t rank,
                           std::int64_t only_peer, bool with_waits, const RequiredOf&, const Emit&, ReturnPuts);
+
+// The per-assignment exchange (generate_assignment.cpp): `rank`'s rows to
+// every expert's home (only `only_peer`'s when >= 0), split at the home's
+// row tiles, in the order the destinations compute them; and the rows of
+// `rank`'s experts back to each source (only `only_source` when >= 0),
+// each piece waiting for the tile it reads (wait_base: the first of those
+// events, -1: no waits; wait_count: their count).
+void assignment_puts_to_experts(const LayerConfig&, const Exchange&, std::int64_t tile_rows, Pass, std::int64_t rank,
+                                std::int64_t only_peer, const Emit&);
+void assignment_puts_to_sources(const LayerConfig&, const Exchange&, std::int64_t tile_rows, Pass, std::int64_t rank,
+                                std::int64_t only_source, std::int64_t wait_base, std::int64_t wait_count, const Emit&);
+// The same through the scheme the run options choose (generate.cpp); the
+// per-rank combine's pieces wait for events whose counts wait_count_of gives.
+void puts_to_experts(const LayerConfig&, const Exchange&, std::int64_t tile_rows, Pass, std::int64_t rank,
+                     std::int64_t only_peer, const Emit&);
+void puts_to_sources(const LayerConfig&, const Exchange&, std::int64_t tile_rows, Pass, std::int64_t rank,
+                     std::int64_t only_source, std::int64_t wait_base, std::int64_t wait_count, const RequiredOf& wait_count_of,
+                     const Emit&, ReturnPuts which = ReturnPuts::all);
 
 // Weights instead of tokens (generate_lend.cpp). The byte ranges of a lent
 // block's pieces in a pass; the width of LENT_W (the larger pass's block);
