@@ -95,6 +95,12 @@ struct StepEmitter {
   std::int64_t inter_of(std::int64_t le) const { return p.slot_parts[static_cast<std::size_t>(le)].inter; }
 
   void exchange_events();
+  // A routed row tile's events, by their bases, and the kinds that wait on them.
+  struct TileChain {
+    std::int64_t arrived, first_done, step_done, out_done, first_tiles;
+    TaskKind decode, first, step, second, give_back;
+  };
+  void tile_events(std::int64_t le, const TileChain&);
   void lend_events();
   void slot_done_events(TaskKind consumer);
   void relays_into(std::int64_t j);
@@ -219,24 +225,33 @@ void StepEmitter::final_reduces(TaskKind kind, BufferId source, BufferId out, st
   }
 }
 
+// A routed slot's row tiles' chain of events: its rows arrived (through a
+// decode where the dispatch is staged: the pieces land encoded, one decode
+// per tile fills the GEMM's rows), its first GEMM's tiles done, its vector
+// step done, its second GEMM's tiles done (what the per-assignment return
+// waits for).
+void StepEmitter::tile_events(std::int64_t le, const TileChain& k) {
+  const std::int64_t e = mine[static_cast<std::size_t>(le)], home = homes[static_cast<std::size_t>(le)];
+  const std::int64_t tiles = ex.tiles_of(home), tb = ex.tile_start(home);
+  for (std::int64_t i = 0; i < tiles; ++i) {
+    if (staged) {
+      b.event(ev.staged + tb + i, ex.arrivals(home, i), k.decode, e, i);
+      b.event(k.arrived + tb + i, 1, k.first, e, i);
+    } else {
+      b.event(k.arrived + tb + i, ex.arrivals(home, i), k.first, e, i);
+    }
+    b.event(k.first_done + tb + i, static_cast<std::int32_t>(k.first_tiles), k.step, e, i);
+    b.event(k.step_done + tb + i, 1, k.second, e, i);
+    if (!by_rank) b.event(k.out_done + tb + i, static_cast<std::int32_t>(n_down), k.give_back, e, i);
+  }
+}
+
 // ---- forward ----
 
 void StepEmitter::forward_events() {
-  for (std::int64_t le = 0; le < L; ++le) {
-    const std::int64_t e = mine[static_cast<std::size_t>(le)], home = homes[static_cast<std::size_t>(le)];
-    const std::int64_t tiles = ex.tiles_of(home), tb = ex.tile_start(home), n_gate_up = ceil_div(2 * inter_of(le), TC);
-    for (std::int64_t i = 0; i < tiles; ++i) {
-      if (staged) {  // the pieces land encoded; one decode per tile fills the GEMM's rows
-        b.event(ev.staged + tb + i, ex.arrivals(home, i), TaskKind::dispatch_decode, e, i);
-        b.event(ev.recv + tb + i, 1, TaskKind::gemm_gate_up, e, i);
-      } else {
-        b.event(ev.recv + tb + i, ex.arrivals(home, i), TaskKind::gemm_gate_up, e, i);
-      }
-      b.event(ev.h + tb + i, static_cast<std::int32_t>(n_gate_up), TaskKind::swiglu, e, i);
-      b.event(ev.a + tb + i, 1, TaskKind::gemm_down, e, i);
-      if (!by_rank) b.event(ev.y + tb + i, static_cast<std::int32_t>(n_down), TaskKind::combine_put, e, i);
-    }
-  }
+  for (std::int64_t le = 0; le < L; ++le)
+    tile_events(le, {ev.recv, ev.h, ev.a, ev.y, ceil_div(2 * inter_of(le), TC), TaskKind::dispatch_decode, TaskKind::gemm_gate_up,
+                     TaskKind::swiglu, TaskKind::gemm_down, TaskKind::combine_put});
   lend_events();
   if (by_rank) slot_done_events(TaskKind::combine_rank_put);
   b.event(ev.comb_done,
@@ -315,18 +330,9 @@ void StepEmitter::backward_events() {
   const std::int64_t n_shared_dgrad = shared ? token_tiles * n_down : 0;
   for (std::int64_t le = 0; le < L; ++le) {
     const std::int64_t e = mine[static_cast<std::size_t>(le)], home = homes[static_cast<std::size_t>(le)];
-    const std::int64_t tiles = ex.tiles_of(home), tb = ex.tile_start(home), n_inter = ceil_div(inter_of(le), TC);
-    for (std::int64_t i = 0; i < tiles; ++i) {
-      if (staged) {  // the pieces land in bf16; one decode per tile fills dy
-        b.event(ev.staged + tb + i, ex.arrivals(home, i), TaskKind::grad_dispatch_decode, e, i);
-        b.event(ev.dy + tb + i, 1, TaskKind::gemm_down_dgrad, e, i);
-      } else {
-        b.event(ev.dy + tb + i, ex.arrivals(home, i), TaskKind::gemm_down_dgrad, e, i);
-      }
-      b.event(ev.da + tb + i, static_cast<std::int32_t>(n_inter), TaskKind::swiglu_bwd, e, i);
-      b.event(ev.dh + tb + i, 1, TaskKind::gemm_gate_up_dgrad, e, i);
-      if (!by_rank) b.event(ev.dxe + tb + i, static_cast<std::int32_t>(n_down), TaskKind::grad_combine_put, e, i);
-    }
+    const std::int64_t tiles = ex.tiles_of(home);
+    tile_events(le, {ev.dy, ev.da, ev.dh, ev.dxe, ceil_div(inter_of(le), TC), TaskKind::grad_dispatch_decode,
+                     TaskKind::gemm_down_dgrad, TaskKind::swiglu_bwd, TaskKind::gemm_gate_up_dgrad, TaskKind::grad_combine_put});
     b.event(ev.dy_packed + le, static_cast<std::int32_t>(tiles), TaskKind::gemm_down_wgrad, e, -1);
     b.event(ev.dh_packed + le, static_cast<std::int32_t>(tiles), TaskKind::gemm_gate_up_wgrad, e, -1);
   }
