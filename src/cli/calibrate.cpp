@@ -197,24 +197,12 @@ json vector_kind_rates(const LayerConfig& c, int workers, int steps) {
   return by_kind;
 }
 
-json calibrate(const CalibrateOptions& opt, const std::function<void(const std::string&)>& progress) {
-  auto say = [&](const std::string& s) {
-    if (progress) progress(s);
-  };
-  kernels::init();
-  const int W = opt.workers, reps = opt.quick ? 1 : 5;
+namespace {
+
+// Each tile shape's GEMM rates (fp32, bf16; cycling through reused and
+// streamed weight panels), all workers at once, in rounds.
+json measure_tile_rates(int W, int reps, std::int64_t cold_bytes, const std::function<void(const std::string&)>& say) {
   json rates = json::array();
-  const std::int64_t cold_bytes = opt.quick ? std::int64_t{96} << 20 : beyond_cache_bytes();
-  // One worker per core is what the model describes and what can be
-  // measured; each takes two regions beyond the caches.
-  const unsigned cores = std::thread::hardware_concurrency();
-  if (cores > 0 && W > static_cast<int>(cores))
-    throw Error("calibrate -W " + std::to_string(W) + ": this machine runs " + std::to_string(cores) +
-                " threads at once, and calibration measures one worker per core (use -W " + std::to_string(cores) + " or fewer)");
-  require_memory(double(W) * 2.0 * double(cold_bytes), "calibrate -W " + std::to_string(W),
-                 std::to_string(W) + " workers x 2 x " + gib_text(double(cold_bytes)) + " beyond the caches",
-                 "use fewer workers (-W) or --quick");
-  say("tile GEMM rates");
   std::vector<TileMemory> memory;
   for (int w = 0; w < W; ++w) memory.emplace_back(cold_bytes);
   // Shapes the layers' tiles have: full and partial row tiles; K from the
@@ -249,9 +237,15 @@ json calibrate(const CalibrateOptions& opt, const std::function<void(const std::
                      {"bf16_streamed_flops", undisturbed_rate(shape.rates[3])},
                      {"rounds", {{"fp32_flops", shape.rates[0]}, {"bf16_flops", shape.rates[1]},
                                  {"fp32_streamed_flops", shape.rates[2]}, {"bf16_streamed_flops", shape.rates[3]}}}});
-  memory.clear();
+  return rates;
+}
 
-  say("vector and copy bandwidth");
+struct Bandwidths {
+  double vector_bytes_per_s, copy_bytes_per_s;
+};
+
+// The vector units' bandwidth on a layer's access pattern, and a put's copy.
+Bandwidths measure_bandwidths(int W, int reps, std::int64_t cold_bytes) {
   // A layer's vector tasks (SwiGLU, packs, reduces) read rows other tasks
   // wrote long before and write rows read long after: 64-row blocks walking
   // a region beyond the caches, as the tiles do. (In cache, one block over
@@ -288,72 +282,108 @@ json calibrate(const CalibrateOptions& opt, const std::function<void(const std::
         std::copy_n(src[w].data() + r * hidden, 64 * hidden, dst[w].data() + ((r * 7) % copy_rows) * hidden);
   });
   const double copy_bytes = double(copy_rows) * hidden * 4;
+  return {vector_bytes / swiglu_s, copy_bytes / copy_s};
+}
 
-  say("event signal-to-wake latency");
-  double wake = 0;
-  {
-    detail::EventCounter ping, pong;
-    const int rounds = opt.quick ? 2000 : 20000;
-    std::thread partner([&] {
-      pin(1);
-      for (int i = 1; i <= rounds; ++i) {
-        detail::wait_until(ping, i, [] {});
-        detail::signal(pong);
-      }
-    });
-    pin(0);
-    const auto t0 = Clock::now();
+// An event's signal-to-wake latency: a ping-pong between two pinned threads (one way).
+double measure_wake(bool quick) {
+  detail::EventCounter ping, pong;
+  const int rounds = quick ? 2000 : 20000;
+  std::thread partner([&] {
+    pin(1);
     for (int i = 1; i <= rounds; ++i) {
-      detail::signal(ping);
-      detail::wait_until(pong, i, [] {});
+      detail::wait_until(ping, i, [] {});
+      detail::signal(pong);
     }
-    wake = std::chrono::duration<double>(Clock::now() - t0).count() / rounds / 2;
-    partner.join();
+  });
+  pin(0);
+  const auto t0 = Clock::now();
+  for (int i = 1; i <= rounds; ++i) {
+    detail::signal(ping);
+    detail::wait_until(pong, i, [] {});
   }
+  const double wake = std::chrono::duration<double>(Clock::now() - t0).count() / rounds / 2;
+  partner.join();
+  return wake;
+}
 
+// An empty bulk-synchronous step of the worker pool (the serialized baseline's barrier per operator).
+double measure_barrier(int W, bool quick) {
+  WorkerPool pool(1, W, true);
+  std::vector<double> v;
+  for (int i = 0; i < (quick ? 50 : 500); ++i) {
+    const auto t0 = Clock::now();
+    pool.run([](int, int) {});
+    v.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+  }
+  return median(v);
+}
+
+struct TaskOverheads {
+  double interleaved, serialized;
+};
+
+// The runtime's own cost per task: a layer whose tiles do next to nothing,
+// interleaved and through the serialized baseline (less its barriers).
+TaskOverheads measure_task_overheads(int W, bool quick, double barrier) {
+  const LayerConfig c = empty_tiles_layer(1, 4096);
+  const auto w = random_weights(c, 1);
+  const auto in = random_inputs(c, 1);
+  RuntimeOptions ropt;
+  ropt.workers_per_rank = W;
+  InterleavedExecutor inter(c, w, ropt);
+  StepResult res;
+  std::vector<double> v;
+  for (int i = 0; i < (quick ? 3 : 15); ++i) {
+    inter.step(in, {}, res);
+    v.push_back(res.dispatch_to_combine_seconds);
+  }
+  const auto& program = inter.programs()[0];
+  const double per_task = median(v) * W / double(program.tasks.size());
+  // The serialized baseline over the same tasks: dealt out in turn, a
+  // barrier after each operator. Less the barriers the simulator charges
+  // (one between operators), what is left is its cost per task.
+  ropt.phased = true;
+  InterleavedExecutor phased(c, w, ropt);
+  v.clear();
+  for (int i = 0; i < (quick ? 3 : 15); ++i) {
+    phased.step(in, {}, res);
+    v.push_back(res.dispatch_to_combine_seconds);
+  }
+  std::vector<bool> kinds(static_cast<std::size_t>(taskflow::TaskKind::count), false);
+  for (const auto& t : program.tasks) kinds[static_cast<std::size_t>(t.kind)] = true;
+  const auto operators = std::count(kinds.begin(), kinds.end(), true);
+  const double serialized_per_task = std::max(0.0, median(v) - double(operators - 1) * barrier) * W / double(program.tasks.size());
+  return {per_task, serialized_per_task};
+}
+
+}  // namespace
+
+json calibrate(const CalibrateOptions& opt, const std::function<void(const std::string&)>& progress) {
+  auto say = [&](const std::string& s) {
+    if (progress) progress(s);
+  };
+  kernels::init();
+  const int W = opt.workers, reps = opt.quick ? 1 : 5;
+  const std::int64_t cold_bytes = opt.quick ? std::int64_t{96} << 20 : beyond_cache_bytes();
+  // One worker per core is what the model describes and what can be
+  // measured; each takes two regions beyond the caches.
+  const unsigned cores = std::thread::hardware_concurrency();
+  if (cores > 0 && W > static_cast<int>(cores))
+    throw Error("calibrate -W " + std::to_string(W) + ": this machine runs " + std::to_string(cores) +
+                " threads at once, and calibration measures one worker per core (use -W " + std::to_string(cores) + " or fewer)");
+  require_memory(double(W) * 2.0 * double(cold_bytes), "calibrate -W " + std::to_string(W),
+                 std::to_string(W) + " workers x 2 x " + gib_text(double(cold_bytes)) + " beyond the caches",
+                 "use fewer workers (-W) or --quick");
+  say("tile GEMM rates");
+  const json rates = measure_tile_rates(W, reps, cold_bytes, say);
+  say("vector and copy bandwidth");
+  const Bandwidths bandwidth = measure_bandwidths(W, reps, cold_bytes);
+  say("event signal-to-wake latency");
+  const double wake = measure_wake(opt.quick);
   say("operator barrier and per-task overhead");
-  double barrier = 0;
-  {
-    WorkerPool pool(1, W, true);
-    std::vector<double> v;
-    for (int i = 0; i < (opt.quick ? 50 : 500); ++i) {
-      const auto t0 = Clock::now();
-      pool.run([](int, int) {});
-      v.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
-    }
-    barrier = median(v);
-  }
-  double per_task = 0, serialized_per_task = 0;
-  {
-    const LayerConfig c = empty_tiles_layer(1, 4096);
-    const auto w = random_weights(c, 1);
-    const auto in = random_inputs(c, 1);
-    RuntimeOptions ropt;
-    ropt.workers_per_rank = W;
-    InterleavedExecutor inter(c, w, ropt);
-    StepResult res;
-    std::vector<double> v;
-    for (int i = 0; i < (opt.quick ? 3 : 15); ++i) {
-      inter.step(in, {}, res);
-      v.push_back(res.dispatch_to_combine_seconds);
-    }
-    const auto& program = inter.programs()[0];
-    per_task = median(v) * W / double(program.tasks.size());
-    // The serialized baseline over the same tasks: dealt out in turn, a
-    // barrier after each operator. Less the barriers the simulator charges
-    // (one between operators), what is left is its cost per task.
-    ropt.phased = true;
-    InterleavedExecutor phased(c, w, ropt);
-    v.clear();
-    for (int i = 0; i < (opt.quick ? 3 : 15); ++i) {
-      phased.step(in, {}, res);
-      v.push_back(res.dispatch_to_combine_seconds);
-    }
-    std::vector<bool> kinds(static_cast<std::size_t>(taskflow::TaskKind::count), false);
-    for (const auto& t : program.tasks) kinds[static_cast<std::size_t>(t.kind)] = true;
-    const auto operators = std::count(kinds.begin(), kinds.end(), true);
-    serialized_per_task = std::max(0.0, median(v) - double(operators - 1) * barrier) * W / double(program.tasks.size());
-  }
+  const double barrier = measure_barrier(W, opt.quick);
+  const TaskOverheads per_task = measure_task_overheads(W, opt.quick, barrier);
 
   say("vector task kinds in a layer");
   // A layer of mid-size shapes (hidden 2048, experts of 1408, 256 tokens:
@@ -377,18 +407,18 @@ json calibrate(const CalibrateOptions& opt, const std::function<void(const std::
       {"units", {{"workers", W}}},
       {"tile", {{"rows", kernels::kTileRows}, {"cols", kernels::kTileCols}, {"weight_rows", kernels::kWeightTileRows}, {"weight_cols", kernels::kWeightTileCols}}},
       {"matrix", {{"tile_rates", rates}}},
-      {"vector", {{"bytes_per_s", vector_bytes / swiglu_s}, {"by_kind", by_kind}}},
-      {"task_overhead_s", per_task},
+      {"vector", {{"bytes_per_s", bandwidth.vector_bytes_per_s}, {"by_kind", by_kind}}},
+      {"task_overhead_s", per_task.interleaved},
       {"signal_latency_s", wake},
-      {"put", {{"issue_s", 0.0}, {"copy_bytes_per_s", copy_bytes / copy_s}}},
+      {"put", {{"issue_s", 0.0}, {"copy_bytes_per_s", bandwidth.copy_bytes_per_s}}},
       {"links", {{"ranks_per_node", 1000000}, {"intra", {{"bytes_per_s", 0.0}, {"latency_s", wake}}},
                  {"inter", {{"bytes_per_s", 0.0}, {"latency_s", wake}}}}},
-      {"serialized", {{"operator_launch_s", barrier}, {"collective_sync_s", 0.0}, {"task_overhead_s", serialized_per_task}}},
+      {"serialized", {{"operator_launch_s", barrier}, {"collective_sync_s", 0.0}, {"task_overhead_s", per_task.serialized}}},
       {"peak", {{"cpu", peak.cpu}, {"isa", peak.isa}, {"fp32_fma_flops_per_core", peak.fp32_flops_per_core},
                 {"bf16_isa", peak.bf16_isa}, {"bf16_dot_flops_per_core", peak.bf16_flops_per_core},
                 {"amx_bf16_flops_per_core", peak.amx_bf16_flops_per_core},
                 {"bf16_engine", kernels::name(kernels::bf16_engine())},
-                {"copy_bytes_per_s", copy_bytes / copy_s}, {"not_measured", peak.not_measured}}},
+                {"copy_bytes_per_s", bandwidth.copy_bytes_per_s}, {"not_measured", peak.not_measured}}},
       {"sources",
        {{"matrix.tile_rates", "m x 64 x k tile GEMMs (the runtime's kernel: libxsmm for fp32; for bf16 peak.bf16_engine), all workers at once, output tiles written a row apart into a matrix of " +
                                   std::to_string(cold_bytes >> 20) + " MiB per worker (twice the last-level cache, at least 96 MiB: from memory); *_flops: cycling through 32 weight panels (reused, as by an expert's next row tiles), *_streamed_flops: a fresh panel per tile walking " +
