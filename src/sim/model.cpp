@@ -236,16 +236,10 @@ void check_printable(const json& j, const char* field) {
       throw Error(std::string("machine model: '") + field + "' holds a control character");
 }
 
-MachineModel machine_from_json(const json& j) {
-  if (!j.is_object()) throw Error("machine model: expected a JSON object");
-  check_known_fields(j);
-  check_printable(j, "name");
-  check_printable(j, "description");
-  MachineModel m;
-  const json& name = at(j, "name");
-  if (!name.is_string() || name.get<std::string>().empty()) throw Error("machine model: 'name' must be a non-empty string");
-  m.name = name.get<std::string>();
-  if (j.contains("description") && j["description"].is_string()) m.description = j["description"].get<std::string>();
+namespace {
+
+// What runs tasks: a CPU's workers, or an accelerator's matrix and vector units; their tiles.
+void read_units(const json& j, MachineModel& m) {
   const json& kind = at(j, "kind");
   if (kind != "cpu" && kind != "accelerator") throw Error("machine model: 'kind' must be \"cpu\" or \"accelerator\"");
   m.accelerator = kind == "accelerator";
@@ -266,6 +260,10 @@ MachineModel machine_from_json(const json& j) {
       throw Error("machine model: 'tile.weight_cols' must be a multiple of 'tile.cols' (got " +
                   std::to_string(m.weight_tile_cols) + " and " + std::to_string(m.tile_cols) + ")");
   }
+}
+
+// The matrix units' rate per tile shape (FLOP/s, or a share of the peak).
+void read_matrix(const json& j, MachineModel& m) {
   const json& rates = at(j, "matrix.tile_rates");
   if (!rates.is_array() || rates.empty()) throw Error("machine model: 'matrix.tile_rates' must be a non-empty array");
   if (const json& matrix = at(j, "matrix"); matrix.is_object() && matrix.contains("peak")) {
@@ -300,6 +298,10 @@ MachineModel machine_from_json(const json& j) {
     }
     m.tile_rates.push_back(r);
   }
+}
+
+// The vector units' bandwidth, overall and per vector task kind.
+void read_vector(const json& j, MachineModel& m) {
   m.vector_bytes_per_s = rate(j, "vector.bytes_per_s", 1, kMaxBytesPerS);
   if (const json& vector = at(j, "vector"); vector.is_object() && vector.contains("by_kind")) {
     const json& by_kind = vector["by_kind"];
@@ -318,6 +320,10 @@ MachineModel machine_from_json(const json& j) {
       m.vector_kind_bytes_per_s[static_cast<std::size_t>(found)] = rate(j, "vector.by_kind." + kind_name, 1, kMaxBytesPerS);
     }
   }
+}
+
+// A task's own cost, the signal's latency, and how puts move: their engine, its bound, the receiver's work.
+void read_puts(const json& j, MachineModel& m) {
   m.task_overhead_s = seconds(j, "task_overhead_s");
   m.signal_latency_s = seconds(j, "signal_latency_s");
   m.put_issue_s = seconds(j, "put.issue_s");
@@ -359,6 +365,10 @@ MachineModel machine_from_json(const json& j) {
     if (m.put_stream_per_peer && m.put_engine != PutEngine::cpu)
       throw Error("machine model: 'put.stream_per_peer' (one TCP stream per peer) needs put.engine \"cpu\"");
   }
+}
+
+// The links within and between nodes, and an accelerator's mesh.
+void read_links(const json& j, MachineModel& m) {
   m.ranks_per_node = count(j, "links.ranks_per_node", 1);
   m.intra_bytes_per_s = rate(j, "links.intra.bytes_per_s", 0, kMaxBytesPerS);
   m.intra_latency_s = seconds(j, "links.intra.latency_s");
@@ -381,6 +391,10 @@ MachineModel machine_from_json(const json& j) {
     m.mesh_link_bytes_per_s = rate(j, "mesh.link_bytes_per_s", 1, kMaxBytesPerS);
     m.mesh_hop_latency_s = seconds(j, "mesh.hop_latency_s");
   }
+}
+
+// The serialized baselines' costs, and DeepEP's and MindSpore's.
+void read_baselines(const json& j, MachineModel& m) {
   m.operator_launch_s = seconds(j, "serialized.operator_launch_s");
   m.collective_sync_s = seconds(j, "serialized.collective_sync_s");
   if (j.contains("serialized") && j["serialized"].is_object() && j["serialized"].contains("task_overhead_s"))
@@ -403,6 +417,10 @@ MachineModel machine_from_json(const json& j) {
     m.mindspore.enabled = true;
     m.mindspore.host_sync_s = seconds(j, "baselines.mindspore.host_sync_s");
   }
+}
+
+// The peaks measured on the machine, its memory, and where every figure comes from.
+void read_peak_and_sources(const json& j, MachineModel& m) {
   m.fma_peak_fp32_per_core = rate(j, "peak.fp32_fma_flops_per_core", 0, kMaxFlops, true);
   m.bf16_peak_per_core = rate(j, "peak.bf16_dot_flops_per_core", 0, kMaxFlops, true);
   if (j.contains("peak") && j["peak"].is_object() && j["peak"].contains("cpu") && j["peak"]["cpu"].is_string())
@@ -416,6 +434,27 @@ MachineModel machine_from_json(const json& j) {
       throw Error("machine model: 'sources." + field + "' must be a non-empty string (a URL, paper section, command or estimate)");
     m.sources.emplace_back(field, source.get<std::string>());
   }
+}
+
+}  // namespace
+
+MachineModel machine_from_json(const json& j) {
+  if (!j.is_object()) throw Error("machine model: expected a JSON object");
+  check_known_fields(j);
+  check_printable(j, "name");
+  check_printable(j, "description");
+  MachineModel m;
+  const json& name = at(j, "name");
+  if (!name.is_string() || name.get<std::string>().empty()) throw Error("machine model: 'name' must be a non-empty string");
+  m.name = name.get<std::string>();
+  if (j.contains("description") && j["description"].is_string()) m.description = j["description"].get<std::string>();
+  read_units(j, m);
+  read_matrix(j, m);
+  read_vector(j, m);
+  read_puts(j, m);
+  read_links(j, m);
+  read_baselines(j, m);
+  read_peak_and_sources(j, m);
   return m;
 }
 
