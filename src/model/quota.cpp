@@ -70,82 +70,92 @@ struct Divider {
 };
 }  // namespace
 
-std::vector<std::int64_t> plan_quotas(const ExpertPlacement& placement, std::span<const std::int64_t> counts_in) {
-  const std::int64_t P = placement.ranks(), E = placement.experts(), N = placement.instances();
-  if (static_cast<std::int64_t>(counts_in.size()) != P * E)
-    throw Error("plan_quotas: " + std::to_string(counts_in.size()) + " counts for " + std::to_string(P) + " ranks x " +
-                std::to_string(E) + " experts");
-  std::vector<std::int64_t> quota(static_cast<std::size_t>(P * N), 0), total(static_cast<std::size_t>(E), 0);
-  // Each rank's load in rows: a row costs the same wherever it runs, and a
-  // short last tile costs its rows (the GEMM kernels run it short), so the
-  // unit of balance is the row, not the compute tile.
-  std::vector<std::int64_t> load(static_cast<std::size_t>(P), 0);
+namespace {
+
+// One plan_quotas call: the placement, the counts (each lent home's own rows
+// taken out), each rank's load in rows, and each expert's homes that share
+// its rows. A row costs the same wherever it runs, and a short last tile
+// costs its rows (the GEMM kernels run it short), so the unit of balance is
+// the row, not the compute tile.
+class QuotaPlan {
+ public:
+  QuotaPlan(const ExpertPlacement& placement, std::span<const std::int64_t> counts_in)
+      : placement_(placement), P(placement.ranks()), E(placement.experts()), N(placement.instances()),
+        quota_(static_cast<std::size_t>(P * N), 0), total_(static_cast<std::size_t>(E), 0), load_(static_cast<std::size_t>(P), 0),
+        home_begin_(static_cast<std::size_t>(E + 1), 0) {
+    if (placement.has_lent()) lent_rows_.assign(counts_in.begin(), counts_in.end());
+    counts_ = lent_rows_.empty() ? counts_in : std::span<const std::int64_t>(lent_rows_);
+  }
+
+  std::vector<std::int64_t> plan() {
+    take_lent_homes();
+    place_single_and_split();
+    balance_replicated();
+    for (std::size_t x = 0; x < replicated_.size(); ++x) assign_sources(x);
+    return std::move(quota_);
+  }
+
+ private:
+  std::int64_t count(std::int64_t s, std::int64_t e) const { return counts_[static_cast<std::size_t>(s * E + e)]; }
+  std::int64_t& quota(std::int64_t s, std::int64_t i) { return quota_[static_cast<std::size_t>(s * N + i)]; }
+  std::int64_t home_count(std::int64_t e) const {
+    return home_begin_[static_cast<std::size_t>(e + 1)] - home_begin_[static_cast<std::size_t>(e)];
+  }
+  std::int64_t home(std::int64_t e, std::int64_t j) const {
+    return home_list_[static_cast<std::size_t>(home_begin_[static_cast<std::size_t>(e)] + j)];
+  }
+  std::int64_t& rank_load(std::int64_t instance) { return load_[static_cast<std::size_t>(placement_.instance_rank(instance))]; }
+
   // A lent home takes exactly its own rank's rows of its expert (they stay
-  // home: that is what its weights travelled for); the expert's other
-  // homes share the rest.
-  // Instances are numbered expert by expert: each expert's homes are a run
-  // of them, its lent ones left out.
-  std::vector<std::int64_t> lent_rows;  // the counts with each lent home's own rows taken out, where any
-  if (placement.has_lent()) lent_rows.assign(counts_in.begin(), counts_in.end());
-  const std::span<const std::int64_t> counts = lent_rows.empty() ? counts_in : std::span<const std::int64_t>(lent_rows);
-  std::vector<std::int64_t> home_list;
-  home_list.reserve(static_cast<std::size_t>(N));
-  std::vector<std::int64_t> home_begin(static_cast<std::size_t>(E + 1), 0);
-  for (std::int64_t e = 0; e < E; ++e) {
-    for (std::int64_t i = placement.first_instance(e); i < placement.first_instance(e) + placement.home_count(e); ++i) {
-      if (!placement.is_lent(i)) {
-        home_list.push_back(i);
+  // home: that is what its weights travelled for); the expert's other homes
+  // share the rest. Instances are numbered expert by expert: each expert's
+  // homes are a run of them, its lent ones left out of the list.
+  void take_lent_homes() {
+    home_list_.reserve(static_cast<std::size_t>(N));
+    for (std::int64_t e = 0; e < E; ++e) {
+      for (std::int64_t i = placement_.first_instance(e); i < placement_.first_instance(e) + placement_.home_count(e); ++i) {
+        if (!placement_.is_lent(i)) {
+          home_list_.push_back(i);
+          continue;
+        }
+        const std::int64_t r = placement_.instance_rank(i);
+        auto& own = lent_rows_[static_cast<std::size_t>(r * E + e)];
+        quota(r, i) = own;
+        load_[static_cast<std::size_t>(r)] += own;
+        own = 0;
+      }
+      home_begin_[static_cast<std::size_t>(e + 1)] = static_cast<std::int64_t>(home_list_.size());
+    }
+  }
+
+  // An expert with one home takes all its rows there; every part of a split
+  // expert takes all of them, its load its share of the intermediate
+  // columns. The replicated experts are left for the balance.
+  void place_single_and_split() {
+    for (std::int64_t e = 0; e < E; ++e) {
+      for (std::int64_t s = 0; s < P; ++s) total_[static_cast<std::size_t>(e)] += count(s, e);
+      if (placement_.is_split(e)) {
+        const std::int64_t inter = placement_.part_columns(first_instance_end(placement_, e) - 1, 0).second;
+        for (std::int64_t j = 0; j < placement_.home_count(e); ++j) {
+          const std::int64_t i = placement_.first_instance(e) + j;
+          for (std::int64_t s = 0; s < P; ++s) quota(s, i) = count(s, e);
+          const auto [c0, c1] = placement_.part_columns(i, 0);
+          rank_load(i) += total_[static_cast<std::size_t>(e)] * (c1 - c0) / inter;
+        }
         continue;
       }
-      const std::int64_t r = placement.instance_rank(i);
-      auto& own = lent_rows[static_cast<std::size_t>(r * E + e)];
-      quota[static_cast<std::size_t>(r * N + i)] = own;
-      load[static_cast<std::size_t>(r)] += own;
-      own = 0;
-    }
-    home_begin[static_cast<std::size_t>(e + 1)] = static_cast<std::int64_t>(home_list.size());
-  }
-  std::vector<std::int32_t> replicated;
-  for (std::int64_t e = 0; e < E; ++e) {
-    const std::int64_t homes_of_e = home_begin[static_cast<std::size_t>(e + 1)] - home_begin[static_cast<std::size_t>(e)];
-    for (std::int64_t s = 0; s < P; ++s) total[static_cast<std::size_t>(e)] += counts[static_cast<std::size_t>(s * E + e)];
-    if (placement.is_split(e)) {
-      // Every part of a split expert takes all of its rows: its load is its
-      // share of the intermediate columns.
-      const std::int64_t inter = placement.part_columns(first_instance_end(placement, e) - 1, 0).second;
-      for (std::int64_t j = 0; j < placement.home_count(e); ++j) {
-        const std::int64_t i = placement.first_instance(e) + j;
-        for (std::int64_t s = 0; s < P; ++s)
-          quota[static_cast<std::size_t>(s * N + i)] = counts[static_cast<std::size_t>(s * E + e)];
-        const auto [c0, c1] = placement.part_columns(i, 0);
-        load[static_cast<std::size_t>(placement.instance_rank(i))] += total[static_cast<std::size_t>(e)] * (c1 - c0) / inter;
+      if (home_count(e) > 1) {
+        replicated_.push_back(static_cast<std::int32_t>(e));
+        continue;
       }
-      continue;
+      const std::int64_t i = home(e, 0);
+      for (std::int64_t s = 0; s < P; ++s) quota(s, i) = count(s, e);
+      rank_load(i) += total_[static_cast<std::size_t>(e)];
     }
-    if (homes_of_e > 1) {
-      replicated.push_back(static_cast<std::int32_t>(e));
-      continue;
-    }
-    const std::int64_t i = home_list[static_cast<std::size_t>(home_begin[static_cast<std::size_t>(e)])];
-    for (std::int64_t s = 0; s < P; ++s)
-      quota[static_cast<std::size_t>(s * N + i)] = counts[static_cast<std::size_t>(s * E + e)];
-    load[static_cast<std::size_t>(placement.instance_rank(i))] += total[static_cast<std::size_t>(e)];
   }
-  const auto home_count = [&](std::int64_t e) {
-    return home_begin[static_cast<std::size_t>(e + 1)] - home_begin[static_cast<std::size_t>(e)];
-  };
-  const auto home = [&](std::int64_t e, std::int64_t j) {
-    return home_list[static_cast<std::size_t>(home_begin[static_cast<std::size_t>(e)] + j)];
-  };
+
   // The most constrained replicated experts first (fewest homes), then the
   // heaviest; ties by id. Experts with many homes fill what is left evenly.
-  std::sort(replicated.begin(), replicated.end(), [&](std::int32_t a, std::int32_t b) {
-    const auto ha = home_count(a), hb = home_count(b);
-    if (ha != hb) return ha < hb;
-    return total[static_cast<std::size_t>(a)] != total[static_cast<std::size_t>(b)]
-               ? total[static_cast<std::size_t>(a)] > total[static_cast<std::size_t>(b)]
-               : a < b;
-  });
   // Each replicated expert water-filled over its homes' ranks in turn; then
   // a few more rounds in the same order, each expert's rows taken back and
   // water-filled again against everyone else's current shares, which lets
@@ -153,80 +163,106 @@ std::vector<std::int64_t> plan_quotas(const ExpertPlacement& placement, std::spa
   // alone is exact in ~97% of small cases, 26% off in the worst; eight
   // rounds in 99.9%, 0.5% off: bench/quota_gap.cpp). Rounds stop early when
   // one changes nothing; a fixed bound keeps it a pure function.
-  std::vector<std::vector<std::int64_t>> give(replicated.size());
-  std::vector<std::int64_t> home_load;
-  std::vector<std::int64_t> before, order;
-  constexpr int kRounds = 8;
-  for (int round = 0, changed = 1; round < kRounds && changed; ++round) {
-    changed = 0;
-    for (std::size_t x = 0; x < replicated.size(); ++x) {
-      const std::int32_t e = replicated[x];
-      const std::int64_t h = home_count(e);
-      auto& g = give[x];
-      if (g.empty()) g.assign(static_cast<std::size_t>(h), 0);
-      home_load.assign(static_cast<std::size_t>(h), 0);
-      for (std::int64_t j = 0; j < h; ++j) {
-        auto& rank_load = load[static_cast<std::size_t>(placement.instance_rank(home(e, j)))];
-        rank_load -= g[static_cast<std::size_t>(j)];
-        home_load[static_cast<std::size_t>(j)] = rank_load;
+  void balance_replicated() {
+    std::sort(replicated_.begin(), replicated_.end(), [&](std::int32_t a, std::int32_t b) {
+      const auto ha = home_count(a), hb = home_count(b);
+      if (ha != hb) return ha < hb;
+      return total_[static_cast<std::size_t>(a)] != total_[static_cast<std::size_t>(b)]
+                 ? total_[static_cast<std::size_t>(a)] > total_[static_cast<std::size_t>(b)]
+                 : a < b;
+    });
+    give_.resize(replicated_.size());
+    std::vector<std::int64_t> home_load, before, order;
+    constexpr int kRounds = 8;
+    for (int round = 0, changed = 1; round < kRounds && changed; ++round) {
+      changed = 0;
+      for (std::size_t x = 0; x < replicated_.size(); ++x) {
+        const std::int32_t e = replicated_[x];
+        const std::int64_t h = home_count(e);
+        auto& g = give_[x];
+        if (g.empty()) g.assign(static_cast<std::size_t>(h), 0);
+        home_load.assign(static_cast<std::size_t>(h), 0);
+        for (std::int64_t j = 0; j < h; ++j) {
+          auto& load = rank_load(home(e, j));
+          load -= g[static_cast<std::size_t>(j)];
+          home_load[static_cast<std::size_t>(j)] = load;
+        }
+        before = g;
+        water_fill(home_load, total_[static_cast<std::size_t>(e)], g, order);
+        changed |= static_cast<int>(before != g);
+        for (std::int64_t j = 0; j < h; ++j) rank_load(home(e, j)) += g[static_cast<std::size_t>(j)];
       }
-      before = g;
-      water_fill(home_load, total[static_cast<std::size_t>(e)], g, order);
-      changed |= static_cast<int>(before != g);
-      for (std::int64_t j = 0; j < h; ++j) load[static_cast<std::size_t>(placement.instance_rank(home(e, j)))] += g[static_cast<std::size_t>(j)];
     }
   }
-  // Sources: rows first to a home on the source's own rank, then to the
-  // homes in order.
-  std::vector<std::int64_t> left(static_cast<std::size_t>(P)), share;
-  std::vector<std::pair<std::int64_t, std::int64_t>> rest;  // (remainder, home)
-  for (std::size_t x = 0; x < replicated.size(); ++x) {
-    const std::int32_t e = replicated[x];
+
+  // Replicated expert x's sources: rows first to a home on the source's own
+  // rank, then the rest of each source's rows spread over the homes in
+  // proportion to what each can still take (largest remainders, ties to the
+  // earlier home), so that every home's rows come from many sources in small
+  // blocks rather than from one or two sources' large ones, which the
+  // rotated put order may deliver last.
+  void assign_sources(std::size_t x) {
+    const std::int32_t e = replicated_[x];
     const std::int64_t h = home_count(e);
-    auto& g = give[x];
-    for (std::int64_t s = 0; s < P; ++s) left[static_cast<std::size_t>(s)] = counts[static_cast<std::size_t>(s * E + e)];
-    const auto take = [&](std::int64_t s, std::int64_t j) {
-      const std::int64_t n = std::min(left[static_cast<std::size_t>(s)], g[static_cast<std::size_t>(j)]);
-      quota[static_cast<std::size_t>(s * N + home(e, j))] += n;
-      left[static_cast<std::size_t>(s)] -= n;
+    auto& g = give_[x];
+    left_.resize(static_cast<std::size_t>(P));
+    for (std::int64_t s = 0; s < P; ++s) left_[static_cast<std::size_t>(s)] = count(s, e);
+    for (std::int64_t j = 0; j < h; ++j) {
+      const std::int64_t s = placement_.instance_rank(home(e, j));
+      const std::int64_t n = std::min(left_[static_cast<std::size_t>(s)], g[static_cast<std::size_t>(j)]);
+      quota(s, home(e, j)) += n;
+      left_[static_cast<std::size_t>(s)] -= n;
       g[static_cast<std::size_t>(j)] -= n;
-    };
-    for (std::int64_t j = 0; j < h; ++j) take(placement.instance_rank(home(e, j)), j);
-    // The rest of each source's rows spread over the homes in proportion to
-    // what each can still take (largest remainders, ties to the earlier
-    // home), so that every home's rows come from many sources in small
-    // blocks rather than from one or two sources' large ones, which the
-    // rotated put order may deliver last.
+    }
     std::int64_t remaining = 0;
     for (std::int64_t j = 0; j < h; ++j) remaining += g[static_cast<std::size_t>(j)];
-    share.resize(static_cast<std::size_t>(h));
-    rest.resize(static_cast<std::size_t>(h));
+    share_.resize(static_cast<std::size_t>(h));
+    rest_.resize(static_cast<std::size_t>(h));
     for (std::int64_t s = 0; s < P && remaining > 0; ++s) {
-      const std::int64_t n = left[static_cast<std::size_t>(s)];
+      const std::int64_t n = left_[static_cast<std::size_t>(s)];
       if (n == 0) continue;
       std::int64_t given = 0;
       const Divider by(remaining);
       for (std::int64_t j = 0; j < h; ++j) {
         std::int64_t r = 0;
-        share[static_cast<std::size_t>(j)] = by.quotient(n * g[static_cast<std::size_t>(j)], r);
-        rest[static_cast<std::size_t>(j)] = {r, j};
-        given += share[static_cast<std::size_t>(j)];
+        share_[static_cast<std::size_t>(j)] = by.quotient(n * g[static_cast<std::size_t>(j)], r);
+        rest_[static_cast<std::size_t>(j)] = {r, j};
+        given += share_[static_cast<std::size_t>(j)];
       }
       // Largest remainders first, ties in home order: a stable insertion sort (a few homes).
       for (std::int64_t i = 1; i < h; ++i)
-        for (std::int64_t j = i; j > 0 && rest[static_cast<std::size_t>(j)].first > rest[static_cast<std::size_t>(j - 1)].first; --j)
-          std::swap(rest[static_cast<std::size_t>(j)], rest[static_cast<std::size_t>(j - 1)]);
-      for (std::int64_t k = 0; given < n; ++k, ++given) ++share[static_cast<std::size_t>(rest[static_cast<std::size_t>(k)].second)];
+        for (std::int64_t j = i; j > 0 && rest_[static_cast<std::size_t>(j)].first > rest_[static_cast<std::size_t>(j - 1)].first; --j)
+          std::swap(rest_[static_cast<std::size_t>(j)], rest_[static_cast<std::size_t>(j - 1)]);
+      for (std::int64_t k = 0; given < n; ++k, ++given) ++share_[static_cast<std::size_t>(rest_[static_cast<std::size_t>(k)].second)];
       for (std::int64_t j = 0; j < h; ++j) {
-        const std::int64_t q = share[static_cast<std::size_t>(j)];
-        quota[static_cast<std::size_t>(s * N + home(e, j))] += q;
+        const std::int64_t q = share_[static_cast<std::size_t>(j)];
+        quota(s, home(e, j)) += q;
         g[static_cast<std::size_t>(j)] -= q;
       }
-      left[static_cast<std::size_t>(s)] = 0;
+      left_[static_cast<std::size_t>(s)] = 0;
       remaining -= n;
     }
   }
-  return quota;
+
+  const ExpertPlacement& placement_;
+  const std::int64_t P, E, N;
+  std::vector<std::int64_t> lent_rows_;  // the counts with each lent home's own rows taken out, where any
+  std::span<const std::int64_t> counts_;
+  std::vector<std::int64_t> quota_, total_, load_;
+  std::vector<std::int64_t> home_list_, home_begin_;
+  std::vector<std::int32_t> replicated_;
+  std::vector<std::vector<std::int64_t>> give_;  // each replicated expert's rows per home
+  std::vector<std::int64_t> left_, share_;
+  std::vector<std::pair<std::int64_t, std::int64_t>> rest_;  // (remainder, home)
+};
+
+}  // namespace
+
+std::vector<std::int64_t> plan_quotas(const ExpertPlacement& placement, std::span<const std::int64_t> counts) {
+  if (static_cast<std::int64_t>(counts.size()) != placement.ranks() * placement.experts())
+    throw Error("plan_quotas: " + std::to_string(counts.size()) + " counts for " + std::to_string(placement.ranks()) +
+                " ranks x " + std::to_string(placement.experts()) + " experts");
+  return QuotaPlan(placement, counts).plan();
 }
 
 std::vector<std::int64_t> instance_rows(const ExpertPlacement& p, std::span<const std::int64_t> counts) {
