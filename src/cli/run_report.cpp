@@ -148,31 +148,43 @@ std::string ms(double s) {
 }
 }  // namespace
 
-std::string format_report(const RunReport& r) {
-  const auto& c = r.config;
-  std::ostringstream o;
-  o << std::setprecision(4);
-  // A bf16 layer's GEMMs run on the bf16 tile instructions (AMX or
-  // AVX512-BF16), so its figures are shares of that peak; fp32's of the FMA peak.
-  const bool bf16_peak = c.dtype == DType::bf16 && r.peak.bf16_tile_peak_per_core() > 0;
-  const double peak = report_peak(r);
-  const std::string peak_name = bf16_peak ? "of " + r.peak.bf16_tile_isa() + " peak" : "of FMA peak";
-  // GFLOP/s, then its share of the measured peak of the cores used.
-  const auto rate = [&](double flops, double seconds) {
+namespace {
+
+// GFLOP/s, then its share of the measured peak of the cores used: a bf16
+// layer's GEMMs run on the bf16 tile instructions (AMX or AVX512-BF16), so
+// its figures are shares of that peak; fp32's of the FMA peak.
+struct PeakRate {
+  explicit PeakRate(const RunReport& r)
+      : bf16(r.config.dtype == DType::bf16 && r.peak.bf16_tile_peak_per_core() > 0), peak(report_peak(r)),
+        name(bf16 ? "of " + r.peak.bf16_tile_isa() + " peak" : "of FMA peak") {}
+  std::string operator()(double flops, double seconds) const {
     std::ostringstream g;
     g << std::fixed << std::setprecision(1) << flops / seconds / 1e9 << " GFLOP/s";
-    if (peak > 0) g << " (" << std::setprecision(0) << 100.0 * flops / seconds / peak << "% " << peak_name << ")";
+    if (peak > 0) g << " (" << std::setprecision(0) << 100.0 * flops / seconds / peak << "% " << name << ")";
     return g.str();
-  };
+  }
+  bool bf16;
+  double peak;
+  std::string name;
+};
+
+// The CPU and the peak the figures are shares of.
+void write_machine(std::ostringstream& o, const RunReport& r, const PeakRate& rate) {
+  const auto& c = r.config;
   o << "cpu      " << r.peak.cpu << ": FMA peak " << std::fixed << std::setprecision(1)
     << r.peak.fp32_flops_per_core / 1e9 << " GFLOP/s per core fp32 (" << r.peak.isa << ")";
   if (r.peak.bf16_flops_per_core > 0) o << ", " << r.peak.bf16_flops_per_core / 1e9 << " bf16 (" << r.peak.bf16_isa << ")";
   if (r.peak.amx_bf16_flops_per_core > 0) o << ", " << r.peak.amx_bf16_flops_per_core / 1e9 << " bf16 (amx-bf16)";
   if (!r.peak.not_measured.empty()) o << ", " << r.peak.not_measured << " not measured";
-  o << "; measured now, x " << r.peak_cores << " cores = " << peak / 1e9 << " GFLOP/s " << (bf16_peak ? "bf16" : "fp32");
+  o << "; measured now, x " << r.peak_cores << " cores = " << rate.peak / 1e9 << " GFLOP/s " << (rate.bf16 ? "bf16" : "fp32");
   if (c.dtype == DType::bf16) o << "; bf16 tiles on " << kernels::name(kernels::bf16_engine());
   o << "\n";
   o << std::defaultfloat << std::setprecision(4);
+}
+
+// The layer, the run, the placement and the routing.
+void write_layer_and_routing(std::ostringstream& o, const RunReport& r) {
+  const auto& c = r.config;
   o << "layer    " << c.name << ": hidden " << c.hidden << ", expert inter " << c.expert_inter << ", experts "
     << c.routed_experts << " routed / " << c.shared_experts << " shared, top-" << c.top_k << ", "
     << to_string(c.scoring);
@@ -200,6 +212,10 @@ std::string format_report(const RunReport& r) {
   const std::size_t shown = std::min<std::size_t>(st.tokens_per_expert.size(), 32);
   for (std::size_t i = 0; i < shown; ++i) o << " " << st.tokens_per_expert[i];
   if (shown < st.tokens_per_expert.size()) o << " ... (" << st.tokens_per_expert.size() << " experts; --json has all)";
+}
+
+// Each operator's time, then the step times of both schedules.
+void write_times(std::ostringstream& o, const RunReport& r, const PeakRate& rate) {
   o << "\noperators (median ms over iterations)\n";
   auto table = [&](const char* pass, const auto& ops) {
     for (const auto& [name, s] : ops) {
@@ -238,6 +254,10 @@ std::string format_report(const RunReport& r) {
     o << "serialized backward " << ms(r.backward_time.median) << " ms (min " << ms(r.backward_time.min) << ", max "
       << ms(r.backward_time.max) << "), " << rate(r.backward_flops, r.backward_time.median)
       << busy_idle(r.serialized_backward_busy) << "\n";
+}
+
+// The bytes put to other ranks: lent weights, cross-node.
+void write_exchange(std::ostringstream& o, const RunReport& r) {
   if (r.config.ranks > 1) {
     o << std::setprecision(2) << "exchange " << double(r.forward_put_bytes) / 1e6 << " MB forward";
     if (r.backward) o << " + " << double(r.backward_put_bytes) / 1e6 << " MB backward";
@@ -256,6 +276,10 @@ std::string format_report(const RunReport& r) {
     }
     o << std::setprecision(1);
   }
+}
+
+// Sharded runs: the proof, and each rank's figures.
+void write_ranks(std::ostringstream& o, const RunReport& r) {
   if (r.sharded) {
     o << "proof    " << (r.verified_per_rank ? "each rank proved its own program against the exchanged counts (per-rank check)"
                                           : "every process verified all ranks' programs (--verify-all-ranks)")
@@ -272,6 +296,10 @@ std::string format_report(const RunReport& r) {
         << std::setw(13) << k.peak_rss_bytes / 1e6 << "\n";
     }
   }
+}
+
+// A soak run's bit-identity checks, memory and open files.
+void write_soak(std::ostringstream& o, const RunReport& r) {
   if (!r.soak.samples.empty()) {
     const auto& f = r.soak.samples.front();
     const auto& l = r.soak.samples.back();
@@ -281,6 +309,10 @@ std::string format_report(const RunReport& r) {
       << l.rss_bytes / 1e6 << " MB at step " << l.step << "; open files " << f.open_files << " -> " << l.open_files
       << "\n";
   }
+}
+
+// The check against the fp64 oracle, tensor by tensor.
+void write_verification(std::ostringstream& o, const RunReport& r) {
   const auto& v = r.verification;
   o << std::scientific << std::setprecision(2);
   if (v.mode == "off") {
@@ -301,6 +333,21 @@ std::string format_report(const RunReport& r) {
         << "  max abs " << ch.max_abs << " (ref max " << ch.ref_max << ")" << (ch.pass ? "" : "  FAIL") << "\n";
     }
   }
+}
+
+}  // namespace
+
+std::string format_report(const RunReport& r) {
+  std::ostringstream o;
+  o << std::setprecision(4);
+  const PeakRate rate(r);
+  write_machine(o, r, rate);
+  write_layer_and_routing(o, r);
+  write_times(o, r, rate);
+  write_exchange(o, r);
+  write_ranks(o, r);
+  write_soak(o, r);
+  write_verification(o, r);
   return o.str();
 }
 
