@@ -142,20 +142,77 @@ void memory_precheck(const MachineModel& m, const LayerConfig& c, const ExpertPl
               "before the step was routed)");
 }
 
-}  // namespace
+// Every rank's program of a pass, scheduled.
+std::vector<taskflow::Program> scheduled_programs(const LayerConfig& c, const ExpertPlacement& placement,
+                                                 const taskflow::RoutingCounts& counts, const taskflow::Machine& machine,
+                                                 taskflow::Pass pass, taskflow::Policy policy,
+                                                 taskflow::ScheduleScratch& scratch) {
+  std::vector<taskflow::Program> programs(static_cast<std::size_t>(c.ranks));
+  for (std::int64_t r = 0; r < c.ranks; ++r) {
+    programs[static_cast<std::size_t>(r)] = taskflow::generate(c, placement, counts, machine, pass, r);
+    taskflow::schedule(programs[static_cast<std::size_t>(r)], policy, scratch);
+  }
+  return programs;
+}
 
-SimReport simulate(const MachineModel& given, const SimRequest& req) {
-  // The layer's ranks sit in the machine's nodes: the per-rank exchange
-  // forwards through them as the runtime would on that cluster.
-  LayerConfig c = req.config;
+// The tasks' work, within the paper's kernel scope where asked: the per-rank
+// combine computes the gate gradients where the expert rows live and puts K
+// values per token: the products are gate_grad's work, outside the scope as
+// there; the put is inside.
+std::vector<std::vector<taskflow::TaskWork>> scoped_work(const std::vector<taskflow::Program>& set, bool kernel_scope) {
+  auto work = task_work(set);
+  if (kernel_scope)
+    for (std::size_t r = 0; r < set.size(); ++r)
+      for (std::size_t i = 0; i < set[r].tasks.size(); ++i) {
+        switch (taskflow::role(set[r].tasks[i].kind).kernel_scope) {
+          case taskflow::KernelScope::inside: break;
+          case taskflow::KernelScope::outside: work[r][i].timed = false; break;
+          case taskflow::KernelScope::put_only: work[r][i].local_bytes = 0; break;
+        }
+      }
+  return work;
+}
+
+// A pass's tasks and the bytes its puts send to other ranks: in all, of
+// lent weights, and across nodes.
+void count_puts(const std::vector<taskflow::Program>& programs, const std::vector<std::vector<taskflow::TaskWork>>& work,
+                int ranks_per_node, PassResult& out) {
+  for (const auto& p : programs) {
+    out.tasks += static_cast<std::int64_t>(p.tasks.size());
+    for (std::size_t i = 0; i < p.tasks.size(); ++i) {
+      const auto& t = p.tasks[i];
+      if (!taskflow::is_put(t.kind)) continue;
+      if (t.peer != p.rank) {
+        const double b = taskflow::AccessTable::standard().work(p, t).bytes;
+        out.put_bytes += b;
+        if (taskflow::role(t.kind).scheme == taskflow::Scheme::lend) out.lent_bytes += b;
+      }
+      if (t.peer / ranks_per_node != p.rank / ranks_per_node)
+        out.cross_node_bytes += work[static_cast<std::size_t>(p.rank)][i].bytes;
+    }
+  }
+}
+
+// The layer as the machine hosts it: its ranks sit in the machine's nodes,
+// so the per-rank exchange forwards through them as the runtime would on
+// that cluster.
+LayerConfig hosted_layer(LayerConfig c, const MachineModel& m) {
   c.validate();
-  if (req.fp8_gemms && c.dtype != DType::bf16)
-    throw Error("--gemm-dtype fp8 models a bf16 layer whose GEMMs take fp8 operands: use --dtype bf16");
-  const MachineModel m = req.fp8_gemms ? given.with_fp8_gemms() : given;
   if (c.ranks_per_node == 0 && m.ranks_per_node > 1 && c.ranks % m.ranks_per_node == 0) c.ranks_per_node = m.ranks_per_node;
   if (c.ranks_per_node != 0 && c.ranks_per_node != m.ranks_per_node && !(m.ranks_per_node <= 1 && c.ranks_per_node == c.ranks))
     throw Error("the layer's ranks_per_node (" + std::to_string(c.ranks_per_node) + ") differs from the " +
                 std::to_string(m.ranks_per_node) + " of machine '" + m.name + "': leave it unset to use the machine's");
+  return c;
+}
+
+}  // namespace
+
+SimReport simulate(const MachineModel& given, const SimRequest& req) {
+  req.config.validate();
+  if (req.fp8_gemms && req.config.dtype != DType::bf16)
+    throw Error("--gemm-dtype fp8 models a bf16 layer whose GEMMs take fp8 operands: use --dtype bf16");
+  const MachineModel m = req.fp8_gemms ? given.with_fp8_gemms() : given;
+  const LayerConfig c = hosted_layer(req.config, m);
   SimReport rep;
   rep.config = c;
   rep.machine = m;
@@ -190,41 +247,18 @@ SimReport simulate(const MachineModel& given, const SimRequest& req) {
   for (auto pass : {taskflow::Pass::forward, taskflow::Pass::backward}) {
     if (pass == taskflow::Pass::backward && !req.backward) break;
     const auto c0 = Clock::now();
-    std::vector<taskflow::Program> programs(static_cast<std::size_t>(c.ranks));
-    for (std::int64_t r = 0; r < c.ranks; ++r) {
-      programs[r] = taskflow::generate(c, placement, counts, machine, pass, r);
-      taskflow::schedule(programs[r], req.policy, scratch);
-    }
-    const auto work_of = [&](const std::vector<taskflow::Program>& set) {
-      auto work = task_work(set);
-      if (req.kernel_scope)
-        for (std::size_t r = 0; r < set.size(); ++r)
-          for (std::size_t i = 0; i < set[r].tasks.size(); ++i) {
-            // The per-rank combine computes the gate gradients where the
-            // expert rows live and puts K values per token: the products are
-            // gate_grad's work, outside the scope as there; the put is inside.
-            switch (taskflow::role(set[r].tasks[i].kind).kernel_scope) {
-              case taskflow::KernelScope::inside: break;
-              case taskflow::KernelScope::outside: work[r][i].timed = false; break;
-              case taskflow::KernelScope::put_only: work[r][i].local_bytes = 0; break;
-            }
-          }
-      return work;
-    };
-    const auto work = work_of(programs);
+    const auto programs = scheduled_programs(c, placement, counts, machine, pass, req.policy, scratch);
+    const auto work = scoped_work(programs, req.kernel_scope);
     for (const auto& p : programs)
       rank_buffers[static_cast<std::size_t>(p.rank)] = std::max(rank_buffers[static_cast<std::size_t>(p.rank)], declared_bytes(p));
     // Refused before the pass is simulated where it cannot fit (the report's figures follow the loop).
     rep.memory = memory_check(m, c, placement, machine, rank_buffers, req.backward, req.optimizer_state, req.refuse_over_memory);
-    std::vector<taskflow::Program> baseline_programs;
-    if ((by_rank || lends) && (m.deepep.enabled || m.mindspore.enabled))
-      for (std::int64_t r = 0; r < c.ranks; ++r) {
-        baseline_programs.push_back(taskflow::generate(per_assignment, placement, counts, machine, pass, r));
-        taskflow::schedule(baseline_programs.back(), req.policy, scratch);
-      }
-    const bool own_baseline = !baseline_programs.empty();
+    const bool own_baseline = (by_rank || lends) && (m.deepep.enabled || m.mindspore.enabled);
+    const auto baseline_programs = own_baseline
+                                       ? scheduled_programs(per_assignment, placement, counts, machine, pass, req.policy, scratch)
+                                       : std::vector<taskflow::Program>{};
     const auto& baseline = own_baseline ? baseline_programs : programs;
-    const auto baseline_work = own_baseline ? work_of(baseline) : work;
+    const auto baseline_work = own_baseline ? scoped_work(baseline, req.kernel_scope) : work;
     rep.compile_seconds += since(c0);
     if (req.verify) {
       // A schedule that could deadlock or race must not be reported as a
@@ -239,15 +273,7 @@ SimReport simulate(const MachineModel& given, const SimRequest& req) {
                     "; this is a compiler bug: please report it with this command");
     }
     PassResult& out = pass == taskflow::Pass::forward ? rep.forward : rep.backward;
-    for (const auto& p : programs) {
-      out.tasks += static_cast<std::int64_t>(p.tasks.size());
-      for (const auto& t : p.tasks)
-        if (taskflow::is_put(t.kind) && t.peer != p.rank) {
-          const double b = taskflow::AccessTable::standard().work(p, t).bytes;
-          out.put_bytes += b;
-          if (taskflow::role(t.kind).scheme == taskflow::Scheme::lend) out.lent_bytes += b;
-        }
-    }
+    count_puts(programs, work, m.ranks_per_node, out);
     out.lent = lent_pairs;
     const auto s0 = Clock::now();
     const Timeline ser = simulate_serialized(m, programs, work, c.dtype, req.trace);
@@ -272,12 +298,6 @@ SimReport simulate(const MachineModel& given, const SimRequest& req) {
       rep.simulated_tasks += out.tasks;
     }
     rep.simulate_seconds += since(s0);
-    for (const auto& p : programs)
-      for (std::size_t i = 0; i < p.tasks.size(); ++i) {
-        const auto& t = p.tasks[i];
-        if (taskflow::is_put(t.kind) && t.peer / m.ranks_per_node != p.rank / m.ranks_per_node)
-          out.cross_node_bytes += work[static_cast<std::size_t>(p.rank)][i].bytes;
-      }
     out.serialized_s = ser.makespan;
     out.interleaved_s = inter.makespan;
     const double serialized_matrix_units = m.serialized_matrix_units > 0 ? double(c.ranks) * m.serialized_matrix_units : matrix_units;
