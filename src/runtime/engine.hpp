@@ -120,6 +120,12 @@ class Interleaved final : public InterleavedExecutor::Impl {
  private:
   // One launch: all workers of all ranks run their queues of `set` at once.
   double launch(std::vector<taskflow::Program>& set, StepResult& res);
+  void arm_counters(const std::vector<taskflow::Program>& set, std::span<const TaskKind> order);
+  void group_by_operator(int r, const taskflow::Program& p, std::span<const TaskKind> order);
+  void record_operators(const std::vector<taskflow::Program>& set, std::span<const TaskKind> order,
+                        std::vector<OperatorTime>& ops) const;
+  void record_busy(const std::vector<taskflow::Program>& set, StepResult& res);
+  void record_trace(const std::vector<taskflow::Program>& set, StepResult& res) const;
 
   // A caller's output view: the hosted ranks' tokens.
   void check_output_view(const MutableMatrixView& v, const char* what) const {

@@ -6,11 +6,10 @@
 
 namespace hpmoe::detail {
 
+// Each hosted rank's counters read before the launch (the step's counts
+// are relative to them), and, phased, its tasks grouped by operator.
 template <class T>
-double Interleaved<T>::launch(std::vector<taskflow::Program>& set, StepResult& res) {
-  current_ = &set;
-  // Phased: one barrier counter per operator after the program's events.
-  const auto& order = pass_of(set) == taskflow::Pass::forward ? phases_[0] : phases_[1];
+void Interleaved<T>::arm_counters(const std::vector<taskflow::Program>& set, std::span<const TaskKind> order) {
   const std::size_t barriers = opt_.phased ? order.size() : 0;
   std::vector<std::int64_t> events(static_cast<std::size_t>(c_.ranks));
   launch_events_.resize(static_cast<std::size_t>(c_.ranks));
@@ -21,33 +20,45 @@ double Interleaved<T>::launch(std::vector<taskflow::Program>& set, StepResult& r
   tr_->reserve_events(events);
   for (int r : local_) {
     RankState& s = ranks_[r];
-    const auto& p = set[r];
     Counter* counters = tr_->counters(r);
-    s.base_count.resize(p.events.size() + barriers);
+    s.base_count.resize(set[r].events.size() + barriers);
     for (std::size_t e = 0; e < s.base_count.size(); ++e) s.base_count[e] = counters[e].value.load(std::memory_order_relaxed);
-    if (opt_.phased) {  // the rank's tasks by operator, in generation order
-      // One counting pass: operator of each kind, tasks per operator, then placement.
-      std::array<int, static_cast<std::size_t>(taskflow::TaskKind::count)> phase_of;
-      phase_of.fill(-1);
-      for (std::size_t k = 0; k < order.size(); ++k) phase_of[static_cast<std::size_t>(order[k])] = static_cast<int>(k);
-      s.phase_begin.assign(order.size() + 1, 0);
-      for (const Task& t : p.tasks) {
-        const int k = phase_of[static_cast<std::size_t>(t.kind)];
-        if (k < 0)
-          throw Error("phased execution: rank " + std::to_string(r) + " has a " + taskflow::name(t.kind) +
-                      " task, outside the operator order");
-        ++s.phase_begin[static_cast<std::size_t>(k) + 1];
-      }
-      for (std::size_t k = 0; k < order.size(); ++k) s.phase_begin[k + 1] += s.phase_begin[k];
-      s.phase_tasks.resize(p.tasks.size());
-      std::vector<std::int32_t>& fill = phase_fill_;
-      fill.assign(s.phase_begin.begin(), s.phase_begin.end() - 1);
-      for (std::size_t id = 0; id < p.tasks.size(); ++id)
-        s.phase_tasks[static_cast<std::size_t>(fill[static_cast<std::size_t>(phase_of[static_cast<std::size_t>(p.tasks[id].kind)])]++)] =
-            static_cast<std::int32_t>(id);
-    }
+    if (opt_.phased) group_by_operator(r, set[r], order);
   }
   for (std::int64_t r = 0; r < c_.ranks; ++r) ranks_[r].counters = tr_->counters(static_cast<int>(r));
+}
+
+// Phased: the rank's tasks by operator, in generation order. One counting
+// pass: operator of each kind, tasks per operator, then placement.
+template <class T>
+void Interleaved<T>::group_by_operator(int r, const taskflow::Program& p, std::span<const TaskKind> order) {
+  RankState& s = ranks_[r];
+  std::array<int, static_cast<std::size_t>(taskflow::TaskKind::count)> phase_of;
+  phase_of.fill(-1);
+  for (std::size_t k = 0; k < order.size(); ++k) phase_of[static_cast<std::size_t>(order[k])] = static_cast<int>(k);
+  s.phase_begin.assign(order.size() + 1, 0);
+  for (const Task& t : p.tasks) {
+    const int k = phase_of[static_cast<std::size_t>(t.kind)];
+    if (k < 0)
+      throw Error("phased execution: rank " + std::to_string(r) + " has a " + taskflow::name(t.kind) +
+                  " task, outside the operator order");
+    ++s.phase_begin[static_cast<std::size_t>(k) + 1];
+  }
+  for (std::size_t k = 0; k < order.size(); ++k) s.phase_begin[k + 1] += s.phase_begin[k];
+  s.phase_tasks.resize(p.tasks.size());
+  std::vector<std::int32_t>& fill = phase_fill_;
+  fill.assign(s.phase_begin.begin(), s.phase_begin.end() - 1);
+  for (std::size_t id = 0; id < p.tasks.size(); ++id)
+    s.phase_tasks[static_cast<std::size_t>(fill[static_cast<std::size_t>(phase_of[static_cast<std::size_t>(p.tasks[id].kind)])]++)] =
+        static_cast<std::int32_t>(id);
+}
+
+template <class T>
+double Interleaved<T>::launch(std::vector<taskflow::Program>& set, StepResult& res) {
+  current_ = &set;
+  // Phased: one barrier counter per operator after the program's events.
+  const auto& order = pass_of(set) == taskflow::Pass::forward ? phases_[0] : phases_[1];
+  arm_counters(set, order);
   if (opt_.trace) {  // storage before the launch: recording allocates nothing
     spans_.resize(local_.size() * static_cast<std::size_t>(opt_.workers_per_rank));
     for (std::size_t i = 0; i < local_.size(); ++i)
@@ -70,21 +81,33 @@ double Interleaved<T>::launch(std::vector<taskflow::Program>& set, StepResult& r
   if (!failure_) tr_->launch_end();
   if (failure_) std::rethrow_exception(failure_);
   const double elapsed = seconds(start, Clock::now());
-  if (opt_.phased) {  // each operator: from the previous barrier to its own, as this process's workers passed them
-    auto& ops = pass_of(set) == taskflow::Pass::forward ? res.forward_ops : res.backward_ops;
-    // Operators no rank has tasks of (the shared experts' without them) are not listed.
-    std::array<bool, static_cast<std::size_t>(TaskKind::count)> present{};
-    for (const int r : local_)
-      for (const Task& t : set[r].tasks) present[static_cast<std::size_t>(t.kind)] = true;
-    double previous = 0;
-    for (std::size_t k = 0; k < order.size(); ++k) {
-      double end = 0;
-      for (std::size_t w = 0; w < busy_.size(); ++w) end = std::max(end, phase_end_[w * order.size() + k]);
-      if (present[static_cast<std::size_t>(order[k])]) ops.push_back({taskflow::name(order[k]), end - previous});
-      previous = end;
-    }
+  if (opt_.phased) record_operators(set, order, pass_of(set) == taskflow::Pass::forward ? res.forward_ops : res.backward_ops);
+  record_busy(set, res);
+  if (opt_.trace) record_trace(set, res);
+  return elapsed;
+}
+
+// Phased: each operator from the previous barrier to its own, as this
+// process's workers passed them. Operators no rank has tasks of (the shared
+// experts' without them) are not listed.
+template <class T>
+void Interleaved<T>::record_operators(const std::vector<taskflow::Program>& set, std::span<const TaskKind> order,
+                                      std::vector<OperatorTime>& ops) const {
+  std::array<bool, static_cast<std::size_t>(TaskKind::count)> present{};
+  for (const int r : local_)
+    for (const Task& t : set[r].tasks) present[static_cast<std::size_t>(t.kind)] = true;
+  double previous = 0;
+  for (std::size_t k = 0; k < order.size(); ++k) {
+    double end = 0;
+    for (std::size_t w = 0; w < busy_.size(); ++w) end = std::max(end, phase_end_[w * order.size() + k]);
+    if (present[static_cast<std::size_t>(order[k])]) ops.push_back({taskflow::name(order[k]), end - previous});
+    previous = end;
   }
-  // Busy worker-seconds of every rank, summed on the root.
+}
+
+// Busy worker-seconds of every rank, summed on the root.
+template <class T>
+void Interleaved<T>::record_busy(const std::vector<taskflow::Program>& set, StepResult& res) {
   std::vector<float> busy(static_cast<std::size_t>(c_.ranks), 0.0f);
   for (std::size_t i = 0; i < busy_.size(); ++i)
     busy[static_cast<std::size_t>(local_[i / static_cast<std::size_t>(opt_.workers_per_rank)])] += static_cast<float>(busy_[i]);
@@ -92,22 +115,24 @@ double Interleaved<T>::launch(std::vector<taskflow::Program>& set, StepResult& r
   double& total = pass_of(set) == taskflow::Pass::forward ? res.forward_busy_seconds : res.backward_busy_seconds;
   total = 0;
   for (float b : busy) total += b;
-  if (opt_.trace) {
-    const char* pass = pass_of(set) == taskflow::Pass::forward ? "forward" : "backward";
-    for (std::size_t i = 0; i < local_.size(); ++i)
-      for (int w = 0; w < opt_.workers_per_rank; ++w)
-        for (const auto& span : spans_[i * static_cast<std::size_t>(opt_.workers_per_rank) + static_cast<std::size_t>(w)]) {
-          const int r = local_[i];
-          const Task& t = set[r].tasks[span.task];
-          std::string detail = std::string(pass) + (t.expert >= 0 ? " expert " + std::to_string(t.expert) : "") +
-                               " rows [" + std::to_string(t.row_begin) + ", " + std::to_string(t.row_begin + t.rows) +
-                               ") cols [" + std::to_string(t.col_begin) + ", " + std::to_string(t.col_begin + t.cols) +
-                               ")" + (t.peer != r ? " to rank " + std::to_string(t.peer) : "");
-          res.trace.push_back(TraceSlice{static_cast<std::int32_t>(r), w, span.start, span.end, taskflow::name(t.kind),
-                                         std::move(detail)});
-        }
-  }
-  return elapsed;
+}
+
+// The launch's spans as trace slices, named by kind and described by tile.
+template <class T>
+void Interleaved<T>::record_trace(const std::vector<taskflow::Program>& set, StepResult& res) const {
+  const char* pass = pass_of(set) == taskflow::Pass::forward ? "forward" : "backward";
+  for (std::size_t i = 0; i < local_.size(); ++i)
+    for (int w = 0; w < opt_.workers_per_rank; ++w)
+      for (const auto& span : spans_[i * static_cast<std::size_t>(opt_.workers_per_rank) + static_cast<std::size_t>(w)]) {
+        const int r = local_[i];
+        const Task& t = set[r].tasks[span.task];
+        std::string detail = std::string(pass) + (t.expert >= 0 ? " expert " + std::to_string(t.expert) : "") +
+                             " rows [" + std::to_string(t.row_begin) + ", " + std::to_string(t.row_begin + t.rows) +
+                             ") cols [" + std::to_string(t.col_begin) + ", " + std::to_string(t.col_begin + t.cols) +
+                             ")" + (t.peer != r ? " to rank " + std::to_string(t.peer) : "");
+        res.trace.push_back(TraceSlice{static_cast<std::int32_t>(r), w, span.start, span.end, taskflow::name(t.kind),
+                                       std::move(detail)});
+      }
 }
 
 template <class T>
