@@ -1,4 +1,4 @@
-// The levels of the per-rank proof (docs/architecture.md): the events other
+// The levels of the per-rank proof (docs/proofs.md): the events other
 // ranks' puts feed have levels. The dispatch of rows to experts (forward
 // recv tiles, backward dy tiles) is level 0, the return of expert outputs
 // to their sources (comb_done, dx_ready) level 1, the per-rank and per-node

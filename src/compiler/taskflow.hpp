@@ -83,7 +83,7 @@ VerifyReport verify(std::span<const Program>);
 // it, and no put into a peer's level-l event (dispatch 0, return 1) may come
 // after, or wait on, an event that peers' puts of level >= l feed. If every
 // rank's check passes, the whole set is free of deadlock, races and
-// conflicting writes (docs/architecture.md); no peer's program is generated.
+// conflicting writes (docs/proofs.md); no peer's program is generated.
 VerifyReport verify_rank(const Program& own, const LayerConfig&, const ExpertPlacement&, const RoutingCounts&,
                          const Machine&);
 

@@ -7,6 +7,9 @@
 // every kind of the table is emitted, so no role goes untested.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <fstream>
+#include <iterator>
 #include <map>
 #include <set>
 #include <string>
@@ -16,6 +19,7 @@
 
 #include "exchange_cases.hpp"
 #include "ops/op.hpp"
+#include "source_dir.hpp"
 
 using namespace hpmoe;
 using namespace hpmoe::testing;
@@ -142,6 +146,99 @@ TEST(KindRoles, RelaysChainPutFedKindsOfTheirScheme) {
     EXPECT_EQ(ops::op(of).pass, ops::op(k).pass) << name(k);
   }
   EXPECT_EQ(relays, 4);
+}
+
+}  // namespace
+
+namespace {
+
+const char* scheme_name(Scheme s) {
+  switch (s) {
+    case Scheme::layer: return "layer";
+    case Scheme::shared: return "shared experts";
+    case Scheme::assignment: return "per assignment";
+    case Scheme::assignment_direct: return "per assignment, direct";
+    case Scheme::assignment_staged: return "per assignment, staged";
+    case Scheme::assignment_splits: return "per assignment, splits";
+    case Scheme::rank: return "per rank";
+    case Scheme::node: return "per node";
+    case Scheme::lend: return "lending";
+  }
+  return "?";
+}
+
+const char* place_name(Place p) {
+  switch (p) {
+    case Place::none: return "";
+    case Place::expert_put: return "dispatch in destination order";
+    case Place::token_put: return "first hop";
+    case Place::forward: return "hoisted forward";
+    case Place::token_wait: return "waits on tokens";
+    case Place::expert_return: return "return";
+    case Place::rank_relay: return "after the GEMMs it counts";
+    case Place::sum_return: return "sums back";
+    case Place::node_sum: return "sunk node sums";
+    case Place::reduction: return "final reduction";
+  }
+  return "?";
+}
+
+const char* step_name(TileStep s) {
+  switch (s) {
+    case TileStep::none: return "";
+    case TileStep::first_gemm: return "first GEMM";
+    case TileStep::vector_step: return "vector step";
+    case TileStep::pack: return "pack";
+    case TileStep::second_gemm: return "second GEMM";
+    case TileStep::weight_gradient: return "weight gradient";
+  }
+  return "?";
+}
+
+// One row of the kind table: what the op table says of a kind, in words.
+std::string kind_row(const ops::OpKind& k, const char* family) {
+  std::string reads, writes;
+  for (int i = 0; i < k.access.operand_count; ++i) {
+    const auto& o = k.access.operands[static_cast<std::size_t>(i)];
+    std::string b = std::string(name(o.buffer)) + (o.side == Side::peer ? " (peer)" : "");
+    if (o.use == Use::accumulate) b += " +=";
+    std::string& list = o.use == Use::read ? reads : writes;
+    list += (list.empty() ? "" : ", ") + b;
+  }
+  const KindRole& r = k.role;
+  std::string role;
+  if (k.access.put) role = std::string("feeds ") + name(r.consumer) + " (level " + std::to_string(r.level) + ")";
+  if (r.relay_of != TaskKind::count) role = std::string("relay of ") + name(r.relay_of) + "'s event";
+  for (const char* part : {place_name(r.place), step_name(r.step)})
+    if (*part) role += (role.empty() ? "" : "; ") + std::string(part);
+  return std::string("| ") + k.name + " | " + family + " | " + (k.pass == Pass::forward ? "fwd" : "bwd") + " | " +
+         scheme_name(r.scheme) + " | " + name(k.access.queue) + " | " + reads + " | " + writes + " | " + role + " |";
+}
+
+std::string kind_table() {
+  std::string out = "| kind | family | pass | scheme | queue | reads | writes | role |\n|---|---|---|---|---|---|---|---|\n";
+  for (const auto& f : ops::families())
+    for (const auto& k : f.kinds) out += kind_row(k, f.name) + "\n";
+  return out;
+}
+
+// docs/architecture.md lists every kind as the op table has it: the table
+// between its two markers is this test's kind_table(), row for row. On a
+// change to the op table, paste the table this test prints.
+TEST(KindRoles, TheArchitectureDocListsEveryKindAsTheOpTableHasIt) {
+  const std::string path = std::string(HPMOE_SOURCE_DIR) + "/docs/architecture.md";
+  std::ifstream in(path);
+  ASSERT_TRUE(in) << path;
+  const std::string doc((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const std::string begin = "<!-- kind table: generated from the op table (tests/unit/test_kind_roles.cpp) -->\n";
+  const std::string end = "<!-- end of the kind table -->";
+  const auto b = doc.find(begin), e = doc.find(end);
+  ASSERT_NE(b, std::string::npos) << "docs/architecture.md has no kind table marker";
+  ASSERT_NE(e, std::string::npos);
+  const std::string listed = doc.substr(b + begin.size(), e - b - begin.size());
+  EXPECT_EQ(listed, kind_table()) << "docs/architecture.md's kind table differs from the op table; the table as it is:\n"
+                                  << kind_table();
+  EXPECT_EQ(std::count(listed.begin(), listed.end(), '\n'), static_cast<long>(TaskKind::count) + 2);
 }
 
 }  // namespace

@@ -219,7 +219,7 @@ TEST(Verifier, FollowsThePerturbedAccessTable) {
 }
 
 
-// The per-rank proof (docs/architecture.md): each rank checks its own
+// The per-rank proof (docs/proofs.md): each rank checks its own
 // program against the interface the counts predict, without its peers'.
 namespace {
 Pass flip(Pass p) { return p == Pass::forward ? Pass::backward : Pass::forward; }
