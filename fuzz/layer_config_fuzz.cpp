@@ -1,5 +1,5 @@
 // libFuzzer target: hpmoe's layer config (--config FILE.json in hpmoe's own
-// format, and `--set field=value`). Any input either gives a layer that
+// format, flat or in "layer" and "run" sections, and `--set field=value`). Any input either gives a layer that
 // validates and survives a JSON round trip unchanged, or is rejected with an
 // hpmoe::Error; nothing else may happen (no crash, no other exception).
 // Input: a JSON object, optionally followed by "\n=" and "field=value"
@@ -33,6 +33,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     const hpmoe::LayerConfig back = hpmoe::config_from_json(j);
     back.validate();
     if (hpmoe::to_json(back) != j) std::abort();  // a valid layer round-trips exactly
+    // and so do its two parts, as `hpmoe config` prints them
+    if (hpmoe::to_json(hpmoe::config_from_json(hpmoe::to_sections_json(c))) != j) std::abort();
   } catch (const hpmoe::Error&) {
   }
   return 0;

@@ -34,10 +34,11 @@ std::string to_string(GradDispatchDType);
 std::string to_string(CombineDType);
 std::string to_string(ExchangeMode);
 
-// One expert-parallel MoE FFN layer and how it is run: sizes, router, balancing
-// terms and the expert-parallel layout. A plain value; validate() says whether
-// it describes a layer that can exist.
-struct LayerConfig {
+// What an expert-parallel MoE FFN layer is: its sizes, its router and
+// balancing terms, and the dtype its weights and activations are stored in.
+// The same layer runs under any RunOptions (its checkpoints, its oracle and
+// its gradients do not depend on them).
+struct LayerSpec {
   std::string name = "custom";
 
   // Sizes.
@@ -66,10 +67,21 @@ struct LayerConfig {
   bool expert_bias = false;             // DeepSeek-V3 aux-loss-free bias (selection only)
   double bias_update_rate = 0.001;      // bias += rate * sign(mean load - load)
 
-  // Expert-parallel run layout.
+  DType dtype = DType::fp32;            // storage of weights and activations (fp32 accumulation)
+
+  std::int64_t shared_inter_total() const {
+    return shared_experts * (shared_inter > 0 ? shared_inter : expert_inter);
+  }
+};
+
+// How a step of a layer runs: the expert-parallel degree and each rank's
+// tokens, how tokens travel to their experts and back (the exchange scheme
+// and the dtypes on its wire), the ranks of a node, and whether weights
+// travel instead of rows. Where the experts live and how tasks are ordered
+// are the layer's `Parallel` (layer.hpp).
+struct RunOptions {
   std::int64_t tokens_per_rank = 0;     // T
   std::int64_t ranks = 1;               // P (expert-parallel degree)
-  DType dtype = DType::fp32;
   DispatchDType dispatch_dtype = DispatchDType::layer;
   GradDispatchDType grad_dispatch_dtype = GradDispatchDType::automatic;
   ExchangeMode exchange = ExchangeMode::assignment;
@@ -90,6 +102,27 @@ struct LayerConfig {
   // rank has N rows or more.
   static constexpr std::int64_t kLendAuto = -1;
   std::int64_t lend_weights = 0;
+
+  std::int64_t total_tokens() const { return tokens_per_rank * ranks; }
+  // Ranks per node as used (ranks when unset) and the nodes.
+  std::int64_t node_ranks() const { return ranks_per_node > 0 ? ranks_per_node : ranks; }
+  std::int64_t nodes() const { return ranks / node_ranks(); }
+  // Whether the dispatch forwards tokens inside destination nodes.
+  bool forwards() const { return exchange == ExchangeMode::rank && node_forwarding && node_ranks() > 1 && node_ranks() < ranks; }
+};
+
+// One step's whole description: the layer and how it runs. What the
+// compiler, the engines and the simulator take; a config file or preset
+// gives both parts (`hpmoe config` prints them as "layer" and "run").
+struct LayerConfig : LayerSpec, RunOptions {
+  LayerConfig() = default;
+  LayerConfig(const LayerSpec& layer, const RunOptions& run) : LayerSpec(layer), RunOptions(run) {}
+
+  const LayerSpec& spec() const { return *this; }
+  LayerSpec& spec() { return *this; }
+  const RunOptions& run() const { return *this; }
+  RunOptions& run() { return *this; }
+
   // Rows of one (rank, expert) from which its weights are lent (0: never).
   // Auto: where the rows' narrower leg (dispatch or return, in the bytes
   // they travel in) outweighs the expert's packed weights, so that no link
@@ -106,15 +139,6 @@ struct LayerConfig {
   // Whether the per-rank combine's sums travel in bf16 under an fp32 layer
   // (the forward's sums and the backward's dx sums; gate gradients stay fp32).
   bool narrow_combine() const { return combine_dtype == CombineDType::bf16 && dtype == DType::fp32; }
-  std::int64_t shared_inter_total() const {
-    return shared_experts * (shared_inter > 0 ? shared_inter : expert_inter);
-  }
-  std::int64_t total_tokens() const { return tokens_per_rank * ranks; }
-  // Ranks per node as used (ranks when unset) and the nodes.
-  std::int64_t node_ranks() const { return ranks_per_node > 0 ? ranks_per_node : ranks; }
-  std::int64_t nodes() const { return ranks / node_ranks(); }
-  // Whether the dispatch forwards tokens inside destination nodes.
-  bool forwards() const { return exchange == ExchangeMode::rank && node_forwarding && node_ranks() > 1 && node_ranks() < ranks; }
   // Capacity per (rank, expert); -1 when dropless.
   std::int64_t expert_capacity() const;
 
@@ -137,11 +161,18 @@ inline std::int64_t packed_weight_bytes(std::int64_t k, std::int64_t n, DType dt
   return padded_k * ((n + 63) / 64 * 64) * (dtype == DType::bf16 ? 2 : 4);
 }
 
-// Every field name set() understands, for help texts.
+// Every field name set() understands, for help texts; and which part each
+// belongs to (the layer's, or how it runs).
 std::vector<std::string> config_fields();
+std::vector<std::string> layer_fields();
+std::vector<std::string> run_fields();
 
+// hpmoe's own format: one object of every field (to_json), or the two parts
+// under "layer" and "run" (to_sections_json, what `hpmoe config` prints).
+// config_from_json reads both; unknown keys, and a field in the other
+// part's section, are errors.
 nlohmann::json to_json(const LayerConfig&);
-// hpmoe's own format (the output of to_json); unknown keys are errors.
+nlohmann::json to_sections_json(const LayerConfig&);
 LayerConfig config_from_json(const nlohmann::json&);
 
 std::vector<std::string> preset_names();

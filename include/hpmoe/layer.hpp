@@ -16,6 +16,7 @@
 #include <functional>
 #include <memory>
 #include <span>
+#include <utility>
 #include <vector>
 
 #include "hpmoe/step.hpp"
@@ -78,6 +79,9 @@ class Layer {
   // weights: the layer's parameters in the math layout (a sharded process
   // holds only its own experts). Packs them once.
   Layer(const LayerConfig& spec, LayerWeights weights, Parallel parallel = {});
+  // The same from the layer and how it runs, apart (config.hpp).
+  Layer(const LayerSpec& layer, const RunOptions& run, LayerWeights weights, Parallel parallel = {})
+      : Layer(LayerConfig(layer, run), std::move(weights), std::move(parallel)) {}
   ~Layer();
   Layer(Layer&&) noexcept;
   Layer& operator=(Layer&&) noexcept;

@@ -291,7 +291,9 @@ double LayerConfig::forward_flops() const {
          n * 6.0 * double(hidden) * double(shared_inter_total()) + n * 2.0 * double(hidden) * double(routed_experts);
 }
 
-nlohmann::json to_json(const LayerConfig& c) {
+namespace {
+
+nlohmann::json spec_json(const LayerSpec& c) {
   return nlohmann::json{{"name", c.name},
                         {"hidden", c.hidden},
                         {"expert_inter", c.expert_inter},
@@ -310,18 +312,68 @@ nlohmann::json to_json(const LayerConfig& c) {
                         {"z_loss_coef", c.z_loss_coef},
                         {"expert_bias", c.expert_bias},
                         {"bias_update_rate", c.bias_update_rate},
-                        {"tokens_per_rank", c.tokens_per_rank},
+                        {"dtype", to_string(c.dtype)}};
+}
+
+nlohmann::json run_json(const RunOptions& c) {
+  return nlohmann::json{{"tokens_per_rank", c.tokens_per_rank},
                         {"ranks", c.ranks},
-                        {"dtype", to_string(c.dtype)},
                         {"dispatch_dtype", to_string(c.dispatch_dtype)},
                         {"grad_dispatch_dtype", to_string(c.grad_dispatch_dtype)},
                         {"exchange", to_string(c.exchange)},
                         {"combine_dtype", to_string(c.combine_dtype)},
                         {"ranks_per_node", c.ranks_per_node},
                         {"node_forwarding", c.node_forwarding},
-                        {"lend_weights", c.lend_weights == 0                      ? nlohmann::json("off")
-                                         : c.lend_weights == LayerConfig::kLendAuto ? nlohmann::json("auto")
-                                                                                   : nlohmann::json(c.lend_weights)}};
+                        {"lend_weights", c.lend_weights == 0                     ? nlohmann::json("off")
+                                         : c.lend_weights == RunOptions::kLendAuto ? nlohmann::json("auto")
+                                                                                  : nlohmann::json(c.lend_weights)}};
+}
+
+std::vector<std::string> keys_of(const nlohmann::json& j) {
+  std::vector<std::string> out;
+  for (const auto& [k, v] : j.items()) out.push_back(k);
+  return out;
+}
+
+// A config in either of hpmoe's forms as one object of fields: the two
+// sections' fields, each checked to be in its own section.
+nlohmann::json flat_fields(const nlohmann::json& j, const std::string& source = "layer config") {
+  if (!j.is_object()) throw Error("a layer config must be a JSON object");
+  if (!j.contains("layer") && !j.contains("run")) return j;
+  nlohmann::json flat = nlohmann::json::object();
+  for (const auto& [section, fields] : j.items()) {
+    if (section != "layer" && section != "run")
+      throw Error(source + ": '" + section + "' beside \"layer\" and \"run\": a config is either one object of fields "
+                  "or those two sections");
+    if (!fields.is_object()) throw Error(source + ": \"" + section + "\" must be an object of fields");
+    const auto own = section == "layer" ? layer_fields() : run_fields();
+    for (const auto& [key, value] : fields.items()) {
+      if (std::find(own.begin(), own.end(), key) == own.end()) {
+        const auto other = section == "layer" ? run_fields() : layer_fields();
+        if (std::find(other.begin(), other.end(), key) != other.end())
+          throw Error(source + ": '" + key + "' is " + (section == "layer" ? "how the layer runs: put it under \"run\""
+                                                                               : "part of the layer: put it under \"layer\""));
+        throw Error(source + ": unknown config field '" + key + "' in \"" + section + "\" (`hpmoe config --fields` lists them)");
+      }
+      flat[key] = value;
+    }
+  }
+  return flat;
+}
+
+}  // namespace
+
+std::vector<std::string> layer_fields() { return keys_of(spec_json(LayerSpec{})); }
+std::vector<std::string> run_fields() { return keys_of(run_json(RunOptions{})); }
+
+nlohmann::json to_json(const LayerConfig& c) {
+  nlohmann::json j = spec_json(c.spec());
+  j.update(run_json(c.run()));
+  return j;
+}
+
+nlohmann::json to_sections_json(const LayerConfig& c) {
+  return nlohmann::json{{"layer", spec_json(c.spec())}, {"run", run_json(c.run())}};
 }
 
 namespace {
@@ -341,9 +393,9 @@ std::string scalar_text(const std::string& key, const nlohmann::json& v) {
 }  // namespace
 
 LayerConfig config_from_json(const nlohmann::json& j) {
-  if (!j.is_object()) throw Error("a layer config must be a JSON object");
   LayerConfig c;
-  for (const auto& [key, value] : j.items()) c.set(key, scalar_text(key, value));
+  const nlohmann::json fields = flat_fields(j);
+  for (const auto& [key, value] : fields.items()) c.set(key, scalar_text(key, value));
   return c;
 }
 
@@ -452,23 +504,17 @@ LayerConfig config_from_model_json(const nlohmann::json& j, const LayerConfig& b
   if (!j.is_object()) throw Error(source + ": expected a JSON object");
   LayerConfig c = base;
   ModelJson m{j, source};
-  if (j.contains("hidden")) {  // hpmoe's own format
-    for (const char* key : {"expert_inter", "routed_experts", "top_k"})
-      if (!j.contains(key))
+  if (j.contains("hidden") || j.contains("layer")) {  // hpmoe's own format, flat or in sections
+    const nlohmann::json fields = flat_fields(j, source);
+    for (const char* key : {"hidden", "expert_inter", "routed_experts", "top_k"})
+      if (!fields.contains(key))
         throw Error(source + ": missing '" + key + "' (an hpmoe layer config sets at least hidden, expert_inter, "
                     "routed_experts and top_k; `hpmoe config --preset tiny` prints a complete one)");
-    LayerConfig own = config_from_json(j);
-    if (!j.contains("tokens_per_rank")) own.tokens_per_rank = base.tokens_per_rank;
-    if (!j.contains("ranks")) own.ranks = base.ranks;
-    if (!j.contains("dtype")) own.dtype = base.dtype;
-    if (!j.contains("dispatch_dtype")) own.dispatch_dtype = base.dispatch_dtype;
-    if (!j.contains("grad_dispatch_dtype")) own.grad_dispatch_dtype = base.grad_dispatch_dtype;
-    if (!j.contains("exchange")) own.exchange = base.exchange;
-    if (!j.contains("combine_dtype")) own.combine_dtype = base.combine_dtype;
-    if (!j.contains("ranks_per_node")) own.ranks_per_node = base.ranks_per_node;
-    if (!j.contains("node_forwarding")) own.node_forwarding = base.node_forwarding;
-    if (!j.contains("lend_weights")) own.lend_weights = base.lend_weights;
-    return own;
+    // How the layer runs, and its dtype, stay the base's where the file is silent.
+    nlohmann::json merged = run_json(base.run());
+    merged["dtype"] = to_string(base.dtype);
+    for (const auto& [key, value] : fields.items()) merged[key] = value;
+    return config_from_json(merged);
   }
   if (j.contains("dim") && j.contains("moe_inter_dim")) {  // DeepSeek inference config
     c.hidden = m.integer("dim");
@@ -518,7 +564,7 @@ LayerConfig config_from_model_json(const nlohmann::json& j, const LayerConfig& b
 LayerConfig load_config_file(const std::string& path, const LayerConfig& base) {
   const nlohmann::json j = parse_json_file(path, "config file '" + path + "'");
   LayerConfig c = config_from_model_json(j, base, "config file '" + path + "'");
-  if (!j.contains("hidden") && !j.contains("name")) {
+  if (!j.contains("hidden") && !j.contains("layer") && !j.contains("name")) {  // an imported model config: named by its file
     c.name = std::filesystem::path(path).stem().string().substr(0, 256);
     for (char& ch : c.name)  // the name must be printable ASCII (validate): a file's may not be
       if (ch < 0x20 || ch >= 0x7f) ch = '_';

@@ -35,6 +35,9 @@ echo 'not a folder' > "$tmp/a_file"
 echo '{"hidden": 64}' > "$tmp/missing_keys.json"  # an hpmoe config without expert_inter, routed_experts, top_k
 echo '{"hidden": 64, "expert_inter": 18446744073709551615, "routed_experts": 8, "top_k": 2}' > "$tmp/u64_field.json"
 echo '{"hidden_size": 18446744073709551615, "moe_intermediate_size": 8, "num_experts": 8, "num_experts_per_tok": 2}' > "$tmp/u64_hf.json"
+# Issue 59: the layer and how it runs in sections; a run field under "layer", a section beside them.
+echo '{"layer": {"hidden": 64, "expert_inter": 32, "routed_experts": 8, "top_k": 2, "ranks": 4}}' > "$tmp/misplaced_field.json"
+echo '{"layer": {"hidden": 64, "expert_inter": 32, "routed_experts": 8, "top_k": 2}, "runs": {}}' > "$tmp/stray_section.json"
 # FIFOs given as inputs (each would block open() until a writer came) and
 # as an output nobody reads; a checkpoint index that is a directory.
 "$HPMOE" config --preset tiny > "$tmp/tiny_config.json"
@@ -197,6 +200,8 @@ cases=(
   "config --config $tmp/missing_keys.json"
   "config --config $tmp/u64_field.json"
   "config --config $tmp/u64_hf.json"
+  "config --config $tmp/misplaced_field.json"
+  "config --config $tmp/stray_section.json"
   "run --routing trace:$trace:-1"
   "run --routing trace:"
   "run --routing zipf:1e308"

@@ -1,5 +1,6 @@
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -120,6 +121,84 @@ TEST(Config, JsonRoundTrip) {
   c.dtype = DType::bf16;
   const LayerConfig back = config_from_json(to_json(c));
   EXPECT_EQ(to_json(back), to_json(c));
+}
+
+// The layer apart from how it runs: every field is in exactly one part,
+// `hpmoe config`'s sections load back to the same config, old flat files
+// and presets load as before, and a field in the other part's section is
+// named.
+TEST(Config, EveryFieldIsOfTheLayerOrOfHowItRuns) {
+  std::vector<std::string> both = layer_fields();
+  const auto run = run_fields();
+  both.insert(both.end(), run.begin(), run.end());
+  std::sort(both.begin(), both.end());
+  EXPECT_EQ(std::adjacent_find(both.begin(), both.end()), both.end()) << "a field in both parts";
+  auto all = config_fields();
+  std::sort(all.begin(), all.end());
+  EXPECT_EQ(both, all);
+  EXPECT_EQ(run, (std::vector<std::string>{"combine_dtype", "dispatch_dtype", "exchange", "grad_dispatch_dtype", "lend_weights",
+                                           "node_forwarding", "ranks", "ranks_per_node", "tokens_per_rank"}));
+}
+
+TEST(Config, SectionsRoundTripAndKeepTheBasesRunOptions) {
+  for (const auto& name : preset_names()) {
+    LayerConfig c = preset(name);
+    c.ranks = 4;
+    c.exchange = ExchangeMode::rank;
+    c.ranks_per_node = 2;
+    c.lend_weights = LayerConfig::kLendAuto;
+    const auto sections = to_sections_json(c);
+    EXPECT_EQ(sections.size(), 2u);
+    EXPECT_EQ(to_json(config_from_json(sections)), to_json(c)) << name;
+    EXPECT_EQ(to_json(LayerConfig(c.spec(), c.run())), to_json(c)) << name;
+  }
+  // A file that gives only the layer keeps how the base runs (and its dtype).
+  LayerConfig base = preset("tiny");
+  base.ranks = 8;
+  base.tokens_per_rank = 100;
+  base.dtype = DType::bf16;
+  base.exchange = ExchangeMode::rank;
+  const auto only_layer = to_sections_json(preset("qwen3-30b-a3b"));
+  nlohmann::json file{{"layer", only_layer["layer"]}};
+  file["layer"].erase("dtype");
+  const LayerConfig c = config_from_model_json(file, base, "test");
+  EXPECT_EQ(c.hidden, 2048);
+  EXPECT_EQ(c.ranks, 8);
+  EXPECT_EQ(c.tokens_per_rank, 100);
+  EXPECT_EQ(c.dtype, DType::bf16);
+  EXPECT_EQ(c.exchange, ExchangeMode::rank);
+  // The flat form, as before.
+  const LayerConfig flat = config_from_model_json(to_json(preset("qwen3-30b-a3b")), base, "test");
+  EXPECT_EQ(to_json(flat), to_json(preset("qwen3-30b-a3b"))) << "a flat file gives every field, run options too";
+}
+
+TEST(Config, AFieldInTheOtherSectionIsNamed) {
+  const auto refused = [](const nlohmann::json& j) {
+    try {
+      config_from_model_json(j, preset("tiny"), "cfg.json");
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("accepted");
+  };
+  auto j = to_sections_json(preset("tiny"));
+  j["layer"]["ranks"] = 4;
+  EXPECT_NE(refused(j).find("'ranks' is how the layer runs: put it under \"run\""), std::string::npos) << refused(j);
+  j = to_sections_json(preset("tiny"));
+  j["run"]["hidden"] = 64;
+  EXPECT_NE(refused(j).find("'hidden' is part of the layer: put it under \"layer\""), std::string::npos) << refused(j);
+  j = to_sections_json(preset("tiny"));
+  j["run"]["bogus"] = 1;
+  EXPECT_NE(refused(j).find("unknown config field 'bogus' in \"run\""), std::string::npos) << refused(j);
+  j = to_sections_json(preset("tiny"));
+  j["extra"] = nlohmann::json::object();
+  EXPECT_NE(refused(j).find("'extra' beside \"layer\" and \"run\""), std::string::npos) << refused(j);
+  j = to_sections_json(preset("tiny"));
+  j["run"] = 3;
+  EXPECT_NE(refused(j).find("\"run\" must be an object"), std::string::npos) << refused(j);
+  j = to_sections_json(preset("tiny"));
+  j["layer"].erase("top_k");
+  EXPECT_NE(refused(j).find("missing 'top_k'"), std::string::npos) << refused(j);
 }
 
 TEST(Config, SetParsesAndRejects) {

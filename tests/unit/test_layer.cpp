@@ -139,6 +139,22 @@ INSTANTIATE_TEST_SUITE_P(DtypesAndSchedules, LayerKept,
                                   (std::get<1>(info.param) == Schedule::interleaved ? "_interleaved" : "_serialized");
                          });
 
+// The layer and how it runs, given apart, are the same layer as one config.
+TEST(LayerFace, TakesTheLayerAndHowItRunsApart) {
+  LayerConfig c = small_layer(DType::fp32);
+  c.ranks = 2;
+  c.exchange = ExchangeMode::rank;
+  const auto w = random_weights(c, 5);
+  const auto in = inputs(c, 24, 6);
+  Layer whole(c, w, parallel_of(Schedule::interleaved));
+  Layer apart(c.spec(), c.run(), w, parallel_of(Schedule::interleaved));
+  auto a = whole.forward(in.x), b = apart.forward(in.x);
+  a.backward(view(in.d_out));
+  b.backward(view(in.d_out));
+  EXPECT_TRUE(bit_identical(a.out(), b.out()));
+  EXPECT_TRUE(bit_identical(a.gradients(), b.gradients()));
+}
+
 // A placement with a split expert and a replica: the parts are packed from
 // the raw weights again when they change.
 TEST(LayerFace, SplitExpertsFollowAWeightUpdate) {

@@ -334,7 +334,7 @@ struct ConfigCommand {
       for (const auto& f : config_fields()) std::cout << f << "\n";
       return 0;
     }
-    std::cout << to_json(layer.resolve()).dump(2) << "\n";
+    std::cout << to_sections_json(layer.resolve()).dump(2) << "\n";
     return 0;
   }
 };
