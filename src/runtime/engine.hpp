@@ -21,11 +21,11 @@
 #include <type_traits>
 
 #include "runtime/executor_parts.hpp"
+#include "runtime/step_plan.hpp"
 #include "compiler/layout.hpp"
 #include "comm/event_wait.hpp"
 #include "ops/access.hpp"
 #include "hpmoe/error.hpp"
-#include "runtime/interleaved.hpp"
 #include "runtime/interleaved.hpp"
 #include "runtime/worker_pool.hpp"
 
@@ -36,7 +36,7 @@ struct InterleavedExecutor::Impl {
   virtual void forward(MatrixView x, std::span<const std::int32_t> forced, StepResult&) = 0;
   virtual void backward(MatrixView d_out, StepResult&) = 0;
   virtual void weights_changed(std::shared_ptr<const PackedWeights> packed) = 0;
-  std::vector<taskflow::Program> programs, backward_programs;
+  detail::StepPlan plan;  // the step being run: planned once, then launched
 };
 
 namespace detail {
@@ -143,15 +143,10 @@ class Interleaved final : public InterleavedExecutor::Impl {
   const std::vector<int>& compiled_ranks() const { return !sharded() || whole_set_verified() ? all_ranks_ : local_; }
   bool whole_set_verified() const { return opt_.verify_programs && (!sharded() || opt_.verify_all_ranks); }
 
-  // In process, the whole set at once; sharded, each hosted rank's own
-  // program against the interface of the exchanged counts (or, as an audit,
-  // every rank's program regenerated here).
-  taskflow::VerifyReport verify(const std::vector<taskflow::Program>& set);
-
   // Events of rank r's program for a pass, from the exchange layout alone
   // (a peer's program need not be compiled here).
   std::int64_t event_count(taskflow::Pass pass, std::int64_t r) const {
-    return taskflow::event_bases(c_, *ex_, pass, r).total;
+    return taskflow::event_bases(c_, plan.ex(), pass, r).total;
   }
 
   // Whether res.grads already has this process's shapes (reused across steps).
@@ -350,7 +345,6 @@ class Interleaved final : public InterleavedExecutor::Impl {
   std::vector<PartWeights> part_packed_;  // [instance]: split experts' parts held here
   std::vector<float> reduce_scratch_;
   std::uint64_t fingerprint_ = 0;      // of layer, placement, format and replicated weights
-  taskflow::RoutingCounts counts_;     // this step's P x E counts (every rank's)
   std::vector<std::uint64_t> count_block_;  // the count exchange's blocks
   WorkerPool pool_;
   std::vector<std::vector<std::byte>> staging_;  // per worker: the message of a put to a peer not addressable here
@@ -370,11 +364,6 @@ class Interleaved final : public InterleavedExecutor::Impl {
   Clock::time_point launch_start_;
   Clock::time_point step_start_;
   std::vector<float> logits_;
-  std::optional<taskflow::Exchange> ex_;  // this step's exchange layout
-  std::vector<std::int64_t> slot_;        // this step's send row of every assignment
-  std::vector<taskflow::RankRoutes> routes_;  // the per-rank exchange: per hosted rank, its token lists and routes
-  taskflow::ScheduleScratch schedule_scratch_;
-  taskflow::Verifier verifier_;
   std::vector<RankState> ranks_;
   const StepResult* res_ = nullptr;
   const StepResult* forward_done_ = nullptr;  // the result of the forward that backward may follow
@@ -389,6 +378,10 @@ class Interleaved final : public InterleavedExecutor::Impl {
   std::mutex failure_mutex_;
   std::exception_ptr failure_;
   std::unique_ptr<std::atomic<std::int32_t>[]> waiting_;  // per worker: the task it waits in, -1 if none
+  // Plans each step (in process, the whole set proved at once; sharded,
+  // each hosted rank's own program against the interface of the exchanged
+  // counts, or, as an audit, every rank's program regenerated here).
+  StepPlanner planner_{StepPlanner::Options{opt_.policy, opt_.verify_programs, whole_set_verified(), opt_.after_compile}};
 };
 
 }  // namespace detail

@@ -17,13 +17,13 @@ void Interleaved<T>::reserve_memory(StepResult& res) {
   };
   for (std::int64_t r = 0; r < c_.ranks; ++r) {
     taskflow::Program& forward = forward_layouts_[static_cast<std::size_t>(r)];
-    taskflow::declare_buffers(forward, c_, *ex_, taskflow::Pass::forward, r);
+    taskflow::declare_buffers(forward, c_, plan.ex(), taskflow::Pass::forward, r);
     std::int64_t symmetric = forward.region_bytes(taskflow::Region::symmetric);
     std::int64_t local = forward.region_bytes(taskflow::Region::local);
     index_of(forward, forward_peer_[static_cast<std::size_t>(r)]);
     if (opt_.backward) {
       taskflow::Program& backward = backward_layouts_[static_cast<std::size_t>(r)];
-      taskflow::declare_buffers(backward, c_, *ex_, taskflow::Pass::backward, r);
+      taskflow::declare_buffers(backward, c_, plan.ex(), taskflow::Pass::backward, r);
       index_of(backward, backward_peer_[static_cast<std::size_t>(r)]);
       symmetric = std::max(symmetric, backward.region_bytes(taskflow::Region::symmetric));
       local = std::max(local, backward.region_bytes(taskflow::Region::local));
@@ -99,7 +99,7 @@ void Interleaved<T>::prepare_forward(StepResult& res) {
   const std::int64_t K = c_.top_k, T_ = c_.tokens_per_rank, H = c_.hidden;
   reserve_memory(res);
   for (const int r : local_) {
-    const taskflow::Program& p = programs[r];
+    const taskflow::Program& p = plan.forward[r];
     const std::int64_t i = index_of_[static_cast<std::size_t>(r)];
     bind(p, r, res);
     auto* slot = base<std::int64_t>(r, BufferId::slot);
@@ -107,7 +107,7 @@ void Interleaved<T>::prepare_forward(StepResult& res) {
     auto* send_token = base<std::int32_t>(r, BufferId::send_token);
     auto* send_assign = base<std::int64_t>(r, BufferId::send_assign);
     for (std::int64_t a = 0; a < T_ * K; ++a) {
-      const std::int64_t global = i * T_ * K + a, row = slot_[static_cast<std::size_t>(global)];
+      const std::int64_t global = i * T_ * K + a, row = plan.slots[static_cast<std::size_t>(global)];
       slot[a] = row;
       gate[a] = res.routing.weight[static_cast<std::size_t>(global)];
       if (row >= 0) {
@@ -119,7 +119,7 @@ void Interleaved<T>::prepare_forward(StepResult& res) {
         // the experts after them), so its placement names the first part.
         const std::int32_t e = res.routing.expert[static_cast<std::size_t>(global)];
         if (placement_.is_split(e)) {
-          const std::int64_t n = ex_->count(r, ex_->placement().first_instance(e));
+          const std::int64_t n = plan.ex().count(r, plan.placement().first_instance(e));
           for (std::int64_t part = 1; part < placement_.parts(e); ++part) {
             send_token[row + part * n] = static_cast<std::int32_t>(a / K);
             send_assign[row + part * n] = a;
@@ -128,7 +128,7 @@ void Interleaved<T>::prepare_forward(StepResult& res) {
       }
     }
     if (c_.exchange == ExchangeMode::rank) {  // the per-rank exchange's token lists and routes
-      const taskflow::RankRoutes& routes = routes_[static_cast<std::size_t>(i)];
+      const taskflow::RankRoutes& routes = plan.routes[static_cast<std::size_t>(i)];
       std::copy(routes.tokens.begin(), routes.tokens.end(), base<std::int32_t>(r, BufferId::rank_token));
       auto* route = base<std::int32_t>(r, BufferId::rank_route);
       for (std::size_t row = 0; row < routes.position.size(); ++row) {
@@ -142,7 +142,7 @@ void Interleaved<T>::prepare_forward(StepResult& res) {
       auto* list = base<std::int32_t>(r, BufferId::rank_comb);
       const std::int64_t words = ops::CombineList::words(K);
       for (std::int64_t d = 0, row = 0; d < c_.ranks; ++d)
-        for (const std::int64_t block = ex_->token_send_offset(r, d); row < ex_->token_send_offset(r, d + 1); ++row) {
+        for (const std::int64_t block = plan.ex().token_send_offset(r, d); row < plan.ex().token_send_offset(r, d + 1); ++row) {
           const ops::CombineList::Writer w{list + row * words, K};
           const std::int32_t at = routes.list_block[static_cast<std::size_t>(row)];
           const std::int64_t t = routes.tokens[static_cast<std::size_t>(block + at)];
@@ -167,7 +167,7 @@ void Interleaved<T>::prepare_backward(StepResult& res) {
   const std::int64_t T_ = c_.tokens_per_rank, H = c_.hidden;
   for (const int r : local_) {
     const std::int64_t i = index_of_[static_cast<std::size_t>(r)];
-    bind(backward_programs[r], r, res);
+    bind(plan.backward[r], r, res);
     if (c_.shared_experts > 0)
       for (std::int64_t t = 0; t < T_; ++t)
         kernels::store<T>(d_out_.row(i * T_ + t), base<T>(r, BufferId::sh_dout) + t * H, H);

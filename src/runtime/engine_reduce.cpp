@@ -15,7 +15,7 @@ std::vector<float>& Interleaved<T>::replica_partial(int r, std::int32_t e, bool 
 template <class T>
 void Interleaved<T>::reduce_replica_gradients(StepResult& res) {
   // The step's placement: its lent homes computed partials like replicas'.
-  const ExpertPlacement& placement = ex_->placement();
+  const ExpertPlacement& placement = plan.placement();
   for (std::int64_t e = 0; e < c_.routed_experts; ++e) {
     if (placement.home_count(e) < 2 || placement.is_split(e)) continue;
     for (const bool w1 : {true, false}) {

@@ -24,8 +24,8 @@ Interleaved<T>::Interleaved(const LayerConfig& c, const LayerWeights& w, Runtime
   machine_.weight_tile_rows = kernels::weight_tile_rows<T>();
   machine_.weight_tile_cols = kernels::kWeightTileCols;
   machine_.tile_cols = kTileCols;
-  programs.resize(static_cast<std::size_t>(c.ranks));
-  backward_programs.resize(static_cast<std::size_t>(c.ranks));
+  plan.forward.resize(static_cast<std::size_t>(c.ranks));
+  plan.backward.resize(static_cast<std::size_t>(c.ranks));
   ranks_.resize(static_cast<std::size_t>(c.ranks));
   const auto workers = local_.size() * static_cast<std::size_t>(opt.workers_per_rank);
   waiting_ = std::make_unique<std::atomic<std::int32_t>[]>(workers);
@@ -135,28 +135,6 @@ void Interleaved<T>::pack_part(std::int64_t i, const LayerWeights& w, bool backw
   }
 }
 
-namespace {
-// Bytes the puts of `ranks`' programs carry to other ranks, and of those
-// to ranks of other nodes (nodes of `node_ranks`).
-// (and of all, those that lend weights).
-std::tuple<std::int64_t, std::int64_t, std::int64_t> put_bytes_to_others(const std::vector<taskflow::Program>& set,
-                                                                        const std::vector<int>& ranks, std::int64_t node_ranks) {
-  const auto& table = taskflow::AccessTable::standard();
-  double bytes = 0, cross = 0, lent = 0;
-  for (const int r : ranks) {
-    const taskflow::Program& p = set[static_cast<std::size_t>(r)];
-    for (const auto& t : p.tasks)
-      if (taskflow::is_put(t.kind) && t.peer != p.rank) {
-        const double b = table.work(p, t).bytes;
-        bytes += b;
-        if (t.peer / node_ranks != p.rank / node_ranks) cross += b;
-        if (taskflow::role(t.kind).scheme == taskflow::Scheme::lend) lent += b;
-      }
-  }
-  return {static_cast<std::int64_t>(bytes), static_cast<std::int64_t>(cross), static_cast<std::int64_t>(lent)};
-}
-}  // namespace
-
 template <class T>
 void Interleaved<T>::forward(MatrixView x, std::span<const std::int32_t> forced, StepResult& res) {
   set_tokens(x);
@@ -179,29 +157,23 @@ void Interleaved<T>::forward(MatrixView x, std::span<const std::int32_t> forced,
   const auto t1x = Clock::now();
   if (sharded()) res.forward_ops.push_back({"count_exchange", seconds(t1, t1x)});
   t1 = t1x;
-  ex_.emplace(c_, placement_, counts_, machine_.tile_rows);
-  slot_ = taskflow::send_slots(c_, *ex_, res.routing, local_);
+  // The step's plan: its layout, the per-rank exchange's routes and token
+  // counts, then the forward's programs, proved. (The backward's join the
+  // plan when the backward runs: a forward may have none.)
+  planner_.lay_out(plan, c_, placement_, machine_.tile_rows, res.routing, local_);
   if (c_.exchange == ExchangeMode::rank) exchange_rank_tokens(res);
-  for (const int r : compiled_ranks()) {
-    taskflow::generate(programs[r], c_, *ex_, machine_, taskflow::Pass::forward, r);
-    taskflow::schedule(programs[r], opt_.policy, schedule_scratch_);
-  }
-  if (opt_.after_compile) opt_.after_compile(programs);
-  auto t2 = Clock::now();
-  res.forward_ops.push_back({"compile", seconds(t1, t2)});
-  std::tie(res.forward_put_bytes, res.forward_cross_node_bytes, res.forward_lent_bytes) =
-      put_bytes_to_others(programs, local_, c_.node_ranks());
-  res.lent_experts = static_cast<std::int64_t>(ex_->placement().lends().size());
-  if (opt_.verify_programs) {
-    const auto report = verify(programs);
-    if (!report.ok) throw Error("the compiled program failed verification: " + report.error);
-  }
-  auto t3 = Clock::now();
-  res.forward_ops.push_back({"verify", seconds(t2, t3)});
+  const auto times = planner_.compile(plan, c_, machine_, taskflow::Pass::forward, compiled_ranks(), local_);
+  res.forward_ops.push_back({"compile", seconds(t1, Clock::now()) - times.verify_seconds});
+  res.forward_ops.push_back({"verify", times.verify_seconds});
+  res.forward_put_bytes = plan.forward_bytes.all;
+  res.forward_cross_node_bytes = plan.forward_bytes.cross_node;
+  res.forward_lent_bytes = plan.forward_bytes.lent;
+  res.lent_experts = static_cast<std::int64_t>(plan.placement().lends().size());
+  const auto t3 = Clock::now();
   res_ = &res;
   prepare_forward(res);
   res.forward_ops.push_back({"prepare", seconds(t3, Clock::now())});
-  res.dispatch_to_combine_seconds = launch(programs, res);
+  res.dispatch_to_combine_seconds = launch(plan.forward, res);
   if (!opt_.phased) res.forward_ops.push_back({"launch", res.dispatch_to_combine_seconds});
   forward_done_ = &res;
 }
@@ -216,27 +188,20 @@ void Interleaved<T>::backward(MatrixView d_out, StepResult& res) {
   d_out_ = d_out;
   res.backward_ops.clear();
   auto b0 = Clock::now();
-  for (const int r : compiled_ranks()) {
-    taskflow::generate(backward_programs[r], c_, *ex_, machine_, taskflow::Pass::backward, r);
-    taskflow::schedule(backward_programs[r], opt_.policy, schedule_scratch_);
-  }
-  auto b1 = Clock::now();
-  res.backward_ops.push_back({"compile", seconds(b0, b1)});
-  std::tie(res.backward_put_bytes, res.backward_cross_node_bytes, res.backward_lent_bytes) =
-      put_bytes_to_others(backward_programs, local_, c_.node_ranks());
-  if (opt_.verify_programs) {
-    const auto report = verify(backward_programs);
-    if (!report.ok) throw Error("the compiled backward program failed verification: " + report.error);
-  }
-  auto b2 = Clock::now();
-  res.backward_ops.push_back({"verify", seconds(b1, b2)});
+  const auto times = planner_.compile(plan, c_, machine_, taskflow::Pass::backward, compiled_ranks(), local_);
+  const auto b2 = Clock::now();
+  res.backward_ops.push_back({"compile", seconds(b0, b2) - times.verify_seconds});
+  res.backward_ops.push_back({"verify", times.verify_seconds});
+  res.backward_put_bytes = plan.backward_bytes.all;
+  res.backward_cross_node_bytes = plan.backward_bytes.cross_node;
+  res.backward_lent_bytes = plan.backward_bytes.lent;
   check_output_view(res.dx_into, "dx view");
   if (!gradients_fit(res.grads)) res.grads = zero_gradients(c_, owned_, lc_.total_tokens());
   if (res.dx_into) res.grads.x = Matrix();
   else if (res.grads.x.rows != lc_.total_tokens()) res.grads.x = Matrix(lc_.total_tokens(), c_.hidden);
   prepare_backward(res);
   res.backward_ops.push_back({"prepare", seconds(b2, Clock::now())});
-  res.backward_seconds = launch(backward_programs, res);
+  res.backward_seconds = launch(plan.backward, res);
   if (!opt_.phased) res.backward_ops.push_back({"launch", res.backward_seconds});
   const auto r0 = Clock::now();
   reduce_replicated(res);
@@ -244,16 +209,6 @@ void Interleaved<T>::backward(MatrixView d_out, StepResult& res) {
   assemble_split_gradients(res);
   res.backward_ops.push_back({"reduce_replicated_grads", seconds(r0, Clock::now())});
   forward_done_ = nullptr;  // one backward per forward
-}
-
-template <class T>
-taskflow::VerifyReport Interleaved<T>::verify(const std::vector<taskflow::Program>& set) {
-  if (whole_set_verified()) return verifier_.verify(set);
-  for (const int r : local_) {
-    auto report = verifier_.verify_rank(set[static_cast<std::size_t>(r)], c_, *ex_, machine_);
-    if (!report.ok) return report;
-  }
-  return {};
 }
 
 template <class T>
@@ -271,12 +226,13 @@ void Interleaved<T>::exchange_counts(StepResult& res) {
   // A step's counts start empty: nothing of the last step's may reach this
   // one's exchange (its per-rank token counts, sized and valued for the
   // last routing, made the second step of a kept layer fail).
-  counts_ = taskflow::RoutingCounts{};
-  counts_.ranks = P;
-  counts_.experts = E;
+  auto& counts = plan.counts;
+  counts = taskflow::RoutingCounts{};
+  counts.ranks = P;
+  counts.experts = E;
   if (!sharded()) {
-    counts_.counts = local.counts;
-    res.expert_counts = counts_.counts;
+    counts.counts = local.counts;
+    res.expert_counts = counts.counts;
     return;
   }
   // One block per rank: fingerprint, aux-loss term, z-loss term, E counts.
@@ -289,7 +245,7 @@ void Interleaved<T>::exchange_counts(StepResult& res) {
   std::memcpy(&mine[2], &res.routing.z_loss, sizeof(double));
   for (std::int64_t e = 0; e < E; ++e) mine[3 + e] = static_cast<std::uint64_t>(local.counts[static_cast<std::size_t>(e)]);
   tr_->allgather(std::as_writable_bytes(std::span<std::uint64_t>(count_block_)), static_cast<std::size_t>(width) * 8);
-  counts_.counts.assign(static_cast<std::size_t>(P * E), 0);
+  counts.counts.assign(static_cast<std::size_t>(P * E), 0);
   double aux = 0, z = 0;
   const std::int64_t limit = c_.tokens_per_rank * c_.top_k;
   for (std::int64_t q = 0; q < P; ++q) {
@@ -309,13 +265,13 @@ void Interleaved<T>::exchange_counts(StepResult& res) {
       const auto n = static_cast<std::int64_t>(block[3 + e]);
       if (n < 0 || n > limit) throw Error("rank " + std::to_string(q) + " reports " + std::to_string(n) + " rows for expert " + std::to_string(e) + ", more than its " + std::to_string(limit) + " assignments");
       sum += n;
-      counts_.counts[static_cast<std::size_t>(q * E + e)] = n;
+      counts.counts[static_cast<std::size_t>(q * E + e)] = n;
     }
     if (sum > limit) throw Error("rank " + std::to_string(q) + " reports " + std::to_string(sum) + " kept assignments, more than its " + std::to_string(limit));
   }
   res.routing.aux_loss = aux;
   res.routing.z_loss = z;
-  res.expert_counts = counts_.counts;
+  res.expert_counts = counts.counts;
 }
 
 template <class T>
@@ -323,20 +279,16 @@ void Interleaved<T>::exchange_rank_tokens(const StepResult& res) {
   // Per source: its tokens by first instance [s N + i], then by last
   // [P N + s N + i], then (the per-node exchange) per node and node slot
   // [2 P N + s B S + b S + j] (B below: B S).
-  const std::int64_t P = c_.ranks, N = ex_->instances(), n = c_.tokens_per_rank * c_.top_k,
-                     B = c_.forwards() ? c_.nodes() * ex_->node_slots() : 0;
-  routes_.resize(local_.size());
+  const std::int64_t P = c_.ranks, N = plan.ex().instances(), B = c_.forwards() ? c_.nodes() * plan.ex().node_slots() : 0;
+  planner_.route(plan, c_, res.routing, local_);
   std::vector<std::int64_t> first(static_cast<std::size_t>(2 * P * N + P * B), 0);
   const auto place = [&](std::int64_t s, std::int64_t k) {  // value k of source s's 2 N + B
     return static_cast<std::size_t>(k < N ? s * N + k : k < 2 * N ? (P + s) * N + k - N : 2 * P * N + s * B + k - 2 * N);
   };
   for (std::size_t i = 0; i < local_.size(); ++i) {
-    const auto at = static_cast<std::size_t>(i) * static_cast<std::size_t>(n);
-    routes_[i] = taskflow::rank_routes(c_, *ex_, local_[i], std::span<const std::int64_t>(slot_).subspan(at, static_cast<std::size_t>(n)),
-                                       std::span<const std::int32_t>(res.routing.expert).subspan(at, static_cast<std::size_t>(n)));
     const std::int64_t s = local_[i];
-    for (std::int64_t k = 0; k < 2 * N; ++k) first[place(s, k)] = routes_[i].first[static_cast<std::size_t>(k)];
-    for (std::int64_t k = 0; k < B; ++k) first[place(s, 2 * N + k)] = routes_[i].node_count[static_cast<std::size_t>(k)];
+    for (std::int64_t k = 0; k < 2 * N; ++k) first[place(s, k)] = plan.routes[i].first[static_cast<std::size_t>(k)];
+    for (std::int64_t k = 0; k < B; ++k) first[place(s, 2 * N + k)] = plan.routes[i].node_count[static_cast<std::size_t>(k)];
   }
   if (sharded()) {  // one row per rank (set_rank_tokens checks the values against each other)
     const int me = local_.front();
@@ -353,8 +305,8 @@ void Interleaved<T>::exchange_rank_tokens(const StepResult& res) {
       first[place(q, i)] = static_cast<std::int64_t>(block[k]);
     }
   }
-  ex_->set_rank_tokens(first, c_.tokens_per_rank);
-  counts_.token_counts = std::move(first);
+  plan.exchange->set_rank_tokens(first, c_.tokens_per_rank);
+  plan.counts.token_counts = std::move(first);
 }
 
 // Instantiations of the members above.
@@ -372,8 +324,6 @@ template void Interleaved<float>::forward(MatrixView x, std::span<const std::int
 template void Interleaved<bf16>::forward(MatrixView x, std::span<const std::int32_t> forced, StepResult& res);
 template void Interleaved<float>::backward(MatrixView d_out, StepResult& res);
 template void Interleaved<bf16>::backward(MatrixView d_out, StepResult& res);
-template taskflow::VerifyReport Interleaved<float>::verify(const std::vector<taskflow::Program>& set);
-template taskflow::VerifyReport Interleaved<bf16>::verify(const std::vector<taskflow::Program>& set);
 template bool Interleaved<float>::gradients_fit(const LayerGradients& g) const;
 template bool Interleaved<bf16>::gradients_fit(const LayerGradients& g) const;
 template void Interleaved<float>::exchange_rank_tokens(const StepResult& res);

@@ -38,7 +38,7 @@ void InterleavedExecutor::weights_changed(std::shared_ptr<const PackedWeights> p
 }
 
 const std::vector<taskflow::Program>& InterleavedExecutor::programs(taskflow::Pass pass) const {
-  return pass == taskflow::Pass::forward ? impl_->programs : impl_->backward_programs;
+  return pass == taskflow::Pass::forward ? impl_->plan.forward : impl_->plan.backward;
 }
 
 }  // namespace hpmoe
