@@ -5,7 +5,7 @@
 #include "hpmoe/error.hpp"
 #include "compiler/taskflow.hpp"
 #include "compiler/layout.hpp"
-#include "compiler/generate_parts.hpp"
+#include "compiler/generate_step.hpp"
 
 namespace hpmoe::taskflow {
 
@@ -149,23 +149,6 @@ void program_header(Program& p, const LayerConfig& c, const Exchange& ex, const 
   declare_buffers(p, c, ex, pass, rank);
 }
 
-// The exchange's first hop and its returns, from the scheme the run
-// options choose: per assignment (generate_assignment.cpp), or per rank and
-// per node (generate_rank.cpp).
-void puts_to_experts(const LayerConfig& c, const Exchange& ex, std::int64_t tile_rows, Pass pass, std::int64_t rank,
-                     std::int64_t only_peer, const Emit& emit) {
-  if (c.exchange == ExchangeMode::rank) rank_puts_to_experts(c, ex, tile_rows, pass, rank, only_peer, emit);
-  else assignment_puts_to_experts(c, ex, tile_rows, pass, rank, only_peer, emit);
-}
-
-void puts_to_sources(const LayerConfig& c, const Exchange& ex, std::int64_t tile_rows, Pass pass, std::int64_t rank,
-                     std::int64_t only_source, std::int64_t wait_base, std::int64_t wait_count,
-                     const RequiredOf& wait_count_of, const Emit& emit, ReturnPuts which) {
-  if (c.exchange == ExchangeMode::rank)
-    rank_puts_to_sources(c, ex, tile_rows, pass, rank, only_source, wait_base >= 0, wait_count_of, emit, which);
-  else assignment_puts_to_sources(c, ex, tile_rows, pass, rank, only_source, wait_base, wait_count, emit);
-}
-
 void interface_puts(const LayerConfig& c, const Exchange& ex, std::int64_t tile_rows, Pass pass, std::int64_t from,
                     std::int64_t to, std::vector<Task>& out) {
   const auto add = [&](const TaskSpec& s) {
@@ -174,10 +157,7 @@ void interface_puts(const LayerConfig& c, const Exchange& ex, std::int64_t tile_
                        i32(s.rows), i32(s.col_begin), i32(s.cols), i32(s.src_row), -1, 0, i32(s.trigger_event)});
   };
   lent_weight_puts(c, ex, pass, from, to, add);
-  puts_to_experts(c, ex, tile_rows, pass, from, to, add);
-  puts_to_sources(c, ex, tile_rows, pass, from, to, -1, 0, [](std::int64_t) { return std::int64_t{0}; }, add);
-  node_forwards(c, ex, tile_rows, pass, from, to, false, [](std::int64_t) { return std::int64_t{0}; }, add);
-  node_combines(c, ex, tile_rows, pass, from, to, false, [](std::int64_t) { return std::int64_t{0}; }, add);
+  scheme_steps(c).interface(c, ex, tile_rows, pass, from, to, add);
 }
 
 }  // namespace hpmoe::taskflow

@@ -7,7 +7,7 @@
 #include <utility>
 #include <vector>
 
-#include "compiler/generate_parts.hpp"
+#include "compiler/generate_step.hpp"
 
 namespace hpmoe::taskflow {
 
@@ -105,6 +105,96 @@ void assignment_puts_to_sources(const LayerConfig& c, const Exchange& ex, std::i
       }
     }
   }
+}
+
+namespace {
+
+// The per-assignment exchange's part of a rank's program: staged tiles and
+// their decodes, each row tile's return once its outputs are written, the
+// combine of the returned rows in fixed order (a split expert's parts
+// summed first), and the gate gradients computed where the rows come back.
+class AssignmentSteps final : public SchemeSteps {
+ public:
+  void arrival_event(StepEmitter& s, std::int64_t le, std::int64_t tile, std::int64_t arrived, TaskKind first) const override {
+    if (!s.staged) return SchemeSteps::arrival_event(s, le, tile, arrived, first);
+    const std::int64_t home = s.home_of(le), at = s.ex.tile_start(home) + tile;
+    s.b.event(s.ev.staged + at, s.ex.arrivals(home, tile), s.forward_pass ? TaskKind::dispatch_decode : TaskKind::grad_dispatch_decode,
+              s.expert_of(le), tile);
+    s.b.event(arrived + at, 1, first, s.expert_of(le), tile);
+  }
+  // Each row tile's outputs (forward Y, backward DXE) written: what its return puts wait for.
+  void output_events(StepEmitter& s) const override {
+    for (std::int64_t le = 0; le < s.L; ++le) {
+      const std::int64_t home = s.home_of(le), tb = s.ex.tile_start(home);
+      for (std::int64_t i = 0; i < s.ex.tiles_of(home); ++i)
+        s.b.event(output_base(s) + tb + i, static_cast<std::int32_t>(s.n_down),
+                  s.forward_pass ? TaskKind::combine_put : TaskKind::grad_combine_put, s.expert_of(le), i);
+    }
+  }
+  std::int64_t output_event(const StepEmitter& s, std::int64_t le, std::int64_t tile) const override {
+    return output_base(s) + s.ex.tile_start(s.home_of(le)) + tile;
+  }
+  std::int64_t returned_pieces(const StepEmitter& s) const override { return s.ex.pieces_into(s.rank); }
+  TaskKind combined_consumer(const StepEmitter& s) const override {
+    if (!s.p.reductions.empty()) return s.forward_pass ? TaskKind::part_reduce : TaskKind::grad_part_reduce;
+    return final_reduce(s);
+  }
+  TaskKind final_reduce(const StepEmitter& s) const override {
+    return s.forward_pass ? TaskKind::combine_reduce : TaskKind::grad_reduce;
+  }
+  BufferId final_source(const StepEmitter& s) const override { return s.forward_pass ? BufferId::comb : BufferId::dcomb; }
+  // Split experts' partial rows, reduced in place once every piece is back:
+  // one task per row tile of each declared reduction's target block.
+  std::int64_t split_sums(StepEmitter& s, bool emit) const override {
+    const TaskKind kind = s.forward_pass ? TaskKind::part_reduce : TaskKind::grad_part_reduce;
+    const BufferId buffer = final_source(s);
+    const std::int64_t wait_event = s.forward_pass ? s.ev.comb_done : s.ev.dx_ready;
+    std::int64_t n = 0;
+    for (const Reduction& red : s.p.reductions)
+      for (std::int64_t r = 0; r < red.rows; r += s.TR, ++n)
+        if (emit)
+          s.b.task({.kind = kind, .src = buffer, .dst = buffer, .row_begin = red.row_begin + r, .rows = std::min(s.TR, red.rows - r),
+                    .col_begin = 0, .cols = s.H, .src_row = red.row_begin + red.rows + r, .wait_event = wait_event,
+                    .wait_count = s.required(wait_event), .trigger_event = s.ev.reduced});
+    return n;
+  }
+  void first_hop(StepEmitter& s) const override {
+    assignment_puts_to_experts(s.c, s.ex, s.TR, s.pass, s.rank, -1, s.emit);
+  }
+  // A staged tile's decode, once its pieces have all arrived.
+  void before_tile(StepEmitter& s, std::int64_t le, std::int64_t tile) const override {
+    if (!s.staged) return;
+    const std::int64_t home = s.home_of(le), tb = s.ex.tile_start(home);
+    const std::int64_t rows = std::min(s.TR, s.ex.expert_rows(home) - tile * s.TR), row0 = s.ex.expert_start(home) + tile * s.TR;
+    const std::int64_t staged = s.ev.staged + tb + tile;
+    s.b.task({.kind = s.forward_pass ? TaskKind::dispatch_decode : TaskKind::grad_dispatch_decode,
+              .src = s.forward_pass ? BufferId::recv_staged : BufferId::dy_staged, .dst = s.forward_pass ? BufferId::recv : BufferId::dy,
+              .expert = s.expert_of(le), .row_begin = row0, .rows = rows, .col_begin = 0, .cols = s.H, .src_row = row0,
+              .wait_event = staged, .wait_count = s.required(staged), .trigger_event = (s.forward_pass ? s.ev.recv : s.ev.dy) + tb + tile});
+  }
+  void gate_gradients(StepEmitter& s, std::int64_t t, std::int64_t rows) const override {
+    s.b.task({.kind = TaskKind::gate_grad, .src = BufferId::comb, .dst = BufferId::gw, .row_begin = t * s.TR, .rows = rows,
+              .col_begin = 0, .cols = s.c.top_k, .src_row = t * s.TR, .trigger_event = s.ev.gw + t});
+  }
+  bool router_first() const override { return true; }
+  void returns(StepEmitter& s) const override {
+    assignment_puts_to_sources(s.c, s.ex, s.TR, s.pass, s.rank, -1, output_base(s), s.n_down, s.emit);
+  }
+  void interface(const LayerConfig& c, const Exchange& ex, std::int64_t tile_rows, Pass pass, std::int64_t from, std::int64_t to,
+                 const Emit& emit) const override {
+    assignment_puts_to_experts(c, ex, tile_rows, pass, from, to, emit);
+    assignment_puts_to_sources(c, ex, tile_rows, pass, from, to, -1, 0, emit);
+  }
+
+ private:
+  static std::int64_t output_base(const StepEmitter& s) { return s.forward_pass ? s.ev.y : s.ev.dxe; }
+};
+
+}  // namespace
+
+const SchemeSteps& assignment_steps() {
+  static const AssignmentSteps steps;
+  return steps;
 }
 
 }  // namespace hpmoe::taskflow

@@ -70,7 +70,7 @@ void lent_weight_puts(const LayerConfig& c, const Exchange& ex, Pass pass, std::
 }
 
 void lent_events(const LayerConfig& c, const Exchange& ex, Pass pass, std::int64_t rank, const EventBases& ev,
-                 const std::function<void(std::int64_t id, std::int64_t required, std::int64_t expert)>& event,
+                 const std::function<void(std::int64_t id, std::int64_t required, std::int64_t expert, TaskKind consumer)>& event,
                  const std::function<void(std::int64_t id)>& one_more) {
   const ExpertPlacement& p = ex.placement();
   if (!p.has_borrowed()) return;
@@ -81,7 +81,8 @@ void lent_events(const LayerConfig& c, const Exchange& ex, Pass pass, std::int64
     // plan gave nothing) takes no weights; its event is complete at zero
     // and nothing waits for it.
     const bool lends = lends_weights(ex, i);
-    event(ev.lent + p.lent_block(i), lends ? pieces : 0, p.instance_expert(i));
+    event(ev.lent + p.lent_block(i), lends ? pieces : 0, p.instance_expert(i),
+          pass == Pass::forward ? TaskKind::weight_relay : TaskKind::grad_weight_relay);
     if (!lends) continue;
     const std::int64_t first = pass == Pass::forward ? ev.recv : ev.dy;
     for (std::int64_t t = 0; t < ex.tiles_of(i); ++t) one_more(first + ex.tile_start(i) + t);

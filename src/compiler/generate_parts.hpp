@@ -76,13 +76,6 @@ void assignment_puts_to_experts(const LayerConfig&, const Exchange&, std::int64_
                                 std::int64_t only_peer, const Emit&);
 void assignment_puts_to_sources(const LayerConfig&, const Exchange&, std::int64_t tile_rows, Pass, std::int64_t rank,
                                 std::int64_t only_source, std::int64_t wait_base, std::int64_t wait_count, const Emit&);
-// The same through the scheme the run options choose (generate.cpp); the
-// per-rank combine's pieces wait for events whose counts wait_count_of gives.
-void puts_to_experts(const LayerConfig&, const Exchange&, std::int64_t tile_rows, Pass, std::int64_t rank,
-                     std::int64_t only_peer, const Emit&);
-void puts_to_sources(const LayerConfig&, const Exchange&, std::int64_t tile_rows, Pass, std::int64_t rank,
-                     std::int64_t only_source, std::int64_t wait_base, std::int64_t wait_count, const RequiredOf& wait_count_of,
-                     const Emit&, ReturnPuts which = ReturnPuts::all);
 
 // Weights instead of tokens (generate_lend.cpp). The byte ranges of a lent
 // block's pieces in a pass; the width of LENT_W (the larger pass's block);
@@ -102,10 +95,10 @@ bool lends_weights(const Exchange&, std::int64_t instance);
 // The weight puts `from` makes as the owner of lent experts (only into
 // `only_to` when >= 0).
 void lent_weight_puts(const LayerConfig&, const Exchange&, Pass, std::int64_t from, std::int64_t only_to, const Emit&);
-// On `rank`: each lent block's event (`event(id, required, expert)`), and
+// On `rank`: each lent block's event (`event(id, required, expert, consumer)`), and
 // one more arrival (`one_more(id)`) for each row tile event of a lent slot.
 void lent_events(const LayerConfig&, const Exchange&, Pass, std::int64_t rank, const EventBases&,
-                 const std::function<void(std::int64_t, std::int64_t, std::int64_t)>& event,
+                 const std::function<void(std::int64_t, std::int64_t, std::int64_t, TaskKind)>& event,
                  const std::function<void(std::int64_t)>& one_more);
 // The relays of a lent instance's row tiles, before its GEMMs.
 void lent_relays(const LayerConfig&, const Exchange&, Pass, std::int64_t instance, const EventBases&, const Emit&);

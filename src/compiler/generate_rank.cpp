@@ -7,7 +7,7 @@
 
 #include "ops/access.hpp"
 #include "compiler/taskflow.hpp"
-#include "compiler/generate_parts.hpp"
+#include "compiler/generate_step.hpp"
 
 namespace hpmoe::taskflow {
 
@@ -275,6 +275,124 @@ void rank_puts_to_sources(const LayerConfig& c, const Exchange& ex, std::int64_t
                       .wait_event = event, .wait_count = count, .trigger_event = sums_event});
     }
   }
+}
+
+namespace {
+
+// The per-rank (and per-node) exchange's part of a rank's program: each
+// source's token chains into the slots (and a forwarder's node blocks and
+// sums), the gathers of each row tile's rows from the token blocks, the
+// slots' outputs counted in slot order for the sums per (token, rank), the
+// gate gradients computed on the experts' ranks and gathered back, and the
+// returns in rank order.
+class RankSteps final : public SchemeSteps {
+ public:
+  void events(StepEmitter& s) const override {
+    // Source q's `tok` event of slot j: its sub-block j (and forward, the
+    // routes of its rows for slot j), and the relay from slot j - 1, so that
+    // it completes once sub-blocks 0..j have all arrived.
+    const TaskKind relay = s.forward_pass ? TaskKind::dispatch_relay : TaskKind::grad_dispatch_relay;
+    const TaskKind gather = s.forward_pass ? TaskKind::dispatch_gather : TaskKind::grad_dispatch_gather;
+    for (std::int64_t q = 0; q < s.c.ranks; ++q) {
+      if (s.ex.rank_tokens(q, s.rank) == 0) continue;
+      for (std::int64_t j = 0; j < s.L; ++j) {
+        const std::int64_t i = s.home_of(j);
+        const std::int64_t pieces = ceil_div(s.ex.first_tokens(q, i), s.TR), routes = s.forward_pass && s.ex.count(q, i) > 0;
+        const std::int64_t list = s.forward_pass && j == 0;  // the block's combine list
+        s.b.event(s.ev.tok + q * s.L + j, static_cast<std::int32_t>(pieces + routes + list + (j > 0)), j + 1 < s.L ? relay : gather,
+                  s.expert_of(j), -1);
+      }
+    }
+    node_events(s.c, s.ex, s.TR, s.pass, s.rank, [&](std::int64_t id, std::int64_t need) {
+      s.b.event(id, static_cast<std::int32_t>(need), s.forward_pass ? TaskKind::dispatch_forward : TaskKind::grad_dispatch_forward, -1, -1);
+    });
+    node_sum_events(s.c, s.ex, s.TR, s.pass, s.rank, s.ev, [&](std::int64_t id, std::int64_t need) {
+      s.b.event(id, static_cast<std::int32_t>(need), s.forward_pass ? TaskKind::combine_node_put : TaskKind::grad_combine_node_put, -1, -1);
+    });
+  }
+  // Slot j's outputs written, and through a relay slot j - 1's: what the
+  // sums of the tokens whose last instance here is j wait for; backward,
+  // every rank's gate gradients of this rank's tokens (pieces of whole
+  // lists, one per tile of rows of each block this rank sent).
+  void output_events(StepEmitter& s) const override {
+    for (std::int64_t j = 0; j < s.L; ++j)
+      s.b.event(s.ev.slot_done + j, static_cast<std::int32_t>(s.ex.tiles_of(s.home_of(j)) * s.n_down + (j > 0)),
+                s.forward_pass ? TaskKind::combine_rank_put : TaskKind::grad_combine_rank_put, s.expert_of(j), -1);
+    if (s.forward_pass) return;
+    std::int64_t lists = 0;
+    for (std::int64_t d = 0; d < s.c.ranks; ++d) lists += ceil_div(s.ex.rank_tokens(s.rank, d), s.TR);
+    s.b.event(s.ev.gw_done, static_cast<std::int32_t>(lists), TaskKind::gate_grad_gather, -1, -1);
+  }
+  std::int64_t output_event(const StepEmitter& s, std::int64_t le, std::int64_t) const override { return s.ev.slot_done + le; }
+  std::int64_t returned_pieces(const StepEmitter& s) const override { return sum_pieces_into(s.ex, s.TR, s.rank); }
+  TaskKind combined_consumer(const StepEmitter& s) const override { return final_reduce(s); }
+  TaskKind final_reduce(const StepEmitter& s) const override {
+    return s.forward_pass ? TaskKind::combine_rank_reduce : TaskKind::grad_rank_reduce;
+  }
+  BufferId final_source(const StepEmitter& s) const override {
+    return s.forward_pass ? BufferId::comb_rank : BufferId::dcomb_rank;
+  }
+  void first_hop(StepEmitter& s) const override {
+    rank_puts_to_experts(s.c, s.ex, s.TR, s.pass, s.rank, -1, s.emit);
+    node_forwards(s.c, s.ex, s.TR, s.pass, s.rank, -1, true, s.required, s.emit);
+  }
+  // The relays into slot j, emitted just before slot j's gathers: in
+  // generation order (which is topological) after the puts and relays that
+  // feed them, and in a worker's queue no earlier than the work they release.
+  void before_slot(StepEmitter& s, std::int64_t j) const override {
+    if (j == 0) return;
+    const TaskKind relay = s.forward_pass ? TaskKind::dispatch_relay : TaskKind::grad_dispatch_relay;
+    for (std::int64_t q = 0; q < s.c.ranks; ++q) {
+      if (s.ex.rank_tokens(q, s.rank) == 0) continue;
+      const std::int64_t before = s.ev.tok + q * s.L + j - 1, need = s.required(before);
+      s.b.task({.kind = relay, .peer = -1, .src_row = q, .wait_event = need > 0 ? before : -1, .wait_count = need,
+                .trigger_event = s.ev.tok + q * s.L + j});
+    }
+  }
+  void before_tile(StepEmitter& s, std::int64_t le, std::int64_t tile) const override {
+    rank_gathers_of_tile(s.c, s.ex, s.p, s.pass, s.rank, s.home_of(le), tile, s.ev, s.emit);
+  }
+  // The relay into slot j + 1, after slot j's tasks in generation order.
+  void after_slot(StepEmitter& s, std::int64_t j) const override {
+    if (j + 1 >= s.L) return;
+    const std::int64_t need = s.required(s.ev.slot_done + j);
+    s.b.task({.kind = s.forward_pass ? TaskKind::combine_relay : TaskKind::grad_combine_relay, .peer = -1,
+              .wait_event = need > 0 ? s.ev.slot_done + j : -1, .wait_count = need, .trigger_event = s.ev.slot_done + j + 1});
+  }
+  // The gate gradients come back from the experts' ranks.
+  void gate_gradients(StepEmitter& s, std::int64_t t, std::int64_t rows) const override {
+    s.b.task({.kind = TaskKind::gate_grad_gather, .src = BufferId::gw_rank, .dst = BufferId::gw, .row_begin = t * s.TR, .rows = rows,
+              .col_begin = 0, .cols = s.c.top_k, .src_row = t * s.TR, .wait_event = s.ev.gw_done,
+              .wait_count = s.required(s.ev.gw_done), .trigger_event = s.ev.gw + t});
+  }
+  bool router_first() const override { return false; }
+  // Forward: the sums. Backward: the gate gradients, then the router (which
+  // waits for every rank's), then the dx sums; then a forwarder's node sums.
+  void returns(StepEmitter& s) const override {
+    if (s.forward_pass) {
+      rank_puts_to_sources(s.c, s.ex, s.TR, s.pass, s.rank, -1, true, s.required, s.emit, ReturnPuts::all);
+    } else {
+      rank_puts_to_sources(s.c, s.ex, s.TR, s.pass, s.rank, -1, true, s.required, s.emit, ReturnPuts::gate_grads);
+      s.router();
+      rank_puts_to_sources(s.c, s.ex, s.TR, s.pass, s.rank, -1, true, s.required, s.emit, ReturnPuts::sums);
+    }
+    node_combines(s.c, s.ex, s.TR, s.pass, s.rank, -1, true, s.required, s.emit);
+  }
+  void interface(const LayerConfig& c, const Exchange& ex, std::int64_t tile_rows, Pass pass, std::int64_t from, std::int64_t to,
+                 const Emit& emit) const override {
+    const RequiredOf none = [](std::int64_t) { return std::int64_t{0}; };
+    rank_puts_to_experts(c, ex, tile_rows, pass, from, to, emit);
+    rank_puts_to_sources(c, ex, tile_rows, pass, from, to, false, none, emit, ReturnPuts::all);
+    node_forwards(c, ex, tile_rows, pass, from, to, false, none, emit);
+    node_combines(c, ex, tile_rows, pass, from, to, false, none, emit);
+  }
+};
+
+}  // namespace
+
+const SchemeSteps& rank_steps() {
+  static const RankSteps steps;
+  return steps;
 }
 
 }  // namespace hpmoe::taskflow
