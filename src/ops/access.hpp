@@ -23,11 +23,11 @@ namespace hpmoe::taskflow {
 
 // What the op table (ops/table.cpp) says of each kind.
 const char* name(TaskKind);
-QueueClass queue_class(TaskKind);
+inline QueueClass queue_class(TaskKind k) { return facts(k).queue; }
 // A put to a peer (dispatch, combine and their gradients): an all-to-all in
 // the serialized operator sequence.
-bool is_put(TaskKind);
-ExpertHome expert_home(TaskKind);
+inline bool is_put(TaskKind k) { return facts(k).put; }
+inline ExpertHome expert_home(TaskKind k) { return facts(k).expert_home; }
 // The serialized baseline's operator sequence over the same tiles: one task
 // kind per operator, in the order a framework runs them.
 const std::vector<TaskKind>& operator_order(Pass);

@@ -81,8 +81,27 @@ struct KindRole {
   KernelScope kernel_scope = KernelScope::inside;
 };
 
-// The role of a kind (the op table's entry, ops/table.cpp).
-const KindRole& role(TaskKind);
+// What the scheduler, verifier and simulator ask of a kind on their hot
+// paths, flat by kind (built once from the op table, ops/table.cpp): its
+// role, whether it is a put, its queue and where its expert lives.
+struct KindFacts {
+  KindRole role;
+  bool put = false;
+  QueueClass queue = QueueClass::vector;
+  ExpertHome expert_home = ExpertHome::none;
+};
+namespace detail {
+const KindFacts* kind_facts();
+[[noreturn]] void bad_kind(TaskKind);
+}  // namespace detail
+inline const KindFacts& facts(TaskKind k) {
+  static const KindFacts* const table = detail::kind_facts();
+  if (static_cast<std::size_t>(k) >= static_cast<std::size_t>(TaskKind::count)) [[unlikely]]
+    detail::bad_kind(k);
+  return table[static_cast<std::size_t>(k)];
+}
+// The role of a kind (the op table's entry).
+inline const KindRole& role(TaskKind k) { return facts(k).role; }
 
 // What a put feeds at its peer, for the critical-path estimate.
 inline TaskKind fed_kind(const KindRole& r) { return r.feeds != TaskKind::count ? r.feeds : r.consumer; }

@@ -103,10 +103,22 @@ namespace hpmoe::taskflow {
 const char* name(TaskKind k) {
   return static_cast<std::size_t>(k) < static_cast<std::size_t>(TaskKind::count) ? ops::op(k).name : "?";
 }
-QueueClass queue_class(TaskKind k) { return ops::op(k).access.queue; }
-bool is_put(TaskKind k) { return ops::op(k).access.put; }
-ExpertHome expert_home(TaskKind k) { return ops::op(k).access.expert_home; }
-const KindRole& role(TaskKind k) { return ops::op(k).role; }
+namespace detail {
+const KindFacts* kind_facts() {
+  static const auto table = [] {
+    std::array<KindFacts, static_cast<std::size_t>(TaskKind::count)> t{};
+    for (std::size_t i = 0; i < t.size(); ++i) {
+      const ops::OpKind& k = ops::op(static_cast<TaskKind>(i));
+      t[i] = KindFacts{k.role, k.access.put, k.access.queue, k.access.expert_home};
+    }
+    return t;
+  }();
+  return table.data();
+}
+void bad_kind(TaskKind k) {
+  throw Error("task kind #" + std::to_string(static_cast<int>(k)) + " is not a kind of the op table");
+}
+}  // namespace detail
 const std::vector<TaskKind>& operator_order(Pass pass) {
   return pass == Pass::forward ? ops::index().forward : ops::index().backward;
 }

@@ -81,8 +81,8 @@ class Interleaved final : public InterleavedExecutor::Impl {
   void pack_part(std::int64_t i, const LayerWeights& w, bool backward);
   // The packed weights rank r computes expert e with: its part's, if split.
   const PartWeights* part_of(int r, std::int32_t e) const {
-    if (!placement_.is_split(e)) return nullptr;
-    return &part_packed_[static_cast<std::size_t>(placement_.instance_on(e, r))];
+    if (!layer_placement_.is_split(e)) return nullptr;
+    return &part_packed_[static_cast<std::size_t>(layer_placement_.instance_on(e, r))];
   }
   RhsView<T> w1_of(int r, std::int32_t e) const { const auto* pw = part_of(r, e); return (pw ? pw->w1 : packed_->w1[e]).view(); }
   RhsView<T> w2_of(int r, std::int32_t e) const { const auto* pw = part_of(r, e); return (pw ? pw->w2 : packed_->w2[e]).view(); }
@@ -333,7 +333,11 @@ class Interleaved final : public InterleavedExecutor::Impl {
   LayerConfig c_;
   const LayerWeights& w_;
   RuntimeOptions opt_;
-  ExpertPlacement placement_;
+  // The layer's placement: what is packed, split and reduced here (its
+  // instance ids index part_packed_). A step's placement adds the homes it
+  // lends (plan.placement(), whose instance ids index the exchange): the two
+  // are never mixed for one index.
+  ExpertPlacement layer_placement_;
   const taskflow::AccessTable* table_;  // where every task's operands come from
   std::shared_ptr<Transport> tr_;
   WorkerActivity activity_;  // watched by the transport's progress thread

@@ -81,7 +81,7 @@ void Interleaved<T>::bind(const taskflow::Program& p, int r, StepResult& res) {
             auto& slots = w1 ? s.dw1_slots : s.dw2_slots;
             slots.clear();
             for (const std::int32_t e : p.local_experts)
-              slots.push_back(placement_.owner(e) == r && !placement_.is_split(e)
+              slots.push_back(layer_placement_.owner(e) == r && !layer_placement_.is_split(e)
                                   ? bytes_of((w1 ? res.grads.w1 : res.grads.w2)[e].data.data())
                                   : bytes_of(replica_partial(r, e, w1).data()));
             break;
@@ -118,9 +118,9 @@ void Interleaved<T>::prepare_forward(StepResult& res) {
         // step's instances (lent homes included, which shift the numbers of
         // the experts after them), so its placement names the first part.
         const std::int32_t e = res.routing.expert[static_cast<std::size_t>(global)];
-        if (placement_.is_split(e)) {
+        if (layer_placement_.is_split(e)) {
           const std::int64_t n = plan.ex().count(r, plan.placement().first_instance(e));
-          for (std::int64_t part = 1; part < placement_.parts(e); ++part) {
+          for (std::int64_t part = 1; part < layer_placement_.parts(e); ++part) {
             send_token[row + part * n] = static_cast<std::int32_t>(a / K);
             send_assign[row + part * n] = a;
           }

@@ -50,9 +50,9 @@ void Interleaved<T>::assemble_split_gradients(StepResult& res) {
   const std::int64_t H = c_.hidden, I = c_.expert_inter;
   // Rank r's part of expert e written into a whole [H, 2I] and [I, H] pair.
   const auto scatter = [&](int r, std::int64_t e, float* dw1, float* dw2) {
-    const std::int64_t i = placement_.instance_on(e, r);
+    const std::int64_t i = layer_placement_.instance_on(e, r);
     if (i < 0) return;
-    const auto [c0, c1] = placement_.part_columns(i, I);
+    const auto [c0, c1] = layer_placement_.part_columns(i, I);
     const std::int64_t Ip = c1 - c0;
     const float* p1 = replica_partial(r, static_cast<std::int32_t>(e), true).data();
     const float* p2 = replica_partial(r, static_cast<std::int32_t>(e), false).data();
@@ -63,11 +63,11 @@ void Interleaved<T>::assemble_split_gradients(StepResult& res) {
       }
     for (std::int64_t k = 0; k < Ip * H; ++k) dw2[c0 * H + k] = 0.0f + p2[k];
   };
-  for (const auto& sp : placement_.splits()) {
+  for (const auto& sp : layer_placement_.splits()) {
     const auto e = static_cast<std::size_t>(sp.expert);
     if (!sharded()) {
-      for (std::int64_t j = 0; j < placement_.home_count(sp.expert); ++j)
-        scatter(placement_.instance_rank(placement_.first_instance(sp.expert) + j), sp.expert, res.grads.w1[e].data.data(),
+      for (std::int64_t j = 0; j < layer_placement_.home_count(sp.expert); ++j)
+        scatter(layer_placement_.instance_rank(layer_placement_.first_instance(sp.expert) + j), sp.expert, res.grads.w1[e].data.data(),
                 res.grads.w2[e].data.data());
       continue;
     }
@@ -76,7 +76,7 @@ void Interleaved<T>::assemble_split_gradients(StepResult& res) {
     const int me = local_.front();
     scatter(me, sp.expert, reduce_scratch_.data(), reduce_scratch_.data() + n1);
     tr_->sum_in_rank_order(std::span<float>(reduce_scratch_));
-    if (me == placement_.owner(sp.expert)) {
+    if (me == layer_placement_.owner(sp.expert)) {
       std::copy_n(reduce_scratch_.begin(), n1, res.grads.w1[e].data.begin());
       std::copy_n(reduce_scratch_.begin() + static_cast<std::ptrdiff_t>(n1), n2, res.grads.w2[e].data.begin());
     }

@@ -12,7 +12,7 @@ Interleaved<T>::Interleaved(const LayerConfig& c, const LayerWeights& w, Runtime
     : c_(c),
       w_(w),
       opt_(opt),
-      placement_(placement_or_contiguous(opt.placement, c.routed_experts, c.ranks)),
+      layer_placement_(placement_or_contiguous(opt.placement, c.routed_experts, c.ranks)),
       table_(opt.access_table ? opt.access_table : &taskflow::AccessTable::standard()),
       tr_(opt.transport ? opt.transport : make_inprocess_transport(static_cast<int>(c.ranks))),
       local_(hosted_ranks(*tr_, c.ranks)),
@@ -35,23 +35,23 @@ Interleaved<T>::Interleaved(const LayerConfig& c, const LayerWeights& w, Runtime
   for (int r = 0; r < c.ranks; ++r) all_ranks_.push_back(r);
   for (std::size_t i = 0; i < local_.size(); ++i) {
     index_of_[static_cast<std::size_t>(local_[i])] = static_cast<int>(i);
-    for (const std::int32_t e : placement_.experts_of(local_[i])) {
+    for (const std::int32_t e : layer_placement_.experts_of(local_[i])) {
       // A split expert's parts are packed below; a fetched replica's
       // weights come from its owner by puts every step.
-      if (!packed_->holds(e) && !placement_.is_split(e) && !placement_.borrows(placement_.instance_on(e, local_[i])))
+      if (!packed_->holds(e) && !layer_placement_.is_split(e) && !layer_placement_.borrows(layer_placement_.instance_on(e, local_[i])))
         throw Error("rank " + std::to_string(local_[i]) + " owns expert " + std::to_string(e) +
                     " but this process holds no weights for it: give every process its own experts' weights");
-      if (placement_.owner(e) == local_[i]) owned_.push_back(e);  // replicas: the owner holds the gradient
+      if (layer_placement_.owner(e) == local_[i]) owned_.push_back(e);  // replicas: the owner holds the gradient
     }
   }
   if (sharded() && local_.size() != 1)
     throw Error("a transport that spreads ranks over processes must host one rank per process (this one hosts " +
                 std::to_string(local_.size()) + ")");
-  placement_.check_fits(c.routed_experts, c.ranks, c.expert_inter, c.dtype == DType::bf16 ? 2 : 1);
-  if (placement_.has_splits()) pack_split_parts(opt.backward);
-  phases_ = {taskflow::layer_operators(c, placement_.has_splits(), taskflow::Pass::forward, placement_.fetches_replicas()),
-             taskflow::layer_operators(c, placement_.has_splits(), taskflow::Pass::backward, placement_.fetches_replicas())};
-  fingerprint_ = layer_fingerprint(c, placement_, w);
+  layer_placement_.check_fits(c.routed_experts, c.ranks, c.expert_inter, c.dtype == DType::bf16 ? 2 : 1);
+  if (layer_placement_.has_splits()) pack_split_parts(opt.backward);
+  phases_ = {taskflow::layer_operators(c, layer_placement_.has_splits(), taskflow::Pass::forward, layer_placement_.fetches_replicas()),
+             taskflow::layer_operators(c, layer_placement_.has_splits(), taskflow::Pass::backward, layer_placement_.fetches_replicas())};
+  fingerprint_ = layer_fingerprint(c, layer_placement_, w);
   tr_->watch_workers(&activity_);
 }
 
@@ -69,25 +69,25 @@ void Interleaved<T>::set_tokens(const MatrixView& x) {
   next.validate();
   c_ = next;
   lc_.tokens_per_rank = tokens;
-  fingerprint_ = layer_fingerprint(c_, placement_, w_);
+  fingerprint_ = layer_fingerprint(c_, layer_placement_, w_);
 }
 
 template <class T>
 void Interleaved<T>::weights_changed(std::shared_ptr<const PackedWeights> packed) {
   forward_done_ = nullptr;  // a forward before the change has no backward after it
   if (packed) packed_ = resolve_packing<T>(c_, w_, packed, opt_.backward);
-  if (placement_.has_splits()) pack_split_parts(opt_.backward);
-  fingerprint_ = layer_fingerprint(c_, placement_, w_);
+  if (layer_placement_.has_splits()) pack_split_parts(opt_.backward);
+  fingerprint_ = layer_fingerprint(c_, layer_placement_, w_);
 }
 
 template <class T>
 void Interleaved<T>::pack_split_parts(bool backward) {
   std::vector<std::int64_t> jobs;
   for (const int r : local_)
-    for (const std::int64_t i : placement_.instances_of(r))
-      if (placement_.is_split(placement_.instance_expert(i))) jobs.push_back(i);
-  part_packed_.assign(static_cast<std::size_t>(placement_.instances()), PartWeights{});
-  if (std::all_of(jobs.begin(), jobs.end(), [&](std::int64_t i) { return holds_expert(w_, placement_.instance_expert(i)); })) {
+    for (const std::int64_t i : layer_placement_.instances_of(r))
+      if (layer_placement_.is_split(layer_placement_.instance_expert(i))) jobs.push_back(i);
+  part_packed_.assign(static_cast<std::size_t>(layer_placement_.instances()), PartWeights{});
+  if (std::all_of(jobs.begin(), jobs.end(), [&](std::int64_t i) { return holds_expert(w_, layer_placement_.instance_expert(i)); })) {
     on_all_cores(jobs.size(), [&](std::size_t j) { pack_part(jobs[j], w_, backward); });
     return;
   }
@@ -99,7 +99,7 @@ void Interleaved<T>::pack_split_parts(bool backward) {
   fetched.w1.resize(static_cast<std::size_t>(c_.routed_experts));
   fetched.w2.resize(static_cast<std::size_t>(c_.routed_experts));
   for (const std::int64_t i : jobs) {
-    const auto e = static_cast<std::size_t>(placement_.instance_expert(i));
+    const auto e = static_cast<std::size_t>(layer_placement_.instance_expert(i));
     const bool here = holds_expert(w_, static_cast<std::int64_t>(e));
     if (!here) opt_.expert_source(static_cast<std::int64_t>(e), fetched);
     pack_part(i, here ? w_ : fetched, backward);
@@ -110,9 +110,9 @@ void Interleaved<T>::pack_split_parts(bool backward) {
 
 template <class T>
 void Interleaved<T>::pack_part(std::int64_t i, const LayerWeights& w, bool backward) {
-  const std::int64_t H = c_.hidden, I = c_.expert_inter, e = placement_.instance_expert(i);
+  const std::int64_t H = c_.hidden, I = c_.expert_inter, e = layer_placement_.instance_expert(i);
   {
-    const auto [c0, c1] = placement_.part_columns(i, I);
+    const auto [c0, c1] = layer_placement_.part_columns(i, I);
     const std::int64_t Ip = c1 - c0;
     const Matrix& w1 = w.w1[static_cast<std::size_t>(e)];
     const Matrix& w2 = w.w2[static_cast<std::size_t>(e)];
@@ -160,7 +160,7 @@ void Interleaved<T>::forward(MatrixView x, std::span<const std::int32_t> forced,
   // The step's plan: its layout, the per-rank exchange's routes and token
   // counts, then the forward's programs, proved. (The backward's join the
   // plan when the backward runs: a forward may have none.)
-  planner_.lay_out(plan, c_, placement_, machine_.tile_rows, res.routing, local_);
+  planner_.lay_out(plan, c_, layer_placement_, machine_.tile_rows, res.routing, local_);
   if (c_.exchange == ExchangeMode::rank) exchange_rank_tokens(res);
   const auto times = planner_.compile(plan, c_, machine_, taskflow::Pass::forward, compiled_ranks(), local_);
   res.forward_ops.push_back({"compile", seconds(t1, Clock::now()) - times.verify_seconds});
