@@ -3,7 +3,10 @@
 // and the expert placement alone, and the event numbering of a rank's
 // program. Every rank computes the same layout, so a source knows the
 // receiver's row offsets and event ids without asking. Both executors and
-// the compiler use this one layout.
+// the compiler use this one layout. The per-assignment rows every scheme
+// starts from, the lent homes and the event numbering are in layout.cpp;
+// the per-rank and per-node token blocks, lists and routes in
+// layout_rank.cpp.
 #include <cstdint>
 #include <span>
 #include <vector>

@@ -1,0 +1,298 @@
+// The per-rank and per-node exchanges' layout (compiler/layout.hpp): each
+// source's token blocks and sub-blocks by first instance, its combine lists
+// by last instance, the node blocks a forwarder receives, and one source's
+// routes. The per-assignment rows and the event numbering are layout.cpp's.
+#include <algorithm>
+
+#include "hpmoe/error.hpp"
+#include "compiler/taskflow.hpp"
+#include "compiler/layout.hpp"
+
+namespace hpmoe::taskflow {
+
+void Exchange::set_rank_tokens(std::vector<std::int64_t> first, std::int64_t tokens_per_rank) {
+  const std::int64_t P = ranks_, N = instances_, B = forwards_ ? nodes() * node_slots_ : 0;
+  if (first.size() != static_cast<std::size_t>(2 * P * N + P * B))
+    throw Error("the per-rank exchange's token counts are " + std::to_string(first.size()) +
+                " values; the layer needs two per (source, expert instance) pair" +
+                (forwards_ ? " and one per (source, node, node slot), " : ", ") + std::to_string(2 * P * N + P * B));
+  rank_tokens_.assign(static_cast<std::size_t>(P * P), 0);
+  sub_offset_.assign(static_cast<std::size_t>(P * N), 0);
+  list_offset_.assign(static_cast<std::size_t>(P * N), 0);
+  for (std::int64_t s = 0; s < P; ++s)
+    for (std::int64_t d = 0; d < P; ++d) {
+      std::int64_t rows = 0, n = 0;  // what s sends to d's instances: at least one token iff any row
+      for (const std::int64_t i : placement_.instances_of(d)) {
+        const std::int64_t f = first[static_cast<std::size_t>(s * N + i)];
+        if (f < 0 || f > count(s, i))
+          throw Error("rank " + std::to_string(s) + " reports " + std::to_string(f) + " tokens first sent to expert instance " +
+                      std::to_string(i) + ", which takes " + std::to_string(count(s, i)) + " of its rows");
+        sub_offset_[static_cast<std::size_t>(s * N + i)] = n;
+        rows += count(s, i);
+        n += f;
+      }
+      std::int64_t by_last = 0;  // the same tokens again, by their last instance
+      for (const std::int64_t i : placement_.instances_of(d)) {
+        const std::int64_t l = first[static_cast<std::size_t>(P * N + s * N + i)];
+        if (l < 0 || l > count(s, i))
+          throw Error("rank " + std::to_string(s) + " reports " + std::to_string(l) + " tokens last sent to expert instance " +
+                      std::to_string(i) + ", which takes " + std::to_string(count(s, i)) + " of its rows");
+        list_offset_[static_cast<std::size_t>(s * N + i)] = by_last;
+        by_last += l;
+      }
+      if (by_last != n)
+        throw Error("rank " + std::to_string(s) + " reports " + std::to_string(n) + " tokens for rank " + std::to_string(d) +
+                    " by their first expert there but " + std::to_string(by_last) + " by their last");
+      if (n > tokens_per_rank || (rows > 0) != (n > 0))
+        throw Error("rank " + std::to_string(s) + " reports " + std::to_string(n) + " tokens for rank " + std::to_string(d) +
+                    ", impossible with " + std::to_string(rows) + " rows for it and " + std::to_string(tokens_per_rank) +
+                    " tokens per rank");
+      rank_tokens_[static_cast<std::size_t>(s * P + d)] = n;
+    }
+  if (forwards_) set_node_tokens(std::span<const std::int64_t>(first).subspan(static_cast<std::size_t>(2 * P * N)), tokens_per_rank);
+  first_tokens_ = std::move(first);
+  token_start_.assign(static_cast<std::size_t>((P + 1) * P), 0);
+  token_send_.assign(static_cast<std::size_t>(P * (P + 1)), 0);
+  for (std::int64_t d = 0; d < P; ++d)
+    for (std::int64_t s = 0; s < P; ++s)
+      token_start_[static_cast<std::size_t>((s + 1) * P + d)] = token_start(s, d) + rank_tokens(s, d);
+  for (std::int64_t s = 0; s < P; ++s)
+    for (std::int64_t d = 0; d < P; ++d)
+      token_send_[static_cast<std::size_t>(s * (P + 1) + d + 1)] = token_send_offset(s, d) + rank_tokens(s, d);
+}
+
+void Exchange::set_node_tokens(std::span<const std::int64_t> counts, std::int64_t tokens_per_rank) {
+  const std::int64_t P = ranks_, B = nodes(), R = node_ranks_, S = node_slots_;
+  node_first_.assign(counts.begin(), counts.end());
+  node_sub_.assign(static_cast<std::size_t>(P * B * (S + 1)), 0);
+  for (std::int64_t s = 0; s < P; ++s)
+    for (std::int64_t b = 0; b < B; ++b)
+      for (std::int64_t j = 0; j < S; ++j) {
+        const std::int64_t n = node_first(s, b, j);
+        if (n < 0 || n > tokens_per_rank)
+          throw Error("rank " + std::to_string(s) + " reports " + std::to_string(n) + " tokens in node slot " + std::to_string(j) +
+                      " of node " + std::to_string(b) + ", impossible with " + std::to_string(tokens_per_rank) + " tokens per rank");
+        node_sub_[static_cast<std::size_t>((s * B + b) * (S + 1) + j + 1)] = node_sub_offset(s, b, j) + n;
+      }
+  node_send_.assign(static_cast<std::size_t>(P * (B + 1)), 0);
+  node_start_.assign(static_cast<std::size_t>(P * B), 0);
+  route_start_.assign(static_cast<std::size_t>(P * B), 0);
+  node_recv_.assign(static_cast<std::size_t>(P), 0);
+  route_recv_.assign(static_cast<std::size_t>(P), 0);
+  for (std::int64_t s = 0; s < P; ++s)
+    for (std::int64_t b = 0; b < B; ++b) {
+      // A node block holds each token any rank of the node needs, once.
+      std::int64_t most = 0, sum = 0;
+      for (std::int64_t d = b * R; d < (b + 1) * R; ++d) {
+        most = std::max(most, rank_tokens(s, d));
+        sum += rank_tokens(s, d);
+      }
+      const std::int64_t n = node_tokens(s, b);
+      if (b == node_of(s) ? n != 0 : (n < most || n > std::min(sum, tokens_per_rank)))
+        throw Error("rank " + std::to_string(s) + " reports " + std::to_string(n) + " tokens for node " + std::to_string(b) +
+                    (b == node_of(s) ? ", its own node (which takes none through a forwarder)"
+                                     : ", impossible when its ranks take " + std::to_string(most) + " at most and " +
+                                           std::to_string(sum) + " in all of its " + std::to_string(tokens_per_rank)));
+      node_send_[static_cast<std::size_t>(s * (B + 1) + b + 1)] = node_send_offset(s, b) + n;
+    }
+  // On each forwarder, its sources' blocks in source order.
+  for (std::int64_t s = 0; s < P; ++s)
+    for (std::int64_t b = 0; b < B; ++b) {
+      if (b == node_of(s)) continue;
+      const auto f = static_cast<std::size_t>(forwarder(s, b));
+      node_start_[static_cast<std::size_t>(s * B + b)] = node_recv_[f];
+      route_start_[static_cast<std::size_t>(s * B + b)] = route_recv_[f];
+      node_recv_[f] += node_tokens(s, b);
+      for (std::int64_t d = b * R; d < (b + 1) * R; ++d) route_recv_[f] += rank_tokens(s, d);
+    }
+}
+
+namespace {
+// The per-node exchange's lists of source s (RankRoutes::node_*), from its
+// token list (list_begin: each destination's rows there).
+void node_lists(const Exchange& ex, std::int64_t s, std::int64_t T, std::span<const std::size_t> list_begin, RankRoutes& r) {
+  const std::int64_t B = ex.nodes(), R = ex.ranks() / B, S = ex.node_slots();
+  r.node_count.assign(static_cast<std::size_t>(B * S), 0);
+  r.node_tokens.clear();
+  r.node_index.assign(2 * r.tokens.size(), -1);
+  std::vector<std::int32_t> at(static_cast<std::size_t>(T));
+  std::vector<std::int64_t> slot_of(static_cast<std::size_t>(T)), next(static_cast<std::size_t>(S));
+  for (std::int64_t b = 0; b < B; ++b) {
+    if (b == ex.node_of(s)) continue;
+    // Each token's node slot: its lowest slot over the node's ranks (a
+    // rank's list runs sub-block by sub-block, r.first[i] rows each).
+    std::fill(slot_of.begin(), slot_of.end(), S);
+    for (std::int64_t d = b * R; d < (b + 1) * R; ++d) {
+      std::size_t row = list_begin[static_cast<std::size_t>(d)];
+      for (const std::int64_t i : ex.placement().instances_of(d))
+        for (std::int64_t k = 0; k < r.first[static_cast<std::size_t>(i)]; ++k, ++row) {
+          auto& j = slot_of[static_cast<std::size_t>(r.tokens[row])];
+          j = std::min(j, ex.instance_slot(i));
+        }
+    }
+    // A counting sort by node slot, each sub-block in token order.
+    std::int64_t* count = r.node_count.data() + b * S;
+    for (std::int64_t t = 0; t < T; ++t)
+      if (const std::int64_t j = slot_of[static_cast<std::size_t>(t)]; j < S) ++count[j];
+    const auto base = static_cast<std::int64_t>(r.node_tokens.size());
+    std::int64_t total = 0;
+    for (std::int64_t j = 0; j < S; ++j) next[static_cast<std::size_t>(j)] = total, total += count[j];
+    r.node_tokens.resize(static_cast<std::size_t>(base + total));
+    for (std::int64_t t = 0; t < T; ++t)
+      if (const std::int64_t j = slot_of[static_cast<std::size_t>(t)]; j < S) {
+        const std::int64_t row = next[static_cast<std::size_t>(j)]++;
+        at[static_cast<std::size_t>(t)] = static_cast<std::int32_t>(row);
+        r.node_tokens[static_cast<std::size_t>(base + row)] = static_cast<std::int32_t>(t);
+      }
+    // Per row of the node's ranks' token lists, and of their combine lists
+    // (a destination's list holds its block's tokens in another order),
+    // the token's row in the node block; each token's row among the sums
+    // the forwarder returns (after the token lists' rows).
+    // (Exchange::node_sum_start, from this list's own offsets.)
+    const std::int64_t cols = 2 * ex.ranks() + B, own = ex.node_of(s);
+    const auto own_list = static_cast<std::int64_t>(list_begin[static_cast<std::size_t>((own + 1) * R)] - list_begin[static_cast<std::size_t>(own * R)]);
+    for (std::int64_t d = b * R; d < (b + 1) * R; ++d) {
+      const std::size_t lo = list_begin[static_cast<std::size_t>(d)], hi = list_begin[static_cast<std::size_t>(d + 1)];
+      for (std::size_t row = lo; row < hi; ++row) {
+        r.node_index[2 * row] = at[static_cast<std::size_t>(r.tokens[row])];
+        r.node_index[2 * row + 1] = at[static_cast<std::size_t>(r.tokens[lo + static_cast<std::size_t>(r.list_block[row])])];
+      }
+    }
+    for (std::int64_t j = 0; j < total; ++j)
+      r.list_slot[static_cast<std::size_t>(r.node_tokens[static_cast<std::size_t>(base + j)] * cols + 2 * ex.ranks() + b)] =
+          own_list + base + j;
+  }
+}
+}  // namespace
+
+RankRoutes rank_routes(const LayerConfig& c, const Exchange& ex, std::int64_t s, std::span<const std::int64_t> slot,
+                       std::span<const std::int32_t> expert) {
+  const std::int64_t T = c.tokens_per_rank, K = c.top_k, P = ex.ranks(), N = ex.instances();
+  const ExpertPlacement& placement = ex.placement();
+  if (static_cast<std::int64_t>(slot.size()) != T * K || expert.size() != slot.size())
+    throw Error("rank_routes: " + std::to_string(slot.size()) + " send slots and " + std::to_string(expert.size()) +
+                " experts for " + std::to_string(T * K) + " assignments");
+  RankRoutes r;
+  const std::int64_t send = ex.send_rows(s);
+  r.row_token.assign(static_cast<std::size_t>(send), -1);
+  r.row_assign.assign(static_cast<std::size_t>(send), -1);
+  for (std::int64_t a = 0; a < T * K; ++a) {
+    const std::int64_t row = slot[static_cast<std::size_t>(a)];
+    if (row < 0) continue;
+    if (row >= send) throw Error("rank_routes: send row " + std::to_string(row) + " is outside rank " + std::to_string(s) + "'s " + std::to_string(send));
+    const std::int32_t e = expert[static_cast<std::size_t>(a)];
+    // A split expert's rows go to every part: the same token in each part's
+    // block of the source's send order.
+    const std::int64_t parts = placement.is_split(e) ? placement.parts(e) : 1;
+    const std::int64_t n = ex.count(s, placement.first_instance(e));
+    for (std::int64_t part = 0; part < parts; ++part) {
+      r.row_token[static_cast<std::size_t>(row + part * n)] = static_cast<std::int32_t>(a / K);
+      r.row_assign[static_cast<std::size_t>(row + part * n)] = a;
+    }
+  }
+  for (std::int64_t row = 0; row < send; ++row)
+    if (r.row_token[static_cast<std::size_t>(row)] < 0)
+      throw Error("rank_routes: no assignment of rank " + std::to_string(s) + " fills its send row " + std::to_string(row) +
+                  ": the send slots do not match the exchange's counts");
+  // Each token's first instance on each destination (lowest slot), then
+  // the destination's block: sub-block by sub-block, each in token order.
+  r.first.assign(static_cast<std::size_t>(2 * N), 0);
+  const std::int64_t slot_cols = 2 * P + ex.nodes();  // each token's list rows, sum rows by rank, sum rows by node
+  r.list_slot.assign(static_cast<std::size_t>(T * slot_cols), -1);
+  r.position.assign(static_cast<std::size_t>(send), -1);
+  std::vector<std::int64_t> first_of(static_cast<std::size_t>(T)), last_of(static_cast<std::size_t>(T)),
+      at(static_cast<std::size_t>(T)), list_at(static_cast<std::size_t>(T));
+  const auto rows_to = [&](std::int64_t d, auto&& fn) {  // fn(send row, its instance) for every row s sends to d
+    for (std::int64_t i = 0; i < N; ++i)
+      if (placement.instance_rank(i) == d)
+        for (std::int64_t row = ex.send_offset(s, i); row < ex.send_offset(s, i) + ex.count(s, i); ++row) fn(row, i);
+  };
+  std::vector<std::size_t> list_begin(static_cast<std::size_t>(P + 1), 0);  // each destination's rows in the token list
+  for (std::int64_t d = 0; d < P; ++d) {
+    list_begin[static_cast<std::size_t>(d)] = r.tokens.size();
+    std::fill(first_of.begin(), first_of.end(), -1);
+    std::fill(last_of.begin(), last_of.end(), -1);
+    rows_to(d, [&](std::int64_t row, std::int64_t i) {
+      const auto t = static_cast<std::size_t>(r.row_token[static_cast<std::size_t>(row)]);
+      if (first_of[t] < 0 || ex.instance_slot(i) < ex.instance_slot(first_of[t])) first_of[t] = i;
+      if (last_of[t] < 0 || ex.instance_slot(i) > ex.instance_slot(last_of[t])) last_of[t] = i;
+    });
+    // A counting sort by first instance: sub-blocks in slot order, each in
+    // token order, in O(T) per destination.
+    const auto homes = placement.instances_of(d);
+    for (std::int64_t t = 0; t < T; ++t)
+      if (const std::int64_t f = first_of[static_cast<std::size_t>(t)]; f >= 0) ++r.first[static_cast<std::size_t>(f)];
+    std::vector<std::int64_t> next(homes.size());
+    std::int64_t total = 0;
+    for (std::size_t j = 0; j < homes.size(); ++j) {
+      next[j] = total;
+      total += r.first[static_cast<std::size_t>(homes[j])];
+    }
+    const std::size_t base = r.tokens.size();
+    r.tokens.resize(base + static_cast<std::size_t>(total));
+    for (std::int64_t t = 0; t < T; ++t)
+      if (const std::int64_t f = first_of[static_cast<std::size_t>(t)]; f >= 0) {
+        const std::int64_t row = next[static_cast<std::size_t>(ex.instance_slot(f))]++;
+        at[static_cast<std::size_t>(t)] = row;
+        r.tokens[base + static_cast<std::size_t>(row)] = static_cast<std::int32_t>(t);
+      }
+    // The combine's list: the same tokens by last instance, each sub-list
+    // in token order.
+    for (std::int64_t t = 0; t < T; ++t)
+      if (const std::int64_t l = last_of[static_cast<std::size_t>(t)]; l >= 0) ++r.first[static_cast<std::size_t>(N + l)];
+    total = 0;
+    for (std::size_t j = 0; j < homes.size(); ++j) {
+      next[j] = total;
+      total += r.first[static_cast<std::size_t>(N + homes[j])];
+    }
+    r.list_block.resize(r.tokens.size());
+    for (std::int64_t t = 0; t < T; ++t)
+      if (const std::int64_t l = last_of[static_cast<std::size_t>(t)]; l >= 0) {
+        const std::int64_t row = next[static_cast<std::size_t>(ex.instance_slot(l))]++;
+        list_at[static_cast<std::size_t>(t)] = row;
+        r.list_block[base + static_cast<std::size_t>(row)] = static_cast<std::int32_t>(at[static_cast<std::size_t>(t)]);
+        r.list_slot[static_cast<std::size_t>(t * slot_cols + d)] = static_cast<std::int64_t>(base) + row;
+        // Its sum's row (Exchange::sum_start, from this list's own offsets:
+        // the exchange may not hold the token counts yet).
+        if (!ex.forwarded(s, d))
+          r.list_slot[static_cast<std::size_t>(t * slot_cols + P + d)] =
+              static_cast<std::int64_t>(base - (ex.forwards() ? list_begin[static_cast<std::size_t>(ex.node_of(s) * (P / ex.nodes()))] : 0)) + row;
+      }
+    r.comb_row.resize(r.tokens.size() * static_cast<std::size_t>(K), -1);
+    rows_to(d, [&](std::int64_t row, std::int64_t i) {
+      const auto t = static_cast<std::size_t>(r.row_token[static_cast<std::size_t>(row)]);
+      const std::int64_t list_row = list_at[t];
+      r.position[static_cast<std::size_t>(row)] = static_cast<std::int32_t>(at[t]);
+      // The row this send row fills on d, for the sum there of the token's choices.
+      const std::int64_t k = r.row_assign[static_cast<std::size_t>(row)] % K;
+      r.comb_row[(base + static_cast<std::size_t>(list_row)) * static_cast<std::size_t>(K) + static_cast<std::size_t>(k)] =
+          static_cast<std::int32_t>(ex.expert_start(i) + ex.source_offset(s, i) + (row - ex.send_offset(s, i)));
+    });
+  }
+  list_begin[static_cast<std::size_t>(P)] = r.tokens.size();
+  if (c.forwards()) node_lists(ex, s, T, list_begin, r);
+  return r;
+}
+
+std::vector<std::int64_t> rank_token_counts(const LayerConfig& c, const ExpertPlacement& placement, const RoutingCounts& counts,
+                                             const RouterOutput<float>& r, std::int64_t tile_rows) {
+  const Exchange ex(c, placement, counts, tile_rows);
+  const std::int64_t P = c.ranks, n = c.tokens_per_rank * c.top_k;
+  std::vector<int> all(static_cast<std::size_t>(P));
+  for (std::int64_t q = 0; q < P; ++q) all[static_cast<std::size_t>(q)] = static_cast<int>(q);
+  const std::vector<std::int64_t> slot = send_slots(c, ex, r, all);
+  const std::int64_t N = ex.instances();
+  const std::int64_t B = c.forwards() ? c.nodes() * ex.node_slots() : 0;
+  std::vector<std::int64_t> tokens(static_cast<std::size_t>(2 * P * N + P * B));
+  for (std::int64_t s = 0; s < P; ++s) {
+    const auto first = static_cast<std::size_t>(s * n);
+    const RankRoutes routes = rank_routes(c, ex, s, std::span<const std::int64_t>(slot).subspan(first, static_cast<std::size_t>(n)),
+                                          std::span<const std::int32_t>(r.expert).subspan(first, static_cast<std::size_t>(n)));
+    std::copy(routes.first.begin(), routes.first.begin() + N, tokens.begin() + s * N);
+    std::copy(routes.first.begin() + N, routes.first.end(), tokens.begin() + (P + s) * N);
+    std::copy(routes.node_count.begin(), routes.node_count.end(), tokens.begin() + 2 * P * N + s * B);
+  }
+  return tokens;
+}
+
+}  // namespace hpmoe::taskflow
