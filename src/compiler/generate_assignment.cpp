@@ -180,6 +180,17 @@ class AssignmentSteps final : public SchemeSteps {
   void returns(StepEmitter& s) const override {
     assignment_puts_to_sources(s.c, s.ex, s.TR, s.pass, s.rank, -1, output_base(s), s.n_down, s.emit);
   }
+  // The rows that come back (COMB, DCOMB) and the staged tiles.
+  void forward_return_buffers(const BufferDecl& d) const override {
+    d.add(BufferId::comb, d.send, d.H, d.elem, Region::symmetric);
+  }
+  void forward_exchange_buffers(const BufferDecl& d) const override {
+    if (staged_in(d.c, Pass::forward)) d.add(BufferId::recv_staged, d.recv, d.c.dispatch_row_bytes(), 1, Region::symmetric);
+  }
+  void backward_buffers(const BufferDecl& d) const override {
+    d.add(BufferId::dcomb, d.send, d.H, d.elem, Region::symmetric);
+    if (staged_in(d.c, Pass::backward)) d.add(BufferId::dy_staged, d.recv, 2 * d.H, 1, Region::symmetric);
+  }
   void interface(const LayerConfig& c, const Exchange& ex, std::int64_t tile_rows, Pass pass, std::int64_t from, std::int64_t to,
                  const Emit& emit) const override {
     assignment_puts_to_experts(c, ex, tile_rows, pass, from, to, emit);

@@ -3,7 +3,7 @@
 // symmetric region at offsets every rank derives from the exchange.
 #include <algorithm>
 
-#include "compiler/generate_parts.hpp"
+#include "compiler/generate_step.hpp"
 #include "compiler/layout.hpp"
 #include "ops/combine_list.hpp"
 
@@ -24,6 +24,11 @@ void add_buffer(Program& p, BufferId id, std::int64_t rows, std::int64_t cols, s
 std::int64_t panel_width(std::int64_t n) { return (n + kPanelCols - 1) / kPanelCols * kPanelCols; }
 
 }  // namespace
+
+void BufferDecl::add(BufferId id, std::int64_t rows, std::int64_t cols, std::int64_t elem_bytes, Region region,
+                     Layout layout) const {
+  add_buffer(p, id, rows, cols, elem_bytes, region, layout);
+}
 
 void declare_buffers(Program& p, const LayerConfig& c, const Exchange& ex, Pass pass, std::int64_t rank) {
   const std::int64_t H = c.hidden, I = c.expert_inter, Is = c.shared_inter_total(), T = c.tokens_per_rank,
@@ -56,36 +61,11 @@ void declare_buffers(Program& p, const LayerConfig& c, const Exchange& ex, Pass 
   add_buffer(p, BufferId::h1, recv, 2 * I, 4, local);
   add_buffer(p, BufferId::a, recv, I, elem, local);
   add_buffer(p, BufferId::y, recv, H, elem, local);
-  const bool by_rank = c.exchange == ExchangeMode::rank;
-  if (!by_rank) add_buffer(p, BufferId::comb, send, H, elem, sym);
+  const SchemeSteps& scheme = scheme_steps(c);
+  const BufferDecl decl{p, c, ex, pass, rank, H, K, T, elem, comb_elem, recv, send};
+  scheme.forward_return_buffers(decl);
   add_buffer(p, BufferId::out, T, H, 4, bound);
-  if (staged_in(c, Pass::forward)) add_buffer(p, BufferId::recv_staged, recv, c.dispatch_row_bytes(), 1, sym);
-  const std::int64_t list = by_rank && ex.has_rank_tokens() ? ex.token_send_offset(rank, ex.ranks()) : 0;
-  // The rows its sums come back to (Exchange::sum_rows).
-  const std::int64_t sums = by_rank && ex.has_rank_tokens() ? ex.sum_rows(rank) : 0;
-  if (by_rank) {
-    if (!ex.has_rank_tokens())
-      throw Error("the per-rank exchange needs each source's token count per destination rank (rank_token_counts); "
-                  "this exchange was built from expert counts alone");
-    const std::int64_t blocks = ex.token_recv_rows(rank);
-    add_buffer(p, BufferId::rank_token, list, 1, 4, local);
-    add_buffer(p, BufferId::rank_route, send, 2, 4, local);
-    if (c.staged_dispatch()) add_buffer(p, BufferId::recv_tok, blocks, c.dispatch_row_bytes(), 1, sym);
-    else add_buffer(p, BufferId::recv_tok, blocks, H, elem, sym);
-    add_buffer(p, BufferId::recv_route, recv, 2, 4, sym);
-    add_buffer(p, BufferId::rank_comb, list, ops::CombineList::words(K), 4, local);
-    add_buffer(p, BufferId::recv_comb, blocks, ops::CombineList::words(K), 4, sym);
-    add_buffer(p, BufferId::comb_rank, sums, H, comb_elem, sym);
-    add_buffer(p, BufferId::rank_slot, T, 2 * c.ranks + ex.nodes(), 8, local);
-    if (ex.forwards()) {  // the per-node exchange: lists of the source, blocks, routes and sums of the forwarder
-      add_buffer(p, BufferId::node_token, ex.node_send_offset(rank, ex.nodes()), 1, 4, local);
-      add_buffer(p, BufferId::node_index, list, 2, 4, local);
-      if (c.staged_dispatch()) add_buffer(p, BufferId::node_tok, ex.node_recv_rows(rank), c.dispatch_row_bytes(), 1, sym);
-      else add_buffer(p, BufferId::node_tok, ex.node_recv_rows(rank), H, elem, sym);
-      add_buffer(p, BufferId::node_route, ex.node_route_recv_rows(rank), 2, 4, sym);
-      add_buffer(p, BufferId::node_comb, ex.node_route_recv_rows(rank), H, comb_elem, sym);
-    }
-  }
+  scheme.forward_exchange_buffers(decl);
   if (shared) {
     add_buffer(p, BufferId::sh_h, T, 2 * Is, 4, local);
     add_buffer(p, BufferId::sh_a, T, Is, elem, local);
@@ -109,22 +89,7 @@ void declare_buffers(Program& p, const LayerConfig& c, const Exchange& ex, Pass 
   add_buffer(p, BufferId::dhp, kpad, panel_width(2 * I), elem, local, Layout::panels);
   add_buffer(p, BufferId::xt, H, kpad, elem, local);
   add_buffer(p, BufferId::dw1, L * H, 2 * I, 4, bound);
-  if (by_rank) {
-    add_buffer(p, BufferId::gw_rank, list, K, 4, sym);
-    add_buffer(p, BufferId::dcomb_rank, sums, H, comb_elem, sym);
-  } else {
-    add_buffer(p, BufferId::dcomb, send, H, elem, sym);
-  }
-  if (staged_in(c, Pass::backward)) add_buffer(p, BufferId::dy_staged, recv, 2 * H, 1, sym);
-  if (by_rank) {
-    if (c.staged_grad_dispatch()) add_buffer(p, BufferId::dy_tok, ex.token_recv_rows(rank), 2 * H, 1, sym);
-    else add_buffer(p, BufferId::dy_tok, ex.token_recv_rows(rank), H, elem, sym);
-    if (ex.forwards()) {
-      if (c.staged_grad_dispatch()) add_buffer(p, BufferId::node_dy, ex.node_recv_rows(rank), 2 * H, 1, sym);
-      else add_buffer(p, BufferId::node_dy, ex.node_recv_rows(rank), H, elem, sym);
-      add_buffer(p, BufferId::node_dcomb, ex.node_route_recv_rows(rank), H, comb_elem, sym);
-    }
-  }
+  scheme.backward_buffers(decl);
   if (shared) {
     add_buffer(p, BufferId::sh_dout, T, H, elem, local);
     add_buffer(p, BufferId::sh_da, T, Is, 4, local);

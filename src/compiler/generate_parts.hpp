@@ -27,6 +27,21 @@ struct TaskSpec {
   std::int64_t wait_event = -1, wait_count = 0, trigger_event = -1;
 };
 using Emit = std::function<void(const TaskSpec&)>;
+
+// A rank's buffers as declare_buffers writes them (generate_buffers.cpp),
+// in order: each buffer after the last one of its region, so that every
+// rank derives the same offsets in the symmetric region. The schemes add
+// their own (SchemeSteps).
+struct BufferDecl {
+  Program& p;
+  const LayerConfig& c;
+  const Exchange& ex;
+  Pass pass;
+  std::int64_t rank;
+  std::int64_t H, K, T, elem, comb_elem, recv, send;
+  void add(BufferId id, std::int64_t rows, std::int64_t cols, std::int64_t elem_bytes, Region region,
+           Layout layout = Layout::row_major) const;
+};
 // The count an event of the generating rank completes at.
 using RequiredOf = std::function<std::int64_t(std::int64_t)>;
 

@@ -366,6 +366,8 @@ class RankSteps final : public SchemeSteps {
               .wait_count = s.required(s.ev.gw_done), .trigger_event = s.ev.gw + t});
   }
   bool router_first() const override { return false; }
+  // The rows of the source's token list (every destination's block).
+  static std::int64_t token_list(const BufferDecl& d) { return d.ex.token_send_offset(d.rank, d.ex.ranks()); }
   // Forward: the sums. Backward: the gate gradients, then the router (which
   // waits for every rank's), then the dx sums; then a forwarder's node sums.
   void returns(StepEmitter& s) const override {
@@ -377,6 +379,46 @@ class RankSteps final : public SchemeSteps {
       rank_puts_to_sources(s.c, s.ex, s.TR, s.pass, s.rank, -1, true, s.required, s.emit, ReturnPuts::sums);
     }
     node_combines(s.c, s.ex, s.TR, s.pass, s.rank, -1, true, s.required, s.emit);
+  }
+  // The source's token list, routes and combine lists; the blocks, routes
+  // and lists it receives; the sums that come back; a forwarder's node
+  // blocks, routes and sums.
+  void forward_exchange_buffers(const BufferDecl& d) const override {
+    const LayerConfig& c = d.c;
+    const Exchange& ex = d.ex;
+    if (!ex.has_rank_tokens())
+      throw Error("the per-rank exchange needs each source's token count per destination rank (rank_token_counts); "
+                  "this exchange was built from expert counts alone");
+    constexpr Region sym = Region::symmetric, local = Region::local;
+    const std::int64_t list = token_list(d), blocks = ex.token_recv_rows(d.rank), row_bytes = c.dispatch_row_bytes();
+    d.add(BufferId::rank_token, list, 1, 4, local);
+    d.add(BufferId::rank_route, d.send, 2, 4, local);
+    if (c.staged_dispatch()) d.add(BufferId::recv_tok, blocks, row_bytes, 1, sym);
+    else d.add(BufferId::recv_tok, blocks, d.H, d.elem, sym);
+    d.add(BufferId::recv_route, d.recv, 2, 4, sym);
+    d.add(BufferId::rank_comb, list, ops::CombineList::words(d.K), 4, local);
+    d.add(BufferId::recv_comb, blocks, ops::CombineList::words(d.K), 4, sym);
+    d.add(BufferId::comb_rank, ex.sum_rows(d.rank), d.H, d.comb_elem, sym);  // the rows its sums come back to
+    d.add(BufferId::rank_slot, d.T, 2 * c.ranks + ex.nodes(), 8, local);
+    if (!ex.forwards()) return;
+    d.add(BufferId::node_token, ex.node_send_offset(d.rank, ex.nodes()), 1, 4, local);
+    d.add(BufferId::node_index, list, 2, 4, local);
+    if (c.staged_dispatch()) d.add(BufferId::node_tok, ex.node_recv_rows(d.rank), row_bytes, 1, sym);
+    else d.add(BufferId::node_tok, ex.node_recv_rows(d.rank), d.H, d.elem, sym);
+    d.add(BufferId::node_route, ex.node_route_recv_rows(d.rank), 2, 4, sym);
+    d.add(BufferId::node_comb, ex.node_route_recv_rows(d.rank), d.H, d.comb_elem, sym);
+  }
+  void backward_buffers(const BufferDecl& d) const override {
+    const Exchange& ex = d.ex;
+    constexpr Region sym = Region::symmetric;
+    d.add(BufferId::gw_rank, token_list(d), d.K, 4, sym);
+    d.add(BufferId::dcomb_rank, ex.sum_rows(d.rank), d.H, d.comb_elem, sym);
+    if (d.c.staged_grad_dispatch()) d.add(BufferId::dy_tok, ex.token_recv_rows(d.rank), 2 * d.H, 1, sym);
+    else d.add(BufferId::dy_tok, ex.token_recv_rows(d.rank), d.H, d.elem, sym);
+    if (!ex.forwards()) return;
+    if (d.c.staged_grad_dispatch()) d.add(BufferId::node_dy, ex.node_recv_rows(d.rank), 2 * d.H, 1, sym);
+    else d.add(BufferId::node_dy, ex.node_recv_rows(d.rank), d.H, d.elem, sym);
+    d.add(BufferId::node_dcomb, ex.node_route_recv_rows(d.rank), d.H, d.comb_elem, sym);
   }
   void interface(const LayerConfig& c, const Exchange& ex, std::int64_t tile_rows, Pass pass, std::int64_t from, std::int64_t to,
                  const Emit& emit) const override {

@@ -160,6 +160,12 @@ class SchemeSteps {
   virtual bool router_first() const = 0;
   // The returns of the pass (the backward's may place the router).
   virtual void returns(StepEmitter&) const = 0;
+  // The scheme's buffers, at their places in a rank's list: the forward's
+  // returned rows (before the output), the forward's exchange (after it),
+  // and the backward's returns and exchange.
+  virtual void forward_return_buffers(const BufferDecl&) const {}
+  virtual void forward_exchange_buffers(const BufferDecl&) const = 0;
+  virtual void backward_buffers(const BufferDecl&) const = 0;
   // The interface between two ranks' programs: the puts `from` makes into
   // `to`, without their waits (interface_puts, the per-rank proof's).
   virtual void interface(const LayerConfig&, const Exchange&, std::int64_t tile_rows, Pass, std::int64_t from, std::int64_t to,
