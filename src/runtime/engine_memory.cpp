@@ -1,8 +1,8 @@
 // The engine's memory: every rank's symmetric segment and local region for
 // a step's programs, each buffer bound to its memory (the caller's tensors
 // for the bound ones), and the host's part of the forward and backward.
-#include "ops/combine_list.hpp"
 #include "runtime/engine.hpp"
+#include "runtime/host_tables.hpp"
 
 namespace hpmoe::detail {
 
@@ -127,36 +127,12 @@ void Interleaved<T>::prepare_forward(StepResult& res) {
         }
       }
     }
-    if (c_.exchange == ExchangeMode::rank) {  // the per-rank exchange's token lists and routes
-      const taskflow::RankRoutes& routes = plan.routes[static_cast<std::size_t>(i)];
-      std::copy(routes.tokens.begin(), routes.tokens.end(), base<std::int32_t>(r, BufferId::rank_token));
-      auto* route = base<std::int32_t>(r, BufferId::rank_route);
-      for (std::size_t row = 0; row < routes.position.size(); ++row) {
-        route[2 * row] = routes.position[row];
-        const float g = res.routing.weight[static_cast<std::size_t>(i * T_ * K + routes.row_assign[row])];
-        std::memcpy(&route[2 * row + 1], &g, sizeof g);
-      }
-      // The combine lists: per list row, the token's row in its block, the
-      // receive row of each of its K choices on the list's destination, and
-      // their gates; each token's list rows.
-      auto* list = base<std::int32_t>(r, BufferId::rank_comb);
-      const std::int64_t words = ops::CombineList::words(K);
-      for (std::int64_t d = 0, row = 0; d < c_.ranks; ++d)
-        for (const std::int64_t block = plan.ex().token_send_offset(r, d); row < plan.ex().token_send_offset(r, d + 1); ++row) {
-          const ops::CombineList::Writer w{list + row * words, K};
-          const std::int32_t at = routes.list_block[static_cast<std::size_t>(row)];
-          const std::int64_t t = routes.tokens[static_cast<std::size_t>(block + at)];
-          w.block_row(at);
-          for (std::int64_t k = 0; k < K; ++k)
-            w.choice(k, routes.comb_row[static_cast<std::size_t>(row * K + k)],
-                     res.routing.weight[static_cast<std::size_t>(i * T_ * K + t * K + k)]);
-        }
-      std::copy(routes.list_slot.begin(), routes.list_slot.end(), base<std::int64_t>(r, BufferId::rank_slot));
-      if (c_.forwards()) {  // the per-node exchange's node lists and routes
-        std::copy(routes.node_tokens.begin(), routes.node_tokens.end(), base<std::int32_t>(r, BufferId::node_token));
-        std::copy(routes.node_index.begin(), routes.node_index.end(), base<std::int32_t>(r, BufferId::node_index));
-      }
-    }
+    if (c_.exchange == ExchangeMode::rank)  // the per-rank exchange's tables
+      fill_rank_tables(plan, c_, r, i, res.routing,
+                       {base<std::int32_t>(r, BufferId::rank_token), base<std::int32_t>(r, BufferId::rank_route),
+                        base<std::int32_t>(r, BufferId::rank_comb), base<std::int64_t>(r, BufferId::rank_slot),
+                        c_.forwards() ? base<std::int32_t>(r, BufferId::node_token) : nullptr,
+                        c_.forwards() ? base<std::int32_t>(r, BufferId::node_index) : nullptr});
     if constexpr (!std::is_same_v<T, float>)
       for (std::int64_t t = 0; t < T_; ++t) kernels::store<T>(x_.row(i * T_ + t), base<T>(r, BufferId::x) + t * H, H);
   }
