@@ -21,6 +21,7 @@
 #include <type_traits>
 
 #include "runtime/executor_parts.hpp"
+#include "runtime/gradient_reducer.hpp"
 #include "runtime/step_plan.hpp"
 #include "compiler/layout.hpp"
 #include "comm/event_wait.hpp"
@@ -166,29 +167,6 @@ class Interleaved final : public InterleavedExecutor::Impl {
     return text;
   }
 
-  // Sum over ranks, in rank order, of the replicated weights' gradients,
-  // on every process. Each rank's part is its backward program's local
-  // buffer; over MPI the ranks pass the partial sum along in rank order.
-  // A replica's partial gradient of expert e on rank r (W1 or W2 shaped).
-  std::vector<float>& replica_partial(int r, std::int32_t e, bool w1);
-
-  // Replicated experts: each home computed the gradient of the rows it
-  // received; the expert's gradient is their sum in home order (ranks
-  // ascending), from +0, on its owner. Over MPI the same sum runs through
-  // every rank in rank order (ranks without the expert add zeros, which
-  // leaves every partial sum bit for bit as it is).
-  void reduce_replica_gradients(StepResult& res);
-
-  // Split experts: each part computed the gradient of its own columns
-  // (W1's gate and up columns side by side, W2's rows), complete. The
-  // expert's gradient, on its owner (part 0's rank), is the sum in rank
-  // order from +0 of every rank's columns, zeros elsewhere: over MPI
-  // through every rank (sum_in_rank_order), in process the same sum, so the
-  // bits agree (each element has one non-zero term; +0 + v is v, but +0 for
-  // v = -0).
-  void assemble_split_gradients(StepResult& res);
-
-  void reduce_replicated(StepResult& res);
 
   // 64-byte aligned bytes that keep their contents when grown.
   struct AlignedBytes {
@@ -345,9 +323,7 @@ class Interleaved final : public InterleavedExecutor::Impl {
   LayerConfig lc_;          // the layer with only the hosted ranks (their tokens, in order)
   std::vector<int> index_of_;          // rank -> its index in local_, or -1
   std::vector<std::int32_t> owned_;    // experts the hosted ranks own (hold the gradient of)
-  std::map<std::pair<int, std::int32_t>, std::vector<float>> replica_w1_, replica_w2_;  // (rank, expert): a replica's partial
   std::vector<PartWeights> part_packed_;  // [instance]: split experts' parts held here
-  std::vector<float> reduce_scratch_;
   std::uint64_t fingerprint_ = 0;      // of layer, placement, format and replicated weights
   std::vector<std::uint64_t> count_block_;  // the count exchange's blocks
   WorkerPool pool_;
@@ -385,6 +361,9 @@ class Interleaved final : public InterleavedExecutor::Impl {
   // Plans each step (in process, the whole set proved at once; sharded,
   // each hosted rank's own program against the interface of the exchanged
   // counts, or, as an audit, every rank's program regenerated here).
+  // Makes the step's gradients whole after the backward launch; holds the
+  // replicas' and split parts' partials the dW tiles write.
+  GradientReducer reducer_{c_, layer_placement_};
   StepPlanner planner_{StepPlanner::Options{opt_.policy, opt_.verify_programs, whole_set_verified(), opt_.after_compile}};
 };
 

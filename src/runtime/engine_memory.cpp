@@ -83,7 +83,7 @@ void Interleaved<T>::bind(const taskflow::Program& p, int r, StepResult& res) {
             for (const std::int32_t e : p.local_experts)
               slots.push_back(layer_placement_.owner(e) == r && !layer_placement_.is_split(e)
                                   ? bytes_of((w1 ? res.grads.w1 : res.grads.w2)[e].data.data())
-                                  : bytes_of(replica_partial(r, e, w1).data()));
+                                  : bytes_of(reducer_.partial(r, e, w1).data()));
             break;
           }
           default:

@@ -204,9 +204,8 @@ void Interleaved<T>::backward(MatrixView d_out, StepResult& res) {
   res.backward_seconds = launch(plan.backward, res);
   if (!opt_.phased) res.backward_ops.push_back({"launch", res.backward_seconds});
   const auto r0 = Clock::now();
-  reduce_replicated(res);
-  reduce_replica_gradients(res);
-  assemble_split_gradients(res);
+  reducer_.reduce(res, plan.placement(),
+                  {*tr_, local_, sharded(), [this](int q, BufferId id) -> const float* { return base<float>(q, id); }});
   res.backward_ops.push_back({"reduce_replicated_grads", seconds(r0, Clock::now())});
   forward_done_ = nullptr;  // one backward per forward
 }
