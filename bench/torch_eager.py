@@ -76,7 +76,7 @@ def run_dtype(args, dtype, torch, hpmoe):
     """One dtype: hpmoe (both executors, checked against its oracle), then PyTorch eager on the same layer."""
     sets = list(args.set) + (["dtype=bf16"] if dtype == "bf16" else [])
     layer = ["--preset", args.preset, "-P", str(args.ranks), "-T", str(args.tokens)] + sum((["--set", s] for s in sets), [])
-    config = json.loads(subprocess.run([args.hpmoe, "config", "--preset", args.preset] + sum((["--set", s] for s in sets), []),
+    config = json.loads(subprocess.run([args.hpmoe, "config", "--flat", "--preset", args.preset] + sum((["--set", s] for s in sets), []),
                                        check=True, capture_output=True, text=True).stdout)
     if config["scoring"] != "softmax" or config.get("capacity_factor", 0) or config.get("groups", 1) != 1:
         sys.exit("torch_eager.py models softmax top-k routing without groups or capacity (DeepseekV2MoE); "

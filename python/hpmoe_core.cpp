@@ -560,6 +560,12 @@ std::string config_with(const std::string& config_json, const std::map<std::stri
   return to_json(c).dump();
 }
 
+// A config in either of hpmoe's forms (`hpmoe config`'s "layer" and "run"
+// sections, or one object of fields) as one object of fields, checked.
+std::string flat_config(const std::string& config_json) {
+  return to_json(config_from_json(nlohmann::json::parse(config_json))).dump();
+}
+
 void bias_update(py::array_t<float, py::array::c_style> bias, const py::array_t<std::int64_t, py::array::c_style | py::array::forcecast>& load, double rate) {
   if (bias.ndim() != 1 || load.ndim() != 1 || bias.shape(0) != load.shape(0))
     throw Error("bias and load must both be [experts]");
@@ -607,5 +613,6 @@ PYBIND11_MODULE(_core, m) {
         py::arg("message"), py::arg("code") = 2);
   m.def("config_file_json", &config_file_json, py::arg("path"), py::arg("base_json"));
   m.def("config_with", &config_with, py::arg("config_json"), py::arg("fields"));
+  m.def("flat_config", &flat_config, py::arg("config_json"));
   m.def("update_expert_bias", &bias_update, py::arg("bias"), py::arg("load"), py::arg("rate"));
 }

@@ -322,6 +322,8 @@ class MoELayer(nn.Module):
             raise ValueError(f"config must be a preset's name (hpmoe.preset_names()) or a layer config dict "
                              f"(hpmoe.preset(...), hpmoe.from_hf_config(...)), got {type(config).__name__} {config!r}")
         cfg = dict(preset(config) if isinstance(config, str) else config)
+        if "layer" in cfg or "run" in cfg:  # `hpmoe config`'s two sections: one object of fields
+            cfg = json.loads(_core.flat_config(json.dumps(cfg)))
         if dtype is not None:
             if dtype not in ("fp32", "bf16"):
                 raise ValueError(f"dtype must be 'fp32' or 'bf16', got {dtype!r}")

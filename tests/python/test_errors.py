@@ -9,3 +9,18 @@ import hpmoe
 def test_a_config_that_is_not_one_is_a_value_error(config):
     with pytest.raises(ValueError, match="config must be a preset's name .* or a layer config dict"):
         hpmoe.MoELayer(config)
+
+
+def test_the_cli_configs_sections_load_and_a_misplaced_field_is_named():
+    """`hpmoe config` prints the layer and how it runs as two sections (issue 59): the module takes them, and
+    a field under the other part's section is a ValueError naming it."""
+    flat = hpmoe.preset("tiny")
+    run_fields = {"tokens_per_rank", "ranks", "dispatch_dtype", "grad_dispatch_dtype", "exchange", "combine_dtype",
+                  "ranks_per_node", "node_forwarding", "lend_weights"}
+    sections = {"layer": {k: v for k, v in flat.items() if k not in run_fields},
+                "run": {k: v for k, v in flat.items() if k in run_fields}}
+    m = hpmoe.MoELayer(sections, ranks=2)
+    assert m.config["hidden"] == flat["hidden"] and m.config["ranks"] == 2
+    sections["layer"]["ranks"] = 2
+    with pytest.raises(ValueError, match="'ranks' is how the layer runs: put it under \"run\""):
+        hpmoe.MoELayer(sections)

@@ -420,7 +420,7 @@ def test_cli_and_module_bit_identical(tmp_path, fields):
     saved = load_safetensors(tmp_path / "outputs.safetensors")
     m = hpmoe.MoELayer(config, ranks=2)
     state = {k[len("mlp."):]: v for k, v in w.items()}
-    if not config["expert_bias"]:  # the CLI saves the (zero) bias either way
+    if not config["layer"]["expert_bias"]:  # the CLI saves the (zero) bias either way
         del state["gate.e_score_correction_bias"]
     m.load_state_dict(state)
     m.config["bias_update_rate"] = 0.0

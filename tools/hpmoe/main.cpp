@@ -321,12 +321,13 @@ struct CalibrateCommand {
 struct ConfigCommand {
   CLI::App* app = nullptr;
   LayerOptions layer;
-  bool list_fields = false;
+  bool list_fields = false, flat = false;
 
   void add(CLI::App& parent) {
     app = parent.add_subcommand("config", "print a layer config (preset, imported file, overrides) as JSON");
     layer.add_to(*app, false);
     app->add_flag("--fields", list_fields, "list the field names --set accepts");
+    app->add_flag("--flat", flat, "print one object of every field (what earlier versions printed) instead of the \"layer\" and \"run\" sections");
   }
 
   int execute() {
@@ -334,7 +335,8 @@ struct ConfigCommand {
       for (const auto& f : config_fields()) std::cout << f << "\n";
       return 0;
     }
-    std::cout << to_sections_json(layer.resolve()).dump(2) << "\n";
+    const LayerConfig c = layer.resolve();
+    std::cout << (flat ? to_json(c) : to_sections_json(c)).dump(2) << "\n";
     return 0;
   }
 };
