@@ -1,11 +1,13 @@
 #pragma once
 // Internal to the runtime: the engine behind InterleavedExecutor (and so
 // behind hpmoe::Layer). One class template per dtype; its members live by
-// job in the engine_*.cpp files (a step: routing, counts, compile, verify;
-// the launch: workers, waits, signals, watchdog; memory: buffers bound to
-// the program; reductions of replicated and split gradients) and the task
-// bodies in ops_forward.cpp and ops_backward.cpp. Each file instantiates
-// its own members for fp32 and bf16.
+// job in the engine_*.cpp files (a step: routing, the count exchanges, the
+// plan (step_plan.hpp); the launch: workers, waits, signals, watchdog;
+// memory: buffers bound to the plan's programs; a tile: the op table's
+// body through its TileHost). The gradients are made whole by the
+// GradientReducer (gradient_reducer.hpp), the per-rank exchange's host
+// tables filled by host_tables.hpp. Each file instantiates its own members
+// for fp32 and bf16.
 #include <array>
 #include <cstdio>
 #include <atomic>
