@@ -12,7 +12,7 @@
 #include <chrono>
 #include <thread>
 
-#include "runtime/interleaved.hpp"
+#include "hpmoe/layer.hpp"
 #include "kernels/kernels.hpp"
 
 using namespace hpmoe;
@@ -58,13 +58,18 @@ void BM_SerializedLayer(benchmark::State& state) {
   const double roofline = double(std::max(1u, std::thread::hardware_concurrency())) * tile;
   const auto w = random_weights(c, 1);
   const auto in = random_inputs(c, 1);
-  InterleavedExecutor exec(c, w, serialized_schedule(RuntimeOptions{.workers_per_rank = 1, .backward = backward, .pin = true}));
-  StepResult r;
-  exec.step(in, {}, r);  // warm
+  Layer layer(c, w, Parallel{.workers_per_rank = 1, .schedule = Schedule::serialized, .backward = backward, .pin = true});
+  auto step = [&] {
+    Layer::Step s = layer.forward(in.x);
+    if (backward) s.backward(view(in.d_out));
+    return s;
+  };
+  step();  // warm
   double flops = 0, total = 0;
   for (auto _ : state) {
     const auto t0 = std::chrono::steady_clock::now();
-    exec.step(in, {}, r);
+    const Layer::Step done = step();
+    const StepResult& r = done.result();
     const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     state.SetIterationTime(sec);
     total += sec;

@@ -13,7 +13,8 @@
 #include <chrono>
 #include <thread>
 
-#include "runtime/interleaved.hpp"
+#include "hpmoe/layer.hpp"
+#include "runtime/layer_inspect.hpp"
 #include "comm/event_wait.hpp"
 
 using namespace hpmoe;
@@ -66,24 +67,23 @@ void BM_PerTaskCost(benchmark::State& state) {
   const LayerConfig c = empty_tiles_layer(ranks, 4096 / ranks);
   const auto w = random_weights(c, 1);
   const auto in = random_inputs(c, 1);
-  RuntimeOptions opt;
-  opt.workers_per_rank = 1;
-  opt.pin = true;
-  InterleavedExecutor inter(c, w, opt);
-  InterleavedExecutor serial(c, w, serialized_schedule(RuntimeOptions{.workers_per_rank = 1, .backward = false, .pin = true}));
-  StepResult a, b;
-  inter.step(in, {}, a);
-  serial.step(in, {}, b);
+  // One layer, both schedules on the same packing (an engine each).
+  Layer layer(c, w, Parallel{.workers_per_rank = 1, .backward = false, .pin = true});
+  const ForwardOptions serialized{.schedule = Schedule::serialized};
+  layer.forward(in.x);
+  layer.forward(view(in.x), serialized);
   double launch = 0, d2c = 0;
-  for (auto _ : state) {
-    inter.step(in, {}, a);
-    serial.step(in, {}, b);
-    launch += a.dispatch_to_combine_seconds;
-    d2c += b.dispatch_to_combine_seconds;
-    state.SetIterationTime(a.dispatch_to_combine_seconds);
-  }
   std::int64_t tasks = 0;
-  for (const auto& p : inter.programs()) tasks += static_cast<std::int64_t>(p.tasks.size());
+  for (auto _ : state) {
+    const Layer::Step a = layer.forward(in.x);
+    const double a_seconds = a.result().dispatch_to_combine_seconds;
+    if (tasks == 0)
+      for (const auto& p : StepInspector::programs(a)) tasks += static_cast<std::int64_t>(p.tasks.size());
+    const Layer::Step b = layer.forward(view(in.x), serialized);
+    launch += a_seconds;
+    d2c += b.result().dispatch_to_combine_seconds;
+    state.SetIterationTime(a_seconds);
+  }
   const double n = double(state.iterations());
   state.counters["tasks_per_rank"] = double(tasks) / double(ranks);
   state.counters["ns_per_task"] = launch / n / (double(tasks) / double(ranks)) * 1e9;

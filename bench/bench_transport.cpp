@@ -23,7 +23,8 @@
 
 #include "hpmoe/error.hpp"
 #include "common/stats.hpp"
-#include "runtime/interleaved.hpp"
+#include "hpmoe/layer.hpp"
+#include "runtime/layer_inspect.hpp"
 #include "hpmoe/transport.hpp"
 #include "comm/event_wait.hpp"
 
@@ -106,16 +107,14 @@ int main(int argc, char** argv) {
     const auto own = placement.experts_of(me);
     const auto w = random_weights(c, 1, std::vector<std::int32_t>(own.begin(), own.end()));
     const auto in = random_inputs(c, 1, std::vector<int>{me});
-    RuntimeOptions opt;
-    opt.transport = tr;
-    InterleavedExecutor inter(c, w, opt);
-    StepResult res;
+    Layer layer(c, w, Parallel{.transport = tr, .backward = false});
     std::vector<double> launch;
+    double tasks = 0;
     for (int i = 0; i < 21; ++i) {
-      inter.step(in, {}, res);
-      if (i > 0) launch.push_back(res.dispatch_to_combine_seconds);
+      const Layer::Step done = layer.forward(in.x);
+      if (i > 0) launch.push_back(done.result().dispatch_to_combine_seconds);
+      tasks = double(StepInspector::programs(done)[static_cast<std::size_t>(me)].tasks.size());
     }
-    const double tasks = double(inter.programs()[static_cast<std::size_t>(me)].tasks.size());
     if (me == 0) {
       std::printf("transport: %s\n", tr->describe().c_str());
       std::printf("signal-to-wake one way: %.2f us (median of 7 x 2000 round trips)\n", median(wake) * 1e6);

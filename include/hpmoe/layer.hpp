@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <utility>
 #include <vector>
@@ -48,6 +49,22 @@ class StepObserver {
   virtual void on_backward(const StepResult&) {}
 };
 
+// Where a sharded process's experts come from when its weights do not hold
+// them (a run over MPI draws or reads each one): called with an expert id
+// and weights to fill that expert of; the layer packs it and releases the
+// raw copy, so that the raw and packed copies of all experts never coexist.
+using ExpertSource = std::function<void(std::int64_t expert, LayerWeights&)>;
+
+// Faults injected on purpose, for tests and tools of the watchdog and of
+// peer failure (hpmoe run --fault); none in training.
+struct RuntimeFault {
+  enum Kind { none, exit_process, freeze_process, stall } kind = none;
+  // exit_process: the process hosting this rank dies at its first launch;
+  // freeze_process: it stops (SIGSTOP: alive but silent, like a host whose
+  // link went down); stall: this rank's worker 0 waits before its first task
+  int rank = 0;
+};
+
 // Where and how the layer runs: the ranks are the spec's (LayerConfig::ranks).
 struct Parallel {
   int workers_per_rank = 1;
@@ -61,6 +78,27 @@ struct Parallel {
   double watchdog_seconds = 10.0;        // a wait longer than this fails the step, naming task and event
   bool trace = false;                    // record a slice per task in StepResult::trace
   std::vector<std::shared_ptr<StepObserver>> observers{};  // told of every forward and backward
+  // Over a transport each process proves its own rank's program against the
+  // interface the exchanged counts predict. This audit instead compiles
+  // every rank's program in every process and proves the whole set (P
+  // times the compile cost).
+  bool verify_all_ranks = false;
+  // Over a transport: the weights given hold the replicated parameters only,
+  // and each expert this process holds comes from here, once (whole experts
+  // when the layer is built, a tensor-parallel split's parts when a step
+  // first computes them). Empty: the weights given hold this process's experts.
+  ExpertSource expert_source{};
+  RuntimeFault fault{};  // injected into the engines of `schedule` (tests)
+};
+
+// One forward's choices beyond its tokens.
+struct ForwardOptions {
+  std::span<const std::int32_t> forced{};  // replaces the router's choice (synthetic or recorded routing)
+  MutableMatrixView out{};                 // when given, receives the output
+  // This step's schedule; unset: Parallel::schedule. A layer keeps an
+  // engine per schedule it has run, on the one packing of its weights, so
+  // that a tool can run the same steps both ways and compare them bit for bit.
+  std::optional<Schedule> schedule{};
 };
 
 // What a caller changed in the weights it edits through Layer::weights().
@@ -105,6 +143,7 @@ class Layer {
 
    private:
     friend class Layer;
+    friend struct StepInspector;  // runtime/layer_inspect.hpp: the tools' view of a step's programs
     struct State;
     explicit Step(std::unique_ptr<State>);
     std::unique_ptr<State> s_;
@@ -114,7 +153,10 @@ class Layer {
   // any T >= 1; read in place, and it must stay alive and unchanged until
   // the step's backward has run. `forced` replaces the router's choice
   // (synthetic or recorded routing); `out`, when given, receives the output.
-  Step forward(MatrixView x, std::span<const std::int32_t> forced = {}, MutableMatrixView out = {});
+  Step forward(MatrixView x, std::span<const std::int32_t> forced = {}, MutableMatrixView out = {}) {
+    return forward(x, ForwardOptions{forced, out, std::nullopt});
+  }
+  Step forward(MatrixView x, const ForwardOptions& options);
   Step forward(const Matrix& x) { return forward(view(x)); }
 
   const LayerConfig& spec() const;

@@ -22,7 +22,8 @@
 #include "common/memory.hpp"
 #include "common/stats.hpp"
 #include "kernels/kernels.hpp"
-#include "runtime/interleaved.hpp"
+#include "hpmoe/layer.hpp"
+#include "runtime/layer_inspect.hpp"
 #include "kernels/peak.hpp"
 #include "cli/calibrate.hpp"
 
@@ -162,25 +163,22 @@ double undisturbed_rate(std::vector<double> rounds) {
 json vector_kind_rates(const LayerConfig& c, int workers, int steps) {
   const auto w = random_weights(c, 7);
   const auto in = random_inputs(c, 7);
-  RuntimeOptions ropt;
-  ropt.workers_per_rank = workers;
-  ropt.backward = true;
-  ropt.trace = true;
-  InterleavedExecutor inter(c, w, ropt);
+  Layer layer(c, w, Parallel{.workers_per_rank = workers, .trace = true});
   // Zipf routing: the experts get from a few rows to many, as a routed
   // layer's do (a pack's rate per byte depends on its rows).
   const std::vector<std::int32_t> forced = forced_selection(c, parse_routing_spec("zipf:1.2", 7));
   const auto& table = taskflow::AccessTable::standard();
   constexpr auto kinds = static_cast<std::size_t>(taskflow::TaskKind::count);
   std::vector<std::vector<double>> rates(kinds);
-  StepResult res;
   for (int step = 0; step <= steps; ++step) {  // step 0 warms
-    inter.step(in, forced, res);
+    Layer::Step done = layer.forward(view(in.x), forced);
+    done.backward(view(in.d_out));
     if (step == 0) continue;
+    const StepResult& res = done.result();
     std::array<double, kinds> bytes{}, seconds{};
     std::unordered_map<std::string_view, std::size_t> vector_kind;  // a slice's name -> its kind
     for (const auto pass : {taskflow::Pass::forward, taskflow::Pass::backward})
-      for (const auto& program : inter.programs(pass))
+      for (const auto& program : StepInspector::programs(done, pass))
         for (const auto& t : program.tasks)
           if (table[t.kind].queue == taskflow::QueueClass::vector && !taskflow::is_put(t.kind)) {
             bytes[static_cast<std::size_t>(t.kind)] += table.work(program, t).bytes;
@@ -329,31 +327,26 @@ TaskOverheads measure_task_overheads(int W, bool quick, double barrier) {
   const LayerConfig c = empty_tiles_layer(1, 4096);
   const auto w = random_weights(c, 1);
   const auto in = random_inputs(c, 1);
-  RuntimeOptions ropt;
-  ropt.workers_per_rank = W;
-  InterleavedExecutor inter(c, w, ropt);
-  StepResult res;
+  Layer layer(c, w, Parallel{.workers_per_rank = W, .backward = false});
   std::vector<double> v;
+  std::size_t tasks = 0;
+  std::vector<bool> kinds(static_cast<std::size_t>(taskflow::TaskKind::count), false);
   for (int i = 0; i < (quick ? 3 : 15); ++i) {
-    inter.step(in, {}, res);
-    v.push_back(res.dispatch_to_combine_seconds);
+    const Layer::Step done = layer.forward(in.x);
+    v.push_back(done.result().dispatch_to_combine_seconds);
+    const auto& program = StepInspector::programs(done)[0];
+    tasks = program.tasks.size();
+    for (const auto& t : program.tasks) kinds[static_cast<std::size_t>(t.kind)] = true;
   }
-  const auto& program = inter.programs()[0];
-  const double per_task = median(v) * W / double(program.tasks.size());
+  const double per_task = median(v) * W / double(tasks);
   // The serialized baseline over the same tasks: dealt out in turn, a
   // barrier after each operator. Less the barriers the simulator charges
   // (one between operators), what is left is its cost per task.
-  ropt.phased = true;
-  InterleavedExecutor phased(c, w, ropt);
   v.clear();
-  for (int i = 0; i < (quick ? 3 : 15); ++i) {
-    phased.step(in, {}, res);
-    v.push_back(res.dispatch_to_combine_seconds);
-  }
-  std::vector<bool> kinds(static_cast<std::size_t>(taskflow::TaskKind::count), false);
-  for (const auto& t : program.tasks) kinds[static_cast<std::size_t>(t.kind)] = true;
+  for (int i = 0; i < (quick ? 3 : 15); ++i)
+    v.push_back(layer.forward(view(in.x), ForwardOptions{.schedule = Schedule::serialized}).result().dispatch_to_combine_seconds);
   const auto operators = std::count(kinds.begin(), kinds.end(), true);
-  const double serialized_per_task = std::max(0.0, median(v) - double(operators - 1) * barrier) * W / double(program.tasks.size());
+  const double serialized_per_task = std::max(0.0, median(v) - double(operators - 1) * barrier) * W / double(tasks);
   return {per_task, serialized_per_task};
 }
 

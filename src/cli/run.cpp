@@ -17,7 +17,6 @@
 #include "hpmoe/error.hpp"
 #include "kernels/kernels.hpp"
 #include "hpmoe/reference.hpp"
-#include "runtime/interleaved.hpp"
 #include "cli/trace.hpp"
 #include "hpmoe/safetensors.hpp"
 
@@ -186,36 +185,37 @@ RunReport run_layer(const RunRequest& req, const std::function<void(const std::s
   StepChoices choices(c, req.routing, -1);
   const ExpertPlacement placement = placement_or_contiguous(req.placement, c.routed_experts, c.ranks);
   say("packing weights for the tile kernels");
-  Executors x = make_executors(req, w, placement, pack_weights(c, w, req.backward), false);
+  Executors x = make_executors(req, std::move(w), placement);
+  const LayerWeights& weights = x.layer->weights();
 
   RunReport rep = report_header(req, placement, x);
 
   Steps steps;
   run_steps(req, x, in, choices, steps, rep.soak, say);
-  auto& [serialized, interleaved, last, inter_last] = steps;
-  summarize_into(rep, serialized, interleaved);
-  if (!x.use_serialized) last = std::move(inter_last);  // interleaved only: verify and report its step
-  describe_step(rep, c, w, placement, last);
+  summarize_into(rep, steps.serialized, steps.interleaved);
+  const StepResult& last = steps.last();  // the serialized step's, or the interleaved one's when it runs alone
+  describe_step(rep, c, weights, placement, last);
 
   if (req.verify != VerifyMode::off) say("verifying against the fp64 oracle");
-  rep.verification = verify(req, w, in, last);
+  rep.verification = verify(req, weights, in, last);
   auto record = [&](const Comparison& ch) {
     rep.verification.checks.push_back(ch);
     rep.verification.pass = rep.verification.pass && ch.pass;
   };
-  if (x.use_serialized && x.inter) record(bit_identity("interleaved = serialized", last, inter_last, c, req.backward));
+  if (x.use_serialized && x.use_interleaved)
+    record(bit_identity("interleaved = serialized", last, steps.inter_last(), c, req.backward));
   if (rep.soak.checks > 0) record(soak_check(rep.soak));
   if (x.trace) {
     std::vector<TracedRun> runs;
     if (x.use_serialized) runs.push_back({"serialized", &last});
-    if (x.inter)
-      runs.push_back({"interleaved (" + std::string(taskflow::name(req.policy)) + ")", x.use_serialized ? &inter_last : &last});
+    if (x.use_interleaved)
+      runs.push_back({"interleaved (" + std::string(taskflow::name(req.policy)) + ")", &steps.inter_last()});
     if (!req.trace_file.empty()) write_chrome_trace(req.trace_file, runs);
     if (!req.timeline_file.empty()) write_timeline_svg(req.timeline_file, runs);
   }
   if (!req.save_dir.empty()) {
     say("saving tensors to " + req.save_dir);
-    save_layer(req.save_dir, c, w, in, last.routing, last.out, req.backward ? &last.grads : nullptr);
+    save_layer(req.save_dir, c, weights, in, last.routing, last.out, req.backward ? &last.grads : nullptr);
   }
   return rep;
 }

@@ -5,13 +5,14 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
 
 #include "cli/run.hpp"
 #include "hpmoe/reference.hpp"
-#include "runtime/interleaved.hpp"
+#include "hpmoe/layer.hpp"
 
 namespace hpmoe::run_detail {
 
@@ -93,20 +94,24 @@ struct ExecutorSamples {
   }
 };
 
-// The executors of a run: the serialized baseline and the interleaved
-// runtime. In process the baseline is its own executor; over MPI (sharded)
-// it is the runtime's phased mode on the same transport.
+// The layer a run measures, and which schedules it runs: the serialized
+// baseline and the interleaved runtime, alternating on one layer (one
+// packing of its weights, an engine per schedule). In process and over MPI
+// (sharded: the baseline then runs on the same transport and links).
 struct Executors {
-  std::unique_ptr<InterleavedExecutor> serial;
-  std::unique_ptr<InterleavedExecutor> inter, phased;
+  std::unique_ptr<Layer> layer;
   bool use_serialized = false, use_interleaved = false, trace = false;
 };
 
-// The measured steps of a run. Side by side: the executors alternate on
-// the same inputs.
+// The measured steps of a run. Side by side: the schedules alternate on
+// the same inputs; each one's last step is kept for the report.
 struct Steps {
   ExecutorSamples serialized, interleaved;
-  StepResult last, inter_last;
+  std::optional<Layer::Step> serial_step, inter_step;
+  // The step the report describes and verifies: the serialized one's when
+  // the run has it, else the interleaved one's.
+  const StepResult& last() const { return (serial_step ? *serial_step : *inter_step).result(); }
+  const StepResult& inter_last() const { return inter_step->result(); }
 };
 
 // The expert choices of every step: the same each step, or for a routing
@@ -158,8 +163,16 @@ bool plan_oracle(const RunRequest& req, const LayerConfig& c, const StepResult& 
 // oracle's tokens.
 void check_tokens(Verification& v, const OracleResult& ref, const StepResult& res, DType dtype, bool backward);
 
-Executors make_executors(const RunRequest& req, const LayerWeights& w, const ExpertPlacement& placement,
-                         std::shared_ptr<const PackedWeights> packed, bool sharded, ExpertSource expert_source = {});
+// The layer of a run on `w` (moved in; read back through
+// x.layer->weights()); over MPI with `expert_source`, which draws or reads
+// each expert this process holds.
+Executors make_executors(const RunRequest& req, LayerWeights w, const ExpertPlacement& placement,
+                         ExpertSource expert_source = {});
+
+// A whole step of `schedule` on the layer: the forward and, with backward,
+// its backward on in.d_out.
+Layer::Step one_step(Layer& layer, const LayerInputs& in, std::span<const std::int32_t> forced, Schedule schedule,
+                     bool backward);
 
 // A whole step of one executor bit for bit against another's: outputs and,
 // with backward, every gradient.

@@ -20,7 +20,6 @@
 #include "hpmoe/error.hpp"
 #include "kernels/kernels.hpp"
 #include "hpmoe/reference.hpp"
-#include "runtime/interleaved.hpp"
 #include "cli/trace.hpp"
 #include "hpmoe/safetensors.hpp"
 
@@ -310,12 +309,10 @@ RunReport run_sharded(const RunRequest& req, const std::function<void(const std:
     if (checkpoint) load_expert(*checkpoint, c, e, into);
     else random_expert(c, req.seed, e, into);
   };
-  // Whole experts packed here; the executor packs only its parts of split ones.
-  std::vector<std::int32_t> whole;
-  for (const std::int32_t e : held)
-    if (!placement.is_split(e)) whole.push_back(e);
-  const auto packed = pack_weights(c, w, req.backward, whole, fetch);
-  Executors x = make_executors(req, w, placement, packed, true, fetch);
+  // Whole experts packed as the layer is made; its engine packs only its
+  // parts of split ones.
+  Executors x = make_executors(req, std::move(w), placement, fetch);
+  const LayerWeights& weights = x.layer->weights();
 
   RunReport rep = report_header(req, placement, x);
   rep.sharded = true;
@@ -325,9 +322,10 @@ RunReport run_sharded(const RunRequest& req, const std::function<void(const std:
   Steps steps;
   run_steps(req, x, in, choices, steps, rep.soak, say);
   gather_soak(tr, me, req.warmup, rep.soak);
-  auto& [serialized, interleaved, last, inter_last] = steps;
+  auto& serialized = steps.serialized;
+  auto& interleaved = steps.interleaved;
   // The table's row of this rank, and every step's time as the slowest rank's.
-  const StepResult& shown = x.inter ? inter_last : last;
+  const StepResult& shown = x.use_interleaved ? steps.inter_last() : steps.last();
   const std::int64_t received = rows_into(placement, shown.expert_counts, me);
   const double elem = c.dtype == DType::fp32 ? 4.0 : 2.0;
   const std::vector<double> row{double(me), double(held.size()), double(received),
@@ -343,17 +341,17 @@ RunReport run_sharded(const RunRequest& req, const std::function<void(const std:
   for (auto* v : {&interleaved.forward, &interleaved.backward, &serialized.forward, &serialized.backward})
     slowest_rank(tr, me, *v);
   summarize_into(rep, serialized, interleaved);
-  describe_step(rep, c, w, placement, shown);
+  describe_step(rep, c, weights, placement, shown);
 
   if (req.verify != VerifyMode::off) say("verifying this rank's tokens against the fp64 oracle");
-  rep.verification = merge_verifications(tr, me, verify_own_tokens(req, w, in, shown, me,
+  rep.verification = merge_verifications(tr, me, verify_own_tokens(req, weights, in, shown, me,
                                          checkpoint ? &*checkpoint : nullptr));
   auto record = [&](const Comparison& ch) {
     rep.verification.checks.push_back(ch);
     rep.verification.pass = rep.verification.pass && ch.pass;
   };
-  if (x.inter && x.phased) {  // on every rank, then whether all ranks agree
-    const Comparison local = bit_identity("interleaved = serialized", last, inter_last, c, req.backward);
+  if (x.use_interleaved && x.use_serialized) {  // on every rank, then whether all ranks agree
+    const Comparison local = bit_identity("interleaved = serialized", steps.last(), steps.inter_last(), c, req.backward);
     Comparison ch = local;
     for (const auto& r : allgather_doubles(tr, me, {local.pass ? 1.0 : 0.0, double(local.tensors)})) {
       ch.pass = ch.pass && r[0] != 0;
@@ -366,28 +364,28 @@ RunReport run_sharded(const RunRequest& req, const std::function<void(const std:
   if (req.check_inprocess) {
     // The whole layer once more on the root, in process, from the same seeds
     // (or checkpoint), as the bit-for-bit reference of every MPI executor.
-    std::unique_ptr<InterleavedExecutor> serial;
-    LayerWeights whole;
+    std::optional<Layer> serial;
+    std::optional<Layer::Step> reference;
     LayerInputs whole_in;
-    StepResult reference;
     if (tr.is_root()) {
       say("running the whole layer in process on the root as the reference");
-      whole = req.load_dir.empty() ? random_weights(c, req.seed) : load_weights(req.load_dir, c);
       whole_in = req.load_dir.empty() ? random_inputs(c, req.seed) : load_inputs(req.load_dir, c,
                                     req.backward ? DOut::required : DOut::optional);
-      RuntimeOptions opt;
-      opt.workers_per_rank = req.workers_per_rank;
-      opt.backward = req.backward;
-      opt.pin = false;
-      opt.placement = placement;
-      serial = std::make_unique<InterleavedExecutor>(c, whole, serialized_schedule(opt));
-      serial->step(whole_in, forced_selection(c, last_routing), reference);
+      Parallel par;
+      par.workers_per_rank = req.workers_per_rank;
+      par.schedule = Schedule::serialized;
+      par.backward = req.backward;
+      par.pin = false;
+      par.placement = placement;
+      serial.emplace(c, req.load_dir.empty() ? random_weights(c, req.seed) : load_weights(req.load_dir, c), par);
+      reference = one_step(*serial, whole_in, forced_selection(c, last_routing), Schedule::serialized, req.backward);
     }
-    for (const auto& [name, result] : {std::pair<std::string, const StepResult*>{"phased (mpi)", x.phased ? &last : nullptr},
-                                       {"interleaved (mpi)", x.inter ? &inter_last : nullptr}}) {
+    for (const auto& [name, result] :
+         {std::pair<std::string, const StepResult*>{"phased (mpi)", x.use_serialized ? &steps.last() : nullptr},
+          {"interleaved (mpi)", x.use_interleaved ? &steps.inter_last() : nullptr}}) {
       if (!result) continue;
       const StepResult gathered = gather_step(tr, me, c, placement, *result, req.backward);
-      if (tr.is_root()) record(bit_identity(name + " = in-process serialized", gathered, reference, c, req.backward));
+      if (tr.is_root()) record(bit_identity(name + " = in-process serialized", gathered, reference->result(), c, req.backward));
     }
   }
   if (!req.save_dir.empty()) {
@@ -401,7 +399,7 @@ RunReport run_sharded(const RunRequest& req, const std::function<void(const std:
       if (checkpoint) load_expert(*checkpoint, c, e, into);
       else random_expert(c, req.seed, e, into);
     };
-    t.weights = &w;
+    t.weights = &weights;
     t.inputs = &in;
     t.routing = &shown.routing;
     t.out = &shown.out;
@@ -410,8 +408,9 @@ RunReport run_sharded(const RunRequest& req, const std::function<void(const std:
   }
   if (x.trace && tr.is_root()) {
     std::vector<TracedRun> runs;
-    if (x.phased) runs.push_back({"serialized (phased, rank 0's workers)", &last});
-    if (x.inter) runs.push_back({"interleaved (" + std::string(taskflow::name(req.policy)) + "), rank 0's workers", &inter_last});
+    if (x.use_serialized) runs.push_back({"serialized (phased, rank 0's workers)", &steps.last()});
+    if (x.use_interleaved)
+      runs.push_back({"interleaved (" + std::string(taskflow::name(req.policy)) + "), rank 0's workers", &steps.inter_last()});
     if (!req.trace_file.empty()) write_chrome_trace(req.trace_file, runs);
     if (!req.timeline_file.empty()) write_timeline_svg(req.timeline_file, runs);
   }

@@ -18,48 +18,33 @@
 #include "hpmoe/error.hpp"
 #include "kernels/kernels.hpp"
 #include "hpmoe/reference.hpp"
-#include "runtime/interleaved.hpp"
 #include "cli/trace.hpp"
 #include "hpmoe/safetensors.hpp"
 
 namespace hpmoe {
 namespace run_detail {
 
-Executors make_executors(const RunRequest& req, const LayerWeights& w, const ExpertPlacement& placement,
-                         std::shared_ptr<const PackedWeights> packed, bool sharded, ExpertSource expert_source) {
-  const LayerConfig& c = req.config;
+Executors make_executors(const RunRequest& req, LayerWeights w, const ExpertPlacement& placement,
+                         ExpertSource expert_source) {
   Executors x;
   const RunMode mode = req.mode == RunMode::automatic ? RunMode::both : req.mode;
   x.use_serialized = mode != RunMode::interleaved;
   x.use_interleaved = mode != RunMode::serialized;
   x.trace = !req.trace_file.empty() || !req.timeline_file.empty();
-  RuntimeOptions opt;
-  opt.workers_per_rank = req.workers_per_rank;
-  opt.backward = req.backward;
-  opt.pin = req.pin;
-  opt.packed = packed;
-  opt.trace = x.trace;
-  opt.placement = placement;
-  if (x.use_serialized && !sharded) x.serial = std::make_unique<InterleavedExecutor>(c, w, serialized_schedule(opt));
-  RuntimeOptions ropt;
-  ropt.workers_per_rank = req.workers_per_rank;
-  ropt.policy = req.policy;
-  ropt.backward = req.backward;
-  ropt.packed = packed;
-  ropt.trace = x.trace;
-  ropt.transport = req.transport;
-  ropt.watchdog_seconds = req.watchdog_seconds;
-  ropt.verify_all_ranks = req.verify_all_ranks;
-  ropt.fault = req.fault;
-  ropt.placement = placement;
-  ropt.expert_source = std::move(expert_source);
-  ropt.pin = !x.use_serialized || sharded ? req.pin : false;  // else the serialized executor's pool holds the pinned cores
-  if (x.use_interleaved) x.inter = std::make_unique<InterleavedExecutor>(c, w, ropt);
-  if (x.use_serialized && sharded) {
-    ropt.phased = true;
-    ropt.fault = {};
-    x.phased = std::make_unique<InterleavedExecutor>(c, w, ropt);
-  }
+  Parallel par;
+  par.workers_per_rank = req.workers_per_rank;
+  par.schedule = x.use_interleaved ? Schedule::interleaved : Schedule::serialized;
+  par.policy = req.policy;
+  par.placement = placement;
+  par.transport = req.transport;
+  par.backward = req.backward;
+  par.pin = req.pin;  // both schedules' workers on the same cores: they never run at once
+  par.watchdog_seconds = req.watchdog_seconds;
+  par.trace = x.trace;
+  par.verify_all_ranks = req.verify_all_ranks;
+  par.expert_source = std::move(expert_source);
+  par.fault = req.fault;  // into the interleaved runtime's engines (the serialized one's in a serialized-only run)
+  x.layer = std::make_unique<Layer>(req.config, std::move(w), std::move(par));
   return x;
 }
 
@@ -145,6 +130,14 @@ std::int64_t open_files() {
   return n;
 }
 
+// A whole step of `schedule`: the forward and, with backward, its backward.
+Layer::Step one_step(Layer& layer, const LayerInputs& in, std::span<const std::int32_t> forced, Schedule schedule,
+                     bool backward) {
+  Layer::Step step = layer.forward(view(in.x), ForwardOptions{forced, {}, schedule});
+  if (backward) step.backward(view(in.d_out));
+  return step;
+}
+
 void run_steps(const RunRequest& req, Executors& x, const LayerInputs& in, StepChoices& choices, Steps& steps,
                SoakReport& soak, const std::function<void(const std::string&)>& say) {
   steps.serialized.workers = steps.interleaved.workers = double(req.config.ranks * req.workers_per_rank);
@@ -153,23 +146,25 @@ void run_steps(const RunRequest& req, Executors& x, const LayerInputs& in, StepC
     say("step " + std::to_string(it + 1) + "/" + std::to_string(total) + (it < req.warmup ? " (warm-up)" : ""));
     const bool measured = it >= req.warmup;
     const std::span<const std::int32_t> forced = choices.at(it);
-    if (x.inter) {
-      x.inter->step(in, forced, steps.inter_last);
+    if (x.use_interleaved) {
+      steps.inter_step.reset();  // its buffers go to the layer's spares, and this step takes them
+      steps.inter_step = one_step(*x.layer, in, forced, Schedule::interleaved, req.backward);
       if (measured) {
         double h = 0;
-        for (const auto& op : steps.inter_last.forward_ops)
+        for (const auto& op : steps.inter_last().forward_ops)
           if (op.name != "launch") h += op.seconds;
-        steps.interleaved.add(steps.inter_last, h);
+        steps.interleaved.add(steps.inter_last(), h);
       }
     }
     if (x.use_serialized) {
-      if (x.phased) x.phased->step(in, forced, steps.last);
-      else x.serial->step(in, forced, steps.last);
-      if (measured) steps.serialized.add(steps.last);
+      steps.serial_step.reset();
+      steps.serial_step = one_step(*x.layer, in, forced, Schedule::serialized, req.backward);
+      if (measured) steps.serialized.add(steps.serial_step->result());
     }
     if (req.check_every > 0 && ((it + 1) % req.check_every == 0 || it + 1 == total)) {
-      if (x.inter && x.use_serialized) {
-        const Comparison ch = bit_identity("interleaved = serialized", steps.last, steps.inter_last, req.config, req.backward);
+      if (x.use_interleaved && x.use_serialized) {
+        const Comparison ch = bit_identity("interleaved = serialized", steps.last(), steps.inter_last(), req.config,
+                                           req.backward);
         ++soak.checks;
         if (!ch.pass) {
           ++soak.mismatches;

@@ -1,6 +1,6 @@
 // InterleavedExecutor: the engine's face (one Interleaved<T> per dtype,
-// src/runtime/engine.hpp), used by hpmoe::Layer, the serialized schedule and
-// the CLI drivers.
+// src/runtime/engine.hpp): hpmoe::Layer's engines (one per step in flight
+// and schedule); the tools drive the Layer, the tests reach in here.
 #include "runtime/engine.hpp"
 
 #include "hpmoe/error.hpp"

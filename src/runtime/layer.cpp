@@ -10,7 +10,7 @@
 
 #include "hpmoe/error.hpp"
 #include "runtime/interleaved.hpp"
-#include "runtime/interleaved.hpp"
+#include "runtime/layer_inspect.hpp"
 
 namespace hpmoe {
 
@@ -22,6 +22,7 @@ struct Layer::Shared {
 
   struct Engine {
     std::unique_ptr<InterleavedExecutor> executor;
+    Schedule schedule = Schedule::interleaved;
     bool busy = false;
     const PackedWeights* packing = nullptr;  // the packing it reads (stale after a copy-on-write)
     std::uint64_t placement_epoch = 0;       // the placement it was built on (set_placement counts them)
@@ -40,10 +41,27 @@ struct Layer::Shared {
       throw Error("Parallel::workers_per_rank must be between 1 and 256 (got " +
                   std::to_string(parallel.workers_per_rank) + ")");
     check_weight_shapes(spec, weights);
-    packed = pack_weights(spec, weights, parallel.backward);
+    if (parallel.expert_source && !parallel.transport)
+      throw Error("Parallel::expert_source fetches a sharded process's experts: give it with a transport (in process "
+                  "the weights hold every expert)");
+    packed = parallel.expert_source ? pack_fetched() : pack_weights(spec, weights, parallel.backward);
   }
 
-  RuntimeOptions options() const {
+  // A sharded process's whole experts, each fetched into the weights,
+  // packed and released in turn; the engine packs its parts of split ones.
+  std::shared_ptr<const PackedWeights> pack_fetched() {
+    const ExpertPlacement p = placement_or_contiguous(parallel.placement, spec.routed_experts, spec.ranks);
+    std::vector<std::int32_t> whole;
+    for (int r = 0; r < spec.ranks; ++r)
+      if (parallel.transport->hosts(r))
+        for (const std::int32_t e : p.experts_of(r))
+          if (!p.is_split(e)) whole.push_back(e);
+    std::sort(whole.begin(), whole.end());
+    whole.erase(std::unique(whole.begin(), whole.end()), whole.end());
+    return pack_weights(spec, weights, parallel.backward, whole, parallel.expert_source);
+  }
+
+  RuntimeOptions options(Schedule schedule) const {
     RuntimeOptions o;
     o.workers_per_rank = parallel.workers_per_rank;
     o.backward = parallel.backward;
@@ -56,7 +74,10 @@ struct Layer::Shared {
     o.transport = parallel.transport;
     o.placement = parallel.placement;
     o.policy = parallel.policy;
-    return parallel.schedule == Schedule::serialized ? serialized_schedule(o) : o;
+    o.verify_all_ranks = parallel.verify_all_ranks;
+    o.expert_source = parallel.expert_source;
+    if (schedule == parallel.schedule) o.fault = parallel.fault;
+    return schedule == Schedule::serialized ? serialized_schedule(o) : o;
   }
 
   void note(const WeightChange& change) {
@@ -95,24 +116,24 @@ struct Layer::Shared {
     e.packing = packed.get();
   }
 
-  std::size_t acquire() {
+  std::size_t acquire(Schedule schedule) {
+    if (parallel.transport && std::any_of(engines.begin(), engines.end(), [](const Engine& e) { return e.busy; }))
+      throw Error("a layer on a transport runs one step at a time: run the backward of the step in flight (or drop "
+                  "it) before the next forward");
     for (std::size_t i = 0; i < engines.size(); ++i)
-      if (!engines[i].busy) {
+      if (!engines[i].busy && engines[i].schedule == schedule) {
         Engine& e = engines[i];
         if (e.placement_epoch != placement_epoch) {  // built on an older placement: rebuilt on the new one
           e.executor.reset();  // first: over a transport the old engine lets go of it
-          e.executor = std::make_unique<InterleavedExecutor>(spec, weights, options());
+          e.executor = std::make_unique<InterleavedExecutor>(spec, weights, options(schedule));
           e.packing = packed.get();
           e.placement_epoch = placement_epoch;
         }
         e.busy = true;
         return i;
       }
-    if (!engines.empty() && parallel.transport)
-      throw Error("a layer on a transport runs one step at a time: run the backward of the step in flight (or drop "
-                  "it) before the next forward");
-    RuntimeOptions o = options();
-    engines.push_back(Engine{std::make_unique<InterleavedExecutor>(spec, weights, o), true, packed.get(), placement_epoch});
+    engines.push_back(Engine{std::make_unique<InterleavedExecutor>(spec, weights, options(schedule)), schedule, true,
+                             packed.get(), placement_epoch});
     return engines.size() - 1;
   }
 
@@ -146,7 +167,7 @@ Layer::~Layer() = default;
 Layer::Layer(Layer&&) noexcept = default;
 Layer& Layer::operator=(Layer&&) noexcept = default;
 
-Layer::Step Layer::forward(MatrixView x, std::span<const std::int32_t> forced, MutableMatrixView out) {
+Layer::Step Layer::forward(MatrixView x, const ForwardOptions& options) {
   if (!s_) throw Error("this Layer was moved from");
   s_->repack();
   auto state = std::make_unique<Step::State>();
@@ -154,12 +175,12 @@ Layer::Step Layer::forward(MatrixView x, std::span<const std::int32_t> forced, M
     state->result = std::move(s_->spare_results.back());
     s_->spare_results.pop_back();
   }
-  state->engine = s_->acquire();
+  state->engine = s_->acquire(options.schedule.value_or(s_->parallel.schedule));
   state->holds_engine = true;
   state->layer = s_;
-  state->result.out_into = out;
+  state->result.out_into = options.out;
   state->result.dx_into = {};
-  s_->engines[state->engine].executor->forward(x, forced, state->result);
+  s_->engines[state->engine].executor->forward(x, options.forced, state->result);
   for (const auto& w : s_->parallel.observers)
     if (w) w->on_forward(state->result);
   if (!s_->parallel.backward) {  // nothing to keep for a backward
@@ -197,6 +218,12 @@ Layer::Step::~Step() = default;
 const Matrix& Layer::Step::out() const { return s_->result.out; }
 const LayerGradients& Layer::Step::gradients() const { return s_->result.grads; }
 const StepResult& Layer::Step::result() const { return s_->result; }
+
+const std::vector<taskflow::Program>& StepInspector::programs(const Layer::Step& step, taskflow::Pass pass) {
+  if (!step.s_) throw Error("this Step was moved from");
+  const auto& engine = step.s_->layer->engines[step.s_->engine];
+  return engine.executor->programs(pass);
+}
 
 void Layer::Step::backward(MatrixView dy, MutableMatrixView dx) {
   if (!s_) throw Error("this Step was moved from");

@@ -10,6 +10,7 @@
 
 #include "compiler/taskflow.hpp"
 #include "hpmoe/config.hpp"
+#include "hpmoe/layer.hpp"
 #include "hpmoe/placement.hpp"
 #include "hpmoe/tensors.hpp"
 #include "hpmoe/transport.hpp"
@@ -26,8 +27,8 @@ struct PackedWeights;
 std::shared_ptr<const PackedWeights> pack_weights(const LayerConfig&, const LayerWeights&, bool backward);
 // The same for a process that holds only `experts`, brought into w one at a
 // time by `fetch` (generated or read from a checkpoint) and released once
-// packed, so that the raw and packed copies of all experts never coexist.
-using ExpertSource = std::function<void(std::int64_t expert, LayerWeights&)>;
+// packed, so that the raw and packed copies of all experts never coexist
+// (ExpertSource: hpmoe/layer.hpp).
 std::shared_ptr<const PackedWeights> pack_weights(const LayerConfig&, LayerWeights&, bool backward,
                                                   std::span<const std::int32_t> experts, const ExpertSource& fetch);
 
@@ -37,15 +38,6 @@ std::shared_ptr<const PackedWeights> pack_weights(const LayerConfig&, LayerWeigh
 // step in flight reads (the caller's to ensure; hpmoe::Layer does).
 void repack_weights(const PackedWeights&, const LayerConfig&, std::span<const std::int32_t> experts, bool all_experts,
                     bool replicated);
-
-// Faults injected on purpose (tests of the watchdog and of peer failure).
-struct RuntimeFault {
-  enum Kind { none, exit_process, freeze_process, stall } kind = none;
-  // exit_process: the process hosting this rank dies at its first launch;
-  // freeze_process: it stops (SIGSTOP: alive but silent, like a host whose
-  // link went down); stall: this rank's worker 0 waits before its first task
-  int rank = 0;
-};
 
 struct RuntimeOptions {
   int workers_per_rank = 1;

@@ -272,6 +272,35 @@ TEST(LayerFace, ObserversSeeEveryStepAndItsTrace) {
   EXPECT_TRUE(bit_identical(step.gradients(), fresh.r.grads));
 }
 
+// One layer running both schedules, step by step (hpmoe run --mode both):
+// each step of either is bit-identical to the other's and to a fresh
+// engine, over steps whose tokens, routing and weights change, and the
+// layer keeps one engine per schedule.
+TEST(LayerFace, BothSchedulesOnOneLayerAgreeStepByStep) {
+  for (const DType dtype : {DType::fp32, DType::bf16}) {
+    const LayerConfig c = small_layer(dtype);
+    auto w = random_weights(c, 21);
+    Layer layer(c, w, parallel_of(Schedule::interleaved));
+    const ForwardOptions serialized{.schedule = Schedule::serialized};
+    for (int step = 0; step < 4; ++step) {
+      const std::int64_t T = step == 2 ? 5 : 24 + 8 * step;
+      const auto in = inputs(c, T, 300 + static_cast<std::uint64_t>(step));
+      auto a = layer.forward(in.x);
+      a.backward(view(in.d_out));
+      auto b = layer.forward(view(in.x), serialized);
+      b.backward(view(in.d_out));
+      EXPECT_TRUE(bit_identical(a.out(), b.out())) << "step " << step;
+      EXPECT_TRUE(bit_identical(a.gradients(), b.gradients())) << "step " << step;
+      const Fresh fresh(c, w, T, in, parallel_of(Schedule::serialized));
+      EXPECT_TRUE(bit_identical(b.out(), fresh.r.out)) << "step " << step;
+      EXPECT_TRUE(bit_identical(b.gradients(), fresh.r.grads)) << "step " << step;
+      update(layer.weights(WeightChange{}), 0.9f);  // an optimizer step between steps
+      update(w, 0.9f);
+    }
+    EXPECT_EQ(layer.engines(), 2u);  // one per schedule, reused
+  }
+}
+
 TEST(LayerFace, BadCallsSayWhatIsWrong) {
   const LayerConfig c = small_layer(DType::fp32);
   Layer layer(c, random_weights(c, 15), parallel_of(Schedule::interleaved));
@@ -295,6 +324,9 @@ TEST(LayerFace, BadCallsSayWhatIsWrong) {
   Parallel bad;
   bad.workers_per_rank = 0;
   EXPECT_NE(message([&] { Layer(c, random_weights(c, 1), bad); }).find("workers_per_rank"), std::string::npos);
+  Parallel fetching = parallel_of(Schedule::interleaved);
+  fetching.expert_source = [](std::int64_t, LayerWeights&) {};
+  EXPECT_NE(message([&] { Layer(c, random_weights(c, 1), fetching); }).find("give it with a transport"), std::string::npos);
   // A failed forward leaves the layer usable.
   auto again = layer.forward(in.x);
   again.backward(view(in.d_out));
