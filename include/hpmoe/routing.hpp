@@ -14,7 +14,10 @@ namespace hpmoe {
 // come from the router's scores, so backward stays meaningful).
 // balanced: exactly the same count for every (rank, expert) where T K is a
 // multiple of E (the force-balanced ideal).
-enum class RoutingSource { router, uniform, balanced, zipf, hot, trace, mixed };
+// grouped: the group-limited router's shape with random scores (DeepEP's
+// benchmark routing): each token draws `groups_kept` of the layer's groups
+// uniformly, then top_k distinct experts uniformly among their experts.
+enum class RoutingSource { router, uniform, balanced, zipf, hot, trace, mixed, grouped };
 
 struct RoutingSpec {
   RoutingSource source = RoutingSource::router;

@@ -54,7 +54,8 @@ struct LayerOptions {
                    "hidden a multiple of 128) | fp32 (fp32 layers)");
     app.add_option("--exchange", exchange,
                    "how tokens travel to their experts: assignment (default: a row per token and expert) | rank (each "
-                   "token once per destination rank; its experts there gather their rows from it)");
+                   "token once per destination rank; its experts there gather their rows from it; once per node "
+                   "across nodes) | auto (simulate, step, sweep: the scheme the simulator predicts fastest)");
     app.add_option("--combine-dtype", combine_dtype,
                    "what the per-rank combine's sums and the backward's dx sums travel in: layer (default) | bf16 "
                    "(fp32 layers; needs --exchange rank)");
@@ -78,7 +79,13 @@ struct LayerOptions {
     return p;
   }
 
-  LayerConfig resolve() const {
+  // --exchange auto: the simulator chooses (simulate_choosing_exchange).
+  bool exchange_auto() const { return exchange && *exchange == "auto"; }
+
+  LayerConfig resolve(bool exchange_auto_allowed = false) const {
+    if (exchange_auto() && !exchange_auto_allowed)
+      throw Error("--exchange auto is chosen by the simulator (hpmoe simulate, step and sweep take it); give assignment "
+                  "or rank here");
     if (!preset_name.empty() && !config_file.empty()) throw Error("give either --preset or --config, not both");
     LayerConfig base = preset(preset_name.empty() ? "tiny" : preset_name);
     LayerConfig c = config_file.empty() ? base : load_config_file(config_file, base);
@@ -91,7 +98,7 @@ struct LayerOptions {
     if (tokens) c.set("tokens_per_rank", std::to_string(*tokens));
     if (dtype) c.set("dtype", *dtype);
     if (dispatch_dtype) c.set("dispatch_dtype", *dispatch_dtype);
-    if (exchange) c.set("exchange", *exchange);
+    if (exchange && !exchange_auto()) c.set("exchange", *exchange);
     if (combine_dtype) c.set("combine_dtype", *combine_dtype);
     if (lend) {
       if (*lend != "off" && *lend != "auto" && (lend->empty() || lend->find_first_not_of("0123456789") != std::string::npos ||

@@ -28,7 +28,7 @@ struct SimulateCommand {
     layer.add_to(*simulate);
     simulate->add_option("--machine", sim_machine, "machine model: a file, or a name in machines/ (cpu-local, ascend-a3, h800, h200, nmp-mesh)")
         ->required();
-    simulate->add_option("--routing", sim_routing, "uniform | balanced | zipf[:S] | hot[:SHARE] | trace:FILE[:LAYER][:repeat] | router");
+    simulate->add_option("--routing", sim_routing, "uniform | grouped | balanced | zipf[:S] | hot[:SHARE] | trace:FILE[:LAYER][:repeat] | router");
     simulate->add_option("--seed", sreq.seed, "seed of synthetic routing")->check(kSeedValidator);
     simulate->add_flag("--backward", sreq.backward, "simulate the backward pass too");
     simulate->add_flag("--optimizer-state", sreq.optimizer_state,
@@ -51,7 +51,7 @@ struct SimulateCommand {
       if (model.accelerator) throw Error("--workers applies to cpu models; " + model.name + " has matrix and vector units");
       model.workers = sim_workers;
     }
-    sreq.config = layer.resolve();
+    sreq.config = layer.resolve(true);
     sreq.placement = layer.resolve_placement(sreq.config);
     sreq.routing = parse_routing_spec(sim_routing, sreq.seed);
     sreq.fp8_gemms = fp8_gemms_from(gemm_dtype);
@@ -63,7 +63,8 @@ struct SimulateCommand {
     check_distinct_outputs({{"--json", sim_json}, {"--trace", sim_trace}, {"--timeline", sim_timeline}}, "",
                            {{"--config", layer.config_file}, {"--placement", layer.placement}, {"--machine", sim_machine},
                             {"--routing", sreq.routing.trace_path}});
-    const sim::SimReport report = sim::simulate(model, sreq);
+    const sim::SimReport report =
+        layer.exchange_auto() ? sim::simulate_choosing_exchange(model, sreq) : sim::simulate(model, sreq);
     std::cout << sim::format_report(report);
     if (!sim_json.empty()) write_json(sim_json, sim::to_json(report));
     if (sreq.trace) {
@@ -131,7 +132,7 @@ struct StepCommand {
     app->add_option("--machine", machine, "machine model: a file, or a name in machines/ (cpu-local, ascend-a3, h800, h200, nmp-mesh)")
         ->required();
     model_options.add_to(*app, true);
-    app->add_option("--routing", routing, "uniform | balanced | zipf[:S] | hot[:SHARE] | trace:FILE[:LAYER][:repeat] | router");
+    app->add_option("--routing", routing, "uniform | grouped | balanced | zipf[:S] | hot[:SHARE] | trace:FILE[:LAYER][:repeat] | router");
     app->add_option("--seed", req.moe.seed, "seed of synthetic routing")->check(kSeedValidator);
     app->add_option("--schedule", schedule, "the fused schedule's policy (default: the machine's, as for simulate)");
     app->add_flag("--optimizer-state", req.moe.optimizer_state,
@@ -148,7 +149,8 @@ struct StepCommand {
     req = model_options.resolve();
     req.moe.seed = seed;
     req.moe.optimizer_state = optimizer_state;
-    req.moe.config = layer.resolve();
+    req.moe.config = layer.resolve(true);
+    req.choose_exchange = layer.exchange_auto();
     req.moe.placement = layer.resolve_placement(req.moe.config);
     req.moe.routing = parse_routing_spec(routing, req.moe.seed);
     req.moe.fp8_gemms = fp8_gemms_from(gemm_dtype);
@@ -193,7 +195,7 @@ struct SweepCommand {
     app->add_option("--set", req.sets, "override a layer field in every model: --set shared_experts=0 (repeatable)");
     app->add_option("--dtype", req.dtype, "fp32 or bf16");
     app->add_option("--dispatch-dtype", req.dispatch_dtype, "layer | bf16 | fp8 | fp32");
-    app->add_option("--exchange", req.exchange, "assignment | rank");
+    app->add_option("--exchange", req.exchange, "assignment | rank | auto (each point's fastest, predicted)");
     app->add_option("--combine-dtype", req.combine_dtype, "layer | bf16");
     app->add_option("--placement", req.placement, "contiguous | round-robin | random[:SEED] (a file fits one EP degree only)");
     app->add_option("--seed", req.seed, "seed of synthetic routing")->check(kSeedValidator);

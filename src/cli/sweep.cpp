@@ -209,7 +209,7 @@ std::vector<SweepPoint> sweep_points(const SweepRequest& req) {
             LayerConfig c;
             try {
               const front::LayerOptions options = layer_options(req, m, P, T, lend);
-              c = options.resolve();
+              c = options.resolve(true);
               (void)options.resolve_placement(c);
             } catch (const Error& e) {
               throw Error("sweep point " + m + " at -P " + std::to_string(P) + " -T " + std::to_string(T) + ": " + e.what());
@@ -306,13 +306,15 @@ std::vector<SweepRow> run_sweep(const SweepRequest& req, const std::vector<Sweep
         sreq.optimizer_state = req.optimizer_state;
         sreq.fp8_gemms = req.fp8_gemms;
         sreq.policy = taskflow::parse_policy(row.point.schedule);
+        const bool choose = req.exchange && *req.exchange == "auto";
         if (req.step) {
           sim::StepRequest step = *req.step;
           step.moe = sreq;
+          step.choose_exchange = choose;
           row.step = sim::simulate_step(m, step);
           row.layer = row.step->layer;
         } else {
-          row.layer = sim::simulate(m, sreq);
+          row.layer = choose ? sim::simulate_choosing_exchange(m, sreq) : sim::simulate(m, sreq);
         }
       } catch (const Error& e) {
         row.error = one_line(e.what());

@@ -23,6 +23,7 @@ std::string RoutingSpec::describe() const {
     case RoutingSource::hot: return "hot:" + std::to_string(hot_share).substr(0, 5);
     case RoutingSource::trace: return "trace:" + trace_path + ":" + trace_layer + (trace_repeat ? ":repeat" : "");
     case RoutingSource::mixed: return "mixed (a new routing every step)";
+    case RoutingSource::grouped: return "grouped";
   }
   return "?";
 }
@@ -85,6 +86,8 @@ RoutingSpec parse_routing_spec(const std::string& text, std::uint64_t seed) {
     s.source = RoutingSource::router;
   } else if (kind == "uniform" && rest.empty()) {
     s.source = RoutingSource::uniform;
+  } else if (kind == "grouped" && rest.empty()) {
+    s.source = RoutingSource::grouped;
   } else if (kind == "balanced" && rest.empty()) {
     s.source = RoutingSource::balanced;
   } else if (kind == "zipf") {
@@ -120,7 +123,7 @@ RoutingSpec parse_routing_spec(const std::string& text, std::uint64_t seed) {
     }
     if (s.trace_path.empty()) throw Error("routing '" + text + "': give the trace file (trace:FILE[:LAYER][:repeat])");
   } else {
-    throw Error("unknown routing '" + text + "' (use router, uniform, balanced, zipf[:S], hot[:SHARE], trace:FILE[:LAYER][:repeat] or mixed)");
+    throw Error("unknown routing '" + text + "' (use router, uniform, grouped, balanced, zipf[:S], hot[:SHARE], trace:FILE[:LAYER][:repeat] or mixed)");
   }
   return s;
 }
@@ -208,6 +211,37 @@ class ExpertSampler {
 
 }  // namespace
 
+namespace {
+
+// Routing "grouped": per token, groups_kept of the layer's groups drawn
+// uniformly, then top_k distinct experts uniformly among their experts (a
+// partial Fisher-Yates shuffle of each, on the token's own candidates).
+std::vector<std::int32_t> grouped_selection(const LayerConfig& c, Rng& rng) {
+  const std::int64_t n = c.total_tokens(), k = c.top_k, e = c.routed_experts, g = c.groups, kept = c.groups_kept;
+  if (g < 2 || e % g != 0 || kept < 1 || kept > g || kept * (e / g) < k)
+    throw Error("routing 'grouped' draws from the layer's expert groups: it needs groups >= 2 dividing the experts and "
+                "groups_kept groups holding top_k experts (this layer: groups " + std::to_string(g) + ", groups_kept " +
+                std::to_string(kept) + ", " + std::to_string(e) + " experts, top_k " + std::to_string(k) +
+                "); use 'uniform' for a layer without groups");
+  const std::int64_t per = e / g;
+  std::vector<std::int32_t> ids(static_cast<std::size_t>(n * k)), groups(static_cast<std::size_t>(g)),
+      candidates(static_cast<std::size_t>(kept * per));
+  for (std::int64_t t = 0; t < n; ++t) {
+    std::iota(groups.begin(), groups.end(), 0);
+    for (std::int64_t i = 0; i < kept; ++i) std::swap(groups[i], groups[i + rng.below(g - i)]);
+    for (std::int64_t i = 0; i < kept; ++i)
+      for (std::int64_t j = 0; j < per; ++j) candidates[i * per + j] = static_cast<std::int32_t>(groups[i] * per + j);
+    const std::int64_t m = kept * per;
+    for (std::int64_t j = 0; j < k; ++j) {
+      std::swap(candidates[j], candidates[j + rng.below(m - j)]);
+      ids[static_cast<std::size_t>(t * k + j)] = candidates[j];
+    }
+  }
+  return ids;
+}
+
+}  // namespace
+
 std::vector<std::int32_t> forced_selection(const LayerConfig& c, const RoutingSpec& s) {
   const std::int64_t n = c.total_tokens(), k = c.top_k, e = c.routed_experts;
   std::vector<std::int32_t> ids;
@@ -239,6 +273,7 @@ std::vector<std::int32_t> forced_selection(const LayerConfig& c, const RoutingSp
       for (std::int64_t j = 0; j < k; ++j) ids[t * k + j] = trace[((first + t) % trace_tokens) * k + j];
     return ids;
   }
+  if (s.source == RoutingSource::grouped) return grouped_selection(c, rng);
   std::vector<double> weights(static_cast<std::size_t>(e), 1.0);
   if (s.source == RoutingSource::zipf) {
     // Popularity 1/rank^s over a seeded permutation, so the hot experts are

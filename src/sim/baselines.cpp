@@ -40,16 +40,19 @@ namespace {
 // Rows of an exchange in the DeepEP scheme, in the direction of `kind`:
 // dispatch-like (tokens to experts) or combine-like (back), started at `now`
 // on `links`; returns when the last lands.
-double run_deepep_exchange(const MachineModel& m, const DeepEpExchange& ex, TaskKind kind, const taskflow::Dims& dims,
-                       double now, Links& links, std::vector<int>& resources) {
+// A row of the exchange: the forward dispatch optionally in fp8 with one
+// fp32 scale per 128 elements; the rest in the layer's dtype.
+double deepep_row_bytes(const MachineModel& m, taskflow::Collective op, const taskflow::Dims& dims) {
+  return op == taskflow::Collective::dispatch && m.deepep.fp8_dispatch
+             ? double(dims.hidden) + 4.0 * double((dims.hidden + 127) / 128)
+             : double(dims.hidden * dims.elem_bytes);
+}
+
+double run_deepep_exchange(const MachineModel& m, const DeepEpExchange& ex, taskflow::Collective op,
+                           const taskflow::Dims& dims, double now, Links& links, std::vector<int>& resources) {
   const int P = ex.ranks;
-  const taskflow::Collective op = taskflow::role(kind).collective;
-  const bool dispatch = op == taskflow::Collective::dispatch;
-  const bool to_experts = dispatch || op == taskflow::Collective::grad_dispatch;
-  // Forward dispatch optionally in fp8 with one fp32 scale per 128 elements; the rest in the layer's dtype.
-  const double row_bytes = dispatch && m.deepep.fp8_dispatch
-                               ? double(dims.hidden) + 4.0 * double((dims.hidden + 127) / 128)
-                               : double(dims.hidden * dims.elem_bytes);
+  const bool to_experts = op == taskflow::Collective::dispatch || op == taskflow::Collective::grad_dispatch;
+  const double row_bytes = deepep_row_bytes(m, op, dims);
   std::vector<std::pair<int, int>> ends;
   const auto send = [&](int from, int to, double rows) {
     if (rows <= 0 || from == to) return;
@@ -256,8 +259,8 @@ Timeline serialized(const MachineModel& m, const std::vector<Program>& programs,
         continue;
       }
       if (baseline == Baseline::deepep && pass == 1 && op.all_to_all) {  // DeepEP's kernel moves the rows its own way
-        const double op_end = run_deepep_exchange(m, *deepep, op.kind, programs[0].dims, now, links,
-                                                  resources) + m.deepep.kernel_launch_s;
+        const double op_end = run_deepep_exchange(m, *deepep, taskflow::role(op.kind).collective, programs[0].dims, now,
+                                                  links, resources) + m.deepep.kernel_launch_s;
         exposed += op_end - now;
         now = op_end;
         continue;
@@ -334,6 +337,24 @@ Timeline simulate_deepep(const MachineModel& m, const std::vector<Program>& prog
                          const std::vector<std::vector<TaskWork>>& work, DType dtype, const DeepEpExchange& ex) {
   if (ex.ranks != static_cast<int>(programs.size())) throw Error("simulate: the DeepEP exchange is for another number of ranks");
   return serialized(m, programs, work, dtype, false, Baseline::deepep, &ex);
+}
+
+DeepEpExchangeAlone simulate_deepep_exchange(const MachineModel& m, const DeepEpExchange& ex, const taskflow::Dims& dims) {
+  if (ex.ranks < 1 || ex.received.size() != static_cast<std::size_t>(ex.ranks))
+    throw Error("simulate: the DeepEP exchange has no rows to time");
+  DeepEpExchangeAlone out;
+  std::vector<int> resources;
+  for (const auto op : {taskflow::Collective::dispatch, taskflow::Collective::combine}) {
+    Links links(m, ex.ranks);  // each kernel alone on idle links, as the benchmark runs it
+    const double seconds = run_deepep_exchange(m, ex, op, dims, 0.0, links, resources);
+    (op == taskflow::Collective::dispatch ? out.dispatch_s : out.combine_s) = seconds;
+    (op == taskflow::Collective::dispatch ? out.dispatch_row_bytes : out.combine_row_bytes) = deepep_row_bytes(m, op, dims);
+  }
+  out.nodes = ex.nodes;
+  out.received_rows = ex.received[0];
+  out.node_tokens = ex.node_tokens[0];
+  for (int n = 0; n < ex.nodes; ++n) out.cross_node_rows += ex.dispatch_node[static_cast<std::size_t>(n)];
+  return out;
 }
 
 Timeline simulate_mindspore(const MachineModel& m, const std::vector<Program>& programs,

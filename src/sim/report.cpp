@@ -34,6 +34,9 @@ DeepEpExchange deepep_exchange(const LayerConfig& c, const ExpertPlacement& plac
   ex.dispatch_rank.assign(static_cast<std::size_t>(P) * P, 0);
   ex.dispatch_forward.assign(static_cast<std::size_t>(P) * P, 0);
   ex.dispatch_node.assign(static_cast<std::size_t>(P) * ex.nodes, 0);
+  ex.received.assign(static_cast<std::size_t>(P), 0);
+  ex.node_tokens.assign(static_cast<std::size_t>(P), 0);
+  std::vector<std::int64_t> counted_node(static_cast<std::size_t>(ex.nodes), -1);
   std::vector<int> to_rank(static_cast<std::size_t>(P), -1), to_node(static_cast<std::size_t>(ex.nodes), -1);
   const std::int64_t K = routing.top_k;
   for (std::int64_t g = 0; g < routing.tokens; ++g) {
@@ -44,6 +47,11 @@ DeepEpExchange deepep_exchange(const LayerConfig& c, const ExpertPlacement& plac
       const int d = placement.instance_rank(placement.first_instance(routing.expert[i])), dn = d / rpn;
       if (to_rank[static_cast<std::size_t>(d)] == g) continue;  // once per destination rank
       to_rank[static_cast<std::size_t>(d)] = static_cast<int>(g);
+      ex.received[static_cast<std::size_t>(d)] += 1;
+      if (counted_node[static_cast<std::size_t>(dn)] != g) {
+        counted_node[static_cast<std::size_t>(dn)] = g;
+        ex.node_tokens[static_cast<std::size_t>(s)] += 1;
+      }
       if (dn == sn) {
         ex.dispatch_rank[static_cast<std::size_t>(s * P + d)] += 1;
         continue;
@@ -77,6 +85,7 @@ MemoryUse memory_check(const MachineModel& m, const LayerConfig& c, const Expert
   // The worst routing, on the per-assignment exchange (the most rows a rank can receive).
   LayerConfig per_assignment = c;
   per_assignment.exchange = ExchangeMode::assignment;
+  per_assignment.combine_dtype = CombineDType::layer;  // bf16 sums are the per-rank combine's; this one returns rows
   const auto worst = taskflow::routing_counts(per_assignment, worst_routing_for(c, placement, most.rank));
   taskflow::ScheduleScratch scratch;
   for (auto pass : {taskflow::Pass::forward, taskflow::Pass::backward}) {
@@ -235,6 +244,7 @@ SimReport simulate(const MachineModel& given, const SimRequest& req) {
   // The frameworks' exchanges lend no weights: their baselines run the layer without.
   LayerConfig per_assignment = c;
   per_assignment.exchange = ExchangeMode::assignment;
+  per_assignment.combine_dtype = CombineDType::layer;  // bf16 sums are the per-rank combine's; this one returns rows
   per_assignment.lend_weights = 0;
   const bool lends = c.lend_weights != 0;
   // The (expert, rank) pairs the step lends: the exchange's own choice, from the counts.
@@ -289,6 +299,7 @@ SimReport simulate(const MachineModel& given, const SimRequest& req) {
       const double h = double(c.hidden), elem = c.dtype == DType::bf16 ? 2.0 : 4.0;
       const double dispatch_row = pass == taskflow::Pass::forward && m.deepep.fp8_dispatch ? h + 4.0 * std::ceil(h / 128) : h * elem;
       out.deepep_cross_node_bytes = deepep.cross_node_rows() * (dispatch_row + h * elem);
+      if (pass == taskflow::Pass::forward) rep.deepep_exchange = simulate_deepep_exchange(m, deepep, baseline[0].dims);
     }
     if (m.mindspore.enabled) {
       if (pass == taskflow::Pass::forward) rank_rows = deepep_exchange(c, placement, routing, static_cast<int>(c.ranks));
@@ -328,6 +339,7 @@ std::string format_report(const SimReport& r) {
   o << "run      EP " << c.ranks << ", " << c.tokens_per_rank << " tokens/rank, routing " << r.routing
     << " (rank max/mean " << std::setprecision(3) << r.stats.rank_max_over_mean << ", expert max/mean "
     << r.stats.expert_max_over_mean << "), schedule " << r.policy << "\n";
+  if (!r.exchange_choice.empty()) o << "exchange auto: " << r.exchange_choice << "\n";
   o << std::fixed;
   auto row = [&](const char* pass, const PassResult& p) {
     o << std::setprecision(3) << "  " << std::left << std::setw(9) << pass << std::right << std::setw(12)
@@ -359,6 +371,14 @@ std::string format_report(const SimReport& r) {
     };
     deepep("forward", r.forward);
     if (r.has_backward) deepep("backward", r.backward);
+    const DeepEpExchangeAlone& x = r.deepep_exchange;
+    o << std::setprecision(3) << "  exchange DeepEP-style alone (forward, no GEMMs; rank 0 counted as DeepEP's benchmark counts): "
+      << "dispatch " << x.dispatch_s * 1e3 << " ms, combine " << x.combine_s * 1e3 << " ms; ";
+    if (x.nodes > 1)
+      o << std::setprecision(1) << "RDMA (logical) " << x.rdma_gbps(true) << " / " << x.rdma_gbps(false) << " GB/s, ";
+    o << std::setprecision(1) << "NVL " << x.nvl_gbps(true) << " / " << x.nvl_gbps(false) << " GB/s; rank 0 sends "
+      << x.cross_node_rows * x.dispatch_row_bytes / 1e6 << " MB across nodes, receives "
+      << x.received_rows * x.dispatch_row_bytes / 1e6 << " MB\n";
   }
   if (r.machine.mindspore.enabled) {
     auto mindspore = [&](const char* pass, const PassResult& p) {
@@ -430,12 +450,23 @@ nlohmann::json to_json(const SimReport& r) {
         j[key]["deepep_speedup"] = p->deepep_s / p->interleaved_s;
         j[key]["deepep_cross_node_bytes"] = p->deepep_cross_node_bytes;
       }
+  if (r.machine.deepep.enabled) {
+    const DeepEpExchangeAlone& x = r.deepep_exchange;
+    j["deepep_exchange"] = {{"dispatch_s", x.dispatch_s}, {"combine_s", x.combine_s},
+                            {"dispatch_row_bytes", x.dispatch_row_bytes}, {"combine_row_bytes", x.combine_row_bytes},
+                            {"rank0_received_rows", x.received_rows}, {"rank0_node_tokens", x.node_tokens},
+                            {"rank0_cross_node_rows", x.cross_node_rows}, {"nodes", x.nodes},
+                            {"dispatch_rdma_gbps", x.nodes > 1 ? x.rdma_gbps(true) : 0.0},
+                            {"combine_rdma_gbps", x.nodes > 1 ? x.rdma_gbps(false) : 0.0},
+                            {"dispatch_nvl_gbps", x.nvl_gbps(true)}, {"combine_nvl_gbps", x.nvl_gbps(false)}};
+  }
   if (r.machine.mindspore.enabled)
     for (auto [key, p] : {std::pair<const char*, const PassResult*>{"forward", &r.forward}, {"backward", &r.backward}})
       if (j.contains(key)) {
         j[key]["mindspore_s"] = p->mindspore_s;
         j[key]["mindspore_speedup"] = p->mindspore_s / p->interleaved_s;
       }
+  if (!r.exchange_choice.empty()) j["exchange_choice"] = r.exchange_choice;
   j["kernel_scope"] = r.kernel_scope;
   j["gemm_dtype"] = r.fp8_gemms ? "fp8" : to_string(r.config.dtype);
   j["put_engine"] = name(r.machine.put_engine);

@@ -244,12 +244,33 @@ struct PassResult {
   double deepep_exposed_comm = 0, mindspore_exposed_comm = 0;
 };
 
+// The DeepEP-style exchange alone, as DeepEP's benchmark times it: the
+// forward's dispatch (fp8 rows with their scales where the machine model's
+// baselines.deepep says so) and its combine (the layer's dtype) on fresh
+// links, no GEMMs and no kernel launch; with rank 0's counts and the
+// bandwidths DeepEP prints from them.
+struct DeepEpExchangeAlone {
+  double dispatch_s = 0, combine_s = 0;
+  double dispatch_row_bytes = 0, combine_row_bytes = 0;
+  double received_rows = 0, node_tokens = 0, cross_node_rows = 0;  // rank 0's
+  int nodes = 1;
+  // GB/s as DeepEP prints them: "RDMA" (node tokens, logical) and "NVL" (rows received).
+  double rdma_gbps(bool dispatch) const {
+    return node_tokens * (dispatch ? dispatch_row_bytes : combine_row_bytes) / (dispatch ? dispatch_s : combine_s) / 1e9;
+  }
+  double nvl_gbps(bool dispatch) const {
+    return received_rows * (dispatch ? dispatch_row_bytes : combine_row_bytes) / (dispatch ? dispatch_s : combine_s) / 1e9;
+  }
+};
+
 struct SimReport {
   LayerConfig config;
   MachineModel machine;
   std::string routing, policy;
   RoutingStats stats;
   PassResult forward, backward;
+  DeepEpExchangeAlone deepep_exchange;  // where the machine has the DeepEP-style baseline
+  std::string exchange_choice;          // --exchange auto: the scheme chosen and why (empty: the layer's own)
   bool has_backward = false;
   bool kernel_scope = false;
   bool fp8_gemms = false;  // GEMMs at the machine's fp8 rates (machine: as simulated, fp8 rates in the bf16 columns)
@@ -273,6 +294,11 @@ MemoryUse parameter_bytes(const LayerConfig&, const ExpertPlacement&, std::int64
 std::vector<std::int32_t> worst_routing_for(const LayerConfig&, const ExpertPlacement&, std::int64_t r);
 
 SimReport simulate(const MachineModel&, const SimRequest&);
+// --exchange auto: each exchange scheme the layer allows simulated as
+// asked, the report of the fastest fused step returned, with
+// SimReport::exchange_choice saying which and what the others took
+// (choose_exchange.cpp). The wire dtypes stay as given.
+SimReport simulate_choosing_exchange(const MachineModel&, const SimRequest&);
 std::string format_report(const SimReport&);
 nlohmann::json to_json(const SimReport&);
 
@@ -297,11 +323,19 @@ Timeline simulate_serialized(const MachineModel&, const std::vector<taskflow::Pr
 struct DeepEpExchange {
   int ranks = 0, nodes = 0;
   std::vector<double> dispatch_rank, dispatch_node, dispatch_forward;
+  // Per rank, the counts DeepEP's benchmark (test_internode.py and
+  // test_intranode.py in its tests) divides by its time: the rows a rank receives (one
+  // per token and destination rank: its "NVL" bytes), and its tokens times
+  // the nodes each reaches, its own node included (its "RDMA" bytes, a
+  // logical figure: the own node's share never crosses a NIC).
+  std::vector<double> received, node_tokens;
   double cross_node_rows() const;
 };
 // Built from a step's routing (every kept token-expert choice; an expert's
 // rows go to its first instance's rank).
 DeepEpExchange deepep_exchange(const LayerConfig&, const ExpertPlacement&, const RouterOutput<float>&, int ranks_per_node);
+// The DeepEP-style exchange alone (DeepEpExchangeAlone above).
+DeepEpExchangeAlone simulate_deepep_exchange(const MachineModel&, const DeepEpExchange&, const taskflow::Dims&);
 // The DeepEP-style baseline: serialized operators with its exchanges. The
 // backward pass's gradient dispatch moves the combine's bytes (bf16) and its
 // gradient combine the dispatch's rows in bf16.

@@ -135,10 +135,16 @@ StepReport simulate_step(const MachineModel& m, const StepRequest& req) {
   full.backward = half.backward = true;
   full.trace = half.trace = false;
   half.config.tokens_per_rank = micro_batch_tokens(c.tokens_per_rank);
-  // The two token counts are independent simulations: one on each of two cores.
-  auto half_report = std::async(std::launch::async, [&] { return simulate(m, half); });
-  rep.layer = simulate(m, full);
-  rep.half = half_report.get();
+  if (req.choose_exchange) {  // the scheme first, at the full token count; the micro-batches run it too
+    rep.layer = simulate_choosing_exchange(m, full);
+    half.config.exchange = rep.layer.config.exchange;
+    rep.half = simulate(m, half);
+  } else {
+    // The two token counts are independent simulations: one on each of two cores.
+    auto half_report = std::async(std::launch::async, [&] { return simulate(m, half); });
+    rep.layer = simulate(m, full);
+    rep.half = half_report.get();
+  }
 
   const std::int64_t tokens = c.tokens_per_rank, tokens_half = micro_batch_tokens(c.tokens_per_rank);
   rep.attention = attention_cost(m, req, tokens);
@@ -226,6 +232,7 @@ std::string format_step_report(const StepReport& r) {
   o << "run      EP " << c.ranks << ", " << c.tokens_per_rank << " tokens/rank (micro-batches of " << micro_batch_tokens(c.tokens_per_rank)
     << (c.tokens_per_rank % 2 ? " and " + std::to_string(c.tokens_per_rank / 2) + ", both modelled at the larger" : "") << "), routing "
     << r.layer.routing << ", schedule " << r.layer.policy << "\n";
+  if (!r.layer.exchange_choice.empty()) o << "exchange auto: " << r.layer.exchange_choice << "\n";
   o << std::setprecision(3);
   o << "per layer (ms, forward)  attention " << r.attention.total() * 1e3 << " (GEMMs " << r.attention.gemm_s * 1e3
     << (req.attention_s >= 0 ? ", given" : "") << ")";
@@ -267,6 +274,8 @@ nlohmann::json to_json(const StepReport& r) {
   j["layer"] = r.layer.config.name;
   j["ranks"] = r.layer.config.ranks;
   j["tokens_per_rank"] = r.layer.config.tokens_per_rank;
+  j["exchange"] = to_string(r.layer.config.exchange);
+  if (!r.layer.exchange_choice.empty()) j["exchange_choice"] = r.layer.exchange_choice;
   j["routing"] = r.layer.routing;
   j["schedule"] = r.layer.policy;
   j["layers"] = req.layers;

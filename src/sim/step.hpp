@@ -37,6 +37,10 @@ struct StepRequest {
   // Time of the rest of the step that no way changes (optimizer, data-
   // parallel gradient reduction, embedding and loss), seconds.
   double other_s = 0;
+  // --exchange auto: the MoE layer's exchange scheme chosen by the simulator
+  // at the full token count (simulate_choosing_exchange), then kept for the
+  // micro-batches.
+  bool choose_exchange = false;
 };
 
 // One way to run the step's MoE layers.

@@ -185,6 +185,34 @@ TEST(SyntheticRouting, UniformZipfHotAreDistinctAndSkewed) {
   EXPECT_THROW(forced_selection(c, parse_routing_spec("hot:0.5", 1)), Error);  // > 1/K
 }
 
+TEST(SyntheticRouting, GroupedKeepsEachTokenInItsGroupsAndSpreadsThemEvenly) {
+  // DeepEP's benchmark routing: 8 groups of 4 experts, each token in 3 of
+  // them, 4 distinct experts drawn among their 12.
+  auto c = small(32, 4, 4000);
+  c.groups = 8;
+  c.groups_kept = 3;
+  const auto ids = forced_selection(c, parse_routing_spec("grouped", 5));
+  std::vector<double> per_expert(32, 0), per_group(8, 0);
+  for (std::int64_t t = 0; t < c.total_tokens(); ++t) {
+    std::set<int> experts(ids.begin() + t * 4, ids.begin() + t * 4 + 4), groups;
+    for (const int e : experts) groups.insert(e / 4);
+    EXPECT_EQ(experts.size(), 4u) << "token " << t;
+    EXPECT_LE(groups.size(), 3u) << "token " << t;
+    for (const int e : experts) per_expert[static_cast<std::size_t>(e)] += 1;
+  }
+  const double mean = 4.0 * double(c.total_tokens()) / 32;
+  EXPECT_LT(*std::max_element(per_expert.begin(), per_expert.end()) / mean, 1.1);
+  EXPECT_GT(*std::min_element(per_expert.begin(), per_expert.end()) / mean, 0.9);
+  EXPECT_EQ(ids, forced_selection(c, parse_routing_spec("grouped", 5)));
+  c.groups = 1;  // a layer without groups: said, not drawn as uniform in silence
+  try {
+    forced_selection(c, parse_routing_spec("grouped", 5));
+    ADD_FAILURE() << "a layer without groups took routing 'grouped'";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("use 'uniform'"), std::string::npos) << e.what();
+  }
+}
+
 TEST(TraceRouting, ReplaysMixtralTraceAndRejectsMisfits) {
   auto c = small(8, 2, 100, 2);
   const auto ids = forced_selection(c, parse_routing_spec("trace:" + trace_file() + ":3", 1));

@@ -487,6 +487,74 @@ TEST(DeepEp, NodeDeduplicatedExchangeAndItsBytes) {
   EXPECT_EQ(ex.dispatch_node[2 * 2 + 0], 1);     // rank 2's token to experts 0 and 1: once to rank 0 ...
   EXPECT_EQ(ex.dispatch_forward[0 * 4 + 1], 1);  // ... which forwards it to rank 1
   EXPECT_EQ(ex.cross_node_rows(), 3);            // one row each from ranks 0, 1 and 2
+  // DeepEP's benchmark counts: the rows each rank receives (own rank's
+  // included), each rank's tokens times the nodes they reach (own node included).
+  EXPECT_EQ(ex.received, (std::vector<double>{2, 3, 3, 3}));
+  EXPECT_EQ(ex.node_tokens, (std::vector<double>{2, 2, 2, 1}));
+}
+
+TEST(ChooseExchange, AutoRunsTheFasterSchemeAndSaysWhatTheOtherTook) {
+  // Two H800 nodes, a small layer: each scheme simulated alone, and auto
+  // returns exactly the faster one's report, naming the other's time.
+  const MachineModel m = load_machine(std::string(HPMOE_SOURCE_DIR) + "/machines/h800.json");
+  SimRequest req;
+  req.config = preset("tiny");
+  req.config.ranks = 16;
+  req.config.routed_experts = 32;
+  req.config.tokens_per_rank = 64;
+  req.config.dtype = DType::bf16;
+  req.routing = parse_routing_spec("uniform", 3);
+  req.backward = true;
+  req.policy = taskflow::Policy::ratr;
+  auto fused = [](const SimReport& r) { return r.forward.interleaved_s + r.backward.interleaved_s; };
+  SimRequest assignment = req, rank = req;
+  rank.config.exchange = ExchangeMode::rank;
+  const double a = fused(simulate(m, assignment)), r = fused(simulate(m, rank));
+  const SimReport chosen = simulate_choosing_exchange(m, req);
+  EXPECT_DOUBLE_EQ(fused(chosen), std::min(a, r));
+  EXPECT_EQ(chosen.config.exchange, a <= r ? ExchangeMode::assignment : ExchangeMode::rank);
+  EXPECT_NE(chosen.exchange_choice.find(a <= r ? "per node" : "per assignment"), std::string::npos) << chosen.exchange_choice;
+  EXPECT_NE(format_report(chosen).find("exchange auto: "), std::string::npos);
+  // A layer only one scheme can take: the other is named as impossible.
+  req.config.combine_dtype = CombineDType::bf16;  // the per-rank combine's sums in bf16: needs the per-rank exchange
+  req.config.dtype = DType::fp32;
+  const SimReport only_rank = simulate_choosing_exchange(m, req);
+  EXPECT_EQ(only_rank.config.exchange, ExchangeMode::rank);
+  EXPECT_NE(only_rank.exchange_choice.find("per assignment not possible"), std::string::npos) << only_rank.exchange_choice;
+}
+
+TEST(DeepEp, ExchangeAloneTimesEachKernelOnIdleLinksAndCountsAsDeepEpDoes) {
+  // 2 ranks in one node, each token to the other rank's one expert: the
+  // dispatch is 8 rows a way on 1 GB/s links, the combine the same rows back.
+  LayerConfig c = preset("tiny");
+  c.ranks = 2;
+  c.routed_experts = 2;
+  c.top_k = 1;
+  c.tokens_per_rank = 8;
+  c.hidden = 256;
+  c.dtype = DType::bf16;
+  RouterOutput<float> r;
+  r.tokens = 16;
+  r.experts = 2;
+  r.top_k = 1;
+  for (int t = 0; t < 16; ++t) r.expert.push_back(t < 8 ? 1 : 0);
+  r.kept.assign(16, 1);
+  MachineModel m = round_machine();
+  m.intra_latency_s = 0;
+  m.deepep.enabled = true;
+  m.deepep.fp8_dispatch = true;
+  const auto ex = deepep_exchange(c, placement_or_contiguous(ExpertPlacement{}, 2, 2), r, 8);
+  taskflow::Dims dims;
+  dims.hidden = c.hidden;
+  dims.elem_bytes = 2;
+  const DeepEpExchangeAlone x = simulate_deepep_exchange(m, ex, dims);
+  EXPECT_DOUBLE_EQ(x.dispatch_row_bytes, 256 + 4 * 2);  // fp8 codes and one fp32 scale per 128
+  EXPECT_DOUBLE_EQ(x.combine_row_bytes, 256 * 2);       // bf16
+  EXPECT_NEAR(x.dispatch_s, 8 * 264 / 1e9, 1e-12);       // no kernel launch: the kernel alone
+  EXPECT_NEAR(x.combine_s, 8 * 512 / 1e9, 1e-12);
+  EXPECT_EQ(x.nodes, 1);
+  EXPECT_EQ(x.received_rows, 8);
+  EXPECT_NEAR(x.nvl_gbps(true), 1.0, 1e-9);  // 8 rows in the time of 8 rows: the link's rate
 }
 
 namespace {

@@ -137,7 +137,7 @@ struct RunCommand {
     layer.add_to(*run);
     run->add_option("--workers,-W", req.workers_per_rank, "worker threads per rank")->check(CLI::Range(1, 256));
     run->add_option("--routing", routing,
-                    "router | uniform | balanced | zipf[:S] | hot[:SHARE] | trace:FILE[:LAYER][:repeat] | mixed (a new routing "
+                    "router | uniform | grouped | balanced | zipf[:S] | hot[:SHARE] | trace:FILE[:LAYER][:repeat] | mixed (a new routing "
                     "every step: uniform, Zipf, a hot expert or idle ranks)");
     run->add_option("--seed", req.seed, "seed of weights, inputs and synthetic routing")->check(kSeedValidator);
     run->add_flag("--backward", req.backward, "run backward too (dx, dW1, dW2, router and shared gradients)");
@@ -255,7 +255,7 @@ struct PlanCommand {
     app = parent.add_subcommand("plan", "choose a placement with replicas (and, with --splits, tensor-parallel splits) of hot experts from load statistics");
     layer.add_to(*app);
     app->add_option("--machine", req.machine, "machine model whose rates price the experts (a file, or a name in machines/)");
-    app->add_option("--routing", routing, "the load: uniform | balanced | zipf[:S] | hot[:SHARE] | trace:FILE[:LAYER][:repeat] | router");
+    app->add_option("--routing", routing, "the load: uniform | grouped | balanced | zipf[:S] | hot[:SHARE] | trace:FILE[:LAYER][:repeat] | router");
     app->add_option("--steps", req.steps, "steps of load history (synthetic routing: the same hot experts, other draws each step; the router: seeds --seed, --seed + 1, ...)")->check(CLI::Range(1, 10000));
     app->add_option("--seed", req.seed, "seed of the first step's routing")->check(kSeedValidator);
     app->add_option("--slots-per-rank", req.slots_per_rank,
@@ -352,7 +352,7 @@ struct CompileCommand {
     app = parent.add_subcommand("compile", "compile a layer step into verified per-rank tile-task programs");
     CLI::App* compile = app;
     layer.add_to(*compile);
-    compile->add_option("--routing", compile_routing, "router | uniform | balanced | zipf[:S] | hot[:SHARE] | trace:FILE[:LAYER][:repeat]");
+    compile->add_option("--routing", compile_routing, "router | uniform | grouped | balanced | zipf[:S] | hot[:SHARE] | trace:FILE[:LAYER][:repeat]");
     compile->add_option("--seed", compile_seed, "seed of the router's weights and inputs, and of synthetic routing")->check(kSeedValidator);
     compile->add_option("--machine", creq.machine, "cpu:W[:RxC] (W unified workers per rank), accel:MATRIX:VECTOR[:RxC], or a machine model as simulate takes it (a file, or a name in machines/: its units, put workers, tiles and ranks per node)");
     compile->add_option("--schedule", schedule, "fill | rank-rotated | critical-path | interleave-wgrad | ratr");
