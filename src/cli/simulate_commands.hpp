@@ -150,7 +150,7 @@ struct StepCommand {
     req.moe.seed = seed;
     req.moe.optimizer_state = optimizer_state;
     req.moe.config = layer.resolve(true);
-    req.choose_exchange = layer.exchange_auto();
+    req.choose_exchange = !layer.exchange || layer.exchange_auto();  // auto unless a scheme is given
     req.moe.placement = layer.resolve_placement(req.moe.config);
     req.moe.routing = parse_routing_spec(routing, req.moe.seed);
     req.moe.fp8_gemms = fp8_gemms_from(gemm_dtype);

@@ -95,6 +95,8 @@ std::vector<std::pair<std::string, std::string>> columns(const SweepRequest& req
   const auto ms = [&](double s) { return ok ? fixed(s * 1e3) : std::string(); };
   const auto ratio = [&](double a, double b) { return ok && b > 0 && a > 0 ? fixed(a / b) : std::string(); };
   const std::string base = ok ? baseline_of(L.machine) : "";
+  // The scheme the point ran: the one given, or auto's choice (the fastest fused step predicted).
+  c.emplace_back("exchange", ok ? to_string(L.config.exchange) + (L.exchange_choice.empty() ? "" : " (auto)") : "");
   c.emplace_back("baseline", base);
   for (const auto& [pass, r] : {std::pair<const char*, const sim::PassResult*>{"forward", &L.forward}, {"backward", &L.backward}}) {
     if (std::string(pass) == "backward" && !req.backward && !req.step) continue;
@@ -306,7 +308,7 @@ std::vector<SweepRow> run_sweep(const SweepRequest& req, const std::vector<Sweep
         sreq.optimizer_state = req.optimizer_state;
         sreq.fp8_gemms = req.fp8_gemms;
         sreq.policy = taskflow::parse_policy(row.point.schedule);
-        const bool choose = req.exchange && *req.exchange == "auto";
+        const bool choose = !req.exchange || *req.exchange == "auto";  // auto unless a scheme is given
         if (req.step) {
           sim::StepRequest step = *req.step;
           step.moe = sreq;
@@ -374,7 +376,7 @@ void write_sweep(const std::string& dir, const SweepRequest& req, const std::vec
   if (failed) md << ", " << failed << " not simulated (the error column says why)";
   md << ". Columns: times in ms; speedups are the serialized (or the machine's framework baseline) time over the fused "
         "one.\n\n";
-  std::vector<std::string> keep = {"machine", "model", "ranks", "tokens", "routing", "schedule", "lend"};
+  std::vector<std::string> keep = {"machine", "model", "ranks", "tokens", "routing", "schedule", "lend", "exchange"};
   for (const auto& v : req.vary) keep.push_back(v.first);
   for (const char* k : {"forward_serialized_ms", "forward_fused_ms", "forward_speedup", "forward_lent", "forward_put_mb", "baseline", "forward_fused_vs_baseline",
                         "backward_speedup", "backward_fused_vs_baseline", "memory_gb", "capacity_gb", "step_fused_ms",

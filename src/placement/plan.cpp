@@ -204,17 +204,22 @@ struct PlanSimulation {
   double serialized = 0, interleaved = 0;
   sim::MemoryUse memory;
 };
-PlanSimulation simulate_step(const sim::MachineModel& m, const PlanRequest& req, const ExpertPlacement& p, std::int64_t step = -1) {
+sim::SimRequest step_request(const sim::MachineModel& m, const PlanRequest& req, const ExpertPlacement& p,
+                             std::int64_t step) {
   sim::SimRequest s;
   s.config = req.config;
   s.routing = req.routing;
-  s.routing.step = static_cast<std::uint64_t>(step < 0 ? req.steps : step);
+  s.routing.step = static_cast<std::uint64_t>(step);
   s.placement = p;
   s.seed = req.seed;
   s.backward = true;
   s.policy = sim::default_policy(m);
   s.refuse_over_memory = false;
-  const auto rep = sim::simulate(m, s);
+  return s;
+}
+
+PlanSimulation simulate_step(const sim::MachineModel& m, const PlanRequest& req, const ExpertPlacement& p, std::int64_t step = -1) {
+  const auto rep = sim::simulate(m, step_request(m, req, p, step < 0 ? req.steps : step));
   return {rep.forward.serialized_s + rep.backward.serialized_s, rep.forward.interleaved_s + rep.backward.interleaved_s,
           rep.memory};
 }
@@ -557,15 +562,26 @@ Revision revise_placement(const LayerConfig& c, const ExpertPlacement& current,
   return b.better_than(a) ? fresh : local;
 }
 
-PlanReport plan_placement(const PlanRequest& req, const PlanProgress& progress) {
+PlanReport plan_placement(const PlanRequest& given, const PlanProgress& progress) {
+  PlanRequest req = given;
+  req.config.validate();
+  std::string exchange_choice;
+  if (req.choose_exchange) {  // the scheme first, at the start placement; the plan is made under it
+    const sim::MachineModel m = sim::load_machine(req.machine);
+    sim::SimRequest s = step_request(m, req, placement_or_contiguous(req.start, req.config.routed_experts, req.config.ranks),
+                                     req.steps);
+    const sim::SimReport chosen = sim::simulate_choosing_exchange(m, s);
+    req.config.exchange = chosen.config.exchange;
+    exchange_choice = chosen.exchange_choice;
+  }
   const LayerConfig& c = req.config;
-  c.validate();
   if (req.steps < 1 || req.steps > 10000) throw Error("--steps must be between 1 and 10000 (got " + std::to_string(req.steps) + ")");
   if (req.slots_per_rank < 0) throw Error("--slots-per-rank must be positive");
   const sim::MachineModel machine = sim::load_machine(req.machine);
   const ExpertCostModel cost = cost_model_of(machine, c, req.training);
   PlanReport rep;
   rep.config = c;
+  rep.exchange_choice = exchange_choice;
   rep.routing = req.routing.describe();
   rep.machine = machine.name;
   rep.steps = req.steps;
@@ -626,6 +642,7 @@ std::string format_report(const PlanReport& r) {
   o << std::fixed;
   o << "plan     " << r.config.name << " at EP " << r.config.ranks << ", " << r.config.tokens_per_rank
     << " tokens/rank, routing " << r.routing << ", " << r.steps << " steps of history, machine " << r.machine << "\n";
+  if (!r.exchange_choice.empty()) o << "exchange auto: " << r.exchange_choice << "\n";
   o << "         " << r.replicas << " replicas added, " << r.split_parts << " split parts added (" << r.after.splits().size()
     << " experts split), at most " << r.after.slots_per_rank() << " experts per rank\n";
   const auto row = [&](const char* what, double before, double after, int digits) {
@@ -656,6 +673,8 @@ nlohmann::json to_json(const PlanReport& r) {
           {"tokens_per_rank", r.config.tokens_per_rank},
           {"routing", r.routing},
           {"machine", r.machine},
+          {"exchange", to_string(r.config.exchange)},
+          {"exchange_choice", r.exchange_choice},
           {"steps", r.steps},
           {"replicas_added", r.replicas},
           {"split_parts_added", r.split_parts},

@@ -32,6 +32,9 @@ struct PlanRequest {
   bool training = true;           // count replicas' weight refresh and gradient reduction
   bool splits = false;            // also consider tensor-parallel splits of hot experts (in-process runs)
   bool replicas = true;           // consider replicas (off with splits: a static hybrid TP/EP mapping)
+  // --exchange auto (the default of hpmoe plan): the exchange scheme the
+  // simulator predicts fastest at the start placement, then planned under.
+  bool choose_exchange = false;
 };
 
 struct PlanReport {
@@ -53,6 +56,7 @@ struct PlanReport {
   // The fullest rank's memory on that step, before and after (capacity 0:
   // the machine model gives none). Not refused: the start often does not fit.
   sim::MemoryUse memory_before, memory_after;
+  std::string exchange_choice;  // --exchange auto: the scheme chosen and why
 };
 
 // Greedy (EPLB-like, on the cost model): while a rank has a free slot and a

@@ -48,6 +48,13 @@ sys.exit(not mb(sys.argv[1]) < mb(sys.argv[2]))" "$tmp/rank.txt" "$tmp/assignmen
 "$HPMOE" plan -P 4 --set routed_experts=16 -T 128 --routing hot:0.3 --machine "$HPMOE_SOURCE_DIR/machines/cpu-local.json" \
   --out "$tmp/planned.json" --json "$tmp/plan.json" > "$tmp/plan.txt"
 grep -q '"replicas": true' "$tmp/planned.json"
+# The plan's exchange: auto by default (the simulator's faster scheme, named), the given one otherwise.
+grep -q "^exchange auto: per \(assignment\|rank\), the fastest fused step predicted" "$tmp/plan.txt"
+python3 -c "import json, sys; j = json.load(open(sys.argv[1])); sys.exit(not (j['exchange'] in ('assignment', 'rank') and j['exchange_choice']))" "$tmp/plan.json"
+"$HPMOE" plan -P 4 --set routed_experts=16 -T 128 --routing hot:0.3 --exchange rank > "$tmp/plan-rank.txt"
+! grep -q "^exchange auto" "$tmp/plan-rank.txt"
+"$HPMOE" step --machine h800 --preset tiny -P 16 --set routed_experts=32 -T 64 --layers 4 > "$tmp/step.txt"
+grep -q "^exchange auto: per \(assignment\|node\)" "$tmp/step.txt"
 python3 -c "import json, sys; j = json.load(open(sys.argv[1])); a, b = j['after'], j['before']; \
 sys.exit(not (j['replicas_added'] > 0 and a['rank_max_over_mean'] < b['rank_max_over_mean'] and a['cost_model_s'] < b['cost_model_s']))" "$tmp/plan.json"
 "$HPMOE" run -P 4 --set routed_experts=16 -T 128 --routing hot:0.3 --backward --iters 1 --placement "$tmp/planned.json" \

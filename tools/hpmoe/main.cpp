@@ -270,7 +270,8 @@ struct PlanCommand {
   }
 
   int execute() {
-    req.config = layer.resolve();
+    req.config = layer.resolve(true);
+    req.choose_exchange = !layer.exchange || layer.exchange_auto();  // auto unless a scheme is given
     req.start = layer.resolve_placement(req.config);
     req.routing = parse_routing_spec(routing, req.seed);
     req.training = !inference;
