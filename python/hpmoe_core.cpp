@@ -614,5 +614,12 @@ PYBIND11_MODULE(_core, m) {
   m.def("config_file_json", &config_file_json, py::arg("path"), py::arg("base_json"));
   m.def("config_with", &config_with, py::arg("config_json"), py::arg("fields"));
   m.def("flat_config", &flat_config, py::arg("config_json"));
+  m.def(
+      "choose_exchange",
+      [](const std::string& config_json, const std::string& machine, const std::string& routing, bool backward) {
+        const ExchangeChoice c = choose_exchange(config_from_json(nlohmann::json::parse(config_json)), machine, routing, backward);
+        return py::make_tuple(to_string(c.exchange), c.why);
+      },
+      py::arg("config_json"), py::arg("machine"), py::arg("routing"), py::arg("backward"));
   m.def("update_expert_bias", &bias_update, py::arg("bias"), py::arg("load"), py::arg("rate"));
 }

@@ -139,4 +139,17 @@ class OnlinePlacement {
   double expected_s_ = -1, last_s_ = 0;
 };
 
+// The exchange scheme the simulator predicts fastest for a layer as it
+// runs (its ranks, tokens per rank, dtypes, ranks per node) on a machine
+// model (a file, or a name in the installed machines/), under a routing
+// ("uniform", "zipf:1.2", ...), forward and, with `backward`, backward:
+// what --exchange auto picks (exchange_choice.cpp). The wire dtypes stay
+// as given. `why` names the choice and what the other scheme took.
+struct ExchangeChoice {
+  ExchangeMode exchange = ExchangeMode::assignment;
+  std::string why;
+};
+ExchangeChoice choose_exchange(const LayerConfig&, const std::string& machine = "cpu-local",
+                               const std::string& routing = "uniform", bool backward = true);
+
 }  // namespace hpmoe

@@ -252,6 +252,8 @@ class MoELayer(nn.Module):
     exchange: how tokens travel to their experts (hpmoe run --exchange): None keeps the config's
     ("assignment": a row per token and expert), "rank" (each token once per rank that holds one of its
     experts, the experts' rows gathered there). Same results as "assignment" in fp32; fewer bytes.
+    "auto": the one the simulator predicts fastest for this layer at its tokens_per_rank (cpu-local
+    machine model, uniform routing, forward + backward); ``exchange_choice`` says which and why.
     ranks_per_node: with exchange="rank", the ranks in each node (must divide ranks): a token crosses to
     another node once, to the rank there with its own local index, which forwards it inside the node and
     sums the node's ranks' outputs (and dx) for it before one row goes back. The source adds each node's
@@ -330,7 +332,10 @@ class MoELayer(nn.Module):
             cfg["dtype"] = dtype
         if dispatch_dtype is not None:
             cfg["dispatch_dtype"] = dispatch_dtype
-        if exchange is not None:
+        # exchange="auto": the scheme the simulator predicts fastest for this layer at its tokens_per_rank,
+        # on the cpu-local machine model, uniform routing, forward + backward (exchange_choice says why).
+        self.exchange_choice = None
+        if exchange is not None and exchange != "auto":
             cfg["exchange"] = exchange
         if combine_dtype is not None:
             cfg["combine_dtype"] = combine_dtype
@@ -347,6 +352,9 @@ class MoELayer(nn.Module):
             raise ValueError(f"ranks must be a positive integer, got {ranks!r}")
         cfg["ranks"] = ranks
         cfg["tokens_per_rank"] = max(1, int(cfg.get("tokens_per_rank", 1)))
+        if exchange == "auto":
+            chosen, self.exchange_choice = _core.choose_exchange(json.dumps(cfg), "cpu-local", "uniform", True)
+            cfg["exchange"] = chosen
         if ep == "mpi":
             _end_job_on_uncaught_errors()
         self._core = _core.Layer(json.dumps(cfg), int(workers), executor, schedule, ep, mpi_path,

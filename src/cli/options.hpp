@@ -55,7 +55,7 @@ struct LayerOptions {
     app.add_option("--exchange", exchange,
                    "how tokens travel to their experts: assignment (default: a row per token and expert) | rank (each "
                    "token once per destination rank; its experts there gather their rows from it; once per node "
-                   "across nodes) | auto (simulate, step, sweep: the scheme the simulator predicts fastest)");
+                   "across nodes) | auto (the scheme the simulator predicts fastest; the default of plan, step and sweep)");
     app.add_option("--combine-dtype", combine_dtype,
                    "what the per-rank combine's sums and the backward's dx sums travel in: layer (default) | bf16 "
                    "(fp32 layers; needs --exchange rank)");
@@ -84,8 +84,8 @@ struct LayerOptions {
 
   LayerConfig resolve(bool exchange_auto_allowed = false) const {
     if (exchange_auto() && !exchange_auto_allowed)
-      throw Error("--exchange auto is chosen by the simulator (hpmoe simulate, step and sweep take it); give assignment "
-                  "or rank here");
+      throw Error("--exchange auto is chosen by the simulator (hpmoe run, simulate, step, sweep and plan take it); give "
+                  "assignment or rank here");
     if (!preset_name.empty() && !config_file.empty()) throw Error("give either --preset or --config, not both");
     LayerConfig base = preset(preset_name.empty() ? "tiny" : preset_name);
     LayerConfig c = config_file.empty() ? base : load_config_file(config_file, base);

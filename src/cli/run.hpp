@@ -26,6 +26,7 @@ RunMode parse_run_mode(const std::string&);
 
 struct RunRequest {
   LayerConfig config;
+  std::string exchange_choice;  // --exchange auto: the scheme chosen and why (choose_run_exchange)
   RoutingSpec routing;
   ExpertPlacement placement;  // where the experts live; empty: contiguous
   int workers_per_rank = 1;
@@ -132,6 +133,7 @@ void check_run_memory(const RunRequest& req, bool sharded);
 
 struct RunReport {
   LayerConfig config;
+  std::string exchange_choice;  // --exchange auto: the scheme chosen and why
   // Bytes the last step's puts carried to other ranks (StepResult).
   std::int64_t forward_put_bytes = 0, backward_put_bytes = 0;
   std::int64_t lent_experts = 0, forward_lent_bytes = 0, backward_lent_bytes = 0;  // weights instead of tokens, last step
@@ -172,6 +174,11 @@ struct RunReport {
   std::vector<RankSummary> ranks;
   SoakReport soak;
 };
+
+// --exchange auto: req.config.exchange set to the scheme the simulator
+// predicts fastest for this run on `machine` (a file or a name in
+// machines/), and req.exchange_choice to why (run_exchange.cpp).
+void choose_run_exchange(RunRequest& req, const std::string& machine);
 
 // Compares a fast result with the oracle under the tolerances for the dtype
 // (fp32: rel L2 <= 1e-5; bf16: rel L2 <= 1e-2 and max-abs <= 2% of max |ref|).

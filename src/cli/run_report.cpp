@@ -32,6 +32,8 @@ nlohmann::json to_json(const RunReport& r) {
               {"bf16_tile_peak_flops", r.peak.bf16_tile_peak_per_core() * r.peak_cores},
               {"cores", r.peak_cores}, {"fma_peak_flops", r.peak.fp32_flops_per_core * r.peak_cores}};
   j["placement"] = r.placement;
+  j["exchange"] = to_string(r.config.exchange);
+  if (!r.exchange_choice.empty()) j["exchange_choice"] = r.exchange_choice;
   j["routing"] = {{"source", r.routing},
                   {"tokens_per_expert", r.stats.tokens_per_expert},
                   {"tokens_per_rank", r.stats.tokens_per_rank},
@@ -199,6 +201,7 @@ void write_layer_and_routing(std::ostringstream& o, const RunReport& r) {
   if (r.interleaved) o << ", interleaved over " << r.transport;
   if (!r.serialized_over.empty()) o << "; serialized operator by operator over the same";
   o << "\n";
+  if (!r.exchange_choice.empty()) o << "exchange auto: " << r.exchange_choice << "\n";
   const auto& st = r.stats;
   if (r.placement != "contiguous") o << "experts  " << r.placement << "\n";
   o << "routing  " << r.routing << ": expert max/mean " << st.expert_max_over_mean << ", rank max/mean "

@@ -186,6 +186,7 @@ RunReport report_header(const RunRequest& req, const ExpertPlacement& placement,
   if (req.transport) rep.transport = req.transport->describe();
   rep.policy = taskflow::name(req.policy);
   rep.config = req.config;
+  rep.exchange_choice = req.exchange_choice;
   rep.routing = req.routing.describe();
   rep.placement = describe(placement);
   rep.workers_per_rank = req.workers_per_rank;

@@ -205,6 +205,29 @@ def test_rank_exchange_matches_the_assignment_exchange_and_its_serialized_run():
         hpmoe.MoELayer(small(), exchange="node")
 
 
+def test_auto_exchange_runs_the_chosen_scheme_bit_for_bit():
+    """exchange="auto" asks the simulator which scheme is faster for this layer at its tokens_per_rank and runs that
+    one: the layer computes bit for bit what a layer built with the chosen scheme computes, over steps whose tokens and
+    weights change, and exchange_choice names the choice and the other scheme's predicted time."""
+    torch.manual_seed(9)
+    cfg = dict(small(top_k=3), tokens_per_rank=32)
+    auto = hpmoe.MoELayer(cfg, ranks=3, workers=1, exchange="auto")
+    chosen = auto.config["exchange"]
+    assert chosen in ("assignment", "rank")
+    assert auto.exchange_choice.startswith("per assignment" if chosen == "assignment" else "per rank")
+    assert ("per rank" if chosen == "assignment" else "per assignment") in auto.exchange_choice
+    given = hpmoe.MoELayer(cfg, ranks=3, workers=1, exchange=chosen)
+    assert given.exchange_choice is None
+    given.load_state_dict(auto.state_dict())
+    opt_a, opt_g = torch.optim.SGD(auto.parameters(), lr=0.1), torch.optim.SGD(given.parameters(), lr=0.1)
+    for step in range(3):
+        x, d_out = torch.randn(24 + 3 * step, 48), torch.randn(24 + 3 * step, 48)
+        ra, rg = run(auto, x, d_out), run(given, x, d_out)
+        assert torch.equal(ra[0], rg[0]) and torch.equal(ra[1], rg[1]), step
+        assert all(torch.equal(ra[2][n], rg[2][n]) for n in ra[2]), step
+        opt_a.step(), opt_g.step()
+
+
 def test_node_exchange_is_the_rank_exchange_bit_for_bit():
     """ranks_per_node forwards each token inside its destination node from one copy sent across, and sums the
     node's ranks' rows on the forwarder before one row returns: outputs and every gradient are bit-identical

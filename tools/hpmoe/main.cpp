@@ -130,12 +130,15 @@ struct RunCommand {
   double peer_timeout = 5.0;
   std::int64_t outbox_bytes = std::int64_t{64} << 20;
   std::string count_exchange = "auto";
+  std::string auto_machine = "cpu-local";
 
   void add(CLI::App& parent) {
     app = parent.add_subcommand("run", "run a layer step on this machine, verified against the fp64 oracle");
     CLI::App* run = app;
     layer.add_to(*run);
     run->add_option("--workers,-W", req.workers_per_rank, "worker threads per rank")->check(CLI::Range(1, 256));
+    run->add_option("--machine", auto_machine,
+                    "with --exchange auto: the machine model the simulator chooses the scheme on (default cpu-local)");
     run->add_option("--routing", routing,
                     "router | uniform | grouped | balanced | zipf[:S] | hot[:SHARE] | trace:FILE[:LAYER][:repeat] | mixed (a new routing "
                     "every step: uniform, Zipf, a hot expert or idle ranks)");
@@ -187,12 +190,14 @@ struct RunCommand {
   }
 
   int execute(int argc, char** argv) {
-    req.config = layer.resolve();
+    req.config = layer.resolve(true);
     req.placement = layer.resolve_placement(req.config);
     req.routing = parse_routing_spec(routing, req.seed);
     req.verify = parse_verify_mode(verify);
     req.mode = parse_run_mode(run_mode);
     req.policy = taskflow::parse_policy(run_schedule);
+    if (layer.exchange_auto()) choose_run_exchange(req, auto_machine);
+    else if (auto_machine != "cpu-local") throw Error("--machine names the model --exchange auto chooses on: give it with --exchange auto");
     req.pin = !no_pin;
     if (!inject_fault.empty()) {
       const auto colon = inject_fault.find(':');
