@@ -71,9 +71,12 @@ def from_hf_config(path, base=None):
     return json.loads(_core.config_file_json(str(path), json.dumps(base or preset("mixtral-8x7b"))))
 
 
-def _rebuild(init_args, state, training):
-    """A pickled MoELayer made again: the same arguments, then its parameters."""
+def _rebuild(init_args, state, training, bf16=False):
+    """A pickled MoELayer made again: the same arguments (and .bfloat16() if it had been called), then its
+    parameters."""
     layer = MoELayer(**init_args)
+    if bf16:
+        layer.bfloat16()
     layer.load_state_dict(state)
     layer.train(training)
     return layer
@@ -81,7 +84,7 @@ def _rebuild(init_args, state, training):
 
 class _Function(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, module, names, x, *params):
+    def forward(ctx, module, core, out_dtype, names, x, *params):
         arrays = {n: _array(p) for n, p in zip(names, params)}
         # (storage address, version counter): which parameters changed since the last forward, so that
         # the kept layer converts and repacks only those
@@ -91,7 +94,7 @@ class _Function(torch.autograd.Function):
             versions["gate.e_score_correction_bias"] = (module.gate_bias.data_ptr(), module.gate_bias._version)
         # bfloat16 tokens go in widened to float32 (exact); the layer rounds them as its dtype says
         wide = x.detach().float() if x.dtype == torch.bfloat16 else x.detach()
-        out, aux, z, load, step = module._core.forward(wide.numpy(), arrays, versions)
+        out, aux, z, load, step = core.forward(wide.numpy(), arrays, versions)
         ctx.module, ctx.names, ctx.tokens, ctx.dtype, ctx.step = module, names, x.shape[0], x.dtype, step
         # The backward reads the tokens where the forward found them (the router's and the shared experts'
         # weight gradients): saved, so that PyTorch refuses a backward after they were changed in place
@@ -101,7 +104,9 @@ class _Function(torch.autograd.Function):
         ctx.load = module.last_load = torch.from_numpy(load)
         module.last_times = step.times()
         module.last_exchange = step.exchange()
-        return torch.from_numpy(out).to(x.dtype), torch.tensor(aux, dtype=x.dtype), torch.tensor(z, dtype=x.dtype)
+        # The output in the tokens' dtype; under autocast in its dtype (bf16), as autocast's matmuls give.
+        y_dtype = out_dtype or x.dtype
+        return torch.from_numpy(out).to(y_dtype), torch.tensor(aux, dtype=y_dtype), torch.tensor(z, dtype=y_dtype)
 
     @staticmethod
     def backward(ctx, d_out, d_aux, d_z):
@@ -135,7 +140,7 @@ class _Function(torch.autograd.Function):
         # is not in the graph: optimisers then leave it alone (Adam's momentum does not move an idle expert).
         idle = {str(e) for e, n in enumerate(ctx.load.sum(dim=0).tolist()) if n == 0}
         # Gradients come in float32 (fp32 accumulation) and leave in each tensor's own dtype.
-        return (None, None, torch.from_numpy(grads["x"]).to(ctx.dtype)) + tuple(
+        return (None, None, None, None, torch.from_numpy(grads["x"]).to(ctx.dtype)) + tuple(
             None if n.startswith("experts.") and n.split(".")[1] in idle else torch.from_numpy(grads[n]).to(dt)
             for n, dt in zip(ctx.names, ctx.param_dtypes))
 
@@ -242,7 +247,10 @@ class MoELayer(nn.Module):
     then be float32 (master weights: rounded to bf16 when packed, gradients float32, the usual mixed
     precision) or bfloat16 (``.bfloat16()``: gradients bfloat16); tokens float32 or bfloat16, the
     output and dx in the tokens' dtype. Within bf16's tolerance of the float64 reference on the same
-    rounded values (relative L2 <= 1e-2);
+    rounded values (relative L2 <= 1e-2). As PyTorch modules do, a float32 layer follows its parameters:
+    ``.to(torch.bfloat16)`` / ``.bfloat16()`` make it compute in bf16, ``.float()`` back; under
+    ``torch.autocast("cpu", dtype=torch.bfloat16)`` it computes in bf16 with its float32 parameters as
+    masters and returns bfloat16; ``.half()``, ``.double()`` and other devices are ValueErrors;
     schedule: the interleaved runtime's task order per worker ("critical-path", "fill",
     "rank-rotated", "interleave-wgrad", "ratr"; hpmoe run --policy). Results are bit-identical for all.
     dispatch_dtype: what the dispatch sends tokens to their experts in (hpmoe run --dispatch-dtype):
@@ -357,11 +365,15 @@ class MoELayer(nn.Module):
             cfg["exchange"] = chosen
         if ep == "mpi":
             _end_job_on_uncaught_errors()
-        self._core = _core.Layer(json.dumps(cfg), int(workers), executor, schedule, ep, mpi_path,
-                                 _placement_text(placement), _online_text(online))
+        self._core_args = (int(workers), executor, schedule, ep, mpi_path)
+        self._core = _core.Layer(json.dumps(cfg), *self._core_args, _placement_text(placement), _online_text(online))
         self._core.check_finite = check_finite
         self._core.check_parameters = check_parameters
         self.config = json.loads(self._core.config_json)
+        # .to(torch.bfloat16) / .bfloat16() switch a float32 layer to bf16 compute (and .float() back);
+        # a layer made with dtype="bf16" keeps computing in bf16 whatever its parameters' dtype.
+        self._switched_to_bf16 = False
+        self._autocast_core = None  # under torch.autocast("cpu", torch.bfloat16): a bf16 twin, made on first use
         self.executor = executor
         self.ep = ep
         self.rank = self._core.rank  # over MPI: this process's rank; in process: 0
@@ -418,6 +430,8 @@ class MoELayer(nn.Module):
             raise ValueError("an hpmoe.MoELayer with ep='mpi' cannot be copied: each copy would be another set "
                              "of MPI ranks; copy its state_dict() instead")
         twin = MoELayer(**self._copy_args())
+        if self._switched_to_bf16:  # made float32, then .bfloat16(): the copy too
+            twin.bfloat16()
         twin.load_state_dict(copy.deepcopy(self.state_dict(), memo))
         twin.train(self.training)
         return twin
@@ -425,17 +439,72 @@ class MoELayer(nn.Module):
     def __reduce__(self):
         if self.ep == "mpi":
             raise ValueError("an hpmoe.MoELayer with ep='mpi' cannot be pickled; save its state_dict() instead")
-        return (_rebuild, (self._copy_args(), self.state_dict(), self.training))
+        return (_rebuild, (self._copy_args(), self.state_dict(), self.training, self._switched_to_bf16))
 
     @property
     def gate_bias(self):
         return getattr(self.gate, "e_score_correction_bias", None)
 
+    def _twin_core(self, dtype):
+        """An engine for the same layer in `dtype`, on the placement this layer has now (an online policy's
+        window of recent loads starts empty there)."""
+        cfg = dict(self.config, dtype=dtype)
+        core = _core.Layer(json.dumps(cfg), *self._core_args, _placement_text(self.placement),
+                           _online_text(self._init_args["online"]))
+        core.check_finite = self._core.check_finite
+        core.check_parameters = self._core.check_parameters
+        return core
+
+    def _apply(self, fn, *args, **kwargs):
+        """nn.Module.to / .bfloat16() / .float() / .double() / .cuda() all come here. What this layer computes
+        in follows its parameters, as a PyTorch module's does: bfloat16 parameters make a float32 layer compute
+        in bf16, float32 ones bring it back; other dtypes and devices are refused here, at the call that asks
+        for them, before anything changed."""
+        probe = fn(torch.zeros(1))
+        name = f"hpmoe.MoELayer(executor={self.executor!r})"
+        if probe.device.type != "cpu":
+            raise ValueError(f"{name} runs on the CPU: it cannot move to {probe.device} (keep it on the CPU, or use "
+                             f"a GPU MoE layer there)")
+        allowed = (torch.float64,) if self.executor == "reference" else (torch.float32, torch.bfloat16)
+        if probe.dtype not in allowed:
+            fix = ("call .double() on it" if self.executor == "reference"
+                   else "use .bfloat16() (bf16 compute) or .float() (float32), or executor='reference' for float64")
+            raise ValueError(f"{name} cannot hold {probe.dtype} parameters: {fix}")
+        if self.executor != "reference" and probe.dtype != torch.float32 and self.ep == "mpi" \
+                and self.config["dtype"] == "fp32":
+            raise ValueError(f"{name} with ep='mpi' cannot change its dtype after it was made (every process would "
+                             f"have to rebuild its engine at once): make it with dtype='bf16'")
+        result = super()._apply(fn, *args, **kwargs)
+        if self.executor != "reference":
+            if probe.dtype == torch.bfloat16 and self.config["dtype"] == "fp32":
+                self._core = self._twin_core("bf16")
+                self.config = json.loads(self._core.config_json)
+                self._switched_to_bf16 = True
+            elif probe.dtype == torch.float32 and self._switched_to_bf16:
+                self._core = self._twin_core("fp32")
+                self.config = json.loads(self._core.config_json)
+                self._switched_to_bf16 = False
+        return result
+
+    def _core_for_this_call(self):
+        """The engine a forward runs on: the layer's own, or under torch.autocast("cpu", torch.bfloat16) a
+        float32 layer's bf16 twin (bf16 compute, the float32 parameters as masters, output in bfloat16)."""
+        if (self.executor != "reference" and self.config["dtype"] == "fp32" and torch.is_autocast_cpu_enabled()
+                and torch.get_autocast_cpu_dtype() == torch.bfloat16):
+            if self.ep == "mpi":
+                raise ValueError("hpmoe.MoELayer with ep='mpi' cannot follow torch.autocast (every process would "
+                                 "have to build a bf16 engine at once): make it with dtype='bf16'")
+            if self._autocast_core is None:
+                self._autocast_core = self._twin_core("bf16")
+            return self._autocast_core, torch.bfloat16
+        return self._core, None
+
     def forward(self, x):
         H = self.config["hidden"]
+        core, autocast_dtype = self._core_for_this_call()
         if self.executor == "reference":
             dtypes, fix = (torch.float64,), "call .double() on the module"
-        elif self.config["dtype"] == "bf16":
+        elif self.config["dtype"] == "bf16" or autocast_dtype is not None:
             dtypes, fix = (torch.bfloat16, torch.float32), "call .bfloat16() or .float() on the module"
         else:
             dtypes, fix = (torch.float32,), "call .float() on the module, or make it with dtype='bf16'"
@@ -451,6 +520,7 @@ class MoELayer(nn.Module):
             raise ValueError(f"hpmoe.MoELayer needs inputs of shape [..., {H}] (hidden {H}), got {list(x.shape)}")
         flat = x.reshape(-1, H).contiguous()
         named = [(n, p) for n, p in self.named_parameters()]
-        out, aux, z = _Function.apply(self, [n for n, _ in named], flat, *[p.contiguous() for _, p in named])
+        out, aux, z = _Function.apply(self, core, autocast_dtype, [n for n, _ in named], flat,
+                                      *[p.contiguous() for _, p in named])
         self.last_losses = Losses(aux.detach(), z.detach())
         return out.reshape(x.shape)
