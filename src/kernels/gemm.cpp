@@ -1,6 +1,8 @@
 #include <libxsmm.h>
 
 #include <algorithm>
+#include <bit>
+#include <type_traits>
 #include <cstdint>
 #include <cstring>
 #include <mutex>
@@ -392,6 +394,30 @@ void pack_rhs_transposed(const S* src, std::int64_t ld_src, std::int64_t k, std:
   }
 }
 
+namespace {
+
+// bf16::from_float without its branch, so that a row's loop vectorizes:
+// round to nearest, ties to even; a NaN stays a (quiet) NaN.
+inline std::uint32_t bf16_bits(float value) {
+  const std::uint32_t u = std::bit_cast<std::uint32_t>(value);
+  const std::uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  const std::uint32_t quiet_nan = (u >> 16) | 0x0040u;
+  return (u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded;
+}
+
+// Rows r and r + 1 of a float source into a bf16 VNNI panel line: element
+// (r, j) in the low half of 32-bit word j, (r + 1, j) in the high half (the
+// second row absent past K: zero), the same bits as rhs_index's element by
+// element stores of bf16::from_float, written a word at a time.
+void pack_vnni_row_pair(const float* a, const float* b, std::int64_t width, bf16* line) {
+  for (std::int64_t j = 0; j < width; ++j) {
+    const std::uint32_t word = bf16_bits(a[j]) | (b ? bf16_bits(b[j]) << 16 : 0u);
+    std::memcpy(static_cast<void*>(line + 2 * j), &word, sizeof word);  // (r, j) then (r + 1, j): little-endian halves
+  }
+}
+
+}  // namespace
+
 template <class S, class T>
 void pack_rhs_panels(const S* src, std::int64_t ld_src, std::int64_t k, std::int64_t n, bool transposed, T* dst,
                      std::int64_t panel_begin, std::int64_t panel_end) {
@@ -407,6 +433,15 @@ void pack_rhs_panels(const S* src, std::int64_t ld_src, std::int64_t k, std::int
     T* panel = dst + p * kp * kTileCols;
     std::fill(panel, panel + kp * kTileCols, T{});  // padding rows and columns past N stay zero
     const std::int64_t c0 = p * kTileCols, width = std::clamp<std::int64_t>(n - c0, 0, kTileCols);
+    if constexpr (std::is_same_v<S, float> && std::is_same_v<T, bf16>) {
+      if (!transposed) {  // a training step repacks every weight: two rows at a time, vectorized
+        for (std::int64_t r = 0; r < k; r += 2) {
+          const float* a = src + r * ld_src + c0;
+          pack_vnni_row_pair(a, r + 1 < k ? a + ld_src : nullptr, width, panel + rhs_index(r, 0, kTileCols, true));
+        }
+        continue;
+      }
+    }
     if (!transposed) {
       for (std::int64_t r = 0; r < k; ++r) {
         const S* row = src + r * ld_src + c0;

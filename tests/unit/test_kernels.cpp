@@ -1,5 +1,7 @@
 #include <gtest/gtest.h>
 
+#include <bit>
+
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -128,6 +130,31 @@ void check_panel_gemm(std::int64_t m, std::int64_t n, std::int64_t k, bool trans
       }
       ASSERT_LT(std::abs(ref - c[i * n + j]), 4 * 6e-8 * std::sqrt(double(k)) * magnitude) << i << "," << j;
     }
+}
+
+TEST(TileGemm, Bf16PanelsFromRowsAreTheBitsOfElementwiseRounding) {
+  // The vectorised row-pair packing (a training step repacks every weight)
+  // against the transposed path's element-by-element bf16::from_float, on
+  // values that round every way: ties to even both ways, a carry into the
+  // exponent, subnormals, signed zero, the largest finite float, infinities
+  // and NaN; odd K (the last pair half zero) and a ragged last panel.
+  const std::vector<std::uint32_t> specials = {0x3f808000u, 0x3f818000u, 0x3f7fffffu, 0x00000001u, 0x80000000u,
+                                               0x7f7fffffu, 0x7f800000u, 0xff800000u, 0x7fc00001u, 0x7f800001u};
+  for (auto [k, n] : std::vector<std::pair<std::int64_t, std::int64_t>>{{7, 70}, {256, 64}, {1, 5}, {129, 130}}) {
+    Rng rng(static_cast<std::uint64_t>(k * 1000 + n));
+    std::vector<float> rows(static_cast<std::size_t>(k * n)), cols(rows.size());
+    for (std::size_t i = 0; i < rows.size(); ++i)
+      rows[i] = i % 7 == 3 ? std::bit_cast<float>(specials[i % specials.size()]) : float(rng.normal());
+    for (std::int64_t r = 0; r < k; ++r)
+      for (std::int64_t j = 0; j < n; ++j) cols[static_cast<std::size_t>(j * k + r)] = rows[static_cast<std::size_t>(r * n + j)];
+    const std::int64_t panels = (n + kTileCols - 1) / kTileCols;
+    std::vector<bf16> fast(static_cast<std::size_t>(panel_blocked_size<bf16>(k, n))), slow(fast.size());
+    pack_rhs_panels<float, bf16>(rows.data(), n, k, n, false, fast.data(), 0, panels);
+    pack_rhs_panels<float, bf16>(cols.data(), k, k, n, true, slow.data(), 0, panels);
+    std::size_t differ = 0;
+    for (std::size_t i = 0; i < fast.size(); ++i) differ += fast[i].bits != slow[i].bits;
+    EXPECT_EQ(differ, 0u) << "K " << k << ", N " << n;
+  }
 }
 
 TEST(TileGemm, PanelBlockedOperands) {

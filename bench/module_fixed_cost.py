@@ -1,0 +1,58 @@
+"""The module's cost per call at a small size (issue 61 item 1): hidden 256, 16 experts of 512, top-2, 2 ranks x 1
+worker, T tokens a call, forward + backward, with or without an SGD step between calls (weights that change every
+call are converted and repacked every call). Prints the median and range of the calls' wall time and the median of
+each part the module reports (moe.last_times: the host's parts and the launches), largest first.
+
+    PYTHONPATH=build/python python3 bench/module_fixed_cost.py fp32|bf16 [T] [--update] [--calls 25]
+"""
+import argparse
+import statistics
+import time
+
+import torch
+
+import hpmoe
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("dtype", choices=["fp32", "bf16"])
+    ap.add_argument("tokens", type=int, nargs="?", default=16)
+    ap.add_argument("--update", action="store_true")
+    ap.add_argument("--calls", type=int, default=25)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    torch.set_num_threads(2)
+    cfg = hpmoe.with_fields(hpmoe.preset("mixtral-8x7b"), hidden=256, expert_inter=512, routed_experts=16, top_k=2)
+    moe = hpmoe.MoELayer(cfg, ranks=2, workers=1)
+    if args.dtype == "bf16":
+        moe = moe.bfloat16()
+    opt = torch.optim.SGD(moe.parameters(), lr=1e-3)
+    dtype = torch.float32 if args.dtype == "fp32" else torch.bfloat16
+    times, parts = [], {}
+    for i in range(args.calls + 5):
+        x = torch.randn(args.tokens, 256, dtype=dtype, requires_grad=True)
+        t0 = time.perf_counter()
+        moe(x).float().sum().backward()
+        t1 = time.perf_counter()
+        if args.update:
+            opt.step()
+        opt.zero_grad()
+        if i < 5:
+            continue
+        times.append((t1 - t0) * 1e3)
+        for p in ("forward", "backward"):
+            for k, v in (moe.last_times or {}).get(p, {}).items():
+                parts.setdefault(f"{p}.{k}", []).append(v * 1e3)
+    print(f"{args.dtype}, T {args.tokens}, {'an SGD step between calls' if args.update else 'weights unchanged'}: "
+          f"{statistics.median(times):.2f} ms a call ({min(times):.2f}-{max(times):.2f})")
+    accounted = 0.0
+    for k, v in sorted(parts.items(), key=lambda kv: -statistics.median(kv[1])):
+        accounted += statistics.median(v)
+        if statistics.median(v) >= 0.05:
+            print(f"  {k:<36} {statistics.median(v):7.3f} ms")
+    print(f"  {'(the rest: Python, autograd, the repack)':<36} {statistics.median(times) - accounted:7.3f} ms")
+
+
+if __name__ == "__main__":
+    main()
