@@ -460,7 +460,9 @@ class MoELayer(nn.Module):
         in follows its parameters, as a PyTorch module's does: bfloat16 parameters make a float32 layer compute
         in bf16, float32 ones bring it back; other dtypes and devices are refused here, at the call that asks
         for them, before anything changed."""
-        probe = fn(torch.zeros(1))
+        # What fn does to a tensor like the parameters (a dtype change, a move, or nothing: .cpu(), .to("cpu")).
+        current = next((p.dtype for p in self.parameters() if p.is_floating_point()), torch.float32)
+        probe = fn(torch.zeros(1, dtype=current))
         name = f"hpmoe.MoELayer(executor={self.executor!r})"
         if probe.device.type != "cpu":
             raise ValueError(f"{name} runs on the CPU: it cannot move to {probe.device} (keep it on the CPU, or use "
@@ -475,7 +477,7 @@ class MoELayer(nn.Module):
             raise ValueError(f"{name} with ep='mpi' cannot change its dtype after it was made (every process would "
                              f"have to rebuild its engine at once): make it with dtype='bf16'")
         result = super()._apply(fn, *args, **kwargs)
-        if self.executor != "reference":
+        if self.executor != "reference" and probe.dtype != current:
             if probe.dtype == torch.bfloat16 and self.config["dtype"] == "fp32":
                 self._core = self._twin_core("bf16")
                 self.config = json.loads(self._core.config_json)

@@ -747,8 +747,16 @@ def test_to_bfloat16_makes_the_layer_compute_in_bf16_and_float_brings_it_back():
     rm, rf = run(moe, x, d_out), run(fresh, x, d_out)
     assert rm[0].dtype == torch.float32 and torch.equal(rm[0], rf[0]) and torch.equal(rm[1], rf[1])
     assert all(torch.equal(rm[2][n], rf[2][n]) for n in rm[2])
-    # A copy and a pickle keep the switch.
+    # A move that changes no dtype changes nothing; a container's .to() reaches the layer.
     moe.bfloat16()
+    moe.to("cpu"), moe.cpu()
+    assert moe.config["dtype"] == "bf16" and moe(torch.randn(4, 48).bfloat16()).dtype == torch.bfloat16
+    model = torch.nn.Sequential(torch.nn.Linear(48, 48), moe)
+    model.float()
+    assert moe.config["dtype"] == "fp32" and model(torch.randn(4, 48)).dtype == torch.float32
+    model.to(torch.bfloat16)
+    assert moe.config["dtype"] == "bf16"
+    # A copy and a pickle keep the switch.
     assert copy.deepcopy(moe).config["dtype"] == "bf16"
     assert pickle.loads(pickle.dumps(moe)).config["dtype"] == "bf16"
 
