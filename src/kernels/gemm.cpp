@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <bit>
+#include <cpuid.h>
+#include <cstdlib>
 #include <type_traits>
 #include <cstdint>
 #include <cstring>
@@ -25,13 +27,43 @@ void init() {
   std::call_once(once, [] { libxsmm_init(); });
 }
 
+namespace {
+// AMX-BF16 and AMX-TILE in CPUID leaf 7 (libgcc 12's __builtin_cpu_supports
+// does not know them), and Linux's leave to use the tiles.
+bool cpu_runs_amx() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+  const bool bf16 = (edx >> 22) & 1u, tile = (edx >> 24) & 1u;
+  return bf16 && tile && amx_permitted();
+}
+
+bool onednn_has_amx() {
+#ifdef HPMOE_WITH_ONEDNN
+  const auto amx = static_cast<unsigned>(dnnl::cpu_isa::avx512_core_amx);
+  return (static_cast<unsigned>(dnnl::get_effective_cpu_isa()) & amx) == amx;
+#else
+  return false;
+#endif
+}
+}  // namespace
+
 Bf16Engine bf16_engine() {
   static const Bf16Engine engine = [] {
-#ifdef HPMOE_WITH_ONEDNN
-    const auto amx = static_cast<unsigned>(dnnl::cpu_isa::avx512_core_amx);
-    if ((static_cast<unsigned>(dnnl::get_effective_cpu_isa()) & amx) == amx) return Bf16Engine::onednn_amx;
-#endif
-    return Bf16Engine::libxsmm;
+    const char* asked = std::getenv("HPMOE_BF16_ENGINE");
+    const std::string choice = asked ? asked : "";
+    if (choice.empty()) return cpu_runs_amx() ? Bf16Engine::amx : Bf16Engine::libxsmm;
+    if (choice == "libxsmm") return Bf16Engine::libxsmm;
+    if (choice == "amx") {
+      if (!cpu_runs_amx())
+        throw Error("HPMOE_BF16_ENGINE=amx: this CPU has no AMX-BF16 tiles (or Linux refused them); unset it or pick libxsmm");
+      return Bf16Engine::amx;
+    }
+    if (choice == "onednn") {
+      if (!onednn_has_amx())
+        throw Error("HPMOE_BF16_ENGINE=onednn: oneDNN finds no AMX here (or hpmoe was built without oneDNN); unset it or pick libxsmm");
+      return Bf16Engine::onednn_amx;
+    }
+    throw Error("HPMOE_BF16_ENGINE='" + choice + "': expected amx, onednn or libxsmm");
   }();
   return engine;
 }
@@ -41,6 +73,7 @@ bool libxsmm_has_bf16();
 }
 
 const char* name(Bf16Engine e) {
+  if (e == Bf16Engine::amx) return "hpmoe's AMX-BF16 kernel";
   if (e == Bf16Engine::onednn_amx) return "oneDNN matmul (AMX-BF16)";
   return libxsmm_has_bf16() ? "libxsmm (AVX512-BF16 or emulated)" : "libxsmm fp32 on bf16 widened to fp32 (no AVX-512)";
 }
@@ -253,6 +286,24 @@ void widened_batch_reduce(const bf16* a, std::int64_t lda, const bf16* b, std::i
 }  // namespace
 
 namespace {
+// A bf16 tile within one panel on the AMX kernel. A VNNI operand that is
+// not a whole panel (not panel-blocked: tests, benchmarks) is copied into
+// one first, its columns past the tile and K's last pair row zero.
+void amx_panel_tile(const bf16* a, std::int64_t lda, RhsView<bf16> b, std::int64_t col0, float* c, std::int64_t ldc,
+                    std::int64_t m, std::int64_t n, std::int64_t k, bool accumulate) {
+  if (!b.vnni) throw Error("the AMX kernel reads VNNI operands only");
+  if (b.panel_stride > 0 && b.ld == kTileCols && col0 % kTileCols == 0) {
+    amx_bf16_panel(a, lda, b.data + (col0 / kTileCols) * b.panel_stride, c, ldc, m, n, k, accumulate);
+    return;
+  }
+  if (b.panel_stride > 0) throw Error("an AMX tile on a panel-blocked operand must start at a panel");
+  thread_local AlignedVector<bf16> panel;
+  panel.assign(static_cast<std::size_t>(k / 2 * 2 * kTileCols), bf16{});
+  for (std::int64_t p = 0; p < k / 2; ++p)
+    std::memcpy(panel.data() + p * 2 * kTileCols, b.data + (p * b.ld + col0) * 2, static_cast<std::size_t>(2 * n) * sizeof(bf16));
+  amx_bf16_panel(a, lda, panel.data(), c, ldc, m, n, k, accumulate);
+}
+
 // One tile whose columns lie within one panel of b (or b is not blocked).
 template <class T>
 void gemm_one_panel(const T* a, std::int64_t lda, RhsView<T> b, std::int64_t col0, float* c, std::int64_t ldc,
@@ -260,6 +311,12 @@ void gemm_one_panel(const T* a, std::int64_t lda, RhsView<T> b, std::int64_t col
   const std::int64_t pair = b.vnni ? 2 : 1;  // VNNI keeps K pairs per column
   const T* rhs = b.data + col0 * pair;
   if (b.panel_stride > 0) rhs = b.data + (col0 / kTileCols) * b.panel_stride + (col0 % kTileCols) * pair;
+  if constexpr (sizeof(T) == 2) {
+    if (bf16_engine() == Bf16Engine::amx) {
+      amx_panel_tile(a, lda, b, col0, c, ldc, m, n, k, accumulate);
+      return;
+    }
+  }
 #ifdef HPMOE_WITH_ONEDNN
   if constexpr (sizeof(T) == 2) {
     if (bf16_engine() == Bf16Engine::onednn_amx) {
@@ -325,11 +382,10 @@ void gemm_tile(const T* a, std::int64_t lda, RhsView<T> b, std::int64_t col0, fl
   // 70 MB in 1,000 soak steps. Such an A is copied into a tile whose stride
   // depends on k alone; the same values in the same FMA order give the same
   // bits, and the copy is 1/n of the tile's work.
-  // (oneDNN takes any stride and keys its kernels otherwise.)
+  // (The AMX engines take any stride: oneDNN keys its kernels otherwise,
+  // hpmoe's AMX kernel has none to key.)
   bool libxsmm_path = true;
-#ifdef HPMOE_WITH_ONEDNN
-  if constexpr (sizeof(T) == 2) libxsmm_path = bf16_engine() != Bf16Engine::onednn_amx;
-#endif
+  if constexpr (sizeof(T) == 2) libxsmm_path = !amx_engine();
   const std::int64_t tight = (k + 15) / 16 * 16;
   if (libxsmm_path && lda != k && lda != tight) {
     thread_local std::vector<T> compact;

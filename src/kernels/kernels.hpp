@@ -53,25 +53,35 @@ using AlignedVector = std::vector<T, CacheLineAllocator<T>>;
 void init();
 
 // The engine that runs bf16 tiles, chosen once per process from the CPU:
-// oneDNN's matmul, which uses AMX-BF16 tiles where the CPU (and oneDNN, when
-// hpmoe is built with it) has them and runs 5-8x faster than AVX512-BF16
-// dot products there; elsewhere libxsmm, whose AVX512-BF16 kernels match
-// oneDNN's without AMX (docs/results/benchmarks.md, "bf16 on AMX"). fp32 tiles always
-// run libxsmm (a sequential FMA sum in K; see kChunkBlocks).
-// ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 in the environment turns AMX off, and
-// with it this choice.
-enum class Bf16Engine { libxsmm, onednn_amx };
+// on a CPU with AMX-BF16 (and Linux's leave to use its tiles), hpmoe's own
+// AMX kernel (amx.cpp), which runs the layer's small tiles 1.5-3x faster
+// than oneDNN 2.6's matmul; elsewhere libxsmm, whose AVX512-BF16 kernels
+// match oneDNN's without AMX (docs/results/benchmarks.md, "bf16 on AMX").
+// fp32 tiles always run libxsmm (a sequential FMA sum in K; see
+// kChunkBlocks). HPMOE_BF16_ENGINE=amx|onednn|libxsmm in the environment
+// picks one (onednn: oneDNN's matmul, AMX where it finds it; kept to
+// measure against); a choice the build or the CPU cannot run is an error.
+enum class Bf16Engine { libxsmm, onednn_amx, amx };
 Bf16Engine bf16_engine();
 const char* name(Bf16Engine);
-// Whether bf16 operands are in VNNI pairs (libxsmm) or plain rows (oneDNN).
-inline bool bf16_vnni() { return bf16_engine() == Bf16Engine::libxsmm; }
+// Whether the engine multiplies on AMX tiles (the tile and padding rules below).
+inline bool amx_engine() { return bf16_engine() != Bf16Engine::libxsmm; }
+// Whether bf16 operands are in VNNI pairs (libxsmm, the AMX kernel) or plain rows (oneDNN).
+inline bool bf16_vnni() { return bf16_engine() != Bf16Engine::onednn_amx; }
+// Whether Linux lets this process use the AMX tile registers (asked once).
+bool amx_permitted();
+// The AMX kernel: C[m, n] (=, or += when accumulate) A[m, k] times one
+// VNNI panel of 64 columns (pair rows 128 elements apart; n <= 64, its
+// columns past n zero), fp32 C; k even.
+void amx_bf16_panel(const bf16* a, std::int64_t lda, const bf16* panel, float* c, std::int64_t ldc, std::int64_t m,
+                    std::int64_t n, std::int64_t k, bool accumulate);
 // Rows of a token tile for T's engine: kTileRows, and twice as many for bf16
 // on AMX, where a tile of 128 rows spends more time bringing in its weight
 // panel than multiplying it (each panel is read once per row tile).
 inline constexpr std::int64_t kMaxTileRows = 256;
 template <class T>
 std::int64_t token_tile_rows() {
-  if constexpr (sizeof(T) == 2) return bf16_engine() == Bf16Engine::onednn_amx ? kMaxTileRows : kTileRows;
+  if constexpr (sizeof(T) == 2) return amx_engine() ? kMaxTileRows : kTileRows;
   else return kTileRows;
 }
 // Rows of a weight-gradient tile for T's engine. Their K is an expert's rows
@@ -80,7 +90,7 @@ std::int64_t token_tile_rows() {
 // rows, 881 at 256; docs/results/benchmarks.md, "bf16 on AMX").
 template <class T>
 std::int64_t weight_tile_rows() {
-  if constexpr (sizeof(T) == 2) return bf16_engine() == Bf16Engine::onednn_amx ? 256 : kWeightTileRows;
+  if constexpr (sizeof(T) == 2) return amx_engine() ? 256 : kWeightTileRows;
   else return kWeightTileRows;
 }
 
@@ -145,7 +155,7 @@ void pack_rhs(const S* src, std::int64_t ld_src, std::int64_t k, std::int64_t n,
 template <class T>
 std::int64_t weight_padded_k(std::int64_t k) {
   if constexpr (sizeof(T) == 2)
-    if (bf16_engine() == Bf16Engine::onednn_amx) return (k + 31) & ~std::int64_t{31};
+    if (amx_engine()) return (k + 31) & ~std::int64_t{31};
   return padded_k<T>(k);
 }
 

@@ -61,11 +61,8 @@ __attribute__((target("avx512f,avx512bf16"))) float dot_avx512bf16(long iters) {
 
 // AMX-BF16: four 16 x 16 fp32 accumulator tiles, each updated by a 16 x 32
 // bf16 tile times a 32 x 16 (VNNI) one per step: 4 x 16 x 16 x 32 multiply-
-// adds. Linux hands out the tile registers only on request.
-bool amx_permitted() {
-  constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-}
+// adds. Linux hands out the tile registers only on request
+// (kernels::amx_permitted).
 
 struct alignas(64) TileConfig {
   std::uint8_t palette = 1, start_row = 0, reserved[14] = {};
@@ -190,19 +187,19 @@ FmaPeak measure_fma_peak(double seconds, int rounds) {
     p.bf16_flops_per_core = best_rate(dot_avx512bf16, 12.0 * 32 * 2, seconds, rounds);
   }
   if (cpu_flag("amx_bf16")) {  // libgcc 12's __builtin_cpu_supports does not report AMX
-    if (amx_permitted()) p.amx_bf16_flops_per_core = best_rate(dot_amx_bf16, 4.0 * 16 * 16 * 32 * 2, seconds, rounds);
+    if (kernels::amx_permitted()) p.amx_bf16_flops_per_core = best_rate(dot_amx_bf16, 4.0 * 16 * 16 * 32 * 2, seconds, rounds);
     else p.not_measured = "AMX-BF16 tiles (the kernel refused their permission)";
   }
   return p;
 }
 
 double FmaPeak::bf16_tile_peak_per_core() const {
-  return kernels::bf16_engine() == kernels::Bf16Engine::onednn_amx && amx_bf16_flops_per_core > 0 ? amx_bf16_flops_per_core
+  return kernels::amx_engine() && amx_bf16_flops_per_core > 0 ? amx_bf16_flops_per_core
                                                                                                  : bf16_flops_per_core;
 }
 
 std::string FmaPeak::bf16_tile_isa() const {
-  return kernels::bf16_engine() == kernels::Bf16Engine::onednn_amx && amx_bf16_flops_per_core > 0 ? "amx-bf16" : bf16_isa;
+  return kernels::amx_engine() && amx_bf16_flops_per_core > 0 ? "amx-bf16" : bf16_isa;
 }
 
 }  // namespace hpmoe
