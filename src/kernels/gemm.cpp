@@ -382,12 +382,15 @@ void gemm_tile(const T* a, std::int64_t lda, RhsView<T> b, std::int64_t col0, fl
   // 70 MB in 1,000 soak steps. Such an A is copied into a tile whose stride
   // depends on k alone; the same values in the same FMA order give the same
   // bits, and the copy is 1/n of the tile's work.
-  // (The AMX engines take any stride: oneDNN keys its kernels otherwise,
-  // hpmoe's AMX kernel has none to key.)
-  bool libxsmm_path = true;
-  if constexpr (sizeof(T) == 2) libxsmm_path = !amx_engine();
+  // (oneDNN takes any stride and keys its kernels otherwise.) hpmoe's AMX
+  // kernel has no kernels to key, but a strip of weight-gradient tiles reads
+  // its A once per panel, each row a page apart in the long activation: the
+  // compact copy, made once for all the panels, keeps those reads in a few
+  // pages.
+  bool compact_a = true;
+  if constexpr (sizeof(T) == 2) compact_a = bf16_engine() == Bf16Engine::amx ? n > kTileCols : !amx_engine();
   const std::int64_t tight = (k + 15) / 16 * 16;
-  if (libxsmm_path && lda != k && lda != tight) {
+  if (compact_a && lda != k && lda != tight) {
     thread_local std::vector<T> compact;
     compact.resize(static_cast<std::size_t>(m * tight));
     for (std::int64_t i = 0; i < m; ++i)
