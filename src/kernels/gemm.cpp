@@ -286,6 +286,14 @@ void widened_batch_reduce(const bf16* a, std::int64_t lda, const bf16* b, std::i
 }  // namespace
 
 namespace {
+// Whether a bf16 tile of this K runs on the AMX kernel. A K shorter than
+// one block of 32 (a weight gradient of an expert that got a few rows) is
+// half padding for the tiles; libxsmm's AVX512-BF16 kernel, which reads
+// the same VNNI panels, runs it instead. The choice follows K alone, as
+// every tile of one GEMM shares it.
+constexpr std::int64_t kAmxMinK = 32;
+bool amx_takes(std::int64_t k) { return bf16_engine() == Bf16Engine::amx && k >= kAmxMinK; }
+
 // A bf16 tile within one panel on the AMX kernel. A VNNI operand that is
 // not a whole panel (not panel-blocked: tests, benchmarks) is copied into
 // one first, its columns past the tile and K's last pair row zero.
@@ -312,7 +320,7 @@ void gemm_one_panel(const T* a, std::int64_t lda, RhsView<T> b, std::int64_t col
   const T* rhs = b.data + col0 * pair;
   if (b.panel_stride > 0) rhs = b.data + (col0 / kTileCols) * b.panel_stride + (col0 % kTileCols) * pair;
   if constexpr (sizeof(T) == 2) {
-    if (bf16_engine() == Bf16Engine::amx) {
+    if (amx_takes(k)) {
       amx_panel_tile(a, lda, b, col0, c, ldc, m, n, k, accumulate);
       return;
     }
@@ -388,7 +396,7 @@ void gemm_tile(const T* a, std::int64_t lda, RhsView<T> b, std::int64_t col0, fl
   // compact copy, made once for all the panels, keeps those reads in a few
   // pages.
   bool compact_a = true;
-  if constexpr (sizeof(T) == 2) compact_a = bf16_engine() == Bf16Engine::amx ? n > kTileCols : !amx_engine();
+  if constexpr (sizeof(T) == 2) compact_a = amx_takes(k) ? n > kTileCols : bf16_engine() != Bf16Engine::onednn_amx;
   const std::int64_t tight = (k + 15) / 16 * 16;
   if (compact_a && lda != k && lda != tight) {
     thread_local std::vector<T> compact;
