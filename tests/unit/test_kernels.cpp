@@ -133,8 +133,9 @@ void check_panel_gemm(std::int64_t m, std::int64_t n, std::int64_t k, bool trans
 }
 
 TEST(TileGemm, Bf16PanelsFromRowsAreTheBitsOfElementwiseRounding) {
-  // The vectorised row-pair packing (a training step repacks every weight)
-  // against the transposed path's element-by-element bf16::from_float, on
+  // Both vectorised packings (a training step repacks every weight: rows
+  // in pairs, and transposed sources a column run at a time) against
+  // element-by-element bf16::from_float into rhs_index's places, on
   // values that round every way: ties to even both ways, a carry into the
   // exponent, subnormals, signed zero, the largest finite float, infinities
   // and NaN; odd K (the last pair half zero) and a ragged last panel.
@@ -151,9 +152,19 @@ TEST(TileGemm, Bf16PanelsFromRowsAreTheBitsOfElementwiseRounding) {
     std::vector<bf16> fast(static_cast<std::size_t>(panel_blocked_size<bf16>(k, n))), slow(fast.size());
     pack_rhs_panels<float, bf16>(rows.data(), n, k, n, false, fast.data(), 0, panels);
     pack_rhs_panels<float, bf16>(cols.data(), k, k, n, true, slow.data(), 0, panels);
-    std::size_t differ = 0;
-    for (std::size_t i = 0; i < fast.size(); ++i) differ += fast[i].bits != slow[i].bits;
-    EXPECT_EQ(differ, 0u) << "K " << k << ", N " << n;
+    std::vector<bf16> reference(fast.size());  // zeros: padding rows and columns
+    const std::int64_t kp = weight_padded_k<bf16>(k);
+    for (std::int64_t r = 0; r < k; ++r)
+      for (std::int64_t j = 0; j < n; ++j)
+        reference[static_cast<std::size_t>((j / kTileCols) * kp * kTileCols + rhs_index(r, j % kTileCols, kTileCols, true))] =
+            bf16::from_float(rows[static_cast<std::size_t>(r * n + j)]);
+    std::size_t differ_rows = 0, differ_cols = 0;
+    for (std::size_t i = 0; i < fast.size(); ++i) {
+      differ_rows += fast[i].bits != reference[i].bits;
+      differ_cols += slow[i].bits != reference[i].bits;
+    }
+    EXPECT_EQ(differ_rows, 0u) << "from rows: K " << k << ", N " << n;
+    EXPECT_EQ(differ_cols, 0u) << "transposed: K " << k << ", N " << n;
   }
 }
 
