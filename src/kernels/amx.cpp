@@ -94,6 +94,13 @@ __attribute__((target("amx-tile,amx-bf16"))) void block(const bf16* a, std::int6
     for (std::int64_t kb = 0; kb < full_blocks; ++kb) {
       const bf16* ak = a + kb * 32;
       const bf16* bk = bh + kb * 16 * kPairStride;
+      if (kb + 2 < full_blocks) {
+        const char* next = reinterpret_cast<const char*>(bk + 2 * 16 * kPairStride);
+        for (int p = 0; p < 16; ++p) {
+          _mm_prefetch(next + p * kPairStride * 2, _MM_HINT_T0);
+          _mm_prefetch(next + p * kPairStride * 2 + 64, _MM_HINT_T0);
+        }
+      }
       _tile_loadd(4, ak, a_stride);
       _tile_loadd(6, bk, kPairStride * 2);
       _tile_loadd(7, bk + 32, kPairStride * 2);
