@@ -51,7 +51,8 @@ struct LayerOptions {
     app.add_option("--dtype", dtype, "fp32 or bf16");
     app.add_option("--dispatch-dtype", dispatch_dtype,
                    "what the dispatch sends tokens in: layer (default) | bf16 | fp8 (e4m3, one scale per 128 channels; "
-                   "hidden a multiple of 128) | fp32 (fp32 layers)");
+                   "hidden a multiple of 128) | fp32 (fp32 layers) | auto (simulate, step, sweep, plan: the fastest "
+                   "predicted, narrower wires accepted)");
     app.add_option("--exchange", exchange,
                    "how tokens travel to their experts: assignment (default: a row per token and expert) | rank (each "
                    "token once per destination rank; its experts there gather their rows from it; once per node "
@@ -79,13 +80,18 @@ struct LayerOptions {
     return p;
   }
 
-  // --exchange auto: the simulator chooses (simulate_choosing_exchange).
+  // --exchange auto, --dispatch-dtype auto: the simulator chooses
+  // (simulate_choosing_exchange); the config keeps what was given.
   bool exchange_auto() const { return exchange && *exchange == "auto"; }
+  bool dispatch_auto() const { return dispatch_dtype && *dispatch_dtype == "auto"; }
 
-  LayerConfig resolve(bool exchange_auto_allowed = false) const {
+  LayerConfig resolve(bool exchange_auto_allowed = false, bool dispatch_auto_allowed = false) const {
     if (exchange_auto() && !exchange_auto_allowed)
       throw Error("--exchange auto is chosen by the simulator (hpmoe run, simulate, step, sweep and plan take it); give "
                   "assignment or rank here");
+    if (dispatch_auto() && !dispatch_auto_allowed)
+      throw Error("--dispatch-dtype auto is chosen by the simulator (hpmoe simulate, step, sweep and plan take it); give "
+                  "layer, bf16, fp8 or fp32 here");
     if (!preset_name.empty() && !config_file.empty()) throw Error("give either --preset or --config, not both");
     LayerConfig base = preset(preset_name.empty() ? "tiny" : preset_name);
     LayerConfig c = config_file.empty() ? base : load_config_file(config_file, base);
@@ -97,7 +103,7 @@ struct LayerOptions {
     if (ranks) c.set("ranks", std::to_string(*ranks));
     if (tokens) c.set("tokens_per_rank", std::to_string(*tokens));
     if (dtype) c.set("dtype", *dtype);
-    if (dispatch_dtype) c.set("dispatch_dtype", *dispatch_dtype);
+    if (dispatch_dtype && !dispatch_auto()) c.set("dispatch_dtype", *dispatch_dtype);
     if (exchange && !exchange_auto()) c.set("exchange", *exchange);
     if (combine_dtype) c.set("combine_dtype", *combine_dtype);
     if (lend) {

@@ -51,7 +51,9 @@ struct SimulateCommand {
       if (model.accelerator) throw Error("--workers applies to cpu models; " + model.name + " has matrix and vector units");
       model.workers = sim_workers;
     }
-    sreq.config = layer.resolve(true);
+    sreq.config = layer.resolve(true, true);
+    sreq.choose_scheme = layer.exchange_auto();
+    sreq.choose_dispatch_dtype = layer.dispatch_auto();
     sreq.placement = layer.resolve_placement(sreq.config);
     sreq.routing = parse_routing_spec(sim_routing, sreq.seed);
     sreq.fp8_gemms = fp8_gemms_from(gemm_dtype);
@@ -64,7 +66,7 @@ struct SimulateCommand {
                            {{"--config", layer.config_file}, {"--placement", layer.placement}, {"--machine", sim_machine},
                             {"--routing", sreq.routing.trace_path}});
     const sim::SimReport report =
-        layer.exchange_auto() ? sim::simulate_choosing_exchange(model, sreq) : sim::simulate(model, sreq);
+        layer.exchange_auto() || layer.dispatch_auto() ? sim::simulate_choosing_exchange(model, sreq) : sim::simulate(model, sreq);
     std::cout << sim::format_report(report);
     if (!sim_json.empty()) write_json(sim_json, sim::to_json(report));
     if (sreq.trace) {
@@ -149,8 +151,9 @@ struct StepCommand {
     req = model_options.resolve();
     req.moe.seed = seed;
     req.moe.optimizer_state = optimizer_state;
-    req.moe.config = layer.resolve(true);
+    req.moe.config = layer.resolve(true, true);
     req.choose_exchange = !layer.exchange || layer.exchange_auto();  // auto unless a scheme is given
+    req.moe.choose_dispatch_dtype = layer.dispatch_auto();
     req.moe.placement = layer.resolve_placement(req.moe.config);
     req.moe.routing = parse_routing_spec(routing, req.moe.seed);
     req.moe.fp8_gemms = fp8_gemms_from(gemm_dtype);
@@ -194,7 +197,7 @@ struct SweepCommand {
                     "the grid takes every combination");
     app->add_option("--set", req.sets, "override a layer field in every model: --set shared_experts=0 (repeatable)");
     app->add_option("--dtype", req.dtype, "fp32 or bf16");
-    app->add_option("--dispatch-dtype", req.dispatch_dtype, "layer | bf16 | fp8 | fp32");
+    app->add_option("--dispatch-dtype", req.dispatch_dtype, "layer | bf16 | fp8 | fp32 | auto (each point's fastest, predicted)");
     app->add_option("--exchange", req.exchange, "assignment | rank | auto (each point's fastest, predicted)");
     app->add_option("--combine-dtype", req.combine_dtype, "layer | bf16");
     app->add_option("--placement", req.placement, "contiguous | round-robin | random[:SEED] (a file fits one EP degree only)");

@@ -97,6 +97,8 @@ std::vector<std::pair<std::string, std::string>> columns(const SweepRequest& req
   const std::string base = ok ? baseline_of(L.machine) : "";
   // The scheme the point ran: the one given, or auto's choice (the fastest fused step predicted).
   c.emplace_back("exchange", ok ? to_string(L.config.exchange) + (L.exchange_choice.empty() ? "" : " (auto)") : "");
+  if (req.dispatch_dtype && *req.dispatch_dtype == "auto")  // the wire auto chose
+    c.emplace_back("dispatch", ok ? to_string(L.config.dispatch_dtype) + " (auto)" : "");
   c.emplace_back("baseline", base);
   for (const auto& [pass, r] : {std::pair<const char*, const sim::PassResult*>{"forward", &L.forward}, {"backward", &L.backward}}) {
     if (std::string(pass) == "backward" && !req.backward && !req.step) continue;
@@ -211,7 +213,7 @@ std::vector<SweepPoint> sweep_points(const SweepRequest& req) {
             LayerConfig c;
             try {
               const front::LayerOptions options = layer_options(req, m, P, T, lend);
-              c = options.resolve(true);
+              c = options.resolve(true, true);
               (void)options.resolve_placement(c);
             } catch (const Error& e) {
               throw Error("sweep point " + m + " at -P " + std::to_string(P) + " -T " + std::to_string(T) + ": " + e.what());
@@ -309,6 +311,8 @@ std::vector<SweepRow> run_sweep(const SweepRequest& req, const std::vector<Sweep
         sreq.fp8_gemms = req.fp8_gemms;
         sreq.policy = taskflow::parse_policy(row.point.schedule);
         const bool choose = !req.exchange || *req.exchange == "auto";  // auto unless a scheme is given
+        sreq.choose_scheme = choose;
+        sreq.choose_dispatch_dtype = req.dispatch_dtype && *req.dispatch_dtype == "auto";
         if (req.step) {
           sim::StepRequest step = *req.step;
           step.moe = sreq;
@@ -316,7 +320,7 @@ std::vector<SweepRow> run_sweep(const SweepRequest& req, const std::vector<Sweep
           row.step = sim::simulate_step(m, step);
           row.layer = row.step->layer;
         } else {
-          row.layer = choose ? sim::simulate_choosing_exchange(m, sreq) : sim::simulate(m, sreq);
+          row.layer = choose || sreq.choose_dispatch_dtype ? sim::simulate_choosing_exchange(m, sreq) : sim::simulate(m, sreq);
         }
       } catch (const Error& e) {
         row.error = one_line(e.what());

@@ -566,12 +566,15 @@ PlanReport plan_placement(const PlanRequest& given, const PlanProgress& progress
   PlanRequest req = given;
   req.config.validate();
   std::string exchange_choice;
-  if (req.choose_exchange) {  // the scheme first, at the start placement; the plan is made under it
+  if (req.choose_exchange || req.choose_dispatch_dtype) {  // the scheme first, at the start placement; the plan is made under it
     const sim::MachineModel m = sim::load_machine(req.machine);
     sim::SimRequest s = step_request(m, req, placement_or_contiguous(req.start, req.config.routed_experts, req.config.ranks),
                                      req.steps);
+    s.choose_scheme = req.choose_exchange;
+    s.choose_dispatch_dtype = req.choose_dispatch_dtype;
     const sim::SimReport chosen = sim::simulate_choosing_exchange(m, s);
     req.config.exchange = chosen.config.exchange;
+    req.config.dispatch_dtype = chosen.config.dispatch_dtype;
     exchange_choice = chosen.exchange_choice;
   }
   const LayerConfig& c = req.config;

@@ -35,6 +35,8 @@ struct PlanRequest {
   // --exchange auto (the default of hpmoe plan): the exchange scheme the
   // simulator predicts fastest at the start placement, then planned under.
   bool choose_exchange = false;
+  // --dispatch-dtype auto: the dispatch's wire dtype chosen with it.
+  bool choose_dispatch_dtype = false;
 };
 
 struct PlanReport {

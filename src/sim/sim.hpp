@@ -203,6 +203,12 @@ struct SimRequest {
   // event, not a timeline. Off only where the caller proves the same
   // programs itself (a test timing the simulator alone).
   bool verify = true;
+  // Read by simulate_choosing_exchange alone: whether it chooses the scheme
+  // (--exchange auto) and the dispatch's wire dtype (--dispatch-dtype auto:
+  // the layer's own, bf16 under an fp32 layer, or fp8), or keeps the
+  // config's.
+  bool choose_scheme = true;
+  bool choose_dispatch_dtype = false;
 };
 
 // What one rank holds (bytes), for the rank that holds the most: its
@@ -297,7 +303,8 @@ SimReport simulate(const MachineModel&, const SimRequest&);
 // --exchange auto: each exchange scheme the layer allows simulated as
 // asked, the report of the fastest fused step returned, with
 // SimReport::exchange_choice saying which and what the others took
-// (choose_exchange.cpp). The wire dtypes stay as given.
+// (choose_exchange.cpp). The wire dtypes stay as given unless the request
+// leaves the dispatch's to it (choose_dispatch_dtype).
 SimReport simulate_choosing_exchange(const MachineModel&, const SimRequest&);
 std::string format_report(const SimReport&);
 nlohmann::json to_json(const SimReport&);

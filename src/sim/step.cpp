@@ -135,9 +135,11 @@ StepReport simulate_step(const MachineModel& m, const StepRequest& req) {
   full.backward = half.backward = true;
   full.trace = half.trace = false;
   half.config.tokens_per_rank = micro_batch_tokens(c.tokens_per_rank);
-  if (req.choose_exchange) {  // the scheme first, at the full token count; the micro-batches run it too
+  if (req.choose_exchange || req.moe.choose_dispatch_dtype) {  // the scheme first, at the full token count; the micro-batches run it too
+    full.choose_scheme = req.choose_exchange;
     rep.layer = simulate_choosing_exchange(m, full);
     half.config.exchange = rep.layer.config.exchange;
+    half.config.dispatch_dtype = rep.layer.config.dispatch_dtype;
     rep.half = simulate(m, half);
   } else {
     // The two token counts are independent simulations: one on each of two cores.

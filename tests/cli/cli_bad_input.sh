@@ -399,6 +399,8 @@ cases=(
   "run --machine h800"
   "run --exchange auto --machine nowhere"
   "compile --exchange auto"
+  "compile --dispatch-dtype auto"
+  "run --dispatch-dtype auto"
   "simulate --machine h800 --preset tiny -P 2 -T 8 --routing grouped"
   "run --routing bogus"
   "run --routing zipf:abc"

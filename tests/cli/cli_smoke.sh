@@ -55,6 +55,11 @@ python3 -c "import json, sys; j = json.load(open(sys.argv[1])); sys.exit(not (j[
 ! grep -q "^exchange auto" "$tmp/plan-rank.txt"
 "$HPMOE" step --machine h800 --preset tiny -P 16 --set routed_experts=32 -T 64 --layers 4 > "$tmp/step.txt"
 grep -q "^exchange auto: per \(assignment\|node\)" "$tmp/step.txt"
+# --dispatch-dtype auto: the wire chosen with the scheme, named with the times of the others.
+"$HPMOE" simulate --machine h800 --preset tiny -P 16 --set routed_experts=32 --set hidden=256 -T 64 --backward \
+  --exchange auto --dispatch-dtype auto --json "$tmp/wire.json" > "$tmp/wire.txt"
+grep -q "^exchange auto: per \(assignment\|node\) with \(layer\|bf16\|fp8\) dispatch, the fastest" "$tmp/wire.txt"
+grep -q "with fp8 dispatch" "$tmp/wire.txt"
 python3 -c "import json, sys; j = json.load(open(sys.argv[1])); a, b = j['after'], j['before']; \
 sys.exit(not (j['replicas_added'] > 0 and a['rank_max_over_mean'] < b['rank_max_over_mean'] and a['cost_model_s'] < b['cost_model_s']))" "$tmp/plan.json"
 "$HPMOE" run -P 4 --set routed_experts=16 -T 128 --routing hot:0.3 --backward --iters 1 --placement "$tmp/planned.json" \

@@ -493,20 +493,30 @@ TEST(DeepEp, NodeDeduplicatedExchangeAndItsBytes) {
   EXPECT_EQ(ex.node_tokens, (std::vector<double>{2, 2, 2, 1}));
 }
 
-TEST(ChooseExchange, AutoRunsTheFasterSchemeAndSaysWhatTheOtherTook) {
-  // Two H800 nodes, a small layer: each scheme simulated alone, and auto
-  // returns exactly the faster one's report, naming the other's time.
-  const MachineModel m = load_machine(std::string(HPMOE_SOURCE_DIR) + "/machines/h800.json");
+namespace {
+// Two H800 nodes, a small layer (16 ranks, 32 experts, 64 tokens a rank),
+// forward + backward under RATR: what the exchange chooser is tried on.
+SimRequest two_h800_nodes() {
   SimRequest req;
   req.config = preset("tiny");
   req.config.ranks = 16;
   req.config.routed_experts = 32;
   req.config.tokens_per_rank = 64;
-  req.config.dtype = DType::bf16;
   req.routing = parse_routing_spec("uniform", 3);
   req.backward = true;
   req.policy = taskflow::Policy::ratr;
-  auto fused = [](const SimReport& r) { return r.forward.interleaved_s + r.backward.interleaved_s; };
+  return req;
+}
+double fused_seconds(const SimReport& r) { return r.forward.interleaved_s + r.backward.interleaved_s; }
+}  // namespace
+
+TEST(ChooseExchange, AutoRunsTheFasterSchemeAndSaysWhatTheOtherTook) {
+  // Each scheme simulated alone, and auto returns exactly the faster one's
+  // report, naming the other's time.
+  const MachineModel m = load_machine(std::string(HPMOE_SOURCE_DIR) + "/machines/h800.json");
+  SimRequest req = two_h800_nodes();
+  req.config.dtype = DType::bf16;
+  const auto fused = fused_seconds;
   SimRequest assignment = req, rank = req;
   rank.config.exchange = ExchangeMode::rank;
   const double a = fused(simulate(m, assignment)), r = fused(simulate(m, rank));
@@ -521,6 +531,40 @@ TEST(ChooseExchange, AutoRunsTheFasterSchemeAndSaysWhatTheOtherTook) {
   const SimReport only_rank = simulate_choosing_exchange(m, req);
   EXPECT_EQ(only_rank.config.exchange, ExchangeMode::rank);
   EXPECT_NE(only_rank.exchange_choice.find("per assignment not possible"), std::string::npos) << only_rank.exchange_choice;
+}
+
+TEST(ChooseExchange, DispatchDtypeAutoRunsTheFastestWireAndKeepsAGivenScheme) {
+  // An fp32 layer on two H800 nodes: its own fp32 wire, bf16 and fp8 each
+  // simulated alone; with the scheme given, auto chooses among the wires
+  // only and returns exactly the fastest one's report.
+  const MachineModel m = load_machine(std::string(HPMOE_SOURCE_DIR) + "/machines/h800.json");
+  SimRequest req = two_h800_nodes();
+  req.config.hidden = 256;
+  req.config.exchange = ExchangeMode::rank;
+  const auto fused = fused_seconds;
+  double best = 1e30;
+  DispatchDType fastest = DispatchDType::layer;
+  for (const DispatchDType wire : {DispatchDType::layer, DispatchDType::bf16, DispatchDType::fp8}) {
+    SimRequest one = req;
+    one.config.dispatch_dtype = wire;
+    if (const double t = fused(simulate(m, one)); t < best) {
+      best = t;
+      fastest = wire;
+    }
+  }
+  req.choose_scheme = false;
+  req.choose_dispatch_dtype = true;
+  const SimReport chosen = simulate_choosing_exchange(m, req);
+  EXPECT_EQ(chosen.config.exchange, ExchangeMode::rank);
+  EXPECT_EQ(chosen.config.dispatch_dtype, fastest);
+  EXPECT_DOUBLE_EQ(fused(chosen), best);
+  for (const char* wire : {"with layer dispatch", "with bf16 dispatch", "with fp8 dispatch"})
+    EXPECT_NE(chosen.exchange_choice.find(wire), std::string::npos) << chosen.exchange_choice;
+  // A wire the layer cannot take is named, not chosen: fp8 needs hidden a multiple of 128.
+  req.config.hidden = 192;
+  const SimReport no_fp8 = simulate_choosing_exchange(m, req);
+  EXPECT_NE(no_fp8.config.dispatch_dtype, DispatchDType::fp8);
+  EXPECT_NE(no_fp8.exchange_choice.find("with fp8 dispatch not possible"), std::string::npos) << no_fp8.exchange_choice;
 }
 
 TEST(DeepEp, ExchangeAloneTimesEachKernelOnIdleLinksAndCountsAsDeepEpDoes) {

@@ -275,8 +275,9 @@ struct PlanCommand {
   }
 
   int execute() {
-    req.config = layer.resolve(true);
+    req.config = layer.resolve(true, true);
     req.choose_exchange = !layer.exchange || layer.exchange_auto();  // auto unless a scheme is given
+    req.choose_dispatch_dtype = layer.dispatch_auto();
     req.start = layer.resolve_placement(req.config);
     req.routing = parse_routing_spec(routing, req.seed);
     req.training = !inference;
