@@ -7,12 +7,14 @@
 // matmul costs 10-20 us a call before it multiplies (memory objects, an
 // argument map, its OpenMP setting, a stream wait), and it takes the pack
 // tasks' panels through its strided GEMM: the weight gradients (k = an
-// expert's rows) ran at 180 GFLOP/s a core against this kernel's 400-500 on
-// the same tiles (docs/results/benchmarks.md, "An AMX kernel of our own").
+// expert's rows) ran at 180 GFLOP/s a core in the layer, this kernel's at
+// 340 (docs/results/benchmarks.md, "An AMX kernel of our own"). Tiles whose
+// K is under one block of 32 are left to libxsmm (gemm.cpp, amx_takes).
 //
 // The kernel: C in blocks of 32 rows x 32 columns held in four 16 x 16 fp32
 // tile registers, A in two 16 x 32 bf16 tiles and B in two 32 x 16 (VNNI)
-// ones: four loads per four TDPBF16PS. K runs in blocks of 32 in order; a
+// ones: four loads per four TDPBF16PS; B's rows two K blocks ahead are
+// prefetched (a weight panel comes from memory on its first row block). K runs in blocks of 32 in order; a
 // last block shorter than 32 (a pack task's K is only even) is read from
 // zero-padded copies, so nothing past an operand is read and its zeros meet
 // zeros. Each row of C depends on its own row of A and on B alone, and each

@@ -54,8 +54,8 @@ void init();
 
 // The engine that runs bf16 tiles, chosen once per process from the CPU:
 // on a CPU with AMX-BF16 (and Linux's leave to use its tiles), hpmoe's own
-// AMX kernel (amx.cpp), which runs the layer's small tiles 1.5-3x faster
-// than oneDNN 2.6's matmul; elsewhere libxsmm, whose AVX512-BF16 kernels
+// AMX kernel (amx.cpp), which runs the layer 1.5-1.6x faster than oneDNN
+// 2.6's matmul (its tiles 1.1-2.3x); elsewhere libxsmm, whose AVX512-BF16 kernels
 // match oneDNN's without AMX (docs/results/benchmarks.md, "bf16 on AMX").
 // fp32 tiles always run libxsmm (a sequential FMA sum in K; see
 // kChunkBlocks). HPMOE_BF16_ENGINE=amx|onednn|libxsmm in the environment
