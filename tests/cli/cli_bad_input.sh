@@ -614,10 +614,17 @@ PY
     echo "FAIL: SIGTERM after ${delay}s of run --save left a partial file"; ls -la "$tmp/killed"; failed=$((failed + 1))
   fi
 done
+# HPMOE_BF16_ENGINE, read once by the first bf16 tile: a value it does not
+# know is one line naming the variable, exit 2.
+HPMOE_BF16_ENGINE=bogus "$HPMOE" run --preset tiny -P 2 -T 16 --dtype bf16 --iters 1 --warmup 0 > /dev/null 2> "$tmp/stderr"
+rc=$?
+if [ "$rc" -ne 2 ] || [ "$(wc -l < "$tmp/stderr")" -ne 1 ] || ! grep -q "^error: HPMOE_BF16_ENGINE='bogus'" "$tmp/stderr"; then
+  echo "FAIL: HPMOE_BF16_ENGINE=bogus run --dtype bf16 -> exit $rc"; cat "$tmp/stderr"; failed=$((failed + 1))
+fi
 # A successful write leaves the file and no temporary beside it.
 "$HPMOE" simulate --machine h800 --preset tiny --json "$tmp/sim.json" > /dev/null
 if [ ! -s "$tmp/sim.json" ] || ls "$tmp"/sim.json.partial* > /dev/null 2>&1; then
   echo "FAIL: simulate --json left no file or a temporary"; failed=$((failed + 1))
 fi
-echo "bad input: $((${#cases[@]} + 9 - failed)) passed, $failed failed"
+echo "bad input: $((${#cases[@]} + 10 - failed)) passed, $failed failed"
 [ "$failed" -eq 0 ]

@@ -24,3 +24,21 @@ def test_the_cli_configs_sections_load_and_a_misplaced_field_is_named():
     sections["layer"]["ranks"] = 2
     with pytest.raises(ValueError, match="'ranks' is how the layer runs: put it under \"run\""):
         hpmoe.MoELayer(sections)
+
+
+def test_an_unknown_bf16_engine_is_a_value_error_naming_the_variable():
+    """HPMOE_BF16_ENGINE is read once per process by its first bf16 tile: a value hpmoe does not know is a
+    ValueError naming the variable and the values it takes (in a fresh process, as the choice is made once)."""
+    import os
+    import subprocess
+    import sys
+    code = ("import torch, hpmoe\n"
+            "m = hpmoe.MoELayer('tiny', ranks=2, dtype='bf16')\n"
+            "try:\n"
+            "    m(torch.randn(8, m.config['hidden']))\n"
+            "except ValueError as e:\n"
+            "    print('ValueError:', e)\n")
+    env = dict(os.environ, HPMOE_BF16_ENGINE="bogus")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "ValueError: HPMOE_BF16_ENGINE='bogus': expected amx, onednn or libxsmm" in out.stdout, out.stdout + out.stderr
