@@ -95,6 +95,8 @@ nlohmann::json to_json(const Program& p) {
   if (!p.node_begin.empty()) {  // the per-node exchange
     j["node_begin"] = p.node_begin;
     j["node_route_begin"] = p.node_route_begin;
+    j["node_comb_begin"] = p.node_comb_begin;
+    j["node_sum_begin"] = p.node_sum_begin;
   }
   // Tensor-parallel splits (absent: every slot computes its whole expert).
   const bool split = !p.reductions.empty() ||
@@ -243,17 +245,25 @@ void read_slots(const nlohmann::json& j, Program& p) {
       throw Error("program dump: lent_block must give each local expert its LENT_W row (-1: not lent), below twice "
                   "the local experts");
   }
-  for (const auto& [key, field] : {std::pair{"node_begin", &Program::node_begin}, std::pair{"node_route_begin", &Program::node_route_begin}}) {
+  for (const auto& [key, field] : {std::pair{"node_begin", &Program::node_begin}, std::pair{"node_route_begin", &Program::node_route_begin},
+                                   std::pair{"node_comb_begin", &Program::node_comb_begin}, std::pair{"node_sum_begin", &Program::node_sum_begin}}) {
     if (!j.contains(key)) continue;
     auto& v = p.*field;
     v = integers<std::int64_t>(j.at(key), key);
-    // node_begin: ranks x node slots + 1; node_route_begin: ranks x node ranks x node slots + 1.
+    // node_begin, node_sum_begin: ranks x node slots + 1; node_route_begin,
+    // node_comb_begin: ranks x node ranks x node slots + 1.
     if (v.empty() || (v.size() - 1) % static_cast<std::size_t>(p.ranks) != 0 || v.size() > (std::size_t{1} << 24) ||
         v.front() != 0 || !std::is_sorted(v.begin(), v.end()) || v.back() > (std::int64_t{1} << 40))
       throw Error(std::string("program dump: ") + key + " must be a multiple of ranks + 1 increasing rows from 0");
   }
-  if (p.node_begin.empty() != p.node_route_begin.empty())
-    throw Error("program dump: node_begin and node_route_begin come together (the per-node exchange)");
+  if (p.node_begin.empty() != p.node_route_begin.empty() || p.node_begin.empty() != p.node_comb_begin.empty() ||
+      p.node_begin.empty() != p.node_sum_begin.empty())
+    throw Error("program dump: node_begin, node_route_begin, node_comb_begin and node_sum_begin come together (the per-node exchange)");
+  if (!p.node_begin.empty() &&
+      (p.node_sum_begin.size() != p.node_begin.size() || p.node_comb_begin.size() != p.node_route_begin.size() ||
+       p.node_comb_begin.back() != p.node_route_begin.back() || p.node_sum_begin.back() != p.node_begin.back()))
+    throw Error("program dump: node_sum_begin must be as long as node_begin, and node_comb_begin as long as node_route_begin "
+                "with as many rows (a source's sums by combine slot, and its parts slot by slot)");
   if (j.contains("slot_parts")) {
     const auto& parts = j.at("slot_parts");
     if (!parts.is_array() || parts.size() != p.local_experts.size())

@@ -32,7 +32,8 @@ bool staged_in(const LayerConfig& c, Pass pass) {
 EventBases event_bases(const LayerConfig& c, const Exchange& ex, Pass pass, std::int64_t rank) {
   EventBases b(pass, ex.row_tiles(rank), ex.placement().local_count(rank), ceil_div(c.tokens_per_rank, ex.tile_rows()),
                staged_in(c, pass), c.exchange == ExchangeMode::rank ? c.ranks * ex.placement().local_count(rank) : 0,
-               c.exchange == ExchangeMode::rank, ex.forwards() ? c.ranks * ex.node_slots() : 0, ex.forwards() ? c.ranks : 0);
+               c.exchange == ExchangeMode::rank, ex.forwards() ? c.ranks * ex.node_slots() : 0,
+               ex.forwards() ? c.ranks * ex.node_slots() : 0);
   b.lent = b.total;  // the lent blocks' events last, one per block
   b.total += ex.placement().lent_count(rank);
   return b;
@@ -145,6 +146,23 @@ void program_header(Program& p, const LayerConfig& c, const Exchange& ex, const 
     }
     p.node_begin.push_back(rows);
     p.node_route_begin.push_back(routes);
+    // The per-node combine streamed: each source's NODE_COMB segments
+    // (slot-major: slot, then node rank) and its node sums by combine slot.
+    p.node_comb_begin.clear();
+    p.node_sum_begin.clear();
+    std::int64_t sums = 0, parts = 0;  // the rows so far
+    for (std::int64_t s = 0; s < c.ranks; ++s) {
+      const bool through = ex.forwards_through(s, rank);
+      for (std::int64_t j = 0; j < S; ++j) {
+        for (std::int64_t d = b * R; d < (b + 1) * R; ++d)
+          p.node_comb_begin.push_back(through ? ex.node_route_start(s, b) + ex.node_part_start(s, j, d) : parts);
+        p.node_sum_begin.push_back(sums);
+        if (through) sums += ex.node_last(s, b, j);
+      }
+      if (through) parts = ex.node_route_start(s, b) + ex.node_part_start(s, S, b * R);
+    }
+    p.node_comb_begin.push_back(routes);
+    p.node_sum_begin.push_back(sums);
   }
   declare_buffers(p, c, ex, pass, rank);
 }

@@ -64,11 +64,12 @@ void rank_gathers_of_tile(const LayerConfig&, const Exchange&, const Program&, P
                           std::int64_t tile, const EventBases&, const Emit&);
 // The per-node combine: the pieces that return to `rank` (its own node's
 // ranks' sums and its forwarders'), the pieces a forwarder `f` waits for
-// from its node's ranks for source s, its events (node_comb + s), and its
-// puts of each source's node sums (only to `only_peer` when >= 0;
-// with_waits: each waits for its source's node_comb event).
+// from its node's ranks for source s's slot j, its events (node_comb +
+// s S + c: slots 0..c in), and its puts of each source's node sums by
+// combine slot, with the relays that chain the slots (only the puts to
+// `only_peer` when >= 0; with_waits: each waits for its slot's event).
 std::int64_t sum_pieces_into(const Exchange&, std::int64_t tile_rows, std::int64_t rank);
-std::int64_t node_sum_pieces(const Exchange&, std::int64_t tile_rows, std::int64_t s, std::int64_t f);
+std::int64_t node_sum_pieces(const Exchange&, std::int64_t tile_rows, std::int64_t s, std::int64_t f, std::int64_t j);
 void node_sum_events(const LayerConfig&, const Exchange&, std::int64_t tile_rows, Pass, std::int64_t rank, const EventBases&,
                      const std::function<void(std::int64_t, std::int64_t)>& event);
 void node_combines(const LayerConfig&, const Exchange&, std::int64_t tile_rows, Pass, std::int64_t rank, std::int64_t only_peer,

@@ -128,7 +128,7 @@ void node_forwards(const LayerConfig& c, const Exchange& ex, std::int64_t TR, Pa
     // proof can see of when the routes landed).
     if (forward && only_peer < 0)
       emit(TaskSpec{.kind = TaskKind::dispatch_node_relay, .src_row = s, .wait_event = with_waits ? node_event : -1,
-                    .wait_count = with_waits ? required(node_event) : 0, .trigger_event = own.node_comb + s});
+                    .wait_count = with_waits ? required(node_event) : 0, .trigger_event = own.node_comb + s * S});
     for (std::int64_t j = 0; j < S; ++j) {
       if (j > 0 && only_peer < 0)
         emit(TaskSpec{.kind = forward ? TaskKind::dispatch_node_relay : TaskKind::grad_dispatch_node_relay, .src_row = s,
@@ -182,52 +182,64 @@ std::int64_t sum_pieces_into(const Exchange& ex, std::int64_t TR, std::int64_t r
   for (std::int64_t i = 0; i < ex.instances(); ++i)
     if (!ex.forwarded(rank, ex.placement().instance_rank(i))) n += ceil_div(ex.last_tokens(rank, i), TR);
   for (std::int64_t b = 0; b < ex.nodes() && ex.forwards(); ++b)
-    if (b != ex.node_of(rank)) n += ceil_div(ex.node_tokens(rank, b), TR);
+    for (std::int64_t c = 0; c < ex.node_slots() && b != ex.node_of(rank); ++c) n += ceil_div(ex.node_last(rank, b, c), TR);
   return n;
 }
 
-// The sums a node's ranks put on forwarder f for source s: every piece of
-// their sub-lists of s's tokens.
-std::int64_t node_sum_pieces(const Exchange& ex, std::int64_t TR, std::int64_t s, std::int64_t f) {
+// The sums a node's ranks put on forwarder f for source s's slot j: every
+// piece of their sub-lists j of s's tokens.
+std::int64_t node_sum_pieces(const Exchange& ex, std::int64_t TR, std::int64_t s, std::int64_t f, std::int64_t j) {
   const std::int64_t b = ex.node_of(f), R = ex.ranks() / ex.nodes();
   std::int64_t n = 0;
   for (std::int64_t d = b * R; d < (b + 1) * R; ++d)
-    for (const std::int64_t i : ex.placement().instances_of(d)) n += ceil_div(ex.last_tokens(s, i), TR);
+    if (const auto homes = ex.placement().instances_of(d); j < static_cast<std::int64_t>(homes.size()))
+      n += ceil_div(ex.last_tokens(s, homes[static_cast<std::size_t>(j)]), TR);
   return n;
 }
 
 void node_sum_events(const LayerConfig&, const Exchange& ex, std::int64_t TR, Pass pass, std::int64_t rank, const EventBases& ev,
                      const std::function<void(std::int64_t, std::int64_t)>& event) {
   if (!ex.forwards()) return;
-  // Forward: one more arrival, the relay that passes on that the source's
+  // Source s's combine slot c: the node's sums of slot c, and from c > 0
+  // the relay from c - 1, so that it completes once slots 0..c are in;
+  // forward, slot 0 also counts the relay that passes on that the source's
   // routes are here (node_forwards).
+  const std::int64_t S = ex.node_slots();
   for (std::int64_t s = 0; s < ex.ranks(); ++s)
     if (ex.forwards_through(s, rank) && ex.node_tokens(s, ex.node_of(rank)) > 0)
-      event(ev.node_comb + s, node_sum_pieces(ex, TR, s, rank) + (pass == Pass::forward ? 1 : 0));
+      for (std::int64_t c = 0; c < S; ++c)
+        event(ev.node_comb + s * S + c, node_sum_pieces(ex, TR, s, rank, c) + (c > 0 || pass == Pass::forward ? 1 : 0));
 }
 
 void node_combines(const LayerConfig& c, const Exchange& ex, std::int64_t TR, Pass pass, std::int64_t rank, std::int64_t only_peer,
                    bool with_waits, const RequiredOf& required, const Emit& emit) {
-  // Each source's node block in pieces of a tile's rows, once every rank
-  // of the node has put its sums of the source's tokens: each row the sum
-  // of the token's rows over the node's ranks, in rank order, into the
-  // source's rows of the node block (Exchange::node_sum_start).
+  // Each source's node sums by combine slot, in pieces of a tile's rows:
+  // slot c once every rank of the node has put its sums of the source's
+  // tokens whose last instance there is in slots 0..c (a relay chains the
+  // slots), each row the sum of the token's rows over the node's ranks, in
+  // rank order, into the source's node sum rows (Exchange::node_sum_start,
+  // node_sum_offset). Slot by slot across the sources: a queue holds them
+  // in the order their rows complete.
   if (!ex.forwards()) return;
   const bool forward = pass == Pass::forward;
-  const std::int64_t b = ex.node_of(rank);
+  const std::int64_t b = ex.node_of(rank), S = ex.node_slots();
   const EventBases own = event_bases(c, ex, pass, rank);
-  for (std::int64_t s = 0; s < ex.ranks(); ++s) {
-    const std::int64_t n = ex.node_tokens(s, b);
-    if (!ex.forwards_through(s, rank) || n == 0 || (only_peer >= 0 && s != only_peer)) continue;
-    const EventBases source_events = event_bases(c, ex, pass, s);
-    const std::int64_t at = ex.node_sum_start(s, b), wait = own.node_comb + s;
-    for (std::int64_t r = 0; r < n; r += TR)
-      emit(TaskSpec{.kind = forward ? TaskKind::combine_node_put : TaskKind::grad_combine_node_put,
-                    .src = forward ? BufferId::node_comb : BufferId::node_dcomb, .dst = forward ? BufferId::comb_rank : BufferId::dcomb_rank,
-                    .peer = s, .row_begin = at + r, .rows = std::min(TR, n - r), .col_begin = 0, .cols = c.hidden, .src_row = r,
-                    .wait_event = with_waits ? wait : -1, .wait_count = with_waits ? required(wait) : 0,
-                    .trigger_event = forward ? source_events.comb_done : source_events.dx_ready});
-  }
+  for (std::int64_t slot = 0; slot < S; ++slot)
+    for (std::int64_t s = 0; s < ex.ranks(); ++s) {
+      if (!ex.forwards_through(s, rank) || ex.node_tokens(s, b) == 0 || (only_peer >= 0 && s != only_peer)) continue;
+      const std::int64_t wait = own.node_comb + s * S + slot;
+      if (slot > 0 && only_peer < 0)
+        emit(TaskSpec{.kind = forward ? TaskKind::combine_node_relay : TaskKind::grad_combine_node_relay, .src_row = s,
+                      .wait_event = with_waits ? wait - 1 : -1, .wait_count = with_waits ? required(wait - 1) : 0, .trigger_event = wait});
+      const EventBases source_events = event_bases(c, ex, pass, s);
+      const std::int64_t n = ex.node_last(s, b, slot), first = ex.node_sum_offset(s, b, slot), at = ex.node_sum_start(s, b) + first;
+      for (std::int64_t r = 0; r < n; r += TR)
+        emit(TaskSpec{.kind = forward ? TaskKind::combine_node_put : TaskKind::grad_combine_node_put,
+                      .src = forward ? BufferId::node_comb : BufferId::node_dcomb, .dst = forward ? BufferId::comb_rank : BufferId::dcomb_rank,
+                      .peer = s, .row_begin = at + r, .rows = std::min(TR, n - r), .col_begin = 0, .cols = c.hidden, .src_row = first + r,
+                      .wait_event = with_waits ? wait : -1, .wait_count = with_waits ? required(wait) : 0,
+                      .trigger_event = forward ? source_events.comb_done : source_events.dx_ready});
+    }
 }
 
 void rank_puts_to_sources(const LayerConfig& c, const Exchange& ex, std::int64_t TR, Pass pass, std::int64_t rank,
@@ -240,7 +252,7 @@ void rank_puts_to_sources(const LayerConfig& c, const Exchange& ex, std::int64_t
   // source of another node gets its sums through its forwarder here (the
   // per-node combine), which adds the node's ranks' rows first.
   const EventBases own = event_bases(c, ex, pass, rank);
-  const std::int64_t L = ex.placement().local_count(rank), b = ex.node_of(rank), R = ex.ranks() / ex.nodes();
+  const std::int64_t L = ex.placement().local_count(rank), b = ex.node_of(rank);
   const auto waits = [&](std::int64_t event) { return !with_waits ? std::pair<std::int64_t, std::int64_t>{-1, 0} : std::pair{event, required(event)}; };
   for (std::int64_t s = 0; s < ex.ranks(); ++s) {
     const std::int64_t n = ex.rank_tokens(s, rank);
@@ -250,9 +262,9 @@ void rank_puts_to_sources(const LayerConfig& c, const Exchange& ex, std::int64_t
     const EventBases source_events = event_bases(c, ex, pass, s);
     const std::int64_t list = ex.token_send_offset(s, rank), block = ex.token_start(s, rank);
     // Where the sums go: the source's rows, or the forwarder's node rows
-    // of this rank's list (laid out as the node routes).
-    const std::int64_t sums_at = through ? ex.node_route_start(s, b) + list - ex.token_send_offset(s, b * R) : ex.sum_start(s, rank);
-    const std::int64_t sums_event = through ? event_bases(c, ex, pass, f).node_comb + s
+    // (slot-major: this rank's sub-list j in slot j's segment) and its
+    // event of slot j.
+    const std::int64_t sums_event = through ? event_bases(c, ex, pass, f).node_comb + s * ex.node_slots()
                                             : forward ? source_events.comb_done : source_events.dx_ready;
     if (!forward && which != ReturnPuts::sums && (only_peer < 0 || s == only_peer))
       for (std::int64_t r = 0; r < n; r += TR) {
@@ -266,13 +278,14 @@ void rank_puts_to_sources(const LayerConfig& c, const Exchange& ex, std::int64_t
                                   : (forward ? TaskKind::combine_rank_put : TaskKind::grad_combine_rank_put);
     const BufferId dst = through ? (forward ? BufferId::node_comb : BufferId::node_dcomb) : (forward ? BufferId::comb_rank : BufferId::dcomb_rank);
     for (const std::int64_t i : ex.placement().instances_of(rank)) {
-      const std::int64_t m = ex.last_tokens(s, i), within = ex.sub_list_offset(s, i);
-      const auto [event, count] = waits(own.slot_done + ex.instance_slot(i));
+      const std::int64_t m = ex.last_tokens(s, i), within = ex.sub_list_offset(s, i), j = ex.instance_slot(i);
+      const std::int64_t at = through ? ex.node_route_start(s, b) + ex.node_part_start(s, j, rank) : ex.sum_start(s, rank) + within;
+      const auto [event, count] = waits(own.slot_done + j);
       for (std::int64_t r = 0; r < m; r += TR)
         emit(TaskSpec{.kind = kind, .src = forward ? BufferId::y : BufferId::dxe, .dst = dst,
-                      .expert = ex.placement().instance_expert(i), .peer = f, .row_begin = sums_at + within + r,
+                      .expert = ex.placement().instance_expert(i), .peer = f, .row_begin = at + r,
                       .rows = std::min(TR, m - r), .col_begin = 0, .cols = c.hidden, .src_row = block + within + r,
-                      .wait_event = event, .wait_count = count, .trigger_event = sums_event});
+                      .wait_event = event, .wait_count = count, .trigger_event = sums_event + (through ? j : 0)});
     }
   }
 }

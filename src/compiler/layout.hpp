@@ -125,8 +125,9 @@ class Exchange {
   // A node block is cut into node sub-blocks by each token's node slot:
   // its lowest first-instance slot over the node's ranks that take it, so
   // that rank d's sub-block j needs node sub-blocks 0..j only (a token's
-  // node slot is at most its slot on d). Counts: [2 P N + (s B + b) S + j]
-  // the tokens of s in node b's sub-block j, S = node_slots().
+  // node slot is at most its slot on d). Counts: [2 P N + 2 s B S + b S + j]
+  // the tokens of s in node b's sub-block j, S = node_slots(), then
+  // [2 P N + 2 s B S + B S + b S + c] its tokens of node combine slot c.
   bool forwards() const { return forwards_; }
   std::int64_t node_slots() const { return node_slots_; }
   std::int64_t node_first(std::int64_t s, std::int64_t b, std::int64_t j) const {
@@ -136,6 +137,25 @@ class Exchange {
   std::int64_t node_sub_offset(std::int64_t s, std::int64_t b, std::int64_t j) const {
     return node_sub_[static_cast<std::size_t>((s * nodes() + b) * (node_slots_ + 1) + j)];
   }
+  // The per-node combine, streamed: a token's node combine slot is its
+  // highest last-instance slot over the node's ranks that take it, so its
+  // sum on the forwarder can be made once the node's ranks have put their
+  // sub-lists 0..c of s. The forwarder's sums of s come back in that order
+  // (node sum rows by combine slot, each in token order):
+  // node_last(s, b, c) tokens of combine slot c, from row
+  // node_sum_offset(s, b, c) of s's node sums for b (c = S: all of them).
+  std::int64_t node_last(std::int64_t s, std::int64_t b, std::int64_t c) const {
+    return node_last_[static_cast<std::size_t>((s * nodes() + b) * node_slots_ + c)];
+  }
+  std::int64_t node_sum_offset(std::int64_t s, std::int64_t b, std::int64_t c) const {
+    return node_sum_sub_[static_cast<std::size_t>((s * nodes() + b) * (node_slots_ + 1) + c)];
+  }
+  // NODE_COMB (and NODE_DCOMB) of s on its forwarder in b, slot-major: for
+  // each slot j, each rank d of b in order, d's sub-list j of s (the tokens
+  // whose last instance on d is in slot j), so that sub-lists 0..c of every
+  // rank are one prefix. The row of (j, d)'s segment within s's rows there
+  // (j = S: their count); d's rank is global.
+  std::int64_t node_part_start(std::int64_t s, std::int64_t j, std::int64_t d) const;
   std::int64_t nodes() const { return ranks_ / node_ranks_; }
   std::int64_t node_of(std::int64_t r) const { return r / node_ranks_; }
   std::int64_t forwarder(std::int64_t s, std::int64_t b) const { return b * node_ranks_ + s % node_ranks_; }
@@ -189,6 +209,7 @@ class Exchange {
   std::int64_t node_ranks_ = 1, node_slots_ = 0;
   bool forwards_ = false;
   std::vector<std::int64_t> node_first_, node_sub_, node_send_, node_start_, route_start_, node_recv_, route_recv_;
+  std::vector<std::int64_t> node_last_, node_sum_sub_;
   void set_node_tokens(std::span<const std::int64_t> counts, std::int64_t tokens_per_rank);
 };
 
@@ -223,10 +244,14 @@ struct RankRoutes {
   std::vector<std::int64_t> list_slot;   // [T * (2 P + B)]
   // The per-node exchange: the tokens each other node needs (0 for its
   // own), its node list (each node block by node slot, then in token
-  // order) and, per token list row for a rank of another node, the
-  // token's row in that node's block, then the same for the token of that
-  // row of the combine list (-1 for its own node's ranks).
-  std::vector<std::int64_t> node_count;  // [B S]: per node, its sub-blocks' tokens
+  // order) and two columns over the token list's rows for the ranks of
+  // other nodes (-1 for its own node's ranks): the first, per row, the
+  // token's row in that node's block (the forwards' routes); the second,
+  // laid out as the forwarder's NODE_COMB (slot-major by the rows of the
+  // ranks' combine lists, Exchange::node_part_start), the token's row
+  // among the node sums the forwarder returns (by node combine slot, then
+  // token).
+  std::vector<std::int64_t> node_count;  // [2 B S]: per node, its sub-blocks' tokens; then per node, its combine slots'
   std::vector<std::int32_t> node_tokens;  // [node_send_offset(s, B)]
   std::vector<std::int32_t> node_index;   // [token list rows * 2]
 };
@@ -265,9 +290,10 @@ struct EventBases {
   // completes once source s's node sub-blocks 0..j (and forward, its
   // routes) arrived
   std::int64_t node = 0;
-  // both passes, the per-node combine on a forwarder: `node_comb` + s
-  // completes once its node's ranks have put all their sums of source s's
-  // tokens (forward Y, backward DXE)
+  // both passes, the per-node combine on a forwarder: `node_comb` + s S + c
+  // completes once its node's ranks have put their sums of source s's
+  // tokens whose last instance on them is in slots 0..c (forward Y,
+  // backward DXE)
   std::int64_t node_comb = 0;
   // both passes: the split experts' partial rows reduced (part_reduce tasks)
   std::int64_t reduced = 0;

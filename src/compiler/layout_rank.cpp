@@ -11,11 +11,11 @@
 namespace hpmoe::taskflow {
 
 void Exchange::set_rank_tokens(std::vector<std::int64_t> first, std::int64_t tokens_per_rank) {
-  const std::int64_t P = ranks_, N = instances_, B = forwards_ ? nodes() * node_slots_ : 0;
+  const std::int64_t P = ranks_, N = instances_, B = forwards_ ? 2 * nodes() * node_slots_ : 0;
   if (first.size() != static_cast<std::size_t>(2 * P * N + P * B))
     throw Error("the per-rank exchange's token counts are " + std::to_string(first.size()) +
                 " values; the layer needs two per (source, expert instance) pair" +
-                (forwards_ ? " and one per (source, node, node slot), " : ", ") + std::to_string(2 * P * N + P * B));
+                (forwards_ ? " and two per (source, node, node slot), " : ", ") + std::to_string(2 * P * N + P * B));
   rank_tokens_.assign(static_cast<std::size_t>(P * P), 0);
   sub_offset_.assign(static_cast<std::size_t>(P * N), 0);
   list_offset_.assign(static_cast<std::size_t>(P * N), 0);
@@ -63,16 +63,26 @@ void Exchange::set_rank_tokens(std::vector<std::int64_t> first, std::int64_t tok
 
 void Exchange::set_node_tokens(std::span<const std::int64_t> counts, std::int64_t tokens_per_rank) {
   const std::int64_t P = ranks_, B = nodes(), R = node_ranks_, S = node_slots_;
-  node_first_.assign(counts.begin(), counts.end());
+  // Per source: B S by node slot, then B S by node combine slot.
+  node_first_.assign(static_cast<std::size_t>(P * B * S), 0);
+  node_last_.assign(static_cast<std::size_t>(P * B * S), 0);
+  for (std::int64_t s = 0; s < P; ++s)
+    for (std::int64_t k = 0; k < B * S; ++k) {
+      node_first_[static_cast<std::size_t>(s * B * S + k)] = counts[static_cast<std::size_t>(2 * s * B * S + k)];
+      node_last_[static_cast<std::size_t>(s * B * S + k)] = counts[static_cast<std::size_t>(2 * s * B * S + B * S + k)];
+    }
   node_sub_.assign(static_cast<std::size_t>(P * B * (S + 1)), 0);
+  node_sum_sub_.assign(static_cast<std::size_t>(P * B * (S + 1)), 0);
   for (std::int64_t s = 0; s < P; ++s)
     for (std::int64_t b = 0; b < B; ++b)
       for (std::int64_t j = 0; j < S; ++j) {
-        const std::int64_t n = node_first(s, b, j);
-        if (n < 0 || n > tokens_per_rank)
-          throw Error("rank " + std::to_string(s) + " reports " + std::to_string(n) + " tokens in node slot " + std::to_string(j) +
-                      " of node " + std::to_string(b) + ", impossible with " + std::to_string(tokens_per_rank) + " tokens per rank");
+        const std::int64_t n = node_first(s, b, j), m = node_last(s, b, j);
+        for (const auto& [v, what] : {std::pair{n, "node slot "}, std::pair{m, "node combine slot "}})
+          if (v < 0 || v > tokens_per_rank)
+            throw Error("rank " + std::to_string(s) + " reports " + std::to_string(v) + " tokens in " + what + std::to_string(j) +
+                        " of node " + std::to_string(b) + ", impossible with " + std::to_string(tokens_per_rank) + " tokens per rank");
         node_sub_[static_cast<std::size_t>((s * B + b) * (S + 1) + j + 1)] = node_sub_offset(s, b, j) + n;
+        node_sum_sub_[static_cast<std::size_t>((s * B + b) * (S + 1) + j + 1)] = node_sum_offset(s, b, j) + m;
       }
   node_send_.assign(static_cast<std::size_t>(P * (B + 1)), 0);
   node_start_.assign(static_cast<std::size_t>(P * B), 0);
@@ -93,6 +103,9 @@ void Exchange::set_node_tokens(std::span<const std::int64_t> counts, std::int64_
                     (b == node_of(s) ? ", its own node (which takes none through a forwarder)"
                                      : ", impossible when its ranks take " + std::to_string(most) + " at most and " +
                                            std::to_string(sum) + " in all of its " + std::to_string(tokens_per_rank)));
+      if (node_sum_offset(s, b, S) != n)
+        throw Error("rank " + std::to_string(s) + " reports " + std::to_string(n) + " tokens for node " + std::to_string(b) +
+                    " by their node slot but " + std::to_string(node_sum_offset(s, b, S)) + " by their node combine slot");
       node_send_[static_cast<std::size_t>(s * (B + 1) + b + 1)] = node_send_offset(s, b) + n;
     }
   // On each forwarder, its sources' blocks in source order.
@@ -107,16 +120,29 @@ void Exchange::set_node_tokens(std::span<const std::int64_t> counts, std::int64_
     }
 }
 
+std::int64_t Exchange::node_part_start(std::int64_t s, std::int64_t j, std::int64_t d) const {
+  // Slots before j, every rank of d's node; then slot j of the ranks before d.
+  const std::int64_t b = node_of(d), R = node_ranks_;
+  std::int64_t at = 0;
+  for (std::int64_t q = 0; q <= j && q < node_slots_; ++q)
+    for (std::int64_t r = b * R; r < (b + 1) * R && (q < j || r < d); ++r) {
+      const auto homes = placement_.instances_of(r);
+      if (q < static_cast<std::int64_t>(homes.size())) at += last_tokens(s, homes[static_cast<std::size_t>(q)]);
+    }
+  return at;
+}
+
 namespace {
 // The per-node exchange's lists of source s (RankRoutes::node_*), from its
 // token list (list_begin: each destination's rows there).
 void node_lists(const Exchange& ex, std::int64_t s, std::int64_t T, std::span<const std::size_t> list_begin, RankRoutes& r) {
   const std::int64_t B = ex.nodes(), R = ex.ranks() / B, S = ex.node_slots();
-  r.node_count.assign(static_cast<std::size_t>(B * S), 0);
+  r.node_count.assign(static_cast<std::size_t>(2 * B * S), 0);
   r.node_tokens.clear();
   r.node_index.assign(2 * r.tokens.size(), -1);
   std::vector<std::int32_t> at(static_cast<std::size_t>(T));
-  std::vector<std::int64_t> slot_of(static_cast<std::size_t>(T)), next(static_cast<std::size_t>(S));
+  std::vector<std::int64_t> slot_of(static_cast<std::size_t>(T)), last_of(static_cast<std::size_t>(T)),
+      sum_at(static_cast<std::size_t>(T)), next(static_cast<std::size_t>(S));
   for (std::int64_t b = 0; b < B; ++b) {
     if (b == ex.node_of(s)) continue;
     // Each token's node slot: its lowest slot over the node's ranks (a
@@ -144,23 +170,62 @@ void node_lists(const Exchange& ex, std::int64_t s, std::int64_t T, std::span<co
         at[static_cast<std::size_t>(t)] = static_cast<std::int32_t>(row);
         r.node_tokens[static_cast<std::size_t>(base + row)] = static_cast<std::int32_t>(t);
       }
-    // Per row of the node's ranks' token lists, and of their combine lists
-    // (a destination's list holds its block's tokens in another order),
-    // the token's row in the node block; each token's row among the sums
-    // the forwarder returns (after the token lists' rows).
-    // (Exchange::node_sum_start, from this list's own offsets.)
-    const std::int64_t cols = 2 * ex.ranks() + B, own = ex.node_of(s);
-    const auto own_list = static_cast<std::int64_t>(list_begin[static_cast<std::size_t>((own + 1) * R)] - list_begin[static_cast<std::size_t>(own * R)]);
+    // Each token's node combine slot: its highest last-instance slot over
+    // the node's ranks (a rank's combine list runs sub-list by sub-list,
+    // r.first[N + i] rows each); the forwarder returns the node's sums in
+    // that order, each combine slot in token order.
+    const std::int64_t N = ex.instances();
+    std::fill(last_of.begin(), last_of.end(), -1);
+    const auto combine_rows = [&](std::int64_t d, auto&& fn) {  // fn(slot, row within d's list, token)
+      const std::size_t lo = list_begin[static_cast<std::size_t>(d)];
+      std::size_t row = lo;
+      const auto homes = ex.placement().instances_of(d);
+      for (std::size_t j = 0; j < homes.size(); ++j)
+        for (std::int64_t k = 0; k < r.first[static_cast<std::size_t>(N + homes[j])]; ++k, ++row)
+          fn(static_cast<std::int64_t>(j), row - lo, r.tokens[lo + static_cast<std::size_t>(r.list_block[row])]);
+    };
+    for (std::int64_t d = b * R; d < (b + 1) * R; ++d)
+      combine_rows(d, [&](std::int64_t j, std::size_t, std::int32_t t) {
+        auto& c = last_of[static_cast<std::size_t>(t)];
+        c = std::max(c, j);
+      });
+    std::int64_t* last_count = r.node_count.data() + B * S + b * S;
+    for (std::int64_t t = 0; t < T; ++t)
+      if (const std::int64_t c = last_of[static_cast<std::size_t>(t)]; c >= 0) ++last_count[c];
+    total = 0;
+    for (std::int64_t c = 0; c < S; ++c) next[static_cast<std::size_t>(c)] = total, total += last_count[c];
+    for (std::int64_t t = 0; t < T; ++t)
+      if (const std::int64_t c = last_of[static_cast<std::size_t>(t)]; c >= 0) sum_at[static_cast<std::size_t>(t)] = next[static_cast<std::size_t>(c)]++;
+    // Per row of the node's ranks' token lists, the token's row in the node
+    // block (the forwards' routes); per row of their combine lists, laid
+    // out slot-major as the forwarder's NODE_COMB (segment (j, d) at
+    // `segment`), the token's row among the node sums.
+    std::vector<std::int64_t> segment(static_cast<std::size_t>(S * R));
+    std::int64_t rows = 0;
+    for (std::int64_t j = 0; j < S; ++j)
+      for (std::int64_t d = b * R; d < (b + 1) * R; ++d) {
+        segment[static_cast<std::size_t>(j * R + d - b * R)] = rows;
+        const auto homes = ex.placement().instances_of(d);
+        if (j < static_cast<std::int64_t>(homes.size())) rows += r.first[static_cast<std::size_t>(N + homes[static_cast<std::size_t>(j)])];
+      }
+    const std::size_t routes = list_begin[static_cast<std::size_t>(b * R)];
     for (std::int64_t d = b * R; d < (b + 1) * R; ++d) {
       const std::size_t lo = list_begin[static_cast<std::size_t>(d)], hi = list_begin[static_cast<std::size_t>(d + 1)];
-      for (std::size_t row = lo; row < hi; ++row) {
-        r.node_index[2 * row] = at[static_cast<std::size_t>(r.tokens[row])];
-        r.node_index[2 * row + 1] = at[static_cast<std::size_t>(r.tokens[lo + static_cast<std::size_t>(r.list_block[row])])];
-      }
+      for (std::size_t row = lo; row < hi; ++row) r.node_index[2 * row] = at[static_cast<std::size_t>(r.tokens[row])];
+      std::int64_t sub = 0, in_sub = 0, sub_of = -1;
+      combine_rows(d, [&](std::int64_t j, std::size_t, std::int32_t t) {
+        if (j != sub_of) sub_of = j, in_sub = 0, sub = segment[static_cast<std::size_t>(j * R + d - b * R)];
+        r.node_index[2 * (routes + static_cast<std::size_t>(sub + in_sub++)) + 1] = static_cast<std::int32_t>(sum_at[static_cast<std::size_t>(t)]);
+      });
     }
-    for (std::int64_t j = 0; j < total; ++j)
-      r.list_slot[static_cast<std::size_t>(r.node_tokens[static_cast<std::size_t>(base + j)] * cols + 2 * ex.ranks() + b)] =
-          own_list + base + j;
+    // Each token's row among the sums the forwarder returns (after the
+    // token lists' rows: Exchange::node_sum_start, from this list's own
+    // offsets).
+    const std::int64_t cols = 2 * ex.ranks() + B, own = ex.node_of(s);
+    const auto own_list = static_cast<std::int64_t>(list_begin[static_cast<std::size_t>((own + 1) * R)] - list_begin[static_cast<std::size_t>(own * R)]);
+    for (std::int64_t t = 0; t < T; ++t)
+      if (last_of[static_cast<std::size_t>(t)] >= 0)
+        r.list_slot[static_cast<std::size_t>(t * cols + 2 * ex.ranks() + b)] = own_list + base + sum_at[static_cast<std::size_t>(t)];
   }
 }
 }  // namespace
@@ -282,7 +347,7 @@ std::vector<std::int64_t> rank_token_counts(const LayerConfig& c, const ExpertPl
   for (std::int64_t q = 0; q < P; ++q) all[static_cast<std::size_t>(q)] = static_cast<int>(q);
   const std::vector<std::int64_t> slot = send_slots(c, ex, r, all);
   const std::int64_t N = ex.instances();
-  const std::int64_t B = c.forwards() ? c.nodes() * ex.node_slots() : 0;
+  const std::int64_t B = c.forwards() ? 2 * c.nodes() * ex.node_slots() : 0;
   std::vector<std::int64_t> tokens(static_cast<std::size_t>(2 * P * N + P * B));
   for (std::int64_t s = 0; s < P; ++s) {
     const auto first = static_cast<std::size_t>(s * n);

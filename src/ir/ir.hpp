@@ -91,9 +91,11 @@ enum class TaskKind : std::uint8_t {
   // the per-node combine: a node's ranks sum a source's tokens on the source's forwarder there, which returns
   // one row per (token, node)
   combine_node_part_put,       // as combine_rank_put, into the forwarder's NODE_COMB (laid out as NODE_ROUTE), signal
-  combine_node_put,            // sum over the node's ranks, in rank order, of NODE_COMB rows per node-block token, into the source's COMB_RANK, signal
+  combine_node_put,            // sum over the node's ranks, in rank order, of NODE_COMB rows per token of a combine slot, into the source's COMB_RANK, signal
   grad_combine_node_part_put,  // as grad_combine_rank_put, into the forwarder's NODE_DCOMB, signal
   grad_combine_node_put,       // the same sum of NODE_DCOMB rows into the source's DCOMB_RANK, signal
+  combine_node_relay,          // the node's ranks' sums of a source up to slot c arrived: count it towards c + 1 (no data)
+  grad_combine_node_relay,     // the same for the backward's dx sums
   // weights instead of tokens (LayerConfig::lend_weights): an expert lent to a rank for one step
   weight_put,          // on the owner: a piece of the expert's packed W1 | W2 into the lent rank's LENT_W block, signal
   weight_relay,        // the lent weights arrived: count it towards a row tile's event, as one more arrival (no data)
@@ -323,8 +325,13 @@ struct Program {
   // [P S + 1] rows of each source's node sub-blocks in NODE_TOK (and
   // NODE_DY), and [P R S + 1] rows in NODE_ROUTE of the routes of each
   // source's sub-block j for each rank of the node (empty for ranks that
-  // do not forward through it); empty without.
-  std::vector<std::int64_t> node_begin, node_route_begin;
+  // do not forward through it); empty without. The per-node combine,
+  // streamed: [P S R + 1] rows in NODE_COMB (and NODE_DCOMB) of each
+  // source's segment of slot j from each rank of the node (slot-major, so
+  // that slots 0..c of a source are one prefix), and [P S + 1] rows among
+  // the node sums of each source's combine slot c (a token's highest
+  // last-instance slot over the node's ranks).
+  std::vector<std::int64_t> node_begin, node_route_begin, node_comb_begin, node_sum_begin;
   std::vector<Reduction> reductions;        // split experts' partial rows in COMB / DCOMB, by row_begin
   std::vector<Task> tasks;
   std::vector<float> cost;                // seconds per task (cost model)

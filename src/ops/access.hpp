@@ -56,7 +56,7 @@ enum class Span : std::uint8_t {
   peer_block,         // the per-rank combine: the whole token block of the put's target: [token_begin[peer L], token_begin[peer L + L])
   expert_prefix,      // the rows of the rank's slots up to the task's expert's: [0, expert_begin[slot + 1])
   node_prefix,        // the per-node exchange on a forwarder: source s's node sub-blocks 0..j, where rows [src_row, src_row + rows) of the routes are of s's sub-block j for a rank of the node
-  node_source,        // the per-node combine on a forwarder: every route row (and NODE_COMB row) of source s = peer, for all the node's ranks
+  node_comb_prefix,   // the per-node combine on a forwarder: the route rows (and NODE_COMB rows) of source s = peer's slots 0..c for all the node's ranks, where node sums [src_row, src_row + rows) of s are of combine slot c
   lent_block,         // weights instead of tokens: the LENT_W row of the task's expert's slot, lent to this rank
 };
 
@@ -329,14 +329,28 @@ inline std::pair<std::int64_t, std::int64_t> AccessTable::span_of(const AccessTa
       const std::int64_t s = k / RS, j = k % S;
       return {p.node_begin[static_cast<std::size_t>(s * S)], p.node_begin[static_cast<std::size_t>(s * S + j + 1)]};
     }
-    case Span::node_source: {
-      const auto& routes = p.node_route_begin;
+    case Span::node_comb_prefix: {
+      // The node sums [src_row, src_row + rows) of s lie in one combine
+      // slot c; a token of slot c has its last instance on each rank of
+      // the node in a slot up to c, so they read s's segments 0..c.
+      const auto& sums = p.node_sum_begin;
+      const auto& parts = p.node_comb_begin;
       const std::int64_t P = p.ranks, peer = t.peer;
-      const std::int64_t RS = routes.empty() ? 0 : static_cast<std::int64_t>(routes.size() - 1) / P;
-      if (RS < 1 || static_cast<std::int64_t>(routes.size()) != P * RS + 1 || peer < 0 || peer >= P)
+      const std::int64_t S = sums.empty() ? 0 : static_cast<std::int64_t>(sums.size() - 1) / P;
+      const std::int64_t SR = parts.empty() ? 0 : static_cast<std::int64_t>(parts.size() - 1) / P;
+      if (S < 1 || SR < S || SR % S != 0 || static_cast<std::int64_t>(sums.size()) != P * S + 1 ||
+          static_cast<std::int64_t>(parts.size()) != P * SR + 1 || peer < 0 || peer >= P || t.rows < 1)
         throw Error("rank " + std::to_string(p.rank) + " task " + name(t.kind) + " sums rank " + std::to_string(t.peer) +
                     "'s node rows, which this program's node blocks do not hold");
-      return {routes[static_cast<std::size_t>(peer * RS)], routes[static_cast<std::size_t>((peer + 1) * RS)]};
+      const std::int64_t R = SR / S, base = sums[static_cast<std::size_t>(peer * S)];
+      const std::int64_t first = base + t.src_row, end = first + t.rows;
+      const auto slice = sums.begin() + peer * S;
+      const auto k = static_cast<std::int64_t>(std::upper_bound(slice, slice + S + 1, first) - slice - 1);
+      if (t.src_row < 0 || k < 0 || k >= S || end > sums[static_cast<std::size_t>(peer * S + k + 1)])
+        throw Error("rank " + std::to_string(p.rank) + " task " + name(t.kind) + " sums rank " + std::to_string(t.peer) +
+                    "'s node rows [" + std::to_string(t.src_row) + ", " + std::to_string(t.src_row + t.rows) +
+                    "), which are not within one of its combine slots");
+      return {parts[static_cast<std::size_t>(peer * SR)], parts[static_cast<std::size_t>(peer * SR + (k + 1) * R)]};
     }
     case Span::lent_block: {
       const std::int64_t block = p.lent_block_of(t.expert);

@@ -218,11 +218,14 @@ bool gate_grad_gather(const Tile<T>& tile) {
 }
 
 // The per-node combine on a forwarder: one row per token of a piece of
-// source s's node block (rows [src_row, src_row + rows) of it), the sum of
-// the rows its node's ranks put for it, in rank order (the NODE_COMB rows
-// of s follow its routes: rank by rank, each in its list's order, with the
-// token's node-block row in the routes' second column), rounded to the
-// layer's dtype and put into the source's rows after its lists.
+// source s's node sums (rows [src_row, src_row + rows) of them, all of one
+// combine slot c), the sum of the rows its node's ranks put for it, in
+// rank order, rounded to the layer's dtype and put into the source's rows
+// after its lists. NODE_COMB holds s's rows slot-major (Program::
+// node_comb_begin: slot, then node rank), the routes' second column naming
+// each row's token among the node sums; the task reads slots 0..c of every
+// rank (the node_comb_prefix span) and adds rank by rank, so that a token's
+// sum is the same additions in the same order as without forwarding.
 template <class T, class U>
 bool node_sum_put_as(const Tile<T>& tile, BufferId parts_buffer) {
   const std::int64_t H = tile.dims().hidden, first = tile.task.src_row, rows = tile.rows();
@@ -233,20 +236,27 @@ bool node_sum_put_as(const Tile<T>& tile, BufferId parts_buffer) {
   const std::int64_t ld_route = tile.ld(BufferId::node_route), ld = tile.ld(parts_buffer);
   const auto* route = tile.template at<std::int32_t>(routes);
   const U* from = tile.template at<U>(parts);
-  // s's node block: its rows on this forwarder (node_begin, by sub-block).
-  const std::int64_t S = static_cast<std::int64_t>(tile.program.node_begin.size() - 1) / tile.program.ranks;
-  const std::int64_t block = tile.program.node_begin[static_cast<std::size_t>((tile.task.peer + 1) * S)] -
-                             tile.program.node_begin[static_cast<std::size_t>(tile.task.peer * S)];
+  const Program& p = tile.program;
+  const std::int64_t P = p.ranks, S = static_cast<std::int64_t>(p.node_sum_begin.size() - 1) / P, s = tile.task.peer;
+  const std::int64_t R = static_cast<std::int64_t>(p.node_comb_begin.size() - 1) / (P * S);
+  const std::int64_t block = p.node_sum_begin[static_cast<std::size_t>((s + 1) * S)] - p.node_sum_begin[static_cast<std::size_t>(s * S)];
+  // The slots the span covers: those whose segments end within it.
+  std::int64_t slots = 0;
+  while (slots < S && p.node_comb_begin[static_cast<std::size_t>((s * S + slots + 1) * R)] <= routes.r1) ++slots;
   thread_local std::vector<float> acc;
   acc.assign(static_cast<std::size_t>(rows * H), 0.0f);
-  for (std::int64_t r = 0; r < routes.rows(); ++r) {
-    const std::int64_t at = route[r * ld_route + 1];
-    if (at < 0 || at >= block)
-      throw Error(std::string(taskflow::name(tile.task.kind)) + ": node row " + std::to_string(routes.r0 + r) + " names row " +
-                  std::to_string(at) + " of a node block of " + std::to_string(block) +
-                  " rows: the routes do not match the blocks (a corrupt put)");
-    if (at >= first && at < first + rows) kernels::axpy<U>(1.0f, from + r * ld, acc.data() + (at - first) * H, H);
-  }
+  for (std::int64_t d = 0; d < R; ++d)
+    for (std::int64_t j = 0; j < slots; ++j) {
+      const auto seg = static_cast<std::size_t>((s * S + j) * R + d);
+      for (std::int64_t r = p.node_comb_begin[seg] - routes.r0; r < p.node_comb_begin[seg + 1] - routes.r0; ++r) {
+        const std::int64_t at = route[r * ld_route + 1];
+        if (at < 0 || at >= block)
+          throw Error(std::string(taskflow::name(tile.task.kind)) + ": node row " + std::to_string(routes.r0 + r) + " names row " +
+                      std::to_string(at) + " of " + std::to_string(block) +
+                      " node sums: the routes do not match the blocks (a corrupt put)");
+        if (at >= first && at < first + rows) kernels::axpy<U>(1.0f, from + r * ld, acc.data() + (at - first) * H, H);
+      }
+    }
   U* to = reinterpret_cast<U*>(tile.host.put_target(dst));
   for (std::int64_t j = 0; j < rows; ++j) kernels::store<U>(acc.data() + j * H, to + j * H, H);
   return tile.host.send_put(dst);
@@ -349,8 +359,8 @@ constexpr OpKind kNodeKinds[] = {
      combine_put<float>, combine_put<bf16>,
      KindRole{.scheme = Scheme::node, .place = Place::sum_return, .consumer = K::combine_node_put, .level = 2}},
     {TaskKind::combine_node_put, "combine_node_put", Pass::forward, 78,
-     as_put(vector_kind({op(B::node_route, R, Span::node_source, X::none, Span::whole, X::route),
-                         op(B::node_comb, R, Span::node_source, X::none, Span::whole, X::hidden), tile(B::comb_rank, Side::peer)},
+     as_put(vector_kind({op(B::node_route, R, Span::node_comb_prefix, X::none, Span::whole, X::route),
+                         op(B::node_comb, R, Span::node_comb_prefix, X::none, Span::whole, X::hidden), tile(B::comb_rank, Side::peer)},
                         {kRow, kSumsRead, kNodeRoutesRead})),
      combine_node_put<float>, combine_node_put<bf16>,
      KindRole{.scheme = Scheme::node, .place = Place::node_sum, .consumer = K::combine_rank_reduce, .level = 3}},
@@ -361,11 +371,15 @@ constexpr OpKind kNodeKinds[] = {
      dx_put<float>, dx_put<bf16>,
      KindRole{.scheme = Scheme::node, .place = Place::sum_return, .consumer = K::grad_combine_node_put, .level = 3}},
     {TaskKind::grad_combine_node_put, "grad_combine_node_put", Pass::backward, 198,
-     as_put(vector_kind({op(B::node_route, R, Span::node_source, X::none, Span::whole, X::route),
-                         op(B::node_dcomb, R, Span::node_source, X::none, Span::whole, X::hidden), tile(B::dcomb_rank, Side::peer)},
+     as_put(vector_kind({op(B::node_route, R, Span::node_comb_prefix, X::none, Span::whole, X::route),
+                         op(B::node_dcomb, R, Span::node_comb_prefix, X::none, Span::whole, X::hidden), tile(B::dcomb_rank, Side::peer)},
                         {kRow, kSumsRead, kNodeRoutesRead})),
      grad_combine_node_put<float>, grad_combine_node_put<bf16>,
      KindRole{.scheme = Scheme::node, .place = Place::node_sum, .consumer = K::grad_rank_reduce, .level = 4}},
+    {TaskKind::combine_node_relay, "combine_node_relay", Pass::forward, 77, vector_kind({}, {}), relay<float>, relay<bf16>,
+     KindRole{.scheme = Scheme::node, .place = Place::node_sum, .relay_of = K::combine_node_put}},
+    {TaskKind::grad_combine_node_relay, "grad_combine_node_relay", Pass::backward, 197, vector_kind({}, {}), relay<float>, relay<bf16>,
+     KindRole{.scheme = Scheme::node, .place = Place::node_sum, .relay_of = K::grad_combine_node_put}},
 };
 }  // namespace
 

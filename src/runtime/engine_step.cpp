@@ -277,8 +277,9 @@ template <class T>
 void Interleaved<T>::exchange_rank_tokens(const StepResult& res) {
   // Per source: its tokens by first instance [s N + i], then by last
   // [P N + s N + i], then (the per-node exchange) per node and node slot
-  // [2 P N + s B S + b S + j] (B below: B S).
-  const std::int64_t P = c_.ranks, N = plan.ex().instances(), B = c_.forwards() ? c_.nodes() * plan.ex().node_slots() : 0;
+  // [2 P N + 2 s B S + b S + j], and per node and node combine slot
+  // [2 P N + 2 s B S + B S + b S + c] (B below: 2 B S).
+  const std::int64_t P = c_.ranks, N = plan.ex().instances(), B = c_.forwards() ? 2 * c_.nodes() * plan.ex().node_slots() : 0;
   planner_.route(plan, c_, res.routing, local_);
   std::vector<std::int64_t> first(static_cast<std::size_t>(2 * P * N + P * B), 0);
   const auto place = [&](std::int64_t s, std::int64_t k) {  // value k of source s's 2 N + B
@@ -299,7 +300,7 @@ void Interleaved<T>::exchange_rank_tokens(const StepResult& res) {
       const std::int64_t q = static_cast<std::int64_t>(k) / W, i = static_cast<std::int64_t>(k) % W;
       if (block[k] > static_cast<std::uint64_t>(c_.tokens_per_rank))
         throw Error("rank " + std::to_string(q) + " reports " + std::to_string(block[k]) + " tokens for " +
-                    (i < 2 * N ? "expert instance " + std::to_string(i % N) : "node sub-block " + std::to_string(i - 2 * N)) +
+                    (i < 2 * N ? "expert instance " + std::to_string(i % N) : "node slot count " + std::to_string(i - 2 * N)) +
                     ", more than its " + std::to_string(c_.tokens_per_rank));
       first[place(q, i)] = static_cast<std::int64_t>(block[k]);
     }

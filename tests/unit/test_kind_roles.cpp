@@ -145,7 +145,7 @@ TEST(KindRoles, RelaysChainPutFedKindsOfTheirScheme) {
     EXPECT_EQ(role(of).scheme, role(k).scheme) << name(k);
     EXPECT_EQ(ops::op(of).pass, ops::op(k).pass) << name(k);
   }
-  EXPECT_EQ(relays, 4);
+  EXPECT_EQ(relays, 6);
 }
 
 }  // namespace

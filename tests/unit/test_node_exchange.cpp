@@ -10,7 +10,9 @@
 
 #include <algorithm>
 #include <initializer_list>
+#include <map>
 #include <set>
+#include <tuple>
 
 #include "bit_identity.hpp"
 #include "oracle_checks.hpp"
@@ -126,15 +128,6 @@ TEST(NodeExchange, EachTokenCrossesOnceToEachNodeAndItsRoutesPointAtIt) {
         for (std::int64_t d = b * 2; d < b * 2 + 2; ++d)
           for (std::int64_t row = ex.token_send_offset(s, d); row < ex.token_send_offset(s, d + 1); ++row) {
             const std::int32_t at = routes.node_index[static_cast<std::size_t>(2 * row)];
-            // The second column: the node row of the token of this row of
-            // d's combine list, which the forwarder's sums follow.
-            const std::int32_t list_token =
-                routes.tokens[static_cast<std::size_t>(ex.token_send_offset(s, d) + routes.list_block[static_cast<std::size_t>(row)])];
-            const std::int32_t list_at = routes.node_index[static_cast<std::size_t>(2 * row + 1)];
-            ASSERT_GE(list_at, 0);
-            ASSERT_LT(list_at, rows);
-            EXPECT_EQ(routes.node_tokens[static_cast<std::size_t>(begin + list_at)], list_token)
-                << "rank " << d << "'s combine list row " << row << " sums into another token's node row";
             ASSERT_GE(at, 0);
             ASSERT_LT(at, rows);
             // Rank d's sub-block j needs node sub-blocks 0..j only.
@@ -149,6 +142,38 @@ TEST(NodeExchange, EachTokenCrossesOnceToEachNodeAndItsRoutesPointAtIt) {
             needed.insert(routes.tokens[static_cast<std::size_t>(row)]);
           }
         EXPECT_EQ(block, needed) << "node " << b << "'s block holds exactly the tokens its ranks need";
+        // The second column, slot-major as the forwarder's NODE_COMB: each
+        // row of rank d's combine sub-list j names its token's node sum
+        // row, which lies in the token's combine slot (its highest last
+        // slot over the node's ranks, hence at least j), each slot in token
+        // order; the token's own table points at that row too.
+        const std::int64_t routes_at = ex.token_send_offset(s, b * 2), cols = 2 * c.ranks + ex.nodes();
+        std::map<std::int32_t, std::int64_t> sum_row;
+        for (std::int64_t d = b * 2; d < b * 2 + 2; ++d)
+          for (std::size_t j = 0; j < placement.instances_of(d).size(); ++j) {
+            const std::int64_t i = placement.instances_of(d)[j], list = ex.token_send_offset(s, d) + ex.sub_list_offset(s, i);
+            for (std::int64_t k = 0; k < ex.last_tokens(s, i); ++k) {
+              const std::int32_t token = routes.tokens[static_cast<std::size_t>(ex.token_send_offset(s, d) +
+                                                                                routes.list_block[static_cast<std::size_t>(list + k)])];
+              const std::int32_t at = routes.node_index[static_cast<std::size_t>(2 * (routes_at + ex.node_part_start(s, static_cast<std::int64_t>(j), d) + k) + 1)];
+              ASSERT_GE(at, 0);
+              ASSERT_LT(at, rows);
+              const auto [it, fresh] = sum_row.emplace(token, at);
+              EXPECT_EQ(it->second, at) << "token " << token << " sums into two node rows";
+              std::int64_t slot = 0;
+              while (ex.node_sum_offset(s, b, slot + 1) <= at) ++slot;
+              EXPECT_GE(slot, static_cast<std::int64_t>(j)) << "a node sum made before rank " << d << "'s slot " << j << " is in";
+              EXPECT_EQ(routes.list_slot[static_cast<std::size_t>(token * cols + 2 * c.ranks + b)], ex.node_sum_start(s, b) + at);
+            }
+          }
+        EXPECT_EQ(static_cast<std::int64_t>(sum_row.size()), rows) << "every token of the node block has one node sum";
+        std::int32_t previous = -1;
+        for (std::int64_t slot = 0; slot < ex.node_slots(); ++slot, previous = -1)
+          for (const auto& [token, at] : sum_row)
+            if (at >= ex.node_sum_offset(s, b, slot) && at < ex.node_sum_offset(s, b, slot + 1)) {
+              EXPECT_GT(token, previous) << "a combine slot's sums out of token order";
+              previous = token;
+            }
       }
     }
     // Forwarders' blocks do not overlap and cover what their sources send.
@@ -163,11 +188,14 @@ TEST(NodeExchange, EachTokenCrossesOnceToEachNodeAndItsRoutesPointAtIt) {
     }
     auto wrong = tokens;
     const std::size_t S = static_cast<std::size_t>(ex.node_slots()),
-                      first_node_count = tokens.size() - static_cast<std::size_t>(c.ranks * ex.nodes()) * S;
+                      first_node_count = tokens.size() - static_cast<std::size_t>(2 * c.ranks * ex.nodes()) * S;
     wrong[first_node_count + S] += c.tokens_per_rank;  // rank 0 claims more tokens for node 1 than it has
     EXPECT_THROW(ex.set_rank_tokens(wrong, c.tokens_per_rank), Error);
     wrong = tokens;
     wrong[first_node_count] = 1;  // rank 0 claims tokens for its own node (node 0, sub-block 0)
+    EXPECT_THROW(ex.set_rank_tokens(wrong, c.tokens_per_rank), Error);
+    wrong = tokens;
+    wrong[first_node_count + static_cast<std::size_t>(ex.nodes()) * S + S] += 1;  // node 1's combine slots: one token more than its block
     EXPECT_THROW(ex.set_rank_tokens(wrong, c.tokens_per_rank), Error);
     wrong.resize(first_node_count);  // without the node counts
     EXPECT_THROW(ex.set_rank_tokens(wrong, c.tokens_per_rank), Error);
@@ -188,7 +216,15 @@ TEST(NodeExchange, ProgramsAreProvedWholeAndPerRankAndCrossNodesLess) {
         const Program back = program_from_json(to_json(p));
         EXPECT_EQ(back.node_begin, p.node_begin);
         EXPECT_EQ(back.node_route_begin, p.node_route_begin);
+        EXPECT_EQ(back.node_comb_begin, p.node_comb_begin);
+        EXPECT_EQ(back.node_sum_begin, p.node_sum_begin);
         EXPECT_FALSE(p.node_begin.empty());
+        auto j = to_json(p);  // a dump of the pipelined combine without its tables, or with them out of step
+        j.erase("node_comb_begin");
+        EXPECT_THROW(program_from_json(j), Error);
+        j = to_json(p);
+        j["node_sum_begin"].back() = j["node_sum_begin"].back().get<std::int64_t>() + 1;
+        EXPECT_THROW(program_from_json(j), Error);
       }
       const auto direct = compile(by_rank, placement, direct_counts, m, pass, Policy::critical_path);
       // Top-4 of 16 on 4 ranks of 4 experts, 2 per node: a token reaches
@@ -324,7 +360,7 @@ TEST(NodeExchange, MutationsOfTheForwardingAreRejected) {
       // The per-node combine: a node rank's sums on the forwarder, the
       // forwarder's sums back to the source.
       {Pass::forward, 0, TaskKind::combine_node_part_put, shorter, "a node rank's sums one row short: the forwarder adds a row that never came"},
-      {Pass::forward, 1, TaskKind::combine_node_part_put, next_event, "a node rank's sums counted for another source: the forwarder's sum may miss a rank"},
+      {Pass::forward, 1, TaskKind::combine_node_part_put, next_event, "a node rank's sums counted for the next combine slot: the forwarder's sum may miss a rank"},
       {Pass::forward, 2, TaskKind::combine_node_part_put, unwaited, "a node rank's sums that do not wait for its experts"},
       {Pass::forward, 0, TaskKind::combine_node_put, unwaited, "a forwarder's sum that does not wait for its node's ranks: a reduction that misses a rank"},
       {Pass::forward, 3, TaskKind::combine_node_put, shorter, "a forwarder's sums one row short: the source adds a node row that never came"},
@@ -378,6 +414,46 @@ TEST(NodeExchange, MutationsOfTheForwardingAreRejected) {
     auto& p = programs[3];
     p.tasks[static_cast<std::size_t>(first_task(p, TaskKind::dispatch_node_relay))].trigger_event += 1;
     rejected(programs, "a node relay that passes its sub-block on to the one after the next");
+  }
+  // The per-node combine, streamed: a forwarder's sums of combine slot c
+  // wait for the node's parts of slots 0..c (a relay per slot).
+  const auto relayed_sum = [](Program& p, TaskKind sum, TaskKind relay) -> Task* {  // a sum of a slot after the first
+    std::set<std::int32_t> relayed;
+    for (const auto& t : p.tasks)
+      if (t.kind == relay) relayed.insert(t.trigger_event);
+    for (auto& t : p.tasks)
+      if (t.kind == sum && relayed.count(t.wait_event) > 0) return &t;
+    return nullptr;
+  };
+  for (const auto& [pass, sum, relay] : {std::tuple{Pass::forward, TaskKind::combine_node_put, TaskKind::combine_node_relay},
+                                         std::tuple{Pass::backward, TaskKind::grad_combine_node_put, TaskKind::grad_combine_node_relay}}) {
+    const auto& base = pass == Pass::forward ? forward : backward;
+    int found = 0;
+    for (std::size_t r = 0; r < base.size(); ++r) {
+      {
+        auto programs = base;
+        Task* t = relayed_sum(programs[r], sum, relay);
+        if (!t) continue;
+        ++found;
+        t->wait_event -= 1;
+        t->wait_count = programs[r].events[static_cast<std::size_t>(t->wait_event)].required;
+        rejected(programs, "a node sum released one slot early: it adds parts of its slot that may not have landed");
+      }
+      {
+        auto programs = base;
+        auto& p = programs[r];
+        auto it = std::find_if(p.tasks.begin(), p.tasks.end(), [&](const Task& t) { return t.kind == relay && t.wait_event >= 0; });
+        it->wait_event = -1, it->wait_count = 0;
+        rejected(programs, "a node combine relay that does not wait: the next slot's sums may add parts before they land");
+      }
+      {
+        auto programs = base;
+        auto& p = programs[r];
+        p.tasks[static_cast<std::size_t>(first_task(p, relay))].trigger_event += 1;
+        rejected(programs, "a node combine relay that passes its slot on to the one after the next");
+      }
+    }
+    EXPECT_GT(found, 0) << "no node sum of a later combine slot in " << name(sum);
   }
   {
     // Rank 0 forwards rank 2's tokens; its own node put waits for them: a

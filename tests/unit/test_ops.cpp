@@ -43,14 +43,14 @@ TEST(OpTable, SerializedOperatorOrderIsTheFrameworkOrder) {
   };
   EXPECT_EQ(spelled(taskflow::Pass::forward),
             (std::vector<std::string>{"weight_put", "dispatch_node_put", "dispatch_node_route_put", "dispatch_node_relay", "dispatch_forward", "dispatch_put", "dispatch_cast_put", "dispatch_decode", "dispatch_token_put", "dispatch_route_put", "combine_route_put", "dispatch_relay", "dispatch_gather", "weight_relay", "gemm_gate_up", "swiglu", "gemm_down", "shared_gate_up",
-                                      "shared_swiglu", "shared_down", "combine_put", "combine_relay", "combine_rank_put", "combine_node_part_put", "combine_node_put", "part_reduce", "combine_reduce", "combine_rank_reduce"}));
+                                      "shared_swiglu", "shared_down", "combine_put", "combine_relay", "combine_rank_put", "combine_node_part_put", "combine_node_relay", "combine_node_put", "part_reduce", "combine_reduce", "combine_rank_reduce"}));
   EXPECT_EQ(spelled(taskflow::Pass::backward),
             (std::vector<std::string>{"grad_weight_put", "grad_dispatch_node_put", "grad_dispatch_node_relay", "grad_dispatch_forward", "grad_dispatch_token_put", "grad_dispatch_relay", "grad_dispatch_gather", "gate_grad_put", "gate_grad_gather", "gate_grad", "router_bwd", "router_dgrad", "router_wgrad", "grad_dispatch_put", "grad_dispatch_cast_put", "grad_dispatch_decode",
                                       "grad_weight_relay", "gemm_down_dgrad", "pack_down_grad", "gemm_down_wgrad", "swiglu_bwd",
                                       "gemm_gate_up_dgrad", "pack_gate_up_grad", "gemm_gate_up_wgrad", "shared_down_dgrad",
                                       "pack_shared_down_grad", "shared_down_wgrad", "shared_swiglu_bwd",
                                       "shared_gate_up_dgrad", "pack_shared_gate_up_grad", "shared_gate_up_wgrad",
-                                      "grad_combine_put", "grad_combine_relay", "grad_combine_rank_put", "grad_combine_node_part_put", "grad_combine_node_put", "grad_part_reduce", "grad_reduce", "grad_rank_reduce"}));
+                                      "grad_combine_put", "grad_combine_relay", "grad_combine_rank_put", "grad_combine_node_part_put", "grad_combine_node_relay", "grad_combine_node_put", "grad_part_reduce", "grad_reduce", "grad_rank_reduce"}));
 }
 
 // A host over plain row-major fp32 buffers: what a body needs, and nothing

@@ -85,7 +85,8 @@ TEST(AccessTable, WorkAndOperandsOfAGemmTile) {
     // only pass on that an event completed.
     if (kind == TaskKind::dispatch_relay || kind == TaskKind::grad_dispatch_relay || kind == TaskKind::combine_relay ||
         kind == TaskKind::grad_combine_relay || kind == TaskKind::dispatch_node_relay || kind == TaskKind::grad_dispatch_node_relay ||
-        kind == TaskKind::weight_relay || kind == TaskKind::grad_weight_relay)
+        kind == TaskKind::weight_relay || kind == TaskKind::grad_weight_relay || kind == TaskKind::combine_node_relay ||
+        kind == TaskKind::grad_combine_node_relay)
       EXPECT_EQ(table[kind].operand_count, 0);
     // A weight put reads the owner's packed weights, which no launch writes
     // (they change between steps only): it declares its write alone.
