@@ -249,6 +249,28 @@ TEST(NodeExchange, ProgramsAreProvedWholeAndPerRankAndCrossNodesLess) {
 // other puts; and (one node too) the backward's combine relays after the
 // chains whose dx rows they wait for (interleave-wgrad had queued them
 // first: a deadlock).
+// On a machine with vector workers to spare, the gathers and a forwarder's
+// node sums get queues of their own (compiler/schedule.cpp, queues_apart):
+// a queue that holds a gather or a node sum holds nothing else (so a node
+// sum of an early combine slot is not queued behind the rank's later part
+// puts).
+void expect_queues_apart(const std::vector<Program>& programs, bool node_sums) {
+  int sum_queues = 0, gather_queues = 0;
+  for (const Program& p : programs)
+    for (std::size_t w = 0; w + 1 < p.queue_begin.size(); ++w) {
+      std::set<Place> places;
+      for (auto i = p.queue_begin[w]; i < p.queue_begin[w + 1]; ++i)
+        places.insert(role(p.tasks[static_cast<std::size_t>(p.queue_tasks[static_cast<std::size_t>(i)])].kind).place);
+      for (const Place apart : {Place::node_sum, Place::token_wait})
+        if (places.count(apart)) {
+          EXPECT_EQ(places.size(), 1u) << "queue " << w << " of rank " << p.rank << " mixes its own kind with others";
+          ++(apart == Place::node_sum ? sum_queues : gather_queues);
+        }
+    }
+  EXPECT_EQ(sum_queues > 0, node_sums);
+  EXPECT_GT(gather_queues, 0);
+}
+
 TEST(NodeExchange, EveryPolicyQueuesTheForwarderLevelsInOrder) {
   LayerConfig c = preset("tiny");
   c.ranks = 4;
@@ -257,7 +279,7 @@ TEST(NodeExchange, EveryPolicyQueuesTheForwarderLevelsInOrder) {
   c.routed_experts = 16;
   c.exchange = ExchangeMode::rank;
   for (const std::int64_t per_node : {2, 0})
-  for (const char* machine : {"cpu:1", "cpu:2"}) {
+  for (const char* machine : {"cpu:1", "cpu:2", "accel:4:12:32x64"}) {
     c.ranks_per_node = per_node;
     c.validate();
     const auto placement = contiguous(c);
@@ -266,7 +288,8 @@ TEST(NodeExchange, EveryPolicyQueuesTheForwarderLevelsInOrder) {
     for (const Policy policy : {Policy::fill, Policy::rank_rotated, Policy::critical_path, Policy::interleave_wgrad, Policy::ratr})
       for (const Pass pass : {Pass::forward, Pass::backward}) {
         SCOPED_TRACE(std::to_string(per_node) + " a node, " + machine + " " + name(policy) + (pass == Pass::forward ? " forward" : " backward"));
-        compile_checked(c, placement, counts, m, pass, policy);
+        const auto programs = compile_checked(c, placement, counts, m, pass, policy);
+        if (m.vector_workers >= 8) expect_queues_apart(programs, per_node > 0);
       }
   }
 }
