@@ -5,7 +5,7 @@
 # executor's forward (Dispatch-to-Combine) and backward. Prints the CPU and
 # one table row per configuration and dtype with B / A (below 1: B faster).
 #   bench/layer_ab.sh A/hpmoe B/hpmoe [ROUNDS] [ITERS]
-# AB_DTYPES="fp32 bf16" and AB_LAYERS="deepseek qwen3" pick a subset
+# AB_DTYPES="fp32 bf16" and AB_LAYERS="deepseek qwen3 node" pick a subset
 # (deepseek-v2-lite: about 90 s a run on 2 cores, 13 GiB).
 set -euo pipefail
 a=${1:?A/hpmoe}; b=${2:?B/hpmoe}; rounds=${3:-3}; iters=${4:-5}
@@ -20,7 +20,9 @@ for dtype in ${AB_DTYPES:-fp32 bf16}; do
     case $short in
       deepseek) layer="deepseek-v2-lite -P 2 -W 1 -T 512" ;;
       qwen3) layer="qwen3-30b-a3b -P 1 -W 2 -T 256" ;;
-      *) echo "AB_LAYERS: unknown layer '$short' (deepseek, qwen3)" >&2; exit 2 ;;
+      # the per-node exchange in process: 4 ranks in 2 nodes
+      node) layer="deepseek-v2-lite -P 4 -W 1 -T 256 --exchange rank --set ranks_per_node=2" ;;
+      *) echo "AB_LAYERS: unknown layer '$short' (deepseek, qwen3, node)" >&2; exit 2 ;;
     esac
     key=$(echo "$layer $dtype" | tr ' :' '__')
     for ((r = 0; r < rounds; ++r)); do
