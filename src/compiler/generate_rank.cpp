@@ -228,9 +228,11 @@ void node_combines(const LayerConfig& c, const Exchange& ex, std::int64_t TR, Pa
     for (std::int64_t s = 0; s < ex.ranks(); ++s) {
       if (!ex.forwards_through(s, rank) || ex.node_tokens(s, b) == 0 || (only_peer >= 0 && s != only_peer)) continue;
       const std::int64_t wait = own.node_comb + s * S + slot;
-      if (slot > 0 && only_peer < 0)
+      if (slot > 0 && only_peer < 0) {  // (an event nothing counts towards needs no wait)
+        const std::int64_t need = with_waits ? required(wait - 1) : 0;
         emit(TaskSpec{.kind = forward ? TaskKind::combine_node_relay : TaskKind::grad_combine_node_relay, .src_row = s,
-                      .wait_event = with_waits ? wait - 1 : -1, .wait_count = with_waits ? required(wait - 1) : 0, .trigger_event = wait});
+                      .wait_event = need > 0 ? wait - 1 : -1, .wait_count = need, .trigger_event = wait});
+      }
       const EventBases source_events = event_bases(c, ex, pass, s);
       const std::int64_t n = ex.node_last(s, b, slot), first = ex.node_sum_offset(s, b, slot), at = ex.node_sum_start(s, b) + first;
       for (std::int64_t r = 0; r < n; r += TR)

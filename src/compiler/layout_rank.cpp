@@ -176,16 +176,16 @@ void node_lists(const Exchange& ex, std::int64_t s, std::int64_t T, std::span<co
     // that order, each combine slot in token order.
     const std::int64_t N = ex.instances();
     std::fill(last_of.begin(), last_of.end(), -1);
-    const auto combine_rows = [&](std::int64_t d, auto&& fn) {  // fn(slot, row within d's list, token)
+    const auto combine_rows = [&](std::int64_t d, auto&& fn) {  // fn(slot, token) for each row of d's combine list
       const std::size_t lo = list_begin[static_cast<std::size_t>(d)];
       std::size_t row = lo;
       const auto homes = ex.placement().instances_of(d);
       for (std::size_t j = 0; j < homes.size(); ++j)
         for (std::int64_t k = 0; k < r.first[static_cast<std::size_t>(N + homes[j])]; ++k, ++row)
-          fn(static_cast<std::int64_t>(j), row - lo, r.tokens[lo + static_cast<std::size_t>(r.list_block[row])]);
+          fn(static_cast<std::int64_t>(j), r.tokens[lo + static_cast<std::size_t>(r.list_block[row])]);
     };
     for (std::int64_t d = b * R; d < (b + 1) * R; ++d)
-      combine_rows(d, [&](std::int64_t j, std::size_t, std::int32_t t) {
+      combine_rows(d, [&](std::int64_t j, std::int32_t t) {
         auto& c = last_of[static_cast<std::size_t>(t)];
         c = std::max(c, j);
       });
@@ -213,7 +213,7 @@ void node_lists(const Exchange& ex, std::int64_t s, std::int64_t T, std::span<co
       const std::size_t lo = list_begin[static_cast<std::size_t>(d)], hi = list_begin[static_cast<std::size_t>(d + 1)];
       for (std::size_t row = lo; row < hi; ++row) r.node_index[2 * row] = at[static_cast<std::size_t>(r.tokens[row])];
       std::int64_t sub = 0, in_sub = 0, sub_of = -1;
-      combine_rows(d, [&](std::int64_t j, std::size_t, std::int32_t t) {
+      combine_rows(d, [&](std::int64_t j, std::int32_t t) {
         if (j != sub_of) sub_of = j, in_sub = 0, sub = segment[static_cast<std::size_t>(j * R + d - b * R)];
         r.node_index[2 * (routes + static_cast<std::size_t>(sub + in_sub++)) + 1] = static_cast<std::int32_t>(sum_at[static_cast<std::size_t>(t)]);
       });
