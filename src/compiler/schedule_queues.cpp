@@ -80,17 +80,25 @@ void assign_workers(const Program& p, Policy policy, const std::vector<std::int3
     classes[1].resize(classes[1].size() - k);
     if (p.machine.put_workers == 0) classes[2] = classes[1];
   }
+  // The final reductions come last and wait for everything else: every
+  // vector worker outside the puts takes them, those apart included.
+  std::vector<int> reduce_workers = classes[1];
+  reduce_workers.insert(reduce_workers.end(), gather_workers.begin(), gather_workers.end());
+  reduce_workers.insert(reduce_workers.end(), sum_workers.begin(), sum_workers.end());
   const auto class_of = [&](const Task& t, bool puts_apart) {
     if (t.queue == QueueClass::matrix) return 0;
+    if (place(t.kind) == Place::reduction) return 5;
     if (!sum_workers.empty() && place(t.kind) == Place::node_sum) return 3;
     if (!gather_workers.empty() && place(t.kind) == Place::token_wait) return 4;
     return puts_apart && is_put(t.kind) ? 2 : 1;
   };
-  const auto workers_of = [&](int c) -> const std::vector<int>& { return c == 3 ? sum_workers : c == 4 ? gather_workers : classes[c]; };
+  const auto workers_of = [&](int c) -> const std::vector<int>& {
+    return c == 3 ? sum_workers : c == 4 ? gather_workers : c == 5 ? reduce_workers : classes[c];
+  };
   auto& worker_of = scratch.worker_of;  // per position in `order`
   worker_of.resize(order.size());
   if (policy == Policy::fill) {
-    std::size_t next[5] = {0, 0, 0, 0, 0};
+    std::size_t next[6] = {0, 0, 0, 0, 0, 0};
     for (std::size_t i = 0; i < order.size(); ++i) {
       const int c = class_of(p.tasks[order[i]], false);
       worker_of[i] = workers_of(c)[next[c]];

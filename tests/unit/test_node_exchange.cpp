@@ -253,14 +253,20 @@ TEST(NodeExchange, ProgramsAreProvedWholeAndPerRankAndCrossNodesLess) {
 // node sums get queues of their own (compiler/schedule.cpp, queues_apart):
 // a queue that holds a gather or a node sum holds nothing else (so a node
 // sum of an early combine slot is not queued behind the rank's later part
-// puts).
+// puts) but, after them, the final reductions, which every vector worker
+// takes.
 void expect_queues_apart(const std::vector<Program>& programs, bool node_sums) {
   int sum_queues = 0, gather_queues = 0;
   for (const Program& p : programs)
     for (std::size_t w = 0; w + 1 < p.queue_begin.size(); ++w) {
       std::set<Place> places;
-      for (auto i = p.queue_begin[w]; i < p.queue_begin[w + 1]; ++i)
-        places.insert(role(p.tasks[static_cast<std::size_t>(p.queue_tasks[static_cast<std::size_t>(i)])].kind).place);
+      bool reducing = false;
+      for (auto i = p.queue_begin[w]; i < p.queue_begin[w + 1]; ++i) {
+        const Place at = role(p.tasks[static_cast<std::size_t>(p.queue_tasks[static_cast<std::size_t>(i)])].kind).place;
+        if (at == Place::reduction) reducing = true;
+        else places.insert(at);
+        EXPECT_TRUE(!reducing || at == Place::reduction) << "queue " << w << " of rank " << p.rank << " has work after a final reduction";
+      }
       for (const Place apart : {Place::node_sum, Place::token_wait})
         if (places.count(apart)) {
           EXPECT_EQ(places.size(), 1u) << "queue " << w << " of rank " << p.rank << " mixes its own kind with others";

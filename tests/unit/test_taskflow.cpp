@@ -167,6 +167,37 @@ TEST(Taskflow, RankRotatedPutsStartWithTheNextRank) {
   }
 }
 
+// The final reductions wait for everything and nothing runs beside them:
+// they come in even waves over the vector workers (as many waves as token
+// tiles would take), every token reduced once.
+TEST(Taskflow, FinalReductionsComeInEvenWavesOverTheVectorWorkers) {
+  for (const std::int64_t T : {420, 1000, 64}) {
+    const LayerConfig c = small(4, T);
+    const Machine m = parse_machine("accel:4:12:32x64");
+    for (const Pass pass : {Pass::forward, Pass::backward}) {
+      SCOPED_TRACE(std::to_string(T) + (pass == Pass::forward ? " forward" : " backward"));
+      const auto programs = compile_checked(c, contiguous(c), counts_for(c, "uniform"), m, pass, Policy::ratr);
+      const std::int64_t tiles = (T + m.tile_rows - 1) / m.tile_rows, waves = (tiles + 11) / 12;
+      for (const Program& p : programs) {
+        std::vector<int> covered(static_cast<std::size_t>(T), 0);
+        std::int64_t tasks = 0, widest = 0;
+        for (const Task& t : p.tasks)
+          if (role(t.kind).place == Place::reduction) {
+            ++tasks, widest = std::max<std::int64_t>(widest, t.rows);
+            for (std::int64_t r = t.row_begin; r < t.row_begin + t.rows; ++r) ++covered[static_cast<std::size_t>(r)];
+          }
+        EXPECT_TRUE(std::all_of(covered.begin(), covered.end(), [](int n) { return n == 1; }));
+        EXPECT_LE(tasks, waves * 12);
+        EXPECT_LE(widest, m.tile_rows);
+        EXPECT_LE((T + widest - 1) / widest, waves * 12);
+        if (T == 420) {
+          EXPECT_EQ(widest, 24);  // 14 tiles of 32 are two waves: 18 tasks of 24 rows, not 14 of 32
+        }
+      }
+    }
+  }
+}
+
 TEST(Taskflow, JsonRoundTripAndMalformedDumps) {
   const auto programs = tiny_programs(Pass::backward);
   std::vector<Program> back;
