@@ -145,6 +145,7 @@ std::vector<std::int32_t> ratr_order(const Program& p) {
   const auto rotated = [&](std::int32_t peer) { return (peer - p.rank + p.ranks) % p.ranks; };
   std::vector<std::tuple<std::int32_t, std::int32_t, std::int32_t>> first;  // (expert ordinal at the destination, rotated destination, task)
   std::vector<std::int32_t> experts_seen(static_cast<std::size_t>(p.ranks), 0), last_expert(static_cast<std::size_t>(p.ranks), -1);
+  std::vector<std::int32_t> node_event(static_cast<std::size_t>(p.ranks), -1);
   // Row tiles in generation order: where each starts, and its cost shape.
   std::vector<std::int64_t> tile_start;
   double first_gemm_s = 0, vector_step_s = 0;
@@ -163,8 +164,12 @@ std::vector<std::int32_t> ratr_order(const Program& p) {
   int units = 0;
   for (int w = 0; w < p.machine.workers(); ++w) units += p.machine.takes(w, QueueClass::matrix) ? 1 : 0;
   const double wave_s = first_gemm_s / std::max(1, units);
+  // At most 16 row tiles: 8 (until 2026-12-07) held the matrix units back
+  // behind the backward's vector steps on the H800 model (DeepSeek-V3 at
+  // EP 16 asks for 25, the forward for 9); 16 and 24 are within 0.5% of
+  // each other there, and the A3 model asks for fewer.
   const std::int64_t lookahead =
-      wave_s > 0 ? std::clamp<std::int64_t>(1 + static_cast<std::int64_t>(std::ceil(vector_step_s / wave_s)), 1, 8) : 1;
+      wave_s > 0 ? std::clamp<std::int64_t>(1 + static_cast<std::int64_t>(std::ceil(vector_step_s / wave_s)), 1, 16) : 1;
   // Where the final reductions begin (they wait for every return put).
   std::int64_t tail = static_cast<std::int64_t>(p.tasks.size());
   for (std::int64_t i = 0; i < static_cast<std::int64_t>(p.tasks.size()); ++i) {
@@ -191,6 +196,17 @@ std::vector<std::int32_t> ratr_order(const Program& p) {
     while (tile + 1 < tile_start.size() && tile_start[tile + 1] <= i) ++tile;
     if (is_put(t.kind) && t.wait_event < 0) {
       const auto d = static_cast<std::size_t>(t.peer);
+      // A node block's sub-block j carries the tokens whose lowest slot on
+      // the node is j: it goes with the destinations' slot j (ordinal j +
+      // 1), not all first, which held the copy engines on the slow link
+      // while the node's own ranks waited for their first slot. Its puts
+      // count towards the forwarder's `node` events of this source, one per
+      // sub-block in order (the routes' with sub-block 0's).
+      if (role(t.kind).scheme == Scheme::node && place(t.kind) == Place::token_put) {
+        if (node_event[d] < 0) node_event[d] = t.trigger_event;
+        first.emplace_back(1 + t.trigger_event - node_event[d], rotated(t.peer), i);
+        continue;
+      }
       if (t.expert != last_expert[d]) ++experts_seen[d], last_expert[d] = t.expert;
       first.emplace_back(experts_seen[d], rotated(t.peer), i);
       continue;

@@ -8,6 +8,8 @@
 // the fp64 oracle's checks.
 #include <gtest/gtest.h>
 
+#include <limits>
+
 #include <algorithm>
 #include <initializer_list>
 #include <map>
@@ -297,6 +299,43 @@ TEST(NodeExchange, EveryPolicyQueuesTheForwarderLevelsInOrder) {
         const auto programs = compile_checked(c, placement, counts, m, pass, policy);
         if (m.vector_workers >= 8) expect_queues_apart(programs, per_node > 0);
       }
+  }
+}
+
+// RATR sends a source's node sub-blocks with the destinations' slots they
+// carry: sub-block j goes with the token puts of slot j (not every
+// sub-block first, which kept the copy engines on the slow link while the
+// node's own ranks waited for their first slot), each queue in sub-block
+// order.
+TEST(NodeExchange, RatrSendsNodeSubBlocksWithTheirSlots) {
+  const LayerConfig c = node_layer(8, 4, 256);
+  const auto placement = contiguous(c);
+  const Machine m = parse_machine("accel:4:12:32x64");
+  const auto counts = rank_counts(c, placement, "uniform", m.tile_rows);
+  for (const Pass pass : {Pass::forward, Pass::backward}) {
+    SCOPED_TRACE(pass == Pass::forward ? "forward" : "backward");
+    const auto programs = compile_checked(c, placement, counts, m, pass, Policy::ratr);
+    const TaskKind node_put = pass == Pass::forward ? TaskKind::dispatch_node_put : TaskKind::grad_dispatch_node_put;
+    const TaskKind token_put = pass == Pass::forward ? TaskKind::dispatch_token_put : TaskKind::grad_dispatch_token_put;
+    for (const Program& p : programs) {
+      std::int32_t first_event = std::numeric_limits<std::int32_t>::max();
+      for (const Task& t : p.tasks)
+        if (t.kind == node_put) first_event = std::min(first_event, t.trigger_event);
+      bool token_before_later_sub_block = false;
+      for (std::size_t w = 0; w + 1 < p.queue_begin.size(); ++w) {
+        std::int32_t last = -1;
+        bool token_seen = false;
+        for (auto i = p.queue_begin[w]; i < p.queue_begin[w + 1]; ++i) {
+          const Task& t = p.tasks[static_cast<std::size_t>(p.queue_tasks[static_cast<std::size_t>(i)])];
+          if (t.kind == token_put) token_seen = true;
+          if (t.kind != node_put) continue;
+          EXPECT_GE(t.trigger_event, last) << "rank " << p.rank << " queue " << w << " sends a node sub-block before an earlier one";
+          last = t.trigger_event;
+          token_before_later_sub_block |= token_seen && t.trigger_event > first_event;
+        }
+      }
+      EXPECT_TRUE(token_before_later_sub_block) << "rank " << p.rank << " queues every node sub-block before its token puts";
+    }
   }
 }
 
