@@ -59,6 +59,15 @@ void arrival_keys(const LayerConfig& c, const Exchange& ex, std::int64_t home, s
   for (std::int64_t t = 0; t < static_cast<std::int64_t>(key.size()); ++t) {
     const std::int64_t a = t * TR, b = std::min(rows, a + TR);
     const std::int64_t first = source_of(a);
+    if (ex.forwards()) {
+      // Across nodes the rows come through a forwarder, after the node's
+      // own ranks' (each in the rotated order): a tile waits for its latest.
+      std::int64_t k = 0;
+      for (std::int64_t s = first; s < P && ex.source_offset(s, home) < b; ++s)
+        if (ex.count(s, home) > 0) k = std::max(k, (ex.forwarded(s, rank) ? P : 0) + (rank - s + P) % P);
+      key[static_cast<std::size_t>(t)] = k;
+      continue;
+    }
     std::int64_t k = (rank - first + P) % P;
     if (first <= rank && after_rank < b) k = std::max(k, (rank - source_of(after_rank) + P) % P);
     key[static_cast<std::size_t>(t)] = k;

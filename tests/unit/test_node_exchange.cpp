@@ -19,6 +19,7 @@
 #include "bit_identity.hpp"
 #include "oracle_checks.hpp"
 #include "compiler/layout.hpp"
+#include "compiler/generate_parts.hpp"
 #include <nlohmann/json.hpp>
 #include "hpmoe/error.hpp"
 #include "hpmoe/reference.hpp"
@@ -300,6 +301,32 @@ TEST(NodeExchange, EveryPolicyQueuesTheForwarderLevelsInOrder) {
         if (m.vector_workers >= 8) expect_queues_apart(programs, per_node > 0);
       }
   }
+}
+
+// A rank computes an expert's row tiles in the order their rows arrive:
+// across nodes they come through a forwarder, after the node's own ranks',
+// so every tile of the node's own rows goes before any that waits for a
+// forwarded one.
+TEST(NodeExchange, RowTilesOfTheNodesOwnRowsGoFirst) {
+  const LayerConfig c = node_layer(8, 2, 200);
+  const auto placement = contiguous(c);
+  const auto r = routing_of(c, "uniform");
+  const auto counts = routing_counts(c, r);
+  taskflow::Exchange ex(c, placement, counts, 16);
+  ex.set_rank_tokens(rank_token_counts(c, placement, counts, r, 16), c.tokens_per_rank);
+  for (std::int64_t d = 0; d < c.ranks; ++d)
+    for (const std::int64_t home : placement.instances_of(d)) {
+      bool forwarded_seen = false;
+      for (const std::int64_t t : taskflow::arrival_tile_order(c, ex, home, d)) {
+        bool forwarded = false;
+        for (std::int64_t s = 0; s < c.ranks; ++s)
+          forwarded |= ex.forwarded(s, d) && ex.count(s, home) > 0 && ex.source_offset(s, home) < (t + 1) * 16 &&
+                       ex.source_offset(s, home) + ex.count(s, home) > t * 16;
+        EXPECT_FALSE(forwarded_seen && !forwarded) << "rank " << d << " expert instance " << home << " tile " << t;
+        forwarded_seen |= forwarded;
+      }
+      EXPECT_TRUE(forwarded_seen || ex.expert_rows(home) == 0);
+    }
 }
 
 // RATR sends a source's node sub-blocks with the destinations' slots they
