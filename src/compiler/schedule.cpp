@@ -256,6 +256,32 @@ std::vector<std::int32_t> ratr_order(const Program& p) {
   return order;
 }
 
+// Moves the tasks `moved` picks, in their order, to just after the last
+// other put and the last local producer of an event they wait on.
+template <class Pick>
+void sink_after_puts(const Program& p, std::vector<std::int32_t>& order, Pick&& moved) {
+  std::vector<std::int32_t> picked, rest;
+  // The events the moved tasks wait on: their local producers (a node
+  // relay's count) must stay before them, or the order stops being topological.
+  std::vector<std::uint8_t> awaited(p.events.size(), 0);
+  for (const std::int32_t i : order)
+    if (moved(i) && p.tasks[static_cast<std::size_t>(i)].wait_event >= 0)
+      awaited[static_cast<std::size_t>(p.tasks[static_cast<std::size_t>(i)].wait_event)] = 1;
+  std::size_t after = 0;  // in `rest`: one past the last other put, and the moved tasks' last producer
+  for (const std::int32_t i : order) {
+    if (moved(i)) picked.push_back(i);
+    else {
+      rest.push_back(i);
+      const Task& t = p.tasks[static_cast<std::size_t>(i)];
+      if (is_put(t.kind) || (t.trigger_event >= 0 && t.peer == p.rank && awaited[static_cast<std::size_t>(t.trigger_event)]))
+        after = rest.size();
+    }
+  }
+  if (picked.empty()) return;
+  rest.insert(rest.begin() + static_cast<std::ptrdiff_t>(after), picked.begin(), picked.end());
+  order.swap(rest);
+}
+
 // A forwarder's node sums (the per-node combine) wait for what its node's
 // ranks put at the level of their own return puts: queued before any of
 // this rank's returns, they would make the ranks wait on each other. Under
@@ -264,27 +290,7 @@ std::vector<std::int32_t> ratr_order(const Program& p) {
 // sums queued before one, an order no longer topological; nothing local
 // waits on them, and the reductions that wait for what they feed come later).
 void sink_node_sums(const Program& p, std::vector<std::int32_t>& order) {
-  const auto node_sums = [&](std::int32_t i) { return place(p.tasks[static_cast<std::size_t>(i)].kind) == Place::node_sum; };
-  std::vector<std::int32_t> sums, rest;
-  // The events the sums wait on: their local producers (a node relay's
-  // count) must stay before them, or the order stops being topological.
-  std::vector<std::uint8_t> awaited(p.events.size(), 0);
-  for (const std::int32_t i : order)
-    if (node_sums(i) && p.tasks[static_cast<std::size_t>(i)].wait_event >= 0)
-      awaited[static_cast<std::size_t>(p.tasks[static_cast<std::size_t>(i)].wait_event)] = 1;
-  std::size_t after = 0;  // in `rest`: one past the last other put, and the sums' last producer
-  for (const std::int32_t i : order) {
-    if (node_sums(i)) sums.push_back(i);
-    else {
-      rest.push_back(i);
-      const Task& t = p.tasks[static_cast<std::size_t>(i)];
-      if (is_put(t.kind) || (t.trigger_event >= 0 && t.peer == p.rank && awaited[static_cast<std::size_t>(t.trigger_event)]))
-        after = rest.size();
-    }
-  }
-  if (sums.empty()) return;
-  rest.insert(rest.begin() + static_cast<std::ptrdiff_t>(after), sums.begin(), sums.end());
-  order.swap(rest);
+  sink_after_puts(p, order, [&](std::int32_t i) { return place(p.tasks[static_cast<std::size_t>(i)].kind) == Place::node_sum; });
 }
 
 // With queues of their own, each node sum and relay goes right after the
@@ -315,6 +321,29 @@ void place_node_sums(const Program& p, std::vector<std::int32_t>& order) {
     order.push_back(i);
   }
   for (; next < rest.size(); ++next) order.push_back(rest[next]);
+  // Where a source's last combine slot holds at least half the rank's node
+  // sums (a rank of one or two expert slots: EP 128 and 256 on the H800
+  // model), the queues apart (a twelfth of the vector workers) would carry
+  // them alone after the experts are done while the rest idle: those sums
+  // go after the rank's last other put instead, where every vector worker
+  // may take them (assign_workers) and the per-rank proof's level rule
+  // holds as for sunk sums.
+  std::vector<std::int32_t> last_event(static_cast<std::size_t>(p.ranks), -1);
+  for (const std::int32_t i : sums) {
+    const Task& t = p.tasks[static_cast<std::size_t>(i)];
+    if (is_put(t.kind)) last_event[static_cast<std::size_t>(t.peer)] = std::max(last_event[static_cast<std::size_t>(t.peer)], t.wait_event);
+  }
+  const auto late = [&](std::int32_t i) {
+    const Task& t = p.tasks[static_cast<std::size_t>(i)];
+    return place(t.kind) == Place::node_sum && is_put(t.kind) && t.wait_event == last_event[static_cast<std::size_t>(t.peer)];
+  };
+  std::size_t late_sums = 0, all_sums = 0;
+  for (const std::int32_t i : sums) {
+    all_sums += is_put(p.tasks[static_cast<std::size_t>(i)].kind);
+    late_sums += late(i);
+  }
+  if (2 * late_sums < all_sums) return;
+  sink_after_puts(p, order, late);
 }
 
 // A forwarder's forwards (the per-node exchange's second hop, level 1)

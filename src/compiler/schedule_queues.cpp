@@ -92,8 +92,18 @@ void assign_workers(const Program& p, Policy policy, const std::vector<std::int3
     if (!gather_workers.empty() && place(t.kind) == Place::token_wait) return 4;
     return puts_apart && is_put(t.kind) ? 2 : 1;
   };
+  // The node sums queued after the rank's last other put (a last combine
+  // slot's, where it holds most of them: schedule.cpp place_node_sums) may
+  // take any vector worker outside the puts, as on a small machine.
+  std::vector<int> late_sum_workers = sum_workers;
+  late_sum_workers.insert(late_sum_workers.end(), classes[1].begin(), classes[1].end());
+  std::size_t last_other_put = 0;
+  for (std::size_t i = 0; i < order.size(); ++i) {
+    const Task& t = p.tasks[static_cast<std::size_t>(order[i])];
+    if (is_put(t.kind) && t.peer != p.rank && place(t.kind) != Place::node_sum) last_other_put = i;
+  }
   const auto workers_of = [&](int c) -> const std::vector<int>& {
-    return c == 3 ? sum_workers : c == 4 ? gather_workers : c == 5 ? reduce_workers : classes[c];
+    return c == 3 ? sum_workers : c == 4 ? gather_workers : c == 5 ? reduce_workers : c == 6 ? late_sum_workers : classes[c];
   };
   auto& worker_of = scratch.worker_of;  // per position in `order`
   worker_of.resize(order.size());
@@ -112,7 +122,7 @@ void assign_workers(const Program& p, Policy policy, const std::vector<std::int3
     for (std::size_t i = 0; i < order.size(); ++i) {
       const auto id = order[i];
       const Task& t = p.tasks[id];
-      const int c = class_of(t, true);
+      const int c = class_of(t, true) == 3 && i > last_other_put ? 6 : class_of(t, true);
       int best = workers_of(c)[0];
       for (int w : workers_of(c))
         if (free_at[w] < free_at[best]) best = w;
