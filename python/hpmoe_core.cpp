@@ -95,14 +95,28 @@ class FastStep final : public Step {
     if (!step_)
       throw Error("this forward's backward has already run (the float32 executors run one backward per forward; "
                   "use retain_graph=False, or executor=\"reference\" for repeated backwards)");
-    const std::int64_t N = x_.shape(0), H = config_.hidden;
+    const std::int64_t N = x_.shape(0), H = config_.hidden, I = config_.expert_inter;
     const Array dy = d_out.cast<Array>();
     const MatrixView dv = view_of(dy, N, H, "d_out");
     Array dx = new_array(N, H);
+    // The routed experts' gradients in Hugging Face's layout, written by
+    // their tiles straight into the arrays PyTorch gets: gate_proj's and
+    // up_proj's one [2I, H] block, down_proj's [H, I].
+    BackwardOptions options{MutableMatrixView{dx.mutable_data(), N, H, H}, {}};
+    std::vector<std::pair<Array, Array>> expert_arrays(static_cast<std::size_t>(config_.routed_experts));
+    options.experts.resize(expert_arrays.size());
+    for (std::int64_t e = 0; e < config_.routed_experts; ++e) {
+      if (held_ && !std::binary_search(held_->begin(), held_->end(), static_cast<std::int32_t>(e))) continue;
+      auto& [w1_t, w2_t] = expert_arrays[static_cast<std::size_t>(e)];
+      w1_t = new_array(2 * I, H);
+      w2_t = new_array(H, I);
+      options.experts[static_cast<std::size_t>(e)] = {MutableMatrixView{w1_t.mutable_data(), 2 * I, H, H},
+                                                      MutableMatrixView{w2_t.mutable_data(), H, I, I}};
+    }
     {
       py::gil_scoped_release release;
       if (check_) check_tokens_finite(dy.data(), N, H, "d_out (the gradient reaching the layer)", kCheckOff);
-      step_->backward(dv, MutableMatrixView{dx.mutable_data(), N, H, H});
+      step_->backward(dv, options);
       if (check_)
         check_tokens_finite(dx.data(), N, H, "the gradient of x",
                             " although d_out is finite: the values are too large for float32 (it overflowed)" +
@@ -119,6 +133,10 @@ class FastStep final : public Step {
     };
     std::vector<Fill> fills;
     py::dict out = hf_gradients(config_, [&](const std::string& m, std::int64_t e, std::int64_t c0, std::int64_t cols) {
+      if (m == "w1" || m == "w2") {  // rows [c0, c0 + cols) of the expert's array (a view: no copy)
+        const Array& a = m == "w1" ? expert_arrays[static_cast<std::size_t>(e)].first : expert_arrays[static_cast<std::size_t>(e)].second;
+        return a[py::slice(c0, c0 + cols, 1)].cast<Array>();
+      }
       const Matrix& src = m == "router" ? g.router : m == "w1" ? g.w1[e] : m == "w2" ? g.w2[e]
                           : m == "shared_w1" ? g.shared_w1 : g.shared_w2;
       Array a = new_array(cols, src.rows);

@@ -101,6 +101,15 @@ struct ForwardOptions {
   std::optional<Schedule> schedule{};
 };
 
+// One backward's destinations beyond gradients(): dx into the caller's
+// view, and routed experts' weight gradients into the caller's memory in
+// Hugging Face's layout (StepResult::expert_grads_into: a framework's
+// gradient tensors, filled with no copy after the launch).
+struct BackwardOptions {
+  MutableMatrixView dx{};
+  std::vector<ExpertGradientsInto> experts{};
+};
+
 // What a caller changed in the weights it edits through Layer::weights().
 struct WeightChange {
   bool replicated = true;             // router, expert bias, shared experts
@@ -136,7 +145,8 @@ class Layer {
     const Matrix& out() const;  // [tokens, hidden], unless the forward wrote into the caller's view
     // The backward of this step's forward, once. dx goes into `dx` when
     // given (a view of the caller's memory), else into gradients().x.
-    void backward(MatrixView dy, MutableMatrixView dx = {});
+    void backward(MatrixView dy, MutableMatrixView dx = {}) { backward(dy, BackwardOptions{dx, {}}); }
+    void backward(MatrixView dy, const BackwardOptions& options);
     const LayerGradients& gradients() const;
     // Routing, expert load, losses, memory, per-operator and launch times.
     const StepResult& result() const;

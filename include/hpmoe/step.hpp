@@ -25,11 +25,27 @@ struct OperatorTime {
   double seconds = 0;
 };
 
+// Where a routed expert's weight gradients go in Hugging Face's layout
+// ([out, in], the transpose of the math layout's): w1_t is [2I, H], the
+// gate_proj gradient's I rows then up_proj's (one block, or two views of
+// it), w2_t is down_proj's [H, I]; any row stride >= the row's length.
+struct ExpertGradientsInto {
+  MutableMatrixView w1_t, w2_t;
+  explicit operator bool() const { return w1_t && w2_t; }
+};
+
 struct StepResult {
   // Optional, set by the caller before forward / backward: write the output
   // (and dx) into these views of the caller's memory ([hosted ranks x T, H],
   // any row stride) instead of `out` (and grads.x), which then stay empty.
   MutableMatrixView out_into, dx_into;
+  // Optional, before backward: empty, or one entry per routed expert; an
+  // expert whose entry is set (it must be one this process owns) gets its
+  // gradients written there, and its grads.w1 / w2 are left as they were.
+  // An expert computed whole by its owner's tiles has them stored there
+  // transposed by the tiles themselves (no copy after the launch); a
+  // replicated, lent or split one is summed as usual, then transposed in.
+  std::vector<ExpertGradientsInto> expert_grads_into;
   Matrix out;                      // [hosted ranks x T, H]: this process's tokens
   LayerGradients grads;            // filled when backward
   RouterOutput<float> routing;     // what the fast path routed: the hosted ranks' tokens

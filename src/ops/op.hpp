@@ -18,6 +18,7 @@
 // rule resolved (in the rule's order), and the engine behind `TileHost`:
 // addresses, leading dimensions, the layer's packed weights, puts to peers.
 // Bodies take every extent from the program's dims, never from a config.
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <span>
@@ -58,6 +59,10 @@ class TileHost {
   virtual std::byte* address(const Rect&) const = 0;
   virtual std::byte* base(BufferId) const = 0;
   virtual std::int64_t ld(BufferId) const = 0;
+  // 0, or the row stride of the caller's memory the rectangle lands in
+  // transposed (a framework's weight gradient in its [out, in] layout):
+  // element (i, j) of the rectangle at address(rect) + j ld + i.
+  virtual std::int64_t transposed_ld(const Rect&) const = 0;
   virtual const taskflow::BufferLayout& layout(BufferId) const = 0;
   // Where a put writes the rows of `peer_rect` (the peer's memory, or a
   // message to it), and the put itself: true when the transport signals
@@ -124,6 +129,15 @@ struct Tile {
     need(out, m, n);
     need(a, m, 0);
     const std::int64_t k = a.cols(), lda = ld(a.buffer), ldo = ld(out.buffer);
+    if (const std::int64_t tld = host.transposed_ld(out)) {  // a panel at a time through an fp32 tile, stored transposed
+      float scratch[kernels::kMaxTileRows * kernels::kTileCols];
+      for (std::int64_t j = 0; j < n; j += kernels::kTileCols) {
+        const std::int64_t w = std::min(kernels::kTileCols, n - j);
+        kernels::gemm_tile<U>(at<U>(a), lda, b, task.col_begin + j, scratch, kernels::kTileCols, m, w, k, false);
+        kernels::transpose_rows(scratch, kernels::kTileCols, m, w, at<float>(out) + j * tld, tld);
+      }
+      return;
+    }
     if constexpr (std::is_same_v<U, T>) {
       if (store_in_dtype) {
         float scratch[kernels::kMaxTileRows * kernels::kTileCols];

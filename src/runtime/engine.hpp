@@ -204,6 +204,9 @@ class Interleaved final : public InterleavedExecutor::Impl {
     std::array<const taskflow::BufferLayout*, static_cast<std::size_t>(BufferId::count)> layout{};
     std::array<std::int64_t, static_cast<std::size_t>(BufferId::count)> ld{};
     std::vector<std::byte*> dw1_slots, dw2_slots;
+    // Per slot: 0, or the row stride of a caller's gradient in Hugging
+    // Face's layout, which the slot's dW tiles store transposed into.
+    std::vector<std::int64_t> dw1_transposed_ld, dw2_transposed_ld;
     std::vector<std::int64_t> base_count;                // counter values when the launch began (hosted ranks)
     std::vector<std::int32_t> phase_begin, phase_tasks;  // phased: task ids by operator
   };
@@ -252,13 +255,35 @@ class Interleaved final : public InterleavedExecutor::Impl {
     const taskflow::BufferLayout& l = *layout_of(p, rect.buffer);
     if (rect.buffer == BufferId::dw1 || rect.buffer == BufferId::dw2) {  // per slot: the expert's gradient
       const std::int64_t height = rect.buffer == BufferId::dw1 ? c_.hidden : c_.expert_inter;
+      const auto slot = static_cast<std::size_t>(rect.r0 / height);
       const auto& slots = rect.buffer == BufferId::dw1 ? ranks_[r].dw1_slots : ranks_[r].dw2_slots;
-      return reinterpret_cast<U*>(slots[static_cast<std::size_t>(rect.r0 / height)]) + (rect.r0 % height) * l.cols + rect.c0;
+      U* first = reinterpret_cast<U*>(slots[slot]);
+      if (const std::int64_t tld = transposed_ld(r, rect)) return first + rect.c0 * tld + rect.r0 % height;
+      return first + (rect.r0 % height) * l.cols + rect.c0;
     }
     U* b = base<U>(r, rect.buffer);
     if (l.layout == taskflow::Layout::panels)  // rows of a panel are kPanelCols apart (bf16: in pairs)
       return b + (rect.c0 / kTileCols) * l.rows * kTileCols + rect.r0 * kTileCols + (rect.c0 % kTileCols) * pair<U>();
     return b + rect.r0 * ld_of(r, rect.buffer) + rect.c0;
+  }
+  // Whether expert e's weight gradients go straight into the caller's
+  // transposed views (StepResult::expert_grads_into): asked for, and the
+  // expert computed whole by one instance, its owner's, this step.
+  bool gradient_stored_transposed(const StepResult& res, std::int32_t e) const {
+    return static_cast<std::size_t>(e) < res.expert_grads_into.size() && res.expert_grads_into[static_cast<std::size_t>(e)] &&
+           plan.placement().home_count(e) == 1 && !layer_placement_.is_split(e);
+  }
+  // The caller's transposed views checked (shapes, strides, experts owned
+  // here), and filled after the launch for the experts not stored by their tiles.
+  void check_gradient_views(const StepResult& res) const;
+  void transpose_remaining_gradients(StepResult& res) const;
+  // 0, or the row stride of the caller's transposed gradient that the
+  // rectangle (of DW1 or DW2) lands in: element (h, c) at c ld + h.
+  std::int64_t transposed_ld(int r, const taskflow::Rect& rect) const {
+    if (rect.buffer != BufferId::dw1 && rect.buffer != BufferId::dw2) return 0;
+    const bool w1 = rect.buffer == BufferId::dw1;
+    const auto& tld = w1 ? ranks_[r].dw1_transposed_ld : ranks_[r].dw2_transposed_ld;
+    return tld[static_cast<std::size_t>(rect.r0 / (w1 ? c_.hidden : c_.expert_inter))];
   }
   // Elements between rows of a hosted rank's row-major buffer: its declared
   // width, or a bound view's stride.

@@ -77,13 +77,25 @@ void Interleaved<T>::bind(const taskflow::Program& p, int r, StepResult& res) {
             // The owner's instance writes the expert's gradient; a replica
             // its own partial, added to the owner's after the launch; a
             // split expert's part its columns, placed after the launch.
+            // An expert the caller takes in its own layout, computed whole
+            // here, is stored there transposed by its tiles.
             const bool w1 = b.id == BufferId::dw1;
             auto& slots = w1 ? s.dw1_slots : s.dw2_slots;
+            auto& transposed = w1 ? s.dw1_transposed_ld : s.dw2_transposed_ld;
             slots.clear();
-            for (const std::int32_t e : p.local_experts)
+            transposed.clear();
+            for (const std::int32_t e : p.local_experts) {
+              if (gradient_stored_transposed(res, e)) {
+                const MutableMatrixView& into = w1 ? res.expert_grads_into[e].w1_t : res.expert_grads_into[e].w2_t;
+                slots.push_back(bytes_of(into.data));
+                transposed.push_back(into.ld);
+                continue;
+              }
               slots.push_back(layer_placement_.owner(e) == r && !layer_placement_.is_split(e)
                                   ? bytes_of((w1 ? res.grads.w1 : res.grads.w2)[e].data.data())
                                   : bytes_of(reducer_.partial(r, e, w1).data()));
+              transposed.push_back(0);
+            }
             break;
           }
           default:

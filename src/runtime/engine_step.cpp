@@ -196,6 +196,7 @@ void Interleaved<T>::backward(MatrixView d_out, StepResult& res) {
   res.backward_cross_node_bytes = plan.backward_bytes.cross_node;
   res.backward_lent_bytes = plan.backward_bytes.lent;
   check_output_view(res.dx_into, "dx view");
+  check_gradient_views(res);
   if (!gradients_fit(res.grads)) res.grads = zero_gradients(c_, owned_, lc_.total_tokens());
   if (res.dx_into) res.grads.x = Matrix();
   else if (res.grads.x.rows != lc_.total_tokens()) res.grads.x = Matrix(lc_.total_tokens(), c_.hidden);
@@ -206,8 +207,44 @@ void Interleaved<T>::backward(MatrixView d_out, StepResult& res) {
   const auto r0 = Clock::now();
   reducer_.reduce(res, plan.placement(),
                   {*tr_, local_, sharded(), [this](int q, BufferId id) -> const float* { return base<float>(q, id); }});
+  transpose_remaining_gradients(res);
   res.backward_ops.push_back({"reduce_replicated_grads", seconds(r0, Clock::now())});
   forward_done_ = nullptr;  // one backward per forward
+}
+
+template <class T>
+void Interleaved<T>::check_gradient_views(const StepResult& res) const {
+  const auto& into = res.expert_grads_into;
+  if (into.empty()) return;
+  if (into.size() != static_cast<std::size_t>(c_.routed_experts))
+    throw Error("expert gradient views: " + std::to_string(into.size()) + " given, the layer has " +
+                std::to_string(c_.routed_experts) + " routed experts (give one per expert, or none)");
+  const std::int64_t H = c_.hidden, I = c_.expert_inter;
+  for (std::size_t e = 0; e < into.size(); ++e) {
+    const ExpertGradientsInto& v = into[e];
+    if (!v.w1_t && !v.w2_t) continue;
+    const std::string what = "expert " + std::to_string(e) + "'s gradient view ";
+    if (std::find(owned_.begin(), owned_.end(), static_cast<std::int32_t>(e)) == owned_.end())
+      throw Error(what + "given, but this process does not own the expert (its owner returns its gradients)");
+    for (const auto& [m, rows, cols, name] : {std::tuple{v.w1_t, 2 * I, H, "w1_t"}, std::tuple{v.w2_t, H, I, "w2_t"}})
+      if (!m || m.rows != rows || m.cols != cols || m.ld < cols)
+        throw Error(what + name + " must be [" + std::to_string(rows) + ", " + std::to_string(cols) +
+                    "] with a row stride >= " + std::to_string(cols) + " (got [" + std::to_string(m.rows) + ", " +
+                    std::to_string(m.cols) + "], stride " + std::to_string(m.ld) + ")");
+  }
+}
+
+// Replicated, lent and split experts are summed in the math layout; their
+// sums, the only ones not stored by their tiles, are transposed in here.
+template <class T>
+void Interleaved<T>::transpose_remaining_gradients(StepResult& res) const {
+  for (std::size_t e = 0; e < res.expert_grads_into.size(); ++e) {
+    const ExpertGradientsInto& into = res.expert_grads_into[e];
+    if (!into || gradient_stored_transposed(res, static_cast<std::int32_t>(e))) continue;
+    for (const auto& [src, dst] : {std::pair{&res.grads.w1[e], into.w1_t}, std::pair{&res.grads.w2[e], into.w2_t}})
+      for (std::int64_t i = 0; i < src->rows; ++i)
+        for (std::int64_t j = 0; j < src->cols; ++j) dst.data[j * dst.ld + i] = src->data[static_cast<std::size_t>(i * src->cols + j)];
+  }
 }
 
 template <class T>

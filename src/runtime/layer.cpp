@@ -225,11 +225,12 @@ const std::vector<taskflow::Program>& StepInspector::programs(const Layer::Step&
   return engine.executor->programs(pass);
 }
 
-void Layer::Step::backward(MatrixView dy, MutableMatrixView dx) {
+void Layer::Step::backward(MatrixView dy, const BackwardOptions& options) {
   if (!s_) throw Error("this Step was moved from");
   if (s_->backward_done) throw Error("this step's backward has already run (one backward per forward)");
   if (!s_->holds_engine) throw Error("backward: the layer was built with Parallel::backward = false");
-  s_->result.dx_into = dx;
+  s_->result.dx_into = options.dx;
+  s_->result.expert_grads_into = options.experts;
   s_->layer->engines[s_->engine].executor->backward(dy, s_->result);
   s_->backward_done = true;
   s_->layer->release(s_->engine);

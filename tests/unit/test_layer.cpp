@@ -320,6 +320,17 @@ TEST(LayerFace, BadCallsSayWhatIsWrong) {
   auto step = layer.forward(in.x);
   step.backward(view(in.d_out));
   EXPECT_NE(message([&] { step.backward(view(in.d_out)); }).find("already run"), std::string::npos);
+  // Expert gradient views: one per expert, each of the transposed shape.
+  Matrix big(2 * c.expert_inter, c.hidden), small(c.hidden, c.expert_inter);
+  BackwardOptions views;
+  views.experts.resize(1);
+  EXPECT_NE(message([&] { layer.forward(in.x).backward(view(in.d_out), views); }).find("1 given, the layer has"),
+            std::string::npos);
+  views.experts.assign(static_cast<std::size_t>(c.routed_experts), {});
+  views.experts[2] = {MutableMatrixView{big.data.data(), big.rows, big.cols, big.cols},
+                      MutableMatrixView{small.data.data(), small.rows - 1, small.cols, small.cols}};
+  EXPECT_NE(message([&] { layer.forward(in.x).backward(view(in.d_out), views); }).find("expert 2's gradient view w2_t must be"),
+            std::string::npos);
   EXPECT_NE(message([&] { layer.weights(WeightChange::only_experts({99})); }).find("expert 99"), std::string::npos);
   Parallel bad;
   bad.workers_per_rank = 0;
