@@ -3,9 +3,14 @@ worker, T tokens a call, forward + backward, with or without an SGD step between
 call are converted and repacked every call). Prints the median and range of the calls' wall time and the median of
 each part the module reports (moe.last_times: the host's parts and the launches), largest first.
 
-    PYTHONPATH=build/python python3 bench/module_fixed_cost.py fp32|bf16 [T] [--update] [--calls 25]
+    PYTHONPATH=build/python python3 bench/module_fixed_cost.py fp32|bf16 [T] [--update] [--calls 25] [--json]
+
+--json: one line (the call's median, range and the parts' medians) instead of the text; what
+bench/module_fixed_cost_ab.py reads. opt.zero_grad() keeps the gradients (PyTorch 1.13's default,
+set_to_none=False), so each backward's gradients are added into them, as in gradient accumulation.
 """
 import argparse
+import json
 import statistics
 import time
 
@@ -20,6 +25,7 @@ def main():
     ap.add_argument("tokens", type=int, nargs="?", default=16)
     ap.add_argument("--update", action="store_true")
     ap.add_argument("--calls", type=int, default=25)
+    ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(2)
@@ -44,6 +50,11 @@ def main():
         for p in ("forward", "backward"):
             for k, v in (moe.last_times or {}).get(p, {}).items():
                 parts.setdefault(f"{p}.{k}", []).append(v * 1e3)
+    if args.json:
+        print(json.dumps({"dtype": args.dtype, "tokens": args.tokens, "update": args.update,
+                          "median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times),
+                          "parts_ms": {k: statistics.median(v) for k, v in parts.items()}}))
+        return
     print(f"{args.dtype}, T {args.tokens}, {'an SGD step between calls' if args.update else 'weights unchanged'}: "
           f"{statistics.median(times):.2f} ms a call ({min(times):.2f}-{max(times):.2f})")
     accounted = 0.0

@@ -26,7 +26,9 @@ namespace {
 class Step {
  public:
   virtual ~Step() = default;
-  virtual py::dict backward(const py::array& d_out) = 0;
+  // bf16_experts: the routed experts' gradients as bfloat16 bits (int16
+  // arrays, rounded to nearest even here), for bfloat16 parameters.
+  virtual py::dict backward(const py::array& d_out, bool bf16_experts) = 0;
   // Seconds by part, {"forward": {...}, "backward": {...}} (the fast executors; empty for the oracle).
   virtual py::dict times() const { return py::dict(); }
   // What the exchange moved: put bytes to other ranks, the weights lent
@@ -91,7 +93,7 @@ class FastStep final : public Step {
     return py::make_tuple(out_, r.routing.aux_loss, r.routing.z_loss, load);
   }
 
-  py::dict backward(const py::array& d_out) override {
+  py::dict backward(const py::array& d_out, bool bf16_experts) override {
     if (!step_)
       throw Error("this forward's backward has already run (the float32 executors run one backward per forward; "
                   "use retain_graph=False, or executor=\"reference\" for repeated backwards)");
@@ -101,17 +103,28 @@ class FastStep final : public Step {
     Array dx = new_array(N, H);
     // The routed experts' gradients in Hugging Face's layout, written by
     // their tiles straight into the arrays PyTorch gets: gate_proj's and
-    // up_proj's one [2I, H] block, down_proj's [H, I].
+    // up_proj's one [2I, H] block, down_proj's [H, I]; for bfloat16
+    // parameters in bfloat16 (int16 arrays of its bits), rounded as stored.
     BackwardOptions options{MutableMatrixView{dx.mutable_data(), N, H, H}, {}};
-    std::vector<std::pair<Array, Array>> expert_arrays(static_cast<std::size_t>(config_.routed_experts));
+    std::vector<std::pair<py::array, py::array>> expert_arrays(static_cast<std::size_t>(config_.routed_experts));
     options.experts.resize(expert_arrays.size());
     for (std::int64_t e = 0; e < config_.routed_experts; ++e) {
       if (held_ && !std::binary_search(held_->begin(), held_->end(), static_cast<std::int32_t>(e))) continue;
       auto& [w1_t, w2_t] = expert_arrays[static_cast<std::size_t>(e)];
-      w1_t = new_array(2 * I, H);
-      w2_t = new_array(H, I);
-      options.experts[static_cast<std::size_t>(e)] = {MutableMatrixView{w1_t.mutable_data(), 2 * I, H, H},
-                                                      MutableMatrixView{w2_t.mutable_data(), H, I, I}};
+      ExpertGradientsInto& into = options.experts[static_cast<std::size_t>(e)];
+      if (bf16_experts) {
+        Bits16 a = new_bits16(2 * I, H), b = new_bits16(H, I);
+        into.w1_t_bf16 = {reinterpret_cast<bf16*>(a.mutable_data()), 2 * I, H, H};
+        into.w2_t_bf16 = {reinterpret_cast<bf16*>(b.mutable_data()), H, I, I};
+        w1_t = std::move(a);
+        w2_t = std::move(b);
+      } else {
+        Array a = new_array(2 * I, H), b = new_array(H, I);
+        into.w1_t = {a.mutable_data(), 2 * I, H, H};
+        into.w2_t = {b.mutable_data(), H, I, I};
+        w1_t = std::move(a);
+        w2_t = std::move(b);
+      }
     }
     {
       py::gil_scoped_release release;
@@ -134,14 +147,14 @@ class FastStep final : public Step {
     std::vector<Fill> fills;
     py::dict out = hf_gradients(config_, [&](const std::string& m, std::int64_t e, std::int64_t c0, std::int64_t cols) {
       if (m == "w1" || m == "w2") {  // rows [c0, c0 + cols) of the expert's array (a view: no copy)
-        const Array& a = m == "w1" ? expert_arrays[static_cast<std::size_t>(e)].first : expert_arrays[static_cast<std::size_t>(e)].second;
-        return a[py::slice(c0, c0 + cols, 1)].cast<Array>();
+        const auto& [w1_t, w2_t] = expert_arrays[static_cast<std::size_t>(e)];
+        return py::array((m == "w1" ? w1_t : w2_t)[py::slice(c0, c0 + cols, 1)]);
       }
       const Matrix& src = m == "router" ? g.router : m == "w1" ? g.w1[e] : m == "w2" ? g.w2[e]
                           : m == "shared_w1" ? g.shared_w1 : g.shared_w2;
       Array a = new_array(cols, src.rows);
       fills.push_back({&src, c0, cols, a.mutable_data()});
-      return a;
+      return py::array(a);
     }, held_);
     {
       py::gil_scoped_release release;
@@ -187,7 +200,7 @@ class ReferenceStep final : public Step {
     return py::make_tuple(out, r.routing.aux_loss, r.routing.z_loss, kept_load(config_, r.routing));
   }
 
-  py::dict backward(const py::array& d_out) override {
+  py::dict backward(const py::array& d_out, bool /*bf16_experts: the oracle's are float64*/) override {
     const LayerConfig& c = config_;
     const std::int64_t N = c.total_tokens(), H = c.hidden;
     LayerInputs64 in{inputs_.x, matrix64_of(d_out.cast<Array64>(), N, H, "d_out")};
@@ -604,7 +617,7 @@ PYBIND11_MODULE(_core, m) {
       PyErr_SetString(PyExc_ValueError, (std::string("config JSON: ") + e.what()).c_str());
     }
   });
-  py::class_<Step>(m, "Step").def("backward", &Step::backward, py::arg("d_out")).def("times", &Step::times).def("exchange", &Step::exchange);
+  py::class_<Step>(m, "Step").def("backward", &Step::backward, py::arg("d_out"), py::arg("bf16_experts") = false).def("times", &Step::times).def("exchange", &Step::exchange);
   py::class_<ModuleLayer>(m, "Layer")
       .def(py::init<const std::string&, int, const std::string&, const std::string&, const std::string&, const std::string&,
                     const std::string&, const std::string&>(),

@@ -140,6 +140,13 @@ class ArrayPool {
     py::capsule owner(p, [](void* q) { ArrayPool::get().give(static_cast<float*>(q)); });
     return Array({rows, cols}, {cols * std::int64_t(sizeof(float)), std::int64_t(sizeof(float))}, p, owner);
   }
+  // 16-bit words (bfloat16 bits) in a block of half as many floats.
+  py::array_t<std::int16_t> make_bits16(std::int64_t rows, std::int64_t cols) {
+    float* p = take(static_cast<std::size_t>(rows * cols + 1) / 2);
+    py::capsule owner(p, [](void* q) { ArrayPool::get().give(static_cast<float*>(q)); });
+    return py::array_t<std::int16_t>({rows, cols}, {cols * std::int64_t(sizeof(std::int16_t)), std::int64_t(sizeof(std::int16_t))},
+                                     reinterpret_cast<std::int16_t*>(p), owner);
+  }
 
  private:
   static constexpr std::size_t kKeepBytes = std::size_t{2} << 30;
@@ -173,6 +180,9 @@ class ArrayPool {
 };
 
 Array new_array(std::int64_t rows, std::int64_t cols) { return ArrayPool::get().make(rows, cols); }
+using Bits16 = py::array_t<std::int16_t>;
+Bits16 new_bits16(std::int64_t rows, std::int64_t cols) { return ArrayPool::get().make_bits16(rows, cols); }
+
 
 Array64 transposed(const std::vector<double>& m, std::int64_t rows, std::int64_t c0, std::int64_t cols) {
   return transposed_columns(m.data(), rows, static_cast<std::int64_t>(m.size()) / rows, c0, cols);

@@ -28,10 +28,14 @@ struct OperatorTime {
 // Where a routed expert's weight gradients go in Hugging Face's layout
 // ([out, in], the transpose of the math layout's): w1_t is [2I, H], the
 // gate_proj gradient's I rows then up_proj's (one block, or two views of
-// it), w2_t is down_proj's [H, I]; any row stride >= the row's length.
+// it), w2_t is down_proj's [H, I]; any row stride >= the row's length. In
+// float32, or in bfloat16 (for bfloat16 parameters: each element rounded
+// once from its float32 sum); one pair or the other.
 struct ExpertGradientsInto {
   MutableMatrixView w1_t, w2_t;
-  explicit operator bool() const { return w1_t && w2_t; }
+  MutableBf16View w1_t_bf16, w2_t_bf16;
+  bool in_bf16() const { return w1_t_bf16 && w2_t_bf16; }
+  explicit operator bool() const { return (w1_t && w2_t) || in_bf16(); }
 };
 
 struct StepResult {

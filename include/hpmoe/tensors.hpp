@@ -4,6 +4,7 @@
 #include <string>
 #include <vector>
 
+#include "hpmoe/bf16.hpp"
 #include "hpmoe/config.hpp"
 #include "hpmoe/placement.hpp"
 
@@ -43,6 +44,12 @@ struct MutableMatrixView {
   float* data = nullptr;
   std::int64_t rows = 0, cols = 0, ld = 0;
   float* row(std::int64_t i) const { return data + i * ld; }
+  explicit operator bool() const { return data != nullptr; }
+};
+// The same for bfloat16 memory (a framework's bfloat16 tensor).
+struct MutableBf16View {
+  bf16* data = nullptr;
+  std::int64_t rows = 0, cols = 0, ld = 0;
   explicit operator bool() const { return data != nullptr; }
 };
 

@@ -125,7 +125,9 @@ class _Function(torch.autograd.Function):
         if d_out is None:  # only the losses were used
             d_out = torch.zeros(ctx.tokens, module.config["hidden"], dtype=ctx.dtype)
         wide = torch.float64 if ctx.dtype == torch.float64 else torch.float32
-        grads = ctx.step.backward(d_out.to(wide).contiguous().numpy())
+        # bfloat16 experts get their gradients rounded in C++ (as bfloat16 bits), not by a .to per tensor
+        bf16_experts = all(dt == torch.bfloat16 for n, dt in zip(ctx.names, ctx.param_dtypes) if n.startswith("experts."))
+        grads = ctx.step.backward(d_out.to(wide).contiguous().numpy(), bf16_experts and module.executor != "reference")
         module.last_times = ctx.step.times()
         module.last_exchange = ctx.step.exchange()
         if module.executor != "reference":
@@ -140,8 +142,11 @@ class _Function(torch.autograd.Function):
         # is not in the graph: optimisers then leave it alone (Adam's momentum does not move an idle expert).
         idle = {str(e) for e, n in enumerate(ctx.load.sum(dim=0).tolist()) if n == 0}
         # Gradients come in float32 (fp32 accumulation) and leave in each tensor's own dtype.
+        def grad(n, dt):
+            g = torch.from_numpy(grads[n])
+            return g.view(torch.bfloat16) if g.dtype == torch.int16 else g.to(dt)
         return (None, None, None, None, torch.from_numpy(grads["x"]).to(ctx.dtype)) + tuple(
-            None if n.startswith("experts.") and n.split(".")[1] in idle else torch.from_numpy(grads[n]).to(dt)
+            None if n.startswith("experts.") and n.split(".")[1] in idle else grad(n, dt)
             for n, dt in zip(ctx.names, ctx.param_dtypes))
 
 

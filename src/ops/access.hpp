@@ -435,4 +435,12 @@ inline Operands AccessTable::collect(const Program& p, const Task& t, bool filte
 }
 
 
+// Where a rectangle lands in a caller's memory transposed (a framework's
+// weight gradient in its [out, in] layout): element (i, j) of the rectangle
+// at j ld + i from its address, in float32 or bfloat16. ld 0: not transposed.
+struct TransposedStore {
+  std::int64_t ld = 0;
+  bool bf16 = false;
+};
+
 }  // namespace hpmoe::taskflow

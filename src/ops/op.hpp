@@ -59,10 +59,9 @@ class TileHost {
   virtual std::byte* address(const Rect&) const = 0;
   virtual std::byte* base(BufferId) const = 0;
   virtual std::int64_t ld(BufferId) const = 0;
-  // 0, or the row stride of the caller's memory the rectangle lands in
-  // transposed (a framework's weight gradient in its [out, in] layout):
-  // element (i, j) of the rectangle at address(rect) + j ld + i.
-  virtual std::int64_t transposed_ld(const Rect&) const = 0;
+  // Whether the rectangle lands in a caller's memory transposed (a
+  // framework's weight gradient), and how (ops/access.hpp).
+  virtual taskflow::TransposedStore transposed(const Rect&) const = 0;
   virtual const taskflow::BufferLayout& layout(BufferId) const = 0;
   // Where a put writes the rows of `peer_rect` (the peer's memory, or a
   // message to it), and the put itself: true when the transport signals
@@ -129,12 +128,18 @@ struct Tile {
     need(out, m, n);
     need(a, m, 0);
     const std::int64_t k = a.cols(), lda = ld(a.buffer), ldo = ld(out.buffer);
-    if (const std::int64_t tld = host.transposed_ld(out)) {  // a panel at a time through an fp32 tile, stored transposed
-      float scratch[kernels::kMaxTileRows * kernels::kTileCols];
+    if (const taskflow::TransposedStore t = host.transposed(out); t.ld) {  // a panel at a time through fp32 tiles
+      float tile[kernels::kMaxTileRows * kernels::kTileCols], turned[kernels::kTileCols * kernels::kMaxTileRows];
       for (std::int64_t j = 0; j < n; j += kernels::kTileCols) {
         const std::int64_t w = std::min(kernels::kTileCols, n - j);
-        kernels::gemm_tile<U>(at<U>(a), lda, b, task.col_begin + j, scratch, kernels::kTileCols, m, w, k, false);
-        kernels::transpose_rows(scratch, kernels::kTileCols, m, w, at<float>(out) + j * tld, tld);
+        kernels::gemm_tile<U>(at<U>(a), lda, b, task.col_begin + j, tile, kernels::kTileCols, m, w, k, false);
+        if (!t.bf16) {
+          kernels::transpose_rows(tile, kernels::kTileCols, m, w, at<float>(out) + j * t.ld, t.ld);
+          continue;
+        }
+        kernels::transpose_rows(tile, kernels::kTileCols, m, w, turned, m);
+        bf16* dst = reinterpret_cast<bf16*>(host.address(out)) + j * t.ld;
+        for (std::int64_t col = 0; col < w; ++col) kernels::store<bf16>(turned + col * m, dst + col * t.ld, m);
       }
       return;
     }

@@ -204,9 +204,9 @@ class Interleaved final : public InterleavedExecutor::Impl {
     std::array<const taskflow::BufferLayout*, static_cast<std::size_t>(BufferId::count)> layout{};
     std::array<std::int64_t, static_cast<std::size_t>(BufferId::count)> ld{};
     std::vector<std::byte*> dw1_slots, dw2_slots;
-    // Per slot: 0, or the row stride of a caller's gradient in Hugging
-    // Face's layout, which the slot's dW tiles store transposed into.
-    std::vector<std::int64_t> dw1_transposed_ld, dw2_transposed_ld;
+    // Per slot: whether (ld > 0) and how the slot's dW tiles store into a
+    // caller's gradient in Hugging Face's layout, transposed.
+    std::vector<taskflow::TransposedStore> dw1_transposed, dw2_transposed;
     std::vector<std::int64_t> base_count;                // counter values when the launch began (hosted ranks)
     std::vector<std::int32_t> phase_begin, phase_tasks;  // phased: task ids by operator
   };
@@ -257,9 +257,12 @@ class Interleaved final : public InterleavedExecutor::Impl {
       const std::int64_t height = rect.buffer == BufferId::dw1 ? c_.hidden : c_.expert_inter;
       const auto slot = static_cast<std::size_t>(rect.r0 / height);
       const auto& slots = rect.buffer == BufferId::dw1 ? ranks_[r].dw1_slots : ranks_[r].dw2_slots;
-      U* first = reinterpret_cast<U*>(slots[slot]);
-      if (const std::int64_t tld = transposed_ld(r, rect)) return first + rect.c0 * tld + rect.r0 % height;
-      return first + (rect.r0 % height) * l.cols + rect.c0;
+      if (const taskflow::TransposedStore t = transposed(r, rect); t.ld) {
+        const std::int64_t offset = rect.c0 * t.ld + rect.r0 % height;
+        return t.bf16 ? reinterpret_cast<U*>(reinterpret_cast<bf16*>(slots[slot]) + offset)
+                      : reinterpret_cast<U*>(reinterpret_cast<float*>(slots[slot]) + offset);
+      }
+      return reinterpret_cast<U*>(slots[slot]) + (rect.r0 % height) * l.cols + rect.c0;
     }
     U* b = base<U>(r, rect.buffer);
     if (l.layout == taskflow::Layout::panels)  // rows of a panel are kPanelCols apart (bf16: in pairs)
@@ -277,13 +280,13 @@ class Interleaved final : public InterleavedExecutor::Impl {
   // here), and filled after the launch for the experts not stored by their tiles.
   void check_gradient_views(const StepResult& res) const;
   void transpose_remaining_gradients(StepResult& res) const;
-  // 0, or the row stride of the caller's transposed gradient that the
-  // rectangle (of DW1 or DW2) lands in: element (h, c) at c ld + h.
-  std::int64_t transposed_ld(int r, const taskflow::Rect& rect) const {
-    if (rect.buffer != BufferId::dw1 && rect.buffer != BufferId::dw2) return 0;
+  // Whether the rectangle (of DW1 or DW2) lands in a caller's transposed
+  // gradient: element (h, c) at c ld + h, in float32 or bfloat16.
+  taskflow::TransposedStore transposed(int r, const taskflow::Rect& rect) const {
+    if (rect.buffer != BufferId::dw1 && rect.buffer != BufferId::dw2) return {};
     const bool w1 = rect.buffer == BufferId::dw1;
-    const auto& tld = w1 ? ranks_[r].dw1_transposed_ld : ranks_[r].dw2_transposed_ld;
-    return tld[static_cast<std::size_t>(rect.r0 / (w1 ? c_.hidden : c_.expert_inter))];
+    const auto& slots = w1 ? ranks_[r].dw1_transposed : ranks_[r].dw2_transposed;
+    return slots[static_cast<std::size_t>(rect.r0 / (w1 ? c_.hidden : c_.expert_inter))];
   }
   // Elements between rows of a hosted rank's row-major buffer: its declared
   // width, or a bound view's stride.

@@ -81,20 +81,27 @@ void Interleaved<T>::bind(const taskflow::Program& p, int r, StepResult& res) {
             // here, is stored there transposed by its tiles.
             const bool w1 = b.id == BufferId::dw1;
             auto& slots = w1 ? s.dw1_slots : s.dw2_slots;
-            auto& transposed = w1 ? s.dw1_transposed_ld : s.dw2_transposed_ld;
+            auto& transposed = w1 ? s.dw1_transposed : s.dw2_transposed;
             slots.clear();
             transposed.clear();
             for (const std::int32_t e : p.local_experts) {
               if (gradient_stored_transposed(res, e)) {
-                const MutableMatrixView& into = w1 ? res.expert_grads_into[e].w1_t : res.expert_grads_into[e].w2_t;
-                slots.push_back(bytes_of(into.data));
-                transposed.push_back(into.ld);
+                const ExpertGradientsInto& into = res.expert_grads_into[static_cast<std::size_t>(e)];
+                if (into.in_bf16()) {
+                  const MutableBf16View& v = w1 ? into.w1_t_bf16 : into.w2_t_bf16;
+                  slots.push_back(reinterpret_cast<std::byte*>(v.data));
+                  transposed.push_back({v.ld, true});
+                } else {
+                  const MutableMatrixView& v = w1 ? into.w1_t : into.w2_t;
+                  slots.push_back(bytes_of(v.data));
+                  transposed.push_back({v.ld, false});
+                }
                 continue;
               }
               slots.push_back(layer_placement_.owner(e) == r && !layer_placement_.is_split(e)
                                   ? bytes_of((w1 ? res.grads.w1 : res.grads.w2)[e].data.data())
                                   : bytes_of(reducer_.partial(r, e, w1).data()));
-              transposed.push_back(0);
+              transposed.push_back({});
             }
             break;
           }

@@ -222,15 +222,26 @@ void Interleaved<T>::check_gradient_views(const StepResult& res) const {
   const std::int64_t H = c_.hidden, I = c_.expert_inter;
   for (std::size_t e = 0; e < into.size(); ++e) {
     const ExpertGradientsInto& v = into[e];
-    if (!v.w1_t && !v.w2_t) continue;
+    const bool fp32 = v.w1_t || v.w2_t, half = v.w1_t_bf16 || v.w2_t_bf16;
+    if (!fp32 && !half) continue;
     const std::string what = "expert " + std::to_string(e) + "'s gradient view ";
+    if (fp32 && half) throw Error(what + "is given in float32 and in bfloat16: give one pair");
     if (std::find(owned_.begin(), owned_.end(), static_cast<std::int32_t>(e)) == owned_.end())
       throw Error(what + "given, but this process does not own the expert (its owner returns its gradients)");
-    for (const auto& [m, rows, cols, name] : {std::tuple{v.w1_t, 2 * I, H, "w1_t"}, std::tuple{v.w2_t, H, I, "w2_t"}})
-      if (!m || m.rows != rows || m.cols != cols || m.ld < cols)
-        throw Error(what + name + " must be [" + std::to_string(rows) + ", " + std::to_string(cols) +
-                    "] with a row stride >= " + std::to_string(cols) + " (got [" + std::to_string(m.rows) + ", " +
-                    std::to_string(m.cols) + "], stride " + std::to_string(m.ld) + ")");
+    const auto check = [&](bool set, std::int64_t rows, std::int64_t cols, std::int64_t ld, std::int64_t want_rows,
+                           std::int64_t want_cols, const char* name) {
+      if (!set || rows != want_rows || cols != want_cols || ld < cols)
+        throw Error(what + name + " must be [" + std::to_string(want_rows) + ", " + std::to_string(want_cols) +
+                    "] with a row stride >= " + std::to_string(want_cols) + " (got [" + std::to_string(rows) + ", " +
+                    std::to_string(cols) + "], stride " + std::to_string(ld) + ")");
+    };
+    if (fp32) {
+      check(bool(v.w1_t), v.w1_t.rows, v.w1_t.cols, v.w1_t.ld, 2 * I, H, "w1_t");
+      check(bool(v.w2_t), v.w2_t.rows, v.w2_t.cols, v.w2_t.ld, H, I, "w2_t");
+    } else {
+      check(bool(v.w1_t_bf16), v.w1_t_bf16.rows, v.w1_t_bf16.cols, v.w1_t_bf16.ld, 2 * I, H, "w1_t_bf16");
+      check(bool(v.w2_t_bf16), v.w2_t_bf16.rows, v.w2_t_bf16.cols, v.w2_t_bf16.ld, H, I, "w2_t_bf16");
+    }
   }
 }
 
@@ -241,9 +252,17 @@ void Interleaved<T>::transpose_remaining_gradients(StepResult& res) const {
   for (std::size_t e = 0; e < res.expert_grads_into.size(); ++e) {
     const ExpertGradientsInto& into = res.expert_grads_into[e];
     if (!into || gradient_stored_transposed(res, static_cast<std::int32_t>(e))) continue;
-    for (const auto& [src, dst] : {std::pair{&res.grads.w1[e], into.w1_t}, std::pair{&res.grads.w2[e], into.w2_t}})
-      for (std::int64_t i = 0; i < src->rows; ++i)
-        for (std::int64_t j = 0; j < src->cols; ++j) dst.data[j * dst.ld + i] = src->data[static_cast<std::size_t>(i * src->cols + j)];
+    for (const bool w1 : {true, false}) {
+      const Matrix& src = w1 ? res.grads.w1[e] : res.grads.w2[e];
+      const MutableMatrixView& f = w1 ? into.w1_t : into.w2_t;
+      const MutableBf16View& b = w1 ? into.w1_t_bf16 : into.w2_t_bf16;
+      for (std::int64_t i = 0; i < src.rows; ++i)
+        for (std::int64_t j = 0; j < src.cols; ++j) {
+          const float v = src.data[static_cast<std::size_t>(i * src.cols + j)];
+          if (into.in_bf16()) b.data[j * b.ld + i] = bf16::from_float(v);
+          else f.data[j * f.ld + i] = v;
+        }
+    }
   }
 }
 

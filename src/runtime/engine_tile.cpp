@@ -22,7 +22,7 @@ class Interleaved<T>::TileHost final : public ops::TileHost<T> {
   }
   std::byte* base(BufferId id) const override { return e_.template base<std::byte>(r_, id); }
   std::int64_t ld(BufferId id) const override { return e_.ld_of(r_, id); }
-  std::int64_t transposed_ld(const taskflow::Rect& rect) const override { return e_.transposed_ld(r_, rect); }
+  taskflow::TransposedStore transposed(const taskflow::Rect& rect) const override { return e_.transposed(r_, rect); }
   const taskflow::BufferLayout& layout(BufferId id) const override { return *e_.layout_of(p_, id); }
   T* put_target(const taskflow::Rect& rect) override { return e_.put_target(t_, rect, slot_); }
   bool send_put(const taskflow::Rect& rect) override { return e_.send_put(t_, rect, slot_); }

@@ -327,8 +327,8 @@ TEST(LayerFace, BadCallsSayWhatIsWrong) {
   EXPECT_NE(message([&] { layer.forward(in.x).backward(view(in.d_out), views); }).find("1 given, the layer has"),
             std::string::npos);
   views.experts.assign(static_cast<std::size_t>(c.routed_experts), {});
-  views.experts[2] = {MutableMatrixView{big.data.data(), big.rows, big.cols, big.cols},
-                      MutableMatrixView{small.data.data(), small.rows - 1, small.cols, small.cols}};
+  views.experts[2].w1_t = MutableMatrixView{big.data.data(), big.rows, big.cols, big.cols};
+  views.experts[2].w2_t = MutableMatrixView{small.data.data(), small.rows - 1, small.cols, small.cols};
   EXPECT_NE(message([&] { layer.forward(in.x).backward(view(in.d_out), views); }).find("expert 2's gradient view w2_t must be"),
             std::string::npos);
   EXPECT_NE(message([&] { layer.weights(WeightChange::only_experts({99})); }).find("expert 99"), std::string::npos);

@@ -139,30 +139,50 @@ void update(LayerWeights& w, std::int64_t experts, std::uint64_t seed) {
 
 // Every other step's backward writes the experts' weight gradients into the
 // caller's memory in Hugging Face's layout (what the PyTorch module hands
-// to autograd), filled with NaN before: each must be the fresh engine's
-// gradient transposed, bit for bit, whether its tiles stored it there
-// (an expert computed whole) or it was summed first (replicas, lent homes,
-// split parts), idle experts' zeros included.
-void backward_into_views(Layer::Step& step, const LayerConfig& c, const LayerInputs& in, const LayerGradients& fresh) {
+// to autograd), in float32 or in bfloat16, filled with NaN before: each
+// must be the fresh engine's gradient transposed (and rounded), bit for
+// bit, whether its tiles stored it there (an expert computed whole) or it
+// was summed first (replicas, lent homes, split parts), idle experts' zeros included.
+void backward_into_views(Layer::Step& step, const LayerConfig& c, const LayerInputs& in, const LayerGradients& fresh,
+                         bool in_bf16) {
   const std::int64_t E = c.routed_experts, H = c.hidden, I = c.expert_inter, pad = 3;  // a row stride past the row
+  const auto n1 = static_cast<std::size_t>(2 * I * (H + pad)), n2 = static_cast<std::size_t>(H * I);
   std::vector<std::vector<float>> w1_t(static_cast<std::size_t>(E)), w2_t(static_cast<std::size_t>(E));
+  std::vector<std::vector<bf16>> b1_t(static_cast<std::size_t>(E)), b2_t(static_cast<std::size_t>(E));
   BackwardOptions options;
+  options.experts.resize(static_cast<std::size_t>(E));
   for (std::int64_t e = 0; e < E; ++e) {
-    w1_t[e].assign(static_cast<std::size_t>(2 * I * (H + pad)), std::numeric_limits<float>::quiet_NaN());
-    w2_t[e].assign(static_cast<std::size_t>(H * I), std::numeric_limits<float>::quiet_NaN());
-    options.experts.push_back({MutableMatrixView{w1_t[e].data(), 2 * I, H, H + pad}, MutableMatrixView{w2_t[e].data(), H, I, I}});
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    ExpertGradientsInto& into = options.experts[static_cast<std::size_t>(e)];
+    if (in_bf16) {
+      b1_t[e].assign(n1, bf16::from_float(nan));
+      b2_t[e].assign(n2, bf16::from_float(nan));
+      into.w1_t_bf16 = {b1_t[e].data(), 2 * I, H, H + pad};
+      into.w2_t_bf16 = {b2_t[e].data(), H, I, I};
+    } else {
+      w1_t[e].assign(n1, nan);
+      w2_t[e].assign(n2, nan);
+      into.w1_t = {w1_t[e].data(), 2 * I, H, H + pad};
+      into.w2_t = {w2_t[e].data(), H, I, I};
+    }
   }
   step.backward(view(in.d_out), options);
   const LayerGradients& g = step.gradients();
   EXPECT_TRUE(bit_identical(g.x, fresh.x) && bit_identical(g.router, fresh.router) &&
               bit_identical(g.shared_w1, fresh.shared_w1) && bit_identical(g.shared_w2, fresh.shared_w2));
+  const auto value = [&](const std::vector<float>& f, const std::vector<bf16>& b, std::int64_t i) {
+    return in_bf16 ? b[static_cast<std::size_t>(i)].to_float() : f[static_cast<std::size_t>(i)];
+  };
   for (std::int64_t e = 0; e < E; ++e) {
-    Matrix t1(H, 2 * I), t2(I, H);  // the views read back in the math layout
+    Matrix t1(H, 2 * I), t2(I, H), want1 = fresh.w1[e], want2 = fresh.w2[e];  // the views read back in the math layout
     for (std::int64_t h = 0; h < H; ++h)
-      for (std::int64_t j = 0; j < 2 * I; ++j) t1.at(h, j) = w1_t[e][static_cast<std::size_t>(j * (H + pad) + h)];
+      for (std::int64_t j = 0; j < 2 * I; ++j) t1.at(h, j) = value(w1_t[e], b1_t[e], j * (H + pad) + h);
     for (std::int64_t i = 0; i < I; ++i)
-      for (std::int64_t h = 0; h < H; ++h) t2.at(i, h) = w2_t[e][static_cast<std::size_t>(h * I + i)];
-    EXPECT_TRUE(bit_identical(t1, fresh.w1[e]) && bit_identical(t2, fresh.w2[e])) << "expert " << e;
+      for (std::int64_t h = 0; h < H; ++h) t2.at(i, h) = value(w2_t[e], b2_t[e], h * I + i);
+    if (in_bf16)
+      for (auto* m : {&want1, &want2})
+        for (float& v : m->data) v = round_to_bf16(v);
+    EXPECT_TRUE(bit_identical(t1, want1) && bit_identical(t2, want2)) << "expert " << e;
   }
 }
 
@@ -200,7 +220,7 @@ TEST_P(LayerAcrossSteps, EveryStepIsBitIdenticalToAFreshEngine) {
       step.backward(view(in.d_out));
       EXPECT_TRUE(bit_identical(step.gradients(), fresh.grads));
     } else {
-      backward_into_views(step, c, in, fresh.grads);
+      backward_into_views(step, c, in, fresh.grads, step_index % 4 == 0);
     }
     // The update after the step: the kept layer's weights and the fresh
     // engines' copy move together.

@@ -63,7 +63,7 @@ class PlainHost final : public ops::TileHost<float> {
   }
   std::byte* base(BufferId b) const override { return reinterpret_cast<std::byte*>(data(b)); }
   std::int64_t ld(BufferId b) const override { return layout(b).cols; }
-  std::int64_t transposed_ld(const taskflow::Rect&) const override { return 0; }
+  taskflow::TransposedStore transposed(const taskflow::Rect&) const override { return {}; }
   const taskflow::BufferLayout& layout(BufferId b) const override { return *p_.buffer(b); }
   float* put_target(const taskflow::Rect&) override { throw Error("no peers here"); }
   bool send_put(const taskflow::Rect&) override { throw Error("no peers here"); }
