@@ -39,7 +39,8 @@ def main():
     for i in range(args.calls + 5):
         x = torch.randn(args.tokens, 256, dtype=dtype, requires_grad=True)
         t0 = time.perf_counter()
-        moe(x).float().sum().backward()
+        y = moe(x).float()
+        (y * y).mean().backward()  # bounded: the SGD steps do not diverge at any T
         t1 = time.perf_counter()
         if args.update:
             opt.step()

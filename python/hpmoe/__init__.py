@@ -23,7 +23,9 @@ the forward that built its graph, and the bias update uses that forward's load.
 
 Memory: float32 contiguous CPU tensors are read without copies (x, d_out
 and the parameters, through NumPy views); anything else is converted once.
-Outputs and gradients are new tensors that share hpmoe's result arrays.
+Outputs and gradients are new tensors over arrays hpmoe writes in place (the
+experts' weight gradients by the tiles that compute them, in Hugging Face's
+layout and the parameters' dtype).
 The layer is kept across calls (hpmoe::Layer): its packed weights, worker
 pool and buffers live from one forward to the next, and a forward converts
 and repacks, in place, only the parameters whose PyTorch version counter or
