@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <bit>
 #include <cpuid.h>
-#include <immintrin.h>
 #include <cstdlib>
 #include <type_traits>
 #include <cstdint>
@@ -19,6 +18,7 @@
 #endif
 
 #include "hpmoe/error.hpp"
+#include "common/transpose.hpp"
 #include "kernels/kernels.hpp"
 
 namespace hpmoe::kernels {
@@ -546,60 +546,10 @@ void pack_rhs_panels(const S* src, std::int64_t ld_src, std::int64_t k, std::int
   }
 }
 
-#ifdef __AVX512F__
-// dst[j, i] = src[i, j] for a 16 x 16 block of 32-bit words, in registers:
-// 32-bit, then 64-bit interleaves within 128-bit lanes, then two rounds of
-// lane shuffles. The scalar loop took ~1 ns an element, which made storing
-// weight-gradient tiles transposed (a framework's [out, in] layout) cost as
-// much as computing them at small K. (GCC 12's AVX-512 intrinsics give
-// their unused merge source as an undefined value, which -Wuninitialized
-// reports: a false positive.)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wuninitialized"
-template <class T>
-void transpose16x16(const T* src, std::int64_t ld_src, T* dst, std::int64_t ld_dst) {
-  __m512 r[16], t[16];
-  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(reinterpret_cast<const float*>(src + i * ld_src));
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-  }
-  const auto lo = [](__m512 a, __m512 b) { return _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a), _mm512_castps_pd(b))); };
-  const auto hi = [](__m512 a, __m512 b) { return _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a), _mm512_castps_pd(b))); };
-  for (int i = 0; i < 16; i += 4) {
-    r[i] = lo(t[i], t[i + 2]);
-    r[i + 1] = hi(t[i], t[i + 2]);
-    r[i + 2] = lo(t[i + 1], t[i + 3]);
-    r[i + 3] = hi(t[i + 1], t[i + 3]);
-  }
-  for (int i = 0; i < 16; i += 8)
-    for (int k = 0; k < 4; ++k) {
-      t[i + k] = _mm512_shuffle_f32x4(r[i + k], r[i + k + 4], 0x88);
-      t[i + k + 4] = _mm512_shuffle_f32x4(r[i + k], r[i + k + 4], 0xdd);
-    }
-  for (int k = 0; k < 8; ++k) {
-    r[k] = _mm512_shuffle_f32x4(t[k], t[k + 8], 0x88);
-    r[k + 8] = _mm512_shuffle_f32x4(t[k], t[k + 8], 0xdd);
-  }
-  for (int i = 0; i < 16; ++i) _mm512_storeu_ps(reinterpret_cast<float*>(dst + i * ld_dst), r[i]);
-}
-#pragma GCC diagnostic pop
-#endif
 
 template <class T>
 void transpose_rows(const T* src, std::int64_t ld_src, std::int64_t rows, std::int64_t cols, T* dst, std::int64_t ld_dst) {
-  constexpr std::int64_t kBlock = 16;
-  for (std::int64_t i0 = 0; i0 < rows; i0 += kBlock) {
-    const std::int64_t i1 = std::min(rows, i0 + kBlock);
-    std::int64_t j = 0;
-#ifdef __AVX512F__
-    if constexpr (sizeof(T) == 4)  // whole 16 x 16 blocks in registers
-      if (i1 - i0 == kBlock)
-        for (; j + kBlock <= cols; j += kBlock) transpose16x16(src + i0 * ld_src + j, ld_src, dst + j * ld_dst + i0, ld_dst);
-#endif
-    for (; j < cols; ++j)
-      for (std::int64_t i = i0; i < i1; ++i) dst[j * ld_dst + i] = src[i * ld_src + j];
-  }
+  transpose_blocked(src, ld_src, rows, cols, dst, ld_dst);
 }
 template void transpose_rows<float>(const float*, std::int64_t, std::int64_t, std::int64_t, float*, std::int64_t);
 template void transpose_rows<bf16>(const bf16*, std::int64_t, std::int64_t, std::int64_t, bf16*, std::int64_t);

@@ -185,12 +185,10 @@ void pack_rhs_transposed(const S* src, std::int64_t ld_src, std::int64_t k, std:
 
 // dst[j, i] = src[i, j] for i in [0, rows), j in [0, cols): a block of
 // token rows into the columns of a transposed buffer (the weight-gradient
-// packs, the router's x^T), 16 rows at a time. A column of a whole block
-// read at once is one line per row, a row stride apart: past about 40 rows
-// those lines no longer stay in L1, and at 64 rows of 2048 fp32 the plain
-// loop moved 4.0 GB/s against 8.4 in blocks of 16 (AMD EPYC,
-// bench_kernels' BM_TransposeRows). libxsmm_otrans was no better: 5.9 GB/s,
-// 3.0 at 74 rows, and in the runtime some calls took 4 ms.
+// packs, the router's x^T, a dW tile into a framework's [out, in] gradient),
+// 16 rows at a time (common/transpose.hpp). libxsmm_otrans was no better
+// than the plain blocked loop: 5.9 GB/s, 3.0 at 74 rows, and in the runtime
+// some calls took 4 ms.
 template <class T>
 void transpose_rows(const T* src, std::int64_t ld_src, std::int64_t rows, std::int64_t cols, T* dst, std::int64_t ld_dst);
 

@@ -1,5 +1,7 @@
 #include "hpmoe/tensors.hpp"
 
+#include "common/transpose.hpp"
+
 #include <cmath>
 #include <cstring>
 #include <nlohmann/json.hpp>
@@ -249,17 +251,12 @@ void expect_hf_shape(const MatrixView& v, std::int64_t rows, std::int64_t cols, 
                 "] as Hugging Face stores it ([out, in])");
 }
 // [out, in] views into the [in, out] math layout, at column `col0`.
-// In 32 x 32 blocks: writing a whole [out, in] view down the columns of m
-// one row at a time touches a new line of m per element (a training step
-// converts every weight: this took a quarter of a small layer's forward).
+// In blocks (common/transpose.hpp): writing a whole [out, in] view down the
+// columns of m one row at a time touches a new line of m per element (a
+// training step converts every weight: this took a quarter of a small
+// layer's forward).
 void transpose_into(const MatrixView& v, Matrix& m, std::int64_t col0) {
-  constexpr std::int64_t kBlock = 32;
-  for (std::int64_t o0 = 0; o0 < v.rows; o0 += kBlock)
-    for (std::int64_t i0 = 0; i0 < v.cols; i0 += kBlock) {
-      const std::int64_t o1 = std::min(v.rows, o0 + kBlock), i1 = std::min(v.cols, i0 + kBlock);
-      for (std::int64_t i = i0; i < i1; ++i)
-        for (std::int64_t o = o0; o < o1; ++o) m.at(i, col0 + o) = v.at(o, i);
-    }
+  transpose_blocked(v.data, v.ld, v.rows, v.cols, m.data.data() + col0, m.cols);
 }
 // One SwiGLU MLP from Hugging Face's three [out, in] projections.
 void mlp_from_hf(const LayerConfig& c, const HfMlp& p, std::int64_t inter, const std::string& name, Matrix& w1, Matrix& w2) {
