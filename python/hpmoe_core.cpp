@@ -525,7 +525,7 @@ class ModuleLayer {
     {
       py::gil_scoped_release release;
       on_cores(experts.size(), [&](std::size_t i) {
-        check_finite(std::span<const std::pair<std::string, Array>>(keep).subspan(3 * i, 3));
+        check_finite(std::span<KeptArray>(keep).subspan(3 * i, 3));  // widens bfloat16 ones first
         expert_from_hf(c, experts[i], mlps[i], w);
       });
     }

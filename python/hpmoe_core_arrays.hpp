@@ -211,33 +211,48 @@ py::dict hf_gradients(const LayerConfig& c, Grad&& grad, const std::vector<std::
   return out;
 }
 
-using KeptArrays = std::vector<std::pair<std::string, Array>>;  // alive while views of them are read
-
 // A parameter as a float32 array: float arrays as they are (other float
 // types converted), bfloat16 ones widened, exactly (bf16 is float32's upper
 // half). NumPy has no bfloat16, so hpmoe.MoELayer passes those as their
-// int16 bits; no other integer array is a parameter.
-Array float_array(const py::handle& h, const std::string& name) {
+// int16 bits; no other integer array is a parameter. The widening may wait
+// (`bits` set, `values` not yet filled) so that it runs on every core with
+// the GIL released, into pooled memory that a training loop reuses.
+struct KeptArray {
+  std::string name;
+  Array values;
+  py::array_t<std::int16_t> bits;  // set: bfloat16 bits to be widened into values
+  bool pending = false;             // not yet widened
+};
+using KeptArrays = std::vector<KeptArray>;  // alive while views of them are read
+
+KeptArray kept_array(const py::handle& h, const std::string& name) {
   const auto a = py::reinterpret_borrow<py::array>(h);
-  if (a.dtype().kind() != 'i' && a.dtype().kind() != 'u') return h.cast<Array>();
+  if (a.dtype().kind() != 'i' && a.dtype().kind() != 'u') return {name, h.cast<Array>(), {}, false};
   if (a.itemsize() != 2) throw Error("parameter '" + name + "' is an integer array; hpmoe needs floating-point parameters");
-  const auto bits = py::array_t<std::int16_t, py::array::c_style | py::array::forcecast>::ensure(h);
-  Array out(std::vector<py::ssize_t>(a.shape(), a.shape() + a.ndim()));
-  const std::int16_t* src = bits.data();
-  float* dst = out.mutable_data();
-  for (py::ssize_t i = 0; i < out.size(); ++i) {
+  auto bits = py::array_t<std::int16_t, py::array::c_style | py::array::forcecast>::ensure(h);
+  Array values = a.ndim() == 2 ? new_array(a.shape(0), a.shape(1)) : Array(std::vector<py::ssize_t>(a.shape(), a.shape() + a.ndim()));
+  return {name, std::move(values), std::move(bits), true};
+}
+
+// A kept array's bfloat16 bits widened into its values, once. It touches no
+// Python object's reference count, so it runs with the GIL released.
+void widen(KeptArray& k) {
+  if (!k.pending) return;
+  const std::int16_t* src = k.bits.data();
+  float* dst = k.values.mutable_data();
+  for (py::ssize_t i = 0; i < k.values.size(); ++i) {
     const std::uint32_t word = std::uint32_t(std::uint16_t(src[i])) << 16;
     std::memcpy(dst + i, &word, sizeof word);
   }
-  return out;
+  k.pending = false;
 }
 
 // A parameter by Hugging Face name as a view ([out, in]), its array kept.
 MatrixView param_view(const py::dict& params, const std::string& name, std::int64_t rows, std::int64_t cols,
                       KeptArrays& keep) {
   if (!params.contains(name)) throw Error("parameter '" + name + "' is missing");
-  keep.emplace_back(name, float_array(params[py::str(name)], name));
-  return view_of(keep.back().second, rows, cols, "parameter '" + name + "'");
+  keep.push_back(kept_array(params[py::str(name)], name));
+  return view_of(keep.back().values, rows, cols, "parameter '" + name + "'");
 }
 
 // The flat index of the first NaN or Inf among v[0, n), or -1. A NaN or Inf
@@ -257,10 +272,13 @@ std::int64_t first_non_finite(const float* v, std::int64_t n) {
   return -1;
 }
 
-void check_finite(std::span<const std::pair<std::string, Array>> keep) {
-  for (const auto& [name, a] : keep)
-    if (const std::int64_t i = first_non_finite(a.data(), a.size()); i >= 0)
-      throw Error("parameter '" + name + "' holds NaN or Inf at flat index " + std::to_string(i));
+// Widened first where they wait for it.
+void check_finite(std::span<KeptArray> keep) {
+  for (KeptArray& k : keep) {
+    widen(k);
+    if (const std::int64_t i = first_non_finite(k.values.data(), k.values.size()); i >= 0)
+      throw Error("parameter '" + k.name + "' holds NaN or Inf at flat index " + std::to_string(i));
+  }
 }
 
 // A [tokens, H] float32 token matrix checked finite. `what` names it, `why`
@@ -301,8 +319,9 @@ LayerWeights weights_of(const LayerConfig& c, const py::dict& params, bool exper
     b.shared = {get(projection(shared, gate_proj), Is, H), get(projection(shared, up_proj), Is, H),
                 get(projection(shared, down_proj), H, Is)};
   if (params.contains(expert_bias)) {
-    keep.emplace_back(expert_bias, float_array(params[py::str(expert_bias)], expert_bias));
-    const Array& bias = keep.back().second;
+    keep.push_back(kept_array(params[py::str(expert_bias)], expert_bias));
+    widen(keep.back());
+    const Array& bias = keep.back().values;
     if (bias.ndim() != 1 || bias.shape(0) != E)
       throw Error("parameter 'gate.e_score_correction_bias' must have shape [" + std::to_string(E) + "]");
     b.e_score_correction_bias = std::span<const float>(bias.data(), static_cast<std::size_t>(E));
