@@ -461,14 +461,24 @@ class ModuleLayer {
   // The kept layer's weights brought up to the parameters: all of them the
   // first time, then only the experts and replicated tensors whose
   // parameters changed (by version), in place.
-  // Every parameter's content hash (check_parameters), on every core.
+  // The content hashes (check_parameters), on every core, of the parameters
+  // whose version counter did not move (all of them when the layer is made):
+  // the writes the counters miss are sought there. A parameter whose counter
+  // moved is converted anyway, and an optimizer moves them all every step:
+  // hashing those too read every weight once more per training step. They
+  // are left without a hash, so that the next forward that finds their
+  // counter still converts them once more, and hashes them then.
   std::map<std::string, std::uint64_t> content_hashes(const py::dict& params,
                                                       const std::map<std::string, ParamVersion>& versions) const {
     std::map<std::string, std::uint64_t> out;
     if (!check_parameters_) return out;
     std::vector<std::pair<const std::byte*, std::size_t>> spans;
+    std::vector<std::string> names;
     std::vector<py::array> keep;  // alive while hashed
     for (const auto& [name, version] : versions) {
+      const auto seen = versions_.find(name);
+      if (layer_ && (seen == versions_.end() || seen->second != version)) continue;
+      names.push_back(name);
       keep.push_back(py::reinterpret_borrow<py::array>(params[py::str(name)]));
       spans.emplace_back(static_cast<const std::byte*>(keep.back().data()), static_cast<std::size_t>(keep.back().nbytes()));
     }
@@ -477,8 +487,7 @@ class ModuleLayer {
       py::gil_scoped_release release;
       on_cores(spans.size(), [&](std::size_t i) { h[i] = content_hash(spans[i].first, spans[i].second); });
     }
-    std::size_t i = 0;
-    for (const auto& [name, version] : versions) out[name] = h[i++];
+    for (std::size_t i = 0; i < names.size(); ++i) out[names[i]] = h[i];
     return out;
   }
 
@@ -505,7 +514,9 @@ class ModuleLayer {
     for (const auto& [name, version] : versions) {
       const auto seen = versions_.find(name);
       const auto content = hashes_.find(name);
-      const bool same_content = !check_parameters_ || (content != hashes_.end() && content->second == hashes[name]);
+      const auto now = hashes.find(name);  // none where the counter moved (or was not there)
+      const bool same_content =
+          !check_parameters_ || (content != hashes_.end() && now != hashes.end() && content->second == now->second);
       if (seen != versions_.end() && seen->second == version && same_content) continue;
       ++conversions_;
       if (name.rfind("experts.", 0) == 0) experts.push_back(static_cast<std::int32_t>(std::stol(name.substr(8))));

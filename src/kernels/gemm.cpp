@@ -499,8 +499,22 @@ void pack_rhs_panels(const S* src, std::int64_t ld_src, std::int64_t k, std::int
   constexpr std::int64_t kRows = 128;
   for (std::int64_t p = panel_begin; p < panel_end; ++p) {
     T* panel = dst + p * kp * kTileCols;
-    std::fill(panel, panel + kp * kTileCols, T{});  // padding rows and columns past N stay zero
     const std::int64_t c0 = p * kTileCols, width = std::clamp<std::int64_t>(n - c0, 0, kTileCols);
+    if constexpr (std::is_same_v<S, float> && std::is_same_v<T, float>) {
+      // Rows of 64 floats: copied, or a blocked transpose; only the padding
+      // zeroed (the whole panel cleared first took as long as the packing).
+      std::fill(panel + k * kTileCols, panel + kp * kTileCols, 0.0f);
+      if (width < kTileCols)
+        for (std::int64_t r = 0; r < k; ++r) std::fill(panel + r * kTileCols + width, panel + (r + 1) * kTileCols, 0.0f);
+      if (transposed) {
+        transpose_blocked(src + c0 * ld_src, ld_src, width, k, panel, kTileCols);
+      } else {
+        for (std::int64_t r = 0; r < k; ++r)
+          std::memcpy(panel + r * kTileCols, src + r * ld_src + c0, static_cast<std::size_t>(width) * sizeof(float));
+      }
+      continue;
+    }
+    std::fill(panel, panel + kp * kTileCols, T{});  // padding rows and columns past N stay zero
     if constexpr (std::is_same_v<S, float> && std::is_same_v<T, bf16>) {
       if (!transposed) {  // a training step repacks every weight: two rows at a time, vectorized
         for (std::int64_t r = 0; r < k; r += 2) {

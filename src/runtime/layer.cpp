@@ -6,6 +6,7 @@
 #include "hpmoe/layer.hpp"
 
 #include <algorithm>
+#include <chrono>
 #include <utility>
 
 #include "hpmoe/error.hpp"
@@ -94,8 +95,9 @@ struct Layer::Shared {
   // Before a forward: the changed weights packed again. In place when no
   // step in flight reads the packing; else into a new packing (copy on
   // write), which the busy engines take when their steps end.
-  void repack() {
-    if (!dirty) return;
+  // Whether anything was packed.
+  bool repack() {
+    if (!dirty) return false;
     check_weight_shapes(spec, weights);
     const bool in_flight = std::any_of(engines.begin(), engines.end(), [](const Engine& e) { return e.busy; });
     if (in_flight) {
@@ -109,6 +111,7 @@ struct Layer::Shared {
       if (!e.busy) refresh(e);
     dirty = false;
     pending = WeightChange::none();
+    return true;
   }
 
   void refresh(Engine& e) {
@@ -169,7 +172,9 @@ Layer& Layer::operator=(Layer&&) noexcept = default;
 
 Layer::Step Layer::forward(MatrixView x, const ForwardOptions& options) {
   if (!s_) throw Error("this Layer was moved from");
-  s_->repack();
+  const auto repack_start = std::chrono::steady_clock::now();
+  const bool repacked = s_->repack();
+  const double repack_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - repack_start).count();
   auto state = std::make_unique<Step::State>();
   if (!s_->spare_results.empty()) {
     state->result = std::move(s_->spare_results.back());
@@ -181,6 +186,7 @@ Layer::Step Layer::forward(MatrixView x, const ForwardOptions& options) {
   state->result.out_into = options.out;
   state->result.dx_into = {};
   s_->engines[state->engine].executor->forward(x, options.forced, state->result);
+  if (repacked) state->result.forward_ops.insert(state->result.forward_ops.begin(), OperatorTime{"repack", repack_seconds});
   for (const auto& w : s_->parallel.observers)
     if (w) w->on_forward(state->result);
   if (!s_->parallel.backward) {  // nothing to keep for a backward
