@@ -27,11 +27,13 @@ void GradientReducer::replicated_weights(StepResult& res, const Launch& launch) 
       launch.transport.sum_in_rank_order(std::span<float>(dst));
       return;
     }
-    for (std::size_t i = 0; i < n; ++i) {
-      float sum = 0;
-      for (std::int64_t q = 0; q < ranks_; ++q) sum += launch.buffer(static_cast<int>(q), part)[i];
-      dst[i] = sum;
-    }
+    // Each rank's buffer looked up once (a std::function call per element
+    // and rank was most of this sum), then summed in rank order from +0.
+    std::vector<const float*> parts(static_cast<std::size_t>(ranks_));
+    for (std::int64_t q = 0; q < ranks_; ++q) parts[static_cast<std::size_t>(q)] = launch.buffer(static_cast<int>(q), part);
+    std::fill(dst.begin(), dst.end(), 0.0f);
+    for (const float* p : parts)
+      for (std::size_t i = 0; i < n; ++i) dst[i] += p[i];
   };
   reduce(res.grads.router.data, taskflow::BufferId::dwg);
   if (shared_) {
@@ -66,10 +68,14 @@ void GradientReducer::replicas(StepResult& res, const ExpertPlacement& placement
         continue;
       }
       float* dst = (w1 ? res.grads.w1 : res.grads.w2)[static_cast<std::size_t>(e)].data.data();
+      std::vector<const float*> homes;  // in home order, looked up once
+      for (std::int64_t j = 0; j < placement.home_count(e); ++j)
+        homes.push_back(contribution(placement.instance_rank(placement.first_instance(e) + j)));
+      // The owner's own contribution may be dst itself: each element is read
+      // by every home before it is written.
       for (std::size_t i = 0; i < n; ++i) {
         float sum = 0;
-        for (std::int64_t j = 0; j < placement.home_count(e); ++j)
-          sum += contribution(placement.instance_rank(placement.first_instance(e) + j))[i];
+        for (const float* h : homes) sum += h[i];
         dst[i] = sum;
       }
     }

@@ -65,3 +65,25 @@ def test_tokens_changed_in_place_before_backward_are_refused(executor):
     # The residual pattern on a fresh activation is fine: h + moe(h) writes a new tensor.
     h2 = a * 1.0
     (h2 + moe(h2)).sum().backward()
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_untracked_writes_after_optimizer_steps_reach_the_next_forward(dtype):
+    """An optimizer step moves every version counter, and the module then skips hashing what it converts anyway;
+    writes the counters miss in the steps after (the first without a hash to compare, then with one) are still
+    seen: every forward of a training run mixing both computes what a fresh module does."""
+    torch.manual_seed(34)
+    moe = hpmoe.MoELayer(small(shared_experts=1), ranks=2, workers=1, dtype=dtype)
+    opt = torch.optim.SGD(moe.parameters(), lr=0.05)
+    plan = ["sgd", "data_mul", "data_mul", "sgd", "sgd", "numpy_expert", "none", "data_neg", "sgd", "data_copy"]
+    for i, what in enumerate(plan):
+        x = torch.randn(32, 48)
+        y = moe(x)
+        assert torch.equal(y, fresh_like(moe, dtype=dtype)(x)), f"step {i} (after {plan[i - 1] if i else 'none'})"
+        y.pow(2).mean().backward()
+        with torch.no_grad():
+            if what == "sgd":
+                opt.step()
+            elif what != "none":
+                WRITES[what](moe)
+        opt.zero_grad(set_to_none=True)
