@@ -522,13 +522,13 @@ class MoELayer(nn.Module):
         if not isinstance(x, torch.Tensor) or x.dtype not in dtypes or x.device.type != "cpu":
             raise ValueError(f"{name} takes {takes} CPU tensors, got "
                              f"{getattr(x, 'dtype', type(x))} on {getattr(x, 'device', '?')}")
-        for n, p in self.named_parameters():
+        named = list(self.named_parameters())  # once: walking the module tree costs ~0.2 ms at 50 parameters
+        for n, p in named:
             if p.dtype not in dtypes:
                 raise ValueError(f"parameter '{n}' is {p.dtype}; {name} needs {takes} parameters ({fix})")
         if x.dim() < 1 or x.shape[-1] != H:
             raise ValueError(f"hpmoe.MoELayer needs inputs of shape [..., {H}] (hidden {H}), got {list(x.shape)}")
         flat = x.reshape(-1, H).contiguous()
-        named = [(n, p) for n, p in self.named_parameters()]
         out, aux, z = _Function.apply(self, core, autocast_dtype, [n for n, _ in named], flat,
                                       *[p.contiguous() for _, p in named])
         self.last_losses = Losses(aux.detach(), z.detach())
