@@ -461,13 +461,13 @@ class ModuleLayer {
   // The kept layer's weights brought up to the parameters: all of them the
   // first time, then only the experts and replicated tensors whose
   // parameters changed (by version), in place.
-  // The content hashes (check_parameters), on every core, of the parameters
-  // whose version counter did not move (all of them when the layer is made):
-  // the writes the counters miss are sought there. A parameter whose counter
-  // moved is converted anyway, and an optimizer moves them all every step:
-  // hashing those too read every weight once more per training step. They
-  // are left without a hash, so that the next forward that finds their
-  // counter still converts them once more, and hashes them then.
+  // The content hashes (check_parameters), on every core: of the routed
+  // experts' parameters whose version counter did not move (all of them
+  // when the layer is made), where the writes the counters miss are sought,
+  // and of the replicated ones (small). An expert whose counter moved is
+  // converted anyway (an optimizer moves them all every step), and its
+  // conversion job hashes it on the way (sync_weights): hashing it here too
+  // read every weight once more per training step.
   std::map<std::string, std::uint64_t> content_hashes(const py::dict& params,
                                                       const std::map<std::string, ParamVersion>& versions) const {
     std::map<std::string, std::uint64_t> out;
@@ -477,7 +477,8 @@ class ModuleLayer {
     std::vector<py::array> keep;  // alive while hashed
     for (const auto& [name, version] : versions) {
       const auto seen = versions_.find(name);
-      if (layer_ && (seen == versions_.end() || seen->second != version)) continue;
+      const bool moved = seen == versions_.end() || seen->second != version;
+      if (layer_ && moved && name.rfind("experts.", 0) == 0) continue;
       names.push_back(name);
       keep.push_back(py::reinterpret_borrow<py::array>(params[py::str(name)]));
       spans.emplace_back(static_cast<const std::byte*>(keep.back().data()), static_cast<std::size_t>(keep.back().nbytes()));
@@ -533,13 +534,18 @@ class ModuleLayer {
     std::vector<HfMlp> mlps;
     for (const std::int32_t e : experts) mlps.push_back(expert_views(c, params, e, keep));
     LayerWeights& w = layer_->weights(WeightChange{replicated, false, experts});
+    std::vector<std::uint64_t> converted_hashes(keep.size());
     {
       py::gil_scoped_release release;
       on_cores(experts.size(), [&](std::size_t i) {
+        if (check_parameters_)  // the bytes content_hashes reads, while they are read anyway
+          for (std::size_t j = 3 * i; j < 3 * i + 3; ++j) converted_hashes[j] = content_hash(keep[j].source, keep[j].source_bytes);
         check_finite(std::span<KeptArray>(keep).subspan(3 * i, 3));  // widens bfloat16 ones first
         expert_from_hf(c, experts[i], mlps[i], w);
       });
     }
+    if (check_parameters_)
+      for (std::size_t j = 0; j < keep.size(); ++j) hashes_[keep[j].name] = converted_hashes[j];
     if (replicated) {
       LayerWeights r = weights_of(c, params, /*experts=*/false);
       w.router = std::move(r.router);

@@ -222,16 +222,28 @@ struct KeptArray {
   Array values;
   py::array_t<std::int16_t> bits;  // set: bfloat16 bits to be widened into values
   bool pending = false;             // not yet widened
+  // The parameter's own bytes (its float array, or its bfloat16 bits): what
+  // the module's content hash reads.
+  const std::byte* source = nullptr;
+  std::size_t source_bytes = 0;
 };
 using KeptArrays = std::vector<KeptArray>;  // alive while views of them are read
 
 KeptArray kept_array(const py::handle& h, const std::string& name) {
   const auto a = py::reinterpret_borrow<py::array>(h);
-  if (a.dtype().kind() != 'i' && a.dtype().kind() != 'u') return {name, h.cast<Array>(), {}, false};
+  const auto bytes_of = [](const py::array& v) {
+    return std::pair{static_cast<const std::byte*>(v.data()), static_cast<std::size_t>(v.nbytes())};
+  };
+  if (a.dtype().kind() != 'i' && a.dtype().kind() != 'u') {
+    Array values = h.cast<Array>();
+    const auto [source, n] = bytes_of(a);
+    return {name, std::move(values), {}, false, source, n};
+  }
   if (a.itemsize() != 2) throw Error("parameter '" + name + "' is an integer array; hpmoe needs floating-point parameters");
   auto bits = py::array_t<std::int16_t, py::array::c_style | py::array::forcecast>::ensure(h);
   Array values = a.ndim() == 2 ? new_array(a.shape(0), a.shape(1)) : Array(std::vector<py::ssize_t>(a.shape(), a.shape() + a.ndim()));
-  return {name, std::move(values), std::move(bits), true};
+  const auto [source, n] = bytes_of(a);
+  return {name, std::move(values), std::move(bits), true, source, n};
 }
 
 // A kept array's bfloat16 bits widened into its values, once. It touches no
