@@ -19,6 +19,14 @@ import torch
 import hpmoe
 
 
+def small_layer():
+    """Issue 61's small size (hidden 256, 16 experts of 512, top-2), seeded, on 2 threads; module_vs_torch.py
+    uses it too."""
+    torch.manual_seed(0)
+    torch.set_num_threads(2)
+    return hpmoe.with_fields(hpmoe.preset("mixtral-8x7b"), hidden=256, expert_inter=512, routed_experts=16, top_k=2)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("dtype", choices=["fp32", "bf16"])
@@ -27,10 +35,7 @@ def main():
     ap.add_argument("--calls", type=int, default=25)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    torch.manual_seed(0)
-    torch.set_num_threads(2)
-    cfg = hpmoe.with_fields(hpmoe.preset("mixtral-8x7b"), hidden=256, expert_inter=512, routed_experts=16, top_k=2)
-    moe = hpmoe.MoELayer(cfg, ranks=2, workers=1)
+    moe = hpmoe.MoELayer(small_layer(), ranks=2, workers=1)
     if args.dtype == "bf16":
         moe = moe.bfloat16()
     opt = torch.optim.SGD(moe.parameters(), lr=1e-3)

@@ -150,8 +150,7 @@ class FastStep final : public Step {
         const auto& [w1_t, w2_t] = expert_arrays[static_cast<std::size_t>(e)];
         return py::array((m == "w1" ? w1_t : w2_t)[py::slice(c0, c0 + cols, 1)]);
       }
-      const Matrix& src = m == "router" ? g.router : m == "w1" ? g.w1[e] : m == "w2" ? g.w2[e]
-                          : m == "shared_w1" ? g.shared_w1 : g.shared_w2;
+      const Matrix& src = m == "router" ? g.router : m == "shared_w1" ? g.shared_w1 : g.shared_w2;  // transposed below
       Array a = new_array(cols, src.rows);
       fills.push_back({&src, c0, cols, a.mutable_data()});
       return py::array(a);

@@ -183,7 +183,6 @@ Array new_array(std::int64_t rows, std::int64_t cols) { return ArrayPool::get().
 using Bits16 = py::array_t<std::int16_t>;
 Bits16 new_bits16(std::int64_t rows, std::int64_t cols) { return ArrayPool::get().make_bits16(rows, cols); }
 
-
 Array64 transposed(const std::vector<double>& m, std::int64_t rows, std::int64_t c0, std::int64_t cols) {
   return transposed_columns(m.data(), rows, static_cast<std::int64_t>(m.size()) / rows, c0, cols);
 }
