@@ -258,8 +258,30 @@ std::vector<std::int32_t> ratr_order(const Program& p) {
 
 // Moves the tasks `moved` picks, in their order, to just after the last
 // other put and the last local producer of an event they wait on.
+// The ranks of a node on a forwarder of the per-node exchange (0 elsewhere).
+std::int64_t node_ranks(const Program& p) {
+  if (p.node_begin.size() < 2) return 0;
+  return static_cast<std::int64_t>(p.node_route_begin.size() - 1) / static_cast<std::int64_t>(p.node_begin.size() - 1);
+}
+
+// Puts (of one level, nothing among them waiting on another) reordered by
+// their peer's node, starting with the next node after this rank's: where
+// every forwarder sent its node sums in source order, the sources of the
+// first nodes each received from every node at once (an incast on their
+// links) while the others' links idled; rotated, each node's sources hear
+// from about one forwarder at a time. Stable: a peer's own order stays.
+void rotate_puts_by_node(const Program& p, std::vector<std::int32_t>& puts) {
+  const std::int64_t R = node_ranks(p);
+  if (R <= 0) return;
+  const std::int64_t nodes = (p.ranks + R - 1) / R, mine = p.rank / R;
+  std::stable_sort(puts.begin(), puts.end(), [&](std::int32_t a, std::int32_t b) {
+    const auto distance = [&](std::int32_t i) { return (p.tasks[static_cast<std::size_t>(i)].peer / R - mine + nodes) % nodes; };
+    return distance(a) < distance(b);
+  });
+}
+
 template <class Pick>
-void sink_after_puts(const Program& p, std::vector<std::int32_t>& order, Pick&& moved) {
+void sink_after_puts(const Program& p, std::vector<std::int32_t>& order, Pick&& moved, bool rotate_by_node = false) {
   std::vector<std::int32_t> picked, rest;
   // The events the moved tasks wait on: their local producers (a node
   // relay's count) must stay before them, or the order stops being topological.
@@ -278,6 +300,7 @@ void sink_after_puts(const Program& p, std::vector<std::int32_t>& order, Pick&& 
     }
   }
   if (picked.empty()) return;
+  if (rotate_by_node) rotate_puts_by_node(p, picked);
   rest.insert(rest.begin() + static_cast<std::ptrdiff_t>(after), picked.begin(), picked.end());
   order.swap(rest);
 }
@@ -343,7 +366,7 @@ void place_node_sums(const Program& p, std::vector<std::int32_t>& order) {
     late_sums += late(i);
   }
   if (2 * late_sums < all_sums) return;
-  sink_after_puts(p, order, late);
+  sink_after_puts(p, order, late, true);
 }
 
 // A forwarder's forwards (the per-node exchange's second hop, level 1)
