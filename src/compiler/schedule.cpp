@@ -256,8 +256,6 @@ std::vector<std::int32_t> ratr_order(const Program& p) {
   return order;
 }
 
-// Moves the tasks `moved` picks, in their order, to just after the last
-// other put and the last local producer of an event they wait on.
 // The ranks of a node on a forwarder of the per-node exchange (0 elsewhere).
 std::int64_t node_ranks(const Program& p) {
   if (p.node_begin.size() < 2) return 0;
@@ -273,13 +271,16 @@ std::int64_t node_ranks(const Program& p) {
 void rotate_puts_by_node(const Program& p, std::vector<std::int32_t>& puts) {
   const std::int64_t R = node_ranks(p);
   if (R <= 0) return;
-  const std::int64_t nodes = (p.ranks + R - 1) / R, mine = p.rank / R;
+  const std::int64_t nodes = p.ranks / R, mine = p.rank / R;  // R divides the ranks (LayerConfig::validate)
   std::stable_sort(puts.begin(), puts.end(), [&](std::int32_t a, std::int32_t b) {
     const auto distance = [&](std::int32_t i) { return (p.tasks[static_cast<std::size_t>(i)].peer / R - mine + nodes) % nodes; };
     return distance(a) < distance(b);
   });
 }
 
+// Moves the tasks `moved` picks, in their order (or, for puts of one
+// level, rotated by node), to just after the last other put and the last
+// local producer of an event they wait on.
 template <class Pick>
 void sink_after_puts(const Program& p, std::vector<std::int32_t>& order, Pick&& moved, bool rotate_by_node = false) {
   std::vector<std::int32_t> picked, rest;
