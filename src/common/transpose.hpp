@@ -7,11 +7,12 @@
 // apart: past about 40 rows those lines no longer stay in L1, and at 64 rows
 // of 2048 fp32 the plain loop moved 4.0 GB/s against 8.4 in blocks of 16
 // (AMD EPYC, bench_kernels' BM_TransposeRows). Where the build has AVX-512,
-// whole 16 x 16 blocks of 32-bit words go through registers.
+// whole 16 x 16 blocks of 32-bit words go through registers; with AVX only
+// (AMD Zen 3, say), 8 x 8 blocks.
 #include <algorithm>
 #include <cstdint>
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX__)
 #include <immintrin.h>
 #endif
 
@@ -55,6 +56,32 @@ inline void transpose16x16(const T* src, std::int64_t ld_src, T* dst, std::int64
   for (int i = 0; i < 16; ++i) _mm512_storeu_ps(reinterpret_cast<float*>(dst + i * ld_dst), r[i]);
 }
 #pragma GCC diagnostic pop
+#elif defined(__AVX__)
+// dst[j, i] = src[i, j] for an 8 x 8 block of 32-bit words, in registers:
+// 32-bit interleaves, 64-bit shuffles, then the 128-bit halves exchanged.
+// A packed weight's transposed panels and the weight gradients stored in a
+// framework's layout go through it (on Zen 3 the scalar blocks were the
+// largest part of the module's repack after an optimizer step).
+template <class T>
+inline void transpose8x8(const T* src, std::int64_t ld_src, T* dst, std::int64_t ld_dst) {
+  __m256 r[8], t[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(reinterpret_cast<const float*>(src + i * ld_src));
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+    r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+    r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int k = 0; k < 4; ++k) {
+    t[k] = _mm256_permute2f128_ps(r[k], r[k + 4], 0x20);
+    t[k + 4] = _mm256_permute2f128_ps(r[k], r[k + 4], 0x31);
+  }
+  for (int i = 0; i < 8; ++i) _mm256_storeu_ps(reinterpret_cast<float*>(dst + i * ld_dst), t[i]);
+}
 #endif
 
 // dst[j, i] = src[i, j] for i in [0, rows), j in [0, cols).
@@ -68,6 +95,13 @@ void transpose_blocked(const T* src, std::int64_t ld_src, std::int64_t rows, std
     if constexpr (sizeof(T) == 4)
       if (i1 - i0 == kBlock)
         for (; j + kBlock <= cols; j += kBlock) transpose16x16(src + i0 * ld_src + j, ld_src, dst + j * ld_dst + i0, ld_dst);
+#elif defined(__AVX__)
+    if constexpr (sizeof(T) == 4)
+      if (i1 - i0 == kBlock)
+        for (; j + 8 <= cols; j += 8) {
+          transpose8x8(src + i0 * ld_src + j, ld_src, dst + j * ld_dst + i0, ld_dst);
+          transpose8x8(src + (i0 + 8) * ld_src + j, ld_src, dst + j * ld_dst + i0 + 8, ld_dst);
+        }
 #endif
     for (; j < cols; ++j)
       for (std::int64_t i = i0; i < i1; ++i) dst[j * ld_dst + i] = src[i * ld_src + j];
