@@ -528,30 +528,44 @@ class ModuleLayer {
     if (!replicated && experts.empty()) return;
     std::sort(experts.begin(), experts.end());
     experts.erase(std::unique(experts.begin(), experts.end()), experts.end());
-    // The changed experts' views taken with the GIL held, converted on every core without it.
+    // The changed experts' views taken with the GIL held, checked on every
+    // core without it, then packed by the layer straight from them (no
+    // math-layout copy: Layer::update_experts).
+    // A bf16 layer takes bfloat16 parameters' bits as they are (no widening).
     KeptArrays keep;
     std::vector<HfMlp> mlps;
     for (const std::int32_t e : experts) mlps.push_back(expert_views(c, params, e, keep));
-    LayerWeights& w = layer_->weights(WeightChange{replicated, false, experts});
+    std::vector<char> bits(experts.size());
+    for (std::size_t i = 0; i < experts.size(); ++i)
+      bits[i] = c.dtype == DType::bf16 && all_bits(std::span<const KeptArray>(keep).subspan(3 * i, 3));
     std::vector<std::uint64_t> converted_hashes(keep.size());
     {
       py::gil_scoped_release release;
       on_cores(experts.size(), [&](std::size_t i) {
         if (check_parameters_)  // the bytes content_hashes reads, while they are read anyway
           for (std::size_t j = 3 * i; j < 3 * i + 3; ++j) converted_hashes[j] = content_hash(keep[j].source, keep[j].source_bytes);
-        check_finite(std::span<KeptArray>(keep).subspan(3 * i, 3));  // widens bfloat16 ones first
-        expert_from_hf(c, experts[i], mlps[i], w);
+        const auto three = std::span<KeptArray>(keep).subspan(3 * i, 3);
+        if (bits[i]) check_finite_bits(three);
+        else check_finite(three);  // widens bfloat16 ones first
       });
+      std::vector<std::int32_t> as_float, as_bits;
+      std::vector<HfMlp> float_views;
+      std::vector<HfMlpBf16> bits_views;
+      for (std::size_t i = 0; i < experts.size(); ++i) {
+        if (bits[i]) {
+          as_bits.push_back(experts[i]);
+          bits_views.push_back(bf16_views(std::span<const KeptArray>(keep).subspan(3 * i, 3)));
+        } else {
+          as_float.push_back(experts[i]);
+          float_views.push_back(mlps[i]);
+        }
+      }
+      if (!as_float.empty()) layer_->update_experts(as_float, float_views);
+      if (!as_bits.empty()) layer_->update_experts(as_bits, bits_views);
     }
     if (check_parameters_)
       for (std::size_t j = 0; j < keep.size(); ++j) hashes_[keep[j].name] = converted_hashes[j];
-    if (replicated) {
-      LayerWeights r = weights_of(c, params, /*experts=*/false);
-      w.router = std::move(r.router);
-      w.expert_bias = std::move(r.expert_bias);
-      w.shared_w1 = std::move(r.shared_w1);
-      w.shared_w2 = std::move(r.shared_w2);
-    }
+    if (replicated) layer_->update_replicated(weights_of(c, params, /*experts=*/false));
   }
 
   // A forward's counts fed to the online policy; a revision is the next

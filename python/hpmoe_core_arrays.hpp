@@ -292,6 +292,38 @@ void check_finite(std::span<KeptArray> keep) {
   }
 }
 
+// The same for bfloat16 bits (NaN or Inf: every exponent bit set), on the
+// bits as they are: a bfloat16 parameter a bf16 layer packs without widening.
+std::int64_t first_non_finite_bits(const std::int16_t* v, std::int64_t n) {
+  std::uint32_t bad = 0;
+  for (std::int64_t i = 0; i < n; ++i) bad |= static_cast<std::uint32_t>((std::uint16_t(v[i]) & 0x7f80u) == 0x7f80u);
+  if (!bad) return -1;
+  for (std::int64_t i = 0; i < n; ++i)
+    if ((std::uint16_t(v[i]) & 0x7f80u) == 0x7f80u) return i;
+  return -1;
+}
+
+// bfloat16 parameters checked on their bits, not widened (bf16_views).
+void check_finite_bits(std::span<const KeptArray> keep) {
+  for (const KeptArray& k : keep)
+    if (const std::int64_t i = first_non_finite_bits(k.bits.data(), k.bits.size()); i >= 0)
+      throw Error("parameter '" + k.name + "' holds NaN or Inf at flat index " + std::to_string(i));
+}
+
+// Whether all of keep's arrays are bfloat16 bits not yet widened.
+bool all_bits(std::span<const KeptArray> keep) {
+  return std::all_of(keep.begin(), keep.end(), [](const KeptArray& k) { return k.pending; });
+}
+
+// An expert's three kept bfloat16 arrays (expert_views' order) as views of
+// their bits, for Layer::update_experts of a bf16 layer.
+HfMlpBf16 bf16_views(std::span<const KeptArray> three) {
+  const auto v = [](const KeptArray& k) {
+    return Bf16View{reinterpret_cast<const bf16*>(k.bits.data()), k.bits.shape(0), k.bits.shape(1), k.bits.shape(1)};
+  };
+  return {v(three[0]), v(three[1]), v(three[2])};
+}
+
 // A [tokens, H] float32 token matrix checked finite. `what` names it, `why`
 // says what it means when it fails (an input given, an output that overflowed).
 void check_tokens_finite(const float* v, std::int64_t tokens, std::int64_t H, const std::string& what, const std::string& why) {

@@ -179,6 +179,24 @@ class Layer {
   // Say after the fact that weights changed (through a pointer kept from
   // weights(WeightChange::none())).
   void weights_changed(const WeightChange& change = {});
+  // Routed experts' new weights straight from Hugging Face projections
+  // (`views[i]` for `experts[i]`; [out, in], any row stride), packed for the
+  // kernels at once, without the math-layout copy that weights() and
+  // expert_from_hf make: a framework's per-step update. The bits are those
+  // of that copy and its repack. The math layout of these experts follows
+  // only when something reads it (weights(), a split expert's parts, a new
+  // engine); a reference kept from weights() sees it after weights() is
+  // called again. With a step in flight the weights go through the math
+  // layout and the next forward packs them (steps in flight keep theirs).
+  void update_experts(std::span<const std::int32_t> experts, std::span<const HfMlp> views);
+  // The same from a bfloat16 model's projections, for a bf16 layer: their
+  // bits packed as they are (no widening, no rounding).
+  void update_experts(std::span<const std::int32_t> experts, std::span<const HfMlpBf16> views);
+  // The replicated parameters (router, expert bias, shared experts) replaced
+  // by `replicated`'s (its routed experts are ignored), packed at the next
+  // forward; the routed experts are not touched (nor brought up, as
+  // weights() would).
+  void update_replicated(LayerWeights replicated);
 
   // A new expert placement from the next forward on: an online revision
   // between steps (OnlinePlacement's, say). Steps in flight finish on the

@@ -53,6 +53,13 @@ struct MutableBf16View {
   explicit operator bool() const { return data != nullptr; }
 };
 
+// A read-only view of a row-major bfloat16 matrix (a framework's bfloat16
+// tensor), as MatrixView is of a float one.
+struct Bf16View {
+  const bf16* data = nullptr;
+  std::int64_t rows = 0, cols = 0, ld = 0;
+};
+
 // Parameters of a layer, in the math layout
 // [in, out] (the layer computes x W: h = x W1, y = swiglu(h) W2); the
 // safetensors I/O converts to and from the Hugging Face [out, in] layout.
@@ -140,6 +147,13 @@ struct HfMlp {
   MatrixView up_proj;    // [I, H]
   MatrixView down_proj;  // [H, I]
 };
+// The same projections as a bfloat16 model holds them (Layer::update_experts
+// packs them for a bf16 layer as they are).
+struct HfMlpBf16 {
+  Bf16View gate_proj;  // [I, H]
+  Bf16View up_proj;    // [I, H]
+  Bf16View down_proj;  // [H, I]
+};
 struct HfMoeBlock {
   MatrixView gate;                                 // [E, H]: mlp.gate.weight
   std::vector<HfMlp> experts;                      // E: mlp.experts.{e}.*; all views empty: not held here
@@ -151,6 +165,10 @@ struct HfMoeBlock {
 LayerWeights weights_from_hf(const LayerConfig&, const HfMoeBlock&);
 // Expert e alone into w (sized for E experts), from its three projections.
 void expert_from_hf(const LayerConfig&, std::int64_t e, const HfMlp&, LayerWeights& w);
+// Error, naming the tensor, unless expert e's three projections have the
+// layer's shapes ([I, H], [I, H], [H, I]) and row strides.
+void check_hf_expert(const LayerConfig&, std::int64_t e, const HfMlp&);
+void check_hf_expert(const LayerConfig&, std::int64_t e, const HfMlpBf16&);
 
 // A 64-bit fingerprint of what every rank of a run must agree on: the
 // layer's configuration, the expert placement, the program format version,

@@ -462,101 +462,6 @@ void pack_rhs_transposed(const S* src, std::int64_t ld_src, std::int64_t k, std:
   }
 }
 
-namespace {
-
-// bf16::from_float without its branch, so that a row's loop vectorizes:
-// round to nearest, ties to even; a NaN stays a (quiet) NaN.
-inline std::uint32_t bf16_bits(float value) {
-  const std::uint32_t u = std::bit_cast<std::uint32_t>(value);
-  const std::uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-  const std::uint32_t quiet_nan = (u >> 16) | 0x0040u;
-  return (u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded;
-}
-
-// Rows r and r + 1 of a float source into a bf16 VNNI panel line: element
-// (r, j) in the low half of 32-bit word j, (r + 1, j) in the high half (the
-// second row absent past K: zero), the same bits as rhs_index's element by
-// element stores of bf16::from_float, written a word at a time.
-void pack_vnni_row_pair(const float* a, const float* b, std::int64_t width, bf16* line) {
-  for (std::int64_t j = 0; j < width; ++j) {
-    const std::uint32_t word = bf16_bits(a[j]) | (b ? bf16_bits(b[j]) << 16 : 0u);
-    std::memcpy(static_cast<void*>(line + 2 * j), &word, sizeof word);  // (r, j) then (r + 1, j): little-endian halves
-  }
-}
-
-}  // namespace
-
-template <class S, class T>
-void pack_rhs_panels(const S* src, std::int64_t ld_src, std::int64_t k, std::int64_t n, bool transposed, T* dst,
-                     std::int64_t panel_begin, std::int64_t panel_end) {
-  const std::int64_t kp = weight_padded_k<T>(k);
-  const bool vnni = sizeof(T) == 2;  // see panel_view
-  // Reads run along src's rows: a training step repacks every weight, and
-  // reading a transposed source down its columns took most of a small
-  // layer's step (16 experts of 256 x 256: 21% of a bf16 forward's time).
-  // Transposed sources go in blocks of kRows rows of K, so the panel lines
-  // a block writes stay in L1 while each column's run of K is read.
-  constexpr std::int64_t kRows = 128;
-  for (std::int64_t p = panel_begin; p < panel_end; ++p) {
-    T* panel = dst + p * kp * kTileCols;
-    const std::int64_t c0 = p * kTileCols, width = std::clamp<std::int64_t>(n - c0, 0, kTileCols);
-    if constexpr (std::is_same_v<S, float> && std::is_same_v<T, float>) {
-      // Rows of 64 floats: copied, or a blocked transpose; only the padding
-      // zeroed (the whole panel cleared first took as long as the packing).
-      std::fill(panel + k * kTileCols, panel + kp * kTileCols, 0.0f);
-      if (width < kTileCols)
-        for (std::int64_t r = 0; r < k; ++r) std::fill(panel + r * kTileCols + width, panel + (r + 1) * kTileCols, 0.0f);
-      if (transposed) {
-        transpose_blocked(src + c0 * ld_src, ld_src, width, k, panel, kTileCols);
-      } else {
-        for (std::int64_t r = 0; r < k; ++r)
-          std::memcpy(panel + r * kTileCols, src + r * ld_src + c0, static_cast<std::size_t>(width) * sizeof(float));
-      }
-      continue;
-    }
-    std::fill(panel, panel + kp * kTileCols, T{});  // padding rows and columns past N stay zero
-    if constexpr (std::is_same_v<S, float> && std::is_same_v<T, bf16>) {
-      if (!transposed) {  // a training step repacks every weight: two rows at a time, vectorized
-        for (std::int64_t r = 0; r < k; r += 2) {
-          const float* a = src + r * ld_src + c0;
-          pack_vnni_row_pair(a, r + 1 < k ? a + ld_src : nullptr, width, panel + rhs_index(r, 0, kTileCols, true));
-        }
-        continue;
-      }
-      // Transposed (the data gradients' W^T panels, repacked with every
-      // weight): a block of 64 of K's rows turned by the blocked transpose
-      // into an fp32 tile in L1, then packed two rows at a time as above
-      // (a run of src's row converted and stored a word each, 128 elements
-      // apart, was ~8% slower on the module's bf16 repack at hidden 256).
-      constexpr std::int64_t kRun = 64;
-      alignas(64) float turned[kRun * kTileCols];
-      for (std::int64_t r0 = 0; r0 < k; r0 += kRun) {
-        const std::int64_t run = std::min(kRun, k - r0);
-        transpose_blocked(src + c0 * ld_src + r0, ld_src, width, run, turned, kTileCols);
-        for (std::int64_t r = 0; r < run; r += 2)  // K odd: its last pair's second row is padding
-          pack_vnni_row_pair(turned + r * kTileCols, r + 1 < run ? turned + (r + 1) * kTileCols : nullptr, width,
-                             panel + rhs_index(r0 + r, 0, kTileCols, true));
-      }
-      continue;
-    }
-    if (!transposed) {
-      for (std::int64_t r = 0; r < k; ++r) {
-        const S* row = src + r * ld_src + c0;
-        for (std::int64_t j = 0; j < width; ++j) panel[rhs_index(r, j, kTileCols, vnni)] = convert<T>(row[j]);
-      }
-      continue;
-    }
-    for (std::int64_t r0 = 0; r0 < k; r0 += kRows) {
-      const std::int64_t r1 = std::min(k, r0 + kRows);
-      for (std::int64_t j = 0; j < width; ++j) {
-        const S* column = src + (c0 + j) * ld_src;  // src^T's column c0 + j: a row of src
-        for (std::int64_t r = r0; r < r1; ++r) panel[rhs_index(r, j, kTileCols, vnni)] = convert<T>(column[r]);
-      }
-    }
-  }
-}
-
-
 template <class T>
 void transpose_rows(const T* src, std::int64_t ld_src, std::int64_t rows, std::int64_t cols, T* dst, std::int64_t ld_dst) {
   transpose_blocked(src, ld_src, rows, cols, dst, ld_dst);
@@ -578,11 +483,5 @@ template void pack_rhs_transposed<float, float>(const float*, std::int64_t, std:
                                                 std::int64_t, std::int64_t);
 template void pack_rhs_transposed<float, bf16>(const float*, std::int64_t, std::int64_t, std::int64_t, bf16*,
                                                std::int64_t, std::int64_t);
-template void pack_rhs_panels<float, float>(const float*, std::int64_t, std::int64_t, std::int64_t, bool, float*,
-                                            std::int64_t, std::int64_t);
-template void pack_rhs_panels<float, bf16>(const float*, std::int64_t, std::int64_t, std::int64_t, bool, bf16*,
-                                           std::int64_t, std::int64_t);
-template void pack_rhs_panels<bf16, bf16>(const bf16*, std::int64_t, std::int64_t, std::int64_t, bool, bf16*,
-                                          std::int64_t, std::int64_t);
 
 }  // namespace hpmoe::kernels

@@ -172,6 +172,36 @@ std::int64_t panel_blocked_size(std::int64_t k, std::int64_t n) {
 template <class S, class T>
 void pack_rhs_panels(const S* src, std::int64_t ld_src, std::int64_t k, std::int64_t n, bool transposed, T* dst,
                      std::int64_t panel_begin, std::int64_t panel_end);
+
+// A row-major source made of two blocks of rows, each with its own leading
+// dimension: rows [0, top_rows) of `top`, then `bottom`'s. A Hugging Face
+// expert's gate_proj and up_proj ([I, H] each) are one [2 I, H] source this
+// way, which the packers read without copying them together.
+template <class S>
+struct StackedRows {
+  const S* top = nullptr;
+  std::int64_t ld_top = 0, top_rows = 0;
+  const S* bottom = nullptr;
+  std::int64_t ld_bottom = 0;
+  const S* row(std::int64_t r) const { return r < top_rows ? top + r * ld_top : bottom + (r - top_rows) * ld_bottom; }
+  std::int64_t ld(std::int64_t r) const { return r < top_rows ? ld_top : ld_bottom; }
+  // Rows from r on that lie in r's block (a run one pointer and ld reach).
+  std::int64_t run_from(std::int64_t r, std::int64_t want) const {
+    return r < top_rows ? std::min(want, top_rows - r) : want;
+  }
+};
+// pack_rhs_panels from a stacked source: the operand is [K, N] read from
+// src's rows (or, transposed, src [N, K] read as its transpose, each of N's
+// columns one of src's rows). The same bits as packing the two blocks
+// copied into one matrix.
+template <class S, class T>
+void pack_rhs_panels(const StackedRows<S>& src, std::int64_t k, std::int64_t n, bool transposed, T* dst,
+                     std::int64_t panel_begin, std::int64_t panel_end);
+// The inverse of pack_rhs_panels (not transposed): a panel-blocked [K, N]
+// operand back into row-major float dst (leading dimension ld_dst), bf16
+// values widened (exactly).
+template <class T>
+void unpack_rhs_panels(const T* panels, std::int64_t k, std::int64_t n, float* dst, std::int64_t ld_dst);
 template <class T>
 RhsView<T> panel_view(const T* data, std::int64_t k) {
   return {data, kTileCols, weight_padded_k<T>(k) * kTileCols, sizeof(T) == 2};

@@ -277,6 +277,22 @@ void mlp_from_hf(const LayerConfig& c, const HfMlp& p, std::int64_t inter, const
 }
 }  // namespace
 
+void check_hf_expert(const LayerConfig& c, std::int64_t e, const HfMlp& p) {
+  const std::string name = "mlp." + hf_name::expert(e);
+  expect_hf_shape(p.gate_proj, c.expert_inter, c.hidden, hf_name::projection(name, hf_name::gate_proj));
+  expect_hf_shape(p.up_proj, c.expert_inter, c.hidden, hf_name::projection(name, hf_name::up_proj));
+  expect_hf_shape(p.down_proj, c.hidden, c.expert_inter, hf_name::projection(name, hf_name::down_proj));
+}
+
+void check_hf_expert(const LayerConfig& c, std::int64_t e, const HfMlpBf16& p) {
+  // The shapes alone are checked: a float view of the same geometry (its
+  // pointer only tested for null) says the same.
+  const auto shape = [](const Bf16View& v) {
+    return MatrixView{reinterpret_cast<const float*>(v.data), v.rows, v.cols, v.ld};
+  };
+  check_hf_expert(c, e, HfMlp{shape(p.gate_proj), shape(p.up_proj), shape(p.down_proj)});
+}
+
 void expert_from_hf(const LayerConfig& c, std::int64_t e, const HfMlp& mlp, LayerWeights& w) {
   if (e < 0 || e >= c.routed_experts) throw Error("expert " + std::to_string(e) + " is not in the layer");
   w.w1.resize(static_cast<std::size_t>(c.routed_experts));

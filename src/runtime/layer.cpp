@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <type_traits>
 #include <utility>
 
 #include "hpmoe/error.hpp"
@@ -35,6 +36,10 @@ struct Layer::Shared {
   // Weights changed since the last repack, not yet packed.
   bool dirty = false;
   WeightChange pending = WeightChange::none();
+  // Experts packed straight from a caller's projections (Layer::update_experts)
+  // whose math-layout copy in `weights` lags the packing, until something
+  // reads it (math_current).
+  std::vector<std::int32_t> stale;
 
   Shared(const LayerConfig& c, LayerWeights w, Parallel p) : spec(c), parallel(std::move(p)), weights(std::move(w)) {
     spec.validate();
@@ -81,6 +86,23 @@ struct Layer::Shared {
     return schedule == Schedule::serialized ? serialized_schedule(o) : o;
   }
 
+  // The math layout brought up to the packing where update_experts left it
+  // behind: before anything reads `weights` (a caller, a split expert's
+  // parts, a whole new packing, a new engine).
+  void math_current() {
+    if (stale.empty()) return;
+    unpack_experts(*packed, spec, stale, weights);
+    stale.clear();
+  }
+
+  // Layer::update_experts, for float or bfloat16 projections.
+  template <class Mlp>
+  void update_experts(std::span<const std::int32_t> experts, std::span<const Mlp> views);
+
+  bool in_flight() const {
+    return std::any_of(engines.begin(), engines.end(), [](const Engine& e) { return e.busy; });
+  }
+
   void note(const WeightChange& change) {
     for (const std::int32_t e : change.experts)
       if (e < 0 || e >= spec.routed_experts)
@@ -99,8 +121,8 @@ struct Layer::Shared {
   bool repack() {
     if (!dirty) return false;
     check_weight_shapes(spec, weights);
-    const bool in_flight = std::any_of(engines.begin(), engines.end(), [](const Engine& e) { return e.busy; });
-    if (in_flight) {
+    if (in_flight()) {
+      math_current();  // a new packing of every weight reads them all
       packed = pack_weights(spec, weights, parallel.backward);
     } else {
       std::sort(pending.experts.begin(), pending.experts.end());
@@ -115,6 +137,8 @@ struct Layer::Shared {
   }
 
   void refresh(Engine& e) {
+    if (placement_or_contiguous(parallel.placement, spec.routed_experts, spec.ranks).has_splits())
+      math_current();  // the engine packs its split experts' parts from the math layout
     e.executor->weights_changed(e.packing == packed.get() ? nullptr : packed);
     e.packing = packed.get();
   }
@@ -127,6 +151,7 @@ struct Layer::Shared {
       if (!engines[i].busy && engines[i].schedule == schedule) {
         Engine& e = engines[i];
         if (e.placement_epoch != placement_epoch) {  // built on an older placement: rebuilt on the new one
+          math_current();
           e.executor.reset();  // first: over a transport the old engine lets go of it
           e.executor = std::make_unique<InterleavedExecutor>(spec, weights, options(schedule));
           e.packing = packed.get();
@@ -135,6 +160,7 @@ struct Layer::Shared {
         e.busy = true;
         return i;
       }
+    math_current();
     engines.push_back(Engine{std::make_unique<InterleavedExecutor>(spec, weights, options(schedule)), schedule, true,
                              packed.get(), placement_epoch});
     return engines.size() - 1;
@@ -198,12 +224,98 @@ Layer::Step Layer::forward(MatrixView x, const ForwardOptions& options) {
 
 const LayerConfig& Layer::spec() const { return s_->spec; }
 const Parallel& Layer::parallel() const { return s_->parallel; }
-const LayerWeights& Layer::weights() const { return s_->weights; }
+const LayerWeights& Layer::weights() const {
+  s_->math_current();
+  return s_->weights;
+}
 LayerWeights& Layer::weights(const WeightChange& change) {
+  s_->math_current();
   s_->note(change);
   return s_->weights;
 }
-void Layer::weights_changed(const WeightChange& change) { s_->note(change); }
+
+namespace {
+// A bfloat16 model's projections widened (exactly) into float copies, for
+// the rare path through the math layout (a step in flight).
+struct WidenedMlp {
+  std::vector<float> gate, up, down;
+  HfMlp views;
+  explicit WidenedMlp(const HfMlpBf16& m) {
+    views = {widen(m.gate_proj, gate), widen(m.up_proj, up), widen(m.down_proj, down)};
+  }
+  static MatrixView widen(const Bf16View& v, std::vector<float>& into) {
+    into.resize(static_cast<std::size_t>(v.rows * v.cols));
+    for (std::int64_t r = 0; r < v.rows; ++r)
+      for (std::int64_t j = 0; j < v.cols; ++j) into[static_cast<std::size_t>(r * v.cols + j)] = v.data[r * v.ld + j].to_float();
+    return {into.data(), v.rows, v.cols, v.cols};
+  }
+};
+}  // namespace
+
+template <class Mlp>
+void Layer::Shared::update_experts(std::span<const std::int32_t> experts, std::span<const Mlp> views) {
+  if (views.size() != experts.size())
+    throw Error("Layer::update_experts: " + std::to_string(experts.size()) + " experts but " +
+                std::to_string(views.size()) + " sets of projections");
+  for (std::size_t i = 0; i < experts.size(); ++i) {
+    const std::int32_t e = experts[i];
+    if (e < 0 || e >= spec.routed_experts || !holds_expert(weights, e))
+      throw Error("Layer::update_experts: expert " + std::to_string(e) + " is not one this layer holds (of " +
+                  std::to_string(spec.routed_experts) + " experts; a sharded process holds its own)");
+    check_hf_expert(spec, e, views[i]);
+  }
+  if constexpr (std::is_same_v<Mlp, HfMlpBf16>)
+    if (spec.dtype != DType::bf16)
+      throw Error("Layer::update_experts: bfloat16 projections are packed as they are by a bf16 layer; this layer is " +
+                  to_string(spec.dtype) + ": give float projections (HfMlp)");
+  if (in_flight()) {
+    // Steps in flight keep the packing they run on: the new weights go
+    // through the math layout, and the next forward packs a new copy.
+    math_current();
+    for (std::size_t i = 0; i < experts.size(); ++i) {
+      if constexpr (std::is_same_v<Mlp, HfMlpBf16>) expert_from_hf(spec, experts[i], WidenedMlp(views[i]).views, weights);
+      else expert_from_hf(spec, experts[i], views[i], weights);
+    }
+    note(WeightChange::only_experts({experts.begin(), experts.end()}));
+    return;
+  }
+  repack();  // what a caller changed before, packed first: the math layout of those experts is current
+  repack_experts_from_hf(*packed, spec, experts, views);
+  stale.insert(stale.end(), experts.begin(), experts.end());
+  std::sort(stale.begin(), stale.end());
+  stale.erase(std::unique(stale.begin(), stale.end()), stale.end());
+  for (Engine& e : engines) refresh(e);  // none is busy
+}
+
+void Layer::update_experts(std::span<const std::int32_t> experts, std::span<const HfMlp> views) {
+  if (!s_) throw Error("this Layer was moved from");
+  s_->update_experts(experts, views);
+}
+void Layer::update_experts(std::span<const std::int32_t> experts, std::span<const HfMlpBf16> views) {
+  if (!s_) throw Error("this Layer was moved from");
+  s_->update_experts(experts, views);
+}
+
+void Layer::weights_changed(const WeightChange& change) {
+  // A change said after update_experts: what it left stale is brought up
+  // first, so that a repack of every expert reads the new weights.
+  s_->math_current();
+  s_->note(change);
+}
+
+void Layer::update_replicated(LayerWeights replicated) {
+  if (!s_) throw Error("this Layer was moved from");
+  Shared& s = *s_;
+  const auto E = static_cast<std::size_t>(s.spec.routed_experts);
+  replicated.w1.assign(E, Matrix());  // checked as if every expert were held elsewhere
+  replicated.w2.assign(E, Matrix());
+  check_weight_shapes(s.spec, replicated);
+  s.weights.router = std::move(replicated.router);
+  s.weights.expert_bias = std::move(replicated.expert_bias);
+  s.weights.shared_w1 = std::move(replicated.shared_w1);
+  s.weights.shared_w2 = std::move(replicated.shared_w2);
+  s.note(WeightChange{true, false, {}});
+}
 std::size_t Layer::engines() const { return s_->engines.size(); }
 
 void Layer::set_placement(const ExpertPlacement& placement) {

@@ -39,6 +39,23 @@ std::shared_ptr<const PackedWeights> pack_weights(const LayerConfig&, LayerWeigh
 void repack_weights(const PackedWeights&, const LayerConfig&, std::span<const std::int32_t> experts, bool all_experts,
                     bool replicated);
 
+// Experts' operands packed again in place straight from their Hugging Face
+// projections (`views[i]` for `experts[i]`, each checked against the layer's
+// shapes), with no math-layout copy: the same bits as expert_from_hf and then
+// repack_weights. The packed weights' math layout of those experts is then
+// stale until unpack_experts brings it back (hpmoe::Layer does, lazily).
+// Only for packing that no step in flight reads.
+void repack_experts_from_hf(const PackedWeights&, const LayerConfig&, std::span<const std::int32_t> experts,
+                            std::span<const HfMlp> views);
+// The same from bfloat16 projections, for a bf16 layer (their bits packed as they are).
+void repack_experts_from_hf(const PackedWeights&, const LayerConfig&, std::span<const std::int32_t> experts,
+                            std::span<const HfMlpBf16> views);
+// The math layout of `experts` (w.w1, w.w2) recovered from their packed
+// forward operands, exactly: the packing holds each weight as the layer
+// computes with it (rounded to bf16 for a bf16 layer, as expert_from_hf
+// rounds the math layout too).
+void unpack_experts(const PackedWeights&, const LayerConfig&, std::span<const std::int32_t> experts, LayerWeights& w);
+
 struct RuntimeOptions {
   int workers_per_rank = 1;
   bool backward = false;           // also run the backward program (a second launch)

@@ -18,6 +18,9 @@ VARIANTS = {
     "lend_rank": dict(ranks=2, exchange="rank", lend_weights=1),
     "replicas_rank": dict(ranks=3, exchange="rank",
                           placement={"experts_of_rank": [[0, 1, 2, 5], [3, 4, 5, 0], [6, 7, 1]], "replicas": True}),
+    # bfloat16 parameters (.bfloat16()): the optimizer's new weights packed from their bits as they are
+    "rank_bf16_params": dict(ranks=2, exchange="rank", bf16_params=True),
+    "node_bf16_params": dict(ranks=4, exchange="rank", ranks_per_node=2, bf16_params=True),
 }
 
 # Tokens per step: the count changes, and so (new tokens, new weights, a shifted router) does the routing.
@@ -28,14 +31,15 @@ TOKENS = [24, 60, 8, 36, 12]
 def test_every_step_matches_a_fresh_module(name):
     args = dict(VARIANTS[name])
     ranks = args.pop("ranks")
+    dtype = torch.bfloat16 if args.pop("bf16_params", False) else torch.float32
     torch.manual_seed(21)
     cfg = small(shared_experts=1, top_k=3)
-    kept = hpmoe.MoELayer(cfg, ranks=ranks, workers=1, **args)
+    kept = hpmoe.MoELayer(cfg, ranks=ranks, workers=1, **args).to(dtype)
     opt = torch.optim.SGD(kept.parameters(), lr=0.5)
     for step, tokens in enumerate(TOKENS):
-        fresh = hpmoe.MoELayer(cfg, ranks=ranks, workers=1, **args)
+        fresh = hpmoe.MoELayer(cfg, ranks=ranks, workers=1, **args).to(dtype)
         fresh.load_state_dict(kept.state_dict())
-        x = torch.randn(tokens * ranks, 48) * (1 + step)  # larger tokens: the router's choice moves further
+        x = (torch.randn(tokens * ranks, 48) * (1 + step)).to(dtype)  # larger tokens: the router's choice moves further
         xk, xf = x.clone().requires_grad_(), x.clone().requires_grad_()
         yk, yf = kept(xk), fresh(xf)
         assert torch.equal(yk, yf), f"step {step}: output"

@@ -5,6 +5,8 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "hpmoe/error.hpp"
@@ -165,6 +167,66 @@ TEST(TileGemm, Bf16PanelsFromRowsAreTheBitsOfElementwiseRounding) {
     }
     EXPECT_EQ(differ_rows, 0u) << "from rows: K " << k << ", N " << n;
     EXPECT_EQ(differ_cols, 0u) << "transposed: K " << k << ", N " << n;
+  }
+}
+
+// Two blocks of rows with their own strides (gate_proj over up_proj) pack
+// to the bits of the same rows copied into one matrix, either way round,
+// with the boundary inside a panel and on one; unpacking the forward
+// operand gives the (rounded) matrix back.
+template <class X>
+X value_as(float v) {
+  if constexpr (std::is_same_v<X, bf16>) return bf16::from_float(v);
+  else return v;
+}
+template <class X>
+float float_of(X v) {
+  if constexpr (std::is_same_v<X, bf16>) return v.to_float();
+  else return v;
+}
+
+template <class S, class T>
+void check_stacked_pack(std::int64_t top_rows, std::int64_t rows, std::int64_t cols) {
+  Rng rng(static_cast<std::uint64_t>(top_rows * 7 + rows * 31 + cols));
+  const std::int64_t ld_top = cols + 3, ld_bottom = cols + 17;  // strides of their own, wider than the rows
+  std::vector<S> top(static_cast<std::size_t>(top_rows * ld_top)), bottom(static_cast<std::size_t>((rows - top_rows) * ld_bottom));
+  std::vector<S> whole(static_cast<std::size_t>(rows * cols));
+  for (std::int64_t r = 0; r < rows; ++r)
+    for (std::int64_t j = 0; j < cols; ++j) {
+      const S v = value_as<S>(float(rng.normal()));
+      (r < top_rows ? top[static_cast<std::size_t>(r * ld_top + j)]
+                    : bottom[static_cast<std::size_t>((r - top_rows) * ld_bottom + j)]) = v;
+      whole[static_cast<std::size_t>(r * cols + j)] = v;
+    }
+  const StackedRows<S> stacked{top.data(), ld_top, top_rows, bottom.data(), ld_bottom};
+  for (const bool transposed : {false, true}) {
+    // Not transposed: the operand is [rows, cols]; transposed: [cols, rows].
+    const std::int64_t k = transposed ? cols : rows, n = transposed ? rows : cols;
+    const std::int64_t panels = (n + kTileCols - 1) / kTileCols;
+    std::vector<T> one(static_cast<std::size_t>(panel_blocked_size<T>(k, n)), value_as<T>(7.0f)), two(one.size(), value_as<T>(-3.0f));
+    pack_rhs_panels<S, T>(whole.data(), cols, k, n, transposed, one.data(), 0, panels);
+    pack_rhs_panels<S, T>(stacked, k, n, transposed, two.data(), 0, panels);
+    EXPECT_EQ(std::memcmp(one.data(), two.data(), one.size() * sizeof(T)), 0)
+        << "top " << top_rows << " of " << rows << " rows, " << cols << " columns, transposed " << transposed;
+    std::vector<float> back(static_cast<std::size_t>(k * n), -1.0f);
+    unpack_rhs_panels<T>(one.data(), k, n, back.data(), n);
+    std::size_t wrong = 0;
+    for (std::int64_t r = 0; r < k; ++r)
+      for (std::int64_t j = 0; j < n; ++j) {
+        const S v = transposed ? whole[static_cast<std::size_t>(j * cols + r)] : whole[static_cast<std::size_t>(r * cols + j)];
+        const float expect = float_of(value_as<T>(float_of(v)));  // as packed: rounded to T
+        wrong += std::bit_cast<std::uint32_t>(back[static_cast<std::size_t>(r * n + j)]) != std::bit_cast<std::uint32_t>(expect);
+      }
+    EXPECT_EQ(wrong, 0u) << "unpacked: top " << top_rows << " of " << rows << ", transposed " << transposed;
+  }
+}
+
+TEST(TileGemm, StackedSourcesPackAsOneMatrixAndUnpackBack) {
+  for (auto [top, rows, cols] : std::vector<std::tuple<std::int64_t, std::int64_t, std::int64_t>>{
+           {96, 192, 160}, {64, 128, 70}, {37, 75, 33}, {1, 2, 129}}) {
+    check_stacked_pack<float, float>(top, rows, cols);
+    check_stacked_pack<float, bf16>(top, rows, cols);
+    check_stacked_pack<bf16, bf16>(top, rows, cols);
   }
 }
 

@@ -4,6 +4,10 @@
 // updates, steps in flight), for both schedules and both dtypes.
 #include <gtest/gtest.h>
 
+#include <limits>
+#include <string>
+#include <vector>
+
 #include "bit_identity.hpp"
 #include "fresh_engine.hpp"
 
@@ -53,6 +57,92 @@ void update(LayerWeights& w, float scale) {
     for (auto& v : m.data) v = v * scale;
   for (auto& v : w.router.data) v = v + 0.01f;
   for (auto& v : w.shared_w2.data) v = v * scale;
+}
+
+// Expert e of w as Hugging Face stores it ([out, in]), each projection with
+// a row stride of its own whose padding holds NaN (a packer reading past a
+// row would show), and views of it.
+struct HfExpert {
+  std::vector<float> gate, up, down;
+  HfMlp views;
+  HfExpert(const LayerConfig& c, const LayerWeights& w, std::size_t e) {
+    const std::int64_t H = c.hidden, I = c.expert_inter, ld_in = H + 5, ld_down = I + 3;
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    gate.assign(static_cast<std::size_t>(I * ld_in), nan);
+    up.assign(gate.size(), nan);
+    down.assign(static_cast<std::size_t>(H * ld_down), nan);
+    const Matrix& w1 = w.w1[e];
+    const Matrix& w2 = w.w2[e];
+    for (std::int64_t i = 0; i < I; ++i)
+      for (std::int64_t h = 0; h < H; ++h) {
+        gate[static_cast<std::size_t>(i * ld_in + h)] = w1.data[static_cast<std::size_t>(h * 2 * I + i)];
+        up[static_cast<std::size_t>(i * ld_in + h)] = w1.data[static_cast<std::size_t>(h * 2 * I + I + i)];
+        down[static_cast<std::size_t>(h * ld_down + i)] = w2.data[static_cast<std::size_t>(i * H + h)];
+      }
+    views = {{gate.data(), I, H, ld_in}, {up.data(), I, H, ld_in}, {down.data(), H, I, ld_down}};
+  }
+};
+
+// The same as a bfloat16 model holds them (w's values rounded first, in
+// place, so that w is what the layer computes with).
+struct HfExpertBf16 {
+  std::vector<bf16> gate, up, down;
+  HfMlpBf16 views;
+  HfExpertBf16(const LayerConfig& c, LayerWeights& w, std::size_t e) {
+    for (auto& v : w.w1[e].data) v = round_to_bf16(v);
+    for (auto& v : w.w2[e].data) v = round_to_bf16(v);
+    const HfExpert f(c, w, e);
+    const auto narrow = [](const std::vector<float>& from, std::vector<bf16>& to) {
+      to.resize(from.size());
+      for (std::size_t i = 0; i < from.size(); ++i) to[i] = bf16::from_float(from[i]);
+    };
+    narrow(f.gate, gate);
+    narrow(f.up, up);
+    narrow(f.down, down);
+    const auto as = [](const MatrixView& v, const std::vector<bf16>& data) { return Bf16View{data.data(), v.rows, v.cols, v.ld}; };
+    views = {as(f.views.gate_proj, gate), as(f.views.up_proj, up), as(f.views.down_proj, down)};
+  }
+};
+
+void update_from_hf_bits(Layer& layer, const LayerConfig& c, LayerWeights& w, const std::vector<std::int32_t>& experts) {
+  std::vector<HfExpertBf16> hf;
+  hf.reserve(experts.size());
+  std::vector<HfMlpBf16> views;
+  for (const std::int32_t e : experts) views.push_back(hf.emplace_back(c, w, static_cast<std::size_t>(e)).views);
+  layer.update_experts(experts, views);
+}
+
+// `experts` of w handed to layer.update_experts as Hugging Face projections.
+void update_from_hf(Layer& layer, const LayerConfig& c, const LayerWeights& w, const std::vector<std::int32_t>& experts) {
+  std::vector<HfExpert> hf;
+  hf.reserve(experts.size());
+  std::vector<HfMlp> views;
+  for (const std::int32_t e : experts) views.push_back(hf.emplace_back(c, w, static_cast<std::size_t>(e)).views);
+  layer.update_experts(experts, views);
+}
+
+void scale_experts(LayerWeights& w, const std::vector<std::int32_t>& experts, float s1, float s2) {
+  for (const std::int32_t e : experts) {
+    for (auto& v : w.w1[static_cast<std::size_t>(e)].data) v = v * s1;
+    for (auto& v : w.w2[static_cast<std::size_t>(e)].data) v = v * s2;
+  }
+}
+
+// The layer's next step on `in`, forward and backward, bit for bit a fresh
+// engine's on weights w.
+void expect_fresh_step(Layer& layer, const LayerConfig& c, const LayerWeights& w, const LayerInputs& in,
+                       const std::string& what) {
+  const StepResult fresh = hpmoe::testing::fresh_step(c, w, layer.parallel(), in);
+  auto s = layer.forward(in.x);
+  EXPECT_TRUE(bit_identical(s.out(), fresh.out)) << what;
+  s.backward(view(in.d_out));
+  EXPECT_TRUE(bit_identical(s.gradients(), fresh.grads)) << what;
+}
+
+std::vector<std::int32_t> all_experts(const LayerConfig& c) {
+  std::vector<std::int32_t> e(static_cast<std::size_t>(c.routed_experts));
+  for (std::size_t i = 0; i < e.size(); ++i) e[i] = static_cast<std::int32_t>(i);
+  return e;
 }
 
 }  // namespace
@@ -131,6 +221,68 @@ TEST_P(LayerKept, StepsInFlightEachKeepTheirOwnForwardAndWeights) {
   EXPECT_EQ(layer.engines(), 2u);
 }
 
+// A framework's training loop: after each optimizer step the moved experts
+// are packed straight from their Hugging Face tensors (no math-layout copy),
+// over steps whose tokens, token counts, moved experts and router change;
+// every step is bit for bit a fresh engine's on the new weights, and the
+// math layout, read afterwards, is what expert_from_hf makes of them.
+TEST_P(LayerKept, ExpertsPackedStraightFromHfProjectionsMatchAFreshEngine) {
+  const auto [dtype, schedule] = GetParam();
+  const LayerConfig c = small_layer(dtype);
+  auto w = random_weights(c, 21);
+  Layer layer(c, w, parallel_of(schedule));
+  for (int step = 0; step < 4; ++step) {
+    const auto in = inputs(c, 24 + 9 * step, 30 + static_cast<std::uint64_t>(step));
+    // Steps 0 and 2 move every expert, step 1 two of them (given out of
+    // order), step 3 none but the router.
+    std::vector<std::int32_t> moved = step % 2 == 0 ? all_experts(c) : std::vector<std::int32_t>{};
+    if (step == 1) moved = {3, 1};
+    scale_experts(w, moved, 0.9f - 0.1f * float(step), -1.1f);
+    // A bf16 layer takes bfloat16 projections too (steps 1 and 2).
+    if (dtype == DType::bf16 && (step == 1 || step == 2)) update_from_hf_bits(layer, c, w, moved);
+    else if (!moved.empty()) update_from_hf(layer, c, w, moved);
+    if (step == 3) {
+      for (auto& v : w.router.data) v = v - 0.02f;
+      layer.update_replicated(w);
+    }
+    expect_fresh_step(layer, c, w, in, "step " + std::to_string(step));
+  }
+  LayerWeights expect = w;
+  for (const std::int32_t e : all_experts(c)) expert_from_hf(c, e, HfExpert(c, w, static_cast<std::size_t>(e)).views, expect);
+  for (std::size_t e = 0; e < expect.w1.size(); ++e) {
+    EXPECT_TRUE(bit_identical(layer.weights().w1[e], expect.w1[e])) << "expert " << e;
+    EXPECT_TRUE(bit_identical(layer.weights().w2[e], expect.w2[e])) << "expert " << e;
+  }
+  EXPECT_EQ(layer.engines(), 1u);
+}
+
+// An update while a step is in flight: that step keeps the weights it ran
+// with, the next one runs on the new ones; then a straight update again.
+TEST_P(LayerKept, ExpertsFromHfWhileAStepIsInFlight) {
+  const auto [dtype, schedule] = GetParam();
+  const LayerConfig c = small_layer(dtype);
+  auto w = random_weights(c, 22);
+  Layer layer(c, w, parallel_of(schedule));
+  const auto a_in = inputs(c, 24, 23), b_in = inputs(c, 17, 24);
+  Fresh a_fresh(c, w, 0, a_in, layer.parallel());
+  auto a = layer.forward(a_in.x);
+  scale_experts(w, all_experts(c), 1.25f, 0.5f);
+  if (dtype == DType::bf16) update_from_hf_bits(layer, c, w, all_experts(c));  // widened through the math layout
+  else update_from_hf(layer, c, w, all_experts(c));
+  Fresh b_fresh(c, w, 0, b_in, layer.parallel());
+  auto b = layer.forward(b_in.x);
+  b.backward(view(b_in.d_out));
+  a.backward(view(a_in.d_out));
+  EXPECT_TRUE(bit_identical(a.out(), a_fresh.r.out));
+  EXPECT_TRUE(bit_identical(a.gradients(), a_fresh.r.grads));
+  EXPECT_TRUE(bit_identical(b.out(), b_fresh.r.out));
+  EXPECT_TRUE(bit_identical(b.gradients(), b_fresh.r.grads));
+  scale_experts(w, {0, 2}, -0.5f, 2.0f);
+  if (dtype == DType::bf16) update_from_hf_bits(layer, c, w, {0, 2});
+  else update_from_hf(layer, c, w, {0, 2});
+  expect_fresh_step(layer, c, w, a_in, "after the steps in flight");
+}
+
 INSTANTIATE_TEST_SUITE_P(DtypesAndSchedules, LayerKept,
                          ::testing::Combine(::testing::Values(DType::fp32, DType::bf16),
                                             ::testing::Values(Schedule::interleaved, Schedule::serialized)),
@@ -175,6 +327,11 @@ TEST(LayerFace, SplitExpertsFollowAWeightUpdate) {
   step.backward(view(in.d_out));
   EXPECT_TRUE(bit_identical(step.out(), fresh.r.out));
   EXPECT_TRUE(bit_identical(step.gradients(), fresh.r.grads));
+  // Packed straight from Hugging Face projections: the split experts' parts
+  // are cut from the math layout, which follows the packing first.
+  scale_experts(w, all_experts(c), -0.75f, 1.5f);
+  update_from_hf(layer, c, w, all_experts(c));
+  expect_fresh_step(layer, c, w, in, "split experts after update_experts");
 }
 
 // An online revision between steps: the kept layer takes a new placement
@@ -332,6 +489,28 @@ TEST(LayerFace, BadCallsSayWhatIsWrong) {
   EXPECT_NE(message([&] { layer.forward(in.x).backward(view(in.d_out), views); }).find("expert 2's gradient view w2_t must be"),
             std::string::npos);
   EXPECT_NE(message([&] { layer.weights(WeightChange::only_experts({99})); }).find("expert 99"), std::string::npos);
+  // Hugging Face projections: one set per expert, of the layer's shapes.
+  const LayerWeights kept = layer.weights();
+  HfExpert hf(c, kept, 2);
+  HfMlp narrow_up = hf.views;
+  narrow_up.up_proj.cols -= 1;
+  EXPECT_NE(message([&] { layer.update_experts(std::vector<std::int32_t>{2}, std::vector<HfMlp>{narrow_up}); })
+                .find("mlp.experts.2.up_proj.weight has shape"),
+            std::string::npos);
+  EXPECT_NE(message([&] { layer.update_experts(std::vector<std::int32_t>{2, 3}, std::vector<HfMlp>{hf.views}); })
+                .find("2 experts but 1 sets"),
+            std::string::npos);
+  EXPECT_NE(message([&] { layer.update_experts(std::vector<std::int32_t>{99}, std::vector<HfMlp>{hf.views}); })
+                .find("expert 99 is not one this layer holds"),
+            std::string::npos);
+  LayerWeights bits_of = kept;
+  HfExpertBf16 hf_bits(c, bits_of, 2);
+  EXPECT_NE(message([&] { layer.update_experts(std::vector<std::int32_t>{2}, std::vector<HfMlpBf16>{hf_bits.views}); })
+                .find("packed as they are by a bf16 layer; this layer is fp32"),
+            std::string::npos);
+  LayerWeights wrong_router = kept;
+  wrong_router.router = Matrix(c.hidden + 1, c.routed_experts);
+  EXPECT_NE(message([&] { layer.update_replicated(wrong_router); }).find("router weight has shape"), std::string::npos);
   Parallel bad;
   bad.workers_per_rank = 0;
   EXPECT_NE(message([&] { Layer(c, random_weights(c, 1), bad); }).find("workers_per_rank"), std::string::npos);
