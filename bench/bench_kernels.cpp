@@ -248,6 +248,23 @@ void BM_TransposeRows(benchmark::State& state) {
   });
 }
 
+// The weight-gradient packs' panels: an output gradient's token tiles
+// (hidden 2048, `rows` rows each) into the panel-blocked right operand of
+// the dW GEMM (bf16: VNNI pairs along the tokens), as
+// kernels::pack_rows_into_panels.
+template <class T>
+void BM_PackGradRows(benchmark::State& state) {
+  const std::int64_t H = 2048, rows = state.range(0), blocks = std::int64_t(kStreamBytes / (rows * H * sizeof(T)));
+  const std::int64_t height = padded_k<T>(blocks * rows);
+  std::vector<T> src(static_cast<std::size_t>(blocks * rows * H), T(1.0f));
+  AlignedVector<T> panels(static_cast<std::size_t>(height * ((H + kTileCols - 1) / kTileCols) * kTileCols));
+  measure_bytes(state, 2.0 * double(blocks * rows * H) * sizeof(T), [&] {
+    for (std::int64_t b = 0; b < blocks; ++b)
+      pack_rows_into_panels<T>(src.data() + b * rows * H, H, rows, H, panels.data(), height, b * rows, 0);
+    benchmark::DoNotOptimize(panels.data());
+  });
+}
+
 // Dispatch's permute: rows of x gathered by token index into the send order (hidden 2048).
 template <class T>
 void BM_Permute(benchmark::State& state) {
@@ -288,6 +305,7 @@ void tile_shapes(benchmark::internal::Benchmark* b) {
   for (std::int64_t k : {2048, 7168}) b->Args({128, 64, k});  // the runtime's token row tiles
   // weight-gradient tiles: K is an expert's rows of a step (64 rows; 256 for bf16 on AMX)
   b->Args({64, 64, 384});
+  b->Args({128, 64, 384});
   b->Args({256, 64, 384});
 }
 // deepseek-v2-lite expert GEMMs with 384 rows (its mean load at EP2, 2048 tokens/rank).
@@ -333,6 +351,9 @@ BENCHMARK(BM_Copy)->Unit(benchmark::kMillisecond)->UseManualTime();
 BENCHMARK(BM_Swiglu<float>)->Name("BM_Swiglu_fp32")->Unit(benchmark::kMillisecond)->UseManualTime();
 BENCHMARK(BM_Swiglu<bf16>)->Name("BM_Swiglu_bf16")->Unit(benchmark::kMillisecond)->UseManualTime();
 BENCHMARK(BM_TransposeRows<float>)->Name("BM_TransposeRows_fp32")->ArgsProduct({{16, 32, 64, 128}, {0, 1}})->Unit(benchmark::kMillisecond)->UseManualTime();
+BENCHMARK(BM_TransposeRows<bf16>)->Name("BM_TransposeRows_bf16")->ArgsProduct({{16, 64, 128}, {0, 1}})->Unit(benchmark::kMillisecond)->UseManualTime();
+BENCHMARK(BM_PackGradRows<float>)->Name("BM_PackGradRows_fp32")->Arg(128)->Unit(benchmark::kMillisecond)->UseManualTime();
+BENCHMARK(BM_PackGradRows<bf16>)->Name("BM_PackGradRows_bf16")->Arg(128)->Arg(256)->Unit(benchmark::kMillisecond)->UseManualTime();
 BENCHMARK(BM_Permute<float>)->Name("BM_Permute_fp32")->Unit(benchmark::kMillisecond)->UseManualTime();
 BENCHMARK(BM_Permute<bf16>)->Name("BM_Permute_bf16")->Unit(benchmark::kMillisecond)->UseManualTime();
 BENCHMARK(BM_Combine<float>)->Name("BM_Combine_fp32")->Unit(benchmark::kMillisecond)->UseManualTime();

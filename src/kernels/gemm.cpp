@@ -9,6 +9,10 @@
 #include <cstring>
 #include <mutex>
 #include <string>
+
+#if defined(__AVX512F__) || defined(__AVX__)
+#include <immintrin.h>
+#endif
 #include <unordered_map>
 #include <vector>
 #ifdef HPMOE_WITH_ONEDNN
@@ -370,6 +374,72 @@ void gemm_one_panel(const T* a, std::int64_t lda, RhsView<T> b, std::int64_t col
     batch_reduce<T>(a + blocks * kBlockK, lda, rhs + blocks * kBlockK * b.ld, b.ld, c, ldc, m, n, rest, 1,
                     accumulate || blocks > 0);
 }
+// libxsmm generates and keeps a kernel per (m, n, k, lda, ldb, ldc). A
+// weight-gradient tile reads k rows' worth of a longer transposed
+// activation (lda its whole row count), so under routing that changes
+// every step each (k, lda) pair was a new kernel: the code cache grew by
+// 70 MB in 1,000 soak steps. Such an A is copied into a tile whose stride
+// depends on k alone; the same values in the same FMA order give the same
+// bits, and the copy is 1/n of the tile's work.
+// (oneDNN takes any stride and keys its kernels otherwise.) hpmoe's AMX
+// kernel has no kernels to key, but a strip of weight-gradient tiles reads
+// its A once per panel, each row a page apart in the long activation: the
+// compact copy, made once for all the panels, keeps those reads in a few
+// pages.
+template <class T>
+void compact_operand(const T*& a, std::int64_t& lda, std::int64_t m, std::int64_t n, std::int64_t k) {
+  bool compact_a = true;
+  if constexpr (sizeof(T) == 2) compact_a = amx_takes(k) ? n > kTileCols : bf16_engine() != Bf16Engine::onednn_amx;
+  const std::int64_t tight = (k + 15) / 16 * 16;
+  if (compact_a && lda != k && lda != tight) {
+    thread_local std::vector<T> compact;
+    compact.resize(static_cast<std::size_t>(m * tight));
+    for (std::int64_t i = 0; i < m; ++i)
+      std::memcpy(compact.data() + i * tight, a + i * lda, static_cast<std::size_t>(k) * sizeof(T));
+    a = compact.data();
+    lda = tight;
+  }
+}
+
+// Rows of a float tile into dst, the whole 64-byte lines of each row with
+// non-temporal stores (the line goes to memory without being read first)
+// and the partial lines at a row's ends with plain ones. A gradient's rows
+// need not start on a line: a std::vector's large blocks start 16 bytes
+// past one. The fence orders the stores before the event the task
+// releases next (non-temporal stores are weakly ordered).
+void stream_rows(const float* src, std::int64_t ld_src, float* dst, std::int64_t ld_dst, std::int64_t m, std::int64_t n) {
+#if defined(__AVX512F__) || defined(__AVX__)
+#ifdef __AVX512F__
+  constexpr std::int64_t kLanes = 16;
+#else
+  constexpr std::int64_t kLanes = 8;
+#endif
+  constexpr std::int64_t kLine = 64 / sizeof(float);
+  for (std::int64_t i = 0; i < m; ++i) {
+    const float* from = src + i * ld_src;
+    float* to = dst + i * ld_dst;
+    const auto offset = static_cast<std::int64_t>(reinterpret_cast<std::uintptr_t>(to) % 64);
+    if (offset % sizeof(float) != 0) {  // not float-aligned: no lines to stream
+      std::memcpy(to, from, static_cast<std::size_t>(n) * sizeof(float));
+      continue;
+    }
+    const std::int64_t head = std::min(n, (kLine - offset / std::int64_t{sizeof(float)}) % kLine);
+    std::memcpy(to, from, static_cast<std::size_t>(head) * sizeof(float));
+    std::int64_t j = head;
+    for (; j + kLanes <= n; j += kLanes)
+#ifdef __AVX512F__
+      _mm512_stream_ps(to + j, _mm512_loadu_ps(from + j));
+#else
+      _mm256_stream_ps(to + j, _mm256_loadu_ps(from + j));
+#endif
+    std::memcpy(to + j, from + j, static_cast<std::size_t>(n - j) * sizeof(float));
+  }
+  _mm_sfence();
+#else
+  for (std::int64_t i = 0; i < m; ++i)
+    std::memcpy(dst + i * ld_dst, src + i * ld_src, static_cast<std::size_t>(n) * sizeof(float));
+#endif
+}
 }  // namespace
 
 template <class T>
@@ -384,29 +454,7 @@ void gemm_tile(const T* a, std::int64_t lda, RhsView<T> b, std::int64_t col0, fl
   if (sizeof(T) == 2 && ((lda | k) & 1))
     throw Error("bf16 tile GEMM needs an even K and an even leading dimension of A (got lda " +
                 std::to_string(lda) + ", k " + std::to_string(k) + ")");
-  // libxsmm generates and keeps a kernel per (m, n, k, lda, ldb, ldc). A
-  // weight-gradient tile reads k rows' worth of a longer transposed
-  // activation (lda its whole row count), so under routing that changes
-  // every step each (k, lda) pair was a new kernel: the code cache grew by
-  // 70 MB in 1,000 soak steps. Such an A is copied into a tile whose stride
-  // depends on k alone; the same values in the same FMA order give the same
-  // bits, and the copy is 1/n of the tile's work.
-  // (oneDNN takes any stride and keys its kernels otherwise.) hpmoe's AMX
-  // kernel has no kernels to key, but a strip of weight-gradient tiles reads
-  // its A once per panel, each row a page apart in the long activation: the
-  // compact copy, made once for all the panels, keeps those reads in a few
-  // pages.
-  bool compact_a = true;
-  if constexpr (sizeof(T) == 2) compact_a = amx_takes(k) ? n > kTileCols : bf16_engine() != Bf16Engine::onednn_amx;
-  const std::int64_t tight = (k + 15) / 16 * 16;
-  if (compact_a && lda != k && lda != tight) {
-    thread_local std::vector<T> compact;
-    compact.resize(static_cast<std::size_t>(m * tight));
-    for (std::int64_t i = 0; i < m; ++i)
-      std::memcpy(compact.data() + i * tight, a + i * lda, static_cast<std::size_t>(k) * sizeof(T));
-    a = compact.data();
-    lda = tight;
-  }
+  compact_operand(a, lda, m, n, k);
   if (b.panel_stride <= 0) {
     gemm_one_panel<T>(a, lda, b, col0, c, ldc, m, n, k, accumulate);
     return;
@@ -416,6 +464,27 @@ void gemm_tile(const T* a, std::int64_t lda, RhsView<T> b, std::int64_t col0, fl
   for (std::int64_t col = col0; col < col0 + n;) {
     const std::int64_t width = std::min(col0 + n, (col / kTileCols + 1) * kTileCols) - col;
     gemm_one_panel<T>(a, lda, b, col, c + (col - col0), ldc, m, width, k, accumulate);
+    col += width;
+  }
+}
+
+template <class T>
+void gemm_tile_streamed(const T* a, std::int64_t lda, RhsView<T> b, std::int64_t col0, float* c, std::int64_t ldc,
+                        std::int64_t m, std::int64_t n, std::int64_t k) {
+  if (m <= 0 || n <= 0) return;
+  if (m > kMaxTileRows || k <= 0 || b.panel_stride <= 0) {
+    gemm_tile<T>(a, lda, b, col0, c, ldc, m, n, k, false);
+    return;
+  }
+  if (sizeof(T) == 2 && ((lda | k) & 1))
+    throw Error("bf16 tile GEMM needs an even K and an even leading dimension of A (got lda " +
+                std::to_string(lda) + ", k " + std::to_string(k) + ")");
+  compact_operand(a, lda, m, n, k);
+  alignas(64) float tile[kMaxTileRows * kTileCols];
+  for (std::int64_t col = col0; col < col0 + n;) {
+    const std::int64_t width = std::min(col0 + n, (col / kTileCols + 1) * kTileCols) - col;
+    gemm_one_panel<T>(a, lda, b, col, tile, kTileCols, m, width, k, false);
+    stream_rows(tile, kTileCols, c + (col - col0), ldc, m, width);
     col += width;
   }
 }
@@ -471,6 +540,10 @@ template void transpose_rows<bf16>(const bf16*, std::int64_t, std::int64_t, std:
 
 template void gemm_tile<float>(const float*, std::int64_t, RhsView<float>, std::int64_t, float*, std::int64_t,
                                std::int64_t, std::int64_t, std::int64_t, bool);
+template void gemm_tile_streamed<float>(const float*, std::int64_t, RhsView<float>, std::int64_t, float*,
+                                        std::int64_t, std::int64_t, std::int64_t, std::int64_t);
+template void gemm_tile_streamed<bf16>(const bf16*, std::int64_t, RhsView<bf16>, std::int64_t, float*,
+                                       std::int64_t, std::int64_t, std::int64_t, std::int64_t);
 template void gemm_tile<bf16>(const bf16*, std::int64_t, RhsView<bf16>, std::int64_t, float*, std::int64_t,
                               std::int64_t, std::int64_t, std::int64_t, bool);
 template void pack_rhs<float, float>(const float*, std::int64_t, std::int64_t, std::int64_t, float*, std::int64_t,

@@ -136,6 +136,14 @@ template <class T>
 void gemm_tile(const T* a, std::int64_t lda, RhsView<T> b, std::int64_t col0, float* c, std::int64_t ldc,
                std::int64_t m, std::int64_t n, std::int64_t k, bool accumulate);
 
+// gemm_tile (=, not accumulating) for an output written once and read
+// much later (a weight gradient): each panel's tile computed into an L1
+// scratch tile and stored to c with non-temporal stores, which send its
+// lines to memory without reading them first. The same bits as gemm_tile.
+template <class T>
+void gemm_tile_streamed(const T* a, std::int64_t lda, RhsView<T> b, std::int64_t col0, float* c, std::int64_t ldc,
+                        std::int64_t m, std::int64_t n, std::int64_t k);
+
 // K rounded up to what the layout of T needs (even for bf16).
 template <class T>
 constexpr std::int64_t padded_k(std::int64_t k) {
@@ -197,6 +205,15 @@ struct StackedRows {
 template <class S, class T>
 void pack_rhs_panels(const StackedRows<S>& src, std::int64_t k, std::int64_t n, bool transposed, T* dst,
                      std::int64_t panel_begin, std::int64_t panel_end);
+// Rows [row0, row0 + rows) of a panel-blocked [height, n] operand (T's
+// layout, ld = kTileCols, panels height * kTileCols apart) from row-major
+// src (leading dimension ld_src), then zero_rows zero rows (a K padding
+// row): the weight-gradient packs' token tiles of an output gradient.
+// Columns past n in the last panel are zero. Writes only its own rows'
+// elements, so tiles of one operand may be packed concurrently.
+template <class T>
+void pack_rows_into_panels(const T* src, std::int64_t ld_src, std::int64_t rows, std::int64_t n, T* panels,
+                           std::int64_t height, std::int64_t row0, std::int64_t zero_rows);
 // The inverse of pack_rhs_panels (not transposed): a panel-blocked [K, N]
 // operand back into row-major float dst (leading dimension ld_dst), bf16
 // values widened (exactly).

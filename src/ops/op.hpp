@@ -121,9 +121,11 @@ struct Tile {
 
   // out = a b for the task's rows and columns: a is a rectangle, b a packed
   // weight or a buffer. The output is fp32, or the layer's dtype when
-  // store_in_dtype (through an fp32 tile).
+  // store_in_dtype (through an fp32 tile). `streamed`: an fp32 output that
+  // nothing reads soon (a weight gradient) goes to memory with
+  // non-temporal stores (kernels::gemm_tile_streamed).
   template <class U>
-  void gemm(const Rect& a, RhsView<U> b, const Rect& out, bool store_in_dtype) const {
+  void gemm(const Rect& a, RhsView<U> b, const Rect& out, bool store_in_dtype, bool streamed = false) const {
     const std::int64_t m = task.rows, n = task.cols;
     need(out, m, n);
     need(a, m, 0);
@@ -152,7 +154,8 @@ struct Tile {
         return;
       }
     }
-    kernels::gemm_tile<U>(at<U>(a), lda, b, task.col_begin, at<float>(out), ldo, m, n, k, false);
+    if (streamed) kernels::gemm_tile_streamed<U>(at<U>(a), lda, b, task.col_begin, at<float>(out), ldo, m, n, k);
+    else kernels::gemm_tile<U>(at<U>(a), lda, b, task.col_begin, at<float>(out), ldo, m, n, k, false);
   }
   // A panel-blocked buffer's rows from r.r0 on, as a GEMM's right operand.
   template <class U>

@@ -9,23 +9,6 @@ namespace hpmoe::ops {
 namespace {
 using namespace rules;
 
-template <class U>
-void pack_rows_into_panels(const U* src, std::int64_t ld_src, std::int64_t rows, std::int64_t n, U* panels_base,
-                           std::int64_t height, std::int64_t row0, std::int64_t zero_rows) {
-  constexpr std::int64_t C = kernels::kTileCols;
-  const bool vnni = kernels::vnni_layout<U>();
-  for (std::int64_t p = 0; p < (n + C - 1) / C; ++p) {
-    U* panel = panels_base + p * height * C;
-    for (std::int64_t i = 0; i < rows + zero_rows; ++i) {
-      const std::int64_t rr = row0 + i;
-      for (std::int64_t j = 0; j < C; ++j) {
-        const std::int64_t col = p * C + j;
-        panel[kernels::rhs_index(rr, j, C, vnni)] = i < rows && col < n ? src[i * ld_src + col] : U{};
-      }
-    }
-  }
-}
-
 // Rule order: the gradient rows, the activation rows; the panels, the
 // transposed activation.
 template <class T>
@@ -37,7 +20,7 @@ bool pack(const Tile<T>& tile) {
   const Rect& tr = tile.write(1);
   tile.need(pr, rows, 0);
   tile.need(tr, 0, rows);
-  pack_rows_into_panels<T>(tile.template at<T>(s), tile.ld(s.buffer), rows, s.cols(), tile.template base<T>(pr.buffer),
+  kernels::pack_rows_into_panels<T>(tile.template at<T>(s), tile.ld(s.buffer), rows, s.cols(), tile.template base<T>(pr.buffer),
                            tile.host.layout(pr.buffer).rows, pr.r0, pr.rows() - rows);
   const std::int64_t width = ts.cols(), ld = tile.ld(tr.buffer);
   T* dst = tile.template at<T>(tr);

@@ -279,6 +279,69 @@ TEST(TileGemm, StripAcrossPanelsIsItsTilesBitForBit) {
   }
 }
 
+// The streamed store of a weight-gradient strip is gemm_tile's result bit
+// for bit, whether c's rows are aligned for non-temporal stores or not,
+// for a strip that ends inside a panel; nothing outside it is written.
+template <class T>
+void check_streamed_equals_plain(std::int64_t m, std::int64_t c_offset) {
+  init();
+  Rng rng(12);
+  const std::int64_t n = 3 * kTileCols - 24, k = 38, lda = 301 + (sizeof(T) == 2), ldc = 4 * kTileCols;
+  std::vector<T> a(static_cast<std::size_t>(m * lda));
+  for (auto& v : a) v = to<T>(float(rng.normal()));
+  std::vector<float> b(static_cast<std::size_t>(k * n));
+  for (auto& v : b) v = round_to_bf16(float(rng.normal()));
+  AlignedVector<T> packed(static_cast<std::size_t>(panel_blocked_size<T>(k, n)));
+  pack_rhs_panels<float, T>(b.data(), n, k, n, false, packed.data(), 0, (n + kTileCols - 1) / kTileCols);
+  const auto view = panel_view<T>(packed.data(), k);
+  AlignedVector<float> plain(static_cast<std::size_t>(m * ldc + c_offset), -3.0f), streamed(plain);
+  gemm_tile<T>(a.data(), lda, view, 0, plain.data() + c_offset, ldc, m, n, padded_k<T>(k), false);
+  gemm_tile_streamed<T>(a.data(), lda, view, 0, streamed.data() + c_offset, ldc, m, n, padded_k<T>(k));
+  for (std::size_t i = 0; i < plain.size(); ++i) ASSERT_EQ(streamed[i], plain[i]) << m << " rows, element " << i;
+}
+
+TEST(TileGemm, StreamedStoresAreThePlainTileBitForBit) {
+  for (const std::int64_t m : {1, 64, 100}) {
+    for (const std::int64_t offset : {0, 3}) {  // aligned rows (non-temporal stores), then not
+      check_streamed_equals_plain<float>(m, offset);
+      check_streamed_equals_plain<bf16>(m, offset);
+    }
+  }
+}
+
+// A gradient's token tiles packed into the dW GEMM's panels: every element
+// where rhs_index puts it, the K padding row zero, columns past n zero, and
+// a tile that starts on an odd row (its first row shares VNNI words with
+// the tile before) leaves the other tile's halves alone.
+template <class T>
+void check_rows_into_panels() {
+  init();
+  const std::int64_t n = 2 * kTileCols + 21, ld = n + 5, height = 42, panels = (n + kTileCols - 1) / kTileCols;
+  const bool vnni = vnni_layout<T>();
+  const T sentinel = to<T>(-7.0f);
+  for (const auto& [row0, rows, zero_rows] : {std::tuple<std::int64_t, std::int64_t, std::int64_t>{0, 16, 0},
+                                              {3, 17, 1}, {8, 11, 1}, {5, 1, 0}, {40, 1, 1}}) {
+    std::vector<T> src(static_cast<std::size_t>(rows * ld));
+    for (std::size_t i = 0; i < src.size(); ++i) src[i] = to<T>(float(i % 977) + 1.0f);
+    AlignedVector<T> out(static_cast<std::size_t>(height * kTileCols * panels), sentinel);
+    pack_rows_into_panels<T>(src.data(), ld, rows, n, out.data(), height, row0, zero_rows);
+    for (std::int64_t p = 0; p < panels; ++p)
+      for (std::int64_t r = 0; r < height; ++r)
+        for (std::int64_t j = 0; j < kTileCols; ++j) {
+          const std::int64_t i = r - row0, col = p * kTileCols + j;
+          T want = sentinel;
+          if (i >= 0 && i < rows) want = col < n ? src[static_cast<std::size_t>(i * ld + col)] : T{};
+          else if (i >= rows && i < rows + zero_rows) want = T{};
+          const T got = out[static_cast<std::size_t>(p * height * kTileCols + rhs_index(r, j, kTileCols, vnni))];
+          ASSERT_EQ(from(got), from(want)) << "tile at row " << row0 << ", panel " << p << ", row " << r << ", column " << j;
+        }
+  }
+}
+TEST(Pack, GradientRowsIntoPanels) {
+  check_rows_into_panels<float>();
+  check_rows_into_panels<bf16>();
+}
+
 // A row's bits depend on its row of A and on B alone, not on the height of
 // the tile it is computed in nor on where the tile starts (the layer relies
 // on it: tile heights follow the placement, replicas' quotas, lent experts).
