@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Two builds of hpmoe side by side at a real layer size, as shares of the
 # machine's peak: deepseek-v2-lite without shared experts, EP 2 x 2048
-# tokens, forward + backward, A B A B ... (a fresh process each). Prints the
+# tokens, forward + backward, A B B A A B ... (a fresh process each; the
+# order turns every round, so neither side always runs second). Prints the
 # CPU, then per dtype the medians (and ranges) over the rounds of each
 # executor's forward and backward share of the peak `hpmoe run` measures
 # (FMA for fp32, the bf16 dot products or AMX for bf16), and each GEMM and
@@ -16,7 +17,8 @@ source "$(dirname "$0")/record_header.sh"
 echo "$(record_header "$0 $*") A: \`$a\`, B: \`$b\`; $rounds rounds x $iters iterations."
 for dtype in ${AB_DTYPES:-bf16 fp32}; do
   for ((r = 0; r < rounds; ++r)); do
-    for side in A B; do
+    order="A B"; ((r % 2)) && order="B A"
+    for side in $order; do
       bin=$a; [ $side = B ] && bin=$b
       "$bin" run --preset deepseek-v2-lite -P 2 -W 1 -T 2048 --set shared_experts=0 --set dtype="$dtype" --backward \
         --iters "$iters" --warmup 1 --verify off --json "$tmp/$dtype.$side.$r.json" > /dev/null 2> "$tmp/$dtype.$side.$r.err" ||

@@ -12,7 +12,9 @@ template <class T>
 bool weight_grad(const Tile<T>& tile) {
   // dW is written once and read after the pass (the optimizer, the
   // framework's gradients): at deepseek-v2-lite's sizes 1.1 GB of fp32 a
-  // rank, which cached stores read from memory before writing.
+  // rank, which cached stores read from memory before writing. Streamed,
+  // bench/wgrad_layout's strips ran 3-6% faster (AMD Zen 4, bf16, K 384);
+  // the whole layer's weight gradients moved less than the spread.
   tile.gemm(tile.read(0), tile.template panels<T>(tile.read(1)), tile.write(0), false, /*streamed=*/true);
   return false;
 }
