@@ -87,3 +87,31 @@ def test_untracked_writes_after_optimizer_steps_reach_the_next_forward(dtype):
             elif what != "none":
                 WRITES[what](moe)
         opt.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("where", ["first", "last"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_weight_between_calls_is_named(dtype, where, bad):
+    """A weight made NaN or Inf between calls, once the layer is made, is refused naming the parameter: at its first
+    element and its last (expert_inter 41, and 42 for bf16, which needs it even: arrays that are not a multiple of the
+    content hash's 128-byte blocks, so the last element lies past them), from float32 parameters and from a bf16
+    layer's bfloat16 ones (checked on their bits). The finite value put back is taken again, bit for bit."""
+    torch.manual_seed(5)
+    cfg = hpmoe.with_fields(hpmoe.preset("mixtral-8x7b"), hidden=48, expert_inter=41 if dtype == "fp32" else 42,
+                            routed_experts=8, top_k=2, aux_loss_coef=0, z_loss_coef=0)
+    m = hpmoe.MoELayer(cfg, ranks=2)
+    dt = torch.float32
+    if dtype == "bf16":
+        m, dt = m.bfloat16(), torch.bfloat16
+    x = torch.randn(16, 48, dtype=dt)
+    with torch.no_grad():
+        before = m(x)
+        w = m.experts[5].down_proj.weight
+        at = (0, 0) if where == "first" else (w.shape[0] - 1, w.shape[1] - 1)
+        kept = w[at].item()
+        w[at] = bad
+        with pytest.raises(ValueError, match=r"experts\.5\.down_proj\.weight.*NaN or Inf"):
+            m(x)
+        w[at] = kept
+        assert torch.equal(m(x), before)
