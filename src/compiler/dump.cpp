@@ -261,9 +261,9 @@ void read_slots(const nlohmann::json& j, Program& p) {
     throw Error("program dump: node_begin, node_route_begin, node_comb_begin and node_sum_begin come together (the per-node exchange)");
   if (!p.node_begin.empty() &&
       (p.node_sum_begin.size() != p.node_begin.size() || p.node_comb_begin.size() != p.node_route_begin.size() ||
-       p.node_comb_begin.back() != p.node_route_begin.back() || p.node_sum_begin.back() != p.node_begin.back()))
-    throw Error("program dump: node_sum_begin must be as long as node_begin, and node_comb_begin as long as node_route_begin "
-                "with as many rows (a source's sums by combine slot, and its parts slot by slot)");
+       p.node_comb_begin.back() > p.node_route_begin.back() || p.node_sum_begin.back() != p.node_begin.back()))
+    throw Error("program dump: node_sum_begin must be as long as node_begin with as many rows, and node_comb_begin as long as "
+                "node_route_begin with at most as many (a source's sums by combine slot, and its parts slot by slot)");
   if (j.contains("slot_parts")) {
     const auto& parts = j.at("slot_parts");
     if (!parts.is_array() || parts.size() != p.local_experts.size())

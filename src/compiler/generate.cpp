@@ -170,7 +170,7 @@ void program_header(Program& p, const LayerConfig& c, const Exchange& ex, const 
       }
       if (through) parts = ex.node_route_start(s, b) + ex.node_part_start(s, S, b * R);
     }
-    p.node_comb_begin.push_back(routes);
+    p.node_comb_begin.push_back(parts);  // (the direct tokens' rows of the last source's routes take no part)
     p.node_sum_begin.push_back(sums);
   }
   declare_buffers(p, c, ex, pass, rank);

@@ -20,24 +20,13 @@ std::int64_t token_cols(const LayerConfig& c, Pass pass) {
                                : (c.staged_grad_dispatch() ? 2 * c.hidden : c.hidden);
 }
 
-// The pieces of s's token block for d, each sub-block (the tokens whose
-// first instance there is i) in pieces of a tile's rows: fn(instance, row
-// within the block, rows, d's `tok` event of the instance's slot).
-template <class Fn>
-void block_pieces(const LayerConfig& c, const Exchange& ex, std::int64_t TR, Pass pass, std::int64_t s, std::int64_t d, Fn&& fn) {
-  const std::int64_t L = ex.placement().local_count(d), tok = event_bases(c, ex, pass, d).tok + s * L;
-  for (const std::int64_t i : ex.placement().instances_of(d)) {
-    const std::int64_t n = ex.first_tokens(s, i), within = ex.sub_block_offset(s, i);
-    for (std::int64_t r = 0; r < n; r += TR) fn(i, within + r, std::min(TR, n - r), tok + ex.instance_slot(i));
-  }
-}
-
 }  // namespace
 
 void rank_puts_to_experts(const LayerConfig& c, const Exchange& ex, std::int64_t TR, Pass pass, std::int64_t rank,
                           std::int64_t only_peer, const Emit& emit) {
   // Each token once per destination rank: its block's pieces (through the
-  // destination node's forwarder when it is another node's), then
+  // destination node's forwarder when it is another node's, but for the
+  // tokens only that rank of the node takes: Exchange::direct_first), then
   // (forward) the routes of the rows for each instance; both complete the
   // source's `tok` event of the instance's slot on the destination.
   const bool forward = pass == Pass::forward;
@@ -53,9 +42,10 @@ void rank_puts_to_experts(const LayerConfig& c, const Exchange& ex, std::int64_t
                     .row_begin = ex.token_start(rank, d), .rows = ex.rank_tokens(rank, d), .col_begin = 0,
                     .cols = ops::CombineList::words(c.top_k), .src_row = ex.token_send_offset(rank, d), .trigger_event = tok});
     for (const std::int64_t i : ex.placement().instances_of(d)) {
+      // Through a forwarder, only the sub-block's direct tokens (its last rows).
       const std::int64_t n = ex.first_tokens(rank, i), within = ex.sub_block_offset(rank, i);
       const std::int64_t slot_event = tok + ex.instance_slot(i);
-      for (std::int64_t r = 0; r < n && !ex.forwarded(rank, d); r += TR)
+      for (std::int64_t r = ex.forwarded(rank, d) ? ex.relayed_first(rank, i) : 0; r < n; r += TR)
         emit(TaskSpec{.kind = forward ? TaskKind::dispatch_token_put : TaskKind::grad_dispatch_token_put,
                       .src = forward ? BufferId::x : BufferId::dout, .dst = forward ? BufferId::recv_tok : BufferId::dy_tok,
                       .expert = ex.placement().instance_expert(i), .peer = d, .row_begin = ex.token_start(rank, d) + within + r,
@@ -138,7 +128,7 @@ void node_forwards(const LayerConfig& c, const Exchange& ex, std::int64_t TR, Pa
         if (ex.rank_tokens(s, d) == 0 || (only_peer >= 0 && d != only_peer)) continue;
         const auto homes = ex.placement().instances_of(d);
         if (j >= static_cast<std::int64_t>(homes.size())) continue;
-        const std::int64_t i = homes[static_cast<std::size_t>(j)], n = ex.first_tokens(s, i), within = ex.sub_block_offset(s, i);
+        const std::int64_t i = homes[static_cast<std::size_t>(j)], n = ex.relayed_first(s, i), within = ex.sub_block_offset(s, i);
         // d's rows in s's routes for this node, which follow s's token list.
         const std::int64_t routes = ex.node_route_start(s, b) + ex.token_send_offset(s, d) - ex.token_send_offset(s, b * R);
         const std::int64_t tok = tok_base[static_cast<std::size_t>(d - b * R)] + s * static_cast<std::int64_t>(homes.size()) + j;
@@ -180,7 +170,7 @@ void rank_gathers_of_tile(const LayerConfig& c, const Exchange& ex, const Progra
 std::int64_t sum_pieces_into(const Exchange& ex, std::int64_t TR, std::int64_t rank) {
   std::int64_t n = 0;
   for (std::int64_t i = 0; i < ex.instances(); ++i)
-    if (!ex.forwarded(rank, ex.placement().instance_rank(i))) n += ceil_div(ex.last_tokens(rank, i), TR);
+    n += ceil_div(ex.forwarded(rank, ex.placement().instance_rank(i)) ? ex.direct_last(rank, i) : ex.last_tokens(rank, i), TR);
   for (std::int64_t b = 0; b < ex.nodes() && ex.forwards(); ++b)
     for (std::int64_t c = 0; c < ex.node_slots() && b != ex.node_of(rank); ++c) n += ceil_div(ex.node_last(rank, b, c), TR);
   return n;
@@ -193,7 +183,7 @@ std::int64_t node_sum_pieces(const Exchange& ex, std::int64_t TR, std::int64_t s
   std::int64_t n = 0;
   for (std::int64_t d = b * R; d < (b + 1) * R; ++d)
     if (const auto homes = ex.placement().instances_of(d); j < static_cast<std::int64_t>(homes.size()))
-      n += ceil_div(ex.last_tokens(s, homes[static_cast<std::size_t>(j)]), TR);
+      n += ceil_div(ex.relayed_last(s, homes[static_cast<std::size_t>(j)]), TR);
   return n;
 }
 
@@ -252,7 +242,9 @@ void rank_puts_to_sources(const LayerConfig& c, const Exchange& ex, std::int64_t
   // once the instances up to j are done; in the backward first the gate
   // gradients of the whole list, once its dy block has all arrived. A
   // source of another node gets its sums through its forwarder here (the
-  // per-node combine), which adds the node's ranks' rows first.
+  // per-node combine), which adds the node's ranks' rows first, but for
+  // its direct tokens' (no other rank of the node takes them), which go
+  // straight.
   const EventBases own = event_bases(c, ex, pass, rank);
   const std::int64_t L = ex.placement().local_count(rank), b = ex.node_of(rank);
   const auto waits = [&](std::int64_t event) { return !with_waits ? std::pair<std::int64_t, std::int64_t>{-1, 0} : std::pair{event, required(event)}; };
@@ -263,11 +255,9 @@ void rank_puts_to_sources(const LayerConfig& c, const Exchange& ex, std::int64_t
     if (n == 0 || (only_peer >= 0 && s != only_peer && f != only_peer)) continue;
     const EventBases source_events = event_bases(c, ex, pass, s);
     const std::int64_t list = ex.token_send_offset(s, rank), block = ex.token_start(s, rank);
-    // Where the sums go: the source's rows, or the forwarder's node rows
-    // (slot-major: this rank's sub-list j in slot j's segment) and its
-    // event of slot j.
-    const std::int64_t sums_event = through ? event_bases(c, ex, pass, f).node_comb + s * ex.node_slots()
-                                            : forward ? source_events.comb_done : source_events.dx_ready;
+    // Where the relayed sums go: the forwarder's node rows (slot-major:
+    // this rank's sub-list j in slot j's segment) and its event of slot j.
+    const std::int64_t sums_event = through ? event_bases(c, ex, pass, f).node_comb + s * ex.node_slots() : -1;
     if (!forward && which != ReturnPuts::sums && (only_peer < 0 || s == only_peer))
       for (std::int64_t r = 0; r < n; r += TR) {
         const auto [event, count] = waits(own.tok + s * L + L - 1);
@@ -275,19 +265,29 @@ void rank_puts_to_sources(const LayerConfig& c, const Exchange& ex, std::int64_t
                       .row_begin = list + r, .rows = std::min(TR, n - r), .col_begin = 0, .cols = c.top_k, .src_row = block + r,
                       .wait_event = event, .wait_count = count, .trigger_event = source_events.gw_done});
       }
-    if (which == ReturnPuts::gate_grads || (only_peer >= 0 && f != only_peer)) continue;
-    const TaskKind kind = through ? (forward ? TaskKind::combine_node_part_put : TaskKind::grad_combine_node_part_put)
-                                  : (forward ? TaskKind::combine_rank_put : TaskKind::grad_combine_rank_put);
-    const BufferId dst = through ? (forward ? BufferId::node_comb : BufferId::node_dcomb) : (forward ? BufferId::comb_rank : BufferId::dcomb_rank);
+    if (which == ReturnPuts::gate_grads) continue;
+    const TaskKind straight = forward ? TaskKind::combine_rank_put : TaskKind::grad_combine_rank_put;
+    const BufferId sums = forward ? BufferId::comb_rank : BufferId::dcomb_rank;
+    const std::int64_t straight_event = forward ? source_events.comb_done : source_events.dx_ready;
     for (const std::int64_t i : ex.placement().instances_of(rank)) {
       const std::int64_t m = ex.last_tokens(s, i), within = ex.sub_list_offset(s, i), j = ex.instance_slot(i);
-      const std::int64_t at = through ? ex.node_route_start(s, b) + ex.node_part_start(s, j, rank) : ex.sum_start(s, rank) + within;
       const auto [event, count] = waits(own.slot_done + j);
-      for (std::int64_t r = 0; r < m; r += TR)
-        emit(TaskSpec{.kind = kind, .src = forward ? BufferId::y : BufferId::dxe, .dst = dst,
-                      .expert = ex.placement().instance_expert(i), .peer = f, .row_begin = at + r,
-                      .rows = std::min(TR, m - r), .col_begin = 0, .cols = c.hidden, .src_row = block + within + r,
-                      .wait_event = event, .wait_count = count, .trigger_event = sums_event + (through ? j : 0)});
+      // Through the forwarder the sub-list's relayed rows, into its node
+      // rows; straight back the rest (all of it, or the direct tokens').
+      const std::int64_t relayed = through ? ex.relayed_last(s, i) : 0;
+      for (std::int64_t r = 0; r < relayed && (only_peer < 0 || f == only_peer); r += TR)
+        emit(TaskSpec{.kind = forward ? TaskKind::combine_node_part_put : TaskKind::grad_combine_node_part_put,
+                      .src = forward ? BufferId::y : BufferId::dxe, .dst = forward ? BufferId::node_comb : BufferId::node_dcomb,
+                      .expert = ex.placement().instance_expert(i), .peer = f,
+                      .row_begin = ex.node_route_start(s, b) + ex.node_part_start(s, j, rank) + r, .rows = std::min(TR, relayed - r),
+                      .col_begin = 0, .cols = c.hidden, .src_row = block + within + r, .wait_event = event, .wait_count = count,
+                      .trigger_event = sums_event + j});
+      const std::int64_t at = through ? ex.direct_sum_start(s, rank) + ex.direct_list_offset(s, i) - relayed : ex.sum_start(s, rank) + within;
+      for (std::int64_t r = relayed; r < m && (only_peer < 0 || s == only_peer); r += TR)
+        emit(TaskSpec{.kind = straight, .src = forward ? BufferId::y : BufferId::dxe, .dst = sums,
+                      .expert = ex.placement().instance_expert(i), .peer = s, .row_begin = at + r, .rows = std::min(TR, m - r),
+                      .col_begin = 0, .cols = c.hidden, .src_row = block + within + r, .wait_event = event, .wait_count = count,
+                      .trigger_event = straight_event});
     }
   }
 }
@@ -312,7 +312,9 @@ class RankSteps final : public SchemeSteps {
       if (s.ex.rank_tokens(q, s.rank) == 0) continue;
       for (std::int64_t j = 0; j < s.L; ++j) {
         const std::int64_t i = s.home_of(j);
-        const std::int64_t pieces = ceil_div(s.ex.first_tokens(q, i), s.TR), routes = s.forward_pass && s.ex.count(q, i) > 0;
+        // Through a forwarder, its pieces and q's own of the direct tokens.
+        const std::int64_t pieces = ceil_div(s.ex.relayed_first(q, i), s.TR) + ceil_div(s.ex.direct_first(q, i), s.TR);
+        const std::int64_t routes = s.forward_pass && s.ex.count(q, i) > 0;
         const std::int64_t list = s.forward_pass && j == 0;  // the block's combine list
         s.b.event(s.ev.tok + q * s.L + j, static_cast<std::int32_t>(pieces + routes + list + (j > 0)), j + 1 < s.L ? relay : gather,
                   s.expert_of(j), -1);

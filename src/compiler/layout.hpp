@@ -114,6 +114,35 @@ class Exchange {
   // Slot of instance i on its rank.
   std::int64_t instance_slot(std::int64_t i) const { return instance_slot_[static_cast<std::size_t>(i)]; }
 
+  // The per-node exchange's direct tokens: a token of s that only one rank
+  // d of another node takes goes to d straight (no forwarder, no node sum:
+  // across nodes once, as through a forwarder, and no hop inside the
+  // node), and its sum comes back straight. Each sub-block of s for such a
+  // d is its relayed tokens (through the forwarder), then its direct ones,
+  // each in token order; each combine sub-list likewise. Counts: after the
+  // node counts, [2 P N + P B' + s N + i] the direct tokens of s among
+  // those whose first instance on i's rank is i, then [.. + P N + s N + i]
+  // by last (B' = 2 B S). 0 where s's tokens reach i's rank straight anyway.
+  std::int64_t direct_first(std::int64_t s, std::int64_t i) const {
+    return direct_.empty() ? 0 : direct_[static_cast<std::size_t>(s * instances_ + i)];
+  }
+  std::int64_t direct_last(std::int64_t s, std::int64_t i) const {
+    return direct_.empty() ? 0 : direct_[static_cast<std::size_t>((ranks_ + s) * instances_ + i)];
+  }
+  // The tokens of sub-block (s, i) that the forwarder puts (the rest come straight).
+  std::int64_t relayed_first(std::int64_t s, std::int64_t i) const { return first_tokens(s, i) - direct_first(s, i); }
+  std::int64_t relayed_last(std::int64_t s, std::int64_t i) const { return last_tokens(s, i) - direct_last(s, i); }
+  // Row of s's direct sums from rank d (a rank of another node) on s, and
+  // of (s, i)'s direct sub-list among them.
+  std::int64_t direct_sum_start(std::int64_t s, std::int64_t d) const {
+    return node_sum_start(s, nodes()) + (direct_sum_.empty() ? 0 : direct_sum_[static_cast<std::size_t>(s * (ranks_ + 1) + d)]);
+  }
+  std::int64_t direct_list_offset(std::int64_t s, std::int64_t i) const { return direct_list_[static_cast<std::size_t>(s * instances_ + i)]; }
+  // How many values set_rank_tokens takes.
+  std::int64_t token_count_values() const {
+    return 2 * ranks_ * instances_ + (forwards_ ? ranks_ * 2 * nodes() * node_slots_ + 2 * ranks_ * instances_ : 0);
+  }
+
   // The per-node exchange (LayerConfig::forwards): with ranks in nodes of
   // R, a token of source s crosses to node b != s's once, to the rank of b
   // with s's local index (its forwarder), in s's node block for b: the
@@ -179,13 +208,14 @@ class Exchange {
   // (COMB_RANK, DCOMB_RANK): those of each rank whose sums come straight,
   // in its list's order (with the per-node combine, only its own node's
   // ranks'), then those of each node block it sent, one per token (the
-  // forwarders' sums).
+  // forwarders' sums), then the direct tokens' sums, by rank
+  // (direct_sum_start).
   std::int64_t sum_start(std::int64_t s, std::int64_t d) const {
     return token_send_offset(s, d) - (forwards_ ? token_send_offset(s, node_of(s) * node_ranks_) : 0);
   }
   std::int64_t node_sum_start(std::int64_t s, std::int64_t b) const { return own_node_list(s) + node_send_offset(s, b); }
   std::int64_t sum_rows(std::int64_t s) const {
-    return forwards_ ? node_sum_start(s, nodes()) : token_send_offset(s, ranks_);
+    return forwards_ ? direct_sum_start(s, ranks_) : token_send_offset(s, ranks_);
   }
   std::int64_t own_node_list(std::int64_t s) const {
     const std::int64_t b = node_of(s);
@@ -210,7 +240,11 @@ class Exchange {
   bool forwards_ = false;
   std::vector<std::int64_t> node_first_, node_sub_, node_send_, node_start_, route_start_, node_recv_, route_recv_;
   std::vector<std::int64_t> node_last_, node_sum_sub_;
+  std::vector<std::int64_t> direct_;                   // [2 P N]: by first, then by last
+  std::vector<std::int64_t> direct_sum_;               // [s (P + 1) + d]: row of d's among s's direct sums (d = P: their count)
+  std::vector<std::int64_t> direct_list_;              // [s N + i]
   void set_node_tokens(std::span<const std::int64_t> counts, std::int64_t tokens_per_rank);
+  void set_direct_tokens(std::span<const std::int64_t> counts);
 };
 
 // The (expert, rank) pairs whose weights a step lends under the layer's

@@ -3,6 +3,8 @@
 // by last instance, the node blocks a forwarder receives, and one source's
 // routes. The per-assignment rows and the event numbering are layout.cpp's.
 #include <algorithm>
+#include <array>
+#include <utility>
 
 #include "hpmoe/error.hpp"
 #include "compiler/taskflow.hpp"
@@ -12,10 +14,12 @@ namespace hpmoe::taskflow {
 
 void Exchange::set_rank_tokens(std::vector<std::int64_t> first, std::int64_t tokens_per_rank) {
   const std::int64_t P = ranks_, N = instances_, B = forwards_ ? 2 * nodes() * node_slots_ : 0;
-  if (first.size() != static_cast<std::size_t>(2 * P * N + P * B))
+  if (first.size() != static_cast<std::size_t>(token_count_values()))
     throw Error("the per-rank exchange's token counts are " + std::to_string(first.size()) +
                 " values; the layer needs two per (source, expert instance) pair" +
-                (forwards_ ? " and two per (source, node, node slot), " : ", ") + std::to_string(2 * P * N + P * B));
+                (forwards_ ? ", two per (source, node, node slot) and two more per (source, expert instance) pair (its direct tokens), "
+                           : ", ") +
+                std::to_string(token_count_values()));
   rank_tokens_.assign(static_cast<std::size_t>(P * P), 0);
   sub_offset_.assign(static_cast<std::size_t>(P * N), 0);
   list_offset_.assign(static_cast<std::size_t>(P * N), 0);
@@ -49,7 +53,13 @@ void Exchange::set_rank_tokens(std::vector<std::int64_t> first, std::int64_t tok
                     " tokens per rank");
       rank_tokens_[static_cast<std::size_t>(s * P + d)] = n;
     }
-  if (forwards_) set_node_tokens(std::span<const std::int64_t>(first).subspan(static_cast<std::size_t>(2 * P * N)), tokens_per_rank);
+  direct_.clear();
+  if (forwards_) {
+    direct_.assign(first.begin() + 2 * P * N + P * B, first.end());
+    first.resize(static_cast<std::size_t>(2 * P * N + P * B));
+    set_direct_tokens(first);
+    set_node_tokens(std::span<const std::int64_t>(first).subspan(static_cast<std::size_t>(2 * P * N)), tokens_per_rank);
+  }
   first_tokens_ = std::move(first);
   token_start_.assign(static_cast<std::size_t>((P + 1) * P), 0);
   token_send_.assign(static_cast<std::size_t>(P * (P + 1)), 0);
@@ -59,6 +69,33 @@ void Exchange::set_rank_tokens(std::vector<std::int64_t> first, std::int64_t tok
   for (std::int64_t s = 0; s < P; ++s)
     for (std::int64_t d = 0; d < P; ++d)
       token_send_[static_cast<std::size_t>(s * (P + 1) + d + 1)] = token_send_offset(s, d) + rank_tokens(s, d);
+}
+
+void Exchange::set_direct_tokens(std::span<const std::int64_t> counts) {
+  // counts: first_tokens_'s values, which this checks the direct ones against.
+  const std::int64_t P = ranks_, N = instances_;
+  direct_sum_.assign(static_cast<std::size_t>(P * (P + 1)), 0);
+  direct_list_.assign(static_cast<std::size_t>(P * N), 0);
+  for (std::int64_t s = 0; s < P; ++s)
+    for (std::int64_t d = 0; d < P; ++d) {
+      std::int64_t by_first = 0, by_last = 0;
+      for (const std::int64_t i : placement_.instances_of(d)) {
+        const std::int64_t f = direct_first(s, i), l = direct_last(s, i);
+        const std::int64_t all_f = counts[static_cast<std::size_t>(s * N + i)], all_l = counts[static_cast<std::size_t>((P + s) * N + i)];
+        if (f < 0 || l < 0 || f > all_f || l > all_l || (!forwarded(s, d) && (f != 0 || l != 0)))
+          throw Error("rank " + std::to_string(s) + " reports " + std::to_string(f) + " and " + std::to_string(l) +
+                      " direct tokens (by first and by last instance) for expert instance " + std::to_string(i) + " of its " +
+                      std::to_string(all_f) + " and " + std::to_string(all_l) +
+                      (forwarded(s, d) ? "" : ", though its tokens reach that rank straight anyway"));
+        direct_list_[static_cast<std::size_t>(s * N + i)] = by_last;
+        by_first += f;
+        by_last += l;
+      }
+      if (by_first != by_last)
+        throw Error("rank " + std::to_string(s) + " reports " + std::to_string(by_first) + " direct tokens for rank " +
+                    std::to_string(d) + " by their first expert there but " + std::to_string(by_last) + " by their last");
+      direct_sum_[static_cast<std::size_t>(s * (P + 1) + d + 1)] = direct_sum_[static_cast<std::size_t>(s * (P + 1) + d)] + by_first;
+    }
 }
 
 void Exchange::set_node_tokens(std::span<const std::int64_t> counts, std::int64_t tokens_per_rank) {
@@ -91,18 +128,22 @@ void Exchange::set_node_tokens(std::span<const std::int64_t> counts, std::int64_
   route_recv_.assign(static_cast<std::size_t>(P), 0);
   for (std::int64_t s = 0; s < P; ++s)
     for (std::int64_t b = 0; b < B; ++b) {
-      // A node block holds each token any rank of the node needs, once.
+      // A node block holds each token that two or more ranks of the node
+      // need, once (a token only one needs goes to it straight).
       std::int64_t most = 0, sum = 0;
       for (std::int64_t d = b * R; d < (b + 1) * R; ++d) {
-        most = std::max(most, rank_tokens(s, d));
-        sum += rank_tokens(s, d);
+        const std::int64_t relayed = rank_tokens(s, d) - (direct_sum_[static_cast<std::size_t>(s * (P + 1) + d + 1)] -
+                                                          direct_sum_[static_cast<std::size_t>(s * (P + 1) + d)]);
+        most = std::max(most, relayed);
+        sum += relayed;
       }
       const std::int64_t n = node_tokens(s, b);
-      if (b == node_of(s) ? n != 0 : (n < most || n > std::min(sum, tokens_per_rank)))
+      if (b == node_of(s) ? n != 0 : (n < most || 2 * n > sum || n > tokens_per_rank))
         throw Error("rank " + std::to_string(s) + " reports " + std::to_string(n) + " tokens for node " + std::to_string(b) +
                     (b == node_of(s) ? ", its own node (which takes none through a forwarder)"
                                      : ", impossible when its ranks take " + std::to_string(most) + " at most and " +
-                                           std::to_string(sum) + " in all of its " + std::to_string(tokens_per_rank)));
+                                           std::to_string(sum) + " in all (each at least twice) of its " +
+                                           std::to_string(tokens_per_rank) + " through the forwarder"));
       if (node_sum_offset(s, b, S) != n)
         throw Error("rank " + std::to_string(s) + " reports " + std::to_string(n) + " tokens for node " + std::to_string(b) +
                     " by their node slot but " + std::to_string(node_sum_offset(s, b, S)) + " by their node combine slot");
@@ -121,13 +162,14 @@ void Exchange::set_node_tokens(std::span<const std::int64_t> counts, std::int64_
 }
 
 std::int64_t Exchange::node_part_start(std::int64_t s, std::int64_t j, std::int64_t d) const {
-  // Slots before j, every rank of d's node; then slot j of the ranks before d.
+  // Slots before j, every rank of d's node; then slot j of the ranks before
+  // d (their relayed tokens: a direct token's sum goes straight).
   const std::int64_t b = node_of(d), R = node_ranks_;
   std::int64_t at = 0;
   for (std::int64_t q = 0; q <= j && q < node_slots_; ++q)
     for (std::int64_t r = b * R; r < (b + 1) * R && (q < j || r < d); ++r) {
       const auto homes = placement_.instances_of(r);
-      if (q < static_cast<std::int64_t>(homes.size())) at += last_tokens(s, homes[static_cast<std::size_t>(q)]);
+      if (q < static_cast<std::int64_t>(homes.size())) at += relayed_last(s, homes[static_cast<std::size_t>(q)]);
     }
   return at;
 }
@@ -147,14 +189,19 @@ void node_lists(const Exchange& ex, std::int64_t s, std::int64_t T, std::span<co
     if (b == ex.node_of(s)) continue;
     // Each token's node slot: its lowest slot over the node's ranks (a
     // rank's list runs sub-block by sub-block, r.first[i] rows each).
+    // Its direct tokens (each sub-block's last rows) are not in the block.
+    const std::int64_t N = ex.instances();
     std::fill(slot_of.begin(), slot_of.end(), S);
     for (std::int64_t d = b * R; d < (b + 1) * R; ++d) {
       std::size_t row = list_begin[static_cast<std::size_t>(d)];
-      for (const std::int64_t i : ex.placement().instances_of(d))
-        for (std::int64_t k = 0; k < r.first[static_cast<std::size_t>(i)]; ++k, ++row) {
-          auto& j = slot_of[static_cast<std::size_t>(r.tokens[row])];
-          j = std::min(j, ex.instance_slot(i));
-        }
+      for (const std::int64_t i : ex.placement().instances_of(d)) {
+        const std::int64_t relayed = r.first[static_cast<std::size_t>(i)] - r.first[static_cast<std::size_t>(2 * N + i)];
+        for (std::int64_t k = 0; k < r.first[static_cast<std::size_t>(i)]; ++k, ++row)
+          if (k < relayed) {
+            auto& j = slot_of[static_cast<std::size_t>(r.tokens[row])];
+            j = std::min(j, ex.instance_slot(i));
+          }
+      }
     }
     // A counting sort by node slot, each sub-block in token order.
     std::int64_t* count = r.node_count.data() + b * S;
@@ -172,17 +219,20 @@ void node_lists(const Exchange& ex, std::int64_t s, std::int64_t T, std::span<co
       }
     // Each token's node combine slot: its highest last-instance slot over
     // the node's ranks (a rank's combine list runs sub-list by sub-list,
-    // r.first[N + i] rows each); the forwarder returns the node's sums in
-    // that order, each combine slot in token order.
-    const std::int64_t N = ex.instances();
+    // r.first[N + i] rows each, its relayed rows first); the forwarder
+    // returns the node's sums in that order, each combine slot in token
+    // order.
     std::fill(last_of.begin(), last_of.end(), -1);
-    const auto combine_rows = [&](std::int64_t d, auto&& fn) {  // fn(slot, token) for each row of d's combine list
+    const auto combine_rows = [&](std::int64_t d, auto&& fn) {  // fn(slot, token) for each relayed row of d's combine list
       const std::size_t lo = list_begin[static_cast<std::size_t>(d)];
       std::size_t row = lo;
       const auto homes = ex.placement().instances_of(d);
-      for (std::size_t j = 0; j < homes.size(); ++j)
-        for (std::int64_t k = 0; k < r.first[static_cast<std::size_t>(N + homes[j])]; ++k, ++row)
-          fn(static_cast<std::int64_t>(j), r.tokens[lo + static_cast<std::size_t>(r.list_block[row])]);
+      for (std::size_t j = 0; j < homes.size(); ++j) {
+        const auto i = static_cast<std::size_t>(homes[j]);
+        const std::int64_t relayed = r.first[N + i] - r.first[3 * static_cast<std::size_t>(N) + i];
+        for (std::int64_t k = 0; k < r.first[N + i]; ++k, ++row)
+          if (k < relayed) fn(static_cast<std::int64_t>(j), r.tokens[lo + static_cast<std::size_t>(r.list_block[row])]);
+      }
     };
     for (std::int64_t d = b * R; d < (b + 1) * R; ++d)
       combine_rows(d, [&](std::int64_t j, std::int32_t t) {
@@ -206,12 +256,16 @@ void node_lists(const Exchange& ex, std::int64_t s, std::int64_t T, std::span<co
       for (std::int64_t d = b * R; d < (b + 1) * R; ++d) {
         segment[static_cast<std::size_t>(j * R + d - b * R)] = rows;
         const auto homes = ex.placement().instances_of(d);
-        if (j < static_cast<std::int64_t>(homes.size())) rows += r.first[static_cast<std::size_t>(N + homes[static_cast<std::size_t>(j)])];
+        if (j < static_cast<std::int64_t>(homes.size())) {
+          const auto i = static_cast<std::size_t>(homes[static_cast<std::size_t>(j)]);
+          rows += r.first[static_cast<std::size_t>(N) + i] - r.first[3 * static_cast<std::size_t>(N) + i];
+        }
       }
     const std::size_t routes = list_begin[static_cast<std::size_t>(b * R)];
     for (std::int64_t d = b * R; d < (b + 1) * R; ++d) {
       const std::size_t lo = list_begin[static_cast<std::size_t>(d)], hi = list_begin[static_cast<std::size_t>(d + 1)];
-      for (std::size_t row = lo; row < hi; ++row) r.node_index[2 * row] = at[static_cast<std::size_t>(r.tokens[row])];
+      for (std::size_t row = lo; row < hi; ++row)
+        if (const auto t = static_cast<std::size_t>(r.tokens[row]); slot_of[t] < S) r.node_index[2 * row] = at[t];
       std::int64_t sub = 0, in_sub = 0, sub_of = -1;
       combine_rows(d, [&](std::int64_t j, std::int32_t t) {
         if (j != sub_of) sub_of = j, in_sub = 0, sub = segment[static_cast<std::size_t>(j * R + d - b * R)];
@@ -260,8 +314,11 @@ RankRoutes rank_routes(const LayerConfig& c, const Exchange& ex, std::int64_t s,
       throw Error("rank_routes: no assignment of rank " + std::to_string(s) + " fills its send row " + std::to_string(row) +
                   ": the send slots do not match the exchange's counts");
   // Each token's first instance on each destination (lowest slot), then
-  // the destination's block: sub-block by sub-block, each in token order.
-  r.first.assign(static_cast<std::size_t>(2 * N), 0);
+  // the destination's block: sub-block by sub-block, each its relayed
+  // tokens then its direct ones (the per-node exchange; Exchange::
+  // direct_first), each in token order.
+  const bool forwards = c.forwards();
+  r.first.assign(static_cast<std::size_t>((forwards ? 4 : 2) * N), 0);
   const std::int64_t slot_cols = 2 * P + ex.nodes();  // each token's list rows, sum rows by rank, sum rows by node
   r.list_slot.assign(static_cast<std::size_t>(T * slot_cols), -1);
   r.position.assign(static_cast<std::size_t>(send), -1);
@@ -272,6 +329,19 @@ RankRoutes rank_routes(const LayerConfig& c, const Exchange& ex, std::int64_t s,
       if (placement.instance_rank(i) == d)
         for (std::int64_t row = ex.send_offset(s, i); row < ex.send_offset(s, i) + ex.count(s, i); ++row) fn(row, i);
   };
+  // How many ranks of each node take each token: a token only one rank of
+  // another node takes goes there straight.
+  const std::int64_t B = ex.nodes();
+  std::vector<std::int32_t> takers(forwards ? static_cast<std::size_t>(T * B) : 0), seen(forwards ? static_cast<std::size_t>(T) : 0, -1);
+  for (std::int64_t d = 0; d < P && forwards; ++d)
+    rows_to(d, [&](std::int64_t row, std::int64_t) {
+      const auto t = static_cast<std::size_t>(r.row_token[static_cast<std::size_t>(row)]);
+      if (seen[t] != d) seen[t] = static_cast<std::int32_t>(d), ++takers[t * static_cast<std::size_t>(B) + static_cast<std::size_t>(ex.node_of(d))];
+    });
+  // Each direct token's sum row, known once the node lists' length is:
+  // (token, destination, row among s's direct sums).
+  std::vector<std::array<std::int64_t, 3>> direct_sums;
+  std::int64_t direct_rows = 0;
   std::vector<std::size_t> list_begin(static_cast<std::size_t>(P + 1), 0);  // each destination's rows in the token list
   for (std::int64_t d = 0; d < P; ++d) {
     list_begin[static_cast<std::size_t>(d)] = r.tokens.size();
@@ -282,47 +352,53 @@ RankRoutes rank_routes(const LayerConfig& c, const Exchange& ex, std::int64_t s,
       if (first_of[t] < 0 || ex.instance_slot(i) < ex.instance_slot(first_of[t])) first_of[t] = i;
       if (last_of[t] < 0 || ex.instance_slot(i) > ex.instance_slot(last_of[t])) last_of[t] = i;
     });
-    // A counting sort by first instance: sub-blocks in slot order, each in
-    // token order, in O(T) per destination.
-    const auto homes = placement.instances_of(d);
+    const bool across = ex.forwarded(s, d);
+    const auto direct = [&](std::int64_t t) -> std::int64_t {
+      return across && takers[static_cast<std::size_t>(t * B + ex.node_of(d))] == 1;
+    };
+    // A counting sort by (slot, direct) of the first instance (the block)
+    // and of the last (the combine list), in O(T) per destination; r.first
+    // counts by instance, and (columns 2, 3) the direct tokens.
+    const std::size_t L = placement.instances_of(d).size();
+    std::vector<std::int64_t> next(2 * L);
+    const auto sort = [&](const std::vector<std::int64_t>& key_of, std::size_t column, std::vector<std::int64_t>& row_of) {
+      std::fill(next.begin(), next.end(), 0);
+      for (std::int64_t t = 0; t < T; ++t)
+        if (const std::int64_t f = key_of[static_cast<std::size_t>(t)]; f >= 0) {
+          const std::int64_t is_direct = direct(t);
+          ++r.first[column * static_cast<std::size_t>(N) + static_cast<std::size_t>(f)];
+          if (is_direct) ++r.first[(column + 2) * static_cast<std::size_t>(N) + static_cast<std::size_t>(f)];
+          ++next[static_cast<std::size_t>(2 * ex.instance_slot(f) + is_direct)];
+        }
+      std::int64_t total = 0;
+      for (auto& n : next) total += std::exchange(n, total);
+      for (std::int64_t t = 0; t < T; ++t)
+        if (const std::int64_t f = key_of[static_cast<std::size_t>(t)]; f >= 0)
+          row_of[static_cast<std::size_t>(t)] = next[static_cast<std::size_t>(2 * ex.instance_slot(f) + direct(t))]++;
+      return static_cast<std::size_t>(total);
+    };
+    const std::size_t base = r.tokens.size(), rows = sort(first_of, 0, at);
+    r.tokens.resize(base + rows);
     for (std::int64_t t = 0; t < T; ++t)
-      if (const std::int64_t f = first_of[static_cast<std::size_t>(t)]; f >= 0) ++r.first[static_cast<std::size_t>(f)];
-    std::vector<std::int64_t> next(homes.size());
-    std::int64_t total = 0;
-    for (std::size_t j = 0; j < homes.size(); ++j) {
-      next[j] = total;
-      total += r.first[static_cast<std::size_t>(homes[j])];
-    }
-    const std::size_t base = r.tokens.size();
-    r.tokens.resize(base + static_cast<std::size_t>(total));
-    for (std::int64_t t = 0; t < T; ++t)
-      if (const std::int64_t f = first_of[static_cast<std::size_t>(t)]; f >= 0) {
-        const std::int64_t row = next[static_cast<std::size_t>(ex.instance_slot(f))]++;
-        at[static_cast<std::size_t>(t)] = row;
-        r.tokens[base + static_cast<std::size_t>(row)] = static_cast<std::int32_t>(t);
-      }
-    // The combine's list: the same tokens by last instance, each sub-list
-    // in token order.
-    for (std::int64_t t = 0; t < T; ++t)
-      if (const std::int64_t l = last_of[static_cast<std::size_t>(t)]; l >= 0) ++r.first[static_cast<std::size_t>(N + l)];
-    total = 0;
-    for (std::size_t j = 0; j < homes.size(); ++j) {
-      next[j] = total;
-      total += r.first[static_cast<std::size_t>(N + homes[j])];
-    }
+      if (first_of[static_cast<std::size_t>(t)] >= 0) r.tokens[base + static_cast<std::size_t>(at[static_cast<std::size_t>(t)])] = static_cast<std::int32_t>(t);
+    // The combine's list: the same tokens by last instance.
+    sort(last_of, 1, list_at);
     r.list_block.resize(r.tokens.size());
+    std::vector<std::int32_t> list_token(rows);
     for (std::int64_t t = 0; t < T; ++t)
       if (const std::int64_t l = last_of[static_cast<std::size_t>(t)]; l >= 0) {
-        const std::int64_t row = next[static_cast<std::size_t>(ex.instance_slot(l))]++;
-        list_at[static_cast<std::size_t>(t)] = row;
+        const std::int64_t row = list_at[static_cast<std::size_t>(t)];
+        list_token[static_cast<std::size_t>(row)] = static_cast<std::int32_t>(t);
         r.list_block[base + static_cast<std::size_t>(row)] = static_cast<std::int32_t>(at[static_cast<std::size_t>(t)]);
         r.list_slot[static_cast<std::size_t>(t * slot_cols + d)] = static_cast<std::int64_t>(base) + row;
         // Its sum's row (Exchange::sum_start, from this list's own offsets:
         // the exchange may not hold the token counts yet).
-        if (!ex.forwarded(s, d))
+        if (!across)
           r.list_slot[static_cast<std::size_t>(t * slot_cols + P + d)] =
-              static_cast<std::int64_t>(base - (ex.forwards() ? list_begin[static_cast<std::size_t>(ex.node_of(s) * (P / ex.nodes()))] : 0)) + row;
+              static_cast<std::int64_t>(base - (forwards ? list_begin[static_cast<std::size_t>(ex.node_of(s) * (P / B))] : 0)) + row;
       }
+    for (const std::int32_t t : list_token)  // the direct sums, in list order
+      if (direct(t)) direct_sums.push_back({t, d, direct_rows++});
     r.comb_row.resize(r.tokens.size() * static_cast<std::size_t>(K), -1);
     rows_to(d, [&](std::int64_t row, std::int64_t i) {
       const auto t = static_cast<std::size_t>(r.row_token[static_cast<std::size_t>(row)]);
@@ -335,7 +411,14 @@ RankRoutes rank_routes(const LayerConfig& c, const Exchange& ex, std::int64_t s,
     });
   }
   list_begin[static_cast<std::size_t>(P)] = r.tokens.size();
-  if (c.forwards()) node_lists(ex, s, T, list_begin, r);
+  if (!forwards) return r;
+  node_lists(ex, s, T, list_begin, r);
+  // The direct sums come back after the own node's lists and the node sums
+  // (Exchange::direct_sum_start).
+  const std::int64_t R = P / B, own = ex.node_of(s);
+  const auto before = static_cast<std::int64_t>(list_begin[static_cast<std::size_t>((own + 1) * R)] - list_begin[static_cast<std::size_t>(own * R)] +
+                                                r.node_tokens.size());
+  for (const auto& [t, d, k] : direct_sums) r.list_slot[static_cast<std::size_t>(t * slot_cols + P + d)] = before + k;
   return r;
 }
 
@@ -348,14 +431,20 @@ std::vector<std::int64_t> rank_token_counts(const LayerConfig& c, const ExpertPl
   const std::vector<std::int64_t> slot = send_slots(c, ex, r, all);
   const std::int64_t N = ex.instances();
   const std::int64_t B = c.forwards() ? 2 * c.nodes() * ex.node_slots() : 0;
-  std::vector<std::int64_t> tokens(static_cast<std::size_t>(2 * P * N + P * B));
+  std::vector<std::int64_t> tokens(static_cast<std::size_t>(ex.token_count_values()));
   for (std::int64_t s = 0; s < P; ++s) {
     const auto first = static_cast<std::size_t>(s * n);
     const RankRoutes routes = rank_routes(c, ex, s, std::span<const std::int64_t>(slot).subspan(first, static_cast<std::size_t>(n)),
                                           std::span<const std::int32_t>(r.expert).subspan(first, static_cast<std::size_t>(n)));
-    std::copy(routes.first.begin(), routes.first.begin() + N, tokens.begin() + s * N);
-    std::copy(routes.first.begin() + N, routes.first.end(), tokens.begin() + (P + s) * N);
+    // Laid out as Exchange::set_rank_tokens reads them: by first, by last,
+    // the node counts, then (forwarding) the direct tokens by first and by last.
+    const auto part = [&](std::int64_t k) { return routes.first.begin() + k * N; };
+    std::copy(part(0), part(1), tokens.begin() + s * N);
+    std::copy(part(1), part(2), tokens.begin() + (P + s) * N);
     std::copy(routes.node_count.begin(), routes.node_count.end(), tokens.begin() + 2 * P * N + s * B);
+    if (!c.forwards()) continue;
+    std::copy(part(2), part(3), tokens.begin() + 2 * P * N + P * B + s * N);
+    std::copy(part(3), part(4), tokens.begin() + 2 * P * N + P * B + (P + s) * N);
   }
   return tokens;
 }

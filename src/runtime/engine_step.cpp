@@ -333,22 +333,29 @@ template <class T>
 void Interleaved<T>::exchange_rank_tokens(const StepResult& res) {
   // Per source: its tokens by first instance [s N + i], then by last
   // [P N + s N + i], then (the per-node exchange) per node and node slot
-  // [2 P N + 2 s B S + b S + j], and per node and node combine slot
-  // [2 P N + 2 s B S + B S + b S + c] (B below: 2 B S).
+  // [2 P N + 2 s B S + b S + j], per node and node combine slot
+  // [2 P N + 2 s B S + B S + b S + c] (B below: 2 B S), and its direct
+  // tokens by first and by last instance [2 P N + P B + s N + i],
+  // [2 P N + P B + P N + s N + i] (Exchange::set_rank_tokens).
   const std::int64_t P = c_.ranks, N = plan.ex().instances(), B = c_.forwards() ? 2 * c_.nodes() * plan.ex().node_slots() : 0;
+  const std::int64_t D = c_.forwards() ? 2 * N : 0;
   planner_.route(plan, c_, res.routing, local_);
-  std::vector<std::int64_t> first(static_cast<std::size_t>(2 * P * N + P * B), 0);
-  const auto place = [&](std::int64_t s, std::int64_t k) {  // value k of source s's 2 N + B
-    return static_cast<std::size_t>(k < N ? s * N + k : k < 2 * N ? (P + s) * N + k - N : 2 * P * N + s * B + k - 2 * N);
+  std::vector<std::int64_t> first(static_cast<std::size_t>(plan.ex().token_count_values()), 0);
+  const auto place = [&](std::int64_t s, std::int64_t k) {  // value k of source s's 2 N + B + D
+    if (k < 2 * N) return static_cast<std::size_t>(k < N ? s * N + k : (P + s) * N + k - N);
+    if (k < 2 * N + B) return static_cast<std::size_t>(2 * P * N + s * B + k - 2 * N);
+    k -= 2 * N + B;
+    return static_cast<std::size_t>(2 * P * N + P * B + (k < N ? s * N + k : (P + s) * N + k - N));
   };
   for (std::size_t i = 0; i < local_.size(); ++i) {
     const std::int64_t s = local_[i];
     for (std::int64_t k = 0; k < 2 * N; ++k) first[place(s, k)] = plan.routes[i].first[static_cast<std::size_t>(k)];
     for (std::int64_t k = 0; k < B; ++k) first[place(s, 2 * N + k)] = plan.routes[i].node_count[static_cast<std::size_t>(k)];
+    for (std::int64_t k = 0; k < D; ++k) first[place(s, 2 * N + B + k)] = plan.routes[i].first[static_cast<std::size_t>(2 * N + k)];
   }
   if (sharded()) {  // one row per rank (set_rank_tokens checks the values against each other)
     const int me = local_.front();
-    const std::int64_t W = 2 * N + B;
+    const std::int64_t W = 2 * N + B + D;
     std::vector<std::uint64_t> block(static_cast<std::size_t>(P * W));
     for (std::int64_t k = 0; k < W; ++k) block[static_cast<std::size_t>(me * W + k)] = static_cast<std::uint64_t>(first[place(me, k)]);
     tr_->allgather(std::as_writable_bytes(std::span<std::uint64_t>(block)), static_cast<std::size_t>(W) * 8);
@@ -356,7 +363,9 @@ void Interleaved<T>::exchange_rank_tokens(const StepResult& res) {
       const std::int64_t q = static_cast<std::int64_t>(k) / W, i = static_cast<std::int64_t>(k) % W;
       if (block[k] > static_cast<std::uint64_t>(c_.tokens_per_rank))
         throw Error("rank " + std::to_string(q) + " reports " + std::to_string(block[k]) + " tokens for " +
-                    (i < 2 * N ? "expert instance " + std::to_string(i % N) : "node slot count " + std::to_string(i - 2 * N)) +
+                    (i < 2 * N        ? "expert instance " + std::to_string(i % N)
+                     : i < 2 * N + B ? "node slot count " + std::to_string(i - 2 * N)
+                                     : "the direct tokens of expert instance " + std::to_string((i - 2 * N - B) % N)) +
                     ", more than its " + std::to_string(c_.tokens_per_rank));
       first[place(q, i)] = static_cast<std::int64_t>(block[k]);
     }

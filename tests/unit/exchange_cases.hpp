@@ -12,6 +12,19 @@
 
 namespace hpmoe::testing {
 
+// A layer of the per-node exchange: `ranks` in nodes of `per_node`, 16
+// experts top-4.
+inline LayerConfig node_layer(std::int64_t ranks, std::int64_t per_node, std::int64_t tokens) {
+  LayerConfig c = small(ranks, tokens);
+  c.hidden = 256;  // two fp8 scale blocks
+  c.routed_experts = 16;
+  c.top_k = 4;
+  c.exchange = ExchangeMode::rank;
+  c.ranks_per_node = per_node;
+  c.validate();
+  return c;
+}
+
 inline RouterOutput<float> routing_of(const LayerConfig& c, const std::string& spec, std::uint64_t seed = 1) {
   const auto ids = forced_selection(c, parse_routing_spec(spec, seed));
   std::vector<float> logits(static_cast<std::size_t>(c.total_tokens() * c.routed_experts), 0.0f);

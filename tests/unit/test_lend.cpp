@@ -248,8 +248,11 @@ TEST(Lend, MutationsOfTheLentWeightsAreRejected) {
 // then only the relay that passes on the source's routes orders the
 // forwarder's sums after them; a rank's own proof sees no other chain.
 TEST(Lend, TheForwardersSumsWaitForTheRoutesThemselves) {
-  LayerConfig c = lend_layer(4, 96, ExchangeMode::rank);
-  c.ranks_per_node = 2;
+  // Three ranks a node: with two, every token the forwarder sums is one of
+  // its own (a token only one rank of the node takes goes straight), and
+  // its own part puts order the routes before its sums anyway.
+  LayerConfig c = lend_layer(6, 96, ExchangeMode::rank);
+  c.ranks_per_node = 3;
   const Machine m = parse_machine("cpu:2:32x64");
   const auto placement = contiguous(c);
   const auto counts = rank_counts(c, placement, "zipf:1.5", m.tile_rows);

@@ -32,17 +32,6 @@ using hpmoe::testing::bit_identical;
 
 namespace {
 
-LayerConfig node_layer(std::int64_t ranks, std::int64_t per_node, std::int64_t tokens) {
-  LayerConfig c = small(ranks, tokens);
-  c.hidden = 256;  // two fp8 scale blocks
-  c.routed_experts = 16;
-  c.top_k = 4;
-  c.exchange = ExchangeMode::rank;
-  c.ranks_per_node = per_node;
-  c.validate();
-  return c;
-}
-
 // Four ranks: expert 0 split over ranks 0 and 2 (two nodes), expert 5
 // replicated on ranks 1 and 3.
 ExpertPlacement split_and_replicated(const LayerConfig& c) {
@@ -127,24 +116,41 @@ TEST(NodeExchange, EachTokenCrossesOnceToEachNodeAndItsRoutesPointAtIt) {
         }
         const std::set<std::int32_t> block(routes.node_tokens.begin() + begin, routes.node_tokens.begin() + begin + rows);
         EXPECT_EQ(static_cast<std::int64_t>(block.size()), rows) << "a token twice in one node block";
+        std::map<std::int32_t, int> takers;  // how many of the node's ranks take each token
+        for (std::int64_t d = b * 2; d < b * 2 + 2; ++d)
+          for (std::int64_t row = ex.token_send_offset(s, d); row < ex.token_send_offset(s, d + 1); ++row)
+            ++takers[routes.tokens[static_cast<std::size_t>(row)]];
         std::set<std::int32_t> needed;
+        std::int64_t direct_seen = 0;
         for (std::int64_t d = b * 2; d < b * 2 + 2; ++d)
           for (std::int64_t row = ex.token_send_offset(s, d); row < ex.token_send_offset(s, d + 1); ++row) {
             const std::int32_t at = routes.node_index[static_cast<std::size_t>(2 * row)];
-            ASSERT_GE(at, 0);
-            ASSERT_LT(at, rows);
             // Rank d's sub-block j needs node sub-blocks 0..j only.
             std::int64_t j = 0;
             while (ex.sub_block_offset(s, placement.instances_of(d)[static_cast<std::size_t>(j)]) +
                        ex.first_tokens(s, placement.instances_of(d)[static_cast<std::size_t>(j)]) <=
                    row - ex.token_send_offset(s, d))
               ++j;
+            // Its last rows are the direct tokens: only d of the node takes
+            // them, and they go to it straight, outside the node block.
+            const std::int64_t i = placement.instances_of(d)[static_cast<std::size_t>(j)];
+            const std::int32_t token = routes.tokens[static_cast<std::size_t>(row)];
+            const bool direct = row - ex.token_send_offset(s, d) - ex.sub_block_offset(s, i) >= ex.relayed_first(s, i);
+            EXPECT_EQ(direct, takers[token] == 1) << "token " << token << " of rank " << d << "'s sub-block " << j;
+            if (direct) {
+              EXPECT_EQ(at, -1) << "a direct token forwarded";
+              ++direct_seen;
+              continue;
+            }
+            ASSERT_GE(at, 0);
+            ASSERT_LT(at, rows);
             EXPECT_LT(at, ex.node_sub_offset(s, b, j + 1)) << "rank " << d << "'s sub-block " << j << " reads a later node sub-block";
             EXPECT_EQ(routes.node_tokens[static_cast<std::size_t>(begin + at)], routes.tokens[static_cast<std::size_t>(row)])
                 << "rank " << d << "'s row " << row << " forwarded from another token's node row";
             needed.insert(routes.tokens[static_cast<std::size_t>(row)]);
           }
-        EXPECT_EQ(block, needed) << "node " << b << "'s block holds exactly the tokens its ranks need";
+        EXPECT_EQ(block, needed) << "node " << b << "'s block holds exactly the tokens two or more of its ranks need";
+        EXPECT_GT(direct_seen, 0) << "no token that only one rank of node " << b << " takes";
         // The second column, slot-major as the forwarder's NODE_COMB: each
         // row of rank d's combine sub-list j names its token's node sum
         // row, which lies in the token's combine slot (its highest last
@@ -158,6 +164,13 @@ TEST(NodeExchange, EachTokenCrossesOnceToEachNodeAndItsRoutesPointAtIt) {
             for (std::int64_t k = 0; k < ex.last_tokens(s, i); ++k) {
               const std::int32_t token = routes.tokens[static_cast<std::size_t>(ex.token_send_offset(s, d) +
                                                                                 routes.list_block[static_cast<std::size_t>(list + k)])];
+              if (k >= ex.relayed_last(s, i)) {  // a direct token's sum: straight back, to its row after the node sums
+                EXPECT_EQ(takers[token], 1);
+                EXPECT_EQ(routes.list_slot[static_cast<std::size_t>(token * cols + c.ranks + d)],
+                          ex.direct_sum_start(s, d) + ex.direct_list_offset(s, i) + k - ex.relayed_last(s, i));
+                EXPECT_EQ(routes.list_slot[static_cast<std::size_t>(token * cols + 2 * c.ranks + b)], -1);
+                continue;
+              }
               const std::int32_t at = routes.node_index[static_cast<std::size_t>(2 * (routes_at + ex.node_part_start(s, static_cast<std::int64_t>(j), d) + k) + 1)];
               ASSERT_GE(at, 0);
               ASSERT_LT(at, rows);
@@ -190,8 +203,10 @@ TEST(NodeExchange, EachTokenCrossesOnceToEachNodeAndItsRoutesPointAtIt) {
       EXPECT_EQ(ex.node_recv_rows(f), rows);
     }
     auto wrong = tokens;
-    const std::size_t S = static_cast<std::size_t>(ex.node_slots()),
-                      first_node_count = tokens.size() - static_cast<std::size_t>(2 * c.ranks * ex.nodes()) * S;
+    const std::size_t S = static_cast<std::size_t>(ex.node_slots()), N = static_cast<std::size_t>(ex.instances()),
+                      first_node_count = 2 * static_cast<std::size_t>(c.ranks) * N,
+                      first_direct = first_node_count + static_cast<std::size_t>(2 * c.ranks * ex.nodes()) * S;
+    ASSERT_EQ(tokens.size(), first_direct + 2 * static_cast<std::size_t>(c.ranks) * N);
     wrong[first_node_count + S] += c.tokens_per_rank;  // rank 0 claims more tokens for node 1 than it has
     EXPECT_THROW(ex.set_rank_tokens(wrong, c.tokens_per_rank), Error);
     wrong = tokens;
@@ -199,6 +214,18 @@ TEST(NodeExchange, EachTokenCrossesOnceToEachNodeAndItsRoutesPointAtIt) {
     EXPECT_THROW(ex.set_rank_tokens(wrong, c.tokens_per_rank), Error);
     wrong = tokens;
     wrong[first_node_count + static_cast<std::size_t>(ex.nodes()) * S + S] += 1;  // node 1's combine slots: one token more than its block
+    EXPECT_THROW(ex.set_rank_tokens(wrong, c.tokens_per_rank), Error);
+    wrong = tokens;
+    wrong[first_direct] += 1;  // rank 0 claims a direct token for instance 0, on its own node's rank 0
+    EXPECT_THROW(ex.set_rank_tokens(wrong, c.tokens_per_rank), Error);
+    wrong = tokens;
+    const std::size_t far = N - 1;  // an instance of rank 3, in node 1
+    wrong[first_direct + far] = tokens[far] + 1;  // more direct tokens than the sub-block holds
+    EXPECT_THROW(ex.set_rank_tokens(wrong, c.tokens_per_rank), Error);
+    wrong = tokens;
+    wrong[first_direct + far] += 1;  // by first, not matched by last
+    EXPECT_THROW(ex.set_rank_tokens(wrong, c.tokens_per_rank), Error);
+    wrong.resize(first_direct);  // without the direct counts
     EXPECT_THROW(ex.set_rank_tokens(wrong, c.tokens_per_rank), Error);
     wrong.resize(first_node_count);  // without the node counts
     EXPECT_THROW(ex.set_rank_tokens(wrong, c.tokens_per_rank), Error);
@@ -459,7 +486,7 @@ TEST(NodeExchange, MutationsOfTheForwardingAreRejected) {
       {Pass::forward, 1, TaskKind::dispatch_forward, shorter, "a forwarded piece one row short: a block row the gathers read is never written"},
       {Pass::forward, 2, TaskKind::dispatch_forward, unwaited, "a forward that does not wait: it reads the node block before it lands"},
       {Pass::forward, 1, TaskKind::dispatch_node_put, shorter, "a node piece one row short: the forwarder sends a row that never came"},
-      {Pass::forward, 3, TaskKind::dispatch_node_route_put, shorter, "node routes one row short: a row is forwarded through an unwritten route"},
+      {Pass::forward, 3, TaskKind::dispatch_node_route_put, shifted, "node routes one row down: a row is forwarded through an unwritten route"},
       {Pass::forward, 0, TaskKind::dispatch_node_put, next_event, "a node piece that counts towards another source's node block"},
       {Pass::backward, 1, TaskKind::grad_dispatch_forward, shifted, "the backward's forwarded dy piece one row down"},
       {Pass::backward, 0, TaskKind::grad_dispatch_node_put, shorter, "the backward's node piece one row short"},
