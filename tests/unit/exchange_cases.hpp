@@ -52,6 +52,27 @@ inline void expect_rejected(const std::vector<Program>& programs, const LayerCon
   EXPECT_NE(alone, "") << what << ": every rank alone accepted it (whole set: " << whole.error << ")";
 }
 
+// The mutation corpus's base: a layer's forward and backward programs,
+// both proved, on a contiguous placement and uniform routing; and its
+// check that a corrupted set is rejected both ways.
+struct MutationBase {
+  LayerConfig c;
+  Machine m = parse_machine("cpu:2:32x64");
+  ExpertPlacement placement;
+  RoutingCounts counts;
+  std::vector<Program> forward, backward;
+  explicit MutationBase(const LayerConfig& layer)
+      : c(layer), placement(contiguous(layer)), counts(rank_counts(layer, placement, "uniform", m.tile_rows)) {
+    forward = compile(c, placement, counts, m, Pass::forward, Policy::critical_path);
+    expect_ok(forward);
+    backward = compile(c, placement, counts, m, Pass::backward, Policy::critical_path);
+    expect_ok(backward);
+  }
+  void rejected(const std::vector<Program>& programs, const char* what) const {
+    expect_rejected(programs, c, placement, counts, m, what);
+  }
+};
+
 // A program's first task of `kind` that puts to another rank.
 inline Task& remote_task(Program& p, TaskKind kind) {
   for (auto& t : p.tasks)

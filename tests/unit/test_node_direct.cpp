@@ -23,17 +23,9 @@ using hpmoe::testing::bit_identical;
 namespace {
 
 TEST(NodeDirect, MutationsOfTheDirectRouteAreRejected) {
-  const LayerConfig c = node_layer(4, 2, 100);
-  const Machine m = parse_machine("cpu:2:32x64");
-  const auto placement = contiguous(c);
-  const auto counts = rank_counts(c, placement, "uniform", m.tile_rows);
-  const auto forward = compile(c, placement, counts, m, Pass::forward, Policy::critical_path);
-  expect_ok(forward);
-  const auto backward = compile(c, placement, counts, m, Pass::backward, Policy::critical_path);
-  expect_ok(backward);
-  const auto rejected = [&](const std::vector<Program>& programs, const char* what) {
-    expect_rejected(programs, c, placement, counts, m, what);
-  };
+  const MutationBase base(node_layer(4, 2, 100));
+  const auto& [c, m, placement, counts, forward, backward] = base;
+  const auto rejected = [&](const std::vector<Program>& programs, const char* what) { base.rejected(programs, what); };
   // The direct tokens (only one rank of the other node takes them): their
   // pieces go straight across, and their sums come straight back.
   const auto across = [](Program& p, TaskKind kind) -> Task& {  // p's first put of `kind` into another node (2 ranks a node)

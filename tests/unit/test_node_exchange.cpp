@@ -469,17 +469,9 @@ TEST(NodeExchange, CasesTheCompilerFuzzerFoundAreProved) {
 }
 
 TEST(NodeExchange, MutationsOfTheForwardingAreRejected) {
-  const LayerConfig c = node_layer(4, 2, 100);
-  const Machine m = parse_machine("cpu:2:32x64");
-  const auto placement = contiguous(c);
-  const auto counts = rank_counts(c, placement, "uniform", m.tile_rows);
-  const auto forward = compile(c, placement, counts, m, Pass::forward, Policy::critical_path);
-  expect_ok(forward);
-  const auto backward = compile(c, placement, counts, m, Pass::backward, Policy::critical_path);
-  expect_ok(backward);
-  const auto rejected = [&](const std::vector<Program>& programs, const char* what) {
-    expect_rejected(programs, c, placement, counts, m, what);
-  };
+  const MutationBase base(node_layer(4, 2, 100));
+  const auto& [c, m, placement, counts, forward, backward] = base;
+  const auto rejected = [&](const std::vector<Program>& programs, const char* what) { base.rejected(programs, what); };
   const auto remote = remote_task;
   const PutMutation put_mutations[] = {
       {Pass::forward, 0, TaskKind::dispatch_forward, shifted, "a forwarded piece one row down: a row sent twice, another not at all"},
