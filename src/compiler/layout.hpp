@@ -123,6 +123,9 @@ class Exchange {
   // node counts, [2 P N + P B' + s N + i] the direct tokens of s among
   // those whose first instance on i's rank is i, then [.. + P N + s N + i]
   // by last (B' = 2 B S). 0 where s's tokens reach i's rank straight anyway.
+  // Whether rank d takes direct tokens (not where its node's other ranks
+  // would spread them better: choose_direct_ranks).
+  bool takes_direct(std::int64_t d) const { return !direct_to_.empty() && direct_to_[static_cast<std::size_t>(d)] != 0; }
   std::int64_t direct_first(std::int64_t s, std::int64_t i) const {
     return direct_.empty() ? 0 : direct_[static_cast<std::size_t>(s * instances_ + i)];
   }
@@ -245,6 +248,8 @@ class Exchange {
   std::vector<std::int64_t> direct_list_;              // [s N + i]
   void set_node_tokens(std::span<const std::int64_t> counts, std::int64_t tokens_per_rank);
   void set_direct_tokens(std::span<const std::int64_t> counts);
+  void choose_direct_ranks();
+  std::vector<char> direct_to_;  // [d]
 };
 
 // The (expert, rank) pairs whose weights a step lends under the layer's

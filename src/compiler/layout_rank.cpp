@@ -82,11 +82,13 @@ void Exchange::set_direct_tokens(std::span<const std::int64_t> counts) {
       for (const std::int64_t i : placement_.instances_of(d)) {
         const std::int64_t f = direct_first(s, i), l = direct_last(s, i);
         const std::int64_t all_f = counts[static_cast<std::size_t>(s * N + i)], all_l = counts[static_cast<std::size_t>((P + s) * N + i)];
-        if (f < 0 || l < 0 || f > all_f || l > all_l || (!forwarded(s, d) && (f != 0 || l != 0)))
+        if (f < 0 || l < 0 || f > all_f || l > all_l || ((!forwarded(s, d) || !takes_direct(d)) && (f != 0 || l != 0)))
           throw Error("rank " + std::to_string(s) + " reports " + std::to_string(f) + " and " + std::to_string(l) +
                       " direct tokens (by first and by last instance) for expert instance " + std::to_string(i) + " of its " +
                       std::to_string(all_f) + " and " + std::to_string(all_l) +
-                      (forwarded(s, d) ? "" : ", though its tokens reach that rank straight anyway"));
+                      (!forwarded(s, d)      ? ", though its tokens reach that rank straight anyway"
+                       : !takes_direct(d) ? ", though that rank takes its tokens through the forwarder"
+                                          : ""));
         direct_list_[static_cast<std::size_t>(s * N + i)] = by_last;
         by_first += f;
         by_last += l;
@@ -128,8 +130,9 @@ void Exchange::set_node_tokens(std::span<const std::int64_t> counts, std::int64_
   route_recv_.assign(static_cast<std::size_t>(P), 0);
   for (std::int64_t s = 0; s < P; ++s)
     for (std::int64_t b = 0; b < B; ++b) {
-      // A node block holds each token that two or more ranks of the node
-      // need, once (a token only one needs goes to it straight).
+      // A node block holds each token the node's ranks take through the
+      // forwarder, once (a token only one takes goes to it straight, if
+      // that rank takes direct tokens).
       std::int64_t most = 0, sum = 0;
       for (std::int64_t d = b * R; d < (b + 1) * R; ++d) {
         const std::int64_t relayed = rank_tokens(s, d) - (direct_sum_[static_cast<std::size_t>(s * (P + 1) + d + 1)] -
@@ -138,12 +141,12 @@ void Exchange::set_node_tokens(std::span<const std::int64_t> counts, std::int64_
         sum += relayed;
       }
       const std::int64_t n = node_tokens(s, b);
-      if (b == node_of(s) ? n != 0 : (n < most || 2 * n > sum || n > tokens_per_rank))
+      if (b == node_of(s) ? n != 0 : (n < most || n > std::min(sum, tokens_per_rank)))
         throw Error("rank " + std::to_string(s) + " reports " + std::to_string(n) + " tokens for node " + std::to_string(b) +
                     (b == node_of(s) ? ", its own node (which takes none through a forwarder)"
                                      : ", impossible when its ranks take " + std::to_string(most) + " at most and " +
-                                           std::to_string(sum) + " in all (each at least twice) of its " +
-                                           std::to_string(tokens_per_rank) + " through the forwarder"));
+                                           std::to_string(sum) + " in all of its " + std::to_string(tokens_per_rank) +
+                                           " through the forwarder"));
       if (node_sum_offset(s, b, S) != n)
         throw Error("rank " + std::to_string(s) + " reports " + std::to_string(n) + " tokens for node " + std::to_string(b) +
                     " by their node slot but " + std::to_string(node_sum_offset(s, b, S)) + " by their node combine slot");
@@ -352,9 +355,9 @@ RankRoutes rank_routes(const LayerConfig& c, const Exchange& ex, std::int64_t s,
       if (first_of[t] < 0 || ex.instance_slot(i) < ex.instance_slot(first_of[t])) first_of[t] = i;
       if (last_of[t] < 0 || ex.instance_slot(i) > ex.instance_slot(last_of[t])) last_of[t] = i;
     });
-    const bool across = ex.forwarded(s, d);
+    const bool across = ex.forwarded(s, d), straight_across = across && ex.takes_direct(d);
     const auto direct = [&](std::int64_t t) -> std::int64_t {
-      return across && takers[static_cast<std::size_t>(t * B + ex.node_of(d))] == 1;
+      return straight_across && takers[static_cast<std::size_t>(t * B + ex.node_of(d))] == 1;
     };
     // A counting sort by (slot, direct) of the first instance (the block)
     // and of the last (the combine list), in O(T) per destination; r.first

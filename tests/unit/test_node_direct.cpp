@@ -13,6 +13,7 @@
 
 #include "bit_identity.hpp"
 #include "compiler/layout.hpp"
+#include "hpmoe/error.hpp"
 #include "runtime/interleaved.hpp"
 #include "exchange_cases.hpp"
 
@@ -65,6 +66,48 @@ TEST(NodeDirect, MutationsOfTheDirectRouteAreRejected) {
     ASSERT_TRUE(found) << "no forwarded piece followed by a direct one";
     rejected(programs, "a direct token forwarded too: its row written twice");
   }
+}
+
+// A hot rank (over 1.25 times its node's mean rows from other nodes) takes
+// its tokens through the forwarders, which spread them over the node's
+// links; the others take their direct tokens straight. Counts that claim
+// direct tokens for a hot rank are refused.
+TEST(NodeDirect, AHotRankTakesItsTokensThroughTheForwarders) {
+  const LayerConfig c = node_layer(4, 2, 100);
+  const auto placement = contiguous(c);  // rank r holds experts 4r..4r+3
+  const auto r = routing_of(c, "hot:0.25");  // one expert's rows: a quarter of all
+  const auto counts = routing_counts(c, r);
+  taskflow::Exchange ex(c, placement, counts, 32);
+  const auto tokens = rank_token_counts(c, placement, counts, r, 32);
+  ex.set_rank_tokens(tokens, c.tokens_per_rank);
+  // Each rank's rows from the other node, and which are hot.
+  std::int64_t load[4] = {};
+  for (std::int64_t s = 0; s < 4; ++s)
+    for (std::int64_t e = 0; e < c.routed_experts; ++e)
+      if (s / 2 != e / 8) load[e / 4] += counts.at(s, e);
+  int hot = -1;
+  for (int d = 0; d < 4; ++d) {
+    const std::int64_t node_sum = load[d / 2 * 2] + load[d / 2 * 2 + 1];
+    const bool is_hot = 2.0 * static_cast<double>(load[d]) > 1.25 * static_cast<double>(node_sum);
+    EXPECT_EQ(ex.takes_direct(d), !is_hot) << "rank " << d << ": " << load[d] << " of its node's " << node_sum << " rows";
+    if (is_hot) hot = d;
+  }
+  ASSERT_GE(hot, 0) << "no hot rank: the case tests nothing";
+  std::int64_t straight = 0;  // direct tokens of the ranks that take them
+  for (std::int64_t s = 0; s < 4; ++s)
+    for (std::int64_t i = 0; i < ex.instances(); ++i) {
+      const std::int64_t d = ex.placement().instance_rank(i);
+      if (d == hot) EXPECT_EQ(ex.direct_first(s, i), 0) << "source " << s;
+      else straight += ex.direct_first(s, i);
+    }
+  EXPECT_GT(straight, 0) << "the ranks that are not hot take their direct tokens straight";
+  auto wrong = tokens;
+  const auto N = static_cast<std::size_t>(ex.instances());
+  const std::size_t first_direct = tokens.size() - 2 * static_cast<std::size_t>(c.ranks) * N;
+  const std::size_t s_on_hot = static_cast<std::size_t>((hot < 2 ? 2 : 0)) * N + static_cast<std::size_t>(ex.placement().instances_of(hot)[0]);
+  wrong[first_direct + s_on_hot] += 1;
+  wrong[first_direct + static_cast<std::size_t>(c.ranks) * N + s_on_hot] += 1;
+  EXPECT_THROW(ex.set_rank_tokens(wrong, c.tokens_per_rank), Error) << "a direct token claimed for the hot rank";
 }
 
 // The tokens a step sends straight across nodes (the direct tokens), over
