@@ -149,7 +149,8 @@ class Exchange {
   // The per-node exchange (LayerConfig::forwards): with ranks in nodes of
   // R, a token of source s crosses to node b != s's once, to the rank of b
   // with s's local index (its forwarder), in s's node block for b: the
-  // tokens any rank of b needs, in token order. With it, s puts the node's
+  // tokens the ranks of b take through it (all but the direct tokens,
+  // above), in token order. With it, s puts the node's
   // routes: for each row of its token list for each rank of b, that
   // token's row in the node block. The forwarder puts each rank's token
   // block from the node block, into the place and with the events that s's
