@@ -214,6 +214,20 @@ LayerConfig hosted_layer(LayerConfig c, const MachineModel& m) {
   return c;
 }
 
+// The per-node exchange's route of the step's tokens (SimReport::node_route).
+SimReport::NodeRoute node_route(const LayerConfig& c, const ExpertPlacement& placement, const taskflow::RoutingCounts& counts,
+                                std::int64_t tile_rows) {
+  const taskflow::Exchange ex(c, placement, counts, tile_rows);
+  SimReport::NodeRoute route;
+  for (std::int64_t s = 0; s < c.ranks; ++s) {
+    for (std::int64_t b = 0; b < ex.nodes(); ++b) route.crossings += ex.node_tokens(s, b);
+    for (std::int64_t i = 0; i < ex.instances(); ++i) route.direct += ex.direct_first(s, i);
+  }
+  route.crossings += route.direct;
+  for (std::int64_t d = 0; d < c.ranks; ++d) route.hot_ranks += !ex.takes_direct(d);
+  return route;
+}
+
 }  // namespace
 
 SimReport simulate(const MachineModel& given, const SimRequest& req) {
@@ -241,6 +255,7 @@ SimReport simulate(const MachineModel& given, const SimRequest& req) {
   // the rest of their operators from the per-assignment programs.
   const bool by_rank = c.exchange == ExchangeMode::rank;
   if (by_rank) counts.token_counts = taskflow::rank_token_counts(c, placement, counts, routing, machine.tile_rows);
+  if (c.forwards()) rep.node_route = node_route(c, placement, counts, machine.tile_rows);
   // The frameworks' exchanges lend no weights: their baselines run the layer without.
   LayerConfig per_assignment = c;
   per_assignment.exchange = ExchangeMode::assignment;
@@ -357,6 +372,10 @@ std::string format_report(const SimReport& r) {
   o << std::setprecision(1) << "puts     " << r.forward.put_bytes / 1e6 << " MB forward";
   if (r.has_backward) o << " + " << r.backward.put_bytes / 1e6 << " MB backward";
   o << " to other ranks (all ranks)\n";
+  if (const auto& n = r.node_route; n.crossings > 0)
+    o << std::setprecision(1) << "nodes    " << 100.0 * double(n.direct) / double(n.crossings)
+      << "% of the token crossings into other nodes straight to the one rank that takes them, the rest through forwarders"
+      << (n.hot_ranks > 0 ? "; " + std::to_string(n.hot_ranks) + " hot ranks take theirs through the forwarders" : std::string()) << "\n";
   if (r.config.lend_weights != 0) {
     o << "lend     " << r.forward.lent << " (expert, rank) pairs lent (a rank's own rows >= " << r.config.lend_threshold()
       << "); their weights " << r.forward.lent_bytes / 1e6 << " MB forward";
@@ -467,6 +486,8 @@ nlohmann::json to_json(const SimReport& r) {
         j[key]["mindspore_speedup"] = p->mindspore_s / p->interleaved_s;
       }
   if (!r.exchange_choice.empty()) j["exchange_choice"] = r.exchange_choice;
+  if (const auto& n = r.node_route; n.crossings > 0)
+    j["node_route"] = {{"crossings", n.crossings}, {"direct", n.direct}, {"hot_ranks", n.hot_ranks}};
   j["kernel_scope"] = r.kernel_scope;
   j["gemm_dtype"] = r.fp8_gemms ? "fp8" : to_string(r.config.dtype);
   j["put_engine"] = name(r.machine.put_engine);

@@ -277,6 +277,12 @@ struct SimReport {
   PassResult forward, backward;
   DeepEpExchangeAlone deepep_exchange;  // where the machine has the DeepEP-style baseline
   std::string exchange_choice;          // --exchange auto: the scheme chosen and why (empty: the layer's own)
+  // The per-node exchange: token crossings into other nodes (one per
+  // (token, node)), those sent straight to their one rank (direct tokens),
+  // and the ranks too hot to take theirs straight (taskflow::Exchange).
+  struct NodeRoute {
+    std::int64_t crossings = 0, direct = 0, hot_ranks = 0;
+  } node_route;
   bool has_backward = false;
   bool kernel_scope = false;
   bool fp8_gemms = false;  // GEMMs at the machine's fp8 rates (machine: as simulated, fp8 rates in the bf16 columns)

@@ -9,6 +9,7 @@
 #include "source_dir.hpp"
 #include "hpmoe/error.hpp"
 #include "sim/sim.hpp"
+#include <nlohmann/json.hpp>
 
 using namespace hpmoe;
 using namespace hpmoe::sim;
@@ -119,4 +120,28 @@ TEST(ChooseExchange, DispatchDtypeAutoRunsTheFastestWireAndKeepsAGivenScheme) {
   const SimReport no_fp8 = simulate_choosing_exchange(m, req);
   EXPECT_NE(no_fp8.config.dispatch_dtype, DispatchDType::fp8);
   EXPECT_NE(no_fp8.exchange_choice.find("with fp8 dispatch not possible"), std::string::npos) << no_fp8.exchange_choice;
+}
+
+// The per-node exchange's report says how its tokens crossed: most straight
+// where a rank holds few experts (uniform routing, 16 ranks of 2 experts, 8
+// a node), none through a hot rank; a hot expert's rank takes its tokens
+// through the forwarders.
+TEST(NodeRoute, TheReportSaysHowTheTokensCrossed) {
+  const MachineModel m = load_machine(std::string(HPMOE_SOURCE_DIR) + "/machines/h800.json");
+  SimRequest req = two_h800_nodes();
+  req.backward = false;
+  req.config.exchange = ExchangeMode::rank;
+  req.config.ranks_per_node = 8;
+  const SimReport uniform = simulate(m, req);
+  const auto& n = uniform.node_route;
+  EXPECT_GT(n.crossings, 0);
+  EXPECT_GT(n.direct, n.crossings / 2) << n.direct << " of " << n.crossings;
+  EXPECT_EQ(n.hot_ranks, 0);
+  EXPECT_NE(format_report(uniform).find("of the token crossings into other nodes straight"), std::string::npos);
+  EXPECT_EQ(to_json(uniform)["node_route"]["direct"].get<std::int64_t>(), n.direct);
+  req.routing = parse_routing_spec("hot:0.25", 3);
+  EXPECT_GE(simulate(m, req).node_route.hot_ranks, 1);
+  req.config.node_forwarding = false;  // straight: no node route to report
+  EXPECT_EQ(simulate(m, req).node_route.crossings, 0);
+  EXPECT_EQ(format_report(simulate(m, req)).find("token crossings"), std::string::npos);
 }
