@@ -269,15 +269,19 @@ struct RankRoutes {
   std::vector<std::int64_t> row_assign;  // [send_rows]: assignment t K + k
   std::vector<std::int32_t> tokens;      // [token_send_offset(s, P)]
   std::vector<std::int32_t> position;    // [send_rows]
-  std::vector<std::int64_t> first;       // [2 N] tokens whose first instance on its rank is i, then whose last is
+  // [2 N] tokens whose first instance on its rank is i, then whose last
+  // is; with the per-node exchange [2 N] more: those of them that are
+  // direct tokens (Exchange::direct_first, direct_last).
+  std::vector<std::int64_t> first;
   // The per-rank combine's list, one per destination like the token list
   // and as long, but cut by each token's last instance there (sub-lists in
   // slot order, each in token order): for each list row, the token's row
   // in its block and the row each of its K choices fills on the
   // destination (-1: elsewhere or dropped); for each token (2 P + B
   // columns): its row in the lists for each rank (-1: none), the row each
-  // rank's sum comes back to (Exchange::sum_start; -1: none, or through a
-  // forwarder), and the row each node's sum comes back to (the per-node
+  // rank's sum comes back to (Exchange::sum_start, or for a direct token
+  // direct_sum_start; -1: none, or through a forwarder), and the row each
+  // node's sum comes back to (the per-node
   // combine's forwarders'; -1: none, or straight).
   std::vector<std::int32_t> list_block;  // [token list rows]
   std::vector<std::int32_t> comb_row;    // [token list rows * K]

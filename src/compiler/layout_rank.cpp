@@ -333,7 +333,8 @@ RankRoutes rank_routes(const LayerConfig& c, const Exchange& ex, std::int64_t s,
         for (std::int64_t row = ex.send_offset(s, i); row < ex.send_offset(s, i) + ex.count(s, i); ++row) fn(row, i);
   };
   // How many ranks of each node take each token: a token only one rank of
-  // another node takes goes there straight.
+  // another node takes goes there straight, unless that rank is hot
+  // (Exchange::takes_direct).
   const std::int64_t B = ex.nodes();
   std::vector<std::int32_t> takers(forwards ? static_cast<std::size_t>(T * B) : 0), seen(forwards ? static_cast<std::size_t>(T) : 0, -1);
   for (std::int64_t d = 0; d < P && forwards; ++d)
