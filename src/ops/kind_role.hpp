@@ -37,6 +37,7 @@ enum class Place : std::uint8_t {
   rank_relay,     // the per-rank combine's relay: after the GEMMs it counts
   sum_return,     // the per-rank and per-node combines' sums back to their sources
   node_sum,       // a forwarder's node sums: after the rank's other puts
+  side_gradient,  // a data gradient only the final reductions read (the router's): after the expert chains
   reduction,      // the final reductions: they wait for every return
 };
 

@@ -74,7 +74,7 @@ constexpr OpKind kKinds[] = {
      KindRole{.kernel_scope = KernelScope::outside}},
     {TaskKind::router_dgrad, "router_dgrad", Pass::backward, 20,
      gemm_kind({band(B::dlogits, X::experts), tile(B::rdx)}, X::experts), router_dgrad<float>, router_dgrad<bf16>,
-     KindRole{.kernel_scope = KernelScope::outside}},
+     KindRole{.place = Place::side_gradient, .kernel_scope = KernelScope::outside}},
     {TaskKind::router_wgrad, "router_wgrad", Pass::backward, 30,
      gemm_kind({band(B::xtf, X::tokens), op(B::dlogits, R, Span::whole, X::tokens, Span::task_cols, X::none), tile(B::dwg)},
                X::tokens),

@@ -178,6 +178,7 @@ const char* place_name(Place p) {
     case Place::rank_relay: return "after the GEMMs it counts";
     case Place::sum_return: return "sums back";
     case Place::node_sum: return "sunk node sums";
+    case Place::side_gradient: return "after the expert chains";
     case Place::reduction: return "final reduction";
   }
   return "?";

@@ -167,6 +167,30 @@ TEST(Taskflow, RankRotatedPutsStartWithTheNextRank) {
   }
 }
 
+// The router's data gradient feeds only the final reductions: under RATR
+// it is queued after every data-gradient task of the routed experts on each
+// worker (queued first, it held the matrix units behind the router's
+// backward while the experts' dy had landed), and before the reductions.
+TEST(Taskflow, RatrQueuesTheRoutersDataGradientAfterTheExpertChains) {
+  const LayerConfig c = small(4, 300);
+  const Machine m = parse_machine("accel:4:12:32x64");
+  const auto programs = compile_checked(c, contiguous(c), counts_for(c, "uniform"), m, Pass::backward, Policy::ratr);
+  for (const Program& p : programs) {
+    std::int64_t router = 0;
+    for (int w = 0; w < m.workers(); ++w) {
+      bool seen_router = false;
+      for (std::int32_t q = p.queue_begin[static_cast<std::size_t>(w)]; q < p.queue_begin[static_cast<std::size_t>(w) + 1]; ++q) {
+        const Task& t = p.tasks[static_cast<std::size_t>(p.queue_tasks[static_cast<std::size_t>(q)])];
+        if (t.kind == TaskKind::router_dgrad) seen_router = true, ++router;
+        const TileStep step = role(t.kind).step;
+        const bool chain = t.expert >= 0 && step != TileStep::none && step != TileStep::weight_gradient;
+        EXPECT_FALSE(seen_router && chain) << "rank " << p.rank << " worker " << w << ": " << name(t.kind) << " after router_dgrad";
+      }
+    }
+    EXPECT_GT(router, 0);
+  }
+}
+
 // The final reductions wait for everything and nothing runs beside them:
 // they come in even waves over the vector workers (as many waves as token
 // tiles would take), every token reduced once.
