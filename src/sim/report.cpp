@@ -333,6 +333,7 @@ SimReport simulate(const MachineModel& given, const SimRequest& req) {
     out.interleaved_vector_busy = inter.vector_busy / (vector_units * inter.makespan);
     out.serialized_exposed_comm = ser.exposed_comm;
     out.interleaved_exposed_comm = inter.exposed_comm;
+    out.interleaved_link_busy_s = inter.busiest_link_s;
     if (req.trace) {  // backward after forward on one time axis
       const double shift_s = rep.serialized_trace.empty() ? 0 : rep.forward.serialized_s;
       const double shift_i = rep.interleaved_trace.empty() ? 0 : rep.forward.interleaved_s;
@@ -444,6 +445,7 @@ nlohmann::json to_json(const SimReport& r) {
                           {"interleaved_vector_busy", p.interleaved_vector_busy},
                           {"serialized_exposed_comm", p.serialized_exposed_comm},
                           {"interleaved_exposed_comm", p.interleaved_exposed_comm},
+                          {"interleaved_link_busy_s", p.interleaved_link_busy_s},
                           {"tasks", p.tasks},
                           {"cross_node_bytes", p.cross_node_bytes},
                           {"put_bytes", p.put_bytes},

@@ -233,6 +233,10 @@ struct PassResult {
   // Share of the makespan, averaged over ranks, in which the rank has data in
   // flight on a link or in a put and no matrix work running.
   double serialized_exposed_comm = 0, interleaved_exposed_comm = 0;
+  // The fused run's busiest link port (any rank's): the time it carried
+  // bytes. Its hidden part is hidden under compute, not off the link, so
+  // two micro-batches of the fused layer take at least twice this.
+  double interleaved_link_busy_s = 0;
   std::int64_t tasks = 0;
   // Bytes crossing node boundaries in the exchanges (all ranks): as the
   // fused schedule sends them (one row per token and expert, layer dtype),
@@ -321,6 +325,7 @@ nlohmann::json to_json(const SimReport&);
 struct Timeline {
   double makespan = 0;
   double matrix_busy = 0, vector_busy = 0, exposed_comm = 0;
+  double busiest_link_s = 0;  // the fused run's busiest link port's time carrying bytes (Links::busiest_link_s)
   std::vector<TraceSlice> trace;
 };
 Timeline simulate_interleaved(const MachineModel&, const std::vector<taskflow::Program>&,

@@ -384,6 +384,7 @@ Timeline InterleavedSim::run() {
   }
   check_drained();
   out.exposed_comm = exposure.share(out.makespan);
+  out.busiest_link_s = links.busiest_link_s();
   return std::move(out);
 }
 

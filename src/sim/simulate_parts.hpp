@@ -138,6 +138,7 @@ class Links {
         ports_[static_cast<std::size_t>(4 * r + 2)].capacity = ports_[static_cast<std::size_t>(4 * r + 3)].capacity = m.inter_bytes_per_s;
       }
     }
+    link_ports_ = ports_.size();
   }
 
   // Latency and bandwidth between two ranks (bandwidth 0: no link cost).
@@ -168,6 +169,16 @@ class Links {
     return {same_node ? m_.intra_latency_s : m_.inter_latency_s, bw};
   }
 
+  // The longest any link port (a rank's NVLink or NIC, out or in; a mesh
+  // link) spent carrying bytes: a lower bound on any run that moves the
+  // same bytes again, e.g. a second micro-batch.
+  double busiest_link_s() const {
+    double most = 0;
+    for (std::size_t r = 0; r < link_ports_ && r < ports_.size(); ++r)
+      if (ports_[r].capacity > 0) most = std::max(most, ports_[r].carried / ports_[r].capacity);
+    return most;
+  }
+
   // `n` more resources of `capacity` (a unit that moves bytes itself); the first one's index.
   int add_resources(int n, double capacity) {
     const int first = static_cast<int>(ports_.size());
@@ -184,6 +195,7 @@ class Links {
     for (int r : resources) {
       Port& p = ports_[static_cast<std::size_t>(r)];
       advance(p, t);
+      p.carried += bytes;
       p.queue.push(Entry{p.virtual_time + bytes, id});
       ++p.active;
       reschedule(r);
@@ -214,7 +226,7 @@ class Links {
     bool operator>(const Entry& o) const { return finish != o.finish ? finish > o.finish : id > o.id; }
   };
   struct Port {
-    double capacity = 0, virtual_time = 0, updated = 0;
+    double capacity = 0, virtual_time = 0, updated = 0, carried = 0;
     int active = 0;
     int heap_index = -1;  // in order_; -1: no transfers
     double next = kInf;   // when its first transfer is through
@@ -278,6 +290,7 @@ class Links {
   const MachineModel& m_;
   double intra_;  // at this EP degree
   std::vector<Port> ports_;
+  std::size_t link_ports_ = 0;  // the first ports are links; the rest, units that move bytes (add_resources)
   std::vector<int> pending_;  // per transfer: resources still carrying it
   std::vector<std::int64_t> tags_;
   std::vector<int> order_;  // a min-heap of the ports with transfers

@@ -78,6 +78,13 @@ StepReport simulate_step(const MachineModel&, const StepRequest&);
 // rank for two micro-batches): Error naming the option.
 // The tokens of each of a step's two micro-batches: the larger half of T.
 std::int64_t micro_batch_tokens(std::int64_t tokens_per_rank);
+// One layer of two micro-batches, each `compute` seconds on the units
+// and `exchange` seconds of exposed exchange: one's exchange runs under the
+// other's compute, which loses `share` of the units while they overlap.
+// `link_busy`: one micro-batch's busiest link time, where its exchange is
+// longer than its exposed part (the fused run hides the rest under
+// compute, not off the links): the two take at least twice that.
+double micro_batched_layer_s(double compute, double exchange, double share, double link_busy = 0);
 void check_step_request(const StepRequest&);
 std::string format_step_report(const StepReport&);
 nlohmann::json to_json(const StepReport&);

@@ -72,6 +72,34 @@ TEST(StepModel, MicroBatchesHideTheExchangeUnderTheOtherMicroBatchsCompute) {
               2 * std::max(compute + 0.5 * std::min(exchange, compute), exchange), 1e-12);
 }
 
+// The fused run hides its exchange under compute, not off the links: two
+// micro-batches carry twice the bytes over the same links, so the fused way
+// with micro-batches takes at least twice one micro-batch's busiest link
+// (at EP 64 on the H800 model it was credited with less before 2026-12-07).
+TEST(StepModel, TwoFusedMicroBatchesTakeAtLeastTwiceTheirBusiestLink) {
+  const MachineModel m = load_machine("ascend-a3");
+  StepRequest req = small_step(1, 0);
+  const StepReport r = simulate_step(m, req);
+  for (const PassResult* half : {&r.half.forward, &r.half.backward}) {
+    EXPECT_GT(half->interleaved_link_busy_s, 0);
+    // A link carries its bytes within the run that sends them.
+    EXPECT_LE(half->interleaved_link_busy_s, half->interleaved_s);
+  }
+  const StepWay& fused = way(r, "fused (hpmoe) + 2 micro-batches");
+  EXPECT_GE(fused.moe_forward_s, 2 * r.half.forward.interleaved_link_busy_s);
+  EXPECT_GE(fused.moe_backward_s, 2 * r.half.backward.interleaved_link_busy_s);
+  // Exactly the phases or the links, whichever is longer.
+  const PassResult& half = r.half.forward;
+  const double exchange = half.interleaved_exposed_comm * half.interleaved_s;
+  EXPECT_NEAR(fused.moe_forward_s,
+              micro_batched_layer_s(half.interleaved_s - exchange, exchange, req.comm_share, half.interleaved_link_busy_s), 1e-15);
+  // Where the links bind (the H800 model at EP 64: 7.37 ms a micro-batch,
+  // 40% exposed, its busiest NIC 6.87 ms), they are the layer's time.
+  EXPECT_NEAR(micro_batched_layer_s(7.37 - 2.95, 2.95, 20.0 / 132.0, 6.87), 13.74, 1e-12);
+  EXPECT_NEAR(micro_batched_layer_s(7.37 - 2.95, 2.95, 20.0 / 132.0), 2 * (4.42 + 2.95 * 20.0 / 132.0), 1e-12);
+  EXPECT_NEAR(micro_batched_layer_s(3.0, 0, 0.5, 1.0), 6.0, 1e-12);
+}
+
 TEST(StepModel, LayersThatAreAlikeShareOneSimulation) {
   const MachineModel m = load_machine("h800");
   const StepReport one = simulate_step(m, small_step(1, 0));
