@@ -191,6 +191,36 @@ TEST(Taskflow, RatrQueuesTheRoutersDataGradientAfterTheExpertChains) {
   }
 }
 
+// On a machine with matrix units of their own and at least 8 local
+// experts, RATR queues an expert's weight gradients between a later
+// expert's row tiles (spread_weight_gradients), so that they fill matrix
+// units waiting for dy; with fewer experts, or on a CPU, after every chain.
+TEST(Taskflow, RatrSpreadsWeightGradientsBetweenLaterExpertsRowTilesOnAccelerators) {
+  LayerConfig c = small(2, 512);
+  c.routed_experts = 16;  // 8 a rank
+  c.top_k = 2;
+  const auto spread_on = [&](const Machine& m, const LayerConfig& layer) {
+    const auto programs = compile_checked(layer, contiguous(layer), counts_for(layer, "uniform"), m, Pass::backward, Policy::ratr);
+    std::int64_t early = 0;  // weight-gradient tasks queued before some chain task
+    for (const Program& p : programs)
+      for (int w = 0; w < m.workers(); ++w) {
+        std::int64_t wgrads = 0;
+        for (std::int32_t q = p.queue_begin[static_cast<std::size_t>(w)]; q < p.queue_begin[static_cast<std::size_t>(w) + 1]; ++q) {
+          const Task& t = p.tasks[static_cast<std::size_t>(p.queue_tasks[static_cast<std::size_t>(q)])];
+          const TileStep step = role(t.kind).step;
+          if (t.expert >= 0 && step == TileStep::weight_gradient) ++wgrads;
+          else if (t.expert >= 0 && step != TileStep::none) early += wgrads, wgrads = 0;
+        }
+      }
+    return early;
+  };
+  EXPECT_GT(spread_on(parse_machine("accel:4:4:32x64"), c), 0);
+  EXPECT_EQ(spread_on(parse_machine("cpu:2"), c), 0);
+  LayerConfig few = c;
+  few.routed_experts = 8;  // 4 a rank
+  EXPECT_EQ(spread_on(parse_machine("accel:4:4:32x64"), few), 0);
+}
+
 // The final reductions wait for everything and nothing runs beside them:
 // they come in even waves over the vector workers (as many waves as token
 // tiles would take), every token reduced once.
