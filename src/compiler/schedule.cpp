@@ -19,7 +19,6 @@ namespace {
 
 using namespace schedule_roles;
 
-
 // What waits on the event a put signals at its peer: returned rows feed
 // the combine, or first a split expert's reduction.
 std::pair<TaskKind, TaskKind> remote_consumers(TaskKind put) {

@@ -27,9 +27,11 @@ using namespace schedule_roles;
 // the data-gradient chains and overlap the last return puts (on machines
 // with matrix units of their own and many local experts, between later
 // experts' row tiles: spread_weight_gradients); the router's data
-// gradient, which only the final reductions read, just before them. Topological:
-// moved tasks only move later and their consumers follow them; dispatch puts
-// wait for nothing.
+// gradient, which only the final reductions read, just before them.
+// Topological: moved tasks only move later and their consumers follow them,
+// but for the spread weight gradients, which may move earlier and stay
+// after every task of their expert's row tiles (the verifier proves each
+// order); dispatch puts wait for nothing.
 bool is_weight_gradient(TaskKind k) { return step(k) == TileStep::weight_gradient; }
 bool second_gemm(TaskKind k) { return step(k) == TileStep::second_gemm; }
 bool first_gemm(TaskKind k) { return step(k) == TileStep::first_gemm; }
@@ -37,7 +39,8 @@ bool first_gemm(TaskKind k) { return step(k) == TileStep::first_gemm; }
 // Where RATR queues each routed expert's weight gradients on a machine with
 // matrix units of their own and at least kSpreadExperts local experts: from
 // `gap` row tiles after the expert's last one (its second GEMMs are keyed up
-// to `lookahead` tiles later, its packs after them), spread over as many row
+// to `lookahead` tiles later; the rest gives its last packs, vector work,
+// time to run: at 1 lookahead the gain was half), spread over as many row
 // tiles as the expert has, instead of all after the last chain. There the
 // later experts' dy is still landing while their chains run, and the
 // weight gradients fill matrix units that waited for it (H800 model,
@@ -52,20 +55,24 @@ std::vector<double> spread_weight_gradients(const Program& p, const std::vector<
   const std::size_t L = p.local_experts.size();
   if (L < kSpreadExperts || p.machine.matrix_workers == 0 || tile_start.empty()) return key;
   std::vector<std::int64_t> first(L, -1), last(L, -1), total(L, 0), seen(L, 0);
+  // A routed expert's slot here, or L (none: the shared experts' tiles).
+  const auto slot = [&](const Task& t) {
+    const std::int64_t s = p.slot_of(t.expert);
+    return s >= 0 && static_cast<std::size_t>(s) < L ? static_cast<std::size_t>(s) : L;
+  };
   for (std::size_t j = 0; j < tile_start.size(); ++j) {
-    const Task& t = p.tasks[static_cast<std::size_t>(tile_start[j])];
-    if (t.expert < 0) continue;
-    const auto le = static_cast<std::size_t>(p.slot_of(t.expert));
+    const std::size_t le = slot(p.tasks[static_cast<std::size_t>(tile_start[j])]);
+    if (le == L) continue;
     if (first[le] < 0) first[le] = static_cast<std::int64_t>(j);
     last[le] = static_cast<std::int64_t>(j);
   }
   for (const Task& t : p.tasks)
-    if (is_wgrad(t.kind) && t.expert >= 0) ++total[static_cast<std::size_t>(p.slot_of(t.expert))];
+    if (is_wgrad(t.kind) && slot(t) < L) ++total[slot(t)];
   const std::int64_t gap = (5 * lookahead + 1) / 2, tiles = static_cast<std::int64_t>(tile_start.size());
   for (std::size_t i = 0; i < p.tasks.size(); ++i) {
     const Task& t = p.tasks[i];
-    if (!is_wgrad(t.kind) || t.expert < 0) continue;
-    const auto le = static_cast<std::size_t>(p.slot_of(t.expert));
+    const std::size_t le = is_wgrad(t.kind) ? slot(t) : L;
+    if (le == L) continue;
     const std::int64_t from = last[le] + gap;
     if (last[le] < 0 || from >= tiles) continue;  // the last experts' stay after the chains
     const std::int64_t span = std::min(tiles - from, last[le] - first[le] + 1);
