@@ -122,16 +122,17 @@ class Exchange {
   // each in token order; each combine sub-list likewise. Counts: after the
   // node counts, [2 P N + P B' + s N + i] the direct tokens of s among
   // those whose first instance on i's rank is i, then [.. + P N + s N + i]
-  // by last (B' = 2 B S). 0 where s's tokens reach i's rank straight anyway.
-  // Whether rank d takes direct tokens (not where its node's other ranks
-  // would spread them better: choose_direct_ranks).
-  bool takes_direct(std::int64_t d) const { return !direct_to_.empty() && direct_to_[static_cast<std::size_t>(d)] != 0; }
+  // by last (B' = 2 B S). 0 where s's tokens reach i's rank straight anyway,
+  // and where i's rank takes no direct tokens (takes_direct).
   std::int64_t direct_first(std::int64_t s, std::int64_t i) const {
     return direct_.empty() ? 0 : direct_[static_cast<std::size_t>(s * instances_ + i)];
   }
   std::int64_t direct_last(std::int64_t s, std::int64_t i) const {
     return direct_.empty() ? 0 : direct_[static_cast<std::size_t>((ranks_ + s) * instances_ + i)];
   }
+  // Whether rank d takes direct tokens (not where its node's other ranks
+  // would spread them better: choose_direct_ranks).
+  bool takes_direct(std::int64_t d) const { return !direct_to_.empty() && direct_to_[static_cast<std::size_t>(d)] != 0; }
   // The tokens of sub-block (s, i) that the forwarder puts (the rest come straight).
   std::int64_t relayed_first(std::int64_t s, std::int64_t i) const { return first_tokens(s, i) - direct_first(s, i); }
   std::int64_t relayed_last(std::int64_t s, std::int64_t i) const { return last_tokens(s, i) - direct_last(s, i); }
