@@ -79,6 +79,7 @@ nlohmann::json to_json(const Program& p) {
                   {"vector_workers", p.machine.vector_workers}, {"unified_workers", p.machine.unified_workers},
                   {"tile_rows", p.machine.tile_rows}, {"tile_cols", p.machine.tile_cols},
                   {"weight_tile_rows", p.machine.weight_tile_rows}, {"weight_tile_cols", p.machine.weight_tile_cols}};
+  if (p.machine.matrix_runs_vector) j["machine"]["matrix_runs_vector"] = true;
   j["dims"] = {{"hidden", p.dims.hidden}, {"inter", p.dims.inter}, {"shared_inter", p.dims.shared_inter},
                {"experts", p.dims.experts}, {"top_k", p.dims.top_k}, {"tokens", p.dims.tokens},
                {"elem_bytes", p.dims.elem_bytes}};
@@ -170,6 +171,10 @@ void read_machine(const nlohmann::json& j, Program& p) {
   p.machine.tile_cols = integer<std::int64_t>(m.at("tile_cols"), "machine.tile_cols");
   p.machine.weight_tile_rows = m.contains("weight_tile_rows") ? integer<std::int64_t>(m.at("weight_tile_rows"), "machine.weight_tile_rows") : 0;
   p.machine.weight_tile_cols = m.contains("weight_tile_cols") ? integer<std::int64_t>(m.at("weight_tile_cols"), "machine.weight_tile_cols") : 0;
+  if (m.contains("matrix_runs_vector")) {
+    if (!m.at("matrix_runs_vector").is_boolean()) throw Error("program dump: machine.matrix_runs_vector must be true or false");
+    p.machine.matrix_runs_vector = m.at("matrix_runs_vector").get<bool>();
+  }
   if (p.machine.tile_rows < 1 || p.machine.tile_cols < 1 || p.machine.weight_tile_rows < 0 || p.machine.weight_tile_cols < 0 ||
       p.machine.tile_rows > (1 << 16) || p.machine.tile_cols > (1 << 16) || p.machine.weight_tile_rows > (1 << 16) ||
       p.machine.weight_tile_cols > (1 << 16) || p.machine.weight_tile_cols % p.machine.tile_cols != 0)

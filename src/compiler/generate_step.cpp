@@ -79,7 +79,7 @@ void StepEmitter::final_reduces(BufferId out, std::int64_t combined) {
   const std::int64_t wait_event = p.reductions.empty() ? combined : ev.reduced;
   const TaskKind kind = scheme.final_reduce(*this);
   const BufferId source = scheme.final_source(*this);
-  const std::int64_t step = final_reduce_rows(T, TR, static_cast<std::int64_t>(vector_workers_outside_puts(m)));
+  const std::int64_t step = final_reduce_rows(T, TR, static_cast<std::int64_t>(reduction_workers(m)));
   for (std::int64_t t = 0; t < T; t += step) {
     const std::int64_t rows = std::min(step, T - t);
     b.task({.kind = kind, .src = source, .dst = out, .row_begin = t, .rows = rows, .col_begin = 0, .cols = H, .src_row = t, .wait_event = wait_event, .wait_count = p.events[static_cast<std::size_t>(wait_event)].required});

@@ -44,6 +44,9 @@ std::size_t vector_workers_outside_puts(const Machine& m) {
   for (int w = 0; w < m.workers(); ++w) n += m.takes(w, QueueClass::vector);
   return m.put_workers > 0 && static_cast<std::size_t>(m.put_workers) < n ? n - static_cast<std::size_t>(m.put_workers) : n;
 }
+std::size_t reduction_workers(const Machine& m) {
+  return vector_workers_outside_puts(m) + (m.matrix_runs_vector ? static_cast<std::size_t>(m.matrix_workers) : 0);
+}
 
 // Each position of `order` its worker (scratch.worker_of). Fill:
 // round-robin over the workers that take the class. Otherwise list
@@ -81,8 +84,10 @@ void assign_workers(const Program& p, Policy policy, const std::vector<std::int3
     if (p.machine.put_workers == 0) classes[2] = classes[1];
   }
   // The final reductions come last and wait for everything else: every
-  // vector worker outside the puts takes them, those apart included.
+  // vector worker outside the puts takes them, those apart included, and
+  // where matrix workers run vector code (a GPU's SMs), those too.
   std::vector<int> reduce_workers = classes[1];
+  if (p.machine.matrix_runs_vector) reduce_workers.insert(reduce_workers.end(), classes[0].begin(), classes[0].end());
   reduce_workers.insert(reduce_workers.end(), gather_workers.begin(), gather_workers.end());
   reduce_workers.insert(reduce_workers.end(), sum_workers.begin(), sum_workers.end());
   const auto class_of = [&](const Task& t, bool puts_apart) {

@@ -20,6 +20,9 @@ QueuesApart queues_apart(std::size_t vector_workers);
 bool has_place(const Program&, Place at);
 // The vector workers that do not carry puts (all of them where put_workers is 0).
 std::size_t vector_workers_outside_puts(const Machine&);
+// The workers the final reductions go to: those, and the matrix workers
+// where they run vector code (Machine::matrix_runs_vector).
+std::size_t reduction_workers(const Machine&);
 // Each position of `order` its worker (scratch.worker_of).
 void assign_workers(const Program&, Policy, const std::vector<std::int32_t>& order, ScheduleScratch&);
 

@@ -65,7 +65,7 @@ void Checker::structure() {
     for (std::size_t i = 0; i < worker_of.size(); ++i) {
       const auto id = static_cast<std::int32_t>(i);
       if (worker_of[i] < 0) fail(describe(p, id) + " is on no worker's queue");
-      if (!p.machine.takes(worker_of[i], p.tasks[i].queue))
+      if (!p.machine.runs(worker_of[i], p.tasks[i].queue))
         fail(describe(p, id) + " is a " + name(p.tasks[i].queue) + " task on worker " + std::to_string(worker_of[i]) +
              " which does not take that class");
     }

@@ -45,6 +45,10 @@ bool Machine::takes(int worker, QueueClass c) const {
   return worker < workers();
 }
 
+bool Machine::runs(int worker, QueueClass c) const {
+  return takes(worker, c) || (matrix_runs_vector && c == QueueClass::vector && worker >= 0 && worker < matrix_workers);
+}
+
 namespace {
 int parse_count(const std::string& spec, const std::string& text, int lo, int hi) {
   int v = 0;

@@ -262,9 +262,18 @@ struct Machine {
   // link and the others stay free for vector work. The list-scheduling
   // policies keep puts on these and other vector tasks off them.
   int put_workers = 0;
+  // Whether a matrix worker can also run a vector task the schedule hands
+  // it. A GPU's SMs run whatever code they are given: the matrix/vector
+  // split is the fused schedule's choice, and once the matrix work is done
+  // the final reductions take every SM. Ascend's cube cores cannot run
+  // vector code (false).
+  bool matrix_runs_vector = false;
 
   int workers() const { return matrix_workers + vector_workers + unified_workers; }
-  bool takes(int worker, QueueClass c) const;  // workers: matrix..., vector..., unified...
+  bool takes(int worker, QueueClass c) const;  // the worker's own class: matrix..., vector..., unified (both)...
+  // What the worker may be handed: its own class, and on a machine whose
+  // matrix workers run vector code, a vector task too.
+  bool runs(int worker, QueueClass c) const;
 };
 // W unified workers per rank; M matrix + V vector workers per rank.
 Machine cpu_machine(int workers);

@@ -174,7 +174,8 @@ std::vector<FrameworkOp> mindspore_ops(TaskKind kind, const std::vector<Program>
 // Runs framework operators from `now`; returns when the last one ends.
 double run_framework_ops(const MachineModel& m, const std::vector<FrameworkOp>& ops, int P, double now, Links& links,
                          std::vector<int>& resources, double& exposed) {
-  const double vector_rate = double(m.accelerator ? m.vector_units : m.workers) * m.vector_bytes_per_s;
+  const int vector_units = m.vector_units + (m.matrix_runs_vector ? m.matrix_units : 0);
+  const double vector_rate = double(m.accelerator ? vector_units : m.workers) * m.vector_bytes_per_s;
   for (const FrameworkOp& op : ops) {
     now += m.operator_launch_s;
     const double start = now;
@@ -265,6 +266,12 @@ Timeline serialized(const MachineModel& m, const std::vector<Program>& programs,
         now = op_end;
         continue;
       }
+      // A vector operator takes every unit that runs vector code (all of a
+      // GPU's SMs, as its GEMMs do: serialized.matrix_units); the
+      // exchange's puts stay on the units that carry them.
+      const QueueClass op_class = taskflow::queue_class(op.kind);
+      const bool puts = pass == 1 && is_put(op.kind);
+      const auto units_of_operator = [&](int w) { return puts ? machine.takes(w, op_class) : machine.runs(w, op_class); };
       for (int r = 0; r < P; ++r) {
         const auto& p = programs[static_cast<std::size_t>(r)];
         // The units of the operator's class. An accelerator's framework
@@ -279,7 +286,7 @@ Timeline serialized(const MachineModel& m, const std::vector<Program>& programs,
                w});  // every SM on the framework's GEMMs
         else
           for (int w = 0; w < Q; ++w)
-            if (machine.takes(w, taskflow::queue_class(op.kind))) {
+            if (units_of_operator(w)) {
               units.push({now, w});
               dealt.push_back({now, w});
             }

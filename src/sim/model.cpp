@@ -110,6 +110,7 @@ taskflow::Machine MachineModel::compiler_machine() const {
     m.vector_bytes_per_s = vector_bytes_per_s;
     m.put_bytes_per_s = intra_bytes_per_s > 0 ? intra_bytes_per_s : vector_bytes_per_s;
     m.task_overhead_s = task_overhead_s;
+    m.matrix_runs_vector = matrix_runs_vector;
     if (put_engine == PutEngine::vector && put_in_flight > 0) {
       // Puts on their own units, sharing the link: each one's time is its share.
       m.put_workers = put_in_flight;
@@ -204,7 +205,7 @@ json tile_json(const MachineModel& m) {
 void check_known_fields(const json& j, const std::string& prefix = "") {
   static const std::set<std::string> known = {
       "name", "description", "kind", "signal_latency_s", "task_overhead_s",
-      "units", "units.matrix", "units.vector", "units.workers",
+      "units", "units.matrix", "units.vector", "units.workers", "units.matrix_runs_vector",
       "tile", "tile.rows", "tile.cols", "tile.weight_rows", "tile.weight_cols",
       "matrix", "matrix.tile_rates", "matrix.peak", "matrix.peak.fp32_flops", "matrix.peak.bf16_flops",
       "matrix.peak.fp8_flops", "vector", "vector.bytes_per_s", "vector.by_kind",
@@ -247,8 +248,15 @@ void read_units(const json& j, MachineModel& m) {
     m.matrix_units = count(j, "units.matrix", 1);
     m.vector_units = count(j, "units.vector", 1);
     m.workers = 0;
+    if (const json& u = j.at("units"); u.contains("matrix_runs_vector")) {
+      if (!u["matrix_runs_vector"].is_boolean()) throw Error("machine model: 'units.matrix_runs_vector' must be true or false");
+      m.matrix_runs_vector = u["matrix_runs_vector"].get<bool>();
+    }
   } else {
     m.workers = count(j, "units.workers", 1);
+    if (j.at("units").contains("matrix_runs_vector"))
+      throw Error("machine model: 'units.matrix_runs_vector' is for an accelerator's matrix units; a CPU's workers take "
+                  "every class of task already: remove it");
   }
   m.tile_rows = count(j, "tile.rows", 1);
   m.tile_cols = count(j, "tile.cols", 1);
@@ -535,6 +543,7 @@ json to_json(const MachineModel& m) {
                  {"bf16_dot_flops_per_core", m.bf16_peak_per_core}};
   if (m.accelerator) j["units"] = {{"matrix", m.matrix_units}, {"vector", m.vector_units}};
   else j["units"] = {{"workers", m.workers}};
+  if (m.matrix_runs_vector) j["units"]["matrix_runs_vector"] = true;
   for (int k = 0; k < static_cast<int>(taskflow::TaskKind::count); ++k)
     if (const double r = m.vector_kind_bytes_per_s[static_cast<std::size_t>(k)]; r > 0)
       j["vector"]["by_kind"][taskflow::name(static_cast<taskflow::TaskKind>(k))] = r;

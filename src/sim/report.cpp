@@ -328,7 +328,9 @@ SimReport simulate(const MachineModel& given, const SimRequest& req) {
     out.interleaved_s = inter.makespan;
     const double serialized_matrix_units = m.serialized_matrix_units > 0 ? double(c.ranks) * m.serialized_matrix_units : matrix_units;
     out.serialized_matrix_busy = ser.matrix_busy / (serialized_matrix_units * ser.makespan);
-    out.serialized_vector_busy = ser.vector_busy / (vector_units * ser.makespan);
+    // A serialized vector operator takes every unit that runs vector code.
+    const double serialized_vector_units = m.matrix_runs_vector ? vector_units + matrix_units : vector_units;
+    out.serialized_vector_busy = ser.vector_busy / (serialized_vector_units * ser.makespan);
     out.interleaved_matrix_busy = inter.matrix_busy / (matrix_units * inter.makespan);
     out.interleaved_vector_busy = inter.vector_busy / (vector_units * inter.makespan);
     out.serialized_exposed_comm = ser.exposed_comm;

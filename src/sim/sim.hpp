@@ -91,6 +91,12 @@ struct MachineModel {
   std::string name, description;
   bool accelerator = false;       // false: unified CPU workers
   int matrix_units = 0, vector_units = 0, workers = 1;  // per rank
+  // "units.matrix_runs_vector": the matrix units run vector code too (a
+  // GPU's SMs; Ascend's cube cores do not). A serialized run's vector
+  // operators then take every unit, as its GEMMs do, and the fused
+  // schedule's final reductions the matrix units too
+  // (taskflow::Machine::matrix_runs_vector).
+  bool matrix_runs_vector = false;
   std::int64_t tile_rows = 64, tile_cols = 64;
   std::int64_t weight_tile_rows = 0;  // rows of weight-gradient tiles ("tile.weight_rows"; 0: tile_rows)
   std::int64_t weight_tile_cols = 0;  // columns of a weight-gradient task ("tile.weight_cols", a multiple of cols; 0: cols)

@@ -100,6 +100,12 @@ TEST(Simulator, RejectsBadModels) {
   j["put"]["stream_per_peer"] = 1;
   expect_error(j, "put.stream_per_peer");
   j = good;
+  j["units"]["matrix_runs_vector"] = "yes";
+  expect_error(j, "units.matrix_runs_vector");
+  j = nlohmann::json::parse(std::ifstream(std::string(HPMOE_SOURCE_DIR) + "/machines/cpu-local.json"));
+  j["units"]["matrix_runs_vector"] = true;  // a CPU's workers take both classes already
+  expect_error(j, "units.matrix_runs_vector");
+  j = good;
   j["links"]["intra"]["by_ep"] = {{{"ranks", 16}, {"bytes_per_s", 1e11}}, {{"ranks", 8}, {"bytes_per_s", 1e11}}};
   expect_error(j, "by_ep.1.ranks");
   j = good;
@@ -136,7 +142,11 @@ TEST(Simulator, RejectsBadModels) {
     EXPECT_EQ(default_policy(m), taskflow::Policy::ratr) << name;
   }
   EXPECT_EQ(default_policy(load_machine("cpu-local")), taskflow::Policy::critical_path);
-  EXPECT_EQ(machine_from_json([&] { auto h = to_json(h800); h["sources"] = {{"all", "test"}}; return h; }()).serialized_matrix_units, 132);
+  const MachineModel h800_again = machine_from_json([&] { auto h = to_json(h800); h["sources"] = {{"all", "test"}}; return h; }());
+  EXPECT_EQ(h800_again.serialized_matrix_units, 132);
+  // A GPU's SMs run vector code; Ascend's cube cores do not.
+  EXPECT_TRUE(h800.matrix_runs_vector && h800_again.matrix_runs_vector && h800.compiler_machine().matrix_runs_vector);
+  EXPECT_FALSE(a3.matrix_runs_vector || again.matrix_runs_vector || a3.compiler_machine().matrix_runs_vector);
   MachineModel cpu = load_machine(std::string(HPMOE_SOURCE_DIR) + "/machines/cpu-local.json");
   cpu.put_stream_per_peer = true;
   EXPECT_TRUE(machine_from_json([&] { auto c = to_json(cpu); c["sources"] = {{"all", "test"}}; return c; }()).put_stream_per_peer);

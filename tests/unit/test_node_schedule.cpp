@@ -57,4 +57,48 @@ TEST(NodeSchedule, LateNodeSumsGoOutRotatedByNode) {
   }
 }
 
+// Where matrix workers run vector code (a GPU's SMs), the final reductions,
+// which wait for every return, are dealt over them too; elsewhere they stay
+// on the vector workers. A program that hands a vector task to a matrix
+// worker of a machine whose matrix units cannot run it is refused by the
+// whole-set and the per-rank proof.
+TEST(NodeSchedule, FinalReductionsTakeTheMatrixWorkersWhereTheyRunVectorCode) {
+  const LayerConfig c = node_layer(4, 2, 256);
+  const auto placement = contiguous(c);
+  Machine m = parse_machine("accel:4:12:32x64");
+  const auto counts = rank_counts(c, placement, "uniform", m.tile_rows);
+  for (const Pass pass : {Pass::forward, Pass::backward}) {
+    SCOPED_TRACE(pass == Pass::forward ? "forward" : "backward");
+    const TaskKind reduce = pass == Pass::forward ? TaskKind::combine_rank_reduce : TaskKind::grad_rank_reduce;
+    const auto on_matrix_workers = [&](const std::vector<Program>& programs) {
+      int n = 0, all = 0;
+      for (const Program& p : programs)
+        for (int w = 0; w < p.machine.workers(); ++w)
+          for (auto i = p.queue_begin[static_cast<std::size_t>(w)]; i < p.queue_begin[static_cast<std::size_t>(w) + 1]; ++i) {
+            const bool is_reduce = p.tasks[static_cast<std::size_t>(p.queue_tasks[static_cast<std::size_t>(i)])].kind == reduce;
+            all += is_reduce;
+            n += is_reduce && w < p.machine.matrix_workers;
+          }
+      return std::pair{n, all};
+    };
+    m.matrix_runs_vector = false;
+    const auto apart = compile_checked(c, placement, counts, m, pass, Policy::ratr);
+    EXPECT_EQ(on_matrix_workers(apart).first, 0);
+    m.matrix_runs_vector = true;
+    auto together = compile_checked(c, placement, counts, m, pass, Policy::ratr);
+    const auto [n, all] = on_matrix_workers(together);
+    // Sized for one wave over all 16 workers: more tasks than the 12 vector workers.
+    EXPECT_GT(all / static_cast<int>(together.size()), 12);
+    // The list scheduling hands them to the workers free first: in the
+    // forward the matrix workers are idle by then; in the backward their
+    // weight gradients may still run.
+    if (pass == Pass::backward) continue;
+    EXPECT_GT(n, 0) << "no final reduction on a matrix worker";
+    Machine cube = m;
+    cube.matrix_runs_vector = false;
+    for (Program& p : together) p.machine = cube;
+    expect_rejected(together, c, placement, counts, cube, "a vector task on a matrix worker that cannot run it");
+  }
+}
+
 }  // namespace

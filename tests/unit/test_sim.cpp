@@ -519,6 +519,20 @@ TEST(Baselines, GpuFrameworksGiveTheirGemmsEverySm) {
   EXPECT_NEAR(simulate_serialized(m, b.programs, b.work, DType::fp32, false).makespan, flops / 1e12, 1e-15);
 }
 
+TEST(Baselines, GpuFrameworksGiveTheirVectorOperatorsEverySmToo) {
+  // One rank, 6 equal SwiGLU tiles: 2 vector units take them in 3 waves;
+  // where the matrix unit runs vector code (a GPU's SM), a framework's
+  // operator takes all 3 units, 2 waves.
+  MachineModel m = round_machine(1, 2);
+  const double bytes = 1e6;
+  Builder b(1, m);
+  for (int i = 0; i < 6; ++i) b.add(0, 1 + i % 2, TaskKind::swiglu, bytes);
+  EXPECT_NEAR(simulate_serialized(m, b.done(), b.work, DType::fp32, false).makespan, 3 * bytes / 1e9, 1e-12);
+  m.matrix_runs_vector = true;
+  for (Program& p : b.programs) p.machine = m.compiler_machine();
+  EXPECT_NEAR(simulate_serialized(m, b.programs, b.work, DType::fp32, false).makespan, 2 * bytes / 1e9, 1e-12);
+}
+
 TEST(Baselines, MindSporeDispatcherPaysItsCollectivesHostCopyAndPermutes) {
   // A compiled 2-rank step on A3: the MindSpore-style baseline does what the
   // serialized one does plus the dispatcher's extra operators, so it is

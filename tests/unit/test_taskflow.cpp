@@ -282,6 +282,14 @@ TEST(Taskflow, JsonRoundTripAndMalformedDumps) {
   bad = j;
   bad["machine"]["weight_tile_cols"] = bad["machine"]["tile_cols"].get<std::int64_t>() + 1;  // strips of whole tiles only
   EXPECT_THROW(program_from_json(bad), Error);
+  bad = j;
+  bad["machine"]["matrix_runs_vector"] = 1;
+  EXPECT_THROW(program_from_json(bad), Error);
+  // Written only where set, and read back.
+  EXPECT_FALSE(j["machine"].contains("matrix_runs_vector"));
+  Program gpu = programs[0];
+  gpu.machine.matrix_runs_vector = true;
+  EXPECT_TRUE(program_from_json(nlohmann::json::parse(to_json(gpu).dump())).machine.matrix_runs_vector);
 }
 
 TEST(Taskflow, RejectsImpossibleInputs) {
