@@ -62,15 +62,16 @@ void StepEmitter::combined_events(std::int64_t base_pieces) {
 // and for the split experts' partials to be reduced.
 //
 // Nothing runs beside them and nothing after them but the step's end, so
-// they come in even waves over the vector workers: as many waves as token
-// tiles would take, each task as many rows as makes them even (rounded up
-// to 8). The H800 model's 24 vector units reduce 4096 tokens in 47 tasks
-// of 88 rows, two waves, where 32 tiles of 128 rows took two waves
-// of 128. Each token's sum is the same arithmetic in any tiling; the CPU
-// runtime's two workers keep their tiles where the token tiles are even
-// (4096 tokens: 16 waves of 128 rows).
-static std::int64_t final_reduce_rows(std::int64_t T, std::int64_t TR, std::int64_t vector_workers) {
-  const std::int64_t V = std::max<std::int64_t>(1, vector_workers);
+// they come in even waves over the workers that take them (the vector
+// workers, and where they run vector code the matrix workers:
+// reduction_workers): as many waves as token tiles would take, each task
+// as many rows as makes them even (rounded up to 8). The H800 model's 132
+// SMs reduce 4096 tokens in 128 tasks of 32 rows, one wave (its 24 vector
+// units alone took two waves of 88 rows). Each token's sum is the same
+// arithmetic in any tiling; the CPU runtime's two workers keep their tiles
+// where the token tiles are even (4096 tokens: 16 waves of 128 rows).
+static std::int64_t final_reduce_rows(std::int64_t T, std::int64_t TR, std::int64_t workers) {
+  const std::int64_t V = std::max<std::int64_t>(1, workers);
   const std::int64_t waves = ceil_div(ceil_div(T, TR), V);
   return std::min(TR, ceil_div(ceil_div(T, waves * V), 8) * 8);
 }
