@@ -502,6 +502,7 @@ class ModuleLayer {
       p.policy = policy_;
       p.transport = transport_;
       p.pin = false;  // a Python process's threads are its framework's
+      p.threads = WorkerThreads::openmp;  // PyTorch's OpenMP threads run the workers: none spins beside them
       p.placement = placement_;
       layer_.emplace(c, std::move(w), p);
       versions_ = versions;

@@ -36,6 +36,19 @@ enum class Schedule {
   serialized,   // one operator at a time, a barrier across all workers after each (the framework way)
 };
 
+// Which threads run the layer's workers.
+enum class WorkerThreads {
+  own,     // threads of the layer's own, started once (pinned where Parallel::pin)
+  // The OpenMP runtime's threads, the calling thread's team: in a process
+  // whose framework computes on OpenMP (PyTorch on Linux), the threads its
+  // operators use, so that none of them spins idle beside the layer's
+  // workers (libgomp's idle threads spin for milliseconds after each
+  // parallel operator). Where the team cannot have a thread per worker
+  // (the call is inside a parallel region, a thread limit, a build
+  // without OpenMP), the layer's own threads run the step instead.
+  openmp,
+};
+
 // Watches a layer's steps, as Taskflow's observers watch its executor:
 // called after every forward and every backward with the step's result
 // (routing, expert load, per-operator times; a slice per task when
@@ -75,6 +88,7 @@ struct Parallel {
   std::shared_ptr<Transport> transport{};  // null: all ranks in this process
   bool backward = true;                  // steps may run backward (packs the transposes it needs)
   bool pin = true;                       // pin workers to cores (off inside a framework's process)
+  WorkerThreads threads = WorkerThreads::own;  // whose threads run the workers
   double watchdog_seconds = 10.0;        // a wait longer than this fails the step, naming task and event
   bool trace = false;                    // record a slice per task in StepResult::trace
   std::vector<std::shared_ptr<StepObserver>> observers{};  // told of every forward and backward

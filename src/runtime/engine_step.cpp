@@ -17,7 +17,7 @@ Interleaved<T>::Interleaved(const LayerConfig& c, const LayerWeights& w, Runtime
       tr_(opt.transport ? opt.transport : make_inprocess_transport(static_cast<int>(c.ranks))),
       local_(hosted_ranks(*tr_, c.ranks)),
       lc_(hosted_config(c, local_)),
-      pool_(static_cast<int>(local_.size()), opt.workers_per_rank, opt.pin, tr_->node_index() * opt.workers_per_rank),
+      pool_(static_cast<int>(local_.size()), opt.workers_per_rank, opt.pin, tr_->node_index() * opt.workers_per_rank, opt.threads),
       packed_((kernels::init(), resolve_packing<T>(c, w, opt.packed, opt.backward))) {
   machine_ = taskflow::cpu_machine(opt.workers_per_rank);
   machine_.tile_rows = kernels::token_tile_rows<T>();

@@ -72,6 +72,7 @@ struct Layer::Shared {
     o.workers_per_rank = parallel.workers_per_rank;
     o.backward = parallel.backward;
     o.pin = parallel.pin;
+    o.threads = parallel.threads;
     o.verify_programs = true;  // no program runs unless the verifier accepted it
     o.watchdog_seconds = parallel.watchdog_seconds;
     o.packed = packed;

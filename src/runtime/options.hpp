@@ -61,6 +61,7 @@ struct RuntimeOptions {
   bool backward = false;           // also run the backward program (a second launch)
   taskflow::Policy policy = taskflow::Policy::critical_path;
   bool pin = true;
+  WorkerThreads threads = WorkerThreads::own;
   bool verify_programs = true;     // run the verifier before every launch
   // Sharded (MPI): every rank proves its own program against the interface
   // the exchanged counts predict (taskflow::verify_rank), at the cost of its

@@ -43,6 +43,7 @@ struct Case {
   LayerConfig layer;
   ExpertPlacement first, revised;  // empty: contiguous, and no revision
   Schedule schedule = Schedule::interleaved;
+  WorkerThreads threads = WorkerThreads::own;  // the kept layer's (the fresh engines run on their own)
 };
 void PrintTo(const Case& k, std::ostream* os) { *os << k.name; }
 
@@ -60,9 +61,9 @@ LayerConfig base_layer(std::int64_t ranks, DType dtype) {
 std::vector<Case> cases() {
   std::vector<Case> out;
   const auto add = [&](std::string name, LayerConfig c, ExpertPlacement first = {}, ExpertPlacement revised = {},
-                       Schedule schedule = Schedule::interleaved) {
+                       Schedule schedule = Schedule::interleaved, WorkerThreads threads = WorkerThreads::own) {
     c.validate();
-    out.push_back({std::move(name), c, std::move(first), std::move(revised), schedule});
+    out.push_back({std::move(name), c, std::move(first), std::move(revised), schedule, threads});
   };
   const auto rank = [](LayerConfig c, std::int64_t per_node = 0) {
     c.exchange = ExchangeMode::rank;
@@ -75,6 +76,11 @@ std::vector<Case> cases() {
   add("rank_bf16", rank(base_layer(2, DType::bf16)));
   add("rank_serialized", rank(base_layer(2, DType::fp32)), {}, {}, Schedule::serialized);
   add("node", rank(base_layer(4, DType::fp32), 2));
+  // The workers on the OpenMP runtime's threads (the Python module's):
+  // bit for bit what the engines on their own threads compute.
+  add("rank_bf16_openmp", rank(base_layer(2, DType::bf16)), {}, {}, Schedule::interleaved, WorkerThreads::openmp);
+  add("node_openmp", rank(base_layer(4, DType::fp32), 2), {}, {}, Schedule::interleaved, WorkerThreads::openmp);
+  add("assignment_serialized_openmp", base_layer(2, DType::fp32), {}, {}, Schedule::serialized, WorkerThreads::openmp);
   {
     LayerConfig c = rank(base_layer(4, DType::fp32), 2);
     c.hidden = 128;  // fp8: one scale per 128 channels
@@ -196,7 +202,9 @@ TEST_P(LayerAcrossSteps, EveryStepIsBitIdenticalToAFreshEngine) {
   auto w = random_weights(c, 31);
   const bool online = k.revised.ranks() > 0;
   ExpertPlacement current = k.first;
-  Layer layer(c, w, parallel_of(k, current));
+  Parallel kept = parallel_of(k, current);
+  kept.threads = k.threads;
+  Layer layer(c, w, kept);
   std::uint64_t step_index = 0;
   for (const StepPlan& s : kSteps) {
     ++step_index;
